@@ -1,0 +1,42 @@
+"""rdmashim: a portable RDMA SDK for Python.
+
+One verbs + rdma_cm API over three backends; the default is the built-in
+soft-iWARP engine, which needs nothing but TCP::
+
+    import trio, rdmashim
+
+    async def main():
+        async with rdmashim.open_device() as ctx:     # siw_lo by default
+            pd = ctx.alloc_pd()
+            mr = pd.reg_mr(bytearray(4096), rdmashim.Access.LOCAL_WRITE)
+            ...
+
+    trio.run(main)
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+from rdmashim.registry import chosen_backend, load_backend
+from rdmashim.verbs import *  # noqa: F403
+from rdmashim.verbs import __all__ as _verbs_all
+
+__version__ = "0.1.0"
+
+
+def get_device_list(*, backend: str | None = None) -> list[Any]:
+    """Devices of the chosen backend (``RDMASHIM_BACKEND``, default softiwarp)."""
+    return load_backend(backend).get_device_list()
+
+
+@asynccontextmanager
+async def open_device(name: str | None = None, *, backend: str | None = None) -> AsyncIterator[Any]:
+    """Open a device of the chosen backend as an async context manager."""
+    async with load_backend(backend).open_device(name) as ctx:
+        yield ctx
+
+
+__all__ = ["__version__", "chosen_backend", "get_device_list", "open_device", *_verbs_all]

@@ -1,0 +1,1 @@
+"""Upper-layer protocols written once against the portable verbs + rdma_cm API."""

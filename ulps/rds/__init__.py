@@ -1,0 +1,4 @@
+"""RDS: reliable, ordered datagrams between (IP, port) endpoints.
+
+All sockets of two nodes share one RC connection.
+"""

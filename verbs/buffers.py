@@ -1,0 +1,53 @@
+"""Pinning Python buffers: the real address and a byte view of any buffer-protocol object.
+
+Registering memory never copies it: cffi's ``from_buffer`` exports the object's
+buffer (so a ``bytearray`` cannot be resized while registered) and gives the
+address the rdma-core backend hands to the kernel. The built-in engine uses the
+same addresses, so SGEs and remote addresses mean the same on every backend.
+"""
+
+from __future__ import annotations
+
+import errno
+from dataclasses import dataclass
+from typing import Any
+
+import cffi
+
+from rdmashim.verbs.errors import VerbsError
+
+_ffi = cffi.FFI()
+
+
+@dataclass(eq=False, slots=True)
+class PinnedBuffer:
+    """A buffer held in place: ``view`` is a flat byte view starting at ``addr``."""
+
+    addr: int
+    length: int
+    view: memoryview
+    _cdata: Any
+
+    def release(self) -> None:
+        """Let the buffer move again (idempotent)."""
+        if self._cdata is not None:
+            _ffi.release(self._cdata)
+            self._cdata = None
+            self.view.release()
+
+
+def pin(obj: Any, *, writable: bool, operation: str = "reg_mr") -> PinnedBuffer:
+    """Pin ``obj`` (bytes, bytearray, memoryview, mmap, array, numpy array, ...)."""
+    try:
+        view = memoryview(obj)
+    except TypeError as exc:
+        raise VerbsError(errno.EINVAL, operation, f"{type(obj).__name__} is not a buffer") from exc
+    if not view.c_contiguous:
+        raise VerbsError(errno.EINVAL, operation, "buffer is not contiguous")
+    if writable and view.readonly:
+        raise VerbsError(errno.EACCES, operation, "write access requested on a read-only buffer")
+    if view.format != "B" or view.ndim != 1:
+        view = view.cast("B")
+    cdata = _ffi.from_buffer("char[]", view, require_writable=writable)
+    addr = int(_ffi.cast("uintptr_t", cdata))
+    return PinnedBuffer(addr, view.nbytes, view, cdata)

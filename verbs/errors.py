@@ -1,0 +1,43 @@
+"""Errors raised by the verbs API."""
+
+from __future__ import annotations
+
+import errno as _errno
+import os
+
+from rdmashim.verbs.enums import WCStatus
+
+
+class VerbsError(OSError):
+    """A verbs call failed. ``errno`` is the POSIX error number, ``operation`` the call."""
+
+    def __init__(self, err: int, operation: str, detail: str = "") -> None:
+        message = f"{operation}: {os.strerror(err)}"
+        if detail:
+            message += f" ({detail})"
+        super().__init__(err, message)
+        self.operation = operation
+        self.detail = detail
+
+    def __str__(self) -> str:
+        return f"[Errno {self.errno}] {self.strerror}"
+
+
+class NotSupported(VerbsError):
+    """The device or backend does not provide this feature."""
+
+    def __init__(self, operation: str, detail: str = "") -> None:
+        super().__init__(_errno.EOPNOTSUPP, operation, detail)
+
+
+class BackendUnavailable(ImportError):
+    """A backend cannot be used on this machine; the message says what is missing."""
+
+
+class CompletionError(Exception):
+    """A work completion carried an error status."""
+
+    def __init__(self, wc: object, status: WCStatus) -> None:
+        super().__init__(f"work request {getattr(wc, 'wr_id', '?')} completed with {status.name}")
+        self.wc = wc
+        self.status = status

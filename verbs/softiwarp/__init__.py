@@ -1,0 +1,12 @@
+"""The built-in soft-iWARP engine: MPA/DDP/RDMAP over TCP in pure Python.
+
+Wire-compatible with the Linux kernel's siw driver. Layers, bottom up: pure
+codecs (:mod:`.mpa`, :mod:`.ddp`, :mod:`.terminate`), MPA setup rules
+(:mod:`.negotiation`), the per-QP protocol engine (:mod:`.engine`), the trio
+I/O (:mod:`.driver`), the verbs objects (:mod:`.provider`) and connecting a
+QP over a TCP stream (:mod:`.connection`).
+"""
+
+from rdmashim.verbs.softiwarp.provider import Device, get_device_list, open_device
+
+__all__ = ["Device", "get_device_list", "open_device"]

@@ -1,0 +1,187 @@
+"""Connecting a queue pair over an established TCP stream: MPA setup, then the data path.
+
+The rdma_cm connector builds on these; on their own they serve any code that
+already has a connected ``trio.SocketStream``:
+
+* initiator: ``result = await connect_qp(qp, stream, private_data=b"...")``
+* responder: ``request = await read_request(stream)``, then
+  ``await accept_qp(qp, stream, request, ...)`` or ``await reject(stream, request, ...)``.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket as _stdlib_socket
+from dataclasses import dataclass
+
+import trio
+
+from rdmashim.verbs.softiwarp.ddp import Opcode
+from rdmashim.verbs.softiwarp.driver import Link
+from rdmashim.verbs.softiwarp.engine import EngineConfig
+from rdmashim.verbs.softiwarp.mpa import RTR, StartFrame, encode_start_frame, parse_start_frame
+from rdmashim.verbs.softiwarp.negotiation import (
+    MpaOptions,
+    MpaRejected,
+    MpaResult,
+    answer_request,
+    check_reply,
+    make_request,
+    reject_reply,
+)
+from rdmashim.verbs.softiwarp.provider import QP
+from rdmashim.verbs.softiwarp.terminate import ProtocolError
+
+log = logging.getLogger(__name__)
+
+INITIATOR_TIMEOUT = 10.0
+"""Seconds the initiator waits for the MPA Reply (Linux siw: MPAREQ_TIMEOUT)."""
+RESPONDER_TIMEOUT = 5.0
+"""Seconds the responder waits for the MPA Request after accepting TCP (MPAREP_TIMEOUT)."""
+
+
+class MpaTimeout(TimeoutError):
+    """The peer did not complete MPA setup in time."""
+
+
+@dataclass(frozen=True, slots=True)
+class ConnectRequest:
+    """An MPA Request received by the responder, and bytes that followed it."""
+
+    frame: StartFrame
+    leftover: bytes = b""
+
+    @property
+    def private_data(self) -> bytes:
+        """The initiator's ULP private data."""
+        return self.frame.private_data
+
+
+async def _read_frame(stream: trio.SocketStream, *, reply: bool) -> tuple[StartFrame, bytes]:
+    buf = bytearray()
+    while True:
+        parsed = parse_start_frame(buf, reply=reply)
+        if parsed is not None:
+            frame, used = parsed
+            return frame, bytes(buf[used:])
+        chunk = await stream.receive_some(4096)
+        if not chunk:
+            raise ConnectionResetError("connection closed during MPA setup")
+        buf += chunk
+
+
+def _tune(stream: trio.SocketStream) -> None:
+    stream.setsockopt(_stdlib_socket.IPPROTO_TCP, _stdlib_socket.TCP_NODELAY, True)
+
+
+def _start(
+    qp: QP, stream: trio.SocketStream, result: MpaResult, *, initiator: bool, leftover: bytes
+) -> None:
+    rtr_to_send = None
+    if initiator and result.rtr is RTR.WRITE:
+        rtr_to_send = Opcode.WRITE
+    elif initiator and result.rtr is RTR.READ:
+        rtr_to_send = Opcode.READ_REQUEST
+    config = EngineConfig(
+        crc=result.crc,
+        ird=result.ird,
+        ord=result.ord,
+        rtr_to_send=rtr_to_send,
+        wait_for_rtr=not initiator and result.rtr is not RTR.NONE,
+    )
+    qp.engine.start(config)
+    link = Link(qp.engine, stream.socket, leftover)
+    qp._attach(link)
+    qp.context.nursery.start_soon(link.run)
+    log.debug(
+        "QP %d connected (%s): CRC %s, MPA rev %d, IRD %d, ORD %d, RTR %s",
+        qp.qp_num, "initiator" if initiator else "responder", result.crc, result.revision,
+        result.ird, result.ord, result.rtr.name,
+    )  # fmt: skip
+
+
+async def connect_qp(
+    qp: QP,
+    stream: trio.SocketStream,
+    *,
+    private_data: bytes = b"",
+    options: MpaOptions | None = None,
+    reply_timeout: float = INITIATOR_TIMEOUT,
+) -> MpaResult:
+    """Run MPA setup as initiator on ``stream`` and put ``qp`` in RTS.
+
+    Raises :class:`MpaRejected` (with the peer's private data), :class:`MpaTimeout`,
+    or :class:`ProtocolError` for a Reply this side cannot accept.
+    """
+    options = options or MpaOptions()
+    _tune(stream)
+    request = make_request(options, private_data)
+    await stream.send_all(encode_start_frame(request))
+    with trio.move_on_after(reply_timeout) as scope:
+        reply, leftover = await _read_frame(stream, reply=True)
+    if scope.cancelled_caught:
+        raise MpaTimeout(f"no MPA Reply within {reply_timeout} s")
+    result = check_reply(request, reply, options)
+    _start(qp, stream, result, initiator=True, leftover=leftover)
+    return result
+
+
+async def read_request(
+    stream: trio.SocketStream, *, request_timeout: float = RESPONDER_TIMEOUT
+) -> ConnectRequest:
+    """Wait for the initiator's MPA Request (a responder's first step)."""
+    _tune(stream)
+    with trio.move_on_after(request_timeout) as scope:
+        frame, leftover = await _read_frame(stream, reply=False)
+    if scope.cancelled_caught:
+        raise MpaTimeout(f"no MPA Request within {request_timeout} s")
+    return ConnectRequest(frame, leftover)
+
+
+async def accept_qp(
+    qp: QP,
+    stream: trio.SocketStream,
+    request: ConnectRequest,
+    *,
+    private_data: bytes = b"",
+    options: MpaOptions | None = None,
+) -> MpaResult:
+    """Answer ``request`` with an MPA Reply and put ``qp`` in RTS.
+
+    A Request this side cannot serve (markers) is rejected and raises
+    :class:`ProtocolError`.
+    """
+    options = options or MpaOptions()
+    try:
+        reply, result = answer_request(request.frame, options, private_data)
+    except ProtocolError:
+        await reject(stream, request, b"")
+        raise
+    await stream.send_all(encode_start_frame(reply))
+    _start(qp, stream, result, initiator=False, leftover=request.leftover)
+    return result
+
+
+async def reject(
+    stream: trio.SocketStream, request: ConnectRequest | None, private_data: bytes = b""
+) -> None:
+    """Send an MPA Reject carrying ``private_data`` and close the stream."""
+    frame = reject_reply(request.frame if request is not None else None, private_data)
+    try:
+        await stream.send_all(encode_start_frame(frame))
+        await stream.send_eof()
+    finally:
+        await stream.aclose()
+
+
+__all__ = [
+    "ConnectRequest",
+    "MpaOptions",
+    "MpaRejected",
+    "MpaResult",
+    "MpaTimeout",
+    "accept_qp",
+    "connect_qp",
+    "read_request",
+    "reject",
+]

@@ -1,0 +1,863 @@
+"""The RDMAP/DDP protocol engine of one queue pair, free of I/O (sans-IO).
+
+The engine turns posted work into FPDU bytes and received bytes into placed
+data and completions. The trio driver only moves bytes:
+
+* transmit: :meth:`Engine.produce` returns the buffers of the next FPDUs
+  (headers, slices of registered memory, trailers) for one gathering send;
+  after sending them all the driver calls :meth:`Engine.sent`, which completes
+  the Sends and Writes whose last byte went out.
+* receive: :meth:`Engine.recv_buffer` names where the next received bytes go,
+  either straight into the target slice of registered memory (direct placement
+  of a large payload) or into the staging buffer; after ``recv_into`` the driver
+  calls :meth:`Engine.received` with the byte count.
+
+Completions are handed to the ``on_send_wc`` / ``on_recv_wc`` callables given
+at construction. A protocol violation by the peer, or a local error, queues a
+Terminate (RFC 5040 §5.3), moves the QP to ERROR and flushes all outstanding
+work; so does a Terminate from the peer or the loss of the connection.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from enum import Enum, auto
+
+from crc32c import crc32c
+
+from rdmashim.verbs.enums import Access, SendFlags, WCFlags, WCOpcode, WCStatus, WROpcode
+from rdmashim.verbs.softiwarp import ddp
+from rdmashim.verbs.softiwarp.ddp import QN, Opcode
+from rdmashim.verbs.softiwarp.memory import AccessViolation, MemoryTable
+from rdmashim.verbs.softiwarp.terminate import (
+    DDP_CATASTROPHIC,
+    RDMAP_LOCAL_CATASTROPHIC,
+    DdpTaggedCode,
+    DdpUntaggedCode,
+    Layer,
+    ProtocolError,
+    RdmapCode,
+    RdmapType,
+    TermCode,
+    ddp_tagged,
+    ddp_untagged,
+    rdmap,
+)
+from rdmashim.verbs.wr import SGE, WC
+
+log = logging.getLogger(__name__)
+
+MAX_FPDU = 65536
+"""Largest FPDU we send: the 16-bit ULPDU length allows 65535 + 2 + pad + CRC bytes."""
+RTR_STAG = 1
+"""STag of the zero-length RDMA Write/Read that RFC 6581 peer-to-peer RTR sends."""
+STAGING_SIZE = 256 * 1024
+DIRECT_MIN = 16 * 1024
+"""Payload left to receive above which bytes go straight into the target region."""
+
+_CRC_BYTES = ddp.TRAILER_CRC_LEN
+_UNTAGGED = ddp.UNTAGGED
+_TAGGED = ddp.TAGGED
+_CTRL_SEND = {
+    (False, False): Opcode.SEND,
+    (False, True): Opcode.SEND_INV,
+    (True, False): Opcode.SEND_SE,
+    (True, True): Opcode.SEND_SE_INV,
+}
+_WC_OPCODE = {
+    WROpcode.SEND: WCOpcode.SEND,
+    WROpcode.SEND_WITH_INV: WCOpcode.SEND,
+    WROpcode.RDMA_WRITE: WCOpcode.RDMA_WRITE,
+    WROpcode.RDMA_READ: WCOpcode.RDMA_READ,
+}
+
+
+class EngineState(Enum):
+    """Where the engine is in the QP's life (siw's IDLE/RTS/TERMINATE/ERROR)."""
+
+    IDLE = auto()
+    RTS = auto()
+    TERMINATE = auto()
+    ERROR = auto()
+
+
+class _Rx(Enum):
+    HDR = auto()
+    PAYLOAD = auto()
+    TRAILER = auto()
+    DISCARD = auto()
+
+
+def slice_segments(segments: Sequence[memoryview], offset: int, length: int) -> list[memoryview]:
+    """The pieces of the concatenation of ``segments`` in ``[offset, offset + length)``."""
+    out = []
+    for seg in segments:
+        n = len(seg)
+        if offset >= n:
+            offset -= n
+            continue
+        take = min(n - offset, length)
+        out.append(seg[offset : offset + take])
+        length -= take
+        offset = 0
+        if not length:
+            break
+    return out
+
+
+@dataclass(eq=False, slots=True)
+class SendJob:
+    """A send queue work request as the engine carries it."""
+
+    wr_id: int
+    opcode: WROpcode
+    flags: SendFlags
+    sges: Sequence[SGE]
+    inline: bytes | None
+    length: int
+    remote_addr: int = 0
+    rkey: int = 0
+    invalidate_rkey: int = 0
+    done: bool = False
+    status: WCStatus = WCStatus.SUCCESS
+    sink: memoryview | None = None
+    received: int = 0
+
+
+@dataclass(eq=False, slots=True)
+class RecvJob:
+    """A posted receive as the engine carries it."""
+
+    wr_id: int
+    sges: Sequence[SGE]
+    length: int
+
+
+@dataclass(eq=False, slots=True)
+class _ReadResponse:
+    sink_stag: int
+    sink_to: int
+    source: memoryview
+
+
+@dataclass(eq=False, slots=True)
+class _RxMessage:
+    """The untagged receive in progress on QN 0."""
+
+    job: RecvJob
+    segments: list[memoryview]
+    received: int = 0
+    status: WCStatus = WCStatus.SUCCESS
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    """Per-connection parameters settled by MPA negotiation."""
+
+    crc: bool = True
+    ird: int = 16
+    ord: int = 16
+    max_fpdu: int = MAX_FPDU
+    rtr_to_send: Opcode | None = None
+    """P2P initiator: the zero-length message to send first (WRITE or READ_REQUEST)."""
+    wait_for_rtr: bool = False
+    """P2P responder: hold transmission until the initiator's RTR arrives."""
+
+
+@dataclass(eq=False)
+class Engine:
+    """The protocol state of one RC queue pair (see the module docstring)."""
+
+    qp_num: int
+    pd: object
+    memory: MemoryTable
+    take_recv: Callable[[], RecvJob | None]
+    on_send_wc: Callable[[WC], None]
+    on_recv_wc: Callable[[WC], None]
+    sq_sig_all: bool = False
+    config: EngineConfig = field(default_factory=EngineConfig)
+    on_fatal: Callable[[Exception], None] = lambda exc: None
+
+    state: EngineState = EngineState.IDLE
+    error: Exception | None = None
+    """Why the QP went to ERROR (a ProtocolError names the Terminate code)."""
+    remote_terminate: TermCode | None = None
+
+    def __post_init__(self) -> None:
+        self._sq: deque[SendJob] = deque()
+        self._sq_order: deque[SendJob] = deque()
+        self._orq: deque[SendJob] = deque()
+        self._irq: deque[_ReadResponse] = deque()
+        self._current: Iterator[tuple[list, bool]] | None = None
+        self._current_job: SendJob | None = None
+        self._burst_done: list[SendJob] = []
+        self._terminate: bytes | None = None
+        self._control: list = []
+        self._tx_msn = [0, 0, 0]
+        self._rx_msn = [1, 1, 1]
+        self._rx_send: _RxMessage | None = None
+        self._staging = bytearray(STAGING_SIZE)
+        self._sview = memoryview(self._staging)
+        self._start = 0
+        self._end = 0
+        self._rx = _Rx.HDR
+        self._hdr: ddp.Header | None = None
+        self._targets: list[memoryview] = []
+        self._remaining = 0
+        self._crc = 0
+        self._direct: memoryview | None = None
+        self._term_body: bytearray | None = None
+        self._rtr_pending = self.config.wait_for_rtr
+        self.bytes_sent = 0
+        self.bytes_received = 0
+
+    # ------------------------------------------------------------------ setup
+    def start(self, config: EngineConfig) -> None:
+        """Enter RTS with the parameters MPA negotiated."""
+        self.config = config
+        self._rtr_pending = config.wait_for_rtr
+        if config.rtr_to_send is Opcode.WRITE:
+            hdr = ddp.encode_tagged(Opcode.WRITE, True, RTR_STAG, 0, 0)
+            self._queue_control(hdr)
+        elif config.rtr_to_send is Opcode.READ_REQUEST:
+            self._tx_msn[QN.READ_REQUEST] += 1
+            rtr_read = SendJob(0, WROpcode.RDMA_READ, SendFlags.NONE, (), None, 0, done=False)
+            rtr_read.sink = memoryview(b"")
+            self._orq.append(rtr_read)
+            hdr = ddp.encode_read_request(
+                self._tx_msn[QN.READ_REQUEST], RTR_STAG, 0, 0, RTR_STAG, 0
+            )
+            self._queue_control(hdr)
+        self.state = EngineState.RTS
+
+    def _queue_control(self, ulpdu: bytes) -> None:
+        self._control += ddp.encode_fpdu(ulpdu, crc=self.config.crc)
+
+    # ------------------------------------------------------------------ posting
+    def post_send(self, job: SendJob) -> None:
+        """Queue a send work request (already checked against the QP's limits)."""
+        if self.state is EngineState.ERROR or self.state is EngineState.TERMINATE:
+            self._complete_send(job, WCStatus.WR_FLUSH_ERR)
+            return
+        self._sq.append(job)
+
+    @property
+    def sq_depth(self) -> int:
+        """Send work requests posted and not yet completed."""
+        return len(self._sq) + len(self._sq_order)
+
+    @property
+    def tx_ready(self) -> bool:
+        """Whether :meth:`produce` has something to send now."""
+        if self._terminate is not None or self._control:
+            return True
+        if self.state is not EngineState.RTS or self._rtr_pending:
+            return False
+        if self._current is not None or self._irq:
+            return True
+        return bool(self._sq) and self._sq_head_may_start()
+
+    def _sq_head_may_start(self) -> bool:
+        head = self._sq[0]
+        if head.flags & SendFlags.FENCE and self._orq:
+            return False
+        return not (head.opcode is WROpcode.RDMA_READ and len(self._orq) >= self.config.ord)
+
+    # ------------------------------------------------------------------ transmit
+    def produce(self, max_bytes: int = 4 * 1024 * 1024, max_buffers: int = 512) -> list:
+        """Buffers of the next FPDUs to send (empty when there is nothing to send)."""
+        if self._terminate is not None:
+            return self._take_terminate()
+        out, self._control = self._control, []
+        if self.state is not EngineState.RTS or self._rtr_pending:
+            return out
+        size = 0
+        crc_on = self.config.crc
+        while size < max_bytes and len(out) < max_buffers:
+            if self._current is None and not self._start_next():
+                break
+            try:
+                fpdu, last = next(self._current)  # type: ignore[arg-type]
+            except AccessViolation as exc:
+                self._local_error(exc)
+                return out + self._take_terminate()
+            if last:
+                if self._current_job is not None:
+                    self._burst_done.append(self._current_job)
+                self._current = None
+                self._current_job = None
+            header = fpdu[0]
+            ulpdu_len = (header[0] << 8) | header[1]
+            pad = -(ulpdu_len + 2) & 3
+            if crc_on:
+                value = 0
+                for part in fpdu:
+                    value = crc32c(part, value)
+                if pad:
+                    value = crc32c(b"\0" * pad, value)
+                fpdu.append(b"\0" * pad + value.to_bytes(4, "little"))
+            else:
+                fpdu.append(bytes(pad + 4))
+            out.extend(fpdu)
+            size += ulpdu_len + 6 + pad
+        return out
+
+    def _take_terminate(self) -> list:
+        term, self._terminate = self._terminate, None
+        self.state = EngineState.ERROR
+        return [term] if term is not None else []
+
+    def sent(self, nbytes: int) -> None:
+        """The driver handed every buffer of the last :meth:`produce` to TCP."""
+        self.bytes_sent += nbytes
+        done, self._burst_done = self._burst_done, []
+        for job in done:
+            if job.opcode is not WROpcode.RDMA_READ:
+                job.done = True
+        self._drain_sq_order()
+
+    def _start_next(self) -> bool:
+        if self._irq:
+            resp = self._irq.popleft()
+            self._current = self._tagged_fpdus(
+                Opcode.READ_RESPONSE, resp.sink_stag, resp.sink_to, [resp.source]
+            )
+            self._current_job = None
+            return True
+        if not self._sq or not self._sq_head_may_start():
+            return False
+        job = self._sq.popleft()
+        self._sq_order.append(job)
+        self._current_job = job
+        self._current = self._job_fpdus(job)
+        return True
+
+    def _local_segments(self, job: SendJob) -> list[memoryview]:
+        if job.inline is not None:
+            return [memoryview(job.inline)]
+        resolve = self.memory.resolve
+        return [
+            resolve(s.lkey, self.pd, s.addr, s.length, Access.NONE) for s in job.sges if s.length
+        ]
+
+    def _job_fpdus(self, job: SendJob) -> Iterator[tuple[list, bool]]:
+        op = job.opcode
+        if op is WROpcode.RDMA_READ:
+            sge = job.sges[0] if job.sges else SGE(0, 0, 0)
+            if job.length:
+                job.sink = self.memory.resolve(
+                    sge.lkey, self.pd, sge.addr, sge.length, Access.LOCAL_WRITE
+                )
+            else:
+                job.sink = memoryview(b"")
+            self._tx_msn[QN.READ_REQUEST] += 1
+            self._orq.append(job)
+            hdr = ddp.encode_read_request(
+                self._tx_msn[QN.READ_REQUEST], sge.lkey, sge.addr, job.length,
+                job.rkey, job.remote_addr,
+            )  # fmt: skip
+            yield [hdr], True
+            return
+        segments = self._local_segments(job)
+        if op is WROpcode.RDMA_WRITE:
+            yield from self._tagged_fpdus(Opcode.WRITE, job.rkey, job.remote_addr, segments)
+            return
+        opcode = _CTRL_SEND[(bool(job.flags & SendFlags.SOLICITED), op is WROpcode.SEND_WITH_INV)]
+        self._tx_msn[QN.SEND] += 1
+        msn = self._tx_msn[QN.SEND]
+        chunk = (self.config.max_fpdu - ddp.UNTAGGED_HDR_LEN - _CRC_BYTES) & ~3
+        total = job.length
+        mo = 0
+        pack = _UNTAGGED.pack
+        ctrl = opcode | ddp.RDMAP_VERSION
+        while True:
+            n = min(chunk, total - mo)
+            last = mo + n == total
+            ddp_ctrl = ddp.DDP_VERSION | (ddp.DDP_LAST if last else 0)
+            header = pack(
+                ddp.UNTAGGED_HDR_LEN - 2 + n, ddp_ctrl, ctrl, job.invalidate_rkey, QN.SEND, msn, mo
+            )
+            fpdu: list = [header]
+            fpdu += slice_segments(segments, mo, n)
+            yield fpdu, last
+            mo += n
+            if last:
+                return
+
+    def _tagged_fpdus(
+        self, opcode: Opcode, stag: int, to: int, segments: Sequence[memoryview]
+    ) -> Iterator[tuple[list, bool]]:
+        chunk = (self.config.max_fpdu - ddp.TAGGED_HDR_LEN - _CRC_BYTES) & ~3
+        total = sum(len(s) for s in segments)
+        off = 0
+        pack = _TAGGED.pack
+        ctrl = opcode | ddp.RDMAP_VERSION
+        while True:
+            n = min(chunk, total - off)
+            last = off + n == total
+            ddp_ctrl = ddp.DDP_TAGGED | ddp.DDP_VERSION | (ddp.DDP_LAST if last else 0)
+            fpdu: list = [pack(ddp.TAGGED_HDR_LEN - 2 + n, ddp_ctrl, ctrl, stag, to + off)]
+            fpdu += slice_segments(segments, off, n)
+            yield fpdu, last
+            off += n
+            if last:
+                return
+
+    # ------------------------------------------------------------------ receive
+    def recv_buffer(self) -> memoryview:
+        """Where the driver should ``recv_into`` next."""
+        if (
+            self._rx is _Rx.PAYLOAD
+            and self._start == self._end
+            and self._remaining >= DIRECT_MIN
+            and self._targets
+        ):
+            target = self._targets[0]
+            direct = target[: self._remaining] if len(target) > self._remaining else target
+            self._direct = direct
+            return direct
+        self._direct = None
+        if self._start == self._end:
+            self._start = self._end = 0
+        elif STAGING_SIZE - self._end < 4096:
+            n = self._end - self._start
+            self._staging[:n] = self._sview[self._start : self._end]
+            self._start, self._end = 0, n
+        return self._sview[self._end :]
+
+    def received(self, nbytes: int) -> None:
+        """``nbytes`` arrived in the buffer :meth:`recv_buffer` returned."""
+        self.bytes_received += nbytes
+        if self._rx is _Rx.DISCARD:
+            self._start = self._end = 0
+            return
+        direct = self._direct
+        if direct is not None:
+            self._direct = None
+            if self.config.crc:
+                self._crc = crc32c(direct[:nbytes], self._crc)
+            self._remaining -= nbytes
+            target = self._targets[0]
+            if nbytes == len(target):
+                self._targets.pop(0)
+            else:
+                self._targets[0] = target[nbytes:]
+            if not self._remaining:
+                self._rx = _Rx.TRAILER
+            return
+        self._end += nbytes
+        try:
+            self._process()
+        except ProtocolError as exc:
+            self._protocol_error(exc)
+
+    def receive_data(self, data: bytes | bytearray | memoryview) -> None:
+        """Feed received bytes (copying them into place); for tests and tools."""
+        view = memoryview(data)
+        while view and self._rx is not _Rx.DISCARD:
+            buf = self.recv_buffer()
+            n = min(len(buf), len(view))
+            buf[:n] = view[:n]
+            view = view[n:]
+            self.received(n)
+
+    def _process(self) -> None:
+        sview = self._sview
+        crc_on = self.config.crc
+        while True:
+            avail = self._end - self._start
+            rx = self._rx
+            if rx is _Rx.HDR:
+                if avail < 4:
+                    break
+                hdr = ddp.parse_header(sview[self._start : self._end])
+                if hdr is None:
+                    break
+                hlen = ddp.HEADER_LEN_BY_OPCODE[hdr.opcode]
+                if crc_on:
+                    self._crc = crc32c(sview[self._start : self._start + hlen])
+                self._hdr = hdr
+                self._start += hlen
+                self._begin_segment(hdr)
+                if self._rx is _Rx.DISCARD:
+                    break
+            elif rx is _Rx.PAYLOAD:
+                take = min(avail, self._remaining)
+                if not take:
+                    break
+                src = sview[self._start : self._start + take]
+                if crc_on:
+                    self._crc = crc32c(src, self._crc)
+                self._place(src)
+                self._start += take
+                self._remaining -= take
+                if not self._remaining:
+                    self._rx = _Rx.TRAILER
+            elif rx is _Rx.TRAILER:
+                hdr = self._hdr
+                assert hdr is not None
+                need = (-(hdr.ulpdu_len + 2) & 3) + 4
+                if avail < need:
+                    break
+                trailer = sview[self._start : self._start + need]
+                if crc_on and not ddp.check_trailer(self._crc, trailer):
+                    raise ProtocolError("received CRC mismatch", TermCode(Layer.LLP, 0, 0x02))
+                self._start += need
+                self._rx = _Rx.HDR
+                self._end_segment(hdr)
+                if self._rx is _Rx.DISCARD:
+                    break
+            else:
+                break
+        if self._start == self._end:
+            self._start = self._end = 0
+
+    def _place(self, src: memoryview) -> None:
+        targets = self._targets
+        while src:
+            target = targets[0]
+            n = len(target)
+            if n <= len(src):
+                target[:] = src[:n]
+                targets.pop(0)
+                src = src[n:]
+            else:
+                k = len(src)
+                target[:k] = src
+                targets[0] = target[k:]
+                return
+
+    def _begin_segment(self, hdr: ddp.Header) -> None:
+        if self.state is not EngineState.RTS:
+            raise ProtocolError("FPDU before the connection reached RTS", DDP_CATASTROPHIC)
+        payload = hdr.ulpdu_len + 2 - ddp.HEADER_LEN_BY_OPCODE[hdr.opcode]
+        op = hdr.opcode
+        self._targets = []
+        if op is Opcode.WRITE:
+            if payload:
+                try:
+                    view = self.memory.resolve(
+                        hdr.stag, self.pd, hdr.to, payload, Access.REMOTE_WRITE
+                    )
+                except AccessViolation as exc:
+                    raise ProtocolError(str(exc), exc.violation.ddp_code(), header=hdr) from exc
+                self._targets = [view]
+            elif self._rtr_pending:
+                self._rtr_pending = False
+        elif op is Opcode.READ_RESPONSE:
+            self._targets = self._read_response_targets(hdr, payload)
+        elif op in ddp.SEND_OPCODES:
+            self._targets = self._send_targets(hdr, payload)
+        elif op is Opcode.READ_REQUEST:
+            if payload:
+                raise ProtocolError("Read Request with payload", DDP_CATASTROPHIC)
+        else:  # Terminate
+            self._check_untagged(hdr, QN.TERMINATE)
+            if hdr.mo != 0:
+                raise ProtocolError(
+                    f"Terminate with MO {hdr.mo}", ddp_untagged(DdpUntaggedCode.INVALID_MO)
+                )
+            self._term_body = bytearray(payload)
+            self._targets = [memoryview(self._term_body)]
+        self._remaining = payload
+        self._rx = _Rx.PAYLOAD if payload else _Rx.TRAILER
+
+    def _check_untagged(self, hdr: ddp.Header, qn: QN) -> None:
+        if hdr.qn != qn:
+            raise ProtocolError(
+                f"{hdr.opcode.name} on queue {hdr.qn}",
+                ddp_untagged(DdpUntaggedCode.INVALID_QN),
+                header=hdr,
+            )
+        if hdr.msn != self._rx_msn[qn]:
+            raise ProtocolError(
+                f"MSN {hdr.msn} on queue {qn.name}, expected {self._rx_msn[qn]}",
+                ddp_untagged(DdpUntaggedCode.MSN_RANGE),
+                header=hdr,
+            )
+
+    def _send_targets(self, hdr: ddp.Header, payload: int) -> list[memoryview]:
+        self._check_untagged(hdr, QN.SEND)
+        msg = self._rx_send
+        if msg is None:
+            if hdr.mo != 0:
+                raise ProtocolError(
+                    f"first segment with MO {hdr.mo}",
+                    ddp_untagged(DdpUntaggedCode.INVALID_MO),
+                    header=hdr,
+                )
+            if self._rtr_pending:
+                self._rtr_pending = False
+            job = self.take_recv()
+            if job is None:
+                raise ProtocolError(
+                    "Send with no receive posted",
+                    ddp_untagged(DdpUntaggedCode.MSN_NO_BUFFER),
+                    header=hdr,
+                )
+            msg = _RxMessage(job, [])
+            self._rx_send = msg
+            try:
+                msg.segments = [
+                    self.memory.resolve(s.lkey, self.pd, s.addr, s.length, Access.LOCAL_WRITE)
+                    for s in job.sges
+                    if s.length
+                ]
+            except AccessViolation as exc:
+                msg.status = WCStatus.LOC_PROT_ERR
+                raise ProtocolError(str(exc), DDP_CATASTROPHIC, header=hdr) from exc
+        elif hdr.mo != msg.received:
+            raise ProtocolError(
+                f"MO {hdr.mo}, expected {msg.received}",
+                ddp_untagged(DdpUntaggedCode.INVALID_MO),
+                header=hdr,
+            )
+        if msg.received + payload > msg.job.length:
+            msg.status = WCStatus.LOC_LEN_ERR
+            raise ProtocolError(
+                f"Send of more than the {msg.job.length} bytes posted",
+                ddp_untagged(DdpUntaggedCode.MSG_TOO_LONG),
+                header=hdr,
+            )
+        targets = slice_segments(msg.segments, msg.received, payload)
+        msg.received += payload
+        return targets
+
+    def _read_response_targets(self, hdr: ddp.Header, payload: int) -> list[memoryview]:
+        if not self._orq:
+            raise ProtocolError(
+                "Read Response with no Read outstanding", DDP_CATASTROPHIC, header=hdr
+            )
+        job = self._orq[0]
+        sge = job.sges[0] if job.sges else SGE(0, 0, 0)
+        expected_to = sge.addr + job.received
+        if job.length and hdr.stag != sge.lkey:
+            raise ProtocolError(
+                f"Read Response to STag {hdr.stag:#x}, expected {sge.lkey:#x}",
+                ddp_tagged(DdpTaggedCode.INVALID_STAG),
+                header=hdr,
+            )
+        if (job.length and hdr.to != expected_to) or job.received + payload > job.length:
+            raise ProtocolError(
+                "Read Response outside the Read's sink",
+                ddp_tagged(DdpTaggedCode.BASE_BOUNDS),
+                header=hdr,
+            )
+        assert job.sink is not None
+        view = job.sink[job.received : job.received + payload]
+        job.received += payload
+        return [view] if payload else []
+
+    def _end_segment(self, hdr: ddp.Header) -> None:
+        op = hdr.opcode
+        if op is Opcode.WRITE:
+            return
+        if op in ddp.SEND_OPCODES:
+            if not hdr.last:
+                return
+            msg = self._rx_send
+            assert msg is not None
+            self._rx_send = None
+            self._rx_msn[QN.SEND] += 1
+            flags = WCFlags.NONE
+            inv = 0
+            if op in (Opcode.SEND_INV, Opcode.SEND_SE_INV):
+                violation = self.memory.invalidate(hdr.inv_stag, self.pd)
+                if violation is not None:
+                    self.on_recv_wc(
+                        WC(
+                            msg.job.wr_id,
+                            WCStatus.REM_INV_REQ_ERR,
+                            WCOpcode.RECV,
+                            msg.received,
+                            self.qp_num,
+                        )
+                    )
+                    etype = (
+                        RdmapType.REMOTE_PROTECTION
+                        if violation.name == "PD_MISMATCH"
+                        else RdmapType.REMOTE_OPERATION
+                    )
+                    raise ProtocolError(
+                        f"cannot invalidate STag {hdr.inv_stag:#x}: {violation.value}",
+                        rdmap(etype, RdmapCode.CANNOT_INVALIDATE),
+                        header=hdr,
+                    )
+                flags = WCFlags.WITH_INV
+                inv = hdr.inv_stag
+            self.on_recv_wc(
+                WC(
+                    msg.job.wr_id, WCStatus.SUCCESS, WCOpcode.RECV, msg.received, self.qp_num,
+                    flags, inv, solicited=op in (Opcode.SEND_SE, Opcode.SEND_SE_INV),
+                )
+            )  # fmt: skip
+        elif op is Opcode.READ_RESPONSE:
+            if not hdr.last:
+                return
+            job = self._orq[0]
+            if job.received != job.length:
+                raise ProtocolError(
+                    f"Read Response of {job.received} bytes for a {job.length}-byte Read",
+                    ddp_tagged(DdpTaggedCode.BASE_BOUNDS),
+                    header=hdr,
+                )
+            self._orq.popleft()
+            job.done = True
+            self._drain_sq_order()
+        elif op is Opcode.READ_REQUEST:
+            self._check_untagged(hdr, QN.READ_REQUEST)
+            if len(self._irq) >= self.config.ird:
+                raise ProtocolError(
+                    f"more than IRD={self.config.ird} Read Requests outstanding",
+                    rdmap(RdmapType.REMOTE_OPERATION, RdmapCode.CATASTROPHIC_STREAM),
+                    header=hdr,
+                    quote_rdmap=True,
+                )
+            self._rx_msn[QN.READ_REQUEST] += 1
+            if hdr.read_size == 0:
+                source = memoryview(b"")
+                if self._rtr_pending:
+                    self._rtr_pending = False
+            else:
+                try:
+                    source = self.memory.resolve(
+                        hdr.src_stag, self.pd, hdr.src_to, hdr.read_size, Access.REMOTE_READ
+                    )
+                except AccessViolation as exc:
+                    raise ProtocolError(
+                        str(exc), exc.violation.rdmap_code(), header=hdr, quote_rdmap=True
+                    ) from exc
+            self._irq.append(_ReadResponse(hdr.sink_stag, hdr.sink_to, source))
+        elif op is Opcode.TERMINATE:
+            assert self._term_body is not None
+            term = ddp.parse_terminate(self._term_body)
+            self.remote_terminate = term.code
+            log.warning("QP %d: peer sent Terminate %s", self.qp_num, term.code)
+            exc = ProtocolError("peer terminated the connection", term.code)
+            self._enter_error(exc, remote=term)
+
+    # ------------------------------------------------------------------ errors
+    def _protocol_error(self, exc: ProtocolError) -> None:
+        """The peer broke the protocol: Terminate, ERROR, flush."""
+        log.warning("QP %d: %s", self.qp_num, exc)
+        copied = b""
+        ddp_flag = rdmap_flag = False
+        if isinstance(exc.header, ddp.Header):
+            copied = _header_bytes(exc.header)
+            rdmap_flag = exc.quote_rdmap
+            ddp_flag = not rdmap_flag
+        msg = self._rx_send
+        if msg is not None and msg.status is not WCStatus.SUCCESS:
+            self._rx_send = None
+            self.on_recv_wc(WC(msg.job.wr_id, msg.status, WCOpcode.RECV, 0, self.qp_num))
+        self._send_terminate(ddp.Terminate(exc.code, ddp_flag, rdmap_flag, copied))
+        self._enter_error(exc)
+
+    def _local_error(self, exc: AccessViolation) -> None:
+        """A send work request named memory it may not use."""
+        job = self._current_job
+        log.warning("QP %d: local protection error: %s", self.qp_num, exc)
+        if job is not None:
+            job.status = WCStatus.LOC_PROT_ERR
+            job.done = True
+            if job in self._orq:
+                self._orq.remove(job)
+            self._current = None
+            self._current_job = None
+        self._send_terminate(ddp.Terminate(RDMAP_LOCAL_CATASTROPHIC))
+        self._enter_error(exc)
+
+    def _send_terminate(self, term: ddp.Terminate) -> None:
+        if self.state is EngineState.RTS:
+            self._terminate_bytes(ddp.encode_terminate(term))
+
+    def _terminate_bytes(self, ulpdu: bytes) -> None:
+        self._terminate = b"".join(bytes(b) for b in ddp.encode_fpdu(ulpdu, crc=self.config.crc))
+
+    def connection_lost(self, exc: Exception | None = None) -> None:
+        """The TCP connection closed or failed: ERROR and flush."""
+        if self.state is not EngineState.ERROR:
+            self._enter_error(exc or ConnectionResetError("connection closed by peer"))
+
+    def set_error(self, exc: Exception | None = None) -> None:
+        """Move to ERROR at the user's request (``modify`` to ERR): flush everything."""
+        self._enter_error(exc or ConnectionAbortedError("QP moved to ERROR"))
+
+    def _enter_error(self, exc: Exception, remote: ddp.Terminate | None = None) -> None:
+        if self.state is EngineState.ERROR:
+            return
+        self.error = self.error or exc
+        self._rx = _Rx.DISCARD
+        self.state = EngineState.TERMINATE if self._terminate is not None else EngineState.ERROR
+        # The Read whose Request the peer's Terminate quotes gets the remote status.
+        if remote is not None and self._orq and _quotes_read_request(remote):
+            job = self._orq.popleft()
+            job.done = True
+            job.status = (
+                WCStatus.REM_ACCESS_ERR
+                if remote.code.layer == Layer.RDMAP
+                and remote.code.etype == RdmapType.REMOTE_PROTECTION
+                else WCStatus.REM_OP_ERR
+            )
+        # Work handed to TCP in the burst in flight still completes in order.
+        if self._current_job is not None and not self._current_job.done:
+            self._current_job.status = WCStatus.WR_FLUSH_ERR
+        self._current = None
+        self._current_job = None
+        for job in self._sq_order:
+            if not job.done:
+                job.done = True
+                job.status = WCStatus.WR_FLUSH_ERR
+        self._orq.clear()
+        self._irq.clear()
+        self._burst_done.clear()
+        self._drain_sq_order()
+        while self._sq:
+            self._complete_send(self._sq.popleft(), WCStatus.WR_FLUSH_ERR)
+        msg = self._rx_send
+        if msg is not None:
+            self._rx_send = None
+            self.on_recv_wc(WC(msg.job.wr_id, WCStatus.WR_FLUSH_ERR, WCOpcode.RECV, 0, self.qp_num))
+        self.on_fatal(exc)
+
+    def flush_recv(self, jobs: Sequence[RecvJob]) -> None:
+        """Complete receives of a QP in ERROR with WR_FLUSH_ERR."""
+        for job in jobs:
+            self.on_recv_wc(WC(job.wr_id, WCStatus.WR_FLUSH_ERR, WCOpcode.RECV, 0, self.qp_num))
+
+    # ------------------------------------------------------------------ completions
+    def _drain_sq_order(self) -> None:
+        order = self._sq_order
+        while order and order[0].done:
+            job = order.popleft()
+            self._complete_send(job, job.status)
+
+    def _complete_send(self, job: SendJob, status: WCStatus) -> None:
+        if status is WCStatus.SUCCESS and not (self.sq_sig_all or job.flags & SendFlags.SIGNALED):
+            return
+        byte_len = job.length if job.opcode is WROpcode.RDMA_READ else 0
+        self.on_send_wc(WC(job.wr_id, status, _WC_OPCODE[job.opcode], byte_len, self.qp_num))
+
+
+def _quotes_read_request(term: ddp.Terminate) -> bool:
+    copied = term.copied_header
+    return len(copied) >= 4 and copied[3] & 0x0F == Opcode.READ_REQUEST
+
+
+def _header_bytes(hdr: ddp.Header) -> bytes:
+    """Re-encode a received header for a Terminate's copy of it."""
+    op = hdr.opcode
+    if op in ddp.TAGGED_OPCODES:
+        raw = ddp.encode_tagged(op, hdr.last, hdr.stag, hdr.to, hdr.payload_len)
+    elif op is Opcode.READ_REQUEST:
+        raw = ddp.encode_read_request(
+            hdr.msn, hdr.sink_stag, hdr.sink_to, hdr.read_size, hdr.src_stag, hdr.src_to
+        )
+    else:
+        raw = ddp.encode_untagged(
+            op, hdr.last, hdr.qn, hdr.msn, hdr.mo, hdr.payload_len, hdr.inv_stag
+        )
+    return raw

@@ -1,0 +1,128 @@
+"""The engine's memory table: STags, protection domains and access checks.
+
+An STag is a 24-bit index and an 8-bit key, as in Linux siw; the lkey and the
+rkey of a region are the same STag. Tagged offsets (TO) are virtual addresses.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from enum import Enum
+
+from rdmashim.verbs.enums import Access
+from rdmashim.verbs.softiwarp.terminate import (
+    DdpTaggedCode,
+    RdmapCode,
+    RdmapType,
+    TermCode,
+    ddp_tagged,
+    rdmap,
+)
+
+
+class Violation(Enum):
+    """Why an access to registered memory was refused."""
+
+    INVALID_STAG = "invalid STag"
+    PD_MISMATCH = "STag of another protection domain"
+    ACCESS = "access rights violation"
+    BOUNDS = "base or bounds violation"
+
+    def ddp_code(self) -> TermCode:
+        """Terminate code for a tagged placement (DDP layer; Linux siw's mapping)."""
+        return ddp_tagged(
+            {
+                Violation.INVALID_STAG: DdpTaggedCode.INVALID_STAG,
+                Violation.PD_MISMATCH: DdpTaggedCode.STAG_NOT_ASSOC,
+                # RFC 5041 has no code for missing rights; siw reports an invalid STag.
+                Violation.ACCESS: DdpTaggedCode.INVALID_STAG,
+                Violation.BOUNDS: DdpTaggedCode.BASE_BOUNDS,
+            }[self]
+        )
+
+    def rdmap_code(self) -> TermCode:
+        """Terminate code for an RDMA Read source (RDMAP layer, remote protection)."""
+        return rdmap(
+            RdmapType.REMOTE_PROTECTION,
+            {
+                Violation.INVALID_STAG: RdmapCode.INVALID_STAG,
+                Violation.PD_MISMATCH: RdmapCode.STAG_NOT_ASSOC,
+                Violation.ACCESS: RdmapCode.ACCESS_RIGHTS,
+                Violation.BOUNDS: RdmapCode.BASE_BOUNDS,
+            }[self],
+        )
+
+
+class AccessViolation(Exception):
+    """An access to registered memory that the region does not allow."""
+
+    def __init__(self, violation: Violation, stag: int, addr: int, length: int) -> None:
+        super().__init__(f"{violation.value}: STag {stag:#010x} [{addr:#x}, +{length}]")
+        self.violation = violation
+
+
+@dataclass(eq=False, slots=True)
+class Region:
+    """A registered region as the engine sees it."""
+
+    stag: int
+    addr: int
+    length: int
+    access: Access
+    pd: object
+    view: memoryview
+    valid: bool = True
+
+
+@dataclass(slots=True)
+class MemoryTable:
+    """All regions of one device, by STag index."""
+
+    _regions: dict[int, Region] = field(default_factory=dict)
+    _next_index: itertools.count[int] = field(default_factory=lambda: itertools.count(1))
+    _next_key: itertools.count[int] = field(default_factory=lambda: itertools.count(0x5A))
+
+    def register(self, pd: object, view: memoryview, addr: int, access: Access) -> Region:
+        """Add a region and give it an STag (never 0 and never 1, the RTR STag)."""
+        index = next(self._next_index) & 0xFFFFFF or next(self._next_index)
+        stag = index << 8 | (next(self._next_key) & 0xFF)
+        region = Region(stag, addr, view.nbytes, access, pd, view)
+        self._regions[index] = region
+        return region
+
+    def deregister(self, region: Region) -> None:
+        """Remove a region; its STag is invalid from now on."""
+        region.valid = False
+        self._regions.pop(region.stag >> 8, None)
+
+    def lookup(self, stag: int) -> Region | None:
+        """The valid region an STag names, or None."""
+        region = self._regions.get(stag >> 8)
+        if region is None or region.stag != stag or not region.valid:
+            return None
+        return region
+
+    def resolve(self, stag: int, pd: object, addr: int, length: int, access: Access) -> memoryview:
+        """The bytes ``[addr, addr + length)`` of the region ``stag``, checked for ``access``."""
+        region = self.lookup(stag)
+        if region is None:
+            raise AccessViolation(Violation.INVALID_STAG, stag, addr, length)
+        if region.pd is not pd:
+            raise AccessViolation(Violation.PD_MISMATCH, stag, addr, length)
+        if access & ~region.access:
+            raise AccessViolation(Violation.ACCESS, stag, addr, length)
+        offset = addr - region.addr
+        if offset < 0 or length < 0 or offset + length > region.length:
+            raise AccessViolation(Violation.BOUNDS, stag, addr, length)
+        return region.view[offset : offset + length]
+
+    def invalidate(self, stag: int, pd: object) -> Violation | None:
+        """Invalidate an STag for a Send with Invalidate; the violation if it cannot be."""
+        region = self.lookup(stag)
+        if region is None:
+            return Violation.INVALID_STAG
+        if region.pd is not pd:
+            return Violation.PD_MISMATCH
+        region.valid = False
+        return None

@@ -1,0 +1,727 @@
+"""The built-in engine's verbs objects: devices, context, PD, MR, CQ, channel, QP, SRQ.
+
+A device is bound to a local network interface (``siw_lo``, ``siw_eth0``, ...),
+as ``rdma link add siw0 type siw netdev eth0`` binds Linux siw. An opened
+context owns a trio nursery in which every connected QP runs its receive and
+transmit tasks, so progress happens while the application's trio loop runs.
+"""
+
+from __future__ import annotations
+
+import errno
+import itertools
+import logging
+import socket
+from collections import deque
+from collections.abc import AsyncIterator, Iterable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import trio
+
+from rdmashim.verbs.attrs import DeviceAttr, PortAttr, QPAttr, QPCap
+from rdmashim.verbs.buffers import PinnedBuffer, pin
+from rdmashim.verbs.enums import (
+    Access,
+    AtomicCap,
+    Mtu,
+    NodeType,
+    PortState,
+    QPState,
+    QPType,
+    SendFlags,
+    Transport,
+    WCOpcode,
+    WCStatus,
+    WROpcode,
+)
+from rdmashim.verbs.errors import NotSupported, VerbsError
+from rdmashim.verbs.softiwarp.engine import Engine, EngineState, RecvJob, SendJob
+from rdmashim.verbs.softiwarp.memory import AccessViolation, MemoryTable, Region
+from rdmashim.verbs.softiwarp.mpa import MAX_PRIVATE_DATA, V2_BLOCK_LEN
+from rdmashim.verbs.wr import SGE, WC, RecvWR, SendWR
+
+log = logging.getLogger(__name__)
+
+BACKEND = "softiwarp"
+VENDOR_ID = 0x626D74  # as Linux siw ("bmt")
+MAX_QP_WR = 16384
+MAX_SGE = 6
+MAX_INLINE = 80
+MAX_ORD_IRD = 128
+MAX_CQE = 1 << 20
+
+
+@dataclass(frozen=True, slots=True)
+class Device:
+    """A soft-iWARP device: the engine bound to one network interface."""
+
+    name: str
+    netdev: str
+    backend: str = BACKEND
+
+    @property
+    def node_guid(self) -> int:
+        """A stable 64-bit id derived from the interface's MAC (or name, for lo)."""
+        mac = _read_sysfs(self.netdev, "address") or ""
+        raw = bytes.fromhex(mac.replace(":", "")) if mac else b""
+        if not any(raw):
+            raw = self.netdev.encode()[:6].ljust(6, b"\0")
+        return int.from_bytes(raw[:3] + b"\xff\xfe" + raw[3:6], "big")
+
+
+def _read_sysfs(netdev: str, attr: str) -> str | None:
+    try:
+        return Path("/sys/class/net", netdev, attr).read_text().strip()
+    except OSError:
+        return None
+
+
+def get_device_list() -> list[Device]:
+    """One device per local network interface."""
+    try:
+        names = [name for _, name in socket.if_nameindex()]
+    except OSError:
+        names = ["lo"]
+    return [Device(f"siw_{name}", name) for name in names]
+
+
+def _find_device(name: str | None) -> Device:
+    devices = get_device_list()
+    if name is None:
+        for dev in devices:
+            if dev.netdev in ("lo", "lo0"):
+                return dev
+        if devices:
+            return devices[0]
+    for dev in devices:
+        if dev.name == name:
+            return dev
+    known = ", ".join(d.name for d in devices) or "none"
+    raise VerbsError(errno.ENODEV, "open_device", f"no device {name!r} (have: {known})")
+
+
+@asynccontextmanager
+async def open_device(name: str | None = None) -> AsyncIterator[Context]:
+    """Open a device; its QPs make progress in a nursery that lives as long as it."""
+    device = _find_device(name)
+    async with trio.open_nursery() as nursery:
+        ctx = Context(device, nursery)
+        try:
+            yield ctx
+        finally:
+            ctx.close()
+            nursery.cancel_scope.cancel()
+
+
+class _Resource:
+    """Closing is idempotent; a closed resource refuses use."""
+
+    _closed = False
+    _kind = "resource"
+
+    def _check_open(self, operation: str) -> None:
+        if self._closed:
+            raise VerbsError(errno.EBADF, operation, f"{self._kind} is closed")
+
+    def __enter__(self) -> Any:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:  # pragma: no cover - overridden
+        self._closed = True
+
+
+class Context(_Resource):
+    """An opened device (``ibv_context``)."""
+
+    _kind = "device context"
+
+    def __init__(self, device: Device, nursery: trio.Nursery) -> None:
+        self.device = device
+        self.nursery = nursery
+        self.memory = MemoryTable()
+        self._qp_numbers = itertools.count(1)
+        self._children: list[_Resource] = []
+
+    @property
+    def backend(self) -> str:
+        """Name of the backend serving this context."""
+        return BACKEND
+
+    def query_device(self) -> DeviceAttr:
+        """Limits and capabilities of the device."""
+        return DeviceAttr(
+            fw_ver="rdmashim-softiwarp",
+            node_guid=self.device.node_guid,
+            vendor_id=VENDOR_ID,
+            vendor_part_id=0,
+            hw_ver=0,
+            phys_port_cnt=1,
+            max_mr_size=(1 << 64) - 1,
+            page_size_cap=4096,
+            max_qp=1 << 16,
+            max_qp_wr=MAX_QP_WR,
+            max_sge=MAX_SGE,
+            max_sge_rd=1,
+            max_cq=1 << 16,
+            max_cqe=MAX_CQE,
+            max_mr=1 << 20,
+            max_pd=1 << 16,
+            max_qp_rd_atom=MAX_ORD_IRD,
+            max_qp_init_rd_atom=MAX_ORD_IRD,
+            max_srq=1 << 16,
+            max_srq_wr=MAX_QP_WR,
+            max_srq_sge=MAX_SGE,
+            max_inline_data=MAX_INLINE,
+            atomic_cap=AtomicCap.NONE,
+            transport=Transport.IWARP,
+            node_type=NodeType.RNIC,
+            max_private_data=MAX_PRIVATE_DATA - V2_BLOCK_LEN,
+            active_side_sends_first=True,
+        )
+
+    def query_port(self, port_num: int = 1) -> PortAttr:
+        """State of the device's only port (the interface)."""
+        if port_num != 1:
+            raise VerbsError(errno.EINVAL, "query_port", f"port {port_num} (only port 1 exists)")
+        oper = _read_sysfs(self.device.netdev, "operstate") or "unknown"
+        mtu = int(_read_sysfs(self.device.netdev, "mtu") or 1500)
+        state = (
+            PortState.DOWN if oper in ("down", "lowerlayerdown", "notpresent") else PortState.ACTIVE
+        )
+        return PortAttr(
+            state=state,
+            max_mtu=Mtu.MTU_4096,
+            active_mtu=Mtu.from_bytes(mtu),
+            gid_tbl_len=1,
+            max_msg_sz=0xFFFFFFFF,
+            link_layer="Ethernet",
+            netdev=self.device.netdev,
+        )
+
+    def alloc_pd(self) -> PD:
+        """A new protection domain."""
+        self._check_open("alloc_pd")
+        pd = PD(self)
+        self._children.append(pd)
+        return pd
+
+    def create_comp_channel(self) -> CompChannel:
+        """A completion channel that CQs can report events to."""
+        self._check_open("create_comp_channel")
+        channel = CompChannel()
+        self._children.append(channel)
+        return channel
+
+    def create_cq(self, cqe: int, channel: CompChannel | None = None) -> CQ:
+        """A completion queue holding up to ``cqe`` completions."""
+        self._check_open("create_cq")
+        if not 1 <= cqe <= MAX_CQE:
+            raise VerbsError(errno.EINVAL, "create_cq", f"cqe {cqe} outside 1..{MAX_CQE}")
+        cq = CQ(self, cqe, channel)
+        self._children.append(cq)
+        return cq
+
+    def close(self) -> None:
+        """Close the context and everything created from it."""
+        if self._closed:
+            return
+        for child in reversed(self._children):
+            child.close()
+        self._closed = True
+
+
+class PD(_Resource):
+    """A protection domain (``ibv_pd``)."""
+
+    _kind = "protection domain"
+
+    def __init__(self, context: Context) -> None:
+        self.context = context
+        self._children: list[_Resource] = []
+
+    def reg_mr(self, buffer: Any, access: Access = Access.LOCAL_WRITE) -> MR:
+        """Register any buffer-protocol object without copying it.
+
+        Remote write access needs local write access, as in libibverbs; a read-only
+        buffer can be registered only without write access.
+        """
+        self._check_open("reg_mr")
+        access = Access(access)
+        if (
+            access & (Access.REMOTE_WRITE | Access.REMOTE_ATOMIC)
+            and not access & Access.LOCAL_WRITE
+        ):
+            raise VerbsError(errno.EINVAL, "reg_mr", "remote write access needs LOCAL_WRITE")
+        pinned = pin(buffer, writable=bool(access & Access.LOCAL_WRITE))
+        region = self.context.memory.register(self, pinned.view, pinned.addr, access)
+        mr = MR(self, pinned, region)
+        self._children.append(mr)
+        return mr
+
+    def create_qp(
+        self,
+        *,
+        send_cq: CQ,
+        recv_cq: CQ,
+        cap: QPCap | None = None,
+        srq: SRQ | None = None,
+        sq_sig_all: bool = False,
+        qp_type: QPType = QPType.RC,
+    ) -> QP:
+        """A reliable-connected queue pair; the CM (or :mod:`.connection`) connects it."""
+        self._check_open("create_qp")
+        if qp_type != QPType.RC:
+            raise NotSupported("create_qp", f"{QPType(qp_type).name} QPs (iWARP has RC only)")
+        cap = cap or QPCap()
+        limits = (
+            (cap.max_send_wr, 1, MAX_QP_WR, "max_send_wr"),
+            (cap.max_recv_wr, 0, MAX_QP_WR, "max_recv_wr"),
+            (cap.max_send_sge, 0, MAX_SGE, "max_send_sge"),
+            (cap.max_recv_sge, 0, MAX_SGE, "max_recv_sge"),
+            (cap.max_inline_data, 0, MAX_INLINE, "max_inline_data"),
+        )
+        for value, low, high, name in limits:
+            if not low <= value <= high:
+                raise VerbsError(errno.EINVAL, "create_qp", f"{name}={value} outside {low}..{high}")
+        qp = QP(self, send_cq, recv_cq, cap, srq, sq_sig_all)
+        self._children.append(qp)
+        return qp
+
+    def create_srq(self, max_wr: int = 128, max_sge: int = 1) -> SRQ:
+        """A shared receive queue for QPs of this PD."""
+        self._check_open("create_srq")
+        if not (1 <= max_wr <= MAX_QP_WR and 0 <= max_sge <= MAX_SGE):
+            raise VerbsError(errno.EINVAL, "create_srq", f"max_wr={max_wr} max_sge={max_sge}")
+        srq = SRQ(self, max_wr, max_sge)
+        self._children.append(srq)
+        return srq
+
+    def close(self) -> None:
+        """Deallocate the PD, closing the MRs, QPs and SRQs created from it."""
+        if self._closed:
+            return
+        for child in reversed(self._children):
+            child.close()
+        self._closed = True
+
+
+class MR(_Resource):
+    """A registered memory region (``ibv_mr``)."""
+
+    _kind = "memory region"
+
+    def __init__(self, pd: PD, pinned: PinnedBuffer, region: Region) -> None:
+        self.pd = pd
+        self._pinned = pinned
+        self._region = region
+
+    @property
+    def addr(self) -> int:
+        """Address of the first byte."""
+        return self._pinned.addr
+
+    @property
+    def length(self) -> int:
+        """Length in bytes."""
+        return self._pinned.length
+
+    @property
+    def lkey(self) -> int:
+        """Local key (the STag)."""
+        return self._region.stag
+
+    @property
+    def rkey(self) -> int:
+        """Remote key (the STag, as on iWARP)."""
+        return self._region.stag
+
+    @property
+    def access(self) -> Access:
+        """Access rights the region was registered with."""
+        return self._region.access
+
+    @property
+    def buf(self) -> memoryview:
+        """A byte view of the registered memory."""
+        self._check_open("buf")
+        return self._pinned.view
+
+    def sge(self, offset: int = 0, length: int | None = None) -> SGE:
+        """An SGE over ``[offset, offset + length)`` of this region."""
+        if length is None:
+            length = self.length - offset
+        if offset < 0 or length < 0 or offset + length > self.length:
+            raise ValueError(f"[{offset}, +{length}) outside the {self.length}-byte region")
+        return SGE(self.addr + offset, length, self.lkey)
+
+    def close(self) -> None:
+        """Deregister the region (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+        self.pd.context.memory.deregister(self._region)
+        self._pinned.release()
+
+    dereg = close
+
+
+class CompChannel(_Resource):
+    """A completion channel (``ibv_comp_channel``); events are awaited, not polled.
+
+    ``fd`` is None for the built-in engine (its completions never leave the
+    process); backends with a kernel channel expose its file descriptor.
+    """
+
+    _kind = "completion channel"
+    fd: int | None = None
+
+    def __init__(self) -> None:
+        self._send, self._recv = trio.open_memory_channel[CQ](1 << 16)
+
+    def _notify(self, cq: CQ) -> None:
+        if not self._closed:
+            self._send.send_nowait(cq)
+
+    async def get_cq_event(self) -> CQ:
+        """Wait for the next event and return the CQ it is for (acknowledge it later)."""
+        self._check_open("get_cq_event")
+        return await self._recv.receive()
+
+    def close(self) -> None:
+        """Close the channel."""
+        if not self._closed:
+            self._closed = True
+            self._send.close()
+
+
+class CQ(_Resource):
+    """A completion queue (``ibv_cq``)."""
+
+    _kind = "completion queue"
+
+    def __init__(self, context: Context, cqe: int, channel: CompChannel | None) -> None:
+        self.context = context
+        self.cqe = cqe
+        self.channel = channel
+        self._entries: deque[WC] = deque()
+        self._armed = False
+        self._solicited_only = False
+        self._overrun = False
+        self._waiter = trio.Event()
+        self.events_acked = 0
+        self.events_delivered = 0
+
+    def _push(self, wc: WC) -> None:
+        if len(self._entries) >= self.cqe:
+            self._overrun = True
+            log.error("CQ overrun: %d entries; completion %r lost", self.cqe, wc)
+            return
+        self._entries.append(wc)
+        self._waiter.set()
+        if self._armed and (
+            not self._solicited_only or wc.solicited or wc.status != WCStatus.SUCCESS
+        ):
+            self._armed = False
+            if self.channel is not None:
+                self.events_delivered += 1
+                self.channel._notify(self)
+
+    def poll(self, num_entries: int = 16) -> list[WC]:
+        """Take up to ``num_entries`` completions, oldest first (never blocks)."""
+        self._check_open("poll_cq")
+        if self._overrun:
+            raise VerbsError(errno.EOVERFLOW, "poll_cq", f"more than {self.cqe} completions queued")
+        entries = self._entries
+        n = min(num_entries, len(entries))
+        return [entries.popleft() for _ in range(n)]
+
+    def req_notify(self, solicited_only: bool = False) -> None:
+        """Arm the CQ: the next (solicited) completion sends one event to the channel."""
+        self._check_open("req_notify_cq")
+        self._armed = True
+        self._solicited_only = solicited_only
+
+    def ack_events(self, n: int) -> None:
+        """Acknowledge ``n`` events taken from the channel."""
+        self.events_acked += n
+
+    async def wait(self) -> None:
+        """Wait until the CQ holds at least one completion."""
+        self._check_open("wait")
+        while not self._entries:
+            self._waiter = trio.Event()
+            await self._waiter.wait()
+            self._check_open("wait")
+
+    async def poll_wait(self, num_entries: int = 16) -> list[WC]:
+        """Wait for completions and take up to ``num_entries`` of them (at least one)."""
+        await self.wait()
+        return self.poll(num_entries)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def close(self) -> None:
+        """Destroy the CQ."""
+        if not self._closed:
+            self._closed = True
+            self._waiter.set()
+
+
+class SRQ(_Resource):
+    """A shared receive queue (``ibv_srq``)."""
+
+    _kind = "shared receive queue"
+
+    def __init__(self, pd: PD, max_wr: int, max_sge: int) -> None:
+        self.pd = pd
+        self.max_wr = max_wr
+        self.max_sge = max_sge
+        self._queue: deque[RecvJob] = deque()
+
+    def post_recv(self, wr: RecvWR | Iterable[RecvWR]) -> None:
+        """Post one receive work request or a list of them."""
+        self._check_open("post_srq_recv")
+        for i, w in enumerate(_as_list(wr)):
+            if len(w.sg_list) > self.max_sge:
+                raise _bad_wr(
+                    errno.EINVAL, "post_srq_recv", i, f"{len(w.sg_list)} SGEs > {self.max_sge}"
+                )
+            if len(self._queue) >= self.max_wr:
+                raise _bad_wr(errno.ENOMEM, "post_srq_recv", i, "SRQ full")
+            self._queue.append(RecvJob(w.wr_id, tuple(w.sg_list), sum(s.length for s in w.sg_list)))
+
+    def _take(self) -> RecvJob | None:
+        return self._queue.popleft() if self._queue else None
+
+    def close(self) -> None:
+        """Destroy the SRQ."""
+        self._closed = True
+
+
+def _as_list(wr: Any) -> list:
+    if isinstance(wr, SendWR | RecvWR):
+        return [wr]
+    return list(wr)
+
+
+def _bad_wr(err: int, operation: str, index: int, detail: str) -> VerbsError:
+    exc = VerbsError(err, operation, f"work request {index}: {detail}")
+    exc.bad_wr = index  # type: ignore[attr-defined]
+    return exc
+
+
+_SUPPORTED_SEND = frozenset(
+    {WROpcode.SEND, WROpcode.SEND_WITH_INV, WROpcode.RDMA_WRITE, WROpcode.RDMA_READ}
+)
+
+
+class QP(_Resource):
+    """A reliable-connected queue pair (``ibv_qp``)."""
+
+    _kind = "queue pair"
+
+    def __init__(
+        self, pd: PD, send_cq: CQ, recv_cq: CQ, cap: QPCap, srq: SRQ | None, sq_sig_all: bool
+    ) -> None:
+        self.pd = pd
+        self.context = pd.context
+        self.send_cq = send_cq
+        self.recv_cq = recv_cq
+        self.cap = cap
+        self.srq = srq
+        self.sq_sig_all = sq_sig_all
+        self.qp_num = next(self.context._qp_numbers)
+        self._rq: deque[RecvJob] = deque()
+        self._link: Any = None
+        self.engine = Engine(
+            qp_num=self.qp_num,
+            pd=pd,
+            memory=self.context.memory,
+            take_recv=srq._take if srq is not None else self._take_recv,
+            on_send_wc=send_cq._push,
+            on_recv_wc=recv_cq._push,
+            sq_sig_all=sq_sig_all,
+            on_fatal=self._on_fatal,
+        )
+        self._state = QPState.INIT
+
+    @property
+    def qp_type(self) -> QPType:
+        """Always RC on iWARP."""
+        return QPType.RC
+
+    @property
+    def state(self) -> QPState:
+        """Current state: INIT until connected, RTS, then ERR."""
+        return self._state
+
+    @property
+    def error(self) -> Exception | None:
+        """Why the QP went to ERR (a Terminate's code, a lost connection, ...), if it did."""
+        return self.engine.error
+
+    def _take_recv(self) -> RecvJob | None:
+        return self._rq.popleft() if self._rq else None
+
+    def _on_fatal(self, exc: Exception) -> None:
+        self._state = QPState.ERR
+        jobs = list(self._rq)
+        self._rq.clear()
+        self.engine.flush_recv(jobs)
+        if self._link is not None:
+            self._link.kick()
+
+    # ---------------------------------------------------------------- posting
+    def post_send(self, wr: SendWR | Iterable[SendWR]) -> None:
+        """Post one send work request or a list of them (never blocks).
+
+        Errors in the request itself raise :class:`VerbsError` naming the request
+        (``bad_wr``); those before it stay posted. Errors found while processing
+        come back as completions.
+        """
+        self._check_open("post_send")
+        engine = self.engine
+        for i, w in enumerate(_as_list(wr)):
+            if self._state not in (QPState.RTS, QPState.ERR):
+                raise _bad_wr(
+                    errno.ENOTCONN, "post_send", i, f"QP {self.qp_num} is {self._state.name}"
+                )
+            engine.post_send(self._make_job(i, w))
+        if self._link is not None:
+            self._link.kick()
+
+    def _make_job(self, i: int, w: SendWR) -> SendJob:
+        opcode = WROpcode(w.opcode)
+        if opcode not in _SUPPORTED_SEND:
+            raise NotSupported(
+                "post_send", f"work request {i}: {opcode.name} is not an iWARP operation"
+            )
+        flags = SendFlags(w.send_flags)
+        sges = tuple(w.sg_list)
+        limit = 1 if opcode is WROpcode.RDMA_READ else self.cap.max_send_sge
+        if len(sges) > limit:
+            raise _bad_wr(errno.EINVAL, "post_send", i, f"{len(sges)} SGEs > {limit}")
+        if self.engine.sq_depth >= self.cap.max_send_wr and self._state is QPState.RTS:
+            raise _bad_wr(errno.ENOMEM, "post_send", i, f"send queue full ({self.cap.max_send_wr})")
+        inline = None
+        if flags & SendFlags.INLINE and opcode is not WROpcode.RDMA_READ:
+            inline = self._gather_inline(i, sges)
+            length = len(inline)
+        else:
+            length = sum(s.length for s in sges)
+        return SendJob(
+            w.wr_id, opcode, flags, sges, inline, length, w.remote_addr, w.rkey, w.invalidate_rkey
+        )
+
+    def _gather_inline(self, i: int, sges: tuple) -> bytes:
+        parts = []
+        for s in sges:
+            if isinstance(s, SGE):
+                region = self.context.memory.lookup(s.lkey)
+                if region is None or not 0 <= s.addr - region.addr <= region.length - s.length:
+                    raise _bad_wr(errno.EINVAL, "post_send", i, f"inline SGE {s} outside a region")
+                off = s.addr - region.addr
+                parts.append(bytes(region.view[off : off + s.length]))
+            else:
+                parts.append(bytes(s))
+        data = b"".join(parts)
+        if len(data) > self.cap.max_inline_data:
+            raise _bad_wr(
+                errno.EINVAL,
+                "post_send",
+                i,
+                f"{len(data)} inline bytes > {self.cap.max_inline_data}",
+            )
+        return data
+
+    def post_recv(self, wr: RecvWR | Iterable[RecvWR]) -> None:
+        """Post one receive work request or a list of them (never blocks)."""
+        self._check_open("post_recv")
+        if self.srq is not None:
+            raise VerbsError(errno.EINVAL, "post_recv", "QP uses an SRQ; post to the SRQ")
+        for i, w in enumerate(_as_list(wr)):
+            if len(w.sg_list) > self.cap.max_recv_sge:
+                raise _bad_wr(
+                    errno.EINVAL, "post_recv", i, f"{len(w.sg_list)} SGEs > {self.cap.max_recv_sge}"
+                )
+            job = RecvJob(w.wr_id, tuple(w.sg_list), sum(s.length for s in w.sg_list))
+            if self._state is QPState.ERR:
+                self.engine.flush_recv([job])
+                continue
+            if len(self._rq) >= self.cap.max_recv_wr:
+                raise _bad_wr(
+                    errno.ENOMEM, "post_recv", i, f"receive queue full ({self.cap.max_recv_wr})"
+                )
+            self._rq.append(job)
+
+    # ---------------------------------------------------------------- state
+    def query(self) -> QPAttr:
+        """Current attributes."""
+        cfg = self.engine.config
+        return QPAttr(
+            qp_state=self._state,
+            qp_type=QPType.RC,
+            qp_num=self.qp_num,
+            cap=self.cap,
+            max_rd_atomic=cfg.ord,
+            max_dest_rd_atomic=cfg.ird,
+            sq_sig_all=self.sq_sig_all,
+        )
+
+    def modify(self, *, qp_state: QPState) -> None:
+        """Change state; a user may only move a QP to ERR (the CM moves it to RTS)."""
+        self._check_open("modify_qp")
+        if qp_state is not QPState.ERR:
+            raise VerbsError(
+                errno.EINVAL,
+                "modify_qp",
+                f"{QPState(qp_state).name}: iWARP QPs are connected by the CM",
+            )
+        self.engine.set_error()
+
+    def _attach(self, link: Any) -> None:
+        self._link = link
+        self._state = QPState.RTS if self.engine.state is EngineState.RTS else self._state
+
+    async def wait_closed(self) -> None:
+        """Wait until the connection is gone (after ERR, once the socket is closed)."""
+        if self._link is not None:
+            await self._link.closed.wait()
+
+    def close(self) -> None:
+        """Destroy the QP: outstanding work is flushed and the connection dropped."""
+        if self._closed:
+            return
+        if self.engine.state is not EngineState.ERROR:
+            self.engine.set_error(ConnectionAbortedError("QP destroyed"))
+        self._closed = True
+
+
+def check_sge(memory: MemoryTable, pd: PD, sge: SGE, access: Access) -> memoryview:
+    """Resolve a local SGE (for tools that read or fill registered memory)."""
+    try:
+        return memory.resolve(sge.lkey, pd, sge.addr, sge.length, access)
+    except AccessViolation as exc:
+        raise VerbsError(errno.EACCES, "sge", str(exc)) from exc
+
+
+__all__ = [
+    "CQ",
+    "MR",
+    "PD",
+    "QP",
+    "SRQ",
+    "CompChannel",
+    "Context",
+    "Device",
+    "WCOpcode",
+    "get_device_list",
+    "open_device",
+]
