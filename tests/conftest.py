@@ -1,79 +1,15 @@
-"""Shared fixtures: a connected pair of soft-iWARP queue pairs over real loopback TCP."""
+"""Shared fixtures: an opened siw_lo device and a connected pair of queue pairs on it."""
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 from typing import Any
 
 import pytest
-import trio
 
 import rdmashim
-from rdmashim.verbs.softiwarp.connection import (
-    MpaOptions,
-    accept_qp,
-    connect_qp,
-    read_request,
-)
 
-
-@dataclass
-class Side:
-    """One end of a connected pair: context, PD, CQs, QP."""
-
-    ctx: Any
-    pd: Any
-    send_cq: Any
-    recv_cq: Any
-    qp: Any
-
-    def reg(self, size_or_data: int | bytes, access: rdmashim.Access | None = None) -> Any:
-        buf = bytearray(size_or_data)
-        if access is None:
-            access = (
-                rdmashim.Access.LOCAL_WRITE
-                | rdmashim.Access.REMOTE_WRITE
-                | rdmashim.Access.REMOTE_READ
-            )
-        return self.pd.reg_mr(buf, access)
-
-
-async def make_pair(
-    ctx: Any,
-    *,
-    client_options: MpaOptions | None = None,
-    server_options: MpaOptions | None = None,
-    cap: rdmashim.QPCap | None = None,
-    srq: bool = False,
-    private_data: bytes = b"",
-    server_ctx: Any = None,
-) -> tuple[Side, Side]:
-    """Two QPs connected through a real loopback TCP connection."""
-    sides = []
-    for c in (ctx, server_ctx or ctx):
-        pd = c.alloc_pd()
-        scq, rcq = c.create_cq(4096), c.create_cq(4096)
-        kwargs: dict[str, Any] = {"cap": cap or rdmashim.QPCap(max_send_sge=6, max_recv_sge=6, max_inline_data=64)}
-        if srq:
-            kwargs["srq"] = pd.create_srq(256, 6)
-        qp = pd.create_qp(send_cq=scq, recv_cq=rcq, **kwargs)
-        sides.append(Side(c, pd, scq, rcq, qp))
-    client, server = sides
-    listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
-    port = listeners[0].socket.getsockname()[1]
-
-    async def serve() -> None:
-        stream = await listeners[0].accept()
-        req = await read_request(stream)
-        await accept_qp(server.qp, stream, req, options=server_options)
-
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(serve)
-        stream = await trio.open_tcp_stream("127.0.0.1", port)
-        await connect_qp(client.qp, stream, private_data=private_data, options=client_options)
-    await listeners[0].aclose()
-    return client, server
+from pairs import Side, make_pair
 
 
 @pytest.fixture

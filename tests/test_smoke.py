@@ -1,5 +1,4 @@
-import rdmashim
-from rdmashim import RecvWR, SendWR, WROpcode, WCStatus
+from rdmashim import RecvWR, SendWR, WCStatus, WROpcode
 
 
 async def test_send_write_read(pair):
@@ -16,11 +15,15 @@ async def test_send_write_read(pair):
     # write 1 MiB then read it back
     src = client.reg(bytes(range(256)) * 4096)
     dst = server.reg(1 << 20)
-    client.qp.post_send(SendWR(8, WROpcode.RDMA_WRITE, [src.sge()], remote_addr=dst.addr, rkey=dst.rkey))
+    client.qp.post_send(
+        SendWR(8, WROpcode.RDMA_WRITE, [src.sge()], remote_addr=dst.addr, rkey=dst.rkey)
+    )
     wc = (await client.send_cq.poll_wait())[0]
     assert wc.status == WCStatus.SUCCESS
     back = client.reg(1 << 20)
-    client.qp.post_send(SendWR(9, WROpcode.RDMA_READ, [back.sge()], remote_addr=dst.addr, rkey=dst.rkey))
+    client.qp.post_send(
+        SendWR(9, WROpcode.RDMA_READ, [back.sge()], remote_addr=dst.addr, rkey=dst.rkey)
+    )
     wc = (await client.send_cq.poll_wait())[0]
     assert wc.status == WCStatus.SUCCESS, wc
     assert bytes(back.buf) == bytes(src.buf) == bytes(dst.buf)

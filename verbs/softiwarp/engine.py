@@ -757,18 +757,17 @@ class Engine:
         self._enter_error(exc)
 
     def _local_error(self, exc: AccessViolation) -> None:
-        """A send work request named memory it may not use."""
+        """A send work request named memory it may not use: LOC_PROT_ERR, Terminate, ERROR."""
         job = self._current_job
         log.warning("QP %d: local protection error: %s", self.qp_num, exc)
         if job is not None:
             job.status = WCStatus.LOC_PROT_ERR
             job.done = True
-            if job in self._orq:
-                self._orq.remove(job)
             self._current = None
             self._current_job = None
-        self._send_terminate(ddp.Terminate(RDMAP_LOCAL_CATASTROPHIC))
-        self._enter_error(exc)
+        error = ProtocolError(f"local protection error: {exc}", RDMAP_LOCAL_CATASTROPHIC)
+        self._send_terminate(ddp.Terminate(error.code))
+        self._enter_error(error)
 
     def _send_terminate(self, term: ddp.Terminate) -> None:
         if self.state is EngineState.RTS:

@@ -41,6 +41,7 @@ from rdmashim.verbs.errors import NotSupported, VerbsError
 from rdmashim.verbs.softiwarp.engine import Engine, EngineState, RecvJob, SendJob
 from rdmashim.verbs.softiwarp.memory import AccessViolation, MemoryTable, Region
 from rdmashim.verbs.softiwarp.mpa import MAX_PRIVATE_DATA, V2_BLOCK_LEN
+from rdmashim.verbs.softiwarp.terminate import TermCode
 from rdmashim.verbs.wr import SGE, WC, RecvWR, SendWR
 
 log = logging.getLogger(__name__)
@@ -566,6 +567,11 @@ class QP(_Resource):
     def error(self) -> Exception | None:
         """Why the QP went to ERR (a Terminate's code, a lost connection, ...), if it did."""
         return self.engine.error
+
+    @property
+    def remote_terminate(self) -> TermCode | None:
+        """The error code of a Terminate the peer sent, if it sent one."""
+        return self.engine.remote_terminate
 
     def _take_recv(self) -> RecvJob | None:
         return self._rq.popleft() if self._rq else None
