@@ -23,13 +23,14 @@ from crc32c import crc32c
 from rdmashim.verbs.softiwarp.terminate import DdpTaggedCode as _TC
 from rdmashim.verbs.softiwarp.terminate import DdpUntaggedCode as _UC
 from rdmashim.verbs.softiwarp.terminate import (
-    Layer,
+    LlpCode,
     ProtocolError,
     RdmapCode,
     RdmapType,
     TermCode,
     ddp_tagged,
     ddp_untagged,
+    llp,
     rdmap,
 )
 
@@ -207,7 +208,7 @@ def parse_header(data: bytes | bytearray | memoryview) -> Header | None:
     if ulpdu_len + 2 < hdr_len:
         raise ProtocolError(
             f"ULPDU length {ulpdu_len} shorter than the {opcode.name} header",
-            TermCode(Layer.LLP, 0, 0x03),
+            llp(LlpCode.FPDU_START),
         )
     if len(data) < hdr_len:
         return None

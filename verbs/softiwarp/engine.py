@@ -38,12 +38,14 @@ from rdmashim.verbs.softiwarp.terminate import (
     DdpTaggedCode,
     DdpUntaggedCode,
     Layer,
+    LlpCode,
     ProtocolError,
     RdmapCode,
     RdmapType,
     TermCode,
     ddp_tagged,
     ddp_untagged,
+    llp,
     rdmap,
 )
 from rdmashim.verbs.wr import SGE, WC
@@ -504,7 +506,7 @@ class Engine:
                     break
                 trailer = sview[self._start : self._start + need]
                 if crc_on and not ddp.check_trailer(self._crc, trailer):
-                    raise ProtocolError("received CRC mismatch", TermCode(Layer.LLP, 0, 0x02))
+                    raise ProtocolError("received CRC mismatch", llp(LlpCode.CRC))
                 self._start += need
                 self._rx = _Rx.HDR
                 self._end_segment(hdr)
