@@ -114,14 +114,18 @@ async def connect_qp(
     or :class:`ProtocolError` for a Reply this side cannot accept.
     """
     options = options or MpaOptions()
-    _tune(stream)
     request = make_request(options, private_data)
-    await stream.send_all(encode_start_frame(request))
-    with trio.move_on_after(reply_timeout) as scope:
-        reply, leftover = await _read_frame(stream, reply=True)
-    if scope.cancelled_caught:
-        raise MpaTimeout(f"no MPA Reply within {reply_timeout} s")
-    result = check_reply(request, reply, options)
+    try:
+        _tune(stream)
+        await stream.send_all(encode_start_frame(request))
+        with trio.move_on_after(reply_timeout) as scope:
+            reply, leftover = await _read_frame(stream, reply=True)
+        if scope.cancelled_caught:
+            raise MpaTimeout(f"no MPA Reply within {reply_timeout} s")
+        result = check_reply(request, reply, options)
+    except BaseException:
+        await trio.aclose_forcefully(stream)
+        raise
     _start(qp, stream, result, initiator=True, leftover=leftover)
     return result
 
