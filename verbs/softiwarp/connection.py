@@ -75,7 +75,13 @@ def _tune(stream: trio.SocketStream) -> None:
 
 
 def _start(
-    qp: QP, stream: trio.SocketStream, result: MpaResult, *, initiator: bool, leftover: bytes
+    qp: QP,
+    stream: trio.SocketStream,
+    result: MpaResult,
+    options: MpaOptions,
+    *,
+    initiator: bool,
+    leftover: bytes,
 ) -> None:
     rtr_to_send = None
     if initiator and result.rtr is RTR.WRITE:
@@ -83,6 +89,7 @@ def _start(
     elif initiator and result.rtr is RTR.READ:
         rtr_to_send = Opcode.READ_REQUEST
     config = EngineConfig(
+        max_fpdu=options.max_fpdu,
         crc=result.crc,
         ird=result.ird,
         ord=result.ord,
@@ -126,7 +133,7 @@ async def connect_qp(
     except BaseException:
         await trio.aclose_forcefully(stream)
         raise
-    _start(qp, stream, result, initiator=True, leftover=leftover)
+    _start(qp, stream, result, options, initiator=True, leftover=leftover)
     return result
 
 
@@ -162,7 +169,7 @@ async def accept_qp(
         await reject(stream, request, b"")
         raise
     await stream.send_all(encode_start_frame(reply))
-    _start(qp, stream, result, initiator=False, leftover=request.leftover)
+    _start(qp, stream, result, options, initiator=False, leftover=request.leftover)
     return result
 
 

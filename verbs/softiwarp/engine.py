@@ -219,6 +219,8 @@ class Engine:
     # ------------------------------------------------------------------ setup
     def start(self, config: EngineConfig) -> None:
         """Enter RTS with the parameters MPA negotiated."""
+        if not 64 <= config.max_fpdu <= MAX_FPDU:
+            raise ValueError(f"max_fpdu {config.max_fpdu} outside 64..{MAX_FPDU}")
         self.config = config
         self._rtr_pending = config.wait_for_rtr
         if config.rtr_to_send is Opcode.WRITE:

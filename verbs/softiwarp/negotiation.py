@@ -39,6 +39,8 @@ class MpaOptions:
     rtr: RTR = RTR.WRITE | RTR.READ
     ird: int = 16
     ord: int = 16
+    max_fpdu: int = 65536
+    """Largest FPDU this side sends, in bytes (not negotiated: receivers take any size)."""
 
 
 @dataclass(frozen=True, slots=True)
