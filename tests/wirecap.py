@@ -1,0 +1,222 @@
+"""Capture a soft-iWARP connection with tcpdump and judge it with tshark (check_pcap.py).
+
+Helpers for ``tests/test_wire.py``:
+
+* :func:`check_pcap_path` / :func:`missing_requirements`: where the judge lives and
+  whether this machine can run it (root, tcpdump, tshark, ``shared/tools``).
+* :func:`tcpdump`: an async context manager that captures ``tcp port PORT`` on ``lo``
+  while its body runs, started before any byte of the connection so that the MPA
+  Request and Reply are in the capture, and stopped the way the README asks.
+* :func:`connect_pair`: ``conftest.make_pair`` on a listener the caller created first,
+  so the port is known before the capture starts.
+* :func:`check_pcap`: run the judge and return its exit code and JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import trio
+
+import rdmashim
+from rdmashim.verbs.softiwarp.connection import (
+    MpaOptions,
+    accept_qp,
+    connect_qp,
+    read_request,
+)
+
+CHECK_PCAP = Path("tools/wire/check_pcap.py")
+"""The judge, relative to the ``shared`` directory."""
+SHARED_ENV = "RDMASHIM_SHARED"
+STARTUP_TIMEOUT = 10.0
+"""Seconds to wait for tcpdump's "listening on"."""
+DRAIN_DELAY = 1.5
+"""Seconds between the last packet and SIGINT (TPACKET_V3 drops the last block otherwise)."""
+STOP_TIMEOUT = 10.0
+BUFFER_KIB = 64 * 1024
+"""Kernel capture buffer: lo carries 64 KiB segments, and tcpdump's default 2 MiB drops some."""
+
+
+def check_pcap_path() -> Path:
+    """``check_pcap.py``: under ``$RDMASHIM_SHARED`` if set, else ``../shared`` beside the repo.
+
+    ``RDMASHIM_SHARED`` may name the ``shared`` directory, its ``tools/wire``
+    directory or the script itself.
+    """
+    env = os.environ.get(SHARED_ENV)
+    if env:
+        base = Path(env).expanduser().resolve()
+        for candidate in (base / CHECK_PCAP, base / CHECK_PCAP.name, base):
+            if candidate.is_file():
+                return candidate
+        return base / CHECK_PCAP
+    return Path(__file__).resolve().parents[2] / "shared" / CHECK_PCAP
+
+
+def missing_requirements() -> str | None:
+    """Why a wire test cannot run here, or None when it can."""
+    if not hasattr(os, "geteuid") or os.geteuid() != 0:
+        return "wire capture needs root (tcpdump on lo)"
+    for tool in ("tcpdump", "tshark"):
+        if shutil.which(tool) is None:
+            return f"{tool} not installed (apt-get install -y tshark tcpdump)"
+    path = check_pcap_path()
+    if not path.is_file():
+        return f"{path} not found (set {SHARED_ENV} to the shared/ directory)"
+    return None
+
+
+@dataclass
+class Capture:
+    """A finished (or running) capture."""
+
+    path: Path
+    port: int
+    stderr: str = ""
+    returncode: int | None = None
+
+    @property
+    def dropped(self) -> int | None:
+        """Packets the kernel dropped, from tcpdump's closing statistics."""
+        m = re.search(r"(\d+) packets? dropped by kernel", self.stderr)
+        return int(m.group(1)) if m else None
+
+
+@asynccontextmanager
+async def tcpdump(path: Path, port: int, interface: str = "lo") -> AsyncIterator[Capture]:
+    """Capture ``tcp port PORT`` into ``path`` while the body runs."""
+    cap = Capture(path, port)
+    cmd = [
+        "tcpdump", "-i", interface, "-w", str(path), "--immediate-mode", "-U",
+        "-s", "0", "-B", str(BUFFER_KIB), "-Z", "root", f"tcp port {port}",
+    ]  # fmt: skip
+    proc = await trio.lowlevel.open_process(
+        cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+    )
+    assert proc.stderr is not None
+    err = bytearray()
+    try:
+        with trio.move_on_after(STARTUP_TIMEOUT) as scope:
+            while b"listening on" not in err:
+                chunk = await proc.stderr.receive_some(4096)
+                if not chunk:
+                    break
+                err += chunk
+        if b"listening on" not in err:
+            why = "timed out" if scope.cancelled_caught else f"exited {proc.poll()}"
+            raise RuntimeError(f"tcpdump did not start ({why}): {err.decode(errors='replace')}")
+        yield cap
+        await trio.sleep(DRAIN_DELAY)
+    finally:
+        with trio.CancelScope(shield=True):
+            if proc.returncode is None:
+                proc.send_signal(signal.SIGINT)
+            with trio.move_on_after(STOP_TIMEOUT):
+                while True:
+                    chunk = await proc.stderr.receive_some(4096)
+                    if not chunk:
+                        break
+                    err += chunk
+                await proc.wait()
+            if proc.returncode is None:
+                proc.kill()
+                await proc.wait()
+            await proc.stderr.aclose()
+        cap.stderr = err.decode(errors="replace")
+        cap.returncode = proc.returncode
+
+
+async def check_pcap(path: Path, port: int) -> tuple[int, dict[str, Any], str]:
+    """Run ``check_pcap.py`` on a capture: (exit code, parsed JSON, raw stdout)."""
+    done = await trio.run_process(
+        [sys.executable, str(check_pcap_path()), str(path), str(port), "--list"],
+        capture_stdout=True,
+        capture_stderr=True,
+        check=False,
+    )
+    out = done.stdout.decode(errors="replace")
+    try:
+        result = json.loads(out)
+    except json.JSONDecodeError:
+        result = {"ok": False, "problems": ["no JSON"], "stderr": done.stderr.decode()}
+    return done.returncode, result, out
+
+
+def summary(result: dict[str, Any]) -> str:
+    """The JSON without the per-FPDU list, for failure messages."""
+    short = {k: v for k, v in result.items() if k != "fpdu_list"}
+    return json.dumps(short, indent=2)
+
+
+@dataclass
+class Side:
+    """One end of a connected pair (as ``conftest.Side``)."""
+
+    ctx: Any
+    pd: Any
+    send_cq: Any
+    recv_cq: Any
+    qp: Any
+
+    def reg(self, size_or_data: int | bytes, access: rdmashim.Access | None = None) -> Any:
+        buf = bytearray(size_or_data)
+        if access is None:
+            access = (
+                rdmashim.Access.LOCAL_WRITE
+                | rdmashim.Access.REMOTE_WRITE
+                | rdmashim.Access.REMOTE_READ
+            )
+        return self.pd.reg_mr(buf, access)
+
+
+def _side(ctx: Any) -> Side:
+    pd = ctx.alloc_pd()
+    scq, rcq = ctx.create_cq(4096), ctx.create_cq(4096)
+    cap = rdmashim.QPCap(max_send_sge=6, max_recv_sge=6, max_inline_data=64)
+    qp = pd.create_qp(send_cq=scq, recv_cq=rcq, cap=cap)
+    return Side(ctx, pd, scq, rcq, qp)
+
+
+async def open_listener() -> tuple[trio.SocketListener, int]:
+    """A loopback listener on a free port, and that port."""
+    listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+    return listeners[0], listeners[0].socket.getsockname()[1]
+
+
+async def connect_pair(
+    ctx: Any,
+    listener: trio.SocketListener,
+    *,
+    client_options: MpaOptions | None = None,
+    server_options: MpaOptions | None = None,
+    private_data: bytes = b"",
+) -> tuple[Side, Side]:
+    """``make_pair`` through ``listener`` (closed afterwards): (client, server)."""
+    client, server = _side(ctx), _side(ctx)
+    port = listener.socket.getsockname()[1]
+
+    async def serve() -> None:
+        stream = await listener.accept()
+        req = await read_request(stream)
+        await accept_qp(server.qp, stream, req, options=server_options)
+
+    try:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(serve)
+            stream = await trio.open_tcp_stream("127.0.0.1", port)
+            await connect_qp(client.qp, stream, private_data=private_data, options=client_options)
+    finally:
+        await listener.aclose()
+    return client, server
