@@ -49,8 +49,13 @@ async def make_pair(
     server_ctx: Any = None,
     sq_sig_all: bool = False,
     channel: bool = False,
+    listener: trio.SocketListener | None = None,
 ) -> tuple[Side, Side]:
-    """Two QPs connected through a real loopback TCP connection."""
+    """Two QPs connected through a real loopback TCP connection: (client, server).
+
+    Connects through ``listener`` when given (it is closed afterwards), so a
+    caller can learn the port before any byte is sent.
+    """
     sides = []
     for c in (ctx, server_ctx or ctx):
         pd = c.alloc_pd()
@@ -64,19 +69,22 @@ async def make_pair(
         qp = pd.create_qp(send_cq=scq, recv_cq=rcq, sq_sig_all=sq_sig_all, **kwargs)
         sides.append(Side(c, pd, scq, rcq, qp, chan))
     client, server = sides
-    listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
-    port = listeners[0].socket.getsockname()[1]
+    if listener is None:
+        (listener,) = await trio.open_tcp_listeners(0, host="127.0.0.1")
+    port = listener.socket.getsockname()[1]
 
     async def serve() -> None:
-        stream = await listeners[0].accept()
+        stream = await listener.accept()
         req = await read_request(stream)
         await accept_qp(server.qp, stream, req, options=server_options)
 
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(serve)
-        stream = await trio.open_tcp_stream("127.0.0.1", port)
-        await connect_qp(client.qp, stream, private_data=private_data, options=client_options)
-    await listeners[0].aclose()
+    try:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(serve)
+            stream = await trio.open_tcp_stream("127.0.0.1", port)
+            await connect_qp(client.qp, stream, private_data=private_data, options=client_options)
+    finally:
+        await listener.aclose()
     return client, server
 
 

@@ -11,8 +11,6 @@ Needs root, tcpdump, tshark and the ``shared`` checkout beside this repository
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -24,21 +22,8 @@ from rdmashim.verbs.enums import QPState, SendFlags, WCFlags
 from rdmashim.verbs.softiwarp.connection import MpaOptions
 from rdmashim.verbs.softiwarp.mpa import RTR
 
-
-def _load_wirecap() -> Any:
-    # tests/ is not a package and pytest runs with --import-mode=importlib.
-    name = "rdmashim_tests_wirecap"
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name("wirecap.py"))
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-wirecap = _load_wirecap()
+import wirecap
+from pairs import make_pair
 
 pytestmark = pytest.mark.wire
 
@@ -214,8 +199,11 @@ async def test_wire(wire_tools: None, ctx: Any, tmp_path: Path, variant: str) ->
     pcap = tmp_path / f"wire-{variant}.pcap"
     with trio.fail_after(60):
         async with wirecap.tcpdump(pcap, port) as cap:
-            client, server = await wirecap.connect_pair(
-                ctx, listener, client_options=client_options, server_options=server_options
+            client, server = await make_pair(
+                ctx,
+                listener=listener,
+                client_options=client_options,
+                server_options=server_options,
             )
             with trio.fail_after(OPS_TIMEOUT):
                 await scenario(client, server)

@@ -7,8 +7,8 @@ Helpers for ``tests/test_wire.py``:
 * :func:`tcpdump`: an async context manager that captures ``tcp port PORT`` on ``lo``
   while its body runs, started before any byte of the connection so that the MPA
   Request and Reply are in the capture, and stopped the way the README asks.
-* :func:`connect_pair`: ``conftest.make_pair`` on a listener the caller created first,
-  so the port is known before the capture starts.
+* :func:`open_listener`: a listener created before the capture starts, so its port
+  is known; pass it to ``pairs.make_pair(listener=...)``.
 * :func:`check_pcap`: run the judge and return its exit code and JSON.
 """
 
@@ -28,14 +28,6 @@ from pathlib import Path
 from typing import Any
 
 import trio
-
-import rdmashim
-from rdmashim.verbs.softiwarp.connection import (
-    MpaOptions,
-    accept_qp,
-    connect_qp,
-    read_request,
-)
 
 CHECK_PCAP = Path("tools/wire/check_pcap.py")
 """The judge, relative to the ``shared`` directory."""
@@ -160,63 +152,7 @@ def summary(result: dict[str, Any]) -> str:
     return json.dumps(short, indent=2)
 
 
-@dataclass
-class Side:
-    """One end of a connected pair (as ``conftest.Side``)."""
-
-    ctx: Any
-    pd: Any
-    send_cq: Any
-    recv_cq: Any
-    qp: Any
-
-    def reg(self, size_or_data: int | bytes, access: rdmashim.Access | None = None) -> Any:
-        buf = bytearray(size_or_data)
-        if access is None:
-            access = (
-                rdmashim.Access.LOCAL_WRITE
-                | rdmashim.Access.REMOTE_WRITE
-                | rdmashim.Access.REMOTE_READ
-            )
-        return self.pd.reg_mr(buf, access)
-
-
-def _side(ctx: Any) -> Side:
-    pd = ctx.alloc_pd()
-    scq, rcq = ctx.create_cq(4096), ctx.create_cq(4096)
-    cap = rdmashim.QPCap(max_send_sge=6, max_recv_sge=6, max_inline_data=64)
-    qp = pd.create_qp(send_cq=scq, recv_cq=rcq, cap=cap)
-    return Side(ctx, pd, scq, rcq, qp)
-
-
 async def open_listener() -> tuple[trio.SocketListener, int]:
     """A loopback listener on a free port, and that port."""
     listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
     return listeners[0], listeners[0].socket.getsockname()[1]
-
-
-async def connect_pair(
-    ctx: Any,
-    listener: trio.SocketListener,
-    *,
-    client_options: MpaOptions | None = None,
-    server_options: MpaOptions | None = None,
-    private_data: bytes = b"",
-) -> tuple[Side, Side]:
-    """``make_pair`` through ``listener`` (closed afterwards): (client, server)."""
-    client, server = _side(ctx), _side(ctx)
-    port = listener.socket.getsockname()[1]
-
-    async def serve() -> None:
-        stream = await listener.accept()
-        req = await read_request(stream)
-        await accept_qp(server.qp, stream, req, options=server_options)
-
-    try:
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(serve)
-            stream = await trio.open_tcp_stream("127.0.0.1", port)
-            await connect_qp(client.qp, stream, private_data=private_data, options=client_options)
-    finally:
-        await listener.aclose()
-    return client, server

@@ -137,17 +137,36 @@ class _Resource:
         self._closed = True
 
 
-class Context(_Resource):
+class _Parent(_Resource):
+    """A resource that closes the resources created from it when it closes."""
+
+    def __init__(self) -> None:
+        self._children: list[_Resource] = []
+
+    def _adopt(self, child: Any) -> Any:
+        self._children.append(child)
+        return child
+
+    def close(self) -> None:
+        """Close this and, first, everything created from it (idempotent)."""
+        if self._closed:
+            return
+        for child in reversed(self._children):
+            child.close()
+        self._closed = True
+
+
+class Context(_Parent):
     """An opened device (``ibv_context``)."""
 
     _kind = "device context"
 
     def __init__(self, device: Device, nursery: trio.Nursery) -> None:
+        super().__init__()
         self.device = device
         self.nursery = nursery
         self.memory = MemoryTable()
         self._qp_numbers = itertools.count(1)
-        self._children: list[_Resource] = []
 
     @property
     def backend(self) -> str:
@@ -208,43 +227,29 @@ class Context(_Resource):
     def alloc_pd(self) -> PD:
         """A new protection domain."""
         self._check_open("alloc_pd")
-        pd = PD(self)
-        self._children.append(pd)
-        return pd
+        return self._adopt(PD(self))
 
     def create_comp_channel(self) -> CompChannel:
         """A completion channel that CQs can report events to."""
         self._check_open("create_comp_channel")
-        channel = CompChannel()
-        self._children.append(channel)
-        return channel
+        return self._adopt(CompChannel())
 
     def create_cq(self, cqe: int, channel: CompChannel | None = None) -> CQ:
         """A completion queue holding up to ``cqe`` completions."""
         self._check_open("create_cq")
         if not 1 <= cqe <= MAX_CQE:
             raise VerbsError(errno.EINVAL, "create_cq", f"cqe {cqe} outside 1..{MAX_CQE}")
-        cq = CQ(self, cqe, channel)
-        self._children.append(cq)
-        return cq
-
-    def close(self) -> None:
-        """Close the context and everything created from it."""
-        if self._closed:
-            return
-        for child in reversed(self._children):
-            child.close()
-        self._closed = True
+        return self._adopt(CQ(self, cqe, channel))
 
 
-class PD(_Resource):
+class PD(_Parent):
     """A protection domain (``ibv_pd``)."""
 
     _kind = "protection domain"
 
     def __init__(self, context: Context) -> None:
+        super().__init__()
         self.context = context
-        self._children: list[_Resource] = []
 
     def reg_mr(self, buffer: Any, access: Access = Access.LOCAL_WRITE) -> MR:
         """Register any buffer-protocol object without copying it.
@@ -261,9 +266,7 @@ class PD(_Resource):
             raise VerbsError(errno.EINVAL, "reg_mr", "remote write access needs LOCAL_WRITE")
         pinned = pin(buffer, writable=bool(access & Access.LOCAL_WRITE))
         region = self.context.memory.register(self, pinned.view, pinned.addr, access)
-        mr = MR(self, pinned, region)
-        self._children.append(mr)
-        return mr
+        return self._adopt(MR(self, pinned, region))
 
     def create_qp(
         self,
@@ -290,26 +293,14 @@ class PD(_Resource):
         for value, low, high, name in limits:
             if not low <= value <= high:
                 raise VerbsError(errno.EINVAL, "create_qp", f"{name}={value} outside {low}..{high}")
-        qp = QP(self, send_cq, recv_cq, cap, srq, sq_sig_all)
-        self._children.append(qp)
-        return qp
+        return self._adopt(QP(self, send_cq, recv_cq, cap, srq, sq_sig_all))
 
     def create_srq(self, max_wr: int = 128, max_sge: int = 1) -> SRQ:
         """A shared receive queue for QPs of this PD."""
         self._check_open("create_srq")
         if not (1 <= max_wr <= MAX_QP_WR and 0 <= max_sge <= MAX_SGE):
             raise VerbsError(errno.EINVAL, "create_srq", f"max_wr={max_wr} max_sge={max_sge}")
-        srq = SRQ(self, max_wr, max_sge)
-        self._children.append(srq)
-        return srq
-
-    def close(self) -> None:
-        """Deallocate the PD, closing the MRs, QPs and SRQs created from it."""
-        if self._closed:
-            return
-        for child in reversed(self._children):
-            child.close()
-        self._closed = True
+        return self._adopt(SRQ(self, max_wr, max_sge))
 
 
 class MR(_Resource):
