@@ -23,7 +23,15 @@ from rdmashim.verbs.softiwarp.connection import (
 )
 
 _DEPTH = 8
+_SIG = SendFlags.SIGNALED
 _REMOTE = Access.LOCAL_WRITE | Access.REMOTE_WRITE | Access.REMOTE_READ
+
+
+def _report(label: str, count: int, size: int, elapsed: float, ok: bool, progress: bool) -> None:
+    _progress(progress, "")
+    rate = count * size / elapsed / 1e6
+    verdict = "verified" if ok else "WRONG"
+    print(f"{label} {count} x {size} B: {rate:8.1f} MB/s, data {verdict}")
 
 
 def _progress(enabled: bool, text: str) -> None:
@@ -78,45 +86,40 @@ async def run_demo(size: int, count: int, crc: bool, progress: bool) -> int:
             result = await connect_qp(cqp, stream, private_data=b"rdmashim demo", options=options)
         await listeners[0].aclose()
         print(
-            f"connected on 127.0.0.1:{port}: MPA rev {result.revision}, IRD/ORD {result.ird}/{result.ord}"
+            f"connected on 127.0.0.1:{port}: MPA rev {result.revision}, "
+            f"IRD/ORD {result.ird}/{result.ord}"
         )
 
         # The active side sends first: tell the server where our source buffer is.
         source = cpd.reg_mr(bytearray((bytes(range(251)) * (size // 251 + 1))[:size]), _REMOTE)
         msg = cpd.reg_mr(bytearray(struct.pack("!QIQ", source.addr, source.rkey, size)))
-        cqp.post_send(SendWR(1, WROpcode.SEND, [msg.sge()], SendFlags.SIGNALED))
+        cqp.post_send(SendWR(1, WROpcode.SEND, [msg.sge()], _SIG))
         (await ccq.poll_wait(1))[0].raise_for_status()
         wc = (await scq.poll_wait(1))[0].raise_for_status()
-        addr, rkey, length = struct.unpack_from("!QIQ", hello.buf)
+        addr, rkey, _ = struct.unpack_from("!QIQ", hello.buf)
         print(
             f"server received a {wc.byte_len}-byte Send: source buffer at {addr:#x}, rkey {rkey:#x}"
         )
 
         writes = [
-            SendWR(
-                i, WROpcode.RDMA_WRITE, [source.sge()], SendFlags.SIGNALED, target.addr, target.rkey
-            )
+            SendWR(i, WROpcode.RDMA_WRITE, [source.sge()], _SIG, target.addr, target.rkey)
             for i in range(count)
         ]
+        # A Write completes once sent; the zero-length Read behind it completes only
+        # after the server placed every byte.
+        writes.append(SendWR(count, WROpcode.RDMA_READ, [], _SIG, target.addr, target.rkey))
         elapsed = await _pump(cqp, ccq, writes, "RDMA Write", size, progress)
-        _progress(progress, "")
-        ok = bytes(target.buf) == bytes(source.buf)
-        print(
-            f"RDMA Write {count} x {size} B: {count * size / elapsed / 1e6:8.1f} MB/s, data {'verified' if ok else 'WRONG'}"
-        )
+        ok_write = bytes(target.buf) == bytes(source.buf)
+        _report("RDMA Write", count, size, elapsed, ok_write, progress)
 
         sink = spd.reg_mr(bytearray(size), _REMOTE)
         reads = [
-            SendWR(i, WROpcode.RDMA_READ, [sink.sge()], SendFlags.SIGNALED, addr, rkey)
-            for i in range(count)
+            SendWR(i, WROpcode.RDMA_READ, [sink.sge()], _SIG, addr, rkey) for i in range(count)
         ]
         elapsed = await _pump(sqp, scq, reads, "RDMA Read", size, progress)
-        _progress(progress, "")
         ok_read = bytes(sink.buf) == bytes(source.buf)
-        print(
-            f"RDMA Read  {count} x {size} B: {count * size / elapsed / 1e6:8.1f} MB/s, data {'verified' if ok_read else 'WRONG'}"
-        )
+        _report("RDMA Read ", count, size, elapsed, ok_read, progress)
         cqp.modify(qp_state=rdmashim.QPState.ERR)
         await sqp.wait_closed()
         print(f"disconnected: server QP {sqp.state.name}")
-        return 0 if ok and ok_read else 1
+        return 0 if ok_write and ok_read else 1
