@@ -1,0 +1,997 @@
+#!/usr/bin/env python3
+"""rdmashim benchmarks: the soft-iWARP engine beside raw Python TCP, in one run.
+
+Two processes on one machine: this script is the client; it starts the server
+as a subprocess (a fresh interpreter running this file with ``--serve``). Both
+ends run trio and talk over 127.0.0.1. Every figure is printed beside raw TCP
+doing the same work in the same run (trio sockets, ``recv_into`` preallocated
+buffers), as a ratio; each measurement is repeated ``--repeat`` times,
+alternating ours and raw, and the medians are reported.
+
+Benchmarks (``--only`` takes these names):
+
+``write-bw``
+    RDMA Write of 1 MiB from one MR into the server's MR, ``depth`` Writes
+    outstanding. The window ends with a small RDMA Read, which completes only
+    after every earlier Write has been placed at the server.
+    Raw: ``send_all`` of 1 MiB chunks; the server ``recv_into`` a 1 MiB buffer,
+    and answers the byte count after the client's EOF (the window ends there).
+``read-bw``
+    RDMA Read of 1 MiB from the server's MR, ``depth`` Reads outstanding.
+    Raw: the client sends an 8-byte request per 1 MiB, ``depth`` outstanding;
+    the server answers each with ``send_all`` of 1 MiB.
+``send-rate``
+    64 B Sends (inline), posted in lists of 64 per ``post_send`` call, unsignaled
+    but for the last of each list. The server keeps 4096 receives posted and
+    re-posts them in batches; it returns credits (its count of receives) in 8 B
+    Sends, so no Send ever arrives without a receive. The window ends when the
+    server reports every message received.
+    Raw: one ``send_all`` of 64 x 64 B per batch; the server ``recv_into`` a
+    256 KiB buffer and answers the byte count after the client's EOF.
+``send-lat``
+    8 B Send ping-pong (inline, the client sends first); half the round trip,
+    median over the iterations of a sample. Raw: 8 B echo over TCP.
+
+Ratios are ours/raw: above 1 is better for bandwidth and rate, worse (slower)
+for latency.
+
+Usage::
+
+    python benchmarks/bench.py [--quick] [--json FILE] [--repeat N] [--no-crc] [--only NAME]
+    python benchmarks/bench.py --profile DIR --only write-bw   # cProfile both ends
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import datetime
+import io
+import json
+import os
+import platform
+import pstats
+import statistics
+import struct
+import subprocess
+import sys
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import trio
+
+import rdmashim
+from rdmashim import Access, QPCap, RecvWR, SendFlags, SendWR, WCOpcode, WCStatus, WROpcode
+from rdmashim.verbs.softiwarp.connection import MpaOptions, accept_qp, connect_qp, read_request
+
+HOST = "127.0.0.1"
+DEVICE = "siw_lo"
+MiB = 1 << 20
+
+BULK_SIZE = MiB
+DEPTH = 8
+"""RDMA Writes/Reads (and raw read requests) outstanding in the bandwidth tests."""
+MSG_SIZE = 64
+BATCH = 64
+"""SendWRs per post_send call (and 64 B messages per raw send) in send-rate."""
+MAX_BATCHES = 16
+"""Signaled batches the send-rate client keeps outstanding."""
+SERVER_RECVS = 4096
+"""Receives the send-rate server keeps posted (the client's initial credit)."""
+CREDIT_STEP = 512
+"""The send-rate server returns credits after this many receives (or on a solicited one)."""
+CLIENT_CREDIT_RECVS = 64
+LAT_SIZE = 8
+LAT_RECVS = 16
+RAW_STAGING = 256 * 1024
+RAW_HDR = struct.Struct("!8s")
+REQ = struct.Struct("!Q")
+PRIV_REQ = struct.Struct("!cBB")
+"""Client -> server MPA private data: mode, CRC, profile this connection."""
+PRIV_REP = struct.Struct("!QII")
+"""Server -> client MPA private data: MR address, rkey, initial credits."""
+ALL_ACCESS = Access.LOCAL_WRITE | Access.REMOTE_WRITE | Access.REMOTE_READ
+
+RESULT_LINE = "-" * 96
+
+
+class BenchError(RuntimeError):
+    """A benchmark could not run to the end (failed completion, lost peer, ...)."""
+
+
+def _check(wc: Any, qp: Any) -> None:
+    if wc.status != WCStatus.SUCCESS:
+        raise BenchError(
+            f"work request {wc.wr_id} completed with {WCStatus(wc.status).name}"
+            f" (QP error: {qp.error!r})"
+        )
+
+
+# =============================================================================================
+# server process
+# =============================================================================================
+
+
+async def _read_exact(sock: Any, view: memoryview) -> bool:
+    """Fill ``view`` from ``sock``; False on EOF before the first byte."""
+    got = 0
+    while got < len(view):
+        n = await sock.recv_into(view[got:])
+        if not n:
+            if got:
+                raise BenchError("connection closed mid-message")
+            return False
+        got += n
+    return True
+
+
+class Server:
+    """The passive side: one RDMA listener, one raw TCP listener, a handler per connection."""
+
+    def __init__(self, ctx: Any, profile_dir: Path | None) -> None:
+        self.ctx = ctx
+        self.profile_dir = profile_dir
+
+    async def accept_loop(self, listener: trio.SocketListener, handler: Callable) -> None:
+        async with trio.open_nursery() as nursery:
+            while True:
+                stream = await listener.accept()
+                nursery.start_soon(self._guard, handler, stream)
+
+    async def _guard(self, handler: Callable, stream: trio.SocketStream) -> None:
+        try:
+            await handler(stream)
+        except Exception as exc:  # keep serving the next connection
+            print(f"bench server: {handler.__name__}: {exc!r}", file=sys.stderr)
+
+    # ------------------------------------------------------------------ RDMA
+    async def rdma(self, stream: trio.SocketStream) -> None:
+        req = await read_request(stream)
+        mode, crc, profile = PRIV_REQ.unpack_from(req.private_data)
+        options = MpaOptions(crc=bool(crc))
+        ctx = self.ctx
+        pd = ctx.alloc_pd()
+        cq = ctx.create_cq(4 * SERVER_RECVS)
+        prof = cProfile.Profile() if profile else None
+        try:
+            if mode in (b"W", b"R"):
+                mr = pd.reg_mr(bytearray(BULK_SIZE), ALL_ACCESS)
+                qp = pd.create_qp(send_cq=cq, recv_cq=cq, cap=QPCap(max_send_wr=4, max_recv_wr=1))
+                await accept_qp(
+                    qp,
+                    stream,
+                    req,
+                    private_data=PRIV_REP.pack(mr.addr, mr.rkey, 0),
+                    options=options,
+                )
+                if prof:
+                    prof.enable()
+                await qp.wait_closed()
+            elif mode == b"S":
+                await self._send_rate(pd, cq, stream, req, options, prof)
+            elif mode == b"L":
+                await self._send_lat(pd, cq, stream, req, options, prof)
+            else:
+                raise BenchError(f"unknown mode {mode!r}")
+        finally:
+            if prof:
+                prof.disable()
+                self._dump(prof, mode)
+            pd.close()
+            cq.close()
+
+    def _dump(self, prof: cProfile.Profile, mode: bytes) -> None:
+        if self.profile_dir is None:
+            return
+        path = self.profile_dir / f"server-{mode.decode()}.pstats"
+        tmp = path.with_suffix(".tmp")
+        prof.dump_stats(tmp)
+        tmp.replace(path)
+
+    async def _run_until_closed(self, qp: Any, loop: Callable[[], Awaitable[None]]) -> None:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(loop)
+            await qp.wait_closed()
+            nursery.cancel_scope.cancel()
+
+    async def _send_rate(
+        self, pd: Any, cq: Any, stream: Any, req: Any, options: MpaOptions, prof: Any
+    ) -> None:
+        cap = QPCap(max_send_wr=256, max_recv_wr=SERVER_RECVS, max_inline_data=64, max_send_sge=1)
+        qp = pd.create_qp(send_cq=cq, recv_cq=cq, cap=cap)
+        mr = pd.reg_mr(bytearray(SERVER_RECVS * MSG_SIZE), Access.LOCAL_WRITE)
+        recv_wrs = [RecvWR(i, [mr.sge(i * MSG_SIZE, MSG_SIZE)]) for i in range(SERVER_RECVS)]
+        qp.post_recv(recv_wrs)  # before accepting: no Send may find the queue empty
+        await accept_qp(
+            qp, stream, req, private_data=PRIV_REP.pack(0, 0, SERVER_RECVS), options=options
+        )
+        if prof:
+            prof.enable()
+        flags = SendFlags.INLINE
+
+        async def loop() -> None:
+            received = last_credit = 0
+            while True:
+                wcs = await cq.poll_wait(SERVER_RECVS)
+                repost = []
+                urgent = False
+                for wc in wcs:
+                    if wc.status != WCStatus.SUCCESS:
+                        return  # flushed: the client went away
+                    repost.append(recv_wrs[wc.wr_id])
+                    if wc.solicited:
+                        urgent = True
+                qp.post_recv(repost)
+                received += len(repost)
+                if urgent or received - last_credit >= CREDIT_STEP:
+                    qp.post_send(SendWR(received, WROpcode.SEND, [REQ.pack(received)], flags))
+                    last_credit = received
+
+        await self._run_until_closed(qp, loop)
+
+    async def _send_lat(
+        self, pd: Any, cq: Any, stream: Any, req: Any, options: MpaOptions, prof: Any
+    ) -> None:
+        cap = QPCap(max_send_wr=64, max_recv_wr=LAT_RECVS, max_inline_data=64)
+        qp = pd.create_qp(send_cq=cq, recv_cq=cq, cap=cap)
+        rmr = pd.reg_mr(bytearray(LAT_RECVS * 64), Access.LOCAL_WRITE)
+        smr = pd.reg_mr(bytearray(64), Access.LOCAL_WRITE)
+        recv_wrs = [RecvWR(i, [rmr.sge(i * 64, 64)]) for i in range(LAT_RECVS)]
+        qp.post_recv(recv_wrs)
+        await accept_qp(
+            qp, stream, req, private_data=PRIV_REP.pack(0, 0, LAT_RECVS), options=options
+        )
+        if prof:
+            prof.enable()
+        pong = SendWR(0, WROpcode.SEND, [smr.sge(0, LAT_SIZE)], SendFlags.INLINE)
+
+        async def loop() -> None:
+            while True:
+                for wc in await cq.poll_wait(LAT_RECVS):
+                    if wc.status != WCStatus.SUCCESS:
+                        return
+                    qp.post_recv(recv_wrs[wc.wr_id])
+                    qp.post_send(pong)
+
+        await self._run_until_closed(qp, loop)
+
+    # ------------------------------------------------------------------ raw TCP
+    async def raw(self, stream: trio.SocketStream) -> None:
+        sock = stream.socket
+        hdr = bytearray(RAW_HDR.size)
+        async with stream:
+            if not await _read_exact(sock, memoryview(hdr)):
+                return
+            mode = RAW_HDR.unpack(hdr)[0][:1]
+            if mode in (b"W", b"S"):
+                buf = memoryview(bytearray(BULK_SIZE if mode == b"W" else RAW_STAGING))
+                total = 0
+                while n := await sock.recv_into(buf):
+                    total += n
+                await stream.send_all(REQ.pack(total))
+            elif mode == b"R":
+                src = memoryview(bytearray(BULK_SIZE))
+                reqs = memoryview(bytearray(REQ.size * 64))
+                pending = 0
+                while n := await sock.recv_into(reqs):
+                    pending += n
+                    for _ in range(pending // REQ.size):
+                        await stream.send_all(src)
+                    pending %= REQ.size
+            elif mode == b"L":
+                buf = memoryview(bytearray(LAT_SIZE))
+                while await _read_exact(sock, buf):
+                    await stream.send_all(buf)
+            else:
+                raise BenchError(f"unknown raw mode {mode!r}")
+
+
+async def _wait_stdin_eof() -> None:
+    async with trio.lowlevel.FdStream(os.dup(sys.stdin.fileno())) as stdin:
+        while await stdin.receive_some(4096):
+            pass
+
+
+async def serve_main(profile_dir: Path | None) -> None:
+    async with rdmashim.open_device(DEVICE) as ctx:
+        server = Server(ctx, profile_dir)
+        rdma_l = (await trio.open_tcp_listeners(0, host=HOST))[0]
+        raw_l = (await trio.open_tcp_listeners(0, host=HOST))[0]
+        ports = rdma_l.socket.getsockname()[1], raw_l.socket.getsockname()[1]
+        print(f"READY {ports[0]} {ports[1]}", flush=True)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(server.accept_loop, rdma_l, server.rdma)
+            nursery.start_soon(server.accept_loop, raw_l, server.raw)
+            await _wait_stdin_eof()  # the client closes our stdin when it is done
+            nursery.cancel_scope.cancel()
+
+
+# =============================================================================================
+# client
+# =============================================================================================
+
+
+@dataclass
+class Config:
+    duration: float
+    lat_iters: int
+    lat_warmup: int
+    crc: bool
+    rdma_port: int
+    raw_port: int
+    profile: bool = False
+
+
+@dataclass
+class Conn:
+    """The client's end of one RDMA connection."""
+
+    pd: Any
+    cq: Any
+    qp: Any
+    remote_addr: int
+    rkey: int
+    credits: int
+    mrs: dict[str, Any] = field(default_factory=dict)
+
+    async def aclose(self) -> None:
+        self.qp.close()
+        with trio.move_on_after(10):
+            await self.qp.wait_closed()
+        self.pd.close()
+        self.cq.close()
+
+
+async def rdma_connect(
+    ctx: Any,
+    cfg: Config,
+    mode: bytes,
+    cap: QPCap,
+    mrs: dict[str, tuple[int, Access]],
+    pre: Callable[[Conn], None] = lambda conn: None,
+) -> Conn:
+    pd = ctx.alloc_pd()
+    cq = ctx.create_cq(4 * SERVER_RECVS)
+    qp = pd.create_qp(send_cq=cq, recv_cq=cq, cap=cap)
+    conn = Conn(pd, cq, qp, 0, 0, 0)
+    conn.mrs = {name: pd.reg_mr(bytearray(size), access) for name, (size, access) in mrs.items()}
+    pre(conn)
+    stream = await trio.open_tcp_stream(HOST, cfg.rdma_port)
+    res = await connect_qp(
+        qp,
+        stream,
+        private_data=PRIV_REQ.pack(mode, cfg.crc, cfg.profile),
+        options=MpaOptions(crc=cfg.crc),
+    )
+    conn.remote_addr, conn.rkey, conn.credits = PRIV_REP.unpack_from(res.private_data)
+    return conn
+
+
+async def raw_connect(cfg: Config, mode: bytes) -> trio.SocketStream:
+    stream = await trio.open_tcp_stream(HOST, cfg.raw_port)  # trio sets TCP_NODELAY
+    await stream.send_all(RAW_HDR.pack(mode))
+    return stream
+
+
+def _bw(nbytes: int, seconds: float) -> dict[str, float]:
+    return {"value": nbytes / seconds / MiB, "bytes": nbytes, "seconds": seconds}
+
+
+class _Prof:
+    """Optional cProfile over a benchmark's timed window (``--profile``)."""
+
+    def __init__(self, on: bool) -> None:
+        self.profile = cProfile.Profile() if on else None
+
+    def start(self) -> None:
+        if self.profile:
+            self.profile.enable()
+
+    def stop(self) -> None:
+        if self.profile:
+            self.profile.disable()
+
+
+# ------------------------------------------------------------------ write-bw / read-bw
+async def ours_bulk(ctx: Any, cfg: Config, prof: _Prof, opcode: WROpcode) -> dict[str, float]:
+    mode = b"W" if opcode is WROpcode.RDMA_WRITE else b"R"
+    conn = await rdma_connect(
+        ctx,
+        cfg,
+        mode,
+        QPCap(max_send_wr=2 * DEPTH + 2, max_recv_wr=1),
+        {"local": (BULK_SIZE, Access.LOCAL_WRITE), "probe": (64, Access.LOCAL_WRITE)},
+    )
+    qp, cq = conn.qp, conn.cq
+    try:
+        wr = SendWR(
+            1, opcode, [conn.mrs["local"].sge()], SendFlags.SIGNALED, conn.remote_addr, conn.rkey
+        )
+        prof.start()
+        t0 = time.perf_counter()
+        deadline = t0 + cfg.duration
+        qp.post_send([wr] * DEPTH)
+        outstanding = DEPTH
+        done = 0
+        while outstanding:
+            wcs = await cq.poll_wait(DEPTH)
+            for wc in wcs:
+                _check(wc, qp)
+            done += len(wcs)
+            outstanding -= len(wcs)
+            if time.perf_counter() < deadline:
+                qp.post_send([wr] * len(wcs))
+                outstanding += len(wcs)
+        if opcode is WROpcode.RDMA_WRITE:
+            # A Read completes after all earlier Writes were placed at the server.
+            probe = SendWR(
+                2, WROpcode.RDMA_READ, [conn.mrs["probe"].sge(0, 8)],
+                SendFlags.SIGNALED, conn.remote_addr, conn.rkey,
+            )  # fmt: skip
+            qp.post_send(probe)
+            _check((await cq.poll_wait(1))[0], qp)
+        elapsed = time.perf_counter() - t0
+        prof.stop()
+    finally:
+        await conn.aclose()
+    return _bw(done * BULK_SIZE, elapsed)
+
+
+async def ours_write(ctx: Any, cfg: Config, prof: _Prof) -> dict[str, float]:
+    return await ours_bulk(ctx, cfg, prof, WROpcode.RDMA_WRITE)
+
+
+async def ours_read(ctx: Any, cfg: Config, prof: _Prof) -> dict[str, float]:
+    return await ours_bulk(ctx, cfg, prof, WROpcode.RDMA_READ)
+
+
+async def raw_write(ctx: Any, cfg: Config, prof: _Prof) -> dict[str, float]:
+    stream = await raw_connect(cfg, b"W")
+    async with stream:
+        chunk = memoryview(bytearray(BULK_SIZE))
+        answer = memoryview(bytearray(REQ.size))
+        t0 = time.perf_counter()
+        deadline = t0 + cfg.duration
+        sent = 0
+        while time.perf_counter() < deadline:
+            await stream.send_all(chunk)
+            sent += BULK_SIZE
+        await stream.send_eof()
+        if not await _read_exact(stream.socket, answer):
+            raise BenchError("raw server closed without its count")
+        elapsed = time.perf_counter() - t0
+    if REQ.unpack(answer)[0] != sent:
+        raise BenchError(f"raw server counted {REQ.unpack(answer)[0]} bytes, sent {sent}")
+    return _bw(sent, elapsed)
+
+
+async def raw_read(ctx: Any, cfg: Config, prof: _Prof) -> dict[str, float]:
+    stream = await raw_connect(cfg, b"R")
+    sock = stream.socket
+    async with stream:
+        dst = memoryview(bytearray(BULK_SIZE))
+        request = REQ.pack(BULK_SIZE)
+        t0 = time.perf_counter()
+        deadline = t0 + cfg.duration
+        await stream.send_all(request * DEPTH)
+        outstanding = DEPTH
+        done = got = 0
+        while outstanding:
+            n = await sock.recv_into(dst[got:])
+            if not n:
+                raise BenchError("raw server closed mid-read")
+            got += n
+            if got == BULK_SIZE:
+                got = 0
+                done += 1
+                outstanding -= 1
+                if time.perf_counter() < deadline:
+                    await stream.send_all(request)
+                    outstanding += 1
+        elapsed = time.perf_counter() - t0
+    return _bw(done * BULK_SIZE, elapsed)
+
+
+# ------------------------------------------------------------------ send-rate
+async def ours_send_rate(ctx: Any, cfg: Config, prof: _Prof) -> dict[str, float]:
+    recv_wrs: list[RecvWR] = []
+
+    def pre(conn: Conn) -> None:
+        cmr = conn.mrs["credit"]
+        recv_wrs.extend(RecvWR(i, [cmr.sge(i * 8, 8)]) for i in range(CLIENT_CREDIT_RECVS))
+        conn.qp.post_recv(recv_wrs)
+
+    cap = QPCap(
+        max_send_wr=BATCH * MAX_BATCHES + 8,
+        max_recv_wr=CLIENT_CREDIT_RECVS,
+        max_inline_data=64,
+    )
+    conn = await rdma_connect(
+        ctx,
+        cfg,
+        b"S",
+        cap,
+        {"msg": (MSG_SIZE, Access.LOCAL_WRITE), "credit": (8 * CLIENT_CREDIT_RECVS, ALL_ACCESS)},
+        pre,
+    )
+    qp, cq = conn.qp, conn.cq
+    credit_buf = conn.mrs["credit"].buf
+    try:
+        sge = conn.mrs["msg"].sge(0, MSG_SIZE)
+        quiet = SendWR(0, WROpcode.SEND, [sge], SendFlags.INLINE)
+        last = SendWR(1, WROpcode.SEND, [sge], SendFlags.INLINE | SendFlags.SIGNALED)
+        batch = [quiet] * (BATCH - 1) + [last]
+        marker = SendWR(
+            2, WROpcode.SEND, [sge], SendFlags.INLINE | SendFlags.SIGNALED | SendFlags.SOLICITED
+        )
+        window = conn.credits
+        state = {"granted": window, "confirmed": 0, "outstanding": 0}
+
+        def handle(wcs: list) -> None:
+            for wc in wcs:
+                _check(wc, qp)
+                if wc.opcode == WCOpcode.RECV:
+                    count = REQ.unpack_from(credit_buf, wc.wr_id * 8)[0]
+                    qp.post_recv(recv_wrs[wc.wr_id])
+                    if count > state["confirmed"]:
+                        state["confirmed"] = count
+                        state["granted"] = window + count
+                else:
+                    state["outstanding"] -= 1
+
+        prof.start()
+        t0 = time.perf_counter()
+        deadline = t0 + cfg.duration
+        sent = 0
+        while time.perf_counter() < deadline:
+            while state["outstanding"] < MAX_BATCHES and state["granted"] - sent >= BATCH:
+                qp.post_send(batch)
+                sent += BATCH
+                state["outstanding"] += 1
+            handle(await cq.poll_wait(256))
+        # Close the window: one solicited message makes the server report its count now.
+        while state["granted"] - sent < 1 or state["outstanding"] >= MAX_BATCHES:
+            handle(await cq.poll_wait(256))
+        qp.post_send(marker)
+        sent += 1
+        state["outstanding"] += 1
+        while state["confirmed"] < sent:
+            handle(await cq.poll_wait(256))
+        elapsed = time.perf_counter() - t0
+        prof.stop()
+    finally:
+        await conn.aclose()
+    if state["confirmed"] != sent:
+        raise BenchError(f"server counted {state['confirmed']} messages, sent {sent}")
+    return {"value": sent / elapsed / 1e6, "messages": sent, "seconds": elapsed}
+
+
+async def raw_send_rate(ctx: Any, cfg: Config, prof: _Prof) -> dict[str, float]:
+    stream = await raw_connect(cfg, b"S")
+    async with stream:
+        batch = bytes(MSG_SIZE * BATCH)
+        answer = memoryview(bytearray(REQ.size))
+        t0 = time.perf_counter()
+        deadline = t0 + cfg.duration
+        sent = 0
+        while time.perf_counter() < deadline:
+            await stream.send_all(batch)
+            sent += BATCH
+        await stream.send_eof()
+        if not await _read_exact(stream.socket, answer):
+            raise BenchError("raw server closed without its count")
+        elapsed = time.perf_counter() - t0
+    if REQ.unpack(answer)[0] != sent * MSG_SIZE:
+        raise BenchError(f"raw server counted {REQ.unpack(answer)[0]} bytes, sent {sent} msgs")
+    return {"value": sent / elapsed / 1e6, "messages": sent, "seconds": elapsed}
+
+
+# ------------------------------------------------------------------ send-lat
+def _lat_stats(half_rtts_ns: list[int]) -> dict[str, float]:
+    us = sorted(t / 1000 for t in half_rtts_ns)
+    n = len(us)
+    return {
+        "value": statistics.median(us),
+        "n_iterations": n,
+        "t_min": us[0],
+        "t_max": us[-1],
+        "t_typical": statistics.median(us),
+        "t_avg": statistics.fmean(us),
+        "t_stdev": statistics.pstdev(us),
+        "percentile_99": us[min(n - 1, int(n * 0.99))],
+        "percentile_99.9": us[min(n - 1, int(n * 0.999))],
+    }
+
+
+async def ours_send_lat(ctx: Any, cfg: Config, prof: _Prof) -> dict[str, float]:
+    recv_wrs: list[RecvWR] = []
+
+    def pre(conn: Conn) -> None:
+        rmr = conn.mrs["recv"]
+        recv_wrs.extend(RecvWR(i, [rmr.sge(i * 64, 64)]) for i in range(LAT_RECVS))
+        conn.qp.post_recv(recv_wrs)
+
+    cap = QPCap(max_send_wr=64, max_recv_wr=LAT_RECVS, max_inline_data=64)
+    conn = await rdma_connect(
+        ctx,
+        cfg,
+        b"L",
+        cap,
+        {"send": (64, Access.LOCAL_WRITE), "recv": (64 * LAT_RECVS, Access.LOCAL_WRITE)},
+        pre,
+    )
+    qp, cq = conn.qp, conn.cq
+    samples: list[int] = []
+    clock = time.perf_counter_ns
+    try:
+        ping = SendWR(0, WROpcode.SEND, [conn.mrs["send"].sge(0, LAT_SIZE)], SendFlags.INLINE)
+        prof.start()
+        for i in range(cfg.lat_warmup + cfg.lat_iters):
+            t = clock()
+            qp.post_send(ping)
+            wc = (await cq.poll_wait(1))[0]
+            dt = clock() - t
+            _check(wc, qp)
+            qp.post_recv(recv_wrs[wc.wr_id])
+            if i >= cfg.lat_warmup:
+                samples.append(dt // 2)
+        prof.stop()
+    finally:
+        await conn.aclose()
+    return _lat_stats(samples)
+
+
+async def raw_send_lat(ctx: Any, cfg: Config, prof: _Prof) -> dict[str, float]:
+    stream = await raw_connect(cfg, b"L")
+    sock = stream.socket
+    samples: list[int] = []
+    clock = time.perf_counter_ns
+    async with stream:
+        ping = bytes(LAT_SIZE)
+        pong = memoryview(bytearray(LAT_SIZE))
+        for i in range(cfg.lat_warmup + cfg.lat_iters):
+            t = clock()
+            await stream.send_all(ping)
+            if not await _read_exact(sock, pong):
+                raise BenchError("raw server closed mid-ping-pong")
+            dt = clock() - t
+            if i >= cfg.lat_warmup:
+                samples.append(dt // 2)
+    return _lat_stats(samples)
+
+
+# ------------------------------------------------------------------ the table
+@dataclass(frozen=True)
+class Bench:
+    name: str
+    ours: Callable[[Any, Config, _Prof], Awaitable[dict[str, float]]]
+    raw: Callable[[Any, Config, _Prof], Awaitable[dict[str, float]]]
+    msg_size: int
+    depth: str
+    unit: str
+    higher_is_better: bool
+    server_mode: str
+
+
+BENCHES = [
+    Bench("write-bw", ours_write, raw_write, BULK_SIZE, str(DEPTH), "MiB/sec", True, "W"),
+    Bench("read-bw", ours_read, raw_read, BULK_SIZE, str(DEPTH), "MiB/sec", True, "R"),
+    Bench(
+        "send-rate",
+        ours_send_rate,
+        raw_send_rate,
+        MSG_SIZE,
+        f"{BATCH}x{MAX_BATCHES}",
+        "Mmsg/sec",
+        True,
+        "S",
+    ),
+    Bench("send-lat", ours_send_lat, raw_send_lat, LAT_SIZE, "1", "usec", False, "L"),
+]
+BY_NAME = {b.name: b for b in BENCHES}
+
+
+def _perftest_keys(bench: Bench, detail: dict[str, float]) -> dict[str, float]:
+    """perftest's JSON key names for one sample."""
+    if bench.name == "send-lat":
+        keys = ("t_min", "t_max", "t_typical", "t_avg", "t_stdev")
+        out = {k: detail[k] for k in keys}
+        out["percentile_99"] = detail["percentile_99"]
+        out["percentile_99.9"] = detail["percentile_99.9"]
+        return {"MsgSize": bench.msg_size, "n_iterations": detail["n_iterations"], **out}
+    if bench.name == "send-rate":
+        rate = detail["value"]
+        return {
+            "MsgSize": bench.msg_size,
+            "n_iterations": detail["messages"],
+            "BW_average": rate * 1e6 * bench.msg_size / MiB,
+            "MsgRate": rate,
+        }
+    return {
+        "MsgSize": bench.msg_size,
+        "n_iterations": detail["bytes"] // bench.msg_size,
+        "BW_average": detail["value"],
+        "MsgRate": detail["value"] * MiB / bench.msg_size / 1e6,
+    }
+
+
+class Status:
+    """A one-line ``\\r`` status on stderr, only when stderr is a terminal."""
+
+    def __init__(self) -> None:
+        self.on = sys.stderr.isatty()
+        self.width = 0
+
+    def show(self, text: str) -> None:
+        if self.on:
+            sys.stderr.write("\r" + text.ljust(self.width))
+            sys.stderr.flush()
+            self.width = len(text)
+
+    def clear(self) -> None:
+        if self.on and self.width:
+            sys.stderr.write("\r" + " " * self.width + "\r")
+            sys.stderr.flush()
+            self.width = 0
+
+
+async def run_samples(
+    ctx: Any, cfg: Config, benches: list[Bench], repeat: int, status: Status
+) -> list[dict[str, Any]]:
+    results = []
+    for bench in benches:
+        details: dict[str, list] = {"ours": [], "raw": []}
+        limit = max(60.0, 10 * cfg.duration + 60)
+        for i in range(repeat):
+            for side, fn in (("ours", bench.ours), ("raw", bench.raw)):
+                status.show(f"{bench.name}: sample {i + 1}/{repeat} ({side})")
+                with trio.fail_after(limit):
+                    details[side].append(await fn(ctx, cfg, _Prof(False)))
+        ours = statistics.median(d["value"] for d in details["ours"])
+        raw = statistics.median(d["value"] for d in details["raw"])
+        results.append(
+            {
+                "name": bench.name,
+                "msg_size": bench.msg_size,
+                "depth": bench.depth,
+                "unit": bench.unit,
+                "ours_median": ours,
+                "raw_median": raw,
+                "ratio": ours / raw,
+                "ratio_meaning": (
+                    "ours/raw throughput (>1: faster than raw TCP)"
+                    if bench.higher_is_better
+                    else "ours/raw time (>1: slower than raw TCP)"
+                ),
+                "ours": [d["value"] for d in details["ours"]],
+                "raw": [d["value"] for d in details["raw"]],
+                "samples": details,
+                "perftest": {
+                    side: [_perftest_keys(bench, d) for d in details[side]]
+                    for side in ("ours", "raw")
+                },
+            }
+        )
+    status.clear()
+    return results
+
+
+def print_header(args: argparse.Namespace, cfg: Config, meta: dict[str, Any]) -> None:
+    crc = "ON" if cfg.crc else "OFF"
+    print(RESULT_LINE)
+    print(" rdmashim soft-iWARP vs raw Python TCP (trio on both ends, two processes, loopback)")
+    print(RESULT_LINE)
+    print(f" Device          : {DEVICE:<16}Transport type : IWARP")
+    print(f" Connection type : RC              CRC            : {crc}")
+    print(f" Repeats         : {args.repeat:<16}Reported       : median of repeats")
+    dur = f"{cfg.duration:g} s/sample"
+    print(f" Duration        : {dur:<16}Lat. iterations: {cfg.lat_iters}")
+    print(f" Python          : {meta['python']:<16}CPUs           : {meta['nproc']}")
+    print(f" Date            : {meta['date']}")
+
+
+def print_table(results: list[dict[str, Any]]) -> None:
+    print(RESULT_LINE)
+    print(
+        f" {'benchmark':<11}{'#bytes':>9}  {'depth':<7}{'ours':>12}  {'raw TCP':>12}  "
+        f"{'ours/raw':>9}  unit"
+    )
+    for r in results:
+        prec = 4 if r["unit"] == "Mmsg/sec" else 2
+        print(
+            f" {r['name']:<11}{r['msg_size']:>9}  {r['depth']:<7}"
+            f"{r['ours_median']:>12.{prec}f}  {r['raw_median']:>12.{prec}f}  "
+            f"{r['ratio']:>9.3f}  {r['unit']}"
+        )
+    print(RESULT_LINE)
+    print(" ratio: ours/raw; for usec (latency, half round trip) above 1 means slower than raw TCP")
+
+
+# ------------------------------------------------------------------ profiling
+def _wait_for_file(path: Path, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
+
+
+async def run_profiles(
+    ctx: Any, cfg: Config, benches: list[Bench], profile_dir: Path
+) -> list[dict[str, float]]:
+    """One profiled sample of ours per benchmark, profiling both processes.
+
+    The server profiles each connection from accept to close and writes
+    ``server-<mode>.pstats`` when it ends; we wait for that file before the next
+    benchmark, so two server profilers never overlap.
+    """
+    details = []
+    for bench in benches:
+        server_file = profile_dir / f"server-{bench.server_mode}.pstats"
+        server_file.unlink(missing_ok=True)
+        prof = _Prof(True)
+        with trio.fail_after(10 * cfg.duration + 60):
+            details.append(await bench.ours(ctx, cfg, prof))
+        assert prof.profile is not None
+        prof.profile.dump_stats(profile_dir / f"client-{bench.name}.pstats")
+        if await trio.to_thread.run_sync(_wait_for_file, server_file, 30.0):
+            server_file.replace(profile_dir / f"server-{bench.name}.pstats")
+    return details
+
+
+def report_profiles(benches: list[Bench], details: list[dict], profile_dir: Path) -> None:
+    """Print the top functions of both processes' profiles."""
+    for bench, detail in zip(benches, details, strict=True):
+        print(f"== {bench.name}: ours {detail['value']:.4g} {bench.unit} (profiled, slower)")
+        for label in ("client", "server"):
+            path = profile_dir / f"{label}-{bench.name}.pstats"
+            print(f"-- {label} process, top 15 by tottime ({path})")
+            print(_top(path, 15) if path.exists() else "   (no profile written)")
+
+
+def _top(path: Path, n: int) -> str:
+    out = io.StringIO()
+    stats = pstats.Stats(str(path), stream=out)
+    stats.sort_stats(pstats.SortKey.TIME).print_stats(n)
+    text = out.getvalue()
+    start = text.find("   ncalls")
+    return text[start:].rstrip() if start >= 0 else text.rstrip()
+
+
+# ------------------------------------------------------------------ main
+def _meta(cfg: Config, args: argparse.Namespace) -> dict[str, Any]:
+    try:
+        commit = subprocess.run(
+            ["git", "rev-parse", "HEAD"],
+            cwd=Path(__file__).resolve().parent,
+            capture_output=True,
+            text=True,
+            check=False,
+        ).stdout.strip()
+    except OSError:
+        commit = ""
+    return {
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "python": platform.python_version(),
+        "implementation": platform.python_implementation(),
+        "platform": platform.platform(),
+        "nproc": os.cpu_count(),
+        "loadavg_start": os.getloadavg(),
+        "commit": commit,
+        "rdmashim": rdmashim.__version__,
+        "trio": trio.__version__,
+        "device": DEVICE,
+        "host": HOST,
+        "crc": cfg.crc,
+        "repeat": args.repeat,
+        "duration_s": cfg.duration,
+        "lat_iterations": cfg.lat_iters,
+        "lat_warmup": cfg.lat_warmup,
+        "bulk_size": BULK_SIZE,
+        "depth": DEPTH,
+        "send_batch": BATCH,
+        "send_max_batches": MAX_BATCHES,
+        "server_recvs": SERVER_RECVS,
+        "credit_step": CREDIT_STEP,
+    }
+
+
+async def client_main(
+    args: argparse.Namespace, cfg: Config, benches: list[Bench]
+) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    async with rdmashim.open_device(DEVICE) as ctx:
+        if args.profile:
+            return {}, await run_profiles(ctx, cfg, benches, Path(args.profile))
+        meta = _meta(cfg, args)
+        print_header(args, cfg, meta)
+        sys.stdout.flush()
+        results = await run_samples(ctx, cfg, benches, args.repeat, Status())
+        meta["loadavg_end"] = os.getloadavg()
+        print_table(results)
+        return meta, results
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        description="soft-iWARP benchmarks beside raw Python TCP (two processes, loopback)."
+    )
+    p.add_argument("--quick", action="store_true", help="short samples (0.3 s, 3 repeats)")
+    p.add_argument("--json", metavar="FILE", help="write every sample to FILE")
+    p.add_argument("--repeat", type=int, help="samples per side, alternating (default 5)")
+    p.add_argument("--crc", action=argparse.BooleanOptionalAction, default=True, help="MPA CRC32c")
+    p.add_argument(
+        "--only",
+        action="append",
+        choices=[b.name for b in BENCHES],
+        help="run only this benchmark (repeatable)",
+    )
+    p.add_argument("--duration", type=float, help="seconds per bandwidth/rate sample")
+    p.add_argument("--iters", type=int, help="ping-pong iterations per latency sample")
+    p.add_argument(
+        "--profile",
+        metavar="DIR",
+        help="run one profiled sample of ours per benchmark (both processes) and "
+        "print the top 15 functions by tottime; no table",
+    )
+    p.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--profile-dir", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.repeat is None:
+        args.repeat = 3 if args.quick else 5
+    if args.repeat < 1:
+        p.error("--repeat must be at least 1")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.serve:
+        trio.run(serve_main, Path(args.profile_dir) if args.profile_dir else None)
+        return 0
+    duration = args.duration or (0.3 if args.quick else 1.5)
+    iters = args.iters or (300 if args.quick else 2000)
+    if args.profile:
+        duration = args.duration or 2.0
+        Path(args.profile).mkdir(parents=True, exist_ok=True)
+    benches = [b for b in BENCHES if not args.only or b.name in args.only]
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--serve"]
+    if args.profile:
+        cmd += ["--profile-dir", str(Path(args.profile).resolve())]
+    server = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    try:
+        assert server.stdout is not None
+        line = server.stdout.readline().decode().split()
+        if len(line) != 3 or line[0] != "READY":
+            raise BenchError(f"server did not start (said {line!r})")
+        cfg = Config(
+            duration=duration,
+            lat_iters=iters,
+            lat_warmup=max(20, iters // 10),
+            crc=args.crc,
+            rdma_port=int(line[1]),
+            raw_port=int(line[2]),
+            profile=bool(args.profile),
+        )
+        meta, results = trio.run(client_main, args, cfg, benches)
+    finally:
+        if server.stdin is not None:
+            server.stdin.close()
+        try:
+            server.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait()
+    if args.profile:
+        report_profiles(benches, results, Path(args.profile))
+    elif args.json:
+        doc = {"meta": meta, "results": results}
+        Path(args.json).write_text(json.dumps(doc, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
