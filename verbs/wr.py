@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import NamedTuple
 
 from rdmashim.verbs.enums import SendFlags, WCFlags, WCOpcode, WCStatus, WROpcode
 from rdmashim.verbs.errors import CompletionError
 
 
-@dataclass(frozen=True, slots=True)
-class SGE:
+class SGE(NamedTuple):
     """One scatter/gather element: ``length`` bytes at ``addr`` in the region of ``lkey``."""
 
     addr: int
@@ -46,9 +46,8 @@ class RecvWR:
     sg_list: Sequence[SGE] = ()
 
 
-@dataclass(frozen=True, slots=True)
-class WC:
-    """A work completion (``ibv_wc``)."""
+class WC(NamedTuple):
+    """A work completion (``ibv_wc``); a named tuple, so cheap to make and compare."""
 
     wr_id: int
     status: WCStatus
@@ -58,7 +57,8 @@ class WC:
     wc_flags: WCFlags = WCFlags.NONE
     invalidated_rkey: int = 0
     vendor_err: int = 0
-    solicited: bool = field(default=False, compare=False)
+    solicited: bool = False
+    """Whether the message was a Send with Solicited Event (what ``req_notify(True)`` waits for)."""
 
     def raise_for_status(self) -> WC:
         """Return self if the work request succeeded, else raise :class:`CompletionError`."""

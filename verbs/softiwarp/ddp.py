@@ -17,6 +17,7 @@ import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import IntEnum
+from typing import NamedTuple
 
 from crc32c import crc32c
 
@@ -81,6 +82,7 @@ HEADER_LEN = {
     Opcode.SEND_SE_INV: UNTAGGED_HDR_LEN,
     Opcode.TERMINATE: TERMINATE_HDR_LEN,
 }
+_OPCODES = tuple(Opcode)
 HEADER_LEN_BY_OPCODE: tuple[int, ...] = tuple(HEADER_LEN[Opcode(i)] for i in range(8))
 TAGGED_OPCODES = frozenset({Opcode.WRITE, Opcode.READ_RESPONSE})
 SEND_OPCODES = frozenset({Opcode.SEND, Opcode.SEND_INV, Opcode.SEND_SE, Opcode.SEND_SE_INV})
@@ -107,8 +109,7 @@ def pad_len(ulpdu_len: int) -> int:
     return -(ulpdu_len + 2) & 3
 
 
-@dataclass(frozen=True, slots=True)
-class Header:
+class Header(NamedTuple):
     """A decoded DDP/RDMAP header. Fields not used by the opcode are zero.
 
     ``ulpdu_len`` is the MPA length field: header (less its 2 length bytes) plus payload.
@@ -198,7 +199,7 @@ def parse_header(data: bytes | bytearray | memoryview) -> Header | None:
         raise ProtocolError(
             f"RDMAP opcode {op}", rdmap(RdmapType.REMOTE_OPERATION, RdmapCode.OPCODE)
         )
-    opcode = Opcode(op)
+    opcode = _OPCODES[op]
     if tagged != (opcode in TAGGED_OPCODES):
         raise ProtocolError(
             f"{opcode.name} with DDP tagged flag {int(tagged)}",

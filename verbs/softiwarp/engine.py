@@ -61,6 +61,9 @@ DIRECT_MIN = 16 * 1024
 """Payload left to receive above which bytes go straight into the target region."""
 
 _CRC_BYTES = ddp.TRAILER_CRC_LEN
+_FENCE = int(SendFlags.FENCE)
+_SIGNALED = int(SendFlags.SIGNALED)
+_SOLICITED = int(SendFlags.SOLICITED)
 _UNTAGGED = ddp.UNTAGGED
 _TAGGED = ddp.TAGGED
 _CTRL_SEND = {
@@ -116,7 +119,8 @@ class SendJob:
 
     wr_id: int
     opcode: WROpcode
-    flags: SendFlags
+    flags: int
+    """``SendFlags`` as a plain int (the data path tests bits without enum arithmetic)."""
     sges: Sequence[SGE]
     inline: bytes | None
     length: int
@@ -266,7 +270,7 @@ class Engine:
 
     def _sq_head_may_start(self) -> bool:
         head = self._sq[0]
-        if head.flags & SendFlags.FENCE and self._orq:
+        if head.flags & _FENCE and self._orq:
             return False
         return not (head.opcode is WROpcode.RDMA_READ and len(self._orq) >= self.config.ord)
 
@@ -369,7 +373,7 @@ class Engine:
         if op is WROpcode.RDMA_WRITE:
             yield from self._tagged_fpdus(Opcode.WRITE, job.rkey, job.remote_addr, segments)
             return
-        opcode = _CTRL_SEND[(bool(job.flags & SendFlags.SOLICITED), op is WROpcode.SEND_WITH_INV)]
+        opcode = _CTRL_SEND[(bool(job.flags & _SOLICITED), op is WROpcode.SEND_WITH_INV)]
         self._tx_msn[QN.SEND] += 1
         msn = self._tx_msn[QN.SEND]
         chunk = (self.config.max_fpdu - ddp.UNTAGGED_HDR_LEN - _CRC_BYTES) & ~3
@@ -839,7 +843,7 @@ class Engine:
             self._complete_send(job, job.status)
 
     def _complete_send(self, job: SendJob, status: WCStatus) -> None:
-        if status is WCStatus.SUCCESS and not (self.sq_sig_all or job.flags & SendFlags.SIGNALED):
+        if status is WCStatus.SUCCESS and not (self.sq_sig_all or job.flags & _SIGNALED):
             return
         byte_len = job.length if job.opcode is WROpcode.RDMA_READ else 0
         self.on_send_wc(WC(job.wr_id, status, _WC_OPCODE[job.opcode], byte_len, self.qp_num))

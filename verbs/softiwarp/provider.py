@@ -509,6 +509,7 @@ def _bad_wr(err: int, operation: str, index: int, detail: str) -> VerbsError:
     return exc
 
 
+_INLINE = int(SendFlags.INLINE)
 _SUPPORTED_SEND = frozenset(
     {WROpcode.SEND, WROpcode.SEND_WITH_INV, WROpcode.RDMA_WRITE, WROpcode.RDMA_READ}
 )
@@ -595,12 +596,12 @@ class QP(_Resource):
             self._link.kick()
 
     def _make_job(self, i: int, w: SendWR) -> SendJob:
-        opcode = WROpcode(w.opcode)
+        opcode = w.opcode if w.opcode.__class__ is WROpcode else WROpcode(w.opcode)
         if opcode not in _SUPPORTED_SEND:
             raise NotSupported(
                 "post_send", f"work request {i}: {opcode.name} is not an iWARP operation"
             )
-        flags = SendFlags(w.send_flags)
+        flags = int(w.send_flags)
         sges = tuple(w.sg_list)
         limit = 1 if opcode is WROpcode.RDMA_READ else self.cap.max_send_sge
         if len(sges) > limit:
@@ -608,7 +609,7 @@ class QP(_Resource):
         if self.engine.sq_depth >= self.cap.max_send_wr and self._state is QPState.RTS:
             raise _bad_wr(errno.ENOMEM, "post_send", i, f"send queue full ({self.cap.max_send_wr})")
         inline = None
-        if flags & SendFlags.INLINE and opcode is not WROpcode.RDMA_READ:
+        if flags & _INLINE and opcode is not WROpcode.RDMA_READ:
             inline = self._gather_inline(i, sges)
             length = len(inline)
         else:
