@@ -12,7 +12,7 @@ from rdmashim import SGE, Access, SendFlags, WCOpcode, WCStatus, WROpcode
 from rdmashim.verbs.buffers import pin
 from rdmashim.verbs.softiwarp.engine import Engine, EngineConfig, EngineState, RecvJob, SendJob
 from rdmashim.verbs.softiwarp.memory import MemoryTable
-from rdmashim.verbs.softiwarp.terminate import LlpCode, llp
+from rdmashim.verbs.softiwarp.terminate import LlpCode, RdmapCode, RdmapType, llp, rdmap
 
 RW = Access.LOCAL_WRITE | Access.REMOTE_WRITE | Access.REMOTE_READ
 
@@ -20,7 +20,7 @@ RW = Access.LOCAL_WRITE | Access.REMOTE_WRITE | Access.REMOTE_READ
 class Host:
     """One engine with its memory, receive queue and completion lists."""
 
-    def __init__(self, crc: bool) -> None:
+    def __init__(self, crc: bool, ird: int = 4, ord: int = 4) -> None:
         self.memory = MemoryTable()
         self.pd = object()
         self.rq: deque[RecvJob] = deque()
@@ -34,7 +34,7 @@ class Host:
             on_send_wc=self.send_wcs.append,
             on_recv_wc=self.recv_wcs.append,
         )
-        self.engine.start(EngineConfig(crc=crc, ird=4, ord=4))
+        self.engine.start(EngineConfig(crc=crc, ird=ird, ord=ord))
         self._keep: list = []
 
     def region(self, data: bytes | int):
@@ -169,3 +169,26 @@ def test_linux_siw_pad_bytes_are_ignored() -> None:
     assert b.engine.state is EngineState.RTS
     assert [(w.wr_id, w.byte_len, w.opcode) for w in b.recv_wcs] == [(7, 3, WCOpcode.RECV)]
     assert bytes(rbuf.view[:3]) == b"abc"
+
+
+def test_more_reads_than_ird_terminate() -> None:
+    """A peer that ignores our IRD gets RDMAP / remote operation / catastrophic, as from siw."""
+    a, b = Host(False, ord=8), Host(False, ird=2)
+    src = b.region(b"y" * 64)
+    sink = a.region(64)
+    for i in range(3):
+        a.engine.post_send(
+            SendJob(i, WROpcode.RDMA_READ, SendFlags.SIGNALED, (SGE(sink.addr, 64, sink.stag),),
+                    None, 64, src.addr, src.stag)
+        )  # fmt: skip
+    wire = b"".join(bytes(x) for x in a.engine.produce())
+    b.engine.receive_data(wire)  # three Read Requests before b answered any
+    assert b.engine.error.code == rdmap(RdmapType.REMOTE_OPERATION, RdmapCode.CATASTROPHIC_STREAM)
+    assert b.engine.error.quote_rdmap
+    a.engine.receive_data(b"".join(bytes(x) for x in b.engine.produce()))
+    # The third Read, whose Request the Terminate quotes, fails remotely; the others flush.
+    assert [(w.wr_id, w.status) for w in a.send_wcs] == [
+        (0, WCStatus.WR_FLUSH_ERR),
+        (1, WCStatus.WR_FLUSH_ERR),
+        (2, WCStatus.REM_OP_ERR),
+    ]

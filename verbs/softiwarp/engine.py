@@ -131,6 +131,8 @@ class SendJob:
     status: WCStatus = WCStatus.SUCCESS
     sink: memoryview | None = None
     received: int = 0
+    msn: int = 0
+    """MSN of the Read Request that carried this RDMA Read."""
 
 
 @dataclass(eq=False, slots=True)
@@ -197,6 +199,8 @@ class Engine:
         self._sq_order: deque[SendJob] = deque()
         self._orq: deque[SendJob] = deque()
         self._irq: deque[_ReadResponse] = deque()
+        self._responding = 0
+        """Read Requests accepted whose response is not fully produced (at most IRD)."""
         self._current: Iterator[tuple[list, bool]] | None = None
         self._current_job: SendJob | None = None
         self._burst_done: list[SendJob] = []
@@ -295,6 +299,8 @@ class Engine:
             if last:
                 if self._current_job is not None:
                     self._burst_done.append(self._current_job)
+                else:
+                    self._responding -= 1
                 self._current = None
                 self._current_job = None
             header = fpdu[0]
@@ -362,6 +368,7 @@ class Engine:
             else:
                 job.sink = memoryview(b"")
             self._tx_msn[QN.READ_REQUEST] += 1
+            job.msn = self._tx_msn[QN.READ_REQUEST]
             self._orq.append(job)
             hdr = ddp.encode_read_request(
                 self._tx_msn[QN.READ_REQUEST], sge.lkey, sge.addr, job.length,
@@ -717,7 +724,7 @@ class Engine:
             self._drain_sq_order()
         elif op is Opcode.READ_REQUEST:
             self._check_untagged(hdr, QN.READ_REQUEST)
-            if len(self._irq) >= self.config.ird:
+            if self._responding >= self.config.ird:
                 raise ProtocolError(
                     f"more than IRD={self.config.ird} Read Requests outstanding",
                     rdmap(RdmapType.REMOTE_OPERATION, RdmapCode.CATASTROPHIC_STREAM),
@@ -739,6 +746,7 @@ class Engine:
                         str(exc), exc.violation.rdmap_code(), header=hdr, quote_rdmap=True
                     ) from exc
             self._irq.append(_ReadResponse(hdr.sink_stag, hdr.sink_to, source))
+            self._responding += 1
         elif op is Opcode.TERMINATE:
             assert self._term_body is not None
             term = ddp.parse_terminate(self._term_body)
@@ -800,15 +808,17 @@ class Engine:
         self._rx = _Rx.DISCARD
         self.state = EngineState.TERMINATE if self._terminate is not None else EngineState.ERROR
         # The Read whose Request the peer's Terminate quotes gets the remote status.
-        if remote is not None and self._orq and _quotes_read_request(remote):
-            job = self._orq.popleft()
-            job.done = True
-            job.status = (
-                WCStatus.REM_ACCESS_ERR
-                if remote.code.layer == Layer.RDMAP
-                and remote.code.etype == RdmapType.REMOTE_PROTECTION
-                else WCStatus.REM_OP_ERR
-            )
+        quoted = _quoted_read_request(remote) if remote is not None else None
+        for job in self._orq if quoted is not None else ():
+            if job.msn == quoted.msn:
+                job.done = True
+                job.status = (
+                    WCStatus.REM_ACCESS_ERR
+                    if remote.code.layer == Layer.RDMAP
+                    and remote.code.etype == RdmapType.REMOTE_PROTECTION
+                    else WCStatus.REM_OP_ERR
+                )
+                break
         # Work handed to TCP in the burst in flight still completes in order.
         if self._current_job is not None and not self._current_job.done:
             self._current_job.status = WCStatus.WR_FLUSH_ERR
@@ -820,6 +830,7 @@ class Engine:
                 job.status = WCStatus.WR_FLUSH_ERR
         self._orq.clear()
         self._irq.clear()
+        self._responding = 0
         self._burst_done.clear()
         self._drain_sq_order()
         while self._sq:
@@ -849,9 +860,13 @@ class Engine:
         self.on_send_wc(WC(job.wr_id, status, _WC_OPCODE[job.opcode], byte_len, self.qp_num))
 
 
-def _quotes_read_request(term: ddp.Terminate) -> bool:
-    copied = term.copied_header
-    return len(copied) >= 4 and copied[3] & 0x0F == Opcode.READ_REQUEST
+def _quoted_read_request(term: ddp.Terminate) -> ddp.Header | None:
+    """The Read Request a Terminate quotes, if it quotes one."""
+    try:
+        hdr = ddp.parse_header(term.copied_header)
+    except ProtocolError:
+        return None
+    return hdr if hdr is not None and hdr.opcode is Opcode.READ_REQUEST else None
 
 
 def _header_bytes(hdr: ddp.Header) -> bytes:
