@@ -1,4 +1,12 @@
-"""Connection management in librdmacm's model (event channel, CM ids, resolve, connect).
+"""Connection management in librdmacm's model: event channel, CM ids, resolution, connect.
 
-The connectors for each backend live here; see ARCHITECTURE.md, "Connection management".
+``EventChannel`` and ``CMId`` mirror ``rdma_create_event_channel`` and
+``rdma_cm_id``; ``open_connection`` and ``serve`` are the trio-style layer
+over them.
 """
+
+from rdmashim.cm.channel import EventChannel
+from rdmashim.cm.cmid import CMId
+from rdmashim.cm.types import CMEvent, CMEventType, ConnParam, PortSpace
+
+__all__ = ["CMEvent", "CMEventType", "CMId", "ConnParam", "EventChannel", "PortSpace"]

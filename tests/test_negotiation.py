@@ -168,12 +168,21 @@ def test_reply_revision_above_request_is_refused() -> None:
         check_reply(request, wire(reply), MpaOptions(revision=1))
 
 
-@pytest.mark.parametrize("revision", [1, 2])
-def test_enhanced_request_needs_enhanced_reply(revision: int) -> None:
+def test_enhanced_request_needs_enhanced_rev2_reply() -> None:
+    """Like Linux siw: a rev 2 Reply without the IRD/ORD block fails the connection."""
     request = make_request(MpaOptions(), b"")
-    reply = StartFrame(reply=True, revision=revision, enhanced=False)
+    reply = StartFrame(reply=True, revision=2, enhanced=False)
     with raises_code(INVALID):
         check_reply(request, wire(reply), MpaOptions())
+
+
+def test_rev1_reply_to_enhanced_request_runs_rev1() -> None:
+    """RFC 6581: a responder without enhanced setup answers rev 1; we run rev 1 with it."""
+    request = make_request(MpaOptions(ird=8, ord=4), b"")
+    result = check_reply(
+        request, wire(StartFrame(reply=True, revision=1, enhanced=False)), MpaOptions(ird=8, ord=4)
+    )
+    assert (result.revision, result.ird, result.ord, result.rtr) == (1, 8, 4, RTR.NONE)
 
 
 # ---------------------------------------------------------------------------------------

@@ -188,6 +188,8 @@ class Engine:
     sq_sig_all: bool = False
     config: EngineConfig = field(default_factory=EngineConfig)
     on_fatal: Callable[[Exception], None] = lambda exc: None
+    on_ready: Callable[[], None] = lambda: None
+    """Called when a P2P responder receives the initiator's RTR (it may transmit from now)."""
 
     state: EngineState = EngineState.IDLE
     error: Exception | None = None
@@ -561,7 +563,7 @@ class Engine:
                     raise ProtocolError(str(exc), exc.violation.ddp_code(), header=hdr) from exc
                 self._targets = [view]
             elif self._rtr_pending:
-                self._rtr_pending = False
+                self._rtr_received()
         elif op is Opcode.READ_RESPONSE:
             self._targets = self._read_response_targets(hdr, payload)
         elif op in ddp.SEND_OPCODES:
@@ -579,6 +581,10 @@ class Engine:
             self._targets = [memoryview(self._term_body)]
         self._remaining = payload
         self._rx = _Rx.PAYLOAD if payload else _Rx.TRAILER
+
+    def _rtr_received(self) -> None:
+        self._rtr_pending = False
+        self.on_ready()
 
     def _check_untagged(self, hdr: ddp.Header, qn: QN) -> None:
         if hdr.qn != qn:
@@ -605,7 +611,7 @@ class Engine:
                     header=hdr,
                 )
             if self._rtr_pending:
-                self._rtr_pending = False
+                self._rtr_received()
             job = self.take_recv()
             if job is None:
                 raise ProtocolError(
@@ -735,7 +741,7 @@ class Engine:
             if hdr.read_size == 0:
                 source = memoryview(b"")
                 if self._rtr_pending:
-                    self._rtr_pending = False
+                    self._rtr_received()
             else:
                 try:
                     source = self.memory.resolve(

@@ -134,7 +134,7 @@ def check_reply(request: StartFrame, reply: StartFrame, options: MpaOptions) -> 
             f"reply revision {reply.revision} above request's {request.revision}",
             llp(LlpCode.INVALID_REQ_REP),
         )
-    if request.enhanced and not reply.enhanced:
+    if request.enhanced and reply.revision == 2 and not reply.enhanced:
         raise ProtocolError("MPA v2 reply without its IRD/ORD block", llp(LlpCode.INVALID_REQ_REP))
     crc = request.crc or reply.crc
     ird, ord_ = options.ird, options.ord

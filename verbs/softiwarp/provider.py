@@ -13,7 +13,7 @@ import itertools
 import logging
 import socket
 from collections import deque
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -167,6 +167,8 @@ class Context(_Parent):
         self.nursery = nursery
         self.memory = MemoryTable()
         self._qp_numbers = itertools.count(1)
+        self.close_listeners: list[Callable[[], None]] = []
+        """Called when the context closes (the CM reports DEVICE_REMOVAL to its ids)."""
 
     @property
     def backend(self) -> str:
@@ -240,6 +242,13 @@ class Context(_Parent):
         if not 1 <= cqe <= MAX_CQE:
             raise VerbsError(errno.EINVAL, "create_cq", f"cqe {cqe} outside 1..{MAX_CQE}")
         return self._adopt(CQ(self, cqe, channel))
+
+    def close(self) -> None:
+        """Close the context and everything created from it; tell the listeners."""
+        if not self._closed:
+            super().close()
+            for listener in self.close_listeners:
+                listener()
 
 
 class PD(_Parent):
@@ -544,6 +553,8 @@ class QP(_Resource):
             on_fatal=self._on_fatal,
         )
         self._state = QPState.INIT
+        self.error_listeners: list[Callable[[Exception], None]] = []
+        """Called with the cause when the QP goes to ERR (the CM reports DISCONNECTED)."""
 
     @property
     def qp_type(self) -> QPType:
@@ -569,6 +580,8 @@ class QP(_Resource):
         return self._rq.popleft() if self._rq else None
 
     def _on_fatal(self, exc: Exception) -> None:
+        for listener in self.error_listeners:
+            listener(exc)
         self._state = QPState.ERR
         jobs = list(self._rq)
         self._rq.clear()

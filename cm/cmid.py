@@ -1,0 +1,504 @@
+"""CM ids: librdmacm's ``rdma_cm_id`` with trio colouring.
+
+Calls that start something (``resolve_addr``, ``resolve_route``, ``listen``,
+``connect``, ``accept``, ``reject``, ``disconnect``) return at once; what
+happens is reported as events on the id's channel, exactly as librdmacm
+reports it:
+
+========================  ==========================================================
+ADDR_RESOLVED / _ERROR     the destination resolved and a local device chosen (or not)
+ROUTE_RESOLVED / _ERROR    the route is usable (iWARP: the device's port is up)
+CONNECT_REQUEST            an incoming connection, on a new id, with private data
+ESTABLISHED                connected; the QP is in RTS
+REJECTED                   the peer rejected (its private data) or refused the TCP connection
+UNREACHABLE                no answer from the peer's host in time, or no route to it
+CONNECT_ERROR              MPA setup failed: timeout, markers, CRC or revision mismatch, bad key
+DISCONNECTED               the connection ended (either side, or an error) and the QP is in ERR
+TIMEWAIT_EXIT              the TCP connection is fully closed; the id may be reused or destroyed
+DEVICE_REMOVAL             the device context the id uses was closed
+========================  ==========================================================
+
+CONNECT_RESPONSE (an active id without a QP) does not occur on iWARP: the
+connection needs its QP from the start. UDP and IB port spaces and multicast
+raise NotSupported on iWARP devices.
+"""
+
+from __future__ import annotations
+
+import errno
+import ipaddress
+import logging
+import socket
+from enum import Enum, auto
+from typing import Any
+
+import trio
+
+from rdmashim.cm import addressing
+from rdmashim.cm.types import CMEvent, CMEventType, ConnParam, PortSpace
+from rdmashim.verbs.attrs import QPCap
+from rdmashim.verbs.enums import PortState
+from rdmashim.verbs.errors import NotSupported, VerbsError
+from rdmashim.verbs.softiwarp.connection import (
+    ConnectRequest,
+    MpaTimeout,
+    accept_qp,
+    connect_qp,
+    read_request,
+    reject,
+)
+from rdmashim.verbs.softiwarp.mpa import RTR
+from rdmashim.verbs.softiwarp.negotiation import MpaOptions, MpaRejected
+from rdmashim.verbs.softiwarp.terminate import ProtocolError
+
+log = logging.getLogger(__name__)
+
+DEFAULT_CONNECT_TIMEOUT = 10.0
+"""Seconds an active id waits for the TCP connection before UNREACHABLE."""
+
+
+class State(Enum):
+    """Where a CM id is in its life."""
+
+    IDLE = auto()
+    ADDR_BOUND = auto()
+    ADDR_QUERY = auto()
+    ADDR_RESOLVED = auto()
+    ROUTE_QUERY = auto()
+    ROUTE_RESOLVED = auto()
+    CONNECT = auto()
+    LISTEN = auto()
+    CONNECT_REQUEST = auto()
+    ACCEPTING = auto()
+    ESTABLISHED = auto()
+    DISCONNECTED = auto()
+    DESTROYED = auto()
+
+
+class CMId:
+    """A communication identifier (``struct rdma_cm_id``); see the module docstring.
+
+    ``context`` is the device context chosen by address resolution (or by the
+    listener an incoming connection arrived on); create the PD, CQs and the QP
+    on it. ``user_context`` is whatever the caller passed to ``create_id``.
+    """
+
+    def __init__(self, channel: Any, ps: PortSpace, user_context: Any = None) -> None:
+        self.channel = channel
+        self.ps = PortSpace(ps)
+        self.user_context = user_context
+        self.context: Any = None
+        self.qp: Any = None
+        self.pd: Any = None
+        self.state = State.IDLE
+        self.local_addr: addressing.SockAddr | None = None
+        self.peer_addr: addressing.SockAddr | None = None
+        self.mpa_options = MpaOptions()
+        """MPA settings this id asks for or accepts (CRC, revision, P2P, FPDU size)."""
+        self.connect_timeout = DEFAULT_CONNECT_TIMEOUT
+        self._family = socket.AF_INET
+        self._stream: trio.SocketStream | None = None
+        self._request: ConnectRequest | None = None
+        self._listeners: list[trio.SocketListener] = []
+        self._scopes: list[trio.CancelScope] = []
+        self._disconnect_reported = False
+
+    def __repr__(self) -> str:
+        return f"<CMId {self.state.name} local={self.local_addr} peer={self.peer_addr}>"
+
+    # ------------------------------------------------------------------ helpers
+    def _post(self, event: CMEventType, status: int = 0, **kwargs: Any) -> None:
+        self.channel._post(CMEvent(event, self, status, _channel=self.channel, **kwargs))
+
+    def _spawn(self, fn: Any, *args: Any) -> None:
+        nursery = self.channel.nursery
+        assert nursery is not None
+
+        scope = trio.CancelScope()
+        self._scopes.append(scope)
+
+        async def run() -> None:
+            with scope:
+                await fn(*args)
+            self._scopes.remove(scope)
+
+        nursery.start_soon(run)
+
+    def _require(self, operation: str, *states: State) -> None:
+        if self.state not in states:
+            names = " or ".join(s.name for s in states)
+            raise VerbsError(errno.EINVAL, operation, f"CM id is {self.state.name}, needs {names}")
+
+    def _require_tcp(self, operation: str) -> None:
+        if self.ps != PortSpace.TCP:
+            raise NotSupported(operation, f"port space {self.ps.name} on an iWARP device")
+
+    async def _bind_device(self, local_ip: str) -> None:
+        netdev = addressing.interface_of(local_ip)
+        if netdev is None:
+            raise OSError(errno.EADDRNOTAVAIL, f"no local interface has address {local_ip}")
+        self.context = await self.channel.device_context(f"siw_{netdev}")
+        self.context.close_listeners.append(self._device_removed)
+
+    # ------------------------------------------------------------------ addressing
+    def bind_addr(self, addr: addressing.SockAddr) -> None:
+        """Bind to a local address and port (``rdma_bind_addr``); port 0 picks one at listen.
+
+        A specific address binds the id to that interface's device; the wildcard
+        address listens on every device.
+        """
+        self._require("bind_addr", State.IDLE)
+        self._require_tcp("bind_addr")
+        host = addr[0]
+        ip = ipaddress.ip_address(str(host).split("%", 1)[0])
+        self._family = socket.AF_INET6 if ip.version == 6 else socket.AF_INET
+        if not ip.is_unspecified and addressing.interface_of(str(ip)) is None:
+            raise VerbsError(errno.EADDRNOTAVAIL, "bind_addr", f"{host} is not a local address")
+        self.local_addr = tuple(addr)
+        self.state = State.ADDR_BOUND
+
+    def resolve_addr(
+        self,
+        src: addressing.SockAddr | None,
+        dst: tuple[str, int] | addressing.SockAddr,
+        timeout_ms: int = 2000,
+    ) -> None:
+        """Resolve ``dst`` (host name, IPv4 or IPv6) and choose the local device.
+
+        The routing table picks the source address unless ``src`` names one; the
+        device is the one bound to that address's interface. Reports
+        ADDR_RESOLVED or ADDR_ERROR.
+        """
+        self._require("resolve_addr", State.IDLE, State.ADDR_BOUND)
+        self._require_tcp("resolve_addr")
+        if src is not None and self.state is State.IDLE:
+            self.bind_addr(src)
+        self.state = State.ADDR_QUERY
+        self._spawn(self._resolve_addr, dst, timeout_ms / 1000)
+
+    async def _resolve_addr(self, dst: addressing.SockAddr, limit: float) -> None:
+        try:
+            with trio.fail_after(limit):
+                candidates = await addressing.resolve(str(dst[0]), int(dst[1]))
+                if self.local_addr is not None and self.local_addr[0] not in ("0.0.0.0", "::"):
+                    want = 6 if ":" in str(self.local_addr[0]) else 4
+                    candidates = [c for c in candidates if (":" in c[0]) == (want == 6)]
+                if not candidates:
+                    raise OSError(errno.EADDRNOTAVAIL, f"no address of {dst[0]} in our family")
+                peer = candidates[0]
+                family = socket.AF_INET6 if ":" in peer[0] else socket.AF_INET
+                if self.local_addr is not None and self.local_addr[0] not in ("0.0.0.0", "::"):
+                    source = str(self.local_addr[0])
+                else:
+                    source = addressing.route_source(peer[0], family)
+                await self._bind_device(source)
+        except (OSError, trio.TooSlowError) as exc:
+            self.state = State.ADDR_BOUND if self.local_addr else State.IDLE
+            if isinstance(exc, socket.gaierror):
+                status = -errno.EADDRNOTAVAIL  # the name has no address
+            else:
+                status = -(getattr(exc, "errno", None) or errno.ETIMEDOUT)
+            self._post(CMEventType.ADDR_ERROR, status, detail=str(exc) or "timed out")
+            return
+        self._family = family
+        port = self.local_addr[1] if self.local_addr else 0
+        self.local_addr = (source, port) if family == socket.AF_INET else (source, port, 0, 0)
+        self.peer_addr = tuple(peer)
+        self.state = State.ADDR_RESOLVED
+        self._post(CMEventType.ADDR_RESOLVED)
+
+    def resolve_route(self, timeout_ms: int = 2000) -> None:
+        """Check the route to the resolved destination (ROUTE_RESOLVED or ROUTE_ERROR).
+
+        On iWARP the route is the TCP/IP one; it is usable when the device's port
+        (its interface) is up.
+        """
+        self._require("resolve_route", State.ADDR_RESOLVED)
+        self.state = State.ROUTE_QUERY
+        port = self.context.query_port(1)
+        if port.state != PortState.ACTIVE:
+            self.state = State.ADDR_RESOLVED
+            self._post(CMEventType.ROUTE_ERROR, -errno.ENETDOWN, detail=f"{port.netdev} is down")
+            return
+        self.state = State.ROUTE_RESOLVED
+        self._post(CMEventType.ROUTE_RESOLVED)
+
+    # ------------------------------------------------------------------ QP
+    def create_qp(
+        self,
+        pd: Any,
+        *,
+        send_cq: Any,
+        recv_cq: Any,
+        cap: QPCap | None = None,
+        srq: Any = None,
+        sq_sig_all: bool = False,
+    ) -> Any:
+        """Create the id's QP on ``pd``, which must belong to ``self.context``."""
+        if self.context is None:
+            raise VerbsError(errno.EINVAL, "create_qp", "resolve or receive a connection first")
+        if pd.context is not self.context:
+            raise VerbsError(errno.EINVAL, "create_qp", "PD belongs to another device")
+        if self.qp is not None:
+            raise VerbsError(errno.EEXIST, "create_qp", "the id already has a QP")
+        self.pd = pd
+        self.qp = pd.create_qp(
+            send_cq=send_cq, recv_cq=recv_cq, cap=cap, srq=srq, sq_sig_all=sq_sig_all
+        )
+        return self.qp
+
+    # ------------------------------------------------------------------ active side
+    def connect(self, param: ConnParam | None = None) -> None:
+        """Connect to the resolved peer (ESTABLISHED, REJECTED, UNREACHABLE or CONNECT_ERROR)."""
+        self._require("connect", State.ROUTE_RESOLVED)
+        if self.qp is None:
+            raise NotSupported("connect", "iWARP connections need the id's QP (create_qp first)")
+        param = param or ConnParam()
+        self._check_private_data("connect", param.private_data)
+        self.state = State.CONNECT
+        self._spawn(self._connect, param)
+
+    def _options(self, param: ConnParam) -> MpaOptions:
+        o = self.mpa_options
+        return MpaOptions(
+            crc=o.crc,
+            revision=o.revision,
+            p2p=o.p2p,
+            rtr=o.rtr,
+            ird=param.responder_resources,
+            ord=param.initiator_depth,
+            max_fpdu=o.max_fpdu,
+        )
+
+    async def _connect(self, param: ConnParam) -> None:
+        assert self.peer_addr is not None and self.local_addr is not None
+        try:
+            with trio.fail_after(self.connect_timeout):
+                sock = trio.socket.socket(self._family, socket.SOCK_STREAM)
+                try:
+                    await sock.bind((self.local_addr[0], self.local_addr[1], *self.local_addr[2:]))
+                    await sock.connect(self.peer_addr)
+                except BaseException:
+                    sock.close()
+                    raise
+        except trio.TooSlowError:
+            self._fail(CMEventType.UNREACHABLE, -errno.ETIMEDOUT, "no answer from the peer")
+            return
+        except ConnectionRefusedError as exc:
+            self._fail(CMEventType.REJECTED, -errno.ECONNREFUSED, str(exc))
+            return
+        except OSError as exc:
+            kind = (
+                CMEventType.UNREACHABLE
+                if exc.errno in (errno.EHOSTUNREACH, errno.ENETUNREACH, errno.ETIMEDOUT)
+                else CMEventType.CONNECT_ERROR
+            )
+            self._fail(kind, -(exc.errno or errno.EIO), str(exc))
+            return
+        stream = trio.SocketStream(sock)
+        self.local_addr = sock.getsockname()
+        self._watch_qp()
+        try:
+            result = await connect_qp(
+                self.qp, stream, private_data=param.private_data, options=self._options(param)
+            )
+        except MpaRejected as exc:
+            self._fail(CMEventType.REJECTED, -errno.ECONNRESET, str(exc), exc.private_data)
+            return
+        except MpaTimeout as exc:
+            self._fail(CMEventType.CONNECT_ERROR, -errno.ETIMEDOUT, str(exc))
+            return
+        except (ProtocolError, OSError) as exc:
+            self._fail(CMEventType.CONNECT_ERROR, -errno.ECONNREFUSED, str(exc))
+            return
+        self._stream = stream
+        self.state = State.ESTABLISHED
+        self._post(
+            CMEventType.ESTABLISHED,
+            private_data=result.private_data,
+            param=ConnParam(result.private_data, result.ird, result.ord),
+        )
+        self._spawn(self._watch_close)
+
+    def _fail(self, kind: CMEventType, status: int, detail: str, private_data: bytes = b"") -> None:
+        self.state = State.ROUTE_RESOLVED
+        self._post(kind, status, private_data=private_data, detail=detail)
+
+    # ------------------------------------------------------------------ passive side
+    def listen(self, backlog: int = 128) -> None:
+        """Listen for connections on the bound address (CONNECT_REQUEST events)."""
+        self._require("listen", State.ADDR_BOUND, State.IDLE)
+        self._require_tcp("listen")
+        if self.local_addr is None:
+            self.local_addr = ("0.0.0.0", 0)
+        host = str(self.local_addr[0])
+        port = int(self.local_addr[1])
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        raw = socket.socket(family, socket.SOCK_STREAM)
+        raw.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if family == socket.AF_INET6 and host == "::":
+            raw.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+        try:
+            raw.bind((host, port, *self.local_addr[2:]))
+            raw.listen(backlog)
+        except OSError as exc:
+            raw.close()
+            raise VerbsError(exc.errno or errno.EADDRINUSE, "listen", str(exc)) from exc
+        self.local_addr = raw.getsockname()
+        listener = trio.SocketListener(trio.socket.from_stdlib_socket(raw))
+        self._listeners.append(listener)
+        self.state = State.LISTEN
+        self._spawn(self._accept_loop, listener)
+
+    async def _accept_loop(self, listener: trio.SocketListener) -> None:
+        nursery = self.channel.nursery
+        while True:
+            try:
+                stream = await listener.accept()
+            except (trio.ClosedResourceError, OSError):
+                return
+            nursery.start_soon(self._incoming, stream)
+
+    async def _incoming(self, stream: trio.SocketStream) -> None:
+        try:
+            request = await read_request(stream)
+        except (MpaTimeout, ProtocolError, OSError) as exc:
+            log.info("dropping connection from %s: %s", stream.socket.getpeername(), exc)
+            await trio.aclose_forcefully(stream)
+            return
+        child = self.channel.create_id(self.user_context, self.ps)
+        child.mpa_options = self.mpa_options
+        child.local_addr = stream.socket.getsockname()
+        child.peer_addr = stream.socket.getpeername()
+        child._family = stream.socket.family
+        child._stream = stream
+        child._request = request
+        try:
+            await child._bind_device(str(child.local_addr[0]))
+        except OSError as exc:
+            log.warning("no device for %s: %s", child.local_addr, exc)
+            await reject(stream, request, b"")
+            child.destroy()
+            return
+        child.state = State.CONNECT_REQUEST
+        frame = request.frame
+        param = ConnParam(
+            request.private_data,
+            responder_resources=frame.ord if frame.enhanced else 16,
+            initiator_depth=frame.ird if frame.enhanced else 16,
+        )
+        self._post_for(child, CMEventType.CONNECT_REQUEST, request.private_data, param)
+
+    def _post_for(
+        self, child: CMId, kind: CMEventType, private_data: bytes, param: ConnParam
+    ) -> None:
+        self.channel._post(
+            CMEvent(kind, child, 0, private_data, param, listen_id=self, _channel=self.channel)
+        )
+
+    def accept(self, param: ConnParam | None = None) -> None:
+        """Accept the connection request on this id (ESTABLISHED follows)."""
+        self._require("accept", State.CONNECT_REQUEST)
+        if self.qp is None:
+            raise NotSupported("accept", "iWARP connections need the id's QP (create_qp first)")
+        param = param or ConnParam()
+        self._check_private_data("accept", param.private_data)
+        self.state = State.ACCEPTING
+        self._spawn(self._accept, param)
+
+    async def _accept(self, param: ConnParam) -> None:
+        assert self._stream is not None and self._request is not None
+        self._watch_qp()
+        options = self._options(param)
+        if options.p2p:
+            self.qp.engine.on_ready = lambda: self._established(b"")
+        try:
+            result = await accept_qp(
+                self.qp, self._stream, self._request, private_data=param.private_data,
+                options=options,
+            )  # fmt: skip
+        except (ProtocolError, OSError) as exc:
+            self.state = State.DISCONNECTED
+            self._post(CMEventType.CONNECT_ERROR, -errno.ECONNRESET, detail=str(exc))
+            return
+        if result.rtr is RTR.NONE:
+            self._established(result.private_data)
+        self._spawn(self._watch_close)
+
+    def _established(self, private_data: bytes) -> None:
+        if self.state is State.ACCEPTING:
+            self.state = State.ESTABLISHED
+            self._post(CMEventType.ESTABLISHED, private_data=private_data)
+
+    def reject(self, private_data: bytes = b"") -> None:
+        """Reject the connection request on this id with ``private_data``."""
+        self._require("reject", State.CONNECT_REQUEST)
+        self._check_private_data("reject", private_data)
+        stream, request = self._stream, self._request
+        self._stream = None
+        self.state = State.DISCONNECTED
+
+        async def send_reject() -> None:
+            assert stream is not None
+            with trio.move_on_after(5):
+                try:
+                    await reject(stream, request, private_data)
+                except OSError as exc:
+                    log.info("reject: %s", exc)
+
+        self.channel.nursery.start_soon(send_reject)
+
+    # ------------------------------------------------------------------ teardown
+    def _watch_qp(self) -> None:
+        self.qp.error_listeners.append(self._on_qp_error)
+
+    def _on_qp_error(self, exc: Exception) -> None:
+        if self.state in (State.ESTABLISHED, State.ACCEPTING) and not self._disconnect_reported:
+            self._disconnect_reported = True
+            self.state = State.DISCONNECTED
+            self._post(CMEventType.DISCONNECTED, detail=str(exc))
+
+    async def _watch_close(self) -> None:
+        await self.qp.wait_closed()
+        self._on_qp_error(ConnectionResetError("connection closed"))
+        self._post(CMEventType.TIMEWAIT_EXIT)
+
+    def disconnect(self) -> None:
+        """End the connection (``rdma_disconnect``): the QP goes to ERR, outstanding work
+        is flushed (completed work stays completed), the TCP connection closes and both
+        sides get DISCONNECTED."""
+        self._require("disconnect", State.ESTABLISHED, State.ACCEPTING, State.DISCONNECTED)
+        if self.qp is not None and self.state is not State.DISCONNECTED:
+            self.qp.engine.set_error(ConnectionAbortedError("disconnected by the local side"))
+
+    def destroy(self) -> None:
+        """Release the id (``rdma_destroy_id``): close listeners, drop the connection."""
+        if self.state is State.DESTROYED:
+            return
+        if self._stream is not None and self.state in (State.CONNECT_REQUEST,):
+            stream = self._stream
+            self.channel.nursery.start_soon(trio.aclose_forcefully, stream)
+        for listener in self._listeners:
+            self.channel.nursery.start_soon(listener.aclose)
+        if self.qp is not None and self.state in (State.ESTABLISHED, State.ACCEPTING):
+            self.qp.engine.set_error(ConnectionAbortedError("CM id destroyed"))
+        for scope in self._scopes:
+            scope.cancel()
+        self.state = State.DESTROYED
+        self.channel._forget(self)
+
+    def _device_removed(self) -> None:
+        if self.state is not State.DESTROYED:
+            self._post(CMEventType.DEVICE_REMOVAL, detail="device context closed")
+
+    # ------------------------------------------------------------------ misc
+    def _check_private_data(self, operation: str, private_data: bytes) -> None:
+        limit = self.context.query_device().max_private_data if self.context else 252
+        if len(private_data) > limit:
+            raise VerbsError(
+                errno.EINVAL, operation, f"{len(private_data)} bytes of private data > {limit}"
+            )
+
+    def join_multicast(self, addr: Any, context: Any = None) -> None:
+        """Multicast needs UD QPs, which iWARP does not have."""
+        raise NotSupported("join_multicast", "multicast on an iWARP device")
