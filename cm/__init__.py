@@ -7,6 +7,29 @@ over them.
 
 from rdmashim.cm.channel import EventChannel
 from rdmashim.cm.cmid import CMId
+from rdmashim.cm.highlevel import (
+    CMError,
+    Connection,
+    ConnectionRejected,
+    ConnectionRequest,
+    ConnectionUnreachable,
+    open_connection,
+    serve,
+)
 from rdmashim.cm.types import CMEvent, CMEventType, ConnParam, PortSpace
 
-__all__ = ["CMEvent", "CMEventType", "CMId", "ConnParam", "EventChannel", "PortSpace"]
+__all__ = [
+    "CMError",
+    "CMEvent",
+    "CMEventType",
+    "CMId",
+    "ConnParam",
+    "Connection",
+    "ConnectionRejected",
+    "ConnectionRequest",
+    "ConnectionUnreachable",
+    "EventChannel",
+    "PortSpace",
+    "open_connection",
+    "serve",
+]

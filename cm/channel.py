@@ -55,7 +55,11 @@ class EventChannel:
         assert self.nursery is not None
         self.nursery.cancel_scope.cancel()
         self._send.close()
-        return await self._nursery_manager.__aexit__(exc_type, exc, tb)
+        if isinstance(exc, trio.Cancelled):
+            return await self._nursery_manager.__aexit__(exc_type, exc, tb)
+        # Let the body's own exception through as it is, not wrapped in a group.
+        await self._nursery_manager.__aexit__(None, None, None)
+        return None
 
     # ------------------------------------------------------------------ ids
     def create_id(self, context: Any = None, ps: PortSpace = PortSpace.TCP) -> Any:

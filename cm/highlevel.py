@@ -1,0 +1,331 @@
+"""The trio-style layer over the CM: ``open_connection`` and ``serve``.
+
+::
+
+    async with rdmashim.cm.open_connection("server", 7471, private_data=b"hi") as conn:
+        conn.qp.post_send(...)
+
+    async def handler(request):
+        request.qp.post_recv(...)            # before accepting: the peer may send at once
+        conn = await request.accept(private_data=b"welcome")
+        ...
+
+    async with trio.open_nursery() as nursery:
+        server = await nursery.start(rdmashim.cm.serve, handler, 7471)
+
+Each connection brings its own PD, CQ and QP on the device the route chose;
+the handler (or the caller of ``open_connection``) posts receives and work
+requests on them. Leaving the block (or the handler returning) disconnects.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import trio
+
+from rdmashim.cm.channel import EventChannel
+from rdmashim.cm.cmid import CMId
+from rdmashim.cm.types import CMEvent, CMEventType, ConnParam
+from rdmashim.verbs.attrs import QPCap
+from rdmashim.verbs.softiwarp.negotiation import MpaOptions
+
+log = logging.getLogger(__name__)
+
+E = CMEventType
+CLOSE_TIMEOUT = 5.0
+"""Seconds ``aclose`` waits for the connection to close before dropping it."""
+
+
+class CMError(ConnectionError):
+    """Connection setup failed; ``event`` is the CM event that said so."""
+
+    def __init__(self, event: CMEvent) -> None:
+        super().__init__(-event.status if event.status else errno.EIO, str(event))
+        self.event = event
+
+
+class ConnectionRejected(CMError):
+    """The peer rejected the connection (``private_data`` is its answer) or refused it."""
+
+    @property
+    def private_data(self) -> bytes:
+        """What the peer said when it rejected."""
+        return self.event.private_data
+
+
+class ConnectionUnreachable(CMError):
+    """The peer's host did not answer in time, or there is no route to it."""
+
+
+_ERRORS: dict[CMEventType, type[CMError]] = {
+    E.REJECTED: ConnectionRejected,
+    E.UNREACHABLE: ConnectionUnreachable,
+}
+
+
+class _Router:
+    """Delivers a channel's events to whoever waits on their id."""
+
+    def __init__(self, channel: EventChannel) -> None:
+        self.channel = channel
+        self._queues: dict[CMId, trio.MemorySendChannel[CMEvent]] = {}
+        self._receivers: dict[CMId, trio.MemoryReceiveChannel[CMEvent]] = {}
+        self.requests_send, self.requests = trio.open_memory_channel[CMEvent](64)
+
+    def watch(self, cm_id: CMId) -> None:
+        send, recv = trio.open_memory_channel[CMEvent](64)
+        self._queues[cm_id] = send
+        self._receivers[cm_id] = recv
+
+    async def next(self, cm_id: CMId) -> CMEvent:
+        return await self._receivers[cm_id].receive()
+
+    async def run(self) -> None:
+        async for event in self.channel:
+            event.ack()
+            if event.event == E.CONNECT_REQUEST:
+                self.watch(event.id)
+                await self.requests_send.send(event)
+            elif event.id in self._queues:
+                self._queues[event.id].send_nowait(event)
+
+
+@dataclass(eq=False)
+class Connection:
+    """An established connection and the verbs resources it runs on."""
+
+    id: CMId
+    pd: Any
+    send_cq: Any
+    recv_cq: Any
+    qp: Any
+    private_data: bytes = b""
+    """What the peer sent in its connect or accept."""
+    _router: _Router | None = None
+    _disconnected: trio.Event = field(default_factory=trio.Event)
+    _closed: trio.Event = field(default_factory=trio.Event)
+
+    @property
+    def context(self) -> Any:
+        """The device context the route chose."""
+        return self.id.context
+
+    @property
+    def local_addr(self) -> Any:
+        """Our (address, port)."""
+        return self.id.local_addr
+
+    @property
+    def peer_addr(self) -> Any:
+        """The peer's (address, port)."""
+        return self.id.peer_addr
+
+    async def _follow(self) -> None:
+        assert self._router is not None
+        while not self._closed.is_set():
+            event = await self._router.next(self.id)
+            if event.event == E.DISCONNECTED:
+                self._disconnected.set()
+            elif event.event in (E.TIMEWAIT_EXIT, E.DEVICE_REMOVAL):
+                self._disconnected.set()
+                self._closed.set()
+
+    async def wait_disconnected(self) -> None:
+        """Wait until the connection ends (from either side)."""
+        await self._disconnected.wait()
+
+    async def aclose(self) -> None:
+        """Disconnect and wait (boundedly) for the TCP connection to close."""
+        if not self._disconnected.is_set():
+            self.id.disconnect()
+        with trio.move_on_after(CLOSE_TIMEOUT):
+            await self._closed.wait()
+        self.id.destroy()
+
+
+def _resources(cm_id: CMId, cap: QPCap | None, cqe: int) -> tuple[Any, Any, Any]:
+    pd = cm_id.context.alloc_pd()
+    cq = cm_id.context.create_cq(cqe)
+    qp = cm_id.create_qp(pd, send_cq=cq, recv_cq=cq, cap=cap)
+    return pd, cq, qp
+
+
+async def _expect(router: _Router, cm_id: CMId, kind: CMEventType) -> CMEvent:
+    event = await router.next(cm_id)
+    if event.event != kind:
+        raise _ERRORS.get(event.event, CMError)(event)
+    return event
+
+
+@asynccontextmanager
+async def open_connection(
+    host: str,
+    port: int,
+    *,
+    private_data: bytes = b"",
+    cap: QPCap | None = None,
+    cqe: int = 256,
+    responder_resources: int = 16,
+    initiator_depth: int = 16,
+    mpa_options: MpaOptions | None = None,
+    connect_timeout: float = 10.0,
+    prepare: Callable[[Connection], None] | None = None,
+) -> AsyncIterator[Connection]:
+    """Connect to ``host``:``port`` and yield the :class:`Connection`.
+
+    ``prepare(conn)`` runs after the QP exists and before connecting (post
+    receives there when the peer may send first). Raises
+    :class:`ConnectionRejected`, :class:`ConnectionUnreachable` or
+    :class:`CMError`.
+    """
+    async with EventChannel() as channel:
+        router = _Router(channel)
+        channel.nursery.start_soon(router.run)
+        cm_id = channel.create_id()
+        router.watch(cm_id)
+        cm_id.resolve_addr(None, (host, port))
+        await _expect(router, cm_id, E.ADDR_RESOLVED)
+        cm_id.resolve_route()
+        await _expect(router, cm_id, E.ROUTE_RESOLVED)
+        pd, cq, qp = _resources(cm_id, cap, cqe)
+        conn = Connection(cm_id, pd, cq, cq, qp, _router=router)
+        if mpa_options is not None:
+            cm_id.mpa_options = mpa_options
+        cm_id.connect_timeout = connect_timeout
+        if prepare is not None:
+            prepare(conn)
+        cm_id.connect(ConnParam(private_data, responder_resources, initiator_depth))
+        event = await _expect(router, cm_id, E.ESTABLISHED)
+        conn.private_data = event.private_data
+        channel.nursery.start_soon(conn._follow)
+        try:
+            yield conn
+        finally:
+            with trio.CancelScope(shield=True):
+                await conn.aclose()
+
+
+@dataclass(eq=False)
+class ConnectionRequest:
+    """An incoming connection, given to a :func:`serve` handler.
+
+    The PD, CQ and QP exist already: post receives before accepting.
+    """
+
+    id: CMId
+    private_data: bytes
+    param: ConnParam
+    pd: Any
+    send_cq: Any
+    recv_cq: Any
+    qp: Any
+    _router: _Router
+    _connection: Connection | None = None
+    _answered: bool = False
+
+    @property
+    def context(self) -> Any:
+        """The device context of the address the request arrived on."""
+        return self.id.context
+
+    @property
+    def local_addr(self) -> Any:
+        """The address and port the request arrived on."""
+        return self.id.local_addr
+
+    @property
+    def peer_addr(self) -> Any:
+        """The initiator's address and port."""
+        return self.id.peer_addr
+
+    async def accept(
+        self,
+        *,
+        private_data: bytes = b"",
+        responder_resources: int | None = None,
+        initiator_depth: int | None = None,
+    ) -> Connection:
+        """Accept; returns the connection once ESTABLISHED."""
+        self._answered = True
+        self.id.accept(
+            ConnParam(
+                private_data,
+                self.param.responder_resources
+                if responder_resources is None
+                else responder_resources,
+                self.param.initiator_depth if initiator_depth is None else initiator_depth,
+            )
+        )
+        await _expect(self._router, self.id, E.ESTABLISHED)
+        conn = Connection(
+            self.id, self.pd, self.send_cq, self.recv_cq, self.qp, self.private_data, self._router
+        )
+        self.id.channel.nursery.start_soon(conn._follow)
+        self._connection = conn
+        return conn
+
+    async def reject(self, private_data: bytes = b"") -> None:
+        """Reject with ``private_data``."""
+        self._answered = True
+        self.id.reject(private_data)
+        await trio.lowlevel.checkpoint()
+
+
+async def serve(
+    handler: Callable[[ConnectionRequest], Awaitable[None]],
+    port: int,
+    *,
+    host: str = "0.0.0.0",
+    cap: QPCap | None = None,
+    cqe: int = 256,
+    mpa_options: MpaOptions | None = None,
+    handler_nursery: trio.Nursery | None = None,
+    task_status: Any = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Listen on ``host``:``port`` and run ``handler(request)`` for each connection.
+
+    Use with ``nursery.start``: it reports the listening (address, port). A
+    handler that returns without accepting or rejecting rejects; an accepted
+    connection is closed when its handler returns.
+    """
+    async with EventChannel() as channel:
+        router = _Router(channel)
+        channel.nursery.start_soon(router.run)
+        listen_id = channel.create_id()
+        if mpa_options is not None:
+            listen_id.mpa_options = mpa_options
+        listen_id.bind_addr((host, port))
+        listen_id.listen()
+        task_status.started(listen_id.local_addr)
+        async with trio.open_nursery() as own_nursery:
+            nursery = handler_nursery or own_nursery
+            async for event in router.requests:
+                pd, cq, qp = _resources(event.id, cap, cqe)
+                assert event.param is not None
+                request = ConnectionRequest(
+                    event.id, event.private_data, event.param, pd, cq, cq, qp, router
+                )
+                nursery.start_soon(_run_handler, handler, request)
+
+
+async def _run_handler(
+    handler: Callable[[ConnectionRequest], Awaitable[None]], request: ConnectionRequest
+) -> None:
+    try:
+        await handler(request)
+    except CMError as exc:
+        log.info("connection from %s failed: %s", request.peer_addr, exc)
+    finally:
+        with trio.CancelScope(shield=True):
+            if not request._answered:
+                await request.reject(b"")
+            elif request._connection is not None:
+                await request._connection.aclose()
+            else:
+                request.id.destroy()

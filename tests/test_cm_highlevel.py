@@ -1,0 +1,90 @@
+"""open_connection / serve: the trio-style layer over the CM."""
+
+from __future__ import annotations
+
+import errno
+import socket
+from typing import Any
+
+import pytest
+import trio
+
+from rdmashim import Access, RecvWR, SendFlags, SendWR, WCStatus, WROpcode
+from rdmashim.cm import ConnectionRejected, ConnectionRequest, open_connection, serve
+
+SIG = SendFlags.SIGNALED
+
+
+async def echo_handler(request: ConnectionRequest) -> None:
+    """Accept, echo each Send back once, until the peer disconnects."""
+    buf = request.pd.reg_mr(bytearray(4096), Access.LOCAL_WRITE)
+    request.qp.post_recv([RecvWR(i, [buf.sge(256 * i, 256)]) for i in range(16)])
+    if request.private_data == b"go away":
+        await request.reject(b"rejected: " + request.private_data)
+        return
+    conn = await request.accept(private_data=b"echo " + request.private_data)
+    async with trio.open_nursery() as nursery:
+
+        async def echo() -> None:
+            while True:
+                for wc in await conn.recv_cq.poll_wait():
+                    if wc.opcode != 128:  # a send completion
+                        continue
+                    if wc.status != WCStatus.SUCCESS:
+                        return
+                    off = 256 * wc.wr_id
+                    conn.qp.post_send(SendWR(0, WROpcode.SEND, [buf.sge(off, wc.byte_len)]))
+                    conn.qp.post_recv(RecvWR(wc.wr_id, [buf.sge(off, 256)]))
+
+        nursery.start_soon(echo)
+        await conn.wait_disconnected()
+        nursery.cancel_scope.cancel()
+
+
+async def test_open_connection_and_serve() -> None:
+    async with trio.open_nursery() as nursery:
+        addr = await nursery.start(serve, echo_handler, 0)
+        port = addr[1]
+        for n in range(3):  # several connections, one after another
+            async with open_connection("127.0.0.1", port, private_data=b"c%d" % n) as conn:
+                assert conn.private_data == b"echo c%d" % n
+                assert conn.context.device.name == "siw_lo"
+                rbuf = conn.pd.reg_mr(bytearray(256), Access.LOCAL_WRITE)
+                conn.qp.post_recv(RecvWR(1, [rbuf.sge()]))
+                msg = conn.pd.reg_mr(bytearray(b"marco %d" % n))
+                conn.qp.post_send(SendWR(2, WROpcode.SEND, [msg.sge()], SIG))
+                with trio.fail_after(10):
+                    wcs: list = []
+                    while not any(w.wr_id == 1 for w in wcs):
+                        wcs += await conn.recv_cq.poll_wait()
+                assert bytes(rbuf.buf[:7]) == (b"marco %d" % n)[:7]
+        nursery.cancel_scope.cancel()
+
+
+async def test_reject_and_refuse_raise() -> None:
+    async with trio.open_nursery() as nursery:
+        addr = await nursery.start(serve, echo_handler, 0)
+        with pytest.raises(ConnectionRejected) as info:
+            async with open_connection("127.0.0.1", addr[1], private_data=b"go away"):
+                pass
+        assert info.value.private_data == b"rejected: go away"
+        nursery.cancel_scope.cancel()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with pytest.raises(ConnectionRejected) as info:
+        async with open_connection("127.0.0.1", port):
+            pass
+    assert info.value.errno == errno.ECONNREFUSED
+
+
+async def test_handler_that_does_not_answer_rejects() -> None:
+    async def silent(request: Any) -> None:
+        return
+
+    async with trio.open_nursery() as nursery:
+        addr = await nursery.start(serve, silent, 0)
+        with pytest.raises(ConnectionRejected):
+            async with open_connection("127.0.0.1", addr[1]):
+                pass
+        nursery.cancel_scope.cancel()
