@@ -239,3 +239,28 @@ async def test_state_errors_name_the_problem() -> None:
         setup_qp(cm_id)
         with pytest.raises(OSError, match="private data"):
             cm_id.connect(ConnParam(private_data=b"x" * 253))
+
+
+@pytest.mark.parametrize("rtr", [mpa.RTR.WRITE, mpa.RTR.READ])
+async def test_peer_to_peer_rtr_then_passive_side_sends_first(rtr: mpa.RTR) -> None:
+    from rdmashim.verbs.softiwarp.negotiation import MpaOptions
+
+    async with EventChannel() as channel:
+        listener, port = await listen(channel)
+        listener.mpa_options = MpaOptions(p2p=True)
+        client = await resolve(channel, "127.0.0.1", port)
+        client.mpa_options = MpaOptions(p2p=True, rtr=rtr)
+        c = setup_qp(client)
+        client.connect()
+        request = await expect(channel, E.CONNECT_REQUEST)
+        server = request.id
+        s = setup_qp(server)
+        server.accept()
+        ids = {(await expect(channel, E.ESTABLISHED)).id for _ in range(2)}
+        assert ids == {client, server}
+        # With the RTR exchanged, the passive side may send first.
+        msg = s["pd"].reg_mr(bytearray(b"server first"))
+        server.qp.post_send(SendWR(1, WROpcode.SEND, [msg.sge()], SIG))
+        with trio.fail_after(5):
+            wc = (await c["cq"].poll_wait(1))[0]
+        assert bytes(c["buf"].buf[: wc.byte_len]) == b"server first"[:16]
