@@ -1,0 +1,73 @@
+"""Read TCP byte streams out of a pcap (Ethernet, IPv4/IPv6), for tests on recorded traffic."""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass, field
+from pathlib import Path
+
+_GLOBAL = struct.Struct("<IHHiIII")
+_RECORD = struct.Struct("<IIII")
+
+
+@dataclass
+class Stream:
+    """The bytes one side of a TCP connection sent, in sequence order, retransmissions dropped."""
+
+    src: tuple[str, int]
+    dst: tuple[str, int]
+    first: float
+    _segments: dict[int, bytes] = field(default_factory=dict)
+
+    def data(self) -> bytes:
+        out = bytearray()
+        base = None
+        for seq in sorted(self._segments):
+            chunk = self._segments[seq]
+            if base is None:
+                base = seq
+            off = seq - base
+            if off + len(chunk) > len(out):
+                out[off:] = chunk
+        return bytes(out)
+
+
+def tcp_streams(path: Path) -> list[Stream]:
+    """Every directed TCP stream with payload in ``path``, by time of its first segment."""
+    raw = path.read_bytes()
+    magic, *_, link = _GLOBAL.unpack_from(raw)
+    if magic != 0xA1B2C3D4 or link != 1:
+        raise ValueError(f"{path}: not a little-endian Ethernet pcap")
+    pos = _GLOBAL.size
+    streams: dict[tuple, Stream] = {}
+    while pos + _RECORD.size <= len(raw):
+        sec, usec, caplen, _ = _RECORD.unpack_from(raw, pos)
+        frame = raw[pos + _RECORD.size : pos + _RECORD.size + caplen]
+        pos += _RECORD.size + caplen
+        ethertype = struct.unpack_from("!H", frame, 12)[0]
+        if ethertype == 0x0800:
+            ip = frame[14:]
+            ihl = (ip[0] & 0x0F) * 4
+            total = struct.unpack_from("!H", ip, 2)[0]
+            if ip[9] != 6:
+                continue
+            src = ".".join(map(str, ip[12:16]))
+            dst = ".".join(map(str, ip[16:20]))
+            tcp = ip[ihl:total]
+        elif ethertype == 0x86DD:
+            ip = frame[14:]
+            if ip[6] != 6:
+                continue
+            plen = struct.unpack_from("!H", ip, 4)[0]
+            src, dst = ip[8:24].hex(), ip[24:40].hex()
+            tcp = ip[40 : 40 + plen]
+        else:
+            continue
+        sport, dport, seq = struct.unpack_from("!HHI", tcp)
+        payload = tcp[(tcp[12] >> 4) * 4 :]
+        if not payload:
+            continue
+        key = ((src, sport), (dst, dport))
+        stream = streams.setdefault(key, Stream(key[0], key[1], sec + usec / 1e6))
+        stream._segments.setdefault(seq, payload)
+    return sorted(streams.values(), key=lambda s: s.first)
