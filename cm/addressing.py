@@ -82,9 +82,12 @@ def interfaces() -> list[InterfaceAddress]:
 def interface_of(address: str) -> str | None:
     """The local interface that owns ``address``; None if no interface has it.
 
-    A wildcard address (``0.0.0.0``, ``::``) has no interface.
+    A wildcard address (``0.0.0.0``, ``::``) has no interface; an IPv4-mapped
+    IPv6 address (``::ffff:10.0.0.1``) is the IPv4 address's.
     """
     ip = ipaddress.ip_address(address.split("%", 1)[0])
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped  # an IPv4 peer of a dual-stack socket: ::ffff:a.b.c.d
     if ip.is_unspecified:
         return None
     for entry in interfaces():
@@ -95,13 +98,15 @@ def interface_of(address: str) -> str | None:
     return None
 
 
-def route_source(destination: str, family: int) -> str:
+def route_source(destination: str, family: int, scope_id: int = 0) -> str:
     """The local address the routing table picks to reach ``destination``.
 
+    ``scope_id`` is the interface index of an IPv6 link-local destination.
     Raises OSError (ENETUNREACH, EHOSTUNREACH, ...) when there is no route.
     """
+    target = (destination, 9) if family == socket.AF_INET else (destination, 9, 0, scope_id)
     with socket.socket(family, socket.SOCK_DGRAM) as probe:
-        probe.connect((destination, 9))
+        probe.connect(target)
         return probe.getsockname()[0]
 
 

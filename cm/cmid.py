@@ -187,10 +187,11 @@ class CMId:
                     raise OSError(errno.EADDRNOTAVAIL, f"no address of {dst[0]} in our family")
                 peer = candidates[0]
                 family = socket.AF_INET6 if ":" in peer[0] else socket.AF_INET
+                scope_id = peer[3] if family == socket.AF_INET6 else 0
                 if self.local_addr is not None and self.local_addr[0] not in ("0.0.0.0", "::"):
                     source = str(self.local_addr[0])
                 else:
-                    source = addressing.route_source(peer[0], family)
+                    source = addressing.route_source(peer[0], family, scope_id)
                 await self._bind_device(source)
         except (OSError, trio.TooSlowError) as exc:
             self.state = State.ADDR_BOUND if self.local_addr else State.IDLE
@@ -202,7 +203,9 @@ class CMId:
             return
         self._family = family
         port = self.local_addr[1] if self.local_addr else 0
-        self.local_addr = (source, port) if family == socket.AF_INET else (source, port, 0, 0)
+        self.local_addr = (
+            (source, port) if family == socket.AF_INET else (source, port, 0, scope_id)
+        )
         self.peer_addr = tuple(peer)
         self.state = State.ADDR_RESOLVED
         self._post(CMEventType.ADDR_RESOLVED)
