@@ -1,8 +1,11 @@
 """A loopback demo of the built-in engine: the newcomer's first run.
 
-Two queue pairs in one process, connected over a real TCP connection on
-127.0.0.1 with MPA, exchange a Send carrying the target buffer's address and
-key, then RDMA Write and RDMA Read it, verify every byte and report rates.
+A server (``rdmashim.cm.serve``) and a client (``open_connection``) in one
+process, connected through the rdma_cm over a real TCP connection on
+127.0.0.1 with MPA: the server's accept carries its target buffer's address
+and key, the client's first Send its source buffer's; the client RDMA-Writes
+the target and the server RDMA-Reads the source; every byte is verified and
+the rates are reported.
 """
 
 from __future__ import annotations
@@ -10,19 +13,18 @@ from __future__ import annotations
 import struct
 import sys
 import time
+from functools import partial
+from typing import Any
 
 import trio
 
-import rdmashim
-from rdmashim import Access, QPCap, RecvWR, SendFlags, SendWR, WROpcode
-from rdmashim.verbs.softiwarp.connection import (
-    MpaOptions,
-    accept_qp,
-    connect_qp,
-    read_request,
-)
+from rdmashim import Access, RecvWR, SendFlags, SendWR, WROpcode
+from rdmashim.cm import ConnectionRequest, open_connection, serve
+from rdmashim.verbs.softiwarp.negotiation import MpaOptions
 
 _DEPTH = 8
+_BUFFER = struct.Struct("!QIQ")
+"""Where a buffer is: address, rkey, length."""
 _SIG = SendFlags.SIGNALED
 _REMOTE = Access.LOCAL_WRITE | Access.REMOTE_WRITE | Access.REMOTE_READ
 
@@ -59,67 +61,63 @@ async def _pump(qp, cq, wrs: list[SendWR], label: str, size: int, progress: bool
 async def run_demo(size: int, count: int, crc: bool, progress: bool) -> int:
     """Run the demo and print what happened; returns the exit status."""
     options = MpaOptions(crc=crc)
-    async with rdmashim.open_device("siw_lo") as ctx:
-        print(f"device {ctx.device.name} ({ctx.backend}), MPA CRC {'on' if crc else 'off'}")
-        sides = []
-        for _ in range(2):
-            pd = ctx.alloc_pd()
-            cq = ctx.create_cq(1024)
-            qp = pd.create_qp(send_cq=cq, recv_cq=cq, cap=QPCap(max_send_wr=64, max_recv_wr=64))
-            sides.append((pd, cq, qp))
-        (cpd, ccq, cqp), (spd, scq, sqp) = sides
-        target = spd.reg_mr(bytearray(size), _REMOTE)
-        hello = spd.reg_mr(bytearray(64), Access.LOCAL_WRITE)
-        sqp.post_recv(RecvWR(1, [hello.sge()]))
+    source_bytes = (bytes(range(251)) * (size // 251 + 1))[:size]
+    server: dict[str, Any] = {}
+    reads_may_start = trio.Event()
+    reads_done = trio.Event()
 
-        listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
-        port = listeners[0].socket.getsockname()[1]
-
-        async def serve() -> None:
-            stream = await listeners[0].accept()
-            request = await read_request(stream)
-            await accept_qp(sqp, stream, request, options=options)
-
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(serve)
-            stream = await trio.open_tcp_stream("127.0.0.1", port)
-            result = await connect_qp(cqp, stream, private_data=b"rdmashim demo", options=options)
-        await listeners[0].aclose()
+    async def handler(request: ConnectionRequest) -> None:
+        target = request.pd.reg_mr(bytearray(size), _REMOTE)
+        sink = request.pd.reg_mr(bytearray(size), _REMOTE)
+        hello = request.pd.reg_mr(bytearray(64), Access.LOCAL_WRITE)
+        server.update(target=target, sink=sink)
+        request.qp.post_recv(RecvWR(1, [hello.sge()]))  # before accepting
+        conn = await request.accept(private_data=_BUFFER.pack(target.addr, target.rkey, size))
+        wc = (await conn.recv_cq.poll_wait(1))[0].raise_for_status()
+        addr, rkey, _ = _BUFFER.unpack_from(hello.buf)
         print(
-            f"connected on 127.0.0.1:{port}: MPA rev {result.revision}, "
-            f"IRD/ORD {result.ird}/{result.ord}"
+            f"server: {wc.byte_len}-byte Send from {conn.peer_addr[0]}: source {addr:#x}/{rkey:#x}"
         )
-
-        # The active side sends first: tell the server where our source buffer is.
-        source = cpd.reg_mr(bytearray((bytes(range(251)) * (size // 251 + 1))[:size]), _REMOTE)
-        msg = cpd.reg_mr(bytearray(struct.pack("!QIQ", source.addr, source.rkey, size)))
-        cqp.post_send(SendWR(1, WROpcode.SEND, [msg.sge()], _SIG))
-        (await ccq.poll_wait(1))[0].raise_for_status()
-        wc = (await scq.poll_wait(1))[0].raise_for_status()
-        addr, rkey, _ = struct.unpack_from("!QIQ", hello.buf)
-        print(
-            f"server received a {wc.byte_len}-byte Send: source buffer at {addr:#x}, rkey {rkey:#x}"
-        )
-
-        writes = [
-            SendWR(i, WROpcode.RDMA_WRITE, [source.sge()], _SIG, target.addr, target.rkey)
-            for i in range(count)
-        ]
-        # A Write completes once sent; the zero-length Read behind it completes only
-        # after the server placed every byte.
-        writes.append(SendWR(count, WROpcode.RDMA_READ, [], _SIG, target.addr, target.rkey))
-        elapsed = await _pump(cqp, ccq, writes, "RDMA Write", size, progress)
-        ok_write = bytes(target.buf) == bytes(source.buf)
-        _report("RDMA Write", count, size, elapsed, ok_write, progress)
-
-        sink = spd.reg_mr(bytearray(size), _REMOTE)
+        await reads_may_start.wait()
         reads = [
             SendWR(i, WROpcode.RDMA_READ, [sink.sge()], _SIG, addr, rkey) for i in range(count)
         ]
-        elapsed = await _pump(sqp, scq, reads, "RDMA Read", size, progress)
-        ok_read = bytes(sink.buf) == bytes(source.buf)
-        _report("RDMA Read ", count, size, elapsed, ok_read, progress)
-        cqp.modify(qp_state=rdmashim.QPState.ERR)
-        await sqp.wait_closed()
-        print(f"disconnected: server QP {sqp.state.name}")
-        return 0 if ok_write and ok_read else 1
+        server["read_elapsed"] = await _pump(
+            conn.qp, conn.send_cq, reads, "RDMA Read", size, progress
+        )
+        reads_done.set()
+        await conn.wait_disconnected()
+
+    async with trio.open_nursery() as nursery:
+        local, port = await nursery.start(
+            partial(serve, handler, 0, host="127.0.0.1", mpa_options=options)
+        )
+        async with open_connection(
+            "127.0.0.1", port, private_data=b"rdmashim demo", mpa_options=options
+        ) as conn:
+            print(
+                f"client: connected to {local}:{port} on {conn.context.device.name} "
+                f"({conn.context.backend}), MPA CRC {'on' if crc else 'off'}"
+            )
+            t_addr, t_rkey, _ = _BUFFER.unpack(conn.private_data)
+            source = conn.pd.reg_mr(bytearray(source_bytes), _REMOTE)
+            msg = conn.pd.reg_mr(bytearray(_BUFFER.pack(source.addr, source.rkey, size)))
+            conn.qp.post_send(SendWR(1, WROpcode.SEND, [msg.sge()], _SIG))  # active side first
+            (await conn.send_cq.poll_wait(1))[0].raise_for_status()
+            writes = [
+                SendWR(i, WROpcode.RDMA_WRITE, [source.sge()], _SIG, t_addr, t_rkey)
+                for i in range(count)
+            ]
+            # A Write completes once sent; the zero-length Read behind it completes only
+            # after the server placed every byte.
+            writes.append(SendWR(count, WROpcode.RDMA_READ, [], _SIG, t_addr, t_rkey))
+            elapsed = await _pump(conn.qp, conn.send_cq, writes, "RDMA Write", size, progress)
+            ok_write = bytes(server["target"].buf) == source_bytes
+            _report("RDMA Write", count, size, elapsed, ok_write, progress)
+            reads_may_start.set()
+            await reads_done.wait()
+            ok_read = bytes(server["sink"].buf) == source_bytes
+            _report("RDMA Read ", count, size, server["read_elapsed"], ok_read, progress)
+        print("client: disconnected")
+        nursery.cancel_scope.cancel()
+    return 0 if ok_write and ok_read else 1
