@@ -176,15 +176,18 @@ def encode_read_request(
     )  # fmt: skip
 
 
-def parse_header(data: bytes | bytearray | memoryview) -> Header | None:
-    """Decode the DDP/RDMAP header at the front of ``data`` (which starts at the MPA length).
+def parse_header(
+    data: bytes | bytearray | memoryview, offset: int = 0, end: int | None = None
+) -> Header | None:
+    """Decode the DDP/RDMAP header at ``data[offset:end]`` (starting at the MPA length).
 
     Returns None when more bytes are needed; raises :class:`ProtocolError` with the
     Terminate code RFC 5040/5041 prescribe for a header that is not valid.
     """
-    if len(data) < CTRL_LEN:
+    avail = (len(data) if end is None else end) - offset
+    if avail < CTRL_LEN:
         return None
-    ulpdu_len, ddp, rdmap_ctrl = CTRL.unpack_from(data)
+    ulpdu_len, ddp, rdmap_ctrl = CTRL.unpack_from(data, offset)
     tagged = bool(ddp & DDP_TAGGED)
     if ddp & 0x03 != DDP_VERSION:
         code = ddp_tagged(_TC.VERSION) if tagged else ddp_untagged(_UC.VERSION)
@@ -211,22 +214,22 @@ def parse_header(data: bytes | bytearray | memoryview) -> Header | None:
             f"ULPDU length {ulpdu_len} shorter than the {opcode.name} header",
             llp(LlpCode.FPDU_START),
         )
-    if len(data) < hdr_len:
+    if avail < hdr_len:
         return None
     last = bool(ddp & DDP_LAST)
     if tagged:
-        _, _, _, stag, to = TAGGED.unpack_from(data)
+        _, _, _, stag, to = TAGGED.unpack_from(data, offset)
         return Header(opcode, last, ulpdu_len, stag=stag, to=to)
     if opcode is Opcode.READ_REQUEST:
         (_, _, _, _, qn, msn, mo, sink_stag, sink_to, size, src_stag, src_to) = (
-            READ_REQUEST.unpack_from(data)
+            READ_REQUEST.unpack_from(data, offset)
         )
         return Header(
             opcode, last, ulpdu_len, qn=qn, msn=msn, mo=mo, sink_stag=sink_stag,
             sink_to=sink_to, read_size=size, src_stag=src_stag, src_to=src_to,
         )  # fmt: skip
-    _, _, _, inv_stag, qn, msn, mo = UNTAGGED.unpack_from(data)
-    return Header(opcode, last, ulpdu_len, inv_stag=inv_stag, qn=qn, msn=msn, mo=mo)
+    _, _, _, inv_stag, qn, msn, mo = UNTAGGED.unpack_from(data, offset)
+    return Header(opcode, last, ulpdu_len, 0, 0, inv_stag, qn, msn, mo)
 
 
 def trailer(ulpdu_len: int, crc: int | None) -> bytes:

@@ -98,6 +98,8 @@ class _Rx(Enum):
 
 def slice_segments(segments: Sequence[memoryview], offset: int, length: int) -> list[memoryview]:
     """The pieces of the concatenation of ``segments`` in ``[offset, offset + length)``."""
+    if len(segments) == 1:
+        return [segments[0][offset : offset + length]]
     out = []
     for seg in segments:
         n = len(seg)
@@ -490,7 +492,7 @@ class Engine:
             if rx is _Rx.HDR:
                 if avail < 4:
                     break
-                hdr = ddp.parse_header(sview[self._start : self._end])
+                hdr = ddp.parse_header(sview, self._start, self._end)
                 if hdr is None:
                     break
                 hlen = ddp.HEADER_LEN_BY_OPCODE[hdr.opcode]
