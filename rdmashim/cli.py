@@ -1,4 +1,4 @@
-"""The ``rdmashim`` command: devices, devinfo, and a loopback demo of the built-in engine."""
+"""The ``rdmashim`` command: devices, devinfo, a loopback demo, and rping's ping."""
 
 from __future__ import annotations
 
@@ -65,6 +65,51 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     return trio.run(run_demo, args.size, args.count, not args.no_crc, progress)
 
 
+def _cmd_ping(args: argparse.Namespace) -> int:
+    import logging
+
+    from rdmashim.ping import PingConfig, PingError, run
+
+    if args.debug:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(name)s: %(message)s"))
+        logger = logging.getLogger("rdmashim")
+        logger.addHandler(handler)
+        logger.setLevel(logging.DEBUG)
+    prefix = "server ping data: " if args.server else "ping data: "
+
+    def show(_ping: int, data: bytes) -> None:
+        print(prefix + data.decode("latin-1"), flush=True)
+
+    try:
+        config = PingConfig(
+            server=args.server,
+            address=args.address,
+            port=args.port,
+            count=args.count,
+            size=args.size,
+            validate=args.validate,
+            crc=args.crc,
+            p2p=args.p2p,
+            timeout=args.timeout,
+            device=args.device,
+            on_data=show if args.verbose else None,
+        )
+    except ValueError as exc:
+        print(f"rdmashim ping: {exc}", file=sys.stderr)
+        return 2
+    try:
+        result = trio.run(run, config)
+    except PingError as exc:
+        print(f"rdmashim ping: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+    if args.debug:
+        print(f"rdmashim ping: {result.pings} pings of {result.size} B", file=sys.stderr)
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``rdmashim`` console script."""
     parser = argparse.ArgumentParser(prog="rdmashim", description=rdmashim.__doc__.splitlines()[0])
@@ -84,6 +129,35 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--no-crc", action="store_true", help="do not request MPA CRC32c")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress line")
     p.set_defaults(func=_cmd_demo)
+    p = sub.add_parser(
+        "ping",
+        help="rping's ping (RDMA Read, then Write, of a message); talks to rdma-core's rping",
+        description="rping (rdma-core) on the built-in engine: either side may be the real "
+        "rping. The client sends its buffer's address; the server RDMA-Reads it and "
+        "RDMA-Writes it back into the client's sink.",
+    )
+    role = p.add_mutually_exclusive_group(required=True)
+    role.add_argument("-s", dest="server", action="store_true", help="server side")
+    role.add_argument("-c", dest="server", action="store_false", help="client side")
+    p.add_argument("-a", dest="address", default=None, help="address (server: to listen on)")
+    p.add_argument("-p", dest="port", type=int, default=7174, help="port (default 7174)")
+    p.add_argument("-C", dest="count", type=int, default=0, help="ping count (client; 0: forever)")
+    p.add_argument("-S", dest="size", type=int, default=64, help="ping data size (default 64)")
+    p.add_argument("-v", dest="verbose", action="store_true", help="display ping data to stdout")
+    p.add_argument("-V", dest="validate", action="store_true", help="validate ping data")
+    p.add_argument("-d", dest="debug", action="store_true", help="debug output (stderr)")
+    p.add_argument(
+        "--crc",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="request MPA CRC32c (default: on; CRC is used when either side asks)",
+    )
+    p.add_argument("--p2p", action="store_true", help="MPA peer-to-peer mode (RFC 6581 RTR)")
+    p.add_argument(
+        "--timeout", type=float, default=None, help="seconds to wait for the peer at each step"
+    )
+    p.add_argument("--device", default="siw_lo", help="device (default siw_lo)")
+    p.set_defaults(func=_cmd_ping)
     args = parser.parse_args(argv)
     start = time.perf_counter()
     try:

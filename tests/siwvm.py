@@ -1,0 +1,457 @@
+"""The Linux kernel's siw in a QEMU guest as a test peer (``shared/tools/siwvm``).
+
+Helpers for ``tests/test_siw_interop.py``:
+
+* :func:`missing_requirements`: why a guest cannot be booted here (root, QEMU,
+  ``ip``, the harness scripts, the image that ``build.sh`` makes).
+* :func:`netns_up`: the host network namespace ``siwvm`` (bridge ``br0`` =
+  :data:`HOST_IP`, taps for the guests), made by ``netns.sh``.
+* :class:`Guest`: boots one guest in that namespace with an *agent* as its
+  script. The agent loads siw, adds ``siw0`` on ``eth0``, touches a readiness
+  file in the share, then runs the shell *jobs* the host drops into the share
+  one after another (``$JOB.sh`` -> ``$JOB.out`` and ``$JOB.rc``) until told to
+  stop, so one boot (about 12 s under TCG) serves many tests. A job may touch
+  ``$JOB.<name>`` files to signal the host (:meth:`Job.wait_file`) and look for
+  files the host touches (:meth:`Job.touch`).
+* :func:`netns_cmd` / :func:`run_in_netns`: a host command inside the namespace;
+  :func:`in_netns`: a host coroutine inside it (its own trio loop in a thread
+  that entered the namespace).
+* :func:`netns_path`: a ``PATH`` whose ``tcpdump`` captures inside the namespace,
+  so ``wirecap.tcpdump(..., interface="br0")`` records the guest's traffic.
+
+Host and guest share files through 9p (``$CACHE/run/NAME/share`` = ``/host``).
+Everything here is synchronous or plain polling, so the guest can live in a
+module-scoped fixture while the tests run in their own trio loops.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import shutil
+import signal
+import subprocess
+import threading
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+import trio
+
+import wirecap
+
+NETNS = "siwvm"
+HOST_IP = "10.77.0.1"
+"""The host's address on the namespace's bridge."""
+GUEST_IP = "10.77.0.10"
+CACHE_ENV = "CACHE"
+"""``build.sh`` / ``boot.sh`` read the artefact directory from ``$CACHE``."""
+DEFAULT_CACHE = Path("/var/tmp/siwvm-cache")
+SIWVM_ENV = "RDMASHIM_SIWVM"
+"""Overrides where ``shared/tools/siwvm`` is."""
+SIW_KO_ENV = "RDMASHIM_SIW_KO"
+"""A ``siw.ko`` (built for the guest's kernel) to load instead of the image's own."""
+BOOT_TIMEOUT = 90.0
+"""Seconds from starting QEMU until the agent is ready (TCG: about 12)."""
+STOP_TIMEOUT = 30.0
+POLL = 0.05
+
+T = TypeVar("T")
+
+_AGENT = r"""#!/bin/bash
+# rdmashim test agent (tests/siwvm.py): set up siw, then run the host's jobs in order.
+export PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin
+if [ -f /host/siw.ko ]; then
+    SIW="modprobe ib_core && modprobe libcrc32c && insmod /host/siw.ko"  # a siw.ko under test
+else
+    SIW="modprobe siw"
+fi
+if ! { eval "$SIW" && modprobe rdma_ucm && rdma link add siw0 type siw netdev eth0; }; then
+    echo "agent: siw setup failed"; dmesg | tail -20; exit 90
+fi
+echo "agent: $(uname -r), siw: $SIW"
+touch /host/ready.__TOKEN__
+n=1
+while :; do
+    j=/host/job.$n
+    while [ ! -f "$j.sh" ]; do sleep 0.05; done
+    [ -f "$j.last" ] && break
+    JOB=$j bash "$j.sh" > "$j.out" 2>&1
+    echo $? > "$j.rc.tmp"; mv "$j.rc.tmp" "$j.rc"
+    n=$((n + 1))
+done
+dmesg > /host/dmesg.txt
+echo "agent: $((n - 1)) jobs"
+"""
+
+
+def siwvm_dir() -> Path:
+    """``shared/tools/siwvm``: ``$RDMASHIM_SIWVM``, else beside the wire tools."""
+    env = os.environ.get(SIWVM_ENV)
+    if env:
+        return Path(env).expanduser().resolve()
+    return wirecap.check_pcap_path().parent.parent / "siwvm"
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get(CACHE_ENV) or DEFAULT_CACHE)
+
+
+def missing_requirements() -> str | None:
+    """Why a guest cannot be booted here, or None when it can."""
+    if not hasattr(os, "geteuid") or os.geteuid() != 0:
+        return "the siw guest needs root (network namespace, tap devices)"
+    for tool in ("qemu-system-x86_64", "ip"):
+        if shutil.which(tool) is None:
+            return f"{tool} not installed (see shared/tools/siwvm/README.md)"
+    tools = siwvm_dir()
+    for script in ("boot.sh", "netns.sh"):
+        if not (tools / script).is_file():
+            return f"{tools / script} not found (set {SIWVM_ENV})"
+    out = cache_dir() / "out"
+    for artefact in ("vmlinuz", "initrd.gz", "rootfs.ext4"):
+        if not (out / artefact).is_file():
+            return f"{out / artefact} missing: run {tools / 'build.sh'} first"
+    return None
+
+
+def netns_up(taps: int = 2) -> bool:
+    """Create the namespace (idempotent); True when this call created it."""
+    existed = (
+        NETNS
+        in subprocess.run(
+            ["ip", "netns", "list"], capture_output=True, text=True, check=True
+        ).stdout.split()
+    )
+    subprocess.run(
+        [str(siwvm_dir() / "netns.sh"), "up", str(taps)],
+        capture_output=True,
+        text=True,
+        check=True,
+        env={**os.environ, "NS": NETNS},
+    )
+    return not existed
+
+
+def netns_down() -> None:
+    subprocess.run([str(siwvm_dir() / "netns.sh"), "down"], capture_output=True, check=False)
+
+
+def netns_cmd(*argv: str) -> list[str]:
+    """``argv`` run inside the namespace."""
+    return ["ip", "netns", "exec", NETNS, *argv]
+
+
+@dataclass
+class Done:
+    """A finished host command."""
+
+    returncode: int | None
+    """None when it was killed at its time limit."""
+    stdout: str
+    stderr: str
+    seconds: float
+
+
+async def run_in_netns(argv: list[str], limit: float) -> Done:
+    """Run ``argv`` inside the namespace; kill it after ``limit`` seconds."""
+    start = time.monotonic()
+    result: Any = None
+    with trio.move_on_after(limit):
+        result = await trio.run_process(
+            netns_cmd(*argv), capture_stdout=True, capture_stderr=True, check=False
+        )
+    took = time.monotonic() - start
+    if result is None:
+        return Done(None, "", f"killed after {limit} s", took)
+    return Done(result.returncode, result.stdout.decode(), result.stderr.decode(), took)
+
+
+async def in_netns(fn: Callable[..., Awaitable[T]], *args: Any) -> T:
+    """Run ``fn(*args)`` in a new trio loop in a thread that entered the namespace.
+
+    ``setns`` moves only the calling thread, so the sockets the coroutine
+    creates live in the namespace while the rest of the process stays outside.
+    Use numeric addresses (name resolution runs in trio's worker threads).
+    """
+    box: dict[str, Any] = {}
+
+    def target() -> None:
+        try:
+            fd = os.open(f"/run/netns/{NETNS}", os.O_RDONLY)
+            try:
+                libc = ctypes.CDLL(None, use_errno=True)
+                if libc.setns(fd, 0x40000000) != 0:  # CLONE_NEWNET
+                    raise OSError(ctypes.get_errno(), f"setns({NETNS})")
+            finally:
+                os.close(fd)
+            box["value"] = trio.run(fn, *args)
+        except BaseException as exc:
+            box["error"] = exc
+
+    thread = threading.Thread(target=target, name=f"netns-{NETNS}", daemon=True)
+    thread.start()
+    await trio.to_thread.run_sync(thread.join, abandon_on_cancel=True)
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
+
+
+async def wait_listening(port: int, limit: float = 10.0) -> None:
+    """Wait until something in the namespace listens on TCP ``port`` (without connecting)."""
+    with trio.fail_after(limit):
+        while True:
+            out = await trio.run_process(
+                netns_cmd("ss", "-Hltn", f"sport = :{port}"), capture_stdout=True, check=False
+            )
+            if out.stdout.strip():
+                return
+            await trio.sleep(POLL)
+
+
+def netns_path(directory: Path) -> str:
+    """A ``PATH`` value whose ``tcpdump`` runs inside the namespace.
+
+    ``wirecap.tcpdump`` starts ``tcpdump`` by name; with this ``PATH`` (set
+    through ``monkeypatch.setenv``) it captures on the namespace's interfaces.
+    ``ip netns exec`` execs without forking, so its SIGINT reaches tcpdump.
+    """
+    real = shutil.which("tcpdump")
+    if real is None:
+        raise FileNotFoundError("tcpdump")
+    directory.mkdir(parents=True, exist_ok=True)
+    shim = directory / "tcpdump"
+    shim.write_text(f'#!/bin/sh\nexec ip netns exec {NETNS} {real} "$@"\n')
+    shim.chmod(0o755)
+    return f"{directory}{os.pathsep}{os.environ.get('PATH', '')}"
+
+
+async def frame_facts(pcap: Path) -> tuple[dict[int, str], set[int]]:
+    """Per frame of ``pcap`` (tshark): its source IP address; and the TCP retransmissions."""
+    fields = ["-e", "frame.number", "-e", "ip.src", "-e", "tcp.analysis.retransmission"]
+    out = await trio.run_process(
+        ["tshark", "-r", str(pcap), "-T", "fields", *fields],
+        capture_stdout=True,
+        capture_stderr=True,
+        check=False,
+    )
+    sources: dict[int, str] = {}
+    retransmissions: set[int] = set()
+    for line in out.stdout.decode().splitlines():
+        number, src, retrans = ([*line.split("\t"), "", ""])[:3]
+        if number.strip().isdigit():
+            sources[int(number)] = src.strip()
+            if retrans.strip():
+                retransmissions.add(int(number))
+    return sources, retransmissions
+
+
+# ---------------------------------------------------------------- the guest
+
+
+@dataclass
+class JobResult:
+    returncode: int
+    output: str
+
+
+class Job:
+    """One script the guest's agent runs; files ``job.N.*`` in the share."""
+
+    def __init__(self, guest: Guest, n: int) -> None:
+        self.guest = guest
+        self.n = n
+        self.prefix = guest.share / f"job.{n}"
+
+    def path(self, suffix: str) -> Path:
+        return Path(f"{self.prefix}.{suffix}")
+
+    def touch(self, name: str) -> None:
+        """Create ``$JOB.<name>`` for the guest to see."""
+        self.path(name).touch()
+
+    async def wait_file(self, name: str, limit: float) -> None:
+        """Wait for the guest to create ``$JOB.<name>`` (fails early if the job ends)."""
+        with trio.fail_after(limit):
+            while not self.path(name).exists():
+                if self.path("rc").exists():
+                    raise RuntimeError(f"guest job {self.n} ended before {name}:\n{self.output()}")
+                self.guest.check_alive()
+                await trio.sleep(POLL)
+
+    def output(self) -> str:
+        try:
+            return self.path("out").read_text(errors="replace")
+        except FileNotFoundError:
+            return ""
+
+    async def wait(self, limit: float) -> JobResult:
+        """Wait until the job's script has exited (at most ``limit`` seconds)."""
+        with trio.fail_after(limit):
+            while not self.path("rc").exists():
+                self.guest.check_alive()
+                await trio.sleep(POLL)
+        return JobResult(int(self.path("rc").read_text().strip()), self.output())
+
+
+class Guest:
+    """A booted siwvm guest running the job agent (see the module docstring)."""
+
+    def __init__(
+        self,
+        name: str = "rdmashim-interop",
+        *,
+        ip: str = GUEST_IP,
+        tap: str = "tap0",
+        smp: int = 2,
+        mem: int = 1024,
+        lifetime: float = 1800.0,
+        siw_ko: Path | None = None,
+    ) -> None:
+        self.name = name
+        self.siw_ko = siw_ko
+        self.ip = ip
+        self.tap = tap
+        self.smp = smp
+        self.mem = mem
+        self.lifetime = lifetime
+        self.run_dir = cache_dir() / "run" / name
+        self.share = self.run_dir / "share"
+        self.log_path = cache_dir() / "run" / f"{name}.boot.log"
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.boot_seconds = 0.0
+        self.boots = 0
+        self.dmesg = ""
+        self.crashes: list[Path] = []
+        """Console logs of earlier boots that died (kept as ``NAME.crash-N.log``)."""
+        self._jobs = 0
+        self._token = uuid.uuid4().hex
+
+    # -- lifetime (synchronous: usable from module-scoped fixtures)
+    def start(self) -> None:
+        """Boot and wait until the agent is ready (siw0 up)."""
+        self._jobs = 0
+        self._token = uuid.uuid4().hex
+        agent = cache_dir() / "run" / f"{self.name}.agent.sh"
+        agent.parent.mkdir(parents=True, exist_ok=True)
+        agent.write_text(_AGENT.replace("__TOKEN__", self._token))
+        cmd = [
+            str(siwvm_dir() / "boot.sh"), "--name", self.name, "--smp", str(self.smp),
+            "--mem", str(self.mem), "--netns", NETNS, "--net", f"tap:{self.tap}",
+            "--ip", f"{self.ip}/24", "--timeout", str(int(self.lifetime)),
+        ]  # fmt: skip
+        if self.siw_ko is not None:  # boot.sh --put copies it into the share as /host/siw.ko
+            staged = cache_dir() / "run" / f"{self.name}.module" / "siw.ko"
+            staged.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(self.siw_ko, staged)
+            cmd += ["--put", str(staged)]
+        cmd.append(str(agent))
+        start = time.monotonic()
+        with self.log_path.open("wb") as log:
+            self.proc = subprocess.Popen(
+                cmd,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,  # boot.sh, timeout and QEMU: one process group
+            )
+        ready = self.share / f"ready.{self._token}"
+        while not ready.exists():
+            if self.proc.poll() is not None or time.monotonic() - start > BOOT_TIMEOUT:
+                self.kill()
+                raise RuntimeError(f"guest {self.name} did not come up:\n{self.log_tail()}")
+            time.sleep(POLL)
+        self.boot_seconds = time.monotonic() - start
+        self.boots += 1
+
+    @property
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def ensure(self) -> Path | None:
+        """Reboot if the guest died; returns the dead boot's saved console log, if any."""
+        if self.alive:
+            return None
+        saved = None
+        console = self.run_dir / "console.log"
+        if self.proc is not None and console.exists():
+            saved = self.run_dir.parent / f"{self.name}.crash-{len(self.crashes) + 1}.log"
+            shutil.copyfile(console, saved)
+            self.crashes.append(saved)
+        self.proc = None
+        self.start()
+        return saved
+
+    def kill(self) -> None:
+        """Power the guest off hard (a wedged kernel); :meth:`ensure` boots a new one."""
+        proc = self.proc
+        if proc is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)  # QEMU too, not only boot.sh
+            proc.wait()
+
+    async def ensure_async(self) -> Path | None:
+        return await trio.to_thread.run_sync(self.ensure)
+
+    def check_alive(self) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            raise RuntimeError(f"guest {self.name} is not running:\n{self.log_tail()}")
+
+    def stop(self) -> str:
+        """Let the agent finish (or kill QEMU); return the guest's dmesg if it got one."""
+        proc = self.proc
+        if proc is None:
+            return self.dmesg
+        if proc.poll() is None:
+            self._jobs += 1
+            last = self.share / f"job.{self._jobs}"
+            Path(f"{last}.last").touch()
+            _write_atomic(Path(f"{last}.sh"), "exit 0\n")
+            try:
+                proc.wait(STOP_TIMEOUT)
+            except subprocess.TimeoutExpired:
+                self.kill()
+        dmesg = self.share / "dmesg.txt"
+        self.dmesg = dmesg.read_text(errors="replace") if dmesg.exists() else ""
+        self.proc = None
+        return self.dmesg
+
+    def log_tail(self, lines: int = 40) -> str:
+        parts = []
+        for path in (self.log_path, self.run_dir / "console.log"):
+            if path.exists():
+                text = path.read_text(errors="replace").splitlines()[-lines:]
+                parts.append(f"--- {path}\n" + "\n".join(text))
+        return "\n".join(parts)
+
+    # -- jobs
+    def start_job(self, script: str) -> Job:
+        """Queue ``script`` (bash; ``$JOB`` is its file prefix in /host) for the agent."""
+        self.check_alive()
+        self._jobs += 1
+        job = Job(self, self._jobs)
+        _write_atomic(job.path("sh"), script)
+        return job
+
+    async def run(self, script: str, limit: float = 60.0) -> JobResult:
+        """Run ``script`` in the guest and wait for it (at most ``limit`` seconds)."""
+        return await self.start_job(script).wait(limit)
+
+
+def oops(console_log: Path, lines: int = 12) -> str:
+    """The first lines of a kernel oops or panic in a guest console log ("" if none)."""
+    text = console_log.read_text(errors="replace").splitlines()
+    for i, line in enumerate(text):
+        if "BUG:" in line or "Oops" in line or "Kernel panic" in line:
+            return "\n".join(text[i : i + lines])
+    return ""
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    tmp.rename(path)
