@@ -17,6 +17,7 @@ import trio
 
 import rdmashim
 from rdmashim.cm.types import CMEvent, PortSpace
+from rdmashim.verbs.tasks import service_nursery
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +40,7 @@ class EventChannel:
         self._closed = False
 
     async def __aenter__(self) -> EventChannel:
-        self._nursery_manager = trio.open_nursery()
+        self._nursery_manager = service_nursery()
         self.nursery = await self._nursery_manager.__aenter__()
         return self
 
@@ -52,14 +53,8 @@ class EventChannel:
         self._closed = True
         for cm_id in list(self._ids):
             cm_id.destroy()
-        assert self.nursery is not None
-        self.nursery.cancel_scope.cancel()
         self._send.close()
-        if isinstance(exc, trio.Cancelled):
-            return await self._nursery_manager.__aexit__(exc_type, exc, tb)
-        # Let the body's own exception through as it is, not wrapped in a group.
-        await self._nursery_manager.__aexit__(None, None, None)
-        return None
+        return await self._nursery_manager.__aexit__(exc_type, exc, tb)
 
     # ------------------------------------------------------------------ ids
     def create_id(self, context: Any = None, ps: PortSpace = PortSpace.TCP) -> Any:

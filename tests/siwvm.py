@@ -15,9 +15,8 @@ Helpers for ``tests/test_siw_interop.py``:
   files the host touches (:meth:`Job.touch`).
 * :func:`netns_cmd` / :func:`run_in_netns`: a host command inside the namespace;
   :func:`in_netns`: a host coroutine inside it (its own trio loop in a thread
-  that entered the namespace).
-* :func:`netns_path`: a ``PATH`` whose ``tcpdump`` captures inside the namespace,
-  so ``wirecap.tcpdump(..., interface="br0")`` records the guest's traffic.
+  that entered the namespace). ``wirecap.tcpdump(..., interface="br0",
+  netns=NETNS)`` records the guest's traffic.
 
 Host and guest share files through 9p (``$CACHE/run/NAME/share`` = ``/host``).
 Everything here is synchronous or plain polling, so the guest can live in a
@@ -211,23 +210,6 @@ async def wait_listening(port: int, limit: float = 10.0) -> None:
             if out.stdout.strip():
                 return
             await trio.sleep(POLL)
-
-
-def netns_path(directory: Path) -> str:
-    """A ``PATH`` value whose ``tcpdump`` runs inside the namespace.
-
-    ``wirecap.tcpdump`` starts ``tcpdump`` by name; with this ``PATH`` (set
-    through ``monkeypatch.setenv``) it captures on the namespace's interfaces.
-    ``ip netns exec`` execs without forking, so its SIGINT reaches tcpdump.
-    """
-    real = shutil.which("tcpdump")
-    if real is None:
-        raise FileNotFoundError("tcpdump")
-    directory.mkdir(parents=True, exist_ok=True)
-    shim = directory / "tcpdump"
-    shim.write_text(f'#!/bin/sh\nexec ip netns exec {NETNS} {real} "$@"\n')
-    shim.chmod(0o755)
-    return f"{directory}{os.pathsep}{os.environ.get('PATH', '')}"
 
 
 async def frame_facts(pcap: Path) -> tuple[dict[int, str], set[int]]:

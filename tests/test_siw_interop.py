@@ -29,7 +29,6 @@ otherwise. The capture needs tcpdump and tshark, and is left out without them.
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import os
 import sys
@@ -49,15 +48,7 @@ from rdmashim.ping import PingConfig, c_string, ping_data, run_server
 
 import wirecap
 
-
-def _marks() -> list[Any]:
-    marks = [pytest.mark.slow]
-    with contextlib.suppress(pytest.fail.Exception):  # until pyproject registers it
-        marks.append(pytest.mark.interop)
-    return marks
-
-
-pytestmark = _marks()
+pytestmark = [pytest.mark.slow, pytest.mark.interop]
 
 PING_CLI = [sys.executable, "-m", "rdmashim.cli", "ping"]
 COUNT = 10
@@ -123,12 +114,9 @@ def guest() -> Iterator[siwvm.Guest]:
 
 
 @pytest.fixture
-def netns_tcpdump(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> bool:
-    """Whether captures can be taken; makes ``tcpdump`` run inside the namespace."""
-    if wirecap.missing_requirements() or os.environ.get(NO_CAPTURE_ENV) == "1":
-        return False
-    monkeypatch.setenv("PATH", siwvm.netns_path(tmp_path / "bin"))
-    return True
+def netns_tcpdump() -> bool:
+    """Whether captures can be taken (tcpdump, tshark, check_pcap; not switched off)."""
+    return not wirecap.missing_requirements() and os.environ.get(NO_CAPTURE_ENV) != "1"
 
 
 @asynccontextmanager
@@ -136,7 +124,7 @@ async def capture(enabled: bool, pcap: Path, port: int) -> AsyncIterator[Any]:
     if not enabled:
         yield None
         return
-    async with wirecap.tcpdump(pcap, port, interface="br0") as cap:
+    async with wirecap.tcpdump(pcap, port, interface="br0", netns=siwvm.NETNS) as cap:
         yield cap
 
 

@@ -87,10 +87,16 @@ class Capture:
 
 
 @asynccontextmanager
-async def tcpdump(path: Path, port: int, interface: str = "lo") -> AsyncIterator[Capture]:
-    """Capture ``tcp port PORT`` into ``path`` while the body runs."""
+async def tcpdump(
+    path: Path, port: int, interface: str = "lo", netns: str | None = None
+) -> AsyncIterator[Capture]:
+    """Capture ``tcp port PORT`` on ``interface`` (in network namespace ``netns``) into ``path``.
+
+    ``ip netns exec`` execs tcpdump in place, so the SIGINT that stops it reaches it.
+    """
     cap = Capture(path, port)
-    cmd = [
+    cmd = ["ip", "netns", "exec", netns] if netns else []
+    cmd += [
         "tcpdump", "-i", interface, "-w", str(path), "--immediate-mode", "-U",
         "-s", "0", "-B", str(BUFFER_KIB), "-Z", "root", f"tcp port {port}",
     ]  # fmt: skip

@@ -42,6 +42,7 @@ from rdmashim.verbs.softiwarp.engine import Engine, EngineState, RecvJob, SendJo
 from rdmashim.verbs.softiwarp.memory import AccessViolation, MemoryTable, Region
 from rdmashim.verbs.softiwarp.mpa import MAX_PRIVATE_DATA, V2_BLOCK_LEN
 from rdmashim.verbs.softiwarp.terminate import TermCode
+from rdmashim.verbs.tasks import service_nursery
 from rdmashim.verbs.wr import SGE, WC, RecvWR, SendWR
 
 log = logging.getLogger(__name__)
@@ -108,13 +109,12 @@ def _find_device(name: str | None) -> Device:
 async def open_device(name: str | None = None) -> AsyncIterator[Context]:
     """Open a device; its QPs make progress in a nursery that lives as long as it."""
     device = _find_device(name)
-    async with trio.open_nursery() as nursery:
+    async with service_nursery() as nursery:
         ctx = Context(device, nursery)
         try:
             yield ctx
         finally:
             ctx.close()
-            nursery.cancel_scope.cancel()
 
 
 class _Resource:
