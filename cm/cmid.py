@@ -48,7 +48,7 @@ from rdmashim.verbs.softiwarp.connection import (
     reject,
 )
 from rdmashim.verbs.softiwarp.mpa import RTR
-from rdmashim.verbs.softiwarp.negotiation import MpaOptions, MpaRejected
+from rdmashim.verbs.softiwarp.negotiation import MpaOptions, MpaRejected, MpaResult
 from rdmashim.verbs.softiwarp.terminate import ProtocolError
 
 log = logging.getLogger(__name__)
@@ -96,6 +96,8 @@ class CMId:
         self.mpa_options = MpaOptions()
         """MPA settings this id asks for or accepts (CRC, revision, P2P, FPDU size)."""
         self.connect_timeout = DEFAULT_CONNECT_TIMEOUT
+        self.mpa: MpaResult | None = None
+        """What MPA setup settled (CRC, revision, IRD/ORD, RTR), once connected."""
         self._family = socket.AF_INET
         self._stream: trio.SocketStream | None = None
         self._request: ConnectRequest | None = None
@@ -315,6 +317,7 @@ class CMId:
             self._fail(CMEventType.CONNECT_ERROR, -errno.ECONNREFUSED, str(exc))
             return
         self._stream = stream
+        self.mpa = result
         self.state = State.ESTABLISHED
         self._post(
             CMEventType.ESTABLISHED,
@@ -424,6 +427,7 @@ class CMId:
             self.state = State.DISCONNECTED
             self._post(CMEventType.CONNECT_ERROR, -errno.ECONNRESET, detail=str(exc))
             return
+        self.mpa = result
         if result.rtr is RTR.NONE:
             self._established(result.private_data)
         self._spawn(self._watch_close)

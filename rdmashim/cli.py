@@ -92,7 +92,6 @@ def _cmd_ping(args: argparse.Namespace) -> int:
             crc=args.crc,
             p2p=args.p2p,
             timeout=args.timeout,
-            device=args.device,
             on_data=show if args.verbose else None,
         )
     except ValueError as exc:
@@ -156,7 +155,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument(
         "--timeout", type=float, default=None, help="seconds to wait for the peer at each step"
     )
-    p.add_argument("--device", default="siw_lo", help="device (default siw_lo)")
     p.set_defaults(func=_cmd_ping)
     args = parser.parse_args(argv)
     start = time.perf_counter()

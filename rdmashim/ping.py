@@ -24,10 +24,10 @@ disconnects before ``count`` pings is an error for the client (rping calls it
 success); limits rping leaves to the hardware (a peer's buffer larger than
 ours, a Write longer than the peer's sink) are checked and reported.
 
-Connection setup is for now MPA over a TCP stream
-(:mod:`rdmashim.verbs.softiwarp.connection`): :func:`connect_client` (client),
-:func:`listen` and :func:`accept_client` (server) are the only places to change
-for rdma_cm.
+Connections are made with the rdma_cm (:mod:`rdmashim.cm`), as rping does:
+resolve address and route, ``connect`` with one RDMA Read each way
+(responder_resources = initiator_depth = 1); the server listens, takes the
+first CONNECT_REQUEST and accepts it on the device the request arrived on.
 
 Library code only logs (``rdmashim.ping``); :class:`PingConfig.on_data`
 receives the data that ``-v`` shows, and the CLI prints it.
@@ -45,18 +45,9 @@ from typing import Any
 
 import trio
 
-import rdmashim
 from rdmashim import Access, QPCap, RecvWR, SendFlags, SendWR, WCOpcode, WCStatus, WROpcode
-from rdmashim.verbs.softiwarp.connection import (
-    ConnectRequest,
-    MpaOptions,
-    MpaRejected,
-    MpaResult,
-    MpaTimeout,
-    accept_qp,
-    connect_qp,
-    read_request,
-)
+from rdmashim.cm import CMEvent, CMEventType, CMId, ConnParam, EventChannel
+from rdmashim.verbs.softiwarp.negotiation import MpaOptions, MpaResult
 from rdmashim.verbs.softiwarp.terminate import ProtocolError
 
 log = logging.getLogger(__name__)
@@ -133,7 +124,6 @@ class PingConfig:
     crc: bool = True
     p2p: bool = False
     timeout: float | None = None
-    device: str = "siw_lo"
     on_data: Callable[[int, bytes], None] | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
@@ -163,53 +153,68 @@ class PingResult:
     disconnected_by_peer: bool = False
 
 
-# ---------------------------------------------------------------- connection setup
-# The only transport-specific code: replace these three for rdma_cm.
+# ---------------------------------------------------------------- connection setup (rdma_cm)
+
+_CONN = ConnParam(responder_resources=1, initiator_depth=1)
+"""rping's conn_param: one RDMA Read outstanding each way."""
 
 
-async def connect_client(qp: Any, address: str, port: int, options: MpaOptions) -> MpaResult:
-    """Connect ``qp`` to a server (rping: resolve addr/route, ``rdma_connect``)."""
+async def _event(channel: EventChannel, cm_id: CMId, want: CMEventType, step: str) -> CMEvent:
+    """The next event for ``cm_id``; anything but ``want`` fails the step like rping."""
+    while True:
+        event = await channel.get_event()
+        event.ack()
+        if event.id is cm_id or event.listen_id is cm_id:
+            break
+    if event.event != want:
+        why = f"{event.event.name}" + (f", {event.detail}" if event.detail else "")
+        if event.event == CMEventType.REJECTED and event.status == -111:
+            why = "connection refused"
+        elif event.event == CMEventType.REJECTED:
+            why = "connection rejected"
+        raise PingError(f"{step} failed: {why}")
+    return event
+
+
+async def connect_client(channel: EventChannel, config: PingConfig) -> tuple[CMId, _Session]:
+    """rping's client setup: resolve address and route, create the QP, connect."""
+    cm_id = channel.create_id()
+    cm_id.mpa_options = config.mpa_options()
+    target = f"{config.address}:{config.port}"
+    cm_id.resolve_addr(None, (config.address or "", config.port))
+    await _event(channel, cm_id, CMEventType.ADDR_RESOLVED, f"resolving {target}")
+    cm_id.resolve_route()
+    await _event(channel, cm_id, CMEventType.ROUTE_RESOLVED, f"route to {target}")
+    session = _Session(cm_id, config)
+    cm_id.connect(_CONN)
+    await _event(channel, cm_id, CMEventType.ESTABLISHED, f"connecting to {target}")
+    return cm_id, session
+
+
+def listen(channel: EventChannel, config: PingConfig) -> CMId:
+    """rping's server setup: bind and listen (port 0 picks one)."""
+    cm_id = channel.create_id()
+    cm_id.mpa_options = config.mpa_options()
+    address = config.address or "0.0.0.0"
     try:
-        stream = await trio.open_tcp_stream(address, port)
+        cm_id.bind_addr((address, config.port))
+        cm_id.listen()
     except OSError as exc:
-        raise PingError(f"cannot connect to {address}:{port}: {exc}") from exc
-    try:
-        return await connect_qp(qp, stream, options=options)
-    except MpaRejected as exc:
-        raise PingError(f"connection rejected by {address}:{port}") from exc
-    except (ProtocolError, MpaTimeout, OSError) as exc:
-        raise PingError(f"connection setup with {address}:{port} failed: {exc}") from exc
-
-
-async def listen(address: str | None, port: int) -> trio.SocketListener:
-    """Listen for one client (rping: ``rdma_bind_addr`` + ``rdma_listen``)."""
-    try:
-        listeners = await trio.open_tcp_listeners(port, host=address or "0.0.0.0")
-    except OSError as exc:
-        raise PingError(f"cannot listen on {address or '0.0.0.0'}:{port}: {exc}") from exc
-    for extra in listeners[1:]:
-        await extra.aclose()
-    return listeners[0]
+        raise PingError(f"cannot listen on {address}:{config.port}: {exc}") from exc
+    return cm_id
 
 
 async def accept_client(
-    listener: trio.SocketListener, qp: Any, options: MpaOptions
-) -> tuple[MpaResult, tuple[str, int]]:
-    """Take the next connection request on ``listener`` and accept it on ``qp``.
-
-    rping: CONNECT_REQUEST event, then ``rdma_accept``. A request that cannot be
-    served (markers, garbage, silence) fails the server, as in non-persistent rping.
-    """
-    stream = await listener.accept()
-    peer = stream.socket.getpeername()[:2]
-    log.debug("connection request from %s:%d", *peer)
-    try:
-        request: ConnectRequest = await read_request(stream)
-        result = await accept_qp(qp, stream, request, options=options)
-    except (ProtocolError, MpaTimeout, OSError) as exc:
-        await trio.aclose_forcefully(stream)
-        raise PingError(f"connection setup with {peer[0]}:{peer[1]} failed: {exc}") from exc
-    return result, peer
+    channel: EventChannel, listener: CMId, config: PingConfig
+) -> tuple[CMId, _Session]:
+    """The first connection request, accepted with its own QP (rping serves one client)."""
+    request = await _event(channel, listener, CMEventType.CONNECT_REQUEST, "waiting for a client")
+    cm_id = request.id
+    log.debug("connection request from %s", cm_id.peer_addr)
+    session = _Session(cm_id, config)
+    cm_id.accept(_CONN)
+    await _event(channel, cm_id, CMEventType.ESTABLISHED, f"accepting {cm_id.peer_addr}")
+    return cm_id, session
 
 
 # ---------------------------------------------------------------- one connection's resources
@@ -218,12 +223,13 @@ async def accept_client(
 class _Session:
     """rping's control block: one CQ, one QP, and its registered buffers."""
 
-    def __init__(self, ctx: Any, config: PingConfig) -> None:
+    def __init__(self, cm_id: CMId, config: PingConfig) -> None:
         self.config = config
-        self.pd = ctx.alloc_pd()
-        self.cq = ctx.create_cq(SQ_DEPTH * 2)
+        self.cm_id = cm_id
+        self.pd = cm_id.context.alloc_pd()
+        self.cq = cm_id.context.create_cq(SQ_DEPTH * 2)
         cap = QPCap(max_send_wr=SQ_DEPTH, max_recv_wr=2, max_send_sge=1, max_recv_sge=1)
-        self.qp = self.pd.create_qp(send_cq=self.cq, recv_cq=self.cq, cap=cap)
+        self.qp = cm_id.create_qp(self.pd, send_cq=self.cq, recv_cq=self.cq, cap=cap)
         self.recv_mr = self.pd.reg_mr(bytearray(INFO.size), Access.LOCAL_WRITE)
         self.send_mr = self.pd.reg_mr(bytearray(INFO.size), Access.NONE)
         self.rdma_mr = self.pd.reg_mr(bytearray(config.size), _REMOTE)
@@ -320,9 +326,11 @@ class _Session:
 
     async def aclose(self) -> None:
         """Disconnect (rping_disconnect) and wait until the connection is gone."""
-        self.qp.modify(qp_state=rdmashim.QPState.ERR)
-        await self.qp.wait_closed()
-        self.qp.close()
+        if self.cm_id.state.name in ("ESTABLISHED", "ACCEPTING"):
+            self.cm_id.disconnect()
+        with trio.move_on_after(5):
+            await self.qp.wait_closed()
+        self.cm_id.destroy()
 
 
 # ---------------------------------------------------------------- the two roles
@@ -330,44 +338,21 @@ class _Session:
 
 async def run_client(config: PingConfig) -> PingResult:
     """rping -c: connect, ping ``count`` times, disconnect."""
-    return await _on_device(config, _client)
-
-
-async def _on_device(config: PingConfig, body: Any, *args: Any) -> PingResult:
-    """Run ``body(ctx, config, ...)`` on an opened device; its PingError comes out bare.
-
-    (The device's nursery would otherwise wrap it in an ExceptionGroup.)
-    """
-    failure: PingError | None = None
-    result: PingResult | None = None
-    async with rdmashim.open_device(config.device) as ctx:
-        try:
-            result = await body(ctx, config, *args)
-        except PingError as exc:
-            failure = exc
-    if failure is not None:
-        raise failure
-    assert result is not None
-    return result
-
-
-async def _client(ctx: Any, config: PingConfig) -> PingResult:
-    s = _Session(ctx, config)
     result = PingResult(0, config.size)
-    try:
-        result.mpa = await connect_client(
-            s.qp, config.address or "", config.port, config.mpa_options()
-        )
+    async with EventChannel() as channel:
+        cm_id, s = await connect_client(channel, config)
+        result.mpa = cm_id.mpa
         result.peer = (config.address or "", config.port)
         log.debug("rdma_connect successful")
-        await _client_loop(s, config, result)
-    except _Disconnected as exc:
-        raise PingError(
-            f"server disconnected after {result.pings} of {config.count} pings ({exc})"
-        ) from None
-    finally:
-        with trio.CancelScope(shield=True):
-            await s.aclose()
+        try:
+            await _client_loop(s, config, result)
+        except _Disconnected as exc:
+            raise PingError(
+                f"server disconnected after {result.pings} of {config.count} pings ({exc})"
+            ) from None
+        finally:
+            with trio.CancelScope(shield=True):
+                await s.aclose()
     return result
 
 
@@ -398,28 +383,23 @@ async def run_server(
 
     Reports the bound port through ``task_status`` (useful with port 0).
     """
-    return await _on_device(config, _server, task_status)
-
-
-async def _server(ctx: Any, config: PingConfig, task_status: trio.TaskStatus[int]) -> PingResult:
-    listener = await listen(config.address, config.port)
-    port = listener.socket.getsockname()[1]
-    log.debug("listening on %s:%d", config.address or "0.0.0.0", port)
-    s = _Session(ctx, config)
     result = PingResult(0, config.size)
-    try:
+    async with EventChannel() as channel:
+        listener = listen(channel, config)
+        port = listener.local_addr[1]
+        log.debug("listening on %s:%d", config.address or "0.0.0.0", port)
         task_status.started(port)
+        cm_id, s = await accept_client(channel, listener, config)
+        listener.destroy()
+        result.mpa, result.peer = cm_id.mpa, cm_id.peer_addr[:2]
         try:
-            result.mpa, result.peer = await accept_client(listener, s.qp, config.mpa_options())
+            await _server_loop(s, config, result)
+        except _Disconnected as exc:
+            log.debug("server DISCONNECT EVENT... (%s)", exc)
+            result.disconnected_by_peer = True
         finally:
-            await listener.aclose()
-        await _server_loop(s, config, result)
-    except _Disconnected as exc:
-        log.debug("server DISCONNECT EVENT... (%s)", exc)
-        result.disconnected_by_peer = True
-    finally:
-        with trio.CancelScope(shield=True):
-            await s.aclose()
+            with trio.CancelScope(shield=True):
+                await s.aclose()
     return result
 
 
