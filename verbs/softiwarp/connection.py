@@ -10,6 +10,7 @@ already has a connected ``trio.SocketStream``:
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import socket as _stdlib_socket
 from dataclasses import dataclass
@@ -64,10 +65,20 @@ async def _read_frame(stream: trio.SocketStream, *, reply: bool) -> tuple[StartF
         if parsed is not None:
             frame, used = parsed
             return frame, bytes(buf[used:])
-        chunk = await stream.receive_some(4096)
+        try:
+            chunk = await stream.receive_some(4096)
+        except trio.BrokenResourceError as exc:
+            raise ConnectionResetError(f"connection broken during MPA setup: {exc}") from exc
         if not chunk:
             raise ConnectionResetError("connection closed during MPA setup")
         buf += chunk
+
+
+async def _send_frame(stream: trio.SocketStream, frame: StartFrame) -> None:
+    try:
+        await stream.send_all(encode_start_frame(frame))
+    except trio.BrokenResourceError as exc:
+        raise ConnectionResetError(f"connection broken during MPA setup: {exc}") from exc
 
 
 def _tune(stream: trio.SocketStream) -> None:
@@ -124,7 +135,7 @@ async def connect_qp(
     request = make_request(options, private_data)
     try:
         _tune(stream)
-        await stream.send_all(encode_start_frame(request))
+        await _send_frame(stream, request)
         with trio.move_on_after(reply_timeout) as scope:
             reply, leftover = await _read_frame(stream, reply=True)
         if scope.cancelled_caught:
@@ -168,7 +179,7 @@ async def accept_qp(
     except ProtocolError:
         await reject(stream, request, b"")
         raise
-    await stream.send_all(encode_start_frame(reply))
+    await _send_frame(stream, reply)
     _start(qp, stream, result, options, initiator=False, leftover=request.leftover)
     return result
 
@@ -179,8 +190,9 @@ async def reject(
     """Send an MPA Reject carrying ``private_data`` and close the stream."""
     frame = reject_reply(request.frame if request is not None else None, private_data)
     try:
-        await stream.send_all(encode_start_frame(frame))
-        await stream.send_eof()
+        await _send_frame(stream, frame)
+        with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
+            await stream.send_eof()
     finally:
         await stream.aclose()
 

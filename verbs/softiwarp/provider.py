@@ -689,7 +689,7 @@ class QP(_Resource):
     def modify(self, *, qp_state: QPState) -> None:
         """Change state; a user may only move a QP to ERR (the CM moves it to RTS)."""
         self._check_open("modify_qp")
-        if qp_state is not QPState.ERR:
+        if QPState(qp_state) is not QPState.ERR:
             raise VerbsError(
                 errno.EINVAL,
                 "modify_qp",

@@ -1,0 +1,155 @@
+"""RDS sockets over the built-in engine: several nodes on loopback addresses."""
+
+from __future__ import annotations
+
+import errno
+import os
+import random
+from typing import Any
+
+import pytest
+import trio
+import trio.lowlevel
+
+from rdmashim import QPState
+from rdmashim.ulps.rds.node import RdsError, RdsNode
+from rdmashim.ulps.rds.wire import RDS_MAX_MSG_SIZE
+
+
+async def nodes(addresses: list[str]) -> list[RdsNode]:
+    """Start nodes on loopback addresses, all on the first one's (free) port."""
+    out: list[RdsNode] = []
+    port = 0
+    for address in addresses:
+        node = RdsNode(address, port)
+        await node.__aenter__()
+        port = node.port
+        out.append(node)
+    return out
+
+
+async def close(all_nodes: list[RdsNode]) -> None:
+    for node in reversed(all_nodes):
+        await node.__aexit__(None, None, None)
+
+
+async def test_messages_both_ways_in_order() -> None:
+    a, b = await nodes(["127.0.0.1", "127.0.0.2"])
+    try:
+        sa, sb = a.bind(4000), b.bind(5000)
+        with trio.fail_after(20):
+            for i in range(200):
+                await sa.sendto(b"a%d" % i, ("127.0.0.2", 5000))
+                await sb.sendto(b"b%d" % i, ("127.0.0.1", 4000))
+            got_b = [await sb.recvfrom() for _ in range(200)]
+            got_a = [await sa.recvfrom() for _ in range(200)]
+        assert [d for d, _ in got_b] == [b"a%d" % i for i in range(200)]
+        assert {s for _, s in got_b} == {("127.0.0.1", 4000)}
+        assert [d for d, _ in got_a] == [b"b%d" % i for i in range(200)]
+        # One connection per pair of nodes, whichever side spoke first.
+        assert len(a.connections()) == len(b.connections()) == 1
+    finally:
+        await close([a, b])
+
+
+async def test_all_to_all_three_nodes_large_messages() -> None:
+    addrs = ["127.0.0.1", "127.0.0.2", "127.0.0.3"]
+    all_nodes = await nodes(addrs)
+    try:
+        socks = [n.bind(p) for n in all_nodes for p in (4000, 4001)]
+        rng = random.Random(7)
+        sizes = [0, 1, 4095, 4096, 4097, 100_000, RDS_MAX_MSG_SIZE]
+        plan: dict[tuple, list[bytes]] = {}
+        with trio.fail_after(60):
+            for src in socks:
+                for dst in socks:
+                    if dst is src:
+                        continue
+                    msgs = [rng.randbytes(rng.choice(sizes)) for _ in range(4)]
+                    plan[(src.address, dst.address)] = msgs
+                    for m in msgs:
+                        await src.sendto(m, dst.address)
+            received: dict[tuple, list[bytes]] = {}
+            total = sum(len(v) for v in plan.values())
+            async with trio.open_nursery() as nursery:
+                count = [0]
+
+                async def drain(sock: Any) -> None:
+                    while count[0] < total:
+                        data, sender = await sock.recvfrom()
+                        received.setdefault((sender, sock.address), []).append(data)
+                        count[0] += 1
+                        if count[0] == total:
+                            nursery.cancel_scope.cancel()
+
+                for s in socks:
+                    nursery.start_soon(drain, s)
+        assert received == plan
+    finally:
+        await close(all_nodes)
+
+
+async def test_errors_name_the_problem() -> None:
+    (a,) = await nodes(["127.0.0.1"])
+    try:
+        s = a.bind(4000)
+        with pytest.raises(RdsError) as info:
+            a.bind(4000)
+        assert info.value.errno == errno.EADDRINUSE
+        with pytest.raises(RdsError) as info:
+            await s.sendto(b"x" * (RDS_MAX_MSG_SIZE + 1), ("127.0.0.2", 1))
+        assert info.value.errno == errno.EMSGSIZE
+        with pytest.raises(RdsError, match="not an IP address"):
+            await s.sendto(b"x", ("nowhere", 1))
+        # Nobody at 127.0.0.9: the first message queues, then the node gives up on it.
+        await s.sendto(b"x", ("127.0.0.9", 4000))
+        with trio.fail_after(10):
+            while True:
+                try:
+                    await s.sendto(b"x", ("127.0.0.9", 4000))
+                except RdsError as exc:
+                    assert exc.errno == errno.EHOSTUNREACH
+                    break
+                await trio.sleep(0.1)
+        s.close()
+        with pytest.raises(RdsError) as info:
+            await s.sendto(b"x", ("127.0.0.2", 1))
+        assert info.value.errno == errno.EBADF
+    finally:
+        await close([a])
+
+
+@pytest.mark.parametrize("cuts", [3])
+async def test_connection_cut_underneath_loses_nothing(cuts: int) -> None:
+    a, b = await nodes(["127.0.0.1", "127.0.0.2"])
+    try:
+        sa, sb = a.bind(4000), b.bind(4000)
+        n = 3000
+        done_cuts = 0
+        received: list[bytes] = []
+        with trio.fail_after(60):
+            async with trio.open_nursery() as nursery:
+
+                async def receive() -> None:
+                    while len(received) < n:
+                        data, _ = await sb.recvfrom()
+                        received.append(data)
+
+                nursery.start_soon(receive)
+                for i in range(n):
+                    await sa.sendto(b"%d" % i + os.urandom(i % 64), ("127.0.0.2", 4000))
+                    if i and i % (n // (cuts + 1)) == 0:
+                        session = a.connections()[0].session
+                        if session is not None and not session.lost:
+                            session.qp.modify(qp_state=QPState.ERR)  # cut underneath
+                            done_cuts += 1
+                    if i % 50 == 0:
+                        await trio.lowlevel.checkpoint()
+        assert [int(m.split(b"\0")[0][: len(b"%d" % i)]) for i, m in enumerate(received)] == list(
+            range(n)
+        )
+        rds = a.connections()[0]
+        assert done_cuts >= 1
+        assert rds.counters.sessions == done_cuts + 1
+    finally:
+        await close([a, b])

@@ -1,0 +1,337 @@
+"""RDS nodes and sockets: reliable, ordered datagrams between (IP, port) endpoints.
+
+An :class:`RdsNode` is this machine's RDS presence on one local IP address. It
+listens for RDS connections (rdma_cm, port ``RDS_CM_PORT`` unless told
+otherwise) and keeps one :class:`RdsConnection` per peer node, shared by all
+its sockets. The lower address initiates, as Linux RDS does; when both sides
+start at once, the lower address's attempt wins, so two nodes never build two
+connections. :class:`RdsSocket` is a socket bound to (node address, port)::
+
+    async with RdsNode("10.0.0.1") as node:
+        sock = node.bind(4000)
+        await sock.sendto(b"hello", ("10.0.0.2", 4000))
+        data, (ip, port) = await sock.recvfrom()
+
+Everything here uses only the portable verbs and rdma_cm API.
+"""
+
+from __future__ import annotations
+
+import errno
+import ipaddress
+import logging
+import math
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import trio
+
+from rdmashim.cm import CMError, ConnectionRequest, open_connection, serve
+from rdmashim.ulps.rds.connection import (
+    RECV_SLOTS,
+    IPAddress,
+    RdsConnection,
+    Session,
+    SessionLost,
+)
+from rdmashim.ulps.rds.wire import RDS_CM_PORT, RDS_MAX_MSG_SIZE, ConnectPrivate
+from rdmashim.verbs.attrs import QPCap
+from rdmashim.verbs.tasks import service_nursery
+
+log = logging.getLogger(__name__)
+
+QP_CAP = QPCap(max_send_wr=128, max_recv_wr=RECV_SLOTS, max_send_sge=1, max_recv_sge=1)
+RETRY_DELAY = 0.05
+"""Seconds before the first reconnect attempt; doubles up to :data:`MAX_RETRY_DELAY`."""
+MAX_RETRY_DELAY = 1.0
+GIVE_UP_AFTER = 4
+"""Failed attempts in a row, without ever connecting, after which a peer is unreachable."""
+RCVBUF = 4 * 1024 * 1024
+"""Bytes a socket holds undelivered before the node stops taking more for it."""
+
+
+class RdsError(OSError):
+    """An RDS operation failed; ``errno`` says how."""
+
+
+@dataclass(eq=False)
+class _Peer:
+    """A peer node: its connection and the task that keeps a session up."""
+
+    rds: RdsConnection
+    connecting: bool = False
+    connector: trio.CancelScope | None = None
+    session_scope: trio.CancelScope | None = None
+    unreachable: BaseException | None = None
+    failures: int = 0
+
+
+@dataclass(eq=False)
+class RdsSocket:
+    """An RDS socket bound to (node address, port)."""
+
+    node: RdsNode
+    port: int
+    _send: trio.MemorySendChannel[tuple[bytes, tuple[str, int]]] = field(init=False)
+    _recv: trio.MemoryReceiveChannel[tuple[bytes, tuple[str, int]]] = field(init=False)
+    queued_bytes: int = 0
+    closed: bool = False
+
+    def __post_init__(self) -> None:
+        self._send, self._recv = trio.open_memory_channel(math.inf)
+
+    @property
+    def address(self) -> tuple[str, int]:
+        """(IP, port) this socket is bound to."""
+        return (str(self.node.address), self.port)
+
+    def _check(self, data: bytes, dest: tuple[str, int]) -> tuple[IPAddress, int]:
+        if self.closed:
+            raise RdsError(errno.EBADF, "sendto on a closed RDS socket")
+        if len(data) > RDS_MAX_MSG_SIZE:
+            raise RdsError(
+                errno.EMSGSIZE, f"{len(data)}-byte message exceeds RDS's {RDS_MAX_MSG_SIZE}"
+            )
+        try:
+            ip = ipaddress.ip_address(dest[0])
+        except ValueError as exc:
+            raise RdsError(errno.EINVAL, f"{dest[0]!r} is not an IP address") from exc
+        if not 0 < dest[1] < 65536:
+            raise RdsError(errno.EINVAL, f"port {dest[1]} outside 1..65535")
+        return ip, dest[1]
+
+    async def sendto(self, data: bytes, dest: tuple[str, int]) -> None:
+        """Send one message to (IP, port); waits while the connection's queue is full."""
+        ip, port = self._check(data, dest)
+        if ip != self.node.address:
+            await self.node._connection(ip).rds.wait_room()
+        self.node._send(self.port, ip, port, data)
+
+    def sendto_nowait(self, data: bytes, dest: tuple[str, int]) -> None:
+        """Send without waiting; raises ``trio.WouldBlock`` while the queue is full."""
+        ip, port = self._check(data, dest)
+        if ip != self.node.address and not self.node._connection(ip).rds.has_room:
+            raise trio.WouldBlock
+        self.node._send(self.port, ip, port, data)
+
+    async def recvfrom(self) -> tuple[bytes, tuple[str, int]]:
+        """The next message for this socket and its sender's (IP, port)."""
+        if self.closed:
+            raise RdsError(errno.EBADF, "recvfrom on a closed RDS socket")
+        data, sender = await self._recv.receive()
+        self.queued_bytes -= len(data)
+        return data, sender
+
+    def close(self) -> None:
+        """Unbind; messages for this port are dropped from now on."""
+        if not self.closed:
+            self.closed = True
+            self.node._sockets.pop(self.port, None)
+            self._send.close()
+
+
+class RdsNode:
+    """This machine's RDS endpoint on one IP address (see the module docstring)."""
+
+    def __init__(self, address: str, port: int = RDS_CM_PORT) -> None:
+        self.address = ipaddress.ip_address(address)
+        self.port = port
+        self._peers: dict[IPAddress, _Peer] = {}
+        self._sockets: dict[int, RdsSocket] = {}
+        self._nursery: trio.Nursery | None = None
+        self.drops_no_socket = 0
+        self.loopback_messages = 0
+
+    # ------------------------------------------------------------------ lifetime
+    @asynccontextmanager
+    async def _run(self) -> AsyncIterator[RdsNode]:
+        async with service_nursery() as nursery:
+            self._nursery = nursery
+            local = await nursery.start(
+                lambda task_status: serve(
+                    self._incoming, self.port, host=str(self.address), cap=QP_CAP,
+                    cqe=1024, task_status=task_status,
+                )
+            )  # fmt: skip
+            self.port = local[1]
+            try:
+                yield self
+            finally:
+                for sock in list(self._sockets.values()):
+                    sock.close()
+
+    async def __aenter__(self) -> RdsNode:
+        self._cm = self._run()
+        return await self._cm.__aenter__()
+
+    async def __aexit__(self, *exc: Any) -> bool | None:
+        return await self._cm.__aexit__(*exc)
+
+    # ------------------------------------------------------------------ sockets
+    def bind(self, port: int) -> RdsSocket:
+        """A socket bound to (this node's address, ``port``)."""
+        if not 0 < port < 65536:
+            raise RdsError(errno.EINVAL, f"port {port} outside 1..65535")
+        if port in self._sockets:
+            raise RdsError(errno.EADDRINUSE, f"RDS port {port} is in use on {self.address}")
+        sock = RdsSocket(self, port)
+        self._sockets[port] = sock
+        return sock
+
+    def _deliver(self, peer: IPAddress, sport: int, dport: int, data: bytes) -> None:
+        sock = self._sockets.get(dport)
+        if sock is None:
+            self.drops_no_socket += 1
+            log.info("message from %s:%d for unbound port %d dropped", peer, sport, dport)
+            return
+        sock.queued_bytes += len(data)
+        sock._send.send_nowait((data, (str(peer), sport)))
+
+    # ------------------------------------------------------------------ connections
+    def connections(self) -> list[RdsConnection]:
+        """Every peer connection (for counters and rds-info)."""
+        return [p.rds for p in self._peers.values()]
+
+    def _connection(self, peer: IPAddress) -> _Peer:
+        entry = self._peers.get(peer)
+        if entry is None:
+            if peer.version != self.address.version:
+                raise RdsError(errno.EAFNOSUPPORT, f"{peer} and {self.address} differ in family")
+            entry = _Peer(RdsConnection(self.address, peer, self._deliver))
+            self._peers[peer] = entry
+        if entry.unreachable is not None and entry.rds.session is None:
+            exc = entry.unreachable
+            raise RdsError(errno.EHOSTUNREACH, f"no RDS node at {peer}: {exc}") from exc
+        return entry
+
+    def _send(self, sport: int, peer: IPAddress, dport: int, data: bytes) -> None:
+        if peer == self.address:  # the loopback transport: no connection to ourselves
+            self.loopback_messages += 1
+            self._deliver(peer, sport, dport, bytes(data))
+            return
+        entry = self._connection(peer)
+        entry.rds.queue(sport, dport, data)
+        if entry.rds.session is None:
+            self._start_connector(entry)
+
+    def _start_connector(self, entry: _Peer) -> None:
+        """Start keeping a session to the peer up, unless that is already under way."""
+        if entry.connector is None and self._nursery is not None:
+            entry.connector = trio.CancelScope()
+            self._nursery.start_soon(self._connect, entry, entry.connector)
+
+    def _private(self, rds: RdsConnection) -> bytes:
+        return ConnectPrivate(
+            rds.local, rds.peer, ack_seq=rds.next_recv - 1, credit=RECV_SLOTS
+        ).encode()
+
+    async def _connect(self, entry: _Peer, scope: trio.CancelScope) -> None:
+        """Keep a session to the peer up while there is something to send."""
+        rds = entry.rds
+        delay = RETRY_DELAY
+        with scope:
+            try:
+                while rds.session is None and (rds.unsent or rds.unacked):
+                    if not rds.canonical and entry.failures == 0:
+                        await trio.sleep(RETRY_DELAY)  # give the canonical side the first move
+                        if rds.session is not None:
+                            break
+                    try:
+                        await self._active_session(entry)
+                        delay = RETRY_DELAY
+                    except (CMError, OSError) as exc:
+                        entry.failures += 1
+                        log.info("RDS connect to %s failed (%d): %s", rds.peer, entry.failures, exc)
+                        if entry.failures >= GIVE_UP_AFTER:
+                            self._unreachable(entry, exc)
+                            return
+                    await trio.sleep(delay)
+                    delay = min(delay * 2, MAX_RETRY_DELAY)
+            finally:
+                entry.connector = None
+                entry.connecting = False
+
+    async def _active_session(self, entry: _Peer) -> None:
+        rds = entry.rds
+        holder: list[Session] = []
+        entry.connecting = True
+        try:
+            async with open_connection(
+                str(rds.peer), self.port, private_data=self._private(rds), cap=QP_CAP,
+                cqe=1024, prepare=lambda conn: holder.append(Session(rds, conn)),
+            ) as conn:  # fmt: skip
+                entry.connecting = False
+                theirs = ConnectPrivate.decode(conn.private_data, ipv6=rds.peer.version == 6)
+                await self._run_session(entry, holder[0], theirs)
+        finally:
+            entry.connecting = False
+
+    async def _incoming(self, request: ConnectionRequest) -> None:
+        ipv6 = self.address.version == 6
+        try:
+            theirs = ConnectPrivate.decode(request.private_data, ipv6=ipv6)
+        except ValueError as exc:
+            log.warning("RDS connect from %s with bad private data: %s", request.peer_addr, exc)
+            await request.reject(b"")
+            return
+        entry = self._connection_for_incoming(theirs.saddr)
+        live = entry.rds.session is not None and not entry.rds.session.lost
+        log.debug(
+            "RDS %s: request from %s (connecting=%s live=%s canonical=%s)",
+            self.address, theirs.saddr, entry.connecting, live, entry.rds.canonical,
+        )  # fmt: skip
+        if entry.rds.canonical and (entry.connecting or live):
+            # Ours, from the lower address, wins (or is already up): one connection per pair.
+            log.debug("RDS %s rejects %s: ours wins", self.address, theirs.saddr)
+            await request.reject(b"")
+            return
+        if entry.connector is not None and not entry.rds.canonical:
+            entry.connector.cancel()
+        session = Session(entry.rds, request)
+        conn = await request.accept(private_data=self._private(entry.rds))
+        session.conn = conn
+        await self._run_session(entry, session, theirs)
+
+    def _connection_for_incoming(self, peer: IPAddress) -> _Peer:
+        entry = self._peers.get(peer)
+        if entry is None:
+            entry = _Peer(RdsConnection(self.address, peer, self._deliver))
+            self._peers[peer] = entry
+        return entry
+
+    async def _run_session(self, entry: _Peer, session: Session, theirs: ConnectPrivate) -> None:
+        rds = entry.rds
+        if entry.session_scope is not None:
+            entry.session_scope.cancel()  # a stale session the peer has given up on
+        if rds.session is not None:
+            rds.session.lost = True
+        entry.unreachable = None
+        entry.failures = 0
+        rds.resume(theirs.ack_seq)
+        rds.session = session
+        log.debug("RDS session %s -> %s up (peer acked %d)", rds.local, rds.peer, theirs.ack_seq)
+        with trio.CancelScope() as scope:
+            entry.session_scope = scope
+            try:
+                await session.run(theirs.credit)
+            except SessionLost as exc:
+                log.info("RDS session with %s lost: %s", rds.peer, exc)
+            finally:
+                if rds.session is session:
+                    rds.session = None
+                if entry.session_scope is scope:
+                    entry.session_scope = None
+        if rds.unsent or rds.unacked:
+            self._start_connector(entry)
+
+    def _unreachable(self, entry: _Peer, exc: BaseException) -> None:
+        rds = entry.rds
+        entry.unreachable = exc
+        dropped = len(rds.unsent) + len(rds.unacked)
+        log.warning("RDS node %s unreachable; %d queued messages dropped", rds.peer, dropped)
+        rds.unsent.clear()
+        rds.unacked.clear()
+        rds.queued_bytes = 0
+        rds._space.set()
