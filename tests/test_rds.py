@@ -153,3 +153,40 @@ async def test_connection_cut_underneath_loses_nothing(cuts: int) -> None:
         assert rds.counters.sessions == done_cuts + 1
     finally:
         await close([a, b])
+
+
+async def test_slow_receiver_congests_its_port_and_memory_stays_bounded() -> None:
+    from rdmashim.ulps.rds.connection import SNDBUF
+    from rdmashim.ulps.rds.node import RCVBUF
+
+    a, b = await nodes(["127.0.0.1", "127.0.0.2"])
+    try:
+        sa, sb = a.bind(4000), b.bind(4000)
+        chunk = 256 * 1024
+        n = 64  # 16 MiB in all, four times what the receiver will hold
+        peak = 0
+        with trio.fail_after(60):
+            async with a.monitor_congestion() as updates, trio.open_nursery() as nursery:
+
+                async def send_all() -> None:
+                    for i in range(n):
+                        await sa.sendto(i.to_bytes(4, "big") * (chunk // 4), ("127.0.0.2", 4000))
+
+                nursery.start_soon(send_all)
+                peer, ports = await updates.receive()  # the receiver is full: port congested
+                assert (peer, ports) == ("127.0.0.2", {4000})
+                assert 4000 in a.peer_congestion("127.0.0.2")
+                with pytest.raises(RdsError) as info:
+                    sa.sendto_nowait(b"x", ("127.0.0.2", 4000))
+                assert info.value.errno == errno.ENOBUFS
+                got = []
+                while len(got) < n:  # a slow reader: nothing lost, nothing reordered
+                    peak = max(peak, sb.queued_bytes)
+                    data, _ = await sb.recvfrom()
+                    got.append(int.from_bytes(data[:4], "big"))
+                    await trio.sleep(0.001)
+        assert got == list(range(n))
+        assert peak <= RCVBUF + SNDBUF + chunk
+        assert not a.peer_congestion("127.0.0.2")
+    finally:
+        await close([a, b])

@@ -26,6 +26,7 @@ from rdmashim.ulps.rds.wire import (
     RDS_FRAG_SIZE,
     RDS_HEADER_LEN,
     RDS_MAX_ADV_CREDIT,
+    CongestionMap,
     RdsFlag,
     RdsHeader,
     RdsProtocolError,
@@ -90,6 +91,10 @@ class RdsConnection:
     next_recv: int = 1
     """The sequence number of the next new message from the peer."""
     counters: Counters = field(default_factory=Counters)
+    on_congestion: Callable[[RdsConnection, set[int]], None] = lambda rds, ports: None
+    """Called with the ports whose congestion bit changed in the peer's map."""
+    peer_congestion: CongestionMap = field(default_factory=CongestionMap)
+    """The peer node's congestion map: its ports whose receivers are full."""
     session: Session | None = None
     queued_bytes: int = 0
     _space: trio.Event = field(default_factory=trio.Event)
@@ -151,6 +156,15 @@ class RdsConnection:
                 f"message {header.sequence} from {self.peer} where {self.next_recv} was due"
             )
         self.next_recv += 1
+        if header.flags & RdsFlag.CONG_BITMAP:
+            new = CongestionMap.decode(data)
+            if new is None:
+                raise RdsProtocolError(f"congestion map of {len(data)} bytes from {self.peer}")
+            changed = self.peer_congestion.diff(new)
+            self.peer_congestion = new
+            if changed:
+                self.on_congestion(self, changed)
+            return
         self.counters.recv_messages += 1
         self.counters.recv_bytes += len(data)
         self.deliver(self.peer, header.sport, header.dport, data)

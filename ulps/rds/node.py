@@ -36,7 +36,13 @@ from rdmashim.ulps.rds.connection import (
     Session,
     SessionLost,
 )
-from rdmashim.ulps.rds.wire import RDS_CM_PORT, RDS_MAX_MSG_SIZE, ConnectPrivate
+from rdmashim.ulps.rds.wire import (
+    RDS_CM_PORT,
+    RDS_MAX_MSG_SIZE,
+    CongestionMap,
+    ConnectPrivate,
+    RdsFlag,
+)
 from rdmashim.verbs.attrs import QPCap
 from rdmashim.verbs.tasks import service_nursery
 
@@ -66,6 +72,8 @@ class _Peer:
     session_scope: trio.CancelScope | None = None
     unreachable: BaseException | None = None
     failures: int = 0
+    uncongested: trio.Event = field(default_factory=trio.Event)
+    """Set when a port of the peer stops being congested (senders wait on it)."""
 
 
 @dataclass(eq=False)
@@ -103,17 +111,29 @@ class RdsSocket:
         return ip, dest[1]
 
     async def sendto(self, data: bytes, dest: tuple[str, int]) -> None:
-        """Send one message to (IP, port); waits while the connection's queue is full."""
+        """Send one message to (IP, port).
+
+        Waits while the connection's queue is full or the destination port is
+        congested (its receiver is full).
+        """
         ip, port = self._check(data, dest)
         if ip != self.node.address:
-            await self.node._connection(ip).rds.wait_room()
+            entry = self.node._connection(ip)
+            await entry.rds.wait_room()
+            while entry.rds.peer_congestion.test(port):
+                entry.uncongested = trio.Event()
+                await entry.uncongested.wait()
         self.node._send(self.port, ip, port, data)
 
     def sendto_nowait(self, data: bytes, dest: tuple[str, int]) -> None:
         """Send without waiting; raises ``trio.WouldBlock`` while the queue is full."""
         ip, port = self._check(data, dest)
-        if ip != self.node.address and not self.node._connection(ip).rds.has_room:
-            raise trio.WouldBlock
+        if ip != self.node.address:
+            rds = self.node._connection(ip).rds
+            if rds.peer_congestion.test(port):
+                raise RdsError(errno.ENOBUFS, f"RDS port {port} on {ip} is congested")
+            if not rds.has_room:
+                raise trio.WouldBlock
         self.node._send(self.port, ip, port, data)
 
     async def recvfrom(self) -> tuple[bytes, tuple[str, int]]:
@@ -122,6 +142,8 @@ class RdsSocket:
             raise RdsError(errno.EBADF, "recvfrom on a closed RDS socket")
         data, sender = await self._recv.receive()
         self.queued_bytes -= len(data)
+        if self.queued_bytes < RCVBUF // 2:
+            self.node._set_congested(self.port, False)
         return data, sender
 
     def close(self) -> None:
@@ -129,6 +151,7 @@ class RdsSocket:
         if not self.closed:
             self.closed = True
             self.node._sockets.pop(self.port, None)
+            self.node._set_congested(self.port, False)
             self._send.close()
 
 
@@ -143,6 +166,9 @@ class RdsNode:
         self._nursery: trio.Nursery | None = None
         self.drops_no_socket = 0
         self.loopback_messages = 0
+        self.congestion = CongestionMap()
+        """This node's ports whose sockets hold more than ``RCVBUF`` bytes unread."""
+        self._monitors: list[trio.MemorySendChannel[tuple[str, set[int]]]] = []
 
     # ------------------------------------------------------------------ lifetime
     @asynccontextmanager
@@ -188,6 +214,57 @@ class RdsNode:
             return
         sock.queued_bytes += len(data)
         sock._send.send_nowait((data, (str(peer), sport)))
+        if sock.queued_bytes > RCVBUF:
+            self._set_congested(dport, True)
+
+    # ------------------------------------------------------------------ congestion
+    def _set_congested(self, port: int, congested: bool) -> None:
+        if congested == self.congestion.test(port):
+            return
+        if congested:
+            self.congestion.set(port)
+        else:
+            self.congestion.clear(port)
+        log.debug("RDS %s port %d %scongested", self.address, port, "" if congested else "un")
+        for entry in self._peers.values():
+            if entry.rds.session is not None:
+                self._send_map(entry.rds)
+
+    def _send_map(self, rds: RdsConnection) -> None:
+        rds.queue(0, 0, self.congestion.encode(), RdsFlag.CONG_BITMAP)
+
+    def _peer_congestion(self, rds: RdsConnection, ports: set[int]) -> None:
+        entry = self._peers.get(rds.peer)
+        if entry is not None:
+            entry.uncongested.set()
+        for monitor in list(self._monitors):
+            try:
+                monitor.send_nowait((str(rds.peer), ports))
+            except trio.BrokenResourceError:
+                self._monitors.remove(monitor)
+
+    @asynccontextmanager
+    async def monitor_congestion(
+        self,
+    ) -> AsyncIterator[trio.MemoryReceiveChannel[tuple[str, set[int]]]]:
+        """Congestion changes of peer ports, as (peer address, ports that changed).
+
+        ``async with node.monitor_congestion() as updates: async for peer, ports in updates``;
+        ``port in node.peer_congestion(peer)`` tells the current state.
+        """
+        send, recv = trio.open_memory_channel[tuple[str, set[int]]](math.inf)
+        self._monitors.append(send)
+        try:
+            async with recv:
+                yield recv
+        finally:
+            if send in self._monitors:
+                self._monitors.remove(send)
+
+    def peer_congestion(self, peer: str) -> CongestionMap:
+        """The congestion map the node at ``peer`` last sent."""
+        entry = self._peers.get(ipaddress.ip_address(peer))
+        return entry.rds.peer_congestion if entry is not None else CongestionMap()
 
     # ------------------------------------------------------------------ connections
     def connections(self) -> list[RdsConnection]:
@@ -199,7 +276,7 @@ class RdsNode:
         if entry is None:
             if peer.version != self.address.version:
                 raise RdsError(errno.EAFNOSUPPORT, f"{peer} and {self.address} differ in family")
-            entry = _Peer(RdsConnection(self.address, peer, self._deliver))
+            entry = _Peer(self._new_connection(peer))
             self._peers[peer] = entry
         if entry.unreachable is not None and entry.rds.session is None:
             exc = entry.unreachable
@@ -297,9 +374,12 @@ class RdsNode:
     def _connection_for_incoming(self, peer: IPAddress) -> _Peer:
         entry = self._peers.get(peer)
         if entry is None:
-            entry = _Peer(RdsConnection(self.address, peer, self._deliver))
+            entry = _Peer(self._new_connection(peer))
             self._peers[peer] = entry
         return entry
+
+    def _new_connection(self, peer: IPAddress) -> RdsConnection:
+        return RdsConnection(self.address, peer, self._deliver, on_congestion=self._peer_congestion)
 
     async def _run_session(self, entry: _Peer, session: Session, theirs: ConnectPrivate) -> None:
         rds = entry.rds
@@ -310,6 +390,8 @@ class RdsNode:
         entry.unreachable = None
         entry.failures = 0
         rds.resume(theirs.ack_seq)
+        if self.congestion:
+            self._send_map(rds)  # the peer learns our congested ports on every new session
         rds.session = session
         log.debug("RDS session %s -> %s up (peer acked %d)", rds.local, rds.peer, theirs.ack_seq)
         with trio.CancelScope() as scope:
