@@ -72,6 +72,8 @@ class Counters:
     recv_bytes: int = 0
     retransmits: int = 0
     recv_drop_old_seq: int = 0
+    recv_seq_gaps: int = 0
+    peer_restarts: int = 0
     acks_sent: int = 0
     credit_waits: int = 0
     sessions: int = 0
@@ -147,15 +149,25 @@ class RdsConnection:
 
     # ------------------------------------------------------------------ receiving
     def received(self, header: RdsHeader, data: bytes) -> None:
-        """A whole message arrived: deliver it once, in order."""
-        if header.sequence < self.next_recv:
-            self.counters.recv_drop_old_seq += 1
-            return
-        if header.sequence != self.next_recv:
-            raise RdsProtocolError(
-                f"message {header.sequence} from {self.peer} where {self.next_recv} was due"
-            )
-        self.next_recv += 1
+        """A whole message arrived: deliver it once, in order.
+
+        An old sequence number on a retransmission is a duplicate and dropped.
+        On a first transmission it means the peer started afresh (its process
+        restarted): numbering restarts from there. A number beyond the next
+        one means the peer resent what it still had after we restarted (Linux
+        RDS accepts both the same way).
+        """
+        seq = header.sequence
+        if seq < self.next_recv:
+            if header.flags & RdsFlag.RETRANSMITTED:
+                self.counters.recv_drop_old_seq += 1
+                return
+            log.info("RDS peer %s restarted its numbering at %d", self.peer, seq)
+            self.counters.peer_restarts += 1
+        elif seq > self.next_recv:
+            log.info("RDS peer %s resumes at %d where %d was due", self.peer, seq, self.next_recv)
+            self.counters.recv_seq_gaps += 1
+        self.next_recv = seq + 1
         if header.flags & RdsFlag.CONG_BITMAP:
             new = CongestionMap.decode(data)
             if new is None:
