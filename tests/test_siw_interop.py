@@ -369,8 +369,9 @@ async def until_not_race(
         (True, True, 64),
         (False, True, 64),
         (True, False, 5001),
+        (True, False, 65535),
     ],
-    ids=["crc", "nocrc", "crc-p2p", "nocrc-p2p", "crc-5001"],
+    ids=["crc", "nocrc", "crc-p2p", "nocrc-p2p", "crc-5001", "crc-65535"],
 )
 async def test_kernel_server_our_client(
     guest: siwvm.Guest, tmp_path: Path, netns_tcpdump: bool, crc: bool, p2p: bool, size: int
@@ -450,11 +451,13 @@ async def test_our_server_kernel_client(
         check_wire(wire, crc=crc, p2p=False, req_crc=False)
 
 
+@pytest.mark.parametrize("size", [5001, 65535])
 async def test_our_server_library_kernel_client_large(
-    guest: siwvm.Guest, tmp_path: Path, netns_tcpdump: bool
+    guest: siwvm.Guest, tmp_path: Path, netns_tcpdump: bool, size: int
 ) -> None:
-    """Our server as a coroutine in the namespace; 5001-byte pings span several segments."""
-    size = 5001
+    """Our server as a coroutine in the namespace; large pings span several TCP segments,
+    and at 65535 bytes our RDMA Write goes out as one 64 KiB FPDU plus a small one,
+    far above the MSS siw itself sends: siw's receiver takes FPDUs of any length."""
     result, server, wire = await our_server_kernel_client(
         guest, tmp_path, netns_tcpdump, crc=True, size=size, library=True
     )
