@@ -96,8 +96,29 @@ class _Router:
                 self._queues[event.id].send_nowait(event)
 
 
+class _OnId:
+    """What a connection and a connection request tell about their CM id."""
+
+    id: CMId
+
+    @property
+    def context(self) -> Any:
+        """The device context: the one the route chose, or the request arrived on."""
+        return self.id.context
+
+    @property
+    def local_addr(self) -> Any:
+        """Our (address, port)."""
+        return self.id.local_addr
+
+    @property
+    def peer_addr(self) -> Any:
+        """The peer's (address, port)."""
+        return self.id.peer_addr
+
+
 @dataclass(eq=False)
-class Connection:
+class Connection(_OnId):
     """An established connection and the verbs resources it runs on."""
 
     id: CMId
@@ -110,21 +131,6 @@ class Connection:
     _router: _Router | None = None
     _disconnected: trio.Event = field(default_factory=trio.Event)
     _closed: trio.Event = field(default_factory=trio.Event)
-
-    @property
-    def context(self) -> Any:
-        """The device context the route chose."""
-        return self.id.context
-
-    @property
-    def local_addr(self) -> Any:
-        """Our (address, port)."""
-        return self.id.local_addr
-
-    @property
-    def peer_addr(self) -> Any:
-        """The peer's (address, port)."""
-        return self.id.peer_addr
 
     async def _follow(self) -> None:
         assert self._router is not None
@@ -212,7 +218,7 @@ async def open_connection(
 
 
 @dataclass(eq=False)
-class ConnectionRequest:
+class ConnectionRequest(_OnId):
     """An incoming connection, given to a :func:`serve` handler.
 
     The PD, CQ and QP exist already: post receives before accepting.
@@ -228,21 +234,6 @@ class ConnectionRequest:
     _router: _Router
     _connection: Connection | None = None
     _answered: bool = False
-
-    @property
-    def context(self) -> Any:
-        """The device context of the address the request arrived on."""
-        return self.id.context
-
-    @property
-    def local_addr(self) -> Any:
-        """The address and port the request arrived on."""
-        return self.id.local_addr
-
-    @property
-    def peer_addr(self) -> Any:
-        """The initiator's address and port."""
-        return self.id.peer_addr
 
     async def accept(
         self,
