@@ -25,6 +25,7 @@ raise NotSupported on iWARP devices.
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import ipaddress
 import logging
@@ -255,24 +256,23 @@ class CMId:
     # ------------------------------------------------------------------ active side
     def connect(self, param: ConnParam | None = None) -> None:
         """Connect to the resolved peer (ESTABLISHED, REJECTED, UNREACHABLE or CONNECT_ERROR)."""
-        self._require("connect", State.ROUTE_RESOLVED)
+        self._begin("connect", State.ROUTE_RESOLVED, State.CONNECT, self._connect, param)
+
+    def _begin(
+        self, operation: str, now: State, then: State, work: Any, param: ConnParam | None
+    ) -> None:
+        """Checks shared by connect and accept, then ``work(param)`` in the background."""
+        self._require(operation, now)
         if self.qp is None:
-            raise NotSupported("connect", "iWARP connections need the id's QP (create_qp first)")
+            raise NotSupported(operation, "iWARP connections need the id's QP (create_qp first)")
         param = param or ConnParam()
-        self._check_private_data("connect", param.private_data)
-        self.state = State.CONNECT
-        self._spawn(self._connect, param)
+        self._check_private_data(operation, param.private_data)
+        self.state = then
+        self._spawn(work, param)
 
     def _options(self, param: ConnParam) -> MpaOptions:
-        o = self.mpa_options
-        return MpaOptions(
-            crc=o.crc,
-            revision=o.revision,
-            p2p=o.p2p,
-            rtr=o.rtr,
-            ird=param.responder_resources,
-            ord=param.initiator_depth,
-            max_fpdu=o.max_fpdu,
+        return dataclasses.replace(
+            self.mpa_options, ird=param.responder_resources, ord=param.initiator_depth
         )
 
     async def _connect(self, param: ConnParam) -> None:
@@ -404,13 +404,7 @@ class CMId:
 
     def accept(self, param: ConnParam | None = None) -> None:
         """Accept the connection request on this id (ESTABLISHED follows)."""
-        self._require("accept", State.CONNECT_REQUEST)
-        if self.qp is None:
-            raise NotSupported("accept", "iWARP connections need the id's QP (create_qp first)")
-        param = param or ConnParam()
-        self._check_private_data("accept", param.private_data)
-        self.state = State.ACCEPTING
-        self._spawn(self._accept, param)
+        self._begin("accept", State.CONNECT_REQUEST, State.ACCEPTING, self._accept, param)
 
     async def _accept(self, param: ConnParam) -> None:
         assert self._stream is not None and self._request is not None
