@@ -123,6 +123,8 @@ class PingConfig:
     validate: bool = False
     crc: bool = True
     p2p: bool = False
+    revision: int = 2
+    """MPA revision to request: 2 (RFC 6581 IRD/ORD, the default) or 1."""
     timeout: float | None = None
     on_data: Callable[[int, bytes], None] | None = field(default=None, compare=False)
 
@@ -138,7 +140,7 @@ class PingConfig:
 
     def mpa_options(self) -> MpaOptions:
         """MPA setup options: CRC and peer-to-peer as asked; IRD/ORD are the engine's defaults."""
-        return MpaOptions(crc=self.crc, p2p=self.p2p)
+        return MpaOptions(crc=self.crc, p2p=self.p2p, revision=self.revision)
 
 
 @dataclass

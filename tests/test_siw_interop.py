@@ -184,7 +184,7 @@ async def judge(pcap: Path, port: int) -> dict[str, Any]:
 
 
 def check_wire(
-    result: dict[str, Any], *, crc: bool, p2p: bool, req_crc: bool | None = None
+    result: dict[str, Any], *, crc: bool, p2p: bool, req_crc: bool | None = None, rev: int = 2
 ) -> None:
     """Clean wire, MPA start frames as asked (``req_crc``: the Request's C bit), every FPDU."""
     text = wirecap.summary(result)
@@ -194,7 +194,9 @@ def check_wire(
     for frame in starts["frames"]:
         asked = crc if req_crc is None or frame["type"] == "rep" else req_crc
         assert frame["flags"]["C"] == asked and not frame["flags"]["M"], text
-        assert frame["mpa_v2"]["peer2peer"] == p2p, text
+        assert frame["rev"] == rev, text
+        if rev == 2:
+            assert frame["mpa_v2"]["peer2peer"] == p2p, text
     if crc:
         assert result["crc"] == {"good": result["fpdus"], "bad": 0, "not_checked": 0}, text
     else:
@@ -362,21 +364,28 @@ async def until_not_race(
 
 
 @pytest.mark.parametrize(
-    ("crc", "p2p", "size"),
+    ("crc", "p2p", "size", "rev"),
     [
-        (True, False, 64),
-        (False, False, 64),
-        (True, True, 64),
-        (False, True, 64),
-        (True, False, 5001),
-        (True, False, 65535),
+        (True, False, 64, 2),
+        (False, False, 64, 2),
+        (True, True, 64, 2),
+        (False, True, 64, 2),
+        (True, False, 5001, 2),
+        (True, False, 65535, 2),
     ],
     ids=["crc", "nocrc", "crc-p2p", "nocrc-p2p", "crc-5001", "crc-65535"],
 )
 async def test_kernel_server_our_client(
-    guest: siwvm.Guest, tmp_path: Path, netns_tcpdump: bool, crc: bool, p2p: bool, size: int
+    guest: siwvm.Guest,
+    tmp_path: Path,
+    netns_tcpdump: bool,
+    crc: bool,
+    p2p: bool,
+    size: int,
+    rev: int,
 ) -> None:
-    options = ["--crc" if crc else "--no-crc", *(["--p2p"] if p2p else [])]
+    """siw as responder: rev 2 with and without CRC, with P2P; rev 1 in the next test."""
+    options = ["--crc" if crc else "--no-crc", *(["--p2p"] if p2p else []), f"--mpa-rev={rev}"]
     attempt, log = await until_not_race(guest, tmp_path, netns_tcpdump, size=size, options=options)
     print(f"{log.summary()}; last took {attempt.seconds:.1f} s")
     # our wire must be clean in every attempt, the racy ones included
@@ -390,9 +399,33 @@ async def test_kernel_server_our_client(
     kernel = data_lines(attempt.guest_out, "server ping data: ")
     assert not (diff := same_lines(kernel, expected_lines("server ping data: ", size))), diff
     if attempt.wire is not None:
-        check_wire(attempt.wire, crc=crc, p2p=p2p)
+        check_wire(attempt.wire, crc=crc, p2p=p2p, rev=rev)
         wire = attempt.wire
         print(f"siw PAD lint: {len(wire['guest_pad'])}, retransmissions: {wire['retransmissions']}")
+
+
+@pytest.mark.parametrize("crc", [True, False], ids=["crc", "nocrc"])
+async def test_kernel_server_mpa_rev1(
+    guest: siwvm.Guest, tmp_path: Path, netns_tcpdump: bool, crc: bool
+) -> None:
+    """siw answers an MPA rev 1 Request with a rev 1 Reply, and our first Send arrives.
+
+    Stock siw (6.1) then cannot post its RDMA Read on that connection ("post
+    send error", every time: rev 1 carries no IRD/ORD); a kernel that can, passes
+    the whole ping instead.
+    """
+    options = ["--crc" if crc else "--no-crc", "--mpa-rev=1"]
+    attempt = await kernel_server_attempt(guest, tmp_path, netns_tcpdump, size=64, options=options)
+    if not attempt.ok:  # the Read failure above, or (rarely) the responder race
+        assert is_race(attempt.client.stderr, attempt.guest_out), attempt.describe()
+    if attempt.wire is not None:
+        wire = attempt.wire
+        text = wirecap.summary(wire)
+        assert not wire["our_problems"], text
+        frames = wire["mpa_start_frames"]["frames"]
+        assert [(f["type"], f["rev"]) for f in frames] == [("req", 1), ("rep", 1)], text
+        assert all(f["flags"]["C"] == crc and not f["flags"]["M"] for f in frames), text
+        assert wire["rdmap_opcodes"].get("Send", 0) >= 1, text
 
 
 # ---------------------------------------------------------------- our server, kernel client
