@@ -151,7 +151,7 @@ class Connection(_OnId):
         if not self._disconnected.is_set():
             self.id.disconnect()
         with trio.move_on_after(CLOSE_TIMEOUT):
-            await self._closed.wait()
+            await self.qp.wait_closed()  # the TCP connection is gone (TIMEWAIT_EXIT follows)
         self.id.destroy()
 
 

@@ -126,7 +126,8 @@ class RdsConnection:
     async def wait_room(self) -> None:
         """Wait until the queue drops below the send buffer size."""
         while not self.has_room:
-            self._space = trio.Event()
+            if self._space.is_set():  # shared by every waiter: replacing it strands the others
+                self._space = trio.Event()
             await self._space.wait()
 
     def acked(self, ack: int) -> None:

@@ -54,6 +54,8 @@ RETRY_DELAY = 0.05
 MAX_RETRY_DELAY = 1.0
 GIVE_UP_AFTER = 4
 """Failed attempts in a row, without ever connecting, after which a peer is unreachable."""
+UNREACHABLE_FOR = 2.0
+"""Seconds sendto reports an unreachable peer as such; the next sendto tries it again."""
 RCVBUF = 4 * 1024 * 1024
 """Bytes a socket holds undelivered before the node stops taking more for it."""
 
@@ -71,6 +73,7 @@ class _Peer:
     connector: trio.CancelScope | None = None
     session_scope: trio.CancelScope | None = None
     unreachable: BaseException | None = None
+    unreachable_until: float = 0.0
     failures: int = 0
     uncongested: trio.Event = field(default_factory=trio.Event)
     """Set when a port of the peer stops being congested (senders wait on it)."""
@@ -121,7 +124,8 @@ class RdsSocket:
             entry = self.node._connection(ip)
             await entry.rds.wait_room()
             while entry.rds.peer_congestion.test(port):
-                entry.uncongested = trio.Event()
+                if entry.uncongested.is_set():  # shared by every waiter, as wait_room's
+                    entry.uncongested = trio.Event()
                 await entry.uncongested.wait()
         self.node._send(self.port, ip, port, data)
 
@@ -279,6 +283,10 @@ class RdsNode:
             entry = _Peer(self._new_connection(peer))
             self._peers[peer] = entry
         if entry.unreachable is not None and entry.rds.session is None:
+            if trio.current_time() >= entry.unreachable_until:
+                entry.unreachable = None  # it may be back: this message tries again
+                entry.failures = 0
+                return entry
             exc = entry.unreachable
             raise RdsError(errno.EHOSTUNREACH, f"no RDS node at {peer}: {exc}") from exc
         return entry
@@ -321,7 +329,7 @@ class RdsNode:
                     except (CMError, OSError) as exc:
                         entry.failures += 1
                         log.info("RDS connect to %s failed (%d): %s", rds.peer, entry.failures, exc)
-                        if entry.failures >= GIVE_UP_AFTER:
+                        if entry.failures >= GIVE_UP_AFTER and not rds.counters.sessions:
                             self._unreachable(entry, exc)
                             return
                     await trio.sleep(delay)
@@ -411,6 +419,7 @@ class RdsNode:
     def _unreachable(self, entry: _Peer, exc: BaseException) -> None:
         rds = entry.rds
         entry.unreachable = exc
+        entry.unreachable_until = trio.current_time() + UNREACHABLE_FOR
         dropped = len(rds.unsent) + len(rds.unacked)
         log.warning("RDS node %s unreachable; %d queued messages dropped", rds.peer, dropped)
         rds.unsent.clear()
