@@ -109,7 +109,7 @@ class RdsSocket:
             ip = ipaddress.ip_address(dest[0])
         except ValueError as exc:
             raise RdsError(errno.EINVAL, f"{dest[0]!r} is not an IP address") from exc
-        if not 0 < dest[1] < 65536:
+        if not 0 <= dest[1] < 65536:  # port 0: an RDS ping, answered by the node
             raise RdsError(errno.EINVAL, f"port {dest[1]} outside 1..65535")
         return ip, dest[1]
 
@@ -201,7 +201,9 @@ class RdsNode:
 
     # ------------------------------------------------------------------ sockets
     def bind(self, port: int) -> RdsSocket:
-        """A socket bound to (this node's address, ``port``)."""
+        """A socket bound to (this node's address, ``port``); port 0 picks a free one."""
+        if port == 0:
+            port = next(p for p in range(32768, 61000) if p not in self._sockets)
         if not 0 < port < 65536:
             raise RdsError(errno.EINVAL, f"port {port} outside 1..65535")
         if port in self._sockets:
@@ -211,6 +213,9 @@ class RdsNode:
         return sock
 
     def _deliver(self, peer: IPAddress, sport: int, dport: int, data: bytes) -> None:
+        if dport == 0 and sport != 0:  # an RDS ping: answer it, as Linux's rds_send_pong
+            self._send(0, peer, sport, b"")
+            return
         sock = self._sockets.get(dport)
         if sock is None:
             self.drops_no_socket += 1
@@ -269,6 +274,21 @@ class RdsNode:
         """The congestion map the node at ``peer`` last sent."""
         entry = self._peers.get(ipaddress.ip_address(peer))
         return entry.rds.peer_congestion if entry is not None else CongestionMap()
+
+    def sockets(self) -> list[RdsSocket]:
+        """Every bound socket (for rds-info)."""
+        return sorted(self._sockets.values(), key=lambda sock: sock.port)
+
+    def connection_flags(self, peer: str) -> str:
+        """rds-info's flags for the connection to ``peer`` (s, c, C, E or -)."""
+        entry = self._peers[ipaddress.ip_address(peer)]
+        up = entry.rds.session is not None and not entry.rds.session.lost
+        return (
+            ("s" if up and entry.rds.unsent else "-")
+            + ("c" if entry.connecting else "-")
+            + ("C" if up else "-")
+            + ("E" if entry.unreachable else "-")
+        )
 
     # ------------------------------------------------------------------ connections
     def connections(self) -> list[RdsConnection]:

@@ -1,0 +1,368 @@
+#!/usr/bin/env python3
+"""`rdmashim rds stress` beside raw TCP request/response messaging, in one run.
+
+Two processes on loopback, trio at both ends. This script is the active side;
+it starts the passive side as a subprocess (a fresh interpreter running this
+file with ``--serve``), which runs an RDS node (``rdmashim.rds_tools.
+stress_passive``, the code behind ``rdmashim rds stress -r IP``) and a raw TCP
+listener that does the same job.
+
+The work, for each case (``-q`` request bytes, ``-a`` ack bytes, ``-t`` tasks,
+``-d`` depth): every task keeps ``depth`` requests outstanding; the passive
+side answers each request with an ack; each request and ack carries a 16-byte
+header (task, sequence number, ack size) and the active side checks that the
+acks come back in order.
+
+- **ours**: ``rdmashim.rds_tools.stress_active`` (what ``rdmashim rds stress
+  -s`` runs): one RDS socket per task, all over the one RDS connection between
+  the two nodes (built-in soft-iWARP engine, rdma_cm, MPA with CRC32c).
+- **raw TCP**: one trio TCP stream per task (``TCP_NODELAY``, as trio sets
+  it); the passive side reads exactly ``q`` bytes and answers with ``a``
+  bytes that echo the header; the active side reads exactly ``a`` bytes.
+
+Samples alternate ours, raw, ours, raw, ...; the medians of ``--repeat``
+samples and their ratio (ours/raw) are reported. Figures are rds-stress's:
+``tx/s`` (requests per second), ``tx+rx K/s`` (request and ack bytes, KiB/s),
+``rtt us`` (mean request-to-ack time), ``cpu %`` (the active process's CPU
+time per wall-clock time).
+
+Usage::
+
+    python benchmarks/rds_stress.py [--quick] [--repeat N] [--duration S] [--json FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import socket
+import statistics
+import struct
+import subprocess
+import sys
+import time
+from collections import deque
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import trio
+
+import rdmashim
+from rdmashim import rds_tools as rt
+from rdmashim.ulps.rds.node import RdsNode
+
+CLIENT_IP = "127.0.0.1"
+SERVER_IP = "127.0.0.2"
+RAW_SETUP = struct.Struct("!II")
+"""Raw TCP: the client's first 8 bytes: request size, ack size."""
+HEADER = rt.STRESS_HEADER
+RESULT_LINE = "-" * 100
+MEDIAN_KEYS = ("tx_per_s", "kbytes_per_s", "rtt_us", "tx_us_per_call", "cpu_percent")
+
+
+@dataclass(frozen=True)
+class Case:
+    req: int
+    ack: int
+    tasks: int
+    depth: int
+
+    @property
+    def label(self) -> str:
+        return f"q={self.req} a={self.ack} t={self.tasks} d={self.depth}"
+
+
+CASES = [
+    Case(1024, 256, 1, 1),
+    Case(1024, 256, 4, 8),
+    Case(64, 16, 4, 8),
+]
+
+
+# =============================================================================================
+# passive process
+# =============================================================================================
+
+
+async def _read_exact(sock: Any, view: memoryview) -> bool:
+    """Fill ``view``; False on EOF before the first byte."""
+    got = 0
+    while got < len(view):
+        n = await sock.recv_into(view[got:])
+        if not n:
+            if got:
+                raise EOFError("connection closed mid-message")
+            return False
+        got += n
+    return True
+
+
+async def raw_passive(stream: trio.SocketStream) -> None:
+    sock = stream.socket
+    async with stream:
+        setup = memoryview(bytearray(RAW_SETUP.size))
+        if not await _read_exact(sock, setup):
+            return
+        req, ack = RAW_SETUP.unpack(setup)
+        request = memoryview(bytearray(req))
+        answer = bytearray(ack)
+        while await _read_exact(sock, request):
+            magic, _op, _, task, seq, ack_bytes = HEADER.unpack_from(request)
+            HEADER.pack_into(answer, 0, magic, rt.OP_ACK, 0, task, seq, ack_bytes)
+            await stream.send_all(answer)
+
+
+async def serve_main(cm_port: int) -> None:
+    async with trio.open_nursery() as nursery:
+        listeners = await trio.open_tcp_listeners(0, host=SERVER_IP)
+        raw_port = listeners[0].socket.getsockname()[1]
+        nursery.start_soon(trio.serve_listeners, raw_passive, listeners)
+        async with rt.open_node(SERVER_IP, cm_port) as node:
+            await nursery.start(rt.serve_info, node)
+            result = rt.PassiveResult()
+            await nursery.start(lambda task_status: rt.stress_passive(
+                node, rt.STRESS_PORT, once=False, result=result, task_status=task_status
+            ))  # fmt: skip
+            print(f"READY {raw_port}", flush=True)
+            # Until the client closes our stdin.
+            await trio.to_thread.run_sync(sys.stdin.read, abandon_on_cancel=True)
+            nursery.cancel_scope.cancel()
+
+
+# =============================================================================================
+# active process
+# =============================================================================================
+
+
+@dataclass
+class Sample:
+    tx_per_s: float
+    kbytes_per_s: float
+    rtt_us: float
+    tx_us_per_call: float
+    cpu_percent: float
+    requests: int
+    seconds: float
+
+
+async def ours(node: RdsNode, case: Case, duration: float) -> Sample:
+    cfg = rt.StressConfig(
+        SERVER_IP, rt.STRESS_PORT, case.req, case.ack, case.tasks, case.depth, duration
+    )
+    total = (await rt.stress_active(node, cfg)).total
+    return Sample(
+        total.tx_per_s, total.kbytes_per_s, total.rtt_us, total.tx_us_per_call,
+        total.cpu_percent, total.requests, total.seconds,
+    )  # fmt: skip
+
+
+def _cpu() -> float:
+    t = os.times()
+    return t.user + t.system
+
+
+async def raw(raw_port: int, case: Case, duration: float) -> Sample:
+    streams = []
+    for _ in range(case.tasks):
+        stream = await trio.open_tcp_stream(SERVER_IP, raw_port)
+        await stream.send_all(RAW_SETUP.pack(case.req, case.ack))
+        streams.append(stream)
+    totals = {"requests": 0, "bytes": 0, "rtts": 0, "rtt_us": 0.0, "calls": 0, "send_us": 0.0}
+    stop = [False]
+    perf = time.perf_counter
+
+    async def task(i: int, stream: trio.SocketStream) -> None:
+        sock = stream.socket
+        request = bytearray(case.req)
+        answer = memoryview(bytearray(case.ack))
+        pending: deque[tuple[int, float]] = deque()
+        seq = 0
+
+        async def send_one() -> None:
+            nonlocal seq
+            seq += 1
+            HEADER.pack_into(request, 0, rt.STRESS_MAGIC, rt.OP_REQ, 0, i, seq, case.ack)
+            t0 = perf()
+            await stream.send_all(request)
+            t1 = perf()
+            pending.append((seq, t0))
+            totals["requests"] += 1
+            totals["bytes"] += case.req
+            totals["calls"] += 1
+            totals["send_us"] += (t1 - t0) * 1e6
+
+        for _ in range(case.depth):
+            await send_one()
+        while pending:
+            if not await _read_exact(sock, answer):
+                raise EOFError("raw passive side closed")
+            t = perf()
+            _, op, _, task_no, ack_seq, _ = HEADER.unpack_from(answer)
+            expected, sent_at = pending.popleft()
+            if (op, task_no, ack_seq) != (rt.OP_ACK, i, expected):
+                raise RuntimeError(f"raw task {i}: ack {ack_seq}, expected {expected}")
+            totals["bytes"] += case.ack
+            totals["rtts"] += 1
+            totals["rtt_us"] += (t - sent_at) * 1e6
+            if not stop[0]:
+                await send_one()
+
+    cpu0, t0 = _cpu(), perf()
+    async with trio.open_nursery() as nursery:
+        for i, stream in enumerate(streams):
+            nursery.start_soon(task, i, stream)
+        await trio.sleep(duration)
+        stop[0] = True
+    seconds, cpu = perf() - t0, _cpu() - cpu0
+    for stream in streams:
+        await stream.aclose()
+    return Sample(
+        totals["requests"] / seconds,
+        totals["bytes"] / 1024 / seconds,
+        totals["rtt_us"] / max(1, totals["rtts"]),
+        totals["send_us"] / max(1, totals["calls"]),
+        100 * cpu / seconds,
+        totals["requests"],
+        seconds,
+    )
+
+
+def _status(text: str) -> None:
+    if sys.stderr.isatty():
+        sys.stderr.write("\r" + text.ljust(70))
+        sys.stderr.flush()
+
+
+async def client_main(cm_port: int, raw_port: int, args: argparse.Namespace) -> list[dict]:
+    results = []
+    async with rt.open_node(CLIENT_IP, cm_port) as node:
+        for case in CASES:
+            samples: dict[str, list[Sample]] = {"ours": [], "raw": []}
+            for i in range(args.repeat):
+                _status(f"{case.label}: sample {i + 1}/{args.repeat} (ours)")
+                with trio.fail_after(10 * args.duration + 60):
+                    samples["ours"].append(await ours(node, case, args.duration))
+                _status(f"{case.label}: sample {i + 1}/{args.repeat} (raw)")
+                with trio.fail_after(10 * args.duration + 60):
+                    samples["raw"].append(await raw(raw_port, case, args.duration))
+            med = {
+                side: {
+                    key: statistics.median(getattr(s, key) for s in samples[side])
+                    for key in MEDIAN_KEYS
+                }
+                for side in samples
+            }
+            results.append(
+                {
+                    "case": asdict(case),
+                    "label": case.label,
+                    "median": med,
+                    "ratio_tx_per_s": med["ours"]["tx_per_s"] / med["raw"]["tx_per_s"],
+                    "ratio_rtt": med["ours"]["rtt_us"] / med["raw"]["rtt_us"],
+                    "samples": {side: [asdict(s) for s in samples[side]] for side in samples},
+                }
+            )
+        _status("")
+        if sys.stderr.isatty():
+            sys.stderr.write("\r")
+    return results
+
+
+def print_table(results: list[dict], args: argparse.Namespace) -> None:
+    print(RESULT_LINE)
+    print(" rdmashim rds stress vs raw TCP request/ack (trio both ends, two processes, loopback)")
+    print(
+        f" {args.repeat} samples of {args.duration:g} s per side, alternating; medians; "
+        "ratio = ours/raw"
+    )
+    print(RESULT_LINE)
+    print(
+        f" {'case':<24}{'ours tx/s':>10}{'raw tx/s':>10}{'ratio':>7}"
+        f"{'ours K/s':>11}{'raw K/s':>10}{'ours rtt':>10}{'raw rtt':>9}"
+        f"{'ours cpu%':>10}"
+    )
+    for r in results:
+        o, w = r["median"]["ours"], r["median"]["raw"]
+        print(
+            f" {r['label']:<24}{o['tx_per_s']:>10.0f}{w['tx_per_s']:>10.0f}"
+            f"{r['ratio_tx_per_s']:>7.3f}{o['kbytes_per_s']:>11.1f}{w['kbytes_per_s']:>10.1f}"
+            f"{o['rtt_us']:>10.0f}{w['rtt_us']:>9.0f}{o['cpu_percent']:>10.1f}"
+        )
+    print(RESULT_LINE)
+    for r in results:
+        print(
+            f" {r['label']}: ours tx/s "
+            + ", ".join(f"{s['tx_per_s']:.0f}" for s in r["samples"]["ours"])
+            + "; raw "
+            + ", ".join(f"{s['tx_per_s']:.0f}" for s in r["samples"]["raw"])
+        )
+
+
+def _free_port() -> int:
+    """A TCP port free on both addresses (the RDS nodes' common rdma_cm port)."""
+    for _ in range(100):
+        with socket.socket() as a, socket.socket() as b:
+            a.bind((CLIENT_IP, 0))
+            port = a.getsockname()[1]
+            try:
+                b.bind((SERVER_IP, port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no port free on both addresses")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="3 samples of 1 s per side")
+    p.add_argument("--repeat", type=int, help="samples per side (default 5)")
+    p.add_argument("--duration", type=float, help="seconds per sample (default 3)")
+    p.add_argument("--json", metavar="FILE", help="write every sample to FILE")
+    p.add_argument("--serve", type=int, metavar="CM_PORT", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.serve is not None:
+        trio.run(serve_main, args.serve)
+        return 0
+    args.repeat = args.repeat or (3 if args.quick else 5)
+    args.duration = args.duration or (1.0 if args.quick else 3.0)
+    cm_port = _free_port()
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--serve", str(cm_port)]
+    server = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    meta = {
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "nproc": os.cpu_count(),
+        "loadavg_start": os.getloadavg(),
+        "rdmashim": rdmashim.__version__,
+        "trio": trio.__version__,
+        "repeat": args.repeat,
+        "duration_s": args.duration,
+    }
+    try:
+        assert server.stdout is not None
+        line = server.stdout.readline().decode().split()
+        if len(line) != 2 or line[0] != "READY":
+            raise RuntimeError(f"passive side did not start (said {line!r})")
+        results = trio.run(client_main, cm_port, int(line[1]), args)
+    finally:
+        if server.stdin is not None:
+            server.stdin.close()
+        try:
+            server.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait()
+    meta["loadavg_end"] = os.getloadavg()
+    print_table(results, args)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"meta": meta, "results": results}, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

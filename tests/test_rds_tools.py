@@ -1,0 +1,192 @@
+"""rdmashim rds ping / stress / info / demo: the commands as a user runs them, and their library."""
+
+from __future__ import annotations
+
+import random
+import re
+import signal
+import socket
+import subprocess
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import pytest
+import trio
+
+from rdmashim import rds_tools as rt
+from rdmashim.ulps.rds.node import RdsNode
+
+ROW = re.compile(r"^\s*(\d+)\s+(\d+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)$")
+
+
+def subnet() -> str:
+    """A 127.x.y. prefix of our own, so parallel runs do not meet."""
+    return f"127.{random.randrange(1, 255)}.{random.randrange(256)}."
+
+
+def free_port(address: str) -> int:
+    with socket.socket() as s:
+        s.bind((address, 0))
+        return s.getsockname()[1]
+
+
+def rdmashim(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "rdmashim.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+
+
+@contextmanager
+def background(*args: str) -> Iterator[subprocess.Popen[str]]:
+    """Run ``rdmashim ARGS`` until its first line; Ctrl-C it at the end unless it exited."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "rdmashim.cli", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert proc.stdout is not None
+        first = proc.stdout.readline()
+        assert first, proc.stderr.read() if proc.stderr else ""
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+# ------------------------------------------------------------------ the commands
+def test_ping_gets_replies_and_info_shows_the_pinger() -> None:
+    net = subnet()
+    server, pinger, asker = net + "1", net + "2", net + "3"
+    port = str(free_port(server))
+    with background("rds", "ping", "--serve", "-I", server, "--cm-port", port) as responder:
+        out = rdmashim("rds", "ping", "-I", pinger, "--cm-port", port, "-c", "3", "-i", "200ms",
+                       server)  # fmt: skip
+        assert out.returncode == 0, out.stderr
+        lines = out.stdout.splitlines()
+        assert [line.split(":")[0].strip() for line in lines] == ["1", "2", "3"]
+        assert all(re.fullmatch(r"\s+\d+: \d+ usec", line) for line in lines), lines
+
+        info = rdmashim("rds", "info", "-I", asker, "--cm-port", port, "-n", "-c", server)
+        assert info.returncode == 0, info.stderr
+        assert "RDS Connections:" in info.stdout and "Counters:" in info.stdout
+        conns = info.stdout.split("RDS Connections:")[1]
+        assert pinger in conns and asker in conns  # the query's own connection shows too
+        recv = re.search(r"recv_messages\s+(\d+)", info.stdout)
+        assert recv is not None and int(recv.group(1)) >= 4  # 3 pings and the query
+        responder.send_signal(signal.SIGINT)
+        assert responder.wait(timeout=15) == 0
+
+
+def test_ping_without_a_responder_fails_and_serve_needs_an_address() -> None:
+    net = subnet()
+    out = rdmashim("rds", "ping", "--serve")
+    assert out.returncode == 1 and "--serve needs -I" in out.stderr
+    port = str(free_port(net + "2"))
+    out = rdmashim("rds", "info", "-I", net + "2", "--cm-port", port, "--timeout", "1", net + "1")
+    assert out.returncode == 1
+    assert "no rds-info answer" in out.stderr
+
+
+def test_stress_prints_rds_stress_columns() -> None:
+    net = subnet()
+    passive_ip, active_ip = net + "1", net + "2"
+    port = str(free_port(passive_ip))
+    with background("rds", "stress", "-r", passive_ip, "--cm-port", port) as passive:
+        out = rdmashim(
+            "rds", "stress", "-r", active_ip, "-s", passive_ip, "--cm-port", port,
+            "-T", "2", "-q", "1024", "-a", "256", "-t", "2", "-d", "4",
+        )  # fmt: skip
+        assert out.returncode == 0, out.stderr
+        passive_out, _ = passive.communicate(timeout=15)
+        assert passive.returncode == 0
+    lines = out.stdout.splitlines()
+    head = lines.index(rt.STRESS_COLUMNS)
+    assert re.fullmatch(r"tsks +tx/s +tx\+rx K/s +rw\+rr K/s +tx us/c +rtt us +cpu %", lines[head])
+    rows = [ROW.match(line) for line in lines[head + 1 :] if ROW.match(line)]
+    assert len(rows) >= 2  # seconds of the run
+    assert all(int(r.group(1)) == 2 and int(r.group(2)) > 0 for r in rows)
+    average = [line for line in lines if line.endswith("(average)")]
+    assert len(average) == 1
+    tsks, tx, kps, rdma, _us_c, rtt, cpu = average[0].split()[:7]
+    assert int(tsks) == 2 and int(tx) > 0 and float(kps) > 0 and float(rdma) == 0
+    assert float(rtt) > 0 and 0 < float(cpu) <= 100
+    # The passive side saw every request of the run (and the start-up ones).
+    requests = int(re.search(r"run over: (\d+) requests in, (\d+) acks out", passive_out)[1])
+    assert requests >= int(tx)
+
+
+def test_demo_loses_nothing_through_cuts() -> None:
+    out = rdmashim("rds", "demo", "-T", "3", "--cuts", "2", "--address", subnet() + "1", "-q")
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "lost 0, duplicated 0, out of order 0, corrupt 0" in out.stdout
+    assert out.stdout.count("cut the connection") == 2
+    assert out.stdout.count("reconnected after") == 2
+    sent = int(re.search(r"sent (\d+) messages, delivered (\d+)", out.stdout)[1])
+    assert sent > 1000
+    assert re.search(r"throughput: \d+ messages/s, [\d.]+ MB/s", out.stdout)
+    assert "OK: every message arrived exactly once, in order and intact" in out.stdout
+
+
+# ------------------------------------------------------------------ the library
+def test_formats_follow_rds_tools() -> None:
+    assert rt.format_ping_reply(rt.PingReply(1, 23)) == "   1: 23 usec"
+    assert rt.format_ping_reply(rt.PingReply(12, 40, "10.0.0.9", dup=True)) == (
+        "  12: 40 usec (10.0.0.9) DUP!"
+    )
+    assert rt.format_ping_reply(rt.PingReply(3, error="No route to host")) == (
+        "   3: ERROR: No route to host"
+    )
+    assert rt.parse_interval("200ms") == pytest.approx(0.2)
+    assert rt.parse_interval("1.5") == 1.5
+    assert rt.parse_interval("500usec") == pytest.approx(0.0005)
+    for bad in ("0", "-1", "1h", "fast"):
+        with pytest.raises(ValueError):
+            rt.parse_interval(bad)
+    sample = rt.StressSample(seconds=2.0, tasks=1, requests=1000, tx_bytes=1024_000,
+                             rx_bytes=256_000, send_calls=1000, send_usecs=50_000.0, rtts=1000,
+                             rtt_usecs=400_000.0, cpu_seconds=1.0)  # fmt: skip
+    assert (
+        rt.format_stress_row(sample) == "   1    500     625.00       0.00   50.00   400.00 50.00"
+    )
+    assert len(rt.format_stress_row(sample)) == len(rt.STRESS_COLUMNS)
+    with pytest.raises(ValueError):
+        rt.StressConfig("127.0.0.1", req_bytes=8)
+
+
+async def test_format_info_shows_nodes_of_this_process() -> None:
+    net = subnet()
+    a = RdsNode(net + "1", 0)
+    async with a, RdsNode(net + "2", a.port) as b:
+        sa, sb = a.bind(4000), b.bind(4001)
+        with trio.fail_after(20):
+            await sa.sendto(b"x" * 100, (net + "2", 4001))
+            assert await sb.recvfrom() == (b"x" * 100, (net + "1", 4000))
+            await rt.drain(a)
+        text = rt.format_info([a, b], "knc")
+        assert text.index("RDS Sockets:") < text.index("RDS Connections:")
+        assert re.search(rf"{re.escape(net)}2\s+4001\s+0\.0\.0\.0\s+0\s+\d+\s+\d+\s+0", text)
+        assert re.search(rf"{re.escape(net)}1\s+{re.escape(net)}2\s+0\s+2\s+1 --C-", text)
+        assert re.search(r"send_messages\s+1$", text, re.M)
+        assert re.search(r"recv_bytes\s+100$", text, re.M)
+        with pytest.raises(ValueError, match="no rds-info table"):
+            rt.format_info(a, "x")
+
+
+def test_cli_defaults_match_the_library() -> None:
+    from rdmashim import cli
+
+    assert cli.RDS_CM_PORT == rt.RDS_CM_PORT
+    assert (cli.ECHO_PORT, cli.STRESS_PORT) == (rt.ECHO_PORT, rt.STRESS_PORT)
+    assert cli.INFO_TABLES == rt.INFO_TABLES
