@@ -318,6 +318,10 @@ class Session:
                     else:
                         self.free_slots.append(wc.wr_id)
                 self.pump_sends()
+                if self.rds.next_recv - 1 > self.acked_to_peer:
+                    # Let the application answer first: its reply carries the ack.
+                    await trio.lowlevel.checkpoint()
+                    self.pump_sends()
                 behind = self.rds.next_recv - 1 > self.acked_to_peer
                 if behind or self.advertise >= RECV_SLOTS // 2:
                     self._send_ack()
