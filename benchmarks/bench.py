@@ -67,6 +67,8 @@ import rdmashim
 from rdmashim import Access, QPCap, RecvWR, SendFlags, SendWR, WCOpcode, WCStatus, WROpcode
 from rdmashim.verbs.softiwarp.connection import MpaOptions, accept_qp, connect_qp, read_request
 
+from streams import read_exact
+
 HOST = "127.0.0.1"
 DEVICE = "siw_lo"
 MiB = 1 << 20
@@ -113,19 +115,6 @@ def _check(wc: Any, qp: Any) -> None:
 # =============================================================================================
 # server process
 # =============================================================================================
-
-
-async def _read_exact(sock: Any, view: memoryview) -> bool:
-    """Fill ``view`` from ``sock``; False on EOF before the first byte."""
-    got = 0
-    while got < len(view):
-        n = await sock.recv_into(view[got:])
-        if not n:
-            if got:
-                raise BenchError("connection closed mid-message")
-            return False
-        got += n
-    return True
 
 
 class Server:
@@ -263,7 +252,7 @@ class Server:
         sock = stream.socket
         hdr = bytearray(RAW_HDR.size)
         async with stream:
-            if not await _read_exact(sock, memoryview(hdr)):
+            if not await read_exact(sock, memoryview(hdr)):
                 return
             mode = RAW_HDR.unpack(hdr)[0][:1]
             if mode in (b"W", b"S"):
@@ -283,7 +272,7 @@ class Server:
                     pending %= REQ.size
             elif mode == b"L":
                 buf = memoryview(bytearray(LAT_SIZE))
-                while await _read_exact(sock, buf):
+                while await read_exact(sock, buf):
                     await stream.send_all(buf)
             else:
                 raise BenchError(f"unknown raw mode {mode!r}")
@@ -460,7 +449,7 @@ async def raw_write(ctx: Any, cfg: Config, prof: _Prof) -> dict[str, float]:
             await stream.send_all(chunk)
             sent += BULK_SIZE
         await stream.send_eof()
-        if not await _read_exact(stream.socket, answer):
+        if not await read_exact(stream.socket, answer):
             raise BenchError("raw server closed without its count")
         elapsed = time.perf_counter() - t0
     if REQ.unpack(answer)[0] != sent:
@@ -581,7 +570,7 @@ async def raw_send_rate(ctx: Any, cfg: Config, prof: _Prof) -> dict[str, float]:
             await stream.send_all(batch)
             sent += BATCH
         await stream.send_eof()
-        if not await _read_exact(stream.socket, answer):
+        if not await read_exact(stream.socket, answer):
             raise BenchError("raw server closed without its count")
         elapsed = time.perf_counter() - t0
     if REQ.unpack(answer)[0] != sent * MSG_SIZE:
@@ -655,7 +644,7 @@ async def raw_send_lat(ctx: Any, cfg: Config, prof: _Prof) -> dict[str, float]:
         for i in range(cfg.lat_warmup + cfg.lat_iters):
             t = clock()
             await stream.send_all(ping)
-            if not await _read_exact(sock, pong):
+            if not await read_exact(sock, pong):
                 raise BenchError("raw server closed mid-ping-pong")
             dt = clock() - t
             if i >= cfg.lat_warmup:

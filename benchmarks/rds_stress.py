@@ -47,13 +47,14 @@ import time
 from collections import deque
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
 
 import trio
 
 import rdmashim
 from rdmashim import rds_tools as rt
 from rdmashim.ulps.rds.node import RdsNode
+
+from streams import read_exact
 
 CLIENT_IP = "127.0.0.1"
 SERVER_IP = "127.0.0.2"
@@ -88,29 +89,16 @@ CASES = [
 # =============================================================================================
 
 
-async def _read_exact(sock: Any, view: memoryview) -> bool:
-    """Fill ``view``; False on EOF before the first byte."""
-    got = 0
-    while got < len(view):
-        n = await sock.recv_into(view[got:])
-        if not n:
-            if got:
-                raise EOFError("connection closed mid-message")
-            return False
-        got += n
-    return True
-
-
 async def raw_passive(stream: trio.SocketStream) -> None:
     sock = stream.socket
     async with stream:
         setup = memoryview(bytearray(RAW_SETUP.size))
-        if not await _read_exact(sock, setup):
+        if not await read_exact(sock, setup):
             return
         req, ack = RAW_SETUP.unpack(setup)
         request = memoryview(bytearray(req))
         answer = bytearray(ack)
-        while await _read_exact(sock, request):
+        while await read_exact(sock, request):
             magic, _op, _, task, seq, ack_bytes = HEADER.unpack_from(request)
             HEADER.pack_into(answer, 0, magic, rt.OP_ACK, 0, task, seq, ack_bytes)
             await stream.send_all(answer)
@@ -198,7 +186,7 @@ async def raw(raw_port: int, case: Case, duration: float) -> Sample:
         for _ in range(case.depth):
             await send_one()
         while pending:
-            if not await _read_exact(sock, answer):
+            if not await read_exact(sock, answer):
                 raise EOFError("raw passive side closed")
             t = perf()
             _, op, _, task_no, ack_seq, _ = HEADER.unpack_from(answer)

@@ -1,14 +1,16 @@
-"""Shared fixtures: an opened siw_lo device and a connected pair of queue pairs on it."""
+"""Shared fixtures: an opened siw_lo device, a connected pair of queue pairs on it, and
+three hosts in network namespaces."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import pytest
 
 import rdmashim
 
+import netns
 from pairs import Side, make_pair
 
 
@@ -21,3 +23,17 @@ async def ctx() -> AsyncIterator[Any]:
 @pytest.fixture
 async def pair(ctx: Any) -> tuple[Side, Side]:
     return await make_pair(ctx)
+
+
+@pytest.fixture(scope="module")
+def net() -> Iterator[netns.Network]:
+    """Three hosts in network namespaces (tests/netns.py), built once per module."""
+    reason = netns.unavailable()
+    if reason:
+        pytest.skip(reason)
+    netns.sweep_stale()
+    network = netns.Network.build()
+    try:
+        yield network
+    finally:
+        network.destroy()

@@ -13,7 +13,6 @@ from __future__ import annotations
 import errno
 import ipaddress
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -25,20 +24,6 @@ pytestmark = pytest.mark.netns
 
 DONE = ["DISCONNECTED", "TIMEWAIT_EXIT"]
 """What each side of a connection sees after either side disconnects, in order."""
-
-
-@pytest.fixture(scope="module")
-def net() -> Iterator[netns.Network]:
-    """The three hosts, built once for the module and always torn down."""
-    reason = netns.unavailable()
-    if reason:
-        pytest.skip(reason)
-    netns.sweep_stale()
-    network = netns.Network.build()
-    try:
-        yield network
-    finally:
-        network.destroy()
 
 
 def host_of(sockaddr: list[Any]) -> str:

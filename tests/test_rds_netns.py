@@ -14,7 +14,6 @@ from every pair, and one connection per pair of nodes.
 from __future__ import annotations
 
 import ipaddress
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -30,20 +29,6 @@ pytestmark = pytest.mark.netns
 COUNT = 1000
 """Messages from each socket to each socket of every other node."""
 PORTS = [4000, 4001]
-
-
-@pytest.fixture(scope="module")
-def net() -> Iterator[netns.Network]:
-    """The three hosts, built once for the module and always torn down."""
-    reason = netns.unavailable()
-    if reason:
-        pytest.skip(reason)
-    netns.sweep_stale()
-    network = netns.Network.build()
-    try:
-        yield network
-    finally:
-        network.destroy()
 
 
 def lan_address(host: netns.Host, version: int) -> str:
