@@ -67,7 +67,7 @@ import rdmashim
 from rdmashim import Access, QPCap, RecvWR, SendFlags, SendWR, WCOpcode, WCStatus, WROpcode
 from rdmashim.verbs.softiwarp.connection import MpaOptions, accept_qp, connect_qp, read_request
 
-from streams import read_exact
+from streams import read_exact, stop_process
 
 HOST = "127.0.0.1"
 DEVICE = "siw_lo"
@@ -967,13 +967,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         meta, results = trio.run(client_main, args, cfg, benches)
     finally:
-        if server.stdin is not None:
-            server.stdin.close()
-        try:
-            server.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            server.kill()
-            server.wait()
+        stop_process(server)
     if args.profile:
         report_profiles(benches, results, Path(args.profile))
     elif args.json:

@@ -54,7 +54,7 @@ import rdmashim
 from rdmashim import rds_tools as rt
 from rdmashim.ulps.rds.node import RdsNode
 
-from streams import read_exact
+from streams import read_exact, stop_process
 
 CLIENT_IP = "127.0.0.1"
 SERVER_IP = "127.0.0.2"
@@ -338,13 +338,7 @@ def main(argv: list[str] | None = None) -> int:
             raise RuntimeError(f"passive side did not start (said {line!r})")
         results = trio.run(client_main, cm_port, int(line[1]), args)
     finally:
-        if server.stdin is not None:
-            server.stdin.close()
-        try:
-            server.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            server.kill()
-            server.wait()
+        stop_process(server)
     meta["loadavg_end"] = os.getloadavg()
     print_table(results, args)
     if args.json:

@@ -1,7 +1,8 @@
-"""What the benchmark scripts share for their raw TCP side."""
+"""What the benchmark scripts share: the raw TCP side's reads, stopping the server process."""
 
 from __future__ import annotations
 
+import subprocess
 from typing import Any
 
 
@@ -19,3 +20,14 @@ async def read_exact(sock: Any, view: memoryview) -> bool:
             return False
         got += n
     return True
+
+
+def stop_process(server: subprocess.Popen[bytes]) -> None:
+    """Close the server's stdin (its signal to end), wait for it, kill it if it hangs."""
+    if server.stdin is not None:
+        server.stdin.close()
+    try:
+        server.wait(timeout=15)
+    except subprocess.TimeoutExpired:
+        server.kill()
+        server.wait()

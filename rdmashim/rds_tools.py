@@ -261,22 +261,39 @@ async def ping(
     return stats
 
 
-async def serve_echo(
-    node: RdsNode, port: int = ECHO_PORT, *, task_status: Any = trio.TASK_STATUS_IGNORED
+async def _serve(
+    node: RdsNode,
+    port: int,
+    answer: Callable[[bytes, tuple[str, int]], bytes | None],
+    task_status: Any,
 ) -> None:
-    """Send every message arriving at ``port`` back to its sender (the pinged side)."""
+    """Bind ``port`` and send ``answer(data, sender)`` back for every message (None: nothing)."""
     sock = node.bind(port)
     task_status.started(sock.address)
     try:
         while True:
             data, sender = await sock.recvfrom()
-            log.debug("echo %d bytes to %s:%d", len(data), *sender)
+            reply = answer(data, sender)
+            if reply is None:
+                continue
             try:
-                await sock.sendto(data, sender)
+                await sock.sendto(reply, sender)
             except RdsError as exc:
-                log.info("echo to %s:%d failed: %s", *sender, exc)
+                log.info("answer to %s:%d failed: %s", *sender, exc)
     finally:
         sock.close()
+
+
+async def serve_echo(
+    node: RdsNode, port: int = ECHO_PORT, *, task_status: Any = trio.TASK_STATUS_IGNORED
+) -> None:
+    """Send every message arriving at ``port`` back to its sender (the pinged side)."""
+
+    def echo(data: bytes, sender: tuple[str, int]) -> bytes:
+        log.debug("echo %d bytes to %s:%d", len(data), *sender)
+        return data
+
+    await _serve(node, port, echo, task_status)
 
 
 # =============================================================================================
@@ -373,25 +390,19 @@ async def serve_info(
     node: RdsNode, port: int = INFO_PORT, *, task_status: Any = trio.TASK_STATUS_IGNORED
 ) -> None:
     """Answer :func:`query_info` requests with :func:`format_info` of ``node``."""
-    sock = node.bind(port)
-    task_status.started(sock.address)
-    try:
-        while True:
-            data, sender = await sock.recvfrom()
-            if not data.startswith(_INFO_REQUEST):
-                log.info("not an rds-info request from %s:%d", *sender)
-                continue
-            tables = data[len(_INFO_REQUEST) :].decode("ascii", "replace") or "cknst"
-            try:
-                text = format_info(node, tables)
-            except ValueError as exc:
-                text = f"error: {exc}\n"
-            try:
-                await sock.sendto(text.encode()[:RDS_MAX_MSG_SIZE], sender)
-            except RdsError as exc:
-                log.info("rds-info answer to %s:%d failed: %s", *sender, exc)
-    finally:
-        sock.close()
+
+    def info(data: bytes, sender: tuple[str, int]) -> bytes | None:
+        if not data.startswith(_INFO_REQUEST):
+            log.info("not an rds-info request from %s:%d", *sender)
+            return None
+        tables = data[len(_INFO_REQUEST) :].decode("ascii", "replace") or "cknst"
+        try:
+            text = format_info(node, tables)
+        except ValueError as exc:
+            text = f"error: {exc}\n"
+        return text.encode()[:RDS_MAX_MSG_SIZE]
+
+    await _serve(node, port, info, task_status)
 
 
 async def query_info(
