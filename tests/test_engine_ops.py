@@ -367,6 +367,27 @@ async def test_register_any_buffer(ctx) -> None:
     mr3.close()  # idempotent
 
 
+async def test_zero_based_regions(pair: tuple[Side, Side]) -> None:
+    """A region registered with ``iova`` is addressed from it, locally and remotely."""
+    client, server = pair
+    rw = Access.LOCAL_WRITE | Access.REMOTE_WRITE | Access.REMOTE_READ
+    dst = server.pd.reg_mr(bytearray(64), rw, iova=0)
+    src = client.pd.reg_mr(bytearray(b"zero-based"), Access.LOCAL_WRITE, iova=1 << 40)
+    assert (dst.iova, src.iova) == (0, 1 << 40) and dst.addr != 0
+    assert src.sge(2).addr == (1 << 40) + 2
+    client.qp.post_send(SendWR(1, WROpcode.RDMA_WRITE, [src.sge()], SIG, 8, dst.rkey))
+    assert (await one(client.send_cq)).status == WCStatus.SUCCESS
+    back = client.pd.reg_mr(bytearray(4), Access.LOCAL_WRITE, iova=7)
+    client.qp.post_send(SendWR(2, WROpcode.RDMA_READ, [back.sge()], SIG, 12, dst.rkey))
+    assert (await one(client.send_cq)).status == WCStatus.SUCCESS
+    assert bytes(dst.buf[8:18]) == b"zero-based" and bytes(back.buf) == b"-bas"
+    # The region's buffer address means nothing to the peer now: out of bounds.
+    client.qp.post_send(SendWR(3, WROpcode.RDMA_READ, [back.sge()], SIG, dst.addr, dst.rkey))
+    assert (await one(client.send_cq)).status == WCStatus.REM_ACCESS_ERR
+    with pytest.raises(OSError, match="64 bits"):
+        server.pd.reg_mr(bytearray(16), rw, iova=(1 << 64) - 8)
+
+
 async def test_posting_errors(pair: tuple[Side, Side]) -> None:
     client, _ = pair
     mr = client.reg(100)

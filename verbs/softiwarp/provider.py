@@ -260,11 +260,16 @@ class PD(_Parent):
         super().__init__()
         self.context = context
 
-    def reg_mr(self, buffer: Any, access: Access = Access.LOCAL_WRITE) -> MR:
+    def reg_mr(
+        self, buffer: Any, access: Access = Access.LOCAL_WRITE, *, iova: int | None = None
+    ) -> MR:
         """Register any buffer-protocol object without copying it.
 
         Remote write access needs local write access, as in libibverbs; a read-only
-        buffer can be registered only without write access.
+        buffer can be registered only without write access. ``iova`` is the address
+        the region's first byte has for local and remote access
+        (``ibv_reg_mr_iova``; 0 gives a zero-based region); by default it is the
+        buffer's own address.
         """
         self._check_open("reg_mr")
         access = Access(access)
@@ -274,7 +279,11 @@ class PD(_Parent):
         ):
             raise VerbsError(errno.EINVAL, "reg_mr", "remote write access needs LOCAL_WRITE")
         pinned = pin(buffer, writable=bool(access & Access.LOCAL_WRITE))
-        region = self.context.memory.register(self, pinned.view, pinned.addr, access)
+        base = pinned.addr if iova is None else iova
+        if not 0 <= base <= (1 << 64) - pinned.length:
+            pinned.release()
+            raise VerbsError(errno.EINVAL, "reg_mr", f"iova {base} does not fit 64 bits")
+        region = self.context.memory.register(self, pinned.view, base, access)
         return self._adopt(MR(self, pinned, region))
 
     def create_qp(
@@ -333,6 +342,12 @@ class MR(_Resource):
         return self._pinned.length
 
     @property
+    def iova(self) -> int:
+        """The address of the first byte for work requests and the peer (``addr`` unless
+        registered with another ``iova``)."""
+        return self._region.addr
+
+    @property
     def lkey(self) -> int:
         """Local key (the STag)."""
         return self._region.stag
@@ -359,7 +374,7 @@ class MR(_Resource):
             length = self.length - offset
         if offset < 0 or length < 0 or offset + length > self.length:
             raise ValueError(f"[{offset}, +{length}) outside the {self.length}-byte region")
-        return SGE(self.addr + offset, length, self.lkey)
+        return SGE(self.iova + offset, length, self.lkey)
 
     def close(self) -> None:
         """Deregister the region (idempotent)."""
