@@ -33,6 +33,7 @@ from rdmashim.cm.channel import EventChannel
 from rdmashim.cm.cmid import CMId
 from rdmashim.cm.types import CMEvent, CMEventType, ConnParam
 from rdmashim.verbs.attrs import QPCap
+from rdmashim.verbs.errors import VerbsError
 from rdmashim.verbs.softiwarp.negotiation import MpaOptions
 
 log = logging.getLogger(__name__)
@@ -155,11 +156,17 @@ class Connection(_OnId):
         self.id.destroy()
 
 
-def _resources(cm_id: CMId, cap: QPCap | None, cqe: int) -> tuple[Any, Any, Any]:
-    pd = cm_id.context.alloc_pd()
+def _resources(cm_id: CMId, cap: QPCap | None, cqe: int, pd: Any) -> tuple[Any, Any, Any]:
+    if pd is None:
+        pd = cm_id.context.alloc_pd()
     cq = cm_id.context.create_cq(cqe)
     qp = cm_id.create_qp(pd, send_cq=cq, recv_cq=cq, cap=cap)
     return pd, cq, qp
+
+
+def _contexts_of(pd: Any) -> tuple[Any, ...]:
+    """The device context a shared PD brings to the event channel."""
+    return () if pd is None else (pd.context,)
 
 
 async def _expect(router: _Router, cm_id: CMId, kind: CMEventType) -> CMEvent:
@@ -182,15 +189,18 @@ async def open_connection(
     mpa_options: MpaOptions | None = None,
     connect_timeout: float = 10.0,
     prepare: Callable[[Connection], None] | None = None,
+    pd: Any = None,
 ) -> AsyncIterator[Connection]:
     """Connect to ``host``:``port`` and yield the :class:`Connection`.
 
     ``prepare(conn)`` runs after the QP exists and before connecting (post
-    receives there when the peer may send first). Raises
-    :class:`ConnectionRejected`, :class:`ConnectionUnreachable` or
+    receives there when the peer may send first). The connection gets a PD of
+    its own unless ``pd`` is given: then its QP is created on that PD (whose
+    device the route must choose), so regions registered there serve it too.
+    Raises :class:`ConnectionRejected`, :class:`ConnectionUnreachable` or
     :class:`CMError`.
     """
-    async with EventChannel() as channel:
+    async with EventChannel(_contexts_of(pd)) as channel:
         router = _Router(channel)
         channel.nursery.start_soon(router.run)
         cm_id = channel.create_id()
@@ -199,7 +209,7 @@ async def open_connection(
         await _expect(router, cm_id, E.ADDR_RESOLVED)
         cm_id.resolve_route()
         await _expect(router, cm_id, E.ROUTE_RESOLVED)
-        pd, cq, qp = _resources(cm_id, cap, cqe)
+        pd, cq, qp = _resources(cm_id, cap, cqe, pd)
         conn = Connection(cm_id, pd, cq, cq, qp, _router=router)
         if mpa_options is not None:
             cm_id.mpa_options = mpa_options
@@ -277,15 +287,17 @@ async def serve(
     cqe: int = 256,
     mpa_options: MpaOptions | None = None,
     handler_nursery: trio.Nursery | None = None,
+    pd: Any = None,
     task_status: Any = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Listen on ``host``:``port`` and run ``handler(request)`` for each connection.
 
     Use with ``nursery.start``: it reports the listening (address, port). A
     handler that returns without accepting or rejecting rejects; an accepted
-    connection is closed when its handler returns.
+    connection is closed when its handler returns. Every connection's QP is
+    created on ``pd`` when given (as for :func:`open_connection`).
     """
-    async with EventChannel() as channel:
+    async with EventChannel(_contexts_of(pd)) as channel:
         router = _Router(channel)
         channel.nursery.start_soon(router.run)
         listen_id = channel.create_id()
@@ -297,10 +309,15 @@ async def serve(
         async with trio.open_nursery() as own_nursery:
             nursery = handler_nursery or own_nursery
             async for event in router.requests:
-                pd, cq, qp = _resources(event.id, cap, cqe)
                 assert event.param is not None
+                try:
+                    conn_pd, cq, qp = _resources(event.id, cap, cqe, pd)
+                except VerbsError as exc:  # e.g. the request came in on another device
+                    log.warning("connection from %s refused: %s", event.id.peer_addr, exc)
+                    event.id.reject(b"")
+                    continue
                 request = ConnectionRequest(
-                    event.id, event.private_data, event.param, pd, cq, cq, qp, router
+                    event.id, event.private_data, event.param, conn_pd, cq, cq, qp, router
                 )
                 nursery.start_soon(_run_handler, handler, request)
 

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import errno
 import socket
+from functools import partial
 from typing import Any
 
 import pytest
 import trio
 
+import rdmashim
 from rdmashim import Access, RecvWR, SendFlags, SendWR, WCStatus, WROpcode
 from rdmashim.cm import ConnectionRejected, ConnectionRequest, open_connection, serve
 
@@ -88,3 +90,33 @@ async def test_handler_that_does_not_answer_rejects() -> None:
             async with open_connection("127.0.0.1", addr[1]):
                 pass
         nursery.cancel_scope.cancel()
+
+
+async def test_connections_share_a_pd() -> None:
+    """With ``pd=``, every connection's QP lives on it: one region serves them all."""
+    rw = Access.LOCAL_WRITE | Access.REMOTE_WRITE
+    async with rdmashim.open_device("siw_lo") as ctx:
+        pd = ctx.alloc_pd()
+        board = pd.reg_mr(bytearray(64), rw, iova=0)  # registered before any connection
+        accepted: list[Any] = []
+
+        async def handler(request: ConnectionRequest) -> None:
+            accepted.append(request.pd)
+            conn = await request.accept()
+            await conn.wait_disconnected()
+
+        async with trio.open_nursery() as nursery:
+            addr = await nursery.start(partial(serve, handler, 0, host="127.0.0.1", pd=pd))
+            for n in range(2):
+                async with open_connection("127.0.0.1", addr[1], pd=pd) as conn:
+                    assert conn.pd is pd and conn.context is ctx
+                    src = pd.reg_mr(b"conn %d" % n, Access(0))
+                    conn.qp.post_send(
+                        SendWR(1, WROpcode.RDMA_WRITE, [src.sge()], SIG, 8 * n, board.rkey)
+                    )
+                    with trio.fail_after(10):
+                        (wc,) = await conn.send_cq.poll_wait()
+                    assert wc.status == WCStatus.SUCCESS
+            nursery.cancel_scope.cancel()
+        assert accepted == [pd, pd]
+        assert bytes(board.buf[:14]) == b"conn 0\0\0conn 1"
