@@ -14,6 +14,7 @@ from rdmashim.cm.highlevel import (
     ConnectionRequest,
     ConnectionUnreachable,
     open_connection,
+    open_device_for,
     serve,
 )
 from rdmashim.cm.types import CMEvent, CMEventType, ConnParam, PortSpace
@@ -31,5 +32,6 @@ __all__ = [
     "EventChannel",
     "PortSpace",
     "open_connection",
+    "open_device_for",
     "serve",
 ]

@@ -98,9 +98,24 @@ class _Router:
 
 
 class _OnId:
-    """What a connection and a connection request tell about their CM id."""
+    """What a connection and a connection request tell about their CM id, and the
+    verbs resources they hold."""
 
     id: CMId
+    pd: Any
+    send_cq: Any
+    recv_cq: Any
+    qp: Any
+    own_pd: bool
+    """Whether the PD was made for this connection (else it is shared and stays)."""
+
+    def _release(self) -> None:
+        """Destroy the QP and CQs, and the PD unless it is shared (idempotent)."""
+        self.qp.close()
+        self.send_cq.close()
+        self.recv_cq.close()
+        if self.own_pd:
+            self.pd.close()
 
     @property
     def context(self) -> Any:
@@ -129,9 +144,11 @@ class Connection(_OnId):
     qp: Any
     private_data: bytes = b""
     """What the peer sent in its connect or accept."""
+    own_pd: bool = True
     _router: _Router | None = None
     _disconnected: trio.Event = field(default_factory=trio.Event)
     _closed: trio.Event = field(default_factory=trio.Event)
+    _released: bool = False
 
     async def _follow(self) -> None:
         assert self._router is not None
@@ -148,19 +165,52 @@ class Connection(_OnId):
         await self._disconnected.wait()
 
     async def aclose(self) -> None:
-        """Disconnect and wait (boundedly) for the TCP connection to close."""
+        """Disconnect, wait (boundedly) for the TCP connection to close and destroy the
+        QP and CQ, and the PD unless shared (idempotent)."""
+        if self._released:
+            return
+        self._released = True
         if not self._disconnected.is_set():
             self.id.disconnect()
         with trio.move_on_after(CLOSE_TIMEOUT):
             await self.qp.wait_closed()  # the TCP connection is gone (TIMEWAIT_EXIT follows)
         self.id.destroy()
+        self._release()
+
+
+@asynccontextmanager
+async def open_device_for(address: str, *, backend: str | None = None) -> AsyncIterator[Any]:
+    """The device context the CM uses for the local ``address``, open in the block.
+
+    A PD allocated on it can be shared by :func:`open_connection` and
+    :func:`serve` connections from and to that address (``pd=``).
+    """
+    async with EventChannel(backend=backend) as channel:
+        cm_id = channel.create_id()
+        cm_id.resolve_addr((address, 0), (address, 0))
+        event = await channel.get_event()
+        event.ack()
+        if event.event != E.ADDR_RESOLVED:
+            raise _ERRORS.get(event.event, CMError)(event)
+        try:
+            yield cm_id.context
+        finally:
+            cm_id.destroy()
 
 
 def _resources(cm_id: CMId, cap: QPCap | None, cqe: int, pd: Any) -> tuple[Any, Any, Any]:
-    if pd is None:
+    """PD (``pd`` or a new one), CQ and QP for a connection on the id's device."""
+    own = pd is None
+    if own:
         pd = cm_id.context.alloc_pd()
     cq = cm_id.context.create_cq(cqe)
-    qp = cm_id.create_qp(pd, send_cq=cq, recv_cq=cq, cap=cap)
+    try:
+        qp = cm_id.create_qp(pd, send_cq=cq, recv_cq=cq, cap=cap)
+    except BaseException:
+        cq.close()
+        if own:
+            pd.close()
+        raise
     return pd, cq, qp
 
 
@@ -209,8 +259,9 @@ async def open_connection(
         await _expect(router, cm_id, E.ADDR_RESOLVED)
         cm_id.resolve_route()
         await _expect(router, cm_id, E.ROUTE_RESOLVED)
+        own_pd = pd is None
         pd, cq, qp = _resources(cm_id, cap, cqe, pd)
-        conn = Connection(cm_id, pd, cq, cq, qp, _router=router)
+        conn = Connection(cm_id, pd, cq, cq, qp, own_pd=own_pd, _router=router)
         if mpa_options is not None:
             cm_id.mpa_options = mpa_options
         cm_id.connect_timeout = connect_timeout
@@ -242,6 +293,7 @@ class ConnectionRequest(_OnId):
     recv_cq: Any
     qp: Any
     _router: _Router
+    own_pd: bool = True
     _connection: Connection | None = None
     _answered: bool = False
 
@@ -265,8 +317,9 @@ class ConnectionRequest(_OnId):
         )
         await _expect(self._router, self.id, E.ESTABLISHED)
         conn = Connection(
-            self.id, self.pd, self.send_cq, self.recv_cq, self.qp, self.private_data, self._router
-        )
+            self.id, self.pd, self.send_cq, self.recv_cq, self.qp, self.private_data,
+            own_pd=self.own_pd, _router=self._router,
+        )  # fmt: skip
         self.id.channel.nursery.start_soon(conn._follow)
         self._connection = conn
         return conn
@@ -317,8 +370,9 @@ async def serve(
                     event.id.reject(b"")
                     continue
                 request = ConnectionRequest(
-                    event.id, event.private_data, event.param, conn_pd, cq, cq, qp, router
-                )
+                    event.id, event.private_data, event.param, conn_pd, cq, cq, qp, router,
+                    own_pd=pd is None,
+                )  # fmt: skip
                 nursery.start_soon(_run_handler, handler, request)
 
 
@@ -333,7 +387,8 @@ async def _run_handler(
         with trio.CancelScope(shield=True):
             if not request._answered:
                 await request.reject(b"")
-            elif request._connection is not None:
+            if request._connection is not None:
                 await request._connection.aclose()
             else:
                 request.id.destroy()
+                request._release()

@@ -10,9 +10,14 @@ from typing import Any
 import pytest
 import trio
 
-import rdmashim
 from rdmashim import Access, RecvWR, SendFlags, SendWR, WCStatus, WROpcode
-from rdmashim.cm import ConnectionRejected, ConnectionRequest, open_connection, serve
+from rdmashim.cm import (
+    ConnectionRejected,
+    ConnectionRequest,
+    open_connection,
+    open_device_for,
+    serve,
+)
 
 SIG = SendFlags.SIGNALED
 
@@ -95,7 +100,8 @@ async def test_handler_that_does_not_answer_rejects() -> None:
 async def test_connections_share_a_pd() -> None:
     """With ``pd=``, every connection's QP lives on it: one region serves them all."""
     rw = Access.LOCAL_WRITE | Access.REMOTE_WRITE
-    async with rdmashim.open_device("siw_lo") as ctx:
+    async with open_device_for("127.0.0.1") as ctx:
+        assert ctx.device.name == "siw_lo"
         pd = ctx.alloc_pd()
         board = pd.reg_mr(bytearray(64), rw, iova=0)  # registered before any connection
         accepted: list[Any] = []
@@ -117,6 +123,19 @@ async def test_connections_share_a_pd() -> None:
                     with trio.fail_after(10):
                         (wc,) = await conn.send_cq.poll_wait()
                     assert wc.status == WCStatus.SUCCESS
+                # Closing a connection destroys its QP and CQ but leaves the shared PD.
+                with pytest.raises(OSError):
+                    conn.qp.post_recv(RecvWR(1, [board.sge()]))
+                with pytest.raises(OSError):
+                    conn.send_cq.req_notify()
+                pd.reg_mr(bytearray(8)).close()
             nursery.cancel_scope.cancel()
         assert accepted == [pd, pd]
         assert bytes(board.buf[:14]) == b"conn 0\0\0conn 1"
+
+
+async def test_open_device_for_an_address_that_is_not_local() -> None:
+    with pytest.raises(OSError) as info:
+        async with open_device_for("192.0.2.77"):
+            pass
+    assert info.value.errno == errno.EADDRNOTAVAIL

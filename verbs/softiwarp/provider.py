@@ -144,6 +144,8 @@ class _Parent(_Resource):
         self._children: list[_Resource] = []
 
     def _adopt(self, child: Any) -> Any:
+        if len(self._children) >= 64 and len(self._children) & (len(self._children) - 1) == 0:
+            self._children = [c for c in self._children if not c._closed]  # amortized pruning
         self._children.append(child)
         return child
 
