@@ -49,6 +49,7 @@ from typing import Any
 import trio
 
 from rdmashim.ulps.rds.node import RdsNode, RdsSocket
+from rdmashim.ulps.rds.wire import RdsHeader
 
 AGENT = Path(__file__)
 STAMP = struct.Struct("!HHI")
@@ -120,10 +121,10 @@ class LoggingNode(RdsNode):
     arrived has been reported, even if this process is killed the next moment.
     """
 
-    def _deliver(self, peer: Any, sport: int, dport: int, data: bytes) -> None:
+    def _deliver(self, peer: Any, header: RdsHeader, data: bytes) -> None:
         (tag, incarnation, seq), ok = check(data)
-        emit(d=[str(peer), sport, dport, tag, incarnation, seq, ok])
-        super()._deliver(peer, sport, dport, data)
+        emit(d=[str(peer), header.sport, header.dport, tag, incarnation, seq, ok])
+        super()._deliver(peer, header, data)
 
 
 async def drain(sock: RdsSocket) -> None:

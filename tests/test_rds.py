@@ -12,25 +12,10 @@ import trio
 import trio.lowlevel
 
 from rdmashim import QPState
-from rdmashim.ulps.rds.node import RdsError, RdsNode
+from rdmashim.ulps.rds.node import RdsError
 from rdmashim.ulps.rds.wire import RDS_MAX_MSG_SIZE
 
-
-async def nodes(addresses: list[str]) -> list[RdsNode]:
-    """Start nodes on loopback addresses, all on the first one's (free) port."""
-    out: list[RdsNode] = []
-    port = 0
-    for address in addresses:
-        node = RdsNode(address, port)
-        await node.__aenter__()
-        port = node.port
-        out.append(node)
-    return out
-
-
-async def close(all_nodes: list[RdsNode]) -> None:
-    for node in reversed(all_nodes):
-        await node.__aexit__(None, None, None)
+from rdsnodes import close, nodes
 
 
 async def test_messages_both_ways_in_order() -> None:

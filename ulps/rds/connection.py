@@ -9,6 +9,8 @@ last credit is kept for credit updates) and cumulative acknowledgements
 peer had not acknowledged is sent again on the next one, the peer's last
 received sequence number travelling in the rdma_cm private data; the receiver
 drops what it already has. Nothing is lost and nothing is delivered twice.
+A message carrying an RDMA operation (:mod:`.rdma`) is the exception: it is
+never sent twice, and a broken session drops it with a status saying so.
 """
 
 from __future__ import annotations
@@ -22,11 +24,13 @@ from typing import Any
 
 import trio
 
+from rdmashim.ulps.rds.rdma import RdmaOp, RdmaStatus, status_of
 from rdmashim.ulps.rds.wire import (
     RDS_FRAG_SIZE,
     RDS_HEADER_LEN,
     RDS_MAX_ADV_CREDIT,
     CongestionMap,
+    RdmaExt,
     RdsFlag,
     RdsHeader,
     RdsProtocolError,
@@ -39,6 +43,10 @@ IPAddress = IPv4Address | IPv6Address
 SLOT = RDS_HEADER_LEN + RDS_FRAG_SIZE
 RECV_SLOTS = 128
 SEND_SLOTS = 64
+RDMA_DEPTH = 16
+"""RDMA operations a session keeps in flight (beside its send slots on the send queue)."""
+_RDMA_WR = 1 << 32
+"""Work request ids at and above this are RDMA operations; below, send slots."""
 SNDBUF = 4 * 1024 * 1024
 """Bytes a connection queues (unsent and unacknowledged) before senders wait."""
 
@@ -56,6 +64,7 @@ class OutMessage:
     dport: int
     data: bytes
     flags: RdsFlag = RdsFlag.NONE
+    rdma: RdmaOp | None = None
 
     @property
     def fragments(self) -> int:
@@ -77,6 +86,11 @@ class Counters:
     acks_sent: int = 0
     credit_waits: int = 0
     sessions: int = 0
+    rdma_writes: int = 0
+    rdma_reads: int = 0
+    rdma_bytes: int = 0
+    rdma_failures: int = 0
+    rdma_dropped: int = 0
 
 
 @dataclass(eq=False)
@@ -85,8 +99,8 @@ class RdsConnection:
 
     local: IPAddress
     peer: IPAddress
-    deliver: Callable[[IPAddress, int, int, bytes], None]
-    """Called with (peer, sport, dport, data) for each new message, in order."""
+    deliver: Callable[[IPAddress, RdsHeader, bytes], None]
+    """Called with (peer, first header, data) for each new message, in order."""
     unsent: deque[OutMessage] = field(default_factory=deque)
     unacked: deque[OutMessage] = field(default_factory=deque)
     next_seq: int = 1
@@ -107,9 +121,20 @@ class RdsConnection:
         return int(self.local) < int(self.peer)
 
     # ------------------------------------------------------------------ sending
-    def queue(self, sport: int, dport: int, data: bytes, flags: RdsFlag = RdsFlag.NONE) -> None:
-        """Number a message and queue it; it goes out as soon as a session can take it."""
-        msg = OutMessage(self.next_seq, sport, dport, bytes(data), flags)
+    def queue(
+        self,
+        sport: int,
+        dport: int,
+        data: bytes,
+        flags: RdsFlag = RdsFlag.NONE,
+        rdma: RdmaOp | None = None,
+    ) -> None:
+        """Number a message and queue it; it goes out as soon as a session can take it.
+
+        ``rdma``, an operation whose local buffer is registered already, runs
+        just before the message on the same session.
+        """
+        msg = OutMessage(self.next_seq, sport, dport, bytes(data), flags, rdma)
         self.next_seq += 1
         self.unsent.append(msg)
         self.queued_bytes += len(msg.data)
@@ -133,20 +158,46 @@ class RdsConnection:
     def acked(self, ack: int) -> None:
         """The peer has every message up to ``ack``."""
         while self.unacked and self.unacked[0].seq <= ack:
-            self.queued_bytes -= len(self.unacked.popleft().data)
+            msg = self.unacked.popleft()
+            self.queued_bytes -= len(msg.data)
+            if msg.rdma is not None:  # it arrived, so its RDMA operation is done
+                msg.rdma._finish(RdmaStatus.SUCCESS)
         if self.has_room:
             self._space.set()
 
     def resume(self, peer_ack: int) -> None:
-        """A new session starts: drop what the peer has, send the rest again, in order."""
+        """A new session starts: drop what the peer has, send the rest again, in order.
+
+        Messages with an RDMA operation are not sent again but dropped.
+        """
         self.acked(peer_ack)
-        again = [
-            OutMessage(m.seq, m.sport, m.dport, m.data, m.flags | RdsFlag.RETRANSMITTED)
-            for m in self.unacked
-        ]
+        again = []
+        for m in self.unacked:
+            if m.rdma is None:
+                again.append(
+                    OutMessage(m.seq, m.sport, m.dport, m.data, m.flags | RdsFlag.RETRANSMITTED)
+                )
+            else:
+                self._drop(m, RdmaStatus.DROPPED, "the connection broke before the peer had it")
         self.counters.retransmits += len(again)
         self.unacked.clear()
         self.unsent.extendleft(reversed(again))
+
+    def _drop(self, msg: OutMessage, status: RdmaStatus, why: str) -> None:
+        self.queued_bytes -= len(msg.data)
+        if msg.rdma is not None and not msg.rdma.done:
+            self.counters.rdma_dropped += 1
+            msg.rdma._finish(status, why)
+
+    def drop_all(self, status: RdmaStatus, why: str) -> int:
+        """Drop every queued and unacknowledged message (the peer is gone); how many."""
+        dropped = 0
+        for queue in (self.unacked, self.unsent):
+            while queue:
+                self._drop(queue.popleft(), status, why)
+                dropped += 1
+        self._space.set()
+        return dropped
 
     # ------------------------------------------------------------------ receiving
     def received(self, header: RdsHeader, data: bytes) -> None:
@@ -180,7 +231,7 @@ class RdsConnection:
             return
         self.counters.recv_messages += 1
         self.counters.recv_bytes += len(data)
-        self.deliver(self.peer, header.sport, header.dport, data)
+        self.deliver(self.peer, header, data)
 
 
 class Session:
@@ -201,6 +252,9 @@ class Session:
         self.recv_mr = conn.pd.reg_mr(bytearray(SLOT * RECV_SLOTS), Access.LOCAL_WRITE)
         self.send_mr = conn.pd.reg_mr(bytearray(SLOT * SEND_SLOTS), Access.LOCAL_WRITE)
         self.free_slots = list(range(SEND_SLOTS))
+        self.rdma: dict[int, RdmaOp] = {}
+        """RDMA operations in flight, by work request id."""
+        self._next_rdma = _RDMA_WR
         self.current: OutMessage | None = None
         self.next_fragment = 0
         self.acked_to_peer = rds.next_recv - 1
@@ -212,19 +266,54 @@ class Session:
             [RecvWR(i, [self.recv_mr.sge(i * SLOT, SLOT)]) for i in range(RECV_SLOTS)]
         )
 
+    def close(self) -> None:
+        """Deregister the session's buffers (once its QP is destroyed)."""
+        self.recv_mr.close()
+        self.send_mr.close()
+
     # ------------------------------------------------------------------ transmit
-    def _header(self, msg: OutMessage | None, flags: RdsFlag = RdsFlag.NONE) -> bytes:
+    def _header(self, msg: OutMessage | None, first: bool = False) -> bytes:
         credit = min(self.advertise, RDS_MAX_ADV_CREDIT)
         self.advertise -= credit
         self.acked_to_peer = self.rds.next_recv - 1
         if msg is None:  # a standalone ack / credit update
-            return RdsHeader(0, self.acked_to_peer, 0, 0, 0, flags, credit).encode()
+            return RdsHeader(0, self.acked_to_peer, 0, 0, 0, RdsFlag.NONE, credit).encode()
+        chasing = (RdmaExt(msg.rdma.rkey),) if first and msg.rdma is not None else ()
         return RdsHeader(
             msg.seq, self.acked_to_peer, len(msg.data), msg.sport, msg.dport,
-            msg.flags | flags, credit,
+            msg.flags, credit, extensions=chasing,
         ).encode()  # fmt: skip
 
-    def _post(self, header: bytes, payload: bytes | memoryview) -> None:
+    def _post_rdma(self, op: RdmaOp) -> None:
+        """Post the RDMA Write or Read a message carries, ahead of the message."""
+        wr_id = self._next_rdma
+        self._next_rdma += 1
+        self.rdma[wr_id] = op
+        self.qp.post_send(
+            SendWR(
+                wr_id, WROpcode.RDMA_WRITE if op.write else WROpcode.RDMA_READ, [op._mr.sge()],
+                SendFlags.SIGNALED, op.remote_addr, op.rkey,
+            )
+        )  # fmt: skip
+        counters = self.rds.counters
+        counters.rdma_bytes += op.length
+        if op.write:
+            counters.rdma_writes += 1
+        else:
+            counters.rdma_reads += 1
+
+    def _rdma_done(self, wr_id: int, status: WCStatus) -> None:
+        op = self.rdma.pop(wr_id)
+        if status == WCStatus.SUCCESS:
+            if not op.write:  # the data is here; a Write is done when the peer acks
+                op._finish(RdmaStatus.SUCCESS)
+        elif status != WCStatus.WR_FLUSH_ERR:
+            self.rds.counters.rdma_failures += 1
+            op._finish(status_of(status), f"{status.name}: {self.qp.error}")
+
+    def _post(
+        self, header: bytes, payload: bytes | memoryview, flags: SendFlags = SendFlags.SIGNALED
+    ) -> None:
         slot = self.free_slots.pop()
         base = slot * SLOT
         buf = self.send_mr.buf
@@ -234,7 +323,7 @@ class Session:
         self.qp.post_send(
             SendWR(
                 slot, WROpcode.SEND, [self.send_mr.sge(base, RDS_HEADER_LEN + len(payload))],
-                SendFlags.SIGNALED,
+                flags,
             )
         )  # fmt: skip
 
@@ -247,16 +336,23 @@ class Session:
             return
         rds = self.rds
         while self.free_slots and self.send_credits > 1:
+            flags = SendFlags.SIGNALED
             if self.current is None:
                 if not rds.unsent:
                     return
+                if rds.unsent[0].rdma is not None and len(self.rdma) >= RDMA_DEPTH:
+                    break
                 self.current = rds.unsent.popleft()
                 self.next_fragment = 0
                 rds.unacked.append(self.current)
+                if self.current.rdma is not None:
+                    self._post_rdma(self.current.rdma)
+                    if not self.current.rdma.write:  # the peer sees the message after the Read
+                        flags |= SendFlags.FENCE
             msg = self.current
             start = self.next_fragment * RDS_FRAG_SIZE
             payload = memoryview(msg.data)[start : start + RDS_FRAG_SIZE]
-            self._post(self._header(msg), payload)
+            self._post(self._header(msg, first=start == 0), payload, flags)
             self.next_fragment += 1
             if self.next_fragment >= msg.fragments:
                 self.current = None
@@ -311,11 +407,13 @@ class Session:
             while True:
                 wcs = await self.cq.poll_wait(64)
                 for wc in wcs:
+                    if wc.wr_id in self.rdma:  # receives use slot numbers: no clash
+                        self._rdma_done(wc.wr_id, wc.status)
                     if wc.status != WCStatus.SUCCESS:
                         raise SessionLost(f"{wc.status.name} on {self.rds.peer}: {self.qp.error}")
                     if wc.opcode == WCOpcode.RECV:
                         self._on_recv(wc.wr_id, wc.byte_len)
-                    else:
+                    elif wc.wr_id < _RDMA_WR:
                         self.free_slots.append(wc.wr_id)
                 self.pump_sends()
                 if self.rds.next_recv - 1 > self.acked_to_peer:

@@ -21,14 +21,15 @@ import errno
 import ipaddress
 import logging
 import math
+from collections import deque
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import trio
 
-from rdmashim.cm import CMError, ConnectionRequest, open_connection, serve
+from rdmashim.cm import CMError, ConnectionRequest, open_connection, open_device_for, serve
 from rdmashim.ulps.rds.connection import (
     RECV_SLOTS,
     IPAddress,
@@ -36,12 +37,15 @@ from rdmashim.ulps.rds.connection import (
     Session,
     SessionLost,
 )
+from rdmashim.ulps.rds.rdma import RdmaOp, RdmaStatus, Registrations
 from rdmashim.ulps.rds.wire import (
     RDS_CM_PORT,
     RDS_MAX_MSG_SIZE,
     CongestionMap,
     ConnectPrivate,
+    RdmaExt,
     RdsFlag,
+    RdsHeader,
 )
 from rdmashim.verbs.attrs import QPCap
 from rdmashim.verbs.tasks import service_nursery
@@ -79,19 +83,27 @@ class _Peer:
     """Set when a port of the peer stops being congested (senders wait on it)."""
 
 
+class ReceivedMessage(NamedTuple):
+    """A message waiting in a socket's receive queue."""
+
+    data: bytes
+    sender: tuple[str, int]
+    seq: int
+    """The sender node's sequence number for it (rds-info's receive queue)."""
+
+
 @dataclass(eq=False)
 class RdsSocket:
     """An RDS socket bound to (node address, port)."""
 
     node: RdsNode
     port: int
-    _send: trio.MemorySendChannel[tuple[bytes, tuple[str, int]]] = field(init=False)
-    _recv: trio.MemoryReceiveChannel[tuple[bytes, tuple[str, int]]] = field(init=False)
     queued_bytes: int = 0
     closed: bool = False
-
-    def __post_init__(self) -> None:
-        self._send, self._recv = trio.open_memory_channel(math.inf)
+    received: deque[ReceivedMessage] = field(default_factory=deque)
+    """Messages not yet taken by :meth:`recvfrom`, oldest first."""
+    _arrived: trio.lowlevel.ParkingLot = field(default_factory=trio.lowlevel.ParkingLot)
+    _registrations: Registrations = field(default_factory=Registrations)
 
     @property
     def address(self) -> tuple[str, int]:
@@ -113,11 +125,14 @@ class RdsSocket:
             raise RdsError(errno.EINVAL, f"port {dest[1]} outside 1..65535")
         return ip, dest[1]
 
-    async def sendto(self, data: bytes, dest: tuple[str, int]) -> None:
-        """Send one message to (IP, port).
+    async def sendto(
+        self, data: bytes, dest: tuple[str, int], *, rdma: RdmaOp | None = None
+    ) -> None:
+        """Send one message to (IP, port), with an RDMA operation to run before it.
 
         Waits while the connection's queue is full or the destination port is
-        congested (its receiver is full).
+        congested (its receiver is full). ``await rdma.wait()`` tells how the
+        operation ended (see :mod:`rdmashim.ulps.rds.rdma`).
         """
         ip, port = self._check(data, dest)
         if ip != self.node.address:
@@ -127,9 +142,11 @@ class RdsSocket:
                 if entry.uncongested.is_set():  # shared by every waiter, as wait_room's
                     entry.uncongested = trio.Event()
                 await entry.uncongested.wait()
-        self.node._send(self.port, ip, port, data)
+        self.node._send(self.port, ip, port, data, rdma)
 
-    def sendto_nowait(self, data: bytes, dest: tuple[str, int]) -> None:
+    def sendto_nowait(
+        self, data: bytes, dest: tuple[str, int], *, rdma: RdmaOp | None = None
+    ) -> None:
         """Send without waiting; raises ``trio.WouldBlock`` while the queue is full."""
         ip, port = self._check(data, dest)
         if ip != self.node.address:
@@ -138,25 +155,58 @@ class RdsSocket:
                 raise RdsError(errno.ENOBUFS, f"RDS port {port} on {ip} is congested")
             if not rds.has_room:
                 raise trio.WouldBlock
-        self.node._send(self.port, ip, port, data)
+        self.node._send(self.port, ip, port, data, rdma)
 
     async def recvfrom(self) -> tuple[bytes, tuple[str, int]]:
         """The next message for this socket and its sender's (IP, port)."""
-        if self.closed:
-            raise RdsError(errno.EBADF, "recvfrom on a closed RDS socket")
-        data, sender = await self._recv.receive()
-        self.queued_bytes -= len(data)
+        await trio.lowlevel.checkpoint_if_cancelled()
+        parked = False
+        while True:
+            if self.closed:
+                raise RdsError(errno.EBADF, "recvfrom on a closed RDS socket")
+            if self.received:
+                break
+            await self._arrived.park()
+            parked = True
+        msg = self.received.popleft()
+        self.queued_bytes -= len(msg.data)
         if self.queued_bytes < RCVBUF // 2:
             self.node._set_congested(self.port, False)
-        return data, sender
+        if not parked:
+            await trio.lowlevel.cancel_shielded_checkpoint()
+        return msg.data, msg.sender
+
+    def _push(self, msg: ReceivedMessage) -> None:
+        self.received.append(msg)
+        self.queued_bytes += len(msg.data)
+        self._arrived.unpark()
+
+    # ------------------------------------------------------------------ RDMA by cookie
+    def get_mr(self, buffer: Any, *, use_once: bool = False) -> int:
+        """Register ``buffer`` (writable) for peers to RDMA into or out of; returns its
+        cookie (``RDS_GET_MR``). A ``use_once`` registration ends when the first
+        message chasing an RDMA operation on it arrives."""
+        if self.closed:
+            raise RdsError(errno.EBADF, "get_mr on a closed RDS socket")
+        return self._registrations.add(self.node.pd, buffer, use_once=use_once)
+
+    def free_mr(self, cookie: int) -> None:
+        """End a registration (``RDS_FREE_MR``); peers' RDMA on it fails from now on."""
+        if not self._registrations.free(cookie):
+            raise RdsError(errno.EINVAL, f"no RDMA registration with cookie {cookie:#x}")
+
+    def registered(self, cookie: int) -> bool:
+        """Whether ``cookie`` names one of this socket's live registrations."""
+        return cookie in self._registrations
 
     def close(self) -> None:
-        """Unbind; messages for this port are dropped from now on."""
+        """Unbind and deregister; messages for this port are dropped from now on."""
         if not self.closed:
             self.closed = True
             self.node._sockets.pop(self.port, None)
             self.node._set_congested(self.port, False)
-            self._send.close()
+            self._registrations.close()
+            self._arrived.unpark_all()
 
 
 class RdsNode:
@@ -168,6 +218,8 @@ class RdsNode:
         self._peers: dict[IPAddress, _Peer] = {}
         self._sockets: dict[int, RdsSocket] = {}
         self._nursery: trio.Nursery | None = None
+        self.pd: Any = None
+        """The protection domain every connection and RDMA registration of the node uses."""
         self.drops_no_socket = 0
         self.loopback_messages = 0
         self.congestion = CongestionMap()
@@ -177,18 +229,21 @@ class RdsNode:
     # ------------------------------------------------------------------ lifetime
     @asynccontextmanager
     async def _run(self) -> AsyncIterator[RdsNode]:
-        async with service_nursery() as nursery:
+        async with open_device_for(str(self.address)) as ctx, service_nursery() as nursery:
+            self.pd = ctx.alloc_pd()
             self._nursery = nursery
             local = await nursery.start(
                 lambda task_status: serve(
                     self._incoming, self.port, host=str(self.address), cap=QP_CAP,
-                    cqe=1024, task_status=task_status,
+                    cqe=1024, pd=self.pd, task_status=task_status,
                 )
             )  # fmt: skip
             self.port = local[1]
             try:
                 yield self
             finally:
+                for entry in self._peers.values():
+                    entry.rds.drop_all(RdmaStatus.CANCELED, "the RDS node closed")
                 for sock in list(self._sockets.values()):
                     sock.close()
 
@@ -212,7 +267,8 @@ class RdsNode:
         self._sockets[port] = sock
         return sock
 
-    def _deliver(self, peer: IPAddress, sport: int, dport: int, data: bytes) -> None:
+    def _deliver(self, peer: IPAddress, header: RdsHeader, data: bytes) -> None:
+        sport, dport = header.sport, header.dport
         if dport == 0 and sport != 0:  # an RDS ping: answer it, as Linux's rds_send_pong
             self._send(0, peer, sport, b"")
             return
@@ -221,8 +277,10 @@ class RdsNode:
             self.drops_no_socket += 1
             log.info("message from %s:%d for unbound port %d dropped", peer, sport, dport)
             return
-        sock.queued_bytes += len(data)
-        sock._send.send_nowait((data, (str(peer), sport)))
+        for ext in header.extensions:
+            if isinstance(ext, RdmaExt):  # it chases an RDMA operation on one of ours
+                sock._registrations.used(ext.rkey)
+        sock._push(ReceivedMessage(data, (str(peer), sport), header.sequence))
         if sock.queued_bytes > RCVBUF:
             self._set_congested(dport, True)
 
@@ -311,13 +369,23 @@ class RdsNode:
             raise RdsError(errno.EHOSTUNREACH, f"no RDS node at {peer}: {exc}") from exc
         return entry
 
-    def _send(self, sport: int, peer: IPAddress, dport: int, data: bytes) -> None:
+    def _send(
+        self, sport: int, peer: IPAddress, dport: int, data: bytes, rdma: RdmaOp | None = None
+    ) -> None:
         if peer == self.address:  # the loopback transport: no connection to ourselves
+            if rdma is not None:
+                raise RdsError(errno.EOPNOTSUPP, "RDMA to the node's own address (as Linux)")
             self.loopback_messages += 1
-            self._deliver(peer, sport, dport, bytes(data))
+            header = RdsHeader(self.loopback_messages, 0, len(data), sport, dport)
+            self._deliver(peer, header, bytes(data))
             return
         entry = self._connection(peer)
-        entry.rds.queue(sport, dport, data)
+        if rdma is not None:
+            try:
+                rdma._begin(self.pd)
+            except ValueError as exc:
+                raise RdsError(errno.EINVAL, str(exc)) from exc
+        entry.rds.queue(sport, dport, data, rdma=rdma)
         if entry.rds.session is None:
             self._start_connector(entry)
 
@@ -365,13 +433,15 @@ class RdsNode:
         try:
             async with open_connection(
                 str(rds.peer), self.port, private_data=self._private(rds), cap=QP_CAP,
-                cqe=1024, prepare=lambda conn: holder.append(Session(rds, conn)),
+                cqe=1024, pd=self.pd, prepare=lambda conn: holder.append(Session(rds, conn)),
             ) as conn:  # fmt: skip
                 entry.connecting = False
                 theirs = ConnectPrivate.decode(conn.private_data, ipv6=rds.peer.version == 6)
                 await self._run_session(entry, holder[0], theirs)
         finally:
             entry.connecting = False
+            if holder:  # the QP is gone: its buffers can go
+                holder[0].close()
 
     async def _incoming(self, request: ConnectionRequest) -> None:
         ipv6 = self.address.version == 6
@@ -395,9 +465,14 @@ class RdsNode:
         if entry.connector is not None and not entry.rds.canonical:
             entry.connector.cancel()
         session = Session(entry.rds, request)
-        conn = await request.accept(private_data=self._private(entry.rds))
-        session.conn = conn
-        await self._run_session(entry, session, theirs)
+        try:
+            conn = await request.accept(private_data=self._private(entry.rds))
+            session.conn = conn
+            await self._run_session(entry, session, theirs)
+        finally:
+            with trio.CancelScope(shield=True):
+                await request.aclose()  # the QP is gone: its buffers can go
+            session.close()
 
     def _connection_for_incoming(self, peer: IPAddress) -> _Peer:
         entry = self._peers.get(peer)
@@ -440,9 +515,5 @@ class RdsNode:
         rds = entry.rds
         entry.unreachable = exc
         entry.unreachable_until = trio.current_time() + UNREACHABLE_FOR
-        dropped = len(rds.unsent) + len(rds.unacked)
+        dropped = rds.drop_all(RdmaStatus.DROPPED, f"RDS node {rds.peer} is unreachable")
         log.warning("RDS node %s unreachable; %d queued messages dropped", rds.peer, dropped)
-        rds.unsent.clear()
-        rds.unacked.clear()
-        rds.queued_bytes = 0
-        rds._space.set()

@@ -1,0 +1,165 @@
+"""RDS RDMA by cookie: a registered buffer, messages that write into or read from it."""
+
+from __future__ import annotations
+
+import errno
+import os
+
+import pytest
+import trio
+
+from rdmashim.ulps.rds.node import RdsError
+from rdmashim.ulps.rds.rdma import RdmaOp, RdmaStatus, cookie_offset, cookie_rkey
+from rdmashim.ulps.rds.wire import RdmaExt
+
+from rdsnodes import close, nodes
+
+A, B = "127.0.0.1", "127.0.0.2"
+
+
+async def test_write_and_read_by_cookie() -> None:
+    a, b = await nodes([A, B])
+    try:
+        sa, sb = a.bind(4000), b.bind(5000)
+        target = bytearray(1 << 20)
+        cookie = sb.get_mr(target)
+        assert cookie_offset(cookie) == 0 and sb.registered(cookie)
+        with trio.fail_after(20):
+            # The owner hands out its cookie in an ordinary message.
+            await sb.sendto(cookie.to_bytes(8, "big"), (A, 4000))
+            data, _ = await sa.recvfrom()
+            theirs = int.from_bytes(data, "big")
+            payload = os.urandom(300_000)
+            write = RdmaOp.write_to(theirs, payload, offset=4096, token=11)
+            await sa.sendto(b"written", (B, 5000), rdma=write)
+            # When the chasing message arrives, the data is in place.
+            assert await sb.recvfrom() == (b"written", (A, 4000))
+            assert target[4096 : 4096 + len(payload)] == payload
+            assert await write.wait() == RdmaStatus.SUCCESS and write.token == 11
+            # And a read brings bytes of the peer's buffer here.
+            target[:5] = b"hello"
+            back = bytearray(5 + len(payload))
+            read = RdmaOp.read_into(theirs, memoryview(back)[5:], offset=4096)
+            head = RdmaOp.read_into(theirs, memoryview(back)[:5])
+            await sa.sendto(b"read 1", (B, 5000), rdma=read)
+            await sa.sendto(b"read 2", (B, 5000), rdma=head)
+            assert await read.wait() == await head.wait() == RdmaStatus.SUCCESS
+            assert bytes(back) == b"hello" + payload
+            assert [await sb.recvfrom() for _ in range(2)] == [
+                (b"read 1", (A, 4000)),
+                (b"read 2", (A, 4000)),
+            ]
+        counters = a.connections()[0].counters
+        assert (counters.rdma_writes, counters.rdma_reads) == (1, 2)
+        assert counters.rdma_bytes == 3 * len(payload) + 5 - len(payload)
+    finally:
+        await close([a, b])
+
+
+async def test_many_operations_in_flight_keep_message_order() -> None:
+    a, b = await nodes([A, B])
+    try:
+        sa, sb = a.bind(4000), b.bind(5000)
+        board = bytearray(64 * 100)
+        cookie = sb.get_mr(board)
+        ops = [RdmaOp.write_to(cookie, b"%063d" % i + b"\n", offset=64 * i) for i in range(100)]
+        with trio.fail_after(20):
+            for i, op in enumerate(ops):
+                await sa.sendto(b"%d" % i, (B, 5000), rdma=op)
+                await sa.sendto(b"plain %d" % i, (B, 5000))
+            got = [(await sb.recvfrom())[0] for _ in range(200)]
+            assert {await op.wait() for op in ops} == {RdmaStatus.SUCCESS}
+        assert got == [m for i in range(100) for m in (b"%d" % i, b"plain %d" % i)]
+        assert bytes(board) == b"".join(b"%063d" % i + b"\n" for i in range(100))
+    finally:
+        await close([a, b])
+
+
+async def test_use_once_registration_ends_with_the_chasing_message() -> None:
+    a, b = await nodes([A, B])
+    try:
+        sa, sb = a.bind(4000), b.bind(5000)
+        target = bytearray(16)
+        cookie = sb.get_mr(target, use_once=True)
+        with trio.fail_after(20):
+            op = RdmaOp.write_to(cookie, b"once")
+            await sa.sendto(b"", (B, 5000), rdma=op)
+            await sb.recvfrom()
+        assert target[:4] == b"once" and not sb.registered(cookie)
+        with pytest.raises(RdsError) as info:
+            sb.free_mr(cookie)
+        assert info.value.errno == errno.EINVAL
+    finally:
+        await close([a, b])
+
+
+async def test_bad_cookie_breaks_only_that_message() -> None:
+    """An RDMA access the peer refuses fails the operation, drops its message (never
+    sent twice, as Linux) and the connection comes back for everything else."""
+    a, b = await nodes([A, B])
+    try:
+        sa, sb = a.bind(4000), b.bind(5000)
+        buf = bytearray(100)
+        cookie = sb.get_mr(buf)
+        with trio.fail_after(30):
+            await sa.sendto(b"before", (B, 5000))
+            assert (await sb.recvfrom())[0] == b"before"
+            sb.free_mr(cookie)  # the peer's cookie is stale now
+            bad_read = RdmaOp.read_into(cookie, bytearray(10))
+            await sa.sendto(b"never 1", (B, 5000), rdma=bad_read)
+            assert await bad_read.wait() == RdmaStatus.REMOTE_ERROR
+            assert "REM_ACCESS_ERR" in bad_read.detail
+            bad_write = RdmaOp.write_to(cookie, b"x" * 10)
+            await sa.sendto(b"never 2", (B, 5000), rdma=bad_write)
+            assert await bad_write.wait() == RdmaStatus.DROPPED
+            await sa.sendto(b"after", (B, 5000))
+            assert (await sb.recvfrom())[0] == b"after"
+        assert buf == bytearray(100)
+        assert sb.received == type(sb.received)()  # nothing else arrived
+        counters = a.connections()[0].counters
+        assert counters.rdma_failures == 1 and counters.rdma_dropped == 1
+        assert counters.sessions >= 3
+    finally:
+        await close([a, b])
+
+
+async def test_rdma_errors_name_the_problem() -> None:
+    a, b = await nodes([A, B])
+    try:
+        sa = a.bind(4000)
+        cookie = sa.get_mr(bytearray(8))
+        with pytest.raises(RdsError) as info:
+            await sa.sendto(b"", (A, 4001), rdma=RdmaOp.write_to(cookie, b"x"))
+        assert info.value.errno == errno.EOPNOTSUPP  # no RDMA over the loopback transport
+        with pytest.raises(RdsError, match="remote offset"):
+            await sa.sendto(b"", (B, 5000), rdma=RdmaOp.write_to(cookie, b"x", offset=-1))
+        op = RdmaOp.write_to(cookie, b"x")
+        sa.sendto_nowait(b"", (B, 5000), rdma=op)
+        with pytest.raises(RdsError, match="already sent"):
+            sa.sendto_nowait(b"", (B, 5000), rdma=op)
+        with pytest.raises(RdsError):
+            sa.free_mr(cookie ^ (1 << 40))  # the right key with a wrong offset
+        sa.close()
+        assert not sa.registered(cookie)  # closing a socket ends its registrations
+        with pytest.raises(RdsError):
+            sa.get_mr(bytearray(8))
+    finally:
+        await close([a, b])
+
+
+async def test_closing_the_node_cancels_what_never_ran() -> None:
+    a, b = await nodes([A, B])
+    sa = a.bind(4000)
+    cookie = b.bind(5000).get_mr(bytearray(8))
+    await close([b])  # the peer is gone: nothing will run
+    op = RdmaOp.write_to(cookie, b"x")
+    sa.sendto_nowait(b"", (B, 5000), rdma=op)
+    await close([a])
+    assert op.status in (RdmaStatus.CANCELED, RdmaStatus.DROPPED)
+    assert op.status == await op.wait()
+
+
+def test_cookie_layout_is_linuxs() -> None:
+    assert cookie_rkey(0x1234_5678_9ABC_DEF0) == 0x9ABC_DEF0
+    assert cookie_offset(0x1234_5678_9ABC_DEF0) == 0x1234_5678
+    assert RdmaExt(0x9ABC_DEF0).body() == bytes.fromhex("9abcdef0")

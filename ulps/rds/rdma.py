@@ -1,0 +1,196 @@
+"""RDMA by cookie: RDS messages that carry an RDMA Write or Read of a peer's buffer.
+
+As in Linux RDS (``rds-rdma(7)``): a socket registers a buffer and gets a
+64-bit *cookie* (R_Key in the low 32 bits, offset in the high 32,
+``rds_rdma_make_cookie``), and hands the cookie to a peer in an ordinary
+message. The peer sends a message carrying an :class:`RdmaOp` naming the
+cookie: its node first writes its local bytes into the registered buffer (or
+reads them out of it), then sends the message, whose first fragment carries
+``RDS_EXTHDR_RDMA`` with the R_Key. The owner of the buffer therefore finds
+the data in place when the message arrives (RDMAP orders a Write before the
+Send that follows it; a Read's Send is fenced behind the Read), and a
+use-once registration is released then.
+
+The sender learns the outcome from :meth:`RdmaOp.wait` (Linux's
+``RDS_CMSG_RDMA_STATUS``). On iWARP an RDMA Write completes locally as soon
+as it is sent, so a Write counts as done when the peer acknowledges the
+message that follows it. A message carrying an RDMA operation is never
+retransmitted (Linux's rule: an RDMA error breaks the connection, so
+retrying would break it again): if its connection breaks before the peer
+acknowledged it, it is dropped and its status says so.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import IntEnum
+from typing import Any
+
+import trio
+
+from rdmashim.verbs import Access, WCStatus
+
+COOKIE_ACCESS = Access.LOCAL_WRITE | Access.REMOTE_WRITE | Access.REMOTE_READ
+
+
+class RdmaStatus(IntEnum):
+    """How an RDMA operation ended (``RDS_RDMA_*`` in Linux's uapi ``rds.h``)."""
+
+    SUCCESS = 0
+    REMOTE_ERROR = 1
+    """The peer refused the access: unknown cookie, out of bounds, no right."""
+    CANCELED = 2
+    """The node closed before the operation ran."""
+    DROPPED = 3
+    """The connection broke before the peer confirmed the operation."""
+    OTHER_ERROR = 4
+
+
+def make_cookie(rkey: int, offset: int = 0) -> int:
+    """R_Key and offset into one cookie (``rds_rdma_make_cookie``)."""
+    return (rkey & 0xFFFFFFFF) | (offset << 32)
+
+
+def cookie_rkey(cookie: int) -> int:
+    """The R_Key of a cookie."""
+    return cookie & 0xFFFFFFFF
+
+
+def cookie_offset(cookie: int) -> int:
+    """The offset of a cookie: where its region starts in the peer's address space."""
+    return cookie >> 32
+
+
+_REMOTE_FAULTS = {WCStatus.REM_ACCESS_ERR, WCStatus.REM_INV_REQ_ERR, WCStatus.REM_OP_ERR}
+
+
+def status_of(wc_status: WCStatus) -> RdmaStatus:
+    """The RDMA status a failed work completion means for the operation."""
+    return RdmaStatus.REMOTE_ERROR if wc_status in _REMOTE_FAULTS else RdmaStatus.OTHER_ERROR
+
+
+@dataclass(eq=False)
+class RdmaOp:
+    """An RDMA Write or Read of the peer buffer named by ``cookie``, sent with a message.
+
+    Build one with :meth:`write_to` or :meth:`read_into`, pass it to
+    :meth:`RdsSocket.sendto(..., rdma=op) <rdmashim.ulps.rds.RdsSocket.sendto>`
+    and ``await op.wait()`` for its :class:`RdmaStatus`. ``remote_offset`` is
+    the byte offset into the peer's registered buffer; ``token`` is yours
+    (Linux's ``user_token``).
+    """
+
+    cookie: int
+    buffer: Any
+    write: bool
+    remote_offset: int = 0
+    token: int = 0
+    status: RdmaStatus | None = None
+    detail: str = ""
+    """Why it failed, when it did."""
+    _done: trio.Event = field(default_factory=trio.Event, repr=False)
+    _mr: Any = field(default=None, repr=False)
+
+    @classmethod
+    def write_to(cls, cookie: int, data: Any, *, offset: int = 0, token: int = 0) -> RdmaOp:
+        """Write ``data`` (any buffer) into the peer's buffer at ``offset``."""
+        return cls(cookie, data, True, offset, token)
+
+    @classmethod
+    def read_into(cls, cookie: int, buffer: Any, *, offset: int = 0, token: int = 0) -> RdmaOp:
+        """Read ``len(buffer)`` bytes from the peer's buffer at ``offset`` into ``buffer``."""
+        return cls(cookie, buffer, False, offset, token)
+
+    @property
+    def rkey(self) -> int:
+        """The peer region's R_Key."""
+        return cookie_rkey(self.cookie)
+
+    @property
+    def remote_addr(self) -> int:
+        """Where in the peer's region the operation starts."""
+        return cookie_offset(self.cookie) + self.remote_offset
+
+    @property
+    def length(self) -> int:
+        """Bytes written or read."""
+        return memoryview(self.buffer).nbytes
+
+    @property
+    def done(self) -> bool:
+        """Whether the operation has its status."""
+        return self.status is not None
+
+    def _begin(self, pd: Any) -> None:
+        """Register the local buffer for the operation's lifetime."""
+        if self._mr is not None or self.done:
+            raise ValueError("this RDMA operation was already sent")
+        if not 0 <= self.remote_offset < 1 << 32:
+            raise ValueError(f"remote offset {self.remote_offset} outside 0..2**32-1")
+        self._mr = pd.reg_mr(self.buffer, Access(0) if self.write else Access.LOCAL_WRITE)
+
+    def _finish(self, status: RdmaStatus, detail: str = "") -> None:
+        """Settle the operation (once) and let go of its local registration."""
+        if self.done:
+            return
+        self.status, self.detail = status, detail
+        if self._mr is not None:
+            self._mr.close()
+            self._mr = None
+        self._done.set()
+
+    async def wait(self) -> RdmaStatus:
+        """Wait for the outcome."""
+        await self._done.wait()
+        assert self.status is not None
+        return self.status
+
+
+@dataclass(eq=False)
+class Registration:
+    """A buffer a socket registered for peers to RDMA into or out of."""
+
+    mr: Any
+    cookie: int
+    use_once: bool
+
+
+class Registrations:
+    """A socket's registered buffers, by R_Key (``RDS_GET_MR`` / ``RDS_FREE_MR``)."""
+
+    def __init__(self) -> None:
+        self._by_rkey: dict[int, Registration] = {}
+
+    def add(self, pd: Any, buffer: Any, *, use_once: bool) -> int:
+        """Register ``buffer`` zero-based, so the cookie's offset is 0; return the cookie."""
+        mr = pd.reg_mr(buffer, COOKIE_ACCESS, iova=0)
+        cookie = make_cookie(mr.rkey)
+        self._by_rkey[mr.rkey] = Registration(mr, cookie, use_once)
+        return cookie
+
+    def free(self, cookie: int) -> bool:
+        """Deregister the buffer of ``cookie`` (False if there is none); peers' accesses
+        fail from now on."""
+        if cookie not in self:
+            return False
+        self._by_rkey.pop(cookie_rkey(cookie)).mr.close()
+        return True
+
+    def used(self, rkey: int) -> None:
+        """A message chasing an RDMA operation on ``rkey`` arrived: drop a use-once region."""
+        reg = self._by_rkey.get(rkey)
+        if reg is not None and reg.use_once:
+            self.free(reg.cookie)
+
+    def __contains__(self, cookie: object) -> bool:
+        reg = self._by_rkey.get(cookie_rkey(cookie)) if isinstance(cookie, int) else None
+        return reg is not None and reg.cookie == cookie
+
+    def __len__(self) -> int:
+        return len(self._by_rkey)
+
+    def close(self) -> None:
+        """Deregister everything."""
+        for reg in self._by_rkey.values():
+            reg.mr.close()
+        self._by_rkey.clear()
