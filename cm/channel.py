@@ -17,6 +17,7 @@ import trio
 
 import rdmashim
 from rdmashim.cm.types import CMEvent, PortSpace
+from rdmashim.registry import chosen_backend
 from rdmashim.verbs.tasks import service_nursery
 
 log = logging.getLogger(__name__)
@@ -26,22 +27,34 @@ class EventChannel:
     """An rdma_cm event channel (see the module docstring).
 
     ``contexts`` are already opened device contexts (``rdmashim.open_device``)
-    the channel's ids use instead of opening their own.
+    the channel's ids use instead of opening their own. The backend
+    (``backend=``, else the contexts', else ``RDMASHIM_BACKEND``) picks the ids: the built-in
+    engine's (:mod:`rdmashim.cm.cmid`) or librdmacm's
+    (:mod:`rdmashim.cm.rdmacore_id`, whose events a task reads from the
+    librdmacm channel's fd).
     """
 
     def __init__(self, contexts: Iterable[Any] = (), *, backend: str | None = None) -> None:
-        self.backend = backend
         self._contexts: dict[str, Any] = {ctx.device.name: ctx for ctx in contexts}
+        given = next((ctx.backend for ctx in self._contexts.values()), None)
+        self.backend = chosen_backend(backend or given)
         self._send, self._recv = trio.open_memory_channel[CMEvent](1 << 16)
         self._nursery_manager: Any = None
         self.nursery: trio.Nursery | None = None
         self.unacked = 0
         self._ids: list[Any] = []
         self._closed = False
+        self._native: Any = None
 
     async def __aenter__(self) -> EventChannel:
+        if self.backend == "rdmacore":
+            from rdmashim.cm.rdmacore_id import NativeChannel
+
+            self._native = NativeChannel(self)
         self._nursery_manager = service_nursery()
         self.nursery = await self._nursery_manager.__aenter__()
+        if self._native is not None:
+            self.nursery.start_soon(self._native.run)
         return self
 
     async def __aexit__(
@@ -54,15 +67,22 @@ class EventChannel:
         for cm_id in list(self._ids):
             cm_id.destroy()
         self._send.close()
-        return await self._nursery_manager.__aexit__(exc_type, exc, tb)
+        try:
+            return await self._nursery_manager.__aexit__(exc_type, exc, tb)
+        finally:
+            if self._native is not None:
+                self._native.close()
 
     # ------------------------------------------------------------------ ids
     def create_id(self, context: Any = None, ps: PortSpace = PortSpace.TCP) -> Any:
         """A new CM id in port space ``ps`` (``rdma_create_id``); ``context`` is yours."""
-        from rdmashim.cm.cmid import CMId
-
         self._check_open()
-        cm_id = CMId(self, ps, context)
+        if self._native is not None:
+            cm_id = self._native.create_id(ps, context)
+        else:
+            from rdmashim.cm.cmid import CMId
+
+            cm_id = CMId(self, ps, context)
         self._ids.append(cm_id)
         return cm_id
 

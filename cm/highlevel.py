@@ -240,6 +240,7 @@ async def open_connection(
     connect_timeout: float = 10.0,
     prepare: Callable[[Connection], None] | None = None,
     pd: Any = None,
+    backend: str | None = None,
 ) -> AsyncIterator[Connection]:
     """Connect to ``host``:``port`` and yield the :class:`Connection`.
 
@@ -247,10 +248,11 @@ async def open_connection(
     receives there when the peer may send first). The connection gets a PD of
     its own unless ``pd`` is given: then its QP is created on that PD (whose
     device the route must choose), so regions registered there serve it too.
+    ``backend`` picks the backend (default: ``pd``'s, else ``RDMASHIM_BACKEND``).
     Raises :class:`ConnectionRejected`, :class:`ConnectionUnreachable` or
     :class:`CMError`.
     """
-    async with EventChannel(_contexts_of(pd)) as channel:
+    async with EventChannel(_contexts_of(pd), backend=backend) as channel:
         router = _Router(channel)
         channel.nursery.start_soon(router.run)
         cm_id = channel.create_id()
@@ -341,6 +343,7 @@ async def serve(
     mpa_options: MpaOptions | None = None,
     handler_nursery: trio.Nursery | None = None,
     pd: Any = None,
+    backend: str | None = None,
     task_status: Any = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Listen on ``host``:``port`` and run ``handler(request)`` for each connection.
@@ -348,9 +351,10 @@ async def serve(
     Use with ``nursery.start``: it reports the listening (address, port). A
     handler that returns without accepting or rejecting rejects; an accepted
     connection is closed when its handler returns. Every connection's QP is
-    created on ``pd`` when given (as for :func:`open_connection`).
+    created on ``pd`` when given (as for :func:`open_connection`), and ``backend``
+    picks the backend as there.
     """
-    async with EventChannel(_contexts_of(pd)) as channel:
+    async with EventChannel(_contexts_of(pd), backend=backend) as channel:
         router = _Router(channel)
         channel.nursery.start_soon(router.run)
         listen_id = channel.create_id()

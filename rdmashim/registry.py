@@ -27,6 +27,9 @@ BACKENDS: dict[str, BackendInfo] = {
     "softiwarp": BackendInfo(
         "softiwarp", "rdmashim.verbs.softiwarp", "built-in iWARP engine over TCP (pure Python)"
     ),
+    "rdmacore": BackendInfo(
+        "rdmacore", "rdmashim.verbs.rdmacore", "Linux rdma-core (libibverbs + librdmacm) via cffi"
+    ),
 }
 
 
@@ -46,15 +49,20 @@ def load_backend(backend: str | None = None) -> ModuleType:
 
 
 def backend_status() -> list[tuple[BackendInfo, str | None]]:
-    """Every backend with None if usable here, else the reason it is not."""
+    """Every backend with None if usable here, else the reason it is not; never raises.
+
+    A backend module may define ``unavailable_reason() -> str | None`` for what
+    importing it cannot tell (libraries missing, no device).
+    """
     out: list[tuple[BackendInfo, str | None]] = []
     for info in BACKENDS.values():
         try:
-            load_backend(info.name)
-        except BackendUnavailable as exc:
-            out.append((info, str(exc)))
-        else:
-            out.append((info, None))
+            module = load_backend(info.name)
+            probe = getattr(module, "unavailable_reason", None)
+            reason = probe() if probe is not None else None
+        except Exception as exc:
+            reason = str(exc) or type(exc).__name__
+        out.append((info, reason))
     return out
 
 

@@ -1,0 +1,505 @@
+"""CM ids over librdmacm, for event channels of the rdma-core backend.
+
+:class:`NativeChannel` owns the ``rdma_event_channel``: its fd is
+non-blocking and a task of the :class:`~rdmashim.cm.channel.EventChannel`
+waits on it with ``trio.lowlevel.wait_readable``, reads every ``rdma_cm_event``,
+copies it into a :class:`~rdmashim.cm.types.CMEvent` (status, private data,
+connection parameters) and acknowledges it at once, so ``rdma_destroy_id``
+never waits for an event the application still holds.
+
+:class:`RdmaCoreCMId` has the public API of :class:`rdmashim.cm.cmid.CMId`.
+Its ``context`` is the backend's context for the device librdmacm bound the id
+to (``id->verbs``), matched by device name through the channel; PDs and QPs
+for the id must be made on it. The kernel's rdma_cm does the rest: TCP and
+MPA on iWARP, IB CM on InfiniBand/RoCE.
+"""
+
+from __future__ import annotations
+
+import errno
+import ipaddress
+import logging
+import os
+import socket
+import struct
+from typing import Any
+
+import trio
+
+from rdmashim.cm import addressing
+from rdmashim.cm.cmid import State
+from rdmashim.cm.types import CMEvent, CMEventType, ConnParam, PortSpace
+from rdmashim.verbs.attrs import QPCap
+from rdmashim.verbs.enums import QPType, Transport
+from rdmashim.verbs.errors import BackendUnavailable, NotSupported, VerbsError
+from rdmashim.verbs.rdmacore import lib
+from rdmashim.verbs.rdmacore.cdefs import ffi
+from rdmashim.verbs.rdmacore.completion import notify_closing
+from rdmashim.verbs.softiwarp.negotiation import MpaOptions
+
+log = logging.getLogger(__name__)
+
+DEFAULT_CONNECT_TIMEOUT = 10.0
+"""Seconds an active id waits for an answer before UNREACHABLE."""
+
+_CONNECTED_SPACES = (PortSpace.TCP, PortSpace.IB)
+_SOCKADDR_IN6 = struct.Struct("=HH4s16sI")  # family, port, flowinfo, address, scope id
+
+
+# ---------------------------------------------------------------------- addresses
+def to_sockaddr(addr: addressing.SockAddr) -> Any:
+    """A ``struct sockaddr_storage *`` for an (address, port[, flowinfo, scope_id]) tuple."""
+    host = str(addr[0])
+    name, _, zone = host.partition("%")
+    ip = ipaddress.ip_address(name)
+    port = int(addr[1]).to_bytes(2, "big")
+    out = ffi.new("struct sockaddr_storage *")
+    if ip.version == 4:
+        raw = struct.pack("=H", socket.AF_INET) + port + ip.packed
+    else:
+        flowinfo = int(addr[2]) if len(addr) > 2 else 0
+        scope_id = int(addr[3]) if len(addr) > 3 else (socket.if_nametoindex(zone) if zone else 0)
+        raw = _SOCKADDR_IN6.pack(
+            socket.AF_INET6, 0, flowinfo.to_bytes(4, "big"), ip.packed, scope_id
+        )
+        raw = raw[:2] + port + raw[4:]
+    ffi.memmove(out, raw, len(raw))
+    return out
+
+
+def from_sockaddr(storage: Any) -> addressing.SockAddr | None:
+    """The tuple for a ``struct sockaddr_storage`` (None for an unset address)."""
+    raw = bytes(ffi.buffer(ffi.addressof(storage), _SOCKADDR_IN6.size))
+    family = storage.ss_family
+    port = int.from_bytes(raw[2:4], "big")
+    if family == socket.AF_INET:
+        return (socket.inet_ntop(socket.AF_INET, raw[4:8]), port)
+    if family == socket.AF_INET6:
+        _, _, flowinfo, packed, scope_id = _SOCKADDR_IN6.unpack(raw)
+        return (
+            socket.inet_ntop(socket.AF_INET6, packed),
+            port,
+            int.from_bytes(flowinfo, "big"),
+            scope_id,
+        )
+    return None
+
+
+def _conn_param(param: Any) -> ConnParam:
+    length = param.private_data_len
+    if length and param.private_data != ffi.NULL:
+        data = bytes(ffi.buffer(param.private_data, length))
+    else:
+        data = b""
+    return ConnParam(
+        data,
+        param.responder_resources,
+        param.initiator_depth,
+        param.flow_control,
+        param.retry_count,
+        param.rnr_retry_count,
+        param.srq,
+        param.qp_num,
+    )
+
+
+# ---------------------------------------------------------------------- channel
+class NativeChannel:
+    """librdmacm's event channel behind an :class:`~rdmashim.cm.channel.EventChannel`."""
+
+    def __init__(self, channel: Any) -> None:
+        self.channel = channel
+        cm = lib.rdmacm()
+        ptr = cm.rdma_create_event_channel()
+        if ptr == ffi.NULL:
+            err = lib.last_errno()
+            if err in (errno.ENODEV, errno.ENOENT):
+                raise BackendUnavailable(
+                    "rdmacore: rdma_create_event_channel: no /dev/infiniband/rdma_cm "
+                    "(load the kernel's rdma_cm for user space: modprobe rdma_ucm)"
+                )
+            raise VerbsError(err, "rdma_create_event_channel")
+        self._ptr = ptr
+        self.fd: int = ptr.fd
+        os.set_blocking(self.fd, False)
+        self._ids: dict[int, RdmaCoreCMId] = {}
+
+    def create_id(self, ps: PortSpace, user_context: Any) -> RdmaCoreCMId:
+        """A new id (``rdma_create_id``) in a connected port space."""
+        ps = PortSpace(ps)
+        if ps not in _CONNECTED_SPACES:
+            raise NotSupported("create_id", f"port space {ps.name}: UD QPs are not in the API")
+        out = ffi.new("struct rdma_cm_id **")
+        lib.check(lib.rdmacm().rdma_create_id(self._ptr, out, ffi.NULL, int(ps)), "rdma_create_id")
+        return self._wrap(out[0], ps, user_context)
+
+    def _wrap(self, ptr: Any, ps: PortSpace, user_context: Any) -> RdmaCoreCMId:
+        cm_id = RdmaCoreCMId(self.channel, ps, user_context, ptr)
+        self._ids[lib.address(ptr)] = cm_id
+        return cm_id
+
+    def _forget(self, cm_id: RdmaCoreCMId) -> None:
+        self._ids.pop(lib.address(cm_id._ptr), None)
+
+    async def run(self) -> None:
+        """Read events as they arrive and deliver them, in order, to the channel."""
+        cm = lib.rdmacm()
+        out = ffi.new("struct rdma_cm_event **")
+        while True:
+            try:
+                await trio.lowlevel.wait_readable(self.fd)
+            except trio.ClosedResourceError:
+                return
+            while cm.rdma_get_cm_event(self._ptr, out) == 0:
+                raw = out[0]
+                kind = CMEventType(raw.event)
+                copied = (raw.id, raw.listen_id, raw.status, _conn_param(raw.param.conn))
+                cm.rdma_ack_cm_event(raw)
+                await self._deliver(kind, *copied)
+            err = lib.last_errno()
+            if err not in (errno.EAGAIN, errno.EWOULDBLOCK):
+                raise VerbsError(err, "rdma_get_cm_event")
+
+    async def _deliver(
+        self, kind: CMEventType, id_ptr: Any, listen_ptr: Any, status: int, param: ConnParam
+    ) -> None:
+        if kind is CMEventType.CONNECT_REQUEST:
+            listener = self._ids.get(lib.address(listen_ptr))
+            if listener is None:
+                lib.rdmacm().rdma_destroy_id(id_ptr)
+                return
+            cm_id = self._wrap(id_ptr, listener.ps, listener.user_context)
+            self.channel._ids.append(cm_id)
+            await cm_id._incoming(listener, status, param)
+            return
+        cm_id = self._ids.get(lib.address(id_ptr))
+        if cm_id is None:
+            log.debug("%s for a destroyed id dropped", kind.name)
+            return
+        await cm_id._on_event(kind, status, param)
+
+    def close(self) -> None:
+        """Destroy the event channel (its ids are destroyed already)."""
+        if self._ptr is not None:
+            notify_closing(self.fd)
+            lib.rdmacm().rdma_destroy_event_channel(self._ptr)
+            self._ptr = None
+
+
+# ---------------------------------------------------------------------- ids
+class RdmaCoreCMId:
+    """A communication identifier over librdmacm (``struct rdma_cm_id``).
+
+    The same calls and events as :class:`rdmashim.cm.cmid.CMId`; see that
+    module for their meaning.
+    """
+
+    mpa: None = None
+    """MPA is negotiated by the kernel's iw_cm; librdmacm does not tell its result."""
+
+    def __init__(self, channel: Any, ps: PortSpace, user_context: Any, ptr: Any) -> None:
+        self.channel = channel
+        self.ps = PortSpace(ps)
+        self.user_context = user_context
+        self._ptr = ptr
+        self.context: Any = None
+        self.qp: Any = None
+        self.pd: Any = None
+        self.state = State.IDLE
+        self.local_addr: addressing.SockAddr | None = None
+        self.peer_addr: addressing.SockAddr | None = None
+        self.connect_timeout = DEFAULT_CONNECT_TIMEOUT
+        self._timer: trio.CancelScope | None = None
+
+    def __repr__(self) -> str:
+        return f"<RdmaCoreCMId {self.state.name} local={self.local_addr} peer={self.peer_addr}>"
+
+    @property
+    def mpa_options(self) -> MpaOptions:
+        """MPA settings: the kernel's own (siw's, or the RNIC's); only the defaults are valid."""
+        return MpaOptions()
+
+    @mpa_options.setter
+    def mpa_options(self, options: MpaOptions) -> None:
+        if options != MpaOptions():
+            raise NotSupported("mpa_options", "the kernel's iw_cm negotiates MPA on rdma-core")
+
+    # ------------------------------------------------------------------ helpers
+    def _check(self, operation: str) -> Any:
+        if self.state is State.DESTROYED:
+            raise VerbsError(errno.EBADF, operation, "CM id is destroyed")
+        return lib.rdmacm()
+
+    def _post(self, kind: CMEventType, status: int = 0, **kwargs: Any) -> None:
+        self.channel._post(CMEvent(kind, self, status, _channel=self.channel, **kwargs))
+
+    def _refresh_addresses(self) -> None:
+        route = self._ptr.route.addr
+        self.local_addr = from_sockaddr(route.src_storage) or self.local_addr
+        self.peer_addr = from_sockaddr(route.dst_storage) or self.peer_addr
+
+    async def _attach_device(self) -> None:
+        """Find the backend context of the device librdmacm bound this id to."""
+        verbs = self._ptr.verbs
+        if verbs == ffi.NULL:
+            return
+        name = ffi.string(verbs.device.name).decode()
+        if self.context is None or self.context.device.name != name:
+            self.context = await self.channel.device_context(name)
+
+    def _check_private_data(self, operation: str, private_data: bytes) -> None:
+        limit = self.context.query_device().max_private_data if self.context else 252
+        if len(private_data) > limit:
+            raise VerbsError(
+                errno.EINVAL, operation, f"{len(private_data)} bytes of private data > {limit}"
+            )
+
+    def _native_param(self, operation: str, param: ConnParam | None) -> tuple[Any, Any]:
+        param = param or ConnParam()
+        self._check_private_data(operation, param.private_data)
+        attr = self.context.query_device()
+        native = ffi.new("struct rdma_conn_param *")
+        data = ffi.new("char[]", param.private_data) if param.private_data else ffi.NULL
+        native.private_data = data
+        native.private_data_len = len(param.private_data)
+        native.responder_resources = min(param.responder_resources, attr.max_qp_rd_atom, 255)
+        native.initiator_depth = min(param.initiator_depth, attr.max_qp_init_rd_atom, 255)
+        native.flow_control = param.flow_control
+        native.retry_count = param.retry_count
+        native.rnr_retry_count = param.rnr_retry_count
+        native.srq = param.srq
+        native.qp_num = param.qp_num
+        return native, data
+
+    def _require_qp(self, operation: str) -> None:
+        if self.qp is None and self.context.device.transport is Transport.IWARP:
+            raise NotSupported(operation, "iWARP connections need the id's QP (create_qp first)")
+
+    # ------------------------------------------------------------------ addressing
+    def bind_addr(self, addr: addressing.SockAddr) -> None:
+        """Bind to a local address and port (``rdma_bind_addr``)."""
+        cm = self._check("bind_addr")
+        lib.check(
+            cm.rdma_bind_addr(self._ptr, ffi.cast("struct sockaddr *", to_sockaddr(addr))),
+            "rdma_bind_addr",
+        )
+        self._refresh_addresses()
+        self.state = State.ADDR_BOUND
+
+    def resolve_addr(
+        self,
+        src: addressing.SockAddr | None,
+        dst: tuple[str, int] | addressing.SockAddr,
+        timeout_ms: int = 2000,
+    ) -> None:
+        """Resolve ``dst`` (host name, IPv4 or IPv6): ADDR_RESOLVED or ADDR_ERROR follows."""
+        self._check("resolve_addr")
+        self.state = State.ADDR_QUERY
+        self._spawn(self._resolve_addr, src, dst, timeout_ms)
+
+    async def _resolve_addr(
+        self, src: addressing.SockAddr | None, dst: addressing.SockAddr, timeout_ms: int
+    ) -> None:
+        try:
+            candidates = await addressing.resolve(str(dst[0]), int(dst[1]))
+            if src is not None:
+                want_v6 = ":" in str(src[0])
+                candidates = [c for c in candidates if (":" in c[0]) == want_v6]
+            if not candidates:
+                raise OSError(errno.EADDRNOTAVAIL, f"no address of {dst[0]} in our family")
+            source = to_sockaddr(src) if src is not None else ffi.NULL
+            lib.check(
+                lib.rdmacm().rdma_resolve_addr(
+                    self._ptr,
+                    ffi.cast("struct sockaddr *", source),
+                    ffi.cast("struct sockaddr *", to_sockaddr(candidates[0])),
+                    timeout_ms,
+                ),
+                "rdma_resolve_addr",
+            )
+        except OSError as exc:
+            self.state = State.IDLE
+            status = -errno.EADDRNOTAVAIL if isinstance(exc, socket.gaierror) else -(exc.errno or 5)
+            self._post(CMEventType.ADDR_ERROR, status, detail=str(exc))
+
+    def resolve_route(self, timeout_ms: int = 2000) -> None:
+        """Resolve the route to the resolved destination: ROUTE_RESOLVED or ROUTE_ERROR."""
+        cm = self._check("resolve_route")
+        lib.check(cm.rdma_resolve_route(self._ptr, timeout_ms), "rdma_resolve_route")
+        self.state = State.ROUTE_QUERY
+
+    # ------------------------------------------------------------------ QP
+    def create_qp(
+        self,
+        pd: Any,
+        *,
+        send_cq: Any,
+        recv_cq: Any,
+        cap: QPCap | None = None,
+        srq: Any = None,
+        sq_sig_all: bool = False,
+    ) -> Any:
+        """Create the id's QP on ``pd`` (``rdma_create_qp``); ``pd`` must be on ``self.context``."""
+        cm = self._check("create_qp")
+        if self.context is None:
+            raise VerbsError(errno.EINVAL, "create_qp", "resolve or receive a connection first")
+        if pd.context._ptr != self._ptr.verbs:
+            raise VerbsError(
+                errno.EINVAL,
+                "create_qp",
+                "PD is not on the device context librdmacm bound the id to",
+            )
+        if self.qp is not None:
+            raise VerbsError(errno.EEXIST, "create_qp", "the id already has a QP")
+
+        def create(attr: Any) -> Any:
+            lib.check(cm.rdma_create_qp(self._ptr, pd._ptr, attr), "rdma_create_qp")
+            return self._ptr.qp
+
+        qp = pd._create_qp(send_cq, recv_cq, cap, srq, sq_sig_all, QPType.RC, create)
+        qp.close_listeners.append(self._qp_closed)
+        self.pd = pd
+        self.qp = qp
+        return qp
+
+    def _qp_closed(self) -> None:
+        if self.state is not State.DESTROYED:
+            self._ptr.qp = ffi.NULL
+        self.qp = None
+
+    # ------------------------------------------------------------------ connecting
+    def connect(self, param: ConnParam | None = None) -> None:
+        """Connect to the resolved peer: ESTABLISHED, REJECTED, UNREACHABLE or CONNECT_ERROR."""
+        cm = self._check("connect")
+        if self.context is None:
+            raise VerbsError(errno.EINVAL, "connect", "resolve the address and route first")
+        self._require_qp("connect")
+        native, _data = self._native_param("connect", param)
+        lib.check(cm.rdma_connect(self._ptr, native), "rdma_connect")
+        self.state = State.CONNECT
+        self._timer = trio.CancelScope()
+        self._spawn(self._connect_timer, self._timer, self.connect_timeout)
+
+    async def _connect_timer(self, scope: trio.CancelScope, limit: float) -> None:
+        with scope:
+            await trio.sleep(limit)
+            if self.state is State.CONNECT:
+                self.state = State.ROUTE_RESOLVED
+                self._post(CMEventType.UNREACHABLE, -errno.ETIMEDOUT, detail="no answer in time")
+
+    def listen(self, backlog: int = 128) -> None:
+        """Listen on the bound address (the wildcard if unbound): CONNECT_REQUEST events."""
+        cm = self._check("listen")
+        if self.state is State.IDLE:
+            self.bind_addr(("0.0.0.0", 0))
+        lib.check(cm.rdma_listen(self._ptr, backlog), "rdma_listen")
+        self._refresh_addresses()
+        self.state = State.LISTEN
+
+    async def _incoming(self, listener: RdmaCoreCMId, status: int, param: ConnParam) -> None:
+        self._refresh_addresses()
+        self.state = State.CONNECT_REQUEST
+        await self._attach_device()
+        self.channel._post(
+            CMEvent(
+                CMEventType.CONNECT_REQUEST,
+                self,
+                status,
+                param.private_data,
+                param,
+                listen_id=listener,
+                _channel=self.channel,
+            )
+        )
+
+    def accept(self, param: ConnParam | None = None) -> None:
+        """Accept the connection request on this id (ESTABLISHED follows)."""
+        cm = self._check("accept")
+        self._require_qp("accept")
+        native, _data = self._native_param("accept", param)
+        lib.check(cm.rdma_accept(self._ptr, native), "rdma_accept")
+        self.state = State.ACCEPTING
+
+    def reject(self, private_data: bytes = b"") -> None:
+        """Reject the connection request on this id with ``private_data``."""
+        cm = self._check("reject")
+        self._check_private_data("reject", private_data)
+        data = ffi.new("char[]", private_data) if private_data else ffi.NULL
+        lib.check(cm.rdma_reject(self._ptr, data, len(private_data)), "rdma_reject")
+        self.state = State.DISCONNECTED
+
+    def disconnect(self) -> None:
+        """End the connection (``rdma_disconnect``); both sides get DISCONNECTED."""
+        cm = self._check("disconnect")
+        if self.state in (State.ESTABLISHED, State.ACCEPTING, State.CONNECT):
+            lib.check(cm.rdma_disconnect(self._ptr), "rdma_disconnect")
+
+    # ------------------------------------------------------------------ events
+    async def _on_event(self, kind: CMEventType, status: int, param: ConnParam) -> None:
+        E = CMEventType
+        extra: dict[str, Any] = {}
+        if kind is E.ADDR_RESOLVED:
+            self._refresh_addresses()
+            try:
+                await self._attach_device()
+            except (BackendUnavailable, VerbsError) as exc:
+                self.state = State.IDLE
+                self._post(E.ADDR_ERROR, -errno.ENODEV, detail=str(exc))
+                return
+            self.state = State.ADDR_RESOLVED
+        elif kind is E.ROUTE_RESOLVED:
+            self.state = State.ROUTE_RESOLVED
+        elif kind in (E.ADDR_ERROR, E.ROUTE_ERROR):
+            self.state = State.IDLE if kind is E.ADDR_ERROR else State.ADDR_RESOLVED
+        elif kind in (E.ESTABLISHED, E.CONNECT_RESPONSE):
+            if self.state is State.ROUTE_RESOLVED:
+                log.info("%s after the connect timed out; disconnecting", kind.name)
+                self.disconnect()
+                return
+            self._stop_timer()
+            self._refresh_addresses()
+            self.state = State.ESTABLISHED
+            if self.qp is not None:
+                self.qp._connected()
+            extra = {"private_data": param.private_data, "param": param}
+        elif kind in (E.REJECTED, E.UNREACHABLE, E.CONNECT_ERROR):
+            if self.state is State.ROUTE_RESOLVED:
+                return  # our timer reported the failure already
+            self._stop_timer()
+            self.state = State.ROUTE_RESOLVED if self.state is State.CONNECT else State.DISCONNECTED
+            extra = {"private_data": param.private_data}
+        elif kind is E.DISCONNECTED:
+            self.state = State.DISCONNECTED
+            if self.qp is not None:
+                self.qp._disconnected()
+        self._post(kind, status, **extra)
+
+    def _spawn(self, fn: Any, *args: Any) -> None:
+        nursery = self.channel.nursery
+        assert nursery is not None
+        nursery.start_soon(fn, *args)
+
+    def _stop_timer(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    # ------------------------------------------------------------------ teardown
+    def destroy(self) -> None:
+        """Release the id (``rdma_destroy_id``); a connection on it ends."""
+        if self.state is State.DESTROYED:
+            return
+        self._stop_timer()
+        self.channel._native._forget(self)
+        if self.qp is not None:
+            self.qp.close_listeners.remove(self._qp_closed)
+            self.qp._disconnected()
+        rc = lib.rdmacm().rdma_destroy_id(self._ptr)
+        self.state = State.DESTROYED
+        self.channel._forget(self)
+        if rc:
+            log.warning("rdma_destroy_id: %s", os.strerror(lib.last_errno()))
+
+    def join_multicast(self, addr: Any, context: Any = None) -> None:
+        """Multicast needs UD QPs, which the portable API does not have."""
+        raise NotSupported("join_multicast", "multicast needs UD QPs")

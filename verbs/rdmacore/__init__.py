@@ -1,0 +1,19 @@
+"""The rdma-core backend: Linux's libibverbs and librdmacm through cffi in ABI mode.
+
+Needs no compiler and no headers: the libraries are opened with ``dlopen``
+the first time a device is listed or opened (:mod:`.lib`), and choosing the
+backend where they, or an RDMA device, are missing raises
+:class:`~rdmashim.verbs.errors.BackendUnavailable` saying what to install or
+why no device is usable. Layers: the C declarations (:mod:`.cdefs`), loading
+(:mod:`.lib`), object lifetime (:mod:`.base`), and the verbs objects
+(:mod:`.provider`). The rdma_cm side lives in :mod:`rdmashim.cm.rdmacore_id`.
+"""
+
+from rdmashim.verbs.rdmacore.provider import (
+    Device,
+    get_device_list,
+    open_device,
+    unavailable_reason,
+)
+
+__all__ = ["Device", "get_device_list", "open_device", "unavailable_reason"]

@@ -1,0 +1,257 @@
+"""Completion channels and completion queues over libibverbs, awaited without busy polling.
+
+A channel's file descriptor is non-blocking and awaited with
+``trio.lowlevel.wait_readable``. :meth:`CQ.wait` arms the CQ
+(``req_notify``), polls once more and only then waits, so a completion that
+lands between the last poll and the arming is never missed. A CQ created
+without a channel gets a private one, so every CQ can be awaited.
+
+Events read from a channel are counted per CQ and acknowledged
+(``ibv_ack_cq_events``) by :meth:`CQ.ack_events`, by :meth:`CQ.wait` for the
+events it consumes itself, and at the latest when the CQ is destroyed (which
+libibverbs requires).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import logging
+import os
+import weakref
+from collections import deque
+from typing import TYPE_CHECKING, Any
+
+import trio
+
+from rdmashim.verbs.enums import WCFlags, WCOpcode, WCStatus
+from rdmashim.verbs.errors import VerbsError
+from rdmashim.verbs.rdmacore import lib
+from rdmashim.verbs.rdmacore.base import Resource
+from rdmashim.verbs.rdmacore.cdefs import ffi
+from rdmashim.verbs.wr import WC
+
+if TYPE_CHECKING:
+    from rdmashim.verbs.rdmacore.device import Context
+
+log = logging.getLogger(__name__)
+
+_STATUS = {s.value: s for s in WCStatus}
+_OPCODE = {o.value: o for o in WCOpcode}
+_WITH_INV = int(WCFlags.WITH_INV)
+
+
+def notify_closing(fd: int) -> None:
+    """Wake trio tasks waiting on ``fd`` before it is closed (none if trio is not running)."""
+    with contextlib.suppress(RuntimeError):
+        trio.lowlevel.notify_closing(fd)
+
+
+def decode_wc(wc: Any) -> WC:
+    """A :class:`WC` from a ``struct ibv_wc`` (unknown codes become GENERAL_ERR / SEND|RECV)."""
+    status = _STATUS.get(wc.status, WCStatus.GENERAL_ERR)
+    opcode = _OPCODE.get(wc.opcode)
+    if opcode is None:  # undefined in error completions; keep the send/receive distinction
+        opcode = WCOpcode.RECV if wc.opcode & WCOpcode.RECV else WCOpcode.SEND
+    flags = wc.wc_flags
+    return WC(
+        wc.wr_id,
+        status,
+        opcode,
+        wc.byte_len,
+        wc.qp_num,
+        WCFlags(flags & 0xF),
+        wc.invalidated_rkey if flags & _WITH_INV else 0,
+        wc.vendor_err,
+    )
+
+
+class CompChannel(Resource):
+    """A completion channel (``ibv_comp_channel``) whose ``fd`` trio waits on."""
+
+    _kind = "completion channel"
+
+    def __init__(self, context: Context) -> None:
+        super().__init__(context)
+        self.context = context
+        self._ptr = lib.check_ptr(
+            lib.verbs().ibv_create_comp_channel(context._ptr), "ibv_create_comp_channel"
+        )
+        self.fd: int = self._ptr.fd
+        os.set_blocking(self.fd, False)
+        self._cqs: weakref.WeakValueDictionary[int, CQ] = weakref.WeakValueDictionary()
+        self._ready: deque[CQ] = deque()
+        self._reading = False
+        self._arrived = trio.Event()
+        self._created()
+
+    def _register(self, cq: CQ) -> None:
+        self._cqs[lib.address(cq._ptr)] = cq
+
+    def _drain(self) -> None:
+        """Read every event waiting on the fd and hand each to its CQ."""
+        v = lib.verbs()
+        cq_out = ffi.new("struct ibv_cq **")
+        ctx_out = ffi.new("void **")
+        while True:
+            if v.ibv_get_cq_event(self._ptr, cq_out, ctx_out) != 0:
+                err = lib.last_errno()
+                if err in (errno.EAGAIN, errno.EWOULDBLOCK):
+                    return
+                raise VerbsError(err, "ibv_get_cq_event")
+            cq = self._cqs.get(lib.address(cq_out[0]))
+            if cq is None:
+                v.ibv_ack_cq_events(cq_out[0], 1)
+                log.warning("completion event for an unknown CQ acknowledged and dropped")
+                continue
+            cq._event_arrived()
+
+    async def _await_events(self) -> None:
+        """Wait until the fd has been read once more (one task reads, the others wait)."""
+        self._check_open("get_cq_event")
+        if self._reading:
+            await self._arrived.wait()
+            return
+        self._reading = True
+        try:
+            await trio.lowlevel.wait_readable(self.fd)
+        except trio.ClosedResourceError as exc:
+            raise VerbsError(errno.EBADF, "get_cq_event", "completion channel closed") from exc
+        finally:
+            self._reading = False
+            arrived, self._arrived = self._arrived, trio.Event()
+            arrived.set()
+        self._drain()
+
+    async def get_cq_event(self) -> CQ:
+        """Wait for the next event and return the CQ it is for (acknowledge it later)."""
+        while not self._ready:
+            await self._await_events()
+        return self._ready.popleft()
+
+    def _destroy(self) -> None:
+        notify_closing(self.fd)
+        lib.check(lib.verbs().ibv_destroy_comp_channel(self._ptr), "ibv_destroy_comp_channel")
+
+
+class CQ(Resource):
+    """A completion queue (``ibv_cq``); ``cqe`` is the size the provider gave it."""
+
+    _kind = "completion queue"
+
+    def __init__(self, context: Context, cqe: int, channel: CompChannel | None) -> None:
+        events = channel if channel is not None else CompChannel(context)
+        super().__init__(context, events)
+        self.context = context
+        self.channel = channel
+        self._events = events
+        try:
+            self._ptr = lib.check_ptr(
+                lib.verbs().ibv_create_cq(context._ptr, cqe, ffi.NULL, events._ptr, 0),
+                "ibv_create_cq",
+            )
+        except VerbsError:
+            if channel is None:
+                events.close()
+            raise
+        self.cqe: int = self._ptr.cqe
+        ops = context._ptr.ops
+        self._poll_cq = ops.poll_cq
+        self._req_notify_cq = ops.req_notify_cq
+        self._wc = ffi.new("struct ibv_wc[]", 16)
+        self._buffer: deque[WC] = deque()
+        self._unacked = 0
+        self._waiters = 0
+        self._wakeups = 0
+        self.events_delivered = 0
+        self.events_acked = 0
+        events._register(self)
+        self._created()
+
+    def _event_arrived(self) -> None:
+        self._unacked += 1
+        self.events_delivered += 1
+        if self._waiters:
+            self._wakeups += 1
+            self.ack_events(1)
+        else:
+            self._events._ready.append(self)
+
+    def _poll_native(self, limit: int) -> int:
+        if len(self._wc) < limit:
+            self._wc = ffi.new("struct ibv_wc[]", limit)
+        n = self._poll_cq(self._ptr, limit, self._wc)
+        if n < 0:
+            raise VerbsError(-n if n < -1 else errno.EIO, "poll_cq", "CQ overrun or error")
+        wcs = self._wc
+        for i in range(n):
+            self._buffer.append(decode_wc(wcs[i]))
+        return n
+
+    def poll(self, num_entries: int = 16) -> list[WC]:
+        """Take up to ``num_entries`` completions, oldest first (never blocks)."""
+        self._check_open("poll_cq")
+        buffered = self._buffer
+        if len(buffered) < num_entries:
+            self._poll_native(num_entries - len(buffered))
+        n = min(num_entries, len(buffered))
+        return [buffered.popleft() for _ in range(n)]
+
+    def req_notify(self, solicited_only: bool = False) -> None:
+        """Arm the CQ: the next (solicited) completion sends one event to the channel."""
+        self._check_open("req_notify_cq")
+        lib.check(self._req_notify_cq(self._ptr, int(solicited_only)), "req_notify_cq")
+
+    def ack_events(self, n: int) -> None:
+        """Acknowledge ``n`` events taken from the channel."""
+        self._check_open("ack_cq_events")
+        if not 0 <= n <= self._unacked:
+            raise VerbsError(
+                errno.EINVAL, "ack_cq_events", f"{n} events, {self._unacked} unacknowledged"
+            )
+        if n:
+            lib.verbs().ibv_ack_cq_events(self._ptr, n)
+            self._unacked -= n
+            self.events_acked += n
+
+    async def wait(self) -> None:
+        """Wait until the CQ holds at least one completion (arm, poll again, then wait)."""
+        self._check_open("wait")
+        if self._buffer:
+            return
+        self._waiters += 1
+        try:
+            while not self._poll_native(16):
+                seen = self._wakeups
+                self.req_notify()
+                if self._poll_native(16):
+                    return
+                while self._wakeups == seen:
+                    await self._events._await_events()
+                    self._check_open("wait")
+        finally:
+            self._waiters -= 1
+
+    async def poll_wait(self, num_entries: int = 16) -> list[WC]:
+        """Wait for completions and take up to ``num_entries`` of them (at least one)."""
+        await self.wait()
+        return self.poll(num_entries)
+
+    def __len__(self) -> int:
+        """Completions ready to be polled (reads the CQ)."""
+        while self._poll_native(64):
+            pass
+        return len(self._buffer)
+
+    def _destroy(self) -> None:
+        ready = self._events._ready
+        if self in ready:
+            self._events._ready = deque(cq for cq in ready if cq is not self)
+        if self._unacked:
+            lib.verbs().ibv_ack_cq_events(self._ptr, self._unacked)
+            self.events_acked += self._unacked
+            self._unacked = 0
+        lib.check(lib.verbs().ibv_destroy_cq(self._ptr), "ibv_destroy_cq")
+        if self.channel is None:
+            self._events._children.discard(self)
+            self._events.close()

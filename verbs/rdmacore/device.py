@@ -1,0 +1,306 @@
+"""Devices and opened contexts of the rdma-core backend.
+
+``open_device`` hands out librdmacm's own context for the device when
+librdmacm is available (``rdma_get_devices``; borrowed: librdmacm keeps it
+open while it is loaded), because librdmacm accepts only PDs and QPs made on
+the context it opened itself (``id->verbs``). Without librdmacm the device is
+opened with ``ibv_open_device``. Either way closing the context closes
+everything created from it.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import weakref
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import trio
+
+from rdmashim.verbs.attrs import DeviceAttr, PortAttr
+from rdmashim.verbs.enums import AtomicCap, Mtu, NodeType, PortState, Transport
+from rdmashim.verbs.errors import BackendUnavailable, VerbsError
+from rdmashim.verbs.rdmacore import lib
+from rdmashim.verbs.rdmacore.base import Resource
+from rdmashim.verbs.rdmacore.cdefs import ffi
+from rdmashim.verbs.rdmacore.completion import CQ, CompChannel
+from rdmashim.verbs.rdmacore.events import PORT_EVENTS, AsyncEvent, AsyncEventType
+from rdmashim.verbs.rdmacore.memory import PD
+
+log = logging.getLogger(__name__)
+
+BACKEND = "rdmacore"
+SYSFS = Path("/sys/class/infiniband")
+IWARP_PRIVATE_DATA = 256 - 4
+"""MPA's 256 bytes less the 4 of MPA v2's IRD/ORD block, as Linux's iw_cm offers."""
+IB_PRIVATE_DATA = 56
+"""rdma_cm's limit for a connect on IB/RoCE (``rdma_connect(3)``); accept allows more."""
+NO_DEVICE_HINT = (
+    "load a driver, or add a software device: "
+    "modprobe siw rdma_ucm; rdma link add siw0 type siw netdev eth0"
+)
+
+
+def _byteswapped64(value: int) -> int:
+    return int.from_bytes(value.to_bytes(8, "little"), "big")
+
+
+def _enum(kind: Any, value: int, default: Any) -> Any:
+    try:
+        return kind(value)
+    except ValueError:
+        return default
+
+
+@dataclass(frozen=True, slots=True)
+class Device:
+    """An RDMA device libibverbs knows (``ibv_device``)."""
+
+    name: str
+    node_guid: int
+    transport: Transport
+    node_type: NodeType
+    backend: str = BACKEND
+
+
+def _device_of(dev: Any) -> Device:
+    return Device(
+        ffi.string(dev.name).decode(),
+        _byteswapped64(lib.verbs().ibv_get_device_guid(dev)),
+        _enum(Transport, dev.transport_type, Transport.IB),
+        _enum(NodeType, dev.node_type, NodeType.CA),
+    )
+
+
+def _native_list() -> tuple[Any, int]:
+    """(``ibv_device **`` or NULL, errno): the library's device list."""
+    v = lib.verbs()
+    count = ffi.new("int *")
+    devices = v.ibv_get_device_list(count)
+    if devices == ffi.NULL:
+        return devices, lib.last_errno()
+    return ffi.gc(devices, v.ibv_free_device_list), 0
+
+
+def _entries(devices: Any) -> list[Any]:
+    out = []
+    i = 0
+    while devices != ffi.NULL and devices[i] != ffi.NULL:
+        out.append(devices[i])
+        i += 1
+    return out
+
+
+def _why_no_device(err: int) -> str:
+    if err == errno.ENOSYS or not Path("/sys/class/infiniband_verbs").exists():
+        return f"no RDMA device: this kernel offers no RDMA verbs ({NO_DEVICE_HINT})"
+    return f"no RDMA device ({NO_DEVICE_HINT})"
+
+
+def get_device_list() -> list[Device]:
+    """The RDMA devices of this machine; [] if there are none (or the kernel has no RDMA)."""
+    devices, err = _native_list()
+    if err:
+        log.debug("ibv_get_device_list: %s", os.strerror(err))
+    return [_device_of(dev) for dev in _entries(devices)]
+
+
+def unavailable_reason() -> str | None:
+    """None if a device can be opened here, else why not (libraries missing, no device)."""
+    try:
+        devices, err = _native_list()
+    except BackendUnavailable as exc:
+        return str(exc)
+    if not _entries(devices):
+        return _why_no_device(err)
+    return None
+
+
+def _rdmacm_context(name: str) -> Any:
+    """librdmacm's context for device ``name``, or None (no librdmacm, or it lacks it)."""
+    try:
+        cm = lib.rdmacm()
+    except BackendUnavailable as exc:
+        log.debug("opening %s without librdmacm: %s", name, exc)
+        return None
+    contexts = cm.rdma_get_devices(ffi.NULL)
+    if contexts == ffi.NULL:
+        log.debug("rdma_get_devices: %s", os.strerror(lib.last_errno()))
+        return None
+    try:
+        for ctx in _entries(contexts):
+            if ffi.string(ctx.device.name).decode() == name:
+                return ctx
+        return None
+    finally:
+        cm.rdma_free_devices(contexts)
+
+
+@asynccontextmanager
+async def open_device(name: str | None = None) -> AsyncIterator[Context]:
+    """Open a device (the first one if ``name`` is None); closes it and its children after."""
+    devices, err = _native_list()
+    entries = _entries(devices)
+    if not entries:
+        raise BackendUnavailable(f"rdmacore: {_why_no_device(err)}")
+    known = {ffi.string(dev.name).decode(): dev for dev in entries}
+    if name is None:
+        name = next(iter(known))
+    if name not in known:
+        raise VerbsError(
+            errno.ENODEV, "open_device", f"no device {name!r} (have: {', '.join(known)})"
+        )
+    device = _device_of(known[name])
+    ptr = _rdmacm_context(name)
+    borrowed = ptr is not None
+    if ptr is None:
+        ptr = lib.check_ptr(lib.verbs().ibv_open_device(known[name]), "ibv_open_device")
+    del devices, entries, known
+    ctx = Context(device, ptr, borrowed)
+    try:
+        yield ctx
+    finally:
+        ctx.close()
+    await trio.lowlevel.checkpoint()
+
+
+class Context(Resource):
+    """An opened device (``ibv_context``)."""
+
+    _kind = "device context"
+
+    def __init__(self, device: Device, ptr: Any, borrowed: bool) -> None:
+        super().__init__()
+        self.device = device
+        self._ptr = ptr
+        self.borrowed = borrowed
+        """True for librdmacm's context (closing it leaves the C context open)."""
+        self._objects: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
+        self._async_fd: int = ptr.async_fd
+        self._async_nonblocking = False
+        self._created()
+
+    @property
+    def backend(self) -> str:
+        """Name of the backend serving this context."""
+        return BACKEND
+
+    def _track(self, ptr: Any, obj: Any) -> None:
+        """Remember which Python object wraps a CQ, QP or SRQ (for async events)."""
+        self._objects[lib.address(ptr)] = obj
+
+    def query_device(self) -> DeviceAttr:
+        """Limits and capabilities of the device."""
+        self._check_open("query_device")
+        a = ffi.new("struct ibv_device_attr *")
+        lib.check(lib.verbs().ibv_query_device(self._ptr, a), "ibv_query_device")
+        iwarp = self.device.transport is Transport.IWARP
+        return DeviceAttr(
+            fw_ver=ffi.string(a.fw_ver).decode(errors="replace"),
+            node_guid=_byteswapped64(a.node_guid),
+            vendor_id=a.vendor_id,
+            vendor_part_id=a.vendor_part_id,
+            hw_ver=a.hw_ver,
+            phys_port_cnt=a.phys_port_cnt,
+            max_mr_size=a.max_mr_size,
+            page_size_cap=a.page_size_cap,
+            max_qp=a.max_qp,
+            max_qp_wr=a.max_qp_wr,
+            max_sge=a.max_sge,
+            max_sge_rd=a.max_sge_rd,
+            max_cq=a.max_cq,
+            max_cqe=a.max_cqe,
+            max_mr=a.max_mr,
+            max_pd=a.max_pd,
+            max_qp_rd_atom=a.max_qp_rd_atom,
+            max_qp_init_rd_atom=a.max_qp_init_rd_atom,
+            max_srq=a.max_srq,
+            max_srq_wr=a.max_srq_wr,
+            max_srq_sge=a.max_srq_sge,
+            max_inline_data=0,
+            atomic_cap=_enum(AtomicCap, a.atomic_cap, AtomicCap.NONE),
+            transport=self.device.transport,
+            node_type=self.device.node_type,
+            max_private_data=IWARP_PRIVATE_DATA if iwarp else IB_PRIVATE_DATA,
+            active_side_sends_first=iwarp,
+            max_mw=a.max_mw,
+        )
+
+    def query_port(self, port_num: int = 1) -> PortAttr:
+        """State and limits of port ``port_num`` (numbered from 1)."""
+        self._check_open("query_port")
+        a = ffi.new("struct ibv_port_attr *")
+        lib.check(lib.verbs().ibv_query_port(self._ptr, port_num, a), "ibv_query_port")
+        return PortAttr(
+            state=_enum(PortState, a.state, PortState.NOP),
+            max_mtu=_enum(Mtu, a.max_mtu, Mtu.MTU_256),
+            active_mtu=_enum(Mtu, a.active_mtu, Mtu.MTU_256),
+            gid_tbl_len=a.gid_tbl_len,
+            max_msg_sz=a.max_msg_sz,
+            link_layer="Ethernet" if a.link_layer == 2 else "InfiniBand",
+            netdev=self._netdev(port_num),
+        )
+
+    def _netdev(self, port_num: int) -> str:
+        """The network interface of a port, from sysfs ("" if sysfs does not say)."""
+        ndev = SYSFS / self.device.name / "ports" / str(port_num) / "gid_attrs" / "ndevs" / "0"
+        try:
+            return ndev.read_text().strip()
+        except OSError:
+            pass
+        try:
+            return next((SYSFS / self.device.name / "device" / "net").iterdir()).name
+        except (OSError, StopIteration):
+            return ""
+
+    def alloc_pd(self) -> PD:
+        """A new protection domain."""
+        self._check_open("alloc_pd")
+        return PD(self)
+
+    def create_comp_channel(self) -> CompChannel:
+        """A completion channel that CQs can report events to."""
+        self._check_open("create_comp_channel")
+        return CompChannel(self)
+
+    def create_cq(self, cqe: int, channel: CompChannel | None = None) -> CQ:
+        """A completion queue holding at least ``cqe`` completions."""
+        self._check_open("create_cq")
+        return CQ(self, cqe, channel)
+
+    async def get_async_event(self) -> AsyncEvent:
+        """Wait for the next asynchronous event (acknowledged at once: it is copied)."""
+        self._check_open("get_async_event")
+        if not self._async_nonblocking:
+            os.set_blocking(self._async_fd, False)
+            self._async_nonblocking = True
+        v = lib.verbs()
+        event = ffi.new("struct ibv_async_event *")
+        while True:
+            if v.ibv_get_async_event(self._ptr, event) != 0:
+                err = lib.last_errno()
+                if err not in (errno.EAGAIN, errno.EWOULDBLOCK):
+                    raise VerbsError(err, "ibv_get_async_event")
+                await trio.lowlevel.wait_readable(self._async_fd)
+                self._check_open("get_async_event")
+                continue
+            kind = _enum(AsyncEventType, event.event_type, None)
+            if kind in PORT_EVENTS:
+                element: Any = event.element.port_num
+            elif kind is AsyncEventType.DEVICE_FATAL or kind is None:
+                element = None
+            else:
+                element = self._objects.get(lib.address(event.element.cq))
+            v.ibv_ack_async_event(event)
+            if kind is not None:
+                return AsyncEvent(kind, element)
+            log.warning("%s: unknown async event %d dropped", self.device.name, event.event_type)
+
+    def _destroy(self) -> None:
+        if not self.borrowed:
+            lib.check(lib.verbs().ibv_close_device(self._ptr), "ibv_close_device")

@@ -1,0 +1,153 @@
+"""Protection domains and memory regions over libibverbs.
+
+``reg_mr`` registers any buffer-protocol object in place: the buffer is
+pinned (:func:`rdmashim.verbs.buffers.pin`: a ``bytearray`` cannot be resized
+while registered) and its address goes to ``ibv_reg_mr``, so the device reads
+and writes the Python object's own memory.
+"""
+
+from __future__ import annotations
+
+import errno
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from rdmashim.verbs.attrs import QPCap
+from rdmashim.verbs.buffers import PinnedBuffer, pin
+from rdmashim.verbs.enums import Access, QPType
+from rdmashim.verbs.errors import VerbsError
+from rdmashim.verbs.rdmacore import lib
+from rdmashim.verbs.rdmacore.base import Resource
+from rdmashim.verbs.rdmacore.cdefs import ffi
+from rdmashim.verbs.rdmacore.queue_pair import QP, SRQ
+from rdmashim.verbs.wr import SGE
+
+if TYPE_CHECKING:
+    from rdmashim.verbs.rdmacore.completion import CQ
+    from rdmashim.verbs.rdmacore.device import Context
+
+
+class PD(Resource):
+    """A protection domain (``ibv_pd``)."""
+
+    _kind = "protection domain"
+
+    def __init__(self, context: Context) -> None:
+        super().__init__(context)
+        self.context = context
+        self._ptr = lib.check_ptr(lib.verbs().ibv_alloc_pd(context._ptr), "ibv_alloc_pd")
+        self._created()
+
+    def reg_mr(
+        self, buffer: Any, access: Access = Access.LOCAL_WRITE, *, iova: int | None = None
+    ) -> MR:
+        """Register any buffer-protocol object without copying it.
+
+        ``iova`` is the address the region's first byte has for local and remote
+        access (``ibv_reg_mr_iova``; 0 gives a zero-based region); by default it
+        is the buffer's own address.
+        """
+        self._check_open("reg_mr")
+        return MR(self, buffer, Access(access), iova)
+
+    def create_qp(
+        self,
+        *,
+        send_cq: CQ,
+        recv_cq: CQ,
+        cap: QPCap | None = None,
+        srq: SRQ | None = None,
+        sq_sig_all: bool = False,
+        qp_type: QPType = QPType.RC,
+    ) -> QP:
+        """A queue pair; a CM id (or the application, on IB) connects it."""
+        return self._create_qp(
+            send_cq, recv_cq, cap, srq, sq_sig_all, qp_type,
+            lambda attr: lib.check_ptr(lib.verbs().ibv_create_qp(self._ptr, attr), "ibv_create_qp"),
+        )  # fmt: skip
+
+    def _create_qp(
+        self,
+        send_cq: CQ,
+        recv_cq: CQ,
+        cap: QPCap | None,
+        srq: SRQ | None,
+        sq_sig_all: bool,
+        qp_type: QPType,
+        create: Callable[[Any], Any],
+    ) -> QP:
+        """A QP whose C object ``create(init_attr)`` makes (ibv_create_qp, rdma_create_qp)."""
+        self._check_open("create_qp")
+        return QP(self, send_cq, recv_cq, cap or QPCap(), srq, sq_sig_all, qp_type, create)
+
+    def create_srq(self, max_wr: int = 128, max_sge: int = 1) -> SRQ:
+        """A shared receive queue for QPs of this PD."""
+        self._check_open("create_srq")
+        return SRQ(self, max_wr, max_sge)
+
+    def _destroy(self) -> None:
+        lib.check(lib.verbs().ibv_dealloc_pd(self._ptr), "ibv_dealloc_pd")
+
+
+class MR(Resource):
+    """A registered memory region (``ibv_mr``) over a pinned Python buffer."""
+
+    _kind = "memory region"
+
+    def __init__(self, pd: PD, buffer: Any, access: Access, iova: int | None) -> None:
+        super().__init__(pd)
+        self.pd = pd
+        self.access = access
+        """Access rights the region was registered with."""
+        pinned: PinnedBuffer = pin(buffer, writable=bool(access & Access.LOCAL_WRITE))
+        start = ffi.cast("void *", pinned.addr)
+        try:
+            if iova is None:
+                mr = lib.verbs().ibv_reg_mr(pd._ptr, start, pinned.length, int(access))
+            else:
+                if not 0 <= iova <= (1 << 64) - pinned.length:
+                    raise VerbsError(errno.EINVAL, "reg_mr", f"iova {iova} does not fit 64 bits")
+                reg = lib.function(lib.verbs(), "ibv_reg_mr_iova")
+                mr = reg(pd._ptr, start, pinned.length, iova, int(access))
+            self._ptr = lib.check_ptr(mr, "ibv_reg_mr")
+        except BaseException:
+            pinned.release()
+            raise
+        self._pinned = pinned
+        self.iova: int = pinned.addr if iova is None else iova
+        """The address of the first byte for work requests and the peer."""
+        self.lkey: int = self._ptr.lkey
+        """Local key."""
+        self.rkey: int = self._ptr.rkey
+        """Remote key."""
+        self._created()
+
+    @property
+    def addr(self) -> int:
+        """Address of the first byte."""
+        return self._pinned.addr
+
+    @property
+    def length(self) -> int:
+        """Length in bytes."""
+        return self._pinned.length
+
+    @property
+    def buf(self) -> memoryview:
+        """A byte view of the registered memory."""
+        self._check_open("buf")
+        return self._pinned.view
+
+    def sge(self, offset: int = 0, length: int | None = None) -> SGE:
+        """An SGE over ``[offset, offset + length)`` of this region."""
+        if length is None:
+            length = self.length - offset
+        if offset < 0 or length < 0 or offset + length > self.length:
+            raise ValueError(f"[{offset}, +{length}) outside the {self.length}-byte region")
+        return SGE(self.iova + offset, length, self.lkey)
+
+    def _destroy(self) -> None:
+        lib.check(lib.verbs().ibv_dereg_mr(self._ptr), "ibv_dereg_mr")
+        self._pinned.release()
+
+    dereg = Resource.close

@@ -1,0 +1,36 @@
+"""The rdma-core backend's verbs objects, under the names every backend's provider uses.
+
+The classes live in small modules: :mod:`.device` (devices, contexts),
+:mod:`.memory` (PD, MR), :mod:`.completion` (completion channels, CQs),
+:mod:`.queue_pair` (QPs, SRQs, work requests) and :mod:`.events` (async events).
+"""
+
+from rdmashim.verbs.rdmacore.completion import CQ, CompChannel
+from rdmashim.verbs.rdmacore.device import (
+    BACKEND,
+    Context,
+    Device,
+    get_device_list,
+    open_device,
+    unavailable_reason,
+)
+from rdmashim.verbs.rdmacore.events import AsyncEvent, AsyncEventType
+from rdmashim.verbs.rdmacore.memory import MR, PD
+from rdmashim.verbs.rdmacore.queue_pair import QP, SRQ
+
+__all__ = [
+    "BACKEND",
+    "CQ",
+    "MR",
+    "PD",
+    "QP",
+    "SRQ",
+    "AsyncEvent",
+    "AsyncEventType",
+    "CompChannel",
+    "Context",
+    "Device",
+    "get_device_list",
+    "open_device",
+    "unavailable_reason",
+]

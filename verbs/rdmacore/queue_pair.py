@@ -1,0 +1,293 @@
+"""Queue pairs and shared receive queues over libibverbs; work requests encoded for C.
+
+``post_send``/``post_recv`` build the ``ibv_send_wr``/``ibv_recv_wr`` chain and
+call the provider through the context's ops table (the static-inline verbs).
+A rejected request raises :class:`VerbsError` with ``bad_wr``, the index of the
+first request not posted (those before it are posted), as libibverbs reports.
+"""
+
+from __future__ import annotations
+
+import errno
+import socket
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any
+
+import trio
+
+from rdmashim.verbs.attrs import QPAttr, QPCap
+from rdmashim.verbs.enums import QPState, QPType, SendFlags, WROpcode
+from rdmashim.verbs.errors import VerbsError
+from rdmashim.verbs.rdmacore import lib
+from rdmashim.verbs.rdmacore.base import Resource
+from rdmashim.verbs.rdmacore.cdefs import ffi
+from rdmashim.verbs.wr import SGE, RecvWR, SendWR
+
+if TYPE_CHECKING:
+    from rdmashim.verbs.rdmacore.completion import CQ
+    from rdmashim.verbs.rdmacore.memory import PD
+
+IBV_QP_STATE = 1 << 0
+IBV_QP_MAX_QP_RD_ATOMIC = 1 << 13
+IBV_QP_MAX_DEST_RD_ATOMIC = 1 << 17
+IBV_QP_CAP = 1 << 19
+_QUERY_MASK = IBV_QP_STATE | IBV_QP_MAX_QP_RD_ATOMIC | IBV_QP_MAX_DEST_RD_ATOMIC | IBV_QP_CAP
+
+_INLINE = int(SendFlags.INLINE)
+_WITH_IMM = frozenset({WROpcode.RDMA_WRITE_WITH_IMM, WROpcode.SEND_WITH_IMM})
+_STATES = {s.value: s for s in QPState}
+
+
+def _as_list(wr: Any) -> list[Any]:
+    if isinstance(wr, SendWR | RecvWR):
+        return [wr]
+    return list(wr)
+
+
+def _posting_error(rc: int, operation: str, bad: Any, first: Any, size: int) -> VerbsError:
+    index = (lib.address(bad[0]) - lib.address(first)) // size if bad[0] != ffi.NULL else 0
+    err = abs(rc) if rc != -1 else lib.last_errno()
+    exc = VerbsError(err, operation, f"work request {index} not posted")
+    exc.bad_wr = index  # type: ignore[attr-defined]
+    return exc
+
+
+def encode_recv(wrs: list[RecvWR]) -> tuple[Any, list[Any]]:
+    """An ``ibv_recv_wr`` chain for ``wrs`` and the cdata that must live while it is used."""
+    chain = ffi.new("struct ibv_recv_wr[]", len(wrs))
+    keep = [chain]
+    for i, w in enumerate(wrs):
+        c = chain[i]
+        c.wr_id = w.wr_id
+        sges = w.sg_list
+        if sges:
+            sg = ffi.new("struct ibv_sge[]", len(sges))
+            keep.append(sg)
+            for j, s in enumerate(sges):
+                sg[j].addr, sg[j].length, sg[j].lkey = s.addr, s.length, s.lkey
+            c.sg_list = sg
+            c.num_sge = len(sges)
+        if i + 1 < len(wrs):
+            c.next = chain + (i + 1)
+    return chain, keep
+
+
+def encode_send(wrs: list[SendWR]) -> tuple[Any, list[Any]]:
+    """An ``ibv_send_wr`` chain for ``wrs`` and the cdata that must live while it is used.
+
+    With ``SendFlags.INLINE`` an SGE may be any bytes-like object; the provider
+    copies inline data while posting.
+    """
+    chain = ffi.new("struct ibv_send_wr[]", len(wrs))
+    keep = [chain]
+    for i, w in enumerate(wrs):
+        c = chain[i]
+        c.wr_id = w.wr_id
+        opcode = WROpcode(w.opcode)
+        c.opcode = opcode
+        c.send_flags = int(w.send_flags)
+        sges = w.sg_list
+        if sges:
+            sg = ffi.new("struct ibv_sge[]", len(sges))
+            keep.append(sg)
+            for j, s in enumerate(sges):
+                if isinstance(s, SGE):
+                    sg[j].addr, sg[j].length, sg[j].lkey = s.addr, s.length, s.lkey
+                elif c.send_flags & _INLINE:
+                    data = ffi.from_buffer(s)
+                    keep.append(data)
+                    sg[j].addr, sg[j].length = lib.address(data), len(data)
+                else:
+                    raise VerbsError(
+                        errno.EINVAL, "post_send", f"work request {i}: raw bytes need INLINE"
+                    )
+            c.sg_list = sg
+            c.num_sge = len(sges)
+        if opcode in _WITH_IMM:
+            c.imm_data = socket.htonl(w.imm_data)
+        elif opcode == WROpcode.SEND_WITH_INV:
+            c.invalidate_rkey = w.invalidate_rkey
+        c.wr.rdma.remote_addr = w.remote_addr
+        c.wr.rdma.rkey = w.rkey
+        if i + 1 < len(wrs):
+            c.next = chain + (i + 1)
+    return chain, keep
+
+
+class SRQ(Resource):
+    """A shared receive queue (``ibv_srq``)."""
+
+    _kind = "shared receive queue"
+
+    def __init__(self, pd: PD, max_wr: int, max_sge: int) -> None:
+        super().__init__(pd)
+        self.pd = pd
+        attr = ffi.new("struct ibv_srq_init_attr *")
+        attr.attr.max_wr = max_wr
+        attr.attr.max_sge = max_sge
+        self._ptr = lib.check_ptr(lib.verbs().ibv_create_srq(pd._ptr, attr), "ibv_create_srq")
+        self.max_wr: int = attr.attr.max_wr
+        self.max_sge: int = attr.attr.max_sge
+        self._post = pd.context._ptr.ops.post_srq_recv
+        self._bad = ffi.new("struct ibv_recv_wr **")
+        pd.context._track(self._ptr, self)
+        self._created()
+
+    def post_recv(self, wr: RecvWR | Iterable[RecvWR]) -> None:
+        """Post one receive work request or a list of them."""
+        self._check_open("post_srq_recv")
+        wrs = _as_list(wr)
+        if not wrs:
+            return
+        chain, _keep = encode_recv(wrs)
+        rc = self._post(self._ptr, chain, self._bad)
+        if rc:
+            raise _posting_error(
+                rc, "post_srq_recv", self._bad, chain, ffi.sizeof("struct ibv_recv_wr")
+            )
+
+    def _destroy(self) -> None:
+        lib.check(lib.verbs().ibv_destroy_srq(self._ptr), "ibv_destroy_srq")
+
+
+class QP(Resource):
+    """A queue pair (``ibv_qp``).
+
+    Created by :meth:`PD.create_qp`, or by a CM id (``rdma_create_qp``), which
+    then connects it; ``wait_closed`` waits for the CM to report the connection
+    gone.
+    """
+
+    _kind = "queue pair"
+
+    def __init__(
+        self,
+        pd: PD,
+        send_cq: CQ,
+        recv_cq: CQ,
+        cap: QPCap,
+        srq: SRQ | None,
+        sq_sig_all: bool,
+        qp_type: QPType,
+        create: Callable[[Any], Any],
+    ) -> None:
+        super().__init__(pd, send_cq, recv_cq, srq)
+        self.pd = pd
+        self.context = pd.context
+        self.send_cq = send_cq
+        self.recv_cq = recv_cq
+        self.srq = srq
+        self.sq_sig_all = sq_sig_all
+        attr = ffi.new("struct ibv_qp_init_attr *")
+        attr.send_cq = send_cq._ptr
+        attr.recv_cq = recv_cq._ptr
+        attr.srq = srq._ptr if srq is not None else ffi.NULL
+        attr.cap.max_send_wr = cap.max_send_wr
+        attr.cap.max_recv_wr = 0 if srq is not None else cap.max_recv_wr
+        attr.cap.max_send_sge = cap.max_send_sge
+        attr.cap.max_recv_sge = 0 if srq is not None else cap.max_recv_sge
+        attr.cap.max_inline_data = cap.max_inline_data
+        attr.qp_type = QPType(qp_type)
+        attr.sq_sig_all = int(sq_sig_all)
+        self._ptr = create(attr)
+        c = attr.cap
+        self.cap = QPCap(
+            c.max_send_wr, c.max_recv_wr, c.max_send_sge, c.max_recv_sge, c.max_inline_data
+        )
+        """What the provider gave (at least what was asked)."""
+        self.qp_num: int = self._ptr.qp_num
+        self.qp_type = QPType(qp_type)
+        ops = self.context._ptr.ops
+        self._post_send = ops.post_send
+        self._post_recv = ops.post_recv
+        self._bad_send = ffi.new("struct ibv_send_wr **")
+        self._bad_recv = ffi.new("struct ibv_recv_wr **")
+        self._connection_over = trio.Event()
+        self._connection_over.set()
+        self.close_listeners: list[Callable[[], None]] = []
+        """Called when the QP is destroyed (a CM id forgets it)."""
+        self.context._track(self._ptr, self)
+        self._created()
+
+    # ---------------------------------------------------------------- posting
+    def post_send(self, wr: SendWR | Iterable[SendWR]) -> None:
+        """Post one send work request or a list of them (never blocks)."""
+        self._check_open("post_send")
+        wrs = _as_list(wr)
+        if not wrs:
+            return
+        chain, _keep = encode_send(wrs)
+        rc = self._post_send(self._ptr, chain, self._bad_send)
+        if rc:
+            raise _posting_error(
+                rc, "post_send", self._bad_send, chain, ffi.sizeof("struct ibv_send_wr")
+            )
+
+    def post_recv(self, wr: RecvWR | Iterable[RecvWR]) -> None:
+        """Post one receive work request or a list of them (never blocks)."""
+        self._check_open("post_recv")
+        if self.srq is not None:
+            raise VerbsError(errno.EINVAL, "post_recv", "QP uses an SRQ; post to the SRQ")
+        wrs = _as_list(wr)
+        if not wrs:
+            return
+        chain, _keep = encode_recv(wrs)
+        rc = self._post_recv(self._ptr, chain, self._bad_recv)
+        if rc:
+            raise _posting_error(
+                rc, "post_recv", self._bad_recv, chain, ffi.sizeof("struct ibv_recv_wr")
+            )
+
+    # ---------------------------------------------------------------- state
+    def _query(self) -> tuple[Any, Any]:
+        self._check_open("query_qp")
+        attr = ffi.new("struct ibv_qp_attr *")
+        init = ffi.new("struct ibv_qp_init_attr *")
+        lib.check(lib.verbs().ibv_query_qp(self._ptr, attr, _QUERY_MASK, init), "ibv_query_qp")
+        return attr, init
+
+    @property
+    def state(self) -> QPState:
+        """The current state, as the device reports it."""
+        attr, _ = self._query()
+        return _STATES.get(attr.qp_state, QPState.ERR)
+
+    def query(self) -> QPAttr:
+        """Current attributes."""
+        attr, init = self._query()
+        c = attr.cap
+        return QPAttr(
+            qp_state=_STATES.get(attr.qp_state, QPState.ERR),
+            qp_type=self.qp_type,
+            qp_num=self.qp_num,
+            cap=QPCap(
+                c.max_send_wr, c.max_recv_wr, c.max_send_sge, c.max_recv_sge, c.max_inline_data
+            ),
+            max_rd_atomic=attr.max_rd_atomic,
+            max_dest_rd_atomic=attr.max_dest_rd_atomic,
+            sq_sig_all=bool(init.sq_sig_all),
+        )
+
+    def modify(self, *, qp_state: QPState) -> None:
+        """Move the QP to ``qp_state`` (``ibv_modify_qp`` with IBV_QP_STATE)."""
+        self._check_open("modify_qp")
+        attr = ffi.new("struct ibv_qp_attr *")
+        attr.qp_state = QPState(qp_state)
+        lib.check(lib.verbs().ibv_modify_qp(self._ptr, attr, IBV_QP_STATE), "ibv_modify_qp")
+
+    def _connected(self) -> None:
+        """A CM id connected this QP; wait_closed now waits for the disconnect."""
+        self._connection_over = trio.Event()
+
+    def _disconnected(self) -> None:
+        self._connection_over.set()
+
+    async def wait_closed(self) -> None:
+        """Wait until the connection is gone (the CM reported DISCONNECTED)."""
+        await self._connection_over.wait()
+
+    def _destroy(self) -> None:
+        lib.check(lib.verbs().ibv_destroy_qp(self._ptr), "ibv_destroy_qp")
+        self._connection_over.set()
+        for listener in self.close_listeners:
+            listener()
