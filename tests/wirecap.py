@@ -136,10 +136,13 @@ async def tcpdump(
         cap.returncode = proc.returncode
 
 
-async def check_pcap(path: Path, port: int) -> tuple[int, dict[str, Any], str]:
-    """Run ``check_pcap.py`` on a capture: (exit code, parsed JSON, raw stdout)."""
+async def check_pcap(path: Path, port: int, *options: str) -> tuple[int, dict[str, Any], str]:
+    """Run ``check_pcap.py`` on a capture: (exit code, parsed JSON, raw stdout).
+
+    ``options`` go to the judge, e.g. ``--no-rpcrdma`` for a ULP that is not RPC.
+    """
     done = await trio.run_process(
-        [sys.executable, str(check_pcap_path()), str(path), str(port), "--list"],
+        [sys.executable, str(check_pcap_path()), str(path), str(port), "--list", *options],
         capture_stdout=True,
         capture_stderr=True,
         check=False,
