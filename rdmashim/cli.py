@@ -237,7 +237,7 @@ async def _stop_on_signal(stop: trio.Event) -> None:
 async def _rds_info(args: argparse.Namespace) -> int:
     from rdmashim import rds_tools as rt
 
-    tables = "".join(t for t in rt.INFO_TABLES if getattr(args, f"table_{t}")) or "cknst"
+    tables = "".join(t for t in rt.INFO_TABLES if getattr(args, f"table_{t}")) or rt.ALL_TABLES
     local = args.local or rt.guess_source(args.dest)
     async with rt.open_node(local, args.cm_port) as node:
         text = await rt.query_info(node, args.dest, tables, within=args.timeout)
@@ -352,6 +352,7 @@ INFO_TABLES = {
     "c": "statistic counters",
     "k": "sockets",
     "n": "connections",
+    "r": "receive queue messages",
     "s": "send queue messages",
     "t": "retransmit queue messages",
 }

@@ -35,7 +35,7 @@ import struct
 import time
 import zlib
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Iterable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass, field, fields
 from typing import Any
@@ -109,14 +109,6 @@ def bind_any(node: RdsNode, rng: random.Random | None = None) -> RdsSocket:
         except RdsError:
             continue
     raise RdsToolError(f"no free RDS port on {node.address}")
-
-
-def _sockets(node: RdsNode) -> list[RdsSocket]:
-    # RdsNode has no public list of its sockets yet (proposed: RdsNode.sockets()).
-    sockets = getattr(node, "sockets", None)
-    if callable(sockets):
-        return list(sockets())
-    return node.sockets()
 
 
 @asynccontextmanager
@@ -304,10 +296,12 @@ INFO_TABLES = {
     "c": "statistic counters",
     "k": "sockets",
     "n": "connections",
+    "r": "receive queue messages",
     "s": "send queue messages",
     "t": "retransmit queue messages",
 }
-"""rds-info's table letters that apply (-r, the receive queue, is not inspectable here)."""
+"""rds-info's table letters that apply (all of them but the IB and TCP transport tables)."""
+ALL_TABLES = "".join(INFO_TABLES)
 _INFO_REQUEST = b"rds-info:"
 
 
@@ -322,21 +316,12 @@ def _counter_rows(nodes: Sequence[RdsNode]) -> list[tuple[str, int]]:
     return list(rows.items())
 
 
-def _flags(rds: RdsConnection) -> str:
-    session = rds.session
-    connected = session is not None and not session.lost
-    sending = connected and bool(rds.unsent)
-    # Connecting and error are node-private state (no public API yet): shown as '-'.
-    return ("s" if sending else "-") + "-" + ("C" if connected else "-") + "-"
-
-
-def format_info(nodes: RdsNode | Iterable[RdsNode], tables: str = "cknst") -> str:
+def format_info(nodes: RdsNode | Iterable[RdsNode], tables: str = ALL_TABLES) -> str:
     """rds-info's tables (letters of :data:`INFO_TABLES`) for nodes of this process.
 
     Columns are rds-info's, with these differences: the sockets table's last
     column is the bytes queued unread (``Unread``) instead of an inode; ``Tos``
-    is always 0; connection flags show ``s`` (sending) and ``C`` (connected),
-    ``c`` (connecting) and ``E`` (error) stay ``-``. Counters are summed over
+    is always 0. Counters are summed over
     the nodes' connections; ``drops_no_socket`` and ``loopback_messages`` are
     the nodes' own.
     """
@@ -354,7 +339,7 @@ def format_info(nodes: RdsNode | Iterable[RdsNode], tables: str = "cknst") -> st
                 f"{'SndBuf':>10} {'RcvBuf':>10} {'Unread':>8}"
             )
             for node in all_nodes:
-                for sock in _sockets(node):
+                for sock in node.sockets():
                     out.append(
                         f"{node.address!s:>15} {sock.port:>5} {'0.0.0.0':>15} {0:>5} "
                         f"{SNDBUF:>10} {RCVBUF:>10} {sock.queued_bytes:>8}"
@@ -368,22 +353,32 @@ def format_info(nodes: RdsNode | Iterable[RdsNode], tables: str = "cknst") -> st
                 for rds in node.connections():
                     out.append(
                         f"{rds.local!s:>15} {rds.peer!s:>15} {0:>4} {rds.next_seq:>16} "
-                        f"{rds.next_recv:>16} {_flags(rds)}"
+                        f"{rds.next_recv:>16} {node.connection_flags(str(rds.peer))}"
                     )
         else:
-            name, attr = ("Send", "unsent") if letter == "s" else ("Retransmit", "unacked")
+            name = {"r": "Receive", "s": "Send", "t": "Retransmit"}[letter]
             out.append(
                 f"\n{name} Message Queue:\n{'LocalAddr':>15} {'LPort':>5} {'RemoteAddr':>15} "
                 f"{'RPort':>5} {'Tos':>4} {'Seq':>16} {'Bytes':>10}"
             )
             for node in all_nodes:
-                for rds in node.connections():
-                    for msg in list(getattr(rds, attr)):
-                        out.append(
-                            f"{rds.local!s:>15} {msg.sport:>5} {rds.peer!s:>15} {msg.dport:>5} "
-                            f"{0:>4} {msg.seq:>16} {len(msg.data):>10}"
-                        )
+                out += [
+                    f"{local:>15} {lport:>5} {remote:>15} {rport:>5} {0:>4} {seq:>16} {size:>10}"
+                    for local, lport, remote, rport, seq, size in _queued(node, letter)
+                ]
     return "\n".join(out).lstrip("\n") + "\n"
+
+
+def _queued(node: RdsNode, letter: str) -> Iterator[tuple[str, int, str, int, int, int]]:
+    """(local, lport, remote, rport, seq, bytes) of the messages in a queue of rds-info."""
+    if letter == "r":
+        for sock in node.sockets():
+            for msg in list(sock.received):
+                yield str(node.address), sock.port, *msg.sender, msg.seq, len(msg.data)
+        return
+    for rds in node.connections():
+        for msg in list(rds.unsent if letter == "s" else rds.unacked):
+            yield str(rds.local), msg.sport, str(rds.peer), msg.dport, msg.seq, len(msg.data)
 
 
 async def serve_info(
@@ -395,7 +390,7 @@ async def serve_info(
         if not data.startswith(_INFO_REQUEST):
             log.info("not an rds-info request from %s:%d", *sender)
             return None
-        tables = data[len(_INFO_REQUEST) :].decode("ascii", "replace") or "cknst"
+        tables = data[len(_INFO_REQUEST) :].decode("ascii", "replace") or ALL_TABLES
         try:
             text = format_info(node, tables)
         except ValueError as exc:
@@ -406,7 +401,12 @@ async def serve_info(
 
 
 async def query_info(
-    node: RdsNode, dest: str, tables: str = "cknst", *, port: int = INFO_PORT, within: float = 5.0
+    node: RdsNode,
+    dest: str,
+    tables: str = ALL_TABLES,
+    *,
+    port: int = INFO_PORT,
+    within: float = 5.0,
 ) -> str:
     """Ask the node at ``dest`` (running :func:`serve_info`) for its rds-info tables."""
     for letter in tables:

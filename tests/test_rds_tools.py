@@ -180,6 +180,19 @@ async def test_format_info_shows_nodes_of_this_process() -> None:
         assert re.search(rf"{re.escape(net)}1\s+{re.escape(net)}2\s+0\s+2\s+1 --C-", text)
         assert re.search(r"send_messages\s+1$", text, re.M)
         assert re.search(r"recv_bytes\s+100$", text, re.M)
+        # Unread messages show in the receive queue with the sender's sequence numbers.
+        with trio.fail_after(20):
+            await sa.sendto(b"y" * 7, (net + "2", 4001))
+            await sa.sendto(b"z" * 9, (net + "2", 4001))
+            while len(sb.received) < 2:
+                await trio.sleep(0.01)
+        text = rt.format_info(b, "r")
+        assert text.startswith("Receive Message Queue:"), text
+        rows = [line.split() for line in text.splitlines()[2:]]
+        assert rows == [
+            [net + "2", "4001", net + "1", "4000", "0", "2", "7"],
+            [net + "2", "4001", net + "1", "4000", "0", "3", "9"],
+        ]
         with pytest.raises(ValueError, match="no rds-info table"):
             rt.format_info(a, "x")
 
