@@ -1,0 +1,273 @@
+"""Connection management: resolution, private data both ways and its limit, reject,
+refused and unreachable peers, disconnect from either side, and the trio-style
+``open_connection`` / ``serve`` layer."""
+
+from __future__ import annotations
+
+import errno
+import socket
+
+import pytest
+import trio
+from api.support import LOCALHOST, SIG, TIMEOUT, Cm, E, drain, make_end, ok
+
+import rdmashim
+from rdmashim import QPState, RecvWR, SendWR, Transport, VerbsError, WCStatus, WROpcode
+from rdmashim.cm import (
+    ConnectionRejected,
+    ConnectionRequest,
+    ConnParam,
+    EventChannel,
+    open_connection,
+    serve,
+)
+
+
+def closed_port() -> int:
+    """A port nobody listens on (bound once, then released)."""
+    with socket.socket() as s:
+        s.bind((LOCALHOST, 0))
+        return s.getsockname()[1]
+
+
+def exact_or_padded(got: bytes, sent: bytes, transport: Transport) -> bool:
+    """iWARP (MPA) delivers private data exactly; IB pads it to the message's size."""
+    if transport == Transport.IWARP:
+        return got == sent
+    return got[: len(sent)] == sent
+
+
+async def test_resolve_picks_a_listed_device(cm: Cm) -> None:
+    cm_id = await cm.resolve(4791)
+    assert cm_id.context.device.name in {d.name for d in rdmashim.get_device_list()}
+    assert cm_id.peer_addr[:2] == (LOCALHOST, 4791)
+    assert cm_id.context.query_port(1).state.name == "ACTIVE"
+
+
+async def test_unknown_host_is_addr_error(cm: Cm) -> None:
+    cm_id = cm.channel.create_id()
+    cm_id.resolve_addr(None, ("no-such-host.invalid", 1))
+    event = await cm.events.expect(cm_id, E.ADDR_ERROR)
+    assert event.status < 0
+
+
+@pytest.mark.parametrize("size", ["empty", "small", "max"])
+async def test_private_data_both_ways(cm: Cm, size: str) -> None:
+    attr = await cm.device_attr()
+    n = {"empty": 0, "small": 5, "max": attr.max_private_data}[size]
+    hello = bytes(range(256))[: n - 1] + b"!" if n else b""
+    welcome = bytes(reversed(hello))
+    pair = await cm.pair(private_data=hello, accept_data=welcome)
+    assert exact_or_padded(pair.connect_event.private_data, hello, attr.transport)
+    assert exact_or_padded(pair.client_established.private_data, welcome, attr.transport)
+    assert pair.connect_event.listen_id is cm.listener
+    assert pair.server.id is not cm.listener
+    assert pair.server.id.peer_addr[0] == LOCALHOST
+    assert pair.server.id.local_addr[1] == cm.port
+
+
+async def test_private_data_beyond_the_limit_is_refused(cm: Cm) -> None:
+    attr = await cm.device_attr()
+    too_long = b"x" * (attr.max_private_data + 1)
+    client_id = await cm.resolve(cm.listen())
+    make_end(client_id, cap=None, sq_sig_all=False, cqe=16, comp_channel=False)
+    with pytest.raises(VerbsError) as info:
+        client_id.connect(ConnParam(private_data=too_long))
+    assert info.value.errno == errno.EINVAL
+    client_id.connect(ConnParam(private_data=b"ok"))
+    request = await cm.events.request()
+    make_end(request.id, cap=None, sq_sig_all=False, cqe=16, comp_channel=False)
+    with pytest.raises(VerbsError) as info:
+        request.id.accept(ConnParam(private_data=too_long))
+    assert info.value.errno == errno.EINVAL
+    with pytest.raises(VerbsError) as info:
+        request.id.reject(too_long)
+    assert info.value.errno == errno.EINVAL
+    request.id.accept(ConnParam(private_data=b"fine"))
+    event = await cm.events.expect(client_id, E.ESTABLISHED)
+    assert exact_or_padded(event.private_data, b"fine", attr.transport)
+
+
+async def test_reject_with_private_data(cm: Cm) -> None:
+    attr = await cm.device_attr()
+    client_id = await cm.resolve(cm.listen())
+    make_end(client_id, cap=None, sq_sig_all=False, cqe=16, comp_channel=False)
+    client_id.connect(ConnParam(private_data=b"let me in"))
+    request = await cm.events.request()
+    assert exact_or_padded(request.private_data, b"let me in", attr.transport)
+    request.id.reject(b"not today")
+    event = await cm.events.expect(client_id, E.REJECTED)
+    assert event.status < 0
+    assert exact_or_padded(event.private_data, b"not today", attr.transport)
+    # The listener goes on: the next connection is accepted.
+    pair = await cm.pair(private_data=b"again")
+    assert exact_or_padded(pair.connect_event.private_data, b"again", attr.transport)
+
+
+async def test_connect_to_a_closed_port_is_refused(cm: Cm) -> None:
+    client_id = await cm.resolve(closed_port())
+    make_end(client_id, cap=None, sq_sig_all=False, cqe=16, comp_channel=False)
+    try:
+        client_id.connect()
+    except VerbsError as exc:
+        # librdmacm over kernel siw: siw_connect() makes the TCP connection inside
+        # rdma_connect() (siw_cm.c: "connect() is called in blocking mode"), so the
+        # refusal is the call's error rather than an event.
+        assert exc.errno == errno.ECONNREFUSED
+        return
+    event = await cm.events.expect(client_id, E.REJECTED)
+    assert event.status == -errno.ECONNREFUSED
+
+
+async def test_listening_twice_on_one_port_fails(cm: Cm) -> None:
+    port = cm.listen()
+    other = cm.channel.create_id()
+    with pytest.raises(VerbsError) as info:
+        other.bind_addr((LOCALHOST, port))
+        other.listen()
+    assert info.value.errno == errno.EADDRINUSE
+
+
+@pytest.mark.parametrize("who", ["client", "server"])
+async def test_disconnect_from_either_side(cm: Cm, who: str) -> None:
+    pair = await cm.pair()
+    client, server = pair.client, pair.server
+    for end in (client, server):
+        end.post_recvs(end.reg(4 * 16), 4, 16)
+    # Work completed before the disconnect stays completed.
+    client.qp.post_send(SendWR(1, WROpcode.SEND, [client.reg(b"before").sge()], SIG))
+    ok(await drain(client.send_cq, 1))
+    ok(await drain(server.recv_cq, 1))
+    active, passive = (client, server) if who == "client" else (server, client)
+    active.id.disconnect()
+    assert active.qp.query().qp_state == QPState.ERR
+    for end in (active, passive):
+        await pair.events.expect(end.id, E.DISCONNECTED)
+    passive.id.disconnect()  # what a librdmacm application does on DISCONNECTED
+    assert passive.qp.query().qp_state == QPState.ERR
+    flushed = await drain(client.recv_cq, 4) + await drain(server.recv_cq, 3)
+    assert {w.status for w in flushed} == {WCStatus.WR_FLUSH_ERR}
+
+
+async def test_many_connections_on_one_listener(cm: Cm) -> None:
+    pairs = [await cm.pair(private_data=b"%d" % i) for i in range(6)]
+    for i, pair in enumerate(pairs):
+        rbuf = pair.server.reg(16)
+        pair.server.qp.post_recv(RecvWR(i, [rbuf.sge()]))
+        pair.client.qp.post_send(SendWR(i, WROpcode.SEND, [pair.client.reg(b"c%d" % i).sge()], SIG))
+    for i, pair in enumerate(pairs):
+        (wc,) = ok(await drain(pair.server.recv_cq, 1))
+        assert wc.wr_id == i and wc.qp_num == pair.server.qp.qp_num
+    assert len({p.server.qp.qp_num for p in pairs}) == 6
+
+
+async def test_two_event_channels() -> None:
+    """Client and server in separate event channels, as in two programs."""
+    async with EventChannel() as server_channel, EventChannel() as client_channel:
+        server_cm, client_cm = Cm(server_channel), Cm(client_channel)
+        port = server_cm.listen()
+        client_id = await client_cm.resolve(port)
+        client = make_end(client_id, cap=None, sq_sig_all=False, cqe=16, comp_channel=False)
+        client_id.connect(ConnParam(private_data=b"two"))
+        with pytest.raises(trio.TooSlowError):
+            await client_cm.events.request(limit=0.05)  # requests go to the listener's channel
+        request = await server_cm.events.request()
+        server = make_end(request.id, cap=None, sq_sig_all=False, cqe=16, comp_channel=False)
+        rbuf = server.reg(16)
+        server.qp.post_recv(RecvWR(1, [rbuf.sge()]))
+        request.id.accept()
+        await client_cm.events.expect(client_id, E.ESTABLISHED)
+        await server_cm.events.expect(request.id, E.ESTABLISHED)
+        client.qp.post_send(SendWR(1, WROpcode.SEND, [client.reg(b"hi").sge()], SIG))
+        (wc,) = ok(await drain(server.recv_cq, 1))
+        assert bytes(rbuf.buf[: wc.byte_len]) == b"hi"
+
+
+# ---------------------------------------------------------------- open_connection / serve
+
+
+async def _echo(request: ConnectionRequest) -> None:
+    """Accept (or reject what asks for it) and echo every Send until disconnected."""
+    buf = request.pd.reg_mr(bytearray(16 * 256))
+    request.qp.post_recv([RecvWR(i, [buf.sge(256 * i, 256)]) for i in range(16)])
+    if request.private_data.startswith(b"go away"):
+        await request.reject(b"rejected: " + request.private_data)
+        return
+    conn = await request.accept(private_data=b"echo " + request.private_data)
+    async with trio.open_nursery() as nursery:
+
+        async def echo() -> None:
+            while True:
+                for wc in await conn.recv_cq.poll_wait():
+                    if wc.status != WCStatus.SUCCESS:
+                        return
+                    if wc.opcode >= 128:  # a receive (not our own send completing)
+                        off = 256 * wc.wr_id
+                        conn.qp.post_send(SendWR(0, WROpcode.SEND, [buf.sge(off, wc.byte_len)]))
+                        conn.qp.post_recv(RecvWR(wc.wr_id, [buf.sge(off, 256)]))
+
+        nursery.start_soon(echo)
+        await conn.wait_disconnected()
+        nursery.cancel_scope.cancel()
+
+
+async def test_open_connection_and_serve() -> None:
+    async with trio.open_nursery() as nursery:
+        addr = await nursery.start(serve, _echo, 0)
+        for n in range(3):  # one after another on one listener
+            async with open_connection(LOCALHOST, addr[1], private_data=b"c%d" % n) as conn:
+                assert conn.private_data == b"echo c%d" % n
+                assert conn.context.device.name in {d.name for d in rdmashim.get_device_list()}
+                rbuf = conn.pd.reg_mr(bytearray(256))
+                conn.qp.post_recv(RecvWR(1, [rbuf.sge()]))
+                msg = conn.pd.reg_mr(bytearray(b"marco %d" % n))
+                conn.qp.post_send(SendWR(2, WROpcode.SEND, [msg.sge()], SIG))
+                with trio.fail_after(TIMEOUT):
+                    wcs: list = []
+                    while not any(w.wr_id == 1 for w in wcs):
+                        wcs += ok(await conn.recv_cq.poll_wait())
+                assert bytes(rbuf.buf[:7]) == b"marco %d" % n
+        nursery.cancel_scope.cancel()
+
+
+async def test_serve_rejects_and_open_connection_raises() -> None:
+    async with trio.open_nursery() as nursery:
+        addr = await nursery.start(serve, _echo, 0)
+        with pytest.raises(ConnectionRejected) as info:
+            async with open_connection(LOCALHOST, addr[1], private_data=b"go away"):
+                pytest.fail("connected")
+        assert info.value.private_data == b"rejected: go away"
+
+        async def silent(request: ConnectionRequest) -> None:
+            return  # neither accepts nor rejects: serve rejects
+
+        addr2 = await nursery.start(serve, silent, 0)
+        with pytest.raises(ConnectionRejected):
+            async with open_connection(LOCALHOST, addr2[1]):
+                pytest.fail("connected")
+        nursery.cancel_scope.cancel()
+
+
+async def test_open_connection_to_a_closed_port() -> None:
+    with pytest.raises(ConnectionRejected) as info:
+        async with open_connection(LOCALHOST, closed_port()):
+            pytest.fail("connected")
+    assert info.value.errno == errno.ECONNREFUSED
+
+
+async def test_handler_sees_the_peer_disconnect() -> None:
+    done = trio.Event()
+
+    async def handler(request: ConnectionRequest) -> None:
+        conn = await request.accept()
+        with trio.fail_after(TIMEOUT):
+            await conn.wait_disconnected()
+        done.set()
+
+    async with trio.open_nursery() as nursery:
+        addr = await nursery.start(serve, handler, 0)
+        async with open_connection(LOCALHOST, addr[1]):
+            pass
+        with trio.fail_after(TIMEOUT):
+            await done.wait()
+        nursery.cancel_scope.cancel()

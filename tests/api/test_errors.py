@@ -1,0 +1,187 @@
+"""Errors a connected pair reports: the work completion statuses of local and remote
+protection errors, and the end of the connection that follows each of them.
+
+The expected statuses are those of a hardware iWARP RNIC. Where the Linux kernel's
+siw reports another one, the test also accepts siw's and says why (the suite runs
+against siw in the VM). On iWARP every such error ends the connection: the side
+that detects it moves its QP to ERR and sends a Terminate (RFC 5040 section 7),
+both CM ids report DISCONNECTED, and everything still posted is flushed.
+"""
+
+from __future__ import annotations
+
+import pytest
+from api.support import SIG, Cm, E, End, Pair, drain
+
+from rdmashim import SGE, Access, QPState, RecvWR, SendWR, Transport, WCOpcode, WCStatus, WROpcode
+
+# Kernel siw completes a send-queue WR whose local SGE it cannot use with
+# LOC_QP_OP_ERR: every transmit failure takes one path (siw_qp_tx.c,
+# siw_qp_sq_process), whatever the cause. LOC_PROT_ERR is the verbs status for it.
+LOCAL_PROTECTION = {WCStatus.LOC_PROT_ERR, WCStatus.LOC_QP_OP_ERR}
+# Kernel siw never reports REM_ACCESS_ERR: the peer's Terminate moves the QP to ERR
+# and siw flushes the outstanding Read (siw_qp.c, siw_sq_flush of the ORQ).
+REMOTE_READ_REFUSED = {WCStatus.REM_ACCESS_ERR, WCStatus.WR_FLUSH_ERR}
+
+
+async def connection_ended(pair: Pair, *receivers: tuple[End, int]) -> None:
+    """Both ids report DISCONNECTED; after each side's ``disconnect()`` (what a
+    librdmacm application does on DISCONNECTED) both QPs are in ERR and each
+    ``(end, n)`` gets its ``n`` still-posted receives back, flushed."""
+    for end in (pair.client, pair.server):
+        await pair.events.expect(end.id, E.DISCONNECTED)
+    for end in (pair.client, pair.server):
+        end.id.disconnect()
+        assert end.qp.query().qp_state == QPState.ERR
+    for end, n in receivers:
+        wcs = await drain(end.recv_cq, n)
+        assert {w.status for w in wcs} == {WCStatus.WR_FLUSH_ERR}, wcs
+
+
+def _iwarp(pair: Pair) -> None:
+    if pair.client.ctx.query_device().transport != Transport.IWARP:
+        pytest.skip("iWARP semantics (an IB RC QP retries or NAKs instead)")
+
+
+@pytest.mark.parametrize("case", ["deregistered", "other-pd", "out-of-bounds"])
+async def test_bad_local_key_on_send(pair: Pair, case: str) -> None:
+    client, server = pair.client, pair.server
+    server.post_recvs(server.reg(64), 2, 32)
+    good = client.reg(b"payload!")
+    if case == "deregistered":
+        gone = client.reg(b"payload!")
+        sge = gone.sge()
+        gone.close()
+    elif case == "other-pd":
+        foreign = client.ctx.alloc_pd().reg_mr(bytearray(b"payload!"), Access.LOCAL_WRITE)
+        sge = foreign.sge()
+    else:
+        sge = SGE(good.addr + 4, 8, good.lkey)  # 4 bytes past the end
+    client.qp.post_send(
+        [SendWR(1, WROpcode.SEND, [sge], SIG), SendWR(2, WROpcode.SEND, [good.sge()], SIG)]
+    )
+    first, second = await drain(client.send_cq, 2)
+    assert first.wr_id == 1 and first.status in LOCAL_PROTECTION, first
+    # A failed WR moves the QP to ERR: what follows it is flushed.
+    assert (second.wr_id, second.status) == (2, WCStatus.WR_FLUSH_ERR)
+    await connection_ended(pair, (server, 2))
+
+
+@pytest.mark.parametrize(
+    "case", ["deregistered", "no-remote-write", "out-of-bounds", "other-pd", "wrong-key"]
+)
+async def test_remote_write_violation(pair: Pair, case: str) -> None:
+    _iwarp(pair)
+    client, server = pair.client, pair.server
+    server.post_recvs(server.reg(3 * 16), 3, 16)
+    target = server.reg(4096)
+    rkey, addr = target.rkey, target.addr
+    if case == "deregistered":
+        target.close()
+    elif case == "no-remote-write":
+        target = server.reg(4096, Access.LOCAL_WRITE | Access.REMOTE_READ)
+        rkey, addr = target.rkey, target.addr
+    elif case == "out-of-bounds":
+        addr = target.addr + 4096 - 8
+    elif case == "other-pd":
+        target = server.ctx.alloc_pd().reg_mr(
+            bytearray(4096), Access.LOCAL_WRITE | Access.REMOTE_WRITE
+        )
+        rkey, addr = target.rkey, target.addr
+    else:
+        rkey = target.rkey ^ 0xFF  # the right region, the wrong key
+    src = client.reg(b"x" * 16)
+    client.qp.post_send(SendWR(1, WROpcode.RDMA_WRITE, [src.sge()], SIG, addr, rkey))
+    # An iWARP Write completes at its sender once sent; the peer's Terminate that
+    # refuses it arrives later (RFC 5040: Writes are not acknowledged).
+    (wc,) = await drain(client.send_cq, 1)
+    assert (wc.wr_id, wc.opcode) == (1, WCOpcode.RDMA_WRITE)
+    assert wc.status in (WCStatus.SUCCESS, WCStatus.REM_ACCESS_ERR), wc
+    await connection_ended(pair, (server, 3))
+    if case != "deregistered":
+        assert bytes(target.buf) == bytes(4096)  # nothing was placed
+
+
+@pytest.mark.parametrize(
+    "case", ["deregistered", "no-remote-read", "out-of-bounds", "other-pd", "wrong-key"]
+)
+async def test_remote_read_violation(pair: Pair, case: str) -> None:
+    client, server = pair.client, pair.server
+    client.post_recvs(client.reg(32), 2, 16)
+    source = server.reg(b"s" * 4096)
+    rkey, addr = source.rkey, source.addr
+    if case == "deregistered":
+        source.close()
+    elif case == "no-remote-read":
+        source = server.reg(b"s" * 4096, Access.LOCAL_WRITE | Access.REMOTE_WRITE)
+        rkey, addr = source.rkey, source.addr
+    elif case == "out-of-bounds":
+        addr = source.addr + 1
+    elif case == "other-pd":
+        source = server.ctx.alloc_pd().reg_mr(bytearray(4096), Access.REMOTE_READ)
+        rkey, addr = source.rkey, source.addr
+    else:
+        rkey = source.rkey ^ 0xFF
+    sink = client.reg(4096)
+    client.qp.post_send(SendWR(1, WROpcode.RDMA_READ, [sink.sge()], SIG, addr, rkey))
+    (wc,) = await drain(client.send_cq, 1)
+    assert wc.wr_id == 1 and wc.status in REMOTE_READ_REFUSED, wc
+    assert bytes(sink.buf) == bytes(4096)
+    await connection_ended(pair, (client, 2))
+
+
+async def test_send_without_a_posted_receive(pair: Pair) -> None:
+    """iWARP has no receiver-not-ready retry: the receiver ends the connection."""
+    _iwarp(pair)
+    client = pair.client
+    client.post_recvs(client.reg(16), 1, 16)
+    client.qp.post_send(SendWR(1, WROpcode.SEND, [client.reg(b"nobody listens").sge()], SIG))
+    (wc,) = await drain(client.send_cq, 1)
+    # Sent before the Terminate came back (SUCCESS), or flushed by it.
+    assert wc.status in (WCStatus.SUCCESS, WCStatus.WR_FLUSH_ERR), wc
+    await connection_ended(pair, (client, 1))
+
+
+async def test_send_longer_than_the_receive(pair: Pair) -> None:
+    client, server = pair.client, pair.server
+    rbuf = server.reg(100)
+    server.qp.post_recv([RecvWR(1, [rbuf.sge()]), RecvWR(2, [rbuf.sge()])])
+    client.qp.post_send(SendWR(1, WROpcode.SEND, [client.reg(5000).sge()], SIG))
+    (wc,) = await drain(server.recv_cq, 1)
+    assert (wc.wr_id, wc.status) == (1, WCStatus.LOC_LEN_ERR)
+    await connection_ended(pair, (server, 1))
+
+
+async def test_receive_into_memory_without_local_write(pair: Pair) -> None:
+    client, server = pair.client, pair.server
+    ro = server.reg(100, Access.REMOTE_READ)  # a receive writes: this region refuses
+    server.qp.post_recv([RecvWR(1, [ro.sge()]), RecvWR(2, [server.reg(100).sge()])])
+    client.qp.post_send(SendWR(1, WROpcode.SEND, [client.reg(b"abc").sge()], SIG))
+    (wc,) = await drain(server.recv_cq, 1)
+    assert (wc.wr_id, wc.status) == (1, WCStatus.LOC_PROT_ERR)
+    await connection_ended(pair, (server, 1))
+    assert bytes(ro.buf[:3]) == bytes(3)
+
+
+async def test_errors_on_one_connection_leave_others_alone(cm: Cm) -> None:
+    healthy = await cm.pair()
+    broken = await cm.pair()
+    target = broken.server.reg(64)
+    broken.client.qp.post_send(
+        SendWR(
+            1,
+            WROpcode.RDMA_READ,
+            [broken.client.reg(64).sge()],
+            SIG,
+            target.addr,
+            target.rkey ^ 0xFF,
+        )
+    )
+    await drain(broken.client.send_cq, 1)
+    await connection_ended(broken)
+    rbuf = healthy.server.reg(16)
+    healthy.server.qp.post_recv(RecvWR(1, [rbuf.sge()]))
+    healthy.client.qp.post_send(SendWR(2, WROpcode.SEND, [healthy.client.reg(b"fine").sge()], SIG))
+    (wc,) = await drain(healthy.server.recv_cq, 1)
+    assert wc.status == WCStatus.SUCCESS and bytes(rbuf.buf[:4]) == b"fine"
+    assert healthy.client.qp.query().qp_state == QPState.RTS
