@@ -176,14 +176,15 @@ async def _rds_stress(args: argparse.Namespace) -> int:
                 f"{result.requests} requests in, {result.acks} acks out from "
                 f"{len(result.tasks)} task(s) at {', '.join(peers) or '-'}; "
                 f"{result.requests / seconds:.0f} req/s, "
-                f"{(result.rx_bytes + result.tx_bytes) / 1024 / seconds:.2f} K/s over "
-                f"{result.seconds:.2f} s"
+                f"{(result.rx_bytes + result.tx_bytes) / 1024 / seconds:.2f} K/s, "
+                f"{result.rdma_bytes / 1024 / seconds:.2f} RDMA K/s "
+                f"({result.rdma_failures} failed) over {result.seconds:.2f} s"
             )
         else:
             try:
                 cfg = rt.StressConfig(
                     args.server, args.port, args.req_bytes, args.ack_bytes, args.tasks,
-                    args.depth, args.seconds,
+                    args.depth, args.seconds, args.rdma_bytes, args.rdma_read,
                 )  # fmt: skip
             except ValueError as exc:
                 print(f"rdmashim rds stress: {exc}", file=sys.stderr)
@@ -193,6 +194,11 @@ async def _rds_stress(args: argparse.Namespace) -> int:
             print(
                 f"rds stress: {node.address} -> {cfg.dest} port {cfg.port}, {cfg.tasks} task(s), "
                 f"depth {cfg.depth}, {cfg.req_bytes} B requests, {cfg.ack_bytes} B acks, "
+                + (
+                    f"{cfg.rdma_bytes} B RDMA {'Read' if cfg.rdma_read else 'Write'} per ack, "
+                    if cfg.rdma_bytes
+                    else ""
+                )
                 + (f"{cfg.seconds:g} s" if cfg.seconds else "until Ctrl-C"),
                 flush=True,
             )
@@ -403,8 +409,8 @@ def _add_rds(sub: Any) -> None:
         description="rds-stress on rdmashim's RDS. Passive: `-r LOCAL_IP`; it answers each "
         "request with an ack and exits when the active side's run is over. Active: "
         "`-r LOCAL_IP -s SERVER_IP`. Columns: tsks, tx/s (requests sent), tx+rx K/s "
-        "(request and ack bytes), rw+rr K/s (RDMA bytes: always 0, RDS RDMA operations "
-        "are not there yet), tx us/c (microseconds per sendto), rtt us (request to ack), "
+        "(request and ack bytes), rw+rr K/s (RDMA Write and Read bytes, with -D), tx us/c "
+        "(microseconds per sendto), rtt us (request to ack), "
         "cpu % (this process's CPU time per wall-clock time).",
     )
     p.add_argument("-r", dest="local", required=True, help="local address")
@@ -420,6 +426,14 @@ def _add_rds(sub: Any) -> None:
     p.add_argument("-d", dest="depth", type=int, default=1, help="requests in flight per task")
     p.add_argument(
         "-T", dest="seconds", type=float, default=0.0, help="seconds to run (0: until Ctrl-C)"
+    )
+    p.add_argument(
+        "-D", dest="rdma_bytes", type=int, default=0,
+        help="each request offers a buffer of this many bytes (by RDS cookie) that its ack "
+        "RDMA Writes into (0: none)",
+    )  # fmt: skip
+    p.add_argument(
+        "--rdma-read", action="store_true", help="with -D, the ack RDMA Reads the buffer instead"
     )
     p.add_argument("-z", dest="summary_only", action="store_true", help="only the summary")
 

@@ -44,6 +44,7 @@ import trio
 
 from rdmashim.ulps.rds.connection import SNDBUF, Counters, RdsConnection
 from rdmashim.ulps.rds.node import RCVBUF, RdsError, RdsNode, RdsSocket
+from rdmashim.ulps.rds.rdma import RdmaOp, RdmaStatus
 from rdmashim.ulps.rds.wire import RDS_CM_PORT, RDS_MAX_MSG_SIZE
 from rdmashim.verbs import QPState
 
@@ -434,9 +435,13 @@ async def query_info(
 # =============================================================================================
 
 STRESS_HEADER = struct.Struct("!4sBBHII")
-"""magic, op, flags (0), task, sequence number, bytes the ack must have."""
+"""magic, op, flags, task, sequence number, bytes the ack must have."""
+STRESS_RDMA = struct.Struct("!QI")
+"""After the header of a request with an RDMA flag: the cookie and the bytes to move."""
 STRESS_MAGIC = b"rdst"
 OP_REQ, OP_ACK, OP_DONE, OP_DONE_ACK = 1, 2, 3, 4
+FLAG_RDMA_WRITE, FLAG_RDMA_READ = 1, 2
+"""A request's flags: the ack is to write into (read from) the buffer of its cookie."""
 MIN_STRESS_BYTES = STRESS_HEADER.size
 ACK_TIMEOUT = 10.0
 """Seconds the active side waits for an answer before it gives up."""
@@ -454,12 +459,22 @@ class StressConfig:
     depth: int = 1
     seconds: float = 0.0
     """0: until the stop event is set."""
+    rdma_bytes: int = 0
+    """rds-stress's ``-D``: each ack comes with an RDMA operation of this many bytes."""
+    rdma_read: bool = False
+    """Whether that operation reads the request's buffer (else it writes into it)."""
 
     def __post_init__(self) -> None:
-        for name in ("req_bytes", "ack_bytes"):
+        least = {
+            "req_bytes": MIN_STRESS_BYTES + (STRESS_RDMA.size if self.rdma_bytes else 0),
+            "ack_bytes": MIN_STRESS_BYTES,
+        }
+        for name, low in least.items():
             size = getattr(self, name)
-            if not MIN_STRESS_BYTES <= size <= RDS_MAX_MSG_SIZE:
-                raise ValueError(f"{name} {size} outside {MIN_STRESS_BYTES}..{RDS_MAX_MSG_SIZE}")
+            if not low <= size <= RDS_MAX_MSG_SIZE:
+                raise ValueError(f"{name} {size} outside {low}..{RDS_MAX_MSG_SIZE}")
+        if not 0 <= self.rdma_bytes <= RDS_MAX_MSG_SIZE:
+            raise ValueError(f"rdma_bytes {self.rdma_bytes} outside 0..{RDS_MAX_MSG_SIZE}")
         if self.tasks < 1 or self.depth < 1:
             raise ValueError("tasks and depth must be at least 1")
         if not 0 < self.port < 65535 - self.tasks:
@@ -486,6 +501,7 @@ class StressSample:
     send_usecs: float = 0.0
     rtts: int = 0
     rtt_usecs: float = 0.0
+    rdma_bytes: int = 0
     cpu_seconds: float = 0.0
 
     def minus(self, earlier: StressSample) -> StressSample:
@@ -510,8 +526,8 @@ class StressSample:
 
     @property
     def rdma_kbytes_per_s(self) -> float:
-        """RDMA Read and Write bytes (``rw+rr K/s``): RDS RDMA operations are not there yet."""
-        return 0.0
+        """RDMA Write and Read bytes in KiB per second (``rw+rr K/s``)."""
+        return self.rdma_bytes / 1024 / self.seconds if self.seconds else 0.0
 
     @property
     def tx_us_per_call(self) -> float:
@@ -570,8 +586,20 @@ class _Clock:
         return s
 
 
-def _stress_message(op: int, task: int, seq: int, ack_bytes: int, size: int) -> bytes:
-    return STRESS_HEADER.pack(STRESS_MAGIC, op, 0, task, seq, ack_bytes).ljust(size, b"\0")
+def _stress_message(
+    op: int,
+    task: int,
+    seq: int,
+    ack_bytes: int,
+    size: int,
+    rdma: tuple[int, int, int] | None = None,
+) -> bytes:
+    """A stress message; ``rdma`` = (flag, cookie, bytes) asks the ack to move them."""
+    flags = 0 if rdma is None else rdma[0]
+    head = STRESS_HEADER.pack(STRESS_MAGIC, op, flags, task, seq, ack_bytes)
+    if rdma is not None:
+        head += STRESS_RDMA.pack(rdma[1], rdma[2])
+    return head.ljust(size, b"\0")
 
 
 def _parse_stress(data: bytes, sender: tuple[str, int]) -> tuple[int, int, int, int]:
@@ -581,6 +609,26 @@ def _parse_stress(data: bytes, sender: tuple[str, int]) -> tuple[int, int, int, 
     if magic != STRESS_MAGIC:
         raise RdsToolError(f"message from {sender[0]}:{sender[1]} is not an rds-stress message")
     return op, task, seq, ack_bytes
+
+
+def _stress_rdma(data: bytes, sender: tuple[str, int]) -> RdmaOp | None:
+    """The RDMA operation a request asks its ack to carry, if any."""
+    flags = STRESS_HEADER.unpack_from(data)[2]
+    if not flags & (FLAG_RDMA_WRITE | FLAG_RDMA_READ):
+        return None
+    if len(data) < STRESS_HEADER.size + STRESS_RDMA.size:
+        raise RdsToolError(f"request from {sender[0]}:{sender[1]} lacks its RDMA arguments")
+    cookie, size = STRESS_RDMA.unpack_from(data, STRESS_HEADER.size)
+    if size > RDS_MAX_MSG_SIZE:
+        raise RdsToolError(f"request from {sender[0]}:{sender[1]} asks for {size} RDMA bytes")
+    if flags & FLAG_RDMA_READ:
+        return RdmaOp.read_into(cookie, bytearray(size))
+    return RdmaOp.write_to(cookie, _rdma_pattern(size))
+
+
+def _rdma_pattern(size: int) -> bytes:
+    """What an ack writes (and a request offers to be read): the same bytes every time."""
+    return (b"rds-stress rdma " * (size // 16 + 1))[:size]
 
 
 async def stress_active(
@@ -649,11 +697,23 @@ async def stress_active(
             seq = 0
             now = clock.now
             perf = time.perf_counter
+            # With -D, one buffer per request in flight: acks come in order, so the
+            # buffer of request n is free again when request n + depth is sent.
+            pattern = _rdma_pattern(cfg.rdma_bytes)
+            buffers = [bytearray(pattern) for _ in range(cfg.depth if cfg.rdma_bytes else 0)]
+            cookies = [sock.get_mr(buf) for buf in buffers]
+            flag = FLAG_RDMA_READ if cfg.rdma_read else FLAG_RDMA_WRITE
 
             async def send_one() -> None:
                 nonlocal seq
                 seq += 1
-                msg = _stress_message(OP_REQ, i, seq, cfg.ack_bytes, pad)
+                rdma = None
+                if buffers:
+                    slot = seq % cfg.depth
+                    if not cfg.rdma_read:  # the ack's Write must put these back
+                        buffers[slot][0] = buffers[slot][-1] = 0
+                    rdma = (flag, cookies[slot], cfg.rdma_bytes)
+                msg = _stress_message(OP_REQ, i, seq, cfg.ack_bytes, pad, rdma)
                 t0 = perf()
                 await sock.sendto(msg, dest)
                 t1 = perf()
@@ -686,6 +746,11 @@ async def stress_active(
                         )
                     if len(data) != cfg.ack_bytes:
                         raise RdsToolError(f"task {i}: {len(data)}-byte ack, not {cfg.ack_bytes}")
+                    if buffers:
+                        buf = buffers[ack_seq % cfg.depth]
+                        if buf[:1] != pattern[:1] or buf[-1:] != pattern[-1:]:
+                            raise RdsToolError(f"task {i}: request {ack_seq}'s RDMA Write missing")
+                        now.rdma_bytes += cfg.rdma_bytes
                     _, sent_at = pending.popleft()
                     now.rx_bytes += len(data)
                     now.rtts += 1
@@ -752,6 +817,9 @@ class PassiveResult:
     seconds: float = 0.0
     """From the first request to the end of the run."""
     runs: int = 0
+    rdma_bytes: int = 0
+    rdma_failures: int = 0
+    """RDMA operations of acks that did not succeed."""
 
 
 async def stress_passive(
@@ -772,6 +840,7 @@ async def stress_passive(
     sock = node.bind(port)
     task_status.started(sock.address)
     first: float | None = None
+    in_flight: deque[RdmaOp] = deque()
     try:
         while True:
             data, sender = await sock.recvfrom()
@@ -783,7 +852,17 @@ async def stress_passive(
                 result.rx_bytes += len(data)
                 result.tasks.add(sender)
                 ack = _stress_message(OP_ACK, task, seq, ack_bytes, ack_bytes)
-                await sock.sendto(ack, sender)
+                rdma = _stress_rdma(data, sender)
+                await sock.sendto(ack, sender, rdma=rdma)
+                if rdma is not None:
+                    result.rdma_bytes += rdma.length
+                    in_flight.append(rdma)
+                while in_flight and in_flight[0].done:
+                    done = in_flight.popleft()
+                    read_wrong = not done.write and done.buffer != _rdma_pattern(done.length)
+                    if done.status != RdmaStatus.SUCCESS or read_wrong:
+                        log.warning("rds-stress RDMA %s: %s %s", done, done.status, done.detail)
+                        result.rdma_failures += 1
                 result.acks += 1
                 result.tx_bytes += len(ack)
             elif op == OP_DONE:
