@@ -1,0 +1,308 @@
+#!/usr/bin/env python3
+"""Run the shared API suite (``tests/api``) inside the siw VM, once per backend.
+
+::
+
+    sudo /work/venv/bin/python tools/vm_api_suite.py                      # every backend
+    sudo /work/venv/bin/python tools/vm_api_suite.py --backend softiwarp  # one of them
+    sudo /work/venv/bin/python tools/vm_api_suite.py --backend rdmacore -- -x -k cm
+
+What it does:
+
+1. Prepares the guest's Python test dependencies once, in
+   ``$CACHE/pydeps/<key>`` (``pip install --target``; pytest, pytest-trio, trio,
+   crc32c, hypothesis at the versions this Python has, so the guest runs what the
+   host runs). The guest is Debian bookworm with python3.11, python3-cffi and
+   rdma-core but no pip packages; the host's Python is 3.11 too, so the wheels
+   fit. cffi is left to the guest's python3-cffi.
+2. Stages a copy of the working tree as the installed package layout
+   (``rdmashim/`` with ``verbs``, ``cm`` and ``ulps`` inside, per pyproject's
+   ``package-dir``), plus ``tests/`` and ``pyproject.toml``.
+3. Boots one guest (``shared/tools/siwvm/boot.sh --smp 1 --net none``; the
+   dependencies are its ``/sync`` share, the staged tree is ``/host/src``), loads
+   siw and adds ``siw_lo`` on ``lo``, and for each backend runs
+   ``RDMASHIM_BACKEND=<name> python3 -m pytest tests/api``. A backend whose module
+   raises ``BackendUnavailable`` in the guest is reported as unavailable.
+
+The guest's output is printed as it comes. The exit status is 0 when every
+backend that ran passed and at least one ran, 1 otherwise, 2 when the guest
+could not run the suite, and 77 when this machine cannot boot the guest (the
+reason is printed). ``--json PATH`` writes the per-backend results
+(``tests/test_vm_api_suite.py`` reads them). Needs root, QEMU and the image
+``shared/tools/siwvm/build.sh`` makes (see ``tests/siwvm.py``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import importlib.metadata
+import json
+import shlex
+import shutil
+import subprocess
+import sys
+import time
+import tomllib
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "tests"))
+
+import siwvm  # noqa: E402  (tests/siwvm.py: requirements, cache and harness paths)
+
+GUEST_DEPS = ["pytest", "pytest-trio", "trio", "crc32c", "hypothesis"]
+"""What the suite needs beyond the guest's python3 and python3-cffi."""
+DEFAULT_NAME = "api-suite"
+GUEST_TIMEOUT = 60
+"""``RDMASHIM_API_TIMEOUT`` in the guest: seconds any one wait may take under TCG."""
+RUN_LIMIT = 1500
+"""Seconds the whole guest may run (boot, setup, every backend's suite)."""
+SKIP = 77
+
+_GUEST_SCRIPT = r"""#!/bin/bash
+# tools/vm_api_suite.py: the shared API suite against the kernel's siw on lo.
+export PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin
+if ! { modprobe siw && modprobe rdma_ucm && rdma link add siw_lo type siw netdev lo; }; then
+    echo "vm-api-suite: siw setup failed"; dmesg | tail -20; exit 90
+fi
+echo "vm-api-suite: $(uname -r); $(python3 --version); $(rdma link show | tr '\n' ' ')"
+export PYTHONPATH=/host/src:/sync PYTHONDONTWRITEBYTECODE=1 RDMASHIM_API_TIMEOUT=__TIMEOUT__
+cd /host/src
+rc=0
+for b in __BACKENDS__; do
+    python3 - "$b" > /host/probe.$b 2>&1 <<'EOF'
+import sys
+from rdmashim.registry import load_backend
+from rdmashim.verbs.errors import BackendUnavailable
+try:
+    load_backend(sys.argv[1])
+except BackendUnavailable as exc:
+    print(exc)
+    sys.exit(3)
+EOF
+    probe=$?
+    if [ $probe = 3 ]; then
+        echo "== backend $b: unavailable: $(cat /host/probe.$b)"
+        echo unavailable > /host/status.$b
+        continue
+    elif [ $probe != 0 ]; then
+        echo "== backend $b: import failed"; cat /host/probe.$b
+        echo error > /host/status.$b; rc=1
+        continue
+    fi
+    echo "== backend $b: python3 -m pytest tests/api __PYTEST_ARGS__"
+    start=$(date +%s%N)
+    RDMASHIM_BACKEND=$b python3 -m pytest -p no:cacheprovider tests/api __PYTEST_ARGS__ \
+        2>&1 | tee /host/pytest.$b.txt
+    r=${PIPESTATUS[0]}
+    echo $(( ($(date +%s%N) - start) / 1000000 )) > /host/ms.$b
+    [ $r = 0 ] && echo passed > /host/status.$b || { echo failed > /host/status.$b; rc=1; }
+    echo $r > /host/rc.$b
+done
+dmesg | grep -E "siw|rdma|BUG:|Oops|Call Trace" | grep -vE "taint|verification" | tail -20
+exit $rc
+"""
+
+
+@dataclass
+class BackendResult:
+    """What one backend's run in the guest came to."""
+
+    status: str
+    """passed, failed, unavailable (BackendUnavailable in the guest), error, or missing."""
+    returncode: int | None
+    summary: str
+    """pytest's last line (``N passed, ...``) or why nothing ran."""
+    seconds: float | None
+    output: str
+
+
+def pinned_deps() -> list[str]:
+    """GUEST_DEPS at the versions installed here (unpinned where not installed)."""
+    pins = []
+    for name in GUEST_DEPS:
+        try:
+            pins.append(f"{name}=={importlib.metadata.version(name)}")
+        except importlib.metadata.PackageNotFoundError:
+            pins.append(name)
+    return pins
+
+
+def prepare_deps(log=print) -> Path:
+    """The guest's dependency directory, made with ``pip install --target`` if needed."""
+    pins = pinned_deps()
+    tag = f"py{sys.version_info.major}{sys.version_info.minor}"
+    key = hashlib.sha256("\n".join([tag, *pins]).encode()).hexdigest()[:12]
+    target = siwvm.cache_dir() / "pydeps" / f"{tag}-{key}"
+    if (target / ".complete").is_file():
+        return target
+    tmp = target.with_name(target.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    log(f"vm-api-suite: pip install --target {target} {' '.join(pins)}")
+    start = time.monotonic()
+    subprocess.run(
+        [
+            sys.executable, "-m", "pip", "install", "--quiet", "--disable-pip-version-check",
+            "--no-compile", "--only-binary=:all:", "--target", str(tmp), *pins,
+        ],
+        check=True,
+    )  # fmt: skip
+    shutil.rmtree(tmp / "bin", ignore_errors=True)
+    for leftover in tmp.glob("cffi*"):  # the guest's python3-cffi serves
+        shutil.rmtree(leftover) if leftover.is_dir() else leftover.unlink()
+    (tmp / ".complete").write_text("\n".join(pins) + "\n")
+    shutil.rmtree(target, ignore_errors=True)
+    tmp.rename(target)
+    log(f"vm-api-suite: dependencies ready in {time.monotonic() - start:.1f} s")
+    return target
+
+
+def stage_tree(dest: Path) -> Path:
+    """Copy the working tree to ``dest`` in the installed package layout."""
+    shutil.rmtree(dest, ignore_errors=True)
+    ignore = shutil.ignore_patterns("__pycache__", "*.pyc", ".hypothesis", ".pytest_cache")
+    dest.mkdir(parents=True)
+    shutil.copy2(REPO / "pyproject.toml", dest / "pyproject.toml")
+    shutil.copytree(REPO / "tests", dest / "tests", ignore=ignore)
+    config = tomllib.loads((REPO / "pyproject.toml").read_text())
+    package_dirs = config["tool"]["setuptools"]["package-dir"]
+    for package, folder in sorted(package_dirs.items()):  # parents before children
+        target = dest.joinpath(*package.split("."))
+        shutil.copytree(REPO / folder, target, ignore=ignore, dirs_exist_ok=True)
+    return dest
+
+
+def registered_backends() -> list[str]:
+    """Every backend this tree registers (the guest runs the same tree)."""
+    from rdmashim.registry import BACKENDS
+
+    return list(BACKENDS)
+
+
+def guest_script(backends: list[str], pytest_args: list[str], timeout: int) -> str:
+    return (
+        _GUEST_SCRIPT.replace("__BACKENDS__", " ".join(shlex.quote(b) for b in backends))
+        .replace("__PYTEST_ARGS__", " ".join(shlex.quote(a) for a in pytest_args))
+        .replace("__TIMEOUT__", str(timeout))
+    )
+
+
+def boot(name: str, deps: Path, src: Path, script: Path, limit: int, echo: bool) -> tuple[int, str]:
+    """Boot the guest, echo its output while it runs; (boot.sh's status, its report line)."""
+    share = siwvm.cache_dir() / "run" / name / "share"
+    cmd = [
+        str(siwvm.siwvm_dir() / "boot.sh"), "--name", name, "--smp", "1", "--mem", "1024",
+        "--net", "none", "--sync", str(deps), "--put", str(src), "--timeout", str(limit),
+        str(script),
+    ]  # fmt: skip
+    out_log = share / "out.log"
+    shown = 0
+    with subprocess.Popen(
+        cmd,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,  # boot.sh repeats out.log at the end; it is echoed here
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    ) as proc:
+        stderr = ""
+        while True:
+            done = proc.poll() is not None
+            if echo and out_log.exists():
+                data = out_log.read_bytes()
+                if len(data) < shown:  # a fresh share: boot.sh removed the old one
+                    shown = 0
+                sys.stdout.write(data[shown:].decode(errors="replace"))
+                sys.stdout.flush()
+                shown = len(data)
+            if done:
+                stderr = proc.stderr.read() if proc.stderr else ""
+                return proc.returncode, stderr.strip()
+            time.sleep(0.5)
+
+
+def collect(name: str, backends: list[str]) -> dict[str, BackendResult]:
+    """Read each backend's result files from the guest's share."""
+    share = siwvm.cache_dir() / "run" / name / "share"
+
+    def read(path: str) -> str | None:
+        p = share / path
+        return p.read_text(errors="replace").strip() if p.exists() else None
+
+    results = {}
+    for b in backends:
+        status = read(f"status.{b}") or "missing"
+        output = read(f"pytest.{b}.txt") or read(f"probe.{b}") or ""
+        lines = [line for line in output.splitlines() if line.strip()]
+        rc = read(f"rc.{b}")
+        ms = read(f"ms.{b}")
+        results[b] = BackendResult(
+            status=status,
+            returncode=int(rc) if rc and rc.lstrip("-").isdigit() else None,
+            summary=lines[-1].strip("= ") if lines else "(no output)",
+            seconds=int(ms) / 1000 if ms and ms.isdigit() else None,
+            output=output,
+        )
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description="Run tests/api in the siw VM (see the module docstring).",
+        epilog="Arguments after -- go to pytest in the guest.",
+    )
+    parser.add_argument(
+        "--backend", action="append", help="backend to run (repeatable; default: every one)"
+    )
+    parser.add_argument("--name", default=DEFAULT_NAME, help=f"guest name (default {DEFAULT_NAME})")
+    parser.add_argument("--json", type=Path, help="write the per-backend results here")
+    parser.add_argument("--timeout", type=int, default=RUN_LIMIT, help="seconds for the guest")
+    parser.add_argument("--quiet", action="store_true", help="do not echo the guest's output")
+    parser.add_argument("pytest_args", nargs="*", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    backends = args.backend or registered_backends()
+    report: dict = {"backends": {}, "requirements": None}
+
+    def finish(code: int) -> int:
+        report["exit"] = code
+        if args.json:
+            args.json.write_text(json.dumps(report, indent=1))
+        return code
+
+    why = siwvm.missing_requirements()
+    if why:
+        print(f"vm-api-suite: cannot boot the siw guest here: {why}")
+        report["requirements"] = why
+        return finish(SKIP)
+    start = time.monotonic()
+    deps = prepare_deps(log=(lambda *_: None) if args.quiet else print)
+    report["deps"] = str(deps)
+    report["deps_seconds"] = round(time.monotonic() - start, 1)
+    run = siwvm.cache_dir() / "run"
+    src = stage_tree(run / f"{args.name}.stage" / "src")
+    script = run / f"{args.name}.suite.sh"
+    script.write_text(guest_script(backends, args.pytest_args, GUEST_TIMEOUT))
+    boot_start = time.monotonic()
+    rc, line = boot(args.name, deps, src, script, args.timeout, echo=not args.quiet)
+    report["guest_seconds"] = round(time.monotonic() - boot_start, 1)
+    report["guest_exit"] = rc
+    report["guest_report"] = line
+    results = collect(args.name, backends)
+    report["backends"] = {b: asdict(r) for b, r in results.items()}
+    print(f"\nvm-api-suite: {line}")
+    for b, r in results.items():
+        took = f" in {r.seconds:.0f} s" if r.seconds is not None else ""
+        print(f"vm-api-suite: {b}: {r.status}{took}: {r.summary}")
+    ran = [r for r in results.values() if r.status in ("passed", "failed", "error")]
+    if rc in (90, 99) or not any(r.status != "missing" for r in results.values()):
+        print(f"vm-api-suite: the guest did not run the suite (boot.sh exit {rc})")
+        return finish(2)
+    if ran and all(r.status == "passed" for r in ran):
+        return finish(0)
+    return finish(1)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
