@@ -20,6 +20,10 @@ acks come back in order.
   it); the passive side reads exactly ``q`` bytes and answers with ``a``
   bytes that echo the header; the active side reads exactly ``a`` bytes.
 
+With ``D`` (rds-stress's ``-D``) each of our acks also RDMA-writes ``D``
+bytes into a buffer its request offered by RDS cookie; raw TCP moves the same
+bytes as ``D`` more bytes in each ack.
+
 Samples alternate ours, raw, ours, raw, ...; the medians of ``--repeat``
 samples and their ratio (ours/raw) are reported. Figures are rds-stress's:
 ``tx/s`` (requests per second), ``tx+rx K/s`` (request and ack bytes, KiB/s),
@@ -61,8 +65,10 @@ SERVER_IP = "127.0.0.2"
 RAW_SETUP = struct.Struct("!II")
 """Raw TCP: the client's first 8 bytes: request size, ack size."""
 HEADER = rt.STRESS_HEADER
-RESULT_LINE = "-" * 100
-MEDIAN_KEYS = ("tx_per_s", "kbytes_per_s", "rtt_us", "tx_us_per_call", "cpu_percent")
+RESULT_LINE = "-" * 112
+MEDIAN_KEYS = (
+    "tx_per_s", "kbytes_per_s", "rdma_kbytes_per_s", "rtt_us", "tx_us_per_call", "cpu_percent",
+)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -71,16 +77,20 @@ class Case:
     ack: int
     tasks: int
     depth: int
+    rdma: int = 0
+    """``-D``: bytes each ack RDMA-writes into its request's buffer (raw TCP: in the ack)."""
 
     @property
     def label(self) -> str:
-        return f"q={self.req} a={self.ack} t={self.tasks} d={self.depth}"
+        extra = f" D={self.rdma // 1024}K" if self.rdma else ""
+        return f"q={self.req} a={self.ack} t={self.tasks} d={self.depth}{extra}"
 
 
 CASES = [
     Case(1024, 256, 1, 1),
     Case(1024, 256, 4, 8),
     Case(64, 16, 4, 8),
+    Case(64, 16, 1, 4, rdma=65536),
 ]
 
 
@@ -130,6 +140,8 @@ async def serve_main(cm_port: int) -> None:
 class Sample:
     tx_per_s: float
     kbytes_per_s: float
+    rdma_kbytes_per_s: float
+    """Ours: the RDMA bytes (rw+rr K/s); raw TCP: 0 (they are in kbytes_per_s)."""
     rtt_us: float
     tx_us_per_call: float
     cpu_percent: float
@@ -139,12 +151,13 @@ class Sample:
 
 async def ours(node: RdsNode, case: Case, duration: float) -> Sample:
     cfg = rt.StressConfig(
-        SERVER_IP, rt.STRESS_PORT, case.req, case.ack, case.tasks, case.depth, duration
-    )
+        SERVER_IP, rt.STRESS_PORT, case.req, case.ack, case.tasks, case.depth, duration,
+        rdma_bytes=case.rdma,
+    )  # fmt: skip
     total = (await rt.stress_active(node, cfg)).total
     return Sample(
-        total.tx_per_s, total.kbytes_per_s, total.rtt_us, total.tx_us_per_call,
-        total.cpu_percent, total.requests, total.seconds,
+        total.tx_per_s, total.kbytes_per_s, total.rdma_kbytes_per_s, total.rtt_us,
+        total.tx_us_per_call, total.cpu_percent, total.requests, total.seconds,
     )  # fmt: skip
 
 
@@ -155,9 +168,10 @@ def _cpu() -> float:
 
 async def raw(raw_port: int, case: Case, duration: float) -> Sample:
     streams = []
+    ack = case.ack + case.rdma
     for _ in range(case.tasks):
         stream = await trio.open_tcp_stream(SERVER_IP, raw_port)
-        await stream.send_all(RAW_SETUP.pack(case.req, case.ack))
+        await stream.send_all(RAW_SETUP.pack(case.req, ack))
         streams.append(stream)
     totals = {"requests": 0, "bytes": 0, "rtts": 0, "rtt_us": 0.0, "calls": 0, "send_us": 0.0}
     stop = [False]
@@ -166,14 +180,14 @@ async def raw(raw_port: int, case: Case, duration: float) -> Sample:
     async def task(i: int, stream: trio.SocketStream) -> None:
         sock = stream.socket
         request = bytearray(case.req)
-        answer = memoryview(bytearray(case.ack))
+        answer = memoryview(bytearray(ack))
         pending: deque[tuple[int, float]] = deque()
         seq = 0
 
         async def send_one() -> None:
             nonlocal seq
             seq += 1
-            HEADER.pack_into(request, 0, rt.STRESS_MAGIC, rt.OP_REQ, 0, i, seq, case.ack)
+            HEADER.pack_into(request, 0, rt.STRESS_MAGIC, rt.OP_REQ, 0, i, seq, ack)
             t0 = perf()
             await stream.send_all(request)
             t1 = perf()
@@ -193,7 +207,7 @@ async def raw(raw_port: int, case: Case, duration: float) -> Sample:
             expected, sent_at = pending.popleft()
             if (op, task_no, ack_seq) != (rt.OP_ACK, i, expected):
                 raise RuntimeError(f"raw task {i}: ack {ack_seq}, expected {expected}")
-            totals["bytes"] += case.ack
+            totals["bytes"] += ack
             totals["rtts"] += 1
             totals["rtt_us"] += (t - sent_at) * 1e6
             if not stop[0]:
@@ -211,6 +225,7 @@ async def raw(raw_port: int, case: Case, duration: float) -> Sample:
     return Sample(
         totals["requests"] / seconds,
         totals["bytes"] / 1024 / seconds,
+        0.0,
         totals["rtt_us"] / max(1, totals["rtts"]),
         totals["send_us"] / max(1, totals["calls"]),
         100 * cpu / seconds,
@@ -270,14 +285,15 @@ def print_table(results: list[dict], args: argparse.Namespace) -> None:
     print(RESULT_LINE)
     print(
         f" {'case':<24}{'ours tx/s':>10}{'raw tx/s':>10}{'ratio':>7}"
-        f"{'ours K/s':>11}{'raw K/s':>10}{'ours rtt':>10}{'raw rtt':>9}"
+        f"{'ours K/s':>11}{'ours rw':>10}{'raw K/s':>11}{'ours rtt':>10}{'raw rtt':>9}"
         f"{'ours cpu%':>10}"
     )
     for r in results:
         o, w = r["median"]["ours"], r["median"]["raw"]
         print(
             f" {r['label']:<24}{o['tx_per_s']:>10.0f}{w['tx_per_s']:>10.0f}"
-            f"{r['ratio_tx_per_s']:>7.3f}{o['kbytes_per_s']:>11.1f}{w['kbytes_per_s']:>10.1f}"
+            f"{r['ratio_tx_per_s']:>7.3f}{o['kbytes_per_s']:>11.1f}"
+            f"{o['rdma_kbytes_per_s']:>10.0f}{w['kbytes_per_s']:>11.1f}"
             f"{o['rtt_us']:>10.0f}{w['rtt_us']:>9.0f}{o['cpu_percent']:>10.1f}"
         )
     print(RESULT_LINE)
