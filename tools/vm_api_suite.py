@@ -18,10 +18,12 @@ What it does:
 2. Stages a copy of the working tree as the installed package layout
    (``rdmashim/`` with ``verbs``, ``cm`` and ``ulps`` inside, per pyproject's
    ``package-dir``), plus ``tests/`` and ``pyproject.toml``.
-3. Boots one guest (``shared/tools/siwvm/boot.sh --smp 1 --net none``; the
+3. Boots one guest (``shared/tools/siwvm/boot.sh --smp 1 --net user``; the
    dependencies are its ``/sync`` share, the staged tree is ``/host/src``), loads
-   siw and adds ``siw_lo`` on ``lo``, and for each backend runs
-   ``RDMASHIM_BACKEND=<name> python3 -m pytest tests/api``. A backend whose module
+   siw and adds ``siw_eth0`` on eth0 (the kernel's rdma_cm does not resolve
+   127.0.0.1 to a siw device on ``lo``), and for each backend runs
+   ``RDMASHIM_BACKEND=<name> RDMASHIM_API_HOST=<eth0's address> python3 -m
+   pytest tests/api``; the connections take the kernel's loopback path. A backend whose module
    raises ``BackendUnavailable`` in the guest is reported as unavailable.
 
 The guest's output is printed as it comes. The exit status is 0 when every
@@ -64,11 +66,16 @@ SKIP = 77
 _GUEST_SCRIPT = r"""#!/bin/bash
 # tools/vm_api_suite.py: the shared API suite against the kernel's siw on lo.
 export PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin
-if ! { modprobe siw && modprobe rdma_ucm && rdma link add siw_lo type siw netdev lo; }; then
+if ! { modprobe siw && modprobe rdma_ucm && rdma link add siw_eth0 type siw netdev eth0; }; then
     echo "vm-api-suite: siw setup failed"; dmesg | tail -20; exit 90
 fi
+# The kernel's rdma_cm cannot resolve 127.0.0.1 to a siw device on lo (rping fails
+# too: ADDR_ERROR), so siw is bound to eth0 and the pairs connect over its address.
+HOST=$(ip -4 -o addr show dev eth0 | awk '{print $4}' | cut -d/ -f1)
 echo "vm-api-suite: $(uname -r); $(python3 --version); $(rdma link show | tr '\n' ' ')"
 export PYTHONPATH=/host/src:/sync PYTHONDONTWRITEBYTECODE=1 RDMASHIM_API_TIMEOUT=__TIMEOUT__
+export RDMASHIM_API_HOST=$HOST
+echo "vm-api-suite: RDMASHIM_API_HOST=$HOST"
 cd /host/src
 rc=0
 for b in __BACKENDS__; do
@@ -101,7 +108,8 @@ EOF
     [ $r = 0 ] && echo passed > /host/status.$b || { echo failed > /host/status.$b; rc=1; }
     echo $r > /host/rc.$b
 done
-dmesg | grep -E "siw|rdma|BUG:|Oops|Call Trace" | grep -vE "taint|verification" | tail -20
+dmesg | grep -vE "Command line|taint|verification" \
+    | grep -E "siw|rdma|BUG:|Oops|Call Trace" | tail -20
 exit $rc
 """
 
@@ -194,10 +202,11 @@ def boot(name: str, deps: Path, src: Path, script: Path, limit: int, echo: bool)
     share = siwvm.cache_dir() / "run" / name / "share"
     cmd = [
         str(siwvm.siwvm_dir() / "boot.sh"), "--name", name, "--smp", "1", "--mem", "1024",
-        "--net", "none", "--sync", str(deps), "--put", str(src), "--timeout", str(limit),
+        "--net", "user", "--sync", str(deps), "--put", str(src), "--timeout", str(limit),
         str(script),
     ]  # fmt: skip
     out_log = share / "out.log"
+    shutil.rmtree(share, ignore_errors=True)  # not to echo an earlier run's output
     shown = 0
     with subprocess.Popen(
         cmd,
@@ -259,6 +268,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--name", default=DEFAULT_NAME, help=f"guest name (default {DEFAULT_NAME})")
     parser.add_argument("--json", type=Path, help="write the per-backend results here")
     parser.add_argument("--timeout", type=int, default=RUN_LIMIT, help="seconds for the guest")
+    parser.add_argument(
+        "--wait-limit",
+        type=int,
+        default=GUEST_TIMEOUT,
+        help=f"RDMASHIM_API_TIMEOUT in the guest (default {GUEST_TIMEOUT})",
+    )
     parser.add_argument("--quiet", action="store_true", help="do not echo the guest's output")
     parser.add_argument("pytest_args", nargs="*", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -283,7 +298,7 @@ def main(argv: list[str] | None = None) -> int:
     run = siwvm.cache_dir() / "run"
     src = stage_tree(run / f"{args.name}.stage" / "src")
     script = run / f"{args.name}.suite.sh"
-    script.write_text(guest_script(backends, args.pytest_args, GUEST_TIMEOUT))
+    script.write_text(guest_script(backends, args.pytest_args, args.wait_limit))
     boot_start = time.monotonic()
     rc, line = boot(args.name, deps, src, script, args.timeout, echo=not args.quiet)
     report["guest_seconds"] = round(time.monotonic() - boot_start, 1)

@@ -2,8 +2,8 @@
 
 The backend is whatever ``RDMASHIM_BACKEND`` names (default: the built-in
 engine). ``device`` opens the backend's default device; ``cm`` gives an event
-channel with a listener on 127.0.0.1 that makes connected pairs on the device
-the route picks (``lo``).
+channel with a listener on a local address (``RDMASHIM_API_HOST``, default
+127.0.0.1) that makes connected pairs on the device the route picks.
 """
 
 from __future__ import annotations

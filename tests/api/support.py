@@ -2,10 +2,11 @@
 
 Only the portable API is used (``rdmashim`` and ``rdmashim.cm``), so the suite
 runs unchanged on every backend. A pair is made the way an application makes
-one: a listening CM id on 127.0.0.1, an active id that resolves the address
-and route, each side creates its PD, CQs and QP on the device context the CM
-chose, then connect / accept. Both sides' events come through one event
-channel; :class:`Events` hands each id its own.
+one: a listening CM id on a local address (:data:`HOST`, 127.0.0.1 by default),
+an active id that resolves the address and route, each side creates its PD,
+CQs and QP on the device context the CM chose, then connect / accept. Both
+sides' events come through one event channel; :class:`Events` hands each id
+its own.
 
 ``RDMASHIM_API_TIMEOUT`` (seconds, default 10) bounds every wait; the siw VM
 runs the suite with a longer one, as its CPU is emulated.
@@ -31,7 +32,11 @@ TIMEOUT = float(os.environ.get("RDMASHIM_API_TIMEOUT", "10"))
 QUIET = 0.1
 """Seconds to watch for something that must not happen (an unsignaled completion, ...)."""
 WARMUP_WR_ID = 0xFEED_0000
-LOCALHOST = "127.0.0.1"
+HOST = os.environ.get("RDMASHIM_API_HOST", "127.0.0.1")
+"""The local address pairs connect over. The kernel's rdma_cm cannot resolve
+127.0.0.1 to a siw device bound to ``lo`` (lo has no MAC for an iWARP GID), so
+the siw VM binds siw to eth0 and sets this to eth0's address; the traffic still
+takes the kernel's loopback path."""
 
 
 def pattern(n: int, seed: int = 0) -> bytes:
@@ -171,7 +176,7 @@ def make_end(
 
 
 class Cm:
-    """The suite's CM: one event channel, a listener on 127.0.0.1, pairs on demand."""
+    """The suite's CM: one event channel, a listener on :data:`HOST`, pairs on demand."""
 
     def __init__(self, channel: EventChannel) -> None:
         self.channel = channel
@@ -184,12 +189,12 @@ class Cm:
         """Start the listener (once); returns its port."""
         if self.listener is None:
             self.listener = self.channel.create_id()
-            self.listener.bind_addr((LOCALHOST, 0))
+            self.listener.bind_addr((HOST, 0))
             self.listener.listen()
             self.port = self.listener.local_addr[1]
         return self.port
 
-    async def resolve(self, port: int, host: str = LOCALHOST) -> Any:
+    async def resolve(self, port: int, host: str = HOST) -> Any:
         """A new active id with its address and route resolved."""
         cm_id = self.channel.create_id()
         cm_id.resolve_addr(None, (host, port))
@@ -199,7 +204,7 @@ class Cm:
         return cm_id
 
     async def device_attr(self) -> DeviceAttr:
-        """The limits of the device the route to 127.0.0.1 picks (no connection needed)."""
+        """The limits of the device the route to :data:`HOST` picks (no connection needed)."""
         if self._attr is None:
             cm_id = await self.resolve(self.listen())
             self._attr = cm_id.context.query_device()

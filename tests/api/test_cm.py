@@ -9,7 +9,7 @@ import socket
 
 import pytest
 import trio
-from api.support import LOCALHOST, SIG, TIMEOUT, Cm, E, drain, make_end, ok
+from api.support import HOST, SIG, TIMEOUT, Cm, E, drain, make_end, ok
 
 import rdmashim
 from rdmashim import QPState, RecvWR, SendWR, Transport, VerbsError, WCStatus, WROpcode
@@ -26,7 +26,7 @@ from rdmashim.cm import (
 def closed_port() -> int:
     """A port nobody listens on (bound once, then released)."""
     with socket.socket() as s:
-        s.bind((LOCALHOST, 0))
+        s.bind((HOST, 0))
         return s.getsockname()[1]
 
 
@@ -40,7 +40,7 @@ def exact_or_padded(got: bytes, sent: bytes, transport: Transport) -> bool:
 async def test_resolve_picks_a_listed_device(cm: Cm) -> None:
     cm_id = await cm.resolve(4791)
     assert cm_id.context.device.name in {d.name for d in rdmashim.get_device_list()}
-    assert cm_id.peer_addr[:2] == (LOCALHOST, 4791)
+    assert cm_id.peer_addr[:2] == (HOST, 4791)
     assert cm_id.context.query_port(1).state.name == "ACTIVE"
 
 
@@ -62,7 +62,7 @@ async def test_private_data_both_ways(cm: Cm, size: str) -> None:
     assert exact_or_padded(pair.client_established.private_data, welcome, attr.transport)
     assert pair.connect_event.listen_id is cm.listener
     assert pair.server.id is not cm.listener
-    assert pair.server.id.peer_addr[0] == LOCALHOST
+    assert pair.server.id.peer_addr[0] == HOST
     assert pair.server.id.local_addr[1] == cm.port
 
 
@@ -123,7 +123,7 @@ async def test_listening_twice_on_one_port_fails(cm: Cm) -> None:
     port = cm.listen()
     other = cm.channel.create_id()
     with pytest.raises(VerbsError) as info:
-        other.bind_addr((LOCALHOST, port))
+        other.bind_addr((HOST, port))
         other.listen()
     assert info.value.errno == errno.EADDRINUSE
 
@@ -215,7 +215,7 @@ async def test_open_connection_and_serve() -> None:
     async with trio.open_nursery() as nursery:
         addr = await nursery.start(serve, _echo, 0)
         for n in range(3):  # one after another on one listener
-            async with open_connection(LOCALHOST, addr[1], private_data=b"c%d" % n) as conn:
+            async with open_connection(HOST, addr[1], private_data=b"c%d" % n) as conn:
                 assert conn.private_data == b"echo c%d" % n
                 assert conn.context.device.name in {d.name for d in rdmashim.get_device_list()}
                 rbuf = conn.pd.reg_mr(bytearray(256))
@@ -234,7 +234,7 @@ async def test_serve_rejects_and_open_connection_raises() -> None:
     async with trio.open_nursery() as nursery:
         addr = await nursery.start(serve, _echo, 0)
         with pytest.raises(ConnectionRejected) as info:
-            async with open_connection(LOCALHOST, addr[1], private_data=b"go away"):
+            async with open_connection(HOST, addr[1], private_data=b"go away"):
                 pytest.fail("connected")
         assert info.value.private_data == b"rejected: go away"
 
@@ -243,14 +243,14 @@ async def test_serve_rejects_and_open_connection_raises() -> None:
 
         addr2 = await nursery.start(serve, silent, 0)
         with pytest.raises(ConnectionRejected):
-            async with open_connection(LOCALHOST, addr2[1]):
+            async with open_connection(HOST, addr2[1]):
                 pytest.fail("connected")
         nursery.cancel_scope.cancel()
 
 
 async def test_open_connection_to_a_closed_port() -> None:
     with pytest.raises(ConnectionRejected) as info:
-        async with open_connection(LOCALHOST, closed_port()):
+        async with open_connection(HOST, closed_port()):
             pytest.fail("connected")
     assert info.value.errno == errno.ECONNREFUSED
 
@@ -266,7 +266,7 @@ async def test_handler_sees_the_peer_disconnect() -> None:
 
     async with trio.open_nursery() as nursery:
         addr = await nursery.start(serve, handler, 0)
-        async with open_connection(LOCALHOST, addr[1]):
+        async with open_connection(HOST, addr[1]):
             pass
         with trio.fail_after(TIMEOUT):
             await done.wait()

@@ -1,0 +1,72 @@
+"""The shared API suite (``tests/api``) inside the siw VM, for every registered backend.
+
+One guest boots for the module: ``tools/vm_api_suite.py --json`` (the developer
+command of the README) runs ``python3 -m pytest tests/api`` in it once per
+backend, with ``RDMASHIM_BACKEND`` set, against the kernel's siw on ``lo``.
+Each backend's test here fails when its in-guest pytest failed, and shows that
+output. A backend whose module says ``BackendUnavailable`` in the guest is
+skipped, except one the guest is built to have (:data:`GUEST_HAS`) while
+``RDMASHIM_REQUIRE_INTEROP=1``. Without root, QEMU or the image everything is
+skipped (failed under ``RDMASHIM_REQUIRE_INTEROP=1``), as in ``test_siw_interop``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import siwvm
+
+from rdmashim.registry import BACKENDS
+
+pytestmark = [pytest.mark.slow, pytest.mark.interop]
+
+TOOL = Path(__file__).resolve().parent.parent / "tools" / "vm_api_suite.py"
+REQUIRE_ENV = "RDMASHIM_REQUIRE_INTEROP"
+GUEST_HAS = {"softiwarp", "rdmacore"}
+"""Backends the guest image provides for (python3, python3-cffi, rdma-core, siw)."""
+LIMIT = 2400.0
+"""Seconds for the whole run: pip (first time), boot, each backend's suite under TCG."""
+
+
+@pytest.fixture(scope="module")
+def vm_results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    why = siwvm.missing_requirements()
+    if why and os.environ.get(REQUIRE_ENV) == "1":
+        pytest.fail(f"{REQUIRE_ENV}=1 but the siw guest cannot boot here: {why}")
+    if why:
+        pytest.skip(why)
+    out = tmp_path_factory.mktemp("vm-api") / "results.json"
+    run = subprocess.run(
+        [sys.executable, str(TOOL), "--name", "api-pytest", "--json", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=LIMIT,
+        check=False,
+    )
+    if not out.exists():
+        pytest.fail(
+            f"{TOOL.name} wrote no results (exit {run.returncode}):\n{run.stdout}\n{run.stderr}"
+        )
+    results = json.loads(out.read_text())
+    if run.returncode == 2:
+        pytest.fail(f"the guest did not run the suite:\n{run.stdout[-6000:]}")
+    print(f"\n{results.get('guest_report')}; pip deps in {results.get('deps_seconds')} s")
+    return results
+
+
+@pytest.mark.parametrize("backend", sorted(BACKENDS))
+def test_api_suite_in_the_siw_vm(vm_results: dict[str, Any], backend: str) -> None:
+    result = vm_results["backends"][backend]
+    print(f"\n{backend}: {result['status']}: {result['summary']}")
+    if result["status"] == "unavailable":
+        reason = f"{backend} is unavailable in the guest: {result['output']}"
+        if backend in GUEST_HAS and os.environ.get(REQUIRE_ENV) == "1":
+            pytest.fail(reason)
+        pytest.skip(reason)
+    assert result["status"] == "passed", f"in-guest pytest of {backend}:\n{result['output']}"
