@@ -190,6 +190,7 @@ class QP(Resource):
         attr.qp_type = QPType(qp_type)
         attr.sq_sig_all = int(sq_sig_all)
         self._ptr = create(attr)
+        self._state_hint = _STATES.get(self._ptr.state, QPState.RESET)
         c = attr.cap
         self.cap = QPCap(
             c.max_send_wr, c.max_recv_wr, c.max_send_sge, c.max_recv_sge, c.max_inline_data
@@ -239,25 +240,35 @@ class QP(Resource):
             )
 
     # ---------------------------------------------------------------- state
-    def _query(self) -> tuple[Any, Any]:
+    def _query(self) -> Any:
         self._check_open("query_qp")
         attr = ffi.new("struct ibv_qp_attr *")
         init = ffi.new("struct ibv_qp_init_attr *")
         lib.check(lib.verbs().ibv_query_qp(self._ptr, attr, _QUERY_MASK, init), "ibv_query_qp")
-        return attr, init
+        return attr
+
+    def _current_state(self, reported: int) -> QPState:
+        state = _STATES.get(reported, QPState.ERR)
+        if state is QPState.RESET and self._state_hint is not QPState.RESET:
+            return self._state_hint  # the device does not report QP states (Linux siw)
+        return state
 
     @property
     def state(self) -> QPState:
-        """The current state, as the device reports it."""
-        attr, _ = self._query()
-        return _STATES.get(attr.qp_state, QPState.ERR)
+        """The current state, as the device reports it.
+
+        Linux siw always reports RESET; then the state is the last one this QP was
+        moved to: INIT once a CM id made it, RTS when the CM connected it, ERR when
+        the CM reported the disconnect, or what :meth:`modify` set.
+        """
+        return self._current_state(self._query().qp_state)
 
     def query(self) -> QPAttr:
         """Current attributes."""
-        attr, init = self._query()
+        attr = self._query()
         c = attr.cap
         return QPAttr(
-            qp_state=_STATES.get(attr.qp_state, QPState.ERR),
+            qp_state=self._current_state(attr.qp_state),
             qp_type=self.qp_type,
             qp_num=self.qp_num,
             cap=QPCap(
@@ -265,7 +276,7 @@ class QP(Resource):
             ),
             max_rd_atomic=attr.max_rd_atomic,
             max_dest_rd_atomic=attr.max_dest_rd_atomic,
-            sq_sig_all=bool(init.sq_sig_all),
+            sq_sig_all=self.sq_sig_all,
         )
 
     def modify(self, *, qp_state: QPState) -> None:
@@ -274,12 +285,16 @@ class QP(Resource):
         attr = ffi.new("struct ibv_qp_attr *")
         attr.qp_state = QPState(qp_state)
         lib.check(lib.verbs().ibv_modify_qp(self._ptr, attr, IBV_QP_STATE), "ibv_modify_qp")
+        self._state_hint = QPState(qp_state)
 
     def _connected(self) -> None:
         """A CM id connected this QP; wait_closed now waits for the disconnect."""
+        self._state_hint = QPState.RTS
         self._connection_over = trio.Event()
 
     def _disconnected(self) -> None:
+        """The CM reported the connection gone (the QP is in ERR)."""
+        self._state_hint = QPState.ERR
         self._connection_over.set()
 
     async def wait_closed(self) -> None:
