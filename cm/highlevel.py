@@ -332,6 +332,18 @@ class ConnectionRequest(_OnId):
         self.id.reject(private_data)
         await trio.lowlevel.checkpoint()
 
+    async def aclose(self) -> None:
+        """Close the accepted connection, or else release the id and the QP, CQ and
+        (unless shared) PD made for the request (idempotent). A request still
+        unanswered is rejected first."""
+        if not self._answered:
+            await self.reject(b"")
+        if self._connection is not None:
+            await self._connection.aclose()
+        else:
+            self.id.destroy()
+            self._release()
+
 
 async def serve(
     handler: Callable[[ConnectionRequest], Awaitable[None]],
@@ -389,10 +401,4 @@ async def _run_handler(
         log.info("connection from %s failed: %s", request.peer_addr, exc)
     finally:
         with trio.CancelScope(shield=True):
-            if not request._answered:
-                await request.reject(b"")
-            if request._connection is not None:
-                await request._connection.aclose()
-            else:
-                request.id.destroy()
-                request._release()
+            await request.aclose()
