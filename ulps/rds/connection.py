@@ -16,6 +16,7 @@ never sent twice, and a broken session drops it with a status saying so.
 from __future__ import annotations
 
 import logging
+import math
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -43,6 +44,11 @@ IPAddress = IPv4Address | IPv6Address
 SLOT = RDS_HEADER_LEN + RDS_FRAG_SIZE
 RECV_SLOTS = 128
 SEND_SLOTS = 64
+SIGNAL_EVERY = 8
+"""A session asks for a completion every this many Sends (or each one when slots run
+low): one completion frees the slots of every Send posted before it."""
+ACK_DELAY = 0.002
+"""Seconds a session holds an acknowledgement back for a message of ours to carry it."""
 RDMA_DEPTH = 16
 """RDMA operations a session keeps in flight (beside its send slots on the send queue)."""
 _RDMA_WR = 1 << 32
@@ -252,6 +258,8 @@ class Session:
         self.recv_mr = conn.pd.reg_mr(bytearray(SLOT * RECV_SLOTS), Access.LOCAL_WRITE)
         self.send_mr = conn.pd.reg_mr(bytearray(SLOT * SEND_SLOTS), Access.LOCAL_WRITE)
         self.free_slots = list(range(SEND_SLOTS))
+        self.posted: deque[int] = deque()
+        """Send slots in flight, in posting order (the send queue completes in order)."""
         self.rdma: dict[int, RdmaOp] = {}
         """RDMA operations in flight, by work request id."""
         self._next_rdma = _RDMA_WR
@@ -311,15 +319,17 @@ class Session:
             self.rds.counters.rdma_failures += 1
             op._finish(status_of(status), f"{status.name}: {self.qp.error}")
 
-    def _post(
-        self, header: bytes, payload: bytes | memoryview, flags: SendFlags = SendFlags.SIGNALED
-    ) -> None:
+    def _post(self, header: bytes, payload: bytes | memoryview, fence: bool = False) -> None:
         slot = self.free_slots.pop()
         base = slot * SLOT
         buf = self.send_mr.buf
         buf[base : base + RDS_HEADER_LEN] = header
         buf[base + RDS_HEADER_LEN : base + RDS_HEADER_LEN + len(payload)] = payload
         self.send_credits -= 1
+        self.posted.append(slot)
+        flags = SendFlags.FENCE if fence else SendFlags(0)
+        if len(self.posted) % SIGNAL_EVERY == 0 or len(self.free_slots) < SIGNAL_EVERY:
+            flags |= SendFlags.SIGNALED
         self.qp.post_send(
             SendWR(
                 slot, WROpcode.SEND, [self.send_mr.sge(base, RDS_HEADER_LEN + len(payload))],
@@ -336,7 +346,7 @@ class Session:
             return
         rds = self.rds
         while self.free_slots and self.send_credits > 1:
-            flags = SendFlags.SIGNALED
+            fence = False
             if self.current is None:
                 if not rds.unsent:
                     return
@@ -347,12 +357,11 @@ class Session:
                 rds.unacked.append(self.current)
                 if self.current.rdma is not None:
                     self._post_rdma(self.current.rdma)
-                    if not self.current.rdma.write:  # the peer sees the message after the Read
-                        flags |= SendFlags.FENCE
+                    fence = not self.current.rdma.write  # the peer sees it after the Read
             msg = self.current
             start = self.next_fragment * RDS_FRAG_SIZE
             payload = memoryview(msg.data)[start : start + RDS_FRAG_SIZE]
-            self._post(self._header(msg, first=start == 0), payload, flags)
+            self._post(self._header(msg, first=start == 0), payload, fence)
             self.next_fragment += 1
             if self.next_fragment >= msg.fragments:
                 self.current = None
@@ -360,7 +369,9 @@ class Session:
             rds.counters.credit_waits += 1
 
     def _send_ack(self) -> None:
-        if self.free_slots and self.send_credits > 0:
+        # The last credit only goes to a message that grants the peer some: spent on a
+        # bare ack, both sides could end up with none and wait for each other forever.
+        if self.free_slots and (self.send_credits > 1 or (self.send_credits and self.advertise)):
             self._post(self._header(None), b"")
             self.rds.counters.acks_sent += 1
 
@@ -395,6 +406,19 @@ class Session:
             self.rds.received(first, bytes(data))
 
     # ------------------------------------------------------------------ the loop
+    def _completions(self, wcs: list[Any]) -> None:
+        for wc in wcs:
+            if wc.wr_id in self.rdma:  # receives use slot numbers: no clash
+                self._rdma_done(wc.wr_id, wc.status)
+            if wc.status != WCStatus.SUCCESS:
+                raise SessionLost(f"{wc.status.name} on {self.rds.peer}: {self.qp.error}")
+            if wc.opcode == WCOpcode.RECV:
+                self._on_recv(wc.wr_id, wc.byte_len)
+            elif wc.wr_id < _RDMA_WR:  # this Send and every one posted before it are done
+                while (slot := self.posted.popleft()) != wc.wr_id:
+                    self.free_slots.append(slot)
+                self.free_slots.append(slot)
+
     async def run(self, credits: int) -> None:
         """Drive the session until its connection breaks (raises :class:`SessionLost`).
 
@@ -403,26 +427,22 @@ class Session:
         self.send_credits = credits
         self.rds.counters.sessions += 1
         self.pump_sends()
+        ack_at = math.inf  # when an acknowledgement held back must go on its own
         try:
             while True:
-                wcs = await self.cq.poll_wait(64)
-                for wc in wcs:
-                    if wc.wr_id in self.rdma:  # receives use slot numbers: no clash
-                        self._rdma_done(wc.wr_id, wc.status)
-                    if wc.status != WCStatus.SUCCESS:
-                        raise SessionLost(f"{wc.status.name} on {self.rds.peer}: {self.qp.error}")
-                    if wc.opcode == WCOpcode.RECV:
-                        self._on_recv(wc.wr_id, wc.byte_len)
-                    elif wc.wr_id < _RDMA_WR:
-                        self.free_slots.append(wc.wr_id)
+                if ack_at == math.inf:
+                    self._completions(await self.cq.poll_wait(64))
+                else:
+                    with trio.move_on_at(ack_at):
+                        self._completions(await self.cq.poll_wait(64))
                 self.pump_sends()
-                if self.rds.next_recv - 1 > self.acked_to_peer:
-                    # Let the application answer first: its reply carries the ack.
-                    await trio.lowlevel.checkpoint()
-                    self.pump_sends()
-                behind = self.rds.next_recv - 1 > self.acked_to_peer
-                if behind or self.advertise >= RECV_SLOTS // 2:
+                if self.rds.next_recv - 1 <= self.acked_to_peer:
+                    ack_at = math.inf  # a message of ours carried it
+                elif ack_at == math.inf:
+                    ack_at = trio.current_time() + ACK_DELAY
+                if self.advertise >= RECV_SLOTS // 2 or trio.current_time() >= ack_at:
                     self._send_ack()
+                    ack_at = math.inf
         except RdsProtocolError as exc:
             log.warning("RDS protocol error from %s: %s", self.rds.peer, exc)
             raise SessionLost(str(exc)) from exc
