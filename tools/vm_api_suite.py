@@ -101,7 +101,8 @@ EOF
     fi
     echo "== backend $b: python3 -m pytest tests/api __PYTEST_ARGS__"
     start=$(date +%s%N)
-    RDMASHIM_BACKEND=$b python3 -m pytest -p no:cacheprovider tests/api __PYTEST_ARGS__ \
+    RDMASHIM_BACKEND=$b python3 -m pytest -p no:cacheprovider -p no:hypothesispytest tests/api \
+        __PYTEST_ARGS__ \
         2>&1 | tee /host/pytest.$b.txt
     r=${PIPESTATUS[0]}
     echo $(( ($(date +%s%N) - start) / 1000000 )) > /host/ms.$b

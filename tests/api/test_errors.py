@@ -11,7 +11,7 @@ both CM ids report DISCONNECTED, and everything still posted is flushed.
 from __future__ import annotations
 
 import pytest
-from api.support import SIG, Cm, E, End, Pair, drain
+from api.support import SIG, Cm, E, End, Pair, drain, is_linux_siw
 
 from rdmashim import SGE, Access, QPState, RecvWR, SendWR, Transport, WCOpcode, WCStatus, WROpcode
 
@@ -125,6 +125,15 @@ async def test_remote_read_violation(pair: Pair, case: str) -> None:
     sink = client.reg(4096)
     client.qp.post_send(SendWR(1, WROpcode.RDMA_READ, [sink.sge()], SIG, addr, rkey))
     (wc,) = await drain(client.send_cq, 1)
+    if (
+        case == "no-remote-read"
+        and wc.status == WCStatus.SUCCESS
+        and is_linux_siw(client.ctx.query_device())
+    ):
+        pytest.xfail(
+            "kernel siw serves RDMA Reads from regions without REMOTE_READ: it checks a Read "
+            "Response's source with no permissions (siw_qp_tx.c, siw_check_sgl_tx(pd, wqe, 0))"
+        )
     assert wc.wr_id == 1 and wc.status in REMOTE_READ_REFUSED, wc
     assert bytes(sink.buf) == bytes(4096)
     await connection_ended(pair, (client, 2))
@@ -158,7 +167,10 @@ async def test_receive_into_memory_without_local_write(pair: Pair) -> None:
     server.qp.post_recv([RecvWR(1, [ro.sge()]), RecvWR(2, [server.reg(100).sge()])])
     client.qp.post_send(SendWR(1, WROpcode.SEND, [client.reg(b"abc").sge()], SIG))
     (wc,) = await drain(server.recv_cq, 1)
-    assert (wc.wr_id, wc.status) == (1, WCStatus.LOC_PROT_ERR)
+    # Kernel siw reports GENERAL_ERR: its placement check of a receive's SGE
+    # (siw_qp_rx.c, siw_rx_data) leaves the status unset, and siw_rdmap_complete
+    # turns any unset error into GENERAL_ERR.
+    assert wc.wr_id == 1 and wc.status in (WCStatus.LOC_PROT_ERR, WCStatus.GENERAL_ERR), wc
     await connection_ended(pair, (server, 1))
     assert bytes(ro.buf[:3]) == bytes(3)
 
