@@ -59,6 +59,9 @@ class WC(NamedTuple):
     vendor_err: int = 0
     solicited: bool = False
     """Whether the message was a Send with Solicited Event (what ``req_notify(True)`` waits for)."""
+    imm_data: int = 0
+    """Immediate data (host order) when ``wc_flags`` has ``WITH_IMM``; iWARP without RFC
+    7306 carries none."""
 
     def raise_for_status(self) -> WC:
         """Return self if the work request succeeded, else raise :class:`CompletionError`."""
