@@ -1,5 +1,5 @@
-"""Shared fixtures: an opened siw_lo device, a connected pair of queue pairs on it, and
-three hosts in network namespaces."""
+"""Shared fixtures: an opened siw_lo device, a connected pair of queue pairs on it, three
+hosts in network namespaces, and whether the siw guest tests can capture."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import pytest
+import siwvm
 
 import rdmashim
 
@@ -37,3 +38,9 @@ def net() -> Iterator[netns.Network]:
         yield network
     finally:
         network.destroy()
+
+
+@pytest.fixture
+def netns_tcpdump() -> bool:
+    """Whether the siw guest tests can capture the bridge (see ``siwvm.can_capture``)."""
+    return siwvm.can_capture()

@@ -44,8 +44,7 @@ import os
 import sys
 import time
 import warnings
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
-from contextlib import asynccontextmanager
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -75,8 +74,6 @@ STEP_TIMEOUT = 5.0
 RUN_LIMIT = 90.0
 RACE_ATTEMPTS = 5
 RACE_ENV = "RDMASHIM_SIW_RACE_RUNS"
-NO_CAPTURE_ENV = "RDMASHIM_SIW_NO_CAPTURE"
-"""Set to 1 to run without tcpdump (the capture changes the timing the siw race depends on)."""
 _ports = itertools.count(17200)
 
 RPING_SERVER = r"""
@@ -131,56 +128,6 @@ def guest() -> Iterator[siwvm.Guest]:
         print(f"\nguest dmesg (siw): {len(siw_lines)} lines", *siw_lines[-10:], sep="\n")
         if created:
             siwvm.netns_down()
-
-
-@pytest.fixture
-def netns_tcpdump() -> bool:
-    """Whether captures can be taken (tcpdump, tshark, check_pcap; not switched off)."""
-    return not wirecap.missing_requirements() and os.environ.get(NO_CAPTURE_ENV) != "1"
-
-
-@asynccontextmanager
-async def capture(enabled: bool, pcap: Path, port: int) -> AsyncIterator[Any]:
-    if not enabled:
-        yield None
-        return
-    async with wirecap.tcpdump(pcap, port, interface="br0", netns=siwvm.NETNS) as cap:
-        yield cap
-
-
-async def judge(pcap: Path, port: int) -> dict[str, Any]:
-    """check_pcap.py's verdict, less two findings that are not ours to fix.
-
-    Set aside (and counted): siw's non-zero PAD bytes (``mpa.pad`` lint) in frames
-    the guest sent, and TCP retransmissions, which check_pcap reports as payload
-    "not dissected as MPA" (tshark does not frame a retransmitted copy; a slow TCG
-    guest's delayed ACKs provoke tail-loss probes). Adds ``our_problems`` (must be
-    empty), ``guest_pad`` and ``retransmissions``.
-    """
-    rc, result, _ = await wirecap.check_pcap(pcap, port)
-    sources, retransmissions = await siwvm.frame_facts(pcap)
-    lint = result.get("lint", [])
-    guest_pad = [
-        p for p in lint if p["rule"] == "mpa.pad" and sources.get(p["frame"]) == siwvm.GUEST_IP
-    ]
-    other_lint = [p for p in lint if p not in guest_pad]
-    undissected = [
-        u for u in result.get("undissected_payload", []) if u["frame"] not in retransmissions
-    ]
-    problems = [
-        p
-        for p in result.get("problems", [])
-        if "(lint)" not in p and "not dissected as MPA" not in p
-    ]
-    if other_lint:
-        problems.append(f"lint: {other_lint}")
-    if undissected:
-        problems.append(f"payload not dissected as MPA: {undissected}")
-    result["our_problems"] = problems
-    result["guest_pad"] = guest_pad
-    result["retransmissions"] = sorted(retransmissions)
-    result["check_pcap_rc"] = rc
-    return result
 
 
 def check_wire(
@@ -301,7 +248,7 @@ async def kernel_server_attempt(
                 await job.wait(30)
             raise
     pcap = tmp_path / f"kernel-server-{port}.pcap" if tcpdump else None
-    async with capture(tcpdump, pcap or Path(), port):
+    async with siwvm.capture(tcpdump, pcap or Path(), port):
         argv = [*PING_CLI, "-c", "-a", siwvm.GUEST_IP, "-p", str(port), "-v", "-V"]
         argv += ["-C", str(COUNT), "-S", str(size), "--timeout", str(STEP_TIMEOUT), *options]
         client = await siwvm.run_in_netns(argv, RUN_LIMIT)
@@ -319,7 +266,7 @@ async def kernel_server_attempt(
         console = await guest.ensure_async()
         attempt.guest_crash = siwvm.oops(console) if console else "(no console log)"
     if pcap is not None:
-        attempt.wire = await judge(pcap, port)
+        attempt.wire = await siwvm.judge(pcap, port)
     attempt.seconds = time.monotonic() - start
     return attempt
 
@@ -453,14 +400,14 @@ async def our_server_kernel_client(
         server["done"] = await siwvm.in_netns(run_server, config)
 
     with trio.fail_after(RUN_LIMIT + 30):
-        async with capture(tcpdump, pcap, port), trio.open_nursery() as nursery:
+        async with siwvm.capture(tcpdump, pcap, port), trio.open_nursery() as nursery:
             nursery.start_soon(serve_library if library else serve_cli)
             await siwvm.wait_listening(port)
             result = await guest.run(
                 RPING_CLIENT.format(host=siwvm.HOST_IP, port=port, count=COUNT, size=size),
                 RUN_LIMIT,
             )
-    wire = await judge(pcap, port) if tcpdump else None
+    wire = await siwvm.judge(pcap, port) if tcpdump else None
     server["seen"] = seen
     return result, server, wire
 

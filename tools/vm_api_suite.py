@@ -37,15 +37,12 @@ reason is printed). ``--json PATH`` writes the per-backend results
 from __future__ import annotations
 
 import argparse
-import hashlib
-import importlib.metadata
 import json
 import shlex
 import shutil
 import subprocess
 import sys
 import time
-import tomllib
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -54,8 +51,6 @@ sys.path.insert(0, str(REPO / "tests"))
 
 import siwvm  # noqa: E402  (tests/siwvm.py: requirements, cache and harness paths)
 
-GUEST_DEPS = ["pytest", "pytest-trio", "trio", "crc32c", "hypothesis"]
-"""What the suite needs beyond the guest's python3 and python3-cffi."""
 DEFAULT_NAME = "api-suite"
 GUEST_TIMEOUT = 60
 """``RDMASHIM_API_TIMEOUT`` in the guest: seconds any one wait may take under TCG."""
@@ -126,61 +121,6 @@ class BackendResult:
     """pytest's last line (``N passed, ...``) or why nothing ran."""
     seconds: float | None
     output: str
-
-
-def pinned_deps() -> list[str]:
-    """GUEST_DEPS at the versions installed here (unpinned where not installed)."""
-    pins = []
-    for name in GUEST_DEPS:
-        try:
-            pins.append(f"{name}=={importlib.metadata.version(name)}")
-        except importlib.metadata.PackageNotFoundError:
-            pins.append(name)
-    return pins
-
-
-def prepare_deps(log=print) -> Path:
-    """The guest's dependency directory, made with ``pip install --target`` if needed."""
-    pins = pinned_deps()
-    tag = f"py{sys.version_info.major}{sys.version_info.minor}"
-    key = hashlib.sha256("\n".join([tag, *pins]).encode()).hexdigest()[:12]
-    target = siwvm.cache_dir() / "pydeps" / f"{tag}-{key}"
-    if (target / ".complete").is_file():
-        return target
-    tmp = target.with_name(target.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    log(f"vm-api-suite: pip install --target {target} {' '.join(pins)}")
-    start = time.monotonic()
-    subprocess.run(
-        [
-            sys.executable, "-m", "pip", "install", "--quiet", "--disable-pip-version-check",
-            "--no-compile", "--only-binary=:all:", "--target", str(tmp), *pins,
-        ],
-        check=True,
-    )  # fmt: skip
-    shutil.rmtree(tmp / "bin", ignore_errors=True)
-    for leftover in tmp.glob("cffi*"):  # the guest's python3-cffi serves
-        shutil.rmtree(leftover) if leftover.is_dir() else leftover.unlink()
-    (tmp / ".complete").write_text("\n".join(pins) + "\n")
-    shutil.rmtree(target, ignore_errors=True)
-    tmp.rename(target)
-    log(f"vm-api-suite: dependencies ready in {time.monotonic() - start:.1f} s")
-    return target
-
-
-def stage_tree(dest: Path) -> Path:
-    """Copy the working tree to ``dest`` in the installed package layout."""
-    shutil.rmtree(dest, ignore_errors=True)
-    ignore = shutil.ignore_patterns("__pycache__", "*.pyc", ".hypothesis", ".pytest_cache")
-    dest.mkdir(parents=True)
-    shutil.copy2(REPO / "pyproject.toml", dest / "pyproject.toml")
-    shutil.copytree(REPO / "tests", dest / "tests", ignore=ignore)
-    config = tomllib.loads((REPO / "pyproject.toml").read_text())
-    package_dirs = config["tool"]["setuptools"]["package-dir"]
-    for package, folder in sorted(package_dirs.items()):  # parents before children
-        target = dest.joinpath(*package.split("."))
-        shutil.copytree(REPO / folder, target, ignore=ignore, dirs_exist_ok=True)
-    return dest
 
 
 def registered_backends() -> list[str]:
@@ -293,11 +233,11 @@ def main(argv: list[str] | None = None) -> int:
         report["requirements"] = why
         return finish(SKIP)
     start = time.monotonic()
-    deps = prepare_deps(log=(lambda *_: None) if args.quiet else print)
+    deps = siwvm.guest_python_deps(log=(lambda *_: None) if args.quiet else print)
     report["deps"] = str(deps)
     report["deps_seconds"] = round(time.monotonic() - start, 1)
     run = siwvm.cache_dir() / "run"
-    src = stage_tree(run / f"{args.name}.stage" / "src")
+    src = siwvm.stage_tree(run / f"{args.name}.stage" / "src")
     script = run / f"{args.name}.suite.sh"
     script.write_text(guest_script(backends, args.pytest_args, args.wait_limit))
     boot_start = time.monotonic()
