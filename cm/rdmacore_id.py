@@ -43,6 +43,13 @@ DEFAULT_CONNECT_TIMEOUT = 10.0
 """Seconds an active id waits for an answer before UNREACHABLE."""
 
 _CONNECTED_SPACES = (PortSpace.TCP, PortSpace.IB)
+_CONNECT_FAILURES = {
+    errno.ECONNREFUSED: CMEventType.REJECTED,
+    errno.ETIMEDOUT: CMEventType.UNREACHABLE,
+    errno.EHOSTUNREACH: CMEventType.UNREACHABLE,
+    errno.ENETUNREACH: CMEventType.UNREACHABLE,
+}
+"""errno of a failed ``rdma_connect`` -> the event reported instead (see connect)."""
 _SOCKADDR_IN6 = struct.Struct("=HH4s16sI")  # family, port, flowinfo, address, scope id
 
 
@@ -375,7 +382,19 @@ class RdmaCoreCMId:
             raise VerbsError(errno.EINVAL, "connect", "resolve the address and route first")
         self._require_qp("connect")
         native, _data = self._native_param("connect", param)
-        lib.check(cm.rdma_connect(self._ptr, native), "rdma_connect")
+        if cm.rdma_connect(self._ptr, native) != 0:
+            err = lib.last_errno()
+            kind = _CONNECT_FAILURES.get(err)
+            if kind is None:
+                raise VerbsError(err, "rdma_connect")
+            # Linux siw (and other iWARP drivers) make the TCP connection inside
+            # rdma_connect (siw_cm.c, siw_connect: "connect() is called in blocking
+            # mode"), so a refused or unreachable peer fails the call instead of
+            # coming back as an event; report it as the event librdmacm gives where
+            # the connection is made asynchronously.
+            self.state = State.ROUTE_RESOLVED
+            self._post(kind, -err, detail=f"rdma_connect: {os.strerror(err)}")
+            return
         self.state = State.CONNECT
         self._timer = trio.CancelScope()
         self._spawn(self._connect_timer, self._timer, self.connect_timeout)
