@@ -452,6 +452,11 @@ class RdmaCoreCMId:
         cm = self._check("disconnect")
         if self.state in (State.ESTABLISHED, State.ACCEPTING, State.CONNECT):
             lib.check(cm.rdma_disconnect(self._ptr), "rdma_disconnect")
+            if self.qp is not None:
+                # rdma_disconnect(3): the QP is in the error state now. On iWARP
+                # librdmacm asks for SQD, which siw turns into CLOSING and then
+                # ERROR once TCP is closed (siw_qp.c); its query reports no state.
+                self.qp._failed()
 
     # ------------------------------------------------------------------ events
     async def _on_event(self, kind: CMEventType, status: int, param: ConnParam) -> None:
@@ -490,7 +495,7 @@ class RdmaCoreCMId:
         elif kind is E.DISCONNECTED:
             self.state = State.DISCONNECTED
             if self.qp is not None:
-                self.qp._disconnected()
+                self.qp._disconnected(flush=True)
         self._post(kind, status, **extra)
 
     def _spawn(self, fn: Any, *args: Any) -> None:

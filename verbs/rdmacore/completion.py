@@ -39,6 +39,7 @@ log = logging.getLogger(__name__)
 _STATUS = {s.value: s for s in WCStatus}
 _OPCODE = {o.value: o for o in WCOpcode}
 _WITH_INV = int(WCFlags.WITH_INV)
+_SUCCESS = int(WCStatus.SUCCESS)
 
 
 def notify_closing(fd: int) -> None:
@@ -185,7 +186,10 @@ class CQ(Resource):
             raise VerbsError(-n if n < -1 else errno.EIO, "poll_cq", "CQ overrun or error")
         wcs = self._wc
         for i in range(n):
-            self._buffer.append(decode_wc(wcs[i]))
+            wc = wcs[i]
+            if wc.status != _SUCCESS:
+                self.context._qp_failed(wc.qp_num)
+            self._buffer.append(decode_wc(wc))
         return n
 
     def poll(self, num_entries: int = 16) -> list[WC]:

@@ -29,7 +29,12 @@ from rdmashim.verbs.rdmacore import lib
 from rdmashim.verbs.rdmacore.base import Resource
 from rdmashim.verbs.rdmacore.cdefs import ffi
 from rdmashim.verbs.rdmacore.completion import CQ, CompChannel
-from rdmashim.verbs.rdmacore.events import PORT_EVENTS, AsyncEvent, AsyncEventType
+from rdmashim.verbs.rdmacore.events import (
+    PORT_EVENTS,
+    QP_ERROR_EVENTS,
+    AsyncEvent,
+    AsyncEventType,
+)
 from rdmashim.verbs.rdmacore.memory import PD
 
 log = logging.getLogger(__name__)
@@ -182,6 +187,7 @@ class Context(Resource):
         self.borrowed = borrowed
         """True for librdmacm's context (closing it leaves the C context open)."""
         self._objects: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
+        self._qps: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
         self._async_fd: int = ptr.async_fd
         self._async_nonblocking = False
         self._created()
@@ -194,6 +200,16 @@ class Context(Resource):
     def _track(self, ptr: Any, obj: Any) -> None:
         """Remember which Python object wraps a CQ, QP or SRQ (for async events)."""
         self._objects[lib.address(ptr)] = obj
+
+    def _track_qp(self, qp_num: int, qp: Any) -> None:
+        """Remember a QP by number (completions name their QP so)."""
+        self._qps[qp_num] = qp
+
+    def _qp_failed(self, qp_num: int) -> None:
+        """A completion with an error status came from QP ``qp_num``: it is in ERR."""
+        qp = self._qps.get(qp_num)
+        if qp is not None:
+            qp._failed()
 
     def query_device(self) -> DeviceAttr:
         """Limits and capabilities of the device."""
@@ -297,6 +313,8 @@ class Context(Resource):
                 element = None
             else:
                 element = self._objects.get(lib.address(event.element.cq))
+                if kind in QP_ERROR_EVENTS and element is not None:
+                    element._failed()
             v.ibv_ack_async_event(event)
             if kind is not None:
                 return AsyncEvent(kind, element)

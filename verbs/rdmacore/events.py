@@ -45,6 +45,11 @@ PORT_EVENTS = frozenset(
 )
 """Events whose element is a port number (the others name a CQ, QP, SRQ or nothing)."""
 
+QP_ERROR_EVENTS = frozenset(
+    {AsyncEventType.QP_FATAL, AsyncEventType.QP_REQ_ERR, AsyncEventType.QP_ACCESS_ERR}
+)
+"""Events that leave their QP in the error state."""
+
 
 @dataclass(frozen=True, slots=True)
 class AsyncEvent:

@@ -9,6 +9,7 @@ first request not posted (those before it are posted), as libibverbs reports.
 from __future__ import annotations
 
 import errno
+import logging
 import socket
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
@@ -26,6 +27,8 @@ from rdmashim.verbs.wr import SGE, RecvWR, SendWR
 if TYPE_CHECKING:
     from rdmashim.verbs.rdmacore.completion import CQ
     from rdmashim.verbs.rdmacore.memory import PD
+
+log = logging.getLogger(__name__)
 
 IBV_QP_STATE = 1 << 0
 IBV_QP_MAX_QP_RD_ATOMIC = 1 << 13
@@ -208,6 +211,7 @@ class QP(Resource):
         self.close_listeners: list[Callable[[], None]] = []
         """Called when the QP is destroyed (a CM id forgets it)."""
         self.context._track(self._ptr, self)
+        self.context._track_qp(self.qp_num, self)
         self._created()
 
     # ---------------------------------------------------------------- posting
@@ -258,8 +262,9 @@ class QP(Resource):
         """The current state, as the device reports it.
 
         Linux siw always reports RESET; then the state is the last one this QP was
-        moved to: INIT once a CM id made it, RTS when the CM connected it, ERR when
-        the CM reported the disconnect, or what :meth:`modify` set.
+        moved to: INIT once a CM id made it, RTS when the CM connected it, ERR after
+        the id's ``disconnect()``, the CM's DISCONNECTED, a completion with an error
+        status (flushes included) or a fatal async event, or what :meth:`modify` set.
         """
         return self._current_state(self._query().qp_state)
 
@@ -292,8 +297,28 @@ class QP(Resource):
         self._state_hint = QPState.RTS
         self._connection_over = trio.Event()
 
-    def _disconnected(self) -> None:
-        """The CM reported the connection gone (the QP is in ERR)."""
+    def _failed(self) -> None:
+        """The QP is in ERR: an error or flush completion came from it, an async
+        event reported it fatal, or the id's ``rdma_disconnect`` moved it there."""
+        if self._state_hint is not QPState.RESET:
+            self._state_hint = QPState.ERR
+
+    def _disconnected(self, flush: bool = False) -> None:
+        """The connection is gone: the QP is in ERR (moved there when ``flush``).
+
+        ``flush`` is for the CM's DISCONNECTED event: then the QP is moved to ERR
+        for real, so what is still posted is flushed. Devices that reach ERR on
+        their own when the connection ends take this as a no-op; Linux siw does
+        not when it drops the connection itself after a failed send (siw_qp_tx.c,
+        siw_qp_sq_process calls siw_qp_cm_drop(qp, 0), which never reaches
+        siw_qp_llp_close, so the QP stays RTS with its queues unflushed).
+        """
+        if flush and not self._closed:
+            attr = ffi.new("struct ibv_qp_attr *")
+            attr.qp_state = QPState.ERR
+            rc = lib.verbs().ibv_modify_qp(self._ptr, attr, IBV_QP_STATE)
+            if rc:
+                log.debug("QP %d to ERR after the disconnect: rc %d", self.qp_num, rc)
         self._state_hint = QPState.ERR
         self._connection_over.set()
 
