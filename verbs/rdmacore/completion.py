@@ -18,6 +18,7 @@ import contextlib
 import errno
 import logging
 import os
+import socket
 import weakref
 from collections import deque
 from typing import TYPE_CHECKING, Any
@@ -39,6 +40,7 @@ log = logging.getLogger(__name__)
 _STATUS = {s.value: s for s in WCStatus}
 _OPCODE = {o.value: o for o in WCOpcode}
 _WITH_INV = int(WCFlags.WITH_INV)
+_WITH_IMM = int(WCFlags.WITH_IMM)
 _SUCCESS = int(WCStatus.SUCCESS)
 
 
@@ -49,7 +51,12 @@ def notify_closing(fd: int) -> None:
 
 
 def decode_wc(wc: Any) -> WC:
-    """A :class:`WC` from a ``struct ibv_wc`` (unknown codes become GENERAL_ERR / SEND|RECV)."""
+    """A :class:`WC` from a ``struct ibv_wc`` (unknown codes become GENERAL_ERR / SEND|RECV).
+
+    ``imm_data`` is in network byte order in the struct (libibverbs passes the
+    wire bytes through) and is returned in host order, as ``SendWR.imm_data``
+    takes it.
+    """
     status = _STATUS.get(wc.status, WCStatus.GENERAL_ERR)
     opcode = _OPCODE.get(wc.opcode)
     if opcode is None:  # undefined in error completions; keep the send/receive distinction
@@ -64,6 +71,7 @@ def decode_wc(wc: Any) -> WC:
         WCFlags(flags & 0xF),
         wc.invalidated_rkey if flags & _WITH_INV else 0,
         wc.vendor_err,
+        imm_data=socket.ntohl(wc.imm_data) if flags & _WITH_IMM else 0,
     )
 
 

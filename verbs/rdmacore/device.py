@@ -190,6 +190,10 @@ class Context(Resource):
         self._qps: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
         self._async_fd: int = ptr.async_fd
         self._async_nonblocking = False
+        self.immediate_data = device.transport is not Transport.IWARP
+        """Whether Send and RDMA Write with immediate data can be posted: not on iWARP,
+        whose verbs (Linux siw and iw_* providers, RFC 5040) carry no immediate data
+        without RFC 7306."""
         self._created()
 
     @property

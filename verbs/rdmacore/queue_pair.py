@@ -18,7 +18,7 @@ import trio
 
 from rdmashim.verbs.attrs import QPAttr, QPCap
 from rdmashim.verbs.enums import QPState, QPType, SendFlags, WROpcode
-from rdmashim.verbs.errors import VerbsError
+from rdmashim.verbs.errors import NotSupported, VerbsError
 from rdmashim.verbs.rdmacore import lib
 from rdmashim.verbs.rdmacore.base import Resource
 from rdmashim.verbs.rdmacore.cdefs import ffi
@@ -210,23 +210,43 @@ class QP(Resource):
         self._connection_over.set()
         self.close_listeners: list[Callable[[], None]] = []
         """Called when the QP is destroyed (a CM id forgets it)."""
+        self._immediate_data = self.context.immediate_data
         self.context._track(self._ptr, self)
         self.context._track_qp(self.qp_num, self)
         self._created()
 
     # ---------------------------------------------------------------- posting
     def post_send(self, wr: SendWR | Iterable[SendWR]) -> None:
-        """Post one send work request or a list of them (never blocks)."""
+        """Post one send work request or a list of them (never blocks).
+
+        An opcode with immediate data on a device without it (iWARP) raises
+        :class:`NotSupported` with ``bad_wr`` naming it; the requests before it
+        are posted, as a provider refusing it would leave them.
+        """
         self._check_open("post_send")
         wrs = _as_list(wr)
         if not wrs:
             return
-        chain, _keep = encode_send(wrs)
-        rc = self._post_send(self._ptr, chain, self._bad_send)
-        if rc:
-            raise _posting_error(
-                rc, "post_send", self._bad_send, chain, ffi.sizeof("struct ibv_send_wr")
+        refused = None
+        if not self._immediate_data:
+            refused = next((i for i, w in enumerate(wrs) if w.opcode in _WITH_IMM), None)
+            if refused is not None:
+                wrs = wrs[:refused]
+        if wrs:
+            chain, _keep = encode_send(wrs)
+            rc = self._post_send(self._ptr, chain, self._bad_send)
+            if rc:
+                raise _posting_error(
+                    rc, "post_send", self._bad_send, chain, ffi.sizeof("struct ibv_send_wr")
+                )
+        if refused is not None:
+            exc = NotSupported(
+                "post_send",
+                f"work request {refused}: {self.context.device.transport.name} carries no "
+                "immediate data (RFC 7306 is not offered)",
             )
+            exc.bad_wr = refused  # type: ignore[attr-defined]
+            raise exc
 
     def post_recv(self, wr: RecvWR | Iterable[RecvWR]) -> None:
         """Post one receive work request or a list of them (never blocks)."""
