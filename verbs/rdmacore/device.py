@@ -147,6 +147,65 @@ def _rdmacm_context(name: str) -> Any:
         cm.rdma_free_devices(contexts)
 
 
+INLINE_PROBE_LIMIT = 1 << 16
+"""The largest ``max_inline_data`` the probe tries (no provider takes more)."""
+IBV_QPT_RC = 2
+
+
+def _probe_max_inline(ctx: Any) -> int:
+    """The largest ``cap.max_inline_data`` with which ``ibv_create_qp`` makes an RC QP."""
+    v = lib.verbs()
+    pd = v.ibv_alloc_pd(ctx)
+    if pd == ffi.NULL:
+        log.debug("inline probe: ibv_alloc_pd: %s", os.strerror(lib.last_errno()))
+        return 0
+    cq = v.ibv_create_cq(ctx, 1, ffi.NULL, ffi.NULL, 0)
+    try:
+        if cq == ffi.NULL:
+            log.debug("inline probe: ibv_create_cq: %s", os.strerror(lib.last_errno()))
+            return 0
+
+        def takes(n: int) -> int | None:
+            """What the provider gives for a request of ``n`` bytes (None: refused)."""
+            attr = ffi.new("struct ibv_qp_init_attr *")
+            attr.send_cq = attr.recv_cq = cq
+            attr.cap.max_send_wr = attr.cap.max_recv_wr = 1
+            attr.cap.max_send_sge = attr.cap.max_recv_sge = 1
+            attr.cap.max_inline_data = n
+            attr.qp_type = IBV_QPT_RC
+            qp = v.ibv_create_qp(pd, attr)
+            if qp == ffi.NULL:
+                return None
+            given = attr.cap.max_inline_data
+            v.ibv_destroy_qp(qp)
+            return max(n, given)
+
+        best = takes(0)
+        if best is None:
+            return 0
+        refused = INLINE_PROBE_LIMIT + 1
+        n = 64
+        while best < n <= INLINE_PROBE_LIMIT:
+            got = takes(n)
+            if got is None:
+                refused = n
+                break
+            best = got
+            n = max(2 * n, best + 1)
+        while refused - best > 1:
+            mid = (best + refused) // 2
+            got = takes(mid)
+            if got is None:
+                refused = mid
+            else:
+                best = max(best, got)
+        return min(best, INLINE_PROBE_LIMIT)
+    finally:
+        if cq != ffi.NULL:
+            v.ibv_destroy_cq(cq)
+        v.ibv_dealloc_pd(pd)
+
+
 @asynccontextmanager
 async def open_device(name: str | None = None) -> AsyncIterator[Context]:
     """Open a device (the first one if ``name`` is None); closes it and its children after."""
@@ -190,6 +249,7 @@ class Context(Resource):
         self._qps: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
         self._async_fd: int = ptr.async_fd
         self._async_nonblocking = False
+        self._max_inline: int | None = None
         self.immediate_data = device.transport is not Transport.IWARP
         """Whether Send and RDMA Write with immediate data can be posted: not on iWARP,
         whose verbs (Linux siw and iw_* providers, RFC 5040) carry no immediate data
@@ -214,6 +274,18 @@ class Context(Resource):
         qp = self._qps.get(qp_num)
         if qp is not None:
             qp._failed()
+
+    def _max_inline_data(self) -> int:
+        """The most inline data an RC QP of this device takes (probed once, then cached).
+
+        libibverbs has no device attribute for it, so QPs are created with growing
+        ``cap.max_inline_data`` until the provider refuses one, then the limit is
+        bisected; a provider that rounds up reports the larger value in the
+        ``ibv_qp_init_attr.cap`` it fills in, and that is taken as the floor.
+        """
+        if self._max_inline is None:
+            self._max_inline = _probe_max_inline(self._ptr)
+        return self._max_inline
 
     def query_device(self) -> DeviceAttr:
         """Limits and capabilities of the device."""
@@ -243,7 +315,7 @@ class Context(Resource):
             max_srq=a.max_srq,
             max_srq_wr=a.max_srq_wr,
             max_srq_sge=a.max_srq_sge,
-            max_inline_data=0,
+            max_inline_data=self._max_inline_data(),
             atomic_cap=_enum(AtomicCap, a.atomic_cap, AtomicCap.NONE),
             transport=self.device.transport,
             node_type=self.device.node_type,
