@@ -8,7 +8,7 @@ import random
 
 import pytest
 import trio
-from api.support import QUIET, SIG, TIMEOUT, Cm, drain, ok
+from api.support import QUIET, SIG, TIMEOUT, Cm, drain, is_linux_siw, ok
 
 from rdmashim import RecvWR, SendFlags, SendWR, VerbsError, WCStatus, WROpcode
 
@@ -87,8 +87,23 @@ async def test_solicited_only_arming(cm: Cm) -> None:
         await channel.get_cq_event()
         pytest.fail("an event for an unsolicited message")
     client.qp.post_send(SendWR(2, WROpcode.SEND, [msg.sge()], SIG | SendFlags.SOLICITED))
-    with trio.fail_after(TIMEOUT):
-        assert await channel.get_cq_event() is cq
+    siw = is_linux_siw(server.ctx.query_device())
+    if siw:
+        # Wait for both receives without arming (len() reads the CQ): an event for
+        # the solicited one is queued when its completion is written, or never.
+        with trio.fail_after(TIMEOUT):
+            while len(cq) < 2:  # noqa: ASYNC110 (polled: arming would change the test)
+                await trio.sleep(0.001)
+    event = None
+    with trio.move_on_after(QUIET if siw else TIMEOUT):
+        event = await channel.get_cq_event()
+    if event is None and siw:
+        pytest.xfail(
+            "kernel siw never raises a solicited-only event for a receive: siw_rqe_complete "
+            "asks siw_cq_notify_now(cq, SIW_WQE_SIGNALLED) (siw_qp.c), dropping the "
+            "SIW_WQE_SOLICITED that siw_rdmap_complete set on the RQE (siw_qp_rx.c)"
+        )
+    assert event is cq
     cq.ack_events(1)
     assert [w.wr_id for w in ok(await drain(cq, 2))] == [0, 1]
 
