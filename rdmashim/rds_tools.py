@@ -436,8 +436,9 @@ async def query_info(
 
 STRESS_HEADER = struct.Struct("!4sBBHII")
 """magic, op, flags, task, sequence number, bytes the ack must have."""
-STRESS_RDMA = struct.Struct("!QI")
-"""After the header of a request with an RDMA flag: the cookie and the bytes to move."""
+STRESS_RDMA = struct.Struct("!16sI")
+"""After the header of a request with an RDMA flag: the cookie (16 bytes: wider than 64
+bits where regions are addressed by virtual address) and the bytes to move."""
 STRESS_MAGIC = b"rdst"
 OP_REQ, OP_ACK, OP_DONE, OP_DONE_ACK = 1, 2, 3, 4
 FLAG_RDMA_WRITE, FLAG_RDMA_READ = 1, 2
@@ -598,7 +599,7 @@ def _stress_message(
     flags = 0 if rdma is None else rdma[0]
     head = STRESS_HEADER.pack(STRESS_MAGIC, op, flags, task, seq, ack_bytes)
     if rdma is not None:
-        head += STRESS_RDMA.pack(rdma[1], rdma[2])
+        head += STRESS_RDMA.pack(rdma[1].to_bytes(16, "big"), rdma[2])
     return head.ljust(size, b"\0")
 
 
@@ -618,7 +619,8 @@ def _stress_rdma(data: bytes, sender: tuple[str, int]) -> RdmaOp | None:
         return None
     if len(data) < STRESS_HEADER.size + STRESS_RDMA.size:
         raise RdsToolError(f"request from {sender[0]}:{sender[1]} lacks its RDMA arguments")
-    cookie, size = STRESS_RDMA.unpack_from(data, STRESS_HEADER.size)
+    raw_cookie, size = STRESS_RDMA.unpack_from(data, STRESS_HEADER.size)
+    cookie = int.from_bytes(raw_cookie, "big")
     if size > RDS_MAX_MSG_SIZE:
         raise RdsToolError(f"request from {sender[0]}:{sender[1]} asks for {size} RDMA bytes")
     if flags & FLAG_RDMA_READ:

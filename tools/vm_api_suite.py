@@ -70,7 +70,11 @@ HOST=$(ip -4 -o addr show dev eth0 | awk '{print $4}' | cut -d/ -f1)
 echo "vm-api-suite: $(uname -r); $(python3 --version); $(rdma link show | tr '\n' ' ')"
 export PYTHONPATH=/host/src:/sync PYTHONDONTWRITEBYTECODE=1 RDMASHIM_API_TIMEOUT=__TIMEOUT__
 export RDMASHIM_API_HOST=$HOST
-echo "vm-api-suite: RDMASHIM_API_HOST=$HOST"
+# RDS runs three nodes: two more addresses on eth0, which siw_eth0 serves too.
+BASE=${HOST%.*}; LAST=${HOST##*.}
+for n in 1 2; do ip addr add $BASE.$((LAST + n))/24 dev eth0; done
+export RDMASHIM_API_RDS_HOSTS=$HOST,$BASE.$((LAST + 1)),$BASE.$((LAST + 2))
+echo "vm-api-suite: RDMASHIM_API_HOST=$HOST RDMASHIM_API_RDS_HOSTS=$RDMASHIM_API_RDS_HOSTS"
 cd /host/src
 rc=0
 for b in __BACKENDS__; do

@@ -51,3 +51,12 @@ def pin(obj: Any, *, writable: bool, operation: str = "reg_mr") -> PinnedBuffer:
     cdata = _ffi.from_buffer("char[]", view, require_writable=writable)
     addr = int(_ffi.cast("uintptr_t", cdata))
     return PinnedBuffer(addr, view.nbytes, view, cdata)
+
+
+def address_of(obj: Any) -> int:
+    """The address of the first byte of a buffer-protocol object (without pinning it)."""
+    pinned = pin(obj, writable=False, operation="address_of")
+    try:
+        return pinned.addr
+    finally:
+        pinned.release()

@@ -317,7 +317,7 @@ class Session:
                 op._finish(RdmaStatus.SUCCESS)
         elif status != WCStatus.WR_FLUSH_ERR:
             self.rds.counters.rdma_failures += 1
-            op._finish(status_of(status), f"{status.name}: {self.qp.error}")
+            op._finish(status_of(status), status.name)
 
     def _post(self, header: bytes, payload: bytes | memoryview, fence: bool = False) -> None:
         slot = self.free_slots.pop()
@@ -411,7 +411,9 @@ class Session:
             if wc.wr_id in self.rdma:  # receives use slot numbers: no clash
                 self._rdma_done(wc.wr_id, wc.status)
             if wc.status != WCStatus.SUCCESS:
-                raise SessionLost(f"{wc.status.name} on {self.rds.peer}: {self.qp.error}")
+                raise SessionLost(
+                    f"{wc.status.name} (work request {wc.wr_id:#x}) with {self.rds.peer}"
+                )
             if wc.opcode == WCOpcode.RECV:
                 self._on_recv(wc.wr_id, wc.byte_len)
             elif wc.wr_id < _RDMA_WR:  # this Send and every one posted before it are done

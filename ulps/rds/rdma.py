@@ -1,15 +1,19 @@
 """RDMA by cookie: RDS messages that carry an RDMA Write or Read of a peer's buffer.
 
 As in Linux RDS (``rds-rdma(7)``): a socket registers a buffer and gets a
-64-bit *cookie* (R_Key in the low 32 bits, offset in the high 32,
-``rds_rdma_make_cookie``), and hands the cookie to a peer in an ordinary
-message. The peer sends a message carrying an :class:`RdmaOp` naming the
-cookie: its node first writes its local bytes into the registered buffer (or
-reads them out of it), then sends the message, whose first fragment carries
-``RDS_EXTHDR_RDMA`` with the R_Key. The owner of the buffer therefore finds
-the data in place when the message arrives (RDMAP orders a Write before the
-Send that follows it; a Read's Send is fenced behind the Read), and a
-use-once registration is released then.
+*cookie* (R_Key in the low 32 bits, the region's address for the buffer's
+first byte above them, ``rds_rdma_make_cookie``), and hands the cookie to a
+peer in an ordinary message. Where the device takes an iova, the region is
+addressed from the buffer's page offset and the cookie has Linux's 64 bits;
+the kernel's siw ignores the iova and addresses every region by its virtual
+address, so there the cookie holds the whole address and is wider (an ``int``
+either way: send it as 16 bytes to be safe). The peer sends a message carrying
+an :class:`RdmaOp` naming the cookie: its node first writes its local bytes
+into the registered buffer (or reads them out of it), then sends the message,
+whose first fragment carries ``RDS_EXTHDR_RDMA`` with the R_Key. The owner of
+the buffer therefore finds the data in place when the message arrives (RDMAP
+orders a Write before the Send that follows it; a Read's Send is fenced behind
+the Read), and a use-once registration is released then.
 
 The sender learns the outcome from :meth:`RdmaOp.wait` (Linux's
 ``RDS_CMSG_RDMA_STATUS``). On iWARP an RDMA Write completes locally as soon
@@ -22,6 +26,7 @@ acknowledged it, it is dropped and its status says so.
 
 from __future__ import annotations
 
+import mmap
 from dataclasses import dataclass, field
 from enum import IntEnum
 from typing import Any
@@ -29,6 +34,8 @@ from typing import Any
 import trio
 
 from rdmashim.verbs import Access, WCStatus
+from rdmashim.verbs.buffers import address_of
+from rdmashim.verbs.errors import NotSupported
 
 COOKIE_ACCESS = Access.LOCAL_WRITE | Access.REMOTE_WRITE | Access.REMOTE_READ
 
@@ -162,9 +169,18 @@ class Registrations:
         self._by_rkey: dict[int, Registration] = {}
 
     def add(self, pd: Any, buffer: Any, *, use_once: bool) -> int:
-        """Register ``buffer`` zero-based, so the cookie's offset is 0; return the cookie."""
-        mr = pd.reg_mr(buffer, COOKIE_ACCESS, iova=0)
-        cookie = make_cookie(mr.rkey)
+        """Register ``buffer`` and return its cookie.
+
+        The region is addressed from the buffer's offset in its first page (the
+        cookie's offset, as in Linux; the kernel's verbs want an iova with the
+        buffer's page offset), or by its virtual address on a device that
+        ignores the iova.
+        """
+        try:
+            mr = pd.reg_mr(buffer, COOKIE_ACCESS, iova=address_of(buffer) % mmap.PAGESIZE)
+        except NotSupported:
+            mr = pd.reg_mr(buffer, COOKIE_ACCESS)
+        cookie = make_cookie(mr.rkey, mr.iova)
         self._by_rkey[mr.rkey] = Registration(mr, cookie, use_once)
         return cookie
 

@@ -15,12 +15,16 @@ from typing import TYPE_CHECKING, Any
 from rdmashim.verbs.attrs import QPCap
 from rdmashim.verbs.buffers import PinnedBuffer, pin
 from rdmashim.verbs.enums import Access, QPType
-from rdmashim.verbs.errors import VerbsError
+from rdmashim.verbs.errors import NotSupported, VerbsError
 from rdmashim.verbs.rdmacore import lib
 from rdmashim.verbs.rdmacore.base import Resource
 from rdmashim.verbs.rdmacore.cdefs import ffi
 from rdmashim.verbs.rdmacore.queue_pair import QP, SRQ
 from rdmashim.verbs.wr import SGE
+
+IGNORES_IOVA = frozenset({0x626D74})
+"""Vendor ids of devices that take ``ibv_reg_mr_iova`` but address the region by its
+virtual address anyway: Linux siw (``siw_reg_user_mr``: "rnic_va: not used by siw")."""
 
 if TYPE_CHECKING:
     from rdmashim.verbs.rdmacore.completion import CQ
@@ -107,6 +111,11 @@ class MR(Resource):
             else:
                 if not 0 <= iova <= (1 << 64) - pinned.length:
                     raise VerbsError(errno.EINVAL, "reg_mr", f"iova {iova} does not fit 64 bits")
+                if iova != pinned.addr and pd.context.query_device().vendor_id in IGNORES_IOVA:
+                    raise NotSupported(
+                        "reg_mr", "this device addresses regions by virtual address only "
+                        "(Linux siw: rnic_va is not used)",
+                    )  # fmt: skip
                 reg = lib.function(lib.verbs(), "ibv_reg_mr_iova")
                 mr = reg(pd._ptr, start, pinned.length, iova, int(access))
             self._ptr = lib.check_ptr(mr, "ibv_reg_mr")
