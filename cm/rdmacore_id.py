@@ -456,7 +456,7 @@ class RdmaCoreCMId:
                 # rdma_disconnect(3): the QP is in the error state now. On iWARP
                 # librdmacm asks for SQD, which siw turns into CLOSING and then
                 # ERROR once TCP is closed (siw_qp.c); its query reports no state.
-                self.qp._failed()
+                self.qp._failed(ConnectionAbortedError("disconnected by the local side"))
 
     # ------------------------------------------------------------------ events
     async def _on_event(self, kind: CMEventType, status: int, param: ConnParam) -> None:
@@ -495,7 +495,7 @@ class RdmaCoreCMId:
         elif kind is E.DISCONNECTED:
             self.state = State.DISCONNECTED
             if self.qp is not None:
-                self.qp._disconnected(flush=True)
+                self.qp._disconnected(ConnectionResetError("connection closed"), flush=True)
         self._post(kind, status, **extra)
 
     def _spawn(self, fn: Any, *args: Any) -> None:
@@ -517,7 +517,7 @@ class RdmaCoreCMId:
         self.channel._native._forget(self)
         if self.qp is not None:
             self.qp.close_listeners.remove(self._qp_closed)
-            self.qp._disconnected()
+            self.qp._disconnected(ConnectionAbortedError("CM id destroyed"))
         rc = lib.rdmacm().rdma_destroy_id(self._ptr)
         self.state = State.DESTROYED
         self.channel._forget(self)

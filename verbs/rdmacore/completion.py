@@ -41,7 +41,6 @@ _STATUS = {s.value: s for s in WCStatus}
 _OPCODE = {o.value: o for o in WCOpcode}
 _WITH_INV = int(WCFlags.WITH_INV)
 _WITH_IMM = int(WCFlags.WITH_IMM)
-_SUCCESS = int(WCStatus.SUCCESS)
 
 
 def notify_closing(fd: int) -> None:
@@ -194,10 +193,12 @@ class CQ(Resource):
             raise VerbsError(-n if n < -1 else errno.EIO, "poll_cq", "CQ overrun or error")
         wcs = self._wc
         for i in range(n):
-            wc = wcs[i]
-            if wc.status != _SUCCESS:
-                self.context._qp_failed(wc.qp_num)
-            self._buffer.append(decode_wc(wc))
+            wc = decode_wc(wcs[i])
+            if wc.status is not WCStatus.SUCCESS:
+                self.context._qp_failed(
+                    wc.qp_num, ConnectionError(f"work request {wc.wr_id} {wc.status.name}")
+                )
+            self._buffer.append(wc)
         return n
 
     def poll(self, num_entries: int = 16) -> list[WC]:

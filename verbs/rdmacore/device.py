@@ -269,11 +269,11 @@ class Context(Resource):
         """Remember a QP by number (completions name their QP so)."""
         self._qps[qp_num] = qp
 
-    def _qp_failed(self, qp_num: int) -> None:
+    def _qp_failed(self, qp_num: int, why: Exception) -> None:
         """A completion with an error status came from QP ``qp_num``: it is in ERR."""
         qp = self._qps.get(qp_num)
         if qp is not None:
-            qp._failed()
+            qp._failed(why)
 
     def _max_inline_data(self) -> int:
         """The most inline data an RC QP of this device takes (probed once, then cached).
@@ -390,7 +390,7 @@ class Context(Resource):
             else:
                 element = self._objects.get(lib.address(event.element.cq))
                 if kind in QP_ERROR_EVENTS and element is not None:
-                    element._failed()
+                    element._failed(ConnectionError(f"{kind.name} async event"))
             v.ibv_ack_async_event(event)
             if kind is not None:
                 return AsyncEvent(kind, element)

@@ -194,6 +194,7 @@ class QP(Resource):
         attr.sq_sig_all = int(sq_sig_all)
         self._ptr = create(attr)
         self._state_hint = _STATES.get(self._ptr.state, QPState.RESET)
+        self._error: Exception | None = None
         c = attr.cap
         self.cap = QPCap(
             c.max_send_wr, c.max_recv_wr, c.max_send_sge, c.max_recv_sge, c.max_inline_data
@@ -311,19 +312,30 @@ class QP(Resource):
         attr.qp_state = QPState(qp_state)
         lib.check(lib.verbs().ibv_modify_qp(self._ptr, attr, IBV_QP_STATE), "ibv_modify_qp")
         self._state_hint = QPState(qp_state)
+        if self._state_hint is QPState.ERR:
+            self._error = self._error or ConnectionAbortedError("QP moved to ERROR")
+        elif self._state_hint is QPState.RESET:
+            self._error = None
+
+    @property
+    def error(self) -> Exception | None:
+        """Why the QP went to ERR (the first cause seen: a failed completion, the
+        connection's end, ``modify``, a fatal async event), if it did."""
+        return self._error
 
     def _connected(self) -> None:
         """A CM id connected this QP; wait_closed now waits for the disconnect."""
         self._state_hint = QPState.RTS
         self._connection_over = trio.Event()
 
-    def _failed(self) -> None:
+    def _failed(self, why: Exception) -> None:
         """The QP is in ERR: an error or flush completion came from it, an async
         event reported it fatal, or the id's ``rdma_disconnect`` moved it there."""
         if self._state_hint is not QPState.RESET:
             self._state_hint = QPState.ERR
+            self._error = self._error or why
 
-    def _disconnected(self, flush: bool = False) -> None:
+    def _disconnected(self, why: Exception, flush: bool = False) -> None:
         """The connection is gone: the QP is in ERR (moved there when ``flush``).
 
         ``flush`` is for the CM's DISCONNECTED event: then the QP is moved to ERR
@@ -340,6 +352,7 @@ class QP(Resource):
             if rc:
                 log.debug("QP %d to ERR after the disconnect: rc %d", self.qp_num, rc)
         self._state_hint = QPState.ERR
+        self._error = self._error or why
         self._connection_over.set()
 
     async def wait_closed(self) -> None:
