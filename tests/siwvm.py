@@ -50,6 +50,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
+import pytest
 import trio
 
 import wirecap
@@ -188,6 +189,19 @@ def stage_tree(dest: Path) -> Path:
         target = dest.joinpath(*package.split("."))
         shutil.copytree(REPO / folder, target, ignore=ignore, dirs_exist_ok=True)
     return dest
+
+
+REQUIRE_ENV = "RDMASHIM_REQUIRE_INTEROP"
+"""Set to 1 (CI does once the image is built) to fail, not skip, where no guest can boot."""
+
+
+def require_guest() -> None:
+    """Skip the test (fail it under ``RDMASHIM_REQUIRE_INTEROP=1``) where no guest can boot."""
+    why = missing_requirements()
+    if why and os.environ.get(REQUIRE_ENV) == "1":
+        pytest.fail(f"{REQUIRE_ENV}=1 but the siw guest cannot boot here: {why}")
+    if why:
+        pytest.skip(why)
 
 
 def netns_up(taps: int = 2) -> bool:

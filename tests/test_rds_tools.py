@@ -99,19 +99,24 @@ def test_ping_without_a_responder_fails_and_serve_needs_an_address() -> None:
     assert "no rds-info answer" in out.stderr
 
 
-def test_stress_prints_rds_stress_columns() -> None:
+def stress_run(*flags: str) -> tuple[str, str]:
+    """``rds stress`` active with ``flags`` against a passive one: both sides' output."""
     net = subnet()
     passive_ip, active_ip = net + "1", net + "2"
     port = str(free_port(passive_ip))
     with background("rds", "stress", "-r", passive_ip, "--cm-port", port) as passive:
         out = rdmashim(
-            "rds", "stress", "-r", active_ip, "-s", passive_ip, "--cm-port", port,
-            "-T", "2", "-q", "1024", "-a", "256", "-t", "2", "-d", "4",
-        )  # fmt: skip
+            "rds", "stress", "-r", active_ip, "-s", passive_ip, "--cm-port", port, *flags
+        )
         assert out.returncode == 0, out.stderr
         passive_out, _ = passive.communicate(timeout=15)
         assert passive.returncode == 0
-    lines = out.stdout.splitlines()
+    return out.stdout, passive_out
+
+
+def test_stress_prints_rds_stress_columns() -> None:
+    stdout, passive_out = stress_run("-T", "2", "-q", "1024", "-a", "256", "-t", "2", "-d", "4")
+    lines = stdout.splitlines()
     head = lines.index(rt.STRESS_COLUMNS)
     assert re.fullmatch(r"tsks +tx/s +tx\+rx K/s +rw\+rr K/s +tx us/c +rtt us +cpu %", lines[head])
     rows = [ROW.match(line) for line in lines[head + 1 :] if ROW.match(line)]
@@ -130,19 +135,12 @@ def test_stress_prints_rds_stress_columns() -> None:
 @pytest.mark.parametrize("read", [False, True], ids=["write", "read"])
 def test_stress_with_rdma_bytes(read: bool) -> None:
     """-D: every ack carries an RDMA Write into (or Read of) its request's buffer."""
-    net = subnet()
-    passive_ip, active_ip = net + "1", net + "2"
-    port = str(free_port(passive_ip))
-    with background("rds", "stress", "-r", passive_ip, "--cm-port", port) as passive:
-        out = rdmashim(
-            "rds", "stress", "-r", active_ip, "-s", passive_ip, "--cm-port", port,
-            "-T", "2", "-q", "64", "-a", "16", "-d", "4", "-D", "65536", "-z",
-            *(["--rdma-read"] if read else []),
-        )  # fmt: skip
-        assert out.returncode == 0, out.stderr
-        passive_out, _ = passive.communicate(timeout=15)
-    assert "65536 B RDMA " + ("Read" if read else "Write") + " per ack" in out.stdout
-    average = next(line for line in out.stdout.splitlines() if line.endswith("(average)"))
+    stdout, passive_out = stress_run(
+        "-T", "2", "-q", "64", "-a", "16", "-d", "4", "-D", "65536", "-z",
+        *(["--rdma-read"] if read else []),
+    )  # fmt: skip
+    assert "65536 B RDMA " + ("Read" if read else "Write") + " per ack" in stdout
+    average = next(line for line in stdout.splitlines() if line.endswith("(average)"))
     _, tx, _, rdma = average.split()[:4]
     # Every acknowledged request moved its 64 KiB (the last few may be in flight).
     assert float(rdma) > 0 and abs(float(rdma) - 64 * int(tx)) <= 64 * 8, average

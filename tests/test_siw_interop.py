@@ -65,7 +65,6 @@ import wirecap
 
 pytestmark = [pytest.mark.slow, pytest.mark.interop]
 
-REQUIRE_ENV = "RDMASHIM_REQUIRE_INTEROP"
 """Set to 1 (CI does, once it built the guest image) to fail instead of skipping."""
 PING_CLI = [sys.executable, "-m", "rdmashim.cli", "ping"]
 COUNT = 10
@@ -109,11 +108,7 @@ exit $RC
 @pytest.fixture(scope="module")
 def guest() -> Iterator[siwvm.Guest]:
     """One booted guest with siw0 for the whole module (skipped where it cannot boot)."""
-    why = siwvm.missing_requirements()
-    if why and os.environ.get(REQUIRE_ENV) == "1":
-        pytest.fail(f"{REQUIRE_ENV}=1 but the kernel peer is not available: {why}")
-    if why:
-        pytest.skip(why)
+    siwvm.require_guest()
     created = siwvm.netns_up()
     siw_ko = os.environ.get(siwvm.SIW_KO_ENV)
     vm = siwvm.Guest(siw_ko=Path(siw_ko) if siw_ko else None)

@@ -27,7 +27,6 @@ from rdmashim.registry import BACKENDS
 pytestmark = [pytest.mark.slow, pytest.mark.interop]
 
 TOOL = Path(__file__).resolve().parent.parent / "tools" / "vm_api_suite.py"
-REQUIRE_ENV = "RDMASHIM_REQUIRE_INTEROP"
 GUEST_HAS = {"softiwarp", "rdmacore"}
 """Backends the guest image provides for (python3, python3-cffi, rdma-core, siw)."""
 LIMIT = 2400.0
@@ -36,11 +35,7 @@ LIMIT = 2400.0
 
 @pytest.fixture(scope="module")
 def vm_results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    why = siwvm.missing_requirements()
-    if why and os.environ.get(REQUIRE_ENV) == "1":
-        pytest.fail(f"{REQUIRE_ENV}=1 but the siw guest cannot boot here: {why}")
-    if why:
-        pytest.skip(why)
+    siwvm.require_guest()
     out = tmp_path_factory.mktemp("vm-api") / "results.json"
     run = subprocess.run(
         [sys.executable, str(TOOL), "--name", "api-pytest", "--json", str(out)],
@@ -66,7 +61,7 @@ def test_api_suite_in_the_siw_vm(vm_results: dict[str, Any], backend: str) -> No
     print(f"\n{backend}: {result['status']}: {result['summary']}")
     if result["status"] == "unavailable":
         reason = f"{backend} is unavailable in the guest: {result['output']}"
-        if backend in GUEST_HAS and os.environ.get(REQUIRE_ENV) == "1":
+        if backend in GUEST_HAS and os.environ.get(siwvm.REQUIRE_ENV) == "1":
             pytest.fail(reason)
         pytest.skip(reason)
     assert result["status"] == "passed", f"in-guest pytest of {backend}:\n{result['output']}"

@@ -9,12 +9,14 @@ same addresses, so SGEs and remote addresses mean the same on every backend.
 from __future__ import annotations
 
 import errno
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import cffi
 
 from rdmashim.verbs.errors import VerbsError
+from rdmashim.verbs.wr import SGE
 
 _ffi = cffi.FFI()
 
@@ -60,3 +62,40 @@ def address_of(obj: Any) -> int:
         return pinned.addr
     finally:
         pinned.release()
+
+
+class PinnedRegion:
+    """What a memory region of any backend offers over its pinned buffer.
+
+    A backend's MR sets ``_pinned`` and provides ``iova``, ``lkey`` and
+    ``_check_open``; this gives it ``addr``, ``length``, ``buf`` and ``sge()``.
+    """
+
+    _pinned: PinnedBuffer
+    iova: int
+    lkey: int
+    _check_open: Callable[[str], None]
+
+    @property
+    def addr(self) -> int:
+        """Address of the first byte."""
+        return self._pinned.addr
+
+    @property
+    def length(self) -> int:
+        """Length in bytes."""
+        return self._pinned.length
+
+    @property
+    def buf(self) -> memoryview:
+        """A byte view of the registered memory."""
+        self._check_open("buf")
+        return self._pinned.view
+
+    def sge(self, offset: int = 0, length: int | None = None) -> SGE:
+        """An SGE over ``[offset, offset + length)`` of this region."""
+        if length is None:
+            length = self.length - offset
+        if offset < 0 or length < 0 or offset + length > self.length:
+            raise ValueError(f"[{offset}, +{length}) outside the {self.length}-byte region")
+        return SGE(self.iova + offset, length, self.lkey)

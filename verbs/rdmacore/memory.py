@@ -13,14 +13,13 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from rdmashim.verbs.attrs import QPCap
-from rdmashim.verbs.buffers import PinnedBuffer, pin
+from rdmashim.verbs.buffers import PinnedBuffer, PinnedRegion, pin
 from rdmashim.verbs.enums import Access, QPType
 from rdmashim.verbs.errors import NotSupported, VerbsError
 from rdmashim.verbs.rdmacore import lib
 from rdmashim.verbs.rdmacore.base import Resource
 from rdmashim.verbs.rdmacore.cdefs import ffi
 from rdmashim.verbs.rdmacore.queue_pair import QP, SRQ
-from rdmashim.verbs.wr import SGE
 
 IGNORES_IOVA = frozenset({0x626D74})
 """Vendor ids of devices that take ``ibv_reg_mr_iova`` but address the region by its
@@ -93,7 +92,7 @@ class PD(Resource):
         lib.check(lib.verbs().ibv_dealloc_pd(self._ptr), "ibv_dealloc_pd")
 
 
-class MR(Resource):
+class MR(PinnedRegion, Resource):
     """A registered memory region (``ibv_mr``) over a pinned Python buffer."""
 
     _kind = "memory region"
@@ -130,30 +129,6 @@ class MR(Resource):
         self.rkey: int = self._ptr.rkey
         """Remote key."""
         self._created()
-
-    @property
-    def addr(self) -> int:
-        """Address of the first byte."""
-        return self._pinned.addr
-
-    @property
-    def length(self) -> int:
-        """Length in bytes."""
-        return self._pinned.length
-
-    @property
-    def buf(self) -> memoryview:
-        """A byte view of the registered memory."""
-        self._check_open("buf")
-        return self._pinned.view
-
-    def sge(self, offset: int = 0, length: int | None = None) -> SGE:
-        """An SGE over ``[offset, offset + length)`` of this region."""
-        if length is None:
-            length = self.length - offset
-        if offset < 0 or length < 0 or offset + length > self.length:
-            raise ValueError(f"[{offset}, +{length}) outside the {self.length}-byte region")
-        return SGE(self.iova + offset, length, self.lkey)
 
     def _destroy(self) -> None:
         lib.check(lib.verbs().ibv_dereg_mr(self._ptr), "ibv_dereg_mr")

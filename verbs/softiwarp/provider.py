@@ -22,7 +22,7 @@ from typing import Any
 import trio
 
 from rdmashim.verbs.attrs import DeviceAttr, PortAttr, QPAttr, QPCap
-from rdmashim.verbs.buffers import PinnedBuffer, pin
+from rdmashim.verbs.buffers import PinnedBuffer, PinnedRegion, pin
 from rdmashim.verbs.enums import (
     Access,
     AtomicCap,
@@ -323,7 +323,7 @@ class PD(_Parent):
         return self._adopt(SRQ(self, max_wr, max_sge))
 
 
-class MR(_Resource):
+class MR(PinnedRegion, _Resource):
     """A registered memory region (``ibv_mr``)."""
 
     _kind = "memory region"
@@ -332,16 +332,6 @@ class MR(_Resource):
         self.pd = pd
         self._pinned = pinned
         self._region = region
-
-    @property
-    def addr(self) -> int:
-        """Address of the first byte."""
-        return self._pinned.addr
-
-    @property
-    def length(self) -> int:
-        """Length in bytes."""
-        return self._pinned.length
 
     @property
     def iova(self) -> int:
@@ -363,20 +353,6 @@ class MR(_Resource):
     def access(self) -> Access:
         """Access rights the region was registered with."""
         return self._region.access
-
-    @property
-    def buf(self) -> memoryview:
-        """A byte view of the registered memory."""
-        self._check_open("buf")
-        return self._pinned.view
-
-    def sge(self, offset: int = 0, length: int | None = None) -> SGE:
-        """An SGE over ``[offset, offset + length)`` of this region."""
-        if length is None:
-            length = self.length - offset
-        if offset < 0 or length < 0 or offset + length > self.length:
-            raise ValueError(f"[{offset}, +{length}) outside the {self.length}-byte region")
-        return SGE(self.iova + offset, length, self.lkey)
 
     def close(self) -> None:
         """Deregister the region (idempotent)."""
