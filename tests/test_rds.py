@@ -136,6 +136,11 @@ async def test_connection_cut_underneath_loses_nothing(cuts: int) -> None:
         rds = a.connections()[0]
         assert done_cuts >= 1
         assert rds.counters.sessions == done_cuts + 1
+        # Every session began with each node's congestion map: a port that drained
+        # while no session was up must not stay congested at the peer.
+        for node in (a, b):
+            counters = node.connections()[0].counters
+            assert counters.cong_updates_sent == counters.sessions, counters
     finally:
         await close([a, b])
 

@@ -92,6 +92,8 @@ class Counters:
     acks_sent: int = 0
     credit_waits: int = 0
     sessions: int = 0
+    cong_updates_sent: int = 0
+    """Congestion maps sent (one at the start of every session, and on each change)."""
     rdma_writes: int = 0
     rdma_reads: int = 0
     rdma_bytes: int = 0
@@ -144,8 +146,11 @@ class RdsConnection:
         self.next_seq += 1
         self.unsent.append(msg)
         self.queued_bytes += len(msg.data)
-        self.counters.send_messages += 1
-        self.counters.send_bytes += len(msg.data)
+        if flags & RdsFlag.CONG_BITMAP:
+            self.counters.cong_updates_sent += 1
+        else:
+            self.counters.send_messages += 1
+            self.counters.send_bytes += len(msg.data)
         if self.session is not None:
             self.session.pump_sends()
 

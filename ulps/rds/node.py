@@ -493,8 +493,9 @@ class RdsNode:
         entry.unreachable = None
         entry.failures = 0
         rds.resume(theirs.ack_seq)
-        if self.congestion:
-            self._send_map(rds)  # the peer learns our congested ports on every new session
+        # Every new session starts with our map: a port that filled up or drained
+        # while no session was up would otherwise stay wrong at the peer for good.
+        self._send_map(rds)
         rds.session = session
         log.debug("RDS session %s -> %s up (peer acked %d)", rds.local, rds.peer, theirs.ack_seq)
         with trio.CancelScope() as scope:
