@@ -384,19 +384,23 @@ class Session:
     def _on_recv(self, slot: int, byte_len: int) -> None:
         """Take one received fragment (or ack) and post its buffer again."""
         base = slot * SLOT
-        raw = bytes(self.recv_mr.buf[base : base + byte_len])
-        header = RdsHeader.decode(raw)
+        view = self.recv_mr.buf[base : base + byte_len]
+        header = RdsHeader.decode(view)
         if header is None:
             raise RdsProtocolError(f"{byte_len}-byte message shorter than an RDS header")
         self.send_credits += header.credit
         self.rds.acked(header.ack)
         if header.sequence:
-            self._assemble(header, raw[RDS_HEADER_LEN:])
+            self._assemble(header, view[RDS_HEADER_LEN:])
         self.qp.post_recv(RecvWR(slot, [self.recv_mr.sge(base, SLOT)]))
         self.advertise += 1
 
-    def _assemble(self, header: RdsHeader, fragment: bytes) -> None:
+    def _assemble(self, header: RdsHeader, fragment: memoryview) -> None:
+        """Add a fragment (a view of the receive buffer: copied before it is reused)."""
         if self._assembly is None:
+            if len(fragment) == header.length:  # a whole message: one copy
+                self.rds.received(header, bytes(fragment))
+                return
             self._assembly = (header, bytearray(), 0)
         first, data, _ = self._assembly
         if header.sequence != first.sequence:
