@@ -39,6 +39,8 @@ from rdmashim.verbs.softiwarp.negotiation import MpaOptions
 log = logging.getLogger(__name__)
 
 E = CMEventType
+PORT_CLASH_ATTEMPTS = 3
+"""Connects :func:`open_connection` tries when the local port the CM chose is in use."""
 CLOSE_TIMEOUT = 5.0
 """Seconds ``aclose`` waits for the connection to close before dropping it."""
 
@@ -255,21 +257,32 @@ async def open_connection(
     async with EventChannel(_contexts_of(pd), backend=backend) as channel:
         router = _Router(channel)
         channel.nursery.start_soon(router.run)
-        cm_id = channel.create_id()
-        router.watch(cm_id)
-        cm_id.resolve_addr(None, (host, port))
-        await _expect(router, cm_id, E.ADDR_RESOLVED)
-        cm_id.resolve_route()
-        await _expect(router, cm_id, E.ROUTE_RESOLVED)
-        own_pd = pd is None
-        pd, cq, qp = _resources(cm_id, cap, cqe, pd)
-        conn = Connection(cm_id, pd, cq, cq, qp, own_pd=own_pd, _router=router)
-        if mpa_options is not None:
-            cm_id.mpa_options = mpa_options
-        cm_id.connect_timeout = connect_timeout
-        if prepare is not None:
-            prepare(conn)
-        cm_id.connect(ConnParam(private_data, responder_resources, initiator_depth))
+        for attempt in range(1, PORT_CLASH_ATTEMPTS + 1):
+            cm_id = channel.create_id()
+            router.watch(cm_id)
+            cm_id.resolve_addr(None, (host, port))
+            await _expect(router, cm_id, E.ADDR_RESOLVED)
+            cm_id.resolve_route()
+            await _expect(router, cm_id, E.ROUTE_RESOLVED)
+            conn_pd, cq, qp = _resources(cm_id, cap, cqe, pd)
+            conn = Connection(cm_id, conn_pd, cq, cq, qp, own_pd=pd is None, _router=router)
+            if mpa_options is not None:
+                cm_id.mpa_options = mpa_options
+            cm_id.connect_timeout = connect_timeout
+            if prepare is not None:
+                prepare(conn)
+            try:
+                cm_id.connect(ConnParam(private_data, responder_resources, initiator_depth))
+                break
+            except VerbsError as exc:
+                if exc.errno != errno.EADDRINUSE or attempt == PORT_CLASH_ATTEMPTS:
+                    raise
+                # The kernel's rdma_cm picked a local port whose TCP connection to this
+                # peer is still in TIME_WAIT (siw connects inside rdma_connect): a new
+                # id gets a new port.
+                log.info("connect to %s:%d: local port in use, again with a new one", host, port)
+                cm_id.destroy()
+                conn._release()
         event = await _expect(router, cm_id, E.ESTABLISHED)
         conn.private_data = event.private_data
         channel.nursery.start_soon(conn._follow)

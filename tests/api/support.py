@@ -14,6 +14,7 @@ runs the suite with a longer one, as its CPU is emulated.
 
 from __future__ import annotations
 
+import errno
 import os
 from collections import defaultdict, deque
 from dataclasses import dataclass, field
@@ -258,12 +259,26 @@ class Cm:
         may send from then on; its completions are consumed here.
         """
         port = self.listen()
-        client_id = await self.resolve(port)
-        dev = client_id.context.query_device()
         cap = cap or QPCap(max_send_wr=256, max_recv_wr=256)
         opts = {"cap": cap, "sq_sig_all": sq_sig_all, "cqe": cqe, "comp_channel": comp_channel}
-        client = make_end(client_id, **opts)
-        client_id.connect(ConnParam(private_data=private_data))
+        for attempt in range(3):
+            client_id = await self.resolve(port)
+            client = make_end(client_id, **opts)
+            try:
+                client_id.connect(ConnParam(private_data=private_data))
+                break
+            except OSError as exc:
+                # The kernel's rdma_cm may pick a local port whose TCP connection to the
+                # listener is still in TIME_WAIT; siw connects inside rdma_connect and
+                # fails with EADDRINUSE. A new id gets a new port (as open_connection does).
+                if exc.errno != errno.EADDRINUSE or attempt == 2:
+                    raise
+                client_id.destroy()
+                for resource in (client.qp, client.send_cq, client.recv_cq, client.pd):
+                    resource.close()
+                if client.comp_channel is not None:
+                    client.comp_channel.close()
+        dev = client_id.context.query_device()
         request = await self.events.request()
         server_id = request.id
         if srq and server_srq is None:
