@@ -247,7 +247,9 @@ async def open_connection(
     """Connect to ``host``:``port`` and yield the :class:`Connection`.
 
     ``prepare(conn)`` runs after the QP exists and before connecting (post
-    receives there when the peer may send first). The connection gets a PD of
+    receives there when the peer may send first); when the local port the CM
+    chose is in use, the attempt is dropped (its QP and CQ destroyed) and
+    ``prepare`` runs again for the next one. The connection gets a PD of
     its own unless ``pd`` is given: then its QP is created on that PD (whose
     device the route must choose), so regions registered there serve it too.
     ``backend`` picks the backend (default: ``pd``'s, else ``RDMASHIM_BACKEND``).

@@ -14,6 +14,7 @@ from typing import Any
 import trio
 
 import rdmashim
+from rdmashim.rds_defaults import ALL_TABLES, ECHO_PORT, INFO_TABLES, RDS_CM_PORT, STRESS_PORT
 from rdmashim.registry import backend_status
 
 
@@ -243,7 +244,7 @@ async def _stop_on_signal(stop: trio.Event) -> None:
 async def _rds_info(args: argparse.Namespace) -> int:
     from rdmashim import rds_tools as rt
 
-    tables = "".join(t for t in rt.INFO_TABLES if getattr(args, f"table_{t}")) or rt.ALL_TABLES
+    tables = "".join(t for t in INFO_TABLES if getattr(args, f"table_{t}")) or ALL_TABLES
     local = args.local or rt.guess_source(args.dest)
     async with rt.open_node(local, args.cm_port) as node:
         text = await rt.query_info(node, args.dest, tables, within=args.timeout)
@@ -349,20 +350,6 @@ def _interval(text: str) -> float:
         return parse_interval(text)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
-
-
-RDS_CM_PORT = 16385
-ECHO_PORT = 7
-STRESS_PORT = 4000
-INFO_TABLES = {
-    "c": "statistic counters",
-    "k": "sockets",
-    "n": "connections",
-    "r": "receive queue messages",
-    "s": "send queue messages",
-    "t": "retransmit queue messages",
-}
-"""rdmashim.rds_tools's values (a test checks): building the parser imports no RDS code."""
 
 
 def _add_rds(sub: Any) -> None:

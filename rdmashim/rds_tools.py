@@ -42,17 +42,22 @@ from typing import Any
 
 import trio
 
+from rdmashim.rds_defaults import (
+    ALL_TABLES,
+    ECHO_PORT,
+    INFO_PORT,
+    INFO_TABLES,
+    RDS_CM_PORT,
+    STRESS_PORT,
+)
 from rdmashim.ulps.rds.connection import SNDBUF, Counters, RdsConnection
 from rdmashim.ulps.rds.node import RCVBUF, RdsError, RdsNode, RdsSocket
 from rdmashim.ulps.rds.rdma import RdmaOp, RdmaStatus
-from rdmashim.ulps.rds.wire import RDS_CM_PORT, RDS_MAX_MSG_SIZE
+from rdmashim.ulps.rds.wire import RDS_MAX_MSG_SIZE
 from rdmashim.verbs import QPState
 
 log = logging.getLogger(__name__)
 
-ECHO_PORT = 7
-INFO_PORT = 10000
-STRESS_PORT = 4000
 EPHEMERAL = (32768, 60999)
 """Ports :func:`bind_any` picks from (Linux's default ``ip_local_port_range``)."""
 
@@ -293,16 +298,6 @@ async def serve_echo(
 # info
 # =============================================================================================
 
-INFO_TABLES = {
-    "c": "statistic counters",
-    "k": "sockets",
-    "n": "connections",
-    "r": "receive queue messages",
-    "s": "send queue messages",
-    "t": "retransmit queue messages",
-}
-"""rds-info's table letters that apply (all of them but the IB and TCP transport tables)."""
-ALL_TABLES = "".join(INFO_TABLES)
 _INFO_REQUEST = b"rds-info:"
 
 
@@ -317,6 +312,12 @@ def _counter_rows(nodes: Sequence[RdsNode]) -> list[tuple[str, int]]:
     return list(rows.items())
 
 
+def _check_tables(tables: str) -> None:
+    for letter in tables:
+        if letter not in INFO_TABLES:
+            raise ValueError(f"no rds-info table {letter!r} (have {ALL_TABLES})")
+
+
 def format_info(nodes: RdsNode | Iterable[RdsNode], tables: str = ALL_TABLES) -> str:
     """rds-info's tables (letters of :data:`INFO_TABLES`) for nodes of this process.
 
@@ -328,9 +329,8 @@ def format_info(nodes: RdsNode | Iterable[RdsNode], tables: str = ALL_TABLES) ->
     """
     all_nodes = [nodes] if isinstance(nodes, RdsNode) else list(nodes)
     out: list[str] = []
+    _check_tables(tables)
     for letter in tables:
-        if letter not in INFO_TABLES:
-            raise ValueError(f"no rds-info table {letter!r} (have {''.join(INFO_TABLES)})")
         if letter == "c":
             out.append(f"\nCounters:\n{'CounterName':>25} {'Value':>16}")
             out += [f"{name:>25} {value:>16}" for name, value in _counter_rows(all_nodes)]
@@ -410,9 +410,7 @@ async def query_info(
     within: float = 5.0,
 ) -> str:
     """Ask the node at ``dest`` (running :func:`serve_info`) for its rds-info tables."""
-    for letter in tables:
-        if letter not in INFO_TABLES:
-            raise ValueError(f"no rds-info table {letter!r} (have {''.join(INFO_TABLES)})")
+    _check_tables(tables)
     sock = bind_any(node)
     try:
         with trio.move_on_after(within):

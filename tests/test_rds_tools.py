@@ -221,11 +221,3 @@ async def test_format_info_shows_nodes_of_this_process() -> None:
         ]
         with pytest.raises(ValueError, match="no rds-info table"):
             rt.format_info(a, "x")
-
-
-def test_cli_defaults_match_the_library() -> None:
-    from rdmashim import cli
-
-    assert cli.RDS_CM_PORT == rt.RDS_CM_PORT
-    assert (cli.ECHO_PORT, cli.STRESS_PORT) == (rt.ECHO_PORT, rt.STRESS_PORT)
-    assert cli.INFO_TABLES == rt.INFO_TABLES

@@ -429,11 +429,17 @@ class RdsNode:
     async def _active_session(self, entry: _Peer) -> None:
         rds = entry.rds
         holder: list[Session] = []
+
+        def prepare(conn: Any) -> None:
+            if holder:  # an attempt open_connection gave up on (its QP is gone)
+                holder.pop().close()
+            holder.append(Session(rds, conn))
+
         entry.connecting = True
         try:
             async with open_connection(
                 str(rds.peer), self.port, private_data=self._private(rds), cap=QP_CAP,
-                cqe=1024, pd=self.pd, prepare=lambda conn: holder.append(Session(rds, conn)),
+                cqe=1024, pd=self.pd, prepare=prepare,
             ) as conn:  # fmt: skip
                 entry.connecting = False
                 theirs = ConnectPrivate.decode(conn.private_data, ipv6=rds.peer.version == 6)

@@ -1,0 +1,25 @@
+"""The RDS tools' well-known ports and rds-info's tables.
+
+Plain values, so the CLI builds its parser from them without importing the
+RDS machinery; :mod:`rdmashim.rds_tools` uses the same ones.
+"""
+
+from __future__ import annotations
+
+from rdmashim.ulps.rds.wire import RDS_CM_PORT
+
+ECHO_PORT = 7
+INFO_PORT = 10000
+STRESS_PORT = 4000
+INFO_TABLES = {
+    "c": "statistic counters",
+    "k": "sockets",
+    "n": "connections",
+    "r": "receive queue messages",
+    "s": "send queue messages",
+    "t": "retransmit queue messages",
+}
+"""rds-info's table letters that apply (all of them but the IB and TCP transport tables)."""
+ALL_TABLES = "".join(INFO_TABLES)
+
+__all__ = ["ALL_TABLES", "ECHO_PORT", "INFO_PORT", "INFO_TABLES", "RDS_CM_PORT", "STRESS_PORT"]
