@@ -25,11 +25,13 @@ raise NotSupported on iWARP devices.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import errno
 import ipaddress
 import logging
 import socket
+import struct
 from enum import Enum, auto
 from typing import Any
 
@@ -41,6 +43,8 @@ from rdmashim.verbs.attrs import QPCap
 from rdmashim.verbs.enums import PortState
 from rdmashim.verbs.errors import NotSupported, VerbsError
 from rdmashim.verbs.softiwarp.connection import (
+    MPA_REPLY_TIMEOUT,
+    MPA_REQUEST_TIMEOUT,
     ConnectRequest,
     MpaTimeout,
     accept_qp,
@@ -56,6 +60,51 @@ log = logging.getLogger(__name__)
 
 DEFAULT_CONNECT_TIMEOUT = 10.0
 """Seconds an active id waits for the TCP connection before UNREACHABLE."""
+DEFAULT_MAX_PENDING = 256
+"""Connections a listener holds that are not yet accepted or rejected: those whose MPA
+Request is still coming, and CONNECT_REQUESTs the application has not answered."""
+ACCEPT_RETRY_DELAY = 0.1
+"""Seconds a listener waits before accepting again after running out of descriptors or
+memory (as ``trio.serve_listeners``)."""
+ACCEPT_CAPACITY_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS})
+"""``accept`` errors that say the process or system is out of something for a while."""
+LOG_INTERVAL = 10.0
+"""Seconds between two warnings of the same kind from one listener."""
+
+
+class _Throttled:
+    """Logs a warning at most once per :data:`LOG_INTERVAL`, counting the ones it held back."""
+
+    def __init__(self) -> None:
+        self._last = -LOG_INTERVAL
+        self._held = 0
+
+    def warning(self, message: str, *args: Any) -> None:
+        now = trio.current_time()
+        if now - self._last < LOG_INTERVAL:
+            self._held += 1
+            return
+        if self._held:
+            message += f" ({self._held} more since the last warning)"
+        log.warning(message, *args)
+        self._last = now
+        self._held = 0
+
+
+def _abort(stream: trio.SocketStream) -> None:
+    """Close a connection at once with a reset: nothing more is owed to this peer."""
+    sock = stream.socket
+    with contextlib.suppress(OSError):
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    sock.close()
+
+
+def _peer_of(stream: trio.SocketStream) -> Any:
+    """The peer's address, or None when the connection is already gone."""
+    try:
+        return stream.socket.getpeername()
+    except OSError:
+        return None
 
 
 class State(Enum):
@@ -97,6 +146,14 @@ class CMId:
         self.mpa_options = MpaOptions()
         """MPA settings this id asks for or accepts (CRC, revision, P2P, FPDU size)."""
         self.connect_timeout = DEFAULT_CONNECT_TIMEOUT
+        self.mpa_request_timeout = MPA_REQUEST_TIMEOUT
+        """Seconds a listener waits for a new connection's MPA Request (siw: 5)."""
+        self.mpa_reply_timeout = MPA_REPLY_TIMEOUT
+        """Seconds an active id waits for the MPA Reply (siw: 10)."""
+        self.max_pending = DEFAULT_MAX_PENDING
+        """A listener's bound on connections not yet accepted or rejected (see
+        :data:`DEFAULT_MAX_PENDING`); beyond it the oldest connection still owing its
+        MPA Request is dropped, or else the new one."""
         self.mpa: MpaResult | None = None
         """What MPA setup settled (CRC, revision, IRD/ORD, RTR), once connected."""
         self._family = socket.AF_INET
@@ -105,6 +162,12 @@ class CMId:
         self._listeners: list[trio.SocketListener] = []
         self._scopes: list[trio.CancelScope] = []
         self._disconnect_reported = False
+        self._handshakes: dict[trio.SocketStream, trio.CancelScope] = {}
+        """A listener's connections whose MPA Request is still coming, oldest first."""
+        self._unanswered: set[CMId] = set()
+        """A listener's CONNECT_REQUEST ids the application has not answered yet."""
+        self._listen_id: CMId | None = None
+        self._throttled = _Throttled()
 
     def __repr__(self) -> str:
         return f"<CMId {self.state.name} local={self.local_addr} peer={self.peer_addr}>"
@@ -113,7 +176,13 @@ class CMId:
     def _post(self, event: CMEventType, status: int = 0, **kwargs: Any) -> None:
         self.channel._post(CMEvent(event, self, status, _channel=self.channel, **kwargs))
 
-    def _spawn(self, fn: Any, *args: Any) -> None:
+    def _spawn(self, fn: Any, *args: Any, failed: CMEventType | None = None) -> None:
+        """Run ``fn(*args)`` in the channel's nursery until the id is destroyed.
+
+        No error of one id's work reaches the nursery (and so the application and the
+        other ids): a failure the work does not report itself is logged, and reported
+        as a ``failed`` event when given.
+        """
         nursery = self.channel.nursery
         assert nursery is not None
 
@@ -121,9 +190,15 @@ class CMId:
         self._scopes.append(scope)
 
         async def run() -> None:
-            with scope:
-                await fn(*args)
-            self._scopes.remove(scope)
+            try:
+                with scope:
+                    await fn(*args)
+            except Exception as exc:
+                log.exception("%s: %s failed", self, getattr(fn, "__name__", fn))
+                if failed is not None and self.state is not State.DESTROYED:
+                    self._post(failed, -errno.EIO, detail=f"internal error: {exc!r}")
+            finally:
+                self._scopes.remove(scope)
 
         nursery.start_soon(run)
 
@@ -267,8 +342,9 @@ class CMId:
             raise NotSupported(operation, "iWARP connections need the id's QP (create_qp first)")
         param = param or ConnParam()
         self._check_private_data(operation, param.private_data)
+        self._answered()
         self.state = then
-        self._spawn(work, param)
+        self._spawn(work, param, failed=CMEventType.CONNECT_ERROR)
 
     def _options(self, param: ConnParam) -> MpaOptions:
         return dataclasses.replace(
@@ -305,8 +381,9 @@ class CMId:
         self._watch_qp()
         try:
             result = await connect_qp(
-                self.qp, stream, private_data=param.private_data, options=self._options(param)
-            )
+                self.qp, stream, private_data=param.private_data, options=self._options(param),
+                reply_timeout=self.mpa_reply_timeout,
+            )  # fmt: skip
         except MpaRejected as exc:
             self._fail(CMEventType.REJECTED, -errno.ECONNRESET, str(exc), exc.private_data)
             return
@@ -316,7 +393,6 @@ class CMId:
         except (ProtocolError, OSError) as exc:
             self._fail(CMEventType.CONNECT_ERROR, -errno.ECONNREFUSED, str(exc))
             return
-        self._stream = stream
         self.mpa = result
         self.state = State.ESTABLISHED
         self._post(
@@ -357,36 +433,83 @@ class CMId:
         self._spawn(self._accept_loop, listener)
 
     async def _accept_loop(self, listener: trio.SocketListener) -> None:
-        nursery = self.channel.nursery
         while True:
             try:
                 stream = await listener.accept()
-            except (trio.ClosedResourceError, OSError):
+            except trio.ClosedResourceError:
                 return
-            nursery.start_soon(self._incoming, stream)
+            except OSError as exc:
+                if exc.errno not in ACCEPT_CAPACITY_ERRNOS:
+                    log.error("%s: accept failed, no longer listening: %s", self, exc)
+                    return
+                self._throttled.warning(
+                    "%s: accept: %s; retrying every %.1f s", self, exc, ACCEPT_RETRY_DELAY
+                )
+                await trio.sleep(ACCEPT_RETRY_DELAY)
+                continue
+            self._admit(stream)
 
-    async def _incoming(self, stream: trio.SocketStream) -> None:
+    def _admit(self, stream: trio.SocketStream) -> None:
+        """Start reading a new connection's MPA Request, within :attr:`max_pending`."""
+        if len(self._handshakes) + len(self._unanswered) >= self.max_pending:
+            if self._handshakes:
+                oldest = next(iter(self._handshakes))
+                self._handshakes.pop(oldest).cancel()
+                dropped = "the oldest connection still owing its MPA Request"
+            else:
+                _abort(stream)
+                dropped = "a new connection"
+            self._throttled.warning(
+                "%s: max_pending (%d) connections pending, dropping %s",
+                self, self.max_pending, dropped,
+            )  # fmt: skip
+            if dropped == "a new connection":
+                return
+        scope = trio.CancelScope()
+        self._handshakes[stream] = scope
+        self.channel.nursery.start_soon(self._incoming, stream, scope)
+
+    async def _incoming(self, stream: trio.SocketStream, scope: trio.CancelScope) -> None:
+        """One new connection up to its CONNECT_REQUEST; nothing it does escapes."""
+        peer = _peer_of(stream)
+        child = None
         try:
-            request = await read_request(stream)
-        except (MpaTimeout, ProtocolError, OSError) as exc:
-            log.info("dropping connection from %s: %s", stream.socket.getpeername(), exc)
-            await trio.aclose_forcefully(stream)
-            return
+            with scope:
+                request = await read_request(stream, request_timeout=self.mpa_request_timeout)
+                child = await self._request_arrived(stream, request)
+        except (MpaTimeout, ProtocolError, OSError, trio.BrokenResourceError) as exc:
+            log.info("dropping connection from %s: %s", peer, exc)
+        except Exception:
+            log.exception("%s: dropping connection from %s", self, peer)
+        finally:
+            self._handshakes.pop(stream, None)
+            if child is None:
+                _abort(stream)
+
+    async def _request_arrived(
+        self, stream: trio.SocketStream, request: ConnectRequest
+    ) -> CMId | None:
+        """Make the child id of a valid MPA Request and report CONNECT_REQUEST."""
+        if self.state is not State.LISTEN:
+            return None
         child = self.channel.create_id(self.user_context, self.ps)
         child.mpa_options = self.mpa_options
         child.local_addr = stream.socket.getsockname()
         child.peer_addr = stream.socket.getpeername()
         child._family = stream.socket.family
-        child._stream = stream
         child._request = request
         try:
             await child._bind_device(str(child.local_addr[0]))
         except OSError as exc:
             log.warning("no device for %s: %s", child.local_addr, exc)
-            await reject(stream, request, b"")
             child.destroy()
-            return
+            with trio.move_on_after(self.mpa_request_timeout):
+                await reject(stream, request, b"")
+            return None
+        child._stream = stream
         child.state = State.CONNECT_REQUEST
+        child._listen_id = self
+        self._unanswered.add(child)
         frame = request.frame
         param = ConnParam(
             request.private_data,
@@ -394,6 +517,13 @@ class CMId:
             initiator_depth=frame.ird if frame.enhanced else 16,
         )
         self._post_for(child, CMEventType.CONNECT_REQUEST, request.private_data, param)
+        return child
+
+    def _answered(self) -> None:
+        """This CONNECT_REQUEST id was accepted, rejected or destroyed: no longer pending."""
+        if self._listen_id is not None:
+            self._listen_id._unanswered.discard(self)
+            self._listen_id = None
 
     def _post_for(
         self, child: CMId, kind: CMEventType, private_data: bytes, param: ConnParam
@@ -407,20 +537,25 @@ class CMId:
         self._begin("accept", State.CONNECT_REQUEST, State.ACCEPTING, self._accept, param)
 
     async def _accept(self, param: ConnParam) -> None:
-        assert self._stream is not None and self._request is not None
+        stream, request = self._stream, self._request
+        assert stream is not None and request is not None
+        self._stream = self._request = None  # the QP's link owns the stream from here
         self._watch_qp()
         options = self._options(param)
         if options.p2p:
             self.qp.engine.on_ready = lambda: self._established(b"")
         try:
             result = await accept_qp(
-                self.qp, self._stream, self._request, private_data=param.private_data,
-                options=options,
-            )  # fmt: skip
+                self.qp, stream, request, private_data=param.private_data, options=options
+            )
         except (ProtocolError, OSError) as exc:
+            _abort(stream)
             self.state = State.DISCONNECTED
             self._post(CMEventType.CONNECT_ERROR, -errno.ECONNRESET, detail=str(exc))
             return
+        except BaseException:
+            _abort(stream)
+            raise
         self.mpa = result
         if result.rtr is RTR.NONE:
             self._established(result.private_data)
@@ -437,15 +572,19 @@ class CMId:
         self._check_private_data("reject", private_data)
         stream, request = self._stream, self._request
         self._stream = None
+        self._request = None
+        self._answered()
         self.state = State.DISCONNECTED
 
         async def send_reject() -> None:
             assert stream is not None
-            with trio.move_on_after(5):
-                try:
+            try:
+                with trio.move_on_after(self.mpa_request_timeout):
                     await reject(stream, request, private_data)
-                except OSError as exc:
-                    log.info("reject: %s", exc)
+            except (OSError, trio.BrokenResourceError, trio.ClosedResourceError) as exc:
+                log.info("reject to %s: %s", self.peer_addr, exc)
+            finally:
+                _abort(stream)
 
         self.channel.nursery.start_soon(send_reject)
 
@@ -476,15 +615,23 @@ class CMId:
         """Release the id (``rdma_destroy_id``): close listeners, drop the connection."""
         if self.state is State.DESTROYED:
             return
+        self._answered()
         if self._stream is not None and self.state in (State.CONNECT_REQUEST,):
-            stream = self._stream
-            self.channel.nursery.start_soon(trio.aclose_forcefully, stream)
+            _abort(self._stream)
+        self._stream = None
+        self._request = None
         for listener in self._listeners:
-            self.channel.nursery.start_soon(listener.aclose)
+            listener.socket.close()
+        self._listeners.clear()
+        for scope in self._handshakes.values():
+            scope.cancel()
         if self.qp is not None and self.state in (State.ESTABLISHED, State.ACCEPTING):
             self.qp.engine.set_error(ConnectionAbortedError("CM id destroyed"))
         for scope in self._scopes:
             scope.cancel()
+        if self.context is not None:
+            with contextlib.suppress(ValueError):
+                self.context.close_listeners.remove(self._device_removed)
         self.state = State.DESTROYED
         self.channel._forget(self)
 

@@ -8,8 +8,8 @@ import trio
 from rdmashim import QPState
 from rdmashim.verbs.softiwarp import mpa
 from rdmashim.verbs.softiwarp.connection import (
-    INITIATOR_TIMEOUT,
-    RESPONDER_TIMEOUT,
+    MPA_REPLY_TIMEOUT,
+    MPA_REQUEST_TIMEOUT,
     MpaOptions,
     MpaRejected,
     MpaTimeout,
@@ -128,7 +128,7 @@ async def test_initiator_times_out(ctx, autojump_clock) -> None:
     start = trio.current_time()
     with pytest.raises(MpaTimeout):
         await connect_qp(_qp(ctx), await trio.open_tcp_stream("127.0.0.1", port))
-    assert trio.current_time() - start == pytest.approx(INITIATOR_TIMEOUT)
+    assert trio.current_time() - start == pytest.approx(MPA_REPLY_TIMEOUT)
     await listener.aclose()
 
 
@@ -139,7 +139,7 @@ async def test_responder_times_out(ctx, autojump_clock) -> None:
     start = trio.current_time()
     with pytest.raises(MpaTimeout):
         await read_request(stream)
-    assert trio.current_time() - start == pytest.approx(RESPONDER_TIMEOUT)
+    assert trio.current_time() - start == pytest.approx(MPA_REQUEST_TIMEOUT)
     await client.aclose()
     await listener.aclose()
 

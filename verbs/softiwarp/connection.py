@@ -35,10 +35,12 @@ from rdmashim.verbs.softiwarp.terminate import ProtocolError
 
 log = logging.getLogger(__name__)
 
-INITIATOR_TIMEOUT = 10.0
-"""Seconds the initiator waits for the MPA Reply (Linux siw: MPAREQ_TIMEOUT)."""
-RESPONDER_TIMEOUT = 5.0
-"""Seconds the responder waits for the MPA Request after accepting TCP (MPAREP_TIMEOUT)."""
+MPA_REPLY_TIMEOUT = 10.0
+"""Seconds the initiator waits for the MPA Reply after sending its Request (Linux siw:
+``MPAREQ_TIMEOUT``, 10 s)."""
+MPA_REQUEST_TIMEOUT = 5.0
+"""Seconds the responder waits for the MPA Request after accepting TCP (Linux siw:
+``MPAREP_TIMEOUT``, 5 s)."""
 
 
 class MpaTimeout(TimeoutError):
@@ -124,7 +126,7 @@ async def connect_qp(
     *,
     private_data: bytes = b"",
     options: MpaOptions | None = None,
-    reply_timeout: float = INITIATOR_TIMEOUT,
+    reply_timeout: float = MPA_REPLY_TIMEOUT,
 ) -> MpaResult:
     """Run MPA setup as initiator on ``stream`` and put ``qp`` in RTS.
 
@@ -141,15 +143,15 @@ async def connect_qp(
         if scope.cancelled_caught:
             raise MpaTimeout(f"no MPA Reply within {reply_timeout} s")
         result = check_reply(request, reply, options)
+        _start(qp, stream, result, options, initiator=True, leftover=leftover)
     except BaseException:
         await trio.aclose_forcefully(stream)
         raise
-    _start(qp, stream, result, options, initiator=True, leftover=leftover)
     return result
 
 
 async def read_request(
-    stream: trio.SocketStream, *, request_timeout: float = RESPONDER_TIMEOUT
+    stream: trio.SocketStream, *, request_timeout: float = MPA_REQUEST_TIMEOUT
 ) -> ConnectRequest:
     """Wait for the initiator's MPA Request (a responder's first step)."""
     _tune(stream)
@@ -198,6 +200,8 @@ async def reject(
 
 
 __all__ = [
+    "MPA_REPLY_TIMEOUT",
+    "MPA_REQUEST_TIMEOUT",
     "ConnectRequest",
     "MpaOptions",
     "MpaRejected",

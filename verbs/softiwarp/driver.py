@@ -144,12 +144,24 @@ class Link:
 
     # ------------------------------------------------------------------ lifetime
     async def run(self) -> None:
-        """Run both directions until the connection ends, then close the socket."""
+        """Run both directions until the connection ends, then close the socket.
+
+        Nothing that goes wrong on one connection leaves this task (it runs in the
+        device's nursery, beside every other connection): an unexpected error is
+        logged and fails this QP only, as a lost connection.
+        """
         try:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(self._rx_loop)
                 nursery.start_soon(self._tx_loop, nursery.cancel_scope)
                 self.flush()
+        except Exception as exc:
+            log.exception("QP %d: connection dropped after an internal error", self.engine.qp_num)
+            self._pending = []
+            try:
+                self.engine.connection_lost(exc)
+            except Exception:
+                log.exception("QP %d: flushing after the error failed", self.engine.qp_num)
         finally:
             self.sock.close()
             self.closed.set()
