@@ -7,9 +7,14 @@ with ``SO_LINGER`` 0.
 
 from __future__ import annotations
 
+import logging
+import resource
 import socket
 import struct
+import subprocess
+import sys
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 import trio
@@ -72,3 +77,72 @@ async def test_garbage_then_reset_leaves_serve_running() -> None:
         await trio.sleep(0.5)  # the server reads each and fails it
         await good_client(port)
         nursery.cancel_scope.cancel()
+
+
+async def _idle_connection(port: int) -> trio.socket.SocketType | None:
+    """A connection that never sends a byte (None when the server's backlog is full)."""
+    sock = trio.socket.socket()
+    with trio.move_on_after(2):
+        await sock.connect((LOOPBACK, port))
+        return sock
+    sock.close()
+    return None
+
+
+async def test_serve_accepts_again_after_emfile(tmp_path: Path) -> None:
+    """A burst of idle connections exhausts the server's descriptors (accept: EMFILE);
+    once they are gone, serve() accepts and completes a good connection again."""
+    logfile = tmp_path / "server.log"
+    server = await trio.lowlevel.open_process(
+        [sys.executable, __file__, "serve", "48", str(logfile)], stdout=subprocess.PIPE
+    )
+    idle: list[trio.socket.SocketType] = []
+    try:
+        port = await _read_port(server)
+        with trio.fail_after(30):
+            while "Too many open files" not in logfile.read_text():
+                sock = await _idle_connection(port)
+                if sock is not None:
+                    idle.append(sock)
+                await trio.sleep(0.01)
+        assert len(idle) < 200
+        for sock in idle:
+            _reset(sock)
+        took = await good_client(port)
+        print(f"good client connected {took:.3f} s after {len(idle)} idle connections")
+        assert server.returncode is None
+        assert "retrying every 0.1 s" in logfile.read_text()
+    finally:
+        for sock in idle:
+            sock.close()
+        server.kill()
+        await server.wait()
+
+
+async def _read_port(process: trio.Process) -> int:
+    """The port a child server prints on its first line."""
+    assert process.stdout is not None
+    line = b""
+    with trio.fail_after(30):
+        while not line.endswith(b"\n"):
+            chunk = await process.stdout.receive_some(64)
+            assert chunk, "the server process ended before listening"
+            line += chunk
+    return int(line)
+
+
+def _serve_with_few_files(nofile: int, logfile: str) -> None:
+    """Child process: serve on loopback with RLIMIT_NOFILE lowered to ``nofile``."""
+    resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, nofile))
+    logging.basicConfig(filename=logfile, level=logging.INFO)
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            port = await start_server(nursery)
+            print(port, flush=True)
+
+    trio.run(main)
+
+
+if __name__ == "__main__" and sys.argv[1:2] == ["serve"]:
+    _serve_with_few_files(int(sys.argv[2]), sys.argv[3])
