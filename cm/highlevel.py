@@ -30,7 +30,7 @@ from typing import Any
 import trio
 
 from rdmashim.cm.channel import EventChannel
-from rdmashim.cm.cmid import CMId
+from rdmashim.cm.cmid import DEFAULT_MAX_PENDING, CMId
 from rdmashim.cm.types import CMEvent, CMEventType, ConnParam
 from rdmashim.verbs.attrs import QPCap
 from rdmashim.verbs.errors import VerbsError
@@ -371,6 +371,7 @@ async def serve(
     handler_nursery: trio.Nursery | None = None,
     pd: Any = None,
     backend: str | None = None,
+    max_pending: int = DEFAULT_MAX_PENDING,
     task_status: Any = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Listen on ``host``:``port`` and run ``handler(request)`` for each connection.
@@ -379,7 +380,8 @@ async def serve(
     handler that returns without accepting or rejecting rejects; an accepted
     connection is closed when its handler returns. Every connection's QP is
     created on ``pd`` when given (as for :func:`open_connection`), and ``backend``
-    picks the backend as there.
+    picks the backend as there. At most ``max_pending`` connections wait for their
+    MPA Request or for their handler's answer (see :attr:`CMId.max_pending`).
     """
     async with EventChannel(_contexts_of(pd), backend=backend) as channel:
         router = _Router(channel)
@@ -387,6 +389,7 @@ async def serve(
         listen_id = channel.create_id()
         if mpa_options is not None:
             listen_id.mpa_options = mpa_options
+        listen_id.max_pending = max_pending
         listen_id.bind_addr((host, port))
         listen_id.listen()
         task_status.started(listen_id.local_addr)

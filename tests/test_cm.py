@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import socket
 from typing import Any
@@ -182,6 +183,45 @@ async def test_connect_error_when_mpa_reply_never_comes(autojump_clock: Any) -> 
         assert event.status == -errno.ETIMEDOUT
         assert trio.current_time() - start == pytest.approx(10, abs=0.5)
     await listener.aclose()
+
+
+async def test_mpa_reply_timeout_is_a_setting(autojump_clock: Any) -> None:
+    listener, port = await _fake_server(None)
+    async with EventChannel() as channel:
+        client = await resolve(channel, "127.0.0.1", port)
+        assert client.mpa_reply_timeout == 10.0  # siw's MPAREQ_TIMEOUT
+        client.mpa_reply_timeout = 3.0
+        setup_qp(client)
+        client.connect()
+        start = trio.current_time()
+        event = await expect(channel, E.CONNECT_ERROR, seconds=60)
+        assert event.status == -errno.ETIMEDOUT
+        assert trio.current_time() - start == pytest.approx(3, abs=0.5)
+    await listener.aclose()
+
+
+@pytest.mark.parametrize("seconds", [None, 2.0])
+async def test_listener_drops_a_connection_whose_mpa_request_never_completes(
+    autojump_clock: Any, seconds: float | None
+) -> None:
+    """Half an MPA Request, then silence: the listener closes the connection after its
+    ``mpa_request_timeout`` (siw's MPAREP_TIMEOUT, 5 s) and reports nothing."""
+    async with EventChannel() as channel:
+        listener, port = await listen(channel)
+        assert listener.mpa_request_timeout == 5.0
+        if seconds is not None:
+            listener.mpa_request_timeout = seconds
+        stranger = trio.socket.socket()
+        await stranger.connect(("127.0.0.1", port))
+        await stranger.send(mpa.encode_start_frame(mpa.StartFrame(reply=False))[:10])
+        start = trio.current_time()
+        with trio.fail_after(60):
+            with contextlib.suppress(ConnectionResetError):
+                assert await stranger.recv(64) == b""
+        assert trio.current_time() - start == pytest.approx(seconds or 5.0, abs=0.5)
+        stranger.close()
+        with pytest.raises(trio.WouldBlock):
+            channel.get_event_nowait()
 
 
 @pytest.mark.parametrize("who", ["client", "server"])

@@ -17,9 +17,11 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+import pytest
 import trio
 
-from rdmashim.cm import ConnectionRequest, open_connection, serve
+from rdmashim.cm import CMError, ConnectionRequest, open_connection, serve
+from rdmashim.verbs.softiwarp import mpa
 
 LOOPBACK = "127.0.0.1"
 GOOD_CLIENT_BOUND = 20.0
@@ -76,6 +78,78 @@ async def test_garbage_then_reset_leaves_serve_running() -> None:
                 await stranger(port, data)
         await trio.sleep(0.5)  # the server reads each and fails it
         await good_client(port)
+        nursery.cancel_scope.cancel()
+
+
+REQUEST = mpa.encode_start_frame(mpa.StartFrame(reply=False, ird=16, ord=16, private_data=b"abuse"))
+"""A valid MPA Request (rev 2, IRD/ORD block, private data) whose bytes strangers cut."""
+
+
+async def _closed_by_server(sock: trio.socket.SocketType) -> bool:
+    """Whether the server closes ``sock`` (EOF or reset) within half a second."""
+    with trio.move_on_after(0.5):
+        try:
+            return await sock.recv(64) == b""
+        except ConnectionResetError:
+            return True
+    return False
+
+
+async def test_pending_bound_drops_the_oldest_stalled_connection(caplog: Any) -> None:
+    """Past ``max_pending``, the oldest connection still owing its MPA Request goes, with
+    one warning (not one per connection), and a good client still gets in."""
+    caplog.set_level(logging.WARNING, logger="rdmashim.cm.cmid")
+    async with trio.open_nursery() as nursery:
+        port = await start_server(nursery, max_pending=4)
+        stalled = []
+        for _ in range(10):
+            sock = trio.socket.socket()
+            await sock.connect((LOOPBACK, port))
+            await sock.send(REQUEST[:10])
+            stalled.append(sock)
+            await trio.sleep(0.05)  # accepted in this order
+        await good_client(port)
+        closed = [await _closed_by_server(sock) for sock in stalled]
+        assert closed[:6] == [True] * 6  # the oldest went first (one more for the client)
+        assert closed[-3:] == [False] * 3  # the newest still wait (their 5 s are not over)
+        warnings = [r for r in caplog.records if "max_pending (4)" in r.getMessage()]
+        assert len(warnings) == 1, warnings
+        for sock in stalled:
+            sock.close()
+        nursery.cancel_scope.cancel()
+
+
+async def test_pending_bound_refuses_new_connections_when_requests_are_unanswered() -> None:
+    """CONNECT_REQUESTs the application holds count too; beyond the bound a new
+    connection is closed at once (its client fails fast) and the held ones live on."""
+    answer = trio.Event()
+
+    async def slow_handler(request: ConnectionRequest) -> None:
+        await answer.wait()
+        await accept_and_wait(request)
+
+    async with trio.open_nursery() as nursery:
+        addr = await nursery.start(partial(serve, slow_handler, 0, host=LOOPBACK, max_pending=2))
+        port = addr[1]
+        held: list[float] = []
+        both_in = trio.Event()
+
+        async def held_client() -> None:
+            held.append(await good_client(port))
+            if len(held) == 2:
+                both_in.set()
+
+        nursery.start_soon(held_client)
+        nursery.start_soon(held_client)
+        await trio.sleep(1)
+        start = trio.current_time()
+        with pytest.raises(CMError), trio.fail_after(5):
+            async with open_connection(LOOPBACK, port):
+                pass
+        assert trio.current_time() - start < 5
+        answer.set()
+        with trio.fail_after(GOOD_CLIENT_BOUND):
+            await both_in.wait()
         nursery.cancel_scope.cancel()
 
 
