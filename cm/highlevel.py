@@ -77,17 +77,23 @@ class _Router:
 
     def __init__(self, channel: EventChannel) -> None:
         self.channel = channel
-        self._queues: dict[CMId, trio.MemorySendChannel[CMEvent]] = {}
-        self._receivers: dict[CMId, trio.MemoryReceiveChannel[CMEvent]] = {}
+        self._queues: dict[CMId, tuple[trio.MemorySendChannel[CMEvent], Any]] = {}
         self.requests_send, self.requests = trio.open_memory_channel[CMEvent](64)
 
     def watch(self, cm_id: CMId) -> None:
-        send, recv = trio.open_memory_channel[CMEvent](64)
-        self._queues[cm_id] = send
-        self._receivers[cm_id] = recv
+        self._queues[cm_id] = trio.open_memory_channel[CMEvent](64)
+
+    def forget(self, cm_id: CMId) -> None:
+        """Stop routing ``cm_id``'s events; whoever waits on them gets EndOfChannel."""
+        queue = self._queues.pop(cm_id, None)
+        if queue is not None:
+            queue[0].close()
 
     async def next(self, cm_id: CMId) -> CMEvent:
-        return await self._receivers[cm_id].receive()
+        queue = self._queues.get(cm_id)
+        if queue is None:
+            raise trio.EndOfChannel(f"{cm_id} is no longer routed")
+        return await queue[1].receive()
 
     async def run(self) -> None:
         async for event in self.channel:
@@ -96,7 +102,8 @@ class _Router:
                 self.watch(event.id)
                 await self.requests_send.send(event)
             elif event.id in self._queues:
-                self._queues[event.id].send_nowait(event)
+                self._queues[event.id][0].send_nowait(event)
+            del event  # else the loop keeps the last event's id alive until the next
 
 
 class _OnId:
@@ -110,9 +117,13 @@ class _OnId:
     qp: Any
     own_pd: bool
     """Whether the PD was made for this connection (else it is shared and stays)."""
+    _router: _Router | None
 
     def _release(self) -> None:
-        """Destroy the QP and CQs, and the PD unless it is shared (idempotent)."""
+        """Destroy the QP and CQs, and the PD unless it is shared, and stop routing the
+        id's events (idempotent)."""
+        if self._router is not None:
+            self._router.forget(self.id)
         self.qp.close()
         self.send_cq.close()
         self.recv_cq.close()
@@ -155,7 +166,12 @@ class Connection(_OnId):
     async def _follow(self) -> None:
         assert self._router is not None
         while not self._closed.is_set():
-            event = await self._router.next(self.id)
+            try:
+                event = await self._router.next(self.id)
+            except trio.EndOfChannel:  # released
+                self._disconnected.set()
+                self._closed.set()
+                return
             if event.event == E.DISCONNECTED:
                 self._disconnected.set()
             elif event.event in (E.TIMEWAIT_EXIT, E.DEVICE_REMOVAL):
@@ -396,18 +412,34 @@ async def serve(
         async with trio.open_nursery() as own_nursery:
             nursery = handler_nursery or own_nursery
             async for event in router.requests:
-                assert event.param is not None
-                try:
-                    conn_pd, cq, qp = _resources(event.id, cap, cqe, pd)
-                except VerbsError as exc:  # e.g. the request came in on another device
-                    log.warning("connection from %s refused: %s", event.id.peer_addr, exc)
-                    event.id.reject(b"")
-                    continue
-                request = ConnectionRequest(
-                    event.id, event.private_data, event.param, conn_pd, cq, cq, qp, router,
-                    own_pd=pd is None,
-                )  # fmt: skip
-                nursery.start_soon(_run_handler, handler, request)
+                _start_handler(nursery, handler, event, router, cap, cqe, pd)
+                del event  # else the loop keeps the last connection alive until the next
+
+
+def _start_handler(
+    nursery: trio.Nursery,
+    handler: Callable[[ConnectionRequest], Awaitable[None]],
+    event: CMEvent,
+    router: _Router,
+    cap: QPCap | None,
+    cqe: int,
+    pd: Any,
+) -> None:
+    """Make a CONNECT_REQUEST's resources and run ``handler`` on it (or reject it)."""
+    assert event.param is not None
+    try:
+        conn_pd, cq, qp = _resources(event.id, cap, cqe, pd)
+    except VerbsError as exc:  # e.g. the request came in on another device
+        log.warning("connection from %s refused: %s", event.id.peer_addr, exc)
+        event.id.reject(b"")
+        event.id.destroy()
+        router.forget(event.id)
+        return
+    request = ConnectionRequest(
+        event.id, event.private_data, event.param, conn_pd, cq, cq, qp, router,
+        own_pd=pd is None,
+    )  # fmt: skip
+    nursery.start_soon(_run_handler, handler, request)
 
 
 async def _run_handler(

@@ -118,10 +118,11 @@ async def open_device(name: str | None = None) -> AsyncIterator[Context]:
 
 
 class _Resource:
-    """Closing is idempotent; a closed resource refuses use."""
+    """Closing is idempotent; a closed resource refuses use and leaves its parent."""
 
     _closed = False
     _kind = "resource"
+    _parent: _Parent | None = None
 
     def _check_open(self, operation: str) -> None:
         if self._closed:
@@ -133,29 +134,35 @@ class _Resource:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def close(self) -> None:  # pragma: no cover - overridden
+    def _leave_parent(self) -> None:
+        """Mark closed and let the parent forget this resource (nothing else holds it)."""
         self._closed = True
+        if self._parent is not None:
+            self._parent._children.pop(id(self), None)
+            self._parent = None
+
+    def close(self) -> None:  # pragma: no cover - overridden
+        self._leave_parent()
 
 
 class _Parent(_Resource):
     """A resource that closes the resources created from it when it closes."""
 
     def __init__(self) -> None:
-        self._children: list[_Resource] = []
+        self._children: dict[int, _Resource] = {}
 
     def _adopt(self, child: Any) -> Any:
-        if len(self._children) >= 64 and len(self._children) & (len(self._children) - 1) == 0:
-            self._children = [c for c in self._children if not c._closed]  # amortized pruning
-        self._children.append(child)
+        child._parent = self
+        self._children[id(child)] = child
         return child
 
     def close(self) -> None:
         """Close this and, first, everything created from it (idempotent)."""
         if self._closed:
             return
-        for child in reversed(self._children):
+        for child in reversed(list(self._children.values())):
             child.close()
-        self._closed = True
+        self._leave_parent()
 
 
 class Context(_Parent):
@@ -358,7 +365,7 @@ class MR(PinnedRegion, _Resource):
         """Deregister the region (idempotent)."""
         if self._closed:
             return
-        self._closed = True
+        self._leave_parent()
         self.pd.context.memory.deregister(self._region)
         self._pinned.release()
 
@@ -390,7 +397,7 @@ class CompChannel(_Resource):
     def close(self) -> None:
         """Close the channel."""
         if not self._closed:
-            self._closed = True
+            self._leave_parent()
             self._send.close()
 
 
@@ -464,7 +471,7 @@ class CQ(_Resource):
     def close(self) -> None:
         """Destroy the CQ."""
         if not self._closed:
-            self._closed = True
+            self._leave_parent()
             self._waiter.set()
 
 
@@ -496,7 +503,7 @@ class SRQ(_Resource):
 
     def close(self) -> None:
         """Destroy the SRQ."""
-        self._closed = True
+        self._leave_parent()
 
 
 def _as_list(wr: Any) -> list:
@@ -705,7 +712,7 @@ class QP(_Resource):
             return
         if self.engine.state is not EngineState.ERROR:
             self.engine.set_error(ConnectionAbortedError("QP destroyed"))
-        self._closed = True
+        self._leave_parent()
 
 
 def check_sge(memory: MemoryTable, pd: PD, sge: SGE, access: Access) -> memoryview:
