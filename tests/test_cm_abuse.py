@@ -7,6 +7,8 @@ with ``SO_LINGER`` 0.
 
 from __future__ import annotations
 
+import errno
+import gc
 import logging
 import resource
 import socket
@@ -20,8 +22,10 @@ from typing import Any
 import pytest
 import trio
 
-from rdmashim.cm import CMError, ConnectionRequest, open_connection, serve
+from rdmashim.cm import CMError, CMId, ConnectionRequest, open_connection, serve
 from rdmashim.verbs.softiwarp import mpa
+from rdmashim.verbs.softiwarp.connection import MPA_REPLY_TIMEOUT
+from rdmashim.verbs.softiwarp.engine import Engine
 
 LOOPBACK = "127.0.0.1"
 GOOD_CLIENT_BOUND = 20.0
@@ -151,6 +155,114 @@ async def test_pending_bound_refuses_new_connections_when_requests_are_unanswere
         with trio.fail_after(GOOD_CLIENT_BOUND):
             await both_in.wait()
         nursery.cancel_scope.cancel()
+
+
+ABUSERS = 1000
+REPLY = mpa.encode_start_frame(mpa.StartFrame(reply=True, ird=16, ord=16, private_data=b"no"))
+
+
+def _abuse_plan() -> list[tuple[bytes, str]]:
+    """(bytes sent, how the connection ends) for each abusive connection: the Request
+    cut at every byte and then a reset, a FIN or a stall until the test ends; the
+    whole Request then a reset (the peer vanishes before the accept); garbage."""
+    kinds = [(REQUEST[:k], end) for k in range(len(REQUEST)) for end in ("reset", "fin", "stall")]
+    kinds += [(REQUEST, "reset"), (b"\xff" * 64, "reset"), (bytes(range(256)), "fin")]
+    kinds += [(b"MPA ID Rep Frame" + REQUEST[16:], "reset")]
+    return [kinds[i % len(kinds)] for i in range(ABUSERS)]
+
+
+async def _abuse(port: int, data: bytes, end: str, stall: trio.Event) -> None:
+    sock = trio.socket.socket()
+    try:
+        with trio.move_on_after(5):  # a full backlog: the connect waits, then gives up
+            await sock.connect((LOOPBACK, port))
+            if data:
+                await sock.send(data)
+        if end == "stall":
+            await stall.wait()
+    except OSError:
+        pass  # the server dropped us first: fine
+    finally:
+        if end == "fin":
+            sock.close()
+        else:
+            _reset(sock)
+
+
+async def test_good_client_connects_while_a_thousand_strangers_abuse_the_listener(
+    caplog: Any,
+) -> None:
+    """A thousand connections cut the MPA Request at every byte (reset or FIN), stall
+    with half a Request, or send garbage; good clients that connect meanwhile get in
+    within GOOD_CLIENT_BOUND, and afterwards nothing of the strangers is left."""
+    caplog.set_level(logging.INFO, logger="rdmashim.cm.cmid")
+    took: list[float] = []
+    async with trio.open_nursery() as nursery:
+        port = await start_server(nursery)
+        stall = trio.Event()
+        async with trio.open_nursery() as abusers:
+            for i, (data, end) in enumerate(_abuse_plan()):
+                abusers.start_soon(_abuse, port, data, end, stall)
+                await trio.lowlevel.checkpoint()
+                if i % 200 == 100:
+                    took.append(await good_client(port))
+            took.append(await good_client(port))
+            stall.set()
+        took.append(await good_client(port))
+        nursery.cancel_scope.cancel()
+    print(f"good clients connected in {max(took):.3f} s at most ({len(took)} clients)")
+    assert max(took) < GOOD_CLIENT_BOUND
+    messages = [r.getMessage() for r in caplog.records]
+    dropped = sum("dropping connection from" in m for m in messages)
+    print(f"{dropped} strangers dropped for what they sent")
+    assert dropped > ABUSERS // 2
+    assert sum("max_pending (256)" in m for m in messages) == 1  # the bound held, one warning
+    gc.collect()  # nothing of any connection is left (the log records hold the listener)
+    left = [
+        o
+        for o in gc.get_objects()
+        if isinstance(o, Engine) or (isinstance(o, CMId) and o.peer_addr is not None)
+    ]
+    assert left == [], left
+
+
+async def _fake_responder(
+    listener: trio.SocketListener, reply: bytes, end: str, task_status: Any
+) -> None:
+    """Accept one connection, read the Request, send ``reply``, then reset or stall."""
+    task_status.started()
+    stream = await listener.accept()
+    await stream.receive_some(4096)
+    if reply:
+        await stream.send_all(reply)
+    if end == "stall":
+        await trio.sleep_forever()
+    _reset(stream.socket)
+
+
+@pytest.mark.parametrize("end", ["reset", "stall"])
+async def test_our_initiator_against_a_reply_cut_at_every_byte(
+    autojump_clock: Any, end: str
+) -> None:
+    """A fake server cuts its MPA Reply at every byte: our initiator reports a
+    connection failure each time, in at most mpa_reply_timeout, and nothing else."""
+    (listener,) = await trio.open_tcp_listeners(0, host=LOOPBACK)
+    port = listener.socket.getsockname()[1]
+    for k in range(len(REPLY)):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(_fake_responder, listener, REPLY[:k], end)
+            start = trio.current_time()
+            with pytest.raises(CMError) as info, trio.fail_after(30):
+                async with open_connection(LOOPBACK, port):
+                    pass
+            seconds = trio.current_time() - start
+            if end == "stall":
+                assert info.value.event.status == -errno.ETIMEDOUT
+                assert seconds == pytest.approx(MPA_REPLY_TIMEOUT, abs=0.5)
+            else:
+                assert seconds < 1, (k, seconds)
+            nursery.cancel_scope.cancel()
+    await listener.aclose()
 
 
 async def _idle_connection(port: int) -> trio.socket.SocketType | None:
