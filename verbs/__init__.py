@@ -22,12 +22,15 @@ from rdmashim.verbs.enums import (
     WROpcode,
 )
 from rdmashim.verbs.errors import BackendUnavailable, CompletionError, NotSupported, VerbsError
+from rdmashim.verbs.events import AsyncEvent, AsyncEventType
 from rdmashim.verbs.wr import SGE, WC, RecvWR, SendWR
 
 __all__ = [
     "SGE",
     "WC",
     "Access",
+    "AsyncEvent",
+    "AsyncEventType",
     "AtomicCap",
     "BackendUnavailable",
     "CompletionError",

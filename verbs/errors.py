@@ -9,7 +9,14 @@ from rdmashim.verbs.enums import WCStatus
 
 
 class VerbsError(OSError):
-    """A verbs call failed. ``errno`` is the POSIX error number, ``operation`` the call."""
+    """A verbs call failed. ``errno`` is the POSIX error number, ``operation`` the call.
+
+    A ``post_send``/``post_recv`` that refuses a work request sets ``bad_wr`` to its
+    index in the list posted (the requests before it stay posted), as libibverbs'
+    ``bad_wr`` points at it.
+    """
+
+    bad_wr: int | None = None
 
     def __init__(self, err: int, operation: str, detail: str = "") -> None:
         message = f"{operation}: {os.strerror(err)}"

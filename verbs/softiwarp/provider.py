@@ -38,6 +38,7 @@ from rdmashim.verbs.enums import (
     WROpcode,
 )
 from rdmashim.verbs.errors import NotSupported, VerbsError
+from rdmashim.verbs.events import AsyncEvent, AsyncEventType
 from rdmashim.verbs.softiwarp.engine import Engine, EngineState, RecvJob, SendJob
 from rdmashim.verbs.softiwarp.memory import AccessViolation, MemoryTable, Region
 from rdmashim.verbs.softiwarp.mpa import MAX_PRIVATE_DATA, V2_BLOCK_LEN
@@ -54,6 +55,10 @@ MAX_SGE = 6
 MAX_INLINE = 80
 MAX_ORD_IRD = 128
 MAX_CQE = 1 << 20
+MAX_ASYNC_EVENTS = 1024
+"""Asynchronous events a context keeps for ``get_async_event``; beyond, the oldest go."""
+DEFAULT_MAX_REGISTERED_BYTES: int | None = None
+"""A context's default bound on the bytes registered in all its MRs (None: no bound)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -178,6 +183,13 @@ class Context(_Parent):
         self._qp_numbers = itertools.count(1)
         self.close_listeners: list[Callable[[], None]] = []
         """Called when the context closes (the CM reports DEVICE_REMOVAL to its ids)."""
+        self.max_registered_bytes = DEFAULT_MAX_REGISTERED_BYTES
+        """Bound on the bytes registered in all MRs of this context (None: no bound);
+        ``reg_mr`` past it fails with ENOMEM, as ``ibv_reg_mr`` past RLIMIT_MEMLOCK."""
+        self.registered_bytes = 0
+        """Bytes registered in the context's MRs now."""
+        self._async_events: deque[AsyncEvent] = deque(maxlen=MAX_ASYNC_EVENTS)
+        self._async_waiter = trio.Event()
 
     @property
     def backend(self) -> str:
@@ -252,10 +264,31 @@ class Context(_Parent):
             raise VerbsError(errno.EINVAL, "create_cq", f"cqe {cqe} outside 1..{MAX_CQE}")
         return self._adopt(CQ(self, cqe, channel))
 
+    def _post_async(self, event_type: AsyncEventType, element: Any) -> None:
+        if len(self._async_events) == MAX_ASYNC_EVENTS:
+            log.warning("%s: async event queue full, oldest event dropped", self.device.name)
+        self._async_events.append(AsyncEvent(event_type, element))
+        self._async_waiter.set()
+
+    async def get_async_event(self) -> AsyncEvent:
+        """Wait for the next asynchronous event (``ibv_get_async_event``).
+
+        The built-in engine reports a CQ overrun (CQ_ERR on the CQ) and the QPs it
+        moves to ERR for it (QP_FATAL on each). Up to :data:`MAX_ASYNC_EVENTS` wait
+        here; nothing needs acknowledging.
+        """
+        self._check_open("get_async_event")
+        while not self._async_events:
+            self._async_waiter = trio.Event()
+            await self._async_waiter.wait()
+            self._check_open("get_async_event")
+        return self._async_events.popleft()
+
     def close(self) -> None:
         """Close the context and everything created from it; tell the listeners."""
         if not self._closed:
             super().close()
+            self._async_waiter.set()
             for listener in self.close_listeners:
                 listener()
 
@@ -292,7 +325,17 @@ class PD(_Parent):
         if not 0 <= base <= (1 << 64) - pinned.length:
             pinned.release()
             raise VerbsError(errno.EINVAL, "reg_mr", f"iova {base} does not fit 64 bits")
-        region = self.context.memory.register(self, pinned.view, base, access)
+        ctx = self.context
+        limit = ctx.max_registered_bytes
+        if limit is not None and ctx.registered_bytes + pinned.length > limit:
+            pinned.release()
+            raise VerbsError(
+                errno.ENOMEM, "reg_mr",
+                f"{pinned.length} more bytes would pass the context's max_registered_bytes "
+                f"({ctx.registered_bytes} of {limit} registered)",
+            )  # fmt: skip
+        region = ctx.memory.register(self, pinned.view, base, access)
+        ctx.registered_bytes += pinned.length
         return self._adopt(MR(self, pinned, region))
 
     def create_qp(
@@ -367,6 +410,7 @@ class MR(PinnedRegion, _Resource):
             return
         self._leave_parent()
         self.pd.context.memory.deregister(self._region)
+        self.pd.context.registered_bytes -= self._pinned.length
         self._pinned.release()
 
     dereg = close
@@ -415,13 +459,19 @@ class CQ(_Resource):
         self._solicited_only = False
         self._overrun = False
         self._waiter = trio.Event()
+        self._qps: dict[int, QP] = {}
+        """The QPs completing into this CQ (they go to ERR if it overruns)."""
         self.events_acked = 0
         self.events_delivered = 0
 
     def _push(self, wc: WC) -> None:
         if len(self._entries) >= self.cqe:
-            self._overrun = True
-            log.error("CQ overrun: %d entries; completion %r lost", self.cqe, wc)
+            if not self._overrun:
+                self._overrun = True
+                log.error("CQ overrun: %d entries; completion %r lost", self.cqe, wc)
+                self.context._post_async(AsyncEventType.CQ_ERR, self)
+                # Not from inside the engine that is completing: on the next tick.
+                self.context.nursery.start_soon(self._fail_qps)
             return
         self._entries.append(wc)
         self._waiter.set()
@@ -433,8 +483,19 @@ class CQ(_Resource):
                 self.events_delivered += 1
                 self.channel._notify(self)
 
+    async def _fail_qps(self) -> None:
+        """After an overrun: every QP completing here goes to ERR (QP_FATAL each)."""
+        cause = VerbsError(errno.EOVERFLOW, "cq", f"CQ overrun: more than {self.cqe} completions")
+        for qp in list(self._qps.values()):
+            if qp.state is not QPState.ERR:
+                qp.engine.set_error(cause)
+                self.context._post_async(AsyncEventType.QP_FATAL, qp)
+
     def poll(self, num_entries: int = 16) -> list[WC]:
-        """Take up to ``num_entries`` completions, oldest first (never blocks)."""
+        """Take up to ``num_entries`` completions, oldest first (never blocks).
+
+        After an overrun (more completions than ``cqe``; the context reported CQ_ERR)
+        it raises EOVERFLOW."""
         self._check_open("poll_cq")
         if self._overrun:
             raise VerbsError(errno.EOVERFLOW, "poll_cq", f"more than {self.cqe} completions queued")
@@ -514,7 +575,7 @@ def _as_list(wr: Any) -> list:
 
 def _bad_wr(err: int, operation: str, index: int, detail: str) -> VerbsError:
     exc = VerbsError(err, operation, f"work request {index}: {detail}")
-    exc.bad_wr = index  # type: ignore[attr-defined]
+    exc.bad_wr = index
     return exc
 
 
@@ -553,6 +614,7 @@ class QP(_Resource):
             on_fatal=self._on_fatal,
         )
         self._state = QPState.INIT
+        send_cq._qps[id(self)] = recv_cq._qps[id(self)] = self
         self.error_listeners: list[Callable[[Exception], None]] = []
         """Called with the cause when the QP goes to ERR (the CM reports DISCONNECTED)."""
 
@@ -599,14 +661,16 @@ class QP(_Resource):
         """
         self._check_open("post_send")
         engine = self.engine
-        for i, w in enumerate(_as_list(wr)):
-            if self._state not in (QPState.RTS, QPState.ERR):
-                raise _bad_wr(
-                    errno.ENOTCONN, "post_send", i, f"QP {self.qp_num} is {self._state.name}"
-                )
-            engine.post_send(self._make_job(i, w))
-        if self._link is not None:
-            self._link.kick()
+        try:
+            for i, w in enumerate(_as_list(wr)):
+                if self._state not in (QPState.RTS, QPState.ERR):
+                    raise _bad_wr(
+                        errno.ENOTCONN, "post_send", i, f"QP {self.qp_num} is {self._state.name}"
+                    )
+                engine.post_send(self._make_job(i, w))
+        finally:  # the requests before a refused one are posted: they go out now
+            if self._link is not None:
+                self._link.kick()
 
     def _make_job(self, i: int, w: SendWR) -> SendJob:
         opcode = w.opcode if w.opcode.__class__ is WROpcode else WROpcode(w.opcode)
@@ -712,6 +776,8 @@ class QP(_Resource):
             return
         if self.engine.state is not EngineState.ERROR:
             self.engine.set_error(ConnectionAbortedError("QP destroyed"))
+        self.send_cq._qps.pop(id(self), None)
+        self.recv_cq._qps.pop(id(self), None)
         self._leave_parent()
 
 
