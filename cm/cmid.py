@@ -492,21 +492,23 @@ class CMId:
         """Make the child id of a valid MPA Request and report CONNECT_REQUEST."""
         if self.state is not State.LISTEN:
             return None
+        local, peer = stream.socket.getsockname(), stream.socket.getpeername()
         child = self.channel.create_id(self.user_context, self.ps)
-        child.mpa_options = self.mpa_options
-        child.local_addr = stream.socket.getsockname()
-        child.peer_addr = stream.socket.getpeername()
-        child._family = stream.socket.family
-        child._request = request
         try:
-            await child._bind_device(str(child.local_addr[0]))
+            child.mpa_options = self.mpa_options
+            child.local_addr, child.peer_addr = local, peer
+            child._family = stream.socket.family
+            await child._bind_device(str(local[0]))
         except OSError as exc:
-            log.warning("no device for %s: %s", child.local_addr, exc)
+            log.warning("no device for %s: %s", local, exc)
             child.destroy()
             with trio.move_on_after(self.mpa_request_timeout):
                 await reject(stream, request, b"")
             return None
-        child._stream = stream
+        except BaseException:
+            child.destroy()
+            raise
+        child._stream, child._request = stream, request
         child.state = State.CONNECT_REQUEST
         child._listen_id = self
         self._unanswered.add(child)
@@ -583,6 +585,8 @@ class CMId:
                     await reject(stream, request, private_data)
             except (OSError, trio.BrokenResourceError, trio.ClosedResourceError) as exc:
                 log.info("reject to %s: %s", self.peer_addr, exc)
+            except Exception:
+                log.exception("reject to %s failed", self.peer_addr)
             finally:
                 _abort(stream)
 

@@ -177,7 +177,11 @@ class NativeChannel:
                 return
             cm_id = self._wrap(id_ptr, listener.ps, listener.user_context)
             self.channel._ids.append(cm_id)
-            await cm_id._incoming(listener, status, param)
+            try:
+                await cm_id._incoming(listener, status, param)
+            except (BackendUnavailable, VerbsError) as exc:  # one request, not the channel
+                log.warning("connection request dropped: no device for it: %s", exc)
+                cm_id.destroy()
             return
         cm_id = self._ids.get(lib.address(id_ptr))
         if cm_id is None:
