@@ -31,7 +31,6 @@ import errno
 import ipaddress
 import logging
 import socket
-import struct
 from enum import Enum, auto
 from typing import Any
 
@@ -91,12 +90,10 @@ class _Throttled:
         self._held = 0
 
 
-def _abort(stream: trio.SocketStream) -> None:
-    """Close a connection at once with a reset: nothing more is owed to this peer."""
-    sock = stream.socket
-    with contextlib.suppress(OSError):
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-    sock.close()
+def _drop(stream: trio.SocketStream) -> None:
+    """Close a connection at once (as siw does after a bad MPA exchange: a FIN, or a
+    reset when unread bytes remain); nothing more is owed to this peer."""
+    stream.socket.close()
 
 
 def _peer_of(stream: trio.SocketStream) -> Any:
@@ -457,7 +454,7 @@ class CMId:
                 self._handshakes.pop(oldest).cancel()
                 dropped = "the oldest connection still owing its MPA Request"
             else:
-                _abort(stream)
+                _drop(stream)
                 dropped = "a new connection"
             self._throttled.warning(
                 "%s: max_pending (%d) connections pending, dropping %s",
@@ -484,7 +481,7 @@ class CMId:
         finally:
             self._handshakes.pop(stream, None)
             if child is None:
-                _abort(stream)
+                _drop(stream)
 
     async def _request_arrived(
         self, stream: trio.SocketStream, request: ConnectRequest
@@ -551,12 +548,12 @@ class CMId:
                 self.qp, stream, request, private_data=param.private_data, options=options
             )
         except (ProtocolError, OSError) as exc:
-            _abort(stream)
+            _drop(stream)
             self.state = State.DISCONNECTED
             self._post(CMEventType.CONNECT_ERROR, -errno.ECONNRESET, detail=str(exc))
             return
         except BaseException:
-            _abort(stream)
+            _drop(stream)
             raise
         self.mpa = result
         if result.rtr is RTR.NONE:
@@ -588,7 +585,7 @@ class CMId:
             except Exception:
                 log.exception("reject to %s failed", self.peer_addr)
             finally:
-                _abort(stream)
+                _drop(stream)
 
         self.channel.nursery.start_soon(send_reject)
 
@@ -621,7 +618,7 @@ class CMId:
             return
         self._answered()
         if self._stream is not None and self.state in (State.CONNECT_REQUEST,):
-            _abort(self._stream)
+            _drop(self._stream)
         self._stream = None
         self._request = None
         for listener in self._listeners:
