@@ -7,6 +7,7 @@ with ``SO_LINGER`` 0.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import gc
 import logging
@@ -22,8 +23,9 @@ from typing import Any
 import pytest
 import trio
 
+from rdmashim import Access, QPState
 from rdmashim.cm import CMError, CMId, ConnectionRequest, open_connection, serve
-from rdmashim.verbs.softiwarp import mpa
+from rdmashim.verbs.softiwarp import ddp, mpa
 from rdmashim.verbs.softiwarp.connection import MPA_REPLY_TIMEOUT
 from rdmashim.verbs.softiwarp.engine import Engine
 
@@ -263,6 +265,49 @@ async def test_our_initiator_against_a_reply_cut_at_every_byte(
                 assert seconds < 1, (k, seconds)
             nursery.cancel_scope.cancel()
     await listener.aclose()
+
+
+async def _mpa_handshake(port: int) -> tuple[trio.SocketStream, mpa.StartFrame]:
+    """A hand-made initiator: TCP, our MPA Request, the server's Reply."""
+    stream = await trio.open_tcp_stream(LOOPBACK, port)
+    await stream.send_all(REQUEST)
+    data = b""
+    with trio.fail_after(GOOD_CLIENT_BOUND):
+        while (parsed := mpa.parse_start_frame(data, reply=True)) is None:
+            data += await stream.receive_some(4096)
+    return stream, parsed[0]
+
+
+async def test_an_error_inside_one_connection_fails_only_that_connection() -> None:
+    """A Read Request whose sink offset plus length passes 2^64 (the issue's engine crash,
+    struct.error in the responder): whatever the engine makes of it, an error in one
+    QP's link ends that connection only; the process, the listener and a connection
+    already established go on."""
+    regions: list[Any] = []
+
+    async def handler(request: ConnectionRequest) -> None:
+        access = Access.LOCAL_WRITE | Access.REMOTE_READ
+        regions.append(request.pd.reg_mr(bytearray(1 << 17), access))
+        await accept_and_wait(request)
+
+    async with trio.open_nursery() as nursery:
+        addr = await nursery.start(partial(serve, handler, 0, host=LOOPBACK))
+        port = addr[1]
+        async with open_connection(LOOPBACK, port) as bystander:
+            stream, reply = await _mpa_handshake(port)
+            target = regions[-1]
+            read = ddp.encode_read_request(
+                1, 0x100, (1 << 64) - 16, 1 << 17, target.rkey, target.iova
+            )
+            await stream.send_all(b"".join(ddp.encode_fpdu(read, crc=reply.crc)))
+            with trio.fail_after(GOOD_CLIENT_BOUND):  # the responder ends this connection
+                with contextlib.suppress(trio.BrokenResourceError):
+                    while await stream.receive_some(1 << 16):
+                        pass
+            await stream.aclose()
+            assert bystander.qp.state == QPState.RTS
+            await good_client(port)
+        nursery.cancel_scope.cancel()
 
 
 async def _idle_connection(port: int) -> trio.socket.SocketType | None:
