@@ -25,16 +25,12 @@ import trio
 from rdmashim.verbs.attrs import DeviceAttr, PortAttr
 from rdmashim.verbs.enums import AtomicCap, Mtu, NodeType, PortState, Transport
 from rdmashim.verbs.errors import BackendUnavailable, VerbsError
+from rdmashim.verbs.events import AsyncEvent, AsyncEventType
 from rdmashim.verbs.rdmacore import lib
 from rdmashim.verbs.rdmacore.base import Resource
 from rdmashim.verbs.rdmacore.cdefs import ffi
 from rdmashim.verbs.rdmacore.completion import CQ, CompChannel
-from rdmashim.verbs.rdmacore.events import (
-    PORT_EVENTS,
-    QP_ERROR_EVENTS,
-    AsyncEvent,
-    AsyncEventType,
-)
+from rdmashim.verbs.rdmacore.events import PORT_EVENTS, QP_ERROR_EVENTS
 from rdmashim.verbs.rdmacore.memory import PD
 
 log = logging.getLogger(__name__)

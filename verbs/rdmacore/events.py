@@ -1,36 +1,8 @@
-"""Asynchronous events of a device context (``ibv_get_async_event``)."""
+"""Which of libibverbs' asynchronous events name a port and which leave a QP in error."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from enum import IntEnum
-from typing import Any
-
-
-class AsyncEventType(IntEnum):
-    """``enum ibv_event_type``."""
-
-    CQ_ERR = 0
-    QP_FATAL = 1
-    QP_REQ_ERR = 2
-    QP_ACCESS_ERR = 3
-    COMM_EST = 4
-    SQ_DRAINED = 5
-    PATH_MIG = 6
-    PATH_MIG_ERR = 7
-    DEVICE_FATAL = 8
-    PORT_ACTIVE = 9
-    PORT_ERR = 10
-    LID_CHANGE = 11
-    PKEY_CHANGE = 12
-    SM_CHANGE = 13
-    SRQ_ERR = 14
-    SRQ_LIMIT_REACHED = 15
-    QP_LAST_WQE_REACHED = 16
-    CLIENT_REREGISTER = 17
-    GID_CHANGE = 18
-    WQ_FATAL = 19
-
+from rdmashim.verbs.events import AsyncEventType
 
 PORT_EVENTS = frozenset(
     {
@@ -49,12 +21,3 @@ QP_ERROR_EVENTS = frozenset(
     {AsyncEventType.QP_FATAL, AsyncEventType.QP_REQ_ERR, AsyncEventType.QP_ACCESS_ERR}
 )
 """Events that leave their QP in the error state."""
-
-
-@dataclass(frozen=True, slots=True)
-class AsyncEvent:
-    """What happened (``event_type``) to which object: the CQ, QP or SRQ, a port number,
-    or None for device-wide events."""
-
-    event_type: AsyncEventType
-    element: Any

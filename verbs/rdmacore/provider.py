@@ -14,7 +14,6 @@ from rdmashim.verbs.rdmacore.device import (
     open_device,
     unavailable_reason,
 )
-from rdmashim.verbs.rdmacore.events import AsyncEvent, AsyncEventType
 from rdmashim.verbs.rdmacore.memory import MR, PD
 from rdmashim.verbs.rdmacore.queue_pair import QP, SRQ
 
@@ -25,8 +24,6 @@ __all__ = [
     "PD",
     "QP",
     "SRQ",
-    "AsyncEvent",
-    "AsyncEventType",
     "CompChannel",
     "Context",
     "Device",
