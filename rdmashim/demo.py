@@ -13,6 +13,7 @@ from __future__ import annotations
 import struct
 import sys
 import time
+from collections.abc import Callable
 from functools import partial
 from typing import Any
 
@@ -42,24 +43,31 @@ def _progress(enabled: bool, text: str) -> None:
         sys.stderr.flush()
 
 
-async def _pump(qp, cq, wrs: list[SendWR], label: str, size: int, progress: bool) -> float:
-    """Post ``wrs`` keeping ``_DEPTH`` outstanding; return the elapsed seconds."""
+async def _pump(
+    qp, cq, make: Callable[[int], SendWR], total: int, label: str, size: int, progress: bool
+) -> float:
+    """Post ``make(0) .. make(total - 1)`` keeping ``_DEPTH`` outstanding; the elapsed seconds."""
     start = time.perf_counter()
     posted = done = 0
-    while done < len(wrs):
-        while posted < len(wrs) and posted - done < _DEPTH:
-            qp.post_send(wrs[posted])
+    while done < total:
+        while posted < total and posted - done < _DEPTH:
+            qp.post_send(make(posted))
             posted += 1
         for wc in await cq.poll_wait(_DEPTH):
             wc.raise_for_status()
             done += 1
         if done % 16 == 0:
-            _progress(progress, f"{label}: {done}/{len(wrs)} x {size} B")
+            _progress(progress, f"{label}: {done}/{total} x {size} B")
     return time.perf_counter() - start
 
 
 async def run_demo(size: int, count: int, crc: bool, progress: bool) -> int:
-    """Run the demo and print what happened; returns the exit status."""
+    """Run the demo and print what happened; returns the exit status.
+
+    ``size`` (at least 1) and ``count`` (at least 1) are checked by the CLI.
+    """
+    if size < 1 or count < 1:
+        raise ValueError(f"the demo needs a size and a count of at least 1 (not {size}, {count})")
     options = MpaOptions(crc=crc)
     source_bytes = (bytes(range(251)) * (size // 251 + 1))[:size]
     server: dict[str, Any] = {}
@@ -79,12 +87,11 @@ async def run_demo(size: int, count: int, crc: bool, progress: bool) -> int:
             f"server: {wc.byte_len}-byte Send from {conn.peer_addr[0]}: source {addr:#x}/{rkey:#x}"
         )
         await reads_may_start.wait()
-        reads = [
-            SendWR(i, WROpcode.RDMA_READ, [sink.sge()], _SIG, addr, rkey) for i in range(count)
-        ]
         server["read_elapsed"] = await _pump(
-            conn.qp, conn.send_cq, reads, "RDMA Read", size, progress
-        )
+            conn.qp, conn.send_cq,
+            lambda i: SendWR(i, WROpcode.RDMA_READ, [sink.sge()], _SIG, addr, rkey),
+            count, "RDMA Read", size, progress,
+        )  # fmt: skip
         reads_done.set()
         await conn.wait_disconnected()
 
@@ -104,14 +111,17 @@ async def run_demo(size: int, count: int, crc: bool, progress: bool) -> int:
             msg = conn.pd.reg_mr(bytearray(_BUFFER.pack(source.addr, source.rkey, size)))
             conn.qp.post_send(SendWR(1, WROpcode.SEND, [msg.sge()], _SIG))  # active side first
             (await conn.send_cq.poll_wait(1))[0].raise_for_status()
-            writes = [
-                SendWR(i, WROpcode.RDMA_WRITE, [source.sge()], _SIG, t_addr, t_rkey)
-                for i in range(count)
-            ]
-            # A Write completes once sent; the zero-length Read behind it completes only
-            # after the server placed every byte.
-            writes.append(SendWR(count, WROpcode.RDMA_READ, [], _SIG, t_addr, t_rkey))
-            elapsed = await _pump(conn.qp, conn.send_cq, writes, "RDMA Write", size, progress)
+
+            def write(i: int) -> SendWR:
+                # A Write completes once sent; the zero-length Read behind the last one
+                # completes only after the server placed every byte.
+                if i < count:
+                    return SendWR(i, WROpcode.RDMA_WRITE, [source.sge()], _SIG, t_addr, t_rkey)
+                return SendWR(i, WROpcode.RDMA_READ, [], _SIG, t_addr, t_rkey)
+
+            elapsed = await _pump(
+                conn.qp, conn.send_cq, write, count + 1, "RDMA Write", size, progress
+            )
             ok_write = bytes(server["target"].buf) == source_bytes
             _report("RDMA Write", count, size, elapsed, ok_write, progress)
             reads_may_start.set()

@@ -42,6 +42,7 @@ from typing import Any
 
 import trio
 
+from rdmashim.cliargs import parse_duration
 from rdmashim.rds_defaults import (
     ALL_TABLES,
     ECHO_PORT,
@@ -92,15 +93,7 @@ def guess_source(dest: str) -> str:
 
 def parse_interval(text: str) -> float:
     """Seconds from rds-ping's ``-i`` syntax: ``1``, ``0.2``, ``200ms``, ``500usec``."""
-    units = {"": 1.0, "s": 1.0, "ms": 1e-3, "msec": 1e-3, "us": 1e-6, "usec": 1e-6}
-    number = text.rstrip("abcdefghijklmnopqrstuvwxyz")
-    unit = text[len(number) :]
-    if unit not in units:
-        raise ValueError(f"bad interval {text!r} (seconds, or with ms/msec/us/usec)")
-    try:
-        seconds = float(number) * units[unit]
-    except ValueError:
-        raise ValueError(f"bad interval {text!r} (seconds, or with ms/msec/us/usec)") from None
+    seconds = parse_duration(text)
     if seconds <= 0:
         raise ValueError(f"interval {text!r} must be positive")
     return seconds
@@ -155,6 +148,8 @@ async def drain(node: RdsNode, within: float = 3.0) -> bool:
 
 PING_SOCKETS = 8
 """Sockets the pinger cycles through; a reply is matched to its ping by socket (rds-ping)."""
+PING_WAIT = 1.0
+"""Seconds a counted ping waits for the last replies, however short its interval."""
 
 
 @dataclass(frozen=True)
@@ -212,7 +207,7 @@ async def ping(
     As rds-ping, it cycles through :data:`PING_SOCKETS` sockets and takes a
     message arriving on a socket as the reply to that socket's last ping. With
     ``count``, it stops once ``count`` replies arrived, or one interval after
-    the ``count``-th ping; without, it runs until cancelled.
+    the ``count``-th ping (at least :data:`PING_WAIT` s); without, it runs until cancelled.
     """
     dest = str(ipaddress.ip_address(dest))
     stats = PingStats()
@@ -251,7 +246,9 @@ async def ping(
                     log.info("ping %d to %s: %s", slot.sent_id, dest, exc)
                     on_reply(PingReply(slot.sent_id, error=reason))
                 next_at += interval
-                await trio.sleep_until(next_at)
+                if not (count and stats.sent >= count):
+                    await trio.sleep_until(next_at)
+            await trio.sleep_until(max(next_at, trio.current_time() + PING_WAIT))
             nursery.cancel_scope.cancel()
     finally:
         for slot in slots:
@@ -815,11 +812,18 @@ class PassiveResult:
     tx_bytes: int = 0
     tasks: set[tuple[str, int]] = field(default_factory=set)
     seconds: float = 0.0
-    """From the first request to the end of the run."""
+    """From the first request to the end of the run (of the runs that ended)."""
+    started: float | None = None
+    """``perf_counter`` at the first request of the run under way."""
     runs: int = 0
     rdma_bytes: int = 0
     rdma_failures: int = 0
     """RDMA operations of acks that did not succeed."""
+
+    def elapsed(self) -> float:
+        """Seconds of the runs so far, the one under way up to now included."""
+        now = time.perf_counter()
+        return self.seconds + (now - self.started if self.started is not None else 0.0)
 
 
 async def stress_passive(
@@ -839,15 +843,14 @@ async def stress_passive(
     result = result if result is not None else PassiveResult()
     sock = node.bind(port)
     task_status.started(sock.address)
-    first: float | None = None
     in_flight: deque[RdmaOp] = deque()
     try:
         while True:
             data, sender = await sock.recvfrom()
             op, task, seq, ack_bytes = _parse_stress(data, sender)
             if op == OP_REQ:
-                if first is None:
-                    first = time.perf_counter()
+                if result.started is None:
+                    result.started = time.perf_counter()
                 result.requests += 1
                 result.rx_bytes += len(data)
                 result.tasks.add(sender)
@@ -867,9 +870,7 @@ async def stress_passive(
                 result.tx_bytes += len(ack)
             elif op == OP_DONE:
                 await sock.sendto(_stress_message(OP_DONE_ACK, 0, 0, 16, 16), sender)
-                if first is not None:
-                    result.seconds += time.perf_counter() - first
-                first = None
+                result.seconds, result.started = result.elapsed(), None
                 result.runs += 1
                 if once:
                     await drain(node, 3.0)
@@ -889,6 +890,7 @@ DEMO_WINDOW = 128
 """Messages each sender keeps in flight to each receiver (at most)."""
 _STAMP = struct.Struct("!HQI")
 """Sender's node index, its sequence number towards this receiver, CRC32 of the payload."""
+DEMO_MIN_SIZE = _STAMP.size
 
 
 @dataclass
@@ -1001,8 +1003,8 @@ async def run_rds_demo(
     """
     if nodes < 2:
         raise ValueError("the demo needs at least 2 nodes")
-    if not _STAMP.size <= size <= RDS_MAX_MSG_SIZE:
-        raise ValueError(f"size {size} outside {_STAMP.size}..{RDS_MAX_MSG_SIZE}")
+    if not DEMO_MIN_SIZE <= size <= RDS_MAX_MSG_SIZE:
+        raise ValueError(f"size {size} outside {DEMO_MIN_SIZE}..{RDS_MAX_MSG_SIZE}")
     base = ipaddress.ip_address(first_address)
     addresses = [str(base + i) for i in range(nodes)]
     result = DemoResult(addresses, size)

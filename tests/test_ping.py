@@ -144,7 +144,7 @@ async def test_crc_is_on_when_either_side_asks() -> None:
 # ---------------------------------------------------------------- the CLI
 
 
-PING_CLI = [sys.executable, "-m", "rdmashim.cli", "ping"]
+PING_CLI = [sys.executable, "-m", "rdmashim", "ping"]
 
 
 def cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:

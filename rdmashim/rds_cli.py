@@ -1,0 +1,405 @@
+"""``rdmashim rds ping|stress|info|demo``: rds-tools' command lines over :mod:`rdmashim.rds_tools`.
+
+Arguments are checked by their types before a node starts; the commands
+print, the library does not. Ctrl-C ends each with status 130 after what it
+measured; a run that did not start reports no figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import signal
+import sys
+from typing import Any
+
+import trio
+
+from rdmashim import rds_tools as rt
+from rdmashim.cliargs import UsageError, duration, host, integer, port, rate, size
+from rdmashim.rds_defaults import ALL_TABLES, ECHO_PORT, INFO_TABLES, RDS_CM_PORT, STRESS_PORT
+from rdmashim.ulps.rds.wire import RDS_MAX_MSG_SIZE
+
+MAX_TASKS = 256
+MAX_DEPTH = 4096
+MAX_DEMO_NODES = 64
+MAX_CUTS = 1000
+
+
+async def _wait_for_signal() -> int:
+    """Return the exit status of the first SIGINT or SIGTERM (128 + its number)."""
+    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        async for signum in signals:
+            return 128 + signum
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+def _run(func: Any) -> Any:
+    """The command body for run_command: the coroutine ``func(args)`` under trio."""
+    return lambda args: trio.run(func, args)
+
+
+async def _rds_ping(args: argparse.Namespace) -> int:
+    if args.serve and not args.local:
+        raise UsageError("--serve needs -I LOCAL_IP, the address to answer on")
+    if not args.serve and not args.dest:
+        raise UsageError("the address to ping is missing")
+    if args.serve:
+        async with rt.open_node(args.local, args.cm_port) as node, trio.open_nursery() as nursery:
+            await nursery.start(rt.serve_echo, node, args.port)
+            await nursery.start(rt.serve_info, node)
+            print(
+                f"rds ping responder on {node.address}: echo on RDS port {args.port}, "
+                f"rds-info on RDS port {rt.INFO_PORT}, rdma_cm port {node.port}; Ctrl-C to stop",
+                flush=True,
+            )
+            status = await _wait_for_signal()
+            if args.info:
+                print(rt.format_info(node), end="")
+            nursery.cancel_scope.cancel()
+        return status
+    local = args.local or rt.guess_source(args.dest)
+    async with rt.open_node(local, args.cm_port) as node:
+        stats = await rt.ping(
+            node, args.dest, port=args.port, count=args.count, interval=args.interval,
+            on_reply=lambda reply: print(rt.format_ping_reply(reply), flush=True),
+        )  # fmt: skip
+        await rt.drain(node, 1.0)
+        if args.info:
+            print(rt.format_info(node), end="")
+    if not stats.received:
+        raise rt.RdsToolError(
+            f"no reply from {args.dest} RDS port {args.port} to {stats.sent} ping(s) "
+            f"(is `rdmashim rds ping --serve -I {args.dest}` running there?)"
+        )
+    return 0
+
+
+async def _rds_stress(args: argparse.Namespace) -> int:
+    cfg = None
+    if args.server is not None:
+        try:
+            cfg = rt.StressConfig(
+                args.server, args.port, args.req_bytes, args.ack_bytes, args.tasks,
+                args.depth, args.seconds, args.rdma_bytes, args.rdma_read,
+            )  # fmt: skip
+        except ValueError as exc:
+            raise UsageError(str(exc)) from None
+    async with rt.open_node(args.local, args.cm_port) as node, trio.open_nursery() as nursery:
+        await nursery.start(rt.serve_info, node)
+        if cfg is None:
+            status = await _stress_passive(node, args, nursery)
+        else:
+            status = await _stress_active(node, cfg, args, nursery)
+        if args.info:
+            print(rt.format_info(node), end="")
+        nursery.cancel_scope.cancel()
+    return status
+
+
+async def _stress_passive(node: Any, args: argparse.Namespace, nursery: trio.Nursery) -> int:
+    print(
+        f"rds stress passive on {node.address} port {args.port} "
+        f"(rdma_cm port {node.port}): waiting for an active side",
+        flush=True,
+    )
+    result = rt.PassiveResult()
+    status = [0]
+
+    async def on_signal(scope: trio.CancelScope) -> None:
+        status[0] = await _wait_for_signal()
+        scope.cancel()
+
+    with trio.CancelScope() as scope:
+        nursery.start_soon(on_signal, scope)
+        await rt.stress_passive(node, args.port, once=True, result=result)
+    how = "interrupted" if status[0] else "run over"
+    if not result.requests:
+        print(f"{how}: no run started (no request arrived)")
+        return status[0]
+    seconds = result.elapsed()
+    peers = sorted({ip for ip, _ in result.tasks})
+    figures = ""
+    per_s = rate(result.requests, seconds)
+    if per_s is not None:
+        kbytes = (result.rx_bytes + result.tx_bytes) / 1024
+        figures = (
+            f"{per_s:.0f} req/s, {kbytes / seconds:.2f} K/s, "
+            f"{result.rdma_bytes / 1024 / seconds:.2f} RDMA K/s "
+        )
+    print(
+        f"{how}: {result.requests} requests in, {result.acks} acks out from "
+        f"{len(result.tasks)} task(s) at {', '.join(peers) or '-'}; {figures}"
+        f"({result.rdma_failures} failed) over {seconds:.2f} s"
+    )
+    return status[0]
+
+
+async def _stress_active(
+    node: Any, cfg: rt.StressConfig, args: argparse.Namespace, nursery: trio.Nursery
+) -> int:
+    stop = trio.Event()
+    started = [False]
+    status = [0]
+
+    async def on_signal() -> None:
+        """A signal before the run started ends at once; during it, it ends the run cleanly
+        (the summary is printed); a second one ends at once."""
+        status[0] = await _wait_for_signal()
+        if started[0]:
+            stop.set()
+            await _wait_for_signal()
+        raise KeyboardInterrupt
+
+    nursery.start_soon(on_signal)
+    print(
+        f"rds stress: {node.address} -> {cfg.dest} port {cfg.port}, {cfg.tasks} task(s), "
+        f"depth {cfg.depth}, {cfg.req_bytes} B requests, {cfg.ack_bytes} B acks, "
+        + (
+            f"{cfg.rdma_bytes} B RDMA {'Read' if cfg.rdma_read else 'Write'} per ack, "
+            if cfg.rdma_bytes
+            else ""
+        )
+        + (f"{cfg.seconds:g} s" if cfg.seconds else "until Ctrl-C"),
+        flush=True,
+    )
+    print("Starting up", end="", flush=True)
+
+    def on_start() -> None:
+        started[0] = True
+        print(".")
+        print(rt.STRESS_COLUMNS, flush=True)
+
+    def second(sample: rt.StressSample) -> None:
+        if not args.summary_only:
+            print(rt.format_stress_row(sample), flush=True)
+
+    try:
+        result = await rt.stress_active(node, cfg, on_start=on_start, on_second=second, stop=stop)
+    except BaseException:
+        print(flush=True)  # end the "Starting up" or the last row's line
+        raise
+    print("-" * 45)
+    print(rt.format_stress_row(result.total, average=True), flush=True)
+    return status[0]
+
+
+async def _rds_info(args: argparse.Namespace) -> int:
+    tables = "".join(t for t in INFO_TABLES if getattr(args, f"table_{t}")) or ALL_TABLES
+    local = args.local or rt.guess_source(args.dest)
+    async with rt.open_node(local, args.cm_port) as node:
+        text = await rt.query_info(node, args.dest, tables, within=args.timeout)
+        await rt.drain(node, 1.0)
+    print(text, end="")
+    return 0
+
+
+async def _rds_demo(args: argparse.Namespace) -> int:
+    try:
+        last = ipaddress.IPv4Address(args.address) + (args.nodes - 1)
+    except (ValueError, ipaddress.AddressValueError):
+        raise UsageError(f"{args.nodes} nodes from {args.address} are no IPv4 addresses") from None
+    if not last.is_loopback:
+        raise UsageError(f"{args.nodes} nodes from {args.address} leave 127.0.0.0/8")
+    live = sys.stderr.isatty() and not args.quiet
+    width = [0]
+
+    def status(text: str) -> None:
+        if live:
+            sys.stderr.write("\r" + text.ljust(width[0]))
+            sys.stderr.flush()
+            width[0] = len(text)
+
+    def progress(p: rt.DemoProgress) -> None:
+        mbytes = rate(p.bytes / 1e6, p.elapsed) or 0.0
+        status(
+            f"{p.elapsed:5.1f} s  {p.phase:<8}  {p.delivered:>8} messages delivered  "
+            f"{mbytes:6.1f} MB/s  cuts {p.cuts}"
+        )
+
+    def event(text: str) -> None:
+        status("")
+        if live:
+            sys.stderr.write("\r")
+        print(text, flush=True)
+
+    result = await rt.run_rds_demo(
+        nodes=args.nodes, seconds=args.seconds, size=args.size, cuts=args.cuts,
+        first_address=args.address, cm_port=args.cm_port, on_progress=progress, on_event=event,
+    )  # fmt: skip
+    event(
+        f"sent {result.sent} messages, delivered {result.delivered}: lost {result.lost}, "
+        f"duplicated {result.duplicated}, out of order {result.out_of_order}, "
+        f"corrupt {result.corrupt}"
+    )
+    if rate(1, result.seconds) is not None:
+        print(
+            f"throughput: {result.msgs_per_s:.0f} messages/s, {result.mbytes_per_s:.2f} MB/s "
+            f"({result.size}-byte messages, {result.seconds:.1f} s from first send to last "
+            "delivery)"
+        )
+    print("connections, each node's view:")
+    print(
+        f"  {'local':>11} -> {'peer':<11} {'sessions':>8} {'reconnects':>10} {'resent':>7} "
+        f"{'dups dropped':>12} {'sent':>8} {'received':>8}"
+    )
+    reconnects = 0
+    for local, peer, c in result.connections:
+        if ipaddress.ip_address(local) < ipaddress.ip_address(peer):  # one view per pair
+            reconnects += c["sessions"] - 1
+        print(
+            f"  {local:>11} -> {peer:<11} {c['sessions']:>8} {c['sessions'] - 1:>10} "
+            f"{c['retransmits']:>7} {c['recv_drop_old_seq']:>12} {c['send_messages']:>8} "
+            f"{c['recv_messages']:>8}"
+        )
+    if args.info:
+        print(result.info, end="")
+    if not result.ok:
+        print("FAILED: messages were lost, duplicated, out of order or corrupt; see the counts")
+        return 1
+    cuts = f"{len(result.cuts)} cut(s)"
+    if len(result.cuts) < args.cuts:
+        cuts = f"{len(result.cuts)} of the {args.cuts} cuts asked (the run ended before the rest)"
+    print(
+        f"OK: every message arrived exactly once, in order and intact, through "
+        f"{cuts} and {reconnects} reconnection(s)"
+    )
+    return 0
+
+
+def add_rds(sub: Any) -> None:
+    """The ``rds`` command and its subcommands, on the subparsers ``sub`` of ``rdmashim``."""
+    rds = sub.add_parser(
+        "rds",
+        help="rds-tools on rdmashim's RDS: ping, stress, info, and a messaging demo",
+        description="rds-tools (rds-ping, rds-stress, rds-info) on rdmashim's RDS over the "
+        "built-in engine. Every node needs its own IP address (any 127.x.y.z on Linux); "
+        "nodes find each other on the rdma_cm port (--cm-port, the same on all nodes).",
+    )
+    rsub = rds.add_subparsers(dest="rds_command", required=True)
+    cm = argparse.ArgumentParser(add_help=False)
+    cm.add_argument(
+        "--cm-port", type=integer(1, 65535), default=RDS_CM_PORT,
+        help=f"rdma_cm port of every node (default {RDS_CM_PORT})",
+    )  # fmt: skip
+    cm.add_argument("--info", action="store_true", help="print rds-info's tables at the end")
+
+    p = rsub.add_parser(
+        "ping",
+        parents=[cm],
+        help="rds-ping: an empty message every second, the round trip of each",
+        description="rds-ping on rdmashim's RDS. Linux answers RDS pings in the kernel (port "
+        f"0); here the pinged node runs `rdmashim rds ping --serve -I IP`, which echoes "
+        f"messages on RDS port {ECHO_PORT} (and answers `rdmashim rds info`).",
+    )
+    p.add_argument("dest", nargs="?", type=host, help="address of the node to ping")
+    p.add_argument("-I", dest="local", type=host, help="local address (default: as routing picks)")
+    p.add_argument(
+        "-c", dest="count", type=integer(0), default=0, help="stop after COUNT pings (0: never)"
+    )
+    p.add_argument(
+        "-i", dest="interval", type=duration(), default=1.0,
+        help="seconds between pings (default 1; suffixes ms, msec, us, usec)",
+    )  # fmt: skip
+    p.add_argument(
+        "-p", dest="port", type=port, default=ECHO_PORT,
+        help=f"RDS port of the echo responder (default {ECHO_PORT})",
+    )  # fmt: skip
+    p.add_argument("--serve", action="store_true", help="be the pinged side (needs -I)")
+    p.set_defaults(func=_run(_rds_ping))
+
+    p = rsub.add_parser(
+        "stress",
+        parents=[cm],
+        help="rds-stress: request/ack messaging with per-second figures",
+        description="rds-stress on rdmashim's RDS. Passive: `-r LOCAL_IP`; it answers each "
+        "request with an ack and exits when the active side's run is over. Active: "
+        "`-r LOCAL_IP -s SERVER_IP`. Columns: tsks, tx/s (requests sent), tx+rx K/s "
+        "(request and ack bytes), rw+rr K/s (RDMA Write and Read bytes, with -D), tx us/c "
+        "(microseconds per sendto), rtt us (request to ack), "
+        "cpu % (this process's CPU time per wall-clock time).",
+    )
+    msg = size(rt.MIN_STRESS_BYTES, RDS_MAX_MSG_SIZE)
+    p.add_argument("-r", dest="local", type=host, required=True, help="local address")
+    p.add_argument("-s", dest="server", type=host, help="send to this address (the active side)")
+    p.add_argument(
+        "-p", dest="port", type=integer(1, 65534), default=STRESS_PORT,
+        help=f"RDS port of the passive side; active tasks use the next ones (default "
+        f"{STRESS_PORT})",
+    )  # fmt: skip
+    p.add_argument("-q", dest="req_bytes", type=msg, default=1024, help="request bytes (1024)")
+    p.add_argument("-a", dest="ack_bytes", type=msg, default=16, help="ack bytes (16)")
+    p.add_argument(
+        "-t", dest="tasks", type=integer(1, MAX_TASKS), default=1,
+        help=f"tasks (sockets), 1 .. {MAX_TASKS} (1)",
+    )  # fmt: skip
+    p.add_argument(
+        "-d", dest="depth", type=integer(1, MAX_DEPTH), default=1,
+        help=f"requests in flight per task, 1 .. {MAX_DEPTH} (1)",
+    )  # fmt: skip
+    p.add_argument(
+        "-T", dest="seconds", type=duration(zero=True), default=0.0,
+        help="seconds to run (0: until Ctrl-C)",
+    )  # fmt: skip
+    p.add_argument(
+        "-D", dest="rdma_bytes", type=size(0, RDS_MAX_MSG_SIZE), default=0,
+        help="each request offers a buffer of this many bytes (by RDS cookie) that its ack "
+        "RDMA Writes into (0: none)",
+    )  # fmt: skip
+    p.add_argument(
+        "--rdma-read", action="store_true", help="with -D, the ack RDMA Reads the buffer instead"
+    )
+    p.add_argument("-z", dest="summary_only", action="store_true", help="only the summary")
+    p.set_defaults(func=_run(_rds_stress))
+
+    p = rsub.add_parser(
+        "info",
+        parents=[cm],
+        help="rds-info: the tables of a node run by `rds ping --serve` or `rds stress`",
+        description="rds-info's tables of a running node. A node lives inside its process, "
+        "so this asks it over RDS (port 10000): the nodes of `rdmashim rds ping --serve` "
+        "and `rdmashim rds stress` answer, and so does any program that runs "
+        "rdmashim.rds_tools.serve_info. The query's own connection shows in the answer. "
+        "Programs can print their own nodes' tables with rdmashim.rds_tools.format_info.",
+    )
+    p.add_argument("dest", type=host, help="address of the node to ask")
+    p.add_argument("-I", dest="local", type=host, help="local address (default: as routing picks)")
+    for letter, what in INFO_TABLES.items():
+        p.add_argument(f"-{letter}", dest=f"table_{letter}", action="store_true", help=what)
+    p.add_argument(
+        "--timeout", type=duration(), default=5.0, help="seconds to wait for the answer (5)"
+    )
+    p.set_defaults(info=False, func=_run(_rds_info))
+
+    p = rsub.add_parser(
+        "demo",
+        help="several nodes on loopback messaging all-to-all through connection cuts",
+        description="RDS nodes on 127.0.0.1, .2, ... in this process; every socket sends to "
+        "every other; connections are cut underneath mid-run; every message is checked to "
+        "arrive exactly once, in order and intact.",
+    )
+    p.add_argument(
+        "-n", "--nodes", type=integer(2, MAX_DEMO_NODES), default=4,
+        help=f"nodes, 2 .. {MAX_DEMO_NODES} (default 4)",
+    )  # fmt: skip
+    p.add_argument(
+        "-T", "--seconds", type=duration(), default=8.0, help="seconds of sending (more than 0; 8)"
+    )
+    p.add_argument(
+        "-s", "--size", type=size(rt.DEMO_MIN_SIZE, RDS_MAX_MSG_SIZE), default=1024,
+        help=f"message bytes, {rt.DEMO_MIN_SIZE} .. {RDS_MAX_MSG_SIZE} (1024)",
+    )  # fmt: skip
+    p.add_argument(
+        "--cuts", type=integer(0, MAX_CUTS), default=2, help="connection cuts during the run (2)"
+    )
+    p.add_argument(
+        "--address", type=host, default="127.0.0.1", help="first node's address (127.0.0.1)"
+    )
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress line")
+    p.add_argument(
+        "--cm-port", type=port, default=0, help="rdma_cm port of the nodes (default: a free one)"
+    )
+    p.add_argument("--info", action="store_true", help="print rds-info's tables at the end")
+    p.set_defaults(func=_run(_rds_demo))
+    for name, choice in rsub.choices.items():
+        choice.set_defaults(prog=f"rdmashim rds {name}")
