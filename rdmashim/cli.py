@@ -8,6 +8,7 @@ command starts; every command ends through :func:`rdmashim.cliargs.run_command`
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 import time
@@ -91,8 +92,6 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 
 def _cmd_ping(args: argparse.Namespace) -> int:
-    import logging
-
     from rdmashim.ping import PingConfig, run
 
     if args.debug:
@@ -137,7 +136,7 @@ def _parser() -> argparse.ArgumentParser:
     p = sub.add_parser("devinfo", help="device limits and port state (like ibv_devinfo)")
     p.add_argument("-d", "--device", default=None, help="device name (default: siw_lo)")
     p.add_argument(
-        "-b", "--backend", type=backend, default=os.environ.get("RDMASHIM_BACKEND"),
+        "-b", "--backend", type=backend, default=None,
         help="backend (default: RDMASHIM_BACKEND, else softiwarp)",
     )  # fmt: skip
     p.set_defaults(func=_cmd_devinfo)
@@ -204,15 +203,20 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``rdmashim`` console script (and of ``python -m rdmashim``)."""
+    # The library's log records (a peer unreachable, a message dropped) are not the
+    # command's output: without -d they go nowhere, not to stderr beside the error line.
+    logging.getLogger("rdmashim").addHandler(logging.NullHandler())
     parser = _parser()
-    parsed: list[argparse.Namespace] = []
-    status = run_command("rdmashim", lambda: parsed.append(parser.parse_args(argv)))
+    parsed: list[tuple[argparse.Namespace, list[str]]] = []
+    status = run_command("rdmashim", lambda: parsed.append(parser.parse_known_args(argv)))
     if status:
         return status
-    args = parsed[0]
+    args, extra = parsed[0]
     start = time.perf_counter()
 
     def body() -> int:
+        if extra:
+            raise UsageError(f"unrecognized arguments: {' '.join(extra)}")
         check_backend_env()
         return int(args.func(args))
 

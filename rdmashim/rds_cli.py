@@ -26,12 +26,29 @@ MAX_DEMO_NODES = 64
 MAX_CUTS = 1000
 
 
-async def _wait_for_signal() -> int:
-    """Return the exit status of the first SIGINT or SIGTERM (128 + its number)."""
-    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
-        async for signum in signals:
-            return 128 + signum
-    raise AssertionError("unreachable")  # pragma: no cover
+class _Signals:
+    """SIGINT and SIGTERM as the command sees them: ``status`` is 128 + the last one's number.
+
+    ``await nursery.start(signals.watch, on_signal)`` returns once the signals are
+    caught (from then on Ctrl-C no longer raises KeyboardInterrupt), then calls
+    ``on_signal(count)`` for each with the count so far; ``stopped`` is set at the first.
+    """
+
+    def __init__(self) -> None:
+        self.status = 0
+        self.stopped = trio.Event()
+
+    async def watch(
+        self, on_signal: Any = lambda count: None, *, task_status: Any = trio.TASK_STATUS_IGNORED
+    ) -> None:
+        with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+            task_status.started()
+            count = 0
+            async for signum in signals:
+                count += 1
+                self.status = 128 + signum
+                self.stopped.set()
+                on_signal(count)
 
 
 def _run(func: Any) -> Any:
@@ -45,7 +62,9 @@ async def _rds_ping(args: argparse.Namespace) -> int:
     if not args.serve and not args.dest:
         raise UsageError("the address to ping is missing")
     if args.serve:
+        signals = _Signals()
         async with rt.open_node(args.local, args.cm_port) as node, trio.open_nursery() as nursery:
+            await nursery.start(signals.watch)
             await nursery.start(rt.serve_echo, node, args.port)
             await nursery.start(rt.serve_info, node)
             print(
@@ -53,11 +72,11 @@ async def _rds_ping(args: argparse.Namespace) -> int:
                 f"rds-info on RDS port {rt.INFO_PORT}, rdma_cm port {node.port}; Ctrl-C to stop",
                 flush=True,
             )
-            status = await _wait_for_signal()
+            await signals.stopped.wait()
             if args.info:
                 print(rt.format_info(node), end="")
             nursery.cancel_scope.cancel()
-        return status
+        return signals.status
     local = args.local or rt.guess_source(args.dest)
     async with rt.open_node(local, args.cm_port) as node:
         stats = await rt.ping(
@@ -98,25 +117,21 @@ async def _rds_stress(args: argparse.Namespace) -> int:
 
 
 async def _stress_passive(node: Any, args: argparse.Namespace, nursery: trio.Nursery) -> int:
+    signals = _Signals()
+    scope = trio.CancelScope()
+    await nursery.start(signals.watch, lambda count: scope.cancel())
     print(
         f"rds stress passive on {node.address} port {args.port} "
         f"(rdma_cm port {node.port}): waiting for an active side",
         flush=True,
     )
     result = rt.PassiveResult()
-    status = [0]
-
-    async def on_signal(scope: trio.CancelScope) -> None:
-        status[0] = await _wait_for_signal()
-        scope.cancel()
-
-    with trio.CancelScope() as scope:
-        nursery.start_soon(on_signal, scope)
+    with scope:
         await rt.stress_passive(node, args.port, once=True, result=result)
-    how = "interrupted" if status[0] else "run over"
+    how = "interrupted" if scope.cancelled_caught else "run over"
     if not result.requests:
         print(f"{how}: no run started (no request arrived)")
-        return status[0]
+        return signals.status
     seconds = result.elapsed()
     peers = sorted({ip for ip, _ in result.tasks})
     figures = ""
@@ -132,26 +147,22 @@ async def _stress_passive(node: Any, args: argparse.Namespace, nursery: trio.Nur
         f"{len(result.tasks)} task(s) at {', '.join(peers) or '-'}; {figures}"
         f"({result.rdma_failures} failed) over {seconds:.2f} s"
     )
-    return status[0]
+    return signals.status
 
 
 async def _stress_active(
     node: Any, cfg: rt.StressConfig, args: argparse.Namespace, nursery: trio.Nursery
 ) -> int:
-    stop = trio.Event()
     started = [False]
-    status = [0]
+    signals = _Signals()
 
-    async def on_signal() -> None:
-        """A signal before the run started ends at once; during it, it ends the run cleanly
-        (the summary is printed); a second one ends at once."""
-        status[0] = await _wait_for_signal()
-        if started[0]:
-            stop.set()
-            await _wait_for_signal()
-        raise KeyboardInterrupt
+    def on_signal(count: int) -> None:
+        """Before the run, a signal ends at once; during it, the first ends the run
+        cleanly (the summary is printed) and a second one ends at once."""
+        if count > 1 or not started[0]:
+            raise KeyboardInterrupt
 
-    nursery.start_soon(on_signal)
+    await nursery.start(signals.watch, on_signal)
     print(
         f"rds stress: {node.address} -> {cfg.dest} port {cfg.port}, {cfg.tasks} task(s), "
         f"depth {cfg.depth}, {cfg.req_bytes} B requests, {cfg.ack_bytes} B acks, "
@@ -175,13 +186,15 @@ async def _stress_active(
             print(rt.format_stress_row(sample), flush=True)
 
     try:
-        result = await rt.stress_active(node, cfg, on_start=on_start, on_second=second, stop=stop)
+        result = await rt.stress_active(
+            node, cfg, on_start=on_start, on_second=second, stop=signals.stopped
+        )
     except BaseException:
         print(flush=True)  # end the "Starting up" or the last row's line
         raise
     print("-" * 45)
     print(rt.format_stress_row(result.total, average=True), flush=True)
-    return status[0]
+    return signals.status
 
 
 async def _rds_info(args: argparse.Namespace) -> int:

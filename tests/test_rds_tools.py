@@ -2,67 +2,15 @@
 
 from __future__ import annotations
 
-import random
 import re
-import signal
-import socket
-import subprocess
-import sys
-from collections.abc import Iterator
-from contextlib import contextmanager
 
 import pytest
 import trio
+from clirun import STRESS_ROW as ROW
+from clirun import background, free_port, rdmashim, subnet
 
 from rdmashim import rds_tools as rt
 from rdmashim.ulps.rds.node import RdsNode
-
-ROW = re.compile(r"^\s*(\d+)\s+(\d+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)$")
-
-
-def subnet() -> str:
-    """A 127.x.y. prefix of our own, so parallel runs do not meet."""
-    return f"127.{random.randrange(1, 255)}.{random.randrange(256)}."
-
-
-def free_port(address: str) -> int:
-    with socket.socket() as s:
-        s.bind((address, 0))
-        return s.getsockname()[1]
-
-
-def rdmashim(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "rdmashim", *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        check=False,
-    )
-
-
-@contextmanager
-def background(*args: str) -> Iterator[subprocess.Popen[str]]:
-    """Run ``rdmashim ARGS`` until its first line; Ctrl-C it at the end unless it exited."""
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "rdmashim", *args],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        assert proc.stdout is not None
-        first = proc.stdout.readline()
-        assert first, proc.stderr.read() if proc.stderr else ""
-        yield proc
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 # ------------------------------------------------------------------ the commands
@@ -85,8 +33,7 @@ def test_ping_gets_replies_and_info_shows_the_pinger() -> None:
         assert pinger in conns and asker in conns  # the query's own connection shows too
         recv = re.search(r"recv_messages\s+(\d+)", info.stdout)
         assert recv is not None and int(recv.group(1)) >= 4  # 3 pings and the query
-        responder.send_signal(signal.SIGINT)
-        assert responder.wait(timeout=15) == 130  # Ctrl-C
+        assert responder.interrupt()[0] == 130  # Ctrl-C
 
 
 def test_ping_without_a_responder_fails_and_serve_needs_an_address() -> None:
@@ -109,8 +56,8 @@ def stress_run(*flags: str) -> tuple[str, str]:
             "rds", "stress", "-r", active_ip, "-s", passive_ip, "--cm-port", port, *flags
         )
         assert out.returncode == 0, out.stderr
-        passive_out, _ = passive.communicate(timeout=15)
-        assert passive.returncode == 0
+        status, passive_out, _ = passive.finish(timeout=15)
+        assert status == 0
     return out.stdout, passive_out
 
 
