@@ -11,7 +11,8 @@ refused before anything starts and every ending looks the same:
 - a failure while running (a refused connection, an unknown device, a port
   in use): ``PROG: error: ...`` on one line, exit status 1;
 - Ctrl-C: no output of its own, exit status 130 (a command that measured
-  something prints it first); SIGTERM caught by a command: 143.
+  something prints it first); SIGTERM caught by a command: 143;
+- stdout closed by its reader (``| head``): quietly, status 141, as a shell's tools.
 
 Errors raised inside trio nurseries arrive in exception groups; the first
 real error of the group is the one reported. A traceback is shown only for
@@ -25,6 +26,7 @@ import ipaddress
 import math
 import os
 import re
+import select
 import signal
 import socket
 import sys
@@ -35,6 +37,7 @@ from typing import NoReturn
 EXIT_ERROR = 1
 EXIT_USAGE = 2
 EXIT_SIGINT = 128 + signal.SIGINT
+EXIT_SIGPIPE = 128 + signal.SIGPIPE
 TRACEBACK_VAR = "RDMASHIM_TRACEBACK"
 """Set to 1 to see the traceback of an error as well as its line."""
 MIN_RATE_SECONDS = 0.01
@@ -188,6 +191,8 @@ def run_command(prog: str, body: Callable[[], int | None]) -> int:
         found = leaves(exc)
         if any(isinstance(leaf, KeyboardInterrupt) for leaf in found):
             return EXIT_SIGINT
+        if any(isinstance(leaf, BrokenPipeError) for leaf in found) and _stdout_gone():
+            return EXIT_SIGPIPE
         exits = [leaf for leaf in found if isinstance(leaf, SystemExit)]
         if exits:
             return exits[0].code if isinstance(exits[0].code, int) else EXIT_ERROR
@@ -198,6 +203,19 @@ def run_command(prog: str, body: Callable[[], int | None]) -> int:
         print(f"{prog}: error: {describe(first)}", file=sys.stderr, flush=True)
         return EXIT_USAGE if isinstance(first, UsageError) else EXIT_ERROR
     return 0 if status is None else int(status)
+
+
+def _stdout_gone() -> bool:
+    """Whether stdout's reader went away (``rdmashim ... | head``); stdout is silenced then."""
+    try:
+        poller = select.poll()
+        poller.register(sys.stdout.fileno(), select.POLLOUT)
+        gone = any(events & select.POLLERR for _, events in poller.poll(0))
+    except (OSError, ValueError, AttributeError):  # no poll, or no real stdout
+        return False
+    if gone:  # nothing more can be written; the flush at exit must not fail again
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    return gone
 
 
 def check_backend_env() -> None:
@@ -215,6 +233,7 @@ def check_backend_env() -> None:
 __all__ = [
     "EXIT_ERROR",
     "EXIT_SIGINT",
+    "EXIT_SIGPIPE",
     "EXIT_USAGE",
     "MIN_RATE_SECONDS",
     "Parser",

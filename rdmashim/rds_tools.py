@@ -42,7 +42,6 @@ from typing import Any
 
 import trio
 
-from rdmashim.cliargs import parse_duration
 from rdmashim.rds_defaults import (
     ALL_TABLES,
     ECHO_PORT,
@@ -89,14 +88,6 @@ def guess_source(dest: str) -> str:
         while source == str(ip):
             source = f"127.{rng.randrange(1, 255)}.{rng.randrange(256)}.{rng.randrange(1, 255)}"
     return source
-
-
-def parse_interval(text: str) -> float:
-    """Seconds from rds-ping's ``-i`` syntax: ``1``, ``0.2``, ``200ms``, ``500usec``."""
-    seconds = parse_duration(text)
-    if seconds <= 0:
-        raise ValueError(f"interval {text!r} must be positive")
-    return seconds
 
 
 def bind_any(node: RdsNode, rng: random.Random | None = None) -> RdsSocket:
@@ -822,8 +813,8 @@ class PassiveResult:
 
     def elapsed(self) -> float:
         """Seconds of the runs so far, the one under way up to now included."""
-        now = time.perf_counter()
-        return self.seconds + (now - self.started if self.started is not None else 0.0)
+        running = time.perf_counter() - self.started if self.started is not None else 0.0
+        return self.seconds + running
 
 
 async def stress_passive(
@@ -891,6 +882,7 @@ DEMO_WINDOW = 128
 _STAMP = struct.Struct("!HQI")
 """Sender's node index, its sequence number towards this receiver, CRC32 of the payload."""
 DEMO_MIN_SIZE = _STAMP.size
+"""The smallest demo message: its stamp."""
 
 
 @dataclass
@@ -1149,9 +1141,11 @@ def busy_any(nodes: Iterable[RdsNode]) -> bool:
 
 
 __all__ = [
+    "DEMO_MIN_SIZE",
     "ECHO_PORT",
     "INFO_PORT",
     "INFO_TABLES",
+    "MIN_STRESS_BYTES",
     "RDS_CM_PORT",
     "STRESS_COLUMNS",
     "STRESS_PORT",
@@ -1171,7 +1165,6 @@ __all__ = [
     "format_stress_row",
     "guess_source",
     "open_node",
-    "parse_interval",
     "ping",
     "query_info",
     "run_rds_demo",

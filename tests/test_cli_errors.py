@@ -10,14 +10,17 @@ real SIGINT once the command printed that it is under way: it must end with
 
 from __future__ import annotations
 
+import argparse
 import re
 import signal
 import socket
 import sys
 import time
+from collections.abc import Callable
 
 import pytest
 from clirun import (
+    DEADLINE,
     RDMASHIM,
     ROOT,
     STRESS_ROW,
@@ -28,6 +31,8 @@ from clirun import (
     run,
     subnet,
 )
+
+from rdmashim import cliargs
 
 STRESS = ["rds", "stress", "-r", "127.0.0.1", "-s", "127.0.0.2"]
 USAGE, FAILED = 2, 1
@@ -315,3 +320,66 @@ def test_mixed_backends_without_rdma_core_is_one_line() -> None:
         pytest.skip("rdma-core is usable here: the failure this test needs does not happen")
     out = run([*MIXED, "127.0.0.1", "rdmacore", "softiwarp"], timeout=60)
     assert_one_error_line(out, FAILED, "mixed_backends.py: error: rdmacore")
+
+
+def test_a_closed_stdout_ends_quietly() -> None:
+    """``rdmashim rds ping ... | head -1``: the pinger ends with 141 and says nothing."""
+    net = subnet()
+    port = str(free_port(net + "1"))
+    with background("rds", "ping", "--serve", "-I", net + "1", "--cm-port", port):
+        pinger = Running([*RDMASHIM, "rds", "ping", "-I", net + "2", "--cm-port", port,
+                          "-i", "10ms", net + "1"])  # fmt: skip
+        try:
+            pinger.wait_for(r"^\s+\d+: \d+ usec")
+            assert pinger.proc.stdout is not None
+            pinger.proc.stdout.close()  # the reader goes away, as `head` does
+            assert pinger.proc.wait(timeout=DEADLINE) == 141
+            err = pinger.proc.stderr.read().decode() if pinger.proc.stderr else ""
+        finally:
+            pinger.stop()
+    assert err == "", err
+
+
+# ------------------------------------------------------------------ the argument types
+def test_argument_types() -> None:
+    assert cliargs.size()("64K") == 65536 and cliargs.size()("1MiB") == 1 << 20
+    assert cliargs.size()("4096") == 4096 and cliargs.size()("2g") == 2 << 30
+    assert cliargs.integer(0)("0x10") == 16
+    assert cliargs.parse_duration("200ms") == pytest.approx(0.2)
+    assert cliargs.parse_duration("500usec") == pytest.approx(0.0005)
+    assert cliargs.duration()("1.5") == 1.5 and cliargs.duration(zero=True)("0") == 0
+    assert cliargs.host("localhost") == "127.0.0.1" and cliargs.host("::1") == "::1"
+    bad = [
+        (cliargs.size(1, 10), "11"), (cliargs.size(), "1.5M"), (cliargs.size(), "-1"),
+        (cliargs.integer(1), "0"), (cliargs.integer(), "ten"), (cliargs.port, "65536"),
+        (cliargs.duration(), "0"), (cliargs.duration(), "-1"), (cliargs.duration(), "1h"),
+        (cliargs.duration(), "nan"), (cliargs.duration(), "inf"), (cliargs.host, "a..b"),
+        (cliargs.backend, "nope"),
+    ]  # fmt: skip
+    for parse, text in bad:
+        with pytest.raises(argparse.ArgumentTypeError, match=re.escape(repr(text))):
+            parse(text)
+    assert cliargs.rate(10, 0.0) is None and cliargs.rate(10, 0.001) is None
+    assert cliargs.rate(10, 2.0) == 5.0
+
+
+def test_run_command_maps_every_ending(capsys: pytest.CaptureFixture[str]) -> None:
+    def raises(exc: BaseException) -> Callable[[], int]:
+        def body() -> int:
+            raise exc
+
+        return body
+
+    group = BaseExceptionGroup("nursery", [ExceptionGroup("inner", [OSError(98, "in use")])])
+    cases = [
+        (raises(group), 1, "prog: error: [Errno 98] in use\n"),
+        (raises(cliargs.UsageError("bad\nmix")), 2, "prog: error: bad mix\n"),
+        (raises(BaseExceptionGroup("g", [KeyboardInterrupt(), ValueError("x")])), 130, ""),
+        (raises(KeyError("k")), 1, "prog: error: internal error: KeyError: 'k' (set "),
+        (raises(SystemExit(3)), 3, ""),
+        (lambda: None, 0, ""),
+        (lambda: 5, 5, ""),
+    ]
+    for body, status, err in cases:
+        assert cliargs.run_command("prog", body) == status
+        assert capsys.readouterr().err.startswith(err)
