@@ -9,14 +9,13 @@ from __future__ import annotations
 
 import argparse
 import ipaddress
-import signal
 import sys
 from typing import Any
 
 import trio
 
 from rdmashim import rds_tools as rt
-from rdmashim.cliargs import UsageError, duration, host, integer, port, rate, size
+from rdmashim.cliargs import Signals, UsageError, duration, host, integer, port, rate, size
 from rdmashim.rds_defaults import ALL_TABLES, ECHO_PORT, INFO_TABLES, RDS_CM_PORT, STRESS_PORT
 from rdmashim.ulps.rds.wire import RDS_MAX_MSG_SIZE
 
@@ -24,31 +23,6 @@ MAX_TASKS = 256
 MAX_DEPTH = 4096
 MAX_DEMO_NODES = 64
 MAX_CUTS = 1000
-
-
-class _Signals:
-    """SIGINT and SIGTERM as the command sees them: ``status`` is 128 + the last one's number.
-
-    ``await nursery.start(signals.watch, on_signal)`` returns once the signals are
-    caught (from then on Ctrl-C no longer raises KeyboardInterrupt), then calls
-    ``on_signal(count)`` for each with the count so far; ``stopped`` is set at the first.
-    """
-
-    def __init__(self) -> None:
-        self.status = 0
-        self.stopped = trio.Event()
-
-    async def watch(
-        self, on_signal: Any = lambda count: None, *, task_status: Any = trio.TASK_STATUS_IGNORED
-    ) -> None:
-        with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
-            task_status.started()
-            count = 0
-            async for signum in signals:
-                count += 1
-                self.status = 128 + signum
-                self.stopped.set()
-                on_signal(count)
 
 
 def _run(func: Any) -> Any:
@@ -62,7 +36,7 @@ async def _rds_ping(args: argparse.Namespace) -> int:
     if not args.serve and not args.dest:
         raise UsageError("the address to ping is missing")
     if args.serve:
-        signals = _Signals()
+        signals = Signals()
         async with rt.open_node(args.local, args.cm_port) as node, trio.open_nursery() as nursery:
             await nursery.start(signals.watch)
             await nursery.start(rt.serve_echo, node, args.port)
@@ -117,9 +91,9 @@ async def _rds_stress(args: argparse.Namespace) -> int:
 
 
 async def _stress_passive(node: Any, args: argparse.Namespace, nursery: trio.Nursery) -> int:
-    signals = _Signals()
+    signals = Signals()
     scope = trio.CancelScope()
-    await nursery.start(signals.watch, lambda count: scope.cancel())
+    await nursery.start(signals.watch, scope.cancel)
     print(
         f"rds stress passive on {node.address} port {args.port} "
         f"(rdma_cm port {node.port}): waiting for an active side",
@@ -154,15 +128,15 @@ async def _stress_active(
     node: Any, cfg: rt.StressConfig, args: argparse.Namespace, nursery: trio.Nursery
 ) -> int:
     started = [False]
-    signals = _Signals()
+    signals = Signals()
 
-    def on_signal(count: int) -> None:
-        """Before the run, a signal ends at once; during it, the first ends the run
-        cleanly (the summary is printed) and a second one ends at once."""
-        if count > 1 or not started[0]:
+    def on_first() -> None:
+        """Before the run, a signal ends at once; during it, it ends the run cleanly (the
+        summary is printed); a second one ends at once (Signals)."""
+        if not started[0]:
             raise KeyboardInterrupt
 
-    await nursery.start(signals.watch, on_signal)
+    await nursery.start(signals.watch, on_first)
     print(
         f"rds stress: {node.address} -> {cfg.dest} port {cfg.port}, {cfg.tasks} task(s), "
         f"depth {cfg.depth}, {cfg.req_bytes} B requests, {cfg.ack_bytes} B acks, "

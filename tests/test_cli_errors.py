@@ -197,12 +197,19 @@ def assert_interrupted(status: int, err: str) -> None:
 def test_ctrl_c_on_demo() -> None:
     demo = Running([*RDMASHIM, "demo", "-n", "1000000", "-s", "64K"])
     try:
-        demo.wait_for(r"^client: connected")
+        demo.wait_for(r"^server: 20-byte Send")
         status, out, err = demo.interrupt()
     finally:
         demo.stop()
     assert_interrupted(status, err)
-    assert "MB/s" not in out  # no phase ended: no rate
+    # What it measured: the Writes so far, at a rate that fits them.
+    found = re.search(r"interrupted: RDMA Write (\d+) of 1000000 x 65536 B done in ([\d.]+) s", out)
+    assert found is not None, out
+    done, seconds = int(found[1]), float(found[2])
+    assert 0 <= done < 1000000 and seconds >= 0
+    if seconds >= 0.1:  # printed to the millisecond
+        mbytes = float(re.search(r"s, ([\d.]+) MB/s", out)[1])
+        assert mbytes == pytest.approx(done * 65536 / 1e6 / seconds, rel=0.05)
 
 
 def test_ctrl_c_on_a_waiting_ping_server() -> None:
