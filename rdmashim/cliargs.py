@@ -208,6 +208,8 @@ def leaves(exc: BaseException) -> list[BaseException]:
 def describe(exc: BaseException) -> str:
     """The one line that reports ``exc``: its message; a defect's type as well."""
     text = " ".join(str(exc).split())
+    if isinstance(exc, MemoryError):
+        return f"out of memory{': ' + text if text else ''}"
     if isinstance(exc, _BUGS):
         return f"internal error: {type(exc).__name__}: {text} (set {TRACEBACK_VAR}=1 to see where)"
     return text or type(exc).__name__

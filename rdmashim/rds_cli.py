@@ -23,6 +23,8 @@ MAX_TASKS = 256
 MAX_DEPTH = 4096
 MAX_DEMO_NODES = 64
 MAX_CUTS = 1000
+MAX_RDMA_BUFFERS = 1 << 30
+"""Bytes the active side of ``rds stress -D`` may hold in buffers (one per request in flight)."""
 
 
 def _run(func: Any) -> Any:
@@ -78,6 +80,12 @@ async def _rds_stress(args: argparse.Namespace) -> int:
             )  # fmt: skip
         except ValueError as exc:
             raise UsageError(str(exc)) from None
+        buffers = cfg.tasks * cfg.depth * cfg.rdma_bytes
+        if buffers > MAX_RDMA_BUFFERS:
+            raise UsageError(
+                f"-t {cfg.tasks} x -d {cfg.depth} x -D {cfg.rdma_bytes} = {buffers} bytes of "
+                f"RDMA buffers, more than {MAX_RDMA_BUFFERS >> 20} MiB"
+            )
     async with rt.open_node(args.local, args.cm_port) as node, trio.open_nursery() as nursery:
         await nursery.start(rt.serve_info, node)
         if cfg is None:
