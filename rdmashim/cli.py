@@ -36,6 +36,7 @@ from rdmashim.registry import backend_status
 DEMO_MAX_SIZE = 1 << 30
 """The demo's largest operation: it holds four buffers of this size in memory."""
 DEMO_MAX_COUNT = 1 << 31
+"""The demo's largest count (its operations are built one by one, none held in advance)."""
 INT_MAX = (1 << 31) - 1
 """rping's counts are C ints."""
 
@@ -92,8 +93,6 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 
 def _cmd_ping(args: argparse.Namespace) -> int:
-    from rdmashim.ping import PingConfig, run
-
     if args.debug:
         handler = logging.StreamHandler(sys.stderr)
         handler.setFormatter(logging.Formatter("%(name)s: %(message)s"))
@@ -106,7 +105,7 @@ def _cmd_ping(args: argparse.Namespace) -> int:
         print(prefix + data.decode("latin-1"), flush=True)
 
     try:
-        config = PingConfig(
+        config = rping.PingConfig(
             server=args.server,
             address=args.address,
             port=args.port,
@@ -121,7 +120,7 @@ def _cmd_ping(args: argparse.Namespace) -> int:
         )
     except ValueError as exc:
         raise UsageError(str(exc)) from None
-    result = trio.run(run, config)
+    result = trio.run(rping.run, config)
     if args.debug:
         print(f"rdmashim ping: {result.pings} pings of {result.size} B", file=sys.stderr)
     return 0

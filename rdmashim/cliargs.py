@@ -220,7 +220,7 @@ def run_command(prog: str, body: Callable[[], int | None]) -> int:
     try:
         status = body()
     except SystemExit as exc:  # argparse, sys.exit: already said what it had to
-        return exc.code if isinstance(exc.code, int) else EXIT_ERROR
+        return _exit_status(exc)
     except BaseException as exc:  # every ending is mapped, none escapes
         found = leaves(exc)
         if any(isinstance(leaf, KeyboardInterrupt) for leaf in found):
@@ -229,7 +229,7 @@ def run_command(prog: str, body: Callable[[], int | None]) -> int:
             return EXIT_SIGPIPE
         exits = [leaf for leaf in found if isinstance(leaf, SystemExit)]
         if exits:
-            return exits[0].code if isinstance(exits[0].code, int) else EXIT_ERROR
+            return _exit_status(exits[0])
         real = [leaf for leaf in found if isinstance(leaf, Exception)] or found
         first = real[0]
         if os.environ.get(TRACEBACK_VAR) == "1":
@@ -237,6 +237,14 @@ def run_command(prog: str, body: Callable[[], int | None]) -> int:
         print(f"{prog}: error: {describe(first)}", file=sys.stderr, flush=True)
         return EXIT_USAGE if isinstance(first, UsageError) else EXIT_ERROR
     return 0 if status is None else int(status)
+
+
+def _exit_status(exc: SystemExit) -> int:
+    """The status ``sys.exit(code)`` means; a message for a code is printed as Python does."""
+    if exc.code is None or isinstance(exc.code, int):
+        return exc.code or 0
+    print(exc.code, file=sys.stderr, flush=True)
+    return EXIT_ERROR
 
 
 def _stdout_gone() -> bool:

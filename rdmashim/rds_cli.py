@@ -27,6 +27,14 @@ MAX_RDMA_BUFFERS = 1 << 30
 """Bytes the active side of ``rds stress -D`` may hold in buffers (one per request in flight)."""
 
 
+def _check_other(local: str | None, dest: str | None) -> None:
+    """The node a tool talks to runs in another process, so on another address."""
+    if local is not None and local == dest:
+        raise UsageError(
+            f"{dest} is this node's own address: the other node needs its own (any 127.x.y.z)"
+        )
+
+
 def _run(func: Any) -> Any:
     """The command body for run_command: the coroutine ``func(args)`` under trio."""
     return lambda args: trio.run(func, args)
@@ -37,6 +45,7 @@ async def _rds_ping(args: argparse.Namespace) -> int:
         raise UsageError("--serve needs -I LOCAL_IP, the address to answer on")
     if not args.serve and not args.dest:
         raise UsageError("the address to ping is missing")
+    _check_other(args.local, None if args.serve else args.dest)
     if args.serve:
         signals = Signals()
         async with rt.open_node(args.local, args.cm_port) as node, trio.open_nursery() as nursery:
@@ -72,6 +81,7 @@ async def _rds_ping(args: argparse.Namespace) -> int:
 
 async def _rds_stress(args: argparse.Namespace) -> int:
     cfg = None
+    _check_other(args.local, args.server)
     if args.server is not None:
         try:
             cfg = rt.StressConfig(
@@ -181,6 +191,7 @@ async def _stress_active(
 
 async def _rds_info(args: argparse.Namespace) -> int:
     tables = "".join(t for t in INFO_TABLES if getattr(args, f"table_{t}")) or ALL_TABLES
+    _check_other(args.local, args.dest)
     local = args.local or rt.guess_source(args.dest)
     async with rt.open_node(local, args.cm_port) as node:
         text = await rt.query_info(node, args.dest, tables, within=args.timeout)

@@ -82,6 +82,9 @@ BAD_ARGUMENTS = [
     ([*STRESS, "-q", "20", "-D", "100"], "req_bytes 20 outside 36..1048576"),
     ([*STRESS, "-t", "256", "-d", "4096", "-D", "1M"], "bytes of RDMA buffers, more than 1024 MiB"),
     (["rds", "stress", "-s", "127.0.0.2"], "the following arguments are required: -r"),
+    (["rds", "stress", "-r", "localhost", "-s", "127.0.0.1"], "127.0.0.1 is this node's own"),
+    (["rds", "ping", "-I", "127.0.0.1", "localhost"], "127.0.0.1 is this node's own address"),
+    (["rds", "info", "-I", "127.0.0.1", "127.0.0.1"], "127.0.0.1 is this node's own address"),
     (["rds", "stress", "-r", "nosuch.invalid"], "cannot resolve 'nosuch.invalid'"),
     (["rds", "info"], "the following arguments are required: dest"),
     (["rds", "info", "--timeout", "0", "127.0.0.1"], "argument --timeout: '0' is out of range"),
@@ -386,6 +389,8 @@ def test_run_command_maps_every_ending(capsys: pytest.CaptureFixture[str]) -> No
         (raises(KeyError("k")), 1, "prog: error: internal error: KeyError: 'k' (set "),
         (raises(MemoryError()), 1, "prog: error: out of memory\n"),
         (raises(SystemExit(3)), 3, ""),
+        (raises(SystemExit(None)), 0, ""),
+        (raises(SystemExit("bye")), 1, "bye\n"),
         (lambda: None, 0, ""),
         (lambda: 5, 5, ""),
     ]
