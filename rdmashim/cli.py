@@ -14,10 +14,8 @@ import sys
 import time
 from collections.abc import Sequence
 
-import trio
-
 import rdmashim
-from rdmashim import ping as rping
+from rdmashim import ping_defaults as rping
 from rdmashim.cliargs import (
     Parser,
     UsageError,
@@ -81,11 +79,15 @@ async def _devinfo(name: str | None, backend: str | None) -> None:
 
 
 def _cmd_devinfo(args: argparse.Namespace) -> int:
+    import trio
+
     trio.run(_devinfo, args.device, args.backend)
     return 0
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
+    import trio
+
     from rdmashim.demo import run_demo
 
     progress = sys.stderr.isatty() and not args.quiet
@@ -93,6 +95,10 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 
 def _cmd_ping(args: argparse.Namespace) -> int:
+    import trio
+
+    from rdmashim import ping
+
     if args.debug:
         handler = logging.StreamHandler(sys.stderr)
         handler.setFormatter(logging.Formatter("%(name)s: %(message)s"))
@@ -105,7 +111,7 @@ def _cmd_ping(args: argparse.Namespace) -> int:
         print(prefix + data.decode("latin-1"), flush=True)
 
     try:
-        config = rping.PingConfig(
+        config = ping.PingConfig(
             server=args.server,
             address=args.address,
             port=args.port,
@@ -120,7 +126,7 @@ def _cmd_ping(args: argparse.Namespace) -> int:
         )
     except ValueError as exc:
         raise UsageError(str(exc)) from None
-    result = trio.run(rping.run, config)
+    result = trio.run(ping.run, config)
     if args.debug:
         print(f"rdmashim ping: {result.pings} pings of {result.size} B", file=sys.stderr)
     return 0

@@ -32,9 +32,7 @@ import socket
 import sys
 import traceback
 from collections.abc import Callable
-from typing import Any, NoReturn
-
-import trio
+from typing import NoReturn
 
 EXIT_ERROR = 1
 EXIT_USAGE = 2
@@ -168,36 +166,6 @@ def rate(amount: float, seconds: float) -> float | None:
 
 
 # ------------------------------------------------------------------ the ending
-class Signals:
-    """SIGINT and SIGTERM caught by a trio command: ``status`` is 128 + the signal's number.
-
-    ``await nursery.start(signals.watch, on_first)`` returns once the signals are
-    caught (from then on Ctrl-C no longer raises KeyboardInterrupt by itself);
-    the first one sets ``stopped`` and calls ``on_first()``, which ends what
-    runs (cancels it, or raises KeyboardInterrupt); a second one raises
-    KeyboardInterrupt, for a user who does not want to wait for the end.
-    """
-
-    def __init__(self) -> None:
-        self.status = 0
-        self.stopped = trio.Event()
-
-    async def watch(
-        self,
-        on_first: Callable[[], None] = lambda: None,
-        *,
-        task_status: Any = trio.TASK_STATUS_IGNORED,
-    ) -> None:
-        with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
-            task_status.started()
-            async for signum in signals:
-                if self.stopped.is_set():
-                    raise KeyboardInterrupt
-                self.status = 128 + signum
-                self.stopped.set()
-                on_first()
-
-
 def leaves(exc: BaseException) -> list[BaseException]:
     """The exceptions inside (nested) exception groups, in order; ``exc`` itself otherwise."""
     if isinstance(exc, BaseExceptionGroup):
@@ -279,7 +247,6 @@ __all__ = [
     "EXIT_USAGE",
     "MIN_RATE_SECONDS",
     "Parser",
-    "Signals",
     "UsageError",
     "backend",
     "check_backend_env",

@@ -21,7 +21,8 @@ from typing import Any
 import trio
 
 from rdmashim import Access, RecvWR, SendFlags, SendWR, WROpcode
-from rdmashim.cliargs import Signals, rate
+from rdmashim.cliargs import rate
+from rdmashim.clisignals import Signals
 from rdmashim.cm import ConnectionRequest, open_connection, serve
 from rdmashim.verbs.softiwarp.negotiation import MpaOptions
 

@@ -44,9 +44,11 @@ import trio
 
 from rdmashim.rds_defaults import (
     ALL_TABLES,
+    DEMO_MIN_SIZE,
     ECHO_PORT,
     INFO_PORT,
     INFO_TABLES,
+    MIN_STRESS_BYTES,
     RDS_CM_PORT,
     STRESS_PORT,
 )
@@ -429,7 +431,6 @@ STRESS_MAGIC = b"rdst"
 OP_REQ, OP_ACK, OP_DONE, OP_DONE_ACK = 1, 2, 3, 4
 FLAG_RDMA_WRITE, FLAG_RDMA_READ = 1, 2
 """A request's flags: the ack is to write into (read from) the buffer of its cookie."""
-MIN_STRESS_BYTES = STRESS_HEADER.size
 ACK_TIMEOUT = 10.0
 """Seconds the active side waits for an answer before it gives up."""
 
@@ -881,8 +882,6 @@ DEMO_WINDOW = 128
 """Messages each sender keeps in flight to each receiver (at most)."""
 _STAMP = struct.Struct("!HQI")
 """Sender's node index, its sequence number towards this receiver, CRC32 of the payload."""
-DEMO_MIN_SIZE = _STAMP.size
-"""The smallest demo message: its stamp."""
 
 
 @dataclass

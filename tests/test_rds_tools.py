@@ -131,6 +131,8 @@ def test_formats_follow_rds_tools() -> None:
     assert len(rt.format_stress_row(sample)) == len(rt.STRESS_COLUMNS)
     with pytest.raises(ValueError):
         rt.StressConfig("127.0.0.1", req_bytes=8)
+    # The CLI's bounds (rds_defaults, plain values) are the messages' own sizes.
+    assert rt.STRESS_HEADER.size == rt.MIN_STRESS_BYTES and rt._STAMP.size == rt.DEMO_MIN_SIZE
 
 
 async def test_format_info_shows_nodes_of_this_process() -> None:
