@@ -110,15 +110,19 @@ async def open_node(address: str, cm_port: int = RDS_CM_PORT) -> AsyncIterator[R
         try:
             node = await stack.enter_async_context(RdsNode(address, cm_port))
         except OSError as exc:
-            hint = ""
-            if exc.errno == errno.EADDRINUSE:
-                hint = " (another RDS node on this address? each node needs its own address)"
-            elif exc.errno == errno.EADDRNOTAVAIL:
-                hint = " (not an address of this machine; any 127.x.y.z is, on Linux)"
-            raise RdsToolError(
-                f"cannot start an RDS node on {address}, rdma_cm port {cm_port}: {exc}{hint}"
-            ) from exc
+            raise _node_error(exc, address, cm_port) from exc
         yield node
+
+
+def _node_error(exc: OSError, address: str, cm_port: int) -> RdsToolError:
+    """Why a node did not start, with what to check."""
+    hint = ""
+    if exc.errno == errno.EADDRINUSE:
+        hint = " (another RDS node on this address? each node needs its own address)"
+    elif exc.errno == errno.EADDRNOTAVAIL:
+        hint = " (not an address of this machine; any 127.x.y.z is, on Linux)"
+    where = f"{address}, rdma_cm port {cm_port}"
+    return RdsToolError(f"cannot start an RDS node on {where}: {exc}{hint}")
 
 
 def busy(node: RdsNode) -> bool:
@@ -962,10 +966,10 @@ async def _start_nodes(stack: AsyncExitStack, addresses: Sequence[str], port: in
                 node = await inner.enter_async_context(RdsNode(address, chosen))
                 chosen = node.port
                 nodes.append(node)
-        except OSError:
+        except OSError as exc:
             await inner.aclose()
             if port or attempt == 4:
-                raise
+                raise _node_error(exc, address, chosen) from exc
             continue
         await stack.enter_async_context(inner)
         return nodes

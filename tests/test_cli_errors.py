@@ -148,6 +148,30 @@ def test_rds_node_on_a_port_in_use() -> None:
     assert_one_error_line(out, FAILED, "cannot start an RDS node on 127.0.0.1")
 
 
+def test_rds_demo_on_a_port_in_use() -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = str(taken.getsockname()[1])
+        out = run([*RDMASHIM, "rds", "demo", "-n", "2", "--cm-port", port])
+    assert_one_error_line(out, FAILED, f"RDS node on 127.0.0.1, rdma_cm port {port}:")
+
+
+def test_ping_server_on_an_address_not_ours() -> None:
+    out = run([*RDMASHIM, "ping", "-s", "-a", "10.255.255.1", "-p", "0"])  # bind fails: no traffic
+    assert_one_error_line(out, FAILED, "cannot listen on 10.255.255.1:0")
+
+
+def test_sigterm_ends_a_passive_stress_with_143() -> None:
+    net = subnet()
+    port = str(free_port(net + "1"))
+    with background("rds", "stress", "-r", net + "1", "--cm-port", port) as passive:
+        passive.proc.send_signal(signal.SIGTERM)
+        status, out, err = passive.finish()
+    assert status == 143 and err == "", err
+    assert "interrupted: no run started" in out
+
+
 def test_rds_ping_without_a_responder_says_so() -> None:
     net = subnet()
     out = run([*RDMASHIM, "rds", "ping", "-I", net + "2", "--cm-port", str(free_port(net + "2")),
