@@ -130,31 +130,22 @@ def test_ping_to_a_closed_port_is_refused() -> None:
     assert_one_error_line(out, FAILED, "connection refused")
 
 
-def test_ping_server_on_a_port_in_use() -> None:
+@pytest.mark.parametrize(
+    "command, text",
+    [
+        (["ping", "-s", "-a", "127.0.0.1", "-p"], "cannot listen on 127.0.0.1:{port}"),
+        (["rds", "stress", "-r", "127.0.0.1", "--cm-port"], "RDS node on 127.0.0.1, rdma_cm port"),
+        (["rds", "demo", "-n", "2", "--cm-port"], "RDS node on 127.0.0.1, rdma_cm port {port}:"),
+    ],
+    ids=["ping", "rds stress", "rds demo"],
+)
+def test_a_port_in_use(command: list[str], text: str) -> None:
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        out = run([*RDMASHIM, "ping", "-s", "-a", "127.0.0.1", "-p", str(port)])
-    assert_one_error_line(out, FAILED, f"cannot listen on 127.0.0.1:{port}")
-
-
-def test_rds_node_on_a_port_in_use() -> None:
-    with socket.socket() as taken:
-        taken.bind(("127.0.0.1", 0))
-        taken.listen()
-        port = str(taken.getsockname()[1])
-        out = run([*RDMASHIM, "rds", "stress", "-r", "127.0.0.1", "--cm-port", port])
-    assert_one_error_line(out, FAILED, "cannot start an RDS node on 127.0.0.1")
-
-
-def test_rds_demo_on_a_port_in_use() -> None:
-    with socket.socket() as taken:
-        taken.bind(("127.0.0.1", 0))
-        taken.listen()
-        port = str(taken.getsockname()[1])
-        out = run([*RDMASHIM, "rds", "demo", "-n", "2", "--cm-port", port])
-    assert_one_error_line(out, FAILED, f"RDS node on 127.0.0.1, rdma_cm port {port}:")
+        out = run([*RDMASHIM, *command, str(port)])
+    assert_one_error_line(out, FAILED, text.format(port=port))
 
 
 def test_ping_server_on_an_address_not_ours() -> None:
