@@ -9,6 +9,7 @@ import trio
 from clirun import STRESS_ROW as ROW
 from clirun import background, free_port, rdmashim, subnet
 
+from rdmashim import rds_demo
 from rdmashim import rds_tools as rt
 from rdmashim.ulps.rds.node import RdsNode
 
@@ -132,7 +133,7 @@ def test_formats_follow_rds_tools() -> None:
     with pytest.raises(ValueError):
         rt.StressConfig("127.0.0.1", req_bytes=8)
     # The CLI's bounds (rds_defaults, plain values) are the messages' own sizes.
-    assert rt.STRESS_HEADER.size == rt.MIN_STRESS_BYTES and rt._STAMP.size == rt.DEMO_MIN_SIZE
+    assert rt.STRESS_HEADER.size == rt.MIN_STRESS_BYTES and rds_demo._STAMP.size == rt.DEMO_MIN_SIZE
 
 
 async def test_format_info_shows_nodes_of_this_process() -> None:
