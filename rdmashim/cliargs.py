@@ -109,17 +109,20 @@ def parse_duration(text: str) -> float:
     return seconds
 
 
-def duration(*, zero: bool = False) -> Callable[[str], float]:
-    """An argparse type: a positive duration (:func:`parse_duration`); ``zero`` allows 0."""
+def duration(*, zero: bool = False, least: float = 0.0) -> Callable[[str], float]:
+    """An argparse type: a duration (:func:`parse_duration`) over 0 (``zero``: or 0), at
+    least ``least`` seconds."""
 
     def parse(text: str) -> float:
         try:
             seconds = parse_duration(text)
         except ValueError as exc:
             raise argparse.ArgumentTypeError(str(exc)) from None
-        if seconds < 0 or (seconds == 0 and not zero):
-            least = "0 s or more" if zero else "more than 0 s"
-            raise argparse.ArgumentTypeError(f"{text!r} is out of range ({least})")
+        if seconds < 0 or (seconds == 0 and not zero) or 0 < seconds < least:
+            span = f"at least {least:g} s" if least else "more than 0 s"
+            raise argparse.ArgumentTypeError(
+                f"{text!r} is out of range ({'0 s or more' if zero else span})"
+            )
         return seconds
 
     return parse

@@ -26,6 +26,8 @@ MAX_TASKS = 256
 MAX_DEPTH = 4096
 MAX_DEMO_NODES = 64
 MAX_CUTS = 1000
+MIN_INTERVAL = 1e-3
+"""rds ping's shortest interval between pings (a flood is not a ping)."""
 
 
 def _run(name: str) -> Callable[[argparse.Namespace], int]:
@@ -72,8 +74,8 @@ def add_rds(sub: Any) -> None:
         "-c", dest="count", type=integer(0), default=0, help="stop after COUNT pings (0: never)"
     )
     p.add_argument(
-        "-i", dest="interval", type=duration(), default=1.0,
-        help="seconds between pings (default 1; suffixes ms, msec, us, usec)",
+        "-i", dest="interval", type=duration(least=MIN_INTERVAL), default=1.0,
+        help="seconds between pings, at least 1 ms (default 1; suffixes ms, msec, us, usec)",
     )  # fmt: skip
     p.add_argument(
         "-p", dest="port", type=port, default=ECHO_PORT,

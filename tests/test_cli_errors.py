@@ -67,6 +67,8 @@ BAD_ARGUMENTS = [
     (["rds", "ping", "-c", "-1", "127.0.0.1"], "argument -c: '-1' is out of range"),
     (["rds", "ping", "-i", "0", "127.0.0.1"], "argument -i: '0' is out of range"),
     (["rds", "ping", "-i", "fast", "127.0.0.1"], "'fast' is not a duration"),
+    (["rds", "ping", "-i", "1e-300", "127.0.0.1"], "'1e-300' is out of range (at least 0.001 s)"),
+    (["rds", "ping", "-i", "500us", "127.0.0.1"], "'500us' is out of range (at least 0.001 s)"),
     (["rds", "ping", "-p", "65536", "127.0.0.1"], "argument -p: '65536' is out of range"),
     (["rds", "ping", "nosuch.invalid"], "cannot resolve 'nosuch.invalid'"),
     (["rds", "ping", "--cm-port", "0", "127.0.0.1"], "argument --cm-port: '0' is out of range"),
@@ -374,12 +376,14 @@ def test_argument_types() -> None:
     assert cliargs.parse_duration("200ms") == pytest.approx(0.2)
     assert cliargs.parse_duration("500usec") == pytest.approx(0.0005)
     assert cliargs.duration()("1.5") == 1.5 and cliargs.duration(zero=True)("0") == 0
+    assert cliargs.duration(least=1e-3)("1ms") == pytest.approx(1e-3)
     assert cliargs.host("localhost") == "127.0.0.1" and cliargs.host("::1") == "::1"
     bad = [
         (cliargs.size(1, 10), "11"), (cliargs.size(), "1.5M"), (cliargs.size(), "-1"),
         (cliargs.integer(1), "0"), (cliargs.integer(), "ten"), (cliargs.port, "65536"),
         (cliargs.duration(), "0"), (cliargs.duration(), "-1"), (cliargs.duration(), "1h"),
         (cliargs.duration(), "nan"), (cliargs.duration(), "inf"), (cliargs.host, "a..b"),
+        (cliargs.duration(least=1e-3), "999us"), (cliargs.duration(zero=True), "-1ms"),
         (cliargs.backend, "nope"),
     ]  # fmt: skip
     for parse, text in bad:
