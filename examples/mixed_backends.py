@@ -7,6 +7,7 @@ RDMA Read from it, and a rejected connection::
 
     python3 examples/mixed_backends.py 10.0.2.15          # the device's interface address
     python3 examples/mixed_backends.py 10.0.2.15 softiwarp rdmacore   # one pairing
+    python3 examples/mixed_backends.py 127.0.0.1 softiwarp softiwarp  # no device needed
 """
 
 import struct
@@ -16,6 +17,7 @@ import time
 import trio
 
 from rdmashim import Access, RecvWR, SendWR, WCOpcode, WROpcode
+from rdmashim.cliargs import Parser, backend, host, run_command
 from rdmashim.cm import ConnectionRejected, open_connection, serve
 
 RW = Access.LOCAL_WRITE | Access.REMOTE_WRITE | Access.REMOTE_READ
@@ -116,10 +118,26 @@ async def main(host, pairs):
     return failed
 
 
+def parse_args():
+    parser = Parser(
+        prog="mixed_backends.py",
+        description="One connection per pairing of the built-in engine and rdma-core.",
+    )
+    parser.add_argument("host", type=host, help="the RDMA device's interface address")
+    parser.add_argument("server", nargs="?", type=backend, help="server backend (one pairing)")
+    parser.add_argument("client", nargs="?", type=backend, help="client backend")
+    args = parser.parse_args()
+    if (args.server is None) != (args.client is None):
+        parser.error("give both backends of a pairing, or neither")
+    if args.server:
+        return args.host, [(args.server, args.client)]
+    return args.host, [
+        ("rdmacore", "rdmacore"),
+        ("softiwarp", "rdmacore"),
+        ("rdmacore", "softiwarp"),
+    ]
+
+
 if __name__ == "__main__":
-    host = sys.argv[1] if len(sys.argv) > 1 else "127.0.0.1"
-    if len(sys.argv) == 4:
-        pairs = [(sys.argv[2], sys.argv[3])]
-    else:
-        pairs = [("rdmacore", "rdmacore"), ("softiwarp", "rdmacore"), ("rdmacore", "softiwarp")]
-    sys.exit(1 if trio.run(main, host, pairs) else 0)
+    # One line on bad input or a failure, status 130 on Ctrl-C (rdmashim.cliargs).
+    sys.exit(run_command("mixed_backends.py", lambda: 1 if trio.run(main, *parse_args()) else 0))

@@ -13,12 +13,16 @@ from __future__ import annotations
 import struct
 import sys
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
 import trio
 
 from rdmashim import Access, RecvWR, SendFlags, SendWR, WROpcode
+from rdmashim.cliargs import rate
+from rdmashim.clisignals import Signals
 from rdmashim.cm import ConnectionRequest, open_connection, serve
 from rdmashim.verbs.softiwarp.negotiation import MpaOptions
 
@@ -29,11 +33,35 @@ _SIG = SendFlags.SIGNALED
 _REMOTE = Access.LOCAL_WRITE | Access.REMOTE_WRITE | Access.REMOTE_READ
 
 
-def _report(label: str, count: int, size: int, elapsed: float, ok: bool, progress: bool) -> None:
-    _progress(progress, "")
-    rate = count * size / elapsed / 1e6
+@dataclass
+class _Phase:
+    """The operations under way, for the progress line and for what Ctrl-C reports."""
+
+    label: str = ""
+    done: int = 0
+    total: int = 0
+    started: float = 0.0
+    progress: bool = False
+
+    def interrupted(self, size: int, count: int) -> str:
+        """What Ctrl-C reports: how many of the ``count`` operations under way were done."""
+        if not self.label:
+            return "interrupted before any RDMA operation"
+        elapsed = time.perf_counter() - self.started
+        done = min(self.done, count)  # the Writes' closing zero-length Read is not one
+        mbytes = rate(done * size / 1e6, elapsed)
+        speed = f", {mbytes:.1f} MB/s" if mbytes is not None else ""
+        return (
+            f"interrupted: {self.label} {done} of {count} x {size} B done in {elapsed:.3f} s{speed}"
+        )
+
+
+def _report(label: str, count: int, size: int, elapsed: float, ok: bool, phase: _Phase) -> None:
+    _progress(phase.progress, "")
+    mbytes = rate(count * size / 1e6, elapsed)
+    speed = f"{mbytes:8.1f} MB/s" if mbytes is not None else "too fast to time"
     verdict = "verified" if ok else "WRONG"
-    print(f"{label} {count} x {size} B: {rate:8.1f} MB/s, data {verdict}")
+    print(f"{label} {count} x {size} B: {speed}, data {verdict}", flush=True)
 
 
 def _progress(enabled: bool, text: str) -> None:
@@ -42,24 +70,48 @@ def _progress(enabled: bool, text: str) -> None:
         sys.stderr.flush()
 
 
-async def _pump(qp, cq, wrs: list[SendWR], label: str, size: int, progress: bool) -> float:
-    """Post ``wrs`` keeping ``_DEPTH`` outstanding; return the elapsed seconds."""
-    start = time.perf_counter()
-    posted = done = 0
-    while done < len(wrs):
-        while posted < len(wrs) and posted - done < _DEPTH:
-            qp.post_send(wrs[posted])
+async def _pump(
+    qp, cq, make: Callable[[int], SendWR], total: int, label: str, size: int, phase: _Phase
+) -> float:
+    """Post ``make(0) .. make(total - 1)`` keeping ``_DEPTH`` outstanding; the elapsed seconds."""
+    phase.label, phase.total, phase.done = label, total, 0
+    phase.started = start = time.perf_counter()
+    posted = 0
+    while phase.done < total:
+        while posted < total and posted - phase.done < _DEPTH:
+            qp.post_send(make(posted))
             posted += 1
         for wc in await cq.poll_wait(_DEPTH):
             wc.raise_for_status()
-            done += 1
-        if done % 16 == 0:
-            _progress(progress, f"{label}: {done}/{len(wrs)} x {size} B")
+            phase.done += 1
+        if phase.done % 16 == 0:
+            _progress(phase.progress, f"{label}: {phase.done}/{total} x {size} B")
     return time.perf_counter() - start
 
 
 async def run_demo(size: int, count: int, crc: bool, progress: bool) -> int:
-    """Run the demo and print what happened; returns the exit status."""
+    """Run the demo and print what happened; returns the exit status.
+
+    ``size`` and ``count`` are at least 1 (the CLI checks them). Ctrl-C ends
+    the demo with 130 (SIGTERM: 143) after a line on how far it came.
+    """
+    if size < 1 or count < 1:
+        raise ValueError(f"the demo needs a size and a count of at least 1 (not {size}, {count})")
+    phase = _Phase(progress=progress)
+    signals = Signals()
+    with trio.CancelScope() as scope:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(signals.watch, scope.cancel)
+            status = await _run(size, count, crc, phase)
+            nursery.cancel_scope.cancel()
+    if scope.cancelled_caught:
+        _progress(progress, "")
+        print(phase.interrupted(size, count), flush=True)
+        return signals.status
+    return status
+
+
+async def _run(size: int, count: int, crc: bool, phase: _Phase) -> int:
     options = MpaOptions(crc=crc)
     source_bytes = (bytes(range(251)) * (size // 251 + 1))[:size]
     server: dict[str, Any] = {}
@@ -79,12 +131,11 @@ async def run_demo(size: int, count: int, crc: bool, progress: bool) -> int:
             f"server: {wc.byte_len}-byte Send from {conn.peer_addr[0]}: source {addr:#x}/{rkey:#x}"
         )
         await reads_may_start.wait()
-        reads = [
-            SendWR(i, WROpcode.RDMA_READ, [sink.sge()], _SIG, addr, rkey) for i in range(count)
-        ]
         server["read_elapsed"] = await _pump(
-            conn.qp, conn.send_cq, reads, "RDMA Read", size, progress
-        )
+            conn.qp, conn.send_cq,
+            lambda i: SendWR(i, WROpcode.RDMA_READ, [sink.sge()], _SIG, addr, rkey),
+            count, "RDMA Read", size, phase,
+        )  # fmt: skip
         reads_done.set()
         await conn.wait_disconnected()
 
@@ -97,27 +148,31 @@ async def run_demo(size: int, count: int, crc: bool, progress: bool) -> int:
         ) as conn:
             print(
                 f"client: connected to {local}:{port} on {conn.context.device.name} "
-                f"({conn.context.backend}), MPA CRC {'on' if crc else 'off'}"
+                f"({conn.context.backend}), MPA CRC {'on' if crc else 'off'}",
+                flush=True,
             )
             t_addr, t_rkey, _ = _BUFFER.unpack(conn.private_data)
             source = conn.pd.reg_mr(bytearray(source_bytes), _REMOTE)
             msg = conn.pd.reg_mr(bytearray(_BUFFER.pack(source.addr, source.rkey, size)))
             conn.qp.post_send(SendWR(1, WROpcode.SEND, [msg.sge()], _SIG))  # active side first
             (await conn.send_cq.poll_wait(1))[0].raise_for_status()
-            writes = [
-                SendWR(i, WROpcode.RDMA_WRITE, [source.sge()], _SIG, t_addr, t_rkey)
-                for i in range(count)
-            ]
-            # A Write completes once sent; the zero-length Read behind it completes only
-            # after the server placed every byte.
-            writes.append(SendWR(count, WROpcode.RDMA_READ, [], _SIG, t_addr, t_rkey))
-            elapsed = await _pump(conn.qp, conn.send_cq, writes, "RDMA Write", size, progress)
+
+            def write(i: int) -> SendWR:
+                # A Write completes once sent; the zero-length Read behind the last one
+                # completes only after the server placed every byte.
+                if i < count:
+                    return SendWR(i, WROpcode.RDMA_WRITE, [source.sge()], _SIG, t_addr, t_rkey)
+                return SendWR(i, WROpcode.RDMA_READ, [], _SIG, t_addr, t_rkey)
+
+            elapsed = await _pump(
+                conn.qp, conn.send_cq, write, count + 1, "RDMA Write", size, phase
+            )
             ok_write = bytes(server["target"].buf) == source_bytes
-            _report("RDMA Write", count, size, elapsed, ok_write, progress)
+            _report("RDMA Write", count, size, elapsed, ok_write, phase)
             reads_may_start.set()
             await reads_done.wait()
             ok_read = bytes(server["sink"].buf) == source_bytes
-            _report("RDMA Read ", count, size, server["read_elapsed"], ok_read, progress)
+            _report("RDMA Read ", count, size, server["read_elapsed"], ok_read, phase)
         print("client: disconnected")
         nursery.cancel_scope.cancel()
     return 0 if ok_write and ok_read else 1

@@ -47,22 +47,14 @@ import trio
 
 from rdmashim import Access, QPCap, RecvWR, SendFlags, SendWR, WCOpcode, WCStatus, WROpcode
 from rdmashim.cm import CMEvent, CMEventType, CMId, ConnParam, EventChannel
+from rdmashim.ping_defaults import DEFAULT_SIZE, MAX_SIZE, MIN_SIZE, MSG_FMT, PORT
 from rdmashim.verbs.softiwarp.negotiation import MpaOptions, MpaResult
 from rdmashim.verbs.softiwarp.terminate import ProtocolError
 
 log = logging.getLogger(__name__)
 
-PORT = 7174
-"""rping's default port."""
 INFO = struct.Struct("!QII")
 """``struct rping_rdma_info { __be64 buf; __be32 rkey; __be32 size; }``."""
-MSG_FMT = "rdma-ping-%d: "
-"""``RPING_MSG_FMT``: the start of each ping's data."""
-MIN_SIZE = len(str(2**31 - 1)) + 1 + len(MSG_FMT) + 1
-"""``RPING_MIN_BUFSIZE`` = sizeof(stringify(INT_MAX)) + sizeof(RPING_MSG_FMT) = 26."""
-MAX_SIZE = 64 * 1024 - 1
-"""rping accepts ``-S`` up to ``RPING_BUFSIZE - 1``."""
-DEFAULT_SIZE = 64
 SQ_DEPTH = 16
 """``RPING_SQ_DEPTH``."""
 

@@ -6,7 +6,7 @@ RDS machinery; :mod:`rdmashim.rds_tools` uses the same ones.
 
 from __future__ import annotations
 
-from rdmashim.ulps.rds.wire import RDS_CM_PORT
+from rdmashim.ulps.rds.wire import RDS_CM_PORT, RDS_MAX_MSG_SIZE
 
 ECHO_PORT = 7
 INFO_PORT = 10000
@@ -21,5 +21,19 @@ INFO_TABLES = {
 }
 """rds-info's table letters that apply (all of them but the IB and TCP transport tables)."""
 ALL_TABLES = "".join(INFO_TABLES)
+MIN_STRESS_BYTES = 16
+"""The smallest rds-stress message: its header (``rds_tools.STRESS_HEADER``)."""
+DEMO_MIN_SIZE = 14
+"""The smallest demo message: its stamp (``rds_tools`` checks both)."""
 
-__all__ = ["ALL_TABLES", "ECHO_PORT", "INFO_PORT", "INFO_TABLES", "RDS_CM_PORT", "STRESS_PORT"]
+__all__ = [
+    "ALL_TABLES",
+    "DEMO_MIN_SIZE",
+    "ECHO_PORT",
+    "INFO_PORT",
+    "INFO_TABLES",
+    "MIN_STRESS_BYTES",
+    "RDS_CM_PORT",
+    "RDS_MAX_MSG_SIZE",
+    "STRESS_PORT",
+]

@@ -8,7 +8,7 @@ import sys
 
 def run(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "rdmashim.cli", *args],
+        [sys.executable, "-m", "rdmashim", *args],
         capture_output=True,
         text=True,
         timeout=120,

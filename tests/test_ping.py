@@ -144,7 +144,7 @@ async def test_crc_is_on_when_either_side_asks() -> None:
 # ---------------------------------------------------------------- the CLI
 
 
-PING_CLI = [sys.executable, "-m", "rdmashim.cli", "ping"]
+PING_CLI = [sys.executable, "-m", "rdmashim", "ping"]
 
 
 def cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
@@ -185,7 +185,7 @@ def test_cli_client_and_server_print_like_rping() -> None:
 
 def test_cli_rejects_bad_arguments() -> None:
     out = cli("-c", "-a", LOCAL, "-S", "10")
-    assert out.returncode == 2 and "Invalid size 10 (valid range is 26 to 65535)" in out.stderr
+    assert out.returncode == 2 and "argument -S: '10' is out of range (26 .. 65535)" in out.stderr
     out = cli("-a", LOCAL)
     assert out.returncode == 2 and "-s" in out.stderr  # one of -s / -c is required
     out = cli("-c", "-a", LOCAL, "-p", "1", "-C", "1")  # nobody listens on port 1
