@@ -225,7 +225,12 @@ class CMId:
         self._require("bind_addr", State.IDLE)
         self._require_tcp("bind_addr")
         host = addr[0]
-        ip = ipaddress.ip_address(str(host).split("%", 1)[0])
+        try:
+            ip = ipaddress.ip_address(str(host).split("%", 1)[0])
+        except ValueError:
+            raise VerbsError(
+                errno.EINVAL, "bind_addr", f"{host!r} is not an IP address (resolve names first)"
+            ) from None
         self._family = socket.AF_INET6 if ip.version == 6 else socket.AF_INET
         if not ip.is_unspecified and addressing.interface_of(str(ip)) is None:
             raise VerbsError(errno.EADDRNOTAVAIL, "bind_addr", f"{host} is not a local address")

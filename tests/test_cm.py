@@ -11,7 +11,7 @@ import pytest
 import trio
 
 import rdmashim
-from rdmashim import Access, QPState, RecvWR, SendFlags, SendWR, WCStatus, WROpcode
+from rdmashim import Access, QPState, RecvWR, SendFlags, SendWR, VerbsError, WCStatus, WROpcode
 from rdmashim.cm import CMEventType, ConnParam, EventChannel, PortSpace
 from rdmashim.verbs.softiwarp import mpa
 
@@ -296,3 +296,20 @@ async def test_peer_to_peer_rtr_then_passive_side_sends_first(rtr: mpa.RTR) -> N
         with trio.fail_after(5):
             wc = (await c["cq"].poll_wait(1))[0]
         assert bytes(c["buf"].buf[: wc.byte_len]) == b"server first"[:16]
+
+
+@pytest.mark.parametrize(
+    ("host", "err", "words"),
+    [
+        ("localhost", errno.EINVAL, "is not an IP address"),
+        ("192.0.2.77", errno.EADDRNOTAVAIL, "is not a local address"),
+    ],
+)
+async def test_bind_addr_takes_a_local_ip_address(host: str, err: int, words: str) -> None:
+    async with EventChannel() as channel:
+        cm_id = channel.create_id()
+        with pytest.raises(VerbsError) as info:
+            cm_id.bind_addr((host, 0))
+        assert info.value.errno == err
+        assert words in str(info.value)
+        cm_id.bind_addr(("127.0.0.1", 0))  # the id is still usable
