@@ -179,6 +179,13 @@ class RdsConnection:
         self.queue(0, 0, data, RdsFlag.CONG_BITMAP)
 
     @property
+    def pending(self) -> bool:
+        """Whether messages of sockets wait to be sent or acknowledged. The node's own
+        (port 0: congestion maps, pongs) do not count: every session starts with a
+        fresh map, and a pong is worth no reconnect, nor keeps a peer entry."""
+        return any(m.sport for queue in (self.unsent, self.unacked) for m in queue)
+
+    @property
     def queued_messages(self) -> int:
         """Messages queued or sent and not yet acknowledged."""
         return len(self.unsent) + len(self.unacked)
@@ -237,9 +244,9 @@ class RdsConnection:
         ``rds_send_drop_to``); how many. A message half posted finishes its fragments."""
         dropped = 0
         for queue in (self.unsent, self.unacked):
-            keep = deque(m for m in queue if m.sport != sport or m.flags & RdsFlag.CONG_BITMAP)
+            keep = deque(m for m in queue if m.sport != sport)
             for msg in queue:
-                if msg.sport == sport and not msg.flags & RdsFlag.CONG_BITMAP:
+                if msg.sport == sport:
                     self._drop(msg, RdmaStatus.CANCELED, "its socket closed")
                     dropped += 1
             queue.clear()

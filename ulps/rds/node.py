@@ -447,7 +447,7 @@ class RdsNode:
         rds = entry.rds
         return (
             rds.session is None and entry.connector is None and entry.session_scope is None
-            and not rds.unsent and not rds.unacked
+            and not rds.pending
         )  # fmt: skip
 
     def _drop_peer(self, peer: IPAddress, why: str) -> None:
@@ -459,19 +459,20 @@ class RdsNode:
 
     async def _expire_idle(self) -> None:
         """Close idle sessions and drop idle peer entries (``settings.peer_idle_expiry``)."""
-        expiry = self.settings.peer_idle_expiry
         while True:
-            await trio.sleep(min(expiry / 4, 1.0))
-            now = trio.current_time()
-            for peer, entry in list(self._peers.items()):
-                rds = entry.rds
-                if now - rds.last_active < expiry or rds.unsent or rds.unacked:
-                    continue
-                if entry.session_scope is not None:
-                    log.debug("RDS %s closes its idle session with %s", self.address, peer)
-                    entry.session_scope.cancel()
-                elif self._droppable(entry):
-                    self._drop_peer(peer, f"idle for {now - rds.last_active:.0f} s")
+            await trio.sleep(min(self.settings.peer_idle_expiry / 4, 1.0))
+            self._expire(trio.current_time())
+
+    def _expire(self, now: float) -> None:
+        for peer, entry in list(self._peers.items()):
+            rds = entry.rds
+            if now - rds.last_active < self.settings.peer_idle_expiry or rds.pending:
+                continue
+            if entry.session_scope is not None:
+                log.debug("RDS %s closes its idle session with %s", self.address, peer)
+                entry.session_scope.cancel()
+            elif self._droppable(entry):
+                self._drop_peer(peer, f"idle for {now - rds.last_active:.0f} s")
 
     def _private(self, rds: RdsConnection) -> bytes:
         return ConnectPrivate(
@@ -484,7 +485,7 @@ class RdsNode:
         window = settings.reconnect_min
         with scope:
             try:
-                while rds.session is None and (rds.unsent or rds.unacked):
+                while rds.session is None and rds.pending:
                     if not rds.canonical and entry.failures == 0:
                         # give the canonical side the first move
                         await trio.sleep(settings.reconnect_min)
@@ -599,7 +600,7 @@ class RdsNode:
                 rds.last_active = trio.current_time()
                 if entry.session_scope is scope:
                     entry.session_scope = None
-        if rds.unsent or rds.unacked:
+        if rds.pending:
             self._start_connector(entry)
 
     def _unreachable(self, entry: _Peer, exc: BaseException) -> None:
