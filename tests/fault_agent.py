@@ -1,9 +1,10 @@
 """The faulted peer of the fault matrix (``test_faults.py``), in a process of its own.
 
-Run as ``python fault_agent.py OP`` with OP ``write`` or ``send``. It serves
-one connection on 127.0.0.1 (``cm.serve``, the built-in engine) and takes
+Run as ``python fault_agent.py OP [PORT]`` with OP ``write`` or ``send``. It
+serves one connection on 127.0.0.1 (``cm.serve``, the built-in engine), or
+with PORT connects to the test there (``cm.open_connection``), and takes
 :data:`BLOCKS` blocks of 1 MiB: RDMA Writes into a registered region (its
-address and R_Key go to the peer in the accept's private data), or Sends into
+address and R_Key go to the peer in the private data), or Sends into
 receives posted up front, one per block. A last small Send says the transfer
 is done; the agent then checks every block against :func:`block` and reports.
 
@@ -29,7 +30,7 @@ from typing import Any
 
 import trio
 
-from rdmashim.cm import ConnectionRequest, serve
+from rdmashim.cm import ConnectionRequest, open_connection, open_device_for, serve
 from rdmashim.verbs import Access, RecvWR, WCStatus
 
 MiB = 1 << 20
@@ -66,26 +67,35 @@ async def commands(stream: Any, send: trio.MemorySendChannel[str]) -> None:
                 await send.send(line.decode())
 
 
-async def agent(op: str) -> None:
-    region = bytearray(BLOCKS * MiB)
-    stdin = trio.lowlevel.FdStream(sys.stdin.fileno())
-    send, orders = trio.open_memory_channel[str](8)
+class Receiver:
+    """The agent's side of the transfer: the region, the receives, the check."""
 
-    async def handler(request: ConnectionRequest) -> None:
-        pd, qp = request.pd, request.qp
-        mr = pd.reg_mr(region, Access.LOCAL_WRITE | Access.REMOTE_WRITE)
-        tail = pd.reg_mr(bytearray(64), Access.LOCAL_WRITE)
-        if op == "send":
-            qp.post_recv([RecvWR(i, [mr.sge(i * MiB, MiB)]) for i in range(BLOCKS)])
-        qp.post_recv(RecvWR(DONE, [tail.sge()]))
-        conn = await request.accept(private_data=PRIVATE.pack(mr.addr, mr.rkey))
+    def __init__(self, op: str) -> None:
+        self.op = op
+        self.region = bytearray(BLOCKS * MiB)
+        self.tail = bytearray(64)
+
+    def register(self, pd: Any) -> bytes:
+        """Register the buffers on ``pd``; the private data that offers the region."""
+        self.mr = pd.reg_mr(self.region, Access.LOCAL_WRITE | Access.REMOTE_WRITE)
+        self.tail_mr = pd.reg_mr(self.tail, Access.LOCAL_WRITE)
+        return PRIVATE.pack(self.mr.addr, self.mr.rkey)
+
+    def post(self, qp: Any) -> None:
+        """Post the receives (before connecting: the peer may send at once)."""
+        if self.op == "send":
+            qp.post_recv([RecvWR(i, [self.mr.sge(i * MiB, MiB)]) for i in range(BLOCKS)])
+        qp.post_recv(RecvWR(DONE, [self.tail_mr.sge()]))
+
+    async def run(self, conn: Any, orders: trio.MemoryReceiveChannel[str]) -> None:
+        """Take the transfer and check it, obeying fault orders; then wait to be let go."""
         emit(connected=True)
         async with trio.open_nursery() as nursery:
 
             async def obey() -> None:
                 async for order in orders:
                     if order == "reset":
-                        reset(qp)
+                        reset(conn.qp)
                     elif order == "disconnect":
                         conn.id.disconnect()
                     emit(did=order, t=time.monotonic())
@@ -97,24 +107,49 @@ async def agent(op: str) -> None:
                     emit(lost=f"{wc.status.name} on receive {wc.wr_id}")
                     break
                 if wc.wr_id == DONE:
-                    view = memoryview(region)
+                    view = memoryview(self.region)
                     good = sum(view[i * MiB : (i + 1) * MiB] == block(i) for i in range(BLOCKS))
                     emit(result={"blocks_ok": good, "intact": good == BLOCKS})
                     break
             await trio.sleep_forever()  # until the test lets us go
 
+
+async def agent(op: str, port: int) -> None:
+    """Serve one connection (``port`` 0), or connect to ``port``; receive; obey stdin."""
+    stdin = trio.lowlevel.FdStream(sys.stdin.fileno())
+    send, orders = trio.open_memory_channel[str](8)
+    receiver = Receiver(op)
+
+    async def handler(request: ConnectionRequest) -> None:
+        private = receiver.register(request.pd)
+        receiver.post(request.qp)
+        await receiver.run(await request.accept(private_data=private), orders)
+
+    async def connect() -> None:
+        async with open_device_for("127.0.0.1") as ctx:
+            pd = ctx.alloc_pd()
+            private = receiver.register(pd)
+            async with open_connection(
+                "127.0.0.1", port, pd=pd, private_data=private,
+                prepare=lambda conn: receiver.post(conn.qp),
+            ) as conn:  # fmt: skip
+                await receiver.run(conn, orders)
+
     async with trio.open_nursery() as nursery:
-        _, port = await nursery.start(
-            lambda task_status: serve(handler, 0, host="127.0.0.1", task_status=task_status)
-        )
-        emit(up=port)
+        if port:
+            nursery.start_soon(connect)
+        else:
+            _, listening = await nursery.start(
+                lambda task_status: serve(handler, 0, host="127.0.0.1", task_status=task_status)
+            )
+            emit(up=listening)
         await commands(stdin, send)
         nursery.cancel_scope.cancel()  # end of stdin: the test lets us go
 
 
 def main() -> None:
     try:
-        trio.run(agent, sys.argv[1])
+        trio.run(agent, sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2 else 0)
     except BaseException:
         emit(crashed=traceback.format_exc())
         sys.stdin.read()  # stay until the test lets us go

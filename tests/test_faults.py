@@ -47,7 +47,7 @@ import trio
 import trio.lowlevel
 from fault_agent import BLOCKS, PRIVATE, MiB, block
 
-from rdmashim.cm import open_connection
+from rdmashim.cm import ConnectionRequest, open_connection, serve
 from rdmashim.verbs import Access, QPCap, SendFlags, SendWR, WROpcode
 
 import netns
@@ -86,11 +86,13 @@ class Cell:
 
     op: str
     fault: str
+    side: str
     statuses: collections.Counter[str] = field(default_factory=collections.Counter)
     to_event: float | None = None
     """Seconds from the fault to DISCONNECTED (None: none came)."""
     to_last: float | None = None
     """Seconds from the fault to the last completion."""
+    start: float = 0.0
     seconds: float = 0.0
     """The whole transfer, connect to last completion."""
     result: dict[str, Any] | None = None
@@ -102,9 +104,9 @@ class Cell:
         other = sum(n for k, n in self.statuses.items() if k not in ("SUCCESS", "WR_FLUSH_ERR"))
         verified = f"{self.result['blocks_ok']} MiB" if self.result else "-"
         return (
-            f"| {self.fault} | {self.op} | {ms(self.to_event)} | {ms(self.to_last)} | "
-            f"{self.statuses['SUCCESS']} | {self.statuses['WR_FLUSH_ERR']} | {other} | "
-            f"{self.seconds:.1f} s | {verified} |"
+            f"| {self.fault} | {self.op} | {self.side} | {ms(self.to_event)} | "
+            f"{ms(self.to_last)} | {self.statuses['SUCCESS']} | "
+            f"{self.statuses['WR_FLUSH_ERR']} | {other} | {self.seconds:.1f} s | {verified} |"
         )
 
 
@@ -130,86 +132,117 @@ async def said(cell: Cell, key: str, seconds: float) -> dict[str, Any]:
     raise AssertionError(f"the agent said no {key!r} within {seconds} s: {cell.agent_said}")
 
 
-async def run_cell(op: str, fault: str) -> Cell:
-    cell = Cell(op, fault)
+CAP = QPCap(max_send_wr=2 * WINDOW, max_recv_wr=1, max_send_sge=1, max_recv_sge=1)
+
+
+async def run_cell(op: str, fault: str, side: str) -> Cell:
+    """One cell; ``side`` is the survivor's: ``client`` (open_connection) or ``server``."""
+    cell = Cell(op, fault, side)
     before = tasks()
-    agent = await netns.Agent.start(f"fault-{op}-{fault}", [sys.executable, str(AGENT), op])
-    pid = agent.process.pid
+    agents: list[netns.Agent] = []
+
+    async def start_agent(nursery: trio.Nursery, *port: int) -> netns.Agent:
+        argv = [sys.executable, str(AGENT), op, *map(str, port)]
+        agent = await netns.Agent.start(f"fault-{op}-{fault}-{side}", argv)
+        agents.append(agent)
+        nursery.start_soon(follow, agent, cell)
+        return agent
+
     try:
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(follow, agent, cell)
-            port = (await said(cell, "up", 30))["up"]
-            await transfer(cell, agent, port, nursery)
+            if side == "client":
+                agent = await start_agent(nursery)
+                port = (await said(cell, "up", 30))["up"]
+                cell.start = time.monotonic()
+                async with open_connection("127.0.0.1", port, cap=CAP, cqe=4 * WINDOW) as conn:
+                    await transfer(cell, agent, conn, nursery)
+            else:
+                done = trio.Event()
+
+                async def handler(request: ConnectionRequest) -> None:
+                    await transfer(cell, agents[0], await request.accept(), nursery)
+                    done.set()
+
+                _, port = await nursery.start(
+                    lambda task_status: serve(
+                        handler, 0, host="127.0.0.1", cap=CAP, cqe=4 * WINDOW,
+                        task_status=task_status,
+                    )
+                )  # fmt: skip
+                cell.start = time.monotonic()
+                await start_agent(nursery, port)
+                with trio.fail_after(60 + STOP_FOR):
+                    await done.wait()
             if fault == "stop":
                 cell.result = (await said(cell, "result", 30))["result"]
             nursery.cancel_scope.cancel()
     finally:
-        if fault == "stop":
-            os.kill(pid, signal.SIGCONT)  # never leave it stopped, whatever happened
-        await agent.aclose()
+        for agent in agents:
+            if fault == "stop":
+                os.kill(agent.process.pid, signal.SIGCONT)  # never leave it stopped
+            await agent.aclose()
     crashed = [m["crashed"] for m in cell.agent_said if "crashed" in m]
     leaked = tasks() - before
-    print(cell.row(), f"(agent crashed: {crashed[0].splitlines()[-1]})" if crashed else "")
+    errors = [line for c in crashed for line in c.splitlines() if "Error:" in line]
+    print(cell.row(), f"(the agent crashed: {errors[-1].strip()})" if crashed else "")
     assert not leaked, f"tasks left running: {[t.name for t in leaked]}"
     return cell
 
 
-async def transfer(cell: Cell, agent: netns.Agent, port: int, nursery: trio.Nursery) -> None:
+async def transfer(cell: Cell, agent: netns.Agent, conn: Any, nursery: trio.Nursery) -> None:
     """Move the 64 MiB, fault the agent after FAULT_AFTER completions, take every completion."""
     total = BLOCKS + 1  # the blocks, then the small Send that says done
-    cap = QPCap(max_send_wr=2 * WINDOW, max_recv_wr=1, max_send_sge=1, max_recv_sge=1)
-    start = time.monotonic()
-    async with open_connection("127.0.0.1", port, cap=cap, cqe=4 * WINDOW) as conn:
-        addr, rkey = PRIVATE.unpack(conn.private_data)
-        mr = conn.pd.reg_mr(source(), Access.LOCAL_WRITE)
-        disconnected: list[float] = []
-        event = trio.Event()
+    addr, rkey = PRIVATE.unpack(conn.private_data)
+    mr = conn.pd.reg_mr(source(), Access.LOCAL_WRITE)
+    disconnected: list[float] = []
+    event = trio.Event()
 
-        async def watch() -> None:
-            await conn.wait_disconnected()
-            disconnected.append(time.monotonic())
-            event.set()
+    async def watch() -> None:
+        await conn.wait_disconnected()
+        disconnected.append(time.monotonic())
+        event.set()
 
-        nursery.start_soon(watch)
+    nursery.start_soon(watch)
 
-        def post(i: int) -> None:
-            if i == BLOCKS:
-                wr = SendWR(i, WROpcode.SEND, [mr.sge(0, 4)], SendFlags.SIGNALED)
-            elif cell.op == "write":
-                sge = [mr.sge(i * MiB, MiB)]
-                wr = SendWR(i, WROpcode.RDMA_WRITE, sge, SendFlags.SIGNALED, addr + i * MiB, rkey)
-            else:
-                wr = SendWR(i, WROpcode.SEND, [mr.sge(i * MiB, MiB)], SendFlags.SIGNALED)
-            conn.qp.post_send(wr)
+    def post(i: int) -> None:
+        if i == BLOCKS:
+            wr = SendWR(i, WROpcode.SEND, [mr.sge(0, 4)], SendFlags.SIGNALED)
+        elif cell.op == "write":
+            sge = [mr.sge(i * MiB, MiB)]
+            wr = SendWR(i, WROpcode.RDMA_WRITE, sge, SendFlags.SIGNALED, addr + i * MiB, rkey)
+        else:
+            wr = SendWR(i, WROpcode.SEND, [mr.sge(i * MiB, MiB)], SendFlags.SIGNALED)
+        conn.qp.post_send(wr)
 
-        posted = completed = 0
-        fault_at: float | None = None
-        last = start
-        with trio.fail_after(60 + STOP_FOR):
-            while completed < total:
-                while posted < total and posted - completed < WINDOW:
-                    post(posted)
-                    posted += 1
-                with trio.move_on_at(trio.current_time() + BOUND) as scope:
-                    wcs = await conn.send_cq.poll_wait(WINDOW)
-                assert not scope.cancelled_caught, (
-                    f"{posted - completed} work requests outstanding, no completion in {BOUND} s"
-                )
-                for wc in wcs:
-                    cell.statuses[wc.status.name] += 1
-                completed += len(wcs)
-                last = time.monotonic()
-                if fault_at is None and completed >= FAULT_AFTER:
-                    fault_at = await inject(cell, agent, nursery)
-        cell.seconds = last - start
-        assert fault_at is not None
-        if cell.fault != "stop":
-            with trio.move_on_after(BOUND):
-                await event.wait()
-            if cell.fault in ("reset", "disconnect"):  # the agent says when it acted
-                fault_at = (await said(cell, "did", BOUND))["t"]
-            cell.to_event = disconnected[0] - fault_at if disconnected else None
-            cell.to_last = last - fault_at
+    posted = completed = 0
+    fault_at: float | None = None
+    last = cell.start
+    with trio.fail_after(60 + STOP_FOR):
+        while completed < total:
+            while posted < total and posted - completed < WINDOW:
+                post(posted)
+                posted += 1
+            with trio.move_on_at(trio.current_time() + BOUND) as scope:
+                wcs = await conn.send_cq.poll_wait(WINDOW)
+            assert not scope.cancelled_caught, (
+                f"{posted - completed} work requests outstanding, no completion in {BOUND} s"
+            )
+            for wc in wcs:
+                cell.statuses[wc.status.name] += 1
+            completed += len(wcs)
+            last = time.monotonic()
+            if fault_at is None and completed >= FAULT_AFTER:
+                fault_at = await inject(cell, agent, nursery)
+    cell.seconds = last - cell.start
+    assert fault_at is not None
+    if cell.fault != "stop":
+        with trio.move_on_after(BOUND):
+            await event.wait()
+        if cell.fault in ("reset", "disconnect"):  # the agent says when it acted
+            fault_at = (await said(cell, "did", BOUND))["t"]
+        cell.to_event = disconnected[0] - fault_at if disconnected else None
+        cell.to_last = last - fault_at
+    mr.close()
 
 
 async def inject(cell: Cell, agent: netns.Agent, nursery: trio.Nursery) -> float:
@@ -242,22 +275,28 @@ def check(cell: Cell) -> None:
 
 
 HEADER = (
-    "| fault | op | fault to DISCONNECTED | fault to last completion | SUCCESS | WR_FLUSH_ERR "
-    "| other | transfer | verified |\n|---|---|---|---|---|---|---|---|---|"
+    "| fault | op | survivor | fault to DISCONNECTED | fault to last completion | SUCCESS "
+    "| WR_FLUSH_ERR | other | transfer | verified |\n|---|---|---|---|---|---|---|---|---|---|"
 )
 
 
-@pytest.mark.parametrize("op", ["write", "send"])
+SIDES = pytest.mark.parametrize("side", ["client", "server"])
+OPS = pytest.mark.parametrize("op", ["write", "send"])
+
+
+@SIDES
+@OPS
 @pytest.mark.parametrize("fault", ["kill", "reset", "disconnect"])
-async def test_peer_fault_mid_transfer(fault: str, op: str) -> None:
+async def test_peer_fault_mid_transfer(fault: str, op: str, side: str) -> None:
     print(f"\n{HEADER}")
-    check(await run_cell(op, fault))
+    check(await run_cell(op, fault, side))
 
 
-@pytest.mark.parametrize("op", ["write", "send"])
-async def test_peer_stopped_then_continued_finishes_intact(op: str) -> None:
+@SIDES
+@OPS
+async def test_peer_stopped_then_continued_finishes_intact(op: str, side: str) -> None:
     print(f"\n{HEADER}")
-    cell = await run_cell(op, "stop")
+    cell = await run_cell(op, "stop", side)
     assert cell.statuses == {"SUCCESS": BLOCKS + 1}, cell.statuses
     assert cell.result == {"blocks_ok": BLOCKS, "intact": True}
     assert cell.seconds >= STOP_FOR
