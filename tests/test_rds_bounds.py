@@ -155,6 +155,35 @@ async def test_bytes_to_a_peer_granting_no_credits_stop_at_sndbuf() -> None:
                 assert settings.sndbuf <= rds.queued_bytes < settings.sndbuf + size + 8192
 
 
+async def test_congestion_maps_waiting_to_go_out_are_one() -> None:
+    """A peer that makes our ports flip (filling and draining them) while it takes
+    nothing finds one map waiting, the newest, not one per change."""
+    rds = RdsConnection(ipaddress.ip_address(LOW), _ip(2), lambda *a: None)
+    for i in range(100):
+        rds.queue_map(bytes([i]) * 8192)
+    assert len(rds.unsent) == 1 and rds.unsent[0].data == bytes([99]) * 8192
+    assert not rds.pending  # the node's own message: worth no reconnect
+
+
+async def test_a_closed_socket_takes_its_waiting_messages_along() -> None:
+    """Linux's rds_release: what the socket sent that the peer has not acknowledged
+    goes; a sender to a peer that takes nothing is not stuck with it for good."""
+    async with node_with(RdsSettings()) as node:
+        sock, other = node.bind(4000), node.bind(4001)
+        with trio.fail_after(30):
+            async with stranger(node, "127.0.0.2", credit=0):
+                await wait_until(lambda: node.connections(), 5, "the entry")
+                (rds,) = node.connections()
+                await wait_until(lambda: rds.session is not None, 5, "the session")
+                for _ in range(10):
+                    sock.sendto_nowait(b"x" * 100, ("127.0.0.2", 5000))
+                other.sendto_nowait(b"y", ("127.0.0.2", 5000))
+                assert rds.queued_messages == 12  # and the map
+                sock.close()
+                assert [m.data for m in rds.unsent if m.sport] == [b"y"]
+                assert rds.queued_bytes == 8192 + 1
+
+
 # ---------------------------------------------------------------------- peer entries
 async def test_strangers_leave_no_peer_state_behind_after_expiry() -> None:
     """40 strangers, each claiming another 127.0.0.x, connect, send a message and
