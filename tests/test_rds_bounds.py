@@ -10,6 +10,7 @@ the node allocate is bounded by :class:`RdsSettings`, and goes away after
 
 from __future__ import annotations
 
+import errno
 import gc
 import ipaddress
 import itertools
@@ -53,17 +54,21 @@ class Stranger:
     mr: Any
     sent: int = 0
 
-    async def send(self, headers: list[RdsHeader], node_rds: RdsConnection | None) -> None:
-        """Send bare RDS headers, each one Send, and wait until the node took them all
-        (when its connection is given: a Send with no receive posted would end the
-        connection, and a stranger that never reads our credits cannot know)."""
+    async def send(
+        self, headers: list[RdsHeader], node_rds: RdsConnection | None, payload: bytes = b""
+    ) -> None:
+        """Send RDS messages (``headers``, each followed by ``payload``), one Send each,
+        and wait until the node took them all (when its connection is given: a Send
+        with no receive posted would end the connection, and a stranger that never
+        reads our credits cannot know)."""
         for i, header in enumerate(headers):
             base = (i % 64) * SLOT
             self.mr.buf[base : base + RDS_HEADER_LEN] = header.encode()
+            self.mr.buf[base + RDS_HEADER_LEN : base + RDS_HEADER_LEN + len(payload)] = payload
             last = i % 64 == 63 or i == len(headers) - 1
             self.conn.qp.post_send(
                 SendWR(
-                    i, WROpcode.SEND, [self.mr.sge(base, RDS_HEADER_LEN)],
+                    i, WROpcode.SEND, [self.mr.sge(base, RDS_HEADER_LEN + len(payload))],
                     SendFlags.SIGNALED if last else SendFlags(0),
                 )
             )  # fmt: skip
@@ -140,7 +145,8 @@ async def test_a_peer_granting_no_credits_cannot_make_us_queue_without_bound() -
 
 async def test_bytes_to_a_peer_granting_no_credits_stop_at_sndbuf() -> None:
     """What we keep for a peer that takes nothing stops at ``sndbuf`` bytes (plus the
-    message that crossed it): then ``sendto_nowait`` says ``trio.WouldBlock``."""
+    message that crossed it): then ``sendto_nowait`` says ``trio.WouldBlock``. A
+    message over ``sndbuf`` is EMSGSIZE, as in Linux."""
     settings = RdsSettings(sndbuf=256 * 1024)
     size = 40_000
     async with node_with(settings) as node:
@@ -153,6 +159,27 @@ async def test_bytes_to_a_peer_granting_no_credits_stop_at_sndbuf() -> None:
                     for _ in range(100):
                         sock.sendto_nowait(bytes(size), ("127.0.0.2", 5000))
                 assert settings.sndbuf <= rds.queued_bytes < settings.sndbuf + size + 8192
+        with pytest.raises(OSError) as raised:  # bigger than the buffer: never fits (Linux)
+            sock.sendto_nowait(bytes(settings.sndbuf + 1), ("127.0.0.2", 5000))
+        assert raised.value.errno == errno.EMSGSIZE
+
+
+async def test_a_peer_ignoring_our_congestion_map_cannot_fill_a_socket() -> None:
+    """Past ``rcvbuf`` the port is congested; past ``rcvbuf_limit`` messages for it are
+    dropped and counted."""
+    settings = RdsSettings(rcvbuf=1024, rcvbuf_limit=4096)
+    async with node_with(settings) as node:
+        sock = node.bind(5000)
+        with trio.fail_after(30):
+            async with stranger(node, "127.0.0.2") as peer:
+                await wait_until(lambda: node.connections(), 5, "the entry")
+                (rds,) = node.connections()
+                await wait_until(lambda: rds.session is not None, 5, "the session")
+                headers = [RdsHeader(seq, 0, 64, 9, 5000) for seq in range(1, 101)]
+                await peer.send(headers, rds, bytes(64))
+        assert sock.queued_bytes == settings.rcvbuf_limit
+        assert node.drops_rcvbuf_full == 100 - settings.rcvbuf_limit // 64
+        assert node.congestion.test(5000)
 
 
 async def test_congestion_maps_waiting_to_go_out_are_one() -> None:

@@ -20,7 +20,6 @@ from __future__ import annotations
 import errno
 import ipaddress
 import logging
-import math
 import random
 from collections import deque
 from collections.abc import AsyncIterator
@@ -55,6 +54,8 @@ from rdmashim.verbs.tasks import service_nursery
 log = logging.getLogger(__name__)
 
 QP_CAP = QPCap(max_send_wr=128, max_recv_wr=RECV_SLOTS, max_send_sge=1, max_recv_sge=1)
+MONITOR_BACKLOG = 1024
+"""Congestion changes a monitor may fall behind by; later ones are dropped for it."""
 
 
 class RdsError(OSError):
@@ -106,10 +107,9 @@ class RdsSocket:
     def _check(self, data: bytes, dest: tuple[str, int]) -> tuple[IPAddress, int]:
         if self.closed:
             raise RdsError(errno.EBADF, "sendto on a closed RDS socket")
-        if len(data) > RDS_MAX_MSG_SIZE:
-            raise RdsError(
-                errno.EMSGSIZE, f"{len(data)}-byte message exceeds RDS's {RDS_MAX_MSG_SIZE}"
-            )
+        limit = min(RDS_MAX_MSG_SIZE, self.node.settings.sndbuf)  # Linux: both bound it
+        if len(data) > limit:
+            raise RdsError(errno.EMSGSIZE, f"{len(data)}-byte message exceeds RDS's {limit}")
         try:
             ip = ipaddress.ip_address(dest[0])
         except ValueError as exc:
@@ -333,6 +333,8 @@ class RdsNode:
         for monitor in list(self._monitors):
             try:
                 monitor.send_nowait((str(rds.peer), ports))
+            except trio.WouldBlock:  # a peer flipping its map cannot fill our memory
+                log.debug("congestion monitor %d changes behind: one dropped", MONITOR_BACKLOG)
             except trio.BrokenResourceError:
                 self._monitors.remove(monitor)
 
@@ -343,9 +345,10 @@ class RdsNode:
         """Congestion changes of peer ports, as (peer address, ports that changed).
 
         ``async with node.monitor_congestion() as updates: async for peer, ports in updates``;
-        ``port in node.peer_congestion(peer)`` tells the current state.
+        ``port in node.peer_congestion(peer)`` tells the current state. A monitor
+        :data:`MONITOR_BACKLOG` changes behind misses the changes after those.
         """
-        send, recv = trio.open_memory_channel[tuple[str, set[int]]](math.inf)
+        send, recv = trio.open_memory_channel[tuple[str, set[int]]](MONITOR_BACKLOG)
         self._monitors.append(send)
         try:
             async with recv:
