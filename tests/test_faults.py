@@ -94,10 +94,12 @@ class Cell:
     """Seconds from the fault to the last completion."""
     start: float = 0.0
     seconds: float = 0.0
-    """The whole transfer, connect to last completion."""
+    """The whole transfer: connection established to last completion."""
     result: dict[str, Any] | None = None
     """The agent's check of what arrived (``stop``)."""
     agent_said: list[dict[str, Any]] = field(default_factory=list)
+    qp_state: str = ""
+    """The survivor's QP state once every work request completed (and the event came)."""
 
     def row(self) -> str:
         ms = lambda s: "-" if s is None else f"{s * 1000:.0f} ms"  # noqa: E731
@@ -153,7 +155,6 @@ async def run_cell(op: str, fault: str, side: str) -> Cell:
             if side == "client":
                 agent = await start_agent(nursery)
                 port = (await said(cell, "up", 30))["up"]
-                cell.start = time.monotonic()
                 async with open_connection("127.0.0.1", port, cap=CAP, cqe=4 * WINDOW) as conn:
                     await transfer(cell, agent, conn, nursery)
             else:
@@ -169,7 +170,6 @@ async def run_cell(op: str, fault: str, side: str) -> Cell:
                         task_status=task_status,
                     )
                 )  # fmt: skip
-                cell.start = time.monotonic()
                 await start_agent(nursery, port)
                 with trio.fail_after(60 + STOP_FOR):
                     await done.wait()
@@ -192,6 +192,7 @@ async def run_cell(op: str, fault: str, side: str) -> Cell:
 async def transfer(cell: Cell, agent: netns.Agent, conn: Any, nursery: trio.Nursery) -> None:
     """Move the 64 MiB, fault the agent after FAULT_AFTER completions, take every completion."""
     total = BLOCKS + 1  # the blocks, then the small Send that says done
+    cell.start = time.monotonic()
     addr, rkey = PRIVATE.unpack(conn.private_data)
     mr = conn.pd.reg_mr(source(), Access.LOCAL_WRITE)
     disconnected: list[float] = []
@@ -242,6 +243,7 @@ async def transfer(cell: Cell, agent: netns.Agent, conn: Any, nursery: trio.Nurs
             fault_at = (await said(cell, "did", BOUND))["t"]
         cell.to_event = disconnected[0] - fault_at if disconnected else None
         cell.to_last = last - fault_at
+    cell.qp_state = conn.qp.state.name
     mr.close()
 
 
@@ -272,6 +274,7 @@ def check(cell: Cell) -> None:
     assert cell.to_event is not None, "no DISCONNECTED"
     assert cell.to_event < BOUND and cell.to_last is not None and cell.to_last < BOUND
     assert cell.statuses["SUCCESS"] >= FAULT_AFTER
+    assert cell.qp_state == "ERR"
 
 
 HEADER = (
@@ -298,6 +301,7 @@ async def test_peer_stopped_then_continued_finishes_intact(op: str, side: str) -
     print(f"\n{HEADER}")
     cell = await run_cell(op, "stop", side)
     assert cell.statuses == {"SUCCESS": BLOCKS + 1}, cell.statuses
+    assert cell.qp_state == "RTS"
     assert cell.result == {"blocks_ok": BLOCKS, "intact": True}
     assert cell.seconds >= STOP_FOR
     assert not [m for m in cell.agent_said if "lost" in m or "crashed" in m], cell.agent_said
