@@ -10,7 +10,8 @@ is done; the agent then checks every block against :func:`block` and reports.
 
 JSON lines on stdout, flushed one by one: ``{"up": port}``, ``{"connected":
 true}``, ``{"did": command, "t": time.monotonic()}`` for a fault done on
-command (``t`` taken just before), ``{"lost": why}`` when the connection broke, ``{"result": {...}}``.
+command (``t`` taken just before), ``{"lost": why}`` when the connection
+broke, ``{"result": {...}}``.
 Commands on stdin, one a line: ``reset`` (SO_LINGER 0 and close the TCP socket
 under the QP, reaching into the engine's ``qp._link.sock``: private API, fine
 for a fault test) and ``disconnect`` (``rdma_disconnect``). End of stdin lets
