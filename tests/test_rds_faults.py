@@ -58,7 +58,7 @@ import trio.lowlevel
 from rds_agent import check, payload
 
 from rdmashim import QPState
-from rdmashim.ulps.rds.connection import SNDBUF, Session
+from rdmashim.ulps.rds.connection import Session
 from rdmashim.ulps.rds.node import RdsError, RdsNode, RdsSocket
 
 import netns
@@ -530,9 +530,10 @@ async def test_receiver_gone_for_good_keeps_messages_queued() -> None:
 
     A peer that was connected once is retried for as long as there is something
     for it (as Linux RDS does); sendto keeps queuing until the connection's send
-    buffer is full, then waits (``sendto_nowait`` says WouldBlock). Only a peer
-    that never answered is declared unreachable (``test_rds.py``). What the dead
-    process had reported stays an in-order prefix.
+    buffer (``sndbuf`` bytes or ``max_queued_messages``) is full, then waits
+    (``sendto_nowait`` says WouldBlock). Only a peer that never answered is
+    declared unreachable (``test_rds.py``). What the dead process had reported
+    stays an in-order prefix.
     """
     a = await start_node(LOW)
     try:
@@ -559,7 +560,7 @@ async def test_receiver_gone_for_good_keeps_messages_queued() -> None:
                             await trio.sleep(0.005)
                 await trio.sleep(1.0)  # several reconnect attempts later
         (rds,) = a.connections()
-        assert rds.queued_bytes >= SNDBUF and (rds.unsent or rds.unacked)
+        assert not rds.has_room and (rds.unsent or rds.unacked)
         assert rds.counters.sessions == 1  # retried, never reconnected, nothing dropped
         seqs = receiver.seqs[4000, 5000]
         assert seqs == list(range(len(seqs))) and not receiver.bad

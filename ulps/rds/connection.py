@@ -26,6 +26,8 @@ from typing import Any
 import trio
 
 from rdmashim.ulps.rds.rdma import RdmaOp, RdmaStatus, status_of
+from rdmashim.ulps.rds.settings import SNDBUF as SNDBUF
+from rdmashim.ulps.rds.settings import RdsSettings
 from rdmashim.ulps.rds.wire import (
     RDS_FRAG_SIZE,
     RDS_HEADER_LEN,
@@ -53,8 +55,6 @@ RDMA_DEPTH = 16
 """RDMA operations a session keeps in flight (beside its send slots on the send queue)."""
 _RDMA_WR = 1 << 32
 """Work request ids at and above this are RDMA operations; below, send slots."""
-SNDBUF = 4 * 1024 * 1024
-"""Bytes a connection queues (unsent and unacknowledged) before senders wait."""
 
 
 class SessionLost(Exception):
@@ -99,6 +99,8 @@ class Counters:
     rdma_bytes: int = 0
     rdma_failures: int = 0
     rdma_dropped: int = 0
+    replies_dropped: int = 0
+    """RDS pongs not sent because the connection's queue was full."""
 
 
 @dataclass(eq=False)
@@ -121,6 +123,10 @@ class RdsConnection:
     """The peer node's congestion map: its ports whose receivers are full."""
     session: Session | None = None
     queued_bytes: int = 0
+    settings: RdsSettings = field(default_factory=RdsSettings)
+    """The bounds of the queue (``sndbuf``, ``max_queued_messages``)."""
+    last_active: float = 0.0
+    """When (trio's clock) a message was last queued or received, or a session began or ended."""
     _space: trio.Event = field(default_factory=trio.Event)
 
     @property
@@ -144,6 +150,7 @@ class RdsConnection:
         """
         msg = OutMessage(self.next_seq, sport, dport, bytes(data), flags, rdma)
         self.next_seq += 1
+        self.last_active = trio.current_time()
         self.unsent.append(msg)
         self.queued_bytes += len(msg.data)
         if flags & RdsFlag.CONG_BITMAP:
@@ -154,10 +161,42 @@ class RdsConnection:
         if self.session is not None:
             self.session.pump_sends()
 
+    def queue_map(self, data: bytes) -> None:
+        """Queue our congestion map; it replaces one still waiting to go out.
+
+        A map is a state, not a change: of several unsent ones only the last
+        counts, so a peer flipping our ports cannot make us queue maps without
+        bound. A retransmitted one is left alone (the peer may drop it as a
+        duplicate) and the new map goes behind it.
+        """
+        for msg in reversed(self.unsent):
+            if msg.flags & RdsFlag.CONG_BITMAP:
+                if not msg.flags & RdsFlag.RETRANSMITTED:
+                    msg.data = bytes(data)
+                    self.counters.cong_updates_sent += 1
+                    return
+                break
+        self.queue(0, 0, data, RdsFlag.CONG_BITMAP)
+
+    @property
+    def pending(self) -> bool:
+        """Whether messages of sockets wait to be sent or acknowledged. The node's own
+        (port 0: congestion maps, pongs) do not count: every session starts with a
+        fresh map, and a pong is worth no reconnect, nor keeps a peer entry."""
+        return any(m.sport for queue in (self.unsent, self.unacked) for m in queue)
+
+    @property
+    def queued_messages(self) -> int:
+        """Messages queued or sent and not yet acknowledged."""
+        return len(self.unsent) + len(self.unacked)
+
     @property
     def has_room(self) -> bool:
         """Whether another message may be queued without waiting."""
-        return self.queued_bytes < SNDBUF
+        return (
+            self.queued_bytes < self.settings.sndbuf
+            and self.queued_messages < self.settings.max_queued_messages
+        )
 
     async def wait_room(self) -> None:
         """Wait until the queue drops below the send buffer size."""
@@ -200,6 +239,22 @@ class RdsConnection:
             self.counters.rdma_dropped += 1
             msg.rdma._finish(status, why)
 
+    def drop_port(self, sport: int) -> int:
+        """Drop the messages a closed socket had queued or unacknowledged (Linux's
+        ``rds_send_drop_to``); how many. A message half posted finishes its fragments."""
+        dropped = 0
+        for queue in (self.unsent, self.unacked):
+            keep = deque(m for m in queue if m.sport != sport)
+            for msg in queue:
+                if msg.sport == sport:
+                    self._drop(msg, RdmaStatus.CANCELED, "its socket closed")
+                    dropped += 1
+            queue.clear()
+            queue.extend(keep)
+        if dropped:
+            self._space.set()
+        return dropped
+
     def drop_all(self, status: RdmaStatus, why: str) -> int:
         """Drop every queued and unacknowledged message (the peer is gone); how many."""
         dropped = 0
@@ -221,6 +276,7 @@ class RdsConnection:
         RDS accepts both the same way).
         """
         seq = header.sequence
+        self.last_active = trio.current_time()
         if seq < self.next_recv:
             if header.flags & RdsFlag.RETRANSMITTED:
                 self.counters.recv_drop_old_seq += 1

@@ -20,7 +20,7 @@ from __future__ import annotations
 import errno
 import ipaddress
 import logging
-import math
+import random
 from collections import deque
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -38,13 +38,14 @@ from rdmashim.ulps.rds.connection import (
     SessionLost,
 )
 from rdmashim.ulps.rds.rdma import RdmaOp, RdmaStatus, Registrations
+from rdmashim.ulps.rds.settings import RCVBUF as RCVBUF
+from rdmashim.ulps.rds.settings import RdsSettings
 from rdmashim.ulps.rds.wire import (
     RDS_CM_PORT,
     RDS_MAX_MSG_SIZE,
     CongestionMap,
     ConnectPrivate,
     RdmaExt,
-    RdsFlag,
     RdsHeader,
 )
 from rdmashim.verbs.attrs import QPCap
@@ -53,15 +54,8 @@ from rdmashim.verbs.tasks import service_nursery
 log = logging.getLogger(__name__)
 
 QP_CAP = QPCap(max_send_wr=128, max_recv_wr=RECV_SLOTS, max_send_sge=1, max_recv_sge=1)
-RETRY_DELAY = 0.05
-"""Seconds before the first reconnect attempt; doubles up to :data:`MAX_RETRY_DELAY`."""
-MAX_RETRY_DELAY = 1.0
-GIVE_UP_AFTER = 4
-"""Failed attempts in a row, without ever connecting, after which a peer is unreachable."""
-UNREACHABLE_FOR = 2.0
-"""Seconds sendto reports an unreachable peer as such; the next sendto tries it again."""
-RCVBUF = 4 * 1024 * 1024
-"""Bytes a socket holds undelivered before the node stops taking more for it."""
+MONITOR_BACKLOG = 1024
+"""Congestion changes a monitor may fall behind by; later ones are dropped for it."""
 
 
 class RdsError(OSError):
@@ -113,10 +107,9 @@ class RdsSocket:
     def _check(self, data: bytes, dest: tuple[str, int]) -> tuple[IPAddress, int]:
         if self.closed:
             raise RdsError(errno.EBADF, "sendto on a closed RDS socket")
-        if len(data) > RDS_MAX_MSG_SIZE:
-            raise RdsError(
-                errno.EMSGSIZE, f"{len(data)}-byte message exceeds RDS's {RDS_MAX_MSG_SIZE}"
-            )
+        limit = min(RDS_MAX_MSG_SIZE, self.node.settings.sndbuf)  # Linux: both bound it
+        if len(data) > limit:
+            raise RdsError(errno.EMSGSIZE, f"{len(data)}-byte message exceeds RDS's {limit}")
         try:
             ip = ipaddress.ip_address(dest[0])
         except ValueError as exc:
@@ -135,13 +128,16 @@ class RdsSocket:
         operation ended (see :mod:`rdmashim.ulps.rds.rdma`).
         """
         ip, port = self._check(data, dest)
-        if ip != self.node.address:
+        while ip != self.node.address:  # the peer entry may expire while we wait: look again
             entry = self.node._connection(ip)
-            await entry.rds.wait_room()
-            while entry.rds.peer_congestion.test(port):
+            if not entry.rds.has_room:
+                await entry.rds.wait_room()
+            elif entry.rds.peer_congestion.test(port):
                 if entry.uncongested.is_set():  # shared by every waiter, as wait_room's
                     entry.uncongested = trio.Event()
                 await entry.uncongested.wait()
+            else:
+                break
         self.node._send(self.port, ip, port, data, rdma)
 
     def sendto_nowait(
@@ -170,7 +166,7 @@ class RdsSocket:
             parked = True
         msg = self.received.popleft()
         self.queued_bytes -= len(msg.data)
-        if self.queued_bytes < RCVBUF // 2:
+        if self.queued_bytes < self.node.settings.rcvbuf // 2:
             self.node._set_congested(self.port, False)
         if not parked:
             await trio.lowlevel.cancel_shielded_checkpoint()
@@ -200,9 +196,12 @@ class RdsSocket:
         return cookie in self._registrations
 
     def close(self) -> None:
-        """Unbind and deregister; messages for this port are dropped from now on."""
+        """Unbind and deregister; messages for this port are dropped from now on, and so
+        are the ones it sent that no peer has acknowledged (Linux's ``rds_release``)."""
         if not self.closed:
             self.closed = True
+            for entry in self.node._peers.values():
+                entry.rds.drop_port(self.port)
             self.node._sockets.pop(self.port, None)
             self.node._set_congested(self.port, False)
             self._registrations.close()
@@ -212,18 +211,26 @@ class RdsSocket:
 class RdsNode:
     """This machine's RDS endpoint on one IP address (see the module docstring)."""
 
-    def __init__(self, address: str, port: int = RDS_CM_PORT) -> None:
+    def __init__(
+        self, address: str, port: int = RDS_CM_PORT, *, settings: RdsSettings | None = None
+    ) -> None:
         self.address = ipaddress.ip_address(address)
         self.port = port
+        self.settings = settings or RdsSettings()
+        """The node's bounds and timers (:class:`RdsSettings`)."""
         self._peers: dict[IPAddress, _Peer] = {}
         self._sockets: dict[int, RdsSocket] = {}
         self._nursery: trio.Nursery | None = None
         self.pd: Any = None
         """The protection domain every connection and RDMA registration of the node uses."""
         self.drops_no_socket = 0
+        self.drops_rcvbuf_full = 0
+        """Messages dropped because their socket held ``settings.rcvbuf_limit`` unread."""
+        self.peers_expired = 0
+        """Peer entries dropped for idleness (``settings.peer_idle_expiry``) or room."""
         self.loopback_messages = 0
         self.congestion = CongestionMap()
-        """This node's ports whose sockets hold more than ``RCVBUF`` bytes unread."""
+        """This node's ports whose sockets hold more than ``settings.rcvbuf`` bytes unread."""
         self._monitors: list[trio.MemorySendChannel[tuple[str, set[int]]]] = []
 
     # ------------------------------------------------------------------ lifetime
@@ -239,6 +246,7 @@ class RdsNode:
                 )
             )  # fmt: skip
             self.port = local[1]
+            nursery.start_soon(self._expire_idle)
             try:
                 yield self
             finally:
@@ -270,7 +278,7 @@ class RdsNode:
     def _deliver(self, peer: IPAddress, header: RdsHeader, data: bytes) -> None:
         sport, dport = header.sport, header.dport
         if dport == 0 and sport != 0:  # an RDS ping: answer it, as Linux's rds_send_pong
-            self._send(0, peer, sport, b"")
+            self._pong(peer, sport)
             return
         sock = self._sockets.get(dport)
         if sock is None:
@@ -280,9 +288,27 @@ class RdsNode:
         for ext in header.extensions:
             if isinstance(ext, RdmaExt):  # it chases an RDMA operation on one of ours
                 sock._registrations.used(ext.rkey)
+        if sock.queued_bytes + len(data) > self.settings.rcvbuf_limit:
+            self.drops_rcvbuf_full += 1
+            log.info(
+                "message from %s:%d dropped: port %d holds %d bytes unread (rcvbuf_limit)",
+                peer, sport, dport, sock.queued_bytes,
+            )  # fmt: skip
+            return
         sock._push(ReceivedMessage(data, (str(peer), sport), header.sequence))
-        if sock.queued_bytes > RCVBUF:
+        if sock.queued_bytes > self.settings.rcvbuf:
             self._set_congested(dport, True)
+
+    def _pong(self, peer: IPAddress, sport: int) -> None:
+        """Answer a ping, unless the connection's queue is full (a peer that pings but
+        grants no credits must not make us queue pongs without bound)."""
+        entry = self._peers.get(peer)
+        if entry is None or not entry.rds.has_room:
+            if entry is not None:
+                entry.rds.counters.replies_dropped += 1
+            log.debug("RDS pong to %s:%d dropped: its queue is full", peer, sport)
+            return
+        self._send(0, peer, sport, b"")
 
     # ------------------------------------------------------------------ congestion
     def _set_congested(self, port: int, congested: bool) -> None:
@@ -298,7 +324,7 @@ class RdsNode:
                 self._send_map(entry.rds)
 
     def _send_map(self, rds: RdsConnection) -> None:
-        rds.queue(0, 0, self.congestion.encode(), RdsFlag.CONG_BITMAP)
+        rds.queue_map(self.congestion.encode())
 
     def _peer_congestion(self, rds: RdsConnection, ports: set[int]) -> None:
         entry = self._peers.get(rds.peer)
@@ -307,6 +333,8 @@ class RdsNode:
         for monitor in list(self._monitors):
             try:
                 monitor.send_nowait((str(rds.peer), ports))
+            except trio.WouldBlock:  # a peer flipping its map cannot fill our memory
+                log.debug("congestion monitor %d changes behind: one dropped", MONITOR_BACKLOG)
             except trio.BrokenResourceError:
                 self._monitors.remove(monitor)
 
@@ -317,9 +345,10 @@ class RdsNode:
         """Congestion changes of peer ports, as (peer address, ports that changed).
 
         ``async with node.monitor_congestion() as updates: async for peer, ports in updates``;
-        ``port in node.peer_congestion(peer)`` tells the current state.
+        ``port in node.peer_congestion(peer)`` tells the current state. A monitor
+        :data:`MONITOR_BACKLOG` changes behind misses the changes after those.
         """
-        send, recv = trio.open_memory_channel[tuple[str, set[int]]](math.inf)
+        send, recv = trio.open_memory_channel[tuple[str, set[int]]](MONITOR_BACKLOG)
         self._monitors.append(send)
         try:
             async with recv:
@@ -358,8 +387,13 @@ class RdsNode:
         if entry is None:
             if peer.version != self.address.version:
                 raise RdsError(errno.EAFNOSUPPORT, f"{peer} and {self.address} differ in family")
-            entry = _Peer(self._new_connection(peer))
-            self._peers[peer] = entry
+            entry = self._new_entry(peer)
+            if entry is None:
+                raise RdsError(
+                    errno.ENOBUFS,
+                    f"no room for RDS peer {peer}: {len(self._peers)} peers, none idle "
+                    f"(max_peers={self.settings.max_peers})",
+                )
         if entry.unreachable is not None and entry.rds.session is None:
             if trio.current_time() >= entry.unreachable_until:
                 entry.unreachable = None  # it may be back: this message tries again
@@ -395,6 +429,54 @@ class RdsNode:
             entry.connector = trio.CancelScope()
             self._nursery.start_soon(self._connect, entry, entry.connector)
 
+    def _new_entry(self, peer: IPAddress) -> _Peer | None:
+        """A new peer entry, making room for it if need be (None: no room)."""
+        if len(self._peers) >= self.settings.max_peers:
+            idle = [(e.rds.last_active, p) for p, e in self._peers.items() if self._droppable(e)]
+            if not idle:
+                return None
+            self._drop_peer(min(idle)[1], "to make room")
+        rds = RdsConnection(
+            self.address, peer, self._deliver, on_congestion=self._peer_congestion,
+            settings=self.settings, last_active=trio.current_time(),
+        )  # fmt: skip
+        entry = self._peers[peer] = _Peer(rds)
+        return entry
+
+    @staticmethod
+    def _droppable(entry: _Peer) -> bool:
+        """Whether the entry holds nothing that would be lost: no session, no task, no
+        message (its sequence numbers start afresh when the peer comes back)."""
+        rds = entry.rds
+        return (
+            rds.session is None and entry.connector is None and entry.session_scope is None
+            and not rds.pending
+        )  # fmt: skip
+
+    def _drop_peer(self, peer: IPAddress, why: str) -> None:
+        entry = self._peers.pop(peer)
+        self.peers_expired += 1
+        entry.uncongested.set()  # senders waiting on it look the peer up again
+        entry.rds._space.set()
+        log.info("RDS %s forgets peer %s (%s)", self.address, peer, why)
+
+    async def _expire_idle(self) -> None:
+        """Close idle sessions and drop idle peer entries (``settings.peer_idle_expiry``)."""
+        while True:
+            await trio.sleep(min(self.settings.peer_idle_expiry / 4, 1.0))
+            self._expire(trio.current_time())
+
+    def _expire(self, now: float) -> None:
+        for peer, entry in list(self._peers.items()):
+            rds = entry.rds
+            if now - rds.last_active < self.settings.peer_idle_expiry or rds.pending:
+                continue
+            if entry.session_scope is not None:
+                log.debug("RDS %s closes its idle session with %s", self.address, peer)
+                entry.session_scope.cancel()
+            elif self._droppable(entry):
+                self._drop_peer(peer, f"idle for {now - rds.last_active:.0f} s")
+
     def _private(self, rds: RdsConnection) -> bytes:
         return ConnectPrivate(
             rds.local, rds.peer, ack_seq=rds.next_recv - 1, credit=RECV_SLOTS
@@ -402,26 +484,29 @@ class RdsNode:
 
     async def _connect(self, entry: _Peer, scope: trio.CancelScope) -> None:
         """Keep a session to the peer up while there is something to send."""
-        rds = entry.rds
-        delay = RETRY_DELAY
+        rds, settings = entry.rds, self.settings
+        window = settings.reconnect_min
         with scope:
             try:
-                while rds.session is None and (rds.unsent or rds.unacked):
+                while rds.session is None and rds.pending:
                     if not rds.canonical and entry.failures == 0:
-                        await trio.sleep(RETRY_DELAY)  # give the canonical side the first move
+                        # give the canonical side the first move
+                        await trio.sleep(settings.reconnect_min)
                         if rds.session is not None:
                             break
                     try:
                         await self._active_session(entry)
-                        delay = RETRY_DELAY
+                        window = settings.reconnect_min
                     except (CMError, OSError) as exc:
                         entry.failures += 1
                         log.info("RDS connect to %s failed (%d): %s", rds.peer, entry.failures, exc)
-                        if entry.failures >= GIVE_UP_AFTER and not rds.counters.sessions:
+                        if entry.failures >= settings.give_up_after and not rds.counters.sessions:
                             self._unreachable(entry, exc)
                             return
-                    await trio.sleep(delay)
-                    delay = min(delay * 2, MAX_RETRY_DELAY)
+                    # Linux's backoff (rds_queue_reconnect): the window doubles up to a
+                    # maximum; we wait in its upper half, so the attempts thin out for sure.
+                    await trio.sleep(random.uniform(window / 2, window))
+                    window = min(window * 2, settings.reconnect_max)
             finally:
                 entry.connector = None
                 entry.connecting = False
@@ -457,7 +542,18 @@ class RdsNode:
             log.warning("RDS connect from %s with bad private data: %s", request.peer_addr, exc)
             await request.reject(b"")
             return
-        entry = self._connection_for_incoming(theirs.saddr)
+        if theirs.saddr == self.address:
+            log.warning("RDS connect from %s claims our own address", request.peer_addr)
+            await request.reject(b"")
+            return
+        entry = self._peers.get(theirs.saddr) or self._new_entry(theirs.saddr)
+        if entry is None:
+            log.warning(
+                "RDS connect from %s rejected: %d peers, none idle (max_peers)",
+                theirs.saddr, len(self._peers),
+            )  # fmt: skip
+            await request.reject(b"")
+            return
         live = entry.rds.session is not None and not entry.rds.session.lost
         log.debug(
             "RDS %s: request from %s (connecting=%s live=%s canonical=%s)",
@@ -480,16 +576,6 @@ class RdsNode:
                 await request.aclose()  # the QP is gone: its buffers can go
             session.close()
 
-    def _connection_for_incoming(self, peer: IPAddress) -> _Peer:
-        entry = self._peers.get(peer)
-        if entry is None:
-            entry = _Peer(self._new_connection(peer))
-            self._peers[peer] = entry
-        return entry
-
-    def _new_connection(self, peer: IPAddress) -> RdsConnection:
-        return RdsConnection(self.address, peer, self._deliver, on_congestion=self._peer_congestion)
-
     async def _run_session(self, entry: _Peer, session: Session, theirs: ConnectPrivate) -> None:
         rds = entry.rds
         if entry.session_scope is not None:
@@ -503,6 +589,7 @@ class RdsNode:
         # while no session was up would otherwise stay wrong at the peer for good.
         self._send_map(rds)
         rds.session = session
+        rds.last_active = trio.current_time()
         log.debug("RDS session %s -> %s up (peer acked %d)", rds.local, rds.peer, theirs.ack_seq)
         with trio.CancelScope() as scope:
             entry.session_scope = scope
@@ -513,14 +600,15 @@ class RdsNode:
             finally:
                 if rds.session is session:
                     rds.session = None
+                rds.last_active = trio.current_time()
                 if entry.session_scope is scope:
                     entry.session_scope = None
-        if rds.unsent or rds.unacked:
+        if rds.pending:
             self._start_connector(entry)
 
     def _unreachable(self, entry: _Peer, exc: BaseException) -> None:
         rds = entry.rds
         entry.unreachable = exc
-        entry.unreachable_until = trio.current_time() + UNREACHABLE_FOR
+        entry.unreachable_until = trio.current_time() + self.settings.unreachable_for
         dropped = rds.drop_all(RdmaStatus.DROPPED, f"RDS node {rds.peer} is unreachable")
         log.warning("RDS node %s unreachable; %d queued messages dropped", rds.peer, dropped)

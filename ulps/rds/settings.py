@@ -1,0 +1,68 @@
+"""The bounds of an RDS node: everything a peer can make it hold is limited here.
+
+:class:`RdsSettings` groups them; ``RdsNode(address, settings=RdsSettings(...))``
+takes one. Each field says what it bounds, what happens when the bound is hit,
+and the Linux RDS setting it follows (``net/rds``), where there is one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+SNDBUF = 4 * 1024 * 1024
+"""Default :attr:`RdsSettings.sndbuf`."""
+RCVBUF = 4 * 1024 * 1024
+"""Default :attr:`RdsSettings.rcvbuf`."""
+
+
+@dataclass(frozen=True, slots=True)
+class RdsSettings:
+    """Limits and timers of an :class:`~rdmashim.ulps.rds.node.RdsNode`."""
+
+    sndbuf: int = SNDBUF
+    """Bytes of messages a peer connection holds, queued or sent but not yet
+    acknowledged, before senders wait (``sendto``) or get ``trio.WouldBlock``
+    (``sendto_nowait``, Linux's EAGAIN). Linux: ``rds_sk_sndbuf`` (half of
+    ``SO_SNDBUF``), counted per socket there, per peer here."""
+    max_queued_messages: int = 4096
+    """Messages a peer connection holds, queued or unacknowledged, however small
+    (an empty message has no bytes to count): the same answer as ``sndbuf``.
+    Replies the node makes itself (RDS pongs) are dropped past it. Linux: none."""
+    rcvbuf: int = RCVBUF
+    """Bytes a socket holds unread before its port is marked congested in the
+    map peers receive. Linux: ``rds_sk_rcvbuf`` (half of ``SO_RCVBUF``)."""
+    rcvbuf_limit: int = 4 * RCVBUF
+    """Bytes a socket holds unread before messages for it are dropped (counted in
+    ``node.drops_rcvbuf_full`` and logged): a peer that ignores the congestion
+    map cannot fill our memory. Linux: none (it relies on the map)."""
+    reconnect_min: float = 0.05
+    """Seconds: the first reconnect window. Linux: ``reconnect_min_delay_ms``."""
+    reconnect_max: float = 8.0
+    """Seconds: the window doubles after each failed attempt up to this. Each
+    attempt waits a random time in the upper half of the window (Linux waits
+    anywhere in ``[0, window)``). Linux: ``reconnect_max_delay_ms`` (1 s)."""
+    give_up_after: int = 4
+    """Failed attempts in a row, to a peer never reached, after which it is
+    unreachable: its queued messages are dropped and sendto raises EHOSTUNREACH.
+    A peer reached once is retried while there is something for it (as Linux)."""
+    unreachable_for: float = 2.0
+    """Seconds sendto reports an unreachable peer as such before trying it again."""
+    max_peers: int = 256
+    """Peer entries (connections, up or down) the node keeps. At the bound, the
+    entry idle the longest is dropped; when none is idle, a new peer's connect
+    is rejected and a sendto to a new peer raises ENOBUFS. Linux: none."""
+    peer_idle_expiry: float = 60.0
+    """Seconds without a message either way, with nothing queued, after which
+    a peer's session is closed and its entry (sequence numbers, counters,
+    congestion map) dropped. Linux keeps connections until the module unloads."""
+
+    def __post_init__(self) -> None:
+        for name in ("sndbuf", "max_queued_messages", "rcvbuf", "max_peers", "give_up_after"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"RdsSettings.{name} must be at least 1")
+        if self.rcvbuf_limit < self.rcvbuf:
+            raise ValueError("RdsSettings.rcvbuf_limit must be at least rcvbuf")
+        if not 0 < self.reconnect_min <= self.reconnect_max:
+            raise ValueError("RdsSettings needs 0 < reconnect_min <= reconnect_max")
+        if self.unreachable_for < 0 or self.peer_idle_expiry <= 0:
+            raise ValueError("RdsSettings.unreachable_for and peer_idle_expiry must be positive")
