@@ -19,6 +19,9 @@ import time
 from collections.abc import Callable
 
 import pytest
+
+from rdmashim import cliargs
+
 from clirun import (
     DEADLINE,
     RDMASHIM,
@@ -31,8 +34,6 @@ from clirun import (
     run,
     subnet,
 )
-
-from rdmashim import cliargs
 
 STRESS = ["rds", "stress", "-r", "127.0.0.1", "-s", "127.0.0.2"]
 USAGE, FAILED = 2, 1

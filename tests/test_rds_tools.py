@@ -6,12 +6,13 @@ import re
 
 import pytest
 import trio
-from clirun import STRESS_ROW as ROW
-from clirun import background, free_port, rdmashim, subnet
 
 from rdmashim import rds_demo
 from rdmashim import rds_tools as rt
 from rdmashim.ulps.rds.node import RdsNode
+
+from clirun import STRESS_ROW as ROW
+from clirun import background, free_port, rdmashim, subnet
 
 
 # ------------------------------------------------------------------ the commands

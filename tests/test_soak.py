@@ -10,10 +10,7 @@ a warm-up and once at the end; the QPs and engines still alive are counted.
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import gc
-import resource
 import time
 import weakref
 from functools import partial
@@ -26,23 +23,13 @@ from rdmashim import Access, RecvWR, SendFlags, SendWR, WCStatus, WROpcode
 from rdmashim.cm import ConnectionRequest, open_connection, serve
 from rdmashim.verbs.softiwarp.engine import Engine
 
+from residency import resident_bytes
+
 WARM_UP = 500
 MAX_GROWTH_PER_CONNECTION = 2048
 """Bytes of resident size a connection may leave behind (a leak of its QP's engine
 alone would leave its 256 KiB staging buffer)."""
 ROUND_TRIP_EVERY = 10
-PAGE = resource.getpagesize()
-_LIBC = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-
-
-def resident_bytes() -> int:
-    """The resident size after collecting garbage and trimming the malloc heap."""
-    gc.collect()
-    trim = getattr(_LIBC, "malloc_trim", None)
-    if trim is not None:
-        trim(0)
-    with open("/proc/self/statm") as statm:
-        return int(statm.read().split()[1]) * PAGE
 
 
 def live_engines() -> int:
