@@ -12,8 +12,8 @@ import trio
 
 from rdmashim.rds_common import RdsToolError, bind_any, serve_answers
 from rdmashim.rds_defaults import ALL_TABLES, INFO_PORT, INFO_TABLES
-from rdmashim.ulps.rds.connection import SNDBUF, Counters
-from rdmashim.ulps.rds.node import RCVBUF, RdsError, RdsNode
+from rdmashim.ulps.rds.connection import Counters
+from rdmashim.ulps.rds.node import RdsError, RdsNode
 from rdmashim.ulps.rds.wire import RDS_MAX_MSG_SIZE
 
 log = logging.getLogger(__name__)
@@ -60,10 +60,11 @@ def format_info(nodes: RdsNode | Iterable[RdsNode], tables: str = ALL_TABLES) ->
                 f"{'SndBuf':>10} {'RcvBuf':>10} {'Unread':>8}"
             )
             for node in all_nodes:
+                bufs = f"{node.settings.sndbuf:>10} {node.settings.rcvbuf:>10}"
                 for sock in node.sockets():
                     out.append(
                         f"{node.address!s:>15} {sock.port:>5} {'0.0.0.0':>15} {0:>5} "
-                        f"{SNDBUF:>10} {RCVBUF:>10} {sock.queued_bytes:>8}"
+                        f"{bufs} {sock.queued_bytes:>8}"
                     )
         elif letter == "n":
             out.append(

@@ -146,8 +146,7 @@ async def test_connection_cut_underneath_loses_nothing(cuts: int) -> None:
 
 
 async def test_slow_receiver_congests_its_port_and_memory_stays_bounded() -> None:
-    from rdmashim.ulps.rds.connection import SNDBUF
-    from rdmashim.ulps.rds.node import RCVBUF
+    from rdmashim.ulps.rds.settings import RCVBUF, SNDBUF
 
     a, b = await nodes(["127.0.0.1", "127.0.0.2"])
     try:

@@ -620,7 +620,7 @@ async def test_two_tasks_sending_to_one_peer_both_finish() -> None:
 
 
 async def test_two_tasks_waiting_for_a_congested_port_both_finish() -> None:
-    from rdmashim.ulps.rds.node import RCVBUF
+    from rdmashim.ulps.rds.settings import RCVBUF
 
     async with node_pair() as (a, b):
         first, second, inbox = a.bind(4000), a.bind(4001), b.bind(5000)

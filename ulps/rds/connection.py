@@ -26,7 +26,6 @@ from typing import Any
 import trio
 
 from rdmashim.ulps.rds.rdma import RdmaOp, RdmaStatus, status_of
-from rdmashim.ulps.rds.settings import SNDBUF as SNDBUF
 from rdmashim.ulps.rds.settings import RdsSettings
 from rdmashim.ulps.rds.wire import (
     RDS_FRAG_SIZE,

@@ -38,7 +38,6 @@ from rdmashim.ulps.rds.connection import (
     SessionLost,
 )
 from rdmashim.ulps.rds.rdma import RdmaOp, RdmaStatus, Registrations
-from rdmashim.ulps.rds.settings import RCVBUF as RCVBUF
 from rdmashim.ulps.rds.settings import RdsSettings
 from rdmashim.ulps.rds.wire import (
     RDS_CM_PORT,
