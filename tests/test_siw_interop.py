@@ -1,9 +1,9 @@
 """rping between our engine and the Linux kernel's siw (a QEMU guest, ``tests/siwvm.py``).
 
-One guest boots per module (about 12 s under TCG) in the host network namespace
-``siwvm``; the host side runs ``rdmashim ping`` inside that namespace. Each test
+One guest boots per module (about 12 s under TCG) in the test bed's host network
+namespace (``siwvm.NETNS``); the host side runs ``rdmashim ping`` inside that namespace. Each test
 captures the connection with tcpdump on the namespace's bridge and has
-``check_pcap.py`` (Wireshark's dissectors) judge it: our frames must be clean;
+``tools/wirejudge.py`` (Wireshark's dissectors) judge it: our frames must be clean;
 the only finding tolerated is siw's non-zero PAD bytes (``mpa.pad``) in frames
 the guest sent.
 
@@ -23,7 +23,7 @@ the guest sent.
 **Known siw bug (responder race).** When the initiator's first FPDU follows the
 MPA Reply within about a millisecond, the kernel's siw responder sometimes never
 serves it: our client, the initiator, waits forever for the go-ahead of ping 0
-(see the siwvm README and the report in ``test_initiator_race_rate``). An
+(see docs/interop.md and the report in ``test_initiator_race_rate``). An
 attempt that fails with exactly that signature is retried (at most
 :data:`RACE_ATTEMPTS` times, and reported); any other failure fails the test.
 No delay is added anywhere. ``RDMASHIM_SIW_RACE_RUNS=N`` makes
@@ -31,8 +31,10 @@ No delay is added anywhere. ``RDMASHIM_SIW_RACE_RUNS=N`` makes
 ``RDMASHIM_SIW_KO=path/to/siw.ko`` runs everything against another siw build
 (for example one with the fix proposed for ``siw_accept``).
 
-Needs root, QEMU and the image built by ``shared/tools/siwvm/build.sh``; skipped
-otherwise. The capture needs tcpdump and tshark, and is left out without them.
+Needs root, QEMU and the image built by ``tools/guest/build.py``; skipped
+otherwise, the skip naming what is missing (a failure under
+``RDMASHIM_REQUIRE_INTEROP=1``). The capture needs tcpdump and tshark, and is
+left out without them.
 """
 
 from __future__ import annotations
@@ -130,7 +132,7 @@ def check_wire(
 ) -> None:
     """Clean wire, MPA start frames as asked (``req_crc``: the Request's C bit), every FPDU."""
     text = wirecap.summary(result)
-    assert not result["our_problems"], f"check_pcap found problems:\n{text}"
+    assert not result["our_problems"], f"the wire judge found problems:\n{text}"
     starts = result["mpa_start_frames"]
     assert (starts["req"], starts["rep"]) == (1, 1), text
     for frame in starts["frames"]:

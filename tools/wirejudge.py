@@ -86,7 +86,7 @@ RULES = {
     "mpa.v2": "rev 2 with H carries the 4-byte IRD/ORD block",
     "mpa.start": "one Request and then one Reply per TCP connection",
     "mpa.pad": "PAD bytes zero (RFC 5044 4.1)",
-    "mpa.ulpdu_len": "ULPDU_Length covers the DDP header",
+    "mpa.ulpdu_len": "ULPDU_Length covers the DDP header (framing kept)",
     "ddp.dv": "DDP version 1",
     "ddp.rsvd": "DDP control reserved bits zero",
     "ddp.tagged": "T flag matches the opcode's buffer model",
@@ -335,6 +335,9 @@ class Judge:
             "ulpdu_len": number(mpa, "iwarp_mpa.ulpdulength"),
         }
         self.fpdus.append(info)
+        if info["ulpdu_len"] is not None and info["ulpdu_len"] < TAGGED_HEADER:
+            # Shorter than any DDP header: framing lost (a wrong length before it, or garbage).
+            self.finding(pkt.number, "mpa.ulpdu_len", f"ULPDU_Length {info['ulpdu_len']}")
         check = label(mpa, "iwarp_mpa.crc_check")
         if not check:
             self.crc["not_checked"] += 1

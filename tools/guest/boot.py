@@ -6,7 +6,7 @@
     sudo python3 tools/guest/boot.py -c 'modprobe siw && ibv_devices'
     sudo python3 tools/guest/boot.py script.sh --put pcaps/ --timeout 300
     sudo python3 tools/guest/netns.py up 2  # then, on its bridge:
-    sudo python3 tools/guest/boot.py --netns rdmashim-bed --net tap:rtap0 --ip 10.77.0.10/24 s.sh
+    sudo python3 tools/guest/boot.py --netns rdmashim-bed --net tap:tap0 --ip 10.77.0.10/24 s.sh
     sudo python3 tools/guest/boot.py --shell        # a shell on the serial console (Ctrl-A x quits)
 
 The script runs as root in the guest with ``/host`` as its working directory:
@@ -37,8 +37,6 @@ from pathlib import Path
 
 import guestbed
 
-NO_SCRIPT = 125
-TIMED_OUT = 124
 USER_NET = "user,id=n0,net=10.0.2.0/24,host=10.0.2.2,dns=10.0.2.3,restrict=on"
 """QEMU's user-mode network, closed to the outside (``restrict=on``)."""
 USER_IP, USER_GW = "10.0.2.15/24", "10.0.2.2"
@@ -140,12 +138,12 @@ def main(argv: list[str] | None = None) -> int:
     missing = guestbed.missing_image()
     if missing:
         print(f"boot: {missing}", file=sys.stderr)
-        return NO_SCRIPT
+        return guestbed.NO_SCRIPT
     if shutil.which("qemu-system-x86_64") is None:
         print(
             "boot: qemu-system-x86_64 not found (apt-get install qemu-system-x86)", file=sys.stderr
         )
-        return NO_SCRIPT
+        return guestbed.NO_SCRIPT
     share = prepare_share(args)
     cmd = qemu_command(args, share)
     if args.shell:
@@ -173,9 +171,9 @@ def main(argv: list[str] | None = None) -> int:
             tail = console.read_text(errors="replace").splitlines()[-40:]
             print("boot: the guest wrote no out.log; its console ends with:", *tail, sep="\n")
     rc_file = share / "rc"
-    status = TIMED_OUT if timed_out else NO_SCRIPT
+    status = guestbed.TIMED_OUT if timed_out else guestbed.NO_SCRIPT
     if not timed_out and rc_file.exists():
-        status = int(rc_file.read_text().strip() or NO_SCRIPT)
+        status = int(rc_file.read_text().strip() or guestbed.NO_SCRIPT)
     print(f"boot: guest {args.name}: exit {status} after {took:.1f} s (QEMU {qemu.returncode}); "
           f"share {share}", file=sys.stderr)  # fmt: skip
     return status

@@ -30,11 +30,14 @@ MANIFEST = "manifest.json"
 
 NETNS = "rdmashim-bed"
 """The host network namespace that holds the bridge and the guests' taps."""
-BRIDGE = "rbr0"
+BRIDGE = "br0"
 BRIDGE_IP = "10.77.0.1"
 PREFIX = 24
-TAP = "rtap{}"
-"""Tap device names, by index (``rtap0``, ``rtap1``, ...)."""
+TAP = "tap{}"
+"""Tap device names, by index (``tap0``, ``tap1``, ...)."""
+
+NO_SCRIPT, TIMED_OUT = 125, 124
+"""``boot.py``'s exit status when the guest never ran its script / when it ran out of time."""
 
 INIT_PARAM = "rdmashim"
 """Prefix of the kernel command line parameters the guest's init reads (``rdmashim.ip=``)."""

@@ -3,13 +3,13 @@
 
 ::
 
-    sudo python3 tools/guest/netns.py up 2        # namespace, bridge, taps rtap0 and rtap1
+    sudo python3 tools/guest/netns.py up 2        # namespace, bridge, taps tap0 and tap1
     sudo python3 tools/guest/netns.py exec ss -tn # a host command inside it
     sudo python3 tools/guest/netns.py down
 
-The namespace (``guestbed.NETNS``) holds the bridge ``rbr0`` with the host's
+The namespace (``guestbed.NETNS``) holds the bridge ``br0`` with the host's
 address ``10.77.0.1/24`` and one tap per guest; ``boot.py --netns NS --net
-tap:rtapN --ip 10.77.0.1N/24`` attaches a guest. Host programs that talk to the
+tap:tapN --ip 10.77.0.1N/24`` attaches a guest. Host programs that talk to the
 guests run inside the namespace (``exec``, or ``ip netns exec``). Nothing in it
 is routed anywhere else. ``up`` is idempotent and adds missing taps.
 """
