@@ -150,6 +150,21 @@ def check_wire(
     assert opcodes.get("Send") == 4 * COUNT, text
 
 
+RPING_EXIT_RACE = "rdma_get_cm_event: Bad file descriptor"
+"""What the guest's rping (rdma-core 44, Debian 12) prints when its CM thread reads the event
+channel its main thread has just destroyed after a successful run; it then exits 255.
+rdma-core fixed it in 2025 ("rping: Fix spurious failure return codes", PR 1622)."""
+
+
+def rping_status(returncode: int, output: str) -> int:
+    """rping's exit status, with the exit race above counted as the success it is (the tests
+    check every ping's data besides, so a real failure still shows)."""
+    if returncode == 255 and RPING_EXIT_RACE in output:
+        print(f"rping exit 255 from its exit race ({RPING_EXIT_RACE!r}): counted as 0")
+        return 0
+    return returncode
+
+
 def expected_lines(prefix: str, size: int, count: int = COUNT) -> list[str]:
     return [prefix + c_string(ping_data(i, size)).decode() for i in range(count)]
 
@@ -339,7 +354,7 @@ async def test_kernel_server_our_client(
     assert attempt.ok, f"{log.summary()}; the last one failed:\n{attempt.describe()}"
     ours = data_lines(attempt.client.stdout, "ping data: ")
     assert not (diff := same_lines(ours, expected_lines("ping data: ", size))), diff
-    assert attempt.guest_rc == 0, attempt.describe()
+    assert rping_status(attempt.guest_rc, attempt.guest_out) == 0, attempt.describe()
     kernel = data_lines(attempt.guest_out, "server ping data: ")
     assert not (diff := same_lines(kernel, expected_lines("server ping data: ", size))), diff
     if attempt.wire is not None:
@@ -417,7 +432,7 @@ async def test_our_server_kernel_client(
         guest, tmp_path, netns_tcpdump, crc=crc, size=64, library=False
     )
     done = server["done"]
-    assert result.returncode == 0, f"{result.output}\nour server: {done}"
+    assert rping_status(result.returncode, result.output) == 0, f"{result.output}\nour: {done}"
     kernel = data_lines(result.output, "ping data: ")
     assert not (diff := same_lines(kernel, expected_lines("ping data: ", 64))), diff
     assert done.returncode == 0, done
@@ -438,7 +453,7 @@ async def test_our_server_library_kernel_client_large(
     result, server, wire = await our_server_kernel_client(
         guest, tmp_path, netns_tcpdump, crc=True, size=size, library=True
     )
-    assert result.returncode == 0, f"{result.output}\nour server: {server}"
+    assert rping_status(result.returncode, result.output) == 0, f"{result.output}\n{server}"
     kernel = data_lines(result.output, "ping data: ")
     assert not (diff := same_lines(kernel, expected_lines("ping data: ", size))), diff
     ping_result = server["done"]
@@ -604,7 +619,7 @@ async def test_parallel_kernel_servers_our_clients(guest: siwvm.Guest) -> None:
         last = slot[-1]
         assert not last.error, "\n".join(a.describe() for a in slot)
         assert last.data == want_ours, last.describe()
-        assert last.guest_rc == 0, last.describe()
+        assert rping_status(last.guest_rc, last.guest_out) == 0, last.describe()
         kernel = data_lines(last.guest_out, "server ping data: ")
         assert not (diff := same_lines(kernel, want_kernel)), f"{diff}\n{last.describe()}"
 
@@ -650,7 +665,7 @@ async def test_parallel_our_servers_kernel_clients(guest: siwvm.Guest) -> None:
     for i in range(PARALLEL):
         out = job.path(f"c{i}.out").read_text(errors="replace")
         rc = int(job.path(f"c{i}.rc").read_text().strip())
-        assert rc == 0, f"client {i} (port {box['ports'][i]}): rc {rc}\n{out}"
+        assert rping_status(rc, out) == 0, f"client {i} (port {box['ports'][i]}): rc {rc}\n{out}"
         assert not (diff := same_lines(data_lines(out, "ping data: "), want)), f"{diff}\n{out}"
         assert results[i].pings == PARALLEL_COUNT and results[i].disconnected_by_peer
         assert seen[i] == [c_string(ping_data(n, PARALLEL_SIZE)) for n in range(PARALLEL_COUNT)]
@@ -828,7 +843,7 @@ async def test_kernel_rejects_mpa_markers(guest: siwvm.Guest, tmp_path: Path) ->
     assert attempt.ok, f"{log.summary()}; the last one failed:\n{attempt.describe()}"
     ours = data_lines(attempt.client.stdout, "ping data: ")
     assert not (diff := same_lines(ours, expected_lines("ping data: ", 64))), diff
-    assert attempt.guest_rc == 0, attempt.describe()
+    assert rping_status(attempt.guest_rc, attempt.guest_out) == 0, attempt.describe()
 
 
 RPING_CLIENT_FAILS = r"""

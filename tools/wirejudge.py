@@ -294,16 +294,27 @@ class Judge:
         for what, after in pkt.broken:
             info = infos[pkt.pdus.index(after)] if after is not None else {}
             entry = {"frame": pkt.number, "what": what}
-            short_send = info.get("opcode") in (3, 4) and 0 <= (info.get("payload_len") or 0) < 16
-            if "RPCoRDMA" in what and short_send:
-                entry["why_ignored"] = (
-                    "tshark's rpcordma heuristic reads 16 bytes of a shorter Send"
-                )
-                self.quirks.append(entry)
+            why = self.quirk(what, info, after)
+            if why:
+                self.quirks.append({**entry, "why_ignored": why})
             else:
                 self.malformed.append(entry)
         for expert in pkt.experts:
             self.expert(pkt, expert)
+
+    @staticmethod
+    def quirk(what: str, info: dict[str, Any], pdu: Pdu | None) -> str:
+        """Why a "Malformed Packet" is tshark 4.0's mistake, not the wire's ("" if it is not)."""
+        short_send = info.get("opcode") in (3, 4) and 0 <= (info.get("payload_len") or 0) < 16
+        if "RPCoRDMA" in what and short_send:
+            return "tshark's rpcordma heuristic reads 16 bytes of a shorter Send"
+        chunked = pdu is not None and any(
+            number(r, "rpcordma.writes_count") for r in pdu.upper.get("rpcordma", [])
+        )
+        if "NFS" in what and chunked:
+            # RFC 8166 3.4.5: the READ data went by RDMA Write into the write chunk.
+            return "tshark 4.0 looks for data inline that an RPC-over-RDMA Write chunk carried"
+        return ""
 
     def expert(self, pkt: Packet, expert: dict[str, str]) -> None:
         proto, message = expert["proto"], expert["message"]
@@ -507,7 +518,7 @@ class Judge:
             self.rpc.append({
                 "frame": pkt.number,
                 "xid": text(r, "rpc.xid"),
-                "type": {0: "Call", 1: "Reply"}.get(number(r, "rpc.msgtyp") or -1, "?"),
+                "type": {"0": "Call", "1": "Reply"}.get(text(r, "rpc.msgtyp") or "", "?"),
                 "program": label(r, "rpc.program"),
                 "version": number(r, "rpc.programversion"),
                 "procedure": label(r, "rpc.procedure"),
