@@ -30,7 +30,6 @@ libelf-dev, bc, kmod, e2fsprogs (mkfs.ext4 -d). The cache is
 from __future__ import annotations
 
 import argparse
-import glob
 import gzip
 import hashlib
 import json
@@ -56,7 +55,8 @@ PACKAGES = [
 """Installed into the root file system with apt (``--no-install-recommends``)."""
 MODULES = [
     "virtio_pci", "virtio_blk", "virtio_net", "virtio_rng", "9p", "9pnet_virtio",
-    "ext4", "crc32c_generic", "libcrc32c", "af_packet", "tun", "veth", "bridge",
+    "ext4", "crc32c_generic", "libcrc32c", "crc32_generic", "crc32_pclmul",  # rxe: crc32
+    "af_packet", "tun", "veth", "bridge",
     "ib_core", "ib_uverbs", "ib_umad", "iw_cm", "ib_cm", "rdma_cm", "rdma_ucm", "rdma_rxe",
     "rds", "rds_rdma", "rds_tcp", "rpcrdma", "sunrpc", "auth_rpcgss", "lockd",
     "nfsd", "nfs", "nfsv3", "nfsv4",
@@ -126,11 +126,15 @@ def unpack(deb: Path, dest: Path) -> None:
     run(["dpkg-deb", "-x", str(deb), str(dest)])
 
 
-def sources() -> list[tuple[str, list[str], list[str]]]:
-    """The host's apt sources: (URI, suites, components) of every ``deb`` entry."""
+APT_ETC = Path("/etc/apt")
+
+
+def sources(etc: Path = APT_ETC) -> list[tuple[str, list[str], list[str]]]:
+    """The host's apt sources: (URI, suites, components) of every ``deb`` entry, from
+    ``sources.list.d/*.sources`` (deb822) and ``sources.list`` / ``sources.list.d/*.list``."""
     entries: list[tuple[str, list[str], list[str]]] = []
-    for path in sorted(glob.glob("/etc/apt/sources.list.d/*.sources")):
-        for stanza in re.split(r"\n\s*\n", Path(path).read_text()):
+    for path in sorted((etc / "sources.list.d").glob("*.sources")):
+        for stanza in re.split(r"\n\s*\n", path.read_text()):
             fields: dict[str, str] = {}
             for line in stanza.splitlines():
                 if line.strip().startswith("#") or ":" not in line:
@@ -140,12 +144,13 @@ def sources() -> list[tuple[str, list[str], list[str]]]:
             if "deb" in fields.get("types", "").split() and fields.get("enabled", "yes") != "no":
                 for uri in fields.get("uris", "").split():
                     entries.append(
-                        (uri, fields.get("suites", "").split(), fields["components"].split())
+                        (
+                            uri,
+                            fields.get("suites", "").split(),
+                            fields.get("components", "").split(),
+                        )
                     )
-    listed = [
-        Path("/etc/apt/sources.list"),
-        *map(Path, glob.glob("/etc/apt/sources.list.d/*.list")),
-    ]
+    listed = [etc / "sources.list", *sorted((etc / "sources.list.d").glob("*.list"))]
     for path in listed:
         if not path.is_file():
             continue
