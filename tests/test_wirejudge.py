@@ -244,6 +244,16 @@ def test_rule_tshark_accepts(tmp_path: Path, fault: dict[str, Any], rule: str) -
     assert quiet["lint"] == [] and (rc == 0) == (quiet["problems"] == [])
 
 
+def test_tcp_retransmission_is_set_aside(tmp_path: Path) -> None:
+    """tshark frames no retransmitted copy; TCP's business, listed apart, not a problem."""
+    cap = session()
+    # Frames: 0-2 handshake, 3-4 MPA, 5 Send, 6 Read Request, 7 Read Response; send 7 again.
+    cap.frames.append(cap.frames[7])
+    rc, result = judge(cap.write(tmp_path / "retransmit.pcap"))
+    assert rc == 0 and result["undissected_payload"] == [], json.dumps(result, indent=1)
+    assert [r["frame"] for r in result["retransmitted_payload"]] == [len(cap.frames)]
+
+
 def test_pad_from_a_named_sender_is_set_aside(tmp_path: Path) -> None:
     pcap = session(pad=0xAA).write(tmp_path / "pad.pcap")
     rc, result = judge(pcap, "--pad-from", SERVER)  # not the sender: still a problem
