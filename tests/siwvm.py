@@ -173,12 +173,14 @@ def guest_python_deps(log: Callable[[str], Any] = print) -> Path:
 
 
 def stage_tree(dest: Path) -> Path:
-    """Copy the working tree to ``dest`` in the installed package layout."""
+    """Copy the working tree to ``dest`` in the installed package layout (with ``tests``
+    and ``tools``)."""
     shutil.rmtree(dest, ignore_errors=True)
     ignore = shutil.ignore_patterns("__pycache__", "*.pyc", ".hypothesis", ".pytest_cache")
     dest.mkdir(parents=True)
     shutil.copy2(REPO / "pyproject.toml", dest / "pyproject.toml")
     shutil.copytree(REPO / "tests", dest / "tests", ignore=ignore)
+    shutil.copytree(REPO / "tools", dest / "tools", ignore=ignore)  # siwvm imports tools/guest
     config = tomllib.loads((REPO / "pyproject.toml").read_text())
     package_dirs = config["tool"]["setuptools"]["package-dir"]
     for package, folder in sorted(package_dirs.items()):  # parents before children
