@@ -1,11 +1,11 @@
-"""The Linux kernel's siw in a QEMU guest as a test peer (``shared/tools/siwvm``).
+"""The Linux kernel's siw in a QEMU guest as a test peer (the test bed in ``tools/guest``).
 
 Helpers for ``tests/test_siw_interop.py``:
 
 * :func:`missing_requirements`: why a guest cannot be booted here (root, QEMU,
-  ``ip``, the harness scripts, the image that ``build.sh`` makes).
-* :func:`netns_up`: the host network namespace ``siwvm`` (bridge ``br0`` =
-  :data:`HOST_IP`, taps for the guests), made by ``netns.sh``.
+  ``ip``, the image that ``tools/guest/build.py`` makes).
+* :func:`netns_up`: the host network namespace :data:`NETNS` (bridge :data:`BRIDGE`
+  = :data:`HOST_IP`, taps for the guests), made by ``tools/guest/netns.py``.
 * :class:`Guest`: boots one guest in that namespace with an *agent* as its
   script. The agent loads siw, adds ``siw0`` on ``eth0``, touches a readiness
   file in the share, then runs the shell *jobs* the host drops into the share
@@ -17,14 +17,15 @@ Helpers for ``tests/test_siw_interop.py``:
   guest's python3 (``pip install --target``, cached), and a copy of this tree in the
   installed layout; pass them as ``Guest(puts=[tree], sync=deps)`` and run Python
   with ``PYTHONPATH=/host/src:/sync``.
-* :func:`capture` / :func:`judge`: tcpdump on the bridge and check_pcap's verdict,
-  less what the kernel's siw sends that is not ours to fix.
+* :func:`capture` / :func:`judge`: tcpdump on the bridge and the wire judge's verdict
+  (``tools/wirejudge.py``), less what the kernel's siw sends that is not ours to fix.
 * :func:`netns_cmd` / :func:`run_in_netns`: a host command inside the namespace;
   :func:`in_netns`: a host coroutine inside it (its own trio loop in a thread
-  that entered the namespace). ``wirecap.tcpdump(..., interface="br0",
+  that entered the namespace). ``wirecap.tcpdump(..., interface=BRIDGE,
   netns=NETNS)`` records the guest's traffic.
 
-Host and guest share files through 9p (``$CACHE/run/NAME/share`` = ``/host``).
+Host and guest share files through 9p (``run/NAME/share`` of the test bed's
+cache = ``/host``; see ``tools/guest/guestbed.py``).
 Everything here is synchronous or plain polling, so the guest can live in a
 module-scoped fixture while the tests run in their own trio loops.
 """
@@ -55,15 +56,16 @@ import trio
 
 import wirecap
 
-NETNS = "siwvm"
-HOST_IP = "10.77.0.1"
+REPO = Path(__file__).resolve().parent.parent
+GUEST_TOOLS = REPO / "tools" / "guest"
+sys.path.insert(0, str(GUEST_TOOLS))
+import guestbed  # noqa: E402  (tools/guest/guestbed.py: the test bed's cache and network plan)
+
+NETNS = guestbed.NETNS
+BRIDGE = guestbed.BRIDGE
+HOST_IP = guestbed.BRIDGE_IP
 """The host's address on the namespace's bridge."""
 GUEST_IP = "10.77.0.10"
-CACHE_ENV = "CACHE"
-"""``build.sh`` / ``boot.sh`` read the artefact directory from ``$CACHE``."""
-DEFAULT_CACHE = Path("/var/tmp/siwvm-cache")
-SIWVM_ENV = "RDMASHIM_SIWVM"
-"""Overrides where ``shared/tools/siwvm`` is."""
 SIW_KO_ENV = "RDMASHIM_SIW_KO"
 """A ``siw.ko`` (built for the guest's kernel) to load instead of the image's own."""
 BOOT_TIMEOUT = 90.0
@@ -100,40 +102,34 @@ echo "agent: $((n - 1)) jobs"
 """
 
 
-def siwvm_dir() -> Path:
-    """``shared/tools/siwvm``: ``$RDMASHIM_SIWVM``, else beside the wire tools."""
-    env = os.environ.get(SIWVM_ENV)
-    if env:
-        return Path(env).expanduser().resolve()
-    return wirecap.check_pcap_path().parent.parent / "siwvm"
+def tap(index: int) -> str:
+    """The name of the namespace's tap number ``index``."""
+    return guestbed.TAP.format(index)
 
 
 def cache_dir() -> Path:
-    return Path(os.environ.get(CACHE_ENV) or DEFAULT_CACHE)
+    """The test bed's cache (``$RDMASHIM_GUEST_CACHE``, default ``/var/tmp/rdmashim-guest``)."""
+    return guestbed.cache_dir()
+
+
+def guest_tool(name: str) -> list[str]:
+    """The command that runs ``tools/guest/NAME.py``."""
+    return [sys.executable, str(GUEST_TOOLS / f"{name}.py")]
 
 
 def missing_requirements() -> str | None:
     """Why a guest cannot be booted here, or None when it can."""
     if not hasattr(os, "geteuid") or os.geteuid() != 0:
         return "the siw guest needs root (network namespace, tap devices)"
-    for tool in ("qemu-system-x86_64", "ip"):
+    for tool, package in (("qemu-system-x86_64", "qemu-system-x86"), ("ip", "iproute2")):
         if shutil.which(tool) is None:
-            return f"{tool} not installed (see shared/tools/siwvm/README.md)"
-    tools = siwvm_dir()
-    for script in ("boot.sh", "netns.sh"):
-        if not (tools / script).is_file():
-            return f"{tools / script} not found (set {SIWVM_ENV})"
-    out = cache_dir() / "out"
-    for artefact in ("vmlinuz", "initrd.gz", "rootfs.ext4"):
-        if not (out / artefact).is_file():
-            return f"{out / artefact} missing: run {tools / 'build.sh'} first"
-    return None
+            return f"{tool} not installed (apt-get install {package}; see the README's test levels)"
+    return guestbed.missing_image()
 
 
 # ---------------------------------------------------------------- Python in the guest
 GUEST_DEPS = ["pytest", "pytest-trio", "trio", "crc32c", "hypothesis"]
 """What rdmashim and its tests need beyond the guest's python3 and python3-cffi."""
-REPO = Path(__file__).resolve().parent.parent
 
 
 def pinned_deps() -> list[str]:
@@ -177,12 +173,14 @@ def guest_python_deps(log: Callable[[str], Any] = print) -> Path:
 
 
 def stage_tree(dest: Path) -> Path:
-    """Copy the working tree to ``dest`` in the installed package layout."""
+    """Copy the working tree to ``dest`` in the installed package layout (with ``tests``
+    and ``tools``)."""
     shutil.rmtree(dest, ignore_errors=True)
     ignore = shutil.ignore_patterns("__pycache__", "*.pyc", ".hypothesis", ".pytest_cache")
     dest.mkdir(parents=True)
     shutil.copy2(REPO / "pyproject.toml", dest / "pyproject.toml")
     shutil.copytree(REPO / "tests", dest / "tests", ignore=ignore)
+    shutil.copytree(REPO / "tools", dest / "tools", ignore=ignore)  # siwvm imports tools/guest
     config = tomllib.loads((REPO / "pyproject.toml").read_text())
     package_dirs = config["tool"]["setuptools"]["package-dir"]
     for package, folder in sorted(package_dirs.items()):  # parents before children
@@ -213,17 +211,13 @@ def netns_up(taps: int = 2) -> bool:
         ).stdout.split()
     )
     subprocess.run(
-        [str(siwvm_dir() / "netns.sh"), "up", str(taps)],
-        capture_output=True,
-        text=True,
-        check=True,
-        env={**os.environ, "NS": NETNS},
+        [*guest_tool("netns"), "up", str(taps)], capture_output=True, text=True, check=True
     )
     return not existed
 
 
 def netns_down() -> None:
-    subprocess.run([str(siwvm_dir() / "netns.sh"), "down"], capture_output=True, check=False)
+    subprocess.run([*guest_tool("netns"), "down"], capture_output=True, check=False)
 
 
 def netns_cmd(*argv: str) -> list[str]:
@@ -298,26 +292,6 @@ async def wait_listening(port: int, limit: float = 10.0) -> None:
             await trio.sleep(POLL)
 
 
-async def frame_facts(pcap: Path) -> tuple[dict[int, str], set[int]]:
-    """Per frame of ``pcap`` (tshark): its source IP address; and the TCP retransmissions."""
-    fields = ["-e", "frame.number", "-e", "ip.src", "-e", "tcp.analysis.retransmission"]
-    out = await trio.run_process(
-        ["tshark", "-r", str(pcap), "-T", "fields", *fields],
-        capture_stdout=True,
-        capture_stderr=True,
-        check=False,
-    )
-    sources: dict[int, str] = {}
-    retransmissions: set[int] = set()
-    for line in out.stdout.decode().splitlines():
-        number, src, retrans = ([*line.split("\t"), "", ""])[:3]
-        if number.strip().isdigit():
-            sources[int(number)] = src.strip()
-            if retrans.strip():
-                retransmissions.add(int(number))
-    return sources, retransmissions
-
-
 # ---------------------------------------------------------------- the guest
 
 
@@ -326,7 +300,7 @@ NO_CAPTURE_ENV = "RDMASHIM_SIW_NO_CAPTURE"
 
 
 def can_capture() -> bool:
-    """Whether captures can be taken (tcpdump, tshark, check_pcap; not switched off)."""
+    """Whether captures can be taken (root, tcpdump, tshark; not switched off)."""
     return not wirecap.missing_requirements() and os.environ.get(NO_CAPTURE_ENV) != "1"
 
 
@@ -337,40 +311,24 @@ async def capture(enabled: bool, pcap: Path, port: int) -> AsyncIterator[Any]:
     if not enabled:
         yield None
         return
-    async with wirecap.tcpdump(pcap, port, interface="br0", netns=NETNS) as cap:
+    async with wirecap.tcpdump(pcap, port, interface=BRIDGE, netns=NETNS) as cap:
         yield cap
 
 
 async def judge(pcap: Path, port: int, guest_ip: str = GUEST_IP) -> dict[str, Any]:
-    """check_pcap.py's verdict, less two findings that are not ours to fix.
+    """The wire judge's verdict on a capture with the guest, less siw's non-zero PAD.
 
-    Set aside (and counted): siw's non-zero PAD bytes (``mpa.pad`` lint) in frames
-    the guest sent, and TCP retransmissions, which check_pcap reports as payload
-    "not dissected as MPA" (tshark does not frame a retransmitted copy; a slow TCG
-    guest's delayed ACKs provoke tail-loss probes). Adds ``our_problems`` (must be
-    empty), ``guest_pad`` and ``retransmissions``.
+    The kernel's siw sends PAD bytes that are not zero (a receiver ignores them;
+    the judge sets them aside with ``--pad-from``). TCP retransmissions (a slow TCG
+    guest's delayed ACKs provoke tail-loss probes) are not framed by tshark; the
+    judge lists them apart. Adds ``our_problems`` (must be empty), ``guest_pad``
+    (the PAD findings set aside) and ``retransmissions`` (their frame numbers).
     """
-    rc, result, _ = await wirecap.check_pcap(pcap, port)
-    sources, retransmissions = await frame_facts(pcap)
-    lint = result.get("lint", [])
-    guest_pad = [p for p in lint if p["rule"] == "mpa.pad" and sources.get(p["frame"]) == guest_ip]
-    other_lint = [p for p in lint if p not in guest_pad]
-    undissected = [
-        u for u in result.get("undissected_payload", []) if u["frame"] not in retransmissions
-    ]
-    problems = [
-        p
-        for p in result.get("problems", [])
-        if "(lint)" not in p and "not dissected as MPA" not in p
-    ]
-    if other_lint:
-        problems.append(f"lint: {other_lint}")
-    if undissected:
-        problems.append(f"payload not dissected as MPA: {undissected}")
-    result["our_problems"] = problems
-    result["guest_pad"] = guest_pad
-    result["retransmissions"] = sorted(retransmissions)
-    result["check_pcap_rc"] = rc
+    rc, result, _ = await wirecap.judge_capture(pcap, port, "--pad-from", guest_ip)
+    result["our_problems"] = list(result.get("problems", []))
+    result["guest_pad"] = result.get("pad_ignored", [])
+    result["retransmissions"] = [r["frame"] for r in result.get("retransmitted_payload", [])]
+    result["judge_rc"] = rc
     return result
 
 
@@ -427,7 +385,7 @@ class Guest:
         name: str = "rdmashim-interop",
         *,
         ip: str = GUEST_IP,
-        tap: str = "tap0",
+        tap: str = guestbed.TAP.format(0),
         smp: int = 2,
         mem: int = 1024,
         lifetime: float = 1800.0,
@@ -446,7 +404,7 @@ class Guest:
         self.smp = smp
         self.mem = mem
         self.lifetime = lifetime
-        self.run_dir = cache_dir() / "run" / name
+        self.run_dir = guestbed.run_dir(name)
         self.share = self.run_dir / "share"
         self.log_path = cache_dir() / "run" / f"{name}.boot.log"
         self.proc: subprocess.Popen[bytes] | None = None
@@ -467,11 +425,11 @@ class Guest:
         agent.parent.mkdir(parents=True, exist_ok=True)
         agent.write_text(_AGENT.replace("__TOKEN__", self._token))
         cmd = [
-            str(siwvm_dir() / "boot.sh"), "--name", self.name, "--smp", str(self.smp),
+            *guest_tool("boot"), "--name", self.name, "--smp", str(self.smp),
             "--mem", str(self.mem), "--netns", NETNS, "--net", f"tap:{self.tap}",
             "--ip", f"{self.ip}/24", "--timeout", str(int(self.lifetime)),
         ]  # fmt: skip
-        if self.siw_ko is not None:  # boot.sh --put copies it into the share as /host/siw.ko
+        if self.siw_ko is not None:  # boot.py --put copies it into the share as /host/siw.ko
             staged = cache_dir() / "run" / f"{self.name}.module" / "siw.ko"
             staged.parent.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(self.siw_ko, staged)
@@ -488,7 +446,7 @@ class Guest:
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=subprocess.STDOUT,
-                start_new_session=True,  # boot.sh, timeout and QEMU: one process group
+                start_new_session=True,  # boot.py and QEMU: one process group
             )
         ready = self.share / f"ready.{self._token}"
         while not ready.exists():
@@ -522,7 +480,7 @@ class Guest:
         proc = self.proc
         if proc is not None:
             with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)  # QEMU too, not only boot.sh
+                os.killpg(proc.pid, signal.SIGKILL)  # QEMU too, not only boot.py
             proc.wait()
 
     async def ensure_async(self) -> Path | None:

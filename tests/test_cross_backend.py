@@ -4,11 +4,11 @@ The guest (``tests/siwvm.py``; its own tap and address, so the kernel interop
 module's guest can coexist) runs ``tests/xb_agent.py`` with
 ``RDMASHIM_BACKEND=rdmacore`` from a staged copy of this tree, with trio and
 crc32c from ``siwvm.guest_python_deps``; the host runs the same agent's
-functions on the built-in engine inside the ``siwvm`` namespace. Both ways
+functions on the built-in engine inside the test bed's namespace (``siwvm.NETNS``). Both ways
 round, host initiator and guest responder then the other way, each side
 sends, RDMA-writes 1 MiB into the other's region and RDMA-reads 1 MiB out of
 it, and checks the bytes; the traffic is captured on the bridge and judged by
-``check_pcap.py``.
+the wire judge (``tools/wirejudge.py``).
 """
 
 from __future__ import annotations
@@ -43,13 +43,13 @@ can lose one that arrives just after its MPA Reply (docs/interop.md)."""
 
 @pytest.fixture(scope="module")
 def guest() -> Iterator[siwvm.Guest]:
-    """A guest on tap1 with this tree and its Python dependencies (skipped where it cannot boot)."""
+    """A guest on tap 1 with this tree and its Python dependencies (skipped where none boots)."""
     siwvm.require_guest()
     siwvm.netns_up()
     name = "rdmashim-xb"
     deps = siwvm.guest_python_deps()
     src = siwvm.stage_tree(siwvm.cache_dir() / "run" / f"{name}.stage" / "src")
-    vm = siwvm.Guest(name, ip=GUEST_IP, tap="tap1", smp=1, puts=[src], sync=deps)
+    vm = siwvm.Guest(name, ip=GUEST_IP, tap=siwvm.tap(1), smp=1, puts=[src], sync=deps)
     try:
         vm.start()
         yield vm
@@ -72,17 +72,17 @@ async def verdict(ours: dict[str, Any], done: siwvm.JobResult, pcap: Path | None
     assert done.returncode == 0, done.output
     assert ours["backend"] == theirs["peer backend"] == "softiwarp", (ours, theirs)
     assert theirs["backend"] == ours["peer backend"] == "rdmacore", (ours, theirs)
-    assert theirs["device"] == "siw0" and ours["device"] == "siw_br0", (ours, theirs)
+    assert theirs["device"] == "siw0" and ours["device"] == f"siw_{siwvm.BRIDGE}", (ours, theirs)
     for side in (ours, theirs):
         assert side["read ok"] and side["written ok"] and side["peer done"] == "done", side
     assert ours["private data"] == "xb " + theirs["role"] + " rdmacore"
     assert theirs["private data"] == "xb " + ours["role"] + " softiwarp"
     if pcap is None:
         return
-    # check_pcap's verdict, less siw's PAD bytes and TCP retransmissions (siwvm.judge).
+    # The wire judge's verdict, less siw's PAD bytes and TCP retransmissions (siwvm.judge).
     result = await siwvm.judge(pcap, PORT, GUEST_IP)
     text = wirecap.summary(result)
-    assert not result["our_problems"], f"check_pcap found problems:\n{text}"
+    assert not result["our_problems"], f"the wire judge found problems:\n{text}"
     assert set(result.get("rdmap_opcodes", {})) >= OPCODES, text
 
 

@@ -2,8 +2,8 @@
 
 Messages of one and several fragments, acks, and RDMA by cookie (a Write and
 a Read, each followed by the message chasing it) between two loopback nodes;
-``check_pcap.py`` must frame every FPDU and find the RDMAP traffic in order,
-and every Send must hold a well-formed RDS header.
+the wire judge (``tools/wirejudge.py``) must frame every FPDU and find the RDMAP
+traffic in order, and every Send must hold a well-formed RDS header.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ A, B = "127.0.0.1", "127.0.0.2"
 
 @pytest.fixture
 def wire_tools() -> None:
-    """Skip where tcpdump, tshark, root or shared/tools are missing (see test_wire)."""
+    """Skip where tcpdump, tshark or root are missing (see test_wire)."""
     why = wirecap.missing_requirements()
     if why:
         pytest.skip(why)
@@ -62,10 +62,10 @@ async def test_rds_traffic_with_rdma(wire_tools: None, tmp_path: Path) -> None:
                 await close([a, b])  # inside the capture: the connection's end is in it
         # Not RPC: Wireshark's RPC-over-RDMA heuristic would take an RDS header whose
         # sequence and ack are both 1 for an RDMA_NOMSG (xid 0, vers 1, proc 1).
-        rc, result, _ = await wirecap.check_pcap(pcap, a.port, "--no-rpcrdma")
+        rc, result, _ = await wirecap.judge_capture(pcap, a.port, "--no-rpcrdma")
     text = wirecap.summary(result)
     assert cap.dropped == 0, f"incomplete capture: {cap.stderr}"
-    assert rc == 0, f"check_pcap found problems:\n{text}"
+    assert rc == 0, f"the wire judge found problems:\n{text}"
     opcodes = result.get("rdmap_opcodes", {})
     assert {"Send", "Write", "Read Request", "Read Response"} <= set(opcodes), text
     sends = [f for f in result["fpdu_list"] if f.get("opcode") == 3]

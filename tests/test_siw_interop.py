@@ -1,9 +1,9 @@
 """rping between our engine and the Linux kernel's siw (a QEMU guest, ``tests/siwvm.py``).
 
-One guest boots per module (about 12 s under TCG) in the host network namespace
-``siwvm``; the host side runs ``rdmashim ping`` inside that namespace. Each test
+One guest boots per module (about 12 s under TCG) in the test bed's host network
+namespace (``siwvm.NETNS``); the host side runs ``rdmashim ping`` inside that namespace. Each test
 captures the connection with tcpdump on the namespace's bridge and has
-``check_pcap.py`` (Wireshark's dissectors) judge it: our frames must be clean;
+``tools/wirejudge.py`` (Wireshark's dissectors) judge it: our frames must be clean;
 the only finding tolerated is siw's non-zero PAD bytes (``mpa.pad``) in frames
 the guest sent.
 
@@ -23,7 +23,7 @@ the guest sent.
 **Known siw bug (responder race).** When the initiator's first FPDU follows the
 MPA Reply within about a millisecond, the kernel's siw responder sometimes never
 serves it: our client, the initiator, waits forever for the go-ahead of ping 0
-(see the siwvm README and the report in ``test_initiator_race_rate``). An
+(see docs/interop.md and the report in ``test_initiator_race_rate``). An
 attempt that fails with exactly that signature is retried (at most
 :data:`RACE_ATTEMPTS` times, and reported); any other failure fails the test.
 No delay is added anywhere. ``RDMASHIM_SIW_RACE_RUNS=N`` makes
@@ -31,8 +31,10 @@ No delay is added anywhere. ``RDMASHIM_SIW_RACE_RUNS=N`` makes
 ``RDMASHIM_SIW_KO=path/to/siw.ko`` runs everything against another siw build
 (for example one with the fix proposed for ``siw_accept``).
 
-Needs root, QEMU and the image built by ``shared/tools/siwvm/build.sh``; skipped
-otherwise. The capture needs tcpdump and tshark, and is left out without them.
+Needs root, QEMU and the image built by ``tools/guest/build.py``; skipped
+otherwise, the skip naming what is missing (a failure under
+``RDMASHIM_REQUIRE_INTEROP=1``). The capture needs tcpdump and tshark, and is
+left out without them.
 """
 
 from __future__ import annotations
@@ -130,7 +132,7 @@ def check_wire(
 ) -> None:
     """Clean wire, MPA start frames as asked (``req_crc``: the Request's C bit), every FPDU."""
     text = wirecap.summary(result)
-    assert not result["our_problems"], f"check_pcap found problems:\n{text}"
+    assert not result["our_problems"], f"the wire judge found problems:\n{text}"
     starts = result["mpa_start_frames"]
     assert (starts["req"], starts["rep"]) == (1, 1), text
     for frame in starts["frames"]:
@@ -146,6 +148,21 @@ def check_wire(
     opcodes = result["rdmap_opcodes"]
     assert opcodes.get("Read Request") == COUNT and opcodes.get("Write", 0) >= COUNT, text
     assert opcodes.get("Send") == 4 * COUNT, text
+
+
+RPING_EXIT_RACE = "rdma_get_cm_event: Bad file descriptor"
+"""What the guest's rping (rdma-core 44, Debian 12) prints when its CM thread reads the event
+channel its main thread has just destroyed after a successful run; it then exits 255.
+rdma-core fixed it in 2025 ("rping: Fix spurious failure return codes", PR 1622)."""
+
+
+def rping_status(returncode: int, output: str) -> int:
+    """rping's exit status, with the exit race above counted as the success it is (the tests
+    check every ping's data besides, so a real failure still shows)."""
+    if returncode == 255 and RPING_EXIT_RACE in output:
+        print(f"rping exit 255 from its exit race ({RPING_EXIT_RACE!r}): counted as 0")
+        return 0
+    return returncode
 
 
 def expected_lines(prefix: str, size: int, count: int = COUNT) -> list[str]:
@@ -337,7 +354,7 @@ async def test_kernel_server_our_client(
     assert attempt.ok, f"{log.summary()}; the last one failed:\n{attempt.describe()}"
     ours = data_lines(attempt.client.stdout, "ping data: ")
     assert not (diff := same_lines(ours, expected_lines("ping data: ", size))), diff
-    assert attempt.guest_rc == 0, attempt.describe()
+    assert rping_status(attempt.guest_rc, attempt.guest_out) == 0, attempt.describe()
     kernel = data_lines(attempt.guest_out, "server ping data: ")
     assert not (diff := same_lines(kernel, expected_lines("server ping data: ", size))), diff
     if attempt.wire is not None:
@@ -415,7 +432,7 @@ async def test_our_server_kernel_client(
         guest, tmp_path, netns_tcpdump, crc=crc, size=64, library=False
     )
     done = server["done"]
-    assert result.returncode == 0, f"{result.output}\nour server: {done}"
+    assert rping_status(result.returncode, result.output) == 0, f"{result.output}\nour: {done}"
     kernel = data_lines(result.output, "ping data: ")
     assert not (diff := same_lines(kernel, expected_lines("ping data: ", 64))), diff
     assert done.returncode == 0, done
@@ -436,7 +453,7 @@ async def test_our_server_library_kernel_client_large(
     result, server, wire = await our_server_kernel_client(
         guest, tmp_path, netns_tcpdump, crc=True, size=size, library=True
     )
-    assert result.returncode == 0, f"{result.output}\nour server: {server}"
+    assert rping_status(result.returncode, result.output) == 0, f"{result.output}\n{server}"
     kernel = data_lines(result.output, "ping data: ")
     assert not (diff := same_lines(kernel, expected_lines("ping data: ", size))), diff
     ping_result = server["done"]
@@ -602,7 +619,7 @@ async def test_parallel_kernel_servers_our_clients(guest: siwvm.Guest) -> None:
         last = slot[-1]
         assert not last.error, "\n".join(a.describe() for a in slot)
         assert last.data == want_ours, last.describe()
-        assert last.guest_rc == 0, last.describe()
+        assert rping_status(last.guest_rc, last.guest_out) == 0, last.describe()
         kernel = data_lines(last.guest_out, "server ping data: ")
         assert not (diff := same_lines(kernel, want_kernel)), f"{diff}\n{last.describe()}"
 
@@ -648,7 +665,7 @@ async def test_parallel_our_servers_kernel_clients(guest: siwvm.Guest) -> None:
     for i in range(PARALLEL):
         out = job.path(f"c{i}.out").read_text(errors="replace")
         rc = int(job.path(f"c{i}.rc").read_text().strip())
-        assert rc == 0, f"client {i} (port {box['ports'][i]}): rc {rc}\n{out}"
+        assert rping_status(rc, out) == 0, f"client {i} (port {box['ports'][i]}): rc {rc}\n{out}"
         assert not (diff := same_lines(data_lines(out, "ping data: "), want)), f"{diff}\n{out}"
         assert results[i].pings == PARALLEL_COUNT and results[i].disconnected_by_peer
         assert seen[i] == [c_string(ping_data(n, PARALLEL_SIZE)) for n in range(PARALLEL_COUNT)]
@@ -826,7 +843,7 @@ async def test_kernel_rejects_mpa_markers(guest: siwvm.Guest, tmp_path: Path) ->
     assert attempt.ok, f"{log.summary()}; the last one failed:\n{attempt.describe()}"
     ours = data_lines(attempt.client.stdout, "ping data: ")
     assert not (diff := same_lines(ours, expected_lines("ping data: ", 64))), diff
-    assert attempt.guest_rc == 0, attempt.describe()
+    assert rping_status(attempt.guest_rc, attempt.guest_out) == 0, attempt.describe()
 
 
 RPING_CLIENT_FAILS = r"""

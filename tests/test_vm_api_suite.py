@@ -1,4 +1,4 @@
-"""The shared API suite (``tests/api``) inside the siw VM, for every registered backend.
+"""The shared API suite (``tests/api``) inside the test bed's guest, for every registered backend.
 
 One guest boots for the module: ``tools/vm_api_suite.py --json`` (the developer
 command of the README) runs ``python3 -m pytest tests/api`` in it once per

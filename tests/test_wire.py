@@ -2,11 +2,11 @@
 
 Each test captures one loopback connection with tcpdump (from before the MPA
 Request to after the FINs), drives every RDMAP opcode over it, ends it with a
-Terminate, and runs ``shared/tools/wire/check_pcap.py`` on the capture: tshark
-must frame every FPDU, agree with every CRC, and find no RFC rule broken.
+Terminate, and runs the project's wire judge (``tools/wirejudge.py``) on the
+capture: tshark must frame every FPDU, agree with every CRC, and find no RFC rule
+broken.
 
-Needs root, tcpdump, tshark and the ``shared`` checkout beside this repository
-(or ``RDMASHIM_SHARED``); skipped otherwise.
+Needs root, tcpdump and tshark; skipped otherwise (the skip names what is missing).
 """
 
 from __future__ import annotations
@@ -182,7 +182,7 @@ VARIANTS = {
 
 @pytest.fixture
 def wire_tools() -> None:
-    """Skip (at run time) where tcpdump, tshark, root or shared/tools are missing.
+    """Skip (at run time) where tcpdump, tshark or root are missing.
 
     A synchronous fixture, so that the skip reason survives (a skip raised inside
     pytest-trio's run loses it).
@@ -207,13 +207,13 @@ async def test_wire(wire_tools: None, ctx: Any, tmp_path: Path, variant: str) ->
             )
             with trio.fail_after(OPS_TIMEOUT):
                 await scenario(client, server)
-        rc, result, _ = await wirecap.check_pcap(pcap, port)
+        rc, result, _ = await wirecap.judge_capture(pcap, port)
     text = wirecap.summary(result)
-    print(f"check_pcap.py {pcap} {port} -> exit {rc}\n{text}")
+    print(f"wirejudge.py {pcap} {port} -> exit {rc}\n{text}")
 
     print(f"tcpdump exit {cap.returncode}: {cap.stderr.strip()}")
     assert cap.dropped == 0, f"incomplete capture: {cap.stderr}"
-    assert rc == 0, f"check_pcap found problems:\n{text}"
+    assert rc == 0, f"the wire judge found problems:\n{text}"
     opcodes = result.get("rdmap_opcodes", {})
     assert set(opcodes) >= EXPECTED_OPCODES, f"missing {EXPECTED_OPCODES - set(opcodes)}:\n{text}"
     # 300 KiB in FPDUs of at most 64 KiB: at least 5 Write and 5 Read Response segments

@@ -1,15 +1,16 @@
-"""Capture a soft-iWARP connection with tcpdump and judge it with tshark (check_pcap.py).
+"""Capture a soft-iWARP connection with tcpdump and judge it with tshark (``tools/wirejudge.py``).
 
 Helpers for ``tests/test_wire.py``:
 
-* :func:`check_pcap_path` / :func:`missing_requirements`: where the judge lives and
-  whether this machine can run it (root, tcpdump, tshark, ``shared/tools``).
+* :func:`missing_requirements`: whether this machine can capture and judge
+  (root, tcpdump, tshark).
 * :func:`tcpdump`: an async context manager that captures ``tcp port PORT`` on ``lo``
   while its body runs, started before any byte of the connection so that the MPA
-  Request and Reply are in the capture, and stopped the way the README asks.
+  Request and Reply are in the capture, and stopped only after its last block is
+  written (see :data:`DRAIN_DELAY`).
 * :func:`open_listener`: a listener created before the capture starts, so its port
   is known; pass it to ``pairs.make_pair(listener=...)``.
-* :func:`check_pcap`: run the judge and return its exit code and JSON.
+* :func:`judge_capture`: run the project's wire judge and return its exit code and JSON.
 """
 
 from __future__ import annotations
@@ -29,9 +30,8 @@ from typing import Any
 
 import trio
 
-CHECK_PCAP = Path("tools/wire/check_pcap.py")
-"""The judge, relative to the ``shared`` directory."""
-SHARED_ENV = "RDMASHIM_SHARED"
+JUDGE = Path(__file__).resolve().parent.parent / "tools" / "wirejudge.py"
+"""The wire judge (tshark's dissectors and the RFC rules tshark does not check)."""
 STARTUP_TIMEOUT = 10.0
 """Seconds to wait for tcpdump's "listening on"."""
 DRAIN_DELAY = 1.5
@@ -41,22 +41,6 @@ BUFFER_KIB = 64 * 1024
 """Kernel capture buffer: lo carries 64 KiB segments, and tcpdump's default 2 MiB drops some."""
 
 
-def check_pcap_path() -> Path:
-    """``check_pcap.py``: under ``$RDMASHIM_SHARED`` if set, else ``../shared`` beside the repo.
-
-    ``RDMASHIM_SHARED`` may name the ``shared`` directory, its ``tools/wire``
-    directory or the script itself.
-    """
-    env = os.environ.get(SHARED_ENV)
-    if env:
-        base = Path(env).expanduser().resolve()
-        for candidate in (base / CHECK_PCAP, base / CHECK_PCAP.name, base):
-            if candidate.is_file():
-                return candidate
-        return base / CHECK_PCAP
-    return Path(__file__).resolve().parents[2] / "shared" / CHECK_PCAP
-
-
 def missing_requirements() -> str | None:
     """Why a wire test cannot run here, or None when it can."""
     if not hasattr(os, "geteuid") or os.geteuid() != 0:
@@ -64,9 +48,6 @@ def missing_requirements() -> str | None:
     for tool in ("tcpdump", "tshark"):
         if shutil.which(tool) is None:
             return f"{tool} not installed (apt-get install -y tshark tcpdump)"
-    path = check_pcap_path()
-    if not path.is_file():
-        return f"{path} not found (set {SHARED_ENV} to the shared/ directory)"
     return None
 
 
@@ -136,13 +117,14 @@ async def tcpdump(
         cap.returncode = proc.returncode
 
 
-async def check_pcap(path: Path, port: int, *options: str) -> tuple[int, dict[str, Any], str]:
-    """Run ``check_pcap.py`` on a capture: (exit code, parsed JSON, raw stdout).
+async def judge_capture(path: Path, port: int, *options: str) -> tuple[int, dict[str, Any], str]:
+    """Run ``tools/wirejudge.py --list`` on a capture: (exit code, parsed JSON, raw stdout).
 
-    ``options`` go to the judge, e.g. ``--no-rpcrdma`` for a ULP that is not RPC.
+    ``options`` go to the judge, e.g. ``--no-rpcrdma`` for a ULP that is not RPC,
+    ``--pad-from ADDR`` for a peer (Linux siw) that sends non-zero PAD.
     """
     done = await trio.run_process(
-        [sys.executable, str(check_pcap_path()), str(path), str(port), "--list", *options],
+        [sys.executable, str(JUDGE), str(path), str(port), "--list", *options],
         capture_stdout=True,
         capture_stderr=True,
         check=False,

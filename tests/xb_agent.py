@@ -1,7 +1,7 @@
 """One side of a cross-backend connection: Send, RDMA Write and RDMA Read, both ways.
 
 Used by ``tests/test_cross_backend.py`` on both machines: imported by the
-host's test (the built-in engine, in the siwvm namespace) and run as a script
+host's test (the built-in engine, in the test bed's namespace) and run as a script
 in the guest (``RDMASHIM_BACKEND=rdmacore``, the kernel's siw)::
 
     python3 xb_agent.py serve PORT [--ready FILE]   # answer one connection

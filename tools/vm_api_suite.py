@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Run the shared API suite (``tests/api``) inside the siw VM, once per backend.
+"""Run the shared API suite (``tests/api``) inside the test bed's guest, once per backend.
 
 ::
 
@@ -18,7 +18,7 @@ What it does:
 2. Stages a copy of the working tree as the installed package layout
    (``rdmashim/`` with ``verbs``, ``cm`` and ``ulps`` inside, per pyproject's
    ``package-dir``), plus ``tests/`` and ``pyproject.toml``.
-3. Boots one guest (``shared/tools/siwvm/boot.sh --smp 1 --net user``; the
+3. Boots one guest (``tools/guest/boot.py --smp 1 --net user``; the
    dependencies are its ``/sync`` share, the staged tree is ``/host/src``), loads
    siw and adds ``siw_eth0`` on eth0 (the kernel's rdma_cm does not resolve
    127.0.0.1 to a siw device on ``lo``), and for each backend runs
@@ -31,7 +31,7 @@ backend that ran passed and at least one ran, 1 otherwise, 2 when the guest
 could not run the suite, and 77 when this machine cannot boot the guest (the
 reason is printed). ``--json PATH`` writes the per-backend results
 (``tests/test_vm_api_suite.py`` reads them). Needs root, QEMU and the image
-``shared/tools/siwvm/build.sh`` makes (see ``tests/siwvm.py``).
+``tools/guest/build.py`` makes (see ``tests/siwvm.py``).
 """
 
 from __future__ import annotations
@@ -143,10 +143,10 @@ def guest_script(backends: list[str], pytest_args: list[str], timeout: int) -> s
 
 
 def boot(name: str, deps: Path, src: Path, script: Path, limit: int, echo: bool) -> tuple[int, str]:
-    """Boot the guest, echo its output while it runs; (boot.sh's status, its report line)."""
-    share = siwvm.cache_dir() / "run" / name / "share"
+    """Boot the guest, echo its output while it runs; (boot.py's status, its report line)."""
+    share = siwvm.guestbed.run_dir(name) / "share"
     cmd = [
-        str(siwvm.siwvm_dir() / "boot.sh"), "--name", name, "--smp", "1", "--mem", "1024",
+        *siwvm.guest_tool("boot"), "--name", name, "--smp", "1", "--mem", "1024",
         "--net", "user", "--sync", str(deps), "--put", str(src), "--timeout", str(limit),
         str(script),
     ]  # fmt: skip
@@ -156,7 +156,7 @@ def boot(name: str, deps: Path, src: Path, script: Path, limit: int, echo: bool)
     with subprocess.Popen(
         cmd,
         stdin=subprocess.DEVNULL,
-        stdout=subprocess.DEVNULL,  # boot.sh repeats out.log at the end; it is echoed here
+        stdout=subprocess.DEVNULL,  # boot.py repeats out.log at the end; it is echoed here
         stderr=subprocess.PIPE,
         text=True,
         start_new_session=True,
@@ -166,7 +166,7 @@ def boot(name: str, deps: Path, src: Path, script: Path, limit: int, echo: bool)
             done = proc.poll() is not None
             if echo and out_log.exists():
                 data = out_log.read_bytes()
-                if len(data) < shown:  # a fresh share: boot.sh removed the old one
+                if len(data) < shown:  # a fresh share: boot.py removed the old one
                     shown = 0
                 sys.stdout.write(data[shown:].decode(errors="replace"))
                 sys.stdout.flush()
@@ -256,8 +256,9 @@ def main(argv: list[str] | None = None) -> int:
         took = f" in {r.seconds:.0f} s" if r.seconds is not None else ""
         print(f"vm-api-suite: {b}: {r.status}{took}: {r.summary}")
     ran = [r for r in results.values() if r.status in ("passed", "failed", "error")]
-    if rc in (90, 99) or not any(r.status != "missing" for r in results.values()):
-        print(f"vm-api-suite: the guest did not run the suite (boot.sh exit {rc})")
+    no_run = (90, siwvm.guestbed.NO_SCRIPT, siwvm.guestbed.TIMED_OUT)
+    if rc in no_run or not any(r.status != "missing" for r in results.values()):
+        print(f"vm-api-suite: the guest did not run the suite (boot.py exit {rc})")
         return finish(2)
     if ran and all(r.status == "passed" for r in ran):
         return finish(0)
