@@ -37,7 +37,7 @@ LOCAL = "127.0.0.1"
 TIMEOUT = 30.0
 REMOTE = Access.LOCAL_WRITE | Access.REMOTE_READ | Access.REMOTE_WRITE
 
-# What the kernel's `rping -c -v -C 10` printed in the siwvm guest (shared/tools/siwvm t3).
+# What the kernel's `rping -c -v -C 10` printed in the test bed's guest (tools/guest).
 KERNEL_PING_0 = b"rdma-ping-0: ABCDEFGHIJKLMNOPQRSTUVWXYZ[\\]^_`abcdefghijklmnopqr"
 KERNEL_PING_9 = b"rdma-ping-9: JKLMNOPQRSTUVWXYZ[\\]^_`abcdefghijklmnopqrstuvwxyzA"
 
