@@ -5,7 +5,7 @@ Helpers for ``tests/test_siw_interop.py``:
 * :func:`missing_requirements`: why a guest cannot be booted here (root, QEMU,
   ``ip``, the image that ``tools/guest/build.py`` makes).
 * :func:`netns_up`: the host network namespace :data:`NETNS` (bridge :data:`BRIDGE`
-  = :data:`HOST_IP`, taps for the guests), made by ``tools/guest/netns.py``.
+  = :data:`HOST_IP`, taps for the guests), made by ``tools/guest/bridge.py``.
 * :class:`Guest`: boots one guest in that namespace with an *agent* as its
   script. The agent loads siw, adds ``siw0`` on ``eth0``, touches a readiness
   file in the share, then runs the shell *jobs* the host drops into the share
@@ -58,7 +58,7 @@ import wirecap
 
 REPO = Path(__file__).resolve().parent.parent
 GUEST_TOOLS = REPO / "tools" / "guest"
-sys.path.insert(0, str(GUEST_TOOLS))
+sys.path.append(str(GUEST_TOOLS))
 import guestbed  # noqa: E402  (tools/guest/guestbed.py: the test bed's cache and network plan)
 
 NETNS = guestbed.NETNS
@@ -211,13 +211,13 @@ def netns_up(taps: int = 2) -> bool:
         ).stdout.split()
     )
     subprocess.run(
-        [*guest_tool("netns"), "up", str(taps)], capture_output=True, text=True, check=True
+        [*guest_tool("bridge"), "up", str(taps)], capture_output=True, text=True, check=True
     )
     return not existed
 
 
 def netns_down() -> None:
-    subprocess.run([*guest_tool("netns"), "down"], capture_output=True, check=False)
+    subprocess.run([*guest_tool("bridge"), "down"], capture_output=True, check=False)
 
 
 def netns_cmd(*argv: str) -> list[str]:

@@ -5,7 +5,7 @@
 
     sudo python3 tools/guest/boot.py -c 'modprobe siw && ibv_devices'
     sudo python3 tools/guest/boot.py script.sh --put pcaps/ --timeout 300
-    sudo python3 tools/guest/netns.py up 2  # then, on its bridge:
+    sudo python3 tools/guest/bridge.py up 2  # then, on its bridge:
     sudo python3 tools/guest/boot.py --netns rdmashim-bed --net tap:tap0 --ip 10.77.0.10/24 s.sh
     sudo python3 tools/guest/boot.py --shell        # a shell on the serial console (Ctrl-A x quits)
 

@@ -1,7 +1,7 @@
 """Where the kernel guest test bed keeps its files, and its network plan.
 
 Shared by ``build.py`` (makes the image), ``boot.py`` (runs a script in a guest),
-``netns.py`` (the host side of the guests' network) and ``tests/siwvm.py``.
+``bridge.py`` (the host side of the guests' network) and ``tests/siwvm.py``.
 
 Everything lives under one cache directory, ``$RDMASHIM_GUEST_CACHE`` or
 ``/var/tmp/rdmashim-guest``::

@@ -3,9 +3,9 @@
 
 ::
 
-    sudo python3 tools/guest/netns.py up 2        # namespace, bridge, taps tap0 and tap1
-    sudo python3 tools/guest/netns.py exec ss -tn # a host command inside it
-    sudo python3 tools/guest/netns.py down
+    sudo python3 tools/guest/bridge.py up 2        # namespace, bridge, taps tap0 and tap1
+    sudo python3 tools/guest/bridge.py exec ss -tn # a host command inside it
+    sudo python3 tools/guest/bridge.py down
 
 The namespace (``guestbed.NETNS``) holds the bridge ``br0`` with the host's
 address ``10.77.0.1/24`` and one tap per guest; ``boot.py --netns NS --net
