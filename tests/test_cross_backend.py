@@ -65,7 +65,9 @@ def guest_result(output: str) -> dict[str, Any]:
     raise AssertionError(f"no result from the guest:\n{output}")
 
 
-async def verdict(ours: dict[str, Any], done: siwvm.JobResult, pcap: Path | None) -> None:
+async def verdict(
+    ours: dict[str, Any], done: siwvm.JobResult, pcap: Path | None, cap: Any = None
+) -> None:
     """Both sides saw the right bytes from the right backends; the capture is clean."""
     theirs = guest_result(done.output)
     print(json.dumps({"host": ours, "guest": theirs}, indent=1))
@@ -79,6 +81,8 @@ async def verdict(ours: dict[str, Any], done: siwvm.JobResult, pcap: Path | None
     assert theirs["private data"] == "xb " + ours["role"] + " softiwarp"
     if pcap is None:
         return
+    # A capture that lost packets cannot be judged: the stream after the gap reads as garbage.
+    assert cap is None or cap.dropped == 0, f"incomplete capture: {cap.stderr}"
     # The wire judge's verdict, less siw's PAD bytes and TCP retransmissions (siwvm.judge).
     result = await siwvm.judge(pcap, PORT, GUEST_IP)
     text = wirecap.summary(result)
@@ -93,10 +97,10 @@ async def test_host_engine_connects_to_kernel_siw(
     with trio.fail_after(STEP):
         job = guest.start_job(f"{AGENT} serve {PORT} --ready $JOB.ready")
         await job.wait_file("ready", STEP / 2)
-        async with siwvm.capture(netns_tcpdump, pcap, PORT):
+        async with siwvm.capture(netns_tcpdump, pcap, PORT) as cap:
             ours = await siwvm.in_netns(xb_agent.connect_once, GUEST_IP, PORT, SIW_ACCEPT_RACE)
         done = await job.wait(STEP / 2)
-    await verdict(ours, done, pcap if netns_tcpdump else None)
+    await verdict(ours, done, pcap if netns_tcpdump else None, cap)
 
 
 async def test_kernel_siw_connects_to_host_engine(
@@ -115,6 +119,6 @@ async def test_kernel_siw_connects_to_host_engine(
         async with trio.open_nursery() as nursery:
             nursery.start_soon(host_side)
             await siwvm.wait_listening(PORT)
-            async with siwvm.capture(netns_tcpdump, pcap, PORT):
+            async with siwvm.capture(netns_tcpdump, pcap, PORT) as cap:
                 done = await guest.run(f"{AGENT} connect {siwvm.HOST_IP} {PORT}", STEP)
-    await verdict(result, done, pcap if netns_tcpdump else None)
+    await verdict(result, done, pcap if netns_tcpdump else None, cap)
