@@ -627,3 +627,21 @@ def test_guessed_stag_of_another_connection_is_refused(guess: str, code: DdpTagg
     assert b.engine.state is EngineState.TERMINATE
     assert b.engine.error.code == ddp_tagged(code)
     assert b.guards_intact()
+
+
+def test_internal_error_ends_one_qp_not_the_process(caplog: pytest.LogCaptureFixture) -> None:
+    """A bug of ours (here: the memory table raising) is logged and ends this QP with a
+    local catastrophic Terminate; nothing escapes into the driver."""
+    h = GuardedHost(True)
+    rw = h.guarded(64)
+
+    class Broken:
+        def resolve(self, *args: object) -> None:
+            raise RuntimeError("simulated engine bug")
+
+    h.engine.memory = Broken()  # type: ignore[assignment]
+    h.engine.receive_data(wire(tagged(Opcode.WRITE, rw.stag, rw.addr, b"x")))
+    assert h.engine.state is EngineState.TERMINATE
+    assert h.engine.error.code == rdmap(RdmapType.CATASTROPHIC, RdmapCode.UNSPECIFIED)
+    assert any(r.levelname == "ERROR" and r.exc_info for r in caplog.records)
+    assert h.engine.produce() and h.engine.state is EngineState.ERROR

@@ -35,6 +35,7 @@ def test_ci_slice_finds_no_crash_hang_or_stray_write() -> None:
     assert summary["hangs"] == 0, summary["hang_details"]
     assert summary["stray_writes"] == 0, summary["stray_details"]
     assert summary["listener_refused"] == 0
+    assert summary["internal_errors"] == 0, summary["internal_error_details"]
     assert proc.returncode == 0
     assert summary["inputs"] >= 300  # the time bound may stop it early on a loaded machine
     assert set(summary["classes"]) == set(fuzz_wire.CLASSES)

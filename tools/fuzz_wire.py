@@ -120,6 +120,7 @@ class _Responder:
             pos = start + length + GUARD
         self.connections = 0
         self.strays: list[dict] = []
+        self.internal = _Internal()
 
     def register(self, name: str) -> None:
         """(Re-)register a region: a peer's Send with Invalidate may have invalidated it."""
@@ -214,7 +215,26 @@ class _Responder:
             while b"\n" in buf:
                 _, buf = buf.split(b"\n", 1)
                 strays, self.strays = self.strays, []
-                _emit({"connections": self.connections, "strays": strays, "regions": self.table()})
+                internal, self.internal.records = self.internal.records, []
+                _emit(
+                    {
+                        "connections": self.connections,
+                        "strays": strays,
+                        "internal_errors": internal,
+                        "regions": self.table(),
+                    }
+                )
+
+
+class _Internal(logging.Handler):
+    """Collects the engine's internal errors (bugs it survived by ending one QP)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.ERROR)
+        self.records: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(logging.Formatter().format(record)[-2000:])
 
 
 def _emit(obj: dict) -> None:
@@ -225,9 +245,13 @@ def _emit(obj: dict) -> None:
 async def _responder_main() -> None:
     import rdmashim
 
-    logging.getLogger("rdmashim").setLevel(logging.CRITICAL)
+    internal = _Internal()
+    logger = logging.getLogger("rdmashim")
+    logger.setLevel(logging.ERROR)  # protocol violations are warnings; a bug of ours is an error
+    logger.addHandler(internal)
     async with rdmashim.open_device("siw_lo") as ctx:
         responder = _Responder(ctx)
+        responder.internal = internal
         (listener,) = await trio.open_tcp_listeners(0, host="127.0.0.1", backlog=512)
         _emit({"port": listener.socket.getsockname()[1], "regions": responder.table()})
         async with trio.open_nursery() as nursery:
@@ -709,6 +733,8 @@ class Stats:
     hangs: list[dict] = field(default_factory=list)
     strays: list[dict] = field(default_factory=list)
     refused: list[dict] = field(default_factory=list)
+    internal_errors: list[str] = field(default_factory=list)
+    """Engine bugs the responder survived (logged at ERROR, one QP terminated)."""
     by_class: dict[str, collections.Counter] = field(
         default_factory=lambda: collections.defaultdict(collections.Counter)
     )
@@ -726,6 +752,8 @@ class Stats:
             "hangs": len(self.hangs),
             "stray_writes": len(self.strays),
             "listener_refused": len(self.refused),
+            "internal_errors": len(self.internal_errors),
+            "internal_error_details": self.internal_errors[:5],
             "crash_details": self.crashes[:20],
             "hang_details": self.hangs[:20],
             "stray_details": self.strays[:20],
@@ -780,6 +808,7 @@ async def _fuzz(
         except (ConnectionError, trio.TooSlowError, trio.BrokenResourceError):
             return
         gen.regions = status["regions"]
+        stats.internal_errors += status["internal_errors"]
         for stray in status["strays"]:
             origin = ports.get(stray["peer_port"])
             stray["input"] = origin
@@ -903,12 +932,13 @@ def main(argv: list[str] | None = None) -> int:
             f"{summary['inputs']} inputs in {summary['elapsed_s']} s "
             f"({summary['inputs_per_s']}/s): crashes {summary['crashes']}, hangs "
             f"{summary['hangs']}, stray writes {summary['stray_writes']}, listener refused "
-            f"{summary['listener_refused']}"
+            f"{summary['listener_refused']}, internal errors {summary['internal_errors']}"
         )
         for cls, entry in summary["classes"].items():
             outcomes = ", ".join(f"{k}: {v}" for k, v in entry["outcomes"].items())
             print(f"  {cls} ({entry['inputs']}): {outcomes}")
     bad = summary["crashes"] or summary["hangs"] or summary["stray_writes"]
+    bad = bad or summary["internal_errors"]
     return 1 if bad or summary["listener_refused"] else 0
 
 

@@ -304,6 +304,9 @@ class Engine:
             except AccessViolation as exc:
                 self._local_error(exc)
                 return out + self._take_terminate()
+            except Exception as exc:  # a bug of ours must not take the process down
+                self._internal_error(exc)
+                return out + self._take_terminate()
             if last:
                 if self._current_job is not None:
                     self._burst_done.append(self._current_job)
@@ -475,6 +478,8 @@ class Engine:
             self._process()
         except ProtocolError as exc:
             self._protocol_error(exc)
+        except Exception as exc:  # a bug of ours must not take the process down
+            self._internal_error(exc)
 
     def receive_data(self, data: bytes | bytearray | memoryview) -> None:
         """Feed received bytes (copying them into place); for tests and tools."""
@@ -809,6 +814,13 @@ class Engine:
             self._current = None
             self._current_job = None
         error = ProtocolError(f"local protection error: {exc}", RDMAP_LOCAL_CATASTROPHIC)
+        self._send_terminate(ddp.Terminate(error.code))
+        self._enter_error(error)
+
+    def _internal_error(self, exc: Exception) -> None:
+        """An unexpected exception in the engine: log it loudly, end this QP only."""
+        log.error("QP %d: internal error, connection terminated", self.qp_num, exc_info=exc)
+        error = ProtocolError(f"internal error: {exc!r}", RDMAP_LOCAL_CATASTROPHIC)
         self._send_terminate(ddp.Terminate(error.code))
         self._enter_error(error)
 
