@@ -295,7 +295,8 @@ def frame(fpdus: list[Fpdu], crc: bool) -> bytes:
 
 
 def _tagged(op: Opcode, last: bool, stag: int, to: int, payload: bytes) -> Fpdu:
-    return Fpdu(bytearray(ddp.encode_tagged(op, last, stag, to, len(payload))), payload)
+    # A zero-length segment at the very end of a region that ends at 2^64 has TO 2^64.
+    return Fpdu(bytearray(ddp.encode_tagged(op, last, stag, to & TO_MAX, len(payload))), payload)
 
 
 def _untagged(op: Opcode, last: bool, qn: int, msn: int, mo: int, payload: bytes, inv=0) -> Fpdu:
@@ -375,7 +376,8 @@ class Generator:
         off = rng.randrange(length - n + 1)
         sink_stag = rng.getrandbits(32)
         sink_to = rng.choice((0, 0x1000, rng.getrandbits(48)))
-        hdr = ddp.encode_read_request(msn[QN.READ_REQUEST], sink_stag, sink_to, n, stag, addr + off)
+        src_to = (addr + off) & TO_MAX
+        hdr = ddp.encode_read_request(msn[QN.READ_REQUEST], sink_stag, sink_to, n, stag, src_to)
         msn[QN.READ_REQUEST] += 1
         return [Fpdu(bytearray(hdr))]
 
