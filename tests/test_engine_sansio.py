@@ -394,6 +394,14 @@ def _cases(h: GuardedHost) -> dict[str, tuple[bytes, TermCode]]:
             wire(untagged(Opcode.SEND, QN.SEND, 1, 0, b"x" * 65)),
             ddp_untagged(DdpUntaggedCode.MSN_NO_BUFFER),  # siw_qp_rx.c siw_send_check_ntoh
         ),
+        "Send header claiming 65535 bytes (the rest never comes)": (
+            b"\xff\xff" + untagged(Opcode.SEND, QN.SEND, 1, 0, b"")[0][2:],
+            ddp_untagged(DdpUntaggedCode.MSN_NO_BUFFER),
+        ),
+        "Write header claiming 65535 bytes into 64 (the rest never comes)": (
+            b"\xff\xff" + tagged(Opcode.WRITE, rw.stag, rw.addr, b"")[0][2:],
+            ddp_tagged(DdpTaggedCode.BASE_BOUNDS),
+        ),
         "CRC error": (wire(send)[:-1] + bytes([wire(send)[-1] ^ 1]), llp(LlpCode.CRC)),
         "ULPDU length shorter than the header": (
             b"\x00\x05" + wire(send)[2:],
