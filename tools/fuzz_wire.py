@@ -649,6 +649,8 @@ class Outcome:
     code: str = ""
     port: int = 0
     """Our end's TCP port (maps a stray write the responder reports back to the input)."""
+    latency: float = 0.0
+    """Seconds from our FIN after the input to the responder's close."""
 
 
 async def exchange(port: int, case: Case) -> Outcome:
@@ -674,15 +676,11 @@ async def _exchange(stream: trio.SocketStream, case: Case) -> Outcome:
     received = bytearray()
     crc = case.crc
     reply_len = None
-    deadline = trio.current_time() + REPLY_TIMEOUT
+    stage = "no MPA Reply"
     try:
-        await stream.send_all(case.request)
-        if case.cls == "mpa":
-            await stream.send_all(case.stream)
-            with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
-                await stream.send_eof()
-        else:
-            with trio.fail_after(REPLY_TIMEOUT):
+        with trio.fail_after(REPLY_TIMEOUT):
+            await stream.send_all(case.request)
+            if case.cls != "mpa":
                 while reply_len is None:
                     chunk = await stream.receive_some(65536)
                     if not chunk:
@@ -694,13 +692,16 @@ async def _exchange(stream: trio.SocketStream, case: Case) -> Outcome:
                         if reply.reject:
                             return Outcome("reject")
                         crc = reply.crc
+        stage = "input not taken"
+        with trio.fail_after(REPLY_TIMEOUT):
             await stream.send_all(case.stream)
             await stream.send_eof()
     except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
         pass
     except trio.TooSlowError:
-        return Outcome("hang", "no MPA Reply")
-    with trio.move_on_at(deadline + REPLY_TIMEOUT) as scope:
+        return Outcome("hang", stage)
+    sent = trio.current_time()
+    with trio.move_on_at(sent + REPLY_TIMEOUT) as scope:
         while True:
             try:
                 chunk = await stream.receive_some(65536)
@@ -710,19 +711,21 @@ async def _exchange(stream: trio.SocketStream, case: Case) -> Outcome:
                 break
             received += chunk
     if scope.cancelled_caught:
-        return Outcome("hang", "no close after the input")
+        return Outcome("hang", "no close within 2 s of the input")
+    latency = trio.current_time() - sent
     if case.cls == "mpa":
         parsed = None
         with contextlib.suppress(Exception):
             parsed = mpa.parse_start_frame(received, reply=True)
         if parsed is None:
-            return Outcome("close")
+            return Outcome("close", latency=latency)
         reply, reply_len = parsed
         if reply.reject:
-            return Outcome("reject")
+            return Outcome("reject", latency=latency)
         crc = reply.crc
     code = scan_terminate(bytes(received[reply_len or 0 :]), crc)
-    return Outcome("terminate", str(code)) if code else Outcome("close")
+    kind = "terminate" if code else "close"
+    return Outcome(kind, str(code) if code else "", latency=latency)
 
 
 @dataclass
@@ -735,6 +738,7 @@ class Stats:
     hangs: list[dict] = field(default_factory=list)
     strays: list[dict] = field(default_factory=list)
     refused: list[dict] = field(default_factory=list)
+    max_latency: float = 0.0
     internal_errors: list[str] = field(default_factory=list)
     """Engine bugs the responder survived (logged at ERROR, one QP terminated)."""
     by_class: dict[str, collections.Counter] = field(
@@ -754,6 +758,7 @@ class Stats:
             "hangs": len(self.hangs),
             "stray_writes": len(self.strays),
             "listener_refused": len(self.refused),
+            "max_close_s": round(self.max_latency, 3),
             "internal_errors": len(self.internal_errors),
             "internal_error_details": self.internal_errors[:5],
             "crash_details": self.crashes[:20],
@@ -830,6 +835,7 @@ async def _fuzz(
             if len(ports) > 20000:
                 ports.popitem(last=False)
             stats.inputs += 1
+            stats.max_latency = max(stats.max_latency, outcome.latency)
             if outcome.kind == "refused" and child.proc is not None:
                 with trio.move_on_after(REPLY_TIMEOUT):  # a dying child closes its listener first
                     await child.proc.wait()
