@@ -419,6 +419,10 @@ def _cases(h: GuardedHost) -> dict[str, tuple[bytes, TermCode]]:
             wire(untagged(Opcode.SEND_INV, QN.SEND, 1, 0, b"x", inv=other.stag)),
             rdmap(RdmapType.REMOTE_PROTECTION, RdmapCode.CANNOT_INVALIDATE),
         ),
+        "Send with Invalidate of a region without remote rights": (
+            wire(untagged(Opcode.SEND_INV, QN.SEND, 1, 0, b"x", inv=local.stag)),
+            rdmap(RdmapType.REMOTE_PROTECTION, RdmapCode.CANNOT_INVALIDATE),
+        ),
         "Send with Invalidate of an unknown STag": (
             wire(untagged(Opcode.SEND_INV, QN.SEND, 1, 0, b"x", inv=0xBAD00)),
             rdmap(RdmapType.REMOTE_OPERATION, RdmapCode.CANNOT_INVALIDATE),
@@ -453,6 +457,7 @@ def test_each_violation_gets_its_terminate(name: str, feed: str) -> None:
     assert ddp.parse_terminate(out[20 : 2 + term.ulpdu_len]).code == code
     assert (9, WCStatus.WR_FLUSH_ERR) in [(w.wr_id, w.status) for w in h.send_wcs]
     assert h.guards_intact()
+    assert all(h.memory.lookup(r.stag) is r for r in h.memory._regions.values())  # none invalid
     h.engine.receive_data(data)  # discarded after the error
     assert h.engine.produce() == [] and h.guards_intact()
 

@@ -716,9 +716,9 @@ class Engine:
                         )
                     )
                     etype = (
-                        RdmapType.REMOTE_PROTECTION
-                        if violation.name == "PD_MISMATCH"
-                        else RdmapType.REMOTE_OPERATION
+                        RdmapType.REMOTE_OPERATION
+                        if violation is Violation.INVALID_STAG
+                        else RdmapType.REMOTE_PROTECTION
                     )
                     raise ProtocolError(
                         f"cannot invalidate STag {hdr.inv_stag:#x}: {violation.value}",

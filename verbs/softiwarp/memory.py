@@ -23,6 +23,7 @@ from rdmashim.verbs.softiwarp.terminate import (
 )
 
 _INDEX_SPACE = 1 << 24
+_REMOTE = Access.REMOTE_READ | Access.REMOTE_WRITE | Access.REMOTE_ATOMIC
 
 
 class Violation(Enum):
@@ -125,11 +126,17 @@ class MemoryTable:
         return region.view[offset : offset + length]
 
     def invalidate(self, stag: int, pd: object) -> Violation | None:
-        """Invalidate an STag for a Send with Invalidate; the violation if it cannot be."""
+        """Invalidate an STag for a Send with Invalidate; the violation if it cannot be.
+
+        A region without remote access rights was never offered to a peer, so no peer
+        may invalidate it (Linux siw allows any region of the PD; we refuse these).
+        """
         region = self.lookup(stag)
         if region is None:
             return Violation.INVALID_STAG
         if region.pd is not pd:
             return Violation.PD_MISMATCH
+        if not region.access & _REMOTE:
+            return Violation.ACCESS
         region.valid = False
         return None
