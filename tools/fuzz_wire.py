@@ -530,9 +530,14 @@ class Generator:
 
     def _m_splice(self, rng: random.Random, case: Case) -> None:
         choice = rng.randrange(3)
-        if choice == 0:  # one FPDU many times (IRD, receive queue, MSN repeats)
+        if choice == 0:  # one FPDU many times: MSN repeats, or (renumbered) IRD and RQ overruns
             f = rng.choice(case.fpdus)
-            case.fpdus = [f] * rng.choice((2, 5, RECVS + 1, 20))
+            copies = [Fpdu(bytearray(f.header), f.payload) for _ in range(rng.choice((2, 5, 20)))]
+            if not f.header[2] & ddp.DDP_TAGGED and rng.random() < 0.5:
+                (msn,) = struct.unpack_from("!I", f.header, 12)
+                for i, copy in enumerate(copies):
+                    struct.pack_into("!I", copy.header, 12, (msn + i) & 0xFFFFFFFF)
+            case.fpdus = copies
         elif choice == 1:  # reordered
             rng.shuffle(case.fpdus)
         else:  # more seeds, renumbered from the start
