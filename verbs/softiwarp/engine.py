@@ -31,7 +31,7 @@ from crc32c import crc32c
 from rdmashim.verbs.enums import Access, SendFlags, WCFlags, WCOpcode, WCStatus, WROpcode
 from rdmashim.verbs.softiwarp import ddp
 from rdmashim.verbs.softiwarp.ddp import QN, Opcode
-from rdmashim.verbs.softiwarp.memory import AccessViolation, MemoryTable
+from rdmashim.verbs.softiwarp.memory import AccessViolation, MemoryTable, Violation
 from rdmashim.verbs.softiwarp.terminate import (
     DDP_CATASTROPHIC,
     RDMAP_LOCAL_CATASTROPHIC,
@@ -59,6 +59,10 @@ RTR_STAG = 1
 STAGING_SIZE = 256 * 1024
 DIRECT_MIN = 16 * 1024
 """Payload left to receive above which bytes go straight into the target region."""
+TO_LIMIT = 1 << 64
+"""Tagged offsets are 64 bits: a segment or Read whose TO + length passes this wraps."""
+U32_MAX = 0xFFFFFFFF
+"""Largest value of a 32-bit wire field (STag, MO); MSNs count modulo 2^32 (RFC 5041)."""
 
 _CRC_BYTES = ddp.TRAILER_CRC_LEN
 _FENCE = int(SendFlags.FENCE)
@@ -300,6 +304,9 @@ class Engine:
             except AccessViolation as exc:
                 self._local_error(exc)
                 return out + self._take_terminate()
+            except Exception as exc:  # a bug of ours must not take the process down
+                self._internal_error(exc)
+                return out + self._take_terminate()
             if last:
                 if self._current_job is not None:
                     self._burst_done.append(self._current_job)
@@ -363,6 +370,7 @@ class Engine:
 
     def _job_fpdus(self, job: SendJob) -> Iterator[tuple[list, bool]]:
         op = job.opcode
+        _check_wire_fields(job)
         if op is WROpcode.RDMA_READ:
             sge = job.sges[0] if job.sges else SGE(0, 0, 0)
             if job.length:
@@ -371,8 +379,7 @@ class Engine:
                 )
             else:
                 job.sink = memoryview(b"")
-            self._tx_msn[QN.READ_REQUEST] += 1
-            job.msn = self._tx_msn[QN.READ_REQUEST]
+            job.msn = self._tx_msn[QN.READ_REQUEST] = (self._tx_msn[QN.READ_REQUEST] + 1) & U32_MAX
             self._orq.append(job)
             hdr = ddp.encode_read_request(
                 self._tx_msn[QN.READ_REQUEST], sge.lkey, sge.addr, job.length,
@@ -385,8 +392,7 @@ class Engine:
             yield from self._tagged_fpdus(Opcode.WRITE, job.rkey, job.remote_addr, segments)
             return
         opcode = _CTRL_SEND[(bool(job.flags & _SOLICITED), op is WROpcode.SEND_WITH_INV)]
-        self._tx_msn[QN.SEND] += 1
-        msn = self._tx_msn[QN.SEND]
+        msn = self._tx_msn[QN.SEND] = (self._tx_msn[QN.SEND] + 1) & U32_MAX
         chunk = (self.config.max_fpdu - ddp.UNTAGGED_HDR_LEN - _CRC_BYTES) & ~3
         total = job.length
         mo = 0
@@ -472,6 +478,8 @@ class Engine:
             self._process()
         except ProtocolError as exc:
             self._protocol_error(exc)
+        except Exception as exc:  # a bug of ours must not take the process down
+            self._internal_error(exc)
 
     def receive_data(self, data: bytes | bytearray | memoryview) -> None:
         """Feed received bytes (copying them into place); for tests and tools."""
@@ -557,6 +565,12 @@ class Engine:
         self._targets = []
         if op is Opcode.WRITE:
             if payload:
+                if hdr.to + payload > TO_LIMIT:
+                    raise ProtocolError(
+                        f"Write at TO {hdr.to:#x} + {payload} wraps",
+                        ddp_tagged(DdpTaggedCode.TO_WRAP),
+                        header=hdr,
+                    )
                 try:
                     view = self.memory.resolve(
                         hdr.stag, self.pd, hdr.to, payload, Access.REMOTE_WRITE
@@ -639,10 +653,12 @@ class Engine:
                 header=hdr,
             )
         if msg.received + payload > msg.job.length:
+            # Linux siw (siw_qp_rx.c, siw_send_check_ntoh) reports "MSN: no buffer" here,
+            # not RFC 5041's "message too long"; we send what siw sends.
             msg.status = WCStatus.LOC_LEN_ERR
             raise ProtocolError(
                 f"Send of more than the {msg.job.length} bytes posted",
-                ddp_untagged(DdpUntaggedCode.MSG_TOO_LONG),
+                ddp_untagged(DdpUntaggedCode.MSN_NO_BUFFER),
                 header=hdr,
             )
         targets = slice_segments(msg.segments, msg.received, payload)
@@ -684,7 +700,7 @@ class Engine:
             msg = self._rx_send
             assert msg is not None
             self._rx_send = None
-            self._rx_msn[QN.SEND] += 1
+            self._rx_msn[QN.SEND] = (self._rx_msn[QN.SEND] + 1) & U32_MAX
             flags = WCFlags.NONE
             inv = 0
             if op in (Opcode.SEND_INV, Opcode.SEND_SE_INV):
@@ -700,9 +716,9 @@ class Engine:
                         )
                     )
                     etype = (
-                        RdmapType.REMOTE_PROTECTION
-                        if violation.name == "PD_MISMATCH"
-                        else RdmapType.REMOTE_OPERATION
+                        RdmapType.REMOTE_OPERATION
+                        if violation is Violation.INVALID_STAG
+                        else RdmapType.REMOTE_PROTECTION
                     )
                     raise ProtocolError(
                         f"cannot invalidate STag {hdr.inv_stag:#x}: {violation.value}",
@@ -739,7 +755,15 @@ class Engine:
                     header=hdr,
                     quote_rdmap=True,
                 )
-            self._rx_msn[QN.READ_REQUEST] += 1
+            self._rx_msn[QN.READ_REQUEST] = (self._rx_msn[QN.READ_REQUEST] + 1) & U32_MAX
+            if hdr.sink_to + hdr.read_size > TO_LIMIT or hdr.src_to + hdr.read_size > TO_LIMIT:
+                raise ProtocolError(
+                    f"Read of {hdr.read_size} bytes from TO {hdr.src_to:#x} to TO "
+                    f"{hdr.sink_to:#x} wraps",
+                    rdmap(RdmapType.REMOTE_PROTECTION, RdmapCode.TO_WRAP),
+                    header=hdr,
+                    quote_rdmap=True,
+                )
             if hdr.read_size == 0:
                 source = memoryview(b"")
                 if self._rtr_pending:
@@ -790,6 +814,13 @@ class Engine:
             self._current = None
             self._current_job = None
         error = ProtocolError(f"local protection error: {exc}", RDMAP_LOCAL_CATASTROPHIC)
+        self._send_terminate(ddp.Terminate(error.code))
+        self._enter_error(error)
+
+    def _internal_error(self, exc: Exception) -> None:
+        """An unexpected exception in the engine: log it loudly, end this QP only."""
+        log.error("QP %d: internal error, connection terminated", self.qp_num, exc_info=exc)
+        error = ProtocolError(f"internal error: {exc!r}", RDMAP_LOCAL_CATASTROPHIC)
         self._send_terminate(ddp.Terminate(error.code))
         self._enter_error(error)
 
@@ -866,6 +897,18 @@ class Engine:
             return
         byte_len = job.length if job.opcode is WROpcode.RDMA_READ else 0
         self.on_send_wc(WC(job.wr_id, status, _WC_OPCODE[job.opcode], byte_len, self.qp_num))
+
+
+def _check_wire_fields(job: SendJob) -> None:
+    """Refuse a work request whose fields do not fit their wire fields (32-bit STags and
+    MO, 64-bit TO) or whose remote range wraps: a local protection error."""
+    if not (
+        0 <= job.rkey <= U32_MAX
+        and 0 <= job.invalidate_rkey <= U32_MAX
+        and 0 <= job.length <= U32_MAX
+        and 0 <= job.remote_addr <= TO_LIMIT - job.length
+    ):
+        raise AccessViolation(Violation.BOUNDS, job.rkey, job.remote_addr, job.length)
 
 
 def _quoted_read_request(term: ddp.Terminate) -> ddp.Header | None:

@@ -2,11 +2,13 @@
 
 An STag is a 24-bit index and an 8-bit key, as in Linux siw; the lkey and the
 rkey of a region are the same STag. Tagged offsets (TO) are virtual addresses.
+Index and key are drawn at random (``secrets``), so a peer that was never given
+an STag cannot derive one from those it saw.
 """
 
 from __future__ import annotations
 
-import itertools
+import secrets
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -19,6 +21,9 @@ from rdmashim.verbs.softiwarp.terminate import (
     ddp_tagged,
     rdmap,
 )
+
+_INDEX_SPACE = 1 << 24
+_REMOTE = Access.REMOTE_READ | Access.REMOTE_WRITE | Access.REMOTE_ATOMIC
 
 
 class Violation(Enum):
@@ -80,13 +85,16 @@ class MemoryTable:
     """All regions of one device, by STag index."""
 
     _regions: dict[int, Region] = field(default_factory=dict)
-    _next_index: itertools.count[int] = field(default_factory=lambda: itertools.count(1))
-    _next_key: itertools.count[int] = field(default_factory=lambda: itertools.count(0x5A))
 
     def register(self, pd: object, view: memoryview, addr: int, access: Access) -> Region:
-        """Add a region and give it an STag (never 0 and never 1, the RTR STag)."""
-        index = next(self._next_index) & 0xFFFFFF or next(self._next_index)
-        stag = index << 8 | (next(self._next_key) & 0xFF)
+        """Add a region under a random unused STag (never 0 and never 1, the RTR STag)."""
+        if len(self._regions) >= _INDEX_SPACE - 1:
+            raise MemoryError("no free STag index left")
+        while True:
+            index = secrets.randbelow(_INDEX_SPACE - 1) + 1  # index 0 holds STags 0 and 1
+            if index not in self._regions:
+                break
+        stag = index << 8 | secrets.randbelow(256)
         region = Region(stag, addr, view.nbytes, access, pd, view)
         self._regions[index] = region
         return region
@@ -118,11 +126,17 @@ class MemoryTable:
         return region.view[offset : offset + length]
 
     def invalidate(self, stag: int, pd: object) -> Violation | None:
-        """Invalidate an STag for a Send with Invalidate; the violation if it cannot be."""
+        """Invalidate an STag for a Send with Invalidate; the violation if it cannot be.
+
+        A region without remote access rights was never offered to a peer, so no peer
+        may invalidate it (Linux siw allows any region of the PD; we refuse these).
+        """
         region = self.lookup(stag)
         if region is None:
             return Violation.INVALID_STAG
         if region.pd is not pd:
             return Violation.PD_MISMATCH
+        if not region.access & _REMOTE:
+            return Violation.ACCESS
         region.valid = False
         return None

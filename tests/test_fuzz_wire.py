@@ -1,0 +1,84 @@
+"""A bounded slice of the wire fuzzer (tools/fuzz_wire.py) as a test: no crash, no hang,
+no stray write, the listener always accepting; and the fuzzer's own parts."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from rdmashim.verbs.softiwarp import ddp
+from rdmashim.verbs.softiwarp.terminate import DdpTaggedCode, ddp_tagged
+
+TOOL = Path(__file__).resolve().parent.parent / "tools" / "fuzz_wire.py"
+_spec = importlib.util.spec_from_file_location("fuzz_wire", TOOL)
+assert _spec is not None and _spec.loader is not None
+fuzz_wire = importlib.util.module_from_spec(_spec)
+sys.modules["fuzz_wire"] = fuzz_wire
+_spec.loader.exec_module(fuzz_wire)
+
+TABLE = {
+    name: [0x1234 + i * 256, 0x10000 * (i + 1), length]
+    for i, (name, (length, *_)) in enumerate(fuzz_wire._REGIONS.items())
+}
+TABLE["high"][1] = (1 << 64) - TABLE["high"][2]  # the responder's region that ends at 2^64
+
+
+def test_ci_slice_finds_no_crash_hang_or_stray_write() -> None:
+    proc = subprocess.run(
+        [sys.executable, str(TOOL), "--count", "3000", "--time", "90", "--workers", "4",
+         "--seed", "7", "--json"],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    summary = json.loads(proc.stdout)
+    assert summary["crashes"] == 0, summary["crash_details"]
+    assert summary["hangs"] == 0, summary["hang_details"]
+    assert summary["stray_writes"] == 0, summary["stray_details"]
+    assert summary["listener_refused"] == 0
+    assert summary["internal_errors"] == 0, summary["internal_error_details"]
+    assert proc.returncode == 0
+    assert summary["inputs"] >= 300  # the time bound may stop it early on a loaded machine
+    assert set(summary["classes"]) == set(fuzz_wire.CLASSES)
+    outcomes = {k for c in summary["classes"].values() for k in c["outcomes"]}
+    assert {"terminate LLP/MPA/CRC", "terminate RDMAP/REMOTE_OPERATION/OPCODE"} <= outcomes
+
+
+def test_inputs_are_deterministic_for_a_seed() -> None:
+    gen = fuzz_wire.Generator(TABLE)
+    first = [gen.case(5, i) for i in range(200)]
+    again = [gen.case(5, i) for i in range(200)]
+    assert [(c.cls, c.request, c.stream) for c in first] == [
+        (c.cls, c.request, c.stream) for c in again
+    ]
+    assert len({c.stream for c in first}) > 150
+    assert {c.cls for c in first} == set(fuzz_wire.CLASSES)
+
+
+def test_every_class_generates_without_error() -> None:
+    gen = fuzz_wire.Generator(TABLE)
+    classes = {gen.case(11, i).cls for i in range(20000)}  # raises on a generator bug
+    assert classes == set(fuzz_wire.CLASSES)
+
+
+def test_valid_seeds_frame_as_the_engine_parses_them() -> None:
+    gen = fuzz_wire.Generator(TABLE, classes=("valid",))
+    for i in range(100):
+        case = gen.case(1, i)
+        data, pos = case.stream, 0
+        while pos < len(data):
+            hdr = ddp.parse_header(data, pos)
+            assert hdr is not None
+            pos += 2 + hdr.ulpdu_len + ddp.pad_len(hdr.ulpdu_len) + 4
+        assert pos == len(data)
+
+
+def test_scan_terminate_finds_the_code_after_other_fpdus() -> None:
+    code = ddp_tagged(DdpTaggedCode.TO_WRAP)
+    term = ddp.encode_terminate(ddp.Terminate(code))
+    write = fuzz_wire._tagged(ddp.Opcode.WRITE, True, 0x100, 0, b"abc")
+    body = fuzz_wire.Fpdu(bytearray(term[:20]), term[20:])
+    for crc in (False, True):
+        assert fuzz_wire.scan_terminate(fuzz_wire.frame([write, body], crc), crc) == code
+        assert fuzz_wire.scan_terminate(fuzz_wire.frame([write], crc), crc) is None
