@@ -1,5 +1,6 @@
 """Shared fixtures: an opened siw_lo device, a connected pair of queue pairs on it, three
-hosts in network namespaces, and whether the siw guest tests can capture."""
+hosts in network namespaces, and whether the siw guest tests can capture; and the reason
+of a skip inside a trio test kept (pytest-trio 0.8 re-raises it without one)."""
 
 from __future__ import annotations
 
@@ -8,11 +9,27 @@ from typing import Any
 
 import pytest
 import siwvm
+from _pytest.outcomes import Skipped
 
 import rdmashim
 
 import netns
 from pairs import Side, make_pair
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> Any:
+    """A ``pytest.skip(reason)`` inside a trio test reports its reason."""
+    try:
+        return (yield)
+    except Skipped as exc:
+        group = exc.__context__
+        leaves = group.exceptions if isinstance(group, BaseExceptionGroup) else ()
+        while len(leaves) == 1 and isinstance(leaves[0], BaseExceptionGroup):
+            leaves = leaves[0].exceptions
+        if exc.msg or len(leaves) != 1 or not isinstance(leaves[0], Skipped):
+            raise
+        raise leaves[0] from None
 
 
 @pytest.fixture

@@ -334,7 +334,11 @@ class PD(_Parent):
                 f"{pinned.length} more bytes would pass the context's max_registered_bytes "
                 f"({ctx.registered_bytes} of {limit} registered)",
             )  # fmt: skip
-        region = ctx.memory.register(self, pinned.view, base, access)
+        try:
+            region = ctx.memory.register(self, pinned.view, base, access)
+        except MemoryError as exc:
+            pinned.release()
+            raise VerbsError(errno.ENOMEM, "reg_mr", str(exc)) from None
         ctx.registered_bytes += pinned.length
         return self._adopt(MR(self, pinned, region))
 
@@ -579,6 +583,8 @@ def _bad_wr(err: int, operation: str, index: int, detail: str) -> VerbsError:
     return exc
 
 
+_U32 = 0xFFFFFFFF
+_U64 = 0xFFFFFFFFFFFFFFFF
 _INLINE = int(SendFlags.INLINE)
 _SUPPORTED_SEND = frozenset(
     {WROpcode.SEND, WROpcode.SEND_WITH_INV, WROpcode.RDMA_WRITE, WROpcode.RDMA_READ}
@@ -691,6 +697,17 @@ class QP(_Resource):
             length = len(inline)
         else:
             length = sum(s.length for s in sges)
+        if not (
+            length <= _U32
+            and 0 <= w.rkey <= _U32
+            and 0 <= w.invalidate_rkey <= _U32
+            and 0 <= w.remote_addr <= _U64 + 1 - length
+        ):
+            raise _bad_wr(
+                errno.EINVAL, "post_send", i,
+                "length, rkey, invalidate_rkey or remote_addr + length do not fit the wire "
+                "(32, 32, 32 and 64 bits)",
+            )  # fmt: skip
         return SendJob(
             w.wr_id, opcode, flags, sges, inline, length, w.remote_addr, w.rkey, w.invalidate_rkey
         )
