@@ -51,37 +51,17 @@ def _cmd_devices(args: argparse.Namespace) -> int:
     return 0
 
 
-async def _devinfo(name: str | None, backend: str | None) -> None:
-    async with rdmashim.open_device(name, backend=backend) as ctx:
-        attr = ctx.query_device()
-        port = ctx.query_port(1)
-        print(f"hca_id:\t{ctx.device.name}")
-        print(f"\tbackend:\t\t\t{ctx.backend}")
-        print(f"\ttransport:\t\t\t{attr.transport.name} ({attr.transport.value})")
-        print(f"\tnetdev:\t\t\t\t{port.netdev}")
-        print(f"\tfw_ver:\t\t\t\t{attr.fw_ver}")
-        print(f"\tnode_guid:\t\t\t{attr.node_guid:016x}")
-        print(f"\tvendor_id:\t\t\t{attr.vendor_id:#x}")
-        print(f"\tphys_port_cnt:\t\t\t{attr.phys_port_cnt}")
-        for field in (
-            "max_mr_size", "max_qp", "max_qp_wr", "max_sge", "max_sge_rd", "max_cq", "max_cqe",
-            "max_mr", "max_pd", "max_qp_rd_atom", "max_qp_init_rd_atom", "max_srq", "max_srq_wr",
-            "max_srq_sge", "max_inline_data", "max_mw", "max_private_data",
-        ):  # fmt: skip
-            print(f"\t{field + ':':<32}{getattr(attr, field)}")
-        print(f"\tatomic_cap:\t\t\t{attr.atomic_cap.name}")
-        print(f"\tactive_side_sends_first:\t{attr.active_side_sends_first}")
-        print("\t\tport:\t1")
-        print(f"\t\t\tstate:\t\t{port.state.name} ({port.state.value})")
-        print(f"\t\t\tmax_mtu:\t{128 << port.max_mtu} ({port.max_mtu.value})")
-        print(f"\t\t\tactive_mtu:\t{128 << port.active_mtu} ({port.active_mtu.value})")
-        print(f"\t\t\tlink_layer:\t{port.link_layer}")
-
-
 def _cmd_devinfo(args: argparse.Namespace) -> int:
     import trio
 
-    trio.run(_devinfo, args.device, args.backend)
+    from rdmashim.devinfo import devinfo_lines, list_lines
+
+    if args.list:
+        names = [dev.name for dev in rdmashim.get_device_list(backend=args.backend)]
+        lines = list_lines(names)
+    else:
+        lines = trio.run(devinfo_lines, args.device, args.backend, args.port, args.verbose)
+    print("\n".join(lines))
     return 0
 
 
@@ -139,7 +119,18 @@ def _parser() -> argparse.ArgumentParser:
     p = sub.add_parser("devices", help="list RDMA devices of every backend (like ibv_devices)")
     p.set_defaults(func=_cmd_devices)
     p = sub.add_parser("devinfo", help="device limits and port state (like ibv_devinfo)")
-    p.add_argument("-d", "--device", default=None, help="device name (default: siw_lo)")
+    p.add_argument(
+        "-d", "--ib-dev", "--device", dest="device", default=None,
+        help="use device DEV (default: every device of the backend)",
+    )  # fmt: skip
+    p.add_argument(
+        "-i", "--ib-port", dest="port", type=integer(1, 255), default=None,
+        help="show only port PORT of the device (default: every port)",
+    )  # fmt: skip
+    p.add_argument("-l", "--list", action="store_true", help="print only the device names")
+    p.add_argument(
+        "-v", "--verbose", action="store_true", help="print every attribute the device reports"
+    )
     p.add_argument(
         "-b", "--backend", type=backend, default=None,
         help="backend (default: RDMASHIM_BACKEND, else softiwarp)",
