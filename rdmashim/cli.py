@@ -205,7 +205,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = _parser()
     parsed: list[tuple[argparse.Namespace, list[str]]] = []
     status = run_command("rdmashim", lambda: parsed.append(parser.parse_known_args(argv)))
-    if status:
+    if status or not parsed:  # an error, or -h: argparse has printed what it had to
         return status
     args, extra = parsed[0]
     start = time.perf_counter()

@@ -116,6 +116,18 @@ def test_bad_arguments_get_one_line(argv: list[str], text: str) -> None:
     assert line.startswith(f"{command}: error: "), line
 
 
+HELP = [[], ["devices"], ["devinfo"], ["demo"], ["ping"], ["rds"]] + [
+    ["rds", tool] for tool in ("ping", "stress", "info", "demo")
+]
+
+
+@pytest.mark.parametrize("command", HELP, ids=lambda c: " ".join(c) or "rdmashim")
+def test_help_exits_0_with_usage(command: list[str]) -> None:
+    out = run([*RDMASHIM, *command, "-h"])
+    assert (out.returncode, out.stderr) == (0, ""), out.stderr
+    assert out.stdout.startswith("usage: "), out.stdout
+
+
 @pytest.mark.parametrize("command", [["devinfo"], ["demo"], ["ping", "-s"]])
 def test_unknown_backend_in_the_environment_is_refused(command: list[str]) -> None:
     out = run([*RDMASHIM, *command], env={"RDMASHIM_BACKEND": "nope"})
