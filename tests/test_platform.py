@@ -91,3 +91,25 @@ def test_demo_moves_data_without_cffi() -> None:
         "from rdmashim.cli import main; sys.exit(main(['demo', '-n', '2', '-s', '65536']))"
     )
     assert out.returncode == 0, out.stderr + out.stdout
+
+
+@needs_cffi_free_buffers
+def test_rdmacore_event_channel_names_the_extra() -> None:
+    out = python(
+        """
+        import trio
+        from rdmashim.cm import EventChannel
+        from rdmashim.verbs.errors import BackendUnavailable
+
+        async def main():
+            async with EventChannel(backend="rdmacore"):
+                pass
+
+        try:
+            trio.run(main)
+        except BackendUnavailable as exc:
+            print(exc)
+        """
+    )
+    assert out.returncode == 0, out.stderr
+    assert "needs cffi" in out.stdout and EXTRA_HINT in out.stdout
