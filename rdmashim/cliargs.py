@@ -37,7 +37,7 @@ from typing import NoReturn
 EXIT_ERROR = 1
 EXIT_USAGE = 2
 EXIT_SIGINT = 128 + signal.SIGINT
-EXIT_SIGPIPE = 128 + signal.SIGPIPE
+EXIT_SIGPIPE = 128 + getattr(signal, "SIGPIPE", 13)  # Windows has no SIGPIPE; 13 elsewhere
 TRACEBACK_VAR = "RDMASHIM_TRACEBACK"
 """Set to 1 to see the traceback of an error as well as its line."""
 MIN_RATE_SECONDS = 0.01

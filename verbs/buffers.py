@@ -1,24 +1,52 @@
 """Pinning Python buffers: the real address and a byte view of any buffer-protocol object.
 
-Registering memory never copies it: cffi's ``from_buffer`` exports the object's
-buffer (so a ``bytearray`` cannot be resized while registered) and gives the
-address the rdma-core backend hands to the kernel. The built-in engine uses the
-same addresses, so SGEs and remote addresses mean the same on every backend.
+Registering memory never copies it: CPython's ``PyObject_GetBuffer`` (the
+buffer protocol's C call, reached through ctypes, so the base install needs no
+cffi) exports the object's buffer, so a ``bytearray`` cannot be resized while
+registered, and gives the address the rdma-core backend hands to the kernel.
+The built-in engine uses the same addresses, so SGEs and remote addresses mean
+the same on every backend.
 """
 
 from __future__ import annotations
 
+import ctypes
 import errno
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-import cffi
-
 from rdmashim.verbs.errors import VerbsError
 from rdmashim.verbs.wr import SGE
 
-_ffi = cffi.FFI()
+PYBUF_SIMPLE = 0
+PYBUF_WRITABLE = 0x0001
+
+
+class _PyBuffer(ctypes.Structure):
+    """CPython's ``Py_buffer`` (in the stable ABI since 3.11)."""
+
+    _fields_ = [
+        ("buf", ctypes.c_void_p),
+        ("obj", ctypes.c_void_p),
+        ("len", ctypes.c_ssize_t),
+        ("itemsize", ctypes.c_ssize_t),
+        ("readonly", ctypes.c_int),
+        ("ndim", ctypes.c_int),
+        ("format", ctypes.c_void_p),
+        ("shape", ctypes.c_void_p),
+        ("strides", ctypes.c_void_p),
+        ("suboffsets", ctypes.c_void_p),
+        ("internal", ctypes.c_void_p),
+    ]
+
+
+_get_buffer = ctypes.pythonapi.PyObject_GetBuffer
+_get_buffer.argtypes = [ctypes.py_object, ctypes.POINTER(_PyBuffer), ctypes.c_int]
+_get_buffer.restype = ctypes.c_int
+_release_buffer = ctypes.pythonapi.PyBuffer_Release
+_release_buffer.argtypes = [ctypes.POINTER(_PyBuffer)]
+_release_buffer.restype = None
 
 
 @dataclass(eq=False, slots=True)
@@ -28,13 +56,13 @@ class PinnedBuffer:
     addr: int
     length: int
     view: memoryview
-    _cdata: Any
+    _export: _PyBuffer | None
 
     def release(self) -> None:
         """Let the buffer move again (idempotent)."""
-        if self._cdata is not None:
-            _ffi.release(self._cdata)
-            self._cdata = None
+        if self._export is not None:
+            _release_buffer(ctypes.byref(self._export))
+            self._export = None
             self.view.release()
 
 
@@ -50,9 +78,10 @@ def pin(obj: Any, *, writable: bool, operation: str = "reg_mr") -> PinnedBuffer:
         raise VerbsError(errno.EACCES, operation, "write access requested on a read-only buffer")
     if view.format != "B" or view.ndim != 1:
         view = view.cast("B")
-    cdata = _ffi.from_buffer("char[]", view, require_writable=writable)
-    addr = int(_ffi.cast("uintptr_t", cdata))
-    return PinnedBuffer(addr, view.nbytes, view, cdata)
+    export = _PyBuffer()
+    # Raises (BufferError, TypeError) when the object will not export as asked.
+    _get_buffer(view, ctypes.byref(export), PYBUF_WRITABLE if writable else PYBUF_SIMPLE)
+    return PinnedBuffer(export.buf or 0, view.nbytes, view, export)
 
 
 def address_of(obj: Any) -> int:

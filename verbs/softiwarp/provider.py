@@ -16,9 +16,9 @@ from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
+import psutil
 import trio
 
 from rdmashim.verbs.attrs import DeviceAttr, PortAttr, QPAttr, QPCap
@@ -72,18 +72,22 @@ class Device:
     @property
     def node_guid(self) -> int:
         """A stable 64-bit id derived from the interface's MAC (or name, for lo)."""
-        mac = _read_sysfs(self.netdev, "address") or ""
-        raw = bytes.fromhex(mac.replace(":", "")) if mac else b""
+        raw = _mac_of(self.netdev)
         if not any(raw):
             raw = self.netdev.encode()[:6].ljust(6, b"\0")
         return int.from_bytes(raw[:3] + b"\xff\xfe" + raw[3:6], "big")
 
 
-def _read_sysfs(netdev: str, attr: str) -> str | None:
-    try:
-        return Path("/sys/class/net", netdev, attr).read_text().strip()
-    except OSError:
-        return None
+def _mac_of(netdev: str) -> bytes:
+    """The interface's hardware address (empty if it has none, as tunnels)."""
+    for entry in psutil.net_if_addrs().get(netdev, ()):
+        if entry.family == psutil.AF_LINK and entry.address:
+            # "02:fc:00:00:00:01" on POSIX, "02-FC-00-00-00-01" on Windows
+            try:
+                return bytes.fromhex(entry.address.replace(":", "").replace("-", ""))
+            except ValueError:
+                log.debug("%s: unparsable hardware address %r", netdev, entry.address)
+    return b""
 
 
 def get_device_list() -> list[Device]:
@@ -232,15 +236,11 @@ class Context(_Parent):
         """State of the device's only port (the interface)."""
         if port_num != 1:
             raise VerbsError(errno.EINVAL, "query_port", f"port {port_num} (only port 1 exists)")
-        oper = _read_sysfs(self.device.netdev, "operstate") or "unknown"
-        mtu = int(_read_sysfs(self.device.netdev, "mtu") or 1500)
-        state = (
-            PortState.DOWN if oper in ("down", "lowerlayerdown", "notpresent") else PortState.ACTIVE
-        )
+        link = psutil.net_if_stats().get(self.device.netdev)  # None: the interface is gone
         return PortAttr(
-            state=state,
+            state=PortState.ACTIVE if link is not None and link.isup else PortState.DOWN,
             max_mtu=Mtu.MTU_4096,
-            active_mtu=Mtu.from_bytes(mtu),
+            active_mtu=Mtu.from_bytes(link.mtu if link is not None and link.mtu else 1500),
             gid_tbl_len=1,
             max_msg_sz=0xFFFFFFFF,
             link_layer="Ethernet",
