@@ -15,7 +15,14 @@ from rdmashim import SGE, Access, SendFlags, WCOpcode, WCStatus, WROpcode
 from rdmashim.verbs.buffers import pin
 from rdmashim.verbs.softiwarp import ddp
 from rdmashim.verbs.softiwarp.ddp import QN, Opcode
-from rdmashim.verbs.softiwarp.engine import Engine, EngineConfig, EngineState, RecvJob, SendJob
+from rdmashim.verbs.softiwarp.engine import (
+    STAGING_SIZE,
+    Engine,
+    EngineConfig,
+    EngineState,
+    RecvJob,
+    SendJob,
+)
 from rdmashim.verbs.softiwarp.memory import MemoryTable
 from rdmashim.verbs.softiwarp.terminate import (
     DdpTaggedCode,
@@ -171,6 +178,21 @@ def test_crc_error_terminates_with_llp_code() -> None:
     a.engine.receive_data(term)
     assert a.engine.state is EngineState.ERROR
     assert a.engine.remote_terminate == b.engine.error.code
+
+
+def test_staging_buffer_comes_with_the_first_received_bytes() -> None:
+    """A QP that never receives (a request held or rejected) holds no staging buffer."""
+    a, b = Host(True), Host(True)
+    assert len(a.engine._staging) == 0
+    dst = a.region(64)
+    src = b.region(b"y" * 64)
+    b.engine.post_send(
+        SendJob(1, WROpcode.RDMA_WRITE, SendFlags.SIGNALED, (SGE(src.addr, 64, src.stag),),
+                None, 64, dst.addr, dst.stag)
+    )  # fmt: skip
+    a.engine.receive_data(b"".join(bytes(x) for x in b.engine.produce()))
+    assert len(a.engine._staging) == STAGING_SIZE
+    assert bytes(dst.view) == b"y" * 64
 
 
 def test_linux_siw_pad_bytes_are_ignored() -> None:

@@ -217,7 +217,9 @@ class Engine:
         self._tx_msn = [0, 0, 0]
         self._rx_msn = [1, 1, 1]
         self._rx_send: _RxMessage | None = None
-        self._staging = bytearray(STAGING_SIZE)
+        self._staging = bytearray()
+        """Allocated (``STAGING_SIZE``) when the first bytes are received: a QP that
+        never connects (a request rejected, a stranger held pending) costs none."""
         self._sview = memoryview(self._staging)
         self._start = 0
         self._end = 0
@@ -445,6 +447,9 @@ class Engine:
             self._direct = direct
             return direct
         self._direct = None
+        if not self._staging:
+            self._staging = bytearray(STAGING_SIZE)
+            self._sview = memoryview(self._staging)
         if self._start == self._end:
             self._start = self._end = 0
         elif STAGING_SIZE - self._end < 4096:
