@@ -42,10 +42,11 @@ _ATOMIC_CAPS = {
     AtomicCap.GLOB: "ATOMIC_GLOB",
 }
 _VERBOSE_COUNTS = (
-    "max_qp", "max_qp_wr", "max_sge", "max_sge_rd", "max_cq", "max_cqe", "max_mr", "max_pd",
-    "max_qp_rd_atom", "max_qp_init_rd_atom",
+    "max_sge", "max_sge_rd", "max_cq", "max_cqe", "max_mr", "max_pd", "max_qp_rd_atom",
+    "max_qp_init_rd_atom",
 )  # fmt: skip
-"""``ibv_devinfo -v``'s plain counts after the sizes, in its order, that DeviceAttr carries."""
+"""``ibv_devinfo -v``'s plain counts after ``device_cap_flags``, in its order, that
+DeviceAttr carries."""
 
 
 def guid_text(guid: int) -> str:
@@ -97,6 +98,7 @@ def device_lines(
         lines.append(dev("fw_ver", attr.fw_ver))
     lines += [
         dev("node_guid", guid_text(attr.node_guid)),
+        dev("sys_image_guid", guid_text(attr.sys_image_guid)),
         dev("vendor_id", f"{attr.vendor_id:#06x}"),
         dev("vendor_part_id", attr.vendor_part_id),
         dev("hw_ver", f"0x{attr.hw_ver:X}"),
@@ -106,6 +108,9 @@ def device_lines(
         lines += [
             dev("max_mr_size", f"{attr.max_mr_size:#x}"),
             dev("page_size_cap", f"{attr.page_size_cap:#x}"),
+            dev("max_qp", attr.max_qp),
+            dev("max_qp_wr", attr.max_qp_wr),
+            dev("device_cap_flags", f"0x{attr.device_cap_flags:08x}"),
         ]
         lines += [dev(key, getattr(attr, key)) for key in _VERBOSE_COUNTS]
         lines += [
@@ -137,11 +142,15 @@ def _port_lines(number: int, port: PortAttr, *, verbose: bool) -> list[str]:
         line("state", enum_text(_PORT_STATES, port.state, "invalid state")),
         line("max_mtu", mtu_text(port.max_mtu)),
         line("active_mtu", mtu_text(port.active_mtu)),
+        line("sm_lid", port.sm_lid),
+        line("port_lid", port.lid),
+        line("port_lmc", f"0x{port.lmc:02x}"),
         line("link_layer", port.link_layer),
     ]
     if verbose:
         lines += [
             line("max_msg_sz", f"{port.max_msg_sz:#x}"),
+            line("port_cap_flags", f"0x{port.port_cap_flags:08x}"),
             line("gid_tbl_len", port.gid_tbl_len),
             line("netdev", port.netdev),
         ]

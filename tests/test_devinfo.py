@@ -13,7 +13,7 @@ import re
 import trio
 
 import rdmashim
-from rdmashim.devinfo import device_lines, field, guid_text, list_lines
+from rdmashim.devinfo import device_lines, field, guid_text, list_lines, mtu_text
 from rdmashim.verbs.attrs import DeviceAttr, PortAttr
 from rdmashim.verbs.enums import AtomicCap, Mtu, PortState, Transport
 
@@ -73,6 +73,22 @@ def test_device_text_names_enumerations_as_ibv_devinfo_does() -> None:
     assert "\t\t\tstate:\t\t\tPORT_DOWN (1)" in lines
     assert "\t\t\tstate:\t\t\tinvalid state (0)" in lines
     assert "\t\t\tactive_mtu:\t\t1024 (3)" in lines
+
+
+def test_ib_fields_the_records_carry() -> None:
+    attr, port = real_attrs()
+    ib = dataclasses.replace(attr, sys_image_guid=0x0002C90300A1B2C3, device_cap_flags=0x21)
+    lid = dataclasses.replace(port, lid=7, sm_lid=1, lmc=2, port_cap_flags=0x2510868)
+    lines = device_lines("mlx_test", "rdmacore", ib, [(1, lid)], verbose=True)
+    assert "\tsys_image_guid:\t\t\t0002:c903:00a1:b2c3" in lines
+    assert "\tdevice_cap_flags:\t\t0x00000021" in lines
+    i = lines.index("\t\t\tactive_mtu:\t\t" + mtu_text(port.active_mtu))
+    assert lines[i + 1 : i + 4] == [
+        "\t\t\tsm_lid:\t\t\t1",
+        "\t\t\tport_lid:\t\t7",
+        "\t\t\tport_lmc:\t\t0x02",
+    ]
+    assert "\t\t\tport_cap_flags:\t\t0x02510868" in lines
     assert "\t\t\tlink_layer:\t\tInfiniBand" in lines
     assert lines[-1] == ""  # a blank line closes each port
 

@@ -41,6 +41,9 @@ class DeviceAttr:
     active_side_sends_first: bool
     """iWARP's rule: without peer-to-peer RTR, the passive side must not send first."""
     max_mw: int = 0
+    sys_image_guid: int = 0
+    device_cap_flags: int = 0
+    """``enum ibv_device_cap_flags`` bits, as the device reports them."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,6 +57,12 @@ class PortAttr:
     max_msg_sz: int
     link_layer: str
     netdev: str
+    lid: int = 0
+    sm_lid: int = 0
+    lmc: int = 0
+    """LID, subnet manager LID and LID mask control: InfiniBand's; 0 on iWARP and RoCE."""
+    port_cap_flags: int = 0
+    """``enum ibv_port_cap_flags`` bits, as the device reports them."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -292,6 +292,8 @@ class Context(Resource):
         return DeviceAttr(
             fw_ver=ffi.string(a.fw_ver).decode(errors="replace"),
             node_guid=_byteswapped64(a.node_guid),
+            sys_image_guid=_byteswapped64(a.sys_image_guid),
+            device_cap_flags=a.device_cap_flags,
             vendor_id=a.vendor_id,
             vendor_part_id=a.vendor_part_id,
             hw_ver=a.hw_ver,
@@ -333,6 +335,10 @@ class Context(Resource):
             max_msg_sz=a.max_msg_sz,
             link_layer="Ethernet" if a.link_layer == 2 else "InfiniBand",
             netdev=self._netdev(port_num),
+            lid=a.lid,
+            sm_lid=a.sm_lid,
+            lmc=a.lmc,
+            port_cap_flags=a.port_cap_flags,
         )
 
     def _netdev(self, port_num: int) -> str:

@@ -77,6 +77,11 @@ class Device:
             raw = self.netdev.encode()[:6].ljust(6, b"\0")
         return int.from_bytes(raw[:3] + b"\xff\xfe" + raw[3:6], "big")
 
+    @property
+    def sys_image_guid(self) -> int:
+        """The MAC in the first six bytes, as Linux siw reports it (siw_query_device)."""
+        return int.from_bytes(_mac_of(self.netdev)[:6].ljust(8, b"\0"), "big")
+
 
 def _mac_of(netdev: str) -> bytes:
     """The interface's hardware address (empty if it has none, as tunnels)."""
@@ -205,6 +210,7 @@ class Context(_Parent):
         return DeviceAttr(
             fw_ver="rdmashim-softiwarp",
             node_guid=self.device.node_guid,
+            sys_image_guid=self.device.sys_image_guid,
             vendor_id=VENDOR_ID,
             vendor_part_id=0,
             hw_ver=0,
