@@ -128,7 +128,7 @@ def missing_requirements() -> str | None:
 
 
 # ---------------------------------------------------------------- Python in the guest
-GUEST_DEPS = ["pytest", "pytest-trio", "trio", "crc32c", "hypothesis"]
+GUEST_DEPS = ["pytest", "pytest-trio", "trio", "crc32c", "psutil", "hypothesis"]
 """What rdmashim and its tests need beyond the guest's python3 and python3-cffi."""
 
 

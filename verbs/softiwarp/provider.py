@@ -83,6 +83,20 @@ class Device:
         return int.from_bytes(_mac_of(self.netdev)[:6].ljust(8, b"\0"), "big")
 
 
+def _link_state(netdev: str) -> tuple[bool, int]:
+    """Whether the interface is up, and its MTU.
+
+    psutil lists interfaces from ``/proc/net/dev``, which shows the process's
+    network namespace, but asks each one's flags and addresses from the calling
+    thread's. A thread that entered another namespace (``setns``) finds its
+    interfaces only among the addresses: present there means up (MTU 1500 assumed).
+    """
+    link = psutil.net_if_stats().get(netdev)
+    if link is not None:
+        return link.isup, link.mtu or 1500
+    return netdev in psutil.net_if_addrs(), 1500
+
+
 def _mac_of(netdev: str) -> bytes:
     """The interface's hardware address (empty if it has none, as tunnels)."""
     for entry in psutil.net_if_addrs().get(netdev, ()):
@@ -242,11 +256,11 @@ class Context(_Parent):
         """State of the device's only port (the interface)."""
         if port_num != 1:
             raise VerbsError(errno.EINVAL, "query_port", f"port {port_num} (only port 1 exists)")
-        link = psutil.net_if_stats().get(self.device.netdev)  # None: the interface is gone
+        up, mtu = _link_state(self.device.netdev)
         return PortAttr(
-            state=PortState.ACTIVE if link is not None and link.isup else PortState.DOWN,
+            state=PortState.ACTIVE if up else PortState.DOWN,
             max_mtu=Mtu.MTU_4096,
-            active_mtu=Mtu.from_bytes(link.mtu if link is not None and link.mtu else 1500),
+            active_mtu=Mtu.from_bytes(mtu),
             gid_tbl_len=1,
             max_msg_sz=0xFFFFFFFF,
             link_layer="Ethernet",
