@@ -9,6 +9,7 @@ the code read before) serves as the independent witness.
 
 from __future__ import annotations
 
+import ctypes
 import ipaddress
 import json
 import os
@@ -16,11 +17,14 @@ import socket
 import subprocess
 import sys
 import textwrap
+import threading
 from collections.abc import Iterator
 
 import pytest
+import trio
 
 from rdmashim.cm import addressing
+from rdmashim.verbs.softiwarp import provider
 
 import netns
 
@@ -154,3 +158,32 @@ def test_port_mtu_and_state_follow_the_link(probed: dict) -> None:
     assert probed["up"] == {"state": "ACTIVE", "mtu": "MTU_4096", "netdev": "d0"}
     assert probed["sysfs_down"] == "down"
     assert probed["down"] == {"state": "DOWN", "mtu": "MTU_4096", "netdev": "d0"}
+
+
+@pytest.mark.netns
+def test_port_state_in_a_thread_that_entered_the_namespace(dummy_ns: str) -> None:
+    """psutil lists /proc/net/dev's interfaces (the process's namespace) but asks the
+    calling thread's; a thread that setns'd into a namespace still sees its port up."""
+    netns.ip("-n", dummy_ns, "link", "set", "d0", "up")
+    seen: dict[str, object] = {}
+
+    async def port() -> str:
+        async with provider.open_device("siw_d0") as ctx:
+            return ctx.query_port(1).state.name
+
+    def enter_and_query() -> None:
+        try:
+            fd = os.open(f"/run/netns/{dummy_ns}", os.O_RDONLY)
+            try:
+                if ctypes.CDLL(None, use_errno=True).setns(fd, 0x40000000) != 0:  # CLONE_NEWNET
+                    raise OSError(ctypes.get_errno(), "setns")
+            finally:
+                os.close(fd)
+            seen["state"] = trio.run(port)
+        except Exception as exc:
+            seen["error"] = exc
+
+    thread = threading.Thread(target=enter_and_query)
+    thread.start()
+    thread.join(60)
+    assert seen == {"state": "ACTIVE"}, seen
