@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from collections.abc import Iterator
 from typing import Any
 
 import psutil
@@ -88,19 +87,6 @@ except IbError as e:
 """
 
 
-@pytest.fixture(scope="module")
-def network() -> Iterator[netns.Network]:
-    why = netns.unavailable()
-    if why is not None:
-        pytest.skip(f"network namespaces: {why}")
-    netns.sweep_stale()
-    net = netns.Network.build()
-    try:
-        yield net
-    finally:
-        net.destroy()
-
-
 def _query(host: netns.Host, src: str | None, dst: str, timeout: float = 3.0) -> dict[str, Any]:
     argv = ["ip", "netns", "exec", host.netns, sys.executable, "-c", _QUERY]
     done = subprocess.run(
@@ -116,23 +102,21 @@ def _mac(host: netns.Host, ifname: str) -> str:
 
 
 @pytest.mark.parametrize("dst", ["10.201.0.2", "fd00:201::2"])
-def test_a_neighbour_resolves_to_its_mac(network: netns.Network, dst: str) -> None:
-    got = _query(network.a, None, dst)
+def test_a_neighbour_resolves_to_its_mac(net: netns.Network, dst: str) -> None:
+    got = _query(net.a, None, dst)
     assert got["ifname"] == "va0" and got["device"] == "siw_va0"
-    assert got["sgid"] == _mac(network.a, "va0") + "00" * 10
-    assert got["dgid"] == _mac(network.b, "vb0") + "00" * 10
+    assert got["sgid"] == _mac(net.a, "va0") + "00" * 10
+    assert got["dgid"] == _mac(net.b, "vb0") + "00" * 10
 
 
-def test_the_route_picks_the_interface_of_a_multihomed_host(network: netns.Network) -> None:
-    got = _query(network.b, None, "10.202.0.3")
+def test_the_route_picks_the_interface_of_a_multihomed_host(net: netns.Network) -> None:
+    got = _query(net.b, None, "10.202.0.3")
     assert got["src"] == "10.202.0.2" and got["ifname"] == "vb1"
-    assert got["dgid"] == _mac(network.c, "vc1") + "00" * 10
+    assert got["dgid"] == _mac(net.c, "vc1") + "00" * 10
 
 
-def test_a_silent_address_times_out_and_an_unrouted_one_is_not_found(
-    network: netns.Network,
-) -> None:
-    silent = _query(network.a, None, "10.201.0.99", timeout=0.5)
+def test_a_silent_address_times_out_and_an_unrouted_one_is_not_found(net: netns.Network) -> None:
+    silent = _query(net.a, None, "10.201.0.99", timeout=0.5)
     assert silent["status"] in ("IB_TIMEOUT", "IB_NOT_FOUND"), silent
-    unrouted = _query(network.a, None, "10.77.0.1")
+    unrouted = _query(net.a, None, "10.77.0.1")
     assert unrouted["status"] == "IB_NOT_FOUND" and "route" in unrouted["detail"]
