@@ -26,7 +26,8 @@ import logging
 import os
 import queue
 import threading
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
+from contextlib import contextmanager
 from typing import Any, Final, TypeVar
 
 import trio
@@ -146,12 +147,13 @@ class IbAl:
         A verbs error with errno E becomes ``IbError(status_from_errno(E), name)``;
         an :class:`IbError` raised by the body passes through unchanged.
         """
-        try:
+        with as_status(name):
             return self.run(fn, *args)
-        except IbError:
-            raise
-        except OSError as exc:
-            raise IbError(status_from_errno(exc.errno), name, str(exc)) from exc
+
+    def call_async(self, name: str, afn: Callable[..., Awaitable[T]], *args: Any) -> T:
+        """:meth:`call` for a body that awaits (``ib_open_ca`` opening a device)."""
+        with as_status(name):
+            return self.run_async(afn, *args)
 
     def spawn(self, afn: Callable[..., Awaitable[Any]], *args: Any) -> None:
         """Start a task in the progress thread's nursery (call on the progress thread)."""
@@ -204,6 +206,17 @@ class IbAl:
             child._release()
 
 
+@contextmanager
+def as_status(name: str) -> Iterator[None]:
+    """Let :class:`IbError` through; turn any other ``OSError`` into one for call ``name``."""
+    try:
+        yield
+    except IbError:
+        raise
+    except OSError as exc:
+        raise IbError(status_from_errno(exc.errno), name, str(exc)) from exc
+
+
 class Handle:
     """The base of every IBAL handle: its AL, user context, parent and children.
 
@@ -214,10 +227,15 @@ class Handle:
 
     invalid: IbStatus = IbStatus.IB_INVALID_HANDLE
     """The status a call on this handle returns once it is destroyed."""
+    release_late = False
+    """Whether a parent being destroyed releases this after its other children."""
 
     def __init__(self, al: IbAl, parent: Handle | None, context: Any) -> None:
         self.al = al
         self.context = context
+        self.user_context = context
+        """The context given at creation, passed to the object's callbacks (a CA's
+        ``.context`` is its portable device context instead)."""
         self._parent = parent
         self._children: list[Handle] = []
         self.destroyed = False
@@ -235,7 +253,11 @@ class Handle:
         """Destroy the children, then this object's portable resources (progress thread)."""
         if self.destroyed:
             return
-        for child in reversed(list(self._children)):
+        newest_first = list(reversed(self._children))
+        # CQs and SRQs go after the QPs that use them
+        for child in [c for c in newest_first if not c.release_late] + [
+            c for c in newest_first if c.release_late
+        ]:
             child._release()
         self.destroyed = True
         if self._parent is None:
@@ -260,7 +282,7 @@ class Handle:
         if isinstance(pfn_destroy_cb, _SyncDestroy):
             self.al.sync_callbacks()
         elif pfn_destroy_cb is not None:
-            self.al.callback(pfn_destroy_cb, self.context)
+            self.al.callback(pfn_destroy_cb, self.user_context)
 
 
 def ib_open_al(hca_backend: str | None = None) -> IbAl:

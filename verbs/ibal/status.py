@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import errno
 from enum import IntEnum
+from typing import Any
 
 
 class IbStatus(IntEnum):
@@ -162,6 +163,10 @@ class IbError(OSError):
     ``errno`` is the status's POSIX counterpart, so code that catches ``OSError``
     sees a sensible number.
     """
+
+    failed_wr: Any = None
+    """For a post call: the work request of the chain that was refused (those before
+    it are posted), as IBAL's failure pointer."""
 
     def __init__(self, status: IbStatus, call: str, detail: str = "") -> None:
         self.status = IbStatus(status)
