@@ -222,6 +222,12 @@ def test_two_listens_share_a_service_id_by_compare_buffer(al: IbAl, ca: IbCa, po
     assert first.wait("req").p_req_pdata == b"A"
 
 
+def test_a_listen_directed_at_the_ca(al: IbAl, ca: IbCa, rec: Recorder, port: int) -> None:
+    listen(al, rec, port, ca_guid=ca.guid, port_guid=ca.guid)
+    request(make_end(ca), rec, port)
+    assert rec.wait("req").primary_path.device_name == ca.device_name
+
+
 def test_no_listener_is_invalid_sid(ca: IbCa, rec: Recorder, port: int) -> None:
     request(make_end(ca), rec, port)
     rej = rec.wait("rej")

@@ -93,23 +93,25 @@ class CaCm:
         self.ca = ca
         self.channel: EventChannel | None = None
         self.ports: dict[int, PortListen] = {}
-        self._scope = trio.CancelScope()
 
     async def run(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
-        """Own the channel and dispatch its events until the CA or the AL closes."""
-        with self._scope:
-            channel = EventChannel(contexts=[self.ca.context], backend=self.ca.al.hca_backend)
-            async with channel:
-                self.channel = channel
-                task_status.started()
-                async for event in channel:
-                    event.ack()
-                    try:
-                        self._dispatch(event)
-                    except Exception:
-                        log.exception("ibal cm: handling %s failed", event)
-                    if self.ca.destroyed:
-                        break
+        """Own the channel and dispatch its events until the CA or the AL closes.
+
+        Closing the CA ends its CM ids with DEVICE_REMOVAL; the first event after it
+        ends the task (closing the AL cancels it).
+        """
+        channel = EventChannel(contexts=[self.ca.context], backend=self.ca.al.hca_backend)
+        async with channel:
+            self.channel = channel
+            task_status.started()
+            async for event in channel:
+                event.ack()
+                try:
+                    self._dispatch(event)
+                except Exception:
+                    log.exception("ibal cm: handling %s failed", event)
+                if self.ca.destroyed:
+                    break
         self.channel = None
         _cms.pop(self.ca, None)
 
