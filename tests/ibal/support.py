@@ -26,6 +26,7 @@ from rdmashim.verbs.ibal import (
     IbAl,
     IbCa,
     IbCq,
+    IbError,
     IbPd,
     IbQp,
     IbStatus,
@@ -200,3 +201,15 @@ def connected_pair(ca: IbCa, server_cb: Any = None, **create: Any) -> tuple[End,
     ib_post_recv(server.qp, link([recv(100 + i, ds(server, 64 * i)) for i in range(8)]))
     connect(ca, client.qp, server.qp)
     return client, server
+
+
+def error_of(call: Callable[[], object]) -> IbError:
+    """The :class:`IbError` ``call()`` raises (the test fails if it raises none)."""
+    with pytest.raises(IbError) as info:
+        call()
+    return info.value
+
+
+def status_of(call: Callable[[], object]) -> IbStatus:
+    """The status of the :class:`IbError` ``call()`` raises."""
+    return error_of(call).status

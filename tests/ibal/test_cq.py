@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import threading
 
-import pytest
 import trio
 from ibal.support import (
     WAIT,
@@ -16,12 +15,12 @@ from ibal.support import (
     poll_n,
     recv,
     send,
+    status_of,
 )
 
 from rdmashim.verbs.ibal import (
     IbCa,
     IbCq,
-    IbError,
     IbStatus,
     WaitObject,
     ib_cq_create_t,
@@ -51,12 +50,6 @@ from rdmashim.verbs.ibal import (
 
 QUIET = 0.2
 """Seconds to watch for a callback that must not come."""
-
-
-def status_of(call: object) -> IbStatus:
-    with pytest.raises(IbError) as info:
-        call()  # type: ignore[operator]
-    return info.value.status
 
 
 def test_callback_or_wait_object_exactly_one(ca: IbCa) -> None:

@@ -237,7 +237,7 @@ class IbAl:
         self._callbacks.put(None)
         self._callback_thread.join()
         if self._token is not None and self._stop is not None:
-            trio.from_thread.run_sync(self._stop.set, trio_token=self._token)
+            self._token.run_sync_soon(self._stop.set)
         self._progress.join()
 
     def _release_children(self) -> None:
