@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import threading
 
-from ibal.support import WAIT, connect, connected_pair, ds, make_end, poll_n, recv, send
+from ibal.support import WAIT, connect, connected_pair, ds, make_end, poll_n, recv, send, status_of
 
 from rdmashim.verbs.ibal import (
     IbCa,
+    IbStatus,
     ib_async_event_t,
+    ib_poll_cq,
     ib_post_recv,
     ib_post_send,
     ib_recv_opt_t,
@@ -19,6 +21,7 @@ from rdmashim.verbs.ibal import (
     ib_wc_type_t,
     ib_wr_type_t,
     link,
+    wc_list,
 )
 
 OK = ib_wc_status_t.IB_WCS_SUCCESS
@@ -115,3 +118,4 @@ def test_a_cq_overrun_raises_the_cq_and_qp_event_callbacks(ca: IbCa) -> None:
         (ib_async_event_t.IB_AE_CQ_ERROR, client.cq, "cq-ctx", "ibal-callbacks"),
         (ib_async_event_t.IB_AE_QP_FATAL, client.qp, "qp-ctx", "ibal-callbacks"),
     ]
+    assert status_of(lambda: ib_poll_cq(client.cq, wc_list(1))) is IbStatus.IB_OVERFLOW
