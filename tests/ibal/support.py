@@ -11,6 +11,7 @@ the connection) open until the test ends.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,17 +26,27 @@ from rdmashim.verbs.ibal import (
     IbAl,
     IbCa,
     IbCq,
+    IbError,
     IbPd,
     IbQp,
+    IbStatus,
     WaitObject,
     ib_access_t,
     ib_alloc_pd,
     ib_cq_create_t,
     ib_create_cq,
     ib_create_qp,
+    ib_local_ds_t,
     ib_mr_create_t,
+    ib_poll_cq,
+    ib_post_recv,
     ib_qp_create_t,
+    ib_recv_wr_t,
     ib_reg_mem,
+    ib_send_wr_t,
+    ib_wc_t,
+    link,
+    wc_list,
 )
 
 E = CMEventType
@@ -91,13 +102,21 @@ class End:
         return self.mr.vaddr
 
 
-def make_end(ca: IbCa, *, wait_object: bool = False, size: int = 64, **create: Any) -> End:
-    """PD, CQ, unbound QP and a registered 4 KiB buffer on ``ca``."""
+def make_end(
+    ca: IbCa,
+    *,
+    wait_object: bool = False,
+    comp_cb: Callable[[IbCq, Any], None] | None = None,
+    size: int = 64,
+    **create: Any,
+) -> End:
+    """PD, CQ (with ``comp_cb``, else a :class:`Completions`, or a wait object), unbound QP
+    and a registered 4 KiB buffer on ``ca``."""
     pd = ib_alloc_pd(ca)
-    comp = None if wait_object else Completions()
+    comp = None if wait_object or comp_cb else Completions()
     wait_obj = WaitObject() if wait_object else None
     events: list[Any] = []
-    cq = ib_create_cq(ca, ib_cq_create_t(size, comp, wait_obj), "cq-ctx", events.append)
+    cq = ib_create_cq(ca, ib_cq_create_t(size, comp_cb or comp, wait_obj), "cq-ctx", events.append)
     attrs = {"sq_depth": 32, "rq_depth": 32, **create}
     qp = ib_create_qp(pd, ib_qp_create_t(h_sq_cq=cq, h_rq_cq=cq, **attrs), "qp-ctx", events.append)
     buf = bytearray(4096)
@@ -144,3 +163,53 @@ def connect(
             await al.nursery.start(_keep_connected, ca, client, server, before_accept)
 
     al.run_async(start)
+
+
+def ds(end: End, offset: int = 0, length: int = 64) -> ib_local_ds_t:
+    """A data segment over ``[offset, offset + length)`` of the end's region."""
+    return ib_local_ds_t(end.vaddr + offset, length, end.lkey)
+
+
+def recv(wr_id: int, *segments: ib_local_ds_t) -> ib_recv_wr_t:
+    return ib_recv_wr_t(wr_id=wr_id, ds_array=list(segments))
+
+
+def send(wr_id: int, *segments: ib_local_ds_t, **fields: Any) -> ib_send_wr_t:
+    return ib_send_wr_t(wr_id=wr_id, ds_array=list(segments), **fields)
+
+
+def poll_n(cq: IbCq, n: int, timeout: float = WAIT) -> list[ib_wc_t]:
+    """Exactly ``n`` completions from ``cq``, polled one free entry at a time."""
+    out: list[ib_wc_t] = []
+    deadline = time.monotonic() + timeout
+    while len(out) < n:
+        status, free, done = ib_poll_cq(cq, wc_list(1))
+        if status is IbStatus.IB_SUCCESS:
+            assert free is None and done is not None
+            out.append(done)
+        elif time.monotonic() > deadline:
+            raise AssertionError(f"{len(out)} of {n} completions after {timeout} s")
+        else:
+            time.sleep(0.001)
+    return out
+
+
+def connected_pair(ca: IbCa, server_cb: Any = None, **create: Any) -> tuple[End, End]:
+    """Two ends on ``ca``, the client connected to the server (which posted 8 receives of
+    64 bytes first, wr_ids 100..107; ``server_cb`` is its CQ's callback if given)."""
+    client, server = make_end(ca, **create), make_end(ca, comp_cb=server_cb, **create)
+    ib_post_recv(server.qp, link([recv(100 + i, ds(server, 64 * i)) for i in range(8)]))
+    connect(ca, client.qp, server.qp)
+    return client, server
+
+
+def error_of(call: Callable[[], object]) -> IbError:
+    """The :class:`IbError` ``call()`` raises (the test fails if it raises none)."""
+    with pytest.raises(IbError) as info:
+        call()
+    return info.value
+
+
+def status_of(call: Callable[[], object]) -> IbStatus:
+    """The status of the :class:`IbError` ``call()`` raises."""
+    return error_of(call).status

@@ -95,3 +95,39 @@ def test_an_al_cannot_sit_on_ibal() -> None:
     with pytest.raises(IbError) as info:
         ib_open_al("ibal")
     assert info.value.status is IbStatus.IB_INVALID_PARAMETER
+
+
+def test_a_callback_never_runs_inside_the_call_that_raised_it() -> None:
+    """The progress thread only queues callbacks: the caller's call returns first."""
+    al = ib_open_al()
+    try:
+        returned = threading.Event()
+        seen: list[tuple[bool, str]] = []
+
+        def cb() -> None:  # inside the call it would wait in vain
+            seen.append((returned.wait(2), threading.current_thread().name))
+
+        def body() -> None:
+            al.callback(cb)
+
+        al.call("ib_rearm_cq", body)
+        returned.set()
+        al.sync_callbacks()
+        assert seen == [(True, "ibal-callbacks")]
+        assert al.run(lambda: al.on_progress_thread()) and not al.on_callback_thread()
+    finally:
+        ib_close_al(al)
+
+
+async def test_a_trio_program_may_call_directly() -> None:
+    """A thread running its own trio loop calls in (trio's from_thread would refuse)."""
+    al = ib_open_al()
+    try:
+        assert al.run(lambda: 41 + 1) == 42
+
+        async def answer() -> int:
+            return 7
+
+        assert al.run_async(answer) == 7
+    finally:
+        ib_close_al(al)

@@ -30,6 +30,7 @@ from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, Final, TypeVar
 
+import outcome
 import trio
 
 from rdmashim.verbs.ibal.status import IbError, IbStatus, status_from_errno
@@ -128,18 +129,56 @@ class IbAl:
 
     # ------------------------------------------------------------------ marshalling
     def run(self, fn: Callable[..., T], *args: Any) -> T:
-        """Run ``fn(*args)`` on the progress thread and return its result (or raise its error)."""
+        """Run ``fn(*args)`` on the progress thread and return its result (or raise its error).
+
+        Works from any thread, a trio program's included (the call blocks that
+        thread's loop for as long as the short call takes).
+        """
         if self.on_progress_thread():
             return fn(*args)
-        if self._token is None or self._closed:
-            raise IbError(IbStatus.IB_INVALID_AL_HANDLE, "ib_*", "the access layer is closed")
-        return trio.from_thread.run_sync(fn, *args, trio_token=self._token)
+        return self._wait_for(lambda settle: settle(outcome.capture(fn, *args)))
 
     def run_async(self, afn: Callable[..., Awaitable[T]], *args: Any) -> T:
         """Run ``await afn(*args)`` on the progress thread's loop and return its result."""
+
+        def begin(settle: Callable[[outcome.Outcome[T]], None]) -> None:
+            async def task() -> None:
+                settle(await outcome.acapture(afn, *args))
+
+            assert self.nursery is not None
+            self.nursery.start_soon(task)
+
+        return self._wait_for(begin)
+
+    def _wait_for(self, begin: Callable[[Callable[[outcome.Outcome[T]], None]], None]) -> T:
+        """Have ``begin(settle)`` run on the progress loop; wait for its ``settle(result)``.
+
+        Trio's ``from_thread`` refuses a thread that runs a trio loop of its own,
+        so the hand-over is a plain ``run_sync_soon`` and a thread event.
+        """
         if self._token is None or self._closed:
             raise IbError(IbStatus.IB_INVALID_AL_HANDLE, "ib_*", "the access layer is closed")
-        return trio.from_thread.run(afn, *args, trio_token=self._token)
+        done = threading.Event()
+        result: list[outcome.Outcome[T]] = []
+
+        def settle(value: outcome.Outcome[T]) -> None:
+            result.append(value)
+            done.set()
+
+        def start() -> None:
+            try:
+                begin(settle)
+            except BaseException as exc:  # report to the caller, never to the loop
+                settle(outcome.Error(exc))
+
+        try:
+            self._token.run_sync_soon(start)
+        except trio.RunFinishedError:
+            raise IbError(
+                IbStatus.IB_INVALID_AL_HANDLE, "ib_*", "the access layer is closed"
+            ) from None
+        done.wait()
+        return result[0].unwrap()
 
     def call(self, name: str, fn: Callable[..., T], *args: Any) -> T:
         """Run an ``ib_*`` call's body on the progress thread, its OS errors as :class:`IbError`.
@@ -198,7 +237,7 @@ class IbAl:
         self._callbacks.put(None)
         self._callback_thread.join()
         if self._token is not None and self._stop is not None:
-            trio.from_thread.run_sync(self._stop.set, trio_token=self._token)
+            self._token.run_sync_soon(self._stop.set)
         self._progress.join()
 
     def _release_children(self) -> None:

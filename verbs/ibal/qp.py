@@ -357,8 +357,7 @@ def _check_create(pd: IbPd, create: ib_qp_create_t) -> None:
     if srq is not None and (srq.destroyed or srq.pd is not pd):
         raise IbError(IbStatus.IB_INVALID_SRQ_HANDLE, call, "the SRQ must be of the same PD")
     dev = pd.ca.context.query_device()
-    rq_low = 0 if srq is not None else 1
-    if not (1 <= create.sq_depth <= dev.max_qp_wr and rq_low <= create.rq_depth <= dev.max_qp_wr):
+    if not (1 <= create.sq_depth <= dev.max_qp_wr and 0 <= create.rq_depth <= dev.max_qp_wr):
         raise IbError(IbStatus.IB_INVALID_MAX_WRS, call, f"depths past {dev.max_qp_wr}")
     if not (0 <= create.sq_sge <= dev.max_sge and 0 <= create.rq_sge <= dev.max_sge):
         raise IbError(IbStatus.IB_INVALID_MAX_SGE, call, f"SGEs past {dev.max_sge}")
