@@ -23,12 +23,13 @@ from rdmashim.verbs.enums import AtomicCap, Transport
 from rdmashim.verbs.errors import BackendUnavailable
 from rdmashim.verbs.ibal.al import DestroyCallback, Handle, IbAl
 from rdmashim.verbs.ibal.events import code_for, ib_async_event_rec_t, ib_async_event_t
+from rdmashim.verbs.ibal.ibat import iwarp_gid
 from rdmashim.verbs.ibal.status import IbError, IbStatus
 
 log = logging.getLogger(__name__)
 
 GID_LINK_LOCAL_PREFIX = 0xFE80_0000_0000_0000
-"""The subnet prefix of a port's GID (the link-local one; the portable API has no GID query)."""
+"""The subnet prefix of an InfiniBand port's GID (link-local; the portable API has no GID query)."""
 
 EventCallback = Callable[[ib_async_event_rec_t], None] | None
 """What ``pfn_*_event_cb`` takes: a callback given an :class:`ib_async_event_rec_t`, or None."""
@@ -54,7 +55,9 @@ class ib_port_attr_t:
     ``mtu`` holds an ``IB_MTU_LEN_*`` value (1 = 256 ... 5 = 4096 bytes),
     ``link_state`` an ``IB_LINK_*`` value (1 DOWN ... 4 ACTIVE), as IBAL does.
     ``port_guid`` is the node GUID for port 1 (plus the port number less one
-    for other ports); ``p_gid_table`` holds the link-local GID made from it.
+    for other ports). ``p_gid_table`` holds the GID the transport derives: on iWARP
+    the interface's MAC in the first six bytes (as Linux siw and :mod:`.ibat` make
+    it), on InfiniBand the link-local prefix and the port GUID.
     """
 
     port_guid: int
@@ -284,9 +287,16 @@ class IbCa(EventSource):
             link_state=int(port.state),
             num_gids=port.gid_tbl_len,
             num_pkeys=0 if dev.transport is Transport.IWARP else 1,
-            p_gid_table=(ib_gid_t(GID_LINK_LOCAL_PREFIX, guid),),
+            p_gid_table=(self._gid(dev, port.netdev, guid),),
             netdev=port.netdev,
         )
+
+    @staticmethod
+    def _gid(dev: Any, netdev: str, guid: int) -> ib_gid_t:
+        if dev.transport is Transport.IWARP:
+            raw = iwarp_gid(netdev, dev)
+            return ib_gid_t(int.from_bytes(raw[:8], "big"), int.from_bytes(raw[8:], "big"))
+        return ib_gid_t(GID_LINK_LOCAL_PREFIX, guid)
 
     def _close_resources(self) -> None:
         self._objects.clear()
