@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -93,7 +94,7 @@ def address_of(obj: Any) -> int:
         pinned.release()
 
 
-class PinnedRegion:
+class PinnedRegion(ABC):
     """What a memory region of any backend offers over its pinned buffer.
 
     A backend's MR sets ``_pinned`` and provides ``iova``, ``lkey`` and
@@ -101,9 +102,17 @@ class PinnedRegion:
     """
 
     _pinned: PinnedBuffer
-    iova: int
-    lkey: int
     _check_open: Callable[[str], None]
+
+    @property
+    @abstractmethod
+    def iova(self) -> int:
+        """The address of the first byte for work requests and the peer."""
+
+    @property
+    @abstractmethod
+    def lkey(self) -> int:
+        """Local key."""
 
     @property
     def addr(self) -> int:

@@ -129,6 +129,11 @@ class RdsConnection:
     _space: trio.Event = field(default_factory=trio.Event)
 
     @property
+    def connected(self) -> bool:
+        """Whether a session carries the connection now."""
+        return self.session is not None
+
+    @property
     def canonical(self) -> bool:
         """Whether this side initiates (the lower address, as Linux RDS)."""
         return int(self.local) < int(self.peer)

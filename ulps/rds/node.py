@@ -491,7 +491,7 @@ class RdsNode:
                     if not rds.canonical and entry.failures == 0:
                         # give the canonical side the first move
                         await trio.sleep(settings.reconnect_min)
-                        if rds.session is not None:
+                        if rds.connected:  # the peer's connection came meanwhile
                             break
                     try:
                         await self._active_session(entry)
