@@ -114,7 +114,7 @@ class CMId(Protocol):
     def destroy(self) -> None:
         """Release the id (``rdma_destroy_id``); idempotent."""
 
-    def join_multicast(self, addr: SockAddr, context: Any = None) -> None:
+    def join_multicast(self, addr: SockAddr, context: object = None) -> None:
         """Join a multicast group (UD QPs; no backend offers them yet)."""
 
 
@@ -125,7 +125,7 @@ class ChannelHost(Protocol):
     def nursery(self) -> trio.Nursery:
         """The channel's nursery, where CM work runs while the channel is open."""
 
-    def create_id(self, context: Any = None, ps: PortSpace = PortSpace.TCP) -> CMId:
+    def create_id(self, context: object = None, ps: PortSpace = PortSpace.TCP) -> CMId:
         """A new id of this channel (a listener makes one per incoming connection)."""
 
     def adopt(self, cm_id: CMId) -> None:
@@ -160,7 +160,7 @@ class ChannelHost(Protocol):
 class Connector(Protocol):
     """A backend's rdma_cm for one event channel: makes its ids, runs its background work."""
 
-    def create_id(self, ps: PortSpace, user_context: Any) -> CMId:
+    def create_id(self, ps: PortSpace, user_context: object) -> CMId:
         """A new id in port space ``ps`` (``rdma_create_id``)."""
 
     async def run(self) -> None:

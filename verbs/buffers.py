@@ -15,10 +15,13 @@ import errno
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 from rdmashim.verbs.errors import VerbsError
 from rdmashim.verbs.wr import SGE
+
+if TYPE_CHECKING:
+    from typing_extensions import Buffer
 
 PYBUF_SIMPLE = 0
 PYBUF_WRITABLE = 0x0001
@@ -67,7 +70,7 @@ class PinnedBuffer:
             self.view.release()
 
 
-def pin(obj: Any, *, writable: bool, operation: str = "reg_mr") -> PinnedBuffer:
+def pin(obj: Buffer, *, writable: bool, operation: str = "reg_mr") -> PinnedBuffer:
     """Pin ``obj`` (bytes, bytearray, memoryview, mmap, array, numpy array, ...)."""
     try:
         view = memoryview(obj)
@@ -85,7 +88,7 @@ def pin(obj: Any, *, writable: bool, operation: str = "reg_mr") -> PinnedBuffer:
     return PinnedBuffer(export.buf or 0, view.nbytes, view, export)
 
 
-def address_of(obj: Any) -> int:
+def address_of(obj: Buffer) -> int:
     """The address of the first byte of a buffer-protocol object (without pinning it)."""
     pinned = pin(obj, writable=False, operation="address_of")
     try:

@@ -151,7 +151,7 @@ class NativeChannel:
         os.set_blocking(self.fd, False)
         self._ids: dict[int, RdmaCoreCMId] = {}
 
-    def create_id(self, ps: PortSpace, user_context: Any) -> RdmaCoreCMId:
+    def create_id(self, ps: PortSpace, user_context: object) -> RdmaCoreCMId:
         """A new id (``rdma_create_id``) in a connected port space."""
         ps = PortSpace(ps)
         if ps not in _CONNECTED_SPACES:
@@ -526,7 +526,7 @@ class RdmaCoreCMId:
                 self.qp._disconnected(ConnectionResetError("connection closed"), flush=True)
         self.channel.post(kind, self, status, private_data=private_data, param=reported)
 
-    def _spawn(self, fn: Callable[..., Awaitable[None]], *args: Any) -> None:
+    def _spawn(self, fn: Callable[..., Awaitable[None]], *args: object) -> None:
         self.channel.nursery.start_soon(fn, *args)
 
     def _stop_timer(self) -> None:
@@ -550,6 +550,6 @@ class RdmaCoreCMId:
         if rc:
             log.warning("rdma_destroy_id: %s", os.strerror(lib.last_errno()))
 
-    def join_multicast(self, addr: addressing.SockAddr, context: Any = None) -> None:
+    def join_multicast(self, addr: addressing.SockAddr, context: object = None) -> None:
         """Multicast needs UD QPs, which the portable API does not have."""
         raise NotSupported("join_multicast", "multicast needs UD QPs")

@@ -34,7 +34,7 @@ import errno
 import ipaddress
 import logging
 import socket
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import trio
 
@@ -94,7 +94,7 @@ class _Throttled:
         self._last = -LOG_INTERVAL
         self._held = 0
 
-    def warning(self, message: str, *args: Any) -> None:
+    def warning(self, message: str, *args: object) -> None:
         now = trio.current_time()
         if now - self._last < LOG_INTERVAL:
             self._held += 1
@@ -129,7 +129,7 @@ class CMId:
     on it. ``user_context`` is whatever the caller passed to ``create_id``.
     """
 
-    def __init__(self, channel: ChannelHost, ps: PortSpace, user_context: Any = None) -> None:
+    def __init__(self, channel: ChannelHost, ps: PortSpace, user_context: object = None) -> None:
         self.channel = channel
         self.ps = PortSpace(ps)
         self.user_context = user_context
@@ -188,7 +188,7 @@ class CMId:
         return self.qp
 
     def _spawn(
-        self, fn: Callable[..., Awaitable[None]], *args: Any, failed: CMEventType | None = None
+        self, fn: Callable[..., Awaitable[None]], *args: object, failed: CMEventType | None = None
     ) -> None:
         """Run ``fn(*args)`` in the channel's nursery until the id is destroyed.
 
@@ -669,7 +669,7 @@ class CMId:
             self.channel.post(CMEventType.DEVICE_REMOVAL, self, detail="device context closed")
 
     # ------------------------------------------------------------------ misc
-    def join_multicast(self, addr: addressing.SockAddr, context: Any = None) -> None:
+    def join_multicast(self, addr: addressing.SockAddr, context: object = None) -> None:
         """Multicast needs UD QPs, which iWARP does not have."""
         raise NotSupported("join_multicast", "multicast on an iWARP device")
 
@@ -680,7 +680,7 @@ class Connector:
     def __init__(self, channel: ChannelHost) -> None:
         self.channel = channel
 
-    def create_id(self, ps: PortSpace, user_context: Any) -> AnyCMId:
+    def create_id(self, ps: PortSpace, user_context: object) -> AnyCMId:
         """A new id in port space ``ps`` (only TCP can connect on iWARP)."""
         return CMId(self.channel, ps, user_context)
 
