@@ -2,11 +2,12 @@
 
 ``EventChannel`` and ``CMId`` mirror ``rdma_create_event_channel`` and
 ``rdma_cm_id``; ``open_connection`` and ``serve`` are the trio-style layer
-over them.
+over them. ``CMId`` is the protocol (:mod:`rdmashim.cm.abc`) every backend's
+ids satisfy; the backends make them (:mod:`rdmashim.verbs.backend`).
 """
 
+from rdmashim.cm.abc import CMId
 from rdmashim.cm.channel import EventChannel
-from rdmashim.cm.cmid import CMId
 from rdmashim.cm.highlevel import (
     CMError,
     Connection,
@@ -17,13 +18,23 @@ from rdmashim.cm.highlevel import (
     open_device_for,
     serve,
 )
-from rdmashim.cm.types import CMEvent, CMEventType, ConnParam, PortSpace
+from rdmashim.cm.types import (
+    RTR,
+    CMEvent,
+    CMEventType,
+    CMState,
+    ConnParam,
+    PortSpace,
+    TransportOptions,
+)
 
 __all__ = [
+    "RTR",
     "CMError",
     "CMEvent",
     "CMEventType",
     "CMId",
+    "CMState",
     "ConnParam",
     "Connection",
     "ConnectionRejected",
@@ -31,6 +42,7 @@ __all__ = [
     "ConnectionUnreachable",
     "EventChannel",
     "PortSpace",
+    "TransportOptions",
     "open_connection",
     "open_device_for",
     "serve",

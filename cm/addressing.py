@@ -14,11 +14,14 @@ from __future__ import annotations
 import ipaddress
 import socket
 from dataclasses import dataclass
+from typing import Any
 
 import psutil
 import trio
 
-SockAddr = tuple  # (host, port) or (host, port, flowinfo, scope_id)
+SockAddr = tuple[Any, ...]
+"""A socket address as the socket module gives it: (host, port), or for IPv6
+(host, port, flowinfo, scope_id)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,7 +108,8 @@ def route_source(destination: str, family: int, scope_id: int = 0) -> str:
     target = (destination, 9) if family == socket.AF_INET else (destination, 9, 0, scope_id)
     with socket.socket(family, socket.SOCK_DGRAM) as probe:
         probe.connect(target)
-        return probe.getsockname()[0]
+        source: str = probe.getsockname()[0]
+    return source
 
 
 async def resolve(host: str | None, port: int, *, passive: bool = False) -> list[SockAddr]:

@@ -10,14 +10,16 @@ from __future__ import annotations
 
 import logging
 from collections.abc import AsyncIterator, Iterable
+from contextlib import AbstractAsyncContextManager
 from types import TracebackType
-from typing import Any
 
 import trio
 
-import rdmashim
-from rdmashim.cm.types import CMEvent, PortSpace
-from rdmashim.registry import chosen_backend
+from rdmashim.cm.abc import CMId, Connector
+from rdmashim.cm.types import CMEvent, CMEventType, ConnParam, PortSpace
+from rdmashim.registry import chosen_backend, load_backend
+from rdmashim.verbs.abc import Context
+from rdmashim.verbs.backend import Backend
 from rdmashim.verbs.tasks import service_nursery
 
 log = logging.getLogger(__name__)
@@ -28,33 +30,32 @@ class EventChannel:
 
     ``contexts`` are already opened device contexts (``rdmashim.open_device``)
     the channel's ids use instead of opening their own. The backend
-    (``backend=``, else the contexts', else ``RDMASHIM_BACKEND``) picks the ids: the built-in
-    engine's (:mod:`rdmashim.cm.cmid`) or librdmacm's
-    (:mod:`rdmashim.cm.rdmacore_id`, whose events a task reads from the
-    librdmacm channel's fd).
+    (``backend=``, else the contexts', else ``RDMASHIM_BACKEND``) makes the ids
+    through its connector (:meth:`Backend.cm_connector
+    <rdmashim.verbs.backend.Backend.cm_connector>`), whose background work (the
+    rdma-core backend reads librdmacm's events) runs in the channel's nursery.
     """
 
-    def __init__(self, contexts: Iterable[Any] = (), *, backend: str | None = None) -> None:
-        self._contexts: dict[str, Any] = {ctx.device.name: ctx for ctx in contexts}
+    def __init__(self, contexts: Iterable[Context] = (), *, backend: str | None = None) -> None:
+        self._contexts: dict[str, Context] = {ctx.device.name: ctx for ctx in contexts}
         given = next((ctx.backend for ctx in self._contexts.values()), None)
         self.backend = chosen_backend(backend or given)
+        """Name of the backend whose ids this channel makes."""
         self._send, self._recv = trio.open_memory_channel[CMEvent](1 << 16)
-        self._nursery_manager: Any = None
-        self.nursery: trio.Nursery | None = None
+        self._nursery_manager: AbstractAsyncContextManager[trio.Nursery] | None = None
+        self._nursery: trio.Nursery | None = None
         self.unacked = 0
-        self._ids: list[Any] = []
+        self._ids: list[CMId] = []
         self._closed = False
-        self._native: Any = None
+        self._backend: Backend | None = None
+        self._connector: Connector | None = None
 
     async def __aenter__(self) -> EventChannel:
-        if self.backend == "rdmacore":
-            from rdmashim.cm.rdmacore_id import NativeChannel
-
-            self._native = NativeChannel(self)
+        self._backend = load_backend(self.backend)
+        connector = self._connector = self._backend.cm_connector(self)
         self._nursery_manager = service_nursery()
-        self.nursery = await self._nursery_manager.__aenter__()
-        if self._native is not None:
-            self.nursery.start_soon(self._native.run)
+        self._nursery = await self._nursery_manager.__aenter__()
+        self._nursery.start_soon(connector.run)
         return self
 
     async def __aexit__(
@@ -67,40 +68,51 @@ class EventChannel:
         for cm_id in list(self._ids):
             cm_id.destroy()
         self._send.close()
+        assert self._nursery_manager is not None and self._connector is not None
         try:
             return await self._nursery_manager.__aexit__(exc_type, exc, tb)
         finally:
-            if self._native is not None:
-                self._native.close()
+            self._connector.close()
+
+    @property
+    def nursery(self) -> trio.Nursery:
+        """The channel's nursery, where CM work runs while the channel is open."""
+        if self._nursery is None:
+            raise trio.ClosedResourceError("event channel is not open (use `async with`)")
+        return self._nursery
 
     # ------------------------------------------------------------------ ids
-    def create_id(self, context: Any = None, ps: PortSpace = PortSpace.TCP) -> Any:
+    def create_id(self, context: object = None, ps: PortSpace = PortSpace.TCP) -> CMId:
         """A new CM id in port space ``ps`` (``rdma_create_id``); ``context`` is yours."""
         self._check_open()
-        if self._native is not None:
-            cm_id = self._native.create_id(ps, context)
-        else:
-            from rdmashim.cm.cmid import CMId
-
-            cm_id = CMId(self, ps, context)
+        assert self._connector is not None
+        cm_id = self._connector.create_id(ps, context)
         self._ids.append(cm_id)
         return cm_id
 
-    def _forget(self, cm_id: Any) -> None:
+    def adopt(self, cm_id: CMId) -> None:
+        """Count an id the backend's connector made itself (an incoming connection)."""
+        self._ids.append(cm_id)
+
+    def forget(self, cm_id: CMId) -> None:
+        """A destroyed id leaves the channel (its backend calls this)."""
         if cm_id in self._ids:
             self._ids.remove(cm_id)
 
     # ------------------------------------------------------------------ devices
-    async def device_context(self, name: str) -> Any:
+    async def device_context(self, name: str) -> Context:
         """The opened context of device ``name``, opening it in this channel if needed."""
         ctx = self._contexts.get(name)
         if ctx is None:
-            assert self.nursery is not None
-            ctx = await self.nursery.start(self._keep_device, name)
+            opened: Context = await self.nursery.start(self._keep_device, name)
+            return opened
         return ctx
 
-    async def _keep_device(self, name: str, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
-        async with rdmashim.open_device(name, backend=self.backend) as ctx:
+    async def _keep_device(
+        self, name: str, *, task_status: trio.TaskStatus[Context] = trio.TASK_STATUS_IGNORED
+    ) -> None:
+        assert self._backend is not None
+        async with self._backend.open_device(name) as ctx:
             self._contexts[name] = ctx
             task_status.started(ctx)
             try:
@@ -109,14 +121,27 @@ class EventChannel:
                 self._contexts.pop(name, None)
 
     # ------------------------------------------------------------------ events
-    def _post(self, event: CMEvent) -> None:
+    def post(
+        self,
+        kind: CMEventType,
+        cm_id: CMId,
+        status: int = 0,
+        *,
+        private_data: bytes = b"",
+        param: ConnParam | None = None,
+        listen_id: CMId | None = None,
+        detail: str = "",
+    ) -> None:
+        """Queue an event for the application (its backend calls this); none after close."""
         if self._closed:
             return
+        event = CMEvent(kind, cm_id, status, private_data, param, listen_id, detail, self)
         log.debug("cm event %s", event)
         self.unacked += 1
         self._send.send_nowait(event)
 
-    def _ack(self, event: CMEvent) -> None:
+    def ack(self, event: CMEvent) -> None:
+        """Acknowledge ``event`` (``rdma_ack_cm_event``; ``event.ack()`` calls this)."""
         self.unacked -= 1
 
     async def get_event(self) -> CMEvent:
@@ -139,5 +164,5 @@ class EventChannel:
                 return
 
     def _check_open(self) -> None:
-        if self._closed or self.nursery is None:
+        if self._closed or self._nursery is None:
             raise trio.ClosedResourceError("event channel is not open (use `async with`)")

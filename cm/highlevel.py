@@ -25,16 +25,22 @@ import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import Any
 
 import trio
 
+from rdmashim.cm.abc import CMId
+from rdmashim.cm.addressing import SockAddr
 from rdmashim.cm.channel import EventChannel
-from rdmashim.cm.cmid import DEFAULT_MAX_PENDING, CMId
-from rdmashim.cm.types import CMEvent, CMEventType, ConnParam
+from rdmashim.cm.types import (
+    DEFAULT_MAX_PENDING,
+    CMEvent,
+    CMEventType,
+    ConnParam,
+    TransportOptions,
+)
+from rdmashim.verbs.abc import CQ, PD, QP, Context
 from rdmashim.verbs.attrs import QPCap
 from rdmashim.verbs.errors import VerbsError
-from rdmashim.verbs.softiwarp.negotiation import MpaOptions
 
 log = logging.getLogger(__name__)
 
@@ -77,7 +83,9 @@ class _Router:
 
     def __init__(self, channel: EventChannel) -> None:
         self.channel = channel
-        self._queues: dict[CMId, tuple[trio.MemorySendChannel[CMEvent], Any]] = {}
+        self._queues: dict[
+            CMId, tuple[trio.MemorySendChannel[CMEvent], trio.MemoryReceiveChannel[CMEvent]]
+        ] = {}
         self.requests_send, self.requests = trio.open_memory_channel[CMEvent](64)
 
     def watch(self, cm_id: CMId) -> None:
@@ -111,10 +119,10 @@ class _OnId:
     verbs resources they hold."""
 
     id: CMId
-    pd: Any
-    send_cq: Any
-    recv_cq: Any
-    qp: Any
+    pd: PD
+    send_cq: CQ
+    recv_cq: CQ
+    qp: QP
     own_pd: bool
     """Whether the PD was made for this connection (else it is shared and stays)."""
     _router: _Router | None
@@ -131,19 +139,19 @@ class _OnId:
             self.pd.close()
 
     @property
-    def context(self) -> Any:
+    def context(self) -> Context:
         """The device context: the one the route chose, or the request arrived on."""
-        return self.id.context
+        return _context_of(self.id)
 
     @property
-    def local_addr(self) -> Any:
+    def local_addr(self) -> SockAddr:
         """Our (address, port)."""
-        return self.id.local_addr
+        return _address(self.id.local_addr)
 
     @property
-    def peer_addr(self) -> Any:
+    def peer_addr(self) -> SockAddr:
         """The peer's (address, port)."""
-        return self.id.peer_addr
+        return _address(self.id.peer_addr)
 
 
 @dataclass(eq=False)
@@ -151,10 +159,10 @@ class Connection(_OnId):
     """An established connection and the verbs resources it runs on."""
 
     id: CMId
-    pd: Any
-    send_cq: Any
-    recv_cq: Any
-    qp: Any
+    pd: PD
+    send_cq: CQ
+    recv_cq: CQ
+    qp: QP
     private_data: bytes = b""
     """What the peer sent in its connect or accept."""
     own_pd: bool = True
@@ -197,7 +205,7 @@ class Connection(_OnId):
 
 
 @asynccontextmanager
-async def open_device_for(address: str, *, backend: str | None = None) -> AsyncIterator[Any]:
+async def open_device_for(address: str, *, backend: str | None = None) -> AsyncIterator[Context]:
     """The device context the CM uses for the local ``address``, open in the block.
 
     A PD allocated on it can be shared by :func:`open_connection` and
@@ -211,28 +219,41 @@ async def open_device_for(address: str, *, backend: str | None = None) -> AsyncI
         if event.event != E.ADDR_RESOLVED:
             raise _ERRORS.get(event.event, CMError)(event)
         try:
-            yield cm_id.context
+            yield _context_of(cm_id)
         finally:
             cm_id.destroy()
 
 
-def _resources(cm_id: CMId, cap: QPCap | None, cqe: int, pd: Any) -> tuple[Any, Any, Any]:
+def _address(addr: SockAddr | None) -> SockAddr:
+    """An address a connected (or requested) id always has."""
+    assert addr is not None, "a connection's id has both addresses"
+    return addr
+
+
+def _context_of(cm_id: CMId) -> Context:
+    """The device context of a resolved (or requested) id."""
+    context = cm_id.context
+    if context is None:
+        raise VerbsError(errno.EINVAL, "cm", f"{cm_id} has no device context")
+    return context
+
+
+def _resources(cm_id: CMId, cap: QPCap | None, cqe: int, pd: PD | None) -> tuple[PD, CQ, QP]:
     """PD (``pd`` or a new one), CQ and QP for a connection on the id's device."""
-    own = pd is None
-    if own:
-        pd = cm_id.context.alloc_pd()
-    cq = cm_id.context.create_cq(cqe)
+    context = _context_of(cm_id)
+    conn_pd = context.alloc_pd() if pd is None else pd
+    cq = context.create_cq(cqe)
     try:
-        qp = cm_id.create_qp(pd, send_cq=cq, recv_cq=cq, cap=cap)
+        qp = cm_id.create_qp(conn_pd, send_cq=cq, recv_cq=cq, cap=cap)
     except BaseException:
         cq.close()
-        if own:
-            pd.close()
+        if pd is None:
+            conn_pd.close()
         raise
-    return pd, cq, qp
+    return conn_pd, cq, qp
 
 
-def _contexts_of(pd: Any) -> tuple[Any, ...]:
+def _contexts_of(pd: PD | None) -> tuple[Context, ...]:
     """The device context a shared PD brings to the event channel."""
     return () if pd is None else (pd.context,)
 
@@ -254,10 +275,10 @@ async def open_connection(
     cqe: int = 256,
     responder_resources: int = 16,
     initiator_depth: int = 16,
-    mpa_options: MpaOptions | None = None,
+    options: TransportOptions | None = None,
     connect_timeout: float = 10.0,
     prepare: Callable[[Connection], None] | None = None,
-    pd: Any = None,
+    pd: PD | None = None,
     backend: str | None = None,
 ) -> AsyncIterator[Connection]:
     """Connect to ``host``:``port`` and yield the :class:`Connection`.
@@ -268,9 +289,10 @@ async def open_connection(
     ``prepare`` runs again for the next one. The connection gets a PD of
     its own unless ``pd`` is given: then its QP is created on that PD (whose
     device the route must choose), so regions registered there serve it too.
-    ``backend`` picks the backend (default: ``pd``'s, else ``RDMASHIM_BACKEND``).
-    Raises :class:`ConnectionRejected`, :class:`ConnectionUnreachable` or
-    :class:`CMError`.
+    ``backend`` picks the backend (default: ``pd``'s, else ``RDMASHIM_BACKEND``);
+    ``options`` sets up the transport (MPA CRC, revision, peer-to-peer), where the
+    backend lets the application choose (else NotSupported). Raises
+    :class:`ConnectionRejected`, :class:`ConnectionUnreachable` or :class:`CMError`.
     """
     async with EventChannel(_contexts_of(pd), backend=backend) as channel:
         router = _Router(channel)
@@ -284,8 +306,8 @@ async def open_connection(
             await _expect(router, cm_id, E.ROUTE_RESOLVED)
             conn_pd, cq, qp = _resources(cm_id, cap, cqe, pd)
             conn = Connection(cm_id, conn_pd, cq, cq, qp, own_pd=pd is None, _router=router)
-            if mpa_options is not None:
-                cm_id.mpa_options = mpa_options
+            if options is not None:
+                cm_id.options = options
             cm_id.connect_timeout = connect_timeout
             if prepare is not None:
                 prepare(conn)
@@ -321,10 +343,10 @@ class ConnectionRequest(_OnId):
     id: CMId
     private_data: bytes
     param: ConnParam
-    pd: Any
-    send_cq: Any
-    recv_cq: Any
-    qp: Any
+    pd: PD
+    send_cq: CQ
+    recv_cq: CQ
+    qp: QP
     _router: _Router
     own_pd: bool = True
     _connection: Connection | None = None
@@ -353,7 +375,7 @@ class ConnectionRequest(_OnId):
             self.id, self.pd, self.send_cq, self.recv_cq, self.qp, self.private_data,
             own_pd=self.own_pd, _router=self._router,
         )  # fmt: skip
-        self.id.channel.nursery.start_soon(conn._follow)
+        self._router.channel.nursery.start_soon(conn._follow)
         self._connection = conn
         return conn
 
@@ -383,12 +405,12 @@ async def serve(
     host: str = "0.0.0.0",
     cap: QPCap | None = None,
     cqe: int = 256,
-    mpa_options: MpaOptions | None = None,
+    options: TransportOptions | None = None,
     handler_nursery: trio.Nursery | None = None,
-    pd: Any = None,
+    pd: PD | None = None,
     backend: str | None = None,
     max_pending: int = DEFAULT_MAX_PENDING,
-    task_status: Any = trio.TASK_STATUS_IGNORED,
+    task_status: trio.TaskStatus[SockAddr | None] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Listen on ``host``:``port`` and run ``handler(request)`` for each connection.
 
@@ -396,15 +418,15 @@ async def serve(
     handler that returns without accepting or rejecting rejects; an accepted
     connection is closed when its handler returns. Every connection's QP is
     created on ``pd`` when given (as for :func:`open_connection`), and ``backend``
-    picks the backend as there. At most ``max_pending`` connections wait for their
+    and ``options`` work as there. At most ``max_pending`` connections wait for their
     MPA Request or for their handler's answer (see :attr:`CMId.max_pending`).
     """
     async with EventChannel(_contexts_of(pd), backend=backend) as channel:
         router = _Router(channel)
         channel.nursery.start_soon(router.run)
         listen_id = channel.create_id()
-        if mpa_options is not None:
-            listen_id.mpa_options = mpa_options
+        if options is not None:
+            listen_id.options = options
         listen_id.max_pending = max_pending
         listen_id.bind_addr((host, port))
         listen_id.listen()
@@ -423,7 +445,7 @@ def _start_handler(
     router: _Router,
     cap: QPCap | None,
     cqe: int,
-    pd: Any,
+    pd: PD | None,
 ) -> None:
     """Make a CONNECT_REQUEST's resources and run ``handler`` on it (or reject it)."""
     assert event.param is not None

@@ -6,12 +6,20 @@ the prefixes, so a C ULP ports line by line.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from enum import IntEnum
-from typing import TYPE_CHECKING, Any
+import errno
+from dataclasses import dataclass, fields
+from enum import Enum, IntEnum, IntFlag, auto
+from typing import TYPE_CHECKING
+
+from rdmashim.verbs.errors import VerbsError
 
 if TYPE_CHECKING:
-    from rdmashim.cm.cmid import CMId
+    from rdmashim.cm.abc import ChannelHost, CMId
+    from rdmashim.verbs.abc import Context
+
+DEFAULT_MAX_PENDING = 256
+"""Connections a listener holds that are not yet accepted or rejected (see
+:attr:`rdmashim.cm.CMId.max_pending`)."""
 
 
 class CMEventType(IntEnum):
@@ -42,6 +50,68 @@ class PortSpace(IntEnum):
     TCP = 0x0106
     UDP = 0x0111
     IB = 0x013F
+
+
+class CMState(Enum):
+    """Where a CM id is in its life."""
+
+    IDLE = auto()
+    ADDR_BOUND = auto()
+    ADDR_QUERY = auto()
+    ADDR_RESOLVED = auto()
+    ROUTE_QUERY = auto()
+    ROUTE_RESOLVED = auto()
+    CONNECT = auto()
+    LISTEN = auto()
+    CONNECT_REQUEST = auto()
+    ACCEPTING = auto()
+    ESTABLISHED = auto()
+    DISCONNECTED = auto()
+    DESTROYED = auto()
+
+
+class RTR(IntFlag):
+    """Ready-to-receive message types of RFC 6581 peer-to-peer connection setup."""
+
+    NONE = 0
+    SEND = 1
+    WRITE = 2
+    READ = 4
+
+
+@dataclass(frozen=True, slots=True)
+class TransportOptions:
+    """How a connection's transport is set up: the iWARP MPA knobs (RFC 5044, RFC 6581).
+
+    ``crc``: ask for MPA CRC32c (on whenever either side asks). ``revision``: MPA
+    revision 2 (RFC 6581 IRD/ORD exchange) or 1. ``p2p``: peer-to-peer mode, in
+    which the initiator offers the ``rtr`` message types and the responder picks
+    one, after which either side may send first. ``max_fpdu``: the largest FPDU
+    this side sends, in bytes (not negotiated). IRD/ORD come from
+    :class:`ConnParam`.
+
+    A backend honours the fields its ``Backend.transport_options`` names and
+    refuses other non-default values with ``NotSupported`` (rdma-core leaves MPA
+    to the kernel's iw_cm). A CM id's ``negotiated`` is one of these too: what
+    setup settled (``p2p`` and the ``rtr`` chosen, ``crc``, ``revision``).
+    """
+
+    crc: bool = True
+    revision: int = 2
+    p2p: bool = False
+    rtr: RTR = RTR.WRITE | RTR.READ
+    max_fpdu: int = 65536
+
+    def __post_init__(self) -> None:
+        if self.revision not in (1, 2):
+            raise ValueError(f"MPA revision {self.revision} (1 or 2)")
+
+    def non_default(self) -> frozenset[str]:
+        """Names of the fields that differ from the defaults."""
+        default = TransportOptions()
+        return frozenset(
+            f.name for f in fields(self) if getattr(self, f.name) != getattr(default, f.name)
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,12 +151,12 @@ class CMEvent:
     listen_id: CMId | None = None
     detail: str = ""
     """What went wrong, in words, for error events."""
-    _channel: Any = None
+    _channel: ChannelHost | None = None
 
     def ack(self) -> None:
         """Acknowledge the event (``rdma_ack_cm_event``); destroying an id waits for it."""
         if self._channel is not None:
-            self._channel._ack(self)
+            self._channel.ack(self)
 
     def __str__(self) -> str:
         text = f"{self.event.name} on {self.id}"
@@ -95,3 +165,13 @@ class CMEvent:
         if self.detail:
             text += f": {self.detail}"
         return text
+
+
+def check_private_data(context: Context | None, operation: str, private_data: bytes) -> None:
+    """EINVAL if ``private_data`` is longer than the device takes (``max_private_data``;
+    252 bytes, MPA's limit, before a device is chosen)."""
+    limit = context.query_device().max_private_data if context is not None else 252
+    if len(private_data) > limit:
+        raise VerbsError(
+            errno.EINVAL, operation, f"{len(private_data)} bytes of private data > {limit}"
+        )

@@ -18,23 +18,28 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import Any
 
 from rdmashim.registry import chosen_backend, load_backend
 from rdmashim.verbs import *  # noqa: F403
 from rdmashim.verbs import __all__ as _verbs_all
+from rdmashim.verbs.abc import Context, Device
 
 __version__ = "0.1.0"
 
 
-def get_device_list(*, backend: str | None = None) -> list[Any]:
+def get_device_list(*, backend: str | None = None) -> list[Device]:
     """Devices of the chosen backend (``RDMASHIM_BACKEND``, default softiwarp)."""
     return load_backend(backend).get_device_list()
 
 
 @asynccontextmanager
-async def open_device(name: str | None = None, *, backend: str | None = None) -> AsyncIterator[Any]:
-    """Open a device of the chosen backend as an async context manager."""
+async def open_device(
+    name: str | None = None, *, backend: str | None = None
+) -> AsyncIterator[Context]:
+    """Open a device of the chosen backend as an async context manager.
+
+    The context satisfies :class:`rdmashim.verbs.abc.Context` on every backend.
+    """
     async with load_backend(backend).open_device(name) as ctx:
         yield ctx
 

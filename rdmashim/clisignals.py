@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import signal
 from collections.abc import Callable
-from typing import Any
 
 import trio
 
@@ -27,7 +26,7 @@ class Signals:
         self,
         on_first: Callable[[], None] = lambda: None,
         *,
-        task_status: Any = trio.TASK_STATUS_IGNORED,
+        task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
     ) -> None:
         with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
             task_status.started()

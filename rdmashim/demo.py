@@ -16,15 +16,14 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
-from typing import Any
 
 import trio
 
 from rdmashim import Access, RecvWR, SendFlags, SendWR, WROpcode
 from rdmashim.cliargs import rate
 from rdmashim.clisignals import Signals
-from rdmashim.cm import ConnectionRequest, open_connection, serve
-from rdmashim.verbs.softiwarp.negotiation import MpaOptions
+from rdmashim.cm import ConnectionRequest, TransportOptions, open_connection, serve
+from rdmashim.verbs.abc import CQ, MR, QP
 
 _DEPTH = 8
 _BUFFER = struct.Struct("!QIQ")
@@ -71,7 +70,7 @@ def _progress(enabled: bool, text: str) -> None:
 
 
 async def _pump(
-    qp, cq, make: Callable[[int], SendWR], total: int, label: str, size: int, phase: _Phase
+    qp: QP, cq: CQ, make: Callable[[int], SendWR], total: int, label: str, size: int, phase: _Phase
 ) -> float:
     """Post ``make(0) .. make(total - 1)`` keeping ``_DEPTH`` outstanding; the elapsed seconds."""
     phase.label, phase.total, phase.done = label, total, 0
@@ -112,9 +111,10 @@ async def run_demo(size: int, count: int, crc: bool, progress: bool) -> int:
 
 
 async def _run(size: int, count: int, crc: bool, phase: _Phase) -> int:
-    options = MpaOptions(crc=crc)
+    options = TransportOptions(crc=crc)
     source_bytes = (bytes(range(251)) * (size // 251 + 1))[:size]
-    server: dict[str, Any] = {}
+    server_mrs: dict[str, MR] = {}
+    timings: dict[str, float] = {}
     reads_may_start = trio.Event()
     reads_done = trio.Event()
 
@@ -122,7 +122,7 @@ async def _run(size: int, count: int, crc: bool, phase: _Phase) -> int:
         target = request.pd.reg_mr(bytearray(size), _REMOTE)
         sink = request.pd.reg_mr(bytearray(size), _REMOTE)
         hello = request.pd.reg_mr(bytearray(64), Access.LOCAL_WRITE)
-        server.update(target=target, sink=sink)
+        server_mrs.update(target=target, sink=sink)
         request.qp.post_recv(RecvWR(1, [hello.sge()]))  # before accepting
         conn = await request.accept(private_data=_BUFFER.pack(target.addr, target.rkey, size))
         wc = (await conn.recv_cq.poll_wait(1))[0].raise_for_status()
@@ -131,7 +131,7 @@ async def _run(size: int, count: int, crc: bool, phase: _Phase) -> int:
             f"server: {wc.byte_len}-byte Send from {conn.peer_addr[0]}: source {addr:#x}/{rkey:#x}"
         )
         await reads_may_start.wait()
-        server["read_elapsed"] = await _pump(
+        timings["read"] = await _pump(
             conn.qp, conn.send_cq,
             lambda i: SendWR(i, WROpcode.RDMA_READ, [sink.sge()], _SIG, addr, rkey),
             count, "RDMA Read", size, phase,
@@ -141,10 +141,10 @@ async def _run(size: int, count: int, crc: bool, phase: _Phase) -> int:
 
     async with trio.open_nursery() as nursery:
         local, port = await nursery.start(
-            partial(serve, handler, 0, host="127.0.0.1", mpa_options=options)
+            partial(serve, handler, 0, host="127.0.0.1", options=options)
         )
         async with open_connection(
-            "127.0.0.1", port, private_data=b"rdmashim demo", mpa_options=options
+            "127.0.0.1", port, private_data=b"rdmashim demo", options=options
         ) as conn:
             print(
                 f"client: connected to {local}:{port} on {conn.context.device.name} "
@@ -167,12 +167,12 @@ async def _run(size: int, count: int, crc: bool, phase: _Phase) -> int:
             elapsed = await _pump(
                 conn.qp, conn.send_cq, write, count + 1, "RDMA Write", size, phase
             )
-            ok_write = bytes(server["target"].buf) == source_bytes
+            ok_write = bytes(server_mrs["target"].buf) == source_bytes
             _report("RDMA Write", count, size, elapsed, ok_write, phase)
             reads_may_start.set()
             await reads_done.wait()
-            ok_read = bytes(server["sink"].buf) == source_bytes
-            _report("RDMA Read ", count, size, server["read_elapsed"], ok_read, phase)
+            ok_read = bytes(server_mrs["sink"].buf) == source_bytes
+            _report("RDMA Read ", count, size, timings["read"], ok_read, phase)
         print("client: disconnected")
         nursery.cancel_scope.cancel()
     return 0 if ok_write and ok_read else 1

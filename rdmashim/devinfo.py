@@ -17,7 +17,8 @@ The formatting functions are pure; :func:`devinfo_lines` opens the devices.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import TypeVar
 
 import rdmashim
 from rdmashim.cliargs import UsageError
@@ -29,6 +30,7 @@ DEVICE_COLUMN = 40
 PORT_COLUMN = 48
 """Where ``ibv_devinfo`` puts a port field's value."""
 
+_E = TypeVar("_E", bound=int)
 _TRANSPORTS = {Transport.IB: "InfiniBand", Transport.IWARP: "iWARP"}
 _PORT_STATES = {
     PortState.DOWN: "PORT_DOWN",
@@ -54,7 +56,7 @@ def guid_text(guid: int) -> str:
     return ":".join(f"{(guid >> shift) & 0xFFFF:04x}" for shift in (48, 32, 16, 0))
 
 
-def enum_text(names: dict[int, str], value: int, unknown: str) -> str:
+def enum_text(names: Mapping[_E, str], value: _E, unknown: str) -> str:
     """``NAME (value)``, with ``ibv_devinfo``'s word for a value it has no name for."""
     return f"{names.get(value, unknown)} ({int(value)})"
 

@@ -41,15 +41,31 @@ import struct
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
 import trio
 
-from rdmashim import Access, QPCap, RecvWR, SendFlags, SendWR, WCOpcode, WCStatus, WROpcode
-from rdmashim.cm import CMEvent, CMEventType, CMId, ConnParam, EventChannel
+from rdmashim import (
+    WC,
+    Access,
+    ProtocolViolation,
+    QPCap,
+    RecvWR,
+    SendFlags,
+    SendWR,
+    WCOpcode,
+    WCStatus,
+    WROpcode,
+)
+from rdmashim.cm import (
+    CMEvent,
+    CMEventType,
+    CMId,
+    CMState,
+    ConnParam,
+    EventChannel,
+    TransportOptions,
+)
 from rdmashim.ping_defaults import DEFAULT_SIZE, MAX_SIZE, MIN_SIZE, MSG_FMT, PORT
-from rdmashim.verbs.softiwarp.negotiation import MpaOptions, MpaResult
-from rdmashim.verbs.softiwarp.terminate import ProtocolError
 
 log = logging.getLogger(__name__)
 
@@ -130,9 +146,9 @@ class PingConfig:
         if not 0 <= self.port <= 65535:
             raise ValueError(f"Invalid port {self.port}")
 
-    def mpa_options(self) -> MpaOptions:
-        """MPA setup options: CRC and peer-to-peer as asked; IRD/ORD are the engine's defaults."""
-        return MpaOptions(crc=self.crc, p2p=self.p2p, revision=self.revision)
+    def options(self) -> TransportOptions:
+        """Transport (MPA) setup: CRC, peer-to-peer and revision as asked."""
+        return TransportOptions(crc=self.crc, p2p=self.p2p, revision=self.revision)
 
 
 @dataclass
@@ -142,7 +158,8 @@ class PingResult:
     pings: int
     """Completed iterations."""
     size: int
-    mpa: MpaResult | None = None
+    negotiated: TransportOptions | None = None
+    """What MPA setup settled, where the backend tells (the built-in engine does)."""
     peer: tuple[str, int] | None = None
     disconnected_by_peer: bool = False
 
@@ -173,7 +190,7 @@ async def _event(channel: EventChannel, cm_id: CMId, want: CMEventType, step: st
 async def connect_client(channel: EventChannel, config: PingConfig) -> tuple[CMId, _Session]:
     """rping's client setup: resolve address and route, create the QP, connect."""
     cm_id = channel.create_id()
-    cm_id.mpa_options = config.mpa_options()
+    cm_id.options = config.options()
     target = f"{config.address}:{config.port}"
     cm_id.resolve_addr(None, (config.address or "", config.port))
     await _event(channel, cm_id, CMEventType.ADDR_RESOLVED, f"resolving {target}")
@@ -188,7 +205,7 @@ async def connect_client(channel: EventChannel, config: PingConfig) -> tuple[CMI
 def listen(channel: EventChannel, config: PingConfig) -> CMId:
     """rping's server setup: bind and listen (port 0 picks one)."""
     cm_id = channel.create_id()
-    cm_id.mpa_options = config.mpa_options()
+    cm_id.options = config.options()
     address = config.address or "0.0.0.0"
     try:
         cm_id.bind_addr((address, config.port))
@@ -220,8 +237,10 @@ class _Session:
     def __init__(self, cm_id: CMId, config: PingConfig) -> None:
         self.config = config
         self.cm_id = cm_id
-        self.pd = cm_id.context.alloc_pd()
-        self.cq = cm_id.context.create_cq(SQ_DEPTH * 2)
+        context = cm_id.context
+        assert context is not None  # resolved, or a connection request: bound to a device
+        self.pd = context.alloc_pd()
+        self.cq = context.create_cq(SQ_DEPTH * 2)
         cap = QPCap(max_send_wr=SQ_DEPTH, max_recv_wr=2, max_send_sge=1, max_recv_sge=1)
         self.qp = cm_id.create_qp(self.pd, send_cq=self.cq, recv_cq=self.cq, cap=cap)
         self.recv_mr = self.pd.reg_mr(bytearray(INFO.size), Access.LOCAL_WRITE)
@@ -237,7 +256,7 @@ class _Session:
         self.qp.post_recv(RecvWR(0, [self.recv_mr.sge()]))
 
     # ---- completions
-    def _handle(self, wc: Any) -> None:
+    def _handle(self, wc: WC) -> None:
         if wc.status != WCStatus.SUCCESS:
             if wc.status == WCStatus.WR_FLUSH_ERR:
                 raise self._gone()
@@ -261,7 +280,7 @@ class _Session:
     def _gone(self) -> Exception:
         """A flushed completion: the peer went away, or the QP failed."""
         error = self.qp.error
-        if self.qp.remote_terminate is not None or isinstance(error, ProtocolError):
+        if isinstance(error, ProtocolViolation):
             return PingError(f"connection terminated: {error}")
         return _Disconnected(str(error) if error else "disconnected")
 
@@ -320,7 +339,7 @@ class _Session:
 
     async def aclose(self) -> None:
         """Disconnect (rping_disconnect) and wait until the connection is gone."""
-        if self.cm_id.state.name in ("ESTABLISHED", "ACCEPTING"):
+        if self.cm_id.state in (CMState.ESTABLISHED, CMState.ACCEPTING):
             self.cm_id.disconnect()
         with trio.move_on_after(5):
             await self.qp.wait_closed()
@@ -335,7 +354,7 @@ async def run_client(config: PingConfig) -> PingResult:
     result = PingResult(0, config.size)
     async with EventChannel() as channel:
         cm_id, s = await connect_client(channel, config)
-        result.mpa = cm_id.mpa
+        result.negotiated = cm_id.negotiated
         result.peer = (config.address or "", config.port)
         log.debug("rdma_connect successful")
         try:
@@ -380,12 +399,15 @@ async def run_server(
     result = PingResult(0, config.size)
     async with EventChannel() as channel:
         listener = listen(channel, config)
+        assert listener.local_addr is not None  # bound by listen()
         port = listener.local_addr[1]
         log.debug("listening on %s:%d", config.address or "0.0.0.0", port)
         task_status.started(port)
         cm_id, s = await accept_client(channel, listener, config)
         listener.destroy()
-        result.mpa, result.peer = cm_id.mpa, cm_id.peer_addr[:2]
+        result.negotiated = cm_id.negotiated
+        if cm_id.peer_addr is not None:
+            result.peer = (cm_id.peer_addr[0], cm_id.peer_addr[1])
         try:
             await _server_loop(s, config, result)
         except _Disconnected as exc:

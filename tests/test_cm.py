@@ -12,7 +12,7 @@ import trio
 
 import rdmashim
 from rdmashim import Access, QPState, RecvWR, SendFlags, SendWR, VerbsError, WCStatus, WROpcode
-from rdmashim.cm import CMEventType, ConnParam, EventChannel, PortSpace
+from rdmashim.cm import CMEventType, ConnParam, EventChannel, PortSpace, TransportOptions
 from rdmashim.verbs.softiwarp import mpa
 
 E = CMEventType
@@ -275,13 +275,11 @@ async def test_state_errors_name_the_problem() -> None:
 
 @pytest.mark.parametrize("rtr", [mpa.RTR.WRITE, mpa.RTR.READ])
 async def test_peer_to_peer_rtr_then_passive_side_sends_first(rtr: mpa.RTR) -> None:
-    from rdmashim.verbs.softiwarp.negotiation import MpaOptions
-
     async with EventChannel() as channel:
         listener, port = await listen(channel)
-        listener.mpa_options = MpaOptions(p2p=True)
+        listener.options = TransportOptions(p2p=True)
         client = await resolve(channel, "127.0.0.1", port)
-        client.mpa_options = MpaOptions(p2p=True, rtr=rtr)
+        client.options = TransportOptions(p2p=True, rtr=rtr)
         c = setup_qp(client)
         client.connect()
         request = await expect(channel, E.CONNECT_REQUEST)

@@ -37,7 +37,9 @@ def test_sdist_and_wheel(tmp_path: Path) -> None:
         "rdmashim/cli.py",
         "rdmashim/verbs/softiwarp/engine.py",
         "rdmashim/verbs/rdmacore/cdefs.py",
-        "rdmashim/cm/cmid.py",
+        "rdmashim/verbs/softiwarp/cm_id.py",
+        "rdmashim/verbs/abc.py",
+        "rdmashim/cm/abc.py",
         "rdmashim/ulps/rds/node.py",
     } <= names
     assert not any(name.startswith(("tests/", "tools/", "benchmarks/")) for name in names)

@@ -129,16 +129,18 @@ async def test_ping_our_client_our_server(count: int, size: int, crc: bool, p2p:
     assert server.disconnected_by_peer and not client.disconnected_by_peer
     expected = [c_string(ping_data(i, size)) for i in range(count)]
     assert client_seen == expected and server_seen == expected
-    assert client.mpa is not None and server.mpa is not None
-    assert client.mpa.crc == server.mpa.crc == crc
-    assert (client.mpa.rtr.name != "NONE") == p2p
+    assert client.negotiated is not None and server.negotiated is not None
+    assert client.negotiated.crc == server.negotiated.crc == crc
+    assert client.negotiated.p2p == server.negotiated.p2p == p2p
 
 
 async def test_crc_is_on_when_either_side_asks() -> None:
     client, server, _, _ = await ping_pair(2, 64, crc=False, server_crc=True)
-    assert client.mpa is not None and client.mpa.crc and server.mpa is not None and server.mpa.crc
+    assert client.negotiated is not None and client.negotiated.crc
+    assert server.negotiated is not None and server.negotiated.crc
     client, server, _, _ = await ping_pair(2, 64, crc=True, server_crc=False)
-    assert client.mpa is not None and client.mpa.crc and server.mpa is not None and server.mpa.crc
+    assert client.negotiated is not None and client.negotiated.crc
+    assert server.negotiated is not None and server.negotiated.crc
 
 
 # ---------------------------------------------------------------- the CLI

@@ -27,8 +27,13 @@ from rdmashim import (
     WCStatus,
     WROpcode,
 )
-from rdmashim.cm import Connection, ConnectionRequest, open_connection, serve
-from rdmashim.verbs.softiwarp.negotiation import MpaOptions
+from rdmashim.cm import (
+    Connection,
+    ConnectionRequest,
+    TransportOptions,
+    open_connection,
+    serve,
+)
 from rdmashim.verbs.softiwarp.terminate import (
     DdpUntaggedCode,
     RdmapCode,
@@ -194,7 +199,7 @@ async def test_more_read_requests_than_ird_is_a_terminate_and_rem_op_err() -> No
         return request.pd.reg_mr(bytearray(b"r" * 64), Access.LOCAL_WRITE | Access.REMOTE_READ)
 
     async with connected(
-        prepare=readable, responder_resources=1, mpa_options=MpaOptions(revision=1)
+        prepare=readable, responder_resources=1, options=TransportOptions(revision=1)
     ) as pair:
         client, target = pair.client, pair.server_mr
         assert pair.server.qp.query().max_dest_rd_atomic == 1

@@ -1,8 +1,9 @@
 """The portable verbs API: enums, work requests, completions, attributes and errors.
 
 Backends (``rdmashim.verbs.softiwarp``, ...) provide the objects (context, PD,
-MR, CQ, QP, SRQ) with the same methods; applications reach them through
-:func:`rdmashim.open_device`.
+MR, CQ, QP, SRQ) that :mod:`rdmashim.verbs.abc` describes; applications reach
+them through :func:`rdmashim.open_device`, the registry through each backend's
+:class:`~rdmashim.verbs.backend.Backend`.
 """
 
 from rdmashim.verbs.attrs import DeviceAttr, PortAttr, QPAttr, QPCap
@@ -21,7 +22,13 @@ from rdmashim.verbs.enums import (
     WCStatus,
     WROpcode,
 )
-from rdmashim.verbs.errors import BackendUnavailable, CompletionError, NotSupported, VerbsError
+from rdmashim.verbs.errors import (
+    BackendUnavailable,
+    CompletionError,
+    NotSupported,
+    ProtocolViolation,
+    VerbsError,
+)
 from rdmashim.verbs.events import AsyncEvent, AsyncEventType
 from rdmashim.verbs.wr import SGE, WC, RecvWR, SendWR
 
@@ -40,6 +47,7 @@ __all__ = [
     "NotSupported",
     "PortAttr",
     "PortState",
+    "ProtocolViolation",
     "QPAttr",
     "QPCap",
     "QPState",

@@ -12,12 +12,16 @@ from __future__ import annotations
 
 import ctypes
 import errno
+from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 from rdmashim.verbs.errors import VerbsError
 from rdmashim.verbs.wr import SGE
+
+if TYPE_CHECKING:
+    from typing_extensions import Buffer
 
 PYBUF_SIMPLE = 0
 PYBUF_WRITABLE = 0x0001
@@ -66,7 +70,7 @@ class PinnedBuffer:
             self.view.release()
 
 
-def pin(obj: Any, *, writable: bool, operation: str = "reg_mr") -> PinnedBuffer:
+def pin(obj: Buffer, *, writable: bool, operation: str = "reg_mr") -> PinnedBuffer:
     """Pin ``obj`` (bytes, bytearray, memoryview, mmap, array, numpy array, ...)."""
     try:
         view = memoryview(obj)
@@ -84,7 +88,7 @@ def pin(obj: Any, *, writable: bool, operation: str = "reg_mr") -> PinnedBuffer:
     return PinnedBuffer(export.buf or 0, view.nbytes, view, export)
 
 
-def address_of(obj: Any) -> int:
+def address_of(obj: Buffer) -> int:
     """The address of the first byte of a buffer-protocol object (without pinning it)."""
     pinned = pin(obj, writable=False, operation="address_of")
     try:
@@ -93,7 +97,7 @@ def address_of(obj: Any) -> int:
         pinned.release()
 
 
-class PinnedRegion:
+class PinnedRegion(ABC):
     """What a memory region of any backend offers over its pinned buffer.
 
     A backend's MR sets ``_pinned`` and provides ``iova``, ``lkey`` and
@@ -101,9 +105,17 @@ class PinnedRegion:
     """
 
     _pinned: PinnedBuffer
-    iova: int
-    lkey: int
     _check_open: Callable[[str], None]
+
+    @property
+    @abstractmethod
+    def iova(self) -> int:
+        """The address of the first byte for work requests and the peer."""
+
+    @property
+    @abstractmethod
+    def lkey(self) -> int:
+        """Local key."""
 
     @property
     def addr(self) -> int:

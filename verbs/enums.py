@@ -160,7 +160,7 @@ class Mtu(IntEnum):
     MTU_4096 = 5
 
     @classmethod
-    def from_bytes(cls, mtu: int) -> Mtu:
+    def fitting(cls, mtu: int) -> Mtu:
         """The largest verbs MTU not above a network MTU in bytes."""
         best = cls.MTU_256
         for m in cls:

@@ -48,3 +48,12 @@ class CompletionError(Exception):
         super().__init__(f"work request {getattr(wc, 'wr_id', '?')} completed with {status.name}")
         self.wc = wc
         self.status = status
+
+
+class ProtocolViolation(Exception):
+    """A connection broke its transport's protocol and ended (on iWARP: a Terminate).
+
+    A QP's ``error`` is one of these when the peer sent a Terminate or this side
+    found the peer's stream malformed; backends subclass it with the details
+    (the built-in engine's carries the Terminate's layer/type/code).
+    """

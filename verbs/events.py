@@ -9,7 +9,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import IntEnum
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from rdmashim.verbs.abc import CQ, QP, SRQ
 
 
 class AsyncEventType(IntEnum):
@@ -42,4 +45,5 @@ class AsyncEvent:
     """What happened (``event_type``) to which object (``element``)."""
 
     event_type: AsyncEventType
-    element: Any
+    element: CQ | QP | SRQ | int | None
+    """The CQ, QP or SRQ it happened to, the port number, or None (device-wide)."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import NamedTuple, TypeAlias
 
 from rdmashim.verbs.enums import SendFlags, WCFlags, WCOpcode, WCStatus, WROpcode
 from rdmashim.verbs.errors import CompletionError
@@ -16,6 +16,10 @@ class SGE(NamedTuple):
     addr: int
     length: int
     lkey: int
+
+
+InlineData: TypeAlias = bytes | bytearray | memoryview
+"""What an inline send's ``sg_list`` may hold besides SGEs."""
 
 
 @dataclass(slots=True)
@@ -30,7 +34,7 @@ class SendWR:
 
     wr_id: int = 0
     opcode: WROpcode = WROpcode.SEND
-    sg_list: Sequence[SGE] = ()
+    sg_list: Sequence[SGE | InlineData] = ()
     send_flags: SendFlags = SendFlags.SIGNALED
     remote_addr: int = 0
     rkey: int = 0

@@ -21,7 +21,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from ipaddress import IPv4Address, IPv6Address
-from typing import Any
+from typing import TYPE_CHECKING
 
 import trio
 
@@ -37,7 +37,10 @@ from rdmashim.ulps.rds.wire import (
     RdsHeader,
     RdsProtocolError,
 )
-from rdmashim.verbs import Access, RecvWR, SendFlags, SendWR, WCOpcode, WCStatus, WROpcode
+from rdmashim.verbs import WC, Access, RecvWR, SendFlags, SendWR, WCOpcode, WCStatus, WROpcode
+
+if TYPE_CHECKING:
+    from rdmashim.cm import Connection, ConnectionRequest
 
 log = logging.getLogger(__name__)
 
@@ -127,6 +130,11 @@ class RdsConnection:
     last_active: float = 0.0
     """When (trio's clock) a message was last queued or received, or a session began or ended."""
     _space: trio.Event = field(default_factory=trio.Event)
+
+    @property
+    def connected(self) -> bool:
+        """Whether a session carries the connection now."""
+        return self.session is not None
 
     @property
     def canonical(self) -> bool:
@@ -308,7 +316,7 @@ class Session:
     credits the peer announced in its private data.
     """
 
-    def __init__(self, rds: RdsConnection, conn: Any) -> None:
+    def __init__(self, rds: RdsConnection, conn: Connection | ConnectionRequest) -> None:
         self.rds = rds
         self.conn = conn
         self.qp = conn.qp
@@ -357,6 +365,7 @@ class Session:
         wr_id = self._next_rdma
         self._next_rdma += 1
         self.rdma[wr_id] = op
+        assert op._mr is not None  # registered when the message was queued (_begin)
         self.qp.post_send(
             SendWR(
                 wr_id, WROpcode.RDMA_WRITE if op.write else WROpcode.RDMA_READ, [op._mr.sge()],
@@ -470,7 +479,7 @@ class Session:
             self.rds.received(first, bytes(data))
 
     # ------------------------------------------------------------------ the loop
-    def _completions(self, wcs: list[Any]) -> None:
+    def _completions(self, wcs: list[WC]) -> None:
         for wc in wcs:
             if wc.wr_id in self.rdma:  # receives use slot numbers: no clash
                 self._rdma_done(wc.wr_id, wc.status)

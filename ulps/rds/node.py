@@ -25,11 +25,19 @@ from collections import deque
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from types import TracebackType
+from typing import TYPE_CHECKING, NamedTuple
 
 import trio
 
-from rdmashim.cm import CMError, ConnectionRequest, open_connection, open_device_for, serve
+from rdmashim.cm import (
+    CMError,
+    Connection,
+    ConnectionRequest,
+    open_connection,
+    open_device_for,
+    serve,
+)
 from rdmashim.ulps.rds.connection import (
     RECV_SLOTS,
     IPAddress,
@@ -49,6 +57,11 @@ from rdmashim.ulps.rds.wire import (
 )
 from rdmashim.verbs.attrs import QPCap
 from rdmashim.verbs.tasks import service_nursery
+
+if TYPE_CHECKING:
+    from typing_extensions import Buffer
+
+    from rdmashim.verbs.abc import PD
 
 log = logging.getLogger(__name__)
 
@@ -177,13 +190,13 @@ class RdsSocket:
         self._arrived.unpark()
 
     # ------------------------------------------------------------------ RDMA by cookie
-    def get_mr(self, buffer: Any, *, use_once: bool = False) -> int:
+    def get_mr(self, buffer: Buffer, *, use_once: bool = False) -> int:
         """Register ``buffer`` (writable) for peers to RDMA into or out of; returns its
         cookie (``RDS_GET_MR``). A ``use_once`` registration ends when the first
         message chasing an RDMA operation on it arrives."""
         if self.closed:
             raise RdsError(errno.EBADF, "get_mr on a closed RDS socket")
-        return self._registrations.add(self.node.pd, buffer, use_once=use_once)
+        return self._registrations.add(self.node.running_pd(), buffer, use_once=use_once)
 
     def free_mr(self, cookie: int) -> None:
         """End a registration (``RDS_FREE_MR``); peers' RDMA on it fails from now on."""
@@ -220,7 +233,7 @@ class RdsNode:
         self._peers: dict[IPAddress, _Peer] = {}
         self._sockets: dict[int, RdsSocket] = {}
         self._nursery: trio.Nursery | None = None
-        self.pd: Any = None
+        self.pd: PD | None = None
         """The protection domain every connection and RDMA registration of the node uses."""
         self.drops_no_socket = 0
         self.drops_rcvbuf_full = 0
@@ -258,8 +271,19 @@ class RdsNode:
         self._cm = self._run()
         return await self._cm.__aenter__()
 
-    async def __aexit__(self, *exc: Any) -> bool | None:
-        return await self._cm.__aexit__(*exc)
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> bool | None:
+        return await self._cm.__aexit__(exc_type, exc, tb)
+
+    def running_pd(self) -> PD:
+        """:attr:`pd`, which exists while the node runs (ENOTCONN before and after)."""
+        if self.pd is None:
+            raise RdsError(errno.ENOTCONN, "the RDS node is not running")
+        return self.pd
 
     # ------------------------------------------------------------------ sockets
     def bind(self, port: int) -> RdsSocket:
@@ -415,7 +439,7 @@ class RdsNode:
         entry = self._connection(peer)
         if rdma is not None:
             try:
-                rdma._begin(self.pd)
+                rdma._begin(self.running_pd())
             except ValueError as exc:
                 raise RdsError(errno.EINVAL, str(exc)) from exc
         entry.rds.queue(sport, dport, data, rdma=rdma)
@@ -491,7 +515,7 @@ class RdsNode:
                     if not rds.canonical and entry.failures == 0:
                         # give the canonical side the first move
                         await trio.sleep(settings.reconnect_min)
-                        if rds.session is not None:
+                        if rds.connected:  # the peer's connection came meanwhile
                             break
                     try:
                         await self._active_session(entry)
@@ -514,7 +538,7 @@ class RdsNode:
         rds = entry.rds
         holder: list[Session] = []
 
-        def prepare(conn: Any) -> None:
+        def prepare(conn: Connection) -> None:
             if holder:  # an attempt open_connection gave up on (its QP is gone)
                 holder.pop().close()
             holder.append(Session(rds, conn))

@@ -29,13 +29,18 @@ from __future__ import annotations
 import mmap
 from dataclasses import dataclass, field
 from enum import IntEnum
-from typing import Any
+from typing import TYPE_CHECKING
 
 import trio
 
 from rdmashim.verbs import Access, WCStatus
 from rdmashim.verbs.buffers import address_of
 from rdmashim.verbs.errors import NotSupported
+
+if TYPE_CHECKING:
+    from typing_extensions import Buffer
+
+    from rdmashim.verbs.abc import MR, PD
 
 COOKIE_ACCESS = Access.LOCAL_WRITE | Access.REMOTE_WRITE | Access.REMOTE_READ
 
@@ -88,7 +93,7 @@ class RdmaOp:
     """
 
     cookie: int
-    buffer: Any
+    buffer: Buffer
     write: bool
     remote_offset: int = 0
     token: int = 0
@@ -96,15 +101,15 @@ class RdmaOp:
     detail: str = ""
     """Why it failed, when it did."""
     _done: trio.Event = field(default_factory=trio.Event, repr=False)
-    _mr: Any = field(default=None, repr=False)
+    _mr: MR | None = field(default=None, repr=False)
 
     @classmethod
-    def write_to(cls, cookie: int, data: Any, *, offset: int = 0, token: int = 0) -> RdmaOp:
+    def write_to(cls, cookie: int, data: Buffer, *, offset: int = 0, token: int = 0) -> RdmaOp:
         """Write ``data`` (any buffer) into the peer's buffer at ``offset``."""
         return cls(cookie, data, True, offset, token)
 
     @classmethod
-    def read_into(cls, cookie: int, buffer: Any, *, offset: int = 0, token: int = 0) -> RdmaOp:
+    def read_into(cls, cookie: int, buffer: Buffer, *, offset: int = 0, token: int = 0) -> RdmaOp:
         """Read ``len(buffer)`` bytes from the peer's buffer at ``offset`` into ``buffer``."""
         return cls(cookie, buffer, False, offset, token)
 
@@ -128,7 +133,7 @@ class RdmaOp:
         """Whether the operation has its status."""
         return self.status is not None
 
-    def _begin(self, pd: Any) -> None:
+    def _begin(self, pd: PD) -> None:
         """Register the local buffer for the operation's lifetime."""
         if self._mr is not None or self.done:
             raise ValueError("this RDMA operation was already sent")
@@ -157,7 +162,7 @@ class RdmaOp:
 class Registration:
     """A buffer a socket registered for peers to RDMA into or out of."""
 
-    mr: Any
+    mr: MR
     cookie: int
     use_once: bool
 
@@ -168,7 +173,7 @@ class Registrations:
     def __init__(self) -> None:
         self._by_rkey: dict[int, Registration] = {}
 
-    def add(self, pd: Any, buffer: Any, *, use_once: bool) -> int:
+    def add(self, pd: PD, buffer: Buffer, *, use_once: bool) -> int:
         """Register ``buffer`` and return its cookie.
 
         The region is addressed from the buffer's offset in its first page (the

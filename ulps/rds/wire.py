@@ -45,6 +45,7 @@ or more does in Linux.
 
 from __future__ import annotations
 
+import builtins
 import struct
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, replace
@@ -665,7 +666,7 @@ class CongestionMap:
         new._bits[:] = self._bits
         return new
 
-    def diff(self, other: CongestionMap) -> set[int]:
+    def diff(self, other: CongestionMap) -> builtins.set[int]:
         """The ports whose bit differs between the two maps."""
         if self._bits == other._bits:
             return set()

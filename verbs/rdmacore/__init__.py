@@ -9,7 +9,8 @@ backend where the libraries, or an RDMA device, are missing raises
 :class:`~rdmashim.verbs.errors.BackendUnavailable` saying what to install or
 why no device is usable. Layers: the C declarations (:mod:`.cdefs`), loading
 (:mod:`.lib`), object lifetime (:mod:`.base`), and the verbs objects
-(:mod:`.provider`). The rdma_cm side lives in :mod:`rdmashim.cm.rdmacore_id`.
+(:mod:`.provider`), librdmacm's CM ids (:mod:`.cm_id`) and the backend object
+the registry hands out (:mod:`.backend`, ``BACKEND``).
 """
 
 from rdmashim.verbs.errors import BackendUnavailable
@@ -21,6 +22,7 @@ except ImportError as exc:
         f"the rdmacore backend needs cffi ({exc}): pip install 'rdmashim[rdmacore]'"
     ) from exc
 
+from rdmashim.verbs.rdmacore.backend import BACKEND
 from rdmashim.verbs.rdmacore.provider import (
     Device,
     get_device_list,
@@ -28,4 +30,4 @@ from rdmashim.verbs.rdmacore.provider import (
     unavailable_reason,
 )
 
-__all__ = ["Device", "get_device_list", "open_device", "unavailable_reason"]
+__all__ = ["BACKEND", "Device", "get_device_list", "open_device", "unavailable_reason"]

@@ -17,7 +17,7 @@ import errno
 import logging
 import sys
 import weakref
-from typing import Any
+from typing import Self
 
 from rdmashim.verbs.errors import VerbsError
 
@@ -72,7 +72,7 @@ class Resource:
         for parent in self._parents:
             parent._children.discard(self)
 
-    def __enter__(self) -> Any:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:

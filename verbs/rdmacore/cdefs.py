@@ -16,6 +16,7 @@ table of the provider's functions inside every ``struct ibv_context``.
 from __future__ import annotations
 
 import platform
+from typing import Any
 
 import cffi
 
@@ -499,5 +500,7 @@ int rdma_get_cm_event(struct rdma_event_channel *channel, struct rdma_cm_event *
 int rdma_ack_cm_event(struct rdma_cm_event *event);
 """
 
-ffi = cffi.FFI()
+ffi: Any = cffi.FFI()
+"""Typed Any on purpose: the C objects it makes have the fields of the declarations
+above, which no static type describes."""
 ffi.cdef(PTHREAD + SOCKETS + VERBS + RDMACM)

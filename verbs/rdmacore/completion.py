@@ -188,7 +188,7 @@ class CQ(Resource):
     def _poll_native(self, limit: int) -> int:
         if len(self._wc) < limit:
             self._wc = ffi.new("struct ibv_wc[]", limit)
-        n = self._poll_cq(self._ptr, limit, self._wc)
+        n: int = self._poll_cq(self._ptr, limit, self._wc)
         if n < 0:
             raise VerbsError(-n if n < -1 else errno.EIO, "poll_cq", "CQ overrun or error")
         wcs = self._wc

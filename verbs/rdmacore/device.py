@@ -22,7 +22,9 @@ from typing import Any
 
 import trio
 
+from rdmashim.verbs import abc
 from rdmashim.verbs.attrs import DeviceAttr, PortAttr
+from rdmashim.verbs.backend import own
 from rdmashim.verbs.enums import AtomicCap, Mtu, NodeType, PortState, Transport
 from rdmashim.verbs.errors import BackendUnavailable, VerbsError
 from rdmashim.verbs.events import AsyncEvent, AsyncEventType
@@ -35,7 +37,7 @@ from rdmashim.verbs.rdmacore.memory import PD
 
 log = logging.getLogger(__name__)
 
-BACKEND = "rdmacore"
+BACKEND_NAME = "rdmacore"
 SYSFS = Path("/sys/class/infiniband")
 IWARP_PRIVATE_DATA = 248
 """What Linux's iw_cm with siw carries (6.1, measured: a 252-byte connect is rejected;
@@ -67,7 +69,7 @@ class Device:
     node_guid: int
     transport: Transport
     node_type: NodeType
-    backend: str = BACKEND
+    backend: str = BACKEND_NAME
 
 
 def _device_of(dev: Any) -> Device:
@@ -172,7 +174,7 @@ def _probe_max_inline(ctx: Any) -> int:
             qp = v.ibv_create_qp(pd, attr)
             if qp == ffi.NULL:
                 return None
-            given = attr.cap.max_inline_data
+            given: int = attr.cap.max_inline_data
             v.ibv_destroy_qp(qp)
             return max(n, given)
 
@@ -255,7 +257,7 @@ class Context(Resource):
     @property
     def backend(self) -> str:
         """Name of the backend serving this context."""
-        return BACKEND
+        return BACKEND_NAME
 
     def _track(self, ptr: Any, obj: Any) -> None:
         """Remember which Python object wraps a CQ, QP or SRQ (for async events)."""
@@ -363,10 +365,10 @@ class Context(Resource):
         self._check_open("create_comp_channel")
         return CompChannel(self)
 
-    def create_cq(self, cqe: int, channel: CompChannel | None = None) -> CQ:
+    def create_cq(self, cqe: int, channel: abc.CompChannel | None = None) -> CQ:
         """A completion queue holding at least ``cqe`` completions."""
         self._check_open("create_cq")
-        return CQ(self, cqe, channel)
+        return CQ(self, cqe, None if channel is None else own(channel, CompChannel, "create_cq"))
 
     async def get_async_event(self) -> AsyncEvent:
         """Wait for the next asynchronous event (acknowledged at once: it is copied)."""

@@ -12,13 +12,16 @@ import errno
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from rdmashim.verbs import abc
 from rdmashim.verbs.attrs import QPCap
+from rdmashim.verbs.backend import own
 from rdmashim.verbs.buffers import PinnedBuffer, PinnedRegion, pin
 from rdmashim.verbs.enums import Access, QPType
 from rdmashim.verbs.errors import NotSupported, VerbsError
 from rdmashim.verbs.rdmacore import lib
 from rdmashim.verbs.rdmacore.base import Resource
 from rdmashim.verbs.rdmacore.cdefs import ffi
+from rdmashim.verbs.rdmacore.completion import CQ
 from rdmashim.verbs.rdmacore.queue_pair import QP, SRQ
 
 IGNORES_IOVA = frozenset({0x626D74})
@@ -26,7 +29,8 @@ IGNORES_IOVA = frozenset({0x626D74})
 virtual address anyway: Linux siw (``siw_reg_user_mr``: "rnic_va: not used by siw")."""
 
 if TYPE_CHECKING:
-    from rdmashim.verbs.rdmacore.completion import CQ
+    from typing_extensions import Buffer
+
     from rdmashim.verbs.rdmacore.device import Context
 
 
@@ -42,7 +46,7 @@ class PD(Resource):
         self._created()
 
     def reg_mr(
-        self, buffer: Any, access: Access = Access.LOCAL_WRITE, *, iova: int | None = None
+        self, buffer: Buffer, access: Access = Access.LOCAL_WRITE, *, iova: int | None = None
     ) -> MR:
         """Register any buffer-protocol object without copying it.
 
@@ -56,10 +60,10 @@ class PD(Resource):
     def create_qp(
         self,
         *,
-        send_cq: CQ,
-        recv_cq: CQ,
+        send_cq: abc.CQ,
+        recv_cq: abc.CQ,
         cap: QPCap | None = None,
-        srq: SRQ | None = None,
+        srq: abc.SRQ | None = None,
         sq_sig_all: bool = False,
         qp_type: QPType = QPType.RC,
     ) -> QP:
@@ -71,17 +75,26 @@ class PD(Resource):
 
     def _create_qp(
         self,
-        send_cq: CQ,
-        recv_cq: CQ,
+        send_cq: abc.CQ,
+        recv_cq: abc.CQ,
         cap: QPCap | None,
-        srq: SRQ | None,
+        srq: abc.SRQ | None,
         sq_sig_all: bool,
         qp_type: QPType,
         create: Callable[[Any], Any],
     ) -> QP:
         """A QP whose C object ``create(init_attr)`` makes (ibv_create_qp, rdma_create_qp)."""
         self._check_open("create_qp")
-        return QP(self, send_cq, recv_cq, cap or QPCap(), srq, sq_sig_all, qp_type, create)
+        return QP(
+            self,
+            own(send_cq, CQ, "create_qp"),
+            own(recv_cq, CQ, "create_qp"),
+            cap or QPCap(),
+            None if srq is None else own(srq, SRQ, "create_qp"),
+            sq_sig_all,
+            qp_type,
+            create,
+        )
 
     def create_srq(self, max_wr: int = 128, max_sge: int = 1) -> SRQ:
         """A shared receive queue for QPs of this PD."""
@@ -97,7 +110,7 @@ class MR(PinnedRegion, Resource):
 
     _kind = "memory region"
 
-    def __init__(self, pd: PD, buffer: Any, access: Access, iova: int | None) -> None:
+    def __init__(self, pd: PD, buffer: Buffer, access: Access, iova: int | None) -> None:
         super().__init__(pd)
         self.pd = pd
         self.access = access
@@ -122,13 +135,25 @@ class MR(PinnedRegion, Resource):
             pinned.release()
             raise
         self._pinned = pinned
-        self.iova: int = pinned.addr if iova is None else iova
-        """The address of the first byte for work requests and the peer."""
-        self.lkey: int = self._ptr.lkey
-        """Local key."""
-        self.rkey: int = self._ptr.rkey
-        """Remote key."""
+        self._iova: int = pinned.addr if iova is None else iova
+        self._lkey: int = self._ptr.lkey
+        self._rkey: int = self._ptr.rkey
         self._created()
+
+    @property
+    def iova(self) -> int:
+        """The address of the first byte for work requests and the peer."""
+        return self._iova
+
+    @property
+    def lkey(self) -> int:
+        """Local key."""
+        return self._lkey
+
+    @property
+    def rkey(self) -> int:
+        """Remote key."""
+        return self._rkey
 
     def _destroy(self) -> None:
         lib.check(lib.verbs().ibv_dereg_mr(self._ptr), "ibv_dereg_mr")

@@ -7,7 +7,7 @@ The classes live in small modules: :mod:`.device` (devices, contexts),
 
 from rdmashim.verbs.rdmacore.completion import CQ, CompChannel
 from rdmashim.verbs.rdmacore.device import (
-    BACKEND,
+    BACKEND_NAME,
     Context,
     Device,
     get_device_list,
@@ -18,7 +18,7 @@ from rdmashim.verbs.rdmacore.memory import MR, PD
 from rdmashim.verbs.rdmacore.queue_pair import QP, SRQ
 
 __all__ = [
-    "BACKEND",
+    "BACKEND_NAME",
     "CQ",
     "MR",
     "PD",

@@ -51,7 +51,7 @@ def _posting_error(rc: int, operation: str, bad: Any, first: Any, size: int) -> 
     index = (lib.address(bad[0]) - lib.address(first)) // size if bad[0] != ffi.NULL else 0
     err = abs(rc) if rc != -1 else lib.last_errno()
     exc = VerbsError(err, operation, f"work request {index} not posted")
-    exc.bad_wr = index  # type: ignore[attr-defined]
+    exc.bad_wr = index
     return exc
 
 
@@ -246,7 +246,7 @@ class QP(Resource):
                 f"work request {refused}: {self.context.device.transport.name} carries no "
                 "immediate data (RFC 7306 is not offered)",
             )
-            exc.bad_wr = refused  # type: ignore[attr-defined]
+            exc.bad_wr = refused
             raise exc
 
     def post_recv(self, wr: RecvWR | Iterable[RecvWR]) -> None:

@@ -3,10 +3,12 @@
 Wire-compatible with the Linux kernel's siw driver. Layers, bottom up: pure
 codecs (:mod:`.mpa`, :mod:`.ddp`, :mod:`.terminate`), MPA setup rules
 (:mod:`.negotiation`), the per-QP protocol engine (:mod:`.engine`), the trio
-I/O (:mod:`.driver`), the verbs objects (:mod:`.provider`) and connecting a
-QP over a TCP stream (:mod:`.connection`).
+I/O (:mod:`.driver`), the verbs objects (:mod:`.provider`), connecting a QP
+over a TCP stream (:mod:`.connection`), the rdma_cm ids (:mod:`.cm_id`) and
+the backend object the registry hands out (:mod:`.backend`, ``BACKEND``).
 """
 
+from rdmashim.verbs.softiwarp.backend import BACKEND
 from rdmashim.verbs.softiwarp.provider import Device, get_device_list, open_device
 
-__all__ = ["Device", "get_device_list", "open_device"]
+__all__ = ["BACKEND", "Device", "get_device_list", "open_device"]

@@ -17,10 +17,11 @@ from dataclasses import dataclass
 
 import trio
 
+from rdmashim.cm.types import RTR
 from rdmashim.verbs.softiwarp.ddp import Opcode
 from rdmashim.verbs.softiwarp.driver import Link
 from rdmashim.verbs.softiwarp.engine import EngineConfig
-from rdmashim.verbs.softiwarp.mpa import RTR, StartFrame, encode_start_frame, parse_start_frame
+from rdmashim.verbs.softiwarp.mpa import StartFrame, encode_start_frame, parse_start_frame
 from rdmashim.verbs.softiwarp.negotiation import (
     MpaOptions,
     MpaRejected,

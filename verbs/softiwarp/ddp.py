@@ -260,7 +260,8 @@ def encode_fpdu(
 def check_trailer(crc_state: int, pad_and_crc: bytes | bytearray | memoryview) -> bool:
     """Whether a received PAD + CRC field matches the CRC32c running over the FPDU so far."""
     pad = pad_and_crc[:-4]
-    return crc32c(pad, crc_state) == _CRC.unpack_from(pad_and_crc, len(pad))[0]
+    (wire,) = _CRC.unpack_from(pad_and_crc, len(pad))
+    return bool(crc32c(pad, crc_state) == wire)
 
 
 @dataclass(frozen=True, slots=True)

@@ -23,7 +23,7 @@ import socket as _stdlib_socket
 
 import trio
 
-from rdmashim.verbs.softiwarp.engine import Engine, EngineState
+from rdmashim.verbs.softiwarp.engine import Chunk, Engine, EngineState
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +42,7 @@ class Link:
         self.sock = sock
         self._fd = sock.fileno()
         self._leftover = leftover
-        self._pending: list = []
+        self._pending: list[Chunk] = []
         self._pending_total = 0
         self._tx_wakeup = trio.Event()
         self._rx_done = trio.Event()
@@ -167,7 +167,7 @@ class Link:
             self.closed.set()
 
 
-def _advance(bufs: list, n: int) -> list:
+def _advance(bufs: list[Chunk], n: int) -> list[Chunk]:
     """Drop the first ``n`` bytes of a buffer list."""
     i = 0
     count = len(bufs)

@@ -52,6 +52,9 @@ from rdmashim.verbs.wr import SGE, WC
 
 log = logging.getLogger(__name__)
 
+Chunk = bytes | bytearray | memoryview
+"""A piece of an FPDU as it goes to ``socket.sendmsg``: header, payload slice, pad, CRC."""
+
 MAX_FPDU = 65536
 """Largest FPDU we send: the 16-bit ULPDU length allows 65535 + 2 + pad + CRC bytes."""
 RTR_STAG = 1
@@ -209,11 +212,11 @@ class Engine:
         self._irq: deque[_ReadResponse] = deque()
         self._responding = 0
         """Read Requests accepted whose response is not fully produced (at most IRD)."""
-        self._current: Iterator[tuple[list, bool]] | None = None
+        self._current: Iterator[tuple[list[Chunk], bool]] | None = None
         self._current_job: SendJob | None = None
         self._burst_done: list[SendJob] = []
         self._terminate: bytes | None = None
-        self._control: list = []
+        self._control: list[Chunk] = []
         self._tx_msn = [0, 0, 0]
         self._rx_msn = [1, 1, 1]
         self._rx_send: _RxMessage | None = None
@@ -289,7 +292,7 @@ class Engine:
         return not (head.opcode is WROpcode.RDMA_READ and len(self._orq) >= self.config.ord)
 
     # ------------------------------------------------------------------ transmit
-    def produce(self, max_bytes: int = 4 * 1024 * 1024, max_buffers: int = 512) -> list:
+    def produce(self, max_bytes: int = 4 * 1024 * 1024, max_buffers: int = 512) -> list[Chunk]:
         """Buffers of the next FPDUs to send (empty when there is nothing to send)."""
         if self._terminate is not None:
             return self._take_terminate()
@@ -332,7 +335,7 @@ class Engine:
             size += ulpdu_len + 6 + pad
         return out
 
-    def _take_terminate(self) -> list:
+    def _take_terminate(self) -> list[Chunk]:
         term, self._terminate = self._terminate, None
         self.state = EngineState.ERROR
         return [term] if term is not None else []
@@ -370,7 +373,7 @@ class Engine:
             resolve(s.lkey, self.pd, s.addr, s.length, Access.NONE) for s in job.sges if s.length
         ]
 
-    def _job_fpdus(self, job: SendJob) -> Iterator[tuple[list, bool]]:
+    def _job_fpdus(self, job: SendJob) -> Iterator[tuple[list[Chunk], bool]]:
         op = job.opcode
         _check_wire_fields(job)
         if op is WROpcode.RDMA_READ:
@@ -407,7 +410,7 @@ class Engine:
             header = pack(
                 ddp.UNTAGGED_HDR_LEN - 2 + n, ddp_ctrl, ctrl, job.invalidate_rkey, QN.SEND, msn, mo
             )
-            fpdu: list = [header]
+            fpdu: list[Chunk] = [header]
             fpdu += slice_segments(segments, mo, n)
             yield fpdu, last
             mo += n
@@ -416,7 +419,7 @@ class Engine:
 
     def _tagged_fpdus(
         self, opcode: Opcode, stag: int, to: int, segments: Sequence[memoryview]
-    ) -> Iterator[tuple[list, bool]]:
+    ) -> Iterator[tuple[list[Chunk], bool]]:
         chunk = (self.config.max_fpdu - ddp.TAGGED_HDR_LEN - _CRC_BYTES) & ~3
         total = sum(len(s) for s in segments)
         off = 0
@@ -426,7 +429,7 @@ class Engine:
             n = min(chunk, total - off)
             last = off + n == total
             ddp_ctrl = ddp.DDP_TAGGED | ddp.DDP_VERSION | (ddp.DDP_LAST if last else 0)
-            fpdu: list = [pack(ddp.TAGGED_HDR_LEN - 2 + n, ddp_ctrl, ctrl, stag, to + off)]
+            fpdu: list[Chunk] = [pack(ddp.TAGGED_HDR_LEN - 2 + n, ddp_ctrl, ctrl, stag, to + off)]
             fpdu += slice_segments(segments, off, n)
             yield fpdu, last
             off += n
@@ -789,8 +792,9 @@ class Engine:
             term = ddp.parse_terminate(self._term_body)
             self.remote_terminate = term.code
             log.warning("QP %d: peer sent Terminate %s", self.qp_num, term.code)
-            exc = ProtocolError("peer terminated the connection", term.code)
-            self._enter_error(exc, remote=term)
+            self._enter_error(
+                ProtocolError("peer terminated the connection", term.code), remote=term
+            )
 
     # ------------------------------------------------------------------ errors
     def _protocol_error(self, exc: ProtocolError) -> None:
@@ -853,16 +857,17 @@ class Engine:
         self.state = EngineState.TERMINATE if self._terminate is not None else EngineState.ERROR
         # The Read whose Request the peer's Terminate quotes gets the remote status.
         quoted = _quoted_read_request(remote) if remote is not None else None
-        for job in self._orq if quoted is not None else ():
-            if job.msn == quoted.msn:
-                job.done = True
-                job.status = (
-                    WCStatus.REM_ACCESS_ERR
-                    if remote.code.layer == Layer.RDMAP
-                    and remote.code.etype == RdmapType.REMOTE_PROTECTION
-                    else WCStatus.REM_OP_ERR
-                )
-                break
+        if remote is not None and quoted is not None:
+            for job in self._orq:
+                if job.msn == quoted.msn:
+                    job.done = True
+                    job.status = (
+                        WCStatus.REM_ACCESS_ERR
+                        if remote.code.layer == Layer.RDMAP
+                        and remote.code.etype == RdmapType.REMOTE_PROTECTION
+                        else WCStatus.REM_OP_ERR
+                    )
+                    break
         # Work handed to TCP in the burst in flight still completes in order.
         if self._current_job is not None and not self._current_job.done:
             self._current_job.status = WCStatus.WR_FLUSH_ERR

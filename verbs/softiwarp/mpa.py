@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import struct
 from dataclasses import dataclass
-from enum import IntFlag
 
+from rdmashim.cm.types import RTR
 from rdmashim.verbs.softiwarp.terminate import LlpCode, ProtocolError, llp
 
 REQ_KEY = b"MPA ID Req Frame"
@@ -31,15 +31,6 @@ _FLAG_READ_RTR = 0x4000
 
 _HDR = struct.Struct("!16sBBH")
 _V2 = struct.Struct("!HH")
-
-
-class RTR(IntFlag):
-    """Ready-to-receive message types of RFC 6581 peer-to-peer setup."""
-
-    NONE = 0
-    SEND = 1
-    WRITE = 2
-    READ = 4
 
 
 @dataclass(frozen=True, slots=True)

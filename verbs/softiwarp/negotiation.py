@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from rdmashim.verbs.softiwarp.mpa import RTR, StartFrame
+from rdmashim.cm.types import RTR
+from rdmashim.verbs.softiwarp.mpa import StartFrame
 from rdmashim.verbs.softiwarp.terminate import LlpCode, ProtocolError, llp
 
 

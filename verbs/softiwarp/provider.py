@@ -16,12 +16,14 @@ from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Self, TypeVar
 
 import psutil
 import trio
 
+from rdmashim.verbs import abc
 from rdmashim.verbs.attrs import DeviceAttr, PortAttr, QPAttr, QPCap
+from rdmashim.verbs.backend import own
 from rdmashim.verbs.buffers import PinnedBuffer, PinnedRegion, pin
 from rdmashim.verbs.enums import (
     Access,
@@ -44,11 +46,16 @@ from rdmashim.verbs.softiwarp.memory import AccessViolation, MemoryTable, Region
 from rdmashim.verbs.softiwarp.mpa import MAX_PRIVATE_DATA, V2_BLOCK_LEN
 from rdmashim.verbs.softiwarp.terminate import TermCode
 from rdmashim.verbs.tasks import service_nursery
-from rdmashim.verbs.wr import SGE, WC, RecvWR, SendWR
+from rdmashim.verbs.wr import SGE, WC, InlineData, RecvWR, SendWR
+
+if TYPE_CHECKING:
+    from typing_extensions import Buffer
+
+    from rdmashim.verbs.softiwarp.driver import Link
 
 log = logging.getLogger(__name__)
 
-BACKEND = "softiwarp"
+BACKEND_NAME = "softiwarp"
 VENDOR_ID = 0x626D74  # as Linux siw ("bmt")
 MAX_QP_WR = 16384
 MAX_SGE = 6
@@ -67,7 +74,7 @@ class Device:
 
     name: str
     netdev: str
-    backend: str = BACKEND
+    backend: str = BACKEND_NAME
 
     @property
     def node_guid(self) -> int:
@@ -156,7 +163,7 @@ class _Resource:
         if self._closed:
             raise VerbsError(errno.EBADF, operation, f"{self._kind} is closed")
 
-    def __enter__(self) -> Any:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -173,13 +180,16 @@ class _Resource:
         self._leave_parent()
 
 
+_R = TypeVar("_R", bound=_Resource)
+
+
 class _Parent(_Resource):
     """A resource that closes the resources created from it when it closes."""
 
     def __init__(self) -> None:
         self._children: dict[int, _Resource] = {}
 
-    def _adopt(self, child: Any) -> Any:
+    def _adopt(self, child: _R) -> _R:
         child._parent = self
         self._children[id(child)] = child
         return child
@@ -217,7 +227,7 @@ class Context(_Parent):
     @property
     def backend(self) -> str:
         """Name of the backend serving this context."""
-        return BACKEND
+        return BACKEND_NAME
 
     def query_device(self) -> DeviceAttr:
         """Limits and capabilities of the device."""
@@ -260,7 +270,7 @@ class Context(_Parent):
         return PortAttr(
             state=PortState.ACTIVE if up else PortState.DOWN,
             max_mtu=Mtu.MTU_4096,
-            active_mtu=Mtu.from_bytes(mtu),
+            active_mtu=Mtu.fitting(mtu),
             gid_tbl_len=1,
             max_msg_sz=0xFFFFFFFF,
             link_layer="Ethernet",
@@ -277,14 +287,16 @@ class Context(_Parent):
         self._check_open("create_comp_channel")
         return self._adopt(CompChannel())
 
-    def create_cq(self, cqe: int, channel: CompChannel | None = None) -> CQ:
+    def create_cq(self, cqe: int, channel: abc.CompChannel | None = None) -> CQ:
         """A completion queue holding up to ``cqe`` completions."""
         self._check_open("create_cq")
+        if channel is not None:
+            channel = own(channel, CompChannel, "create_cq")
         if not 1 <= cqe <= MAX_CQE:
             raise VerbsError(errno.EINVAL, "create_cq", f"cqe {cqe} outside 1..{MAX_CQE}")
         return self._adopt(CQ(self, cqe, channel))
 
-    def _post_async(self, event_type: AsyncEventType, element: Any) -> None:
+    def _post_async(self, event_type: AsyncEventType, element: CQ | QP) -> None:
         if len(self._async_events) == MAX_ASYNC_EVENTS:
             log.warning("%s: async event queue full, oldest event dropped", self.device.name)
         self._async_events.append(AsyncEvent(event_type, element))
@@ -323,7 +335,7 @@ class PD(_Parent):
         self.context = context
 
     def reg_mr(
-        self, buffer: Any, access: Access = Access.LOCAL_WRITE, *, iova: int | None = None
+        self, buffer: Buffer, access: Access = Access.LOCAL_WRITE, *, iova: int | None = None
     ) -> MR:
         """Register any buffer-protocol object without copying it.
 
@@ -365,15 +377,18 @@ class PD(_Parent):
     def create_qp(
         self,
         *,
-        send_cq: CQ,
-        recv_cq: CQ,
+        send_cq: abc.CQ,
+        recv_cq: abc.CQ,
         cap: QPCap | None = None,
-        srq: SRQ | None = None,
+        srq: abc.SRQ | None = None,
         sq_sig_all: bool = False,
         qp_type: QPType = QPType.RC,
     ) -> QP:
         """A reliable-connected queue pair; the CM (or :mod:`.connection`) connects it."""
         self._check_open("create_qp")
+        send = own(send_cq, CQ, "create_qp")
+        recv = own(recv_cq, CQ, "create_qp")
+        shared = None if srq is None else own(srq, SRQ, "create_qp")
         if qp_type != QPType.RC:
             raise NotSupported("create_qp", f"{QPType(qp_type).name} QPs (iWARP has RC only)")
         cap = cap or QPCap()
@@ -387,7 +402,7 @@ class PD(_Parent):
         for value, low, high, name in limits:
             if not low <= value <= high:
                 raise VerbsError(errno.EINVAL, "create_qp", f"{name}={value} outside {low}..{high}")
-        return self._adopt(QP(self, send_cq, recv_cq, cap, srq, sq_sig_all))
+        return self._adopt(QP(self, send, recv, cap, shared, sq_sig_all))
 
     def create_srq(self, max_wr: int = 128, max_sge: int = 1) -> SRQ:
         """A shared receive queue for QPs of this PD."""
@@ -591,7 +606,10 @@ class SRQ(_Resource):
         self._leave_parent()
 
 
-def _as_list(wr: Any) -> list:
+_W = TypeVar("_W", SendWR, RecvWR)
+
+
+def _as_list(wr: _W | Iterable[_W]) -> list[_W]:
     if isinstance(wr, SendWR | RecvWR):
         return [wr]
     return list(wr)
@@ -628,7 +646,7 @@ class QP(_Resource):
         self.sq_sig_all = sq_sig_all
         self.qp_num = next(self.context._qp_numbers)
         self._rq: deque[RecvJob] = deque()
-        self._link: Any = None
+        self._link: Link | None = None
         self.engine = Engine(
             qp_num=self.qp_num,
             pd=pd,
@@ -712,11 +730,14 @@ class QP(_Resource):
         if self.engine.sq_depth >= self.cap.max_send_wr and self._state is QPState.RTS:
             raise _bad_wr(errno.ENOMEM, "post_send", i, f"send queue full ({self.cap.max_send_wr})")
         inline = None
+        local = tuple(s for s in sges if isinstance(s, SGE))
         if flags & _INLINE and opcode is not WROpcode.RDMA_READ:
             inline = self._gather_inline(i, sges)
             length = len(inline)
+        elif len(local) != len(sges):
+            raise _bad_wr(errno.EINVAL, "post_send", i, "raw bytes need INLINE")
         else:
-            length = sum(s.length for s in sges)
+            length = sum(s.length for s in local)
         if not (
             length <= _U32
             and 0 <= w.rkey <= _U32
@@ -729,10 +750,10 @@ class QP(_Resource):
                 "(32, 32, 32 and 64 bits)",
             )  # fmt: skip
         return SendJob(
-            w.wr_id, opcode, flags, sges, inline, length, w.remote_addr, w.rkey, w.invalidate_rkey
+            w.wr_id, opcode, flags, local, inline, length, w.remote_addr, w.rkey, w.invalidate_rkey
         )
 
-    def _gather_inline(self, i: int, sges: tuple) -> bytes:
+    def _gather_inline(self, i: int, sges: tuple[SGE | InlineData, ...]) -> bytes:
         parts = []
         for s in sges:
             if isinstance(s, SGE):
@@ -798,7 +819,7 @@ class QP(_Resource):
             )
         self.engine.set_error()
 
-    def _attach(self, link: Any) -> None:
+    def _attach(self, link: Link) -> None:
         self._link = link
         self._state = QPState.RTS if self.engine.state is EngineState.RTS else self._state
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import IntEnum
 
+from rdmashim.verbs.errors import ProtocolViolation
+
 
 class Layer(IntEnum):
     """The layer that detected the error."""
@@ -145,7 +147,7 @@ DDP_CATASTROPHIC = TermCode(Layer.DDP, DdpType.CATASTROPHIC, 0)
 RDMAP_LOCAL_CATASTROPHIC = rdmap(RdmapType.CATASTROPHIC, RdmapCode.UNSPECIFIED)
 
 
-class ProtocolError(Exception):
+class ProtocolError(ProtocolViolation):
     """The iWARP stream broke the protocol; ``code`` is what a Terminate reports.
 
     ``header`` is the offending FPDU's decoded header when known, which the

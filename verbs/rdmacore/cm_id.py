@@ -1,13 +1,14 @@
 """CM ids over librdmacm, for event channels of the rdma-core backend.
 
-:class:`NativeChannel` owns the ``rdma_event_channel``: its fd is
-non-blocking and a task of the :class:`~rdmashim.cm.channel.EventChannel`
-waits on it with ``trio.lowlevel.wait_readable``, reads every ``rdma_cm_event``,
-copies it into a :class:`~rdmashim.cm.types.CMEvent` (status, private data,
-connection parameters) and acknowledges it at once, so ``rdma_destroy_id``
-never waits for an event the application still holds.
+:class:`NativeChannel` is the backend's connector: it owns the ``rdma_event_channel``,
+whose fd is non-blocking; its ``run`` task, in the
+:class:`~rdmashim.cm.channel.EventChannel`'s nursery, waits on it with
+``trio.lowlevel.wait_readable``, reads every ``rdma_cm_event``, copies it into a
+:class:`~rdmashim.cm.types.CMEvent` (status, private data, connection parameters) and
+acknowledges it at once, so ``rdma_destroy_id`` never waits for an event the application
+still holds.
 
-:class:`RdmaCoreCMId` has the public API of :class:`rdmashim.cm.cmid.CMId`.
+:class:`RdmaCoreCMId` satisfies :class:`rdmashim.cm.abc.CMId`.
 Its ``context`` is the backend's context for the device librdmacm bound the id
 to (``id->verbs``), matched by device name through the channel; PDs and QPs
 for the id must be made on it. The kernel's rdma_cm does the rest: TCP and
@@ -22,20 +23,39 @@ import logging
 import os
 import socket
 import struct
-from typing import Any
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any
 
 import trio
 
 from rdmashim.cm import addressing
-from rdmashim.cm.cmid import State
-from rdmashim.cm.types import CMEvent, CMEventType, ConnParam, PortSpace
+from rdmashim.cm.types import (
+    DEFAULT_MAX_PENDING,
+    CMEventType,
+    ConnParam,
+    PortSpace,
+    TransportOptions,
+    check_private_data,
+)
+from rdmashim.cm.types import CMState as State
+from rdmashim.verbs import abc
 from rdmashim.verbs.attrs import QPCap
+from rdmashim.verbs.backend import own
 from rdmashim.verbs.enums import QPType, Transport
 from rdmashim.verbs.errors import BackendUnavailable, NotSupported, VerbsError
 from rdmashim.verbs.rdmacore import lib
 from rdmashim.verbs.rdmacore.cdefs import ffi
 from rdmashim.verbs.rdmacore.completion import notify_closing
-from rdmashim.verbs.softiwarp.negotiation import MpaOptions
+from rdmashim.verbs.rdmacore.device import Context
+from rdmashim.verbs.rdmacore.memory import PD
+from rdmashim.verbs.rdmacore.queue_pair import QP
+
+if TYPE_CHECKING:
+    from rdmashim.cm.abc import ChannelHost
+
+TRANSPORT_OPTIONS: frozenset[str] = frozenset()
+"""The portable transport options this backend honours: none, the kernel's iw_cm
+negotiates MPA; only the defaults are accepted."""
 
 log = logging.getLogger(__name__)
 
@@ -114,7 +134,7 @@ def _conn_param(param: Any) -> ConnParam:
 class NativeChannel:
     """librdmacm's event channel behind an :class:`~rdmashim.cm.channel.EventChannel`."""
 
-    def __init__(self, channel: Any) -> None:
+    def __init__(self, channel: ChannelHost) -> None:
         self.channel = channel
         cm = lib.rdmacm()
         ptr = cm.rdma_create_event_channel()
@@ -131,7 +151,7 @@ class NativeChannel:
         os.set_blocking(self.fd, False)
         self._ids: dict[int, RdmaCoreCMId] = {}
 
-    def create_id(self, ps: PortSpace, user_context: Any) -> RdmaCoreCMId:
+    def create_id(self, ps: PortSpace, user_context: object) -> RdmaCoreCMId:
         """A new id (``rdma_create_id``) in a connected port space."""
         ps = PortSpace(ps)
         if ps not in _CONNECTED_SPACES:
@@ -141,7 +161,7 @@ class NativeChannel:
         return self._wrap(out[0], ps, user_context)
 
     def _wrap(self, ptr: Any, ps: PortSpace, user_context: Any) -> RdmaCoreCMId:
-        cm_id = RdmaCoreCMId(self.channel, ps, user_context, ptr)
+        cm_id = RdmaCoreCMId(self.channel, ps, user_context, ptr, self)
         self._ids[lib.address(ptr)] = cm_id
         return cm_id
 
@@ -176,18 +196,18 @@ class NativeChannel:
                 lib.rdmacm().rdma_destroy_id(id_ptr)
                 return
             cm_id = self._wrap(id_ptr, listener.ps, listener.user_context)
-            self.channel._ids.append(cm_id)
+            self.channel.adopt(cm_id)
             try:
                 await cm_id._incoming(listener, status, param)
             except (BackendUnavailable, VerbsError) as exc:  # one request, not the channel
                 log.warning("connection request dropped: no device for it: %s", exc)
                 cm_id.destroy()
             return
-        cm_id = self._ids.get(lib.address(id_ptr))
-        if cm_id is None:
+        known = self._ids.get(lib.address(id_ptr))
+        if known is None:
             log.debug("%s for a destroyed id dropped", kind.name)
             return
-        await cm_id._on_event(kind, status, param)
+        await known._on_event(kind, status, param)
 
     def close(self) -> None:
         """Destroy the event channel (its ids are destroyed already)."""
@@ -201,48 +221,58 @@ class NativeChannel:
 class RdmaCoreCMId:
     """A communication identifier over librdmacm (``struct rdma_cm_id``).
 
-    The same calls and events as :class:`rdmashim.cm.cmid.CMId`; see that
-    module for their meaning.
+    The calls and events of :class:`rdmashim.cm.abc.CMId`.
     """
 
-    mpa: None = None
+    negotiated: None = None
     """MPA is negotiated by the kernel's iw_cm; librdmacm does not tell its result."""
 
-    def __init__(self, channel: Any, ps: PortSpace, user_context: Any, ptr: Any) -> None:
+    def __init__(
+        self,
+        channel: ChannelHost,
+        ps: PortSpace,
+        user_context: Any,
+        ptr: Any,
+        native: NativeChannel,
+    ) -> None:
         self.channel = channel
         self.ps = PortSpace(ps)
         self.user_context = user_context
         self._ptr = ptr
-        self.context: Any = None
-        self.qp: Any = None
-        self.pd: Any = None
+        self._native = native
+        self.context: Context | None = None
+        self.qp: QP | None = None
+        self.pd: PD | None = None
         self.state = State.IDLE
         self.local_addr: addressing.SockAddr | None = None
         self.peer_addr: addressing.SockAddr | None = None
         self.connect_timeout = DEFAULT_CONNECT_TIMEOUT
+        self.max_pending = DEFAULT_MAX_PENDING
+        """Bounds the kernel's listen backlog (``listen`` takes the smaller)."""
         self._timer: trio.CancelScope | None = None
 
     def __repr__(self) -> str:
         return f"<RdmaCoreCMId {self.state.name} local={self.local_addr} peer={self.peer_addr}>"
 
     @property
-    def mpa_options(self) -> MpaOptions:
-        """MPA settings: the kernel's own (siw's, or the RNIC's); only the defaults are valid."""
-        return MpaOptions()
+    def options(self) -> TransportOptions:
+        """Transport settings: the kernel's own (siw's, or the RNIC's); only the defaults
+        are valid (:data:`TRANSPORT_OPTIONS`)."""
+        return TransportOptions()
 
-    @mpa_options.setter
-    def mpa_options(self, options: MpaOptions) -> None:
-        if options != MpaOptions():
-            raise NotSupported("mpa_options", "the kernel's iw_cm negotiates MPA on rdma-core")
+    @options.setter
+    def options(self, options: TransportOptions) -> None:
+        refused = options.non_default() - TRANSPORT_OPTIONS
+        if refused:
+            raise NotSupported(
+                "options", f"{', '.join(sorted(refused))}: the kernel's iw_cm negotiates MPA"
+            )
 
     # ------------------------------------------------------------------ helpers
     def _check(self, operation: str) -> Any:
         if self.state is State.DESTROYED:
             raise VerbsError(errno.EBADF, operation, "CM id is destroyed")
         return lib.rdmacm()
-
-    def _post(self, kind: CMEventType, status: int = 0, **kwargs: Any) -> None:
-        self.channel._post(CMEvent(kind, self, status, _channel=self.channel, **kwargs))
 
     def _refresh_addresses(self) -> None:
         route = self._ptr.route.addr
@@ -256,19 +286,12 @@ class RdmaCoreCMId:
             return
         name = ffi.string(verbs.device.name).decode()
         if self.context is None or self.context.device.name != name:
-            self.context = await self.channel.device_context(name)
-
-    def _check_private_data(self, operation: str, private_data: bytes) -> None:
-        limit = self.context.query_device().max_private_data if self.context else 252
-        if len(private_data) > limit:
-            raise VerbsError(
-                errno.EINVAL, operation, f"{len(private_data)} bytes of private data > {limit}"
-            )
+            self.context = own(await self.channel.device_context(name), Context, "rdma_cm")
 
     def _native_param(self, operation: str, param: ConnParam | None) -> tuple[Any, Any]:
         param = param or ConnParam()
-        self._check_private_data(operation, param.private_data)
-        attr = self.context.query_device()
+        check_private_data(self.context, operation, param.private_data)
+        attr = self._bound_context(operation).query_device()
         native = ffi.new("struct rdma_conn_param *")
         data = ffi.new("char[]", param.private_data) if param.private_data else ffi.NULL
         native.private_data = data
@@ -282,8 +305,14 @@ class RdmaCoreCMId:
         native.qp_num = param.qp_num
         return native, data
 
+    def _bound_context(self, operation: str) -> Context:
+        if self.context is None:
+            raise VerbsError(errno.EINVAL, operation, "resolve the address and route first")
+        return self.context
+
     def _require_qp(self, operation: str) -> None:
-        if self.qp is None and self.context.device.transport is Transport.IWARP:
+        iwarp = self._bound_context(operation).device.transport is Transport.IWARP
+        if self.qp is None and iwarp:
             raise NotSupported(operation, "iWARP connections need the id's QP (create_qp first)")
 
     # ------------------------------------------------------------------ addressing
@@ -331,7 +360,7 @@ class RdmaCoreCMId:
         except OSError as exc:
             self.state = State.IDLE
             status = -errno.EADDRNOTAVAIL if isinstance(exc, socket.gaierror) else -(exc.errno or 5)
-            self._post(CMEventType.ADDR_ERROR, status, detail=str(exc))
+            self.channel.post(CMEventType.ADDR_ERROR, self, status, detail=str(exc))
 
     def resolve_route(self, timeout_ms: int = 2000) -> None:
         """Resolve the route to the resolved destination: ROUTE_RESOLVED or ROUTE_ERROR."""
@@ -342,18 +371,19 @@ class RdmaCoreCMId:
     # ------------------------------------------------------------------ QP
     def create_qp(
         self,
-        pd: Any,
+        pd: abc.PD,
         *,
-        send_cq: Any,
-        recv_cq: Any,
+        send_cq: abc.CQ,
+        recv_cq: abc.CQ,
         cap: QPCap | None = None,
-        srq: Any = None,
+        srq: abc.SRQ | None = None,
         sq_sig_all: bool = False,
-    ) -> Any:
+    ) -> QP:
         """Create the id's QP on ``pd`` (``rdma_create_qp``); ``pd`` must be on ``self.context``."""
         cm = self._check("create_qp")
         if self.context is None:
             raise VerbsError(errno.EINVAL, "create_qp", "resolve or receive a connection first")
+        pd = own(pd, PD, "create_qp")
         if pd.context._ptr != self._ptr.verbs:
             raise VerbsError(
                 errno.EINVAL,
@@ -382,8 +412,6 @@ class RdmaCoreCMId:
     def connect(self, param: ConnParam | None = None) -> None:
         """Connect to the resolved peer: ESTABLISHED, REJECTED, UNREACHABLE or CONNECT_ERROR."""
         cm = self._check("connect")
-        if self.context is None:
-            raise VerbsError(errno.EINVAL, "connect", "resolve the address and route first")
         self._require_qp("connect")
         native, _data = self._native_param("connect", param)
         if cm.rdma_connect(self._ptr, native) != 0:
@@ -397,7 +425,7 @@ class RdmaCoreCMId:
             # coming back as an event; report it as the event librdmacm gives where
             # the connection is made asynchronously.
             self.state = State.ROUTE_RESOLVED
-            self._post(kind, -err, detail=f"rdma_connect: {os.strerror(err)}")
+            self.channel.post(kind, self, -err, detail=f"rdma_connect: {os.strerror(err)}")
             return
         self.state = State.CONNECT
         self._timer = trio.CancelScope()
@@ -408,14 +436,16 @@ class RdmaCoreCMId:
             await trio.sleep(limit)
             if self.state is State.CONNECT:
                 self.state = State.ROUTE_RESOLVED
-                self._post(CMEventType.UNREACHABLE, -errno.ETIMEDOUT, detail="no answer in time")
+                self.channel.post(
+                    CMEventType.UNREACHABLE, self, -errno.ETIMEDOUT, detail="no answer in time"
+                )
 
     def listen(self, backlog: int = 128) -> None:
         """Listen on the bound address (the wildcard if unbound): CONNECT_REQUEST events."""
         cm = self._check("listen")
         if self.state is State.IDLE:
             self.bind_addr(("0.0.0.0", 0))
-        lib.check(cm.rdma_listen(self._ptr, backlog), "rdma_listen")
+        lib.check(cm.rdma_listen(self._ptr, min(backlog, self.max_pending)), "rdma_listen")
         self._refresh_addresses()
         self.state = State.LISTEN
 
@@ -423,17 +453,10 @@ class RdmaCoreCMId:
         self._refresh_addresses()
         self.state = State.CONNECT_REQUEST
         await self._attach_device()
-        self.channel._post(
-            CMEvent(
-                CMEventType.CONNECT_REQUEST,
-                self,
-                status,
-                param.private_data,
-                param,
-                listen_id=listener,
-                _channel=self.channel,
-            )
-        )
+        self.channel.post(
+            CMEventType.CONNECT_REQUEST, self, status,
+            private_data=param.private_data, param=param, listen_id=listener,
+        )  # fmt: skip
 
     def accept(self, param: ConnParam | None = None) -> None:
         """Accept the connection request on this id (ESTABLISHED follows)."""
@@ -446,7 +469,7 @@ class RdmaCoreCMId:
     def reject(self, private_data: bytes = b"") -> None:
         """Reject the connection request on this id with ``private_data``."""
         cm = self._check("reject")
-        self._check_private_data("reject", private_data)
+        check_private_data(self.context, "reject", private_data)
         data = ffi.new("char[]", private_data) if private_data else ffi.NULL
         lib.check(cm.rdma_reject(self._ptr, data, len(private_data)), "rdma_reject")
         self.state = State.DISCONNECTED
@@ -465,14 +488,15 @@ class RdmaCoreCMId:
     # ------------------------------------------------------------------ events
     async def _on_event(self, kind: CMEventType, status: int, param: ConnParam) -> None:
         E = CMEventType
-        extra: dict[str, Any] = {}
+        private_data = b""
+        reported: ConnParam | None = None
         if kind is E.ADDR_RESOLVED:
             self._refresh_addresses()
             try:
                 await self._attach_device()
             except (BackendUnavailable, VerbsError) as exc:
                 self.state = State.IDLE
-                self._post(E.ADDR_ERROR, -errno.ENODEV, detail=str(exc))
+                self.channel.post(E.ADDR_ERROR, self, -errno.ENODEV, detail=str(exc))
                 return
             self.state = State.ADDR_RESOLVED
         elif kind is E.ROUTE_RESOLVED:
@@ -489,23 +513,21 @@ class RdmaCoreCMId:
             self.state = State.ESTABLISHED
             if self.qp is not None:
                 self.qp._connected()
-            extra = {"private_data": param.private_data, "param": param}
+            private_data, reported = param.private_data, param
         elif kind in (E.REJECTED, E.UNREACHABLE, E.CONNECT_ERROR):
             if self.state is State.ROUTE_RESOLVED:
                 return  # our timer reported the failure already
             self._stop_timer()
             self.state = State.ROUTE_RESOLVED if self.state is State.CONNECT else State.DISCONNECTED
-            extra = {"private_data": param.private_data}
+            private_data = param.private_data
         elif kind is E.DISCONNECTED:
             self.state = State.DISCONNECTED
             if self.qp is not None:
                 self.qp._disconnected(ConnectionResetError("connection closed"), flush=True)
-        self._post(kind, status, **extra)
+        self.channel.post(kind, self, status, private_data=private_data, param=reported)
 
-    def _spawn(self, fn: Any, *args: Any) -> None:
-        nursery = self.channel.nursery
-        assert nursery is not None
-        nursery.start_soon(fn, *args)
+    def _spawn(self, fn: Callable[..., Awaitable[None]], *args: object) -> None:
+        self.channel.nursery.start_soon(fn, *args)
 
     def _stop_timer(self) -> None:
         if self._timer is not None:
@@ -518,16 +540,16 @@ class RdmaCoreCMId:
         if self.state is State.DESTROYED:
             return
         self._stop_timer()
-        self.channel._native._forget(self)
+        self._native._forget(self)
         if self.qp is not None:
             self.qp.close_listeners.remove(self._qp_closed)
             self.qp._disconnected(ConnectionAbortedError("CM id destroyed"))
         rc = lib.rdmacm().rdma_destroy_id(self._ptr)
         self.state = State.DESTROYED
-        self.channel._forget(self)
+        self.channel.forget(self)
         if rc:
             log.warning("rdma_destroy_id: %s", os.strerror(lib.last_errno()))
 
-    def join_multicast(self, addr: Any, context: Any = None) -> None:
+    def join_multicast(self, addr: addressing.SockAddr, context: object = None) -> None:
         """Multicast needs UD QPs, which the portable API does not have."""
         raise NotSupported("join_multicast", "multicast needs UD QPs")

@@ -1,4 +1,4 @@
-"""CM ids: librdmacm's ``rdma_cm_id`` with trio colouring.
+"""The built-in engine's CM ids: librdmacm's ``rdma_cm_id`` with trio colouring, MPA over TCP.
 
 Calls that start something (``resolve_addr``, ``resolve_route``, ``listen``,
 ``connect``, ``accept``, ``reject``, ``disconnect``) return at once; what
@@ -21,24 +21,37 @@ DEVICE_REMOVAL             the device context the id uses was closed
 CONNECT_RESPONSE (an active id without a QP) does not occur on iWARP: the
 connection needs its QP from the start. UDP and IB port spaces and multicast
 raise NotSupported on iWARP devices.
+
+:class:`Connector` is the backend's rdma_cm for an event channel: it makes
+these ids and has no background work of its own (each id runs its work in the
+channel's nursery).
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import errno
 import ipaddress
 import logging
 import socket
-from enum import Enum, auto
-from typing import Any
+from typing import TYPE_CHECKING
 
 import trio
 
 from rdmashim.cm import addressing
-from rdmashim.cm.types import CMEvent, CMEventType, ConnParam, PortSpace
+from rdmashim.cm.types import (
+    DEFAULT_MAX_PENDING,
+    RTR,
+    CMEventType,
+    ConnParam,
+    PortSpace,
+    TransportOptions,
+    check_private_data,
+)
+from rdmashim.cm.types import CMState as State
+from rdmashim.verbs import abc
 from rdmashim.verbs.attrs import QPCap
+from rdmashim.verbs.backend import own
 from rdmashim.verbs.enums import PortState
 from rdmashim.verbs.errors import NotSupported, VerbsError
 from rdmashim.verbs.softiwarp.connection import (
@@ -51,17 +64,20 @@ from rdmashim.verbs.softiwarp.connection import (
     read_request,
     reject,
 )
-from rdmashim.verbs.softiwarp.mpa import RTR
 from rdmashim.verbs.softiwarp.negotiation import MpaOptions, MpaRejected, MpaResult
+from rdmashim.verbs.softiwarp.provider import PD, QP, Context
 from rdmashim.verbs.softiwarp.terminate import ProtocolError
+
+if TYPE_CHECKING:
+    from collections.abc import Awaitable, Callable
+
+    from rdmashim.cm.abc import ChannelHost
+    from rdmashim.cm.abc import CMId as AnyCMId
 
 log = logging.getLogger(__name__)
 
 DEFAULT_CONNECT_TIMEOUT = 10.0
 """Seconds an active id waits for the TCP connection before UNREACHABLE."""
-DEFAULT_MAX_PENDING = 256
-"""Connections a listener holds that are not yet accepted or rejected: those whose MPA
-Request is still coming, and CONNECT_REQUESTs the application has not answered."""
 ACCEPT_RETRY_DELAY = 0.1
 """Seconds a listener waits before accepting again after running out of descriptors or
 memory (as ``trio.serve_listeners``)."""
@@ -78,7 +94,7 @@ class _Throttled:
         self._last = -LOG_INTERVAL
         self._held = 0
 
-    def warning(self, message: str, *args: Any) -> None:
+    def warning(self, message: str, *args: object) -> None:
         now = trio.current_time()
         if now - self._last < LOG_INTERVAL:
             self._held += 1
@@ -96,30 +112,13 @@ def _drop(stream: trio.SocketStream) -> None:
     stream.socket.close()
 
 
-def _peer_of(stream: trio.SocketStream) -> Any:
+def _peer_of(stream: trio.SocketStream) -> addressing.SockAddr | None:
     """The peer's address, or None when the connection is already gone."""
     try:
-        return stream.socket.getpeername()
+        peer: addressing.SockAddr = stream.socket.getpeername()
     except OSError:
         return None
-
-
-class State(Enum):
-    """Where a CM id is in its life."""
-
-    IDLE = auto()
-    ADDR_BOUND = auto()
-    ADDR_QUERY = auto()
-    ADDR_RESOLVED = auto()
-    ROUTE_QUERY = auto()
-    ROUTE_RESOLVED = auto()
-    CONNECT = auto()
-    LISTEN = auto()
-    CONNECT_REQUEST = auto()
-    ACCEPTING = auto()
-    ESTABLISHED = auto()
-    DISCONNECTED = auto()
-    DESTROYED = auto()
+    return peer
 
 
 class CMId:
@@ -130,17 +129,17 @@ class CMId:
     on it. ``user_context`` is whatever the caller passed to ``create_id``.
     """
 
-    def __init__(self, channel: Any, ps: PortSpace, user_context: Any = None) -> None:
+    def __init__(self, channel: ChannelHost, ps: PortSpace, user_context: object = None) -> None:
         self.channel = channel
         self.ps = PortSpace(ps)
         self.user_context = user_context
-        self.context: Any = None
-        self.qp: Any = None
-        self.pd: Any = None
+        self.context: Context | None = None
+        self.qp: QP | None = None
+        self.pd: PD | None = None
         self.state = State.IDLE
         self.local_addr: addressing.SockAddr | None = None
         self.peer_addr: addressing.SockAddr | None = None
-        self.mpa_options = MpaOptions()
+        self.options = TransportOptions()
         """MPA settings this id asks for or accepts (CRC, revision, P2P, FPDU size)."""
         self.connect_timeout = DEFAULT_CONNECT_TIMEOUT
         self.mpa_request_timeout = MPA_REQUEST_TIMEOUT
@@ -170,10 +169,27 @@ class CMId:
         return f"<CMId {self.state.name} local={self.local_addr} peer={self.peer_addr}>"
 
     # ------------------------------------------------------------------ helpers
-    def _post(self, event: CMEventType, status: int = 0, **kwargs: Any) -> None:
-        self.channel._post(CMEvent(event, self, status, _channel=self.channel, **kwargs))
+    @property
+    def negotiated(self) -> TransportOptions | None:
+        """What MPA setup settled, once connected: CRC, revision, and ``p2p`` with the
+        ``rtr`` message chosen (``max_fpdu`` is this side's own)."""
+        result = self.mpa
+        if result is None:
+            return None
+        return TransportOptions(
+            crc=result.crc, revision=result.revision, p2p=result.rtr is not RTR.NONE,
+            rtr=result.rtr, max_fpdu=self.options.max_fpdu,
+        )  # fmt: skip
 
-    def _spawn(self, fn: Any, *args: Any, failed: CMEventType | None = None) -> None:
+    @property
+    def _the_qp(self) -> QP:
+        """The id's QP, which connecting and accepting require (``_begin`` checks)."""
+        assert self.qp is not None, "connect and accept need the QP"
+        return self.qp
+
+    def _spawn(
+        self, fn: Callable[..., Awaitable[None]], *args: object, failed: CMEventType | None = None
+    ) -> None:
         """Run ``fn(*args)`` in the channel's nursery until the id is destroyed.
 
         No error of one id's work reaches the nursery (and so the application and the
@@ -181,8 +197,6 @@ class CMId:
         as a ``failed`` event when given.
         """
         nursery = self.channel.nursery
-        assert nursery is not None
-
         scope = trio.CancelScope()
         self._scopes.append(scope)
 
@@ -193,7 +207,7 @@ class CMId:
             except Exception as exc:
                 log.exception("%s: %s failed", self, getattr(fn, "__name__", fn))
                 if failed is not None and self.state is not State.DESTROYED:
-                    self._post(failed, -errno.EIO, detail=f"internal error: {exc!r}")
+                    self.channel.post(failed, self, -errno.EIO, detail=f"internal error: {exc!r}")
             finally:
                 self._scopes.remove(scope)
 
@@ -212,8 +226,9 @@ class CMId:
         netdev = addressing.interface_of(local_ip)
         if netdev is None:
             raise OSError(errno.EADDRNOTAVAIL, f"no local interface has address {local_ip}")
-        self.context = await self.channel.device_context(f"siw_{netdev}")
-        self.context.close_listeners.append(self._device_removed)
+        context = own(await self.channel.device_context(f"siw_{netdev}"), Context, "bind")
+        context.close_listeners.append(self._device_removed)
+        self.context = context
 
     # ------------------------------------------------------------------ addressing
     def bind_addr(self, addr: addressing.SockAddr) -> None:
@@ -279,7 +294,7 @@ class CMId:
                 status = -errno.EADDRNOTAVAIL  # the name has no address
             else:
                 status = -(getattr(exc, "errno", None) or errno.ETIMEDOUT)
-            self._post(CMEventType.ADDR_ERROR, status, detail=str(exc) or "timed out")
+            self.channel.post(CMEventType.ADDR_ERROR, self, status, detail=str(exc) or "timed out")
             return
         self._family = family
         port = self.local_addr[1] if self.local_addr else 0
@@ -288,7 +303,7 @@ class CMId:
         )
         self.peer_addr = tuple(peer)
         self.state = State.ADDR_RESOLVED
-        self._post(CMEventType.ADDR_RESOLVED)
+        self.channel.post(CMEventType.ADDR_RESOLVED, self)
 
     def resolve_route(self, timeout_ms: int = 2000) -> None:
         """Check the route to the resolved destination (ROUTE_RESOLVED or ROUTE_ERROR).
@@ -297,38 +312,41 @@ class CMId:
         (its interface) is up.
         """
         self._require("resolve_route", State.ADDR_RESOLVED)
+        assert self.context is not None  # ADDR_RESOLVED binds it
         self.state = State.ROUTE_QUERY
         port = self.context.query_port(1)
         if port.state != PortState.ACTIVE:
             self.state = State.ADDR_RESOLVED
-            self._post(CMEventType.ROUTE_ERROR, -errno.ENETDOWN, detail=f"{port.netdev} is down")
+            self.channel.post(
+                CMEventType.ROUTE_ERROR, self, -errno.ENETDOWN, detail=f"{port.netdev} is down"
+            )
             return
         self.state = State.ROUTE_RESOLVED
-        self._post(CMEventType.ROUTE_RESOLVED)
+        self.channel.post(CMEventType.ROUTE_RESOLVED, self)
 
     # ------------------------------------------------------------------ QP
     def create_qp(
         self,
-        pd: Any,
+        pd: abc.PD,
         *,
-        send_cq: Any,
-        recv_cq: Any,
+        send_cq: abc.CQ,
+        recv_cq: abc.CQ,
         cap: QPCap | None = None,
-        srq: Any = None,
+        srq: abc.SRQ | None = None,
         sq_sig_all: bool = False,
-    ) -> Any:
+    ) -> QP:
         """Create the id's QP on ``pd``, which must belong to ``self.context``."""
         if self.context is None:
             raise VerbsError(errno.EINVAL, "create_qp", "resolve or receive a connection first")
+        pd = own(pd, PD, "create_qp")
         if pd.context is not self.context:
             raise VerbsError(errno.EINVAL, "create_qp", "PD belongs to another device")
         if self.qp is not None:
             raise VerbsError(errno.EEXIST, "create_qp", "the id already has a QP")
         self.pd = pd
-        self.qp = pd.create_qp(
-            send_cq=send_cq, recv_cq=recv_cq, cap=cap, srq=srq, sq_sig_all=sq_sig_all
-        )
-        return self.qp
+        qp = pd.create_qp(send_cq=send_cq, recv_cq=recv_cq, cap=cap, srq=srq, sq_sig_all=sq_sig_all)
+        self.qp = qp
+        return qp
 
     # ------------------------------------------------------------------ active side
     def connect(self, param: ConnParam | None = None) -> None:
@@ -336,22 +354,30 @@ class CMId:
         self._begin("connect", State.ROUTE_RESOLVED, State.CONNECT, self._connect, param)
 
     def _begin(
-        self, operation: str, now: State, then: State, work: Any, param: ConnParam | None
+        self,
+        operation: str,
+        now: State,
+        then: State,
+        work: Callable[[ConnParam], Awaitable[None]],
+        param: ConnParam | None,
     ) -> None:
         """Checks shared by connect and accept, then ``work(param)`` in the background."""
         self._require(operation, now)
         if self.qp is None:
             raise NotSupported(operation, "iWARP connections need the id's QP (create_qp first)")
         param = param or ConnParam()
-        self._check_private_data(operation, param.private_data)
+        check_private_data(self.context, operation, param.private_data)
         self._answered()
         self.state = then
         self._spawn(work, param, failed=CMEventType.CONNECT_ERROR)
 
     def _options(self, param: ConnParam) -> MpaOptions:
-        return dataclasses.replace(
-            self.mpa_options, ird=param.responder_resources, ord=param.initiator_depth
-        )
+        """The engine's MPA options: the portable ones with IRD/ORD from ``param``."""
+        o = self.options
+        return MpaOptions(
+            crc=o.crc, revision=o.revision, p2p=o.p2p, rtr=o.rtr, max_fpdu=o.max_fpdu,
+            ird=param.responder_resources, ord=param.initiator_depth,
+        )  # fmt: skip
 
     async def _connect(self, param: ConnParam) -> None:
         assert self.peer_addr is not None and self.local_addr is not None
@@ -383,7 +409,7 @@ class CMId:
         self._watch_qp()
         try:
             result = await connect_qp(
-                self.qp, stream, private_data=param.private_data, options=self._options(param),
+                self._the_qp, stream, private_data=param.private_data, options=self._options(param),
                 reply_timeout=self.mpa_reply_timeout,
             )  # fmt: skip
         except MpaRejected as exc:
@@ -397,8 +423,9 @@ class CMId:
             return
         self.mpa = result
         self.state = State.ESTABLISHED
-        self._post(
+        self.channel.post(
             CMEventType.ESTABLISHED,
+            self,
             private_data=result.private_data,
             param=ConnParam(result.private_data, result.ird, result.ord),
         )
@@ -406,7 +433,7 @@ class CMId:
 
     def _fail(self, kind: CMEventType, status: int, detail: str, private_data: bytes = b"") -> None:
         self.state = State.ROUTE_RESOLVED
-        self._post(kind, status, private_data=private_data, detail=detail)
+        self.channel.post(kind, self, status, private_data=private_data, detail=detail)
 
     # ------------------------------------------------------------------ passive side
     def listen(self, backlog: int = 128) -> None:
@@ -495,9 +522,9 @@ class CMId:
         if self.state is not State.LISTEN:
             return None
         local, peer = stream.socket.getsockname(), stream.socket.getpeername()
-        child = self.channel.create_id(self.user_context, self.ps)
+        child = own(self.channel.create_id(self.user_context, self.ps), CMId, "listen")
         try:
-            child.mpa_options = self.mpa_options
+            child.options = self.options
             child.local_addr, child.peer_addr = local, peer
             child._family = stream.socket.family
             await child._bind_device(str(local[0]))
@@ -520,7 +547,10 @@ class CMId:
             responder_resources=frame.ord if frame.enhanced else 16,
             initiator_depth=frame.ird if frame.enhanced else 16,
         )
-        self._post_for(child, CMEventType.CONNECT_REQUEST, request.private_data, param)
+        self.channel.post(
+            CMEventType.CONNECT_REQUEST, child,
+            private_data=request.private_data, param=param, listen_id=self,
+        )  # fmt: skip
         return child
 
     def _answered(self) -> None:
@@ -528,13 +558,6 @@ class CMId:
         if self._listen_id is not None:
             self._listen_id._unanswered.discard(self)
             self._listen_id = None
-
-    def _post_for(
-        self, child: CMId, kind: CMEventType, private_data: bytes, param: ConnParam
-    ) -> None:
-        self.channel._post(
-            CMEvent(kind, child, 0, private_data, param, listen_id=self, _channel=self.channel)
-        )
 
     def accept(self, param: ConnParam | None = None) -> None:
         """Accept the connection request on this id (ESTABLISHED follows)."""
@@ -547,15 +570,15 @@ class CMId:
         self._watch_qp()
         options = self._options(param)
         if options.p2p:
-            self.qp.engine.on_ready = lambda: self._established(b"")
+            self._the_qp.engine.on_ready = lambda: self._established(b"")
         try:
             result = await accept_qp(
-                self.qp, stream, request, private_data=param.private_data, options=options
+                self._the_qp, stream, request, private_data=param.private_data, options=options
             )
         except (ProtocolError, OSError) as exc:
             _drop(stream)
             self.state = State.DISCONNECTED
-            self._post(CMEventType.CONNECT_ERROR, -errno.ECONNRESET, detail=str(exc))
+            self.channel.post(CMEventType.CONNECT_ERROR, self, -errno.ECONNRESET, detail=str(exc))
             return
         except BaseException:
             _drop(stream)
@@ -568,12 +591,12 @@ class CMId:
     def _established(self, private_data: bytes) -> None:
         if self.state is State.ACCEPTING:
             self.state = State.ESTABLISHED
-            self._post(CMEventType.ESTABLISHED, private_data=private_data)
+            self.channel.post(CMEventType.ESTABLISHED, self, private_data=private_data)
 
     def reject(self, private_data: bytes = b"") -> None:
         """Reject the connection request on this id with ``private_data``."""
         self._require("reject", State.CONNECT_REQUEST)
-        self._check_private_data("reject", private_data)
+        check_private_data(self.context, "reject", private_data)
         stream, request = self._stream, self._request
         self._stream = None
         self._request = None
@@ -596,18 +619,18 @@ class CMId:
 
     # ------------------------------------------------------------------ teardown
     def _watch_qp(self) -> None:
-        self.qp.error_listeners.append(self._on_qp_error)
+        self._the_qp.error_listeners.append(self._on_qp_error)
 
     def _on_qp_error(self, exc: Exception) -> None:
         if self.state in (State.ESTABLISHED, State.ACCEPTING) and not self._disconnect_reported:
             self._disconnect_reported = True
             self.state = State.DISCONNECTED
-            self._post(CMEventType.DISCONNECTED, detail=str(exc))
+            self.channel.post(CMEventType.DISCONNECTED, self, detail=str(exc))
 
     async def _watch_close(self) -> None:
-        await self.qp.wait_closed()
+        await self._the_qp.wait_closed()
         self._on_qp_error(ConnectionResetError("connection closed"))
-        self._post(CMEventType.TIMEWAIT_EXIT)
+        self.channel.post(CMEventType.TIMEWAIT_EXIT, self)
 
     def disconnect(self) -> None:
         """End the connection (``rdma_disconnect``): the QP goes to ERR, outstanding work
@@ -639,20 +662,30 @@ class CMId:
             with contextlib.suppress(ValueError):
                 self.context.close_listeners.remove(self._device_removed)
         self.state = State.DESTROYED
-        self.channel._forget(self)
+        self.channel.forget(self)
 
     def _device_removed(self) -> None:
         if self.state is not State.DESTROYED:
-            self._post(CMEventType.DEVICE_REMOVAL, detail="device context closed")
+            self.channel.post(CMEventType.DEVICE_REMOVAL, self, detail="device context closed")
 
     # ------------------------------------------------------------------ misc
-    def _check_private_data(self, operation: str, private_data: bytes) -> None:
-        limit = self.context.query_device().max_private_data if self.context else 252
-        if len(private_data) > limit:
-            raise VerbsError(
-                errno.EINVAL, operation, f"{len(private_data)} bytes of private data > {limit}"
-            )
-
-    def join_multicast(self, addr: Any, context: Any = None) -> None:
+    def join_multicast(self, addr: addressing.SockAddr, context: object = None) -> None:
         """Multicast needs UD QPs, which iWARP does not have."""
         raise NotSupported("join_multicast", "multicast on an iWARP device")
+
+
+class Connector:
+    """The built-in engine's rdma_cm for one event channel: it makes :class:`CMId` s."""
+
+    def __init__(self, channel: ChannelHost) -> None:
+        self.channel = channel
+
+    def create_id(self, ps: PortSpace, user_context: object) -> AnyCMId:
+        """A new id in port space ``ps`` (only TCP can connect on iWARP)."""
+        return CMId(self.channel, ps, user_context)
+
+    async def run(self) -> None:
+        """Nothing runs for the channel as a whole: each id runs its own work."""
+
+    def close(self) -> None:
+        """Nothing to release: the ids are destroyed with the channel."""

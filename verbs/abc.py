@@ -1,0 +1,289 @@
+"""The portable verbs objects as protocols: what every backend's device, context, PD, MR,
+CQ, completion channel, QP and SRQ offer.
+
+Applications, the CM (:mod:`rdmashim.cm`) and the ULPs see only these types;
+each backend's classes satisfy them structurally (mypy checks it where a
+backend hands its objects out as these types, as psycopg's ``pq.abc`` does for
+its libpq wrappers). Backend-specific extras (the built-in engine's
+``engine``, rdma-core's ``borrowed`` ...) stay off the protocols.
+
+A method that takes another verbs object (``create_cq(channel=...)``,
+``create_qp(send_cq=...)``) is typed with the protocol; a backend refuses
+objects of another backend with a :class:`~rdmashim.verbs.errors.VerbsError`
+(EINVAL) rather than failing deep inside.
+
+Attributes are read-only properties here: a backend may keep them as plain
+attributes or compute them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Protocol, Self
+
+from rdmashim.verbs.enums import Access, QPState, QPType
+
+if TYPE_CHECKING:
+    from typing_extensions import Buffer
+
+    from rdmashim.verbs.attrs import DeviceAttr, PortAttr, QPAttr, QPCap
+    from rdmashim.verbs.events import AsyncEvent
+    from rdmashim.verbs.wr import SGE, WC, RecvWR, SendWR
+
+
+class Resource(Protocol):
+    """What every verbs object offers: an idempotent ``close()`` and ``with`` support."""
+
+    def close(self) -> None:
+        """Destroy the object and those created from it (idempotent)."""
+
+    def __enter__(self) -> Self: ...
+
+    def __exit__(self, *exc: object) -> None: ...
+
+
+class Device(Protocol):
+    """A device a backend lists (``ibv_device``)."""
+
+    @property
+    def name(self) -> str:
+        """The name ``open_device`` takes (``siw_lo``, ``mlx5_0``, ...)."""
+
+    @property
+    def backend(self) -> str:
+        """Name of the backend that lists it."""
+
+    @property
+    def node_guid(self) -> int:
+        """The device's 64-bit node GUID."""
+
+
+class Context(Resource, Protocol):
+    """An opened device (``ibv_context``)."""
+
+    @property
+    def device(self) -> Device:
+        """The device opened."""
+
+    @property
+    def backend(self) -> str:
+        """Name of the backend serving this context."""
+
+    def query_device(self) -> DeviceAttr:
+        """Limits and capabilities of the device."""
+
+    def query_port(self, port_num: int = 1) -> PortAttr:
+        """State and limits of port ``port_num`` (numbered from 1)."""
+
+    def alloc_pd(self) -> PD:
+        """A new protection domain."""
+
+    def create_comp_channel(self) -> CompChannel:
+        """A completion channel CQs can report events to."""
+
+    def create_cq(self, cqe: int, channel: CompChannel | None = None) -> CQ:
+        """A completion queue holding at least ``cqe`` completions."""
+
+    async def get_async_event(self) -> AsyncEvent:
+        """Wait for the next asynchronous event (``ibv_get_async_event``)."""
+
+
+class PD(Resource, Protocol):
+    """A protection domain (``ibv_pd``)."""
+
+    @property
+    def context(self) -> Context:
+        """The context the PD was allocated on."""
+
+    def reg_mr(
+        self, buffer: Buffer, access: Access = Access.LOCAL_WRITE, *, iova: int | None = None
+    ) -> MR:
+        """Register any buffer-protocol object in place (``ibv_reg_mr``/``_iova``)."""
+
+    def create_qp(
+        self,
+        *,
+        send_cq: CQ,
+        recv_cq: CQ,
+        cap: QPCap | None = None,
+        srq: SRQ | None = None,
+        sq_sig_all: bool = False,
+        qp_type: QPType = QPType.RC,
+    ) -> QP:
+        """A queue pair on this PD."""
+
+    def create_srq(self, max_wr: int = 128, max_sge: int = 1) -> SRQ:
+        """A shared receive queue for QPs of this PD."""
+
+
+class MR(Resource, Protocol):
+    """A registered memory region (``ibv_mr``)."""
+
+    @property
+    def pd(self) -> PD:
+        """The PD the region is registered in."""
+
+    @property
+    def addr(self) -> int:
+        """Address of the buffer's first byte."""
+
+    @property
+    def length(self) -> int:
+        """Length in bytes."""
+
+    @property
+    def iova(self) -> int:
+        """The address of the first byte for work requests and the peer."""
+
+    @property
+    def lkey(self) -> int:
+        """Local key."""
+
+    @property
+    def rkey(self) -> int:
+        """Remote key."""
+
+    @property
+    def access(self) -> Access:
+        """Access rights the region was registered with."""
+
+    @property
+    def buf(self) -> memoryview:
+        """A byte view of the registered memory."""
+
+    def sge(self, offset: int = 0, length: int | None = None) -> SGE:
+        """An SGE over ``[offset, offset + length)`` of the region."""
+
+    def dereg(self) -> None:
+        """Deregister the region (``close``)."""
+
+
+class CompChannel(Resource, Protocol):
+    """A completion channel (``ibv_comp_channel``); events are awaited."""
+
+    @property
+    def fd(self) -> int | None:
+        """The kernel channel's file descriptor, or None (the built-in engine has none)."""
+
+    async def get_cq_event(self) -> CQ:
+        """Wait for the next event; returns the CQ it is for (acknowledge it there)."""
+
+
+class CQ(Resource, Protocol):
+    """A completion queue (``ibv_cq``)."""
+
+    @property
+    def context(self) -> Context:
+        """The context the CQ was created on."""
+
+    @property
+    def cqe(self) -> int:
+        """How many completions the CQ holds."""
+
+    @property
+    def channel(self) -> CompChannel | None:
+        """The completion channel given at creation, if any."""
+
+    def poll(self, num_entries: int = 16) -> list[WC]:
+        """Take up to ``num_entries`` completions, oldest first (never blocks)."""
+
+    def req_notify(self, solicited_only: bool = False) -> None:
+        """Arm the CQ: the next (solicited) completion sends one event to the channel."""
+
+    def ack_events(self, n: int) -> None:
+        """Acknowledge ``n`` events taken from the channel."""
+
+    async def wait(self) -> None:
+        """Wait until the CQ holds at least one completion."""
+
+    async def poll_wait(self, num_entries: int = 16) -> list[WC]:
+        """Wait for completions and take up to ``num_entries`` of them (at least one)."""
+
+    def __len__(self) -> int:
+        """Completions ready to be polled."""
+
+
+class SRQ(Resource, Protocol):
+    """A shared receive queue (``ibv_srq``)."""
+
+    @property
+    def pd(self) -> PD:
+        """The PD the SRQ belongs to."""
+
+    @property
+    def max_wr(self) -> int:
+        """Receives it holds."""
+
+    @property
+    def max_sge(self) -> int:
+        """SGEs per receive."""
+
+    def post_recv(self, wr: RecvWR | Iterable[RecvWR]) -> None:
+        """Post one receive work request or a list of them."""
+
+
+class QP(Resource, Protocol):
+    """A queue pair (``ibv_qp``)."""
+
+    @property
+    def pd(self) -> PD:
+        """The PD the QP was created on."""
+
+    @property
+    def context(self) -> Context:
+        """The PD's context."""
+
+    @property
+    def send_cq(self) -> CQ:
+        """Where send completions go."""
+
+    @property
+    def recv_cq(self) -> CQ:
+        """Where receive completions go."""
+
+    @property
+    def srq(self) -> SRQ | None:
+        """The shared receive queue, if the QP takes its receives from one."""
+
+    @property
+    def cap(self) -> QPCap:
+        """The queue sizes the QP got."""
+
+    @property
+    def qp_num(self) -> int:
+        """The QP number."""
+
+    @property
+    def qp_type(self) -> QPType:
+        """RC, UC or UD."""
+
+    @property
+    def sq_sig_all(self) -> bool:
+        """Whether every send request completes (else only SIGNALED ones)."""
+
+    @property
+    def state(self) -> QPState:
+        """The current state."""
+
+    @property
+    def error(self) -> Exception | None:
+        """Why the QP went to ERR, if it did: a
+        :class:`~rdmashim.verbs.errors.ProtocolViolation` when the transport ended it."""
+
+    def post_send(self, wr: SendWR | Iterable[SendWR]) -> None:
+        """Post one send work request or a list of them (never blocks)."""
+
+    def post_recv(self, wr: RecvWR | Iterable[RecvWR]) -> None:
+        """Post one receive work request or a list of them (never blocks)."""
+
+    def query(self) -> QPAttr:
+        """Current attributes."""
+
+    def modify(self, *, qp_state: QPState) -> None:
+        """Change the QP's state (``ibv_modify_qp``)."""
+
+    async def wait_closed(self) -> None:
+        """Wait until the QP's connection is gone."""
+
+
+__all__ = ["CQ", "MR", "PD", "QP", "SRQ", "CompChannel", "Context", "Device", "Resource"]
