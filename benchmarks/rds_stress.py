@@ -3,8 +3,8 @@
 
 Two processes on loopback, trio at both ends. This script is the active side;
 it starts the passive side as a subprocess (a fresh interpreter running this
-file with ``--serve``), which runs an RDS node (``rdmashim.rds_tools.
-stress_passive``, the code behind ``rdmashim rds stress -r IP``) and a raw TCP
+file with ``--serve``), which runs an RDS node (``rdmashim.rdstools.
+stress.stress_passive``, the code behind ``rdmashim rds stress -r IP``) and a raw TCP
 listener that does the same job.
 
 The work, for each case (``-q`` request bytes, ``-a`` ack bytes, ``-t`` tasks,
@@ -13,7 +13,7 @@ side answers each request with an ack; each request and ack carries a 16-byte
 header (task, sequence number, ack size) and the active side checks that the
 acks come back in order.
 
-- **ours**: ``rdmashim.rds_tools.stress_active`` (what ``rdmashim rds stress
+- **ours**: ``rdmashim.rdstools.stress.stress_active`` (what ``rdmashim rds stress
   -s`` runs): one RDS socket per task, all over the one RDS connection between
   the two nodes (built-in soft-iWARP engine, rdma_cm, MPA with CRC32c).
 - **raw TCP**: one trio TCP stream per task (``TCP_NODELAY``, as trio sets
@@ -55,7 +55,19 @@ from pathlib import Path
 import trio
 
 import rdmashim
-from rdmashim import rds_tools as rt
+from rdmashim.rdstools.common import open_node
+from rdmashim.rdstools.defaults import STRESS_PORT
+from rdmashim.rdstools.info import serve_info
+from rdmashim.rdstools.stress import (
+    OP_ACK,
+    OP_REQ,
+    STRESS_HEADER,
+    STRESS_MAGIC,
+    PassiveResult,
+    StressConfig,
+    stress_active,
+    stress_passive,
+)
 from rdmashim.ulps.rds.node import RdsNode
 
 from streams import read_exact, stop_process
@@ -64,7 +76,7 @@ CLIENT_IP = "127.0.0.1"
 SERVER_IP = "127.0.0.2"
 RAW_SETUP = struct.Struct("!II")
 """Raw TCP: the client's first 8 bytes: request size, ack size."""
-HEADER = rt.STRESS_HEADER
+HEADER = STRESS_HEADER
 RESULT_LINE = "-" * 112
 MEDIAN_KEYS = (
     "tx_per_s", "kbytes_per_s", "rdma_kbytes_per_s", "rtt_us", "tx_us_per_call", "cpu_percent",
@@ -110,7 +122,7 @@ async def raw_passive(stream: trio.SocketStream) -> None:
         answer = bytearray(ack)
         while await read_exact(sock, request):
             magic, _op, _, task, seq, ack_bytes = HEADER.unpack_from(request)
-            HEADER.pack_into(answer, 0, magic, rt.OP_ACK, 0, task, seq, ack_bytes)
+            HEADER.pack_into(answer, 0, magic, OP_ACK, 0, task, seq, ack_bytes)
             await stream.send_all(answer)
 
 
@@ -119,11 +131,11 @@ async def serve_main(cm_port: int) -> None:
         listeners = await trio.open_tcp_listeners(0, host=SERVER_IP)
         raw_port = listeners[0].socket.getsockname()[1]
         nursery.start_soon(trio.serve_listeners, raw_passive, listeners)
-        async with rt.open_node(SERVER_IP, cm_port) as node:
-            await nursery.start(rt.serve_info, node)
-            result = rt.PassiveResult()
-            await nursery.start(lambda task_status: rt.stress_passive(
-                node, rt.STRESS_PORT, once=False, result=result, task_status=task_status
+        async with open_node(SERVER_IP, cm_port) as node:
+            await nursery.start(serve_info, node)
+            result = PassiveResult()
+            await nursery.start(lambda task_status: stress_passive(
+                node, STRESS_PORT, once=False, result=result, task_status=task_status
             ))  # fmt: skip
             print(f"READY {raw_port}", flush=True)
             # Until the client closes our stdin.
@@ -150,11 +162,11 @@ class Sample:
 
 
 async def ours(node: RdsNode, case: Case, duration: float) -> Sample:
-    cfg = rt.StressConfig(
-        SERVER_IP, rt.STRESS_PORT, case.req, case.ack, case.tasks, case.depth, duration,
+    cfg = StressConfig(
+        SERVER_IP, STRESS_PORT, case.req, case.ack, case.tasks, case.depth, duration,
         rdma_bytes=case.rdma,
     )  # fmt: skip
-    total = (await rt.stress_active(node, cfg)).total
+    total = (await stress_active(node, cfg)).total
     return Sample(
         total.tx_per_s, total.kbytes_per_s, total.rdma_kbytes_per_s, total.rtt_us,
         total.tx_us_per_call, total.cpu_percent, total.requests, total.seconds,
@@ -187,7 +199,7 @@ async def raw(raw_port: int, case: Case, duration: float) -> Sample:
         async def send_one() -> None:
             nonlocal seq
             seq += 1
-            HEADER.pack_into(request, 0, rt.STRESS_MAGIC, rt.OP_REQ, 0, i, seq, ack)
+            HEADER.pack_into(request, 0, STRESS_MAGIC, OP_REQ, 0, i, seq, ack)
             t0 = perf()
             await stream.send_all(request)
             t1 = perf()
@@ -205,7 +217,7 @@ async def raw(raw_port: int, case: Case, duration: float) -> Sample:
             t = perf()
             _, op, _, task_no, ack_seq, _ = HEADER.unpack_from(answer)
             expected, sent_at = pending.popleft()
-            if (op, task_no, ack_seq) != (rt.OP_ACK, i, expected):
+            if (op, task_no, ack_seq) != (OP_ACK, i, expected):
                 raise RuntimeError(f"raw task {i}: ack {ack_seq}, expected {expected}")
             totals["bytes"] += ack
             totals["rtts"] += 1
@@ -242,7 +254,7 @@ def _status(text: str) -> None:
 
 async def client_main(cm_port: int, raw_port: int, args: argparse.Namespace) -> list[dict]:
     results = []
-    async with rt.open_node(CLIENT_IP, cm_port) as node:
+    async with open_node(CLIENT_IP, cm_port) as node:
         for case in CASES:
             samples: dict[str, list[Sample]] = {"ours": [], "raw": []}
             for i in range(args.repeat):

@@ -28,7 +28,7 @@ from rdmashim.cliargs import (
     run_command,
     size,
 )
-from rdmashim.rds_cli import add_rds
+from rdmashim.rdstools.cli import add_rds
 from rdmashim.registry import backend_status
 
 DEMO_MAX_SIZE = 1 << 30

@@ -41,6 +41,7 @@ def test_sdist_and_wheel(tmp_path: Path) -> None:
         "rdmashim/verbs/abc.py",
         "rdmashim/cm/abc.py",
         "rdmashim/ulps/rds/node.py",
+        "rdmashim/rdstools/cli.py",
     } <= names
     assert not any(name.startswith(("tests/", "tools/", "benchmarks/")) for name in names)
     assert "License-Expression: MIT" in metadata

@@ -7,8 +7,18 @@ import re
 import pytest
 import trio
 
-from rdmashim import rds_demo
-from rdmashim import rds_tools as rt
+from rdmashim.rdstools import demo
+from rdmashim.rdstools.common import drain
+from rdmashim.rdstools.defaults import DEMO_MIN_SIZE, MIN_STRESS_BYTES
+from rdmashim.rdstools.info import format_info
+from rdmashim.rdstools.ping import PingReply, format_ping_reply
+from rdmashim.rdstools.stress import (
+    STRESS_COLUMNS,
+    STRESS_HEADER,
+    StressConfig,
+    StressSample,
+    format_stress_row,
+)
 from rdmashim.ulps.rds.node import RdsNode
 
 from clirun import STRESS_ROW as ROW
@@ -66,7 +76,7 @@ def stress_run(*flags: str) -> tuple[str, str]:
 def test_stress_prints_rds_stress_columns() -> None:
     stdout, passive_out = stress_run("-T", "3", "-q", "1024", "-a", "256", "-t", "2", "-d", "4")
     lines = stdout.splitlines()
-    head = lines.index(rt.STRESS_COLUMNS)
+    head = lines.index(STRESS_COLUMNS)
     assert re.fullmatch(r"tsks +tx/s +tx\+rx K/s +rw\+rr K/s +tx us/c +rtt us +cpu %", lines[head])
     rows = [ROW.match(line) for line in lines[head + 1 :] if ROW.match(line)]
     assert len(rows) >= 2  # seconds of the run (the third one may end after the run)
@@ -98,9 +108,9 @@ def test_stress_with_rdma_bytes(read: bool) -> None:
 
 async def test_stress_config_checks_rdma_room() -> None:
     with pytest.raises(ValueError, match="req_bytes"):
-        rt.StressConfig("10.0.0.1", req_bytes=rt.MIN_STRESS_BYTES, rdma_bytes=4096)
+        StressConfig("10.0.0.1", req_bytes=MIN_STRESS_BYTES, rdma_bytes=4096)
     with pytest.raises(ValueError, match="rdma_bytes"):
-        rt.StressConfig("10.0.0.1", rdma_bytes=-1)
+        StressConfig("10.0.0.1", rdma_bytes=-1)
 
 
 def test_demo_loses_nothing_through_cuts() -> None:
@@ -117,24 +127,22 @@ def test_demo_loses_nothing_through_cuts() -> None:
 
 # ------------------------------------------------------------------ the library
 def test_formats_follow_rds_tools() -> None:
-    assert rt.format_ping_reply(rt.PingReply(1, 23)) == "   1: 23 usec"
-    assert rt.format_ping_reply(rt.PingReply(12, 40, "10.0.0.9", dup=True)) == (
+    assert format_ping_reply(PingReply(1, 23)) == "   1: 23 usec"
+    assert format_ping_reply(PingReply(12, 40, "10.0.0.9", dup=True)) == (
         "  12: 40 usec (10.0.0.9) DUP!"
     )
-    assert rt.format_ping_reply(rt.PingReply(3, error="No route to host")) == (
+    assert format_ping_reply(PingReply(3, error="No route to host")) == (
         "   3: ERROR: No route to host"
     )
-    sample = rt.StressSample(seconds=2.0, tasks=1, requests=1000, tx_bytes=1024_000,
-                             rx_bytes=256_000, send_calls=1000, send_usecs=50_000.0, rtts=1000,
-                             rtt_usecs=400_000.0, cpu_seconds=1.0)  # fmt: skip
-    assert (
-        rt.format_stress_row(sample) == "   1    500     625.00       0.00   50.00   400.00 50.00"
-    )
-    assert len(rt.format_stress_row(sample)) == len(rt.STRESS_COLUMNS)
+    sample = StressSample(seconds=2.0, tasks=1, requests=1000, tx_bytes=1024_000,
+                          rx_bytes=256_000, send_calls=1000, send_usecs=50_000.0, rtts=1000,
+                          rtt_usecs=400_000.0, cpu_seconds=1.0)  # fmt: skip
+    assert format_stress_row(sample) == "   1    500     625.00       0.00   50.00   400.00 50.00"
+    assert len(format_stress_row(sample)) == len(STRESS_COLUMNS)
     with pytest.raises(ValueError):
-        rt.StressConfig("127.0.0.1", req_bytes=8)
-    # The CLI's bounds (rds_defaults, plain values) are the messages' own sizes.
-    assert rt.STRESS_HEADER.size == rt.MIN_STRESS_BYTES and rds_demo._STAMP.size == rt.DEMO_MIN_SIZE
+        StressConfig("127.0.0.1", req_bytes=8)
+    # The CLI's bounds (rdstools.defaults, plain values) are the messages' own sizes.
+    assert STRESS_HEADER.size == MIN_STRESS_BYTES and demo._STAMP.size == DEMO_MIN_SIZE
 
 
 async def test_format_info_shows_nodes_of_this_process() -> None:
@@ -145,8 +153,8 @@ async def test_format_info_shows_nodes_of_this_process() -> None:
         with trio.fail_after(20):
             await sa.sendto(b"x" * 100, (net + "2", 4001))
             assert await sb.recvfrom() == (b"x" * 100, (net + "1", 4000))
-            await rt.drain(a)
-        text = rt.format_info([a, b], "knc")
+            await drain(a)
+        text = format_info([a, b], "knc")
         assert text.index("RDS Sockets:") < text.index("RDS Connections:")
         assert re.search(rf"{re.escape(net)}2\s+4001\s+0\.0\.0\.0\s+0\s+\d+\s+\d+\s+0", text)
         assert re.search(rf"{re.escape(net)}1\s+{re.escape(net)}2\s+0\s+3\s+2 --C-", text)
@@ -156,8 +164,8 @@ async def test_format_info_shows_nodes_of_this_process() -> None:
         with trio.fail_after(20):
             await sa.sendto(b"y" * 7, (net + "2", 4001))
             await sa.sendto(b"z" * 9, (net + "2", 4001))
-            await rt.drain(a)  # acknowledged: in b's socket by now
-        text = rt.format_info(b, "r")
+            await drain(a)  # acknowledged: in b's socket by now
+        text = format_info(b, "r")
         assert text.startswith("Receive Message Queue:"), text
         rows = [line.split() for line in text.splitlines()[2:]]
         assert rows == [  # a's numbers: 1, the first message; 2, its congestion map
@@ -165,4 +173,4 @@ async def test_format_info_shows_nodes_of_this_process() -> None:
             [net + "2", "4001", net + "1", "4000", "0", "4", "9"],
         ]
         with pytest.raises(ValueError, match="no rds-info table"):
-            rt.format_info(a, "x")
+            format_info(a, "x")

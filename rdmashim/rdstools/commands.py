@@ -1,6 +1,6 @@
-"""What ``rdmashim rds ping|stress|info|demo`` run: the commands over :mod:`rdmashim.rds_tools`.
+"""What ``rdmashim rds ping|stress|info|demo`` run: the commands over :mod:`rdmashim.rdstools`.
 
-Each ``rds_*`` coroutine takes the parsed arguments (:mod:`rdmashim.rds_cli`
+Each ``rds_*`` coroutine takes the parsed arguments (:mod:`rdmashim.rdstools.cli`
 checked them) and returns the exit status; the commands print, the library
 does not. Ctrl-C ends each with status 130 after what it measured; a run
 that did not start reports no figures.
@@ -11,14 +11,26 @@ from __future__ import annotations
 import argparse
 import ipaddress
 import sys
-from typing import Any
 
 import trio
 
-from rdmashim import rds_tools as rt
 from rdmashim.cliargs import UsageError, rate
 from rdmashim.clisignals import Signals
-from rdmashim.rds_defaults import ALL_TABLES, INFO_TABLES
+from rdmashim.rdstools.common import RdsToolError, drain, guess_source, open_node
+from rdmashim.rdstools.defaults import ALL_TABLES, INFO_PORT, INFO_TABLES
+from rdmashim.rdstools.demo import DemoProgress, run_rds_demo
+from rdmashim.rdstools.info import format_info, query_info, serve_info
+from rdmashim.rdstools.ping import format_ping_reply, ping, serve_echo
+from rdmashim.rdstools.stress import (
+    STRESS_COLUMNS,
+    PassiveResult,
+    StressConfig,
+    StressSample,
+    format_stress_row,
+    stress_active,
+    stress_passive,
+)
+from rdmashim.ulps.rds.node import RdsNode
 
 MAX_RDMA_BUFFERS = 1 << 30
 """Bytes the active side of ``rds stress -D`` may hold in buffers (one per request in flight)."""
@@ -40,31 +52,31 @@ async def rds_ping(args: argparse.Namespace) -> int:
     _check_other(args.local, None if args.serve else args.dest)
     if args.serve:
         signals = Signals()
-        async with rt.open_node(args.local, args.cm_port) as node, trio.open_nursery() as nursery:
+        async with open_node(args.local, args.cm_port) as node, trio.open_nursery() as nursery:
             await nursery.start(signals.watch)
-            await nursery.start(rt.serve_echo, node, args.port)
-            await nursery.start(rt.serve_info, node)
+            await nursery.start(serve_echo, node, args.port)
+            await nursery.start(serve_info, node)
             print(
                 f"rds ping responder on {node.address}: echo on RDS port {args.port}, "
-                f"rds-info on RDS port {rt.INFO_PORT}, rdma_cm port {node.port}; Ctrl-C to stop",
+                f"rds-info on RDS port {INFO_PORT}, rdma_cm port {node.port}; Ctrl-C to stop",
                 flush=True,
             )
             await signals.stopped.wait()
             if args.info:
-                print(rt.format_info(node), end="")
+                print(format_info(node), end="")
             nursery.cancel_scope.cancel()
         return signals.status
-    local = args.local or rt.guess_source(args.dest)
-    async with rt.open_node(local, args.cm_port) as node:
-        stats = await rt.ping(
+    local = args.local or guess_source(args.dest)
+    async with open_node(local, args.cm_port) as node:
+        stats = await ping(
             node, args.dest, port=args.port, count=args.count, interval=args.interval,
-            on_reply=lambda reply: print(rt.format_ping_reply(reply), flush=True),
+            on_reply=lambda reply: print(format_ping_reply(reply), flush=True),
         )  # fmt: skip
-        await rt.drain(node, 1.0)
+        await drain(node, 1.0)
         if args.info:
-            print(rt.format_info(node), end="")
+            print(format_info(node), end="")
     if not stats.received:
-        raise rt.RdsToolError(
+        raise RdsToolError(
             f"no reply from {args.dest} RDS port {args.port} to {stats.sent} ping(s) "
             f"(is `rdmashim rds ping --serve -I {args.dest}` running there?)"
         )
@@ -76,7 +88,7 @@ async def rds_stress(args: argparse.Namespace) -> int:
     _check_other(args.local, args.server)
     if args.server is not None:
         try:
-            cfg = rt.StressConfig(
+            cfg = StressConfig(
                 args.server, args.port, args.req_bytes, args.ack_bytes, args.tasks,
                 args.depth, args.seconds, args.rdma_bytes, args.rdma_read,
             )  # fmt: skip
@@ -88,19 +100,19 @@ async def rds_stress(args: argparse.Namespace) -> int:
                 f"-t {cfg.tasks} x -d {cfg.depth} x -D {cfg.rdma_bytes} = {buffers} bytes of "
                 f"RDMA buffers, more than {MAX_RDMA_BUFFERS >> 20} MiB"
             )
-    async with rt.open_node(args.local, args.cm_port) as node, trio.open_nursery() as nursery:
-        await nursery.start(rt.serve_info, node)
+    async with open_node(args.local, args.cm_port) as node, trio.open_nursery() as nursery:
+        await nursery.start(serve_info, node)
         if cfg is None:
             status = await _stress_passive(node, args, nursery)
         else:
             status = await _stress_active(node, cfg, args, nursery)
         if args.info:
-            print(rt.format_info(node), end="")
+            print(format_info(node), end="")
         nursery.cancel_scope.cancel()
     return status
 
 
-async def _stress_passive(node: Any, args: argparse.Namespace, nursery: trio.Nursery) -> int:
+async def _stress_passive(node: RdsNode, args: argparse.Namespace, nursery: trio.Nursery) -> int:
     signals = Signals()
     scope = trio.CancelScope()
     await nursery.start(signals.watch, scope.cancel)
@@ -109,9 +121,9 @@ async def _stress_passive(node: Any, args: argparse.Namespace, nursery: trio.Nur
         f"(rdma_cm port {node.port}): waiting for an active side",
         flush=True,
     )
-    result = rt.PassiveResult()
+    result = PassiveResult()
     with scope:
-        await rt.stress_passive(node, args.port, once=True, result=result)
+        await stress_passive(node, args.port, once=True, result=result)
     how = "interrupted" if scope.cancelled_caught else "run over"
     if not result.requests:
         print(f"{how}: no run started (no request arrived)")
@@ -135,7 +147,7 @@ async def _stress_passive(node: Any, args: argparse.Namespace, nursery: trio.Nur
 
 
 async def _stress_active(
-    node: Any, cfg: rt.StressConfig, args: argparse.Namespace, nursery: trio.Nursery
+    node: RdsNode, cfg: StressConfig, args: argparse.Namespace, nursery: trio.Nursery
 ) -> int:
     started = [False]
     signals = Signals()
@@ -163,31 +175,31 @@ async def _stress_active(
     def on_start() -> None:
         started[0] = True
         print(".")
-        print(rt.STRESS_COLUMNS, flush=True)
+        print(STRESS_COLUMNS, flush=True)
 
-    def second(sample: rt.StressSample) -> None:
+    def second(sample: StressSample) -> None:
         if not args.summary_only:
-            print(rt.format_stress_row(sample), flush=True)
+            print(format_stress_row(sample), flush=True)
 
     try:
-        result = await rt.stress_active(
+        result = await stress_active(
             node, cfg, on_start=on_start, on_second=second, stop=signals.stopped
         )
     except BaseException:
         print(flush=True)  # end the "Starting up" or the last row's line
         raise
     print("-" * 45)
-    print(rt.format_stress_row(result.total, average=True), flush=True)
+    print(format_stress_row(result.total, average=True), flush=True)
     return signals.status
 
 
 async def rds_info(args: argparse.Namespace) -> int:
     tables = "".join(t for t in INFO_TABLES if getattr(args, f"table_{t}")) or ALL_TABLES
     _check_other(args.local, args.dest)
-    local = args.local or rt.guess_source(args.dest)
-    async with rt.open_node(local, args.cm_port) as node:
-        text = await rt.query_info(node, args.dest, tables, within=args.timeout)
-        await rt.drain(node, 1.0)
+    local = args.local or guess_source(args.dest)
+    async with open_node(local, args.cm_port) as node:
+        text = await query_info(node, args.dest, tables, within=args.timeout)
+        await drain(node, 1.0)
     print(text, end="")
     return 0
 
@@ -208,7 +220,7 @@ async def rds_demo(args: argparse.Namespace) -> int:
             sys.stderr.flush()
             width[0] = len(text)
 
-    def progress(p: rt.DemoProgress) -> None:
+    def progress(p: DemoProgress) -> None:
         mbytes = rate(p.bytes / 1e6, p.elapsed) or 0.0
         status(
             f"{p.elapsed:5.1f} s  {p.phase:<8}  {p.delivered:>8} messages delivered  "
@@ -221,7 +233,7 @@ async def rds_demo(args: argparse.Namespace) -> int:
             sys.stderr.write("\r")
         print(text, flush=True)
 
-    result = await rt.run_rds_demo(
+    result = await run_rds_demo(
         nodes=args.nodes, seconds=args.seconds, size=args.size, cuts=args.cuts,
         first_address=args.address, cm_port=args.cm_port, on_progress=progress, on_event=event,
     )  # fmt: skip
@@ -243,7 +255,7 @@ async def rds_demo(args: argparse.Namespace) -> int:
     )
     reconnects = 0
     for local, peer, c in result.connections:
-        if ipaddress.ip_address(local) < ipaddress.ip_address(peer):  # one view per pair
+        if ipaddress.IPv4Address(local) < ipaddress.IPv4Address(peer):  # one view per pair
             reconnects += c["sessions"] - 1
         print(
             f"  {local:>11} -> {peer:<11} {c['sessions']:>8} {c['sessions'] - 1:>10} "

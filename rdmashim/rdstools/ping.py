@@ -8,12 +8,11 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
 import trio
 
-from rdmashim.rds_common import bind_any, serve_answers
-from rdmashim.rds_defaults import ECHO_PORT
+from rdmashim.rdstools.common import bind_any, serve_answers
+from rdmashim.rdstools.defaults import ECHO_PORT
 from rdmashim.ulps.rds.node import RdsError, RdsNode, RdsSocket
 
 log = logging.getLogger(__name__)
@@ -129,7 +128,10 @@ async def ping(
 
 
 async def serve_echo(
-    node: RdsNode, port: int = ECHO_PORT, *, task_status: Any = trio.TASK_STATUS_IGNORED
+    node: RdsNode,
+    port: int = ECHO_PORT,
+    *,
+    task_status: trio.TaskStatus[tuple[str, int]] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Send every message arriving at ``port`` back to its sender (the pinged side)."""
 

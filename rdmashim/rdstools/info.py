@@ -6,12 +6,11 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import fields
-from typing import Any
 
 import trio
 
-from rdmashim.rds_common import RdsToolError, bind_any, serve_answers
-from rdmashim.rds_defaults import ALL_TABLES, INFO_PORT, INFO_TABLES
+from rdmashim.rdstools.common import RdsToolError, bind_any, serve_answers
+from rdmashim.rdstools.defaults import ALL_TABLES, INFO_PORT, INFO_TABLES
 from rdmashim.ulps.rds.connection import Counters
 from rdmashim.ulps.rds.node import RdsError, RdsNode
 from rdmashim.ulps.rds.wire import RDS_MAX_MSG_SIZE
@@ -99,12 +98,15 @@ def _queued(node: RdsNode, letter: str) -> Iterator[tuple[str, int, str, int, in
                 yield str(node.address), sock.port, *msg.sender, msg.seq, len(msg.data)
         return
     for rds in node.connections():
-        for msg in list(rds.unsent if letter == "s" else rds.unacked):
-            yield str(rds.local), msg.sport, str(rds.peer), msg.dport, msg.seq, len(msg.data)
+        for out in list(rds.unsent if letter == "s" else rds.unacked):
+            yield str(rds.local), out.sport, str(rds.peer), out.dport, out.seq, len(out.data)
 
 
 async def serve_info(
-    node: RdsNode, port: int = INFO_PORT, *, task_status: Any = trio.TASK_STATUS_IGNORED
+    node: RdsNode,
+    port: int = INFO_PORT,
+    *,
+    task_status: trio.TaskStatus[tuple[str, int]] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Answer :func:`query_info` requests with :func:`format_info` of ``node``."""
 
@@ -141,7 +143,7 @@ async def query_info(
         raise RdsToolError(
             f"no rds-info answer from {dest} (RDS port {port}) within {within:g} s: "
             "only nodes run by `rdmashim rds ping --serve` or `rdmashim rds stress` "
-            "(or calling rdmashim.rds_tools.serve_info) answer"
+            "(or calling rdmashim.rdstools.info.serve_info) answer"
         )
     except RdsError as exc:
         raise RdsToolError(f"rds-info query to {dest}: {exc}") from exc

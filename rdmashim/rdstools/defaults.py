@@ -1,7 +1,7 @@
 """The RDS tools' well-known ports and rds-info's tables.
 
 Plain values, so the CLI builds its parser from them without importing the
-RDS machinery; :mod:`rdmashim.rds_tools` uses the same ones.
+RDS machinery; the tools use the same ones.
 """
 
 from __future__ import annotations
@@ -22,9 +22,9 @@ INFO_TABLES = {
 """rds-info's table letters that apply (all of them but the IB and TCP transport tables)."""
 ALL_TABLES = "".join(INFO_TABLES)
 MIN_STRESS_BYTES = 16
-"""The smallest rds-stress message: its header (``rds_tools.STRESS_HEADER``)."""
+"""The smallest rds-stress message: its header (``stress.STRESS_HEADER``)."""
 DEMO_MIN_SIZE = 14
-"""The smallest demo message: its stamp (``rds_tools`` checks both)."""
+"""The smallest demo message: its stamp (``demo._STAMP``; the tests check both)."""
 
 __all__ = [
     "ALL_TABLES",

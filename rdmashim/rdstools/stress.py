@@ -9,12 +9,11 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
-from typing import Any
 
 import trio
 
-from rdmashim.rds_common import RdsToolError, drain
-from rdmashim.rds_defaults import MIN_STRESS_BYTES, STRESS_PORT
+from rdmashim.rdstools.common import RdsToolError, drain
+from rdmashim.rdstools.defaults import MIN_STRESS_BYTES, STRESS_PORT
 from rdmashim.ulps.rds.node import RdsError, RdsNode, RdsSocket
 from rdmashim.ulps.rds.rdma import RdmaOp, RdmaStatus
 from rdmashim.ulps.rds.wire import RDS_MAX_MSG_SIZE
@@ -273,7 +272,7 @@ async def stress_active(
                 f"(is `rdmashim rds stress -r {cfg.dest}` running there?)"
             ) from None
         except* RdsError as group:
-            first = group
+            first: RdsError | ExceptionGroup[RdsError] = group
             while isinstance(first, BaseExceptionGroup):
                 first = first.exceptions[0]
             raise RdsToolError(f"{cfg.dest}: {first}") from None
@@ -423,7 +422,7 @@ async def stress_passive(
     *,
     once: bool = True,
     result: PassiveResult | None = None,
-    task_status: Any = trio.TASK_STATUS_IGNORED,
+    task_status: trio.TaskStatus[tuple[str, int]] = trio.TASK_STATUS_IGNORED,
 ) -> PassiveResult:
     """rds-stress's passive side: answer each request with an ack of the size it asks for.
 

@@ -13,9 +13,9 @@ from dataclasses import dataclass, field, fields
 
 import trio
 
-from rdmashim.rds_common import busy_any, node_error
-from rdmashim.rds_defaults import DEMO_MIN_SIZE
-from rdmashim.rds_info import format_info
+from rdmashim.rdstools.common import busy_any, node_error
+from rdmashim.rdstools.defaults import DEMO_MIN_SIZE
+from rdmashim.rdstools.info import format_info
 from rdmashim.ulps.rds.connection import RdsConnection
 from rdmashim.ulps.rds.node import RdsNode
 from rdmashim.ulps.rds.wire import RDS_MAX_MSG_SIZE

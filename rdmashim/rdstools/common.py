@@ -1,6 +1,6 @@
 """What the RDS tools share: their error, starting a node, picking a port, draining, answering.
 
-See :mod:`rdmashim.rds_tools` for the tools themselves.
+See :mod:`rdmashim.rdstools` for the tools themselves.
 """
 
 from __future__ import annotations
@@ -12,11 +12,10 @@ import random
 import socket
 from collections.abc import AsyncIterator, Callable, Iterable
 from contextlib import AsyncExitStack, asynccontextmanager
-from typing import Any
 
 import trio
 
-from rdmashim.rds_defaults import RDS_CM_PORT
+from rdmashim.rdstools.defaults import RDS_CM_PORT
 from rdmashim.ulps.rds.node import RdsError, RdsNode, RdsSocket
 
 log = logging.getLogger(__name__)
@@ -40,7 +39,7 @@ def guess_source(dest: str) -> str:
     family = socket.AF_INET6 if ip.version == 6 else socket.AF_INET
     with socket.socket(family, socket.SOCK_DGRAM) as probe:
         probe.connect((dest, 1))
-        source = probe.getsockname()[0]
+        source: str = probe.getsockname()[0]
     if source == str(ip) and ip.is_loopback and ip.version == 4:
         rng = random.Random()
         while source == str(ip):
@@ -104,7 +103,7 @@ async def serve_answers(
     node: RdsNode,
     port: int,
     answer: Callable[[bytes, tuple[str, int]], bytes | None],
-    task_status: Any,
+    task_status: trio.TaskStatus[tuple[str, int]],
 ) -> None:
     """Bind ``port`` and send ``answer(data, sender)`` back for every message (None: nothing).
 

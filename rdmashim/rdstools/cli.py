@@ -1,18 +1,17 @@
 """``rdmashim rds ping|stress|info|demo``: rds-tools' command lines.
 
 The parser only: every argument is checked by its type before a node starts;
-the commands themselves are :mod:`rdmashim.rds_commands`, imported when one
+the commands themselves are :mod:`rdmashim.rdstools.commands`, imported when one
 runs (so a bad argument is refused without loading the RDS machinery).
 """
 
 from __future__ import annotations
 
 import argparse
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Awaitable, Callable
 
 from rdmashim.cliargs import duration, host, integer, port, size
-from rdmashim.rds_defaults import (
+from rdmashim.rdstools.defaults import (
     DEMO_MIN_SIZE,
     ECHO_PORT,
     INFO_TABLES,
@@ -31,19 +30,20 @@ MIN_INTERVAL = 1e-3
 
 
 def _run(name: str) -> Callable[[argparse.Namespace], int]:
-    """The command body: coroutine ``name`` of :mod:`rdmashim.rds_commands` under trio."""
+    """The command body: coroutine ``name`` of :mod:`rdmashim.rdstools.commands` under trio."""
 
     def body(args: argparse.Namespace) -> int:
         import trio
 
-        from rdmashim import rds_commands
+        from rdmashim.rdstools import commands
 
-        return trio.run(getattr(rds_commands, name), args)
+        command: Callable[[argparse.Namespace], Awaitable[int]] = getattr(commands, name)
+        return trio.run(command, args)
 
     return body
 
 
-def add_rds(sub: Any) -> None:
+def add_rds(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """The ``rds`` command and its subcommands, on the subparsers ``sub`` of ``rdmashim``."""
     rds = sub.add_parser(
         "rds",
@@ -135,8 +135,8 @@ def add_rds(sub: Any) -> None:
         description="rds-info's tables of a running node. A node lives inside its process, "
         "so this asks it over RDS (port 10000): the nodes of `rdmashim rds ping --serve` "
         "and `rdmashim rds stress` answer, and so does any program that runs "
-        "rdmashim.rds_tools.serve_info. The query's own connection shows in the answer. "
-        "Programs can print their own nodes' tables with rdmashim.rds_tools.format_info.",
+        "rdmashim.rdstools.info.serve_info. The query's own connection shows in the answer. "
+        "Programs can print their own nodes' tables with rdmashim.rdstools.info.format_info.",
     )
     p.add_argument("dest", type=host, help="address of the node to ask")
     p.add_argument("-I", dest="local", type=host, help="local address (default: as routing picks)")
