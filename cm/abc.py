@@ -36,9 +36,9 @@ class CMId(Protocol):
     def ps(self) -> PortSpace:
         """The port space."""
 
-    @property
-    def user_context(self) -> Any:
-        """Whatever the caller passed to ``create_id`` (yours, never looked at)."""
+    user_context: Any
+    """Whatever the caller passed to ``create_id``, or set since (``id->context``): yours,
+    never looked at."""
 
     @property
     def context(self) -> Context | None:

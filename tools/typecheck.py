@@ -32,8 +32,8 @@ def build_tree(root: Path) -> Path:
     package = root / "rdmashim"
     package.mkdir()
     for entry in (REPO / "rdmashim").iterdir():
-        if entry.suffix in (".py", ".typed"):
-            (package / entry.name).symlink_to(entry)
+        if entry.suffix in (".py", ".typed") or (entry / "__init__.py").is_file():
+            (package / entry.name).symlink_to(entry)  # modules, py.typed, subpackages
     for name in SUBPACKAGES:
         (package / name).symlink_to(REPO / name, target_is_directory=True)
     return package

@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Awaitable, Callable
 
-from rdmashim.cliargs import duration, host, integer, port, size
+from rdmashim.cliargs import Parser, duration, host, integer, port, size
 from rdmashim.rdstools.defaults import (
     DEMO_MIN_SIZE,
     ECHO_PORT,
@@ -43,7 +43,7 @@ def _run(name: str) -> Callable[[argparse.Namespace], int]:
     return body
 
 
-def add_rds(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+def add_rds(sub: argparse._SubParsersAction[Parser]) -> None:
     """The ``rds`` command and its subcommands, on the subparsers ``sub`` of ``rdmashim``."""
     rds = sub.add_parser(
         "rds",
@@ -53,7 +53,7 @@ def add_rds(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "nodes find each other on the rdma_cm port (--cm-port, the same on all nodes).",
     )
     rsub = rds.add_subparsers(dest="rds_command", required=True)
-    cm = argparse.ArgumentParser(add_help=False)
+    cm = Parser(add_help=False)
     cm.add_argument(
         "--cm-port", type=integer(1, 65535), default=RDS_CM_PORT,
         help=f"rdma_cm port of every node (default {RDS_CM_PORT})",

@@ -245,7 +245,8 @@ class PortListen:
             rnr_retry_cnt=param.rnr_retry_count,
             primary_path=_path_of(child, self.cm.ca),
         )
-        listen.al.callback(listen.info.pfn_cm_req_cb, record)
+        if listen.info.pfn_cm_req_cb is not None:  # ib_cm_listen requires it
+            listen.al.callback(listen.info.pfn_cm_req_cb, record)
 
 
 def _path_of(cm_id: Any, ca: IbCa) -> ib_path_rec_t:

@@ -306,7 +306,7 @@ class IbCq(SharedQueue):
         self._arm = 0
         if self.h_wait_obj is not None:
             self.h_wait_obj.signal()
-        else:
+        elif self.pfn_comp_cb is not None:  # ib_create_cq saw to exactly one of the two
             self.al.callback(self.pfn_comp_cb, self, self.user_context)
 
     def inject(self, wcs: list[WC]) -> None:
