@@ -50,17 +50,19 @@ def test_ca_guids_open_and_query(al: IbAl) -> None:
 
 
 def completion_held_back(ca: IbCa, gate: threading.Event, order: list[str]) -> End:
-    """A connected server end whose CQ callback has been raised and waits for ``gate``."""
+    """A connected server end whose CQ callback is running, waiting for ``gate``."""
+
+    running = threading.Event()
 
     def on_completion(h_cq: object, context: object) -> None:
+        running.set()
         gate.wait(WAIT)
         order.append("completion")
 
     client, server = connected_pair(ca, on_completion)
     ib_rearm_cq(server.cq, False)
     ib_post_send(client.qp, send(1, ds(client, 0, 4)))
-    while ib_peek_cq(server.cq) == 0:
-        threading.Event().wait(0.001)
+    assert running.wait(WAIT)
     return server
 
 

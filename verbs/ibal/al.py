@@ -136,7 +136,11 @@ class IbAl:
         """
         if self.on_progress_thread():
             return fn(*args)
-        return self._wait_for(lambda settle: settle(outcome.capture(fn, *args)))
+
+        def begin(settle: Callable[[outcome.Outcome[T]], None]) -> None:
+            settle(outcome.capture(fn, *args))
+
+        return self._wait_for(begin)
 
     def run_async(self, afn: Callable[..., Awaitable[T]], *args: Any) -> T:
         """Run ``await afn(*args)`` on the progress thread's loop and return its result."""
