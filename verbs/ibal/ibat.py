@@ -151,7 +151,7 @@ def iwarp_gid(ifname: str, device: Any = None) -> bytes:
 def _mtu_code(ifname: str) -> int:
     link = psutil.net_if_stats().get(ifname)
     size = link.mtu if link is not None and link.mtu else 1500
-    return (IB_PATH_SELECTOR_EXACTLY << 6) | Mtu.from_bytes(size)
+    return (IB_PATH_SELECTOR_EXACTLY << 6) | Mtu.fitting(size)
 
 
 # ---------------------------------------------------------------------------- rtnetlink
