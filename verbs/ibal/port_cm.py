@@ -119,11 +119,38 @@ def _free_port(host: str, port: int) -> int:
         return int(probe.getsockname()[1])
 
 
+_LISTENING: dict[int, list[tuple[str, object]]] = {}
+"""Ports this backend listens on in this process: port -> (host, id) (IBAL's listens
+start in the background, so a second listen on a port is refused here, at once)."""
+
+
+def _reserve(host: str, port: int, cm_id: object) -> None:
+    taken = _LISTENING.setdefault(port, [])
+    wild = ("0.0.0.0", "::")
+    if any(h == host or h in wild or host in wild for h, _ in taken):
+        raise VerbsError(errno.EADDRINUSE, "listen", f"port {port} is listened on")
+    taken.append((host, cm_id))
+
+
+def _release(port: int, cm_id: object) -> None:
+    taken = _LISTENING.get(port, [])
+    taken[:] = [(h, i) for h, i in taken if i is not cm_id]
+    if not taken:
+        _LISTENING.pop(port, None)
+
+
 class CMId:
     """A communication identifier over IBAL's CM (see the module docstring)."""
 
-    def __init__(self, channel: ChannelHost, ps: PortSpace, user_context: object = None) -> None:
+    def __init__(
+        self,
+        channel: ChannelHost,
+        connector: Connector,
+        ps: PortSpace,
+        user_context: object = None,
+    ) -> None:
         self.channel = channel
+        self._connector = connector
         self.ps = PortSpace(ps)
         self.user_context = user_context
         self.context: Context | None = None
@@ -189,8 +216,7 @@ class CMId:
         ctx.to_app(run)
 
     async def _bind_device(self, local_ip: str) -> None:
-        name = device_for(local_ip)
-        context = own(await self.channel.device_context(name), Context, "bind")
+        context = await self._connector.device_context(device_for(local_ip))
         context.close_listeners.append(self._device_removed)
         self.context = context
 
@@ -387,6 +413,7 @@ class CMId:
             self.local_addr = ("0.0.0.0", 0)
         host = str(self.local_addr[0])
         port = _free_port(host, int(self.local_addr[1]))
+        _reserve(host, port, self)
         self.local_addr = (host, port, *self.local_addr[2:])
         self.state = State.LISTEN
         self._spawn(self._listen, host, port, failed=E.CONNECT_ERROR)
@@ -397,12 +424,12 @@ class CMId:
         else:
             names = [device_for(host)]
         for name in names:
-            ctx = own(await self.channel.device_context(name), Context, "listen")
+            ctx = await self._connector.device_context(name)
             if self.context is None:
                 self.context = ctx
             info = ib_cm_listen_t(
                 svc_id=service_id(self.ps, port), ca_guid=ctx.ca.guid,
-                pfn_cm_req_cb=self._req_handler(ctx),
+                pfn_cm_req_cb=self._req_handler(ctx), ip="" if len(names) > 1 else host,
             )  # fmt: skip
             try:
                 listen = ib_cm_listen(ctx.al, info, self)
@@ -440,7 +467,7 @@ class CMId:
                     ib_cm_rej(conn, ib_cm_rej_t(ib_rej_status_t.IB_REJ_USER_DEFINED))
                 return
             peer = (header.src_ip, header.src_port)
-        child = CMId(self.channel, self.ps, self.user_context)
+        child = CMId(self.channel, self._connector, self.ps, self.user_context)
         self.channel.adopt(child)
         child.context = ctx
         ctx.close_listeners.append(child._device_removed)
@@ -517,6 +544,8 @@ class CMId:
             with contextlib.suppress(IbError):
                 ib_cm_cancel(listen)
         self._listens.clear()
+        if state is State.LISTEN and self.local_addr is not None:
+            _release(int(self.local_addr[1]), self)
         with contextlib.suppress(IbError):
             if state is State.CONNECT_REQUEST and self._conn is not None:
                 ib_cm_rej(self._conn, ib_cm_rej_t())
@@ -545,10 +574,22 @@ class Connector:
 
     def __init__(self, channel: ChannelHost) -> None:
         self.channel = channel
+        self._opening: dict[str, trio.Event] = {}
+
+    async def device_context(self, name: str) -> Context:
+        """The channel's context of ``name``, opened once when ids ask at the same time."""
+        while name in self._opening:
+            await self._opening[name].wait()
+        done = self._opening[name] = trio.Event()
+        try:
+            return own(await self.channel.device_context(name), Context, "bind")
+        finally:
+            del self._opening[name]
+            done.set()
 
     def create_id(self, ps: PortSpace, user_context: object) -> AnyCMId:
         """A new id in port space ``ps`` (TCP connects)."""
-        return CMId(self.channel, ps, user_context)
+        return CMId(self.channel, self, ps, user_context)
 
     async def run(self) -> None:
         """Nothing runs for the channel as a whole (IBAL's threads do the work)."""

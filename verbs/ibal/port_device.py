@@ -15,10 +15,11 @@ import contextlib
 import errno
 import logging
 import os
+import weakref
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, NoReturn, Self
+from typing import TYPE_CHECKING, Any, NoReturn, Self
 
 import trio
 
@@ -148,6 +149,9 @@ class Context:
             ib_close_al(self.al)
             raise
         self._attr: DeviceAttr | None = None
+        self.qp_numbers: dict[int, int] = {}
+        """The HCA's QP numbers of bound QPs -> this backend's (see ``port_queues.QP``)."""
+        self.pds: weakref.WeakSet[PD] = weakref.WeakSet()
 
     def __repr__(self) -> str:
         return f"<ibal Context {self.device.name}>"
@@ -289,6 +293,9 @@ class PD:
 
     def __init__(self, context: Context) -> None:
         self.context = context
+        self.qps: weakref.WeakSet[Any] = weakref.WeakSet()
+        """Its QPs (their HCA numbers are learnt once bound)."""
+        context.pds.add(self)
         with verbs_errors("alloc_pd"):
             self.h_pd: IbPd = ib_alloc_pd(context.ca, pd_context=self)
         self.closed = False
@@ -297,14 +304,21 @@ class PD:
         self, buffer: Buffer, access: Access = Access.LOCAL_WRITE, *, iova: int | None = None
     ) -> MR:
         """``ib_reg_mem`` of the whole buffer (IBAL takes no chosen I/O address)."""
-        view = memoryview(buffer).cast("B")
-        with verbs_errors("reg_mr"):
-            _, _, h_mr = ib_reg_mem(
-                self.h_pd, ib_mr_create_t(view, view.nbytes, from_access(access))
-            )
-        if iova is not None and iova != h_mr.vaddr:
-            ib_dereg_mr(h_mr)
-            raise NotSupported("reg_mr", "IBAL registers at the buffer's address (no iova)")
+        try:
+            view = memoryview(buffer).cast("B")  # type: ignore[arg-type]
+        except TypeError as exc:
+            raise VerbsError(errno.EINVAL, "reg_mr", str(exc)) from exc
+        try:
+            with verbs_errors("reg_mr"):
+                _, _, h_mr = ib_reg_mem(
+                    self.h_pd, ib_mr_create_t(view, view.nbytes, from_access(access))
+                )
+            if iova is not None and iova != h_mr.vaddr:
+                ib_dereg_mr(h_mr)
+                raise NotSupported("reg_mr", "IBAL registers at the buffer's address (no iova)")
+        except BaseException:
+            view.release()
+            raise
         return MR(self, h_mr, view)
 
     def create_qp(
@@ -388,6 +402,7 @@ class MR:
         if not self.h_mr.destroyed:
             with contextlib.suppress(IbError):
                 ib_dereg_mr(self.h_mr)
+        self.buf.release()  # the buffer may move again
 
     def __enter__(self) -> Self:
         return self

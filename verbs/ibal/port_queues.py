@@ -73,6 +73,8 @@ from rdmashim.verbs.wr import SGE, WC, RecvWR, SendWR
 if TYPE_CHECKING:
     from rdmashim.verbs import abc
 
+_QP_NUMBERS = itertools.count(1)
+"""QP numbers of this backend: IBAL's QP exists before the HCA's, so it numbers its own."""
 _T = TypeVar("_T")
 
 # ---------------------------------------------------------------------------- completions
@@ -107,8 +109,8 @@ _WC_OPCODE: dict[int, WCOpcode] = {
 }
 
 
-def to_wc(entry: ib_wc_t) -> WC:
-    """The portable completion of an ``ib_wc_t``."""
+def to_wc(entry: ib_wc_t, qp_numbers: dict[int, int]) -> WC:
+    """The portable completion of an ``ib_wc_t`` (``qp_numbers``: HCA's -> this backend's)."""
     conn = entry.recv.conn
     flags = WCFlags.NONE
     imm = inv = 0
@@ -123,7 +125,7 @@ def to_wc(entry: ib_wc_t) -> WC:
         _WC_STATUS.get(entry.status, WCStatus.GENERAL_ERR),
         _WC_OPCODE.get(entry.wc_type, WCOpcode.RECV),
         entry.length,
-        entry.qp_num,
+        qp_numbers.get(entry.qp_num, entry.qp_num),
         flags,
         inv,
         entry.vendor_specific,
@@ -138,7 +140,7 @@ class CompChannel:
 
     def __init__(self, context: Context) -> None:
         self.context = context
-        self._in, self._out = trio.open_memory_channel[abc.CQ](1 << 16)
+        self._in, self._out = trio.open_memory_channel["abc.CQ"](1 << 16)
 
     def push(self, cq: CQ) -> None:
         """Queue an event of ``cq`` (on the application's loop)."""
@@ -240,7 +242,21 @@ class CQ:
             _, _, done = ib_poll_cq(self.h_cq, free[0])
         except IbError as exc:
             raise_verbs("poll_cq", exc)
-        return [to_wc(entry) for entry in walk(done)] if done is not None else []
+        if done is None:
+            return []
+        numbers = self.context.qp_numbers
+        entries = list(walk(done))
+        if any(e.qp_num not in numbers for e in entries):
+            self._learn_numbers()
+        return [to_wc(entry, numbers) for entry in entries]
+
+    def _learn_numbers(self) -> None:
+        """Map the HCA numbers of the context's bound QPs to theirs."""
+        for pd in list(self.context.pds):
+            for qp in list(pd.qps):
+                bound = qp.h_qp.qp
+                if bound is not None:
+                    self.context.qp_numbers[int(bound.qp_num)] = qp.qp_num
 
     def __len__(self) -> int:
         """``ib_peek_cq``."""
@@ -394,6 +410,8 @@ class QP:
         self.recv_cq = own(recv_cq, CQ, "create_qp")
         self.srq = own(srq, SRQ, "create_qp") if srq is not None else None
         cap = cap or QPCap()
+        if cap.max_inline_data:
+            raise VerbsError(errno.EINVAL, "create_qp", "max_inline_data > 0 (the device's)")
         self.cap = cap
         self.sq_sig_all = sq_sig_all
         self.qp_type = QPType.RC
@@ -408,15 +426,11 @@ class QP:
                 self.pd.h_pd, create, self, self.context.event_handler(self)
             )
             ib_modify_qp(self.h_qp, ib_qp_mod_t(ib_qp_state_t.IB_QPS_INIT))
+        self.qp_num = next(_QP_NUMBERS)
+        """This backend's number (the HCA numbers its QP only when the connection binds it)."""
+        self.pd.qps.add(self)
         self.closed = False
         self._gone = trio.Event()
-
-    @property
-    def qp_num(self) -> int:
-        """The QP number (the HCA's, once the connection bound the QP; else 0)."""
-        if self.h_qp.destroyed:
-            return 0
-        return int(ib_query_qp(self.h_qp).num)
 
     @property
     def state(self) -> QPState:
@@ -446,7 +460,8 @@ class QP:
         with verbs_errors("query_qp"):
             a = ib_query_qp(self.h_qp)
         return QPAttr(
-            qp_state=_FROM_IB_STATE.get(a.state, QPState.ERR), qp_type=QPType.RC, qp_num=a.num,
+            qp_state=_FROM_IB_STATE.get(a.state, QPState.ERR), qp_type=QPType.RC,
+            qp_num=self.qp_num,
             cap=self.cap, max_rd_atomic=a.init_depth, max_dest_rd_atomic=a.resp_res,
             sq_sig_all=self.sq_sig_all,
         )  # fmt: skip
