@@ -271,6 +271,7 @@ class CQ:
             return
         self.closed = True
         if not self.h_cq.destroyed:
+            _close_users(self.h_cq.users)
             with verbs_errors("destroy_cq"):
                 ib_destroy_cq(self.h_cq)
 
@@ -279,6 +280,14 @@ class CQ:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _close_users(users: set[IbQp]) -> None:
+    """Close the QPs using a CQ or SRQ being closed (verbs lets a queue go first; IBAL
+    wants its QPs destroyed before it)."""
+    for h_qp in list(users):
+        if not h_qp.destroyed and isinstance(h_qp.user_context, QP):
+            h_qp.user_context.close()
 
 
 # ---------------------------------------------------------------------------- work requests
@@ -521,6 +530,7 @@ class SRQ:
             return
         self.closed = True
         if not self.h_srq.destroyed:
+            _close_users(self.h_srq.users)
             with verbs_errors("destroy_srq"):
                 ib_destroy_srq(self.h_srq)
 
