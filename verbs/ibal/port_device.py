@@ -303,7 +303,7 @@ class PD:
     def reg_mr(
         self, buffer: Buffer, access: Access = Access.LOCAL_WRITE, *, iova: int | None = None
     ) -> MR:
-        """``ib_reg_mem`` of the whole buffer (IBAL takes no chosen I/O address)."""
+        """``ib_reg_mem`` of the whole buffer (``iova``: the facade's ``ib_mr_create_t.iova``)."""
         try:
             view = memoryview(buffer).cast("B")  # type: ignore[arg-type]
         except TypeError as exc:
@@ -311,11 +311,8 @@ class PD:
         try:
             with verbs_errors("reg_mr"):
                 _, _, h_mr = ib_reg_mem(
-                    self.h_pd, ib_mr_create_t(view, view.nbytes, from_access(access))
+                    self.h_pd, ib_mr_create_t(view, view.nbytes, from_access(access), iova)
                 )
-            if iova is not None and iova != h_mr.vaddr:
-                ib_dereg_mr(h_mr)
-                raise NotSupported("reg_mr", "IBAL registers at the buffer's address (no iova)")
         except BaseException:
             view.release()
             raise
