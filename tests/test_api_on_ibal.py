@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from clirun import RDMASHIM, run, subnet
+
 ROOT = Path(__file__).resolve().parent.parent
 SUITES = ["tests/api", "tests/test_rds.py", "tests/test_rds_rdma.py"]
 
@@ -24,3 +26,19 @@ def test_api_and_rds_suites_pass_on_ibal() -> None:
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=900, check=False,
     )  # fmt: skip
     assert run.returncode == 0, f"RDMASHIM_BACKEND=ibal pytest failed:\n{run.stdout}\n{run.stderr}"
+
+
+def test_rds_demo_on_ibal() -> None:
+    out = run(
+        [*RDMASHIM, "rds", "demo", "-T", "3", "--cuts", "2", "--address", subnet() + "1", "-q"],
+        env={"RDMASHIM_BACKEND": "ibal"},
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "every message arrived exactly once" in out.stdout
+
+
+def test_devices_name_the_hca_under_ibal() -> None:
+    out = run([*RDMASHIM, "devices"])
+    assert out.returncode == 0, out.stderr
+    assert "ibal_siw_lo" in out.stdout and "ibal on siw_lo (softiwarp)" in out.stdout
