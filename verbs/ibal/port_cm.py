@@ -160,7 +160,7 @@ class CMId:
         self.local_addr: addressing.SockAddr | None = None
         self.peer_addr: addressing.SockAddr | None = None
         self.negotiated: TransportOptions | None = None
-        self.options = TransportOptions()
+        self._options = TransportOptions()
         self.connect_timeout = DEFAULT_CONNECT_TIMEOUT
         self.max_pending = DEFAULT_MAX_PENDING
         self.path: ib_path_rec_t | None = None
@@ -168,6 +168,18 @@ class CMId:
         self._listens: list[IbCmListen] = []
         self._scopes: list[trio.CancelScope] = []
         self._ended = False
+
+    @property
+    def options(self) -> TransportOptions:
+        """Transport options: only the defaults (IBAL's CM has no MPA knobs)."""
+        return self._options
+
+    @options.setter
+    def options(self, value: TransportOptions) -> None:
+        extra = value.non_default()
+        if extra:
+            raise NotSupported("options", f"transport options {sorted(extra)} over IBAL")
+        self._options = value
 
     def __repr__(self) -> str:
         return f"<ibal CMId {self.state.name} local={self.local_addr} peer={self.peer_addr}>"
