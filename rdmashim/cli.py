@@ -47,7 +47,9 @@ def _cmd_devices(args: argparse.Namespace) -> int:
             print(f"    ({info.name} unavailable: {problem})")
             continue
         for dev in rdmashim.get_device_list(backend=info.name):
-            print(f"    {dev.name:<16}{dev.node_guid:016x}      {info.name}")
+            hca = getattr(dev, "sits_on", None)  # a layered backend names the HCA under it
+            on = f" on {hca}" if hca else ""
+            print(f"    {dev.name:<16}{dev.node_guid:016x}      {info.name}{on}")
     return 0
 
 

@@ -31,6 +31,7 @@ BACKENDS: dict[str, BackendInfo] = {
     for info in (
         BackendInfo("softiwarp", "rdmashim.verbs.softiwarp"),
         BackendInfo("rdmacore", "rdmashim.verbs.rdmacore"),
+        BackendInfo("ibal", "rdmashim.verbs.ibal"),
     )
 }
 

@@ -233,3 +233,8 @@ __all__ = [
     "walk",
     "wc_list",
 ]
+
+# The backend ``ibal``: the portable API over this facade (``rdmashim.verbs.ibal.backend``).
+from rdmashim.verbs.ibal.backend import BACKEND
+
+__all__ += ["BACKEND"]

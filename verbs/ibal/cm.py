@@ -181,18 +181,25 @@ class PortListen:
     cm_ids: list[Any] = field(default_factory=list)
     listens: list[IbCmListen] = field(default_factory=list)
 
-    def open(self) -> None:
-        """Listen on every address of the CA's interface (IBAL's listen is per CA, not per IP)."""
+    def open(self, ip: str = "") -> None:
+        """Listen on every address of the CA's interface (IBAL's listen is per CA, not per IP),
+        or on ``ip`` alone (the ``ib_cm_listen_t.ip`` extension)."""
         assert self.cm.channel is not None
         netdev = self.cm.ca.context.query_port(1).netdev
-        for entry in addressing.interfaces():
+        addrs: list[Any] = [(ip, self.port)] if ip else []
+        for entry in addressing.interfaces() if not ip else []:
             if entry.interface != netdev:
                 continue
             family6 = entry.address.version == 6
-            addr = (str(entry.address), self.port, 0, entry.scope_id) if family6 else None
+            addrs.append(
+                (str(entry.address), self.port, 0, entry.scope_id)
+                if family6
+                else (str(entry.address), self.port)
+            )
+        for addr in addrs:
             cm_id = self.cm.channel.create_id(self)
             try:
-                cm_id.bind_addr(addr or (str(entry.address), self.port))
+                cm_id.bind_addr(addr)
                 cm_id.listen()
             except OSError:
                 cm_id.destroy()
@@ -307,7 +314,7 @@ async def _listen(al: IbAl, info: ib_cm_listen_t, listen_context: Any) -> IbCmLi
                 _check_unique(other.info, listen.info, call)
             if ports is None:
                 ports = cm.ports[port] = PortListen(cm, port)
-                ports.open()
+                ports.open(info.ip)
             ports.listens.append(listen)
             listen.ports.append(ports)
     except BaseException:

@@ -167,6 +167,9 @@ class ib_cm_listen_t:
     qp_type: int = IB_QPT_RELIABLE_CONN
     lid: int = 0
     pkey: int = 0
+    ip: str = ""
+    """An extension: listen at this local IP address only ("": every address of the CA's
+    interface, IBAL's per-CA listen); rdma_cm's listen on a bound address uses it."""
 
 
 @dataclass(slots=True)

@@ -213,6 +213,9 @@ class ib_wc_t:
     vendor_specific: int = 0
     status: ib_wc_status_t = ib_wc_status_t.IB_WCS_SUCCESS
     recv: ib_wc_recv_t = field(default_factory=ib_wc_recv_t)
+    qp_num: int = 0
+    """An extension: the number of the QP the completion is for (``ibv_wc.qp_num``;
+    IBAL's connected completions leave that to the ``wr_id``)."""
 
     def fill(self, wc: WC) -> None:
         """Set this entry from a portable completion."""
@@ -221,6 +224,7 @@ class ib_wc_t:
         self.length = wc.byte_len
         self.vendor_specific = wc.vendor_err
         self.status = _STATUS.get(wc.status, ib_wc_status_t.IB_WCS_GENERAL_ERR)
+        self.qp_num = wc.qp_num
         conn = self.recv.conn
         conn.recv_opt = ib_recv_opt_t.NONE
         conn.immediate_data = 0

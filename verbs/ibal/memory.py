@@ -94,6 +94,9 @@ class ib_mr_create_t:
     vaddr: Any
     length: int | None = None
     access_ctrl: ib_access_t = ib_access_t.IB_AC_LOCAL_WRITE
+    iova: int | None = None
+    """An extension: the address work requests and the peer use for the first byte
+    (``ibv_reg_mr_iova``; None: the buffer's own address, as IBAL)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -191,7 +194,7 @@ def _reg_mem(pd: IbPd, create: ib_mr_create_t) -> IbMr:
         )
     access = to_access(create.access_ctrl)
     try:
-        portable = pd.pd.reg_mr(view[:length], access)
+        portable = pd.pd.reg_mr(view[:length], access, iova=create.iova)
     except (BufferError, TypeError) as exc:
         raise IbError(IbStatus.IB_INVALID_PERMISSION, "ib_reg_mem", str(exc)) from exc
     except OSError as exc:
