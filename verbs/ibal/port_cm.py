@@ -320,7 +320,7 @@ class CMId:
             )
         except IbError as exc:
             self.state = State.ADDR_RESOLVED
-            self.channel.post(E.ROUTE_ERROR, self, -exc.errno, detail=str(exc))
+            self.channel.post(E.ROUTE_ERROR, self, -(exc.errno or errno.EIO), detail=str(exc))
             return
         if path.device_name and PREFIX + path.device_name != self.context.device.name:
             self.state = State.ADDR_RESOLVED
@@ -387,7 +387,7 @@ class CMId:
         try:
             ib_cm_rtu(rec.h_cm_rep, ib_cm_rtu_t(pfn_cm_dreq_cb=self._on_dreq))
         except IbError as exc:
-            self._later(self._post_fail, E.CONNECT_ERROR, -exc.errno, str(exc), b"")
+            self._later(self._post_fail, E.CONNECT_ERROR, -(exc.errno or errno.EIO), str(exc), b"")
             return
         param = ConnParam(rec.p_rep_pdata, rec.resp_res, rec.resp_res)
         self._later(self._established, rec.p_rep_pdata, param)

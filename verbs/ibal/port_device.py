@@ -273,9 +273,10 @@ class Context:
 async def open_device(name: str | None = None) -> AsyncIterator[Context]:
     """Open ibal device ``name`` (the first, ``ibal_siw_lo`` on the built-in engine, if None)."""
     devices = get_device_list()
+    device: Device | None
     if name is None:
         lo = [d for d in devices if d.netdev == "lo"]
-        device = (lo or devices or [None])[0]
+        device = next(iter(lo or devices), None)
     else:
         device = next((d for d in devices if d.name == name), None)
     if device is None:
@@ -305,7 +306,7 @@ class PD:
     ) -> MR:
         """``ib_reg_mem`` of the whole buffer (``iova``: the facade's ``ib_mr_create_t.iova``)."""
         try:
-            view = memoryview(buffer).cast("B")  # type: ignore[arg-type]
+            view = memoryview(buffer).cast("B")
         except TypeError as exc:
             raise VerbsError(errno.EINVAL, "reg_mr", str(exc)) from exc
         try:

@@ -337,7 +337,7 @@ _L = TypeVar("_L", ib_wc_t, ib_send_wr_t, ib_recv_wr_t)
 def _link(items: list[_L]) -> list[_L]:
     """Chain ``items`` through ``p_next``, in order (the last ends the chain)."""
     for a, b in itertools.pairwise(items):
-        a.p_next = b  # type: ignore[assignment]
+        a.p_next = b
     if items:
         items[-1].p_next = None
     return items
@@ -452,7 +452,7 @@ class QP:
     def error(self) -> Exception | None:
         """Why the HCA's QP went to ERR, if it did."""
         bound = self.h_qp.qp
-        return None if bound is None else bound.error  # type: ignore[no-any-return]
+        return None if bound is None else bound.error
 
     def post_send(self, wr: SendWR | Iterable[SendWR]) -> None:
         """``ib_post_send`` of the requests as one chain."""
