@@ -78,12 +78,16 @@ echo "vm-api-suite: RDMASHIM_API_HOST=$HOST RDMASHIM_API_RDS_HOSTS=$RDMASHIM_API
 cd /host/src
 rc=0
 for b in __BACKENDS__; do
-    python3 - "$b" > /host/probe.$b 2>&1 <<'EOF'
+    # "ibal+rdmacore": the ibal backend on rdmacore's CAs; "rping:ibal+rdmacore": our
+    # rping client on that backend against the kernel's rping -s.
+    run=${b#rping:}; name=${run%%+*}; hca=""; [ "$run" != "$name" ] && hca=${run#*+}
+    python3 - "$name" $hca > /host/probe.$b 2>&1 <<'EOF'
 import sys
 from rdmashim.registry import load_backend
 from rdmashim.verbs.errors import BackendUnavailable
 try:
-    load_backend(sys.argv[1])
+    for name in sys.argv[1:]:
+        load_backend(name)
 except BackendUnavailable as exc:
     print(exc)
     sys.exit(3)
@@ -98,12 +102,25 @@ EOF
         echo error > /host/status.$b; rc=1
         continue
     fi
-    echo "== backend $b: python3 -m pytest tests/api __PYTEST_ARGS__"
     start=$(date +%s%N)
-    RDMASHIM_BACKEND=$b python3 -m pytest -p no:cacheprovider -p no:hypothesispytest tests/api \
-        __PYTEST_ARGS__ \
-        2>&1 | tee /host/pytest.$b.txt
-    r=${PIPESTATUS[0]}
+    if [ "$b" != "$run" ]; then
+        echo "== $b: kernel rping -s, our ping -c -V -C 5 (RDMASHIM_BACKEND=$name on $hca)"
+        timeout 90 rping -s -a $HOST -p 7174 -V > /host/rping-server.txt 2>&1 & P=$!
+        sleep 1
+        RDMASHIM_BACKEND=$name RDMASHIM_IBAL_HCA=$hca timeout 60 \
+            python3 -m rdmashim ping -c -a $HOST -p 7174 -C 5 -V -v 2>&1 | tee /host/pytest.$b.txt
+        r=${PIPESTATUS[0]}
+        wait $P; s=$?
+        echo "kernel rping -s exit $s: $(cat /host/rping-server.txt)" | tee -a /host/pytest.$b.txt
+        [ $s = 0 ] || r=1
+    else
+        echo "== backend $b: python3 -m pytest tests/api __PYTEST_ARGS__"
+        RDMASHIM_BACKEND=$name RDMASHIM_IBAL_HCA=$hca \
+            python3 -m pytest -p no:cacheprovider -p no:hypothesispytest tests/api \
+            __PYTEST_ARGS__ \
+            2>&1 | tee /host/pytest.$b.txt
+        r=${PIPESTATUS[0]}
+    fi
     echo $(( ($(date +%s%N) - start) / 1000000 )) > /host/ms.$b
     [ $r = 0 ] && echo passed > /host/status.$b || { echo failed > /host/status.$b; rc=1; }
     echo $r > /host/rc.$b
@@ -127,11 +144,17 @@ class BackendResult:
     output: str
 
 
+IBAL_ON_RDMACORE = ("ibal+rdmacore", "rping:ibal+rdmacore")
+"""Runs beyond one per backend: the ibal backend on rdma-core's CAs (the kernel's siw)
+through tests/api, and its rping client against the kernel's ``rping -s``."""
+
+
 def registered_backends() -> list[str]:
-    """Every backend this tree registers (the guest runs the same tree)."""
+    """Every backend this tree registers (the guest runs the same tree), then ibal on
+    rdma-core (:data:`IBAL_ON_RDMACORE`)."""
     from rdmashim.registry import BACKENDS
 
-    return list(BACKENDS)
+    return [*BACKENDS, *IBAL_ON_RDMACORE]
 
 
 def guest_script(backends: list[str], pytest_args: list[str], timeout: int) -> str:

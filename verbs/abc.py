@@ -57,6 +57,10 @@ class Device(Protocol):
     def node_guid(self) -> int:
         """The device's 64-bit node GUID."""
 
+    @property
+    def netdev(self) -> str | None:
+        """The network interface it serves (its first port's), None where unknown."""
+
 
 class Context(Resource, Protocol):
     """An opened device (``ibv_context``)."""

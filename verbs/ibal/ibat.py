@@ -119,7 +119,7 @@ def _fail(detail: str, status: IbStatus = IbStatus.IB_NOT_FOUND) -> IbError:
 def _device_on(ifname: str, hca_backend: str | None) -> Any:
     """The HCA backend's device bound to ``ifname``, or None if its list does not say."""
     for device in load_backend(hca_backend).get_device_list():
-        if getattr(device, "netdev", None) == ifname:
+        if device.netdev == ifname:
             return device
     return None
 

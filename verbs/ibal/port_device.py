@@ -120,7 +120,7 @@ def get_device_list() -> list[Device]:
             dev.node_guid,
             dev.name,
             hca,
-            getattr(dev, "netdev", None),
+            dev.netdev,
         )
         for dev in load_backend(hca).get_device_list()
     ]

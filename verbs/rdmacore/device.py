@@ -71,6 +71,24 @@ class Device:
     node_type: NodeType
     backend: str = BACKEND_NAME
 
+    @property
+    def netdev(self) -> str | None:
+        """The network interface of its first port (sysfs), None if sysfs does not say."""
+        return netdev_of(self.name, 1) or None
+
+
+def netdev_of(device: str, port_num: int) -> str:
+    """The network interface of a device's port, from sysfs ("" if sysfs does not say)."""
+    ndev = SYSFS / device / "ports" / str(port_num) / "gid_attrs" / "ndevs" / "0"
+    try:
+        return ndev.read_text().strip()
+    except OSError:
+        pass
+    try:
+        return next((SYSFS / device / "device" / "net").iterdir()).name
+    except (OSError, StopIteration):
+        return ""
+
 
 def _device_of(dev: Any) -> Device:
     return Device(
@@ -336,24 +354,12 @@ class Context(Resource):
             gid_tbl_len=a.gid_tbl_len,
             max_msg_sz=a.max_msg_sz,
             link_layer="Ethernet" if a.link_layer == 2 else "InfiniBand",
-            netdev=self._netdev(port_num),
+            netdev=netdev_of(self.device.name, port_num),
             lid=a.lid,
             sm_lid=a.sm_lid,
             lmc=a.lmc,
             port_cap_flags=a.port_cap_flags,
         )
-
-    def _netdev(self, port_num: int) -> str:
-        """The network interface of a port, from sysfs ("" if sysfs does not say)."""
-        ndev = SYSFS / self.device.name / "ports" / str(port_num) / "gid_attrs" / "ndevs" / "0"
-        try:
-            return ndev.read_text().strip()
-        except OSError:
-            pass
-        try:
-            return next((SYSFS / self.device.name / "device" / "net").iterdir()).name
-        except (OSError, StopIteration):
-            return ""
 
     def alloc_pd(self) -> PD:
         """A new protection domain."""
