@@ -99,6 +99,9 @@ async def test_send_write_read_over_ibal() -> None:
             )
             async with open_connection("127.0.0.1", port, backend="ibal") as conn:
                 assert conn.qp.context.backend == "ibal"
+                # the transport's endpoints, as the other backends report them
+                assert conn.local_addr is not None and conn.local_addr[1] != 0
+                assert conn.peer_addr is not None and conn.peer_addr[1] == port
                 addr = int.from_bytes(conn.private_data[:8], "big")
                 rkey = int.from_bytes(conn.private_data[8:12], "big")
                 mine = conn.pd.reg_mr(bytearray(b"ping".ljust(64, b"\0")), RW)

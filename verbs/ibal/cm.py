@@ -370,6 +370,19 @@ class CmConnection:
     def __repr__(self) -> str:
         return f"<ib_cm_handle {self.machine}>"
 
+    @property
+    def local_addr(self) -> tuple[Any, ...] | None:
+        """Our IP endpoint of the connection (an extension: IB CM has no IP addresses, but
+        an iWARP connection is a TCP connection; the ibal backend reports them)."""
+        addr: tuple[Any, ...] | None = self.cm_id.local_addr
+        return addr
+
+    @property
+    def peer_addr(self) -> tuple[Any, ...] | None:
+        """The peer's IP endpoint of the connection (see :attr:`local_addr`)."""
+        addr: tuple[Any, ...] | None = self.cm_id.peer_addr
+        return addr
+
     # ------------------------------------------------------------------ wire steps
     def send(self, steps: list[Send]) -> None:
         for step in steps:

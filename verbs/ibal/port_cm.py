@@ -413,6 +413,8 @@ class CMId:
             self.qp.connection_ended()
 
     def _established(self, pdata: bytes, param: ConnParam | None) -> None:
+        if self._conn is not None and self._conn.local_addr is not None:
+            self.local_addr = self._conn.local_addr  # the port the transport bound
         self.state = State.ESTABLISHED
         self.channel.post(E.ESTABLISHED, self, private_data=pdata, param=param)
 
@@ -468,8 +470,7 @@ class CMId:
                 ib_cm_rej(conn, ib_cm_rej_t())
             return
         pdata = bytes(rec.p_req_pdata)
-        inner = conn.cm_id
-        local, peer = inner.local_addr, inner.peer_addr
+        local, peer = conn.local_addr, conn.peer_addr
         if ctx.query_device().transport is Transport.IB:
             try:
                 header, pdata = cma_header.decode(pdata)
