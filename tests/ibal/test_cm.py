@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import socket
 import threading
 import time
@@ -9,10 +10,21 @@ from typing import Any
 
 import pytest
 from ibal.cmsupport import Recorder, free_port, poll_one, service_id
-from ibal.support import End, make_end
+from ibal.support import End, loopback_guid, make_end
 
-from rdmashim.verbs.ibal import IbAl, IbCa, IbError, IbStatus, ib_post_recv, ib_post_send
+from rdmashim.verbs.ibal import (
+    IbAl,
+    IbCa,
+    IbError,
+    IbStatus,
+    ib_close_al,
+    ib_open_al,
+    ib_open_ca,
+    ib_post_recv,
+    ib_post_send,
+)
 from rdmashim.verbs.ibal.cm import (
+    CaCm,
     ib_cm_cancel,
     ib_cm_drep,
     ib_cm_dreq,
@@ -37,6 +49,7 @@ from rdmashim.verbs.ibal.cm_types import (
 from rdmashim.verbs.ibal.cq import ib_wc_status_t
 from rdmashim.verbs.ibal.ibat import ibat_query_path
 from rdmashim.verbs.ibal.wr import ib_local_ds_t, ib_recv_wr_t, ib_send_wr_t
+from rdmashim.verbs.softiwarp.engine import Engine
 
 R = ib_rej_status_t
 HOST = "127.0.0.1"
@@ -372,3 +385,26 @@ def test_bad_requests(al: IbAl, ca: IbCa, rec: Recorder, port: int) -> None:
     with pytest.raises(IbError) as info:  # one connection per QP
         request(client, rec, port)
     assert info.value.status is IbStatus.IB_INVALID_STATE
+
+
+def test_closing_the_al_leaves_nothing_of_its_connections(rec: Recorder, port: int) -> None:
+    """After ib_close_al nothing holds a CA, its CM or an HCA QP: a long-running program
+    that opens and closes ALs does not grow (a registry of CMs once kept them all)."""
+
+    def alive() -> list[object]:
+        gc.collect()
+        return [o for o in gc.get_objects() if isinstance(o, (Engine, IbCa, CaCm))]
+
+    before = len(alive())
+    al = ib_open_al()
+    ca = ib_open_ca(al, loopback_guid(al))
+    server, client = make_end(ca), make_end(ca)
+    listen(al, rec, port)
+    request(client, rec, port, b"hello")
+    reply(rec.wait("req"), server, rec, b"welcome")
+    ib_cm_rtu(rec.wait("rep").h_cm_rep, ib_cm_rtu_t())
+    rec.wait("rtu")
+    ib_close_al(al)
+    del al, ca, server, client
+    rec.calls.clear()
+    assert len(alive()) == before, alive()

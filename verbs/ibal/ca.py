@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import trio
 
@@ -25,6 +25,9 @@ from rdmashim.verbs.ibal.al import DestroyCallback, Handle, IbAl
 from rdmashim.verbs.ibal.events import code_for, ib_async_event_rec_t, ib_async_event_t
 from rdmashim.verbs.ibal.ibat import iwarp_gid
 from rdmashim.verbs.ibal.status import IbError, IbStatus
+
+if TYPE_CHECKING:
+    from rdmashim.verbs.ibal.cm import CaCm
 
 log = logging.getLogger(__name__)
 
@@ -172,6 +175,8 @@ class IbCa(EventSource):
     ) -> None:
         super().__init__(al, None, ca_context, pfn_ca_event_cb)
         self.device_name = device_name
+        self.cm: CaCm | None = None
+        """Its connection manager, made by :mod:`.cm` on first use (the CA owns it)."""
         self.guid = guid
         self.context: Any = None
         self.channel: Any = None

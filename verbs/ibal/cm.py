@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import errno
 import logging
-import weakref
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -101,19 +100,21 @@ class CaCm:
         ends the task (closing the AL cancels it).
         """
         channel = EventChannel(contexts=[self.ca.context], backend=self.ca.al.hca_backend)
-        async with channel:
-            self.channel = channel
-            task_status.started()
-            async for event in channel:
-                event.ack()
-                try:
-                    self._dispatch(event)
-                except Exception:
-                    log.exception("ibal cm: handling %s failed", event)
-                if self.ca.destroyed:
-                    break
-        self.channel = None
-        _cms.pop(self.ca, None)
+        try:
+            async with channel:
+                self.channel = channel
+                task_status.started()
+                async for event in channel:
+                    event.ack()
+                    try:
+                        self._dispatch(event)
+                    except Exception:
+                        log.exception("ibal cm: handling %s failed", event)
+                    if self.ca.destroyed:
+                        break
+        finally:  # also when closing the AL cancels it: nothing may keep the CA's ids
+            self.channel = None
+            self.ca.cm = None
 
     def _dispatch(self, event: CMEvent) -> None:
         if event.event == E.CONNECT_REQUEST:
@@ -128,15 +129,12 @@ class CaCm:
             owner.on_event(event)
 
 
-_cms: weakref.WeakKeyDictionary[IbCa, CaCm] = weakref.WeakKeyDictionary()
-
-
 async def _cm_of(ca: IbCa, call: str) -> CaCm:
     """The CA's CM, its channel started on first use (progress thread)."""
     ca.check(call)
-    cm = _cms.get(ca)
+    cm = ca.cm
     if cm is None:
-        cm = _cms[ca] = CaCm(ca)
+        cm = ca.cm = CaCm(ca)
         assert ca.al.nursery is not None
         await ca.al.nursery.start(cm.run)
     return cm
@@ -346,9 +344,6 @@ def ib_cm_cancel(h_cm_listen: IbCmListen, pfn_destroy_cb: DestroyCallback = None
 
 
 # ---------------------------------------------------------------------------- connections
-_by_qp: weakref.WeakKeyDictionary[IbQp, CmConnection] = weakref.WeakKeyDictionary()
-
-
 class CmConnection:
     """One connection's CM handle (``ib_cm_handle_t``).
 
@@ -394,8 +389,8 @@ class CmConnection:
 
     def _settle(self) -> None:
         if self.machine.finished:
-            if self.h_qp is not None and _by_qp.get(self.h_qp) is self:
-                del _by_qp[self.h_qp]
+            if self.h_qp is not None and self.h_qp.cm_conn is self:
+                self.h_qp.cm_conn = None
             if self.cm_id is not None:
                 self.cm_id.destroy()
                 self.cm_id = None
@@ -483,7 +478,7 @@ def _usable_qp(h_qp: Any, call: str, qp_type: int) -> IbQp:
         raise IbError(IbStatus.IB_INVALID_QP_HANDLE, call, "not an open QP")
     if qp_type != RC or h_qp.create.qp_type != RC:
         raise IbError(IbStatus.IB_INVALID_SETTING, call, "iWARP connects RC QPs only")
-    if h_qp.qp is not None or h_qp in _by_qp:
+    if h_qp.qp is not None or h_qp.cm_conn is not None:
         raise IbError(IbStatus.IB_INVALID_STATE, call, "the QP has a connection already")
     if h_qp.state is ib_qp_state_t.IB_QPS_ERROR:
         raise IbError(IbStatus.IB_INVALID_QP_STATE, call, "the QP is in ERROR")
@@ -546,11 +541,11 @@ async def _req(req: ib_cm_req_t) -> None:
     six = ":" in path.dst_ip
     src = (path.src_ip, 0, 0, path.scope_id) if six else (path.src_ip, 0)
     dst = (path.dst_ip, port, 0, path.scope_id) if six else (path.dst_ip, port)
-    _by_qp[h_qp] = conn
+    h_qp.cm_conn = conn
     try:
         cm_id.resolve_addr(src if path.src_ip else None, dst, max(1, int(limit * 1000)))
     except BaseException:
-        del _by_qp[h_qp]
+        h_qp.cm_conn = None
         cm_id.destroy()
         raise
 
@@ -574,7 +569,7 @@ def _rep(conn: CmConnection, rep: ib_cm_rep_t) -> None:
         CmMsg.MRA: rep.pfn_cm_mra_cb,
         CmMsg.DREQ: rep.pfn_cm_dreq_cb,
     }
-    _by_qp[h_qp] = conn
+    h_qp.cm_conn = conn
     try:
         h_qp.bind(conn.cm_id)
     except IbError:
@@ -628,7 +623,7 @@ def ib_cm_dreq(p_cm_dreq: ib_cm_dreq_t) -> None:
         raise IbError(IbStatus.IB_INVALID_QP_HANDLE, "ib_cm_dreq", "not an open QP")
 
     def dreq() -> None:
-        conn = _by_qp.get(h_qp)
+        conn = h_qp.cm_conn
         if conn is None:
             raise IbError(IbStatus.IB_INVALID_STATE, "ib_cm_dreq", "the QP is not connected")
         steps = conn.machine.dreq(bytes(p_cm_dreq.p_dreq_pdata))

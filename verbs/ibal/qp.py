@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 from enum import IntEnum
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rdmashim.verbs.attrs import QPCap
 from rdmashim.verbs.enums import QPState, WCOpcode, WCStatus
@@ -29,6 +29,9 @@ from rdmashim.verbs.ibal.srq import IbSrq
 from rdmashim.verbs.ibal.status import IbError, IbStatus
 from rdmashim.verbs.ibal.wr import ib_recv_wr_t, ib_send_wr_t, post_chain, to_recv_wr, to_send_wr
 from rdmashim.verbs.wr import WC, RecvWR
+
+if TYPE_CHECKING:
+    from rdmashim.verbs.ibal.cm import CmConnection
 
 
 class ib_qp_type_t(IntEnum):
@@ -163,6 +166,8 @@ class IbQp(EventSource):
         super().__init__(pd.al, pd, qp_context, pfn_qp_event_cb)
         self.pd = pd
         self.ca = pd.ca
+        self.cm_conn: CmConnection | None = None
+        """The connection that binds it (set by :mod:`.cm`; IBAL keeps it in the QP too)."""
         self.create = dataclasses.replace(create)
         self.qp: Any = None
         self.access_ctrl = ib_access_t.NONE
