@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import psutil
 import trio
 
 from rdmashim.verbs import abc
@@ -78,16 +79,34 @@ class Device:
 
 
 def netdev_of(device: str, port_num: int) -> str:
-    """The network interface of a device's port, from sysfs ("" if sysfs does not say)."""
-    ndev = SYSFS / device / "ports" / str(port_num) / "gid_attrs" / "ndevs" / "0"
+    """The network interface of a device's port, from sysfs ("" if sysfs does not say).
+
+    RoCE ports name it in their GID attributes, hardware devices have a ``net``
+    folder; a software iWARP device (siw) has neither, but its GID is its
+    interface's MAC followed by zeros, so the interface with that MAC is it.
+    """
+    port = SYSFS / device / "ports" / str(port_num)
     try:
-        return ndev.read_text().strip()
+        return (port / "gid_attrs" / "ndevs" / "0").read_text().strip()
     except OSError:
         pass
     try:
         return next((SYSFS / device / "device" / "net").iterdir()).name
     except (OSError, StopIteration):
+        pass
+    try:
+        gid = bytes.fromhex((port / "gids" / "0").read_text().strip().replace(":", ""))
+    except (OSError, ValueError):
         return ""
+    if len(gid) != 16 or any(gid[6:]) or not any(gid[:6]):
+        return ""
+    for name, entries in psutil.net_if_addrs().items():
+        for entry in entries:
+            if entry.family == psutil.AF_LINK and entry.address:
+                mac = entry.address.replace(":", "").replace("-", "").lower()
+                if mac == gid[:6].hex():
+                    return name
+    return ""
 
 
 def _device_of(dev: Any) -> Device:
