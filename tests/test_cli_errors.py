@@ -363,6 +363,64 @@ def test_mixed_backends_without_rdma_core_is_one_line() -> None:
     assert_one_error_line(out, FAILED, "mixed_backends.py: error: rdmacore")
 
 
+IBAL_NATIVE = [sys.executable, str(ROOT / "examples" / "ibal_native.py")]
+
+
+@pytest.mark.parametrize(
+    "argv, text",
+    [
+        (["--size", "0"], "argument --size: '0' is out of range (1 .. 1048576)"),
+        (["--count", "101"], "argument --count: '101' is out of range (1 .. 100)"),
+        (["--port", "65536"], "argument --port: '65536' is out of range (0 .. 65535)"),
+        (["--host", "10.255.255.1"], "'10.255.255.1' is no address of this host"),
+    ],
+    ids=["size 0", "count 101", "port 65536", "host not ours"],
+)
+def test_ibal_native_bad_arguments(argv: list[str], text: str) -> None:
+    line = assert_one_error_line(run([*IBAL_NATIVE, *argv]), USAGE, text)
+    assert line.startswith("ibal_native.py: error: ")
+
+
+@pytest.mark.parametrize(
+    "role, argv",
+    [
+        ("IBAL client -> portable server", ["--count", "3", "--size", "3000"]),
+        ("IBAL server <- portable client", ["--listen", "--count", "2", "--size", "1"]),
+    ],
+    ids=["ibal client", "ibal server"],
+)
+def test_ibal_native_runs_both_roles(role: str, argv: list[str]) -> None:
+    out = run([*IBAL_NATIVE, "--host", "localhost", "--port", str(free_port()), *argv], timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stderr == ""
+    count, size = argv[-3], argv[-1]
+    assert f"the portable side says 'ok: {count} x {size} B and the Write verified'" in out.stdout
+    assert "private data: IBAL sent b'IBAL here', the peer got b'IBAL here'" in out.stdout
+    assert f"OK: every byte verified ({role})" in out.stdout
+
+
+def test_ibal_native_port_in_use_is_one_line() -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = str(taken.getsockname()[1])
+        out = run([*IBAL_NATIVE, "--port", port, "--listen"], timeout=60)
+    assert_one_error_line(out, FAILED, "Address already in use")
+
+
+@pytest.mark.parametrize("argv", [[], ["--listen"]], ids=["ibal client", "ibal server"])
+def test_ctrl_c_on_ibal_native(argv: list[str]) -> None:
+    """Ctrl-C as the run starts (100 MiB to move): 130, nothing on stderr, no summary."""
+    example = Running([*IBAL_NATIVE, "--size", "1M", "--count", "100", *argv])
+    try:
+        example.wait_for(r"^IBAL (client|server) on ")
+        status, out, err = example.interrupt()
+    finally:
+        example.stop()
+    assert_interrupted(status, err)
+    assert "OK:" not in out
+
+
 def test_a_closed_stdout_ends_quietly() -> None:
     """``rdmashim rds ping ... | head -1``: the pinger ends with 141 and says nothing."""
     net = subnet()
