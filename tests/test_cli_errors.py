@@ -50,7 +50,7 @@ BAD_ARGUMENTS = [
     (["demo", "-n", "0"], "argument -n/--count: '0' is out of range"),
     (["demo", "-n", "-5"], "argument -n/--count: '-5' is out of range"),
     (["demo", "-n", "1e3"], "'1e3' is not an integer"),
-    (["devinfo", "-b", "nope"], "no backend 'nope' (known: rdmacore, softiwarp)"),
+    (["devinfo", "-b", "nope"], "no backend 'nope' (known: ibal, rdmacore, softiwarp)"),
     (["ping"], "one of the arguments -s -c is required"),
     (["ping", "-c"], "a client needs the server's address (-a)"),
     (["ping", "-c", "-a", "nosuch.invalid"], "cannot resolve 'nosuch.invalid'"),

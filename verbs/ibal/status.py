@@ -135,6 +135,7 @@ _FROM_ERRNO: dict[int, IbStatus] = {
     errno.ENOSYS: IbStatus.IB_UNSUPPORTED,
     errno.EOVERFLOW: IbStatus.IB_OVERFLOW,
     errno.EBUSY: IbStatus.IB_RESOURCE_BUSY,
+    errno.EADDRINUSE: IbStatus.IB_RESOURCE_BUSY,
     errno.ENETDOWN: IbStatus.IB_INVALID_PORT_STATE,
     errno.EREMOTEIO: IbStatus.IB_REMOTE_ERROR,
     errno.ECONNREFUSED: IbStatus.IB_REMOTE_ERROR,
