@@ -283,7 +283,9 @@ class CMId:
                     source = str(bound[0])
                 else:
                     source = addressing.route_source(peer[0], family, scope_id)
-                await self._bind_device(source)
+            # Opening the device is local work, not resolution: the limit is not for it (an
+            # AL and an rdma-core CA take seconds to open in an emulated guest).
+            await self._bind_device(source)
         except (OSError, trio.TooSlowError) as exc:
             self.state = State.ADDR_BOUND if bound else State.IDLE
             status = (
