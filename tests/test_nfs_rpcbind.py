@@ -231,3 +231,62 @@ async def test_rpcbind_client_over_a_client_object(served: tuple[int, Registry])
         nursery.start_soon(client.run)
         assert (await client.call(RPCBIND, 2, 3, mapping(MOUNT, 3))).uint() == 20048
         nursery.cancel_scope.cancel()
+
+
+async def _rpcinfo_agent() -> None:
+    """Inside a fresh network namespace: our rpcbind on port 111, rpcinfo's answers as JSON."""
+    import json
+    import sys
+
+    assert RPCINFO is not None
+    async with trio.open_nursery() as nursery:
+        registry = nfs_registry(111)
+        registry.add(ECHO_PROG, 1, "tcp", 111)
+        server = RpcServer([Rpcbind(registry), Echo()])
+        await nursery.start(serve_tcp, server, 111, "127.0.0.1")
+        outputs = {}
+        for flags in (["-p"], ["-s"], ["-T", "tcp"]):
+            tail = [str(ECHO_PROG), "1"] if "-T" in flags else []
+            done = await trio.run_process(
+                [RPCINFO, *flags, "127.0.0.1", *tail],
+                capture_stdout=True,
+                capture_stderr=True,
+                check=False,
+            )
+            outputs[" ".join(flags)] = (done.returncode, done.stdout.decode(), done.stderr.decode())
+        sys.stdout.write(json.dumps(outputs))
+        nursery.cancel_scope.cancel()
+
+
+UNSHARE = shutil.which("unshare")
+
+
+@pytest.mark.skipif(RPCINFO is None, reason="rpcinfo is not installed (apt-get install rpcbind)")
+@pytest.mark.skipif(
+    UNSHARE is None or __import__("os").geteuid() != 0, reason="needs root and unshare"
+)
+async def test_rpcinfo_against_our_rpcbind_on_port_111() -> None:
+    import json
+    import sys
+    from pathlib import Path
+
+    here = Path(__file__)
+    script = f"ip link set lo up && exec {sys.executable} {here} --rpcinfo-agent"
+    done = await trio.run_process(
+        [str(UNSHARE), "-n", "sh", "-c", script], capture_stdout=True, cwd=here.parent
+    )
+    outputs = {flags: tuple(result) for flags, result in json.loads(done.stdout).items()}
+    code, out, err = outputs["-p"]
+    assert code == 0, err
+    rows = [line.split()[:4] for line in out.splitlines()[1:]]
+    assert ["100003", "3", "tcp", "2049"] in rows
+    assert ["100005", "3", "tcp", "20048"] in rows
+    code, out, err = outputs["-s"]
+    assert code == 0, err
+    assert any(line.split()[:3] == ["100003", "3", "rdma,tcp"] for line in out.splitlines()), out
+    code, out, err = outputs["-T tcp"]
+    assert (code, out.strip()) == (0, f"program {ECHO_PROG} version 1 ready and waiting"), err
+
+
+if __name__ == "__main__" and "--rpcinfo-agent" in __import__("sys").argv:
+    trio.run(_rpcinfo_agent)
