@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import json
+import os
 import shutil
+import sys
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import pytest
 import trio
 from nfsecho import ECHO_PROG, Echo
 
-from rdmashim.ulps.nfsrdma.rpc import ProcUnavail, RpcServer
+from rdmashim.ulps.nfsrdma.rpc import ProcUnavail, RpcServer, decode_reply, encode_call
 from rdmashim.ulps.nfsrdma.rpcbind import (
     Binding,
     Registry,
@@ -158,8 +162,6 @@ async def test_set_and_unset_from_another_host_are_refused() -> None:
     server = RpcServer([Rpcbind(registry)])
 
     async def ask(vers: int, proc: int, args: Reply) -> bool:
-        from rdmashim.ulps.nfsrdma.rpc import decode_reply, encode_call
-
         call = encode_call(1, RPCBIND, vers, proc, None, args)
         reply = await server.handle_call(
             memoryview(bytes(call.packer.data)), ("192.0.2.9", 700), "tcp"
@@ -235,9 +237,6 @@ async def test_rpcbind_client_over_a_client_object(served: tuple[int, Registry])
 
 async def _rpcinfo_agent() -> None:
     """Inside a fresh network namespace: our rpcbind on port 111, rpcinfo's answers as JSON."""
-    import json
-    import sys
-
     assert RPCINFO is not None
     async with trio.open_nursery() as nursery:
         registry = nfs_registry(111)
@@ -262,13 +261,8 @@ UNSHARE = shutil.which("unshare")
 
 
 @pytest.mark.skipif(RPCINFO is None, reason="rpcinfo is not installed (apt-get install rpcbind)")
-@pytest.mark.skipif(
-    UNSHARE is None or __import__("os").geteuid() != 0, reason="needs root and unshare"
-)
+@pytest.mark.skipif(UNSHARE is None or os.geteuid() != 0, reason="needs root and unshare")
 async def test_rpcinfo_against_our_rpcbind_on_port_111() -> None:
-    import json
-    import sys
-    from pathlib import Path
 
     here = Path(__file__)
     script = f"ip link set lo up && exec {sys.executable} {here} --rpcinfo-agent"
@@ -288,5 +282,5 @@ async def test_rpcinfo_against_our_rpcbind_on_port_111() -> None:
     assert (code, out.strip()) == (0, f"program {ECHO_PROG} version 1 ready and waiting"), err
 
 
-if __name__ == "__main__" and "--rpcinfo-agent" in __import__("sys").argv:
+if __name__ == "__main__" and "--rpcinfo-agent" in sys.argv:
     trio.run(_rpcinfo_agent)
