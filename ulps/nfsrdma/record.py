@@ -1,0 +1,99 @@
+"""RPC record marking (RFC 5531 §11): how RPC messages are framed on a TCP stream.
+
+A record (one RPC message) is sent as one or more fragments, each behind a
+four-byte big-endian header: the top bit says "last fragment of the record",
+the other 31 bits are the fragment's length. :class:`RecordDecoder` is
+sans-IO: fed the bytes a stream delivered, it returns the records completed
+so far, and raises :class:`RecordTooLarge` as soon as a fragment header
+announces a record over its bound (before any of those bytes arrive), which a
+transport answers by closing the connection. :func:`record_marks` frames a
+message for sending.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Sequence
+
+_HEADER = struct.Struct(">I")
+LAST_FRAGMENT = 0x8000_0000
+"""The header bit of a record's last fragment."""
+MAX_FRAGMENT = LAST_FRAGMENT - 1
+"""The longest fragment a header can announce."""
+
+DEFAULT_MAX_RECORD = 4 << 20
+"""The default bound of a record: room for an NFS READ or WRITE of 1 MiB and more."""
+
+
+class RecordTooLarge(ValueError):
+    """A fragment header announced a record longer than the decoder's bound."""
+
+
+class RecordDecoder:
+    """Reassembles the records of one stream from the bytes it delivers."""
+
+    def __init__(self, max_record: int = DEFAULT_MAX_RECORD) -> None:
+        self.max_record = max_record
+        self._buffer = bytearray()  # bytes received and not yet taken into a fragment
+        self._record = bytearray()  # the fragments of the current record so far
+        self._fragment_left: int | None = None  # bytes of the current fragment still due
+        self._last = False
+        self._started = False  # a fragment header of the current record has been read
+
+    @property
+    def pending(self) -> bool:
+        """Whether part of a record has arrived (its header at least) and not all of it."""
+        return self._started or bool(self._buffer)
+
+    def feed(self, data: bytes | bytearray | memoryview) -> list[bytearray]:
+        """Take in ``data``; returns the records it completed, in order."""
+        self._buffer += data
+        records: list[bytearray] = []
+        while True:
+            if self._fragment_left is None:
+                if len(self._buffer) < 4:
+                    return records
+                (word,) = _HEADER.unpack_from(self._buffer)
+                del self._buffer[:4]
+                length = word & MAX_FRAGMENT
+                if len(self._record) + length > self.max_record:
+                    raise RecordTooLarge(
+                        f"fragment of {length} bytes after {len(self._record)}:"
+                        f" record over {self.max_record} bytes"
+                    )
+                self._fragment_left = length
+                self._started = True
+                self._last = bool(word & LAST_FRAGMENT)
+            take = min(self._fragment_left, len(self._buffer))
+            self._record += self._buffer[:take]
+            del self._buffer[:take]
+            self._fragment_left -= take
+            if self._fragment_left:
+                return records
+            self._fragment_left = None
+            if self._last:
+                records.append(self._record)
+                self._record = bytearray()
+                self._started = False
+
+
+def record_marks(
+    buffers: Sequence[bytes | bytearray | memoryview], max_fragment: int = MAX_FRAGMENT
+) -> list[bytes | bytearray | memoryview]:
+    """``buffers`` (one message) as a record: fragment headers and data, to send in order.
+
+    Fragments are at most ``max_fragment`` bytes; an empty message is one
+    empty last fragment.
+    """
+    if not 0 < max_fragment <= MAX_FRAGMENT:
+        raise ValueError(f"fragment size {max_fragment}")
+    total = sum(len(b) for b in buffers)
+    if total <= max_fragment:
+        return [_HEADER.pack(LAST_FRAGMENT | total), *buffers]
+    data = memoryview(b"".join(buffers))
+    out: list[bytes | bytearray | memoryview] = []
+    for start in range(0, total, max_fragment):
+        chunk = data[start : start + max_fragment]
+        last = LAST_FRAGMENT if start + max_fragment >= total else 0
+        out += [_HEADER.pack(last | len(chunk)), chunk]
+    return out
