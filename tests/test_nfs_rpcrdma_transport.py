@@ -152,6 +152,23 @@ async def test_read_data_lands_in_the_write_chunk(port: int, size: int, room: in
     u.done()
 
 
+@pytest.mark.parametrize("allowed", [True, False])
+async def test_send_with_invalidate_when_allowed(port: int, allowed: bool) -> None:
+    with trio.fail_after(TIMEOUT):
+        async with RpcRdmaClient.connect(HOST, port, remote_invalidate=allowed) as client:
+            u = await client.call(PROG, 1, READ, args_of(10, 1), ddp_reply_size=64)
+            assert (u.uint(), u.opaque()) == (1, pattern(10, 1))
+            await client.call(PROG, 1, NULL, Reply())  # no chunk: nothing to invalidate
+            args = Reply()
+            args.opaque_ddp(b"data")
+            args.packer.uint(0)
+            await client.call(PROG, 1, WRITE, args)
+            await client.call(
+                PROG, 1, READ, args_of(10, 1), ddp_reply_size=64, reply_size_hint=1 << 13
+            )
+            assert client.invalidated == (2 if allowed else 0)  # two R_Keys: none
+
+
 async def test_result_larger_than_the_write_chunk_is_err_chunk(port: int) -> None:
     with trio.fail_after(TIMEOUT):
         async with RpcRdmaClient.connect(HOST, port) as client:

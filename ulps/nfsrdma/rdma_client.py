@@ -50,7 +50,7 @@ from rdmashim.ulps.nfsrdma.rpcrdma import (
     peer_sizes,
 )
 from rdmashim.ulps.nfsrdma.xdr import Unpacker, XdrError, pad
-from rdmashim.verbs import Access, QPCap
+from rdmashim.verbs import Access, QPCap, WCFlags
 
 if TYPE_CHECKING:
     from rdmashim.cm import Connection
@@ -98,6 +98,8 @@ class RpcRdmaClient:
         self.outstanding = 0
         self.peak_outstanding = 0
         """The most calls that were ever outstanding at once."""
+        self.invalidated = 0
+        """Replies that came as Send With Invalidate."""
         self._credit_freed = trio.Event()
         self._waiting: dict[int, _Waiter] = {}
         self._xid = secrets.randbits(32)
@@ -156,6 +158,8 @@ class RpcRdmaClient:
     def _on_receive(self, slot: int, length: int, wc: WC) -> None:
         data = bytes(self.ep.slot_view(slot, length))
         self.ep.repost(slot)
+        if wc.wc_flags & WCFlags.WITH_INV:
+            self.invalidated += 1
         try:
             header, start = decode(data)
         except XdrError as exc:
