@@ -384,3 +384,20 @@ async def test_without_private_data_the_thresholds_are_1024(port: int) -> None:
             reply = await r.receive()
             assert reply is not None and len(reply) == 28 + 24 + 4 + 900
             assert reply[-900:] == pattern(900, 1)
+
+
+async def test_read_chunks_over_the_call_bound_get_err_chunk() -> None:
+    async with server(max_call_size=64 * 1024) as (port, _):
+        with trio.fail_after(TIMEOUT):
+            async with RpcRdmaClient.connect(HOST, port) as client:
+                for size, ok in ((64 * 1024, True), (64 * 1024 + 1, False)):
+                    args = Reply()
+                    args.opaque_ddp(pattern(size, 5))
+                    args.packer.uint(0)
+                    if ok:
+                        assert (await client.call(PROG, 1, WRITE, args)).uint() == size
+                    else:
+                        with pytest.raises(TransportError) as info:
+                            await client.call(PROG, 1, WRITE, args)
+                        assert info.value.code == ErrCode.ERR_CHUNK
+                assert (await client.call(PROG, 1, SUM, args_of(1, 8))).uhyper() == 8

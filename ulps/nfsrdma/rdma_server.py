@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import trio
 
-from rdmashim.cm import serve
+from rdmashim.cm import CMError, serve
 from rdmashim.ulps.nfsrdma.rdma_endpoint import ConnectionLost, Endpoint, rdma_wr, send_wr
 from rdmashim.ulps.nfsrdma.rpcrdma import (
     Chunk,
@@ -122,6 +122,8 @@ async def serve_rdma(
     async def handler(request: ConnectionRequest) -> None:
         try:
             await _Responder(server, request, settings).run()
+        except CMError as exc:
+            log.info("RPC-over-RDMA connection from %s not set up: %s", request.peer_addr, exc)
         except Exception:  # one connection's failure must not stop the listener
             log.exception("RPC-over-RDMA connection from %s failed", request.peer_addr)
 
