@@ -1,0 +1,324 @@
+"""The RPC-over-RDMA v1 requester: ONC RPC calls over an RDMA connection (RFC 8166).
+
+::
+
+    async with RpcRdmaClient.connect("server", 20049) as client:
+        results = await client.call(NFS_PROGRAM, 3, READ, args, cred, ddp_reply_size=65536)
+
+The client connects with our RFC 8797 private data and learns the server's
+sizes from its answer (1024 bytes each way without any). A call's
+DDP-eligible arguments (an NFS WRITE's data, marked in its
+:class:`~.service.Reply`) are registered and sent as Read chunks at their
+positions in the call's XDR stream; a DDP-eligible result (an NFS READ's
+data) lands in a Write chunk of ``ddp_reply_size`` bytes, and the Unpacker
+returned presents the whole reply with it in place (as over TCP). A
+call whose inline part does not fit the server's receive size goes as
+RDMA_NOMSG with the whole call in a position-zero Read chunk (a Long Call);
+a Reply chunk of ``reply_size_hint`` bytes is offered when that much may not
+fit the inline reply size (a Long Reply).
+
+Credits: at most as many calls are outstanding as the server granted in its
+last reply (1 before the first), and never more than the Receives we posted.
+Replies are matched to calls by xid; calls may run concurrently.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import TYPE_CHECKING
+
+import trio
+
+from rdmashim.cm import open_connection
+from rdmashim.ulps.nfsrdma.rdma_endpoint import REMOTE, ConnectionLost, Endpoint, send_wr
+from rdmashim.ulps.nfsrdma.rpc import OpaqueAuth, decode_reply, encode_call
+from rdmashim.ulps.nfsrdma.rpcrdma import (
+    Chunk,
+    ConnectPrivate,
+    ErrCode,
+    ErrorHeader,
+    Header,
+    Message,
+    Proc,
+    ReadSegment,
+    Segment,
+    chunk_length,
+    decode,
+    peer_sizes,
+)
+from rdmashim.ulps.nfsrdma.xdr import Unpacker, XdrError, pad
+from rdmashim.verbs import Access, QPCap, WCFlags
+
+if TYPE_CHECKING:
+    from rdmashim.cm import Connection
+    from rdmashim.ulps.nfsrdma.service import AuthSys, Reply
+    from rdmashim.verbs.abc import MR
+    from rdmashim.verbs.wr import WC
+
+log = logging.getLogger(__name__)
+
+DEFAULT_CREDITS = 32
+
+
+class TransportError(Exception):
+    """The server answered a call with RDMA_ERROR (``code``), or its reply was unusable."""
+
+    def __init__(self, message: str, code: ErrCode | None = None) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class _Waiter:
+    __slots__ = ("done", "header", "inline")
+
+    def __init__(self) -> None:
+        self.done = trio.Event()
+        self.header: Message | XdrError | ConnectionLost | None = None
+        self.inline = b""
+
+
+class RpcRdmaClient:
+    """Calls over one RPC-over-RDMA connection (make one with :meth:`connect`)."""
+
+    def __init__(self, conn: Connection, ep: Endpoint, inline_size: int, credits: int) -> None:
+        self.conn = conn
+        self.ep = ep
+        self.credits = credits
+        """The credits we ask for (and the Receives we posted)."""
+        server = peer_sizes(conn.private_data)
+        self.call_inline = min(inline_size, server.recv_size)
+        """The largest call Send (transport header included) the server receives."""
+        self.reply_inline = min(inline_size, server.send_size)
+        """The largest reply the server may send inline to us."""
+        self.granted = 1
+        """Calls the server lets us have outstanding (its last reply's credit)."""
+        self.outstanding = 0
+        self.peak_outstanding = 0
+        """The most calls that were ever outstanding at once."""
+        self.invalidated = 0
+        """Replies that came as Send With Invalidate."""
+        self._credit_freed = trio.Event()
+        self._waiting: dict[int, _Waiter] = {}
+        self._xid = secrets.randbits(32)
+
+    @classmethod
+    @asynccontextmanager
+    async def connect(
+        cls,
+        host: str,
+        port: int,
+        *,
+        backend: str | None = None,
+        inline_size: int = 4096,
+        credits: int = DEFAULT_CREDITS,
+        remote_invalidate: bool = True,
+    ) -> AsyncIterator[RpcRdmaClient]:
+        """Connect to an RPC-over-RDMA server and yield the client (closed on leaving).
+
+        ``inline_size`` (a multiple of 1 KiB) is our Receive buffer size and
+        largest inline Send; ``credits`` the calls we ask to have outstanding;
+        ``remote_invalidate`` lets the server answer with Send With Invalidate.
+        """
+        private = ConnectPrivate(inline_size, inline_size, remote_invalidate).encode()
+        endpoints: list[Endpoint] = []
+
+        def prepare(conn: Connection) -> None:
+            for stale in endpoints:  # an attempt dropped for a local port clash
+                stale.close()
+            endpoints[:] = [Endpoint(conn, inline_size, credits)]
+
+        cap = QPCap(max_send_wr=128, max_recv_wr=credits)
+        try:
+            async with open_connection(
+                host, port, private_data=private, cap=cap, prepare=prepare, backend=backend
+            ) as conn:
+                client = cls(conn, endpoints[0], inline_size, credits)
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(client._run)
+                    try:
+                        yield client
+                    finally:
+                        nursery.cancel_scope.cancel()
+        finally:
+            for ep in endpoints:
+                ep.close()
+
+    async def _run(self) -> None:
+        try:
+            await self.ep.run(self._on_receive)
+        except ConnectionLost as exc:
+            log.info("RPC-over-RDMA connection to %s ended: %s", self.conn.peer_addr, exc)
+            for waiter in self._waiting.values():
+                waiter.header = exc
+                waiter.done.set()
+
+    def _on_receive(self, slot: int, length: int, wc: WC) -> None:
+        data = bytes(self.ep.slot_view(slot, length))
+        self.ep.repost(slot)
+        if wc.wc_flags & WCFlags.WITH_INV:
+            self.invalidated += 1
+        try:
+            header, start = decode(data)
+        except XdrError as exc:
+            if len(data) >= 4 and (waiter := self._waiting.get(int.from_bytes(data[:4], "big"))):
+                waiter.header = exc
+                waiter.done.set()
+            else:
+                log.warning("unparsable reply from %s: %s", self.conn.peer_addr, exc)
+            return
+        self.granted = max(1, min(header.credit, self.credits))
+        self._credit_freed.set()
+        waiter = self._waiting.get(header.xid)
+        if waiter is None:
+            log.warning("reply from %s to no call (xid %#x)", self.conn.peer_addr, header.xid)
+            return
+        waiter.header, waiter.inline = header, data[start:]
+        waiter.done.set()
+
+    def _next_xid(self) -> int:
+        self._xid = (self._xid + 1) & 0xFFFFFFFF
+        while self._xid in self._waiting:
+            self._xid = (self._xid + 1) & 0xFFFFFFFF
+        return self._xid
+
+    async def call(
+        self,
+        prog: int,
+        vers: int,
+        proc: int,
+        args: Reply,
+        cred: OpaqueAuth | AuthSys | None = None,
+        *,
+        ddp_reply_size: int = 0,
+        reply_size_hint: int = 0,
+    ) -> Unpacker:
+        """Call ``prog``/``vers``/``proc`` with ``args``; an Unpacker at the results.
+
+        ``ddp_reply_size``: room for a DDP-eligible result (offered as a Write
+        chunk; the result must be the last item of the reply, as NFSv3 READ's
+        and READLINK's are). ``reply_size_hint``: the largest reply expected
+        (a Reply chunk is offered when it may not fit inline). Raises
+        :class:`~.rpc.RpcError` for a reply that is not SUCCESS,
+        :class:`TransportError` for RDMA_ERROR, :class:`ConnectionLost`.
+        """
+        xid = self._next_xid()
+        message = encode_call(xid, prog, vers, proc, cred, args)
+        reply = await self.call_message(
+            message, ddp_reply_size=ddp_reply_size, reply_size_hint=reply_size_hint
+        )
+        return decode_reply(reply)[1]
+
+    async def call_message(
+        self, message: Reply, *, ddp_reply_size: int = 0, reply_size_hint: int = 0
+    ) -> bytes:
+        """Send a whole RPC message (its first word is the xid) and return the reply message."""
+        xid = int.from_bytes(message.packer.data[:4], "big")
+        await self._take_credit()
+        waiter = self._waiting[xid] = _Waiter()
+        regions: list[MR] = []
+        try:
+            write_buf = bytearray(ddp_reply_size)
+            reply_buf = bytearray(reply_size_hint if reply_size_hint > self.reply_inline else 0)
+            write_list = (self._offer(write_buf, regions),) if write_buf else ()
+            reply_chunk = self._offer(reply_buf, regions) if reply_buf else None
+            header, inline = self._call_layout(xid, message, write_list, reply_chunk, regions)
+            wire = bytearray(header.encode() + inline)
+            regions.append(self.ep.register(wire))
+            await self.ep.post([send_wr(regions[-1], len(wire))])
+            await waiter.done.wait()
+            return _reply_message(waiter, write_buf, reply_buf)
+        finally:
+            del self._waiting[xid]
+            for region in regions:
+                region.close()
+            self.outstanding -= 1
+            self._credit_freed.set()
+
+    async def _take_credit(self) -> None:
+        while self.outstanding >= self.granted:
+            if self._credit_freed.is_set():
+                self._credit_freed = trio.Event()
+            await self._credit_freed.wait()
+        self.outstanding += 1
+        self.peak_outstanding = max(self.peak_outstanding, self.outstanding)
+
+    def _offer(self, buf: bytearray, regions: list[MR]) -> Chunk:
+        """Register ``buf`` for the server to write: a one-segment chunk."""
+        mr = self.ep.register(buf, REMOTE)
+        regions.append(mr)
+        return (Segment(mr.rkey, len(buf), mr.iova),)
+
+    def _call_layout(
+        self,
+        xid: int,
+        message: Reply,
+        write_list: tuple[Chunk, ...],
+        reply_chunk: Chunk | None,
+        regions: list[MR],
+    ) -> tuple[Header, bytes]:
+        """The call's header and inline part: DDP items as Read chunks, or a Long Call."""
+        data = memoryview(message.packer.data)
+        inline: list[bytes | memoryview] = []
+        items: list[tuple[int, memoryview]] = []  # (position in the whole stream, bytes)
+        start = shift = 0
+        for offset, item in message.ddp:
+            inline.append(data[start:offset])
+            start = offset
+            if len(item):
+                items.append((offset + shift, item))
+            shift += len(item) + pad(len(item))
+        inline.append(data[start:])
+        body = b"".join(inline)
+        reads = tuple(ReadSegment(pos, Segment(0, len(item), 0)) for pos, item in items)
+        short = Header(xid, self.credits, Proc.RDMA_MSG, reads, write_list, reply_chunk)
+        if len(short.encode()) + len(body) <= self.call_inline:
+            read_list = tuple(ReadSegment(pos, self._expose(item, regions)) for pos, item in items)
+            return Header(
+                xid, self.credits, Proc.RDMA_MSG, read_list, write_list, reply_chunk
+            ), body
+        zero = (ReadSegment(0, Segment(0, 0, 0)),)
+        long = Header(xid, self.credits, Proc.RDMA_NOMSG, zero, write_list, reply_chunk)
+        if len(long.encode()) > self.call_inline:
+            raise TransportError(f"a call header of {len(long.encode())} bytes does not fit")
+        whole = memoryview(b"".join(message.inline()))
+        read_list = (ReadSegment(0, self._expose(whole, regions)),)
+        return Header(xid, self.credits, Proc.RDMA_NOMSG, read_list, write_list, reply_chunk), b""
+
+    def _expose(self, item: memoryview, regions: list[MR]) -> Segment:
+        """Register ``item`` for the server to read: its segment."""
+        mr = self.ep.register(item, Access.REMOTE_READ)
+        regions.append(mr)
+        return Segment(mr.rkey, len(item), mr.iova)
+
+
+def _reply_message(waiter: _Waiter, write_buf: bytearray, reply_buf: bytearray) -> bytes:
+    """The reply message: inline or from the Reply chunk, the Write chunk's data spliced in."""
+    header = waiter.header
+    if isinstance(header, (XdrError, ConnectionLost)):
+        raise header
+    assert header is not None
+    if isinstance(header, ErrorHeader):
+        raise TransportError(f"the server answered {header.code.name}", header.code)
+    if header.proc == Proc.RDMA_MSG:
+        body = waiter.inline
+    else:
+        if header.reply_chunk is None or not reply_buf:
+            raise TransportError("RDMA_NOMSG reply without the Reply chunk we offered")
+        n = chunk_length(header.reply_chunk)
+        if n > len(reply_buf):
+            raise TransportError(f"Reply chunk of {n} bytes, {len(reply_buf)} offered")
+        body = bytes(reply_buf[:n])
+    written = chunk_length(header.write_list[0]) if header.write_list and write_buf else 0
+    if written > len(write_buf):
+        raise TransportError(f"Write chunk of {written} bytes, {len(write_buf)} offered")
+    if written:
+        if len(body) < 4 or int.from_bytes(body[-4:], "big") != written:
+            raise TransportError(f"{written} bytes in the Write chunk, not the reply's last item")
+        body += bytes(write_buf[:written]) + bytes(pad(written))
+    return body
+
+
+__all__ = ["DEFAULT_CREDITS", "RpcRdmaClient", "TransportError"]
