@@ -151,6 +151,8 @@ def symlink(call: Call, args: Unpacker) -> Body:
     parent = _directory(call, fh, name)
     if len(target.encode("utf-8", "surrogateescape")) > PATH_MAX:
         raise NfsError(NFS3ERR_NAMETOOLONG)
+    if "\0" in target:
+        raise NfsError(NFS3ERR_INVAL, "NUL in a symlink target")
     os.symlink(target, name, dir_fd=parent.fd)
     return _made(call, parent, name, Sattr3(uid=attrs.uid, gid=attrs.gid))
 
