@@ -28,6 +28,7 @@ from rdmashim.cliargs import (
     run_command,
     size,
 )
+from rdmashim.nfstools.cli import add_nfs
 from rdmashim.rdstools.cli import add_rds
 from rdmashim.registry import backend_status
 
@@ -194,6 +195,7 @@ def _parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     p.set_defaults(func=_cmd_ping)
     add_rds(sub)
+    add_nfs(sub)
     for name, choice in sub.choices.items():
         choice.set_defaults(prog=f"rdmashim {name}")
     return parser

@@ -17,6 +17,7 @@ import socket
 import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 
@@ -51,6 +52,12 @@ BAD_ARGUMENTS = [
     (["demo", "-n", "-5"], "argument -n/--count: '-5' is out of range"),
     (["demo", "-n", "1e3"], "'1e3' is not an integer"),
     (["devinfo", "-b", "nope"], "no backend 'nope' (known: ibal, rdmacore, softiwarp)"),
+    (["nfs"], "the following arguments are required: nfs_command"),
+    (["nfs", "serve"], "the following arguments are required: dir"),
+    (["nfs", "serve", "/nonexistent-dir"], "/nonexistent-dir: not a directory"),
+    (["nfs", "serve", ".", "--tcp-port", "70000"], "--tcp-port: '70000' is out of range"),
+    (["nfs", "serve", ".", "--rdma-port", "-1"], "--rdma-port: '-1' is out of range"),
+    (["nfs", "serve", ".", "--host", "nosuch.invalid"], "cannot resolve 'nosuch.invalid'"),
     (["ping"], "one of the arguments -s -c is required"),
     (["ping", "-c"], "a client needs the server's address (-a)"),
     (["ping", "-c", "-a", "nosuch.invalid"], "cannot resolve 'nosuch.invalid'"),
@@ -244,6 +251,20 @@ def test_ctrl_c_on_demo() -> None:
     if seconds >= 0.1:  # printed to the millisecond
         mbytes = float(re.search(r"s, ([\d.]+) MB/s", out)[1])
         assert mbytes == pytest.approx(done * 65536 / 1e6 / seconds, rel=0.05)
+
+
+def test_nfs_serve_says_how_to_mount_and_ctrl_c_ends_it(tmp_path: Path) -> None:
+    server = Running(
+        [*RDMASHIM, "nfs", "serve", str(tmp_path), "--ro", "--tcp-port", "0",
+         "--rdma-port", "0", "--rpcbind-port", "0", "--state-dir", str(tmp_path / "state")]
+    )  # fmt: skip
+    try:
+        server.wait_for(r"^mount it with: mount -t nfs -o vers=3,proto=rdma,port=\d+ SERVER:")
+        status, out, err = server.interrupt()
+    finally:
+        server.stop()
+    assert f"serving {tmp_path} read-only on 0.0.0.0: NFSv3 on RDMA port" in out, out
+    assert status == 130 and err == "", err
 
 
 def test_ctrl_c_on_a_waiting_ping_server() -> None:

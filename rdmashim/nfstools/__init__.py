@@ -1,0 +1,5 @@
+"""``rdmashim nfs``: the NFS/RDMA server's command line (:mod:`.cli`).
+
+``rdmashim nfs serve DIR`` exports a directory over NFSv3 on RPC-over-RDMA
+and TCP with MOUNT and rpcbind (:mod:`rdmashim.ulps.nfsrdma.server`).
+"""
