@@ -1,1 +1,4 @@
-"""NFS/RDMA: ONC RPC over RPC-over-RDMA v1 (RFC 8166) with NFSv3 and MOUNT v3."""
+"""NFS/RDMA: an NFSv3 + MOUNT v3 server over ONC RPC on RPC-over-RDMA v1 (RFC 8166) and TCP.
+
+Start with :func:`rdmashim.ulps.nfsrdma.server.serve_nfs`; ``docs/nfs.md`` maps the modules.
+"""
