@@ -79,6 +79,25 @@ async def test_open_device_is_an_al_and_a_ca() -> None:
         assert ctx.ca.device_name == "siw_lo"
 
 
+async def test_a_failing_hand_over_is_logged_and_the_application_goes_on(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """What a callback hands to the application's loop runs in ``run_sync_soon``, where an
+    exception would end the whole trio run (TrioInternalError): it is logged instead."""
+
+    def broken() -> None:
+        raise RuntimeError("hand-over bug")
+
+    async with rdmashim.open_device(backend="ibal") as ctx:
+        assert isinstance(ctx, Context)
+        ran = trio.Event()
+        await trio.to_thread.run_sync(ctx.to_app, broken)  # as a callback thread would
+        await trio.to_thread.run_sync(ctx.to_app, ran.set)
+        with trio.fail_after(5):
+            await ran.wait()
+    assert "hand-over bug" in caplog.text
+
+
 async def test_send_write_read_over_ibal() -> None:
     async def handler(request) -> None:  # type: ignore[no-untyped-def]
         region = request.pd.reg_mr(bytearray(64), RW)

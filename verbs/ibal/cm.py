@@ -369,12 +369,16 @@ class CmConnection:
     def local_addr(self) -> tuple[Any, ...] | None:
         """Our IP endpoint of the connection (an extension: IB CM has no IP addresses, but
         an iWARP connection is a TCP connection; the ibal backend reports them)."""
+        if self.cm_id is None:  # the connection is over
+            return None
         addr: tuple[Any, ...] | None = self.cm_id.local_addr
         return addr
 
     @property
     def peer_addr(self) -> tuple[Any, ...] | None:
         """The peer's IP endpoint of the connection (see :attr:`local_addr`)."""
+        if self.cm_id is None:
+            return None
         addr: tuple[Any, ...] | None = self.cm_id.peer_addr
         return addr
 

@@ -158,9 +158,20 @@ class Context:
 
     # ------------------------------------------------------------------ app loop
     def to_app(self, fn: Callable[..., object], *args: object) -> None:
-        """Run ``fn(*args)`` on the application's trio loop (from a callback)."""
+        """Run ``fn(*args)`` on the application's trio loop (from a callback).
+
+        An exception there would kill the application's trio run (``run_sync_soon``
+        callbacks must not raise): it is logged instead.
+        """
+
+        def guarded() -> None:
+            try:
+                fn(*args)
+            except Exception:
+                log.exception("ibal: %s on the application's loop failed", fn)
+
         with contextlib.suppress(trio.RunFinishedError):
-            self.token.run_sync_soon(fn, *args)
+            self.token.run_sync_soon(guarded)
 
     def event_handler(self, element: object) -> Callable[[ib_async_event_rec_t], None]:
         """An IBAL event callback queuing the portable event of ``element``."""
