@@ -94,6 +94,7 @@ head -c 1 /dev/urandom > $W/gen/a/one
 head -c 4097 /dev/urandom > $W/gen/a/b/page-plus-one
 head -c 200000 /dev/urandom > $W/gen/c/two-hundred-k
 ln -s a/b/page-plus-one $W/gen/rel-link
+chmod 640 $W/gen/a/one; chmod 750 $W/gen/c; touch -d 2001-02-03T04:05:06 $W/gen/zero
 cp -a $W/gen $M/in
 dd if=/dev/urandom of=$W/big bs=1M count={big_mib} status=none
 T1=$(date +%s)
@@ -113,6 +114,7 @@ cmp $W/big $M/in/big
 echo "read back {big_mib} MiB in $(( $(date +%s) - T2 )) s"
 diff -r $W/gen $M/in --exclude=big
 (cd $W/gen && find . -type f -print0 | sort -z | xargs -0 sha256sum) > $JOB.wrote
+(cd $W/gen && find . -mindepth 1 ! -type l -printf '%P %m %T@\n' | sort) > $JOB.modes
 (cd $W && sha256sum big | sed 's| big$| ./big|') >> $JOB.wrote
 readlink $M/link-to-one > $JOB.link
 umount $M
@@ -226,6 +228,13 @@ async def mount_and_exercise(
     for name, digest in wrote.items():
         assert sha(export / "in" / name) == digest, name
     assert (export / "in" / "big").stat().st_size == BIG_MIB << 20
+    for line in job.path("modes").read_text().splitlines():  # cp -a: SETATTR mode and mtime
+        name, mode, mtime = line.split()
+        st = (export / "in" / name).lstat()
+        assert (oct(st.st_mode & 0o7777), int(float(mtime))) == (
+            oct(int(mode, 8)),
+            int(st.st_mtime),
+        ), name
     assert os.readlink(export / "in" / "rel-link") == "a/b/page-plus-one"
     assert os.readlink(export / "link-to-one") == "in/a/one"
     assert job.path("link").read_text().strip() == "in/a/one"
