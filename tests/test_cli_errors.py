@@ -11,6 +11,8 @@ real SIGINT once the command printed that it is under way: it must end with
 from __future__ import annotations
 
 import argparse
+import os
+import random
 import re
 import signal
 import socket
@@ -58,6 +60,18 @@ BAD_ARGUMENTS = [
     (["nfs", "serve", ".", "--tcp-port", "70000"], "--tcp-port: '70000' is out of range"),
     (["nfs", "serve", ".", "--rdma-port", "-1"], "--rdma-port: '-1' is out of range"),
     (["nfs", "serve", ".", "--host", "nosuch.invalid"], "cannot resolve 'nosuch.invalid'"),
+    (["nfs", "ls"], "the following arguments are required: REMOTE"),
+    (["nfs", "ls", "server"], "'server' is not SERVER:/export/path"),
+    (["nfs", "ls", "server/x"], "'server/x' is not SERVER:/export/path"),
+    (["nfs", "stat", "nosuch.invalid:/x"], "cannot resolve 'nosuch.invalid'"),
+    (["nfs", "ls", "127.0.0.1:/x", "--proto", "udp"], "--proto: invalid choice: 'udp'"),
+    (["nfs", "ls", "127.0.0.1:/x", "--port", "70000"], "--port: '70000' is out of range"),
+    (["nfs", "mkdir", "127.0.0.1:/x", "--rpcbind-port", "-1"], "'-1' is out of range"),
+    (["nfs", "rm", "127.0.0.1:/x", "-b", "nope"], "no backend 'nope'"),
+    (["nfs", "get", "127.0.0.1:/x"], "the following arguments are required: dest"),
+    (["nfs", "get", "127.0.0.1:/x", "/nonexistent-dir/f"], "/nonexistent-dir: no such directory"),
+    (["nfs", "put", "/nonexistent-file", "127.0.0.1:/x"], "/nonexistent-file: not a file"),
+    (["nfs", "put", "/", "127.0.0.1:/x"], "/: not a file"),
     (["ping"], "one of the arguments -s -c is required"),
     (["ping", "-c"], "a client needs the server's address (-a)"),
     (["ping", "-c", "-a", "nosuch.invalid"], "cannot resolve 'nosuch.invalid'"),
@@ -265,6 +279,39 @@ def test_nfs_serve_says_how_to_mount_and_ctrl_c_ends_it(tmp_path: Path) -> None:
         server.stop()
     assert f"serving {tmp_path} read-only on 0.0.0.0: NFSv3 on RDMA port" in out, out
     assert status == 130 and err == "", err
+
+
+def test_nfs_put_get_and_ls_against_nfs_serve(tmp_path: Path) -> None:
+    """``rdmashim nfs put`` then ``get`` over RDMA, byte-exact; a missing path is one line."""
+    export = tmp_path / "export"
+    export.mkdir()
+    data = random.randbytes(4 << 20)
+    (tmp_path / "src").write_bytes(data)
+    squash = ["--no-root-squash"] if os.geteuid() == 0 else []  # the client is this process
+    server = Running(
+        [*RDMASHIM, "nfs", "serve", str(export), *squash, "--host", "127.0.0.1",
+         "--tcp-port", "0", "--rdma-port", "0", "--rpcbind-port", "0",
+         "--state-dir", str(tmp_path / "state")]
+    )  # fmt: skip
+    try:
+        server.wait_for(r"rpcbind port \d+")
+        found = re.search(r"rpcbind port (\d+)", server.seen["stdout"].decode())
+        assert found is not None
+        where = ["--proto", "rdma", "--rpcbind-port", found[1]]
+        remote = f"127.0.0.1:{export}/copy"
+        put = run([*RDMASHIM, "nfs", "put", str(tmp_path / "src"), remote, *where], timeout=120)
+        assert put.returncode == 0 and put.stderr == "", put.stderr
+        assert put.stdout.startswith(f"put {len(data)} bytes: "), put.stdout
+        assert (export / "copy").read_bytes() == data
+        got = run([*RDMASHIM, "nfs", "get", remote, str(tmp_path / "back"), *where], timeout=120)
+        assert got.returncode == 0 and got.stderr == "", got.stderr
+        assert got.stdout.startswith(f"got {len(data)} bytes: "), got.stdout
+        assert (tmp_path / "back").read_bytes() == data
+        missing = run([*RDMASHIM, "nfs", "ls", f"127.0.0.1:{export}/missing", *where])
+        line = assert_one_error_line(missing, FAILED, "NFS3ERR_NOENT")
+        assert line.endswith(f"no such file or directory: 127.0.0.1:{export}/missing"), line
+    finally:
+        server.stop()
 
 
 def test_ctrl_c_on_a_waiting_ping_server() -> None:

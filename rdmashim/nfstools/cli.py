@@ -2,7 +2,9 @@
 
 The parser checks every argument before anything starts; the server is
 :func:`rdmashim.ulps.nfsrdma.server.serve_nfs`. It prints what it serves and the
-command that mounts it, then serves until Ctrl-C (exit 130, quietly).
+command that mounts it, then serves until Ctrl-C (exit 130, quietly). The
+client commands (``ls``, ``stat``, ``get``, ``put``, ``mkdir``, ``rm``) are
+added from :mod:`.client_cli`.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import argparse
 from pathlib import Path
 
 from rdmashim.cliargs import Parser, UsageError, backend, host, integer
+from rdmashim.nfstools.client_cli import add_client
 
 DEFAULT_HOST = "0.0.0.0"
 
@@ -19,7 +22,7 @@ def add_nfs(sub: argparse._SubParsersAction[Parser]) -> None:
     """The ``nfs`` command and its subcommands, on the subparsers ``sub`` of ``rdmashim``."""
     nfs = sub.add_parser(
         "nfs",
-        help="an NFSv3 server over RPC-over-RDMA and TCP",
+        help="an NFSv3 server and client over RPC-over-RDMA and TCP",
         description="NFSv3 (RFC 1813) over RPC-over-RDMA (RFC 8166) and TCP, on any backend.",
     )
     nsub = nfs.add_subparsers(dest="nfs_command", required=True)
@@ -46,6 +49,7 @@ def add_nfs(sub: argparse._SubParsersAction[Parser]) -> None:
     p.add_argument("-b", "--backend", type=backend, default=None, help="RDMA backend")
     p.add_argument("-d", dest="debug", action="store_true", help="log to stderr")
     p.set_defaults(func=_serve)
+    add_client(nsub)
     for name, choice in nsub.choices.items():
         choice.set_defaults(prog=f"rdmashim nfs {name}")
 

@@ -184,7 +184,9 @@ async def _mount_port(host: str, rpcbind_port: int, mount_port: int | None) -> i
         return mount_port
     found = await rpcbind_port_of(host, rpcbind_port, t.MOUNT_PROGRAM, "tcp")
     if found is None:
-        raise MountError(f"rpcbind at {host} port {rpcbind_port} names no MOUNT v3 port")
+        raise MountError(
+            f"no MOUNT v3 port: rpcbind at {host} port {rpcbind_port} is not there or names none"
+        )
     return found
 
 
