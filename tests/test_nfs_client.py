@@ -25,7 +25,12 @@ from rdmashim.ulps.nfsrdma.client import (
     list_exports,
     split_remote,
 )
+from rdmashim.ulps.nfsrdma.export import Export
+from rdmashim.ulps.nfsrdma.mount import MountProgram
+from rdmashim.ulps.nfsrdma.nfs3 import Nfs3Program
+from rdmashim.ulps.nfsrdma.rpc import RpcServer
 from rdmashim.ulps.nfsrdma.server import Serving
+from rdmashim.ulps.nfsrdma.tcp import serve_tcp
 
 SIZE = 8 << 20
 TRANSPORTS = ["tcp", "rdma"]
@@ -111,3 +116,33 @@ async def test_the_longest_export_that_prefixes_a_path_holds_it(tmp_path: Path) 
     assert split_remote(["/a"], "/a") == ("/a", "/")
     with pytest.raises(OSError, match="in no export"):
         split_remote(["/a"], "/b/c")
+
+
+async def test_a_changed_write_verifier_means_writing_again(tmp_path: Path) -> None:
+    """The server "restarts" (new verifier, unstable data lost) before COMMIT: all is rewritten."""
+    root = tmp_path / "export"
+    root.mkdir()
+    if os.geteuid() == 0:
+        os.chown(root, 1000, 1000)
+    export = Export(root, state_dir=tmp_path / "state")
+    program = Nfs3Program(export)
+    server = RpcServer([program, MountProgram(export)])
+    data = os.urandom(3 << 20)
+
+    def lose_everything(done: int, total: int) -> None:
+        if done == total:  # every WRITE answered, COMMIT next
+            program.state.write_verifier = bytes(8)
+            os.truncate(root / "f", 0)
+
+    try:
+        async with trio.open_nursery() as nursery:
+            listeners = await nursery.start(serve_tcp, server, 0, "127.0.0.1")
+            port = listeners[0].socket.getsockname()[1]
+            async with NfsClient.connect(
+                "127.0.0.1", export.name, proto="tcp", port=port, mount_port=port, cred=CRED
+            ) as nfs:
+                await nfs.write_file("/f", io.BytesIO(data), len(data), lose_everything)
+            assert (root / "f").read_bytes() == data
+            nursery.cancel_scope.cancel()
+    finally:
+        export.close()
