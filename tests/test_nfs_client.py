@@ -146,3 +146,19 @@ async def test_a_changed_write_verifier_means_writing_again(tmp_path: Path) -> N
             nursery.cancel_scope.cancel()
     finally:
         export.close()
+
+
+async def test_a_file_that_shrinks_while_read_ends_the_copy_short(tmp_path: Path) -> None:
+    with trio.fail_after(60):
+        async with nfs_server(tmp_path) as (serving, export), client(serving, "tcp") as nfs:
+            (export / "f").write_bytes(bytes(2 * SIZE))  # 16 pieces
+            copy = bytearray()
+
+            class Shrinking:
+                def write(self, data: bytes) -> None:
+                    if not copy:
+                        os.truncate(export / "f", 0)  # later pieces find nothing
+                    copy.extend(data)
+
+            count = await nfs.read_file("/f", Shrinking())
+            assert count == len(copy) < 2 * SIZE

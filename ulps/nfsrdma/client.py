@@ -378,19 +378,20 @@ class NfsClient:
         """Copy file ``path`` into ``sink`` in order; the bytes copied."""
         fh = await self.lookup(path)
         total = (await self._getattr(fh, path)).size
-        done = 0
+        done = next_piece = 0
         pending: dict[int, bytes] = {}
         window = trio.Semaphore(IN_FLIGHT)
         if progress:
             progress(0, total)
 
         async def fetch(offset: int, count: int) -> None:
-            nonlocal done
+            nonlocal done, next_piece
             pending[offset] = await self._read_range(fh, path, offset, count)
-            while done in pending:  # in order: each piece written frees its place
-                data = pending.pop(done)
+            while next_piece in pending:  # in order: each piece written frees its place
+                data = pending.pop(next_piece)  # short if the file shrank meanwhile
                 sink.write(data)
                 done += len(data)
+                next_piece += self.rtmax
                 window.release()
                 if progress:
                     progress(done, total)
