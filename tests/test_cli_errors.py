@@ -11,14 +11,16 @@ real SIGINT once the command printed that it is under way: it must end with
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import random
 import re
 import signal
 import socket
+import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -281,12 +283,11 @@ def test_nfs_serve_says_how_to_mount_and_ctrl_c_ends_it(tmp_path: Path) -> None:
     assert status == 130 and err == "", err
 
 
-def test_nfs_put_get_and_ls_against_nfs_serve(tmp_path: Path) -> None:
-    """``rdmashim nfs put`` then ``get`` over RDMA, byte-exact; a missing path is one line."""
+@contextlib.contextmanager
+def nfs_serve(tmp_path: Path) -> Iterator[tuple[Path, list[str]]]:
+    """``rdmashim nfs serve`` on a fresh export on loopback: the export, and the client flags."""
     export = tmp_path / "export"
     export.mkdir()
-    data = random.randbytes(4 << 20)
-    (tmp_path / "src").write_bytes(data)
     squash = ["--no-root-squash"] if os.geteuid() == 0 else []  # the client is this process
     server = Running(
         [*RDMASHIM, "nfs", "serve", str(export), *squash, "--host", "127.0.0.1",
@@ -297,7 +298,16 @@ def test_nfs_put_get_and_ls_against_nfs_serve(tmp_path: Path) -> None:
         server.wait_for(r"rpcbind port \d+")
         found = re.search(r"rpcbind port (\d+)", server.seen["stdout"].decode())
         assert found is not None
-        where = ["--proto", "rdma", "--rpcbind-port", found[1]]
+        yield export, ["--proto", "rdma", "--rpcbind-port", found[1]]
+    finally:
+        server.stop()
+
+
+def test_nfs_put_get_and_ls_against_nfs_serve(tmp_path: Path) -> None:
+    """``rdmashim nfs put`` then ``get`` over RDMA, byte-exact; a missing path is one line."""
+    data = random.randbytes(4 << 20)
+    (tmp_path / "src").write_bytes(data)
+    with nfs_serve(tmp_path) as (export, where):
         remote = f"127.0.0.1:{export}/copy"
         put = run([*RDMASHIM, "nfs", "put", str(tmp_path / "src"), remote, *where], timeout=120)
         assert put.returncode == 0 and put.stderr == "", put.stderr
@@ -310,8 +320,36 @@ def test_nfs_put_get_and_ls_against_nfs_serve(tmp_path: Path) -> None:
         missing = run([*RDMASHIM, "nfs", "ls", f"127.0.0.1:{export}/missing", *where])
         line = assert_one_error_line(missing, FAILED, "NFS3ERR_NOENT")
         assert line.endswith(f"no such file or directory: 127.0.0.1:{export}/missing"), line
-    finally:
-        server.stop()
+
+
+def test_nfs_get_to_stdout_mkdir_p_and_rm_r(tmp_path: Path) -> None:
+    """``get REMOTE -`` writes only the file to stdout; ``mkdir -p`` and ``rm -r`` work on trees."""
+    with nfs_serve(tmp_path) as (export, where):
+        data = random.randbytes(300_000)
+        (export / "f").write_bytes(data)
+        got = subprocess.run(
+            [*RDMASHIM, "nfs", "get", f"127.0.0.1:{export}/f", "-", *where],
+            capture_output=True, timeout=120, check=False,
+        )  # fmt: skip
+        assert got.returncode == 0 and got.stdout == data, got.stderr
+        assert got.stderr.decode().startswith(f"got {len(data)} bytes: "), got.stderr
+        nested = f"127.0.0.1:{export}/a/b/c"
+        no_parent = run([*RDMASHIM, "nfs", "mkdir", nested, *where])
+        assert_one_error_line(no_parent, FAILED, "NFS3ERR_NOENT")
+        for _ in range(2):  # the second time, everything exists already
+            made = run([*RDMASHIM, "nfs", "mkdir", "-p", nested, *where])
+            assert made.returncode == 0 and made.stderr == "", made.stderr
+        assert (export / "a/b/c").is_dir()
+        (export / "a/b/file").write_bytes(b"x")
+        (export / "a/top").write_bytes(b"y")
+        not_dir = run([*RDMASHIM, "nfs", "mkdir", "-p", f"127.0.0.1:{export}/a/top/d", *where])
+        assert_one_error_line(not_dir, FAILED, "NFS3ERR_NOTDIR")
+        not_empty = run([*RDMASHIM, "nfs", "rm", f"127.0.0.1:{export}/a", *where])
+        assert_one_error_line(not_empty, FAILED, "NFS3ERR_NOTEMPTY")
+        assert (export / "a/b/file").exists()
+        gone = run([*RDMASHIM, "nfs", "rm", "-r", f"127.0.0.1:{export}/a", *where])
+        assert gone.returncode == 0 and gone.stderr == "", gone.stderr
+        assert list(export.iterdir()) == [export / "f"]
 
 
 def test_ctrl_c_on_a_waiting_ping_server() -> None:

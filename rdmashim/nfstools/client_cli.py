@@ -6,7 +6,10 @@ of the path (component by component) is mounted; the rest is the path inside
 it. The client is :class:`rdmashim.ulps.nfsrdma.client.NfsClient`, over
 RPC-over-RDMA by default (``--proto tcp`` for TCP). ``get`` and ``put`` show
 a progress bar (rate, ETA) on stderr when it is a terminal, and end with a
-summary line. Every NFS failure is one line naming its status, exit 1.
+summary line (on stderr when ``get`` writes the file to stdout, ``-``).
+``mkdir -p`` makes the missing parents and accepts a directory that exists;
+``rm -r`` removes a directory and everything under it, depth first. Every NFS
+failure is one line naming its status, exit 1.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TextIO
 
 from rdmashim.cliargs import Parser, UsageError, backend, host, port, rate
 
@@ -61,7 +64,7 @@ def add_client(nsub: argparse._SubParsersAction[Parser]) -> None:
         ("get", "copy a remote file to a local path", _get),
         ("put", "copy a local file to a remote path", _put),
         ("mkdir", "make a directory", _mkdir),
-        ("rm", "remove a file (or an empty directory)", _rm),
+        ("rm", "remove a file or an empty directory (-r: a whole tree)", _rm),
     ]
     for name, what, action in commands:
         p = nsub.add_parser(name, help=f"NFS client: {what}", description=f"{what[0].upper()}"
@@ -70,11 +73,17 @@ def add_client(nsub: argparse._SubParsersAction[Parser]) -> None:
             p.add_argument("src", type=Path, help="the local file")
         p.add_argument("remote", type=remote, metavar="REMOTE", help=REMOTE_HELP)
         if name == "get":
-            p.add_argument("dest", type=Path, help="the local file (or directory) to write")
+            p.add_argument("dest", type=Path,
+                           help="the local file (or directory) to write; - for stdout")  # fmt: skip
         if name in ("get", "put"):
             p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
         if name == "mkdir":
             p.add_argument("--mode", type=lambda s: int(s, 8), default=0o755, help="octal mode")
+            p.add_argument("-p", "--parents", action="store_true",
+                           help="make missing parents; an existing dir is no error")  # fmt: skip
+        if name == "rm":
+            p.add_argument("-r", "--recursive", action="store_true",
+                           help="remove a directory and everything under it")  # fmt: skip
         p.add_argument("--proto", choices=("rdma", "tcp"), default="rdma", help="transport")
         p.add_argument("--port", type=port, default=None,
                        help="NFS port (default: rpcbind's, else 20049 rdma, 2049 tcp)")  # fmt: skip
@@ -93,8 +102,9 @@ def _run(args: argparse.Namespace) -> int:
             raise UsageError(f"{args.src}: not a file")
         args.size = args.src.stat().st_size
     if args.action is _get:
-        args.into_dir = args.dest.is_dir()
-        if not (args.into_dir or args.dest.parent.is_dir()):
+        args.to_stdout = str(args.dest) == "-"
+        args.into_dir = not args.to_stdout and args.dest.is_dir()
+        if not (args.to_stdout or args.into_dir or args.dest.parent.is_dir()):
             raise UsageError(f"{args.dest.parent}: no such directory")
     trio.run(_main, args)
     return 0
@@ -154,14 +164,36 @@ async def _stat(nfs: NfsClient, path: str, args: argparse.Namespace) -> None:
 
 
 async def _mkdir(nfs: NfsClient, path: str, args: argparse.Namespace) -> None:
-    await nfs.mkdir(path, args.mode)
+    from rdmashim.ulps.nfsrdma.client import NfsError
+    from rdmashim.ulps.nfsrdma.nfs3_types import NFS3ERR_EXIST, NFS3ERR_NOTDIR
+
+    if not args.parents:
+        await nfs.mkdir(path, args.mode)
+        return
+    parts = [part for part in path.split("/") if part]
+    for depth in range(1, len(parts) + 1):
+        here = "/" + "/".join(parts[:depth])
+        try:
+            await nfs.mkdir(here, args.mode)
+        except NfsError as exc:
+            if exc.status != NFS3ERR_EXIST:
+                raise
+            if (await nfs.getattr(here)).ftype != 2:
+                raise NfsError(NFS3ERR_NOTDIR, here) from None
 
 
 async def _rm(nfs: NfsClient, path: str, args: argparse.Namespace) -> None:
-    if (await nfs.getattr(path)).ftype == 2:
-        await nfs.rmdir(path)
-    else:
+    if (await nfs.getattr(path)).ftype != 2:
         await nfs.remove(path)
+        return
+    if args.recursive:
+        for name, entry in await nfs.listdir(path):
+            inner = path.rstrip("/") + "/" + name
+            if entry.ftype == 2:
+                await _rm(nfs, inner, args)
+            else:
+                await nfs.remove(inner)
+    await nfs.rmdir(path)
 
 
 async def _get(nfs: NfsClient, path: str, args: argparse.Namespace) -> None:
@@ -170,10 +202,16 @@ async def _get(nfs: NfsClient, path: str, args: argparse.Namespace) -> None:
 
     if (await nfs.getattr(path)).ftype == 2:
         raise NfsError(NFS3ERR_ISDIR, path)
+    start = time.monotonic()
+    if args.to_stdout:
+        with _bar(args, f"get {path.rsplit('/', 1)[-1]}") as progress:
+            count = await nfs.read_file(path, sys.stdout.buffer, progress)
+        sys.stdout.buffer.flush()
+        _summary("got", count, args.remote.text, "stdout", start, sys.stderr)
+        return
     dest: Path = args.dest
     if args.into_dir:
         dest = dest / path.rsplit("/", 1)[-1]
-    start = time.monotonic()
     with dest.open("wb") as sink, _bar(args, f"get {dest.name}") as progress:
         count = await nfs.read_file(path, sink, progress)
     _summary("got", count, args.remote.text, str(dest), start)
@@ -194,11 +232,13 @@ async def _put(nfs: NfsClient, path: str, args: argparse.Namespace) -> None:
     _summary("put", count, str(src), args.remote.text, start)
 
 
-def _summary(verb: str, count: int, src: str, dest: str, start: float) -> None:
+def _summary(
+    verb: str, count: int, src: str, dest: str, start: float, out: TextIO = sys.stdout
+) -> None:
     seconds = time.monotonic() - start
     speed = rate(count, seconds)
     per_second = f", {speed / 1e6:.1f} MB/s" if speed is not None else ""
-    print(f"{verb} {count} bytes: {src} -> {dest} in {seconds:.2f} s{per_second}")
+    print(f"{verb} {count} bytes: {src} -> {dest} in {seconds:.2f} s{per_second}", file=out)
 
 
 @contextmanager
