@@ -187,15 +187,14 @@ class Rpcbind:
     async def dispatch(self, ctx: CallContext, args: Unpacker, reply: Reply) -> None:
         """Answer one rpcbind or portmapper call."""
         if ctx.proc == PROC_NULL:
-            args.done()
+            pass  # void arguments: trailing bytes are ignored, as the other programs do
         elif ctx.vers == PMAP_VERS:
             self._portmapper(ctx, args, reply.packer)
         else:
             self._rpcbind(ctx, args, reply.packer)
 
     def _portmapper(self, ctx: CallContext, args: Unpacker, out: Packer) -> None:
-        if ctx.proc == PROC_DUMP:
-            args.done()
+        if ctx.proc == PROC_DUMP:  # void arguments (pyNfsClient sends eight bytes anyway)
             for b in self.registry.bindings():
                 prot = _NETID_PROTOCOLS.get(b.netid)
                 if prot is not None:
@@ -222,8 +221,7 @@ class Rpcbind:
             out.boolean(_is_local(ctx) and self.registry.unset(prog, vers))
 
     def _rpcbind(self, ctx: CallContext, args: Unpacker, out: Packer) -> None:
-        if ctx.proc in (PROC_DUMP, RPCBPROC_GETTIME):
-            args.done()
+        if ctx.proc in (PROC_DUMP, RPCBPROC_GETTIME):  # void arguments
             if ctx.proc == RPCBPROC_GETTIME:
                 out.uint(int(time.time()) & 0xFFFF_FFFF)
                 return
