@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import pty
 import random
 import re
 import signal
@@ -350,6 +351,36 @@ def test_nfs_get_to_stdout_mkdir_p_and_rm_r(tmp_path: Path) -> None:
         gone = run([*RDMASHIM, "nfs", "rm", "-r", f"127.0.0.1:{export}/a", *where])
         assert gone.returncode == 0 and gone.stderr == "", gone.stderr
         assert list(export.iterdir()) == [export / "f"]
+
+
+def test_nfs_get_and_put_draw_a_progress_bar_on_a_terminal(tmp_path: Path) -> None:
+    """On a terminal (here a pty that reports no size, as ``script`` makes) stderr gets
+    tqdm's bar with the size, percentage and rate; the summary stays on stdout."""
+    data = random.randbytes(3 << 20)
+    (tmp_path / "src").write_bytes(data)
+    with nfs_serve(tmp_path) as (export, where):
+        for argv in (
+            ["put", str(tmp_path / "src"), f"127.0.0.1:{export}/f"],
+            ["get", f"127.0.0.1:{export}/f", str(tmp_path / "back")],
+        ):
+            leader, follower = pty.openpty()
+            try:
+                done = subprocess.run(
+                    [*RDMASHIM, "nfs", *argv, *where], stdout=subprocess.PIPE,
+                    stderr=follower, timeout=120, check=False,
+                )  # fmt: skip
+                os.close(follower)
+                drawn = b""
+                with contextlib.suppress(OSError):  # EIO once the pty has no writer
+                    while chunk := os.read(leader, 65536):
+                        drawn += chunk
+            finally:
+                os.close(leader)
+            bar = drawn.decode(errors="replace")
+            assert done.returncode == 0, bar
+            assert f"{argv[0]} " in bar and "100%|" in bar and "3.00M/3.00M" in bar, bar
+            assert done.stdout.decode().startswith(("put 3145728 bytes", "got 3145728 bytes"))
+    assert (tmp_path / "back").read_bytes() == data
 
 
 def test_ctrl_c_on_a_waiting_ping_server() -> None:

@@ -15,6 +15,7 @@ failure is one line naming its status, exit 1.
 from __future__ import annotations
 
 import argparse
+import os
 import stat
 import sys
 import time
@@ -200,11 +201,12 @@ async def _get(nfs: NfsClient, path: str, args: argparse.Namespace) -> None:
     from rdmashim.ulps.nfsrdma.client import NfsError
     from rdmashim.ulps.nfsrdma.nfs3_types import NFS3ERR_ISDIR
 
-    if (await nfs.getattr(path)).ftype == 2:
+    attrs = await nfs.getattr(path)
+    if attrs.ftype == 2:
         raise NfsError(NFS3ERR_ISDIR, path)
     start = time.monotonic()
     if args.to_stdout:
-        with _bar(args, f"get {path.rsplit('/', 1)[-1]}") as progress:
+        with _bar(args, f"get {path.rsplit('/', 1)[-1]}", attrs.size) as progress:
             count = await nfs.read_file(path, sys.stdout.buffer, progress)
         sys.stdout.buffer.flush()
         _summary("got", count, args.remote.text, "stdout", start, sys.stderr)
@@ -212,7 +214,7 @@ async def _get(nfs: NfsClient, path: str, args: argparse.Namespace) -> None:
     dest: Path = args.dest
     if args.into_dir:
         dest = dest / path.rsplit("/", 1)[-1]
-    with dest.open("wb") as sink, _bar(args, f"get {dest.name}") as progress:
+    with dest.open("wb") as sink, _bar(args, f"get {dest.name}", attrs.size) as progress:
         count = await nfs.read_file(path, sink, progress)
     _summary("got", count, args.remote.text, str(dest), start)
 
@@ -227,7 +229,7 @@ async def _put(nfs: NfsClient, path: str, args: argparse.Namespace) -> None:
     except NfsError:
         pass  # a new file: its directory must exist, which CREATE tells
     start = time.monotonic()
-    with src.open("rb") as source, _bar(args, f"put {src.name}") as progress:
+    with src.open("rb") as source, _bar(args, f"put {src.name}", args.size) as progress:
         count = await nfs.write_file(path, source, args.size, progress)
     _summary("put", count, str(src), args.remote.text, start)
 
@@ -242,14 +244,21 @@ def _summary(
 
 
 @contextmanager
-def _bar(args: argparse.Namespace, label: str) -> Iterator[Progress | None]:
-    """A tqdm progress bar on stderr (none with --quiet or when stderr is no terminal)."""
+def _bar(args: argparse.Namespace, label: str, total: int) -> Iterator[Progress | None]:
+    """A tqdm progress bar on stderr (none with --quiet or when stderr is no terminal).
+
+    A terminal that reports no size (a bare pty) gets an 80x24 one rather than
+    tqdm's empty bar.
+    """
     if args.quiet or not sys.stderr.isatty():
         yield None
         return
     from tqdm import tqdm  # type: ignore[import-untyped]
 
-    with tqdm(desc=label, unit="B", unit_scale=True, unit_divisor=1024, file=sys.stderr) as bar:
+    size = os.get_terminal_size(sys.stderr.fileno())
+    shape = {} if size.columns and size.lines else {"ncols": 80, "nrows": 24}
+    with tqdm(desc=label, total=total, unit="B", unit_scale=True, unit_divisor=1024,
+              file=sys.stderr, **shape) as bar:  # fmt: skip
 
         def progress(done: int, total: int) -> None:
             bar.total = total
