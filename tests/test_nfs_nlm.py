@@ -458,6 +458,17 @@ async def test_blocked_lock_is_granted_by_callback(tmp_path: Path) -> None:
             assert await a.lock(1, 12, 1) is S.GRANTED
 
 
+async def test_a_downgrade_grants_shared_waiters(tmp_path: Path) -> None:
+    with trio.fail_after(20):
+        async with nlm_bed(tmp_path) as bed, host(bed, "alpha") as a, host(bed, "beta") as b:
+            assert await a.lock(1, 0, 0) is S.GRANTED
+            assert await b.lock(7, 0, 1, excl=False, block=True) is S.BLOCKED
+            assert await a.lock(1, 0, 0, excl=False) is S.GRANTED
+            await bed.callbacks.arrived.wait()
+            assert not bed.callbacks.calls[0][1].exclusive
+            assert await a.lock(1, 0, 0) is S.DENIED  # b shares it now
+
+
 async def test_client_that_no_longer_waits_has_the_grant_released(tmp_path: Path) -> None:
     with trio.fail_after(20):
         async with nlm_bed(tmp_path) as bed, host(bed, "alpha") as a, host(bed, "beta") as b:

@@ -135,7 +135,8 @@ class _Blocked:
 
 
 class NlmProgram:
-    """NLM versions 1 to 4 over ``exports`` (the objects NFS serves).
+    """NLM versions 1 to 4 over ``exports`` (the objects NFS serves); version 2, never a
+    protocol of its own, is taken as version 1.
 
     Run :meth:`run` (``nursery.start``) for GRANTED callbacks; without it a
     blocked client learns of its lock only when it asks again.
@@ -290,6 +291,7 @@ class NlmProgram:
         found = self.table.lock(file, owner, lock.oh, start, end, args.exclusive)
         if found is None:
             self.table.cancel(file, owner, start, end, args.exclusive)
+            self._grant(file)  # a downgrade (exclusive to shared) may let waiters through
             return Nlm4Stat.GRANTED
         if not args.block:
             return Nlm4Stat.DENIED
