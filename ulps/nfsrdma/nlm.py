@@ -104,7 +104,7 @@ from rdmashim.ulps.nfsrdma.nlm_types import (
 from rdmashim.ulps.nfsrdma.rpc import RpcError
 from rdmashim.ulps.nfsrdma.rpcbind import RPCBIND_PORT, getport
 from rdmashim.ulps.nfsrdma.service import CallContext, ProcUnavailable, Reply
-from rdmashim.ulps.nfsrdma.tcp import RpcConnectionError, connect_tcp
+from rdmashim.ulps.nfsrdma.tcp import connect_tcp
 from rdmashim.ulps.nfsrdma.xdr import Unpacker, XdrError
 
 log = logging.getLogger(__name__)
@@ -363,7 +363,7 @@ class NlmProgram:
         try:
             with trio.fail_after(self.callback_timeout):
                 stat = await self._granted_call(blocked)
-        except (OSError, RpcError, RpcConnectionError, XdrError, trio.TooSlowError) as exc:
+        except (OSError, RpcError, XdrError, trio.TooSlowError) as exc:  # lost links: OSError
             log.warning(
                 "nlm: GRANTED callback to %s failed (%s): the lock stays theirs; they will ask",
                 blocked.host, exc or type(exc).__name__,
