@@ -13,9 +13,13 @@ files on its disk, byte for byte.
 
 The mount takes no options beyond ``vers``, ``proto`` and ``port``: no
 ``nolock``, so the guest starts rpcbind and rpc.statd as a Debian client has
-them (the server has no NLM program: a lock request would get ENOLCK, and none
-is made here). Root squash is off for this export (the guest's ``cp -a`` runs as
-root and keeps owners). :func:`test_kernel_big_file` then moves a
+them, and its locks go to the server's NLM (over TCP, for either mount):
+:data:`LOCK_STEP` takes a ``lockf`` lock, sees a second process refused
+(LOCK) and told the holder (F_GETLK: TEST), unlocks, has a blocking lock
+wait for a holder and be granted when it lets go (the server's GRANTED
+callback to the guest's lockd, faster than the client's 30 s re-poll), and
+does the same refusal with ``flock``. Root squash is off for this export (the
+guest's ``cp -a`` runs as root and keeps owners). :func:`test_kernel_big_file` then moves a
 256 MiB file each way over RDMA and over TCP, uncaptured, and reports the rates. The RDMA
 run is captured on the bridge and judged by the wire judge (Wireshark's iWARP,
 RPC-over-RDMA and NFS dissectors) when tcpdump and tshark are here.
@@ -66,6 +70,8 @@ RPCBIND_PORT = 111
 BIG_MIB = 16
 HUGE_MIB = 256
 JOB_LIMIT = 900.0
+NLM_POLL_SECONDS = 30
+"""How often a blocked Linux NLM client asks again (NLMCLNT_POLL_TIMEOUT)."""
 
 TREE = {
     "empty": b"",
@@ -120,11 +126,55 @@ diff -r $W/gen $M/in --exclude=big
 (cd $W/gen && find . -mindepth 1 ! -type l -printf '%P %m %T@\n' | sort) > $JOB.modes
 (cd $W && sha256sum big | sed 's| big$| ./big|') >> $JOB.wrote
 readlink $M/link-to-one > $JOB.link
+{locks}
 umount $M
 if grep -q " $M " /proc/mounts; then echo "still mounted"; exit 1; fi
-dmesg | grep -iE "rpcrdma|nfs|siw|rpc" | tail -n 20 || true
+dmesg | grep -iE "rpcrdma|nfs|siw|rpc|lockd" | tail -n 20 || true
 echo "guest job done"
 """
+
+LOCK_STEP = r"""
+# locks go to the server's NLM (no nolock): each step under timeout, so a hang fails fast
+L=$M/lockfile; echo lock > $L
+timeout 90 python3 - $L $JOB.lockwait <<'PY'
+import errno, fcntl, struct, subprocess, sys, time
+path, report = sys.argv[1], sys.argv[2]
+PROBE = (
+    "import errno, fcntl, struct, sys\n"
+    "f = open(sys.argv[1], 'r+')\n"
+    "if sys.argv[2] == 'test':\n"  # F_GETLK: NLM TEST; prints the conflicting type
+    "    got = fcntl.fcntl(f, fcntl.F_GETLK, struct.pack('hhqqi4x', fcntl.F_WRLCK, 0, 0, 0, 0))\n"
+    "    print(struct.unpack('hhqqi4x', got)[0]); sys.exit(0)\n"
+    "try:\n"
+    "    fcntl.lockf(f, fcntl.LOCK_EX | (fcntl.LOCK_NB if sys.argv[2] == 'nb' else 0))\n"
+    "except OSError as e:\n"
+    "    sys.exit(3 if e.errno in (errno.EAGAIN, errno.EACCES) else 4)\n"
+)
+def probe(mode, **kw):
+    return subprocess.run([sys.executable, "-c", PROBE, path, mode], timeout=60, **kw)
+holder = open(path, "r+")
+fcntl.lockf(holder, fcntl.LOCK_EX | fcntl.LOCK_NB)  # LOCK: granted (it hung without NLM)
+assert probe("nb").returncode == 3, "a second owner got the lock the first holds"
+test = probe("test", capture_output=True, text=True)
+assert test.stdout.strip() == str(fcntl.F_WRLCK), test  # TEST names the holder's lock
+fcntl.lockf(holder, fcntl.LOCK_UN)  # UNLOCK
+assert probe("nb").returncode == 0, "the lock was not free after UNLOCK"
+fcntl.lockf(holder, fcntl.LOCK_EX)
+waiter = subprocess.Popen([sys.executable, "-c", PROBE, path, "block"])
+time.sleep(3)
+assert waiter.poll() is None, "a blocking lock did not wait for the holder"
+released = time.monotonic()
+fcntl.lockf(holder, fcntl.LOCK_UN)  # the server grants the waiter: GRANTED callback
+assert waiter.wait(timeout=60) == 0, "the blocked lock was not granted"
+took = time.monotonic() - released
+open(report, "w").write("%.1f\n" % took)
+print("blocked lock granted %.1f s after the release" % took)
+PY
+timeout 60 flock -n $L -c "! flock -n $L true"  # flock: a second open file is refused
+timeout 60 flock -n $L true  # and free again after
+echo "locks: done"
+"""
+"""fcntl/lockf and flock on the mount, through the server's NLM (GUEST_SCRIPT's last step)."""
 
 PROLOGUE = r"""
 if [ $PROTO = rdma ]; then modprobe rpcrdma; fi
@@ -240,7 +290,7 @@ async def mount_and_exercise(
     export = make_export(tmp_path)
     script = GUEST_SCRIPT.format(
         proto=proto, port=port, host=siwvm.HOST_IP, export=export, big_mib=BIG_MIB,
-        prologue=PROLOGUE,
+        prologue=PROLOGUE, locks=LOCK_STEP,
     )  # fmt: skip
     start = time.monotonic()
     async with (
@@ -274,6 +324,8 @@ async def mount_and_exercise(
     assert os.readlink(export / "link-to-one") == "in/a/one"
     assert job.path("link").read_text().strip() == "in/a/one"
     assert not (export / "junk").exists() and not (export / "big.tmp").exists()
+    # the blocked lock came through the GRANTED callback, not the client's 30 s re-poll
+    assert float(job.path("lockwait").read_text()) < NLM_POLL_SECONDS - 5
     return {"seconds": took, "output": result.output}
 
 

@@ -302,3 +302,16 @@ async def _portmapper_set(client: RpcTcpClient, b: Binding, unset: bool) -> bool
     if unset:
         return True
     return (await client.call(RPCBIND_PROG, PMAP_VERS, PROC_SET, request)).boolean()
+
+
+async def getport(
+    host: str, prog: int, vers: int, netid: str = "tcp", port: int = RPCBIND_PORT
+) -> int | None:
+    """The port the portmapper (rpcbind version 2) at ``host``:``port`` names for
+    ``prog``/``vers`` over ``netid`` (tcp or udp); None when it names none."""
+    request = Reply()
+    for value in (prog, vers, _NETID_PROTOCOLS[netid], 0):
+        request.packer.uint(value)
+    async with connect_tcp(host, port) as client:
+        found = (await client.call(RPCBIND_PROG, PMAP_VERS, PMAPPROC_GETPORT, request)).uint()
+    return found or None

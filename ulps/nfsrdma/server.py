@@ -1,9 +1,10 @@
-"""One NFS server: NFSv3 and MOUNT v3 over TCP and RPC-over-RDMA, and rpcbind, in one process.
+"""One NFS server: NFSv3, MOUNT v3 and NLM over TCP and RPC-over-RDMA, and rpcbind, in one process.
 
 :func:`serve_nfs` exports a directory the way ``mount -t nfs -o
 vers=3,proto=rdma,port=20049 host:/export /mnt`` expects to find it: the NFS
-program on RPC-over-RDMA (20049) and on TCP (2049), MOUNT on the same TCP
-port, and rpcbind on 111 telling clients where they are. When port 111 is
+program on RPC-over-RDMA (20049) and on TCP (2049), MOUNT and the lock
+manager (NLM v1, v3, v4: :mod:`.nlm`) on the same TCP port, and rpcbind on
+111 telling clients where they are. When port 111 is
 taken (a system rpcbind runs), the server registers its programs with that
 rpcbind instead. One :class:`~.rpc.RpcServer` answers on every listener.
 """
@@ -21,6 +22,8 @@ import trio
 from rdmashim.ulps.nfsrdma.export import Export
 from rdmashim.ulps.nfsrdma.mount import MountProgram
 from rdmashim.ulps.nfsrdma.nfs3 import Nfs3Program
+from rdmashim.ulps.nfsrdma.nlm import NlmProgram
+from rdmashim.ulps.nfsrdma.nlm_types import NLM_PROG, SERVED_VERSIONS
 from rdmashim.ulps.nfsrdma.rdma_server import serve_rdma
 from rdmashim.ulps.nfsrdma.rpc import RpcServer
 from rdmashim.ulps.nfsrdma.rpcbind import (
@@ -57,6 +60,8 @@ class ServerConfig:
     backend: str | None = None
     """The portable backend of the RDMA listener (None: RDMASHIM_BACKEND, else softiwarp)."""
     state_dir: Path = field(default_factory=lambda: DEFAULT_STATE_DIR / "rdmashim" / "nfs")
+    nlm_grace: float = 0.0
+    """Seconds after the start in which NLM takes only reclaimed locks (see :mod:`.nlm`)."""
 
 
 @dataclass
@@ -83,9 +88,11 @@ async def serve_nfs(
         root_squash=config.root_squash,
     )
     registry = Registry()
-    server = RpcServer([Nfs3Program(export), MountProgram(export), Rpcbind(registry)])
+    nlm = NlmProgram(export, grace=config.nlm_grace)
+    server = RpcServer([Nfs3Program(export), MountProgram(export), nlm, Rpcbind(registry)])
     try:
         async with trio.open_nursery() as nursery:
+            await nursery.start(nlm.run)
             tcp_port = rdma_port = rpcbind_port = None
             if config.tcp_port is not None:
                 listeners = await nursery.start(serve_tcp, server, config.tcp_port, config.host)
@@ -93,6 +100,8 @@ async def serve_nfs(
                 registry.add(NFS_PROG, 3, "tcp", tcp_port)
                 for vers in (1, 2, 3):
                     registry.add(MOUNT_PROG, vers, "tcp", tcp_port)
+                for vers in SERVED_VERSIONS:
+                    registry.add(NLM_PROG, vers, "tcp", tcp_port)
             if config.rdma_port is not None:
                 addr = await nursery.start(
                     lambda task_status: serve_rdma(
