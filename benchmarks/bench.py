@@ -58,12 +58,12 @@ from pathlib import Path
 from typing import Any
 
 import trio
-from report import Status, run_meta, top_functions
 
 import rdmashim
 from rdmashim import Access, QPCap, RecvWR, SendFlags, SendWR, WCOpcode, WCStatus, WROpcode
 from rdmashim.verbs.softiwarp.connection import MpaOptions, accept_qp, connect_qp, read_request
 
+from report import Status, run_meta, top_functions
 from streams import read_exact, stop_process
 
 HOST = "127.0.0.1"
