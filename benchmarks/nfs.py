@@ -134,13 +134,21 @@ class Config:
     profile_dir: Path | None = None
 
 
-class _Prof:
-    """cProfile over a sample's timed window in both processes (``--profile``)."""
+def _server_cpu(pid: int) -> float:
+    """CPU seconds (user and system, all threads) the process ``pid`` has used so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+class Window:
+    """A sample's timed window: wall clock and both processes' CPU time, and with
+    ``--profile`` cProfile in both processes."""
 
     def __init__(self, cfg: Config, name: str) -> None:
         self.cfg = cfg
         self.name = name
         self.profile = cProfile.Profile() if cfg.profile_dir else None
+        self.seconds = self.client_cpu = self.server_cpu = 0.0
 
     def _tell(self, line: str) -> None:
         stdin = self.cfg.server.stdin
@@ -152,8 +160,14 @@ class _Prof:
         if self.profile:
             self._tell("profile")
             self.profile.enable()
+        self.server_cpu = -_server_cpu(self.cfg.server.pid)
+        self.client_cpu = -time.process_time()
+        self.seconds = -time.perf_counter()
 
     async def stop(self) -> None:
+        self.seconds += time.perf_counter()
+        self.client_cpu += time.process_time()
+        self.server_cpu += _server_cpu(self.cfg.server.pid)
         if self.profile and self.cfg.profile_dir:
             self.profile.disable()
             self.profile.dump_stats(self.cfg.profile_dir / f"client-{self.name}.pstats")
@@ -163,6 +177,16 @@ class _Prof:
             answer = await trio.to_thread.run_sync(stdout.readline)
             if answer.strip() != b"DUMPED":
                 raise BenchError(f"the server did not write its profile (said {answer!r})")
+
+    def figures(self, value: float, **more: float) -> dict[str, float]:
+        """The sample's result: its value, the window, the CPU time of each process."""
+        return {
+            "value": value,
+            "seconds": self.seconds,
+            "client_cpu_s": self.client_cpu,
+            "server_cpu_s": self.server_cpu,
+            **more,
+        }
 
 
 class Collect:
@@ -180,59 +204,48 @@ class Collect:
         return len(data)
 
 
-def _bw(nbytes: int, seconds: float) -> dict[str, float]:
-    return {"value": nbytes / seconds / MiB, "bytes": nbytes, "seconds": seconds}
-
-
-async def bench_read(nfs: NfsClient, cfg: Config, prof: _Prof) -> dict[str, float]:
+async def bench_read(nfs: NfsClient, cfg: Config, window: Window) -> dict[str, float]:
     sink = Collect(cfg.size)
-    prof.start()
-    t0 = time.perf_counter()
+    window.start()
     got = await nfs.read_file("/" + READ_FILE, sink)
-    elapsed = time.perf_counter() - t0
-    await prof.stop()
+    await window.stop()
     if got != cfg.size or sink.buf != cfg.data:
         raise BenchError(f"READ: {got} bytes, not the {cfg.size} bytes of the file")
-    return _bw(got, elapsed)
+    return window.figures(got / window.seconds / MiB, bytes=got)
 
 
-async def bench_write(nfs: NfsClient, cfg: Config, prof: _Prof) -> dict[str, float]:
+async def bench_write(nfs: NfsClient, cfg: Config, window: Window) -> dict[str, float]:
     source = io.BytesIO(cfg.data)
-    prof.start()
-    t0 = time.perf_counter()
+    window.start()
     put = await nfs.write_file("/" + WRITE_FILE, source, cfg.size)
-    elapsed = time.perf_counter() - t0
-    await prof.stop()
+    await window.stop()
     if put != cfg.size or (cfg.export_dir / WRITE_FILE).read_bytes() != cfg.data:
         raise BenchError(f"WRITE: the file on disk is not the {cfg.size} bytes written")
-    return _bw(put, elapsed)
+    return window.figures(put / window.seconds / MiB, bytes=put)
 
 
-async def bench_getattr(nfs: NfsClient, cfg: Config, prof: _Prof) -> dict[str, float]:
+async def bench_getattr(nfs: NfsClient, cfg: Config, window: Window) -> dict[str, float]:
     clock = time.perf_counter_ns
     samples: list[int] = []
-    prof.start()
-    t0 = time.perf_counter()
+    window.start()
     for _ in range(cfg.getattrs):
         t = clock()
         await nfs.getattr("/")  # the root: one GETATTR, no LOOKUP
         samples.append(clock() - t)
-    elapsed = time.perf_counter() - t0
-    await prof.stop()
+    await window.stop()
     us = sorted(s / 1000 for s in samples)
-    return {
-        "value": cfg.getattrs / elapsed,
-        "calls": cfg.getattrs,
-        "seconds": elapsed,
-        "lat_median_us": statistics.median(us),
-        "lat_p99_us": us[min(len(us) - 1, int(len(us) * 0.99))],
-    }
+    return window.figures(
+        cfg.getattrs / window.seconds,
+        calls=cfg.getattrs,
+        lat_median_us=statistics.median(us),
+        lat_p99_us=us[min(len(us) - 1, int(len(us) * 0.99))],
+    )
 
 
 @dataclass(frozen=True)
 class Bench:
     name: str
-    run: Callable[[NfsClient, Config, _Prof], Awaitable[dict[str, float]]]
+    run: Callable[[NfsClient, Config, Window], Awaitable[dict[str, float]]]
     unit: str
 
 
@@ -248,7 +261,7 @@ async def one_sample(cfg: Config, bench: Bench, proto: Proto) -> dict[str, float
     async with NfsClient.connect(
         HOST, cfg.export, proto=proto, rpcbind_port=cfg.rpcbind_port
     ) as nfs:
-        return await bench.run(nfs, cfg, _Prof(cfg, f"{bench.name}-{proto}"))
+        return await bench.run(nfs, cfg, Window(cfg, f"{bench.name}-{proto}"))
 
 
 def _median(details: list[dict[str, float]], key: str = "value") -> float:
@@ -278,6 +291,8 @@ async def run_samples(
             "tcp": [d["value"] for d in details["tcp"]],
             "samples": details,
         }
+        for key in ("seconds", "client_cpu_s", "server_cpu_s"):
+            result[key] = {proto: _median(details[proto], key) for proto in PROTOS}
         if bench.name == "getattr":
             for key in ("lat_median_us", "lat_p99_us"):
                 result[key] = {proto: _median(details[proto], key) for proto in PROTOS}
@@ -305,6 +320,17 @@ def print_table(cfg: Config, results: list[dict[str, Any]]) -> None:
             print(_row(r["name"], size, r["rdma_median"], r["tcp_median"], r["unit"]))
     print(RESULT_LINE)
     print(" ratio RDMA/TCP: above 1 is faster over RDMA, but for usec (latency) it is slower")
+    print(f" {'seconds (median)':<23}{'RDMA: window':>13}{'client':>8}{'server':>8}"
+          f"{'TCP: window':>13}{'client':>8}{'server':>8}")  # fmt: skip
+    for r in results:
+        cells = "".join(
+            f"{r['seconds'][proto]:>13.3f}{r['client_cpu_s'][proto]:>8.3f}"
+            f"{r['server_cpu_s'][proto]:>8.3f}"
+            for proto in PROTOS
+        )
+        print(f" {r['name']:<23}{cells}")
+    print(" client, server: CPU time (user+system, all threads) of each process in the window")
+    print(RESULT_LINE)
 
 
 def _filesystem(path: Path) -> str:
