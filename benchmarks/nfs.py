@@ -105,9 +105,14 @@ async def _control(profile_dir: Path | None) -> None:
                     print("DUMPED", flush=True)
 
 
-async def serve_main(export: Path, state: Path, profile_dir: Path | None) -> None:
+async def serve_main(
+    export: Path, state: Path, profile_dir: Path | None, at: list[str] | None
+) -> None:
+    """The server: on free ports of 127.0.0.1 with our rpcbind, or ``at`` (host, TCP and
+    RDMA ports) without rpcbind (``benchmarks/nfs_kernel.py``)."""
+    host, tcp, rdma, rpcbind = (at[0], int(at[1]), int(at[2]), None) if at else (HOST, 0, 0, 0)
     config = ServerConfig(
-        export, root_squash=False, host=HOST, tcp_port=0, rdma_port=0, rpcbind_port=0,
+        export, root_squash=False, host=host, tcp_port=tcp, rdma_port=rdma, rpcbind_port=rpcbind,
         backend="softiwarp", state_dir=state,
     )  # fmt: skip
     async with trio.open_nursery() as nursery:
@@ -428,6 +433,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--serve", nargs=2, metavar=("EXPORT", "STATE"), help=argparse.SUPPRESS)
     p.add_argument("--profile-dir", help=argparse.SUPPRESS)
+    p.add_argument("--serve-at", nargs=3, metavar=("HOST", "TCP", "RDMA"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.repeat is None:
         args.repeat = 3
@@ -444,7 +450,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.serve:
         profile_dir = Path(args.profile_dir) if args.profile_dir else None
-        trio.run(serve_main, Path(args.serve[0]), Path(args.serve[1]), profile_dir)
+        trio.run(serve_main, Path(args.serve[0]), Path(args.serve[1]), profile_dir, args.serve_at)
         return 0
     benches = [b for b in BENCHES if not args.only or b.name in args.only]
     profile_dir = Path(args.profile).resolve() if args.profile else None
