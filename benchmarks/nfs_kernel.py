@@ -62,6 +62,8 @@ READ_FILE = "in.bin"
 MiB = 1 << 20
 PROTOS = ("rdma", "tcp")
 RESULT_LINE = "-" * 72
+MOUNTS: dict[str, str] = {}
+"""The guest's /proc/mounts line of each transport's mount (its rsize, wsize, ...)."""
 
 GUEST_SCRIPT = r"""
 set -e -o pipefail
@@ -70,6 +72,7 @@ if [ $PROTO = rdma ]; then modprobe rpcrdma; fi
 mkdir -p $M
 mount -t nfs -o vers=3,proto=$PROTO,port={port},mountport={tcp_port},mountproto=tcp,nolock \
     {host}:{export} $M
+echo "MOUNT $(grep " $M " /proc/mounts)"
 now() {{ date +%s.%N; }}
 T0=$(now)
 dd if=/dev/zero of=$M/out.$PROTO bs=1M count={mib} conv=fsync status=none
@@ -122,7 +125,9 @@ async def one_run(guest: siwvm.Guest, export: Path, proto: str, mib: int) -> dic
         raise RuntimeError(f"guest job ({proto}) failed:\n{result.output}")
     seconds = {}
     for line in result.output.splitlines():
-        if line.startswith("RESULT "):
+        if line.startswith("MOUNT "):
+            MOUNTS[proto] = line.removeprefix("MOUNT ")
+        elif line.startswith("RESULT "):
             _, op, t0, t1 = line.split()
             seconds[op] = float(t1) - float(t0)
     if set(seconds) != {"read", "write"}:
@@ -202,6 +207,9 @@ def main(argv: list[str] | None = None) -> int:
             {"name": name, "rdma_median": rdma, "tcp_median": tcp, "ratio": rdma / tcp, **mibs}
         )
     print(f" guest booted in {meta['boot_seconds']:.1f} s; {args.repeat} samples per transport")
+    for proto, line in MOUNTS.items():
+        print(f" {proto} mount: {line}")
+    meta["mounts"] = MOUNTS
     print_table(args.size, results)
     if args.json:
         doc = {"meta": meta, "seconds": seconds, "results": results}
