@@ -398,7 +398,9 @@ async def client_main(
     return meta, results
 
 
-def report_profiles(details: list[tuple[Bench, Proto, dict]], profile_dir: Path) -> None:
+def report_profiles(
+    details: list[tuple[Bench, Proto, dict[str, float]]], profile_dir: Path
+) -> None:
     """Print the top functions of both processes' profiles of each sample."""
     for bench, proto, detail in details:
         name = f"{bench.name}-{proto}"
