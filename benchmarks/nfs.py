@@ -61,7 +61,7 @@ import trio
 from rdmashim.ulps.nfsrdma.client import COMMIT_EVERY, IN_FLIGHT, NfsClient, Proto
 from rdmashim.ulps.nfsrdma.server import ServerConfig, serve_nfs
 
-from report import Status, run_meta, top_functions
+from report import Status, process_cpu, run_meta, top_functions
 from streams import stop_process
 
 HOST = "127.0.0.1"
@@ -139,12 +139,6 @@ class Config:
     profile_dir: Path | None = None
 
 
-def _server_cpu(pid: int) -> float:
-    """CPU seconds (user and system, all threads) the process ``pid`` has used so far."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 class Window:
     """A sample's timed window: wall clock and both processes' CPU time, and with
     ``--profile`` cProfile in both processes."""
@@ -165,14 +159,14 @@ class Window:
         if self.profile:
             self._tell("profile")
             self.profile.enable()
-        self.server_cpu = -_server_cpu(self.cfg.server.pid)
+        self.server_cpu = -process_cpu(self.cfg.server.pid)
         self.client_cpu = -time.process_time()
         self.seconds = -time.perf_counter()
 
     async def stop(self) -> None:
         self.seconds += time.perf_counter()
         self.client_cpu += time.process_time()
-        self.server_cpu += _server_cpu(self.cfg.server.pid)
+        self.server_cpu += process_cpu(self.cfg.server.pid)
         if self.profile and self.cfg.profile_dir:
             self.profile.disable()
             self.profile.dump_stats(self.cfg.profile_dir / f"client-{self.name}.pstats")

@@ -39,6 +39,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -46,7 +47,7 @@ from typing import Any
 
 import trio
 
-from report import Status, run_meta
+from report import Status, process_cpu, run_meta
 from streams import stop_process
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
@@ -113,14 +114,19 @@ def start_server(export: Path, state: Path) -> subprocess.Popen[bytes]:
     return server
 
 
-async def one_run(guest: siwvm.Guest, export: Path, proto: str, mib: int) -> dict[str, float]:
-    """Mount over ``proto``, write then read ``mib`` MiB with dd, unmount; seconds of each."""
+async def one_run(
+    guest: siwvm.Guest, server: subprocess.Popen[bytes], export: Path, proto: str, mib: int
+) -> dict[str, float]:
+    """Mount over ``proto``, write then read ``mib`` MiB with dd, unmount; seconds of each,
+    and of the whole job the wall-clock time and the server's CPU time."""
     port = RDMA_PORT if proto == "rdma" else TCP_PORT
     script = GUEST_SCRIPT.format(
         proto=proto, port=port, tcp_port=TCP_PORT, host=siwvm.HOST_IP, export=export,
         mib=mib, read_file=READ_FILE,
     )  # fmt: skip
+    cpu, start = process_cpu(server.pid), time.monotonic()
     result = await guest.run(script, limit=60.0 + 10.0 * mib)
+    job = {"job": time.monotonic() - start, "server_cpu": process_cpu(server.pid) - cpu}
     if result.returncode != 0:
         raise RuntimeError(f"guest job ({proto}) failed:\n{result.output}")
     seconds = {}
@@ -132,21 +138,21 @@ async def one_run(guest: siwvm.Guest, export: Path, proto: str, mib: int) -> dic
             seconds[op] = float(t1) - float(t0)
     if set(seconds) != {"read", "write"}:
         raise RuntimeError(f"guest job ({proto}) gave no timings:\n{result.output}")
-    return seconds
+    return seconds | job
 
 
 async def run_all(
-    guest: siwvm.Guest, export: Path, mib: int, repeat: int
+    guest: siwvm.Guest, server: subprocess.Popen[bytes], export: Path, mib: int, repeat: int
 ) -> dict[str, dict[str, list[float]]]:
     status = Status()
     seconds: dict[str, dict[str, list[float]]] = {
-        op: {p: [] for p in PROTOS} for op in ("write", "read")
+        key: {p: [] for p in PROTOS} for key in ("write", "read", "job", "server_cpu")
     }
     for i in range(repeat):
         for proto in PROTOS:
             status.show(f"guest dd: sample {i + 1}/{repeat} ({proto})")
-            for op, s in (await one_run(guest, export, proto, mib)).items():
-                seconds[op][proto].append(s)
+            for key, s in (await one_run(guest, server, export, proto, mib)).items():
+                seconds[key][proto].append(s)
     status.clear()
     return seconds
 
@@ -193,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             guest.start()
             meta["boot_seconds"] = guest.boot_seconds
-            seconds = trio.run(run_all, guest, export, args.size, args.repeat)
+            seconds = trio.run(run_all, guest, server, export, args.size, args.repeat)
         finally:
             guest.stop()
             stop_process(server)
@@ -211,6 +217,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f" {proto} mount: {line}")
     meta["mounts"] = MOUNTS
     print_table(args.size, results)
+    for proto in PROTOS:
+        job, cpu = (statistics.median(seconds[k][proto]) for k in ("job", "server_cpu"))
+        print(f" {proto} job (mount, write, read, umount): {job:.1f} s, server CPU {cpu:.2f} s")
     if args.json:
         doc = {"meta": meta, "seconds": seconds, "results": results}
         Path(args.json).write_text(json.dumps(doc, indent=2) + "\n")

@@ -42,6 +42,12 @@ def run_meta() -> dict[str, Any]:
     }
 
 
+def process_cpu(pid: int) -> float:
+    """CPU seconds (user and system, all threads) the process ``pid`` has used so far (Linux)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 class Status:
     """A one-line ``\\r`` status on stderr, only when stderr is a terminal."""
 
