@@ -45,12 +45,8 @@ from __future__ import annotations
 
 import argparse
 import cProfile
-import datetime
-import io
 import json
 import os
-import platform
-import pstats
 import statistics
 import struct
 import subprocess
@@ -67,6 +63,7 @@ import rdmashim
 from rdmashim import Access, QPCap, RecvWR, SendFlags, SendWR, WCOpcode, WCStatus, WROpcode
 from rdmashim.verbs.softiwarp.connection import MpaOptions, accept_qp, connect_qp, read_request
 
+from report import Status, run_meta, top_functions
 from streams import read_exact, stop_process
 
 HOST = "127.0.0.1"
@@ -707,26 +704,6 @@ def _perftest_keys(bench: Bench, detail: dict[str, float]) -> dict[str, float]:
     }
 
 
-class Status:
-    """A one-line ``\\r`` status on stderr, only when stderr is a terminal."""
-
-    def __init__(self) -> None:
-        self.on = sys.stderr.isatty()
-        self.width = 0
-
-    def show(self, text: str) -> None:
-        if self.on:
-            sys.stderr.write("\r" + text.ljust(self.width))
-            sys.stderr.flush()
-            self.width = len(text)
-
-    def clear(self) -> None:
-        if self.on and self.width:
-            sys.stderr.write("\r" + " " * self.width + "\r")
-            sys.stderr.flush()
-            self.width = 0
-
-
 async def run_samples(
     ctx: Any, cfg: Config, benches: list[Bench], repeat: int, status: Status
 ) -> list[dict[str, Any]]:
@@ -839,40 +816,13 @@ def report_profiles(benches: list[Bench], details: list[dict], profile_dir: Path
         for label in ("client", "server"):
             path = profile_dir / f"{label}-{bench.name}.pstats"
             print(f"-- {label} process, top 15 by tottime ({path})")
-            print(_top(path, 15) if path.exists() else "   (no profile written)")
-
-
-def _top(path: Path, n: int) -> str:
-    out = io.StringIO()
-    stats = pstats.Stats(str(path), stream=out)
-    stats.sort_stats(pstats.SortKey.TIME).print_stats(n)
-    text = out.getvalue()
-    start = text.find("   ncalls")
-    return text[start:].rstrip() if start >= 0 else text.rstrip()
+            print(top_functions(path, 15) if path.exists() else "   (no profile written)")
 
 
 # ------------------------------------------------------------------ main
 def _meta(cfg: Config, args: argparse.Namespace) -> dict[str, Any]:
-    try:
-        commit = subprocess.run(
-            ["git", "rev-parse", "HEAD"],
-            cwd=Path(__file__).resolve().parent,
-            capture_output=True,
-            text=True,
-            check=False,
-        ).stdout.strip()
-    except OSError:
-        commit = ""
     return {
-        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "python": platform.python_version(),
-        "implementation": platform.python_implementation(),
-        "platform": platform.platform(),
-        "nproc": os.cpu_count(),
-        "loadavg_start": os.getloadavg(),
-        "commit": commit,
-        "rdmashim": rdmashim.__version__,
-        "trio": trio.__version__,
+        **run_meta(),
         "device": DEVICE,
         "host": HOST,
         "crc": cfg.crc,

@@ -1,0 +1,78 @@
+"""What the benchmark scripts share for reporting: run metadata, the progress line, profiles."""
+
+from __future__ import annotations
+
+import datetime
+import io
+import os
+import platform
+import pstats
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import trio
+
+import rdmashim
+
+
+def run_meta() -> dict[str, Any]:
+    """Where and when a run happened: date, commit, Python, CPUs, load average at the start."""
+    try:
+        commit = subprocess.run(
+            ["git", "rev-parse", "HEAD"],
+            cwd=Path(__file__).resolve().parent,
+            capture_output=True,
+            text=True,
+            check=False,
+        ).stdout.strip()
+    except OSError:
+        commit = ""
+    return {
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "python": platform.python_version(),
+        "implementation": platform.python_implementation(),
+        "platform": platform.platform(),
+        "nproc": os.cpu_count(),
+        "loadavg_start": os.getloadavg(),
+        "commit": commit,
+        "rdmashim": rdmashim.__version__,
+        "trio": trio.__version__,
+    }
+
+
+def process_cpu(pid: int) -> float:
+    """CPU seconds (user and system, all threads) the process ``pid`` has used so far (Linux)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+class Status:
+    """A one-line ``\\r`` status on stderr, only when stderr is a terminal."""
+
+    def __init__(self) -> None:
+        self.on = sys.stderr.isatty()
+        self.width = 0
+
+    def show(self, text: str) -> None:
+        if self.on:
+            sys.stderr.write("\r" + text.ljust(self.width))
+            sys.stderr.flush()
+            self.width = len(text)
+
+    def clear(self) -> None:
+        if self.on and self.width:
+            sys.stderr.write("\r" + " " * self.width + "\r")
+            sys.stderr.flush()
+            self.width = 0
+
+
+def top_functions(path: Path, n: int) -> str:
+    """The ``n`` functions of a pstats file with the most time of their own (tottime)."""
+    out = io.StringIO()
+    stats = pstats.Stats(str(path), stream=out)
+    stats.sort_stats(pstats.SortKey.TIME).print_stats(n)
+    text = out.getvalue()
+    start = text.find("   ncalls")
+    return text[start:].rstrip() if start >= 0 else text.rstrip()
