@@ -286,7 +286,9 @@ class _Responder:
             reply_chunk = _filled(call.reply_chunk, len(body))
             header = Header(call.xid, credits, Proc.RDMA_NOMSG, (), tuple(returned), reply_chunk)
             wire, body = header.encode(), b""
-        source = bytearray(b"".join(sources))
+        # One writable source (READ's data) is registered where it is; else one copy.
+        one = len(sources) == 1 and not sources[0].readonly
+        source = sources[0] if one else bytearray(b"".join(sources))
         ops = _spread(writes, len(source))
         regions = [self.ep.register(source)] if source else []
         wrs = [
