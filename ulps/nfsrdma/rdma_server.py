@@ -220,20 +220,24 @@ class _Responder:
         total = sum(chunk_length(c) for _, c in chunks)
         if total > self.settings.max_call_size:
             raise ChunkError(f"{total} bytes of Read chunks, at most {self.settings.max_call_size}")
-        # Lay out the stream: inline runs, and room for each chunk and its roundup.
-        out = bytearray()
-        used = 0
+        # Lay out the stream: inline runs, and room for each chunk and its roundup;
+        # then make it once at its final size and copy the inline runs in.
+        size = used = 0
+        runs: list[tuple[int, int, int]] = []  # (at in the stream, at in inline, length)
         places: list[tuple[int, Chunk]] = []
         for position, chunk in chunks:
-            before = position - len(out)
+            before = position - size
             if before < 0 or used + before > len(inline):
                 raise ChunkError(f"Read chunk position {position} outside the call")
-            out += inline[used : used + before]
-            used += before
-            places.append((len(out), chunk))
+            runs.append((size, used, before))
+            size, used = size + before, used + before
+            places.append((size, chunk))
             n = chunk_length(chunk)
-            out += bytes(n + pad(n))
-        out += inline[used:]
+            size += n + pad(n)
+        runs.append((size, used, len(inline) - used))
+        out = bytearray(size + len(inline) - used)
+        for at, start, n in runs:
+            out[at : at + n] = inline[start : start + n]
         if not places:
             return out
         mr = self.ep.register(out, Access.LOCAL_WRITE)
