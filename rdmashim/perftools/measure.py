@@ -25,11 +25,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import trio
+import trio.lowlevel
 
-from rdmashim import RecvWR, SendFlags, SendWR, WCOpcode, WCStatus, WROpcode
+from rdmashim import RecvWR, SendFlags, SendWR, WCStatus, WROpcode
 from rdmashim.perftools import wire
 from rdmashim.perftools.options import PerfConfig
-from rdmashim.perftools.session import PerfError, Resources, completion_error
+from rdmashim.perftools.session import Resources, completion_error
 
 Progress = Callable[[int], None]
 """Called with the number of messages just completed (for a progress bar)."""
@@ -85,7 +86,9 @@ async def bw_client(res: Resources, size: int, progress: Progress | None = None)
                     break
                 if credit:
                     assert link.credit_mr is not None
-                    granted = wire.CREDIT.unpack_from(link.credit_mr.buf, 4 * (config.num_qps + q))[0]
+                    granted = wire.CREDIT.unpack_from(link.credit_mr.buf, 4 * (config.num_qps + q))[
+                        0
+                    ]
                     if scnt[q] + 1 - granted >= config.rx_depth:
                         break
                 k = scnt[q]
@@ -115,7 +118,7 @@ async def bw_client(res: Resources, size: int, progress: Progress | None = None)
         wcs = res.send_cq.poll(64)
         if not wcs:
             if not per_qp:  # nothing signalled out: waiting for credits, which raise no completion
-                await trio.sleep(0)
+                await trio.lowlevel.checkpoint()
                 continue
             wcs = await res.send_cq.poll_wait(64)
         _check(res, wcs, what)
@@ -140,9 +143,7 @@ def post_receives(res: Resources, size: int, count: int) -> None:
             link.cm_id.qp.post_recv(RecvWR(link.index, [sge]))  # type: ignore[union-attr]
 
 
-async def send_bw_server(
-    res: Resources, size: int, progress: Progress | None = None
-) -> Stamps:
+async def send_bw_server(res: Resources, size: int, progress: Progress | None = None) -> Stamps:
     """Receive the client's Sends (receives already posted), granting credits."""
     config = res.config
     assert res.recv_cq is not None and res.send_cq is not None
@@ -237,7 +238,7 @@ async def write_lat(res: Resources, size: int, progress: Progress | None = None)
             while buf[poll_at] != rcnt & 0xFF:
                 if time.monotonic() >= deadline:
                     break
-                await trio.sleep(0)
+                await trio.lowlevel.checkpoint()
         if iters is None or scnt < iters:
             scnt += 1
             stamps.posted.append(time.perf_counter_ns())

@@ -85,60 +85,132 @@ def add_arguments(p: argparse.ArgumentParser, tool: str) -> None:
     """perftest's flags (the ones that apply here) for ``tool``."""
     lat = tool.endswith("_lat")
     p.add_argument(
-        "server_addr", nargs="?", type=host, default=None,
+        "server_addr",
+        nargs="?",
+        type=host,
+        default=None,
         help="the server to connect to (none: be the server)",
-    )  # fmt: skip
+    )
     p.add_argument("-d", "--ib-dev", dest="device", default=None, help="use device DEV")
     p.add_argument(
         "-p", "--port", type=port, default=PORT, help=f"port of the exchange (default {PORT})"
     )
     p.add_argument(
-        "-s", "--size", type=size(1, MAX_MSG), default=None,
+        "-s",
+        "--size",
+        type=size(1, MAX_MSG),
+        default=None,
         help=f"message size (default {2 if lat else 65536})",
-    )  # fmt: skip
+    )
     p.add_argument(
-        "-n", "--iters", type=integer(MIN_ITERS, 1 << 31), default=None,
+        "-n",
+        "--iters",
+        type=integer(MIN_ITERS, 1 << 31),
+        default=None,
         help=f"iterations (at least {MIN_ITERS}; default {5000 if tool == 'write_bw' else 1000})",
-    )  # fmt: skip
+    )
     p.add_argument(
-        "-D", "--duration", type=duration(least=1.0), default=None,
+        "-D",
+        "--duration",
+        type=duration(least=1.0),
+        default=None,
         help="run for this many seconds instead of -n",
-    )  # fmt: skip
-    p.add_argument("-a", "--all", dest="all_sizes", action="store_true",
-                   help="run sizes 2 B .. 8 MiB (powers of 2)")  # fmt: skip
+    )
     p.add_argument(
-        "--max-size", type=size(2, MAX_SIZE), default=MAX_SIZE,
+        "-a",
+        "--all",
+        dest="all_sizes",
+        action="store_true",
+        help="run sizes 2 B .. 8 MiB (powers of 2)",
+    )
+    p.add_argument(
+        "--max-size",
+        type=size(2, MAX_SIZE),
+        default=MAX_SIZE,
         help="largest size -a runs (not in perftest; both sides must agree; default 8M)",
-    )  # fmt: skip
-    p.add_argument("-t", "--tx-depth", type=integer(1, 1 << 15), default=None,
-                   help=f"send queue depth (default {1 if lat else 128})")  # fmt: skip
-    p.add_argument("-r", "--rx-depth", type=integer(1, 1 << 15), default=None,
-                   help="receive queue depth (Send tests; default 512)")  # fmt: skip
-    p.add_argument("-Q", "--cq-mod", type=integer(1, 1024), default=None,
-                   help=f"signal every N-th work request (default {CQ_MOD})")  # fmt: skip
+    )
     p.add_argument(
-        "-q", "--qp", dest="num_qps", type=integer(1, 64), default=1,
+        "-t",
+        "--tx-depth",
+        type=integer(1, 1 << 15),
+        default=None,
+        help=f"send queue depth (default {1 if lat else 128})",
+    )
+    p.add_argument(
+        "-r",
+        "--rx-depth",
+        type=integer(1, 1 << 15),
+        default=None,
+        help="receive queue depth (Send tests; default 512)",
+    )
+    p.add_argument(
+        "-Q",
+        "--cq-mod",
+        type=integer(1, 1024),
+        default=None,
+        help=f"signal every N-th work request (default {CQ_MOD})",
+    )
+    p.add_argument(
+        "-q",
+        "--qp",
+        dest="num_qps",
+        type=integer(1, 64),
+        default=1,
         help="number of QPs (bandwidth tests; each is an rdma_cm connection)",
-    )  # fmt: skip
-    p.add_argument("-o", "--outs", dest="out_reads", type=integer(1, 1024), default=None,
-                   help="outstanding RDMA Reads (Read tests; default: the device's limit)")  # fmt: skip
+    )
     p.add_argument(
-        "-R", "--rdma_cm", "--rdma-cm", dest="rdma_cm", action="store_true",
+        "-o",
+        "--outs",
+        dest="out_reads",
+        type=integer(1, 1024),
+        default=None,
+        help="outstanding RDMA Reads (Read tests; default: the device's limit)",
+    )
+    p.add_argument(
+        "-R",
+        "--rdma_cm",
+        "--rdma-cm",
+        dest="rdma_cm",
+        action="store_true",
         help="connect the QPs with the rdma_cm (always so here: iWARP has no other way)",
-    )  # fmt: skip
-    p.add_argument("-F", "--CPU-freq", dest="cpu_freq", action="store_true",
-                   help="accepted for perftest's sake (we measure with a monotonic clock)")  # fmt: skip
+    )
+    p.add_argument(
+        "-F",
+        "--CPU-freq",
+        dest="cpu_freq",
+        action="store_true",
+        help="accepted for perftest's sake (we measure with a monotonic clock)",
+    )
     p.add_argument("-c", "--connection", default="RC", help="connection type (only RC)")
-    p.add_argument("--report_gbits", "--report-gbits", dest="gbits", action="store_true",
-                   help="report bandwidth in Gb/s (10**9 bits) instead of MB/s")  # fmt: skip
-    p.add_argument("--cpu_util", "--cpu-util", dest="cpu_util", action="store_true",
-                   help="show this host's CPU use during each measurement")  # fmt: skip
-    p.add_argument("--plot", metavar="FILE", default=None,
-                   help="draw the -a sweep into FILE.png or FILE.svg (needs matplotlib)")  # fmt: skip
-    p.add_argument("--bind", type=host, default=None,
-                   help="server: the address to listen on (default all)")  # fmt: skip
-    p.add_argument("--backend", type=backend, default=None,
-                   help="backend (default: RDMASHIM_BACKEND, else softiwarp)")  # fmt: skip
+    p.add_argument(
+        "--report_gbits",
+        "--report-gbits",
+        dest="gbits",
+        action="store_true",
+        help="report bandwidth in Gb/s (10**9 bits) instead of MB/s",
+    )
+    p.add_argument(
+        "--cpu_util",
+        "--cpu-util",
+        dest="cpu_util",
+        action="store_true",
+        help="show this host's CPU use during each measurement",
+    )
+    p.add_argument(
+        "--plot",
+        metavar="FILE",
+        default=None,
+        help="draw the -a sweep into FILE.png or FILE.svg (needs matplotlib)",
+    )
+    p.add_argument(
+        "--bind", type=host, default=None, help="server: the address to listen on (default all)"
+    )
+    p.add_argument(
+        "--backend",
+        type=backend,
+        default=None,
+        help="backend (default: RDMASHIM_BACKEND, else softiwarp)",
+    )
 
 
 def config_from_args(tool: str, args: argparse.Namespace) -> PerfConfig:
@@ -183,12 +255,26 @@ def config_from_args(tool: str, args: argparse.Namespace) -> PerfConfig:
     if send and rx_depth % 2 and not args.all_sizes:
         rx_depth += 1  # perftest rounds an odd Send rx depth up (without -a)
     return PerfConfig(
-        tool=tool, server_addr=args.server_addr, port=args.port, device=args.device,
-        backend=args.backend, size=size_, iters=iters, duration=args.duration,
-        all_sizes=args.all_sizes, max_size=args.max_size, tx_depth=tx_depth, rx_depth=rx_depth,
-        cq_mod=cq_mod, num_qps=args.num_qps, out_reads=args.out_reads, gbits=args.gbits,
-        cpu_util=args.cpu_util, plot=args.plot, bind=args.bind,
-    )  # fmt: skip
+        tool=tool,
+        server_addr=args.server_addr,
+        port=args.port,
+        device=args.device,
+        backend=args.backend,
+        size=size_,
+        iters=iters,
+        duration=args.duration,
+        all_sizes=args.all_sizes,
+        max_size=args.max_size,
+        tx_depth=tx_depth,
+        rx_depth=rx_depth,
+        cq_mod=cq_mod,
+        num_qps=args.num_qps,
+        out_reads=args.out_reads,
+        gbits=args.gbits,
+        cpu_util=args.cpu_util,
+        plot=args.plot,
+        bind=args.bind,
+    )
 
 
 __all__ = [

@@ -20,9 +20,7 @@ def require_matplotlib() -> None:
     try:
         import matplotlib  # noqa: F401
     except ImportError:
-        raise PlotUnavailable(
-            "--plot needs matplotlib: pip install 'rdmashim[plot]'"
-        ) from None
+        raise PlotUnavailable("--plot needs matplotlib: pip install 'rdmashim[plot]'") from None
 
 
 def plot_sweep(path: str, tool: str, rows: Sequence[BwResult], *, gbits: bool = False) -> None:

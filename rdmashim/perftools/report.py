@@ -19,6 +19,7 @@ successive posts (halved for the ping-pong tests, whose gap is a round trip).
 
 from __future__ import annotations
 
+import itertools
 import math
 import statistics
 from collections.abc import Sequence
@@ -109,7 +110,7 @@ def bw_result(
     if peak:
         best_per_msg = math.inf
         starts = range(0, iters, max(1, iters // PEAK_SAMPLES))
-        ends = completed[:: max(1, len(completed) // PEAK_SAMPLES)] + [completed[-1]]
+        ends = [*completed[:: max(1, len(completed) // PEAK_SAMPLES)], completed[-1]]
         for i in starts:
             start = posted[i]
             for j, done in ends:
@@ -127,27 +128,32 @@ def bw_span_result(
     """A bandwidth line with no peak: ``iters`` messages of ``size`` bytes in the span."""
     seconds = max(end_ns - start_ns, 1) / 1e9
     unit = GBIT_BYTES if gbits else MB
-    return BwResult(size, iters, 0.0, size * iters / seconds / unit, iters / seconds / 1e6, cpu_util)
+    return BwResult(
+        size, iters, 0.0, size * iters / seconds / unit, iters / seconds / 1e6, cpu_util
+    )
 
 
 def lat_result(
-    size: int, posted: Sequence[int], *, round_trip: bool, cpu_util: float | None = None
-) -> LatResult:
+    size: int, posted: Sequence[int], *, round_trip: bool, iters: int | None = None,
+    cpu_util: float | None = None,
+) -> LatResult:  # fmt: skip
     """A latency line from the post time (ns) of each iteration.
 
     Each sample is the gap between two successive posts, halved when the gap
     is a round trip (``write_lat``, ``send_lat``); percentiles are nearest-rank.
+    ``iters`` (default: one per post) is the count shown.
     """
+    shown = len(posted) if iters is None else iters
     factor = 2000.0 if round_trip else 1000.0  # ns -> us, and halve a round trip
-    gaps = sorted((b - a) / factor for a, b in zip(posted, posted[1:], strict=False))
+    gaps = sorted((b - a) / factor for a, b in itertools.pairwise(posted))
     if not gaps:
-        return LatResult(size, len(posted), 0, 0, 0, 0, 0, 0, 0, cpu_util)
+        return LatResult(size, shown, 0, 0, 0, 0, 0, 0, 0, cpu_util)
 
     def rank(q: float) -> float:
         return gaps[min(len(gaps) - 1, max(0, math.ceil(q * len(gaps)) - 1))]
 
     return LatResult(
-        size, len(posted), gaps[0], gaps[-1], statistics.median(gaps), statistics.fmean(gaps),
+        size, shown, gaps[0], gaps[-1], statistics.median(gaps), statistics.fmean(gaps),
         statistics.pstdev(gaps), rank(0.99), rank(0.999), cpu_util,
     )  # fmt: skip
 
@@ -232,9 +238,7 @@ def gid_line(gid: bytes) -> str:
 
 def bw_header(*, gbits: bool = False, cpu_util: bool = False) -> list[str]:
     unit = "Gb/sec" if gbits else "MB/sec"
-    head = (
-        f" #bytes     #iterations    BW peak[{unit}]    BW average[{unit}]   MsgRate[Mpps]"
-    )
+    head = f" #bytes     #iterations    BW peak[{unit}]    BW average[{unit}]   MsgRate[Mpps]"
     return [RULE, head + ("    CPU_Util[%]" if cpu_util else "")]
 
 

@@ -243,7 +243,9 @@ def _lat_line(config: PerfConfig, size: int, stamps: measure.Stamps, cpu: _CPU,
         return report.lat_duration_result(
             size, stamps.count, seconds, round_trip=round_trip, cpu_util=cpu.percent()
         )
-    return report.lat_result(size, stamps.posted, round_trip=round_trip, cpu_util=cpu.percent())
+    return report.lat_result(
+        size, stamps.posted, round_trip=round_trip, iters=stamps.count, cpu_util=cpu.percent()
+    )
 
 
 async def _lat(comm: Comm, res: Resources, emit: Emit, progress: ProgressFactory | None,

@@ -20,11 +20,11 @@ from dataclasses import dataclass, field
 
 import trio
 
-from rdmashim import WC, Access, QPCap, RecvWR, SendFlags, SendWR, WCOpcode, WCStatus, WROpcode
+from rdmashim import WC, Access, QPCap, RecvWR, SendWR, WCOpcode, WCStatus, WROpcode
 from rdmashim.cm import CMEvent, CMEventType, CMId, ConnParam, EventChannel
 from rdmashim.perftools import wire
-from rdmashim.verbs.abc import CQ, MR, PD
 from rdmashim.perftools.options import CACHE_LINE, CYCLE_BUFFER, PerfConfig
+from rdmashim.verbs.abc import CQ, MR, PD
 
 log = logging.getLogger(__name__)
 
@@ -177,21 +177,26 @@ def conn_param(config: PerfConfig, out_reads: int) -> ConnParam:
 
 
 async def connect_comm(channel: EventChannel, config: PerfConfig) -> Comm:
-    """The client's comm connection."""
+    """The client's comm connection (retried while the server is not listening yet)."""
     assert config.server_addr is not None
     target = f"{config.server_addr}:{config.port}"
-    cm_id = channel.create_id()
-    cm_id.resolve_addr(None, (config.server_addr, config.port))
-    _expect(await next_event(channel, cm_id, "resolve"), CMEventType.ADDR_RESOLVED, f"resolving {target}")
-    cm_id.resolve_route()
-    _expect(await next_event(channel, cm_id, "route"), CMEventType.ROUTE_RESOLVED, f"route to {target}")
-    comm = Comm(cm_id, client=True)
-    cm_id.connect(ConnParam(responder_resources=0, initiator_depth=0))
-    event = await next_event(channel, cm_id, "connect")
-    if event.event in _FAILED:
-        raise PerfError(f"cannot reach the perftest server at {target} ({event.event.name})")
-    _expect(event, CMEventType.ESTABLISHED, f"connecting to {target}")
-    return comm
+    for _attempt in range(CONNECT_TRIES):
+        cm_id = channel.create_id()
+        cm_id.resolve_addr(None, (config.server_addr, config.port))
+        event = await next_event(channel, cm_id, "resolve")
+        _expect(event, CMEventType.ADDR_RESOLVED, f"resolving {target}")
+        cm_id.resolve_route()
+        event = await next_event(channel, cm_id, "route")
+        _expect(event, CMEventType.ROUTE_RESOLVED, f"route to {target}")
+        comm = Comm(cm_id, client=True)
+        cm_id.connect(ConnParam(responder_resources=0, initiator_depth=0))
+        event = await next_event(channel, cm_id, "connect")
+        if event.event not in _FAILED:
+            _expect(event, CMEventType.ESTABLISHED, f"connecting to {target}")
+            return comm
+        cm_id.destroy()
+        await trio.sleep(CONNECT_GAP)
+    raise PerfError(f"cannot reach a perftest server at {target} ({event.event.name})")
 
 
 async def accept_comm(channel: EventChannel, listener: CMId) -> Comm:
@@ -248,10 +253,14 @@ class Resources:
         rkey, vaddr = link.mr.rkey, link.mr.addr + self.buffer_size
         if config.tool == "send_bw":  # iWARP: credits come back by RDMA Write into this counter
             slots = 2 * config.num_qps
-            link.credit_mr = pd.reg_mr(bytearray(4 * slots), Access.LOCAL_WRITE | Access.REMOTE_WRITE)
+            link.credit_mr = pd.reg_mr(
+                bytearray(4 * slots), Access.LOCAL_WRITE | Access.REMOTE_WRITE
+            )
             rkey = link.credit_mr.rkey
             vaddr = link.credit_mr.addr + 4 * (config.num_qps + link.index)
-        link.mine = wire.Dest(out_reads=self.out_reads, qpn=qp.qp_num, psn=psn, rkey=rkey, vaddr=vaddr)
+        link.mine = wire.Dest(
+            out_reads=self.out_reads, qpn=qp.qp_num, psn=psn, rkey=rkey, vaddr=vaddr
+        )
         self.links.append(link)
         return link
 
@@ -264,7 +273,9 @@ async def connect_tests(channel: EventChannel, config: PerfConfig, res: Resource
         for attempt in range(CONNECT_TRIES):
             cm_id = channel.create_id()
             cm_id.resolve_addr(None, target)
-            _expect(await next_event(channel, cm_id, "resolve"), CMEventType.ADDR_RESOLVED, "resolving")
+            _expect(
+                await next_event(channel, cm_id, "resolve"), CMEventType.ADDR_RESOLVED, "resolving"
+            )
             cm_id.resolve_route()
             _expect(await next_event(channel, cm_id, "route"), CMEventType.ROUTE_RESOLVED, "route")
             link = res.add(cm_id)
@@ -280,7 +291,9 @@ async def connect_tests(channel: EventChannel, config: PerfConfig, res: Resource
             await trio.sleep(CONNECT_GAP)
 
 
-async def accept_tests(channel: EventChannel, listener: CMId, config: PerfConfig, res: Resources) -> None:
+async def accept_tests(
+    channel: EventChannel, listener: CMId, config: PerfConfig, res: Resources
+) -> None:
     """The server's test connections: the next ``num_qps`` requests on the listener."""
     for _ in range(config.num_qps):
         request = _expect(
@@ -289,7 +302,9 @@ async def accept_tests(channel: EventChannel, listener: CMId, config: PerfConfig
         )  # fmt: skip
         res.add(request.id)
         request.id.accept(conn_param(config, res.out_reads))
-        _expect(await next_event(channel, request.id, "accept"), CMEventType.ESTABLISHED, "accepting")
+        _expect(
+            await next_event(channel, request.id, "accept"), CMEventType.ESTABLISHED, "accepting"
+        )
 
 
 __all__ = [
