@@ -74,13 +74,13 @@ async def test_two_qps_and_gbits() -> None:
 
 async def test_duration() -> None:
     with trio.fail_after(60):
-        out, _, client = await pair("send_bw", "-D", "1", "-s", "256")
+        _out, _, client = await pair("send_bw", "-D", "1", "-s", "256")
     assert client.bw[0].iters > 0 and client.bw[0].bw_peak == 0.0
 
 
 async def test_all_sizes_up_to_max() -> None:
     with trio.fail_after(90):
-        out, _, client = await pair("write_bw", "-a", "--max-size", "64", "-n", "20")
+        _out, _, client = await pair("write_bw", "-a", "--max-size", "64", "-n", "20")
     assert [r.size for r in client.bw] == [2, 4, 8, 16, 32, 64]
 
 
@@ -90,7 +90,8 @@ def test_plot_file(tmp_path, suffix: str) -> None:  # type: ignore[no-untyped-de
     port = free_port()
     common = ["perf", "write_bw", "-a", "--max-size", "32", "-n", "10", "-p", str(port)]
     server = subprocess.Popen([*RDMASHIM, *common, "--bind", "127.0.0.1"],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True)  # fmt: skip
     try:
         target = tmp_path / f"sweep.{suffix}"
         out = rdmashim(*common, "--plot", str(target), "127.0.0.1")
