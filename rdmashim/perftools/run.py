@@ -188,12 +188,12 @@ async def _rdma_bw(comm: Comm, res: Resources, emit: Emit, progress: ProgressFac
             cpu = _CPU(config.cpu_util)
             total = config.iters * config.num_qps
             stamps = await measure.bw_client(res, size, _progress(progress, size, total))
-            line = report.bw_result(
+            row = report.bw_result(
                 size, stamps.posted, stamps.completed, gbits=config.gbits,
                 peak=config.duration is None, cpu_util=cpu.percent(),
             )  # fmt: skip
-            result.bw.append(line)
-            emit(report.bw_line(line, gbits=config.gbits))
+            result.bw.append(row)
+            emit(report.bw_line(row, gbits=config.gbits))
         await comm.handshake(res.links[0].mine)
         await _exchange_report(comm, result.bw[-1])
     emit(report.RULE)
@@ -218,18 +218,18 @@ async def _send_bw(comm: Comm, res: Resources, emit: Emit, progress: ProgressFac
         cpu = _CPU(config.cpu_util)
         if config.server:
             stamps = await measure.send_bw_server(res, size, _progress(progress, size, total))
-            line = report.bw_span_result(
+            row = report.bw_span_result(
                 size, stamps.count, stamps.start, stamps.end, gbits=config.gbits,
                 cpu_util=cpu.percent(),
             )  # fmt: skip
         else:
             stamps = await measure.bw_client(res, size, _progress(progress, size, total))
-            line = report.bw_result(
+            row = report.bw_result(
                 size, stamps.posted, stamps.completed, gbits=config.gbits,
                 peak=config.duration is None, cpu_util=cpu.percent(),
             )  # fmt: skip
-        result.bw.append(line)
-        emit(report.bw_line(line, gbits=config.gbits))
+        result.bw.append(row)
+        emit(report.bw_line(row, gbits=config.gbits))
         if config.all_sizes:
             await comm.handshake(res.links[0].mine)
     emit(report.RULE)
@@ -268,9 +268,9 @@ async def _lat(comm: Comm, res: Resources, emit: Emit, progress: ProgressFactory
         loop = {"write_lat": measure.write_lat, "read_lat": measure.read_lat,
                 "send_lat": measure.send_lat}[tool]  # fmt: skip
         stamps = await loop(res, size, bar)
-        line = _lat_line(config, size, stamps, cpu, round_trip=tool != "read_lat")
-        result.lat.append(line)
-        emit(report.lat_line(line))
+        row = _lat_line(config, size, stamps, cpu, round_trip=tool != "read_lat")
+        result.lat.append(row)
+        emit(report.lat_line(row))
     emit(report.RULE)
     if tool != "write_lat":
         await comm.handshake(res.links[0].mine)  # closing
