@@ -47,7 +47,7 @@ def _cmd(args: argparse.Namespace) -> int:
 
 def _bars(size: int, total: int) -> Any:
     """A tqdm bar on stderr for one size (only made when stderr is a terminal)."""
-    from tqdm import tqdm
+    from tqdm import tqdm  # type: ignore[import-untyped]
 
     bar = tqdm(total=total, desc=f"{size} B", unit="msg", leave=False, file=sys.stderr)
 

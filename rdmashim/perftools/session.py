@@ -241,12 +241,13 @@ class Resources:
             depth = (config.tx_depth + 8) * config.num_qps
             self.send_cq = context.create_cq(depth)
             self.recv_cq = context.create_cq((config.rx_depth + 8) * config.num_qps)
-        pd = self.pd
+        pd, send_cq, recv_cq = self.pd, self.send_cq, self.recv_cq
+        assert send_cq is not None and recv_cq is not None
         cap = QPCap(
             max_send_wr=self.config.tx_depth + 4, max_recv_wr=self.config.rx_depth + 4,
             max_send_sge=1, max_recv_sge=1,
         )  # fmt: skip
-        qp = cm_id.create_qp(pd, send_cq=self.send_cq, recv_cq=self.recv_cq, cap=cap)
+        qp = cm_id.create_qp(pd, send_cq=send_cq, recv_cq=recv_cq, cap=cap)
         link = Link(cm_id, len(self.links))
         link.mr = pd.reg_mr(bytearray(2 * self.buffer_size), _REMOTE)
         psn = random.getrandbits(24)
