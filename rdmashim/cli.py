@@ -29,6 +29,7 @@ from rdmashim.cliargs import (
     size,
 )
 from rdmashim.nfstools.cli import add_nfs
+from rdmashim.perftools.cli import add_perf
 from rdmashim.rdstools.cli import add_rds
 from rdmashim.registry import backend_status
 
@@ -196,6 +197,7 @@ def _parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_ping)
     add_rds(sub)
     add_nfs(sub)
+    add_perf(sub)
     for name, choice in sub.choices.items():
         choice.set_defaults(prog=f"rdmashim {name}")
     return parser

@@ -1,0 +1,77 @@
+"""``rdmashim perf TOOL``: perftest's six tools as subcommands.
+
+``rdmashim perf write_bw -R`` (server) and ``rdmashim perf write_bw -R HOST``
+(client), likewise ``read_bw``, ``send_bw``, ``write_lat``, ``read_lat`` and
+``send_lat``; either side may be perftest's own ``ib_write_bw -R`` etc.
+Progress goes to stderr only when it is a terminal.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+from rdmashim.perftools.options import TOOLS, add_arguments, config_from_args
+
+_HELP = {
+    "write_bw": "RDMA Write bandwidth (perftest's ib_write_bw)",
+    "read_bw": "RDMA Read bandwidth (ib_read_bw)",
+    "send_bw": "Send bandwidth (ib_send_bw)",
+    "write_lat": "RDMA Write latency (ib_write_lat)",
+    "read_lat": "RDMA Read latency (ib_read_lat)",
+    "send_lat": "Send latency (ib_send_lat)",
+}
+
+
+def _cmd(args: argparse.Namespace) -> int:
+    import trio
+
+    from rdmashim.perftools.plot import plot_sweep, require_matplotlib
+    from rdmashim.perftools.run import run
+
+    config = config_from_args(args.tool, args)
+    if config.plot is not None:
+        require_matplotlib()
+
+    def emit(line: str) -> None:
+        print(line, flush=True)
+
+    progress = _bars if sys.stderr.isatty() else None
+    result = trio.run(run, config, emit, progress)
+    if config.plot is not None:
+        plot_sweep(config.plot, config.tool, result.bw, gbits=config.gbits)
+        print(f"plot: {config.plot}", file=sys.stderr)
+    return 0
+
+
+def _bars(size: int, total: int) -> Any:
+    """A tqdm bar on stderr for one size (only made when stderr is a terminal)."""
+    from tqdm import tqdm  # type: ignore[import-untyped]
+
+    bar = tqdm(total=total, desc=f"{size} B", unit="msg", leave=False, file=sys.stderr)
+
+    def step(n: int) -> None:
+        bar.update(n)
+        if bar.n >= total:
+            bar.close()
+
+    return step
+
+
+def add_perf(sub: Any) -> None:
+    """Register ``perf`` and its six tools on the ``rdmashim`` command's subparsers."""
+    perf = sub.add_parser(
+        "perf",
+        help="perftest's bandwidth and latency tools; talks to ib_*_bw -R / ib_*_lat -R",
+        description="perftest's tools on the portable API: run one side here and the other "
+        "here or with perftest (both sides need the same flags; -R is implied).",
+    )
+    tools = perf.add_subparsers(dest="tool", required=True, parser_class=type(perf))
+    for tool in TOOLS:
+        p = tools.add_parser(tool, help=_HELP[tool], description=_HELP[tool])
+        add_arguments(p, tool)
+        p.set_defaults(func=_cmd, tool=tool, prog=f"rdmashim perf {tool}")
+
+
+__all__ = ["add_perf"]

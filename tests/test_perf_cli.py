@@ -1,0 +1,139 @@
+"""``rdmashim perf``: every tool ours against ours over loopback (built-in engine),
+``-a`` with ``--max-size``, ``-D``, ``--plot`` making a real PNG and SVG, and bad
+flags refused with one line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+
+import pytest
+import trio
+
+from rdmashim.perftools.options import TOOLS, add_arguments, config_from_args
+from rdmashim.perftools.run import run
+
+from clirun import RDMASHIM, assert_one_error_line, free_port, rdmashim
+
+
+def config(tool: str, *argv: str):  # type: ignore[no-untyped-def]
+    p = argparse.ArgumentParser()
+    add_arguments(p, tool)
+    return config_from_args(tool, p.parse_args(list(argv)))
+
+
+async def pair(tool: str, *argv: str):  # type: ignore[no-untyped-def]
+    """Server and client of ``tool`` in this trio loop; their lines and results."""
+    out: dict[str, list[str]] = {"server": [], "client": []}
+    async with trio.open_nursery() as nursery:
+        server_cfg = config(tool, "-p", "0", "--bind", "127.0.0.1", *argv)
+        box = {}
+
+        async def serve(task_status=trio.TASK_STATUS_IGNORED):  # type: ignore[no-untyped-def]
+            box["server"] = await run(server_cfg, out["server"].append, task_status=task_status)
+
+        port = await nursery.start(serve)
+        client = await run(config(tool, "-p", str(port), *argv, "127.0.0.1"), out["client"].append)
+    return out, box["server"], client
+
+
+def rows(lines: list[str], size: int) -> list[list[str]]:
+    return [ln.split() for ln in lines if ln.split()[:1] == [str(size)]]
+
+
+@pytest.mark.parametrize("tool", TOOLS)
+async def test_ours_against_ours(tool: str) -> None:
+    with trio.fail_after(60):
+        out, server, client = await pair(tool, "-n", "50", "-s", "4096")
+    client_rows = rows(out["client"], 4096)
+    assert len(client_rows) == 1 and client_rows[0][1] == "50", out["client"]
+    if tool.endswith("_bw"):
+        assert client.bw[0].bw_avg > 0 and client.bw[0].msg_rate > 0
+        assert client.peer_version == "6.06"
+        if tool != "send_bw":  # the server prints the client's figures it was sent
+            assert server.remote is not None
+            assert server.remote.bw_avg == pytest.approx(client.bw[0].bw_avg)
+        else:
+            assert server.bw[0].iters == 50 and server.bw[0].bw_avg > 0
+    else:
+        lat = client.lat[0]
+        assert 0 < lat.t_min <= lat.t_typical <= lat.t_max  # type: ignore[union-attr]
+    assert any("remote address: LID 0000 QPN" in ln for ln in out["client"])
+
+
+async def test_two_qps_and_gbits() -> None:
+    with trio.fail_after(60):
+        out, _, client = await pair("write_bw", "-n", "40", "-s", "1024", "-q", "2",
+                                    "--report_gbits")  # fmt: skip
+    assert client.bw[0].iters == 80
+    assert any("BW peak[Gb/sec]" in ln for ln in out["client"])
+    assert sum("local address" in ln for ln in out["client"]) == 2
+
+
+async def test_duration() -> None:
+    with trio.fail_after(60):
+        _out, _, client = await pair("send_bw", "-D", "1", "-s", "256")
+    assert client.bw[0].iters > 0 and client.bw[0].bw_peak == 0.0
+
+
+async def test_all_sizes_up_to_max() -> None:
+    with trio.fail_after(90):
+        _out, _, client = await pair("write_bw", "-a", "--max-size", "64", "-n", "20")
+    assert [r.size for r in client.bw] == [2, 4, 8, 16, 32, 64]
+
+
+@pytest.mark.parametrize("suffix", ["png", "svg"])
+def test_plot_file(tmp_path, suffix: str) -> None:  # type: ignore[no-untyped-def]
+    pytest.importorskip("matplotlib", reason="--plot needs the plot extra (matplotlib)")
+    port = free_port()
+    common = ["perf", "write_bw", "-a", "--max-size", "32", "-n", "10", "-p", str(port)]
+    server = subprocess.Popen([*RDMASHIM, *common, "--bind", "127.0.0.1"],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True)  # fmt: skip
+    try:
+        target = tmp_path / f"sweep.{suffix}"
+        out = rdmashim(*common, "--plot", str(target), "127.0.0.1")
+        assert out.returncode == 0, out.stderr
+        assert server.wait(30) == 0
+    finally:
+        server.kill()
+    data = target.read_bytes()
+    if suffix == "png":
+        assert data.startswith(b"\x89PNG\r\n\x1a\n")
+    else:
+        assert b"<svg" in data[:2000]
+    assert len(rows(out.stdout.splitlines(), 32)) == 1
+
+
+@pytest.mark.parametrize(
+    ("argv", "text"),
+    [
+        (["write_bw", "-s", "0"], "'0' is out of range"),
+        (["write_bw", "-n", "2"], "'2' is out of range"),
+        (["write_lat", "-q", "2"], "latency tests run one QP"),
+        (["read_bw", "-c", "UD"], "connection type UD is not supported"),
+        (["write_bw", "-a", "-D", "2"], "-D and -a do not go together"),
+        (["write_bw", "--plot", "x.pdf", "-a", "127.0.0.1"], "must end in .png or .svg"),
+        (["write_bw", "--plot", "x.png", "127.0.0.1"], "--plot draws an -a sweep"),
+        (["write_bw", "-r", "4"], "-r applies to the Send tests only"),
+        (["send_bw", "-o", "4"], "-o applies to the Read tests only"),
+        (["nosuch_bw"], "invalid choice"),
+    ],
+)
+def test_bad_flags_one_line(argv: list[str], text: str) -> None:
+    assert_one_error_line(rdmashim("perf", *argv), 2, text)
+
+
+def test_no_server_one_line() -> None:
+    port = free_port()
+    out = rdmashim("perf", "write_bw", "-p", str(port), "-n", "5", "127.0.0.1", timeout=60)
+    assert_one_error_line(out, 1, "cannot reach a perftest server")
+
+
+def test_help_lists_tools() -> None:
+    out = subprocess.run([*RDMASHIM, "perf", "-h"], capture_output=True, text=True, check=True)
+    for tool in TOOLS:
+        assert tool in out.stdout
+    assert sys.executable
