@@ -229,6 +229,8 @@ class NfsClient:
         """The export's root handle (from MOUNT)."""
         self.rtmax = rtmax
         self.wtmax = wtmax
+        self.rdma: RpcRdmaClient | None = None
+        """The RPC-over-RDMA connection (its sizes, credits, counters); None over TCP."""
 
     @classmethod
     @asynccontextmanager
@@ -271,7 +273,9 @@ class NfsClient:
                 async def call_rdma(proc: int, args: Reply, **sizes: int) -> Unpacker:
                     return await rdma.call(t.NFS_PROGRAM, 3, proc, args, cred, **sizes)
 
-                yield await cls._start(call_rdma, root)
+                client = await cls._start(call_rdma, root)
+                client.rdma = rdma
+                yield client
 
     @classmethod
     async def _start(cls, call: Call, root: bytes) -> NfsClient:
