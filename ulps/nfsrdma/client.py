@@ -38,13 +38,11 @@ from rdmashim.ulps.nfsrdma.rpcbind import (
     IPPROTO_TCP,
     PMAP_VERS,
     PMAPPROC_GETPORT,
-    PROC_GETADDR,
+    PROC_DUMP,
     RPCB_VERS4,
     RPCBIND_PORT,
     RPCBIND_PROG,
-    Binding,
-    pack_binding,
-    parse_uaddr,
+    unpack_binding,
 )
 from rdmashim.ulps.nfsrdma.service import AuthSys, Reply
 from rdmashim.ulps.nfsrdma.tcp import connect_tcp
@@ -155,7 +153,13 @@ def _args(*fill: Callable[[Reply], None]) -> Reply:
 
 
 async def rpcbind_port_of(host: str, rpcbind_port: int, prog: int, netid: str) -> int | None:
-    """The port rpcbind at ``host`` names for ``prog`` v3 over ``netid`` (None: not there)."""
+    """The port rpcbind at ``host`` names for ``prog`` v3 over ``netid`` (None: not there).
+
+    TCP is asked with the portmapper's GETPORT. Any other netid is looked for in
+    rpcbind's DUMP: rpcbind's GETADDR answers for the netid of the transport
+    the query came on and ignores the one asked for (rpcbind and libtirpc do), so
+    over TCP it would name the TCP port for ``rdma``.
+    """
     try:
         async with connect_tcp(host, rpcbind_port) as rpcbind:
             if netid == "tcp":
@@ -167,13 +171,12 @@ async def rpcbind_port_of(host: str, rpcbind_port: int, prog: int, netid: str) -
                 found = await rpcbind.call(RPCBIND_PROG, PMAP_VERS, PMAPPROC_GETPORT, _args(query))
                 port = found.uint()
                 return port or None
-            wanted = Binding(prog, 3, netid, "", "")
-            u = await rpcbind.call(
-                RPCBIND_PROG, RPCB_VERS4, PROC_GETADDR,
-                _args(lambda r: pack_binding(r.packer, wanted)),
-            )  # fmt: skip
-            address = u.string(1024)
-            return parse_uaddr(address)[1] if address else None
+            u = await rpcbind.call(RPCBIND_PROG, RPCB_VERS4, PROC_DUMP, Reply())
+            while u.boolean():
+                binding = unpack_binding(u)
+                if (binding.prog, binding.vers, binding.netid) == (prog, 3, netid) and binding.port:
+                    return binding.port
+            return None
     except OSError as exc:
         log.info("no rpcbind at %s port %d: %s", host, rpcbind_port, exc)
         return None
