@@ -10,7 +10,9 @@
 
 :meth:`NfsClient.connect` finds the ports through rpcbind (the defaults when
 it is not there), mounts the export with MOUNT v3 over TCP for the root
-handle and asks FSINFO for the largest READ and WRITE. Paths are inside the
+handle and asks FSINFO for the largest READ and WRITE. Over RDMA a NULL
+call opens the connection, which is made again when it goes unanswered (a
+kernel siw under the server can leave the first Send unread). Paths are inside the
 export and looked up one component at a time. Files move in rtmax/wtmax
 sized pieces with :data:`IN_FLIGHT` calls outstanding; over RDMA the READ
 data lands in a Write chunk and the WRITE data goes as a Read chunk (RFC
@@ -56,6 +58,10 @@ IN_FLIGHT = 4
 """READ or WRITE calls outstanding at once during a transfer."""
 COMMIT_EVERY = 32 << 20
 """Bytes written UNSTABLE before a COMMIT (kept until then, to rewrite on a verifier change)."""
+RDMA_PROBE_SECONDS = 5.0
+"""How long the NULL call that opens an RPC-over-RDMA connection may go unanswered."""
+RDMA_ATTEMPTS = 3
+"""RPC-over-RDMA connections made before giving up on a server that answers no NULL call."""
 READDIR_MAX = 32768
 """The READDIRPLUS maxcount asked for (over RDMA, the size of the Reply chunk offered)."""
 Proto = Literal["rdma", "tcp"]
@@ -182,6 +188,36 @@ async def rpcbind_port_of(host: str, rpcbind_port: int, prog: int, netid: str) -
         return None
 
 
+@asynccontextmanager
+async def _answering_rdma(
+    host: str, port: int, backend: str | None, cred: AuthSys
+) -> AsyncIterator[RpcRdmaClient]:
+    """An RPC-over-RDMA connection whose first call, NFS NULL, was answered.
+
+    The Linux kernel's siw (6.1) under a server sometimes leaves the first Send
+    unread when it comes within about a millisecond of siw's MPA Reply (see "The
+    siw responder race" in docs/interop.md): it is read only when the next TCP
+    segment arrives, and a client holding its one credit sends none. A NULL
+    call unanswered after :data:`RDMA_PROBE_SECONDS` is taken for that: the
+    connection is closed (its FIN wakes siw) and made again, at most
+    :data:`RDMA_ATTEMPTS` times.
+    """
+    for attempt in range(1, RDMA_ATTEMPTS + 1):
+        async with RpcRdmaClient.connect(host, port, backend=backend) as rdma:
+            with trio.move_on_after(RDMA_PROBE_SECONDS) as probe:
+                await rdma.call(t.NFS_PROGRAM, 3, t.NULL, Reply(), cred)
+            if not probe.cancelled_caught:
+                yield rdma
+                return
+        log.warning(
+            "no answer to NULL over RDMA from %s port %d in %.0f s (connection %d of %d)",
+            host, port, RDMA_PROBE_SECONDS, attempt, RDMA_ATTEMPTS,
+        )  # fmt: skip
+    raise TimeoutError(
+        f"{host} port {port}: no answer to NFS NULL over RDMA on {RDMA_ATTEMPTS} connections"
+    )
+
+
 async def _mount_port(host: str, rpcbind_port: int, mount_port: int | None) -> int:
     if mount_port is not None:
         return mount_port
@@ -271,7 +307,7 @@ class NfsClient:
 
                 yield await cls._start(call_tcp, root)
         else:
-            async with RpcRdmaClient.connect(host, port, backend=backend) as rdma:
+            async with _answering_rdma(host, port, backend, cred) as rdma:
 
                 async def call_rdma(proc: int, args: Reply, **sizes: int) -> Unpacker:
                     return await rdma.call(t.NFS_PROGRAM, 3, proc, args, cred, **sizes)
