@@ -416,6 +416,16 @@ class NfsClient:
         parent, name = await self._parent(path)
         await self._ok(proc, path, lambda r: t.pack_diropargs(r.packer, parent, name))
 
+    async def rename(self, path: str, new_path: str) -> None:
+        """Rename ``path`` to ``new_path`` (replacing what the server lets it replace)."""
+        parent, name = await self._parent(path)
+        new_parent, new_name = await self._parent(new_path)
+        await self._ok(
+            t.RENAME, path,
+            lambda r: t.pack_diropargs(r.packer, parent, name),
+            lambda r: t.pack_diropargs(r.packer, new_parent, new_name),
+        )  # fmt: skip
+
     # ------------------------------------------------------------- files
     async def read_file(self, path: str, sink: Sink, progress: Progress | None = None) -> int:
         """Copy file ``path`` into ``sink`` in order; the bytes copied."""
