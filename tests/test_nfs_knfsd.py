@@ -1,6 +1,56 @@
 """Our NFS client against the Linux kernel's NFS server (knfsd), over RPC-over-RDMA and TCP.
 
-(Draft: findings filled in below once measured.)
+One guest boots per module in the test bed's namespace (``tests/siwvm.py``, tap 3,
+10.77.0.13; its agent has loaded siw and added ``siw0`` on ``eth0``) and serves
+``/export`` with knfsd: rpcbind, ``exportfs`` (``rw,no_root_squash,insecure``:
+our client does not bind a reserved port), ``rpc.nfsd`` and ``rpc.mountd`` for
+NFSv3 only, and ``echo rdma 20049 > /proc/fs/nfsd/portlist`` (svcrdma, in the
+``rpcrdma`` module). For each transport the guest puts a small tree and a
+:data:`GET_MIB` MiB file in the export and reports their SHA-256; on the host,
+inside the namespace, :class:`~rdmashim.ulps.nfsrdma.client.NfsClient` over our
+own engine (``softiwarp``) lists it, stats it and reads every file, then makes
+directories, writes files (one of :data:`PUT_MIB` MiB, UNSTABLE + COMMIT),
+rewrites one shorter, renames, removes, checks knfsd's error statuses, and the
+guest checks what we wrote by SHA-256. ``rdmashim nfs put|get|ls --proto rdma``
+runs once as a subprocess. The RDMA run is captured on the bridge and judged by
+the wire judge (and framed by :func:`test_nfs_kernel.fpdu_framing`).
+
+What knfsd (Linux 6.1.192, svcrdma over the guest's siw) does with our client:
+
+* **Connection.** MPA v2 (enhanced, IRD/ORD 16), CRC on as we ask, no
+  peer-to-peer. Its RFC 8797 private data is ``f6ab0e18 01 00 03 03``: 4 KiB
+  inline each way (``/proc/sys/sunrpc/svc_rdma/max_req_size`` 4096) and no
+  remote-invalidation flag (it is the responder: nobody sends it replies).
+* **The siw responder race** (docs/interop.md): against the guest's siw the
+  first Send of a fresh connection was sometimes never read (two connections in
+  a row once, right after boot; none in 12 later ones). The client opens every
+  RDMA connection with NFS NULL and makes it again when that goes unanswered
+  (``client._answering_rdma``); the tests print how often that happened.
+* **Credits.** Every reply grants 64 (``svc_rdma/max_requests``), whatever we
+  ask for (32); the client keeps to its own 32 posted Receives.
+* **Sizes.** FSINFO rtmax = wtmax = 128 KiB (``/proc/fs/nfsd/max_block_size``
+  131072 with the guest's 1 GiB).
+* **Chunks.** READ: the data lands in our Write chunk by RDMA Writes, the reply
+  is inline (RDMA_MSG) and names the bytes written. WRITE: knfsd pulls our Read
+  chunk with RDMA Read Requests. READDIRPLUS: when we offer a Reply chunk, knfsd
+  uses it (RDMA_NOMSG) even for a reply that would fit inline.
+* **Send With Invalidate.** Every reply to a call that carried a chunk (READ,
+  WRITE, READDIRPLUS) comes as Send With Invalidate of that chunk's rkey (we
+  offer remote invalidation); replies to calls without chunks are plain Sends.
+* **rpcbind.** The RDMA listener is not registered with rpcbind (``rpcinfo``
+  lists tcp only), so the client falls back to 20049; rpcbind's GETADDR answers
+  for the netid of the transport the query came on, so asking it over TCP for
+  ``rdma`` named 2049 (the client now looks in DUMP instead).
+* **Statuses.** MKDIR of an existing name: NFS3ERR_EXIST; RMDIR of a non-empty
+  directory: NFS3ERR_NOTEMPTY; LOOKUP, REMOVE, RENAME of a missing name:
+  NFS3ERR_NOENT. CREATE UNCHECKED with size 0 truncates an existing file.
+
+Over TCP the same calls work unchanged (MOUNT's and NFS's ports from rpcbind).
+Under TCG the module takes about two minutes (boot 7-12 s; 64 MiB written in
+about 2.5 s over RDMA, 1.3 s over TCP).
+
+Needs root, QEMU and the image built by ``tools/guest/build.py``; skipped
+otherwise, the skip naming what is missing.
 """
 
 from __future__ import annotations
@@ -280,7 +330,7 @@ async def test_client_against_knfsd_over_rdma(
     pcap = tmp_path / "knfsd-rdma.pcap" if siwvm.can_capture() else None
     facts = await run_against_knfsd(guest, tmp_path, "rdma", pcap)
     print(f"connections made again (siw responder race): {reconnects(caplog)}")
-    assert facts["server_sizes"]
+    assert facts["invalidated"] > 0, "no reply came as Send With Invalidate"
     if pcap is None:
         return
     counts, framing = fpdu_framing(pcap, RDMA_PORT)
@@ -289,6 +339,9 @@ async def test_client_against_knfsd_over_rdma(
     wire = await siwvm.judge(pcap, RDMA_PORT, GUEST_IP)
     text = wirecap.summary(wire)
     print(f"rdmap opcodes: {wire['rdmap_opcodes']}, nfs: {wire.get('nfs')}")
+    opcodes = wire["rdmap_opcodes"]
+    assert opcodes.get("Read Request") and opcodes.get("Write"), opcodes
+    assert opcodes.get("Send with Invalidate") == facts["invalidated"], opcodes
     if wire["our_problems"]:
         lost = findings_after_tshark_lost_framing(wire)
         assert lost is not None, f"the wire judge found problems:\n{text}"
