@@ -2,8 +2,9 @@
 
 One :func:`serve_nfs` on free ports over a real directory; the client finds
 the ports through the server's rpcbind, mounts, and puts then gets an 8 MiB
-file (many rtmax/wtmax pieces, several in flight), lists, stats, makes and
-removes; every byte and attribute is checked against the directory on disk.
+file (many rtmax/wtmax pieces, several in flight), lists, stats, makes,
+renames and removes; every byte and attribute is checked against the directory
+on disk.
 """
 
 from __future__ import annotations
@@ -83,11 +84,14 @@ async def test_ls_stat_mkdir_rm(tmp_path: Path, proto: Proto) -> None:
             assert (await nfs.getattr("sub/file-007")).size == 8
             await nfs.remove("/sub/file-007")
             assert not (export / "sub" / "file-007").exists()
+            await nfs.rename("/sub/file-008", "/eight")
+            assert (export / "eight").read_bytes() == b"file-008"
+            assert not (export / "sub" / "file-008").exists()
             with pytest.raises(NfsError) as caught:
                 await nfs.rmdir("/sub")
             assert caught.value.status == t.NFS3ERR_NOTEMPTY
             for name in names:
-                if name != "file-007":
+                if name not in ("file-007", "file-008"):
                     await nfs.remove(f"/sub/{name}")
             await nfs.rmdir("/sub")
             assert not (export / "sub").exists()

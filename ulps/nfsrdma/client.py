@@ -10,7 +10,9 @@
 
 :meth:`NfsClient.connect` finds the ports through rpcbind (the defaults when
 it is not there), mounts the export with MOUNT v3 over TCP for the root
-handle and asks FSINFO for the largest READ and WRITE. Paths are inside the
+handle and asks FSINFO for the largest READ and WRITE. Over RDMA a NULL
+call opens the connection, which is made again when it goes unanswered (a
+kernel siw under the server can leave the first Send unread). Paths are inside the
 export and looked up one component at a time. Files move in rtmax/wtmax
 sized pieces with :data:`IN_FLIGHT` calls outstanding; over RDMA the READ
 data lands in a Write chunk and the WRITE data goes as a Read chunk (RFC
@@ -38,13 +40,11 @@ from rdmashim.ulps.nfsrdma.rpcbind import (
     IPPROTO_TCP,
     PMAP_VERS,
     PMAPPROC_GETPORT,
-    PROC_GETADDR,
+    PROC_DUMP,
     RPCB_VERS4,
     RPCBIND_PORT,
     RPCBIND_PROG,
-    Binding,
-    pack_binding,
-    parse_uaddr,
+    unpack_binding,
 )
 from rdmashim.ulps.nfsrdma.service import AuthSys, Reply
 from rdmashim.ulps.nfsrdma.tcp import connect_tcp
@@ -58,6 +58,12 @@ IN_FLIGHT = 4
 """READ or WRITE calls outstanding at once during a transfer."""
 COMMIT_EVERY = 32 << 20
 """Bytes written UNSTABLE before a COMMIT (kept until then, to rewrite on a verifier change)."""
+RDMA_PROBE_SECONDS = 3.0
+"""How long the NULL call that opens an RPC-over-RDMA connection may go unanswered."""
+RDMA_RETRY_PAUSE = 0.2
+"""Seconds a connection made again waits before its first Send."""
+RDMA_ATTEMPTS = 4
+"""RPC-over-RDMA connections made before giving up on a server that answers no NULL call."""
 READDIR_MAX = 32768
 """The READDIRPLUS maxcount asked for (over RDMA, the size of the Reply chunk offered)."""
 Proto = Literal["rdma", "tcp"]
@@ -155,7 +161,13 @@ def _args(*fill: Callable[[Reply], None]) -> Reply:
 
 
 async def rpcbind_port_of(host: str, rpcbind_port: int, prog: int, netid: str) -> int | None:
-    """The port rpcbind at ``host`` names for ``prog`` v3 over ``netid`` (None: not there)."""
+    """The port rpcbind at ``host`` names for ``prog`` v3 over ``netid`` (None: not there).
+
+    TCP is asked with the portmapper's GETPORT. Any other netid is looked for in
+    rpcbind's DUMP: rpcbind's GETADDR answers for the netid of the transport
+    the query came on and ignores the one asked for (rpcbind and libtirpc do), so
+    over TCP it would name the TCP port for ``rdma``.
+    """
     try:
         async with connect_tcp(host, rpcbind_port) as rpcbind:
             if netid == "tcp":
@@ -167,16 +179,49 @@ async def rpcbind_port_of(host: str, rpcbind_port: int, prog: int, netid: str) -
                 found = await rpcbind.call(RPCBIND_PROG, PMAP_VERS, PMAPPROC_GETPORT, _args(query))
                 port = found.uint()
                 return port or None
-            wanted = Binding(prog, 3, netid, "", "")
-            u = await rpcbind.call(
-                RPCBIND_PROG, RPCB_VERS4, PROC_GETADDR,
-                _args(lambda r: pack_binding(r.packer, wanted)),
-            )  # fmt: skip
-            address = u.string(1024)
-            return parse_uaddr(address)[1] if address else None
+            u = await rpcbind.call(RPCBIND_PROG, RPCB_VERS4, PROC_DUMP, Reply())
+            while u.boolean():
+                binding = unpack_binding(u)
+                if (binding.prog, binding.vers, binding.netid) == (prog, 3, netid) and binding.port:
+                    return binding.port
+            return None
     except OSError as exc:
         log.info("no rpcbind at %s port %d: %s", host, rpcbind_port, exc)
         return None
+
+
+@asynccontextmanager
+async def _answering_rdma(
+    host: str, port: int, backend: str | None, cred: AuthSys
+) -> AsyncIterator[RpcRdmaClient]:
+    """An RPC-over-RDMA connection whose first call, NFS NULL, was answered.
+
+    The Linux kernel's siw (6.1) under a server sometimes leaves the first Send
+    unread when it comes soon after siw's MPA Reply (see "The siw responder
+    race" in docs/interop.md): it is read only when the next TCP segment
+    arrives, and a client holding its one credit sends none. Against knfsd in
+    an emulated guest, where that window is wide, half the connections stalled
+    so. A NULL call unanswered after :data:`RDMA_PROBE_SECONDS` is taken for
+    that: the connection is closed (its FIN wakes siw) and made again, and this
+    time the NULL waits :data:`RDMA_RETRY_PAUSE` first, at most
+    :data:`RDMA_ATTEMPTS` connections in all.
+    """
+    for attempt in range(1, RDMA_ATTEMPTS + 1):
+        async with RpcRdmaClient.connect(host, port, backend=backend) as rdma:
+            if attempt > 1:
+                await trio.sleep(RDMA_RETRY_PAUSE)  # past siw's window after its MPA Reply
+            with trio.move_on_after(RDMA_PROBE_SECONDS) as probe:
+                await rdma.call(t.NFS_PROGRAM, 3, t.NULL, Reply(), cred)
+            if not probe.cancelled_caught:
+                yield rdma
+                return
+        log.warning(
+            "no answer to NULL over RDMA from %s port %d in %.0f s (connection %d of %d)",
+            host, port, RDMA_PROBE_SECONDS, attempt, RDMA_ATTEMPTS,
+        )  # fmt: skip
+    raise TimeoutError(
+        f"{host} port {port}: no answer to NFS NULL over RDMA on {RDMA_ATTEMPTS} connections"
+    )
 
 
 async def _mount_port(host: str, rpcbind_port: int, mount_port: int | None) -> int:
@@ -229,6 +274,8 @@ class NfsClient:
         """The export's root handle (from MOUNT)."""
         self.rtmax = rtmax
         self.wtmax = wtmax
+        self.rdma: RpcRdmaClient | None = None
+        """The RPC-over-RDMA connection (its sizes, credits, counters); None over TCP."""
 
     @classmethod
     @asynccontextmanager
@@ -266,12 +313,14 @@ class NfsClient:
 
                 yield await cls._start(call_tcp, root)
         else:
-            async with RpcRdmaClient.connect(host, port, backend=backend) as rdma:
+            async with _answering_rdma(host, port, backend, cred) as rdma:
 
                 async def call_rdma(proc: int, args: Reply, **sizes: int) -> Unpacker:
                     return await rdma.call(t.NFS_PROGRAM, 3, proc, args, cred, **sizes)
 
-                yield await cls._start(call_rdma, root)
+                client = await cls._start(call_rdma, root)
+                client.rdma = rdma
+                yield client
 
     @classmethod
     async def _start(cls, call: Call, root: bytes) -> NfsClient:
@@ -372,6 +421,16 @@ class NfsClient:
     async def _unlink(self, proc: int, path: str) -> None:
         parent, name = await self._parent(path)
         await self._ok(proc, path, lambda r: t.pack_diropargs(r.packer, parent, name))
+
+    async def rename(self, path: str, new_path: str) -> None:
+        """Rename ``path`` to ``new_path`` (replacing what the server lets it replace)."""
+        parent, name = await self._parent(path)
+        new_parent, new_name = await self._parent(new_path)
+        await self._ok(
+            t.RENAME, path,
+            lambda r: t.pack_diropargs(r.packer, parent, name),
+            lambda r: t.pack_diropargs(r.packer, new_parent, new_name),
+        )  # fmt: skip
 
     # ------------------------------------------------------------- files
     async def read_file(self, path: str, sink: Sink, progress: Progress | None = None) -> int:
