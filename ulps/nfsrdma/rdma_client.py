@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING
 import trio
 
 from rdmashim.cm import open_connection
-from rdmashim.ulps.nfsrdma.rdma_endpoint import REMOTE, ConnectionLost, Endpoint, send_wr
+from rdmashim.ulps.nfsrdma.rdma_endpoint import REMOTE, ConnectionLost, Endpoint
 from rdmashim.ulps.nfsrdma.rpc import OpaqueAuth, decode_reply, encode_call
 from rdmashim.ulps.nfsrdma.rpcrdma import (
     Chunk,
@@ -306,9 +306,7 @@ class RpcRdmaClient:
                 write_list = (self._offer(placed.chunk(), regions),)
             reply_chunk = self._offer(memoryview(reply_buf), regions) if reply_buf else None
             header, inline = self._call_layout(xid, message, write_list, reply_chunk, regions)
-            wire = bytearray(header.encode() + inline)
-            regions.append(self.ep.register(wire))
-            await self.ep.post([send_wr(regions[-1], len(wire))])
+            await self.ep.send(header.encode() + inline)
             await waiter.done.wait()
         finally:
             del self._waiting[xid]
