@@ -8,6 +8,7 @@ headers (another version, bad chunks, garbage, too many calls).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -15,10 +16,23 @@ from contextlib import asynccontextmanager
 import pytest
 import trio
 
-from rdmashim.cm import Connection, open_connection
-from rdmashim.ulps.nfsrdma.rdma_client import RpcRdmaClient, TransportError
+from rdmashim.cm import Connection, ConnectionRequest, open_connection, serve
+from rdmashim.ulps.nfsrdma.rdma_client import (
+    POOL_BUFFERS,
+    ReceivePool,
+    RpcRdmaClient,
+    TransportError,
+)
+from rdmashim.ulps.nfsrdma.rdma_endpoint import ConnectionLost, Endpoint, rdma_wr, send_wr
 from rdmashim.ulps.nfsrdma.rdma_server import serve_rdma
-from rdmashim.ulps.nfsrdma.rpc import NULL_AUTH, CallHeader, RpcServer, pack_call_header
+from rdmashim.ulps.nfsrdma.rpc import (
+    NULL_AUTH,
+    CallHeader,
+    RpcServer,
+    accepted_reply,
+    pack_call_header,
+    unpack_call_header,
+)
 from rdmashim.ulps.nfsrdma.rpcrdma import (
     ConnectPrivate,
     ErrCode,
@@ -26,10 +40,11 @@ from rdmashim.ulps.nfsrdma.rpcrdma import (
     Proc,
     ReadSegment,
     Segment,
+    decode,
 )
 from rdmashim.ulps.nfsrdma.service import CallContext, ProcUnavailable, Reply
 from rdmashim.ulps.nfsrdma.xdr import Unpacker
-from rdmashim.verbs import Access, RecvWR, SendWR, WCStatus
+from rdmashim.verbs import Access, QPCap, RecvWR, SendWR, WCStatus, WROpcode
 
 HOST = "127.0.0.1"
 PROG = 0x20000123
@@ -401,3 +416,108 @@ async def test_read_chunks_over_the_call_bound_get_err_chunk() -> None:
                             await client.call(PROG, 1, WRITE, args)
                         assert info.value.code == ErrCode.ERR_CHUNK
                 assert (await client.call(PROG, 1, SUM, args_of(1, 8))).uhyper() == 8
+
+
+# ---------------------------------------------------------------- Write-chunk memory reuse
+
+
+async def test_read_data_held_by_the_caller_is_never_reused(port: int) -> None:
+    with trio.fail_after(TIMEOUT):
+        async with RpcRdmaClient.connect(HOST, port) as client:
+            u = await client.call(PROG, 1, READ, args_of(5000, 1), ddp_reply_size=8192)
+            assert u.uint() == 1
+            held = u.opaque_view()  # a view of where the server wrote it
+            del u
+            for seed in range(2, POOL_BUFFERS + 4):  # more calls than the pool keeps buffers
+                u = await client.call(PROG, 1, READ, args_of(5000, seed), ddp_reply_size=8192)
+                assert (u.uint(), u.opaque()) == (seed, pattern(5000, seed))
+            assert bytes(held) == pattern(5000, 1)
+            # the held buffer, and two taking turns (the last reply is held until the next)
+            assert client.pool.made == 3
+            del held, u
+            for seed in range(3):
+                u = await client.call(PROG, 1, READ, args_of(5000, seed), ddp_reply_size=8192)
+                assert (u.uint(), u.opaque()) == (seed, pattern(5000, seed))
+            assert client.pool.made == 3
+
+
+def test_the_pool_gives_out_only_buffers_no_one_holds() -> None:
+    pool = ReceivePool(keep=2)
+    first = id(pool.take(16, 100))  # the id only: a reference would hold it
+    assert id(pool.take(16, 100)) == first  # no one held it
+    view = memoryview(pool.take(16, 100))[20:30]  # the same buffer, held by a slice
+    second = pool.take(16, 100)
+    assert len(second) >= 16 + 100 + 3 and id(second) != first
+    third = pool.take(16, 100)  # both kept ones are held: one more, not kept
+    assert id(third) not in (first, id(second))
+    assert pool.made == 3
+    del view, second, third
+    assert id(pool.take(16, 100)) == first  # nothing holds it any more
+    bigger = pool.take(16, 5000)  # none is large enough: a new one replaces a small one
+    assert id(bigger) != first and pool.made == 4
+    assert pool.take(16, 5000) is not bigger  # held here
+
+
+async def _late_writer(request: ConnectionRequest) -> None:
+    """Answer READ calls, but write junk into the previous call's Write chunk before replying."""
+    ep = Endpoint(request, 4096, 4)
+    junk = request.pd.reg_mr(bytearray(b"\xee" * 5000), Access.LOCAL_WRITE)
+    data = request.pd.reg_mr(bytearray(5000), Access.LOCAL_WRITE)
+    replies = request.pd.reg_mr(bytearray(4096), Access.LOCAL_WRITE)
+    chunks: list[Segment] = []
+    await request.accept(private_data=ConnectPrivate(4096, 4096).encode())
+
+    async def answer(message: bytes) -> None:
+        header, start = decode(message)
+        assert isinstance(header, Header)
+        u = Unpacker(message, start)
+        seed = (unpack_call_header(u), u.uint(), u.uint())[2]
+        (segment,) = header.write_list[0]
+        data.buf[:] = pattern(5000, seed)
+        wrs = [rdma_wr(WROpcode.RDMA_WRITE, data, 0, 5000, segment.offset, segment.handle)]
+        if chunks:  # then a late Write: the previous call is long answered
+            old = chunks[-1]
+            wrs.append(rdma_wr(WROpcode.RDMA_WRITE, junk, 0, 5000, old.offset, old.handle))
+        chunks.append(segment)
+        reply = accepted_reply(header.xid)
+        reply.packer.uint(seed)
+        reply.packer.uint(5000)  # the READ data's length: its bytes are in the Write chunk
+        written = ((Segment(segment.handle, 5000, segment.offset),),)
+        wire = Header(header.xid, 4, write_list=written).encode() + reply.packer.data
+        replies.buf[: len(wire)] = wire
+        wrs.append(send_wr(replies, len(wire)))
+        await ep.post(wrs)
+
+    async with trio.open_nursery() as nursery:
+
+        def on_receive(slot: int, length: int, wc: object) -> None:
+            nursery.start_soon(answer, bytes(ep.slot_view(slot, length)))
+            ep.repost(slot)
+
+        with contextlib.suppress(ConnectionLost):
+            await ep.run(on_receive)
+        nursery.cancel_scope.cancel()
+    for mr in (junk, data, replies):
+        mr.close()
+    ep.close()
+
+
+async def test_a_late_write_cannot_reach_a_later_calls_data() -> None:
+    """The memory is reused, but under a new R_Key: the old one ends the connection."""
+    with trio.fail_after(TIMEOUT):
+        async with trio.open_nursery() as nursery:
+            cap = QPCap(max_send_wr=128, max_recv_wr=4)
+            addr = await nursery.start(
+                lambda task_status: serve(
+                    _late_writer, 0, host=HOST, cap=cap, task_status=task_status
+                )
+            )
+            assert addr is not None
+            async with RpcRdmaClient.connect(HOST, addr[1], credits=4) as client:
+                u = await client.call(PROG, 1, READ, args_of(5000, 1), ddp_reply_size=5000)
+                assert (u.uint(), u.opaque()) == (1, pattern(5000, 1))
+                del u  # the buffer is free: the next call gets the same memory
+                with pytest.raises(ConnectionLost):  # the junk hit a key that no longer is
+                    await client.call(PROG, 1, READ, args_of(5000, 2), ddp_reply_size=5000)
+                assert client.pool.made == 1  # the second call had the first one's memory
+            nursery.cancel_scope.cancel()

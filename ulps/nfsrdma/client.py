@@ -128,9 +128,14 @@ class MountError(OSError):
 
 
 class Sink(Protocol):
-    """Where :meth:`NfsClient.read_file` puts the bytes (a binary file will do)."""
+    """Where :meth:`NfsClient.read_file` puts the bytes (a binary file will do).
 
-    def write(self, data: bytes, /) -> object: ...
+    ``data`` is a view of the bytes where they arrived (over RDMA, the memory
+    the server wrote them into): copy it, or keep it (its memory is then not
+    reused for later READs).
+    """
+
+    def write(self, data: memoryview, /) -> object: ...
 
 
 class Source(Protocol):
@@ -438,7 +443,7 @@ class NfsClient:
         fh = await self.lookup(path)
         total = (await self._getattr(fh, path)).size
         done = next_piece = 0
-        pending: dict[int, bytes] = {}
+        pending: dict[int, list[memoryview]] = {}
         window = trio.Semaphore(IN_FLIGHT)
         if progress:
             progress(0, total)
@@ -447,9 +452,9 @@ class NfsClient:
             nonlocal done, next_piece
             pending[offset] = await self._read_range(fh, path, offset, count)
             while next_piece in pending:  # in order: each piece written frees its place
-                data = pending.pop(next_piece)  # short if the file shrank meanwhile
-                sink.write(data)
-                done += len(data)
+                for data in pending.pop(next_piece):  # short if the file shrank meanwhile
+                    sink.write(data)
+                    done += len(data)
                 next_piece += self.rtmax
                 window.release()
                 if progress:
@@ -461,9 +466,9 @@ class NfsClient:
                 nursery.start_soon(fetch, offset, min(self.rtmax, total - offset))
         return done
 
-    async def _read_range(self, fh: bytes, path: str, offset: int, count: int) -> bytes:
-        """``count`` bytes at ``offset`` (fewer only at the end of the file)."""
-        parts: list[bytes] = []
+    async def _read_range(self, fh: bytes, path: str, offset: int, count: int) -> list[memoryview]:
+        """``count`` bytes at ``offset`` (fewer only at the end of the file), as they arrived."""
+        parts: list[memoryview] = []
         while count > 0:
 
             def fill(r: Reply, at: int = offset, n: int = count) -> None:
@@ -475,12 +480,12 @@ class NfsClient:
             t.unpack_post_op_attr(u)
             u.uint()  # count
             eof = u.boolean()
-            data = u.opaque(count)
+            data = u.opaque_view(count)
             parts.append(data)
             offset, count = offset + len(data), count - len(data)
             if eof or not data:
                 break
-        return b"".join(parts)
+        return parts
 
     async def write_file(
         self,

@@ -11,7 +11,9 @@ DDP-eligible arguments (an NFS WRITE's data, marked in its
 :class:`~.service.Reply`) are registered and sent as Read chunks at their
 positions in the call's XDR stream; a DDP-eligible result (an NFS READ's
 data) lands in a Write chunk of ``ddp_reply_size`` bytes, and the Unpacker
-returned presents the whole reply with it in place (as over TCP). A
+returned presents the whole reply with it in place (as over TCP), without
+copying it: the Write chunk is the tail of a buffer whose head takes the
+reply's inline part (see :class:`ReceivePool`). A
 call whose inline part does not fit the server's receive size goes as
 RDMA_NOMSG with the whole call in a position-zero Read chunk (a Long Call);
 a Reply chunk of ``reply_size_hint`` bytes is offered when that much may not
@@ -26,6 +28,7 @@ from __future__ import annotations
 
 import logging
 import secrets
+import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING
@@ -33,7 +36,7 @@ from typing import TYPE_CHECKING
 import trio
 
 from rdmashim.cm import open_connection
-from rdmashim.ulps.nfsrdma.rdma_endpoint import REMOTE, ConnectionLost, Endpoint, send_wr
+from rdmashim.ulps.nfsrdma.rdma_endpoint import REMOTE, ConnectionLost, Endpoint
 from rdmashim.ulps.nfsrdma.rpc import OpaqueAuth, decode_reply, encode_call
 from rdmashim.ulps.nfsrdma.rpcrdma import (
     Chunk,
@@ -61,6 +64,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 DEFAULT_CREDITS = 32
+POOL_BUFFERS = 8
+"""Write-chunk buffers a connection keeps for reuse (more may be out at once, unkept)."""
 
 
 class TransportError(Exception):
@@ -78,6 +83,72 @@ class _Waiter:
         self.done = trio.Event()
         self.header: Message | XdrError | ConnectionLost | None = None
         self.inline = b""
+
+
+class ReceivePool:
+    """Memory for Write chunks, reused only when nothing else refers to it.
+
+    A buffer holds ``head`` bytes of room for the reply's inline part, the
+    Write chunk, and three bytes for its XDR padding, so the reply is one
+    contiguous stream with the data where the server placed it.
+
+    Two rules keep reuse safe. The memory is handed to another call only when
+    the pool holds the only reference to it: the READ data a caller is still
+    holding (a view, an Unpacker, a sink that kept it) pins its buffer, and
+    the pool makes a new one instead. And the memory is never registered
+    across calls: each call registers its chunk afresh (a new R_Key) and
+    deregisters it before it looks at the reply, or when it fails, so a server
+    writing late (after its reply, or into a connection that failed
+    mid-Write) names a key that no longer exists and cannot reach a later
+    call's data.
+    """
+
+    def __init__(self, keep: int = POOL_BUFFERS) -> None:
+        self.keep = keep
+        self._buffers: list[bytearray] = []
+        self.made = 0
+        """Buffers allocated (kept or not): a measure of reuse."""
+
+    def take(self, head: int, size: int) -> bytearray:
+        """A buffer of at least ``head + size + 3`` bytes no one else refers to."""
+        need = head + size + 3
+        buffers, smaller = self._buffers, -1
+        for i in range(len(buffers)):
+            if sys.getrefcount(buffers[i]) == _ONLY_THE_POOL:
+                if len(buffers[i]) >= need:
+                    return buffers[i]
+                smaller = i
+        self.made += 1
+        fresh = bytearray(need)
+        if len(self._buffers) < self.keep:
+            self._buffers.append(fresh)
+        elif smaller >= 0:
+            self._buffers[smaller] = fresh
+        return fresh
+
+
+_ONLY_THE_POOL = 2
+"""``sys.getrefcount`` of a pooled buffer no one holds: the pool's list and the argument."""
+
+
+class _Placement:
+    """A call's Write chunk: ``size`` bytes at ``head`` in a pooled buffer."""
+
+    __slots__ = ("buf", "head", "size")
+
+    def __init__(self, buf: bytearray, head: int, size: int) -> None:
+        self.buf, self.head, self.size = buf, head, size
+
+    def chunk(self) -> memoryview:
+        """The bytes the server may write."""
+        return memoryview(self.buf)[self.head : self.head + self.size]
+
+    def splice(self, body: bytes, written: int) -> memoryview:
+        """The reply stream: ``body`` (the inline part) just before the ``written`` bytes."""
+        start, end = self.head - len(body), self.head + written
+        self.buf[start : self.head] = body
+        self.buf[end : end + pad(written)] = bytes(pad(written))
+        return memoryview(self.buf)[start : end + pad(written)]
 
 
 class RpcRdmaClient:
@@ -101,6 +172,8 @@ class RpcRdmaClient:
         self.invalidated = 0
         """Replies that came as Send With Invalidate."""
         self._credit_freed = trio.Event()
+        self.pool = ReceivePool()
+        """The memory READ data lands in."""
         self._waiting: dict[int, _Waiter] = {}
         self._xid = secrets.randbits(32)
 
@@ -213,29 +286,35 @@ class RpcRdmaClient:
 
     async def call_message(
         self, message: Reply, *, ddp_reply_size: int = 0, reply_size_hint: int = 0
-    ) -> bytes:
-        """Send a whole RPC message (its first word is the xid) and return the reply message."""
+    ) -> bytes | memoryview:
+        """Send a whole RPC message (its first word is the xid) and return the reply message.
+
+        With a Write chunk the reply is a view into a pooled buffer, which is
+        not reused while the view (or any slice of it) is alive.
+        """
         xid = int.from_bytes(message.packer.data[:4], "big")
         await self._take_credit()
         waiter = self._waiting[xid] = _Waiter()
         regions: list[MR] = []
         try:
-            write_buf = bytearray(ddp_reply_size)
             reply_buf = bytearray(reply_size_hint if reply_size_hint > self.reply_inline else 0)
-            write_list = (self._offer(write_buf, regions),) if write_buf else ()
-            reply_chunk = self._offer(reply_buf, regions) if reply_buf else None
+            placed: _Placement | None = None
+            write_list: tuple[Chunk, ...] = ()
+            if ddp_reply_size:
+                head = max(self.ep.recv_size, len(reply_buf))  # any inline part fits
+                placed = _Placement(self.pool.take(head, ddp_reply_size), head, ddp_reply_size)
+                write_list = (self._offer(placed.chunk(), regions),)
+            reply_chunk = self._offer(memoryview(reply_buf), regions) if reply_buf else None
             header, inline = self._call_layout(xid, message, write_list, reply_chunk, regions)
-            wire = bytearray(header.encode() + inline)
-            regions.append(self.ep.register(wire))
-            await self.ep.post([send_wr(regions[-1], len(wire))])
+            await self.ep.send(header.encode() + inline)
             await waiter.done.wait()
-            return _reply_message(waiter, write_buf, reply_buf)
         finally:
             del self._waiting[xid]
-            for region in regions:
+            for region in regions:  # the server can write into none of it from here on
                 region.close()
             self.outstanding -= 1
             self._credit_freed.set()
+        return _reply_message(waiter, placed, reply_buf)
 
     async def _take_credit(self) -> None:
         while self.outstanding >= self.granted:
@@ -245,7 +324,7 @@ class RpcRdmaClient:
         self.outstanding += 1
         self.peak_outstanding = max(self.peak_outstanding, self.outstanding)
 
-    def _offer(self, buf: bytearray, regions: list[MR]) -> Chunk:
+    def _offer(self, buf: memoryview, regions: list[MR]) -> Chunk:
         """Register ``buf`` for the server to write: a one-segment chunk."""
         mr = self.ep.register(buf, REMOTE)
         regions.append(mr)
@@ -294,7 +373,9 @@ class RpcRdmaClient:
         return Segment(mr.rkey, len(item), mr.iova)
 
 
-def _reply_message(waiter: _Waiter, write_buf: bytearray, reply_buf: bytearray) -> bytes:
+def _reply_message(
+    waiter: _Waiter, placed: _Placement | None, reply_buf: bytearray
+) -> bytes | memoryview:
     """The reply message: inline or from the Reply chunk, the Write chunk's data spliced in."""
     header = waiter.header
     if isinstance(header, (XdrError, ConnectionLost)):
@@ -311,14 +392,16 @@ def _reply_message(waiter: _Waiter, write_buf: bytearray, reply_buf: bytearray) 
         if n > len(reply_buf):
             raise TransportError(f"Reply chunk of {n} bytes, {len(reply_buf)} offered")
         body = bytes(reply_buf[:n])
-    written = chunk_length(header.write_list[0]) if header.write_list and write_buf else 0
-    if written > len(write_buf):
-        raise TransportError(f"Write chunk of {written} bytes, {len(write_buf)} offered")
-    if written:
-        if len(body) < 4 or int.from_bytes(body[-4:], "big") != written:
-            raise TransportError(f"{written} bytes in the Write chunk, not the reply's last item")
-        body += bytes(write_buf[:written]) + bytes(pad(written))
-    return body
+    if placed is None or not header.write_list:
+        return body
+    written = chunk_length(header.write_list[0])
+    if written > placed.size:
+        raise TransportError(f"Write chunk of {written} bytes, {placed.size} offered")
+    if not written:
+        return body
+    if len(body) < 4 or int.from_bytes(body[-4:], "big") != written:
+        raise TransportError(f"{written} bytes in the Write chunk, not the reply's last item")
+    return placed.splice(body, written)
 
 
-__all__ = ["DEFAULT_CREDITS", "RpcRdmaClient", "TransportError"]
+__all__ = ["DEFAULT_CREDITS", "POOL_BUFFERS", "ReceivePool", "RpcRdmaClient", "TransportError"]

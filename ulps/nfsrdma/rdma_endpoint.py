@@ -7,6 +7,11 @@ task can wait for. One task (:meth:`Endpoint.run`) polls the completion
 queue; a work completion with an error status ends the connection
 (:class:`ConnectionLost`) and wakes every waiter with it.
 
+:meth:`Endpoint.send` copies a small message into one of a set of Send
+slots registered once (as many as Receives, made at the first use), so a
+short call costs no registration; a slot is used again only after its Send
+completed.
+
 Work requests go out in batches of at most :data:`BATCH`, only the last of
 each signaled: a send queue completes in order, so the last completion says
 the whole batch is done (and, for RDMA Writes before a Send, placed).
@@ -67,6 +72,8 @@ class Endpoint:
         self._next_wr = recv_count  # Receive wr_ids are slot numbers below this
         self._batches = trio.Semaphore(SEND_QUEUE_BATCHES)
         self.lost: ConnectionLost | None = None
+        self._send_mr: MR | None = None
+        self._send_free: list[int] = []
         self.qp.post_recv([self._recv_wr(slot) for slot in range(recv_count)])
 
     def _recv_wr(self, slot: int) -> RecvWR:
@@ -85,6 +92,25 @@ class Endpoint:
     def register(self, buffer: Buffer, access: Access = Access.NONE) -> MR:
         """Register ``buffer`` on the connection's PD."""
         return self.pd.reg_mr(buffer, access)
+
+    async def send(self, data: bytes) -> None:
+        """Send ``data`` and wait until the Send completes (:class:`ConnectionLost` if not).
+
+        From a pre-registered slot when one is free and ``data`` fits the
+        inline size, else from a buffer registered for this Send alone.
+        """
+        if self._send_mr is None:
+            self._send_mr = self.register(bytearray(self.recv_size * self.recv_count))
+            self._send_free = list(range(self.recv_count))
+        if len(data) > self.recv_size or not self._send_free:
+            with self.register(bytearray(data)) as mr:
+                await self.post([send_wr(mr, len(data))])
+            return
+        slot = self._send_free.pop()
+        base = slot * self.recv_size
+        self._send_mr.buf[base : base + len(data)] = data
+        await self.post([SendWR(0, sg_list=[self._send_mr.sge(base, len(data))])])
+        self._send_free.append(slot)  # not after a failure: the Send may still read it
 
     async def post(self, wrs: Sequence[SendWR]) -> None:
         """Post ``wrs`` (their wr_ids and flags are set here) and wait until all complete.
@@ -156,8 +182,10 @@ class Endpoint:
             pending.done.set()
 
     def close(self) -> None:
-        """Deregister the Receive buffers (once the QP is gone or in error)."""
+        """Deregister the Receive and Send buffers (once the QP is gone or in error)."""
         self.recv_mr.close()
+        if self._send_mr is not None:
+            self._send_mr.close()
 
 
 def send_wr(mr: MR, length: int, invalidate_rkey: int = 0) -> SendWR:
