@@ -458,6 +458,17 @@ def test_the_pool_gives_out_only_buffers_no_one_holds() -> None:
     assert pool.take(16, 5000) is not bigger  # held here
 
 
+def test_a_reused_buffer_holds_no_earlier_reply() -> None:
+    """What a server leaves unwritten in a reused buffer reads as zeros, as in a fresh one."""
+    pool = ReceivePool(keep=1)
+    buf = pool.take(16, 100)
+    buf[:] = b"\xab" * len(buf)  # an earlier reply's bytes
+    first = id(buf)
+    del buf
+    again = pool.take(16, 100)
+    assert id(again) == first and again == bytes(len(again))
+
+
 async def _late_writer(request: ConnectionRequest) -> None:
     """Answer READ calls, but write junk into the previous call's Write chunk before replying."""
     ep = Endpoint(request, 4096, 4)

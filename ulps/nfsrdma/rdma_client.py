@@ -26,6 +26,7 @@ Replies are matched to calls by xid; calls may run concurrently.
 
 from __future__ import annotations
 
+import functools
 import logging
 import secrets
 import sys
@@ -100,7 +101,9 @@ class ReceivePool:
     deregisters it before it looks at the reply, or when it fails, so a server
     writing late (after its reply, or into a connection that failed
     mid-Write) names a key that no longer exists and cannot reach a later
-    call's data.
+    call's data. A reused buffer is zeroed first, so a server that claims to
+    have written more than it did shows zeros there, as with fresh memory,
+    never the bytes of an earlier reply.
     """
 
     def __init__(self, keep: int = POOL_BUFFERS) -> None:
@@ -116,7 +119,10 @@ class ReceivePool:
         for i in range(len(buffers)):
             if sys.getrefcount(buffers[i]) == _ONLY_THE_POOL:
                 if len(buffers[i]) >= need:
-                    return buffers[i]
+                    reused = buffers[i]
+                    with memoryview(reused) as view:
+                        view[:] = _zeros(len(reused))
+                    return reused
                 smaller = i
         self.made += 1
         fresh = bytearray(need)
@@ -128,6 +134,14 @@ class ReceivePool:
 
 
 _ONLY_THE_POOL = 2
+
+
+@functools.lru_cache(maxsize=4)
+def _zeros(n: int) -> bytes:
+    """``n`` zero bytes, kept for the few buffer sizes a pool has."""
+    return bytes(n)
+
+
 """``sys.getrefcount`` of a pooled buffer no one holds: the pool's list and the argument."""
 
 
