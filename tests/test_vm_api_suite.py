@@ -19,6 +19,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -37,9 +38,14 @@ sys.modules.setdefault("vm_api_suite", vm_api_suite)  # its dataclasses look the
 _spec.loader.exec_module(vm_api_suite)
 RUNS = vm_api_suite.registered_backends()
 GUEST_HAS = set(RUNS)
-FLAKY = "ibal+rdmacore"
-"""A run that fails intermittently in the emulated guest: reported as xfail when it does."""
 """Runs the guest image provides for (python3, python3-cffi, rdma-core, siw): all."""
+FLAKY = "ibal+rdmacore"
+"""A run that failed intermittently in the emulated guest (2 of 5 CI runs)."""
+FLAKY_TESTS = {"tests/api/test_cq.py::test_one_channel_many_cqs"}
+"""The tests of :data:`FLAKY` whose failure alone is still reported as xfail: a channel
+event not seen within 60 s, never reproduced in the guest since (see the xfail text).
+The other failure seen (every Write completing before ERR) had its cause fixed (the IBAL
+facade posted a chain one request per doorbell) and fails again."""
 LIMIT = 2400.0
 """Seconds for the whole run: pip (first time), boot, each backend's suite under TCG."""
 
@@ -75,9 +81,10 @@ def test_api_suite_in_the_siw_vm(vm_results: dict[str, Any], backend: str) -> No
         if backend in GUEST_HAS and os.environ.get(siwvm.REQUIRE_ENV) == "1":
             pytest.fail(reason)
         pytest.skip(reason)
-    if backend == FLAKY and result["status"] == "failed":
+    failed = set(re.findall(r"^FAILED (\S+?)(?:\[\d+\])? ", result["output"], re.MULTILINE))
+    if backend == FLAKY and result["status"] == "failed" and failed and failed <= FLAKY_TESTS:
         pytest.xfail(
-            f"{FLAKY} fails now and then under emulation (2 of 5 runs: a CQ wait timed out, "
-            f"every Write completed before ERR); being investigated:\n{result['output'][-3000:]}"
+            f"{FLAKY}: a completion channel event did not come within 60 s, seen in CI "
+            f"and not reproduced since; being investigated:\n{result['output'][-3000:]}"
         )
     assert result["status"] == "passed", f"in-guest pytest of {backend}:\n{result['output']}"

@@ -22,6 +22,7 @@ from rdmashim.verbs.ibal import (
     ib_qp_type_t,
     ib_query_ca,
     ib_query_qp,
+    ib_remote_ops_t,
     ib_send_opt_t,
     ib_wc_status_t,
     ib_wr_type_t,
@@ -122,6 +123,32 @@ def test_a_refused_request_is_the_failure_pointer_and_those_before_are_posted(
     assert (sent.wr_id, sent.status) == (1, ib_wc_status_t.IB_WCS_SUCCESS)
     (got,) = poll_n(server.cq, 1)
     assert (got.wr_id, got.length) == (100, 3)
+
+
+def test_a_chain_reaches_the_hca_in_one_post(ca: IbCa, monkeypatch: pytest.MonkeyPatch) -> None:
+    """One post of the whole chain (one doorbell), as a verbs provider takes a linked list:
+    kernel siw sends a request inside the doorbell that finds its send queue idle, so a
+    post per request let a long chain of Writes leave before the caller's next call."""
+    client, server = connected_pair(ca)
+    hca_qp = client.qp.qp
+    posts: list[list[int]] = []
+
+    def post_send(wrs: list) -> None:
+        posts.append([w.wr_id for w in wrs])
+        type(hca_qp).post_send(hca_qp, wrs)
+
+    monkeypatch.setattr(hca_qp, "post_send", post_send)
+    ib_post_send(client.qp, link([send(i, ds(client, 0, 4)) for i in (1, 2, 3)]))
+    assert posts == [[1, 2, 3]]
+    assert [wc.wr_id for wc in poll_n(client.cq, 3)] == [1, 2, 3]
+    # The HCA refusing one of the chain (its send queue is full) names that request.
+    depth = ib_query_qp(client.qp).sq_depth
+    there = ib_remote_ops_t(server.vaddr, server.rkey)
+    write = {"wr_type": ib_wr_type_t.WR_RDMA_WRITE, "remote_ops": there}
+    chain = [send(10 + i, ds(client, 0, 4), **write) for i in range(depth + 2)]
+    error = error_of(lambda: ib_post_send(client.qp, link(chain)))
+    assert (error.status, error.failed_wr) == (IbStatus.IB_INSUFFICIENT_RESOURCES, chain[depth])
+    assert len(posts) == 2
 
 
 def test_work_request_types_the_hca_lacks(ca: IbCa) -> None:

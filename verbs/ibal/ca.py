@@ -231,7 +231,10 @@ class IbCa(EventSource):
                 cq = await channel.get_cq_event()
                 cq.ack_events(1)
             except Exception as exc:
-                log.debug("%s: completion events end: %s", self.device_name, exc)
+                # While the CA is open this loses every later notification of its CQs:
+                # say so where a test's captured log shows it.
+                level = logging.DEBUG if self.destroyed else logging.WARNING
+                log.log(level, "%s: completion events end: %r", self.device_name, exc)
                 return
             handle = self._objects.get(id(cq))
             if handle is not None and not handle.destroyed:

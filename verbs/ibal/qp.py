@@ -15,12 +15,14 @@ Sends need a bound QP in RTS (or ERROR, where they complete flushed).
 from __future__ import annotations
 
 import dataclasses
+import errno
 from dataclasses import dataclass
 from enum import IntEnum
 from typing import TYPE_CHECKING, Any
 
 from rdmashim.verbs.attrs import QPCap
 from rdmashim.verbs.enums import QPState, WCOpcode, WCStatus
+from rdmashim.verbs.errors import VerbsError
 from rdmashim.verbs.ibal.al import DestroyCallback
 from rdmashim.verbs.ibal.ca import EventCallback, EventSource, close_quietly
 from rdmashim.verbs.ibal.cq import IbCq
@@ -302,33 +304,31 @@ class IbQp(EventSource):
         if cq is not None and held:
             cq.inject([WC(w.wr_id, WCStatus.WR_FLUSH_ERR, WCOpcode.RECV) for w in held])
 
-    def post_recv(self, wr: ib_recv_wr_t) -> None:
-        """Post one receive: to the portable QP, or held until :meth:`bind`."""
-        portable = to_recv_wr("ib_post_recv", wr, self.create.rq_sge)
+    def post_recvs(self, portable: list[RecvWR]) -> None:
+        """Post receives: to the portable QP, or held until :meth:`bind`."""
         if self.qp is not None:
-            self.qp.post_recv([portable])
-        elif self._state is Q.IB_QPS_ERROR:
-            self._held.append(portable)
+            self.qp.post_recv(portable)
+            return
+        for i, wr in enumerate(portable):
+            if self._state is not Q.IB_QPS_ERROR and len(self._held) >= self.create.rq_depth:
+                error = VerbsError(
+                    errno.ENOMEM, "ib_post_recv", f"receive queue full ({self.create.rq_depth})"
+                )
+                error.bad_wr = i
+                raise error
+            self._held.append(wr)
+        if self._state is Q.IB_QPS_ERROR:
             self._flush_held()
-        elif len(self._held) >= self.create.rq_depth:
-            raise IbError(
-                IbStatus.IB_INSUFFICIENT_RESOURCES,
-                "ib_post_recv",
-                f"receive queue full ({self.create.rq_depth})",
-            )
-        else:
-            self._held.append(portable)
 
     def post_recv_chain(self, head: ib_recv_wr_t) -> None:
         """The ``ib_post_recv`` body."""
         self.check("ib_post_recv")
         if self.create.h_srq is not None:
             raise IbError(IbStatus.IB_INVALID_PARAMETER, "ib_post_recv", "the QP uses an SRQ")
-        post_chain("ib_post_recv", head, self.post_recv)
-
-    def post_send(self, wr: ib_send_wr_t) -> None:
-        """Post one send request to the portable QP."""
-        self.qp.post_send([to_send_wr(wr, self.create.sq_sge)])
+        sge = self.create.rq_sge
+        post_chain(
+            "ib_post_recv", head, lambda wr: to_recv_wr("ib_post_recv", wr, sge), self.post_recvs
+        )
 
     def post_send_chain(self, head: ib_send_wr_t) -> None:
         """The ``ib_post_send`` body: IB_INVALID_QP_STATE unless bound and in RTS (or ERROR)."""
@@ -339,7 +339,8 @@ class IbQp(EventSource):
             error = IbError(IbStatus.IB_INVALID_QP_STATE, "ib_post_send", f"the QP is {where}")
             error.failed_wr = head
             raise error
-        post_chain("ib_post_send", head, self.post_send)
+        sge = self.create.sq_sge
+        post_chain("ib_post_send", head, lambda wr: to_send_wr(wr, sge), self.qp.post_send)
 
     def _close_resources(self) -> None:
         for queue in self._queues():

@@ -56,7 +56,8 @@ class IbSrq(SharedQueue):
         post_chain(
             "ib_post_srq_recv",
             head,
-            lambda wr: self.srq.post_recv([to_recv_wr("ib_post_srq_recv", wr, self.attr.max_sge)]),
+            lambda wr: to_recv_wr("ib_post_srq_recv", wr, self.attr.max_sge),
+            self.srq.post_recv,
         )
 
     def query(self) -> ib_srq_attr_t:

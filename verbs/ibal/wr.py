@@ -2,8 +2,9 @@
 
 IBAL posts chains of work requests linked through ``p_next``; a refused
 request is reported through a failure pointer and the ones before it stay
-posted. The facade posts the chain's requests in order and, at the first
-one refused, raises :class:`IbError` whose ``failed_wr`` is that request.
+posted. The facade hands a chain to the HCA in one post (as a verbs provider
+takes a linked list and rings its doorbell once) and, at the first request
+refused, raises :class:`IbError` whose ``failed_wr`` is that request.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from rdmashim.verbs.ibal.status import IbError, IbStatus
 from rdmashim.verbs.wr import SGE, RecvWR, SendWR
 
 W = TypeVar("W")
+P = TypeVar("P")
 
 
 class ib_wr_type_t(IntEnum):
@@ -176,19 +178,37 @@ def to_send_wr(wr: ib_send_wr_t, max_sge: int) -> SendWR:
     )
 
 
-def post_chain(call: str, head: W | None, post_one: Callable[[W], None]) -> None:
-    """Post each request of the chain at ``head`` in order with ``post_one``.
+def post_chain(
+    call: str,
+    head: W | None,
+    convert: Callable[[W], P],
+    post: Callable[[list[P]], None],
+) -> None:
+    """Post the chain at ``head``: each request made portable with ``convert``, then all
+    of them with one ``post`` call (one doorbell for the HCA, as ``ibv_post_send`` of a
+    linked list rings once).
 
-    The first refused raises :class:`IbError` (a portable error mapped to its
+    The first request refused, by ``convert`` or by ``post`` (whose error names it by
+    its index, ``bad_wr``), raises :class:`IbError` (a portable error mapped to its
     status) with ``failed_wr`` set to that request; those before it stay posted.
     """
     if head is None:
         raise IbError(IbStatus.IB_INVALID_PARAMETER, call, "no work request")
-    for wr in walk(head):
+    chain = list(walk(head))
+    portable: list[P] = []
+    refused: IbError | None = None
+    for wr in chain:
+        try:
+            portable.append(convert(wr))
+        except IbError as exc:
+            exc.failed_wr = wr
+            refused = exc
+            break
+    if portable:
         try:
             with as_status(call):
                 try:
-                    post_one(wr)
+                    post(portable)
                 except IbError:
                     raise
                 except OSError as exc:
@@ -197,8 +217,11 @@ def post_chain(call: str, head: W | None, post_one: Callable[[W], None]) -> None
                         raise
                     raise IbError(status, call, str(exc)) from exc
         except IbError as exc:
-            exc.failed_wr = wr
+            cause = exc if exc.__cause__ is None else exc.__cause__
+            exc.failed_wr = chain[getattr(cause, "bad_wr", None) or 0]
             raise
+    if refused is not None:
+        raise refused
 
 
 _POST_STATUS = {
