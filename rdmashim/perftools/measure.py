@@ -118,6 +118,8 @@ async def bw_client(res: Resources, size: int, progress: Progress | None = None)
         wcs = res.send_cq.poll(64)
         if not wcs:
             if not per_qp:  # nothing signalled out: waiting for credits, which raise no completion
+                if stopping:  # -D is over: the unsignalled tail needs no credit the peer
+                    break  # may have stopped granting (its own clock ended its run)
                 await trio.lowlevel.checkpoint()
                 continue
             wcs = await res.send_cq.poll_wait(64)
