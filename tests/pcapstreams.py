@@ -12,21 +12,37 @@ _RECORD = struct.Struct("<IIII")
 
 @dataclass
 class Stream:
-    """The bytes one side of a TCP connection sent, in sequence order, retransmissions dropped."""
+    """The bytes one side of a TCP connection sent, in sequence order, retransmissions dropped.
+
+    Segments are kept by their offset from the stream's start (the SYN's sequence
+    number + 1, else the first segment's), modulo 2**32, so a stream whose
+    sequence numbers wrap stays in order. ``gap`` is where the capture lost
+    bytes (tcpdump dropped packets): :meth:`data` ends there.
+    """
 
     src: tuple[str, int]
     dst: tuple[str, int]
     first: float
+    base: int | None = None
     _segments: dict[int, bytes] = field(default_factory=dict)
+    gap: int | None = None
+
+    def add(self, seq: int, payload: bytes) -> None:
+        """A segment with sequence number ``seq``."""
+        if self.base is None:
+            self.base = seq
+        offset = (seq - self.base) & 0xFFFFFFFF
+        if offset < 1 << 31:  # not data from before the start (a reordered retransmission)
+            self._segments.setdefault(offset, payload)
 
     def data(self) -> bytes:
         out = bytearray()
-        base = None
-        for seq in sorted(self._segments):
-            chunk = self._segments[seq]
-            if base is None:
-                base = seq
-            off = seq - base
+        self.gap = None
+        for off in sorted(self._segments):
+            chunk = self._segments[off]
+            if off > len(out):
+                self.gap = len(out)
+                break
             if off + len(chunk) > len(out):
                 out[off:] = chunk
         return bytes(out)
@@ -65,9 +81,13 @@ def tcp_streams(path: Path) -> list[Stream]:
             continue
         sport, dport, seq = struct.unpack_from("!HHI", tcp)
         payload = tcp[(tcp[12] >> 4) * 4 :]
-        if not payload:
+        syn = tcp[13] & 0x02
+        if not (payload or syn):
             continue
         key = ((src, sport), (dst, dport))
         stream = streams.setdefault(key, Stream(key[0], key[1], sec + usec / 1e6))
-        stream._segments.setdefault(seq, payload)
+        if syn:
+            stream.base = (seq + 1) & 0xFFFFFFFF
+        elif payload:
+            stream.add(seq, payload)
     return sorted(streams.values(), key=lambda s: s.first)
