@@ -66,6 +66,10 @@ def completion_error(wc: WC, what: str, qp_error: Exception | None) -> PerfError
     return PerfError(f"{what}: completion status {wc.status.name}")
 
 
+LINGER = 1.0
+"""Seconds the client waits for the server to close the comm connection before it does."""
+
+
 class Comm:
     """The comm connection: perftest's exchange over Send/Recv."""
 
@@ -129,6 +133,9 @@ class Comm:
         return wire.Dest.decode(await self.xchg(mine.encode(), "QP data (pingpong_dest)"))
 
     async def aclose(self) -> None:
+        if self.client:  # the server's last Send may still be completing on its side: kernel
+            with trio.move_on_after(LINGER):  # siw fails it (LOC_QP_OP_ERR) if our close
+                await self.qp.wait_closed()  # comes first, so let the server close first
         self.cm_id.disconnect()
         with trio.move_on_after(2):
             await self.qp.wait_closed()
