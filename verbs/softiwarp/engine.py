@@ -21,6 +21,7 @@ work; so does a Terminate from the peer or the loss of the connection.
 from __future__ import annotations
 
 import logging
+import struct
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -72,6 +73,16 @@ _FENCE = int(SendFlags.FENCE)
 _SIGNALED = int(SendFlags.SIGNALED)
 _SOLICITED = int(SendFlags.SOLICITED)
 _UNTAGGED = ddp.UNTAGGED
+_CRC_FIELD = struct.Struct("<I")
+_LOCAL_WRITE = int(Access.LOCAL_WRITE)
+_DDP_LAST_SEGMENT = ddp.DDP_LAST | ddp.DDP_VERSION
+"""DDP control byte of an untagged last segment (reserved bits zero)."""
+_CTRL_SEND_PLAIN = ddp.RDMAP_VERSION | Opcode.SEND
+_CTRL_SEND_SE = ddp.RDMAP_VERSION | Opcode.SEND_SE
+_UNTAGGED_ULPDU_MIN = ddp.UNTAGGED_HDR_LEN - 2
+"""ULPDU length of an untagged segment without payload."""
+_SMALL_SEND_MIN = ddp.UNTAGGED_HDR_LEN + ddp.TRAILER_CRC_LEN
+"""Fewest bytes that can hold a whole Send FPDU."""
 _TAGGED = ddp.TAGGED
 _CTRL_SEND = {
     (False, False): Opcode.SEND,
@@ -506,6 +517,11 @@ class Engine:
             avail = self._end - self._start
             rx = self._rx
             if rx is _Rx.HDR:
+                if avail >= _SMALL_SEND_MIN and self._rx_send is None:
+                    self._start = self._small_sends(sview, self._start, self._end)
+                    if self._rx is _Rx.DISCARD:
+                        break
+                    avail = self._end - self._start
                 if avail < 4:
                     break
                 hdr = ddp.parse_header(sview, self._start, self._end)
@@ -549,6 +565,77 @@ class Engine:
                 break
         if self._start == self._end:
             self._start = self._end = 0
+
+    def _small_sends(self, sview: memoryview, start: int, end: int) -> int:
+        """Complete the whole one-segment Sends at ``sview[start:end]``; the new start.
+
+        The fast path of :meth:`_process` for the common case: an untagged Send or
+        Send with SE whose FPDU (header, payload, trailer) is all in the staging buffer,
+        with the expected MSN, no message in progress and a good CRC. It stops at the
+        first FPDU that is anything else, or that would fail a check, before touching
+        any state for it: the general path then handles (and reports) that FPDU.
+        """
+        if self.state is not EngineState.RTS or self._rtr_pending:
+            return start
+        crc_on = self.config.crc
+        unpack = _UNTAGGED.unpack_from
+        wire_crc = _CRC_FIELD.unpack_from
+        take_recv = self.take_recv
+        recv_segments = self._recv_segments
+        on_recv_wc = self.on_recv_wc
+        qp_num = self.qp_num
+        rx_msn = self._rx_msn
+        while end - start >= _SMALL_SEND_MIN:
+            ulpdu_len, ddp_ctrl, ctrl, _inv, qn, msn, mo = unpack(sview, start)
+            if (
+                ddp_ctrl != _DDP_LAST_SEGMENT
+                or (ctrl != _CTRL_SEND_PLAIN and ctrl != _CTRL_SEND_SE)
+                or qn
+                or mo
+                or msn != rx_msn[QN.SEND]
+                or ulpdu_len < _UNTAGGED_ULPDU_MIN
+            ):
+                break
+            body_end = start + ulpdu_len + 2 + (-(ulpdu_len + 2) & 3)
+            if body_end + _CRC_BYTES > end:
+                break
+            if crc_on and crc32c(sview[start:body_end]) != wire_crc(sview, body_end)[0]:
+                break
+            job = take_recv()
+            if job is None:
+                break
+            payload = ulpdu_len - _UNTAGGED_ULPDU_MIN
+            try:
+                segments = recv_segments(job)
+            except AccessViolation:
+                segments = None
+            if segments is None or payload > job.length:
+                # The general path reports it (LOC_PROT_ERR or LOC_LEN_ERR, Terminate).
+                self._start = start + ddp.UNTAGGED_HDR_LEN
+                hdr = ddp.parse_header(sview, start, end)
+                assert hdr is not None
+                self._fit_send(self._open_send(job, hdr), hdr, payload)
+                raise AssertionError("a refused Send passed the general checks")
+            data = sview[start + ddp.UNTAGGED_HDR_LEN : start + ddp.UNTAGGED_HDR_LEN + payload]
+            if len(segments) == 1:
+                segments[0][:payload] = data
+            else:
+                pos = 0
+                for target in slice_segments(segments, 0, payload):
+                    k = len(target)
+                    target[:] = data[pos : pos + k]
+                    pos += k
+            start = body_end + _CRC_BYTES
+            rx_msn[QN.SEND] = (msn + 1) & U32_MAX
+            on_recv_wc(
+                WC(
+                    job.wr_id, WCStatus.SUCCESS, WCOpcode.RECV, payload, qp_num,
+                    WCFlags.NONE, 0, solicited=ctrl == _CTRL_SEND_SE,
+                )
+            )  # fmt: skip
+            if self._rx is _Rx.DISCARD:
+                break
+        return start
 
     def _place(self, src: memoryview) -> None:
         targets = self._targets
@@ -643,23 +730,37 @@ class Engine:
                     ddp_untagged(DdpUntaggedCode.MSN_NO_BUFFER),
                     header=hdr,
                 )
-            msg = _RxMessage(job, [])
-            self._rx_send = msg
-            try:
-                msg.segments = [
-                    self.memory.resolve(s.lkey, self.pd, s.addr, s.length, Access.LOCAL_WRITE)
-                    for s in job.sges
-                    if s.length
-                ]
-            except AccessViolation as exc:
-                msg.status = WCStatus.LOC_PROT_ERR
-                raise ProtocolError(str(exc), DDP_CATASTROPHIC, header=hdr) from exc
+            msg = self._open_send(job, hdr)
         elif hdr.mo != msg.received:
             raise ProtocolError(
                 f"MO {hdr.mo}, expected {msg.received}",
                 ddp_untagged(DdpUntaggedCode.INVALID_MO),
                 header=hdr,
             )
+        self._fit_send(msg, hdr, payload)
+        targets = slice_segments(msg.segments, msg.received, payload)
+        msg.received += payload
+        return targets
+
+    def _recv_segments(self, job: RecvJob) -> list[memoryview]:
+        """The registered memory a receive's SGEs name (raises AccessViolation)."""
+        resolve = self.memory.resolve
+        pd = self.pd
+        return [resolve(s.lkey, pd, s.addr, s.length, _LOCAL_WRITE) for s in job.sges if s.length]
+
+    def _open_send(self, job: RecvJob, hdr: ddp.Header) -> _RxMessage:
+        """Start receiving a Send into ``job``; a receive naming bad memory is refused."""
+        msg = _RxMessage(job, [])
+        self._rx_send = msg
+        try:
+            msg.segments = self._recv_segments(job)
+        except AccessViolation as exc:
+            msg.status = WCStatus.LOC_PROT_ERR
+            raise ProtocolError(str(exc), DDP_CATASTROPHIC, header=hdr) from exc
+        return msg
+
+    def _fit_send(self, msg: _RxMessage, hdr: ddp.Header, payload: int) -> None:
+        """Refuse a Send segment that overflows the receive it is placed into."""
         if msg.received + payload > msg.job.length:
             # Linux siw (siw_qp_rx.c, siw_send_check_ntoh) reports "MSN: no buffer" here,
             # not RFC 5041's "message too long"; we send what siw sends.
@@ -669,9 +770,6 @@ class Engine:
                 ddp_untagged(DdpUntaggedCode.MSN_NO_BUFFER),
                 header=hdr,
             )
-        targets = slice_segments(msg.segments, msg.received, payload)
-        msg.received += payload
-        return targets
 
     def _read_response_targets(self, hdr: ddp.Header, payload: int) -> list[memoryview]:
         if not self._orq:
