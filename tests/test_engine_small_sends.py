@@ -7,11 +7,11 @@ from __future__ import annotations
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_engine_sansio import Host, untagged, wire
+from test_engine_sansio import Host, pump, untagged, wire
 
-from rdmashim import SGE, WCStatus
+from rdmashim import SGE, SendFlags, WCStatus, WROpcode
 from rdmashim.verbs.softiwarp.ddp import QN, Opcode
-from rdmashim.verbs.softiwarp.engine import EngineState, RecvJob
+from rdmashim.verbs.softiwarp.engine import EngineState, RecvJob, SendJob
 
 _FLAW = st.sampled_from(
     ["none", "bad_crc", "wrong_msn", "too_long", "dead_region", "no_receive", "inv", "not_last"]
@@ -75,3 +75,68 @@ def test_whole_buffer_matches_bytewise(crc: bool, sizes: list[int], flaw: str, a
     if flaw == "none" or (at >= len(sizes) and flaw != "bad_crc"):
         assert whole[2] is EngineState.RTS
         assert [w[:3] for w in whole[0]] == [(i, WCStatus.SUCCESS, n) for i, n in enumerate(sizes)]
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    crc=st.booleans(),
+    payloads=st.lists(st.binary(max_size=70), min_size=1, max_size=10),
+    flags=st.lists(st.sampled_from([0, SendFlags.SOLICITED, SendFlags.SIGNALED]), min_size=10),
+    inv=st.lists(st.booleans(), min_size=10),
+)
+def test_inline_framing_matches_general_path(
+    crc: bool, payloads: list[bytes], flags: list[int], inv: list[bool]
+) -> None:
+    """Inline Sends framed by the fast path are the bytes the general path frames for
+    the same Sends gathered from registered memory."""
+    inline, gathered = Host(crc), Host(crc)
+    for i, data in enumerate(payloads):
+        op = WROpcode.SEND_WITH_INV if inv[i] else WROpcode.SEND
+        stag = 0x1234 if inv[i] else 0
+        region = gathered.region(data or b"\0")
+        sges = (SGE(region.addr, len(data), region.stag),)
+        flag = int(flags[i])
+        inline.engine.post_send(SendJob(i, op, flag, (), data, len(data), invalidate_rkey=stag))
+        gathered.engine.post_send(SendJob(i, op, flag, sges, None, len(data), invalidate_rkey=stag))
+    fast = b"".join(bytes(b) for b in inline.engine.produce())
+    assert fast == b"".join(bytes(b) for b in gathered.engine.produce())
+    for host in (inline, gathered):
+        host.engine.sent(len(fast))
+    assert inline.send_wcs == gathered.send_wcs
+
+
+def test_inline_sends_around_other_work() -> None:
+    """A fenced Send waits for the Read before it; a Send whose invalidate STag does not
+    fit 32 bits is refused as the general path refuses it; order is kept."""
+    a, b = Host(True), Host(True)
+    src = b.region(b"0123456789")
+    sink = a.region(10)
+    rbuf = b.region(64 * 3)
+    for i in range(3):
+        b.rq.append(RecvJob(i, (SGE(rbuf.addr + 64 * i, 64, rbuf.stag),), 64))
+    post = a.engine.post_send
+    post(SendJob(0, WROpcode.SEND, int(SendFlags.SIGNALED), (), b"first", 5))
+    read_sge = (SGE(sink.addr, 10, sink.stag),)
+    post(SendJob(1, WROpcode.RDMA_READ, 0, read_sge, None, 10, src.addr, src.stag))
+    post(SendJob(2, WROpcode.SEND, int(SendFlags.FENCE | SendFlags.SIGNALED), (), b"fenced", 6))
+    post(SendJob(3, WROpcode.SEND, int(SendFlags.SOLICITED), (), b"", 0))
+    first = b"".join(bytes(x) for x in a.engine.produce())
+    a.engine.sent(len(first))
+    assert b"fenced" not in first  # held until the Read's response is in
+    b.engine.receive_data(first)
+    pump(a, b, [4096])
+    assert [(w.wr_id, w.byte_len, w.solicited) for w in b.recv_wcs] == [
+        (0, 5, False),
+        (1, 6, False),
+        (2, 0, True),
+    ]
+    assert bytes(rbuf.view[64:70]) == b"fenced"
+    assert [(w.wr_id, w.status) for w in a.send_wcs] == [
+        (0, WCStatus.SUCCESS),
+        (2, WCStatus.SUCCESS),
+    ]
+    assert bytes(sink.view) == b"0123456789"
+    post(SendJob(4, WROpcode.SEND_WITH_INV, 0, (), b"x", 1, invalidate_rkey=1 << 32))
+    a.engine.produce()
+    assert a.engine.state is EngineState.ERROR
+    assert a.send_wcs[-1][:2] == (4, WCStatus.LOC_PROT_ERR)

@@ -21,7 +21,6 @@ work; so does a Terminate from the peer or the loss of the connection.
 from __future__ import annotations
 
 import logging
-import struct
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -73,7 +72,8 @@ _FENCE = int(SendFlags.FENCE)
 _SIGNALED = int(SendFlags.SIGNALED)
 _SOLICITED = int(SendFlags.SOLICITED)
 _UNTAGGED = ddp.UNTAGGED
-_CRC_FIELD = struct.Struct("<I")
+_CRC_FIELD = ddp.CRC_FIELD
+_NO_CRC = bytes(_CRC_BYTES)
 _LOCAL_WRITE = int(Access.LOCAL_WRITE)
 _DDP_LAST_SEGMENT = ddp.DDP_LAST | ddp.DDP_VERSION
 """DDP control byte of an untagged last segment (reserved bits zero)."""
@@ -313,6 +313,8 @@ class Engine:
         size = 0
         crc_on = self.config.crc
         while size < max_bytes and len(out) < max_buffers:
+            if self._current is None and self._sq and not self._irq:
+                size += self._small_send_fpdus(out, max_bytes - size)
             if self._current is None and not self._start_next():
                 break
             try:
@@ -345,6 +347,60 @@ class Engine:
             out.extend(fpdu)
             size += ulpdu_len + 6 + pad
         return out
+
+    def _small_send_fpdus(self, out: list[Chunk], budget: int) -> int:
+        """Frame the inline Sends at the head of the send queue that fit one FPDU each.
+
+        The fast path of :meth:`produce`: header, payload, PAD and CRC of every such
+        Send go into one buffer appended to ``out``; the bytes added. It stops at the
+        first work request that is anything else (the general path then takes it).
+        """
+        sq = self._sq
+        orq = self._orq
+        order = self._sq_order
+        burst = self._burst_done
+        msns = self._tx_msn
+        crc_on = self.config.crc
+        most = (self.config.max_fpdu - ddp.UNTAGGED_HDR_LEN - _CRC_BYTES) & ~3
+        pack = _UNTAGGED.pack
+        crc_field = _CRC_FIELD.pack
+        parts: list[bytes] = []
+        size = 0
+        while sq and size < budget:
+            job = sq[0]
+            inline = job.inline
+            op = job.opcode
+            if (
+                inline is None
+                or (op is not WROpcode.SEND and op is not WROpcode.SEND_WITH_INV)
+                or len(inline) != job.length
+                or job.length > most
+                or (job.flags & _FENCE and orq)
+            ):
+                break
+            try:
+                _check_wire_fields(job)
+            except AccessViolation:
+                break  # the general path reports it
+            sq.popleft()
+            order.append(job)
+            burst.append(job)
+            msn = msns[QN.SEND] = (msns[QN.SEND] + 1) & U32_MAX
+            ctrl = _CTRL_SEND_SE if job.flags & _SOLICITED else _CTRL_SEND_PLAIN
+            if op is WROpcode.SEND_WITH_INV:
+                ctrl += Opcode.SEND_INV - Opcode.SEND  # SEND_INV and SEND_SE_INV follow
+            ulpdu_len = _UNTAGGED_ULPDU_MIN + len(inline)
+            body = pack(ulpdu_len, _DDP_LAST_SEGMENT, ctrl, job.invalidate_rkey, QN.SEND, msn, 0)
+            body += inline
+            pad = -(ulpdu_len + 2) & 3
+            if pad:
+                body += ddp.ZERO_PAD[pad]
+            parts.append(body)
+            parts.append(crc_field(crc32c(body)) if crc_on else _NO_CRC)
+            size += len(body) + _CRC_BYTES
+        if parts:
+            out.append(b"".join(parts))
+        return size
 
     def _take_terminate(self) -> list[Chunk]:
         term, self._terminate = self._terminate, None
