@@ -5,13 +5,18 @@ same placed bytes and the same Terminate."""
 
 from __future__ import annotations
 
+import errno
+
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_engine_sansio import Host, pump, untagged, wire
 
-from rdmashim import SGE, SendFlags, WCStatus, WROpcode
+from rdmashim import SGE, RecvWR, SendFlags, SendWR, VerbsError, WCStatus, WROpcode
 from rdmashim.verbs.softiwarp.ddp import QN, Opcode
 from rdmashim.verbs.softiwarp.engine import EngineState, RecvJob, SendJob
+
+from pairs import Side
 
 _FLAW = st.sampled_from(
     ["none", "bad_crc", "wrong_msn", "too_long", "dead_region", "no_receive", "inv", "not_last"]
@@ -140,3 +145,23 @@ def test_inline_sends_around_other_work() -> None:
     a.engine.produce()
     assert a.engine.state is EngineState.ERROR
     assert a.send_wcs[-1][:2] == (4, WCStatus.LOC_PROT_ERR)
+
+
+async def test_inline_gathers_sges_and_bytes(pair: tuple[Side, Side]) -> None:
+    """An inline Send may mix registered memory and plain bytes: they go out joined,
+    copied when posted; a piece outside any region is refused at post time."""
+    client, server = pair
+    rbuf = server.reg(64)
+    server.qp.post_recv(RecvWR(7, [rbuf.sge()]))
+    src = client.reg(b"registered")
+    inline = SendFlags.INLINE | SendFlags.SIGNALED
+    client.qp.post_send(SendWR(1, WROpcode.SEND, [b"<", src.sge(0, 10), b">"], inline))
+    src.buf[:3] = b"XXX"
+    wc = (await server.recv_cq.poll_wait(1))[0]
+    assert (wc.wr_id, wc.status, wc.byte_len) == (7, WCStatus.SUCCESS, 12)
+    assert bytes(rbuf.buf[:12]) == b"<registered>"
+    with pytest.raises(VerbsError) as info:
+        client.qp.post_send(
+            SendWR(2, WROpcode.SEND, [b"x", SGE(src.addr + 5, 10, src.lkey)], inline)
+        )
+    assert info.value.errno == errno.EINVAL

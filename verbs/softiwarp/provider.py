@@ -730,13 +730,15 @@ class QP(_Resource):
         if self.engine.sq_depth >= self.cap.max_send_wr and self._state is QPState.RTS:
             raise _bad_wr(errno.ENOMEM, "post_send", i, f"send queue full ({self.cap.max_send_wr})")
         inline = None
-        local = tuple(s for s in sges if isinstance(s, SGE))
         if flags & _INLINE and opcode is not WROpcode.RDMA_READ:
+            # The engine sends the copy; the SGEs are not kept.
             inline = self._gather_inline(i, sges)
             length = len(inline)
-        elif len(local) != len(sges):
-            raise _bad_wr(errno.EINVAL, "post_send", i, "raw bytes need INLINE")
+            local: tuple[SGE, ...] = ()
         else:
+            local = tuple(s for s in sges if isinstance(s, SGE))
+            if len(local) != len(sges):
+                raise _bad_wr(errno.EINVAL, "post_send", i, "raw bytes need INLINE")
             length = sum(s.length for s in local)
         if not (
             length <= _U32
@@ -754,17 +756,10 @@ class QP(_Resource):
         )
 
     def _gather_inline(self, i: int, sges: tuple[SGE | InlineData, ...]) -> bytes:
-        parts = []
-        for s in sges:
-            if isinstance(s, SGE):
-                region = self.context.memory.lookup(s.lkey)
-                if region is None or not 0 <= s.addr - region.addr <= region.length - s.length:
-                    raise _bad_wr(errno.EINVAL, "post_send", i, f"inline SGE {s} outside a region")
-                off = s.addr - region.addr
-                parts.append(bytes(region.view[off : off + s.length]))
-            else:
-                parts.append(bytes(s))
-        data = b"".join(parts)
+        if len(sges) == 1:
+            data = self._inline_part(i, sges[0])
+        else:
+            data = b"".join([self._inline_part(i, s) for s in sges])
         if len(data) > self.cap.max_inline_data:
             raise _bad_wr(
                 errno.EINVAL,
@@ -773,6 +768,16 @@ class QP(_Resource):
                 f"{len(data)} inline bytes > {self.cap.max_inline_data}",
             )
         return data
+
+    def _inline_part(self, i: int, s: SGE | InlineData) -> bytes:
+        """A copy of the bytes one element of an inline send's ``sg_list`` names."""
+        if isinstance(s, SGE):
+            region = self.context.memory.lookup(s.lkey)
+            if region is None or not 0 <= s.addr - region.addr <= region.length - s.length:
+                raise _bad_wr(errno.EINVAL, "post_send", i, f"inline SGE {s} outside a region")
+            off = s.addr - region.addr
+            return region.view[off : off + s.length].tobytes()
+        return bytes(s)
 
     def post_recv(self, wr: RecvWR | Iterable[RecvWR]) -> None:
         """Post one receive work request or a list of them (never blocks)."""
