@@ -114,12 +114,19 @@ class Link:
             engine.receive_data(self._leftover)
             self._after_rx()
         streak = 0
+        drained = False
         while True:
-            try:
-                n = readv(fd, [engine.recv_buffer()])
-            except BlockingIOError:
+            if drained:
+                # The last read did not fill its buffer: the socket was empty then, so
+                # wait instead of a read that would fail (a reply goes out sooner).
+                drained = False
                 streak = 0
                 await trio.lowlevel.wait_readable(self.sock)
+            buf = engine.recv_buffer()
+            try:
+                n = readv(fd, [buf])
+            except BlockingIOError:
+                drained = True
                 continue
             except OSError as exc:
                 if exc.errno != errno.EINTR:
@@ -129,6 +136,7 @@ class Link:
             if not n:
                 engine.connection_lost()
                 break
+            drained = n < len(buf)
             engine.received(n)
             self._after_rx()
             streak += 1
