@@ -800,9 +800,15 @@ class Engine:
 
     def _recv_segments(self, job: RecvJob) -> list[memoryview]:
         """The registered memory a receive's SGEs name (raises AccessViolation)."""
+        sges = job.sges
+        if len(sges) == 1:  # the common case, without the comprehension
+            s = sges[0]
+            if s.length:
+                return [self.memory.resolve(s.lkey, self.pd, s.addr, s.length, _LOCAL_WRITE)]
+            return []
         resolve = self.memory.resolve
         pd = self.pd
-        return [resolve(s.lkey, pd, s.addr, s.length, _LOCAL_WRITE) for s in job.sges if s.length]
+        return [resolve(s.lkey, pd, s.addr, s.length, _LOCAL_WRITE) for s in sges if s.length]
 
     def _open_send(self, job: RecvJob, hdr: ddp.Header) -> _RxMessage:
         """Start receiving a Send into ``job``; a receive naming bad memory is refused."""

@@ -118,8 +118,8 @@ class MemoryTable:
 
     def resolve(self, stag: int, pd: object, addr: int, length: int, access: Access) -> memoryview:
         """The bytes ``[addr, addr + length)`` of the region ``stag``, checked for ``access``."""
-        region = self.lookup(stag)
-        if region is None:
+        region = self._regions.get(stag >> 8)  # lookup(), inlined: once per message
+        if region is None or region.stag != stag or not region.valid:
             raise AccessViolation(Violation.INVALID_STAG, stag, addr, length)
         if region.pd is not pd:
             raise AccessViolation(Violation.PD_MISMATCH, stag, addr, length)

@@ -596,7 +596,7 @@ class SRQ(_Resource):
                 )
             if len(self._queue) >= self.max_wr:
                 raise _bad_wr(errno.ENOMEM, "post_srq_recv", i, "SRQ full")
-            self._queue.append(RecvJob(w.wr_id, tuple(w.sg_list), sum(s.length for s in w.sg_list)))
+            self._queue.append(RecvJob(w.wr_id, tuple(w.sg_list), _total(w.sg_list)))
 
     def _take(self) -> RecvJob | None:
         return self._queue.popleft() if self._queue else None
@@ -613,6 +613,11 @@ def _as_list(wr: _W | Iterable[_W]) -> list[_W]:
     if isinstance(wr, SendWR | RecvWR):
         return [wr]
     return list(wr)
+
+
+def _total(sges: Iterable[SGE]) -> int:
+    """Bytes a receive's scatter list holds."""
+    return sum(s.length for s in sges)
 
 
 def _bad_wr(err: int, operation: str, index: int, detail: str) -> VerbsError:
@@ -789,7 +794,8 @@ class QP(_Resource):
                 raise _bad_wr(
                     errno.EINVAL, "post_recv", i, f"{len(w.sg_list)} SGEs > {self.cap.max_recv_sge}"
                 )
-            job = RecvJob(w.wr_id, tuple(w.sg_list), sum(s.length for s in w.sg_list))
+            sges = tuple(w.sg_list)
+            job = RecvJob(w.wr_id, sges, sges[0].length if len(sges) == 1 else _total(sges))
             if self._state is QPState.ERR:
                 self.engine.flush_recv([job])
                 continue
