@@ -686,7 +686,7 @@ class Engine:
             on_recv_wc(
                 WC(
                     job.wr_id, WCStatus.SUCCESS, WCOpcode.RECV, payload, qp_num,
-                    WCFlags.NONE, 0, solicited=ctrl == _CTRL_SEND_SE,
+                    WCFlags.NONE, 0, 0, ctrl == _CTRL_SEND_SE,
                 )
             )  # fmt: skip
             if self._rx is _Rx.DISCARD:
@@ -1058,8 +1058,12 @@ class Engine:
     # ------------------------------------------------------------------ completions
     def _drain_sq_order(self) -> None:
         order = self._sq_order
+        quiet = not self.sq_sig_all
+        success = WCStatus.SUCCESS
         while order and order[0].done:
             job = order.popleft()
+            if quiet and job.status is success and not job.flags & _SIGNALED:
+                continue  # what _complete_send would do, without the call
             self._complete_send(job, job.status)
 
     def _complete_send(self, job: SendJob, status: WCStatus) -> None:

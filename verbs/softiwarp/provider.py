@@ -709,14 +709,15 @@ class QP(_Resource):
         come back as completions.
         """
         self._check_open("post_send")
-        engine = self.engine
+        post = self.engine.post_send
+        make_job = self._make_job
         try:
             for i, w in enumerate(_as_list(wr)):
-                if self._state not in (QPState.RTS, QPState.ERR):
+                if self._state is not QPState.RTS and self._state is not QPState.ERR:
                     raise _bad_wr(
                         errno.ENOTCONN, "post_send", i, f"QP {self.qp_num} is {self._state.name}"
                     )
-                engine.post_send(self._make_job(i, w))
+                post(make_job(i, w))
         finally:  # the requests before a refused one are posted: they go out now
             if self._link is not None:
                 self._link.kick()
