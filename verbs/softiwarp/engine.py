@@ -79,6 +79,9 @@ _DDP_LAST_SEGMENT = ddp.DDP_LAST | ddp.DDP_VERSION
 """DDP control byte of an untagged last segment (reserved bits zero)."""
 _CTRL_SEND_PLAIN = ddp.RDMAP_VERSION | Opcode.SEND
 _CTRL_SEND_SE = ddp.RDMAP_VERSION | Opcode.SEND_SE
+_INV_STEP = Opcode.SEND_INV - Opcode.SEND
+"""From SEND / SEND_SE to SEND_INV / SEND_SE_INV (each follows its plain opcode)."""
+_QN_SEND = int(QN.SEND)
 _UNTAGGED_ULPDU_MIN = ddp.UNTAGGED_HDR_LEN - 2
 """ULPDU length of an untagged segment without payload."""
 _SMALL_SEND_MIN = ddp.UNTAGGED_HDR_LEN + ddp.TRAILER_CRC_LEN
@@ -105,6 +108,10 @@ class EngineState(Enum):
     RTS = auto()
     TERMINATE = auto()
     ERROR = auto()
+
+
+_STOPPED = frozenset({EngineState.ERROR, EngineState.TERMINATE})
+"""States in which new work is flushed at once."""
 
 
 class _Rx(Enum):
@@ -275,7 +282,7 @@ class Engine:
     # ------------------------------------------------------------------ posting
     def post_send(self, job: SendJob) -> None:
         """Queue a send work request (already checked against the QP's limits)."""
-        if self.state is EngineState.ERROR or self.state is EngineState.TERMINATE:
+        if self.state in _STOPPED:
             self._complete_send(job, WCStatus.WR_FLUSH_ERR)
             return
         self._sq.append(job)
@@ -364,6 +371,7 @@ class Engine:
         most = (self.config.max_fpdu - ddp.UNTAGGED_HDR_LEN - _CRC_BYTES) & ~3
         pack = _UNTAGGED.pack
         crc_field = _CRC_FIELD.pack
+        send, send_inv = WROpcode.SEND, WROpcode.SEND_WITH_INV  # enum lookups cost
         parts: list[bytes] = []
         size = 0
         while sq and size < budget:
@@ -372,7 +380,7 @@ class Engine:
             op = job.opcode
             if (
                 inline is None
-                or (op is not WROpcode.SEND and op is not WROpcode.SEND_WITH_INV)
+                or (op is not send and op is not send_inv)
                 or len(inline) != job.length
                 or job.length > most
                 or (job.flags & _FENCE and orq)
@@ -385,12 +393,12 @@ class Engine:
             sq.popleft()
             order.append(job)
             burst.append(job)
-            msn = msns[QN.SEND] = (msns[QN.SEND] + 1) & U32_MAX
+            msn = msns[_QN_SEND] = (msns[_QN_SEND] + 1) & U32_MAX
             ctrl = _CTRL_SEND_SE if job.flags & _SOLICITED else _CTRL_SEND_PLAIN
-            if op is WROpcode.SEND_WITH_INV:
-                ctrl += Opcode.SEND_INV - Opcode.SEND  # SEND_INV and SEND_SE_INV follow
+            if op is send_inv:
+                ctrl += _INV_STEP
             ulpdu_len = _UNTAGGED_ULPDU_MIN + len(inline)
-            body = pack(ulpdu_len, _DDP_LAST_SEGMENT, ctrl, job.invalidate_rkey, QN.SEND, msn, 0)
+            body = pack(ulpdu_len, _DDP_LAST_SEGMENT, ctrl, job.invalidate_rkey, _QN_SEND, msn, 0)
             body += inline
             pad = -(ulpdu_len + 2) & 3
             if pad:
@@ -411,8 +419,9 @@ class Engine:
         """The driver handed every buffer of the last :meth:`produce` to TCP."""
         self.bytes_sent += nbytes
         done, self._burst_done = self._burst_done, []
+        read = WROpcode.RDMA_READ
         for job in done:
-            if job.opcode is not WROpcode.RDMA_READ:
+            if job.opcode is not read:
                 job.done = True
         self._drain_sq_order()
 
@@ -641,6 +650,8 @@ class Engine:
         on_recv_wc = self.on_recv_wc
         qp_num = self.qp_num
         rx_msn = self._rx_msn
+        success, recv, no_flags = WCStatus.SUCCESS, WCOpcode.RECV, WCFlags.NONE
+        discard = _Rx.DISCARD
         while end - start >= _SMALL_SEND_MIN:
             ulpdu_len, ddp_ctrl, ctrl, _inv, qn, msn, mo = unpack(sview, start)
             if (
@@ -648,7 +659,7 @@ class Engine:
                 or (ctrl != _CTRL_SEND_PLAIN and ctrl != _CTRL_SEND_SE)
                 or qn
                 or mo
-                or msn != rx_msn[QN.SEND]
+                or msn != rx_msn[_QN_SEND]
                 or ulpdu_len < _UNTAGGED_ULPDU_MIN
             ):
                 break
@@ -682,14 +693,11 @@ class Engine:
                     target[:] = data[pos : pos + k]
                     pos += k
             start = body_end + _CRC_BYTES
-            rx_msn[QN.SEND] = (msn + 1) & U32_MAX
+            rx_msn[_QN_SEND] = (msn + 1) & U32_MAX
             on_recv_wc(
-                WC(
-                    job.wr_id, WCStatus.SUCCESS, WCOpcode.RECV, payload, qp_num,
-                    WCFlags.NONE, 0, 0, ctrl == _CTRL_SEND_SE,
-                )
-            )  # fmt: skip
-            if self._rx is _Rx.DISCARD:
+                WC(job.wr_id, success, recv, payload, qp_num, no_flags, 0, 0, ctrl == _CTRL_SEND_SE)
+            )
+            if self._rx is discard:
                 break
         return start
 

@@ -629,6 +629,10 @@ def _bad_wr(err: int, operation: str, index: int, detail: str) -> VerbsError:
 _U32 = 0xFFFFFFFF
 _U64 = 0xFFFFFFFFFFFFFFFF
 _INLINE = int(SendFlags.INLINE)
+# Enum members bound once: an attribute lookup on an enum class costs per work request.
+_RDMA_READ = WROpcode.RDMA_READ
+_RTS = QPState.RTS
+_ERR = QPState.ERR
 _SUPPORTED_SEND = frozenset(
     {WROpcode.SEND, WROpcode.SEND_WITH_INV, WROpcode.RDMA_WRITE, WROpcode.RDMA_READ}
 )
@@ -713,7 +717,7 @@ class QP(_Resource):
         make_job = self._make_job
         try:
             for i, w in enumerate(_as_list(wr)):
-                if self._state is not QPState.RTS and self._state is not QPState.ERR:
+                if self._state is not _RTS and self._state is not _ERR:
                     raise _bad_wr(
                         errno.ENOTCONN, "post_send", i, f"QP {self.qp_num} is {self._state.name}"
                     )
@@ -730,13 +734,13 @@ class QP(_Resource):
             )
         flags = int(w.send_flags)
         sges = tuple(w.sg_list)
-        limit = 1 if opcode is WROpcode.RDMA_READ else self.cap.max_send_sge
+        limit = 1 if opcode is _RDMA_READ else self.cap.max_send_sge
         if len(sges) > limit:
             raise _bad_wr(errno.EINVAL, "post_send", i, f"{len(sges)} SGEs > {limit}")
-        if self.engine.sq_depth >= self.cap.max_send_wr and self._state is QPState.RTS:
+        if self.engine.sq_depth >= self.cap.max_send_wr and self._state is _RTS:
             raise _bad_wr(errno.ENOMEM, "post_send", i, f"send queue full ({self.cap.max_send_wr})")
         inline = None
-        if flags & _INLINE and opcode is not WROpcode.RDMA_READ:
+        if flags & _INLINE and opcode is not _RDMA_READ:
             # The engine sends the copy; the SGEs are not kept.
             inline = self._gather_inline(i, sges)
             length = len(inline)
@@ -797,7 +801,7 @@ class QP(_Resource):
                 )
             sges = tuple(w.sg_list)
             job = RecvJob(w.wr_id, sges, sges[0].length if len(sges) == 1 else _total(sges))
-            if self._state is QPState.ERR:
+            if self._state is _ERR:
                 self.engine.flush_recv([job])
                 continue
             if len(self._rq) >= self.cap.max_recv_wr:
