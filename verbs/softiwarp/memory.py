@@ -116,8 +116,9 @@ class MemoryTable:
             return None
         return region
 
-    def resolve(self, stag: int, pd: object, addr: int, length: int, access: Access) -> memoryview:
-        """The bytes ``[addr, addr + length)`` of the region ``stag``, checked for ``access``."""
+    def resolve(self, stag: int, pd: object, addr: int, length: int, access: int) -> memoryview:
+        """The bytes ``[addr, addr + length)`` of the region ``stag``, checked for ``access``
+        (``Access`` bits; the data path passes them as a plain int)."""
         region = self._regions.get(stag >> 8)  # lookup(), inlined: once per message
         if region is None or region.stag != stag or not region.valid:
             raise AccessViolation(Violation.INVALID_STAG, stag, addr, length)
