@@ -113,8 +113,6 @@ class EngineState(Enum):
 _RTS = EngineState.RTS
 _ERROR = EngineState.ERROR
 _TERMINATE = EngineState.TERMINATE
-_STOPPED = frozenset({_ERROR, _TERMINATE})
-"""States in which new work is flushed at once."""
 
 
 class _Rx(Enum):
@@ -292,7 +290,8 @@ class Engine:
     # ------------------------------------------------------------------ posting
     def post_send(self, job: SendJob) -> None:
         """Queue a send work request (already checked against the QP's limits)."""
-        if self.state in _STOPPED:
+        state = self.state
+        if state is _ERROR or state is _TERMINATE:  # identity: Enum hashing is Python code
             self._complete_send(job, WCStatus.WR_FLUSH_ERR)
             return
         self._sq.append(job)
