@@ -45,7 +45,7 @@ import threading
 import time
 import tomllib
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -218,6 +218,31 @@ def netns_up(taps: int = 2) -> bool:
 
 def netns_down() -> None:
     subprocess.run([*guest_tool("bridge"), "down"], capture_output=True, check=False)
+
+
+@contextlib.contextmanager
+def booted(name: str, ip: str, tap_index: int, dmesg_keys: Sequence[str] = ()) -> Iterator[Guest]:
+    """A guest booted on tap ``tap_index`` of the namespace for the block (a module fixture).
+
+    Skips where no guest can boot. At the end it stops the guest, prints the
+    last dmesg lines holding any of ``dmesg_keys``, and takes the namespace
+    down only if this call made it.
+    """
+    require_guest()
+    created = netns_up(taps=tap_index + 1)
+    vm = Guest(name, ip=ip, tap=tap(tap_index))
+    try:
+        vm.start()
+        print(f"\nguest {vm.name} ready after {vm.boot_seconds:.1f} s")
+        yield vm
+    finally:
+        dmesg = vm.stop()
+        if dmesg_keys:
+            lines = [ln for ln in dmesg.splitlines() if any(k in ln.lower() for k in dmesg_keys)]
+            print(f"\nguest dmesg ({', '.join(dmesg_keys)}): {len(lines)} lines", *lines[-15:],
+                  sep="\n")  # fmt: skip
+        if created:
+            netns_down()
 
 
 def netns_cmd(*argv: str) -> list[str]:

@@ -214,19 +214,8 @@ echo "guest job done"
 @pytest.fixture(scope="module")
 def guest() -> Iterator[siwvm.Guest]:
     """One booted guest with siw0 for the whole module (skipped where it cannot boot)."""
-    siwvm.require_guest()
-    created = siwvm.netns_up(taps=TAP + 1)
-    vm = siwvm.Guest("rdmashim-nfs-kernel", ip=GUEST_IP, tap=siwvm.tap(TAP))
-    try:
-        vm.start()
-        print(f"\nguest {vm.name} ready after {vm.boot_seconds:.1f} s")
+    with siwvm.booted("rdmashim-nfs-kernel", GUEST_IP, TAP, ("nfs", "rpc")) as vm:
         yield vm
-    finally:
-        dmesg = vm.stop()
-        lines = [ln for ln in dmesg.splitlines() if any(k in ln.lower() for k in ("nfs", "rpc"))]
-        print(f"\nguest dmesg (nfs, rpc): {len(lines)} lines", *lines[-15:], sep="\n")
-        if created:
-            siwvm.netns_down()
 
 
 def make_export(root: Path) -> Path:

@@ -69,7 +69,7 @@ from typing import Any, TypeVar
 import pytest
 import siwvm
 import trio
-from test_nfs_kernel import findings_after_tshark_lost_framing, fpdu_framing
+from test_nfs_kernel import findings_after_tshark_lost_framing, fpdu_framing, sums
 
 from rdmashim.ulps.nfsrdma import nfs3_types as t
 from rdmashim.ulps.nfsrdma.client import NfsClient, NfsError, Proto
@@ -148,31 +148,11 @@ def _wait_job(vm: siwvm.Guest, script: str) -> siwvm.JobResult:
 @pytest.fixture(scope="module")
 def guest() -> Iterator[siwvm.Guest]:
     """One booted guest serving ``/export`` with knfsd on TCP 2049 and RDMA 20049."""
-    siwvm.require_guest()
-    created = siwvm.netns_up(taps=TAP + 1)
-    vm = siwvm.Guest(GUEST_NAME, ip=GUEST_IP, tap=siwvm.tap(TAP))
-    try:
-        vm.start()
-        print(f"\nguest {vm.name} ready after {vm.boot_seconds:.1f} s")
+    with siwvm.booted(GUEST_NAME, GUEST_IP, TAP, ("nfs", "rpc")) as vm:
         setup = _wait_job(vm, SETUP_SCRIPT)
         print(f"--- knfsd setup:\n{setup.output}")
         assert setup.returncode == 0, setup.output
         yield vm
-    finally:
-        dmesg = vm.stop()
-        lines = [ln for ln in dmesg.splitlines() if any(k in ln.lower() for k in ("nfs", "rpc"))]
-        print(f"\nguest dmesg (nfs, rpc): {len(lines)} lines", *lines[-15:], sep="\n")
-        if created:
-            siwvm.netns_down()
-
-
-def sums(text: str) -> dict[str, str]:
-    """``sha256sum`` output as {path without ./: digest}."""
-    out = {}
-    for line in text.splitlines():
-        digest, name = line.split(maxsplit=1)
-        out[name.removeprefix("./")] = digest
-    return out
 
 
 def tree(text: str) -> dict[str, tuple[str, int, int]]:

@@ -34,16 +34,8 @@ TOOLS = ("write_bw", "read_bw", "send_bw")
 @pytest.fixture(scope="module")
 def guest() -> Iterator[siwvm.Guest]:
     """One booted guest with siw0 for the whole module (skipped where it cannot boot)."""
-    siwvm.require_guest()
-    created = siwvm.netns_up(taps=TAP + 1)
-    vm = siwvm.Guest("rdmashim-perf", ip=GUEST_IP, tap=siwvm.tap(TAP))
-    try:
-        vm.start()
+    with siwvm.booted("rdmashim-perf", GUEST_IP, TAP) as vm:
         yield vm
-    finally:
-        vm.stop()
-        if created:
-            siwvm.netns_down()
 
 
 def result_row(output: str) -> list[float]:

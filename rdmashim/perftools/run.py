@@ -166,6 +166,20 @@ def _progress(progress: ProgressFactory | None, size: int, total: int) -> measur
     return progress(size, total) if progress is not None else None
 
 
+async def _client_bw(
+    res: Resources, size: int, progress: ProgressFactory | None
+) -> report.BwResult:
+    """The client's measurement of one size and its result row."""
+    config = res.config
+    cpu = _CPU(config.cpu_util)
+    total = config.iters * config.num_qps
+    stamps = await measure.bw_client(res, size, _progress(progress, size, total))
+    return report.bw_result(
+        size, stamps.posted, stamps.completed, gbits=config.gbits,
+        peak=config.duration is None, cpu_util=cpu.percent(),
+    )  # fmt: skip
+
+
 async def _exchange_report(comm: Comm, mine: report.BwResult) -> report.BwResult:
     messages = wire.BwReport(mine.size, mine.iters, mine.bw_peak, mine.bw_avg, mine.msg_rate)
     theirs = [await comm.xchg(m, "bandwidth report") for m in messages.encode()]
@@ -185,13 +199,7 @@ async def _rdma_bw(comm: Comm, res: Resources, emit: Emit, progress: ProgressFac
         emit(report.bw_line(result.remote, gbits=config.gbits))
     else:
         for size in config.sizes():
-            cpu = _CPU(config.cpu_util)
-            total = config.iters * config.num_qps
-            stamps = await measure.bw_client(res, size, _progress(progress, size, total))
-            row = report.bw_result(
-                size, stamps.posted, stamps.completed, gbits=config.gbits,
-                peak=config.duration is None, cpu_util=cpu.percent(),
-            )  # fmt: skip
+            row = await _client_bw(res, size, progress)
             result.bw.append(row)
             emit(report.bw_line(row, gbits=config.gbits))
         await comm.handshake(res.links[0].mine)
@@ -207,7 +215,6 @@ async def _send_bw(comm: Comm, res: Resources, emit: Emit, progress: ProgressFac
     for line in report.bw_header(gbits=config.gbits, cpu_util=config.cpu_util):
         emit(line)
     for size in config.sizes():
-        total = config.iters * config.num_qps
         if config.server:
             measure.post_receives(res, size, config.rx_depth)
         else:
@@ -215,19 +222,16 @@ async def _send_bw(comm: Comm, res: Resources, emit: Emit, progress: ProgressFac
                 assert link.credit_mr is not None
                 link.credit_mr.buf[:] = bytes(len(link.credit_mr.buf))
         await comm.handshake(res.links[0].mine)
-        cpu = _CPU(config.cpu_util)
         if config.server:
+            cpu = _CPU(config.cpu_util)
+            total = config.iters * config.num_qps
             stamps = await measure.send_bw_server(res, size, _progress(progress, size, total))
             row = report.bw_span_result(
                 size, stamps.count, stamps.start, stamps.end, gbits=config.gbits,
                 cpu_util=cpu.percent(),
             )  # fmt: skip
         else:
-            stamps = await measure.bw_client(res, size, _progress(progress, size, total))
-            row = report.bw_result(
-                size, stamps.posted, stamps.completed, gbits=config.gbits,
-                peak=config.duration is None, cpu_util=cpu.percent(),
-            )  # fmt: skip
+            row = await _client_bw(res, size, progress)
         result.bw.append(row)
         emit(report.bw_line(row, gbits=config.gbits))
         if config.all_sizes:
