@@ -108,6 +108,21 @@ async def test_dump_umnt_umntall(exports: list[Export]) -> None:
     assert await dump() == [("10.0.0.1", "/srv/b")]
 
 
+async def test_mounting_again_and_again_keeps_one_record(
+    exports: list[Export], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A client that mounts without UMNT adds one DUMP record, and records stay bounded."""
+    program = m.MountProgram(exports)
+    for _ in range(50):
+        await mnt(program, "/srv/a")
+    await mnt(program, "/srv/b", peer="10.0.0.1")
+    await mnt(program, "/srv/a")  # the newest mount goes last
+    assert list(program.mounts) == [("10.0.0.1", "/srv/b"), ("127.0.0.1", "/srv/a")]
+    monkeypatch.setattr(m, "MAX_MOUNT_RECORDS", 2)
+    await mnt(program, "/srv/a/sub")  # the oldest record is forgotten
+    assert list(program.mounts) == [("127.0.0.1", "/srv/a"), ("127.0.0.1", "/srv/a/sub")]
+
+
 async def test_export_lists_names_and_groups(exports: list[Export]) -> None:
     u = await call(m.MountProgram(exports), m.MOUNTPROC_EXPORT)
     listed = []

@@ -44,6 +44,10 @@ def _split(path: str) -> list[str]:
     return [c for c in path.split("/") if c and c != "."]
 
 
+MAX_MOUNT_RECORDS = 4096
+"""Mount records DUMP keeps (the oldest is forgotten first)."""
+
+
 class MountProgram:
     """MOUNT v1-v3 for ``exports`` (the same :class:`~.export.Export` objects NFS serves)."""
 
@@ -52,8 +56,10 @@ class MountProgram:
 
     def __init__(self, exports: Export | Sequence[Export]) -> None:
         self.exports = [exports] if isinstance(exports, Export) else list(exports)
-        self.mounts: list[tuple[str, str]] = []
-        """(host, path) of each mount, for DUMP."""
+        self.mounts: dict[tuple[str, str], None] = {}
+        """(host, path) of each mount, once each, oldest first, for DUMP (at most
+        :data:`MAX_MOUNT_RECORDS`: a client that mounts again and again without UMNT
+        cannot grow it)."""
 
     async def dispatch(self, ctx: CallContext, args: Unpacker, reply: Reply) -> None:
         """Decode, do, encode one MOUNT call (see :class:`~.service.Program`)."""
@@ -69,10 +75,9 @@ class MountProgram:
                 p.string(path)
             p.boolean(False)
         elif ctx.proc == MOUNTPROC_UMNT:
-            entry = (ctx.peer[0], _normal(args.string(MNTPATHLEN)))
-            self.mounts = [m for m in self.mounts if m != entry]
+            self.mounts.pop((ctx.peer[0], _normal(args.string(MNTPATHLEN))), None)
         elif ctx.proc == MOUNTPROC_UMNTALL:
-            self.mounts = [m for m in self.mounts if m[0] != ctx.peer[0]]
+            self.mounts = {m: None for m in self.mounts if m[0] != ctx.peer[0]}
         elif ctx.proc == MOUNTPROC_EXPORT:
             self._export(p)
         else:
@@ -105,7 +110,11 @@ class MountProgram:
             assert fh is not None
             pack_fh(p, fh)
             p.array(AUTH_FLAVORS, p.uint)
-            self.mounts.append((ctx.peer[0], _normal(path)))
+            entry = (ctx.peer[0], _normal(path))
+            self.mounts.pop(entry, None)  # the newest mount goes last
+            self.mounts[entry] = None
+            if len(self.mounts) > MAX_MOUNT_RECORDS:
+                del self.mounts[next(iter(self.mounts))]
 
     def _mount(self, ctx: CallContext, path: str) -> tuple[int, bytes | None]:
         found = self._find(path)
