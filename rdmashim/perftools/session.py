@@ -165,9 +165,26 @@ class Negotiated:
     """Bytes."""
 
 
+SERVER_SETTLE = 0.5
+"""Seconds the client gives a perftest server to post its first receive."""
+PREAMBLE_LIMIT = 30.0
+"""Seconds the first exchange may take."""
+
+
 async def preamble(comm: Comm, mtu_enum: int) -> Negotiated:
-    """Versions, cycle buffer, cache line and MTU, in perftest's order."""
-    peer = wire.decode_version(await comm.xchg(wire.encode_version(), "version"))
+    """Versions, cycle buffer, cache line and MTU, in perftest's order.
+
+    The client waits :data:`SERVER_SETTLE` seconds before its first Send: a
+    perftest server posts its first receive only after the connection is up,
+    and a Send that comes before it stalls the exchange for good. A peer that
+    answers nothing within :data:`PREAMBLE_LIMIT` seconds is an error.
+    """
+    if comm.client:
+        await trio.sleep(SERVER_SETTLE)
+    with trio.move_on_after(PREAMBLE_LIMIT) as scope:
+        peer = wire.decode_version(await comm.xchg(wire.encode_version(), "version"))
+    if scope.cancelled_caught:
+        raise PerfError(f"the peer sent no perftest version within {PREAMBLE_LIMIT:.0f} s")
     if wire.version_number(peer) < wire.MIN_VERSION:
         raise PerfError(f"the peer speaks perftest {peer!r}; we need {wire.MIN_VERSION} or later")
     cycle = wire.decode_int(await comm.xchg(wire.encode_int(CYCLE_BUFFER), "page size"))
