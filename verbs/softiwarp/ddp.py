@@ -100,8 +100,8 @@ TAGGED = struct.Struct("!HBBIQ")
 UNTAGGED = struct.Struct("!HBBIIII")
 READ_REQUEST = struct.Struct("!HBBIIIIIQIIQ")
 _TERM_CTRL = struct.Struct("!I")
-_CRC = struct.Struct("<I")
-_ZERO_PAD = (b"", b"\0", b"\0\0", b"\0\0\0")
+CRC_FIELD = struct.Struct("<I")
+ZERO_PAD = (b"", b"\0", b"\0\0", b"\0\0\0")
 
 
 def pad_len(ulpdu_len: int) -> int:
@@ -234,7 +234,7 @@ def parse_header(
 
 def trailer(ulpdu_len: int, crc: int | None) -> bytes:
     """PAD and CRC field closing an FPDU; ``crc`` None writes the zero CRC field."""
-    return _ZERO_PAD[pad_len(ulpdu_len)] + (_CRC.pack(crc) if crc is not None else b"\0\0\0\0")
+    return ZERO_PAD[pad_len(ulpdu_len)] + (CRC_FIELD.pack(crc) if crc is not None else b"\0\0\0\0")
 
 
 def fpdu_crc(parts: Sequence[bytes | bytearray | memoryview]) -> int:
@@ -250,7 +250,7 @@ def encode_fpdu(
 ) -> list[bytes | bytearray | memoryview]:
     """The buffers of one FPDU (header, payload pieces, trailer) for a gathering send."""
     ulpdu_len = struct.unpack_from("!H", header)[0]
-    pad = _ZERO_PAD[pad_len(ulpdu_len)]
+    pad = ZERO_PAD[pad_len(ulpdu_len)]
     value = None
     if crc:
         value = crc32c(pad, fpdu_crc([header, *payload]))
@@ -260,7 +260,7 @@ def encode_fpdu(
 def check_trailer(crc_state: int, pad_and_crc: bytes | bytearray | memoryview) -> bool:
     """Whether a received PAD + CRC field matches the CRC32c running over the FPDU so far."""
     pad = pad_and_crc[:-4]
-    (wire,) = _CRC.unpack_from(pad_and_crc, len(pad))
+    (wire,) = CRC_FIELD.unpack_from(pad_and_crc, len(pad))
     return bool(crc32c(pad, crc_state) == wire)
 
 

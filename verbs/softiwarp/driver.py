@@ -30,6 +30,7 @@ log = logging.getLogger(__name__)
 _IOV_MAX = 1024
 LINGER = 2.0
 """Seconds to wait for the peer's FIN after ours before closing the socket."""
+_ERROR = EngineState.ERROR
 _RX_BATCH = 16
 """Reads in a row without waiting before the receive task yields to others."""
 
@@ -62,7 +63,7 @@ class Link:
         while True:
             if not pending:
                 if not engine.tx_ready:
-                    if engine.state is EngineState.ERROR:
+                    if engine.state is _ERROR:
                         self._tx_wakeup.set()  # let the transmit task end the connection
                     return
                 pending = engine.produce()
@@ -94,7 +95,7 @@ class Link:
             while self._pending:
                 await trio.lowlevel.wait_writable(self.sock)
                 self.flush()
-            if engine.state is EngineState.ERROR and not engine.tx_ready:
+            if engine.state is _ERROR and not engine.tx_ready:
                 break
         # ERROR: the Terminate (if any) is out; end our half, let the peer end its own.
         with contextlib.suppress(OSError):
@@ -114,12 +115,19 @@ class Link:
             engine.receive_data(self._leftover)
             self._after_rx()
         streak = 0
+        drained = False
         while True:
-            try:
-                n = readv(fd, [engine.recv_buffer()])
-            except BlockingIOError:
+            if drained:
+                # The last read did not fill its buffer: the socket was empty then, so
+                # wait instead of a read that would fail (a reply goes out sooner).
+                drained = False
                 streak = 0
                 await trio.lowlevel.wait_readable(self.sock)
+            buf = engine.recv_buffer()
+            try:
+                n = readv(fd, [buf])
+            except BlockingIOError:
+                drained = True
                 continue
             except OSError as exc:
                 if exc.errno != errno.EINTR:
@@ -129,6 +137,7 @@ class Link:
             if not n:
                 engine.connection_lost()
                 break
+            drained = n < len(buf)
             engine.received(n)
             self._after_rx()
             streak += 1
@@ -139,7 +148,7 @@ class Link:
         self._after_rx()
 
     def _after_rx(self) -> None:
-        if not self._pending and (self.engine.tx_ready or self.engine.state is EngineState.ERROR):
+        if not self._pending and (self.engine.tx_ready or self.engine.state is _ERROR):
             self.flush()
 
     # ------------------------------------------------------------------ lifetime

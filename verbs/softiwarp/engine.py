@@ -72,6 +72,20 @@ _FENCE = int(SendFlags.FENCE)
 _SIGNALED = int(SendFlags.SIGNALED)
 _SOLICITED = int(SendFlags.SOLICITED)
 _UNTAGGED = ddp.UNTAGGED
+_CRC_FIELD = ddp.CRC_FIELD
+_NO_CRC = bytes(_CRC_BYTES)
+_LOCAL_WRITE = int(Access.LOCAL_WRITE)
+_DDP_LAST_SEGMENT = ddp.DDP_LAST | ddp.DDP_VERSION
+"""DDP control byte of an untagged last segment (reserved bits zero)."""
+_CTRL_SEND_PLAIN = ddp.RDMAP_VERSION | Opcode.SEND
+_CTRL_SEND_SE = ddp.RDMAP_VERSION | Opcode.SEND_SE
+_INV_STEP = Opcode.SEND_INV - Opcode.SEND
+"""From SEND / SEND_SE to SEND_INV / SEND_SE_INV (each follows its plain opcode)."""
+_QN_SEND = int(QN.SEND)
+_UNTAGGED_ULPDU_MIN = ddp.UNTAGGED_HDR_LEN - 2
+"""ULPDU length of an untagged segment without payload."""
+_SMALL_SEND_MIN = ddp.UNTAGGED_HDR_LEN + ddp.TRAILER_CRC_LEN
+"""Fewest bytes that can hold a whole Send FPDU."""
 _TAGGED = ddp.TAGGED
 _CTRL_SEND = {
     (False, False): Opcode.SEND,
@@ -96,11 +110,23 @@ class EngineState(Enum):
     ERROR = auto()
 
 
+_RTS = EngineState.RTS
+_ERROR = EngineState.ERROR
+_TERMINATE = EngineState.TERMINATE
+
+
 class _Rx(Enum):
     HDR = auto()
     PAYLOAD = auto()
     TRAILER = auto()
     DISCARD = auto()
+
+
+# Members bound once: an attribute lookup on an enum class costs ~60 ns per use.
+_RX_HDR = _Rx.HDR
+_RX_PAYLOAD = _Rx.PAYLOAD
+_RX_TRAILER = _Rx.TRAILER
+_RX_DISCARD = _Rx.DISCARD
 
 
 def slice_segments(segments: Sequence[memoryview], offset: int, length: int) -> list[memoryview]:
@@ -226,7 +252,7 @@ class Engine:
         self._sview = memoryview(self._staging)
         self._start = 0
         self._end = 0
-        self._rx = _Rx.HDR
+        self._rx = _RX_HDR
         self._hdr: ddp.Header | None = None
         self._targets: list[memoryview] = []
         self._remaining = 0
@@ -264,7 +290,8 @@ class Engine:
     # ------------------------------------------------------------------ posting
     def post_send(self, job: SendJob) -> None:
         """Queue a send work request (already checked against the QP's limits)."""
-        if self.state is EngineState.ERROR or self.state is EngineState.TERMINATE:
+        state = self.state
+        if state is _ERROR or state is _TERMINATE:  # identity: Enum hashing is Python code
             self._complete_send(job, WCStatus.WR_FLUSH_ERR)
             return
         self._sq.append(job)
@@ -279,7 +306,7 @@ class Engine:
         """Whether :meth:`produce` has something to send now."""
         if self._terminate is not None or self._control:
             return True
-        if self.state is not EngineState.RTS or self._rtr_pending:
+        if self.state is not _RTS or self._rtr_pending:
             return False
         if self._current is not None or self._irq:
             return True
@@ -297,11 +324,13 @@ class Engine:
         if self._terminate is not None:
             return self._take_terminate()
         out, self._control = self._control, []
-        if self.state is not EngineState.RTS or self._rtr_pending:
+        if self.state is not _RTS or self._rtr_pending:
             return out
         size = 0
         crc_on = self.config.crc
         while size < max_bytes and len(out) < max_buffers:
+            if self._current is None and self._sq and not self._irq:
+                size += self._small_send_fpdus(out, max_bytes - size)
             if self._current is None and not self._start_next():
                 break
             try:
@@ -335,6 +364,61 @@ class Engine:
             size += ulpdu_len + 6 + pad
         return out
 
+    def _small_send_fpdus(self, out: list[Chunk], budget: int) -> int:
+        """Frame the inline Sends at the head of the send queue that fit one FPDU each.
+
+        The fast path of :meth:`produce`: header, payload, PAD and CRC of every such
+        Send go into one buffer appended to ``out``; the bytes added. It stops at the
+        first work request that is anything else (the general path then takes it).
+        """
+        sq = self._sq
+        orq = self._orq
+        order = self._sq_order
+        burst = self._burst_done
+        msns = self._tx_msn
+        crc_on = self.config.crc
+        most = (self.config.max_fpdu - ddp.UNTAGGED_HDR_LEN - _CRC_BYTES) & ~3
+        pack = _UNTAGGED.pack
+        crc_field = _CRC_FIELD.pack
+        send, send_inv = WROpcode.SEND, WROpcode.SEND_WITH_INV  # enum lookups cost
+        parts: list[bytes] = []
+        size = 0
+        while sq and size < budget:
+            job = sq[0]
+            inline = job.inline
+            op = job.opcode
+            if (
+                inline is None
+                or (op is not send and op is not send_inv)
+                or len(inline) != job.length
+                or job.length > most
+                or (job.flags & _FENCE and orq)
+            ):
+                break
+            try:
+                _check_wire_fields(job)
+            except AccessViolation:
+                break  # the general path reports it
+            sq.popleft()
+            order.append(job)
+            burst.append(job)
+            msn = msns[_QN_SEND] = (msns[_QN_SEND] + 1) & U32_MAX
+            ctrl = _CTRL_SEND_SE if job.flags & _SOLICITED else _CTRL_SEND_PLAIN
+            if op is send_inv:
+                ctrl += _INV_STEP
+            ulpdu_len = _UNTAGGED_ULPDU_MIN + len(inline)
+            body = pack(ulpdu_len, _DDP_LAST_SEGMENT, ctrl, job.invalidate_rkey, _QN_SEND, msn, 0)
+            body += inline
+            pad = -(ulpdu_len + 2) & 3
+            if pad:
+                body += ddp.ZERO_PAD[pad]
+            parts.append(body)
+            parts.append(crc_field(crc32c(body)) if crc_on else _NO_CRC)
+            size += len(body) + _CRC_BYTES
+        if parts:
+            out.append(b"".join(parts))
+        return size
+
     def _take_terminate(self) -> list[Chunk]:
         term, self._terminate = self._terminate, None
         self.state = EngineState.ERROR
@@ -344,8 +428,9 @@ class Engine:
         """The driver handed every buffer of the last :meth:`produce` to TCP."""
         self.bytes_sent += nbytes
         done, self._burst_done = self._burst_done, []
+        read = WROpcode.RDMA_READ
         for job in done:
-            if job.opcode is not WROpcode.RDMA_READ:
+            if job.opcode is not read:
                 job.done = True
         self._drain_sq_order()
 
@@ -440,7 +525,7 @@ class Engine:
     def recv_buffer(self) -> memoryview:
         """Where the driver should ``recv_into`` next."""
         if (
-            self._rx is _Rx.PAYLOAD
+            self._rx is _RX_PAYLOAD
             and self._start == self._end
             and self._remaining >= DIRECT_MIN
             and self._targets
@@ -464,7 +549,7 @@ class Engine:
     def received(self, nbytes: int) -> None:
         """``nbytes`` arrived in the buffer :meth:`recv_buffer` returned."""
         self.bytes_received += nbytes
-        if self._rx is _Rx.DISCARD:
+        if self._rx is _RX_DISCARD:
             self._start = self._end = 0
             return
         direct = self._direct
@@ -479,7 +564,7 @@ class Engine:
             else:
                 self._targets[0] = target[nbytes:]
             if not self._remaining:
-                self._rx = _Rx.TRAILER
+                self._rx = _RX_TRAILER
             return
         self._end += nbytes
         try:
@@ -492,7 +577,7 @@ class Engine:
     def receive_data(self, data: bytes | bytearray | memoryview) -> None:
         """Feed received bytes (copying them into place); for tests and tools."""
         view = memoryview(data)
-        while view and self._rx is not _Rx.DISCARD:
+        while view and self._rx is not _RX_DISCARD:
             buf = self.recv_buffer()
             n = min(len(buf), len(view))
             buf[:n] = view[:n]
@@ -505,7 +590,12 @@ class Engine:
         while True:
             avail = self._end - self._start
             rx = self._rx
-            if rx is _Rx.HDR:
+            if rx is _RX_HDR:
+                if avail >= _SMALL_SEND_MIN and self._rx_send is None:
+                    self._start = self._small_sends(sview, self._start, self._end)
+                    if self._rx is _RX_DISCARD:
+                        break
+                    avail = self._end - self._start
                 if avail < 4:
                     break
                 hdr = ddp.parse_header(sview, self._start, self._end)
@@ -517,9 +607,9 @@ class Engine:
                 self._hdr = hdr
                 self._start += hlen
                 self._begin_segment(hdr)
-                if self._rx is _Rx.DISCARD:
+                if self._rx is _RX_DISCARD:
                     break
-            elif rx is _Rx.PAYLOAD:
+            elif rx is _RX_PAYLOAD:
                 take = min(avail, self._remaining)
                 if not take:
                     break
@@ -530,8 +620,8 @@ class Engine:
                 self._start += take
                 self._remaining -= take
                 if not self._remaining:
-                    self._rx = _Rx.TRAILER
-            elif rx is _Rx.TRAILER:
+                    self._rx = _RX_TRAILER
+            elif rx is _RX_TRAILER:
                 hdr = self._hdr
                 assert hdr is not None
                 need = (-(hdr.ulpdu_len + 2) & 3) + 4
@@ -541,14 +631,84 @@ class Engine:
                 if crc_on and not ddp.check_trailer(self._crc, trailer):
                     raise ProtocolError("received CRC mismatch", llp(LlpCode.CRC))
                 self._start += need
-                self._rx = _Rx.HDR
+                self._rx = _RX_HDR
                 self._end_segment(hdr)
-                if self._rx is _Rx.DISCARD:
+                if self._rx is _RX_DISCARD:
                     break
             else:
                 break
         if self._start == self._end:
             self._start = self._end = 0
+
+    def _small_sends(self, sview: memoryview, start: int, end: int) -> int:
+        """Complete the whole one-segment Sends at ``sview[start:end]``; the new start.
+
+        The fast path of :meth:`_process` for the common case: an untagged Send or
+        Send with SE whose FPDU (header, payload, trailer) is all in the staging buffer,
+        with the expected MSN, no message in progress and a good CRC. It stops at the
+        first FPDU that is anything else, or that would fail a check, before touching
+        any state for it: the general path then handles (and reports) that FPDU.
+        """
+        if self.state is not _RTS or self._rtr_pending:
+            return start
+        crc_on = self.config.crc
+        unpack = _UNTAGGED.unpack_from
+        wire_crc = _CRC_FIELD.unpack_from
+        take_recv = self.take_recv
+        recv_segments = self._recv_segments
+        on_recv_wc = self.on_recv_wc
+        qp_num = self.qp_num
+        rx_msn = self._rx_msn
+        success, recv, no_flags = WCStatus.SUCCESS, WCOpcode.RECV, WCFlags.NONE
+        discard = _RX_DISCARD
+        while end - start >= _SMALL_SEND_MIN:
+            ulpdu_len, ddp_ctrl, ctrl, _inv, qn, msn, mo = unpack(sview, start)
+            if (
+                ddp_ctrl != _DDP_LAST_SEGMENT
+                or (ctrl != _CTRL_SEND_PLAIN and ctrl != _CTRL_SEND_SE)
+                or qn
+                or mo
+                or msn != rx_msn[_QN_SEND]
+                or ulpdu_len < _UNTAGGED_ULPDU_MIN
+            ):
+                break
+            body_end = start + ulpdu_len + 2 + (-(ulpdu_len + 2) & 3)
+            if body_end + _CRC_BYTES > end:
+                break
+            if crc_on and crc32c(sview[start:body_end]) != wire_crc(sview, body_end)[0]:
+                break
+            job = take_recv()
+            if job is None:
+                break
+            payload = ulpdu_len - _UNTAGGED_ULPDU_MIN
+            try:
+                segments = recv_segments(job)
+            except AccessViolation:
+                segments = None
+            if segments is None or payload > job.length:
+                # The general path reports it (LOC_PROT_ERR or LOC_LEN_ERR, Terminate).
+                self._start = start + ddp.UNTAGGED_HDR_LEN
+                hdr = ddp.parse_header(sview, start, end)
+                assert hdr is not None
+                self._fit_send(self._open_send(job, hdr), hdr, payload)
+                raise AssertionError("a refused Send passed the general checks")
+            data = sview[start + ddp.UNTAGGED_HDR_LEN : start + ddp.UNTAGGED_HDR_LEN + payload]
+            if len(segments) == 1:
+                segments[0][:payload] = data
+            else:
+                pos = 0
+                for target in slice_segments(segments, 0, payload):
+                    k = len(target)
+                    target[:] = data[pos : pos + k]
+                    pos += k
+            start = body_end + _CRC_BYTES
+            rx_msn[_QN_SEND] = (msn + 1) & U32_MAX
+            on_recv_wc(
+                WC(job.wr_id, success, recv, payload, qp_num, no_flags, 0, 0, ctrl == _CTRL_SEND_SE)
+            )
+            if self._rx is discard:
+                break
+        return start
 
     def _place(self, src: memoryview) -> None:
         targets = self._targets
@@ -566,7 +726,7 @@ class Engine:
                 return
 
     def _begin_segment(self, hdr: ddp.Header) -> None:
-        if self.state is not EngineState.RTS:
+        if self.state is not _RTS:
             raise ProtocolError("FPDU before the connection reached RTS", DDP_CATASTROPHIC)
         payload = hdr.ulpdu_len + 2 - ddp.HEADER_LEN_BY_OPCODE[hdr.opcode]
         op = hdr.opcode
@@ -604,7 +764,7 @@ class Engine:
             self._term_body = bytearray(payload)
             self._targets = [memoryview(self._term_body)]
         self._remaining = payload
-        self._rx = _Rx.PAYLOAD if payload else _Rx.TRAILER
+        self._rx = _RX_PAYLOAD if payload else _RX_TRAILER
 
     def _rtr_received(self) -> None:
         self._rtr_pending = False
@@ -643,23 +803,43 @@ class Engine:
                     ddp_untagged(DdpUntaggedCode.MSN_NO_BUFFER),
                     header=hdr,
                 )
-            msg = _RxMessage(job, [])
-            self._rx_send = msg
-            try:
-                msg.segments = [
-                    self.memory.resolve(s.lkey, self.pd, s.addr, s.length, Access.LOCAL_WRITE)
-                    for s in job.sges
-                    if s.length
-                ]
-            except AccessViolation as exc:
-                msg.status = WCStatus.LOC_PROT_ERR
-                raise ProtocolError(str(exc), DDP_CATASTROPHIC, header=hdr) from exc
+            msg = self._open_send(job, hdr)
         elif hdr.mo != msg.received:
             raise ProtocolError(
                 f"MO {hdr.mo}, expected {msg.received}",
                 ddp_untagged(DdpUntaggedCode.INVALID_MO),
                 header=hdr,
             )
+        self._fit_send(msg, hdr, payload)
+        targets = slice_segments(msg.segments, msg.received, payload)
+        msg.received += payload
+        return targets
+
+    def _recv_segments(self, job: RecvJob) -> list[memoryview]:
+        """The registered memory a receive's SGEs name (raises AccessViolation)."""
+        sges = job.sges
+        if len(sges) == 1:  # the common case, without the comprehension
+            s = sges[0]
+            if s.length:
+                return [self.memory.resolve(s.lkey, self.pd, s.addr, s.length, _LOCAL_WRITE)]
+            return []
+        resolve = self.memory.resolve
+        pd = self.pd
+        return [resolve(s.lkey, pd, s.addr, s.length, _LOCAL_WRITE) for s in sges if s.length]
+
+    def _open_send(self, job: RecvJob, hdr: ddp.Header) -> _RxMessage:
+        """Start receiving a Send into ``job``; a receive naming bad memory is refused."""
+        msg = _RxMessage(job, [])
+        self._rx_send = msg
+        try:
+            msg.segments = self._recv_segments(job)
+        except AccessViolation as exc:
+            msg.status = WCStatus.LOC_PROT_ERR
+            raise ProtocolError(str(exc), DDP_CATASTROPHIC, header=hdr) from exc
+        return msg
+
+    def _fit_send(self, msg: _RxMessage, hdr: ddp.Header, payload: int) -> None:
+        """Refuse a Send segment that overflows the receive it is placed into."""
         if msg.received + payload > msg.job.length:
             # Linux siw (siw_qp_rx.c, siw_send_check_ntoh) reports "MSN: no buffer" here,
             # not RFC 5041's "message too long"; we send what siw sends.
@@ -669,9 +849,6 @@ class Engine:
                 ddp_untagged(DdpUntaggedCode.MSN_NO_BUFFER),
                 header=hdr,
             )
-        targets = slice_segments(msg.segments, msg.received, payload)
-        msg.received += payload
-        return targets
 
     def _read_response_targets(self, hdr: ddp.Header, payload: int) -> list[memoryview]:
         if not self._orq:
@@ -834,7 +1011,7 @@ class Engine:
         self._enter_error(error)
 
     def _send_terminate(self, term: ddp.Terminate) -> None:
-        if self.state is EngineState.RTS:
+        if self.state is _RTS:
             self._terminate_bytes(ddp.encode_terminate(term))
 
     def _terminate_bytes(self, ulpdu: bytes) -> None:
@@ -842,7 +1019,7 @@ class Engine:
 
     def connection_lost(self, exc: Exception | None = None) -> None:
         """The TCP connection closed or failed: ERROR and flush."""
-        if self.state is not EngineState.ERROR:
+        if self.state is not _ERROR:
             self._enter_error(exc or ConnectionResetError("connection closed by peer"))
 
     def set_error(self, exc: Exception | None = None) -> None:
@@ -850,10 +1027,10 @@ class Engine:
         self._enter_error(exc or ConnectionAbortedError("QP moved to ERROR"))
 
     def _enter_error(self, exc: Exception, remote: ddp.Terminate | None = None) -> None:
-        if self.state is EngineState.ERROR:
+        if self.state is _ERROR:
             return
         self.error = self.error or exc
-        self._rx = _Rx.DISCARD
+        self._rx = _RX_DISCARD
         self.state = EngineState.TERMINATE if self._terminate is not None else EngineState.ERROR
         # The Read whose Request the peer's Terminate quotes gets the remote status.
         quoted = _quoted_read_request(remote) if remote is not None else None
@@ -898,8 +1075,12 @@ class Engine:
     # ------------------------------------------------------------------ completions
     def _drain_sq_order(self) -> None:
         order = self._sq_order
+        quiet = not self.sq_sig_all
+        success = WCStatus.SUCCESS
         while order and order[0].done:
             job = order.popleft()
+            if quiet and job.status is success and not job.flags & _SIGNALED:
+                continue  # what _complete_send would do, without the call
             self._complete_send(job, job.status)
 
     def _complete_send(self, job: SendJob, status: WCStatus) -> None:

@@ -23,7 +23,7 @@ from rdmashim.verbs.softiwarp.terminate import (
 )
 
 _INDEX_SPACE = 1 << 24
-_REMOTE = Access.REMOTE_READ | Access.REMOTE_WRITE | Access.REMOTE_ATOMIC
+_REMOTE = int(Access.REMOTE_READ | Access.REMOTE_WRITE | Access.REMOTE_ATOMIC)
 
 
 class Violation(Enum):
@@ -78,6 +78,11 @@ class Region:
     pd: object
     view: memoryview
     valid: bool = True
+    rights: int = 0
+    """``access`` as a plain int (the data path tests bits without enum arithmetic)."""
+
+    def __post_init__(self) -> None:
+        self.rights = int(self.access)
 
 
 @dataclass(slots=True)
@@ -111,14 +116,15 @@ class MemoryTable:
             return None
         return region
 
-    def resolve(self, stag: int, pd: object, addr: int, length: int, access: Access) -> memoryview:
-        """The bytes ``[addr, addr + length)`` of the region ``stag``, checked for ``access``."""
-        region = self.lookup(stag)
-        if region is None:
+    def resolve(self, stag: int, pd: object, addr: int, length: int, access: int) -> memoryview:
+        """The bytes ``[addr, addr + length)`` of the region ``stag``, checked for ``access``
+        (``Access`` bits; the data path passes them as a plain int)."""
+        region = self._regions.get(stag >> 8)  # lookup(), inlined: once per message
+        if region is None or region.stag != stag or not region.valid:
             raise AccessViolation(Violation.INVALID_STAG, stag, addr, length)
         if region.pd is not pd:
             raise AccessViolation(Violation.PD_MISMATCH, stag, addr, length)
-        if access & ~region.access:
+        if int(access) & ~region.rights:
             raise AccessViolation(Violation.ACCESS, stag, addr, length)
         offset = addr - region.addr
         if offset < 0 or length < 0 or offset + length > region.length:
@@ -136,7 +142,7 @@ class MemoryTable:
             return Violation.INVALID_STAG
         if region.pd is not pd:
             return Violation.PD_MISMATCH
-        if not region.access & _REMOTE:
+        if not region.rights & _REMOTE:
             return Violation.ACCESS
         region.valid = False
         return None

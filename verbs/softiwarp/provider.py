@@ -596,7 +596,7 @@ class SRQ(_Resource):
                 )
             if len(self._queue) >= self.max_wr:
                 raise _bad_wr(errno.ENOMEM, "post_srq_recv", i, "SRQ full")
-            self._queue.append(RecvJob(w.wr_id, tuple(w.sg_list), sum(s.length for s in w.sg_list)))
+            self._queue.append(RecvJob(w.wr_id, tuple(w.sg_list), _total(w.sg_list)))
 
     def _take(self) -> RecvJob | None:
         return self._queue.popleft() if self._queue else None
@@ -615,6 +615,11 @@ def _as_list(wr: _W | Iterable[_W]) -> list[_W]:
     return list(wr)
 
 
+def _total(sges: Iterable[SGE]) -> int:
+    """Bytes a receive's scatter list holds."""
+    return sum(s.length for s in sges)
+
+
 def _bad_wr(err: int, operation: str, index: int, detail: str) -> VerbsError:
     exc = VerbsError(err, operation, f"work request {index}: {detail}")
     exc.bad_wr = index
@@ -624,6 +629,10 @@ def _bad_wr(err: int, operation: str, index: int, detail: str) -> VerbsError:
 _U32 = 0xFFFFFFFF
 _U64 = 0xFFFFFFFFFFFFFFFF
 _INLINE = int(SendFlags.INLINE)
+# Enum members bound once: an attribute lookup on an enum class costs per work request.
+_RDMA_READ = WROpcode.RDMA_READ
+_RTS = QPState.RTS
+_ERR = QPState.ERR
 _SUPPORTED_SEND = frozenset(
     {WROpcode.SEND, WROpcode.SEND_WITH_INV, WROpcode.RDMA_WRITE, WROpcode.RDMA_READ}
 )
@@ -704,14 +713,15 @@ class QP(_Resource):
         come back as completions.
         """
         self._check_open("post_send")
-        engine = self.engine
+        post = self.engine.post_send
+        make_job = self._make_job
         try:
             for i, w in enumerate(_as_list(wr)):
-                if self._state not in (QPState.RTS, QPState.ERR):
+                if self._state is not _RTS and self._state is not _ERR:
                     raise _bad_wr(
                         errno.ENOTCONN, "post_send", i, f"QP {self.qp_num} is {self._state.name}"
                     )
-                engine.post_send(self._make_job(i, w))
+                post(make_job(i, w))
         finally:  # the requests before a refused one are posted: they go out now
             if self._link is not None:
                 self._link.kick()
@@ -724,19 +734,21 @@ class QP(_Resource):
             )
         flags = int(w.send_flags)
         sges = tuple(w.sg_list)
-        limit = 1 if opcode is WROpcode.RDMA_READ else self.cap.max_send_sge
+        limit = 1 if opcode is _RDMA_READ else self.cap.max_send_sge
         if len(sges) > limit:
             raise _bad_wr(errno.EINVAL, "post_send", i, f"{len(sges)} SGEs > {limit}")
-        if self.engine.sq_depth >= self.cap.max_send_wr and self._state is QPState.RTS:
+        if self.engine.sq_depth >= self.cap.max_send_wr and self._state is _RTS:
             raise _bad_wr(errno.ENOMEM, "post_send", i, f"send queue full ({self.cap.max_send_wr})")
         inline = None
-        local = tuple(s for s in sges if isinstance(s, SGE))
-        if flags & _INLINE and opcode is not WROpcode.RDMA_READ:
+        if flags & _INLINE and opcode is not _RDMA_READ:
+            # The engine sends the copy; the SGEs are not kept.
             inline = self._gather_inline(i, sges)
             length = len(inline)
-        elif len(local) != len(sges):
-            raise _bad_wr(errno.EINVAL, "post_send", i, "raw bytes need INLINE")
+            local: tuple[SGE, ...] = ()
         else:
+            local = tuple(s for s in sges if isinstance(s, SGE))
+            if len(local) != len(sges):
+                raise _bad_wr(errno.EINVAL, "post_send", i, "raw bytes need INLINE")
             length = sum(s.length for s in local)
         if not (
             length <= _U32
@@ -754,17 +766,10 @@ class QP(_Resource):
         )
 
     def _gather_inline(self, i: int, sges: tuple[SGE | InlineData, ...]) -> bytes:
-        parts = []
-        for s in sges:
-            if isinstance(s, SGE):
-                region = self.context.memory.lookup(s.lkey)
-                if region is None or not 0 <= s.addr - region.addr <= region.length - s.length:
-                    raise _bad_wr(errno.EINVAL, "post_send", i, f"inline SGE {s} outside a region")
-                off = s.addr - region.addr
-                parts.append(bytes(region.view[off : off + s.length]))
-            else:
-                parts.append(bytes(s))
-        data = b"".join(parts)
+        if len(sges) == 1:
+            data = self._inline_part(i, sges[0])
+        else:
+            data = b"".join([self._inline_part(i, s) for s in sges])
         if len(data) > self.cap.max_inline_data:
             raise _bad_wr(
                 errno.EINVAL,
@@ -773,6 +778,16 @@ class QP(_Resource):
                 f"{len(data)} inline bytes > {self.cap.max_inline_data}",
             )
         return data
+
+    def _inline_part(self, i: int, s: SGE | InlineData) -> bytes:
+        """A copy of the bytes one element of an inline send's ``sg_list`` names."""
+        if isinstance(s, SGE):
+            region = self.context.memory.lookup(s.lkey)
+            if region is None or not 0 <= s.addr - region.addr <= region.length - s.length:
+                raise _bad_wr(errno.EINVAL, "post_send", i, f"inline SGE {s} outside a region")
+            off = s.addr - region.addr
+            return region.view[off : off + s.length].tobytes()
+        return bytes(s)
 
     def post_recv(self, wr: RecvWR | Iterable[RecvWR]) -> None:
         """Post one receive work request or a list of them (never blocks)."""
@@ -784,8 +799,9 @@ class QP(_Resource):
                 raise _bad_wr(
                     errno.EINVAL, "post_recv", i, f"{len(w.sg_list)} SGEs > {self.cap.max_recv_sge}"
                 )
-            job = RecvJob(w.wr_id, tuple(w.sg_list), sum(s.length for s in w.sg_list))
-            if self._state is QPState.ERR:
+            sges = tuple(w.sg_list)
+            job = RecvJob(w.wr_id, sges, sges[0].length if len(sges) == 1 else _total(sges))
+            if self._state is _ERR:
                 self.engine.flush_recv([job])
                 continue
             if len(self._rq) >= self.cap.max_recv_wr:

@@ -1,0 +1,167 @@
+"""The engine's fast path for small Sends (many whole FPDUs in one received buffer)
+against its general path (the same bytes fed one at a time, which never holds a
+whole FPDU when the header is parsed): both must give the same completions, the
+same placed bytes and the same Terminate."""
+
+from __future__ import annotations
+
+import errno
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from test_engine_sansio import Host, pump, untagged, wire
+
+from rdmashim import SGE, RecvWR, SendFlags, SendWR, VerbsError, WCStatus, WROpcode
+from rdmashim.verbs.softiwarp.ddp import QN, Opcode
+from rdmashim.verbs.softiwarp.engine import EngineState, RecvJob, SendJob
+
+from pairs import Side
+
+_FLAW = st.sampled_from(
+    ["none", "bad_crc", "wrong_msn", "too_long", "dead_region", "no_receive", "inv", "not_last"]
+)
+
+
+def _run(crc: bool, sizes: list[int], flaw: str, at: int, whole: bool):
+    host = Host(crc)
+    recv = host.region(64 * (len(sizes) + 1))
+    dead = host.region(64)
+    for i in range(len(sizes)):
+        if flaw == "no_receive" and i == at:
+            break
+        region = dead if flaw == "dead_region" and i == at else recv
+        length = 4 if flaw == "too_long" and i == at else 64
+        sges = (SGE(region.addr, length // 2, region.stag), SGE(region.addr + 32, 32, region.stag))
+        if i % 2:  # one SGE or two
+            sges = (SGE(region.addr + 64 * i, length, region.stag),)
+        host.rq.append(RecvJob(i, sges if region is recv or i % 2 else sges[:1], length))
+    host.memory.deregister(dead)
+    fpdus = []
+    for i, size in enumerate(sizes):
+        op = Opcode.SEND_SE if i % 3 == 0 else Opcode.SEND
+        payload = bytes((i + k) & 0xFF for k in range(size))
+        msn, last = i + 1, True
+        if i == at and flaw == "wrong_msn":
+            msn += 1
+        if i == at and flaw == "inv":
+            op = Opcode.SEND_INV
+        if i == at and flaw == "not_last":
+            last = False
+        fpdus.append(untagged(op, QN.SEND, msn, 0, payload, last=last))
+    data = bytearray(wire(*fpdus, crc=crc))
+    if flaw == "bad_crc":
+        data[-1] ^= 1
+    if whole:
+        host.engine.receive_data(data)
+    else:
+        for k in range(len(data)):
+            host.engine.receive_data(data[k : k + 1])
+    term = b"".join(bytes(b) for b in host.engine.produce())
+    return (
+        [(w.wr_id, w.status, w.byte_len, w.solicited) for w in host.recv_wcs],
+        bytes(recv.view),
+        host.engine.state,
+        host.engine.error.code if host.engine.error is not None else None,
+        term,
+    )
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    crc=st.booleans(),
+    sizes=st.lists(st.integers(0, 40), min_size=1, max_size=12),
+    flaw=_FLAW,
+    at=st.integers(0, 11),
+)
+def test_whole_buffer_matches_bytewise(crc: bool, sizes: list[int], flaw: str, at: int) -> None:
+    whole = _run(crc, sizes, flaw, at, whole=True)
+    assert whole == _run(crc, sizes, flaw, at, whole=False)
+    if flaw == "none" or (at >= len(sizes) and flaw != "bad_crc"):
+        assert whole[2] is EngineState.RTS
+        assert [w[:3] for w in whole[0]] == [(i, WCStatus.SUCCESS, n) for i, n in enumerate(sizes)]
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    crc=st.booleans(),
+    payloads=st.lists(st.binary(max_size=70), min_size=1, max_size=10),
+    flags=st.lists(st.sampled_from([0, SendFlags.SOLICITED, SendFlags.SIGNALED]), min_size=10),
+    inv=st.lists(st.booleans(), min_size=10),
+)
+def test_inline_framing_matches_general_path(
+    crc: bool, payloads: list[bytes], flags: list[int], inv: list[bool]
+) -> None:
+    """Inline Sends framed by the fast path are the bytes the general path frames for
+    the same Sends gathered from registered memory."""
+    inline, gathered = Host(crc), Host(crc)
+    for i, data in enumerate(payloads):
+        op = WROpcode.SEND_WITH_INV if inv[i] else WROpcode.SEND
+        stag = 0x1234 if inv[i] else 0
+        region = gathered.region(data or b"\0")
+        sges = (SGE(region.addr, len(data), region.stag),)
+        flag = int(flags[i])
+        inline.engine.post_send(SendJob(i, op, flag, (), data, len(data), invalidate_rkey=stag))
+        gathered.engine.post_send(SendJob(i, op, flag, sges, None, len(data), invalidate_rkey=stag))
+    fast = b"".join(bytes(b) for b in inline.engine.produce())
+    assert fast == b"".join(bytes(b) for b in gathered.engine.produce())
+    for host in (inline, gathered):
+        host.engine.sent(len(fast))
+    assert inline.send_wcs == gathered.send_wcs
+
+
+def test_inline_sends_around_other_work() -> None:
+    """A fenced Send waits for the Read before it; a Send whose invalidate STag does not
+    fit 32 bits is refused as the general path refuses it; order is kept."""
+    a, b = Host(True), Host(True)
+    src = b.region(b"0123456789")
+    sink = a.region(10)
+    rbuf = b.region(64 * 3)
+    for i in range(3):
+        b.rq.append(RecvJob(i, (SGE(rbuf.addr + 64 * i, 64, rbuf.stag),), 64))
+    post = a.engine.post_send
+    post(SendJob(0, WROpcode.SEND, int(SendFlags.SIGNALED), (), b"first", 5))
+    read_sge = (SGE(sink.addr, 10, sink.stag),)
+    post(SendJob(1, WROpcode.RDMA_READ, 0, read_sge, None, 10, src.addr, src.stag))
+    post(SendJob(2, WROpcode.SEND, int(SendFlags.FENCE | SendFlags.SIGNALED), (), b"fenced", 6))
+    post(SendJob(3, WROpcode.SEND, int(SendFlags.SOLICITED), (), b"", 0))
+    first = b"".join(bytes(x) for x in a.engine.produce())
+    a.engine.sent(len(first))
+    assert b"fenced" not in first  # held until the Read's response is in
+    b.engine.receive_data(first)
+    pump(a, b, [4096])
+    assert [(w.wr_id, w.byte_len, w.solicited) for w in b.recv_wcs] == [
+        (0, 5, False),
+        (1, 6, False),
+        (2, 0, True),
+    ]
+    assert bytes(rbuf.view[64:70]) == b"fenced"
+    assert [(w.wr_id, w.status) for w in a.send_wcs] == [
+        (0, WCStatus.SUCCESS),
+        (2, WCStatus.SUCCESS),
+    ]
+    assert bytes(sink.view) == b"0123456789"
+    post(SendJob(4, WROpcode.SEND_WITH_INV, 0, (), b"x", 1, invalidate_rkey=1 << 32))
+    a.engine.produce()
+    assert a.engine.state is EngineState.ERROR
+    assert a.send_wcs[-1][:2] == (4, WCStatus.LOC_PROT_ERR)
+
+
+async def test_inline_gathers_sges_and_bytes(pair: tuple[Side, Side]) -> None:
+    """An inline Send may mix registered memory and plain bytes: they go out joined,
+    copied when posted; a piece outside any region is refused at post time."""
+    client, server = pair
+    rbuf = server.reg(64)
+    server.qp.post_recv(RecvWR(7, [rbuf.sge()]))
+    src = client.reg(b"registered")
+    inline = SendFlags.INLINE | SendFlags.SIGNALED
+    client.qp.post_send(SendWR(1, WROpcode.SEND, [b"<", src.sge(0, 10), b">"], inline))
+    src.buf[:3] = b"XXX"
+    wc = (await server.recv_cq.poll_wait(1))[0]
+    assert (wc.wr_id, wc.status, wc.byte_len) == (7, WCStatus.SUCCESS, 12)
+    assert bytes(rbuf.buf[:12]) == b"<registered>"
+    with pytest.raises(VerbsError) as info:
+        client.qp.post_send(
+            SendWR(2, WROpcode.SEND, [b"x", SGE(src.addr + 5, 10, src.lkey)], inline)
+        )
+    assert info.value.errno == errno.EINVAL
