@@ -35,10 +35,17 @@ Benchmarks (``--only`` takes these names):
 Ratios are ours/raw: above 1 is better for bandwidth and rate, worse (slower)
 for latency.
 
+``--path veth`` (root and iproute2) runs the server and the client in two network
+namespaces joined by a veth pair with a 1500-byte MTU (:mod:`vethpath`), and
+sizes our FPDUs to the connection's MSS, one FPDU per TCP segment, as Linux siw
+sends them (``--fpdu`` sets the size on either path); by default it runs
+``write-bw``.
+
 Usage::
 
     python benchmarks/bench.py [--quick] [--json FILE] [--repeat N] [--no-crc] [--only NAME]
     python benchmarks/bench.py --profile DIR --only write-bw   # cProfile both ends
+    sudo python benchmarks/bench.py --path veth                # MSS-sized FPDUs over a veth
 """
 
 from __future__ import annotations
@@ -47,6 +54,7 @@ import argparse
 import cProfile
 import json
 import os
+import socket
 import statistics
 import struct
 import subprocess
@@ -63,12 +71,15 @@ import rdmashim
 from rdmashim import Access, QPCap, RecvWR, SendFlags, SendWR, WCOpcode, WCStatus, WROpcode
 from rdmashim.verbs.softiwarp.connection import MpaOptions, accept_qp, connect_qp, read_request
 
+import vethpath
 from report import Status, run_meta, top_functions
 from streams import read_exact, stop_process
 
 HOST = "127.0.0.1"
 DEVICE = "siw_lo"
 MiB = 1 << 20
+MAX_FPDU = 65536
+"""The engine's largest FPDU (and its default)."""
 
 BULK_SIZE = MiB
 DEPTH = 8
@@ -88,8 +99,9 @@ LAT_RECVS = 16
 RAW_STAGING = 256 * 1024
 RAW_HDR = struct.Struct("!8s")
 REQ = struct.Struct("!Q")
-PRIV_REQ = struct.Struct("!cBB")
-"""Client -> server MPA private data: mode, CRC, profile this connection."""
+PRIV_REQ = struct.Struct("!cBBI")
+"""Client -> server MPA private data: mode, CRC, profile this connection, max FPDU
+(0: the connection's MSS)."""
 PRIV_REP = struct.Struct("!QII")
 """Server -> client MPA private data: MR address, rkey, initial credits."""
 ALL_ACCESS = Access.LOCAL_WRITE | Access.REMOTE_WRITE | Access.REMOTE_READ
@@ -99,6 +111,16 @@ RESULT_LINE = "-" * 96
 
 class BenchError(RuntimeError):
     """A benchmark could not run to the end (failed completion, lost peer, ...)."""
+
+
+def fpdu_size(stream: trio.SocketStream, wanted: int) -> int:
+    """The largest FPDU our side sends on ``stream``: ``wanted``, or for 0 the
+    connection's MSS rounded down to 8 bytes, as Linux siw sizes its FPDUs (one
+    FPDU per TCP segment, ``siw_update_tcpseg``)."""
+    if wanted:
+        return wanted
+    mss = stream.getsockopt(socket.IPPROTO_TCP, socket.TCP_MAXSEG)
+    return max(64, min(MAX_FPDU, mss & ~7))
 
 
 def _check(wc: Any, qp: Any) -> None:
@@ -136,8 +158,8 @@ class Server:
     # ------------------------------------------------------------------ RDMA
     async def rdma(self, stream: trio.SocketStream) -> None:
         req = await read_request(stream)
-        mode, crc, profile = PRIV_REQ.unpack_from(req.private_data)
-        options = MpaOptions(crc=bool(crc))
+        mode, crc, profile, fpdu = PRIV_REQ.unpack_from(req.private_data)
+        options = MpaOptions(crc=bool(crc), max_fpdu=fpdu_size(stream, fpdu))
         ctx = self.ctx
         pd = ctx.alloc_pd()
         cq = ctx.create_cq(4 * SERVER_RECVS)
@@ -281,11 +303,11 @@ async def _wait_stdin_eof() -> None:
             pass
 
 
-async def serve_main(profile_dir: Path | None) -> None:
-    async with rdmashim.open_device(DEVICE) as ctx:
+async def serve_main(profile_dir: Path | None, host: str, device: str) -> None:
+    async with rdmashim.open_device(device) as ctx:
         server = Server(ctx, profile_dir)
-        rdma_l = (await trio.open_tcp_listeners(0, host=HOST))[0]
-        raw_l = (await trio.open_tcp_listeners(0, host=HOST))[0]
+        rdma_l = (await trio.open_tcp_listeners(0, host=host))[0]
+        raw_l = (await trio.open_tcp_listeners(0, host=host))[0]
         ports = rdma_l.socket.getsockname()[1], raw_l.socket.getsockname()[1]
         print(f"READY {ports[0]} {ports[1]}", flush=True)
         async with trio.open_nursery() as nursery:
@@ -309,6 +331,11 @@ class Config:
     rdma_port: int
     raw_port: int
     profile: bool = False
+    host: str = HOST
+    device: str = DEVICE
+    fpdu: int = MAX_FPDU
+    """Our largest FPDU; 0: the connection's MSS (as Linux siw)."""
+    path: str = "loopback"
 
 
 @dataclass
@@ -322,6 +349,7 @@ class Conn:
     rkey: int
     credits: int
     mrs: dict[str, Any] = field(default_factory=dict)
+    max_fpdu: int = MAX_FPDU
 
     async def aclose(self) -> None:
         self.qp.close()
@@ -345,19 +373,20 @@ async def rdma_connect(
     conn = Conn(pd, cq, qp, 0, 0, 0)
     conn.mrs = {name: pd.reg_mr(bytearray(size), access) for name, (size, access) in mrs.items()}
     pre(conn)
-    stream = await trio.open_tcp_stream(HOST, cfg.rdma_port)
+    stream = await trio.open_tcp_stream(cfg.host, cfg.rdma_port)
+    conn.max_fpdu = fpdu_size(stream, cfg.fpdu)
     res = await connect_qp(
         qp,
         stream,
-        private_data=PRIV_REQ.pack(mode, cfg.crc, cfg.profile),
-        options=MpaOptions(crc=cfg.crc),
+        private_data=PRIV_REQ.pack(mode, cfg.crc, cfg.profile, cfg.fpdu),
+        options=MpaOptions(crc=cfg.crc, max_fpdu=conn.max_fpdu),
     )
     conn.remote_addr, conn.rkey, conn.credits = PRIV_REP.unpack_from(res.private_data)
     return conn
 
 
 async def raw_connect(cfg: Config, mode: bytes) -> trio.SocketStream:
-    stream = await trio.open_tcp_stream(HOST, cfg.raw_port)  # trio sets TCP_NODELAY
+    stream = await trio.open_tcp_stream(cfg.host, cfg.raw_port)  # trio sets TCP_NODELAY
     await stream.send_all(RAW_HDR.pack(mode))
     return stream
 
@@ -423,7 +452,7 @@ async def ours_bulk(ctx: Any, cfg: Config, prof: _Prof, opcode: WROpcode) -> dic
         prof.stop()
     finally:
         await conn.aclose()
-    return _bw(done * BULK_SIZE, elapsed)
+    return {**_bw(done * BULK_SIZE, elapsed), "max_fpdu": conn.max_fpdu}
 
 
 async def ours_write(ctx: Any, cfg: Config, prof: _Prof) -> dict[str, float]:
@@ -748,10 +777,12 @@ async def run_samples(
 def print_header(args: argparse.Namespace, cfg: Config, meta: dict[str, Any]) -> None:
     crc = "ON" if cfg.crc else "OFF"
     print(RESULT_LINE)
-    print(" rdmashim soft-iWARP vs raw Python TCP (trio on both ends, two processes, loopback)")
+    print(f" rdmashim soft-iWARP vs raw Python TCP (trio on both ends, two processes, {cfg.path})")
     print(RESULT_LINE)
-    print(f" Device          : {DEVICE:<16}Transport type : IWARP")
+    print(f" Device          : {cfg.device:<16}Transport type : IWARP")
     print(f" Connection type : RC              CRC            : {crc}")
+    fpdu = f"{cfg.fpdu} B" if cfg.fpdu else "MSS (as siw)"
+    print(f" Max FPDU (ours) : {fpdu:<16}Engine         : {meta['engine']}")
     print(f" Repeats         : {args.repeat:<16}Reported       : median of repeats")
     dur = f"{cfg.duration:g} s/sample"
     print(f" Duration        : {dur:<16}Lat. iterations: {cfg.lat_iters}")
@@ -760,6 +791,7 @@ def print_header(args: argparse.Namespace, cfg: Config, meta: dict[str, Any]) ->
 
 
 def print_table(results: list[dict[str, Any]]) -> None:
+    """The medians, their ratio, and the FPDU size our side sent."""
     print(RESULT_LINE)
     print(
         f" {'benchmark':<11}{'#bytes':>9}  {'depth':<7}{'ours':>12}  {'raw TCP':>12}  "
@@ -774,6 +806,10 @@ def print_table(results: list[dict[str, Any]]) -> None:
         )
     print(RESULT_LINE)
     print(" ratio: ours/raw; for usec (latency, half round trip) above 1 means slower than raw TCP")
+    ours = [d for r in results for d in r["samples"]["ours"]]
+    sizes = sorted({d["max_fpdu"] for d in ours if "max_fpdu" in d})
+    if sizes:
+        print(f" our FPDUs: at most {', '.join(map(str, sizes))} bytes on the wire each")
 
 
 # ------------------------------------------------------------------ profiling
@@ -823,8 +859,10 @@ def report_profiles(benches: list[Bench], details: list[dict], profile_dir: Path
 def _meta(cfg: Config, args: argparse.Namespace) -> dict[str, Any]:
     return {
         **run_meta(),
-        "device": DEVICE,
-        "host": HOST,
+        "path": cfg.path,
+        "device": cfg.device,
+        "host": cfg.host,
+        "max_fpdu": cfg.fpdu or "mss",
         "crc": cfg.crc,
         "repeat": args.repeat,
         "duration_s": cfg.duration,
@@ -842,7 +880,7 @@ def _meta(cfg: Config, args: argparse.Namespace) -> dict[str, Any]:
 async def client_main(
     args: argparse.Namespace, cfg: Config, benches: list[Bench]
 ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-    async with rdmashim.open_device(DEVICE) as ctx:
+    async with rdmashim.open_device(cfg.device) as ctx:
         if args.profile:
             return {}, await run_profiles(ctx, cfg, benches, Path(args.profile))
         meta = _meta(cfg, args)
@@ -852,6 +890,19 @@ async def client_main(
         meta["loadavg_end"] = os.getloadavg()
         print_table(results)
         return meta, results
+
+
+def _fpdu_arg(text: str) -> int:
+    """``--fpdu``: bytes, or ``mss`` (0)."""
+    if text.lower() == "mss":
+        return 0
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is neither a size nor 'mss'") from None
+    if not 64 <= value <= MAX_FPDU:
+        raise argparse.ArgumentTypeError(f"{value} outside 64..{MAX_FPDU}")
+    return value
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -876,8 +927,26 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="run one profiled sample of ours per benchmark (both processes) and "
         "print the top 15 functions by tottime; no table",
     )
+    p.add_argument(
+        "--path",
+        choices=["loopback", "veth"],
+        default="loopback",
+        help="loopback (default), or veth: server and client in two network namespaces "
+        "joined by a veth pair with a 1500-byte MTU (needs root and iproute2; runs write-bw "
+        "unless --only says otherwise)",
+    )
+    p.add_argument(
+        "--fpdu",
+        type=_fpdu_arg,
+        default=None,
+        help="our largest FPDU in bytes (64..65536), or 'mss': one FPDU per TCP segment, "
+        "as Linux siw sends them (default: 65536 on loopback, mss on veth)",
+    )
     p.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--profile-dir", help=argparse.SUPPRESS)
+    p.add_argument("--host", default=HOST, help=argparse.SUPPRESS)
+    p.add_argument("--device", default=DEVICE, help=argparse.SUPPRESS)
+    p.add_argument("--netns-server", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.repeat is None:
         args.repeat = 3 if args.quick else 5
@@ -886,18 +955,43 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def run_on_veth(argv: list[str]) -> int:
+    """``--path veth``: build the namespaces and run this script's client in one of them
+    (it starts its server in the other); delete them afterwards."""
+    why = vethpath.unavailable()
+    if why is not None:
+        print(f"bench.py --path veth: {why}", file=sys.stderr)
+        return 2
+    with vethpath.veth_path() as net:
+        cmd = [*vethpath.netns_exec(net.client_ns), sys.executable, str(Path(__file__).resolve()),
+               *argv, "--netns-server", net.server_ns]  # fmt: skip
+        return subprocess.run(cmd, check=False).returncode
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
     if args.serve:
-        trio.run(serve_main, Path(args.profile_dir) if args.profile_dir else None)
+        profile_dir = Path(args.profile_dir) if args.profile_dir else None
+        trio.run(serve_main, profile_dir, args.host, args.device)
         return 0
+    veth = args.path == "veth"
+    if veth and args.netns_server is None:
+        return run_on_veth(argv)
     duration = args.duration or (0.3 if args.quick else 1.5)
     iters = args.iters or (300 if args.quick else 2000)
     if args.profile:
         duration = args.duration or 2.0
         Path(args.profile).mkdir(parents=True, exist_ok=True)
-    benches = [b for b in BENCHES if not args.only or b.name in args.only]
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--serve"]
+    only = args.only or (["write-bw"] if veth else None)
+    benches = [b for b in BENCHES if not only or b.name in only]
+    host = vethpath.SERVER_ADDR if veth else HOST
+    device = f"siw_{vethpath.CLIENT_IF}" if veth else DEVICE
+    server_device = f"siw_{vethpath.SERVER_IF}" if veth else DEVICE
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--serve", "--host", host,
+           "--device", server_device]  # fmt: skip
+    if args.netns_server is not None:
+        cmd = [*vethpath.netns_exec(args.netns_server), *cmd]
     if args.profile:
         cmd += ["--profile-dir", str(Path(args.profile).resolve())]
     server = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
@@ -914,6 +1008,10 @@ def main(argv: list[str] | None = None) -> int:
             rdma_port=int(line[1]),
             raw_port=int(line[2]),
             profile=bool(args.profile),
+            host=host,
+            device=device,
+            fpdu=args.fpdu if args.fpdu is not None else (0 if veth else MAX_FPDU),
+            path=f"veth, MTU {vethpath.MTU}, two namespaces" if veth else "loopback",
         )
         meta, results = trio.run(client_main, args, cfg, benches)
     finally:

@@ -17,8 +17,16 @@ import trio
 import rdmashim
 
 
+def engine_path() -> str:
+    """Which engine path the run asked for: ``RDMASHIM_NO_EXTENSIONS=1`` forces pure Python."""
+    if os.environ.get("RDMASHIM_NO_EXTENSIONS", "") not in ("", "0"):
+        return "pure Python (RDMASHIM_NO_EXTENSIONS)"
+    return "default"
+
+
 def run_meta() -> dict[str, Any]:
-    """Where and when a run happened: date, commit, Python, CPUs, load average at the start."""
+    """Where and when a run happened: date, commit, Python, CPUs, load average at the start,
+    and the engine path (:func:`engine_path`)."""
     try:
         commit = subprocess.run(
             ["git", "rev-parse", "HEAD"],
@@ -39,6 +47,7 @@ def run_meta() -> dict[str, Any]:
         "commit": commit,
         "rdmashim": rdmashim.__version__,
         "trio": trio.__version__,
+        "engine": engine_path(),
     }
 
 
