@@ -73,7 +73,7 @@ from rdmashim.verbs.softiwarp.connection import MpaOptions, accept_qp, connect_q
 
 import vethpath
 from report import Status, run_meta, top_functions
-from streams import read_exact, stop_process
+from streams import count_to_eof, read_exact, stop_process
 
 HOST = "127.0.0.1"
 DEVICE = "siw_lo"
@@ -276,10 +276,7 @@ class Server:
             mode = RAW_HDR.unpack(hdr)[0][:1]
             if mode in (b"W", b"S"):
                 buf = memoryview(bytearray(BULK_SIZE if mode == b"W" else RAW_STAGING))
-                total = 0
-                while n := await sock.recv_into(buf):
-                    total += n
-                await stream.send_all(REQ.pack(total))
+                await stream.send_all(REQ.pack(await count_to_eof(sock, buf)))
             elif mode == b"R":
                 src = memoryview(bytearray(BULK_SIZE))
                 reqs = memoryview(bytearray(REQ.size * 64))

@@ -1,25 +1,13 @@
-"""What the benchmark scripts share: the raw TCP side's reads, stopping the server process."""
+"""What the benchmark scripts share: the raw TCP side's reads (those of ``rdmashim perf
+--vs-tcp``), stopping the server process."""
 
 from __future__ import annotations
 
 import subprocess
-from typing import Any
 
+from rdmashim.perftools.rawtcp import count_to_eof, read_exact
 
-async def read_exact(sock: Any, view: memoryview) -> bool:
-    """Fill ``view`` from the trio socket ``sock``; False on EOF before the first byte.
-
-    EOF in the middle raises EOFError.
-    """
-    got = 0
-    while got < len(view):
-        n = await sock.recv_into(view[got:])
-        if not n:
-            if got:
-                raise EOFError("connection closed mid-message")
-            return False
-        got += n
-    return True
+__all__ = ["count_to_eof", "read_exact", "stop_process"]
 
 
 def stop_process(server: subprocess.Popen[bytes]) -> None:

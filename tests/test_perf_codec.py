@@ -43,6 +43,21 @@ def test_version() -> None:
         wire.decode_version(VERSION_6_06[:8])
 
 
+def test_version_with_our_tcp_port() -> None:
+    """``--vs-tcp`` puts a tag and a port after the version's NUL: what perftest reads
+    (up to the NUL) is unchanged, and perftest's own message carries no port."""
+    ours = wire.encode_version("6.06", tcp_port=40000)
+    assert len(ours) == wire.VERSION_SIZE and ours[:5] == VERSION_6_06[:5]
+    assert ours[5:] == b"rdmashim\x9c\x40\x00"
+    assert wire.decode_version(ours) == "6.06"
+    assert wire.decode_tcp_port(ours) == 40000
+    assert wire.decode_tcp_port(wire.encode_version(tcp_port=0)) == 0
+    assert wire.decode_tcp_port(VERSION_6_06) is None
+    assert wire.decode_tcp_port(b"6.06\0rdmash" + bytes(5)) is None
+    with pytest.raises(ValueError):
+        wire.encode_version("6.06-long", tcp_port=1)
+
+
 def test_ints_and_mtu() -> None:
     assert wire.encode_int(4096) == PAGE and wire.decode_int(PAGE) == 4096
     assert wire.encode_int(64) == LINE and wire.decode_int(LINE) == 64
@@ -98,6 +113,21 @@ def test_bw_table_text() -> None:
     assert report.bw_line(small, gbits=True) == (
         " 2          1000             0.050000            0.040000            2.500000      12.50"
     )
+
+
+def test_vs_tcp_table_text() -> None:
+    head = report.vs_tcp_header()
+    assert head[-1].split() == [
+        "#bytes", "BW", "average[MB/sec]", "TCP", "BW", "average[MB/sec]", "ours/TCP",
+        "MsgRate[Mpps]", "TCP", "MsgRate[Mpps]",
+    ]  # fmt: skip
+    ours = report.BwResult(65536, 5000, 0.0, 2284.4, 0.03655)
+    tcp = report.BwResult(65536, 5000, 0.0, 3000.0, 0.048)
+    assert report.vs_tcp_line(ours, tcp) == (
+        " 65536      2284.40              3000.00                  0.761      0.036550"
+        "        0.048000"
+    )
+    assert report.vs_tcp_line(ours, report.BwResult(65536, 0, 0.0, 0.0, 0.0)).split()[3] == "inf"
 
 
 def test_lat_table_text() -> None:

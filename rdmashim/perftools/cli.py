@@ -9,6 +9,7 @@ Progress goes to stderr only when it is a terminal.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import Any
 
@@ -40,23 +41,20 @@ def _cmd(args: argparse.Namespace) -> int:
     progress = _bars if sys.stderr.isatty() else None
     result = trio.run(run, config, emit, progress)
     if config.plot is not None:
-        plot_sweep(config.plot, config.tool, result.bw, gbits=config.gbits)
+        plot_sweep(config.plot, config.tool, result.bw, gbits=config.gbits, tcp=result.tcp)
         print(f"plot: {config.plot}", file=sys.stderr)
     return 0
 
 
-def _bars(size: int, total: int) -> Any:
-    """A tqdm bar on stderr for one size (only made when stderr is a terminal)."""
+def _bars(label: str, total: int | None) -> Any:
+    """A tqdm bar on stderr for one size (only made when stderr is a terminal): messages
+    done of ``total``, or for a ``-D`` run (no total) the count and the rate. A terminal
+    that reports no size (a bare pty) gets an 80-column bar, not tqdm's empty one."""
     from tqdm import tqdm  # type: ignore[import-untyped]
 
-    bar = tqdm(total=total, desc=f"{size} B", unit="msg", leave=False, file=sys.stderr)
-
-    def step(n: int) -> None:
-        bar.update(n)
-        if bar.n >= total:
-            bar.close()
-
-    return step
+    size = os.get_terminal_size(sys.stderr.fileno())
+    shape = {} if size.columns and size.lines else {"ncols": 80, "nrows": 24}
+    return tqdm(total=total, desc=label, unit="msg", leave=False, file=sys.stderr, **shape)
 
 
 def add_perf(sub: Any) -> None:

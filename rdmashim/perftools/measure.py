@@ -32,7 +32,7 @@ from rdmashim.perftools import wire
 from rdmashim.perftools.options import PerfConfig
 from rdmashim.perftools.session import Resources, completion_error
 
-Progress = Callable[[int], None]
+Progress = Callable[[int], object]
 """Called with the number of messages just completed (for a progress bar)."""
 
 _OPCODES = {"write": WROpcode.RDMA_WRITE, "read": WROpcode.RDMA_READ, "send": WROpcode.SEND}

@@ -54,6 +54,8 @@ class PerfConfig:
     gbits: bool = False
     cpu_util: bool = False
     plot: str | None = None
+    vs_tcp: bool = False
+    """Ours: also run each size over plain TCP between the same endpoints (both ends ours)."""
     bind: str | None = None
     """The address the server listens on (default all)."""
 
@@ -203,6 +205,13 @@ def add_arguments(p: argparse.ArgumentParser, tool: str) -> None:
         help="draw the -a sweep into FILE.png or FILE.svg (needs matplotlib)",
     )
     p.add_argument(
+        "--vs-tcp",
+        dest="vs_tcp",
+        action="store_true",
+        help="also run each size over plain TCP between the same two hosts and show it "
+        "beside ours (not in perftest: both sides must be rdmashim perf with --vs-tcp)",
+    )
+    p.add_argument(
         "--bind", type=host, default=None, help="server: the address to listen on (default all)"
     )
     p.add_argument(
@@ -234,6 +243,8 @@ def config_from_args(tool: str, args: argparse.Namespace) -> PerfConfig:
             raise UsageError("--plot draws bandwidth tests only")
         if args.server_addr is None:
             raise UsageError("--plot is for the client (the side that measures)")
+    if args.vs_tcp and lat:
+        raise UsageError("--vs-tcp runs with the bandwidth tests only")
     if args.rx_depth is not None and not send:
         raise UsageError("-r applies to the Send tests only")
     if args.out_reads is not None and not tool.startswith("read"):
@@ -273,6 +284,7 @@ def config_from_args(tool: str, args: argparse.Namespace) -> PerfConfig:
         gbits=args.gbits,
         cpu_util=args.cpu_util,
         plot=args.plot,
+        vs_tcp=args.vs_tcp,
         bind=args.bind,
     )
 

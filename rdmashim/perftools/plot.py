@@ -1,4 +1,5 @@
-"""``--plot``: an ``-a`` sweep drawn as bandwidth and message rate against size.
+"""``--plot``: an ``-a`` sweep drawn as bandwidth and message rate against size
+(with ``--vs-tcp``, plain TCP's beside ours).
 
 matplotlib is an optional extra (``pip install 'rdmashim[plot]'``); without it
 ``--plot`` fails with one line saying so, before anything connects.
@@ -23,27 +24,43 @@ def require_matplotlib() -> None:
         raise PlotUnavailable("--plot needs matplotlib: pip install 'rdmashim[plot]'") from None
 
 
-def plot_sweep(path: str, tool: str, rows: Sequence[BwResult], *, gbits: bool = False) -> None:
-    """Draw ``rows`` (one per size) into ``path`` (.png or .svg): bandwidth on the left axis,
-    message rate on the right, sizes on a log2 axis."""
+def plot_sweep(
+    path: str,
+    tool: str,
+    rows: Sequence[BwResult],
+    *,
+    gbits: bool = False,
+    tcp: Sequence[BwResult] = (),
+    title: str | None = None,
+) -> None:
+    """Draw ``rows`` (one per size) into ``path`` (.png or .svg): average bandwidth above,
+    message rate below, against size on a log2 axis, both on log axes; with ``tcp``
+    (``--vs-tcp``), plain TCP's figures for the same sizes beside ours."""
     require_matplotlib()
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    sizes = [r.size for r in rows]
-    fig, left = plt.subplots(figsize=(8, 4.5))
     unit = "Gb/s" if gbits else "MB/s"
-    left.plot(sizes, [r.bw_avg for r in rows], "o-", color="tab:blue", label=f"BW average [{unit}]")
-    left.set_xscale("log", base=2)
-    left.set_xlabel("message size [bytes]")
-    left.set_ylabel(f"bandwidth [{unit}]", color="tab:blue")
-    right = left.twinx()
-    right.plot(sizes, [r.msg_rate for r in rows], "s--", color="tab:red", label="MsgRate [Mpps]")
-    right.set_ylabel("message rate [Mpps]", color="tab:red")
-    left.set_title(f"rdmashim perf {tool}")
-    left.grid(True, which="both", alpha=0.3)
+    fig, (bw, rate) = plt.subplots(2, 1, sharex=True, figsize=(8, 6.5))
+    series = [("rdmashim", rows, "o-", "tab:blue")]
+    if tcp:
+        series.append(("raw TCP", tcp, "s--", "tab:orange"))
+    for label, data, style, color in series:
+        sizes = [r.size for r in data]
+        bw.plot(sizes, [r.bw_avg for r in data], style, color=color, label=label, markersize=4)
+        rate.plot(sizes, [r.msg_rate for r in data], style, color=color, label=label,
+                  markersize=4)  # fmt: skip
+    bw.set_ylabel(f"BW average [{unit}]")
+    rate.set_ylabel("message rate [Mpps]")
+    rate.set_xlabel("message size [bytes]")
+    rate.set_xscale("log", base=2)
+    for ax in (bw, rate):
+        ax.set_yscale("log")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(loc="best")
+    bw.set_title(title or f"rdmashim perf {tool}")
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)

@@ -252,6 +252,26 @@ def bw_line(r: BwResult, *, gbits: bool = False) -> str:
     return row + (f"      {r.cpu_util:<3.2f}" if r.cpu_util is not None else "")
 
 
+def vs_tcp_header(*, gbits: bool = False) -> list[str]:
+    """The ``--vs-tcp`` table (ours): each size's average beside plain TCP's."""
+    unit = "Gb/sec" if gbits else "MB/sec"
+    return [
+        " The same transfers over plain TCP between the same hosts (--vs-tcp):",
+        f" #bytes     BW average[{unit}]   TCP BW average[{unit}]   ours/TCP"
+        "   MsgRate[Mpps]   TCP MsgRate[Mpps]",
+    ]
+
+
+def vs_tcp_line(ours: BwResult, tcp: BwResult, *, gbits: bool = False) -> str:
+    """One row of the ``--vs-tcp`` table."""
+    digits = 6 if gbits and min(ours.bw_avg, tcp.bw_avg) < 0.1 else 2
+    ratio = ours.bw_avg / tcp.bw_avg if tcp.bw_avg else math.inf
+    return (
+        f" {ours.size:<7d}    {ours.bw_avg:<18.{digits}f}   {tcp.bw_avg:<22.{digits}f}"
+        f"   {ratio:<8.3f}   {ours.msg_rate:<13.6f}   {tcp.msg_rate:.6f}"
+    )
+
+
 def lat_header(*, duration: bool = False, cpu_util: bool = False) -> list[str]:
     if duration:
         head = " #bytes        #iterations       t_avg[usec]    tps average"
@@ -294,4 +314,6 @@ __all__ = [
     "lat_header",
     "lat_line",
     "lat_result",
+    "vs_tcp_header",
+    "vs_tcp_line",
 ]

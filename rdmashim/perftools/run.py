@@ -13,15 +13,17 @@ the other tools print each side's own figures.
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import psutil
 import trio
 
 from rdmashim.cm import EventChannel
-from rdmashim.perftools import measure, report, wire
+from rdmashim.perftools import measure, rawtcp, report, wire
 from rdmashim.perftools.options import PerfConfig
 from rdmashim.perftools.session import (
     Comm,
@@ -38,8 +40,18 @@ log = logging.getLogger(__name__)
 
 Emit = Callable[[str], None]
 """Where the report's lines go (the CLI prints them)."""
-ProgressFactory = Callable[[int, int], measure.Progress | None]
-"""``(size, total messages)`` -> a progress callback for that size, or None."""
+
+
+class Bar(Protocol):
+    """A progress bar for one size (tqdm's ``update`` and ``close``)."""
+
+    def update(self, n: int = 1) -> object: ...
+
+    def close(self) -> None: ...
+
+
+ProgressFactory = Callable[[str, int | None], Bar | None]
+"""``(label, total messages or None when -D runs by time)`` -> a bar for one size, or None."""
 
 DEST_ROUNDS = {
     "write_bw": ("each", "each", "one"),
@@ -62,6 +74,8 @@ class RunResult:
     peer_version: str = ""
     remote: report.BwResult | None = None
     """A write_bw/read_bw server: the client's results."""
+    tcp: list[report.BwResult] = field(default_factory=list)
+    """``--vs-tcp`` (client): the same sizes over plain TCP."""
 
 
 class _CPU:
@@ -88,7 +102,7 @@ async def run(
     task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED,
 ) -> RunResult:
     """Run ``config``; a server reports its port through ``task_status`` once listening."""
-    async with EventChannel(backend=config.backend) as channel:
+    async with EventChannel(backend=config.backend) as channel, _tcp_listener(config) as tcp:
         listener = None
         if config.server:
             listener = channel.create_id()
@@ -110,7 +124,13 @@ async def run(
         res: Resources | None = None
         try:
             mtu = int(comm.context.query_port(1).active_mtu)
-            settled = await preamble(comm, mtu)
+            tcp_port = tcp.socket.getsockname()[1] if tcp else (0 if config.vs_tcp else None)
+            settled = await preamble(comm, mtu, tcp_port)
+            if config.vs_tcp and not config.server and settled.peer_tcp_port is None:
+                raise PerfError(
+                    f"--vs-tcp: the server (perftest {settled.peer_version}) serves no raw TCP; "
+                    "run it as rdmashim perf with --vs-tcp too"
+                )
             res = Resources(config, max(config.buffer_size, settled.cycle_buffer))
             await comm.handshake(wire.Dest())
             if listener is not None:
@@ -123,6 +143,10 @@ async def run(
                 emit(line)
             await _trade_dests(comm, res, emit)
             await FLOWS[config.tool](comm, res, emit, progress, result)
+            if tcp is not None and settled.peer_tcp_port is not None:
+                await rawtcp.serve(tcp, len(config.sizes()))
+            elif config.vs_tcp and settled.peer_tcp_port is not None:
+                await _vs_tcp(config, settled.peer_tcp_port, emit, progress, result)
             return result
         finally:
             with trio.CancelScope(shield=True):
@@ -160,10 +184,60 @@ async def _trade_dests(comm: Comm, res: Resources, emit: Emit) -> None:
                 side, d.lid, d.qpn, d.psn, out_reads=d.out_reads if read else None,
                 rkey=d.rkey if rdma else None, vaddr=d.vaddr if rdma else None,
             ))  # fmt: skip
+            emit(report.gid_line(d.gid))
 
 
-def _progress(progress: ProgressFactory | None, size: int, total: int) -> measure.Progress | None:
-    return progress(size, total) if progress is not None else None
+@contextlib.asynccontextmanager
+async def _tcp_listener(config: PerfConfig) -> AsyncIterator[trio.SocketListener | None]:
+    """``--vs-tcp`` server: a TCP listener on a free port of the address we serve on
+    (None for a client or without ``--vs-tcp``)."""
+    if not (config.server and config.vs_tcp):
+        yield None
+        return
+    try:
+        listener = (await trio.open_tcp_listeners(0, host=config.bind or "0.0.0.0"))[0]
+    except OSError as exc:
+        raise PerfError(f"--vs-tcp: cannot listen for raw TCP: {exc}") from exc
+    async with listener:
+        yield listener
+
+
+async def _vs_tcp(config: PerfConfig, port: int, emit: Emit, progress: ProgressFactory | None,
+                  result: RunResult) -> None:  # fmt: skip
+    """``--vs-tcp`` client: every size again over plain TCP, and the table beside ours."""
+    assert config.server_addr is not None
+    for row in result.bw:
+        with _bar(progress, config, row.size, " tcp") as bar:
+            try:
+                result.tcp.append(await rawtcp.measure(
+                    config.server_addr, port, config, row.size, bar
+                ))  # fmt: skip
+            except (OSError, EOFError, rawtcp.RawTcpError) as exc:
+                raise PerfError(f"--vs-tcp, {row.size} B: {exc}") from exc
+    for line in report.vs_tcp_header(gbits=config.gbits):
+        emit(line)
+    for ours, tcp in zip(result.bw, result.tcp, strict=True):
+        emit(report.vs_tcp_line(ours, tcp, gbits=config.gbits))
+    emit(report.RULE)
+
+
+@contextlib.contextmanager
+def _bar(
+    progress: ProgressFactory | None, config: PerfConfig, size: int, what: str = ""
+) -> Iterator[measure.Progress | None]:
+    """A progress callback for one size (None without a factory), its bar closed after;
+    the bar's label names the size, and in an ``-a`` sweep which of how many it is."""
+    total = None if config.duration is not None else config.iters * config.num_qps
+    sizes = config.sizes()
+    label = f"{size} B{what}"
+    if len(sizes) > 1:
+        label += f" ({sizes.index(size) + 1}/{len(sizes)})"
+    bar = progress(label, total) if progress is not None else None
+    try:
+        yield bar.update if bar is not None else None
+    finally:
+        if bar is not None:
+            bar.close()
 
 
 async def _client_bw(
@@ -172,8 +246,8 @@ async def _client_bw(
     """The client's measurement of one size and its result row."""
     config = res.config
     cpu = _CPU(config.cpu_util)
-    total = config.iters * config.num_qps
-    stamps = await measure.bw_client(res, size, _progress(progress, size, total))
+    with _bar(progress, config, size) as bar:
+        stamps = await measure.bw_client(res, size, bar)
     return report.bw_result(
         size, stamps.posted, stamps.completed, gbits=config.gbits,
         peak=config.duration is None, cpu_util=cpu.percent(),
@@ -224,8 +298,8 @@ async def _send_bw(comm: Comm, res: Resources, emit: Emit, progress: ProgressFac
         await comm.handshake(res.links[0].mine)
         if config.server:
             cpu = _CPU(config.cpu_util)
-            total = config.iters * config.num_qps
-            stamps = await measure.send_bw_server(res, size, _progress(progress, size, total))
+            with _bar(progress, config, size) as bar:
+                stamps = await measure.send_bw_server(res, size, bar)
             row = report.bw_span_result(
                 size, stamps.count, stamps.start, stamps.end, gbits=config.gbits,
                 cpu_util=cpu.percent(),
@@ -264,14 +338,14 @@ async def _lat(comm: Comm, res: Resources, emit: Emit, progress: ProgressFactory
     for line in report.lat_header(duration=config.duration is not None, cpu_util=config.cpu_util):
         emit(line)
     for size in config.sizes():
-        bar = _progress(progress, size, config.iters)
         if tool == "send_lat":
             measure.post_receives(res, size, config.rx_depth)
             await comm.handshake(res.links[0].mine)
         cpu = _CPU(config.cpu_util)
         loop = {"write_lat": measure.write_lat, "read_lat": measure.read_lat,
                 "send_lat": measure.send_lat}[tool]  # fmt: skip
-        stamps = await loop(res, size, bar)
+        with _bar(progress, config, size) as bar:
+            stamps = await loop(res, size, bar)
         row = _lat_line(config, size, stamps, cpu, round_trip=tool != "read_lat")
         result.lat.append(row)
         emit(report.lat_line(row))

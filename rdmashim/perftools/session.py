@@ -18,13 +18,14 @@ import random
 from collections import deque
 from dataclasses import dataclass, field
 
+import psutil
 import trio
 
 from rdmashim import WC, Access, QPCap, RecvWR, SendWR, WCOpcode, WCStatus, WROpcode
 from rdmashim.cm import CMEvent, CMEventType, CMId, ConnParam, EventChannel
 from rdmashim.perftools import wire
 from rdmashim.perftools.options import CACHE_LINE, CYCLE_BUFFER, PerfConfig
-from rdmashim.verbs.abc import CQ, MR, PD
+from rdmashim.verbs.abc import CQ, MR, PD, Context
 
 log = logging.getLogger(__name__)
 
@@ -163,6 +164,8 @@ class Negotiated:
     cache_line: int
     mtu: int
     """Bytes."""
+    peer_tcp_port: int | None = None
+    """The raw TCP port an rdmashim peer with ``--vs-tcp`` announced (None: none)."""
 
 
 SERVER_SETTLE = 0.5
@@ -171,8 +174,11 @@ PREAMBLE_LIMIT = 30.0
 """Seconds the first exchange may take."""
 
 
-async def preamble(comm: Comm, mtu_enum: int) -> Negotiated:
+async def preamble(comm: Comm, mtu_enum: int, tcp_port: int | None = None) -> Negotiated:
     """Versions, cycle buffer, cache line and MTU, in perftest's order.
+
+    ``tcp_port`` (``--vs-tcp``; the client's is 0) goes after the version's NUL,
+    where perftest does not look; the peer's comes back in the result.
 
     The client waits :data:`SERVER_SETTLE` seconds before its first Send: a
     perftest server posts its first receive only after the connection is up,
@@ -182,16 +188,20 @@ async def preamble(comm: Comm, mtu_enum: int) -> Negotiated:
     if comm.client:
         await trio.sleep(SERVER_SETTLE)
     with trio.move_on_after(PREAMBLE_LIMIT) as scope:
-        peer = wire.decode_version(await comm.xchg(wire.encode_version(), "version"))
+        theirs = await comm.xchg(wire.encode_version(tcp_port=tcp_port), "version")
     if scope.cancelled_caught:
         raise PerfError(f"the peer sent no perftest version within {PREAMBLE_LIMIT:.0f} s")
+    peer = wire.decode_version(theirs)
     if wire.version_number(peer) < wire.MIN_VERSION:
         raise PerfError(f"the peer speaks perftest {peer!r}; we need {wire.MIN_VERSION} or later")
     cycle = wire.decode_int(await comm.xchg(wire.encode_int(CYCLE_BUFFER), "page size"))
     line = wire.decode_int(await comm.xchg(wire.encode_int(CACHE_LINE), "cache line size"))
     rem_mtu = wire.decode_mtu(await comm.xchg(wire.encode_mtu(mtu_enum), "MTU"))
     mtu = min(mtu_enum, rem_mtu) if rem_mtu else mtu_enum
-    return Negotiated(peer, max(cycle, CYCLE_BUFFER), max(line, CACHE_LINE), wire.MTU_BYTES[mtu])
+    return Negotiated(
+        peer, max(cycle, CYCLE_BUFFER), max(line, CACHE_LINE), wire.MTU_BYTES[mtu],
+        wire.decode_tcp_port(theirs),
+    )  # fmt: skip
 
 
 def conn_param(config: PerfConfig, out_reads: int) -> ConnParam:
@@ -235,6 +245,21 @@ async def accept_comm(channel: EventChannel, listener: CMId) -> Comm:
     return comm
 
 
+def port_gid(context: Context) -> bytes:
+    """The GID of the device's port as an iWARP device gives it (Linux ``siw_query_gid``):
+    the interface's MAC address and ten zero bytes. An interface without one
+    (loopback) gives the six bytes the device made its node GUID from (EUI-64 with
+    ``ff:fe`` in the middle), as siw does for it."""
+    mac = b""
+    for entry in psutil.net_if_addrs().get(context.query_port(1).netdev, ()):
+        if entry.family == psutil.AF_LINK and entry.address:
+            mac = bytes.fromhex(entry.address.replace(":", "").replace("-", ""))
+    if not any(mac):
+        guid = context.device.node_guid.to_bytes(8, "big")
+        mac = guid[:3] + guid[5:]
+    return mac[:6].ljust(16, b"\0")
+
+
 class Resources:
     """The PD, CQs and QPs of the test connections (made on the first one's device)."""
 
@@ -246,6 +271,7 @@ class Resources:
         self.send_cq: CQ | None = None
         self.recv_cq: CQ | None = None
         self.out_reads = 1
+        self.gid = bytes(16)
 
     def add(self, cm_id: CMId) -> Link:
         """A QP and its buffers on ``cm_id`` (resolved, or a connection request)."""
@@ -261,6 +287,7 @@ class Resources:
             attr = context.query_device()
             self.out_reads = min(config.out_reads or attr.max_qp_rd_atom, attr.max_qp_rd_atom)
             self.out_reads = max(self.out_reads, 1)
+            self.gid = port_gid(context)
             self.pd = context.alloc_pd()
             depth = (config.tx_depth + 8) * config.num_qps
             self.send_cq = context.create_cq(depth)
@@ -284,7 +311,7 @@ class Resources:
             rkey = link.credit_mr.rkey
             vaddr = link.credit_mr.addr + 4 * (config.num_qps + link.index)
         link.mine = wire.Dest(
-            out_reads=self.out_reads, qpn=qp.qp_num, psn=psn, rkey=rkey, vaddr=vaddr
+            out_reads=self.out_reads, qpn=qp.qp_num, psn=psn, rkey=rkey, vaddr=vaddr, gid=self.gid
         )
         self.links.append(link)
         return link

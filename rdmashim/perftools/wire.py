@@ -21,6 +21,11 @@ sends first and the server answers each message with one of the same size
 For ``send_bw`` on iWARP (no RNR retry) the receiver returns credits by RDMA
 Write of a 4-byte counter in its own (x86: little-endian) byte order
 (:data:`CREDIT`).
+
+Ours only (``--vs-tcp``): the version message may carry :data:`TCP_TAG` and a
+port after its NUL, where perftest, which reads the version up to the NUL,
+never looks; so an rdmashim peer is told apart from perftest in the first
+exchange without changing a byte perftest reads.
 """
 
 from __future__ import annotations
@@ -44,18 +49,33 @@ CREDIT = struct.Struct("<I")
 """A ``send_bw`` credit: the receiver's count of receives, RDMA-written in host (x86) order."""
 MTU_BYTES = {1: 256, 2: 512, 3: 1024, 4: 2048, 5: 4096}
 """``enum ibv_mtu`` to bytes."""
+TCP_TAG = b"rdmashim"
+"""After the version's NUL (``--vs-tcp``): this tag, then the raw TCP port (:data:`PORT`)."""
+PORT = struct.Struct("!H")
 
 
 class WireError(ValueError):
     """A message of the exchange that perftest would not have sent."""
 
 
-def encode_version(version: str = VERSION) -> bytes:
-    """The version message: ASCII, NUL padded to 16 bytes."""
-    raw = version.encode("ascii")
-    if len(raw) >= VERSION_SIZE:
+def encode_version(version: str = VERSION, *, tcp_port: int | None = None) -> bytes:
+    """The version message: ASCII, NUL padded to 16 bytes; with ``tcp_port``, ours
+    (``--vs-tcp``): :data:`TCP_TAG` and the port after the NUL."""
+    raw = version.encode("ascii") + b"\0"
+    if tcp_port is not None:
+        raw += TCP_TAG + PORT.pack(tcp_port)
+    if len(raw) > VERSION_SIZE:
         raise ValueError(f"version {version!r} is too long")
     return raw.ljust(VERSION_SIZE, b"\0")
+
+
+def decode_tcp_port(data: bytes) -> int | None:
+    """The raw TCP port an rdmashim peer put after its version (None: it put none, as
+    perftest never does)."""
+    extra = data.split(b"\0", 1)[1] if b"\0" in data else b""
+    if not extra.startswith(TCP_TAG) or len(extra) < len(TCP_TAG) + PORT.size:
+        return None
+    return int(PORT.unpack_from(extra, len(TCP_TAG))[0])
 
 
 def decode_version(data: bytes) -> str:
@@ -173,6 +193,7 @@ __all__ = [
     "MIN_VERSION",
     "MTU_BYTES",
     "MTU_SIZE",
+    "TCP_TAG",
     "VERSION",
     "VERSION_SIZE",
     "BwReport",
@@ -180,6 +201,7 @@ __all__ = [
     "WireError",
     "decode_int",
     "decode_mtu",
+    "decode_tcp_port",
     "decode_version",
     "encode_int",
     "encode_mtu",
