@@ -11,9 +11,12 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rdmashim.perftools.options import TOOLS, add_arguments, config_from_args
+
+if TYPE_CHECKING:
+    from rdmashim.perftools.run import ProgressFactory
 
 _HELP = {
     "write_bw": "RDMA Write bandwidth (perftest's ib_write_bw)",
@@ -38,12 +41,16 @@ def _cmd(args: argparse.Namespace) -> int:
     def emit(line: str) -> None:
         print(line, flush=True)
 
-    progress = _bars if sys.stderr.isatty() else None
-    result = trio.run(run, config, emit, progress)
+    result = trio.run(run, config, emit, terminal_progress())
     if config.plot is not None:
         plot_sweep(config.plot, config.tool, result.bw, gbits=config.gbits, tcp=result.tcp)
         print(f"plot: {config.plot}", file=sys.stderr)
     return 0
+
+
+def terminal_progress() -> ProgressFactory | None:
+    """Progress bars on stderr when it is a terminal, else none."""
+    return _bars if sys.stderr.isatty() else None
 
 
 def _bars(label: str, total: int | None) -> Any:
@@ -72,4 +79,4 @@ def add_perf(sub: Any) -> None:
         p.set_defaults(func=_cmd, tool=tool, prog=f"rdmashim perf {tool}")
 
 
-__all__ = ["add_perf"]
+__all__ = ["add_perf", "terminal_progress"]
