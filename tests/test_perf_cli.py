@@ -108,6 +108,12 @@ async def test_vs_tcp_runs_every_size_over_plain_tcp_too(tool: str) -> None:
         assert float(row[3]) == pytest.approx(ours.bw_avg / tcp.bw_avg, rel=0.01, abs=0.001)
 
 
+async def test_vs_tcp_moves_as_many_messages_as_all_qps() -> None:
+    with trio.fail_after(60):
+        _out, _, client = await pair("read_bw", "-n", "30", "-s", "1024", "-q", "2", "--vs-tcp")
+    assert client.bw[0].iters == client.tcp[0].iters == 60
+
+
 async def test_vs_tcp_with_duration() -> None:
     with trio.fail_after(60):
         _out, _, client = await pair("write_bw", "-D", "1", "-s", "4096", "--vs-tcp")

@@ -7,9 +7,10 @@ the server listens on a TCP port it announced there, and for each size of the
 run the client opens one connection (setup outside the timed window), sends a
 :data:`HEADER` and then:
 
-* ``write_bw`` / ``send_bw``: ``iters`` messages of ``size`` bytes, one
-  ``send`` each (as ours posts one work request each); after its EOF the
-  server answers the byte count, which ends the window;
+* ``write_bw`` / ``send_bw``: as many messages of ``size`` bytes as ours
+  sent (``iters`` per QP), one ``send`` each (as ours posts one work request
+  each); after its EOF the server answers the byte count, which ends the
+  window;
 * ``read_bw``: one request byte per message, at most ``tx_depth``
   outstanding; the server answers each with ``size`` bytes.
 
@@ -91,7 +92,8 @@ async def _send(stream: trio.SocketStream, config: PerfConfig, size: int,
     message = memoryview(bytearray(size))
     deadline = time.monotonic() + config.duration if config.duration else float("inf")
     sent = 0
-    while (config.duration is not None or sent < config.iters) and time.monotonic() < deadline:
+    total = config.iters * config.num_qps
+    while (config.duration is not None or sent < total) and time.monotonic() < deadline:
         await stream.send_all(message)
         sent += 1
         if progress is not None:
@@ -109,7 +111,7 @@ async def _receive(stream: trio.SocketStream, config: PerfConfig, size: int,
     sock = stream.socket
     buf = memoryview(bytearray(min(max(size, 4096), STAGING)))
     deadline = time.monotonic() + config.duration if config.duration else float("inf")
-    limit = config.iters if config.duration is None else None
+    limit = config.iters * config.num_qps if config.duration is None else None
     asked = min(config.tx_depth, limit) if limit is not None else config.tx_depth
     await stream.send_all(bytes(asked))
     got = done = 0
