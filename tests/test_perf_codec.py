@@ -34,7 +34,7 @@ REPORT = [bytes.fromhex(h) for h in (
 
 
 def test_version() -> None:
-    assert wire.encode_version("6.06") == VERSION_6_06
+    assert wire.encode_version("6.06", tagged=False) == VERSION_6_06
     assert wire.decode_version(VERSION_6_06) == "6.06"
     assert wire.version_number("6.06") == pytest.approx(6.06)
     assert wire.version_number("5.70-beta") == pytest.approx(5.70)
@@ -43,19 +43,20 @@ def test_version() -> None:
         wire.decode_version(VERSION_6_06[:8])
 
 
-def test_version_with_our_tcp_port() -> None:
-    """``--vs-tcp`` puts a tag and a port after the version's NUL: what perftest reads
-    (up to the NUL) is unchanged, and perftest's own message carries no port."""
+def test_version_with_our_tag() -> None:
+    """Ours puts a tag, a raw TCP port and the --vs-tcp wish after the version's NUL:
+    what perftest reads (up to the NUL) is unchanged, and perftest's own message
+    carries nothing there."""
     ours = wire.encode_version("6.06", tcp_port=40000)
     assert len(ours) == wire.VERSION_SIZE and ours[:5] == VERSION_6_06[:5]
     assert ours[5:] == b"rdmashim\x9c\x40\x00"
     assert wire.decode_version(ours) == "6.06"
-    assert wire.decode_tcp_port(ours) == 40000
-    assert wire.decode_tcp_port(wire.encode_version(tcp_port=0)) == 0
-    assert wire.decode_tcp_port(VERSION_6_06) is None
-    assert wire.decode_tcp_port(b"6.06\0rdmash" + bytes(5)) is None
+    assert wire.decode_peer(ours) == wire.Peer(True, 40000, False)
+    assert wire.decode_peer(wire.encode_version(wants_tcp=True)) == wire.Peer(True, None, True)
+    assert wire.decode_peer(VERSION_6_06) == wire.Peer(rdmashim=False)
+    assert wire.decode_peer(b"6.06\0rdmash" + bytes(5)) == wire.Peer(rdmashim=False)
     with pytest.raises(ValueError):
-        wire.encode_version("6.06-long", tcp_port=1)
+        wire.encode_version("6.06-long")
 
 
 def test_ints_and_mtu() -> None:

@@ -2,7 +2,7 @@
 
 Ours only (perftest has nothing like it), so both ends must be ``rdmashim
 perf`` with ``--vs-tcp``; they find each other in the version exchange
-(:func:`~rdmashim.perftools.wire.decode_tcp_port`). After the perftest run,
+(:func:`~rdmashim.perftools.wire.decode_peer`). After the perftest run,
 the server listens on a TCP port it announced there, and for each size of the
 run the client opens one connection (setup outside the timed window), sends a
 :data:`HEADER` and then:

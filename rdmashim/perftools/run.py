@@ -124,9 +124,9 @@ async def run(
         res: Resources | None = None
         try:
             mtu = int(comm.context.query_port(1).active_mtu)
-            tcp_port = tcp.socket.getsockname()[1] if tcp else (0 if config.vs_tcp else None)
-            settled = await preamble(comm, mtu, tcp_port)
-            if config.vs_tcp and not config.server and settled.peer_tcp_port is None:
+            tcp_port = tcp.socket.getsockname()[1] if tcp else 0
+            settled = await preamble(comm, mtu, tcp_port, config.vs_tcp and not config.server)
+            if config.vs_tcp and not config.server and settled.peer.tcp_port is None:
                 raise PerfError(
                     f"--vs-tcp: the server (perftest {settled.peer_version}) serves no raw TCP; "
                     "run it as rdmashim perf with --vs-tcp too"
@@ -143,10 +143,10 @@ async def run(
                 emit(line)
             await _trade_dests(comm, res, emit)
             await FLOWS[config.tool](comm, res, emit, progress, result)
-            if tcp is not None and settled.peer_tcp_port is not None:
+            if tcp is not None and settled.peer.wants_tcp:
                 await rawtcp.serve(tcp, len(config.sizes()))
-            elif config.vs_tcp and settled.peer_tcp_port is not None:
-                await _vs_tcp(config, settled.peer_tcp_port, emit, progress, result)
+            elif config.vs_tcp and settled.peer.tcp_port is not None:
+                await _vs_tcp(config, settled.peer.tcp_port, emit, progress, result)
             return result
         finally:
             with trio.CancelScope(shield=True):

@@ -68,7 +68,7 @@ def completion_error(wc: WC, what: str, qp_error: Exception | None) -> PerfError
 
 
 LINGER = 1.0
-"""Seconds the client waits for the server to close the comm connection before it does."""
+"""Seconds a side that lets the peer close the comm connection first waits for it."""
 
 
 class Comm:
@@ -88,6 +88,8 @@ class Comm:
         self.send_mr = self.pd.reg_mr(bytearray(COMM_BUF), Access.NONE)
         self._received: deque[bytes] = deque()
         self._sending = False
+        self.peer = wire.Peer(rdmashim=False)
+        """What the peer's version message said (set by :func:`preamble`)."""
         self._post_recv()
 
     def _post_recv(self) -> None:
@@ -134,9 +136,16 @@ class Comm:
         return wire.Dest.decode(await self.xchg(mine.encode(), "QP data (pingpong_dest)"))
 
     async def aclose(self) -> None:
-        if self.client:  # the server's last Send may still be completing on its side: kernel
-            with trio.move_on_after(LINGER):  # siw fails it (LOC_QP_OP_ERR) if our close
-                await self.qp.wait_closed()  # comes first, so let the server close first
+        """Close the comm connection, letting a perftest peer close first.
+
+        Kernel siw fails a perftest side's last Send (LOC_QP_OP_ERR, "Bad wc
+        status 2") when our disconnect overtakes its completion, so our client
+        always, and our server facing perftest, wait up to :data:`LINGER` for
+        the peer to close first; between two rdmashim ends the server closes.
+        """
+        if self.client or not self.peer.rdmashim:
+            with trio.move_on_after(LINGER):
+                await self.qp.wait_closed()
         self.cm_id.disconnect()
         with trio.move_on_after(2):
             await self.qp.wait_closed()
@@ -164,7 +173,7 @@ class Negotiated:
     cache_line: int
     mtu: int
     """Bytes."""
-    peer_tcp_port: int | None = None
+    peer: wire.Peer = field(default_factory=lambda: wire.Peer(rdmashim=False))
     """The raw TCP port an rdmashim peer with ``--vs-tcp`` announced (None: none)."""
 
 
@@ -174,11 +183,15 @@ PREAMBLE_LIMIT = 30.0
 """Seconds the first exchange may take."""
 
 
-async def preamble(comm: Comm, mtu_enum: int, tcp_port: int | None = None) -> Negotiated:
+async def preamble(
+    comm: Comm, mtu_enum: int, tcp_port: int = 0, wants_tcp: bool = False
+) -> Negotiated:
     """Versions, cycle buffer, cache line and MTU, in perftest's order.
 
-    ``tcp_port`` (``--vs-tcp``; the client's is 0) goes after the version's NUL,
-    where perftest does not look; the peer's comes back in the result.
+    Our raw TCP port (``--vs-tcp`` server; 0: none) and whether we ask for the
+    comparison (``--vs-tcp`` client) go after the version's NUL, where perftest
+    does not look; what the peer put there comes back in the result, and tells
+    the comm connection which side closes first.
 
     The client waits :data:`SERVER_SETTLE` seconds before its first Send: a
     perftest server posts its first receive only after the connection is up,
@@ -188,10 +201,12 @@ async def preamble(comm: Comm, mtu_enum: int, tcp_port: int | None = None) -> Ne
     if comm.client:
         await trio.sleep(SERVER_SETTLE)
     with trio.move_on_after(PREAMBLE_LIMIT) as scope:
-        theirs = await comm.xchg(wire.encode_version(tcp_port=tcp_port), "version")
+        mine = wire.encode_version(tcp_port=tcp_port, wants_tcp=wants_tcp)
+        theirs = await comm.xchg(mine, "version")
     if scope.cancelled_caught:
         raise PerfError(f"the peer sent no perftest version within {PREAMBLE_LIMIT:.0f} s")
     peer = wire.decode_version(theirs)
+    comm.peer = wire.decode_peer(theirs)
     if wire.version_number(peer) < wire.MIN_VERSION:
         raise PerfError(f"the peer speaks perftest {peer!r}; we need {wire.MIN_VERSION} or later")
     cycle = wire.decode_int(await comm.xchg(wire.encode_int(CYCLE_BUFFER), "page size"))
@@ -199,8 +214,7 @@ async def preamble(comm: Comm, mtu_enum: int, tcp_port: int | None = None) -> Ne
     rem_mtu = wire.decode_mtu(await comm.xchg(wire.encode_mtu(mtu_enum), "MTU"))
     mtu = min(mtu_enum, rem_mtu) if rem_mtu else mtu_enum
     return Negotiated(
-        peer, max(cycle, CYCLE_BUFFER), max(line, CACHE_LINE), wire.MTU_BYTES[mtu],
-        wire.decode_tcp_port(theirs),
+        peer, max(cycle, CYCLE_BUFFER), max(line, CACHE_LINE), wire.MTU_BYTES[mtu], comm.peer,
     )  # fmt: skip
 
 

@@ -22,10 +22,11 @@ For ``send_bw`` on iWARP (no RNR retry) the receiver returns credits by RDMA
 Write of a 4-byte counter in its own (x86: little-endian) byte order
 (:data:`CREDIT`).
 
-Ours only (``--vs-tcp``): the version message may carry :data:`TCP_TAG` and a
-port after its NUL, where perftest, which reads the version up to the NUL,
+Ours only: the version message carries :data:`TCP_TAG`, a raw TCP port and a
+flag after its NUL, where perftest, which reads the version up to the NUL,
 never looks; so an rdmashim peer is told apart from perftest in the first
-exchange without changing a byte perftest reads.
+exchange without changing a byte perftest reads (``--vs-tcp`` and the closing
+order use it).
 """
 
 from __future__ import annotations
@@ -50,32 +51,47 @@ CREDIT = struct.Struct("<I")
 MTU_BYTES = {1: 256, 2: 512, 3: 1024, 4: 2048, 5: 4096}
 """``enum ibv_mtu`` to bytes."""
 TCP_TAG = b"rdmashim"
-"""After the version's NUL (``--vs-tcp``): this tag, then the raw TCP port (:data:`PORT`)."""
-PORT = struct.Struct("!H")
+"""After the version's NUL: this tag, then :data:`PEER` (our raw TCP port, 0 for none,
+and whether we ask the peer for the raw TCP comparison of ``--vs-tcp``)."""
+PEER = struct.Struct("!HB")
+
+
+@dataclass(frozen=True)
+class Peer:
+    """What the version message says of the peer beyond perftest's version."""
+
+    rdmashim: bool
+    """Whether the peer is ``rdmashim perf`` (perftest puts nothing after the NUL)."""
+    tcp_port: int | None = None
+    """The raw TCP port an rdmashim server with ``--vs-tcp`` serves."""
+    wants_tcp: bool = False
+    """Whether an rdmashim client asks for the ``--vs-tcp`` comparison."""
 
 
 class WireError(ValueError):
     """A message of the exchange that perftest would not have sent."""
 
 
-def encode_version(version: str = VERSION, *, tcp_port: int | None = None) -> bytes:
-    """The version message: ASCII, NUL padded to 16 bytes; with ``tcp_port``, ours
-    (``--vs-tcp``): :data:`TCP_TAG` and the port after the NUL."""
+def encode_version(
+    version: str = VERSION, *, tcp_port: int = 0, wants_tcp: bool = False, tagged: bool = True
+) -> bytes:
+    """The version message: ASCII, NUL padded to 16 bytes; ours (``tagged``) carries
+    :data:`TCP_TAG` and :data:`PEER` after the NUL (``tagged=False``: perftest's bytes)."""
     raw = version.encode("ascii") + b"\0"
-    if tcp_port is not None:
-        raw += TCP_TAG + PORT.pack(tcp_port)
+    if tagged:
+        raw += TCP_TAG + PEER.pack(tcp_port, int(wants_tcp))
     if len(raw) > VERSION_SIZE:
         raise ValueError(f"version {version!r} is too long")
     return raw.ljust(VERSION_SIZE, b"\0")
 
 
-def decode_tcp_port(data: bytes) -> int | None:
-    """The raw TCP port an rdmashim peer put after its version (None: it put none, as
-    perftest never does)."""
+def decode_peer(data: bytes) -> Peer:
+    """What an rdmashim peer put after its version (perftest puts nothing there)."""
     extra = data.split(b"\0", 1)[1] if b"\0" in data else b""
-    if not extra.startswith(TCP_TAG) or len(extra) < len(TCP_TAG) + PORT.size:
-        return None
-    return int(PORT.unpack_from(extra, len(TCP_TAG))[0])
+    if not extra.startswith(TCP_TAG) or len(extra) < len(TCP_TAG) + PEER.size:
+        return Peer(rdmashim=False)
+    port, wants = PEER.unpack_from(extra, len(TCP_TAG))
+    return Peer(True, int(port) or None, bool(wants))
 
 
 def decode_version(data: bytes) -> str:
@@ -193,15 +209,17 @@ __all__ = [
     "MIN_VERSION",
     "MTU_BYTES",
     "MTU_SIZE",
+    "PEER",
     "TCP_TAG",
     "VERSION",
     "VERSION_SIZE",
     "BwReport",
     "Dest",
+    "Peer",
     "WireError",
     "decode_int",
     "decode_mtu",
-    "decode_tcp_port",
+    "decode_peer",
     "decode_version",
     "encode_int",
     "encode_mtu",
