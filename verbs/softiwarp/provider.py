@@ -721,12 +721,12 @@ class _InlineSGE:
     """An SGE of an inline send: the region it names is looked up once and kept while it
     stays registered (a deregistered one is looked up again, and refused if gone)."""
 
-    __slots__ = ("offset", "region", "sge")
+    __slots__ = ("end", "offset", "region", "sge")
 
     def __init__(self, sge: SGE) -> None:
         self.sge = sge
         self.region: Region | None = None
-        self.offset = 0
+        self.offset = self.end = 0
 
     def read(self, memory: MemoryTable) -> bytes | None:
         """A copy of the bytes the SGE names now, or None if no region holds them."""
@@ -738,7 +738,8 @@ class _InlineSGE:
                 self.region = None
                 return None
             self.offset = s.addr - region.addr
-        return region.view[self.offset : self.offset + s.length].tobytes()
+            self.end = self.offset + s.length
+        return region.view[self.offset : self.end].tobytes()
 
 
 def _inline_bytes(i: int, part: _InlineSGE | InlineData, memory: MemoryTable) -> bytes:
@@ -776,6 +777,7 @@ class _SendTemplate:
         "opcode",
         "remote_addr",
         "rkey",
+        "source",
         "unsupported",
     )  # fmt: skip
 
@@ -796,8 +798,12 @@ class _SendTemplate:
         self.inline: tuple[_InlineSGE | InlineData, ...] | None = None
         self.local: tuple[SGE, ...] = ()
         self.length = 0
+        self.source: _InlineSGE | None = None
+        """The one SGE of an inline send from registered memory (the common case)."""
         if flags & _INLINE and opcode is not _RDMA_READ:
-            self.inline = tuple(_InlineSGE(s) if isinstance(s, SGE) else s for s in sges)
+            self.inline = parts = tuple(_InlineSGE(s) if isinstance(s, SGE) else s for s in sges)
+            if len(parts) == 1 and isinstance(parts[0], _InlineSGE):
+                self.source = parts[0]
             return
         local = tuple(s for s in sges if isinstance(s, SGE))
         if len(local) != len(sges):
@@ -913,7 +919,8 @@ class QP(_Resource):
         self._check_open("post_send")
         entries = batch.select("post_send", count, indices)
         memory = self.context.memory
-        templates = batch.prepared(memory, lambda n: _SendTemplates(n, memory))
+        # By the table's id: the templates hold the table, so the id is not reused meanwhile.
+        templates = batch.prepared(id(memory), lambda n: _SendTemplates(n, memory))
         if isinstance(entries, range):
             self._post_sends(batch.wrs(entries), templates[: entries.stop])
         else:
@@ -952,7 +959,10 @@ class QP(_Resource):
                     length = t.length
                 else:
                     # The engine sends the copy; the SGEs are not kept.
-                    if len(parts) == 1:
+                    src = t.source
+                    if src is not None and (region := src.region) is not None and region.valid:
+                        inline = region.view[src.offset : src.end].tobytes()  # the common case
+                    elif len(parts) == 1:
                         inline = _inline_bytes(i, parts[0], memory)
                     else:
                         inline = b"".join([_inline_bytes(i, p, memory) for p in parts])
