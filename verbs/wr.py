@@ -121,7 +121,7 @@ class _Batch(Generic[_W]):
         self._stamps = [0] * len(self._wrs)
         """The ``_version`` at which each entry was last set."""
         self._version = 0
-        self._prepared: dict[object, tuple[list[int], Prepared[_W]]] = {}
+        self._prepared: dict[object, tuple[list[int], Any]] = {}
 
     def __len__(self) -> int:
         return len(self._wrs)
@@ -152,14 +152,14 @@ class _Batch(Generic[_W]):
                 form.set(i, w)
             self._prepared[key] = ([self._version], form)
             return form
-        seen, form = found
+        seen, form = found[0], found[1]
         if seen[0] != self._version:
             since = seen[0]
             for i, stamp in enumerate(self._stamps):
                 if stamp > since:
                     form.set(i, wrs[i])
             seen[0] = self._version
-        return form  # type: ignore[return-value]
+        return form
 
     def select(
         self, operation: str, count: int | None, indices: Sequence[int] | None

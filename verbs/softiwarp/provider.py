@@ -744,17 +744,12 @@ class _InlineSGE:
 
 def _inline_bytes(i: int, part: _InlineSGE | InlineData, memory: MemoryTable) -> bytes:
     """A copy of what one element of an inline send's ``sg_list`` holds now."""
-    if part.__class__ is _InlineSGE:
-        data = part.read(memory)  # type: ignore[union-attr]
+    if isinstance(part, _InlineSGE):
+        data = part.read(memory)
         if data is None:
-            raise _bad_wr(
-                errno.EINVAL,
-                "post_send",
-                i,
-                f"inline SGE {part.sge} outside a region",  # type: ignore[union-attr]
-            )
+            raise _bad_wr(errno.EINVAL, "post_send", i, f"inline SGE {part.sge} outside a region")
         return data
-    return bytes(part)  # type: ignore[arg-type]
+    return bytes(part)
 
 
 class _SendTemplate:
