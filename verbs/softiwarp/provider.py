@@ -776,7 +776,7 @@ class _SendTemplate:
         "unsupported",
     )  # fmt: skip
 
-    def __init__(self, w: SendWR, memory: MemoryTable) -> None:
+    def __init__(self, w: SendWR) -> None:
         opcode = w.opcode if w.opcode.__class__ is WROpcode else WROpcode(w.opcode)
         self.opcode = opcode
         self.unsupported = (
@@ -784,29 +784,31 @@ class _SendTemplate:
         )
         self.invalid: str | None = None
         self.flags = flags = int(w.send_flags)
-        sges = tuple(w.sg_list)
+        sges = w.sg_list
         self.nsge = len(sges)
-        self.remote_addr, self.rkey, self.invalidate_rkey = w.remote_addr, w.rkey, w.invalidate_rkey
-        self.keys_fit = (
-            0 <= w.rkey <= _U32 and 0 <= w.invalidate_rkey <= _U32 and w.remote_addr >= 0
-        )
-        self.inline: tuple[_InlineSGE | InlineData, ...] | None = None
+        remote_addr, rkey, inv = self.remote_addr, self.rkey, self.invalidate_rkey = (
+            w.remote_addr, w.rkey, w.invalidate_rkey,
+        )  # fmt: skip
+        self.keys_fit = keys_fit = 0 <= rkey <= _U32 and 0 <= inv <= _U32 and remote_addr >= 0
         self.local: tuple[SGE, ...] = ()
         self.length = 0
         self.source: _InlineSGE | None = None
         """The one SGE of an inline send from registered memory (the common case)."""
         if flags & _INLINE and opcode is not _RDMA_READ:
-            self.inline = parts = tuple(_InlineSGE(s) if isinstance(s, SGE) else s for s in sges)
-            if len(parts) == 1 and isinstance(parts[0], _InlineSGE):
-                self.source = parts[0]
+            if len(sges) == 1 and sges[0].__class__ is SGE:
+                self.source = source = _InlineSGE(sges[0])
+                self.inline: tuple[_InlineSGE | InlineData, ...] | None = (source,)
+            else:
+                self.inline = tuple(_InlineSGE(s) if isinstance(s, SGE) else s for s in sges)
             return
+        self.inline = None
         local = tuple(s for s in sges if isinstance(s, SGE))
         if len(local) != len(sges):
             self.invalid = "raw bytes need INLINE"
             return
         self.local = local
         self.length = length = sum(s.length for s in local)
-        if not (length <= _U32 and self.keys_fit and w.remote_addr <= _U64 + 1 - length):
+        if not (length <= _U32 and keys_fit and remote_addr <= _U64 + 1 - length):
             self.invalid = _WIRE_LIMITS
 
 
@@ -816,9 +818,10 @@ class _SendTemplates(list[_SendTemplate]):
     def __init__(self, n: int, memory: MemoryTable) -> None:
         super().__init__([None] * n)  # type: ignore[list-item]
         self.memory = memory
+        """The table the inline SGEs' regions are looked up in (the templates cache them)."""
 
     def set(self, i: int, wr: SendWR) -> None:
-        self[i] = _SendTemplate(wr, self.memory)
+        self[i] = _SendTemplate(wr)
 
 
 class QP(_Resource):
@@ -897,8 +900,10 @@ class QP(_Resource):
         """
         self._check_open("post_send")
         wrs = _as_list(wr)
-        memory = self.context.memory
-        self._post_sends(wrs, [_SendTemplate(w, memory) for w in wrs])
+        # One template per request object: a list repeating a request makes it once.
+        made: dict[int, _SendTemplate] = {}
+        templates = [made.get(id(w)) or made.setdefault(id(w), _SendTemplate(w)) for w in wrs]
+        self._post_sends(wrs, templates)
 
     def post_send_batch(
         self, batch: SendBatch, count: int | None = None, *, indices: Sequence[int] | None = None
@@ -957,6 +962,8 @@ class QP(_Resource):
                     src = t.source
                     if src is not None and (region := src.region) is not None and region.valid:
                         inline = region.view[src.offset : src.end].tobytes()  # the common case
+                    elif src is not None and (data := src.read(memory)) is not None:
+                        inline = data  # looked up (again)
                     elif len(parts) == 1:
                         inline = _inline_bytes(i, parts[0], memory)
                     else:
