@@ -142,32 +142,42 @@ async def test_count_and_indices_select_entries(pair: Pair) -> None:
     assert await quiet(client.send_cq) == []
 
 
-async def test_a_refused_entry_is_bad_wr_and_those_before_go(pair: Pair) -> None:
+async def _post_refused(cm: Cm, post: Any) -> tuple[Any, ...]:
+    """Post five Sends whose fourth has more SGEs than the device allows, on a new pair:
+    the refusal (errno, bad_wr) if the post raised, and the completions that follow."""
+    pair = await cm.pair()
     client, server = pair.client, pair.server
     attr = client.ctx.query_device()
     mr = client.reg(64)
-    too_many = [mr.sge(i, 1) for i in range(attr.max_sge + 1)]
     wrs = [SendWR(i, WROpcode.SEND, [mr.sge(i, 1)], SIG) for i in range(5)]
-    wrs[3] = SendWR(3, WROpcode.SEND, too_many, SIG)
+    wrs[3] = SendWR(3, WROpcode.SEND, [mr.sge(i, 1) for i in range(attr.max_sge + 1)], SIG)
     server.post_recvs(server.reg(64), 8, 8)
-    with pytest.raises(VerbsError) as plain:
-        client.qp.post_send(wrs)
-    assert [w.wr_id for w in ok(await drain(client.send_cq, 3))] == [0, 1, 2]
-    batch = SendBatch(wrs)
-    with pytest.raises(VerbsError) as batched:
-        client.qp.post_send_batch(batch)
-    assert (batched.value.errno, batched.value.bad_wr) == (plain.value.errno, 3)
-    assert [w.wr_id for w in ok(await drain(client.send_cq, 3))] == [0, 1, 2]
-    # With indices, bad_wr is the position in the list the indices make.
-    with pytest.raises(VerbsError) as picked:
-        client.qp.post_send_batch(batch, indices=[4, 3, 0])
-    assert (picked.value.errno, picked.value.bad_wr) == (plain.value.errno, 1)
-    assert [w.wr_id for w in ok(await drain(client.send_cq, 1))] == [4]
-    # Fixed in place, the entry goes.
-    batch.set(3, sg_list=[mr.sge(3, 1)])
-    client.qp.post_send_batch(batch, indices=[3])
-    assert [w.wr_id for w in ok(await drain(client.send_cq, 1))] == [3]
-    assert len(ok(await drain(server.recv_cq, 8))) == 8
+    try:
+        post(client.qp, wrs)
+    except VerbsError as exc:
+        refused = (exc.errno, exc.bad_wr)
+        done = await drain(client.send_cq, exc.bad_wr or 0)  # those before it went
+        # What is posted works on: the fixed request, by itself.
+        batch = SendBatch(wrs)
+        batch.set(3, sg_list=[mr.sge(3, 1)])
+        client.qp.post_send_batch(batch, indices=[3])
+        done += await drain(client.send_cq, 1)
+    else:  # kernel siw takes the list and fails the request later, and the connection
+        return None, []
+    return refused, [(w.wr_id, w.status) for w in done]
+
+
+async def test_a_refused_entry_is_bad_wr_and_those_before_go(cm: Cm) -> None:
+    plain = await _post_refused(cm, lambda qp, wrs: qp.post_send(wrs))
+    batched = await _post_refused(cm, lambda qp, wrs: qp.post_send_batch(SendBatch(wrs)))
+    assert batched == plain
+    if plain[0] is not None:
+        assert plain[0][1] == 3 and plain[1] == [(i, WCStatus.SUCCESS) for i in (0, 1, 2, 3)]
+        # With indices, bad_wr is the position in the list the indices make.
+        picked = await _post_refused(
+            cm, lambda qp, wrs: qp.post_send_batch(SendBatch(wrs), indices=[4, 3, 0])
+        )
+        assert picked == ((plain[0][0], 1), [(4, WCStatus.SUCCESS), (3, WCStatus.SUCCESS)])
 
 
 async def test_a_full_receive_queue_refuses_the_rest(cm: Cm) -> None:
@@ -238,16 +248,17 @@ async def test_inline_data_is_copied_at_each_post(cm: Cm) -> None:
 async def test_inline_limit_is_checked_at_each_post(cm: Cm) -> None:
     pair = await inline_pair(cm, 16)
     client = pair.client
-    data = bytearray(16)
-    batch = SendBatch([SendWR(1, WROpcode.SEND, [data], SIG | INLINE)] * 2)
+    batch = SendBatch([SendWR(1, WROpcode.SEND, [bytes(16)], SIG | INLINE)] * 2)
     pair.server.post_recvs(pair.server.reg(64), 4, 16)
     client.qp.post_send_batch(batch)
     ok(await drain(client.send_cq, 2))
-    data.append(0)  # one byte past the QP's max_inline_data now
+    limit = client.qp.query().cap.max_inline_data
+    past = SendWR(1, WROpcode.SEND, [bytes(limit + 1)], SIG | INLINE)
+    batch[1] = past  # past the QP's max_inline_data now
     with pytest.raises(VerbsError) as plain:
-        client.qp.post_send([SendWR(1, WROpcode.SEND, [data], SIG | INLINE)])
+        client.qp.post_send([past])
     with pytest.raises(VerbsError) as batched:
-        client.qp.post_send_batch(batch)
+        client.qp.post_send_batch(batch, indices=[1])
     assert (batched.value.errno, batched.value.bad_wr) == (plain.value.errno, 0)
 
 
@@ -276,7 +287,8 @@ async def _outcome(cm: Cm, post: str, inline: bool) -> tuple[object, ...]:
 async def test_deregistered_region_between_posts(cm: Cm, inline: bool) -> None:
     batched = await _outcome(cm, "batch", inline)
     assert batched == await _outcome(cm, "plain", inline)
-    assert batched[0] == "refused" or batched[2] != WCStatus.SUCCESS, batched
+    if not inline:  # inline data may be copied from the address without the key (rdma-core)
+        assert batched[0] == "refused" or batched[2] != WCStatus.SUCCESS, batched
 
 
 async def test_srq_batch(cm: Cm) -> None:
