@@ -630,22 +630,9 @@ class SRQ(_Resource):
         self._post_jobs(*_batch_jobs(batch, "post_srq_recv", count, indices))
 
     def _post_jobs(self, jobs: Sequence[RecvJob], max_nsge: int | None = None) -> None:
-        queue = self._queue
-        if (
-            max_nsge is not None
-            and max_nsge <= self.max_sge
-            and len(queue) + len(jobs) <= self.max_wr
-        ):
-            queue.extend(jobs)
-            return
-        for i, job in enumerate(jobs):
-            if len(job.sges) > self.max_sge:
-                raise _bad_wr(
-                    errno.EINVAL, "post_srq_recv", i, f"{len(job.sges)} SGEs > {self.max_sge}"
-                )
-            if len(queue) >= self.max_wr:
-                raise _bad_wr(errno.ENOMEM, "post_srq_recv", i, "SRQ full")
-            queue.append(job)
+        _queue_recvs(
+            "post_srq_recv", self._queue, jobs, self.max_wr, self.max_sge, "SRQ full", max_nsge
+        )
 
     def _take(self) -> RecvJob | None:
         return self._queue.popleft() if self._queue else None
@@ -682,6 +669,33 @@ class _RecvJobs(list[RecvJob]):
     def set(self, i: int, wr: RecvWR) -> None:
         self[i] = job = _recv_job(wr)
         self.max_nsge = max(self.max_nsge, len(job.sges))
+
+
+def _queue_recvs(
+    operation: str, queue: deque[RecvJob], jobs: Sequence[RecvJob], max_wr: int, max_sge: int,
+    full: str, max_nsge: int | None = None,
+    flush: Callable[[Sequence[RecvJob]], None] | None = None,
+) -> None:  # fmt: skip
+    """Queue receive jobs as ``post_recv`` posts a list (``bad_wr`` the first refused, the
+    ones before it queued); with ``flush`` (a QP in ERR) they are flushed instead. When no
+    job has more than ``max_nsge`` SGEs (a batch knows) and all fit, one ``extend``."""
+    if (
+        flush is None
+        and max_nsge is not None
+        and max_nsge <= max_sge
+        and len(queue) + len(jobs) <= max_wr
+    ):
+        queue.extend(jobs)
+        return
+    for i, job in enumerate(jobs):
+        if len(job.sges) > max_sge:
+            raise _bad_wr(errno.EINVAL, operation, i, f"{len(job.sges)} SGEs > {max_sge}")
+        if flush is not None:
+            flush([job])
+            continue
+        if len(queue) >= max_wr:
+            raise _bad_wr(errno.ENOMEM, operation, i, full)
+        queue.append(job)
 
 
 def _batch_jobs(
@@ -1002,32 +1016,12 @@ class QP(_Resource):
     def _post_recvs(self, jobs: Sequence[RecvJob], max_nsge: int | None = None) -> None:
         if self.srq is not None:
             raise VerbsError(errno.EINVAL, "post_recv", "QP uses an SRQ; post to the SRQ")
-        rq, cap = self._rq, self.cap
-        if self._state is _ERR:
-            for i, job in enumerate(jobs):
-                if len(job.sges) > cap.max_recv_sge:
-                    raise _bad_wr(
-                        errno.EINVAL, "post_recv", i, f"{len(job.sges)} SGEs > {cap.max_recv_sge}"
-                    )
-                self.engine.flush_recv([job])
-            return
-        if (
-            max_nsge is not None
-            and max_nsge <= cap.max_recv_sge
-            and len(rq) + len(jobs) <= cap.max_recv_wr
-        ):
-            rq.extend(jobs)
-            return
-        for i, job in enumerate(jobs):
-            if len(job.sges) > cap.max_recv_sge:
-                raise _bad_wr(
-                    errno.EINVAL, "post_recv", i, f"{len(job.sges)} SGEs > {cap.max_recv_sge}"
-                )
-            if len(rq) >= cap.max_recv_wr:
-                raise _bad_wr(
-                    errno.ENOMEM, "post_recv", i, f"receive queue full ({cap.max_recv_wr})"
-                )
-            rq.append(job)
+        cap = self.cap
+        _queue_recvs(
+            "post_recv", self._rq, jobs, cap.max_recv_wr, cap.max_recv_sge,
+            f"receive queue full ({cap.max_recv_wr})", max_nsge,
+            self.engine.flush_recv if self._state is _ERR else None,
+        )  # fmt: skip
 
     # ---------------------------------------------------------------- state
     def query(self) -> QPAttr:
