@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from rdmashim import WCFlags, WCOpcode, WCStatus
+from rdmashim import WCArray, WCFlags, WCOpcode, WCStatus
 from rdmashim.verbs.rdmacore.cdefs import ffi
-from rdmashim.verbs.rdmacore.completion import decode_wc
+from rdmashim.verbs.rdmacore.completion import WCBuffer, decode_into, decode_wc
 
 
 def _wc(**fields: int) -> object:
@@ -44,3 +44,30 @@ def test_invalidated_rkey_shares_the_union_in_host_order() -> None:
 def test_unknown_status_and_error_opcode() -> None:
     wc = decode_wc(_wc(status=999, opcode=0x80 | 0x7F))
     assert wc.status == WCStatus.GENERAL_ERR and wc.opcode == WCOpcode.RECV
+
+
+def test_an_array_decodes_as_each_entry_does() -> None:
+    """``poll_into``'s column-wise decoding of a ``struct ibv_wc[]`` equals ``decode_wc``."""
+    raw_imm = int.from_bytes(bytes.fromhex("01020304"), "little")
+    entries = [
+        {"wr_id": 1 << 63, "opcode": int(WCOpcode.RECV), "byte_len": 64, "qp_num": 5},
+        {"wr_id": 2, "status": int(WCStatus.WR_FLUSH_ERR), "opcode": 0xFF, "vendor_err": 9},
+        {"wr_id": 3, "opcode": int(WCOpcode.RECV), "imm_data": raw_imm,
+         "wc_flags": int(WCFlags.WITH_IMM)},
+        {"wr_id": 4, "opcode": int(WCOpcode.RECV), "invalidated_rkey": 0xABCD,
+         "wc_flags": int(WCFlags.WITH_INV | WCFlags.GRH)},
+        {"wr_id": 5, "status": 999, "opcode": int(WCOpcode.RDMA_READ), "byte_len": 7},
+    ]  # fmt: skip
+    buf = WCBuffer(8)
+    for i, fields in enumerate(entries):
+        for name, value in fields.items():
+            setattr(buf.c[i], name, value)
+    wcs = WCArray(9)
+    decode_into(wcs, buf, 2, len(entries))
+    expected = [decode_wc(buf.c[i]) for i in range(len(entries))]
+    assert [wcs[2 + i] for i in range(len(entries))] == expected
+    assert wcs[3].status is WCStatus.WR_FLUSH_ERR and wcs[4].imm_data == 0x01020304
+    assert wcs[0] == WCArray(1)[0]  # entries before ``start`` untouched
+    # All successful, no flags: the fast columns.
+    decode_into(wcs, buf, 0, 1)
+    assert wcs[0] == expected[0] and wcs.opcode[0] is WCOpcode.RECV

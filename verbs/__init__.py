@@ -30,7 +30,7 @@ from rdmashim.verbs.errors import (
     VerbsError,
 )
 from rdmashim.verbs.events import AsyncEvent, AsyncEventType
-from rdmashim.verbs.wr import SGE, WC, RecvWR, SendWR
+from rdmashim.verbs.wr import SGE, WC, RecvBatch, RecvWR, SendBatch, SendWR, WCArray
 
 __all__ = [
     "SGE",
@@ -52,11 +52,14 @@ __all__ = [
     "QPCap",
     "QPState",
     "QPType",
+    "RecvBatch",
     "RecvWR",
+    "SendBatch",
     "SendFlags",
     "SendWR",
     "Transport",
     "VerbsError",
+    "WCArray",
     "WCFlags",
     "WCOpcode",
     "WCStatus",

@@ -18,7 +18,7 @@ attributes or compute them.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Protocol, Self
 
 from rdmashim.verbs.enums import Access, QPState, QPType
@@ -28,7 +28,7 @@ if TYPE_CHECKING:
 
     from rdmashim.verbs.attrs import DeviceAttr, PortAttr, QPAttr, QPCap
     from rdmashim.verbs.events import AsyncEvent
-    from rdmashim.verbs.wr import SGE, WC, RecvWR, SendWR
+    from rdmashim.verbs.wr import SGE, WC, RecvBatch, RecvWR, SendBatch, SendWR, WCArray
 
 
 class Resource(Protocol):
@@ -203,6 +203,15 @@ class CQ(Resource, Protocol):
     async def poll_wait(self, num_entries: int = 16) -> list[WC]:
         """Wait for completions and take up to ``num_entries`` of them (at least one)."""
 
+    def poll_into(self, wcs: WCArray, num_entries: int | None = None) -> int:
+        """Take up to ``num_entries`` (default ``len(wcs)``) completions, oldest first, into
+        entries ``0..n-1`` of ``wcs``; returns ``n`` (never blocks, no object per completion).
+        Mixes with :meth:`poll`: each completion is taken once, in order."""
+
+    async def poll_wait_into(self, wcs: WCArray, num_entries: int | None = None) -> int:
+        """Wait for completions and take up to ``num_entries`` (default ``len(wcs)``) of them
+        into ``wcs`` (at least one); returns how many."""
+
     def __len__(self) -> int:
         """Completions ready to be polled."""
 
@@ -224,6 +233,12 @@ class SRQ(Resource, Protocol):
 
     def post_recv(self, wr: RecvWR | Iterable[RecvWR]) -> None:
         """Post one receive work request or a list of them."""
+
+    def post_recv_batch(
+        self, batch: RecvBatch, count: int | None = None, *, indices: Sequence[int] | None = None
+    ) -> None:
+        """Post the first ``count`` entries of ``batch`` (all if None) or the entries
+        ``indices`` names, in one call: as :meth:`post_recv` of that list."""
 
 
 class QP(Resource, Protocol):
@@ -279,6 +294,19 @@ class QP(Resource, Protocol):
 
     def post_recv(self, wr: RecvWR | Iterable[RecvWR]) -> None:
         """Post one receive work request or a list of them (never blocks)."""
+
+    def post_send_batch(
+        self, batch: SendBatch, count: int | None = None, *, indices: Sequence[int] | None = None
+    ) -> None:
+        """Post the first ``count`` entries of ``batch`` (all if None) or the entries
+        ``indices`` names, in one call: exactly as :meth:`post_send` of that list of
+        requests (``bad_wr`` its position in it, inline data copied now)."""
+
+    def post_recv_batch(
+        self, batch: RecvBatch, count: int | None = None, *, indices: Sequence[int] | None = None
+    ) -> None:
+        """Post the first ``count`` entries of ``batch`` (all if None) or the entries
+        ``indices`` names, in one call: as :meth:`post_recv` of that list."""
 
     def query(self) -> QPAttr:
         """Current attributes."""

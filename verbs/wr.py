@@ -1,13 +1,25 @@
-"""Work requests, scatter/gather elements and work completions."""
+"""Work requests, scatter/gather elements and work completions, one by one or in batches.
+
+:class:`SendWR`, :class:`RecvWR` and :class:`WC` are the plain API: one object
+per work request and per completion. :class:`SendBatch`, :class:`RecvBatch`
+and :class:`WCArray` are the batch API (issue 13): a list of work requests
+filled once and posted again and again with one call
+(``qp.post_send_batch``, ``qp.post_recv_batch``, ``srq.post_recv_batch``), and
+a preallocated array that ``cq.poll_into`` fills, one list per field, with no
+object per completion. Backends keep what they derive from a batch entry (a
+checked template, a C struct) with the batch and redo it only for entries set
+since (:meth:`SendBatch.prepared`).
+"""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import errno
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import NamedTuple, TypeAlias
+from typing import Any, Generic, NamedTuple, Protocol, TypeAlias, TypeVar
 
 from rdmashim.verbs.enums import SendFlags, WCFlags, WCOpcode, WCStatus, WROpcode
-from rdmashim.verbs.errors import CompletionError
+from rdmashim.verbs.errors import CompletionError, VerbsError
 
 
 class SGE(NamedTuple):
@@ -72,3 +84,236 @@ class WC(NamedTuple):
         if self.status != WCStatus.SUCCESS:
             raise CompletionError(self, self.status)
         return self
+
+
+_W = TypeVar("_W", SendWR, RecvWR)
+_W_contra = TypeVar("_W_contra", SendWR, RecvWR, contravariant=True)
+_P = TypeVar("_P", bound="Prepared[Any]")
+
+
+class Prepared(Protocol[_W_contra]):
+    """What a backend derives from a batch's entries (see :meth:`SendBatch.prepared`)."""
+
+    def set(self, i: int, wr: _W_contra) -> None:
+        """Derive entry ``i`` from its work request ``wr`` (again, after it changed)."""
+
+
+def _copy_send(w: SendWR) -> SendWR:
+    return SendWR(
+        w.wr_id, w.opcode, tuple(w.sg_list), w.send_flags, w.remote_addr, w.rkey,
+        w.invalidate_rkey, w.imm_data,
+    )  # fmt: skip
+
+
+def _copy_recv(w: RecvWR) -> RecvWR:
+    return RecvWR(w.wr_id, tuple(w.sg_list))
+
+
+class _Batch(Generic[_W]):
+    """The batch mechanics both kinds share: entries, change stamps, prepared forms."""
+
+    __slots__ = ("_prepared", "_stamps", "_version", "_wrs")
+    _copy: Callable[[_W], _W]
+
+    def __init__(self, wrs: Iterable[_W]) -> None:
+        copy = self._copy
+        self._wrs: list[_W] = [copy(w) for w in wrs]
+        self._stamps = [0] * len(self._wrs)
+        """The ``_version`` at which each entry was last set."""
+        self._version = 0
+        self._prepared: dict[object, tuple[list[int], Any]] = {}
+
+    def __len__(self) -> int:
+        return len(self._wrs)
+
+    def __getitem__(self, i: int) -> _W:
+        """A copy of entry ``i`` (changing it changes nothing here: use ``batch[i] = wr``)."""
+        return self._copy(self._wrs[i])
+
+    def __setitem__(self, i: int, wr: _W) -> None:
+        """Replace entry ``i`` with (a copy of) ``wr``."""
+        self._wrs[i] = self._copy(wr)
+        self._touch(i)
+
+    def _touch(self, i: int) -> None:
+        self._version += 1
+        self._stamps[i] = self._version
+
+    def prepared(self, key: object, factory: Callable[[int], _P]) -> _P:
+        """The backend's derived form of this batch, ``factory(len(batch))`` filled by its
+        ``set`` for every entry, the first time ``key`` asks; later only the entries set
+        since are derived again. For backends: ``key`` names what the form depends on
+        (the backend, a context's memory table)."""
+        found = self._prepared.get(key)
+        wrs = self._wrs
+        if found is None:
+            form = factory(len(wrs))
+            for i, w in enumerate(wrs):
+                form.set(i, w)
+            self._prepared[key] = ([self._version], form)
+            return form
+        seen, form = found[0], found[1]
+        if seen[0] != self._version:
+            since = seen[0]
+            for i, stamp in enumerate(self._stamps):
+                if stamp > since:
+                    form.set(i, wrs[i])
+            seen[0] = self._version
+        return form
+
+    def select(
+        self, operation: str, count: int | None, indices: Sequence[int] | None
+    ) -> Sequence[int]:
+        """The entries a post takes, in order: the first ``count`` (all if None), or
+        ``indices``; EINVAL (nothing posted) for both, a count or an index out of range."""
+        n = len(self._wrs)
+        if indices is None:
+            if count is None:
+                return range(n)
+            if 0 <= count <= n:
+                return range(count)
+            raise VerbsError(errno.EINVAL, operation, f"count {count} outside 0..{n}")
+        if count is not None:
+            raise VerbsError(errno.EINVAL, operation, "give count or indices, not both")
+        if indices and not (min(indices) >= 0 and max(indices) < n):
+            raise VerbsError(errno.EINVAL, operation, f"an index outside 0..{n - 1}")
+        return indices
+
+    def wrs(self, entries: Sequence[int]) -> list[_W]:
+        """The work requests of ``entries`` (what a plain post of them would take)."""
+        wrs = self._wrs
+        if isinstance(entries, range) and entries.start == 0 and entries.step == 1:
+            return wrs[: entries.stop]
+        return [wrs[i] for i in entries]
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self._wrs!r})"
+
+
+class SendBatch(_Batch[SendWR]):
+    """Send work requests filled once and posted many times (``qp.post_send_batch``).
+
+    ``SendBatch(wrs)`` copies the requests (an ``sg_list`` becomes a tuple);
+    ``batch.set(i, ...)`` changes fields of entry ``i`` and ``batch[i] = wr``
+    replaces it, both without making objects the next post must rebuild for
+    the other entries. Posting the first ``count`` entries (or the entries
+    ``indices`` names, in that order) means exactly what ``post_send`` of that
+    list of :class:`SendWR` means: ``bad_wr`` is the position in it of the
+    first request refused, the ones before stay posted, inline data is copied
+    when posted (an inline bytearray or region may change between posts), the
+    QP's limits are checked at every post and an SGE of a region deregistered
+    since is refused as ``post_send`` refuses it.
+    """
+
+    __slots__ = ()
+    _copy = staticmethod(_copy_send)
+
+    def set(
+        self,
+        i: int,
+        *,
+        wr_id: int | None = None,
+        opcode: WROpcode | None = None,
+        sg_list: Sequence[SGE | InlineData] | None = None,
+        send_flags: SendFlags | None = None,
+        remote_addr: int | None = None,
+        rkey: int | None = None,
+        invalidate_rkey: int | None = None,
+        imm_data: int | None = None,
+    ) -> None:
+        """Change the given fields of entry ``i`` (``ibv_wr_*`` style, without a new
+        :class:`SendWR`); ``sg_list`` is copied to a tuple."""
+        w = self._wrs[i]
+        if wr_id is not None:
+            w.wr_id = wr_id
+        if opcode is not None:
+            w.opcode = opcode
+        if sg_list is not None:
+            w.sg_list = tuple(sg_list)
+        if send_flags is not None:
+            w.send_flags = send_flags
+        if remote_addr is not None:
+            w.remote_addr = remote_addr
+        if rkey is not None:
+            w.rkey = rkey
+        if invalidate_rkey is not None:
+            w.invalidate_rkey = invalidate_rkey
+        if imm_data is not None:
+            w.imm_data = imm_data
+        self._touch(i)
+
+
+class RecvBatch(_Batch[RecvWR]):
+    """Receive work requests filled once and posted many times (``post_recv_batch``).
+
+    A server re-posts the receives that completed by their entries, e.g.
+    ``qp.post_recv_batch(batch, indices=wcs.wr_id[:n])`` when each entry's
+    ``wr_id`` is its index. Posting means exactly what ``post_recv`` of the
+    same list of :class:`RecvWR` means (``bad_wr``, limits, flushing on a QP
+    in ERR).
+    """
+
+    __slots__ = ()
+    _copy = staticmethod(_copy_recv)
+
+    def set(
+        self, i: int, *, wr_id: int | None = None, sg_list: Sequence[SGE] | None = None
+    ) -> None:
+        """Change the given fields of entry ``i``; ``sg_list`` is copied to a tuple."""
+        w = self._wrs[i]
+        if wr_id is not None:
+            w.wr_id = wr_id
+        if sg_list is not None:
+            w.sg_list = tuple(sg_list)
+        self._touch(i)
+
+
+class WCArray:
+    """Preallocated room for ``n`` completions, one list per :class:`WC` field.
+
+    ``n = cq.poll_into(wcs)`` fills entries ``0..n-1``: ``wcs.wr_id[i]``,
+    ``wcs.status[i]``, ``wcs.opcode[i]``, ``wcs.byte_len[i]``, ``wcs.qp_num[i]``,
+    ``wcs.wc_flags[i]``, ``wcs.invalidated_rkey[i]``, ``wcs.vendor_err[i]``,
+    ``wcs.solicited[i]`` and ``wcs.imm_data[i]`` hold what the fields of a
+    :class:`WC` would (status, opcode and flags as their enum members); entries
+    from ``n`` on keep older values. No object is made per completion; slices
+    such as ``wcs.wr_id[:n]`` or ``wcs.status[:n].count(WCStatus.SUCCESS)``
+    work on many at C speed. ``wcs[i]`` makes the :class:`WC` of entry ``i``
+    for the rare completion that wants one.
+    """
+
+    __slots__ = (*WC._fields, "columns", "native")
+
+    def __init__(self, n: int) -> None:
+        if n < 1:
+            raise ValueError(f"a WCArray holds at least 1 completion, not {n}")
+        self.wr_id: list[int] = [0] * n
+        self.status: list[WCStatus] = [WCStatus.SUCCESS] * n
+        self.opcode: list[WCOpcode] = [WCOpcode.SEND] * n
+        self.byte_len: list[int] = [0] * n
+        self.qp_num: list[int] = [0] * n
+        self.wc_flags: list[WCFlags] = [WCFlags.NONE] * n
+        self.invalidated_rkey: list[int] = [0] * n
+        self.vendor_err: list[int] = [0] * n
+        self.solicited: list[bool] = [False] * n
+        self.imm_data: list[int] = [0] * n
+        self.columns: tuple[list[Any], ...] = tuple(getattr(self, f) for f in WC._fields)
+        """The lists in the order of :class:`WC`'s fields."""
+        self.native: Any = None
+        """Scratch a backend keeps with the array (rdma-core: its ``struct ibv_wc[n]``)."""
+
+    def __len__(self) -> int:
+        return len(self.wr_id)
+
+    def __getitem__(self, i: int) -> WC:
+        """The completion in entry ``i`` as a :class:`WC`."""
+        return WC(*[column[i] for column in self.columns])
+
+    def fill(self, rows: Sequence[tuple[Any, ...]], start: int = 0) -> None:
+        """Store ``rows`` (:class:`WC` or tuples of its fields, in its order) in entries
+        ``start, start + 1, ...`` (for backends; they fit: ``start + len(rows) <= len(self)``)."""
+        k = len(rows)
+        if k:
+            end = start + k
+            for column, values in zip(self.columns, zip(*rows, strict=True), strict=True):
+                column[start:end] = values

@@ -9,15 +9,21 @@ reuses. A QP is ``ib_create_qp``: unbound, moved to INIT as rdma_cm does,
 bound to its connection by the CM (:mod:`.port_cm`). Posting converts the
 portable work requests to one linked ``ib_send_wr_t``/``ib_recv_wr_t`` chain;
 a refusal's ``failed_wr`` becomes ``bad_wr``, the index in the list given.
+
+A batch (``post_send_batch``/``post_recv_batch``) keeps its entries converted
+to ``ib_*_wr_t`` (entries set since are converted again) and posts the chosen
+ones linked into one chain; ``poll_into`` is ``ib_poll_cq`` over the same free
+list as ``poll``, each entry's fields written to the array.
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
 import errno
 import itertools
-from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING, Self, TypeVar
+from collections.abc import Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, Any, Self, TypeVar
 
 import trio
 
@@ -68,7 +74,7 @@ from rdmashim.verbs.ibal.wr import (
     ib_send_wr_t,
     ib_wr_type_t,
 )
-from rdmashim.verbs.wr import SGE, WC, RecvWR, SendWR
+from rdmashim.verbs.wr import SGE, WC, RecvBatch, RecvWR, SendBatch, SendWR, WCArray
 
 if TYPE_CHECKING:
     from rdmashim.verbs import abc
@@ -111,6 +117,11 @@ _WC_OPCODE: dict[int, WCOpcode] = {
 
 def to_wc(entry: ib_wc_t, qp_numbers: dict[int, int]) -> WC:
     """The portable completion of an ``ib_wc_t`` (``qp_numbers``: HCA's -> this backend's)."""
+    return WC(*wc_fields(entry, qp_numbers))
+
+
+def wc_fields(entry: ib_wc_t, qp_numbers: dict[int, int]) -> tuple[Any, ...]:
+    """The fields of :func:`to_wc`'s completion, in :class:`WC`'s order."""
     conn = entry.recv.conn
     flags = WCFlags.NONE
     imm = inv = 0
@@ -120,7 +131,7 @@ def to_wc(entry: ib_wc_t, qp_numbers: dict[int, int]) -> WC:
     if conn.recv_opt & ib_recv_opt_t.IB_RECV_OPT_INVALIDATE:
         flags |= WCFlags.WITH_INV
         inv = conn.immediate_data
-    return WC(
+    return (
         entry.wr_id,
         _WC_STATUS.get(entry.status, WCStatus.GENERAL_ERR),
         _WC_OPCODE.get(entry.wc_type, WCOpcode.RECV),
@@ -129,7 +140,8 @@ def to_wc(entry: ib_wc_t, qp_numbers: dict[int, int]) -> WC:
         flags,
         inv,
         entry.vendor_specific,
-        imm_data=imm,
+        False,
+        imm,
     )
 
 
@@ -229,9 +241,30 @@ class CQ:
                 return wcs
             await self.wait()
 
+    async def poll_wait_into(self, wcs: WCArray, num_entries: int | None = None) -> int:
+        """Wait for completions and take up to ``num_entries`` into ``wcs`` (at least one)."""
+        while True:
+            n = self.poll_into(wcs, num_entries)
+            if n:
+                return n
+            await self.wait()
+
     # ------------------------------------------------------------------ polling
     def poll(self, num_entries: int = 16) -> list[WC]:
         """``ib_poll_cq`` over the CQ's reused free list."""
+        numbers = self.context.qp_numbers
+        return [to_wc(entry, numbers) for entry in self._poll(num_entries)]
+
+    def poll_into(self, wcs: WCArray, num_entries: int | None = None) -> int:
+        """``ib_poll_cq`` over the CQ's free list, the entries' fields into ``wcs``."""
+        limit = len(wcs) if num_entries is None else min(num_entries, len(wcs))
+        numbers = self.context.qp_numbers
+        entries = self._poll(limit)
+        wcs.fill([wc_fields(entry, numbers) for entry in entries])
+        return len(entries)
+
+    def _poll(self, num_entries: int) -> list[ib_wc_t]:
+        """The entries of the free list ``ib_poll_cq`` filled, in order."""
         if num_entries <= 0:
             return []
         free = self._free
@@ -248,7 +281,7 @@ class CQ:
         entries = list(walk(done))
         if any(e.qp_num not in numbers for e in entries):
             self._learn_numbers()
-        return [to_wc(entry, numbers) for entry in entries]
+        return entries
 
     def _learn_numbers(self) -> None:
         """Map the HCA numbers of the context's bound QPs to theirs."""
@@ -343,34 +376,81 @@ def _link(items: list[_L]) -> list[_L]:
     return items
 
 
+def _send_wr(i: int, w: SendWR) -> ib_send_wr_t:
+    kind = _SEND_TYPE.get(WROpcode(w.opcode))
+    if kind is None:
+        raise _bad(NotSupported("post_send", f"{WROpcode(w.opcode).name} over IBAL"), i)
+    opt = kind[1]
+    for flag, ib in _SEND_OPT:
+        if w.send_flags & flag:
+            opt |= ib
+    return ib_send_wr_t(
+        wr_id=w.wr_id, ds_array=_ds(i, "post_send", w.sg_list), wr_type=kind[0],
+        send_opt=opt, immediate_data=w.imm_data, invalidate_rkey=w.invalidate_rkey,
+        remote_ops=ib_remote_ops_t(w.remote_addr, w.rkey),
+    )  # fmt: skip
+
+
+def _recv_wr(i: int, w: RecvWR) -> ib_recv_wr_t:
+    return ib_recv_wr_t(wr_id=w.wr_id, ds_array=_ds(i, "post_recv", w.sg_list))
+
+
 def send_chain(wrs: list[SendWR]) -> list[ib_send_wr_t]:
     """The linked ``ib_send_wr_t`` of each portable request, in order."""
-    chain = []
-    for i, w in enumerate(wrs):
-        kind = _SEND_TYPE.get(WROpcode(w.opcode))
-        if kind is None:
-            raise _bad(NotSupported("post_send", f"{WROpcode(w.opcode).name} over IBAL"), i)
-        opt = kind[1]
-        for flag, ib in _SEND_OPT:
-            if w.send_flags & flag:
-                opt |= ib
-        chain.append(
-            ib_send_wr_t(
-                wr_id=w.wr_id, ds_array=_ds(i, "post_send", w.sg_list), wr_type=kind[0],
-                send_opt=opt, immediate_data=w.imm_data, invalidate_rkey=w.invalidate_rkey,
-                remote_ops=ib_remote_ops_t(w.remote_addr, w.rkey),
-            )
-        )  # fmt: skip
-    return _link(chain)
+    return _link([_send_wr(i, w) for i, w in enumerate(wrs)])
 
 
 def recv_chain(wrs: list[RecvWR]) -> list[ib_recv_wr_t]:
     """The linked ``ib_recv_wr_t`` of each portable request, in order."""
-    chain = [
-        ib_recv_wr_t(wr_id=w.wr_id, ds_array=_ds(i, "post_recv", w.sg_list))
-        for i, w in enumerate(wrs)
-    ]
-    return _link(chain)
+    return _link([_recv_wr(i, w) for i, w in enumerate(wrs)])
+
+
+class _Converted(list[Any]):
+    """A batch's entries as ``ib_*_wr_t``, or the error converting one raised."""
+
+    def __init__(self, n: int, convert: Callable[[int, Any], Any]) -> None:
+        super().__init__([None] * n)
+        self._convert = convert
+
+    def set(self, i: int, wr: Any) -> None:
+        try:
+            self[i] = self._convert(i, wr)
+        except VerbsError as exc:
+            self[i] = exc
+
+    def chain(self, entries: Sequence[int]) -> list[Any]:
+        """The chain posting ``entries`` takes (an entry chosen twice is copied); an
+        entry that could not be converted raises its error, naming its position, before
+        anything is posted (as the plain post's conversion does)."""
+        chosen: list[Any] = []
+        seen: set[int] = set()
+        for k, i in enumerate(entries):
+            wr = self[i]
+            if isinstance(wr, VerbsError):
+                exc = copy.copy(wr)
+                exc.bad_wr = k
+                raise exc
+            chosen.append(copy.copy(wr) if i in seen else wr)
+            seen.add(i)
+        return _link(chosen)
+
+
+def _converted(convert: Callable[[int, Any], Any]) -> Callable[[int], _Converted]:
+    return lambda n: _Converted(n, convert)
+
+
+_SEND_FORM = _converted(_send_wr)
+_RECV_FORM = _converted(_recv_wr)
+
+
+def _post_batch(
+    operation: str, batch: SendBatch | RecvBatch, form: Callable[[int], _Converted],
+    count: int | None, indices: Sequence[int] | None, call: object, handle: object,
+) -> None:  # fmt: skip
+    """Post the chosen entries of ``batch`` with the IBAL ``call``, as :func:`post` does a
+    list (its entries kept converted under the ``form``)."""
+    entries = batch.select(operation, count, indices)
+    post(operation, batch.prepared(form, form).chain(entries), call, handle)
 
 
 def post(operation: str, chain: Sequence[object], call: object, handle: object) -> None:
@@ -464,6 +544,20 @@ class QP:
             raise VerbsError(errno.EINVAL, "post_recv", "QP uses an SRQ; post to the SRQ")
         post("post_recv", recv_chain(_as_list(wr, RecvWR)), ib_post_recv, self.h_qp)
 
+    def post_send_batch(
+        self, batch: SendBatch, count: int | None = None, *, indices: Sequence[int] | None = None
+    ) -> None:
+        """``ib_post_send`` of the chosen entries' kept ``ib_send_wr_t``, linked."""
+        _post_batch("post_send", batch, _SEND_FORM, count, indices, ib_post_send, self.h_qp)
+
+    def post_recv_batch(
+        self, batch: RecvBatch, count: int | None = None, *, indices: Sequence[int] | None = None
+    ) -> None:
+        """``ib_post_recv`` of the chosen entries' kept ``ib_recv_wr_t``, linked."""
+        if self.srq is not None:
+            raise VerbsError(errno.EINVAL, "post_recv", "QP uses an SRQ; post to the SRQ")
+        _post_batch("post_recv", batch, _RECV_FORM, count, indices, ib_post_recv, self.h_qp)
+
     def query(self) -> QPAttr:
         """``ib_query_qp``."""
         with verbs_errors("query_qp"):
@@ -523,6 +617,14 @@ class SRQ:
     def post_recv(self, wr: RecvWR | Iterable[RecvWR]) -> None:
         """``ib_post_srq_recv`` of the requests as one chain."""
         post("post_srq_recv", recv_chain(_as_list(wr, RecvWR)), ib_post_srq_recv, self.h_srq)
+
+    def post_recv_batch(
+        self, batch: RecvBatch, count: int | None = None, *, indices: Sequence[int] | None = None
+    ) -> None:
+        """``ib_post_srq_recv`` of the chosen entries' kept ``ib_recv_wr_t``, linked."""
+        _post_batch(
+            "post_srq_recv", batch, _RECV_FORM, count, indices, ib_post_srq_recv, self.h_srq
+        )
 
     def close(self) -> None:
         """``ib_destroy_srq``."""

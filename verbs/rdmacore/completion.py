@@ -10,6 +10,11 @@ Events read from a channel are counted per CQ and acknowledged
 (``ibv_ack_cq_events``) by :meth:`CQ.ack_events`, by :meth:`CQ.wait` for the
 events it consumes itself, and at the latest when the CQ is destroyed (which
 libibverbs requires).
+
+:meth:`CQ.poll_into` polls straight into a ``struct ibv_wc[n]`` the
+:class:`~rdmashim.verbs.wr.WCArray` keeps (:class:`WCBuffer`) and copies each
+field to the array's list with one strided slice of the buffer: no object per
+completion.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import os
 import socket
 import weakref
 from collections import deque
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import trio
@@ -30,7 +36,7 @@ from rdmashim.verbs.errors import VerbsError
 from rdmashim.verbs.rdmacore import lib
 from rdmashim.verbs.rdmacore.base import Resource
 from rdmashim.verbs.rdmacore.cdefs import ffi
-from rdmashim.verbs.wr import WC
+from rdmashim.verbs.wr import WC, WCArray
 
 if TYPE_CHECKING:
     from rdmashim.verbs.rdmacore.device import Context
@@ -39,8 +45,86 @@ log = logging.getLogger(__name__)
 
 _STATUS = {s.value: s for s in WCStatus}
 _OPCODE = {o.value: o for o in WCOpcode}
+_FLAGS = [WCFlags(f) for f in range(16)]
 _WITH_INV = int(WCFlags.WITH_INV)
 _WITH_IMM = int(WCFlags.WITH_IMM)
+_SUCCESS = WCStatus.SUCCESS
+_WC_SIZE: int = ffi.sizeof("struct ibv_wc")
+assert _WC_SIZE % 8 == 0  # the columns below are strided slices of 8- and 4-byte views
+
+
+def _status(raw: int) -> WCStatus:
+    return _STATUS.get(raw, WCStatus.GENERAL_ERR)
+
+
+def _opcode(raw: int) -> WCOpcode:
+    opcode = _OPCODE.get(raw)
+    if opcode is None:  # undefined in error completions; keep the send/receive distinction
+        opcode = WCOpcode.RECV if raw & WCOpcode.RECV else WCOpcode.SEND
+    return opcode
+
+
+class WCBuffer:
+    """A ``struct ibv_wc[n]`` in a bytearray, with 8- and 4-byte views for the columns."""
+
+    def __init__(self, n: int) -> None:
+        self.raw = bytearray(n * _WC_SIZE)
+        self.c = ffi.from_buffer("struct ibv_wc[]", self.raw)
+        view = memoryview(self.raw)
+        self.u64, self.u32, self.i32 = view.cast("Q"), view.cast("I"), view.cast("i")
+
+    def __len__(self) -> int:
+        return len(self.raw) // _WC_SIZE
+
+    def column(self, field: str, n: int, signed: bool = False) -> list[int]:
+        """Field ``field`` of entries ``0..n-1``."""
+        offset = ffi.offsetof("struct ibv_wc", field)
+        if field == "wr_id":
+            step = _WC_SIZE // 8
+            values: list[int] = self.u64[offset // 8 : offset // 8 + step * n : step].tolist()
+        else:
+            step = _WC_SIZE // 4
+            view = self.i32 if signed else self.u32
+            values = view[offset // 4 : offset // 4 + step * n : step].tolist()
+        return values
+
+
+def decode_into(wcs: WCArray, buf: WCBuffer, start: int, n: int) -> None:
+    """Entries ``0..n-1`` of ``buf`` into entries ``start..start+n-1`` of ``wcs``, as
+    :func:`decode_wc` decodes each (a column at a time; per entry only for errors and
+    immediate data or invalidation)."""
+    if n <= 0:
+        return
+    end = start + n
+    wcs.wr_id[start:end] = buf.column("wr_id", n)
+    status = buf.column("status", n, signed=True)
+    opcode = buf.column("opcode", n, signed=True)
+    if any(status):
+        wcs.status[start:end] = [_status(s) for s in status]
+        wcs.opcode[start:end] = [_opcode(o) for o in opcode]
+    else:
+        wcs.status[start:end] = [_SUCCESS] * n
+        try:
+            wcs.opcode[start:end] = list(map(_OPCODE.__getitem__, opcode))
+        except KeyError:
+            wcs.opcode[start:end] = [_opcode(o) for o in opcode]
+    wcs.byte_len[start:end] = buf.column("byte_len", n)
+    wcs.qp_num[start:end] = buf.column("qp_num", n)
+    wcs.vendor_err[start:end] = buf.column("vendor_err", n)
+    flags = buf.column("wc_flags", n)
+    if any(flags):
+        shared = buf.column("imm_data", n)
+        wcs.wc_flags[start:end] = [_FLAGS[f & 0xF] for f in flags]
+        wcs.invalidated_rkey[start:end] = [
+            u if f & _WITH_INV else 0 for u, f in zip(shared, flags, strict=True)
+        ]
+        wcs.imm_data[start:end] = [
+            socket.ntohl(u) if f & _WITH_IMM else 0 for u, f in zip(shared, flags, strict=True)
+        ]
+    else:
+        wcs.wc_flags[start:end] = [WCFlags.NONE] * n
+        wcs.invalidated_rkey[start:end] = wcs.imm_data[start:end] = [0] * n
+    wcs.solicited[start:end] = [False] * n  # struct ibv_wc does not say
 
 
 def notify_closing(fd: int) -> None:
@@ -56,15 +140,11 @@ def decode_wc(wc: Any) -> WC:
     wire bytes through) and is returned in host order, as ``SendWR.imm_data``
     takes it.
     """
-    status = _STATUS.get(wc.status, WCStatus.GENERAL_ERR)
-    opcode = _OPCODE.get(wc.opcode)
-    if opcode is None:  # undefined in error completions; keep the send/receive distinction
-        opcode = WCOpcode.RECV if wc.opcode & WCOpcode.RECV else WCOpcode.SEND
     flags = wc.wc_flags
     return WC(
         wc.wr_id,
-        status,
-        opcode,
+        _status(wc.status),
+        _opcode(wc.opcode),
         wc.byte_len,
         wc.qp_num,
         WCFlags(flags & 0xF),
@@ -185,20 +265,51 @@ class CQ(Resource):
         else:
             self._events._ready.append(self)
 
+    def _poll_cq_into(self, limit: int, array: Any) -> int:
+        n: int = self._poll_cq(self._ptr, limit, array)
+        if n < 0:
+            raise VerbsError(-n if n < -1 else errno.EIO, "poll_cq", "CQ overrun or error")
+        return n
+
+    def _failed(self, qp_num: int, wr_id: int, status: WCStatus) -> None:
+        """A completion with an error status: its QP is in ERR now."""
+        self.context._qp_failed(qp_num, ConnectionError(f"work request {wr_id} {status.name}"))
+
     def _poll_native(self, limit: int) -> int:
         if len(self._wc) < limit:
             self._wc = ffi.new("struct ibv_wc[]", limit)
-        n: int = self._poll_cq(self._ptr, limit, self._wc)
-        if n < 0:
-            raise VerbsError(-n if n < -1 else errno.EIO, "poll_cq", "CQ overrun or error")
+        n = self._poll_cq_into(limit, self._wc)
         wcs = self._wc
         for i in range(n):
             wc = decode_wc(wcs[i])
             if wc.status is not WCStatus.SUCCESS:
-                self.context._qp_failed(
-                    wc.qp_num, ConnectionError(f"work request {wc.wr_id} {wc.status.name}")
-                )
+                self._failed(wc.qp_num, wc.wr_id, wc.status)
             self._buffer.append(wc)
+        return n
+
+    def poll_into(self, wcs: WCArray, num_entries: int | None = None) -> int:
+        """``ibv_poll_cq`` straight into the array's ``struct ibv_wc[n]``; how many.
+
+        Completions an earlier :meth:`wait` or ``len()`` took from the CQ come first."""
+        self._check_open("poll_cq")
+        limit = len(wcs) if num_entries is None else min(num_entries, len(wcs))
+        n = 0
+        buffered = self._buffer
+        if buffered:
+            n = min(limit, len(buffered))
+            wcs.fill([buffered.popleft() for _ in range(n)])
+        if n < limit:
+            buf = wcs.native
+            if not isinstance(buf, WCBuffer) or len(buf) < len(wcs):
+                buf = wcs.native = WCBuffer(len(wcs))
+            got = self._poll_cq_into(limit - n, buf.c)
+            decode_into(wcs, buf, n, got)
+            status = wcs.status
+            if status[n : n + got].count(_SUCCESS) != got:
+                for i in range(n, n + got):
+                    if status[i] is not _SUCCESS:
+                        self._failed(wcs.qp_num[i], wcs.wr_id[i], status[i])
+            n += got
         return n
 
     def poll(self, num_entries: int = 16) -> list[WC]:
@@ -230,18 +341,23 @@ class CQ(Resource):
     async def wait(self) -> None:
         """Wait until the CQ holds at least one completion (arm, poll again, then wait)."""
         self._check_open("wait")
-        if self._buffer:
-            return
+        if not self._buffer:
+            await self._polling(lambda: self._poll_native(16))
+
+    async def _polling(self, poll: Callable[[], int]) -> int:
+        """Call ``poll`` until it takes something (arming the CQ, polling once more, then
+        waiting for the channel between tries); returns what it took."""
         self._waiters += 1
         try:
-            while not self._poll_native(16):
+            while not (n := poll()):
                 seen = self._wakeups
                 self.req_notify()
-                if self._poll_native(16):
-                    return
+                if n := poll():
+                    return n
                 while self._wakeups == seen:
                     await self._events._await_events()
                     self._check_open("wait")
+            return n
         finally:
             self._waiters -= 1
 
@@ -249,6 +365,12 @@ class CQ(Resource):
         """Wait for completions and take up to ``num_entries`` of them (at least one)."""
         await self.wait()
         return self.poll(num_entries)
+
+    async def poll_wait_into(self, wcs: WCArray, num_entries: int | None = None) -> int:
+        """Wait for completions and take up to ``num_entries`` of them into ``wcs``: polls
+        into the array itself while waiting, so no completion becomes an object."""
+        self._check_open("wait")
+        return await self._polling(lambda: self.poll_into(wcs, num_entries))
 
     def __len__(self) -> int:
         """Completions ready to be polled (reads the CQ)."""

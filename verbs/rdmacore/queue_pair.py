@@ -4,6 +4,12 @@
 call the provider through the context's ops table (the static-inline verbs).
 A rejected request raises :class:`VerbsError` with ``bad_wr``, the index of the
 first request not posted (those before it are posted), as libibverbs reports.
+
+A :class:`~rdmashim.verbs.wr.SendBatch` or :class:`~rdmashim.verbs.wr.RecvBatch`
+is encoded once into a linked C array kept with the batch (:class:`WRChain`;
+entries set since are encoded again) and posted from there: the first
+``count`` entries by ending the chain after them for the call, chosen entries
+by copying them into a chain of their own.
 """
 
 from __future__ import annotations
@@ -11,7 +17,7 @@ from __future__ import annotations
 import errno
 import logging
 import socket
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import trio
@@ -22,7 +28,7 @@ from rdmashim.verbs.errors import NotSupported, VerbsError
 from rdmashim.verbs.rdmacore import lib
 from rdmashim.verbs.rdmacore.base import Resource
 from rdmashim.verbs.rdmacore.cdefs import ffi
-from rdmashim.verbs.wr import SGE, RecvWR, SendWR
+from rdmashim.verbs.wr import SGE, RecvBatch, RecvWR, SendBatch, SendWR
 
 if TYPE_CHECKING:
     from rdmashim.verbs.rdmacore.completion import CQ
@@ -55,24 +61,63 @@ def _posting_error(rc: int, operation: str, bad: Any, first: Any, size: int) -> 
     return exc
 
 
-def encode_recv(wrs: list[RecvWR]) -> tuple[Any, list[Any]]:
-    """An ``ibv_recv_wr`` chain for ``wrs`` and the cdata that must live while it is used."""
-    chain = ffi.new("struct ibv_recv_wr[]", len(wrs))
+def _encode_sges(c: Any, sges: Sequence[Any], keep: list[Any], inline: bool, i: int) -> None:
+    """Point ``c.sg_list`` at a new ``ibv_sge`` array for ``sges`` (kept alive in ``keep``).
+
+    With ``inline`` an element may be any bytes-like object; the provider copies
+    inline data while posting.
+    """
+    if not sges:
+        c.sg_list, c.num_sge = ffi.NULL, 0
+        return
+    sg = ffi.new("struct ibv_sge[]", len(sges))
+    keep.append(sg)
+    for j, s in enumerate(sges):
+        if isinstance(s, SGE):
+            sg[j].addr, sg[j].length, sg[j].lkey = s.addr, s.length, s.lkey
+        elif inline:
+            data = ffi.from_buffer(s)
+            keep.append(data)
+            sg[j].addr, sg[j].length = lib.address(data), len(data)
+        else:
+            raise VerbsError(errno.EINVAL, "post_send", f"work request {i}: raw bytes need INLINE")
+    c.sg_list = sg
+    c.num_sge = len(sges)
+
+
+def _encode_recv_wr(c: Any, w: RecvWR, keep: list[Any], i: int) -> None:
+    c.wr_id = w.wr_id
+    _encode_sges(c, w.sg_list, keep, False, i)
+
+
+def _encode_send_wr(c: Any, w: SendWR, keep: list[Any], i: int) -> None:
+    c.wr_id = w.wr_id
+    opcode = WROpcode(w.opcode)
+    c.opcode = opcode
+    c.send_flags = int(w.send_flags)
+    _encode_sges(c, w.sg_list, keep, bool(c.send_flags & _INLINE), i)
+    c.imm_data = 0
+    if opcode in _WITH_IMM:
+        c.imm_data = socket.htonl(w.imm_data)
+    elif opcode == WROpcode.SEND_WITH_INV:
+        c.invalidate_rkey = w.invalidate_rkey
+    c.wr.rdma.remote_addr = w.remote_addr
+    c.wr.rdma.rkey = w.rkey
+
+
+def _encode(ctype: str, encode: Callable[..., None], wrs: list[Any]) -> tuple[Any, list[Any]]:
+    chain = ffi.new(f"{ctype}[]", len(wrs))
     keep = [chain]
     for i, w in enumerate(wrs):
-        c = chain[i]
-        c.wr_id = w.wr_id
-        sges = w.sg_list
-        if sges:
-            sg = ffi.new("struct ibv_sge[]", len(sges))
-            keep.append(sg)
-            for j, s in enumerate(sges):
-                sg[j].addr, sg[j].length, sg[j].lkey = s.addr, s.length, s.lkey
-            c.sg_list = sg
-            c.num_sge = len(sges)
+        encode(chain[i], w, keep, i)
         if i + 1 < len(wrs):
-            c.next = chain + (i + 1)
+            chain[i].next = chain + (i + 1)
     return chain, keep
+
+
+def encode_recv(wrs: list[RecvWR]) -> tuple[Any, list[Any]]:
+    """An ``ibv_recv_wr`` chain for ``wrs`` and the cdata that must live while it is used."""
+    return _encode("struct ibv_recv_wr", _encode_recv_wr, wrs)
 
 
 def encode_send(wrs: list[SendWR]) -> tuple[Any, list[Any]]:
@@ -81,40 +126,105 @@ def encode_send(wrs: list[SendWR]) -> tuple[Any, list[Any]]:
     With ``SendFlags.INLINE`` an SGE may be any bytes-like object; the provider
     copies inline data while posting.
     """
-    chain = ffi.new("struct ibv_send_wr[]", len(wrs))
-    keep = [chain]
-    for i, w in enumerate(wrs):
-        c = chain[i]
-        c.wr_id = w.wr_id
-        opcode = WROpcode(w.opcode)
-        c.opcode = opcode
-        c.send_flags = int(w.send_flags)
-        sges = w.sg_list
-        if sges:
-            sg = ffi.new("struct ibv_sge[]", len(sges))
-            keep.append(sg)
-            for j, s in enumerate(sges):
-                if isinstance(s, SGE):
-                    sg[j].addr, sg[j].length, sg[j].lkey = s.addr, s.length, s.lkey
-                elif c.send_flags & _INLINE:
-                    data = ffi.from_buffer(s)
-                    keep.append(data)
-                    sg[j].addr, sg[j].length = lib.address(data), len(data)
-                else:
-                    raise VerbsError(
-                        errno.EINVAL, "post_send", f"work request {i}: raw bytes need INLINE"
-                    )
-            c.sg_list = sg
-            c.num_sge = len(sges)
-        if opcode in _WITH_IMM:
-            c.imm_data = socket.htonl(w.imm_data)
-        elif opcode == WROpcode.SEND_WITH_INV:
-            c.invalidate_rkey = w.invalidate_rkey
-        c.wr.rdma.remote_addr = w.remote_addr
-        c.wr.rdma.rkey = w.rkey
-        if i + 1 < len(wrs):
-            c.next = chain + (i + 1)
-    return chain, keep
+    return _encode("struct ibv_send_wr", _encode_send_wr, wrs)
+
+
+class WRChain:
+    """A batch's entries encoded once into a linked C array (:meth:`SendBatch.prepared`).
+
+    An entry that cannot be encoded (raw bytes without INLINE) keeps its error,
+    raised when a post reaches it; ``imm`` holds the entries with immediate data.
+    """
+
+    def __init__(self, ctype: str, encode: Callable[..., None], n: int) -> None:
+        self.ctype = ctype
+        self.size = ffi.sizeof(ctype)
+        self._encode = encode
+        self.chain = ffi.new(f"{ctype}[]", n)
+        for i in range(n - 1):
+            self.chain[i].next = self.chain + (i + 1)
+        self.keep: list[list[Any]] = [[] for _ in range(n)]
+        self.errors: dict[int, str] = {}
+        """Entries that could not be encoded, and why (EINVAL when a post reaches them)."""
+        self.imm: set[int] = set()
+
+    def set(self, i: int, wr: Any) -> None:
+        keep: list[Any] = []
+        self.errors.pop(i, None)
+        try:
+            self._encode(self.chain[i], wr, keep, i)
+        except VerbsError as exc:
+            self.errors[i] = exc.detail.partition(": ")[2]
+        self.keep[i] = keep
+        if getattr(wr, "opcode", None) in _WITH_IMM:
+            self.imm.add(i)
+        else:
+            self.imm.discard(i)
+
+    def first(self, entries: Sequence[int], among: Collection[int]) -> int | None:
+        """The position in ``entries`` of the first entry in ``among``, if any."""
+        if not among:
+            return None
+        if isinstance(entries, range):
+            hits = [i for i in among if i < entries.stop]
+            return min(hits) if hits else None
+        return next((k for k, i in enumerate(entries) if i in among), None)
+
+    def post(
+        self, post: Callable[[Any, Any, Any], int], handle: Any, bad: Any, operation: str,
+        entries: Sequence[int],
+    ) -> None:  # fmt: skip
+        """Post ``entries`` with one call of ``post``; the first refused raises."""
+        k = len(entries)
+        if not k:
+            return
+        if isinstance(entries, range):
+            head, last, scratch = self.chain, self.chain[k - 1], None
+            saved = last.next
+            last.next = ffi.NULL
+        else:
+            head = scratch = ffi.new(f"{self.ctype}[]", k)
+            for j, i in enumerate(entries):
+                scratch[j] = self.chain[i]
+                scratch[j].next = scratch + (j + 1) if j + 1 < k else ffi.NULL
+        try:
+            rc = post(handle, head, bad)
+        finally:
+            if scratch is None:
+                last.next = saved
+        if rc:
+            raise _posting_error(rc, operation, bad, head, self.size)
+
+
+def _post_batch(
+    chains: WRChain, post: Callable[[Any, Any, Any], int], handle: Any, bad: Any,
+    operation: str, entries: Sequence[int], refusal: Callable[[int], VerbsError] | None = None,
+) -> None:  # fmt: skip
+    """Post the batch's ``entries`` up to the first that cannot go (an entry that failed
+    to encode, or one ``refusal`` refuses: its error is raised with ``bad_wr``)."""
+    stop = chains.first(entries, chains.errors)
+    refused = None
+    if refusal is not None:
+        refused = chains.first(entries, chains.imm)
+    cut = min((k for k in (stop, refused) if k is not None), default=None)
+    chains.post(post, handle, bad, operation, entries if cut is None else entries[:cut])
+    if cut is not None:
+        if cut == stop:
+            detail = chains.errors[entries[cut]]
+            exc = VerbsError(errno.EINVAL, operation, f"work request {cut}: {detail}")
+        else:
+            assert refusal is not None
+            exc = refusal(cut)
+        exc.bad_wr = cut
+        raise exc
+
+
+def _send_chain(n: int) -> WRChain:
+    return WRChain("struct ibv_send_wr", _encode_send_wr, n)
+
+
+def _recv_chain(n: int) -> WRChain:
+    return WRChain("struct ibv_recv_wr", _encode_recv_wr, n)
 
 
 class SRQ(Resource):
@@ -148,6 +258,15 @@ class SRQ(Resource):
             raise _posting_error(
                 rc, "post_srq_recv", self._bad, chain, ffi.sizeof("struct ibv_recv_wr")
             )
+
+    def post_recv_batch(
+        self, batch: RecvBatch, count: int | None = None, *, indices: Sequence[int] | None = None
+    ) -> None:
+        """Post entries of a prepared batch from its C chain (see :class:`WRChain`)."""
+        self._check_open("post_srq_recv")
+        entries = batch.select("post_srq_recv", count, indices)
+        chains = batch.prepared(WRChain, _recv_chain)
+        _post_batch(chains, self._post, self._ptr, self._bad, "post_srq_recv", entries)
 
     def _destroy(self) -> None:
         lib.check(lib.verbs().ibv_destroy_srq(self._ptr), "ibv_destroy_srq")
@@ -241,13 +360,40 @@ class QP(Resource):
                     rc, "post_send", self._bad_send, chain, ffi.sizeof("struct ibv_send_wr")
                 )
         if refused is not None:
-            exc = NotSupported(
-                "post_send",
-                f"work request {refused}: {self.context.device.transport.name} carries no "
-                "immediate data (RFC 7306 is not offered)",
-            )
+            exc = self._no_immediate_data(refused)
             exc.bad_wr = refused
             raise exc
+
+    def _no_immediate_data(self, i: int) -> VerbsError:
+        return NotSupported(
+            "post_send",
+            f"work request {i}: {self.context.device.transport.name} carries no "
+            "immediate data (RFC 7306 is not offered)",
+        )
+
+    def post_send_batch(
+        self, batch: SendBatch, count: int | None = None, *, indices: Sequence[int] | None = None
+    ) -> None:
+        """Post entries of a prepared batch from its C chain (see :class:`WRChain`): one
+        ``ibv_post_send``, inline data copied by the provider now."""
+        self._check_open("post_send")
+        entries = batch.select("post_send", count, indices)
+        chains = batch.prepared(WRChain, _send_chain)
+        refusal = None if self._immediate_data else self._no_immediate_data
+        _post_batch(
+            chains, self._post_send, self._ptr, self._bad_send, "post_send", entries, refusal
+        )
+
+    def post_recv_batch(
+        self, batch: RecvBatch, count: int | None = None, *, indices: Sequence[int] | None = None
+    ) -> None:
+        """Post entries of a prepared batch from its C chain (see :class:`WRChain`)."""
+        self._check_open("post_recv")
+        if self.srq is not None:
+            raise VerbsError(errno.EINVAL, "post_recv", "QP uses an SRQ; post to the SRQ")
+        entries = batch.select("post_recv", count, indices)
+        chains = batch.prepared(WRChain, _recv_chain)
+        _post_batch(chains, self._post_recv, self._ptr, self._bad_recv, "post_recv", entries)
 
     def post_recv(self, wr: RecvWR | Iterable[RecvWR]) -> None:
         """Post one receive work request or a list of them (never blocks)."""

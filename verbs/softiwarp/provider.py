@@ -13,7 +13,7 @@ import itertools
 import logging
 import socket
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Self, TypeVar
@@ -46,7 +46,16 @@ from rdmashim.verbs.softiwarp.memory import AccessViolation, MemoryTable, Region
 from rdmashim.verbs.softiwarp.mpa import MAX_PRIVATE_DATA, V2_BLOCK_LEN
 from rdmashim.verbs.softiwarp.terminate import TermCode
 from rdmashim.verbs.tasks import service_nursery
-from rdmashim.verbs.wr import SGE, WC, InlineData, RecvWR, SendWR
+from rdmashim.verbs.wr import (
+    SGE,
+    WC,
+    InlineData,
+    RecvBatch,
+    RecvWR,
+    SendBatch,
+    SendWR,
+    WCArray,
+)
 
 if TYPE_CHECKING:
     from typing_extensions import Buffer
@@ -538,9 +547,31 @@ class CQ(_Resource):
         self._check_open("poll_cq")
         if self._overrun:
             raise VerbsError(errno.EOVERFLOW, "poll_cq", f"more than {self.cqe} completions queued")
+        return self._take(num_entries)
+
+    def _take(self, num_entries: int) -> list[WC]:
         entries = self._entries
         n = min(num_entries, len(entries))
+        if n == len(entries):
+            taken = list(entries)
+            entries.clear()
+            return taken
         return [entries.popleft() for _ in range(n)]
+
+    def poll_into(self, wcs: WCArray, num_entries: int | None = None) -> int:
+        """Take up to ``num_entries`` (default ``len(wcs)``) completions into ``wcs``; how many.
+
+        The CQ keeps the engine's completions as they come (one named tuple each);
+        this moves their fields into the array's lists and keeps none of them."""
+        limit = len(wcs) if num_entries is None else min(num_entries, len(wcs))
+        taken = self.poll(limit)
+        wcs.fill(taken)
+        return len(taken)
+
+    async def poll_wait_into(self, wcs: WCArray, num_entries: int | None = None) -> int:
+        """Wait for completions and take up to ``num_entries`` of them into ``wcs``."""
+        await self.wait()
+        return self.poll_into(wcs, num_entries)
 
     def req_notify(self, solicited_only: bool = False) -> None:
         """Arm the CQ: the next (solicited) completion sends one event to the channel."""
@@ -589,14 +620,19 @@ class SRQ(_Resource):
     def post_recv(self, wr: RecvWR | Iterable[RecvWR]) -> None:
         """Post one receive work request or a list of them."""
         self._check_open("post_srq_recv")
-        for i, w in enumerate(_as_list(wr)):
-            if len(w.sg_list) > self.max_sge:
-                raise _bad_wr(
-                    errno.EINVAL, "post_srq_recv", i, f"{len(w.sg_list)} SGEs > {self.max_sge}"
-                )
-            if len(self._queue) >= self.max_wr:
-                raise _bad_wr(errno.ENOMEM, "post_srq_recv", i, "SRQ full")
-            self._queue.append(RecvJob(w.wr_id, tuple(w.sg_list), _total(w.sg_list)))
+        self._post_jobs([_recv_job(w) for w in _as_list(wr)])
+
+    def post_recv_batch(
+        self, batch: RecvBatch, count: int | None = None, *, indices: Sequence[int] | None = None
+    ) -> None:
+        """Post entries of a prepared batch (see :meth:`QP.post_recv_batch`)."""
+        self._check_open("post_srq_recv")
+        self._post_jobs(*_batch_jobs(batch, "post_srq_recv", count, indices))
+
+    def _post_jobs(self, jobs: Sequence[RecvJob], max_nsge: int | None = None) -> None:
+        _queue_recvs(
+            "post_srq_recv", self._queue, jobs, self.max_wr, self.max_sge, "SRQ full", max_nsge
+        )
 
     def _take(self) -> RecvJob | None:
         return self._queue.popleft() if self._queue else None
@@ -615,9 +651,62 @@ def _as_list(wr: _W | Iterable[_W]) -> list[_W]:
     return list(wr)
 
 
-def _total(sges: Iterable[SGE]) -> int:
-    """Bytes a receive's scatter list holds."""
-    return sum(s.length for s in sges)
+def _recv_job(w: RecvWR) -> RecvJob:
+    """The engine's form of a receive (it only reads it: a batch posts one many times)."""
+    sges = tuple(w.sg_list)
+    return RecvJob(w.wr_id, sges, sges[0].length if len(sges) == 1 else sum(s.length for s in sges))
+
+
+class _RecvJobs(list[RecvJob]):
+    """A receive batch's entries as engine jobs (:meth:`RecvBatch.prepared`)."""
+
+    max_nsge = 0
+    """The most SGEs an entry has had (a post within the limit skips the per-entry check)."""
+
+    def __init__(self, n: int) -> None:
+        super().__init__([None] * n)  # type: ignore[list-item]
+
+    def set(self, i: int, wr: RecvWR) -> None:
+        self[i] = job = _recv_job(wr)
+        self.max_nsge = max(self.max_nsge, len(job.sges))
+
+
+def _queue_recvs(
+    operation: str, queue: deque[RecvJob], jobs: Sequence[RecvJob], max_wr: int, max_sge: int,
+    full: str, max_nsge: int | None = None,
+    flush: Callable[[Sequence[RecvJob]], None] | None = None,
+) -> None:  # fmt: skip
+    """Queue receive jobs as ``post_recv`` posts a list (``bad_wr`` the first refused, the
+    ones before it queued); with ``flush`` (a QP in ERR) they are flushed instead. When no
+    job has more than ``max_nsge`` SGEs (a batch knows) and all fit, one ``extend``."""
+    if (
+        flush is None
+        and max_nsge is not None
+        and max_nsge <= max_sge
+        and len(queue) + len(jobs) <= max_wr
+    ):
+        queue.extend(jobs)
+        return
+    for i, job in enumerate(jobs):
+        if len(job.sges) > max_sge:
+            raise _bad_wr(errno.EINVAL, operation, i, f"{len(job.sges)} SGEs > {max_sge}")
+        if flush is not None:
+            flush([job])
+            continue
+        if len(queue) >= max_wr:
+            raise _bad_wr(errno.ENOMEM, operation, i, full)
+        queue.append(job)
+
+
+def _batch_jobs(
+    batch: RecvBatch, operation: str, count: int | None, indices: Sequence[int] | None
+) -> tuple[list[RecvJob], int]:
+    """The jobs a receive batch post takes, and the most SGEs any of them may have."""
+    entries = batch.select(operation, count, indices)
+    jobs = batch.prepared(RecvJob, _RecvJobs)
+    if isinstance(entries, range):
+        return jobs[: entries.stop], jobs.max_nsge
+    return [jobs[i] for i in entries], jobs.max_nsge
 
 
 def _bad_wr(err: int, operation: str, index: int, detail: str) -> VerbsError:
@@ -636,6 +725,117 @@ _ERR = QPState.ERR
 _SUPPORTED_SEND = frozenset(
     {WROpcode.SEND, WROpcode.SEND_WITH_INV, WROpcode.RDMA_WRITE, WROpcode.RDMA_READ}
 )
+_WIRE_LIMITS = (
+    "length, rkey, invalidate_rkey or remote_addr + length do not fit the wire "
+    "(32, 32, 32 and 64 bits)"
+)
+
+
+class _InlineSGE:
+    """An SGE of an inline send: the region it names is looked up once and kept while it
+    stays registered (a deregistered one is looked up again, and refused if gone)."""
+
+    __slots__ = ("end", "offset", "region", "sge")
+
+    def __init__(self, sge: SGE) -> None:
+        self.sge = sge
+        self.region: Region | None = None
+        self.offset = self.end = 0
+
+    def read(self, memory: MemoryTable) -> bytes | None:
+        """A copy of the bytes the SGE names now, or None if no region holds them."""
+        region = self.region
+        s = self.sge
+        if region is None or not region.valid:
+            region = self.region = memory.lookup(s.lkey)
+            if region is None or not 0 <= s.addr - region.addr <= region.length - s.length:
+                self.region = None
+                return None
+            self.offset = s.addr - region.addr
+            self.end = self.offset + s.length
+        return region.view[self.offset : self.end].tobytes()
+
+
+def _inline_bytes(i: int, part: _InlineSGE | InlineData, memory: MemoryTable) -> bytes:
+    """A copy of what one element of an inline send's ``sg_list`` holds now."""
+    if isinstance(part, _InlineSGE):
+        data = part.read(memory)
+        if data is None:
+            raise _bad_wr(errno.EINVAL, "post_send", i, f"inline SGE {part.sge} outside a region")
+        return data
+    return bytes(part)
+
+
+class _SendTemplate:
+    """What a send work request means independently of the QP, worked out once.
+
+    The checks ``post_send`` makes of a request alone (opcode, raw bytes without
+    INLINE, the wire's field widths) are decided here and raised at post time in
+    ``post_send``'s order, after the QP's SGE limit and queue depth.
+    """
+
+    __slots__ = (
+        "flags",
+        "inline",
+        "invalid",
+        "invalidate_rkey",
+        "keys_fit",
+        "length",
+        "local",
+        "nsge",
+        "opcode",
+        "remote_addr",
+        "rkey",
+        "source",
+        "unsupported",
+    )  # fmt: skip
+
+    def __init__(self, w: SendWR) -> None:
+        opcode = w.opcode if w.opcode.__class__ is WROpcode else WROpcode(w.opcode)
+        self.opcode = opcode
+        self.unsupported = (
+            None if opcode in _SUPPORTED_SEND else f"{opcode.name} is not an iWARP operation"
+        )
+        self.invalid: str | None = None
+        self.flags = flags = int(w.send_flags)
+        sges = w.sg_list
+        self.nsge = len(sges)
+        remote_addr, rkey, inv = self.remote_addr, self.rkey, self.invalidate_rkey = (
+            w.remote_addr, w.rkey, w.invalidate_rkey,
+        )  # fmt: skip
+        self.keys_fit = keys_fit = 0 <= rkey <= _U32 and 0 <= inv <= _U32 and remote_addr >= 0
+        self.local: tuple[SGE, ...] = ()
+        self.length = 0
+        self.source: _InlineSGE | None = None
+        """The one SGE of an inline send from registered memory (the common case)."""
+        if flags & _INLINE and opcode is not _RDMA_READ:
+            if len(sges) == 1 and sges[0].__class__ is SGE:
+                self.source = source = _InlineSGE(sges[0])
+                self.inline: tuple[_InlineSGE | InlineData, ...] | None = (source,)
+            else:
+                self.inline = tuple(_InlineSGE(s) if isinstance(s, SGE) else s for s in sges)
+            return
+        self.inline = None
+        local = tuple(s for s in sges if isinstance(s, SGE))
+        if len(local) != len(sges):
+            self.invalid = "raw bytes need INLINE"
+            return
+        self.local = local
+        self.length = length = sum(s.length for s in local)
+        if not (length <= _U32 and keys_fit and remote_addr <= _U64 + 1 - length):
+            self.invalid = _WIRE_LIMITS
+
+
+class _SendTemplates(list[_SendTemplate]):
+    """A send batch's entries as templates, for one context's memory table."""
+
+    def __init__(self, n: int, memory: MemoryTable) -> None:
+        super().__init__([None] * n)  # type: ignore[list-item]
+        self.memory = memory
+        """The table the inline SGEs' regions are looked up in (the templates cache them)."""
+
+    def set(self, i: int, wr: SendWR) -> None:
+        self[i] = _SendTemplate(wr)
 
 
 class QP(_Resource):
@@ -713,102 +913,115 @@ class QP(_Resource):
         come back as completions.
         """
         self._check_open("post_send")
+        wrs = _as_list(wr)
+        # One template per request object: a list repeating a request makes it once.
+        made: dict[int, _SendTemplate] = {}
+        templates = [made.get(id(w)) or made.setdefault(id(w), _SendTemplate(w)) for w in wrs]
+        self._post_sends(wrs, templates)
+
+    def post_send_batch(
+        self, batch: SendBatch, count: int | None = None, *, indices: Sequence[int] | None = None
+    ) -> None:
+        """Post the first ``count`` entries of a prepared batch (all if None), or the
+        entries ``indices`` names, as :meth:`post_send` of that list.
+
+        What does not depend on the QP (the opcode, flags, SGEs, wire limits, the
+        region an inline SGE names) is worked out once per entry and kept with the
+        batch; each post checks the QP's limits and state, copies inline data and
+        makes the engine's job.
+        """
+        self._check_open("post_send")
+        entries = batch.select("post_send", count, indices)
+        memory = self.context.memory
+        # By the table's id: the templates hold the table, so the id is not reused meanwhile.
+        templates = batch.prepared(id(memory), lambda n: _SendTemplates(n, memory))
+        if isinstance(entries, range):
+            self._post_sends(batch.wrs(entries), templates[: entries.stop])
+        else:
+            self._post_sends(batch.wrs(entries), [templates[i] for i in entries])
+
+    def _post_sends(self, wrs: Sequence[SendWR], templates: Sequence[_SendTemplate]) -> None:
+        """Post ``wrs`` (``templates[i]`` made from ``wrs[i]``) in order; the first refused
+        raises with ``bad_wr`` its index and the ones before stay posted (and go out)."""
+        state = self._state
+        if state is not _RTS and state is not _ERR:
+            if wrs:
+                raise _bad_wr(errno.ENOTCONN, "post_send", 0, f"QP {self.qp_num} is {state.name}")
+            return
+        cap = self.cap
+        # Posting to the engine in RTS only queues: the depth grows by one per job.
+        room = cap.max_send_wr - self.engine.sq_depth if state is _RTS else len(wrs)
+        max_sge, max_inline = cap.max_send_sge, cap.max_inline_data
         post = self.engine.post_send
-        make_job = self._make_job
+        memory = self.context.memory
         try:
-            for i, w in enumerate(_as_list(wr)):
-                if self._state is not _RTS and self._state is not _ERR:
+            for i, t in enumerate(templates):
+                if t.unsupported:
+                    raise NotSupported("post_send", f"work request {i}: {t.unsupported}")
+                limit = 1 if t.opcode is _RDMA_READ else max_sge
+                if t.nsge > limit:
+                    raise _bad_wr(errno.EINVAL, "post_send", i, f"{t.nsge} SGEs > {limit}")
+                if i >= room:
                     raise _bad_wr(
-                        errno.ENOTCONN, "post_send", i, f"QP {self.qp_num} is {self._state.name}"
+                        errno.ENOMEM, "post_send", i, f"send queue full ({cap.max_send_wr})"
                     )
-                post(make_job(i, w))
+                inline = None
+                parts = t.inline
+                if parts is None:
+                    if t.invalid:
+                        raise _bad_wr(errno.EINVAL, "post_send", i, t.invalid)
+                    length = t.length
+                else:
+                    # The engine sends the copy; the SGEs are not kept.
+                    src = t.source
+                    if src is not None and (region := src.region) is not None and region.valid:
+                        inline = region.view[src.offset : src.end].tobytes()  # the common case
+                    elif src is not None and (data := src.read(memory)) is not None:
+                        inline = data  # looked up (again)
+                    elif len(parts) == 1:
+                        inline = _inline_bytes(i, parts[0], memory)
+                    else:
+                        inline = b"".join([_inline_bytes(i, p, memory) for p in parts])
+                    length = len(inline)
+                    if length > max_inline:
+                        raise _bad_wr(
+                            errno.EINVAL, "post_send", i, f"{length} inline bytes > {max_inline}"
+                        )
+                    if not (t.keys_fit and t.remote_addr <= _U64 + 1 - length):
+                        raise _bad_wr(errno.EINVAL, "post_send", i, _WIRE_LIMITS)
+                post(
+                    SendJob(
+                        wrs[i].wr_id, t.opcode, t.flags, t.local, inline, length,
+                        t.remote_addr, t.rkey, t.invalidate_rkey,
+                    )
+                )  # fmt: skip
         finally:  # the requests before a refused one are posted: they go out now
             if self._link is not None:
                 self._link.kick()
 
-    def _make_job(self, i: int, w: SendWR) -> SendJob:
-        opcode = w.opcode if w.opcode.__class__ is WROpcode else WROpcode(w.opcode)
-        if opcode not in _SUPPORTED_SEND:
-            raise NotSupported(
-                "post_send", f"work request {i}: {opcode.name} is not an iWARP operation"
-            )
-        flags = int(w.send_flags)
-        sges = tuple(w.sg_list)
-        limit = 1 if opcode is _RDMA_READ else self.cap.max_send_sge
-        if len(sges) > limit:
-            raise _bad_wr(errno.EINVAL, "post_send", i, f"{len(sges)} SGEs > {limit}")
-        if self.engine.sq_depth >= self.cap.max_send_wr and self._state is _RTS:
-            raise _bad_wr(errno.ENOMEM, "post_send", i, f"send queue full ({self.cap.max_send_wr})")
-        inline = None
-        if flags & _INLINE and opcode is not _RDMA_READ:
-            # The engine sends the copy; the SGEs are not kept.
-            inline = self._gather_inline(i, sges)
-            length = len(inline)
-            local: tuple[SGE, ...] = ()
-        else:
-            local = tuple(s for s in sges if isinstance(s, SGE))
-            if len(local) != len(sges):
-                raise _bad_wr(errno.EINVAL, "post_send", i, "raw bytes need INLINE")
-            length = sum(s.length for s in local)
-        if not (
-            length <= _U32
-            and 0 <= w.rkey <= _U32
-            and 0 <= w.invalidate_rkey <= _U32
-            and 0 <= w.remote_addr <= _U64 + 1 - length
-        ):
-            raise _bad_wr(
-                errno.EINVAL, "post_send", i,
-                "length, rkey, invalidate_rkey or remote_addr + length do not fit the wire "
-                "(32, 32, 32 and 64 bits)",
-            )  # fmt: skip
-        return SendJob(
-            w.wr_id, opcode, flags, local, inline, length, w.remote_addr, w.rkey, w.invalidate_rkey
-        )
-
-    def _gather_inline(self, i: int, sges: tuple[SGE | InlineData, ...]) -> bytes:
-        if len(sges) == 1:
-            data = self._inline_part(i, sges[0])
-        else:
-            data = b"".join([self._inline_part(i, s) for s in sges])
-        if len(data) > self.cap.max_inline_data:
-            raise _bad_wr(
-                errno.EINVAL,
-                "post_send",
-                i,
-                f"{len(data)} inline bytes > {self.cap.max_inline_data}",
-            )
-        return data
-
-    def _inline_part(self, i: int, s: SGE | InlineData) -> bytes:
-        """A copy of the bytes one element of an inline send's ``sg_list`` names."""
-        if isinstance(s, SGE):
-            region = self.context.memory.lookup(s.lkey)
-            if region is None or not 0 <= s.addr - region.addr <= region.length - s.length:
-                raise _bad_wr(errno.EINVAL, "post_send", i, f"inline SGE {s} outside a region")
-            off = s.addr - region.addr
-            return region.view[off : off + s.length].tobytes()
-        return bytes(s)
-
     def post_recv(self, wr: RecvWR | Iterable[RecvWR]) -> None:
         """Post one receive work request or a list of them (never blocks)."""
         self._check_open("post_recv")
+        self._post_recvs([_recv_job(w) for w in _as_list(wr)])
+
+    def post_recv_batch(
+        self, batch: RecvBatch, count: int | None = None, *, indices: Sequence[int] | None = None
+    ) -> None:
+        """Post the first ``count`` entries of a prepared batch (all if None), or the
+        entries ``indices`` names, as :meth:`post_recv` of that list (the engine's
+        receive jobs are made once per entry and posted again each time)."""
+        self._check_open("post_recv")
+        self._post_recvs(*_batch_jobs(batch, "post_recv", count, indices))
+
+    def _post_recvs(self, jobs: Sequence[RecvJob], max_nsge: int | None = None) -> None:
         if self.srq is not None:
             raise VerbsError(errno.EINVAL, "post_recv", "QP uses an SRQ; post to the SRQ")
-        for i, w in enumerate(_as_list(wr)):
-            if len(w.sg_list) > self.cap.max_recv_sge:
-                raise _bad_wr(
-                    errno.EINVAL, "post_recv", i, f"{len(w.sg_list)} SGEs > {self.cap.max_recv_sge}"
-                )
-            sges = tuple(w.sg_list)
-            job = RecvJob(w.wr_id, sges, sges[0].length if len(sges) == 1 else _total(sges))
-            if self._state is _ERR:
-                self.engine.flush_recv([job])
-                continue
-            if len(self._rq) >= self.cap.max_recv_wr:
-                raise _bad_wr(
-                    errno.ENOMEM, "post_recv", i, f"receive queue full ({self.cap.max_recv_wr})"
-                )
-            self._rq.append(job)
+        cap = self.cap
+        _queue_recvs(
+            "post_recv", self._rq, jobs, cap.max_recv_wr, cap.max_recv_sge,
+            f"receive queue full ({cap.max_recv_wr})", max_nsge,
+            self.engine.flush_recv if self._state is _ERR else None,
+        )  # fmt: skip
 
     # ---------------------------------------------------------------- state
     def query(self) -> QPAttr:
