@@ -21,10 +21,12 @@ Benchmarks (``--only`` takes these names):
     Raw: the client sends an 8-byte request per 1 MiB, ``depth`` outstanding;
     the server answers each with ``send_all`` of 1 MiB.
 ``send-rate``
-    64 B Sends (inline), posted in lists of 64 per ``post_send`` call, unsignaled
-    but for the last of each list. The server keeps 4096 receives posted and
-    re-posts them in batches; it returns credits (its count of receives) in 8 B
-    Sends, so no Send ever arrives without a receive. The window ends when the
+    64 B Sends (inline), posted in batches of 64 per ``post_send_batch`` call
+    (a reusable ``SendBatch``), unsignaled but for the last of each batch. The
+    server keeps 4096 receives posted and re-posts the completed ones with one
+    ``post_recv_batch`` per poll (``poll_wait_into`` a ``WCArray``: no WC object
+    per message); it returns credits (its count of receives) in 8 B Sends, so
+    no Send ever arrives without a receive. The window ends when the
     server reports every message received.
     Raw: one ``send_all`` of 64 x 64 B per batch; the server ``recv_into`` a
     256 KiB buffer and answers the byte count after the client's EOF.
@@ -68,7 +70,19 @@ from typing import Any
 import trio
 
 import rdmashim
-from rdmashim import Access, QPCap, RecvWR, SendFlags, SendWR, WCOpcode, WCStatus, WROpcode
+from rdmashim import (
+    Access,
+    QPCap,
+    RecvBatch,
+    RecvWR,
+    SendBatch,
+    SendFlags,
+    SendWR,
+    WCArray,
+    WCOpcode,
+    WCStatus,
+    WROpcode,
+)
 from rdmashim.verbs.softiwarp.connection import MpaOptions, accept_qp, connect_qp, read_request
 
 import vethpath
@@ -86,7 +100,7 @@ DEPTH = 8
 """RDMA Writes/Reads (and raw read requests) outstanding in the bandwidth tests."""
 MSG_SIZE = 64
 BATCH = 64
-"""SendWRs per post_send call (and 64 B messages per raw send) in send-rate."""
+"""SendWRs per post_send_batch call (and 64 B messages per raw send) in send-rate."""
 MAX_BATCHES = 16
 """Signaled batches the send-rate client keeps outstanding."""
 SERVER_RECVS = 4096
@@ -211,31 +225,29 @@ class Server:
         cap = QPCap(max_send_wr=256, max_recv_wr=SERVER_RECVS, max_inline_data=64, max_send_sge=1)
         qp = pd.create_qp(send_cq=cq, recv_cq=cq, cap=cap)
         mr = pd.reg_mr(bytearray(SERVER_RECVS * MSG_SIZE), Access.LOCAL_WRITE)
-        recv_wrs = [RecvWR(i, [mr.sge(i * MSG_SIZE, MSG_SIZE)]) for i in range(SERVER_RECVS)]
-        qp.post_recv(recv_wrs)  # before accepting: no Send may find the queue empty
+        recvs = RecvBatch(RecvWR(i, [mr.sge(i * MSG_SIZE, MSG_SIZE)]) for i in range(SERVER_RECVS))
+        qp.post_recv_batch(recvs)  # before accepting: no Send may find the queue empty
         await accept_qp(
             qp, stream, req, private_data=PRIV_REP.pack(0, 0, SERVER_RECVS), options=options
         )
         if prof:
             prof.enable()
-        flags = SendFlags.INLINE
+        count = bytearray(REQ.size)
+        credit = SendBatch([SendWR(0, WROpcode.SEND, [count], SendFlags.INLINE)])
+        wcs = WCArray(SERVER_RECVS)
 
         async def loop() -> None:
             received = last_credit = 0
+            status, wr_id, solicited = wcs.status, wcs.wr_id, wcs.solicited
             while True:
-                wcs = await cq.poll_wait(SERVER_RECVS)
-                repost = []
-                urgent = False
-                for wc in wcs:
-                    if wc.status != WCStatus.SUCCESS:
-                        return  # flushed: the client went away
-                    repost.append(recv_wrs[wc.wr_id])
-                    if wc.solicited:
-                        urgent = True
-                qp.post_recv(repost)
-                received += len(repost)
-                if urgent or received - last_credit >= CREDIT_STEP:
-                    qp.post_send(SendWR(received, WROpcode.SEND, [REQ.pack(received)], flags))
+                n = await cq.poll_wait_into(wcs)
+                if status[:n].count(WCStatus.SUCCESS) != n:
+                    return  # flushed: the client went away
+                qp.post_recv_batch(recvs, indices=wr_id[:n])  # wr_id i is entry i
+                received += n
+                if received - last_credit >= CREDIT_STEP or True in solicited[:n]:
+                    REQ.pack_into(count, 0, received)  # inline: copied when posted
+                    qp.post_send_batch(credit)
                     last_credit = received
 
         await self._run_until_closed(qp, loop)
@@ -509,75 +521,75 @@ async def raw_read(ctx: Any, cfg: Config, prof: _Prof) -> dict[str, float]:
 
 # ------------------------------------------------------------------ send-rate
 async def ours_send_rate(ctx: Any, cfg: Config, prof: _Prof) -> dict[str, float]:
-    recv_wrs: list[RecvWR] = []
+    credits = RecvBatch(())
 
     def pre(conn: Conn) -> None:
+        nonlocal credits
         cmr = conn.mrs["credit"]
-        recv_wrs.extend(RecvWR(i, [cmr.sge(i * 8, 8)]) for i in range(CLIENT_CREDIT_RECVS))
-        conn.qp.post_recv(recv_wrs)
+        credits = RecvBatch(RecvWR(i, [cmr.sge(i * 8, 8)]) for i in range(CLIENT_CREDIT_RECVS))
+        conn.qp.post_recv_batch(credits)
 
     cap = QPCap(
-        max_send_wr=BATCH * MAX_BATCHES + 8,
-        max_recv_wr=CLIENT_CREDIT_RECVS,
-        max_inline_data=64,
+        max_send_wr=BATCH * MAX_BATCHES + 8, max_recv_wr=CLIENT_CREDIT_RECVS, max_inline_data=64
     )
     conn = await rdma_connect(
-        ctx,
-        cfg,
-        b"S",
-        cap,
+        ctx, cfg, b"S", cap,
         {"msg": (MSG_SIZE, Access.LOCAL_WRITE), "credit": (8 * CLIENT_CREDIT_RECVS, ALL_ACCESS)},
         pre,
-    )
+    )  # fmt: skip
     qp, cq = conn.qp, conn.cq
     credit_buf = conn.mrs["credit"].buf
     try:
         sge = conn.mrs["msg"].sge(0, MSG_SIZE)
         quiet = SendWR(0, WROpcode.SEND, [sge], SendFlags.INLINE)
         last = SendWR(1, WROpcode.SEND, [sge], SendFlags.INLINE | SendFlags.SIGNALED)
-        batch = [quiet] * (BATCH - 1) + [last]
-        marker = SendWR(
-            2, WROpcode.SEND, [sge], SendFlags.INLINE | SendFlags.SIGNALED | SendFlags.SOLICITED
-        )
+        batch = SendBatch([quiet] * (BATCH - 1) + [last])
+        flags = SendFlags.INLINE | SendFlags.SIGNALED | SendFlags.SOLICITED
+        marker = SendBatch([SendWR(2, WROpcode.SEND, [sge], flags)])
+        wcs = WCArray(256)
         window = conn.credits
-        state = {"granted": window, "confirmed": 0, "outstanding": 0}
+        granted, confirmed, outstanding = window, 0, 0
 
-        def handle(wcs: list) -> None:
-            for wc in wcs:
-                _check(wc, qp)
-                if wc.opcode == WCOpcode.RECV:
-                    count = REQ.unpack_from(credit_buf, wc.wr_id * 8)[0]
-                    qp.post_recv(recv_wrs[wc.wr_id])
-                    if count > state["confirmed"]:
-                        state["confirmed"] = count
-                        state["granted"] = window + count
+        async def handle() -> None:
+            nonlocal granted, confirmed, outstanding
+            n = await cq.poll_wait_into(wcs)
+            for i in range(n):
+                if wcs.status[i] != WCStatus.SUCCESS:
+                    _check(wcs[i], qp)
+                if wcs.opcode[i] == WCOpcode.RECV:
+                    slot = wcs.wr_id[i]
+                    count = REQ.unpack_from(credit_buf, slot * 8)[0]
+                    qp.post_recv_batch(credits, indices=(slot,))
+                    if count > confirmed:
+                        confirmed = count
+                        granted = window + count
                 else:
-                    state["outstanding"] -= 1
+                    outstanding -= 1
 
         prof.start()
         t0 = time.perf_counter()
         deadline = t0 + cfg.duration
         sent = 0
         while time.perf_counter() < deadline:
-            while state["outstanding"] < MAX_BATCHES and state["granted"] - sent >= BATCH:
-                qp.post_send(batch)
+            while outstanding < MAX_BATCHES and granted - sent >= BATCH:
+                qp.post_send_batch(batch)
                 sent += BATCH
-                state["outstanding"] += 1
-            handle(await cq.poll_wait(256))
+                outstanding += 1
+            await handle()
         # Close the window: one solicited message makes the server report its count now.
-        while state["granted"] - sent < 1 or state["outstanding"] >= MAX_BATCHES:
-            handle(await cq.poll_wait(256))
-        qp.post_send(marker)
+        while granted - sent < 1 or outstanding >= MAX_BATCHES:
+            await handle()
+        qp.post_send_batch(marker)
         sent += 1
-        state["outstanding"] += 1
-        while state["confirmed"] < sent:
-            handle(await cq.poll_wait(256))
+        outstanding += 1
+        while confirmed < sent:
+            await handle()
         elapsed = time.perf_counter() - t0
         prof.stop()
     finally:
         await conn.aclose()
-    if state["confirmed"] != sent:
-        raise BenchError(f"server counted {state['confirmed']} messages, sent {sent}")
+    if confirmed != sent:
+        raise BenchError(f"server counted {confirmed} messages, sent {sent}")
     return {"value": sent / elapsed / 1e6, "messages": sent, "seconds": elapsed}
 
 
