@@ -18,6 +18,8 @@ from rdmashim.verbs.softiwarp.engine import EngineState, RecvJob, SendJob
 
 from pairs import Side
 
+pytestmark = pytest.mark.usefixtures("engine_kernels")  # compiled and Python kernels
+
 _FLAW = st.sampled_from(
     ["none", "bad_crc", "wrong_msn", "too_long", "dead_region", "no_receive", "inv", "not_last"]
 )
