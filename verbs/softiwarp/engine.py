@@ -654,8 +654,13 @@ class Engine:
         would fail a check, before any state changes for it: the general path then
         handles (and reports) that FPDU.
         """
-        if self.state is not _RTS or self._rtr_pending:
-            return start
+        if (
+            self.state is not _RTS
+            or self._rtr_pending
+            or sview[start + 2] != _DDP_LAST_SEGMENT
+            or (sview[start + 3] != _CTRL_SEND_PLAIN and sview[start + 3] != _CTRL_SEND_SE)
+        ):
+            return start  # not a Send (a bulk FPDU, say): no kernel call for nothing
         kernels = self._kernels
         rx_msn = self._rx_msn
         stop, msgs = kernels.scan_sends(sview, start, end, rx_msn[_QN_SEND], self.config.crc)
