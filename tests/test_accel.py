@@ -15,7 +15,7 @@ import pytest
 from crc32c import crc32c
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_engine_small_sends import _FLAW
+from test_engine_small_sends import FLAWED_RUNS
 from test_engine_small_sends import _run as run_small_sends
 
 from rdmashim.verbs.enums import Access
@@ -311,13 +311,7 @@ def test_deregistration_releases_the_compiled_handle(c: Kernels) -> None:
 
 # ---------------------------------------------------------------- engine
 @settings(max_examples=100, deadline=None)
-@given(
-    crc=st.booleans(),
-    sizes=st.lists(st.integers(0, 40), min_size=1, max_size=12),
-    flaw=_FLAW,
-    at=st.integers(0, 11),
-    whole=st.booleans(),
-)
+@given(**FLAWED_RUNS, whole=st.booleans())
 def test_engine_on_both_kernels_gives_the_same_results(
     c: Kernels, crc: bool, sizes: list[int], flaw: str, at: int, whole: bool
 ) -> None:

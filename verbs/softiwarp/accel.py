@@ -10,6 +10,7 @@ only into buffers sized here and returns counts and offsets.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 from rdmashim.verbs.softiwarp._accel import ffi, lib
 from rdmashim.verbs.softiwarp.kernels import MSG_WORDS, SEND_MIN, Buffer, Targets
@@ -21,7 +22,7 @@ _FRAME_OVERHEAD = SEND_MIN + 3
 lib.rs_init()
 
 
-def _bytes(data: Buffer) -> object:
+def _bytes(data: Buffer) -> Any:
     return ffi.from_buffer("uint8_t[]", data)
 
 
@@ -66,7 +67,7 @@ class CKernels:
         stop = ffi.new("size_t *")
         view = _bytes(buf)
         count = lib.rs_scan_sends(view, len(view), start, end, msn, crc, out, words, stop)
-        return int(stop[0]), ffi.unpack(out, count * MSG_WORDS)  # type: ignore[no-any-return]
+        return int(stop[0]), ffi.unpack(out, count * MSG_WORDS)
 
     def place(self, buf: Buffer, msgs: Sequence[int], targets: Targets) -> None:
         """See :class:`Kernels`."""
