@@ -368,3 +368,11 @@ def test_api_suite_on_the_python_kernels() -> None:
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert " passed" in proc.stdout.splitlines()[-1]
+
+
+def test_compiled_kernels_are_there_when_required() -> None:
+    """CI sets RDMASHIM_REQUIRE_EXTENSIONS=1 where gcc and the headers are installed: a
+    build that silently fell back must fail there, not skip the compiled runs."""
+    if os.environ.get("RDMASHIM_REQUIRE_EXTENSIONS", "") in ("", "0"):
+        pytest.skip("RDMASHIM_REQUIRE_EXTENSIONS is not set")
+    assert fastpath.COMPILED is not None, fastpath.WHY_NOT
