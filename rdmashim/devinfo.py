@@ -22,6 +22,7 @@ from typing import TypeVar
 
 import rdmashim
 from rdmashim.cliargs import UsageError
+from rdmashim.registry import load_backend
 from rdmashim.verbs.attrs import DeviceAttr, PortAttr
 from rdmashim.verbs.enums import AtomicCap, Mtu, PortState, Transport
 
@@ -86,8 +87,10 @@ def device_lines(
     ports: Sequence[tuple[int, PortAttr]],
     *,
     verbose: bool = False,
+    backend_info: str = "",
 ) -> list[str]:
-    """The ``ibv_devinfo`` text of one device and the given ``(number, attributes)`` ports."""
+    """The ``ibv_devinfo`` text of one device and the given ``(number, attributes)`` ports
+    (``backend_info``: the backend's description, shown with ``verbose``)."""
 
     def dev(key: str, value: object) -> str:
         return field(1, key, value, DEVICE_COLUMN)
@@ -130,6 +133,8 @@ def device_lines(
             dev("active_side_sends_first", "yes" if attr.active_side_sends_first else "no"),
             dev("backend", backend),
         ]
+        if backend_info:
+            lines.append(dev("backend_info", backend_info))
     for number, port in ports:
         lines += _port_lines(number, port, verbose=verbose)
     return lines
@@ -183,7 +188,10 @@ async def devinfo_lines(
                 raise UsageError(f"-i {port}: no such port ({ctx.device.name} has {ports_text})")
             numbers = [port] if port is not None else range(1, attr.phys_port_cnt + 1)
             ports = [(number, ctx.query_port(number)) for number in numbers]
-            lines += device_lines(ctx.device.name, ctx.backend, attr, ports, verbose=verbose)
+            info = load_backend(ctx.backend).description
+            lines += device_lines(
+                ctx.device.name, ctx.backend, attr, ports, verbose=verbose, backend_info=info
+            )
     return lines
 
 

@@ -12,6 +12,7 @@ import siwvm
 from _pytest.outcomes import Skipped
 
 import rdmashim
+from rdmashim.verbs.softiwarp import fastpath
 
 import netns
 from pairs import Side, make_pair
@@ -30,6 +31,20 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> Any:
         if exc.msg or len(leaves) != 1 or not isinstance(leaves[0], Skipped):
             raise
         raise leaves[0] from None
+
+
+@pytest.fixture(scope="module", params=["compiled", "python"])
+def engine_kernels(request: pytest.FixtureRequest) -> Iterator[str]:
+    """Run a module once with the engine's compiled kernels and once with the Python ones
+    (``fastpath.use``: engines created meanwhile take them). Module-scoped, so hypothesis
+    tests may use it; the compiled run skips, saying why, when they are unavailable."""
+    if request.param == "compiled" and fastpath.COMPILED is None:
+        pytest.skip(f"compiled kernels unavailable: {fastpath.WHY_NOT}")
+    before = fastpath.use(request.param == "compiled")
+    try:
+        yield request.param
+    finally:
+        fastpath.restore(before)
 
 
 @pytest.fixture

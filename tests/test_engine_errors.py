@@ -23,6 +23,8 @@ from rdmashim.verbs.softiwarp.terminate import (
 
 from pairs import Side, make_pair, settle
 
+pytestmark = pytest.mark.usefixtures("engine_kernels")  # compiled and Python kernels
+
 SIG = SendFlags.SIGNALED
 RW = Access.LOCAL_WRITE | Access.REMOTE_WRITE | Access.REMOTE_READ
 

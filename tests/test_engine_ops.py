@@ -25,6 +25,8 @@ from rdmashim.verbs.softiwarp.engine import MAX_FPDU
 
 from pairs import Side, make_pair, settle
 
+pytestmark = pytest.mark.usefixtures("engine_kernels")  # compiled and Python kernels
+
 SIG = SendFlags.SIGNALED
 # Payload bytes per full FPDU for tagged (Write/Read Response) and untagged (Send) segments.
 TAGGED_CHUNK = MAX_FPDU - 16 - 4

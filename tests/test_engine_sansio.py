@@ -40,6 +40,8 @@ from rdmashim.verbs.softiwarp.terminate import (
     rdmap,
 )
 
+pytestmark = pytest.mark.usefixtures("engine_kernels")  # compiled and Python kernels
+
 RW = Access.LOCAL_WRITE | Access.REMOTE_WRITE | Access.REMOTE_READ
 
 

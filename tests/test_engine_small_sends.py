@@ -18,6 +18,8 @@ from rdmashim.verbs.softiwarp.engine import EngineState, RecvJob, SendJob
 
 from pairs import Side
 
+pytestmark = pytest.mark.usefixtures("engine_kernels")  # compiled and Python kernels
+
 _FLAW = st.sampled_from(
     ["none", "bad_crc", "wrong_msn", "too_long", "dead_region", "no_receive", "inv", "not_last"]
 )
@@ -67,13 +69,17 @@ def _run(crc: bool, sizes: list[int], flaw: str, at: int, whole: bool):
     )
 
 
+FLAWED_RUNS = {
+    "crc": st.booleans(),
+    "sizes": st.lists(st.integers(0, 40), min_size=1, max_size=12),
+    "flaw": _FLAW,
+    "at": st.integers(0, 11),
+}
+"""Strategies for the arguments of ``_run`` but ``whole``: a run of Sends, maybe flawed."""
+
+
 @settings(max_examples=150, deadline=None)
-@given(
-    crc=st.booleans(),
-    sizes=st.lists(st.integers(0, 40), min_size=1, max_size=12),
-    flaw=_FLAW,
-    at=st.integers(0, 11),
-)
+@given(**FLAWED_RUNS)
 def test_whole_buffer_matches_bytewise(crc: bool, sizes: list[int], flaw: str, at: int) -> None:
     whole = _run(crc, sizes, flaw, at, whole=True)
     assert whole == _run(crc, sizes, flaw, at, whole=False)

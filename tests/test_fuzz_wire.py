@@ -5,11 +5,14 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
 
-from rdmashim.verbs.softiwarp import ddp
+import pytest
+
+from rdmashim.verbs.softiwarp import ddp, fastpath
 from rdmashim.verbs.softiwarp.terminate import DdpTaggedCode, ddp_tagged
 
 TOOL = Path(__file__).resolve().parent.parent / "tools" / "fuzz_wire.py"
@@ -26,11 +29,19 @@ TABLE = {
 TABLE["high"][1] = (1 << 64) - TABLE["high"][2]  # the responder's region that ends at 2^64
 
 
-def test_ci_slice_finds_no_crash_hang_or_stray_write() -> None:
+@pytest.mark.parametrize("kernels", ["compiled", "python"])
+def test_ci_slice_finds_no_crash_hang_or_stray_write(kernels: str) -> None:
+    """The responder runs the compiled kernels, or the Python ones (the environment
+    variable forces them in the child)."""
+    env = dict(os.environ)
+    if kernels == "python":
+        env[fastpath.ENV_NO_EXTENSIONS] = "1"
+    elif fastpath.COMPILED is None:
+        pytest.skip(f"compiled kernels unavailable: {fastpath.WHY_NOT}")
     proc = subprocess.run(
         [sys.executable, str(TOOL), "--count", "3000", "--time", "90", "--workers", "4",
          "--seed", "7", "--json"],
-        capture_output=True, text=True, timeout=300,
+        capture_output=True, text=True, timeout=300, env=env,
     )  # fmt: skip
     summary = json.loads(proc.stdout)
     assert summary["crashes"] == 0, summary["crash_details"]

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 
 from rdmashim.cm.types import TransportOptions
 from rdmashim.verbs.backend import Backend
-from rdmashim.verbs.softiwarp import provider
+from rdmashim.verbs.softiwarp import fastpath, provider
 from rdmashim.verbs.softiwarp.cm_id import Connector
 
 if TYPE_CHECKING:
@@ -20,7 +20,7 @@ class SoftiwarpBackend:
     """One device per network interface; MPA over TCP by the engine itself."""
 
     name = provider.BACKEND_NAME
-    description = "built-in iWARP engine over TCP (pure Python)"
+    description = f"built-in iWARP engine over TCP (accelerated: {fastpath.describe()})"
     transport_options = frozenset(f.name for f in fields(TransportOptions))
     """Every portable transport option: the engine negotiates MPA itself."""
 

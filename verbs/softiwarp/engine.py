@@ -31,7 +31,10 @@ from crc32c import crc32c
 from rdmashim.verbs.enums import Access, SendFlags, WCFlags, WCOpcode, WCStatus, WROpcode
 from rdmashim.verbs.softiwarp import ddp
 from rdmashim.verbs.softiwarp.ddp import QN, Opcode
-from rdmashim.verbs.softiwarp.memory import AccessViolation, MemoryTable, Violation
+from rdmashim.verbs.softiwarp.fastpath import kernels
+from rdmashim.verbs.softiwarp.kernels import MSG_WORDS as _MSG_WORDS
+from rdmashim.verbs.softiwarp.kernels import Targets
+from rdmashim.verbs.softiwarp.memory import AccessViolation, MemoryTable, Region, Violation
 from rdmashim.verbs.softiwarp.terminate import (
     DDP_CATASTROPHIC,
     RDMAP_LOCAL_CATASTROPHIC,
@@ -260,6 +263,8 @@ class Engine:
         self._direct: memoryview | None = None
         self._term_body: bytearray | None = None
         self._rtr_pending = self.config.wait_for_rtr
+        self._kernels = kernels()
+        """The data-path kernels, compiled or Python (``fastpath``), fixed for this QP."""
         self.bytes_sent = 0
         self.bytes_received = 0
 
@@ -367,21 +372,20 @@ class Engine:
     def _small_send_fpdus(self, out: list[Chunk], budget: int) -> int:
         """Frame the inline Sends at the head of the send queue that fit one FPDU each.
 
-        The fast path of :meth:`produce`: header, payload, PAD and CRC of every such
-        Send go into one buffer appended to ``out``; the bytes added. It stops at the
-        first work request that is anything else (the general path then takes it).
+        The fast path of :meth:`produce`: this picks the work requests; the kernels
+        frame them all (header, payload, PAD, CRC) into one buffer appended to
+        ``out``. Returns the bytes added. It stops at the first work request that is
+        anything else (the general path then takes it).
         """
         sq = self._sq
         orq = self._orq
         order = self._sq_order
         burst = self._burst_done
-        msns = self._tx_msn
-        crc_on = self.config.crc
         most = (self.config.max_fpdu - ddp.UNTAGGED_HDR_LEN - _CRC_BYTES) & ~3
-        pack = _UNTAGGED.pack
-        crc_field = _CRC_FIELD.pack
         send, send_inv = WROpcode.SEND, WROpcode.SEND_WITH_INV  # enum lookups cost
-        parts: list[bytes] = []
+        payloads: list[bytes] = []
+        ctrls = bytearray()
+        invs: list[int] = []
         size = 0
         while sq and size < budget:
             job = sq[0]
@@ -402,21 +406,20 @@ class Engine:
             sq.popleft()
             order.append(job)
             burst.append(job)
-            msn = msns[_QN_SEND] = (msns[_QN_SEND] + 1) & U32_MAX
             ctrl = _CTRL_SEND_SE if job.flags & _SOLICITED else _CTRL_SEND_PLAIN
-            if op is send_inv:
-                ctrl += _INV_STEP
-            ulpdu_len = _UNTAGGED_ULPDU_MIN + len(inline)
-            body = pack(ulpdu_len, _DDP_LAST_SEGMENT, ctrl, job.invalidate_rkey, _QN_SEND, msn, 0)
-            body += inline
-            pad = -(ulpdu_len + 2) & 3
-            if pad:
-                body += ddp.ZERO_PAD[pad]
-            parts.append(body)
-            parts.append(crc_field(crc32c(body)) if crc_on else _NO_CRC)
-            size += len(body) + _CRC_BYTES
-        if parts:
-            out.append(b"".join(parts))
+            payloads.append(inline)
+            ctrls.append(ctrl + _INV_STEP if op is send_inv else ctrl)
+            invs.append(job.invalidate_rkey)
+            size += ((ddp.UNTAGGED_HDR_LEN + 3 + len(inline)) & ~3) + _CRC_BYTES
+        if payloads:
+            msns = self._tx_msn
+            msn = msns[_QN_SEND]
+            msns[_QN_SEND] = (msn + len(payloads)) & U32_MAX
+            out.append(
+                self._kernels.frame_sends(
+                    payloads, ctrls, invs, (msn + 1) & U32_MAX, self.config.crc
+                )
+            )
         return size
 
     def _take_terminate(self) -> list[Chunk]:
@@ -643,72 +646,78 @@ class Engine:
     def _small_sends(self, sview: memoryview, start: int, end: int) -> int:
         """Complete the whole one-segment Sends at ``sview[start:end]``; the new start.
 
-        The fast path of :meth:`_process` for the common case: an untagged Send or
-        Send with SE whose FPDU (header, payload, trailer) is all in the staging buffer,
-        with the expected MSN, no message in progress and a good CRC. It stops at the
-        first FPDU that is anything else, or that would fail a check, before touching
-        any state for it: the general path then handles (and reports) that FPDU.
+        The fast path of :meth:`_process` for the common case: untagged Sends or
+        Sends with SE whose FPDUs (header, payload, trailer) are all in the staging
+        buffer, with the expected MSNs, no message in progress and good CRCs. The
+        kernels find that run and place the payloads; this takes a receive for each
+        and completes it. The run ends at the first FPDU that is anything else or
+        would fail a check, before any state changes for it: the general path then
+        handles (and reports) that FPDU.
         """
-        if self.state is not _RTS or self._rtr_pending:
-            return start
-        crc_on = self.config.crc
-        unpack = _UNTAGGED.unpack_from
-        wire_crc = _CRC_FIELD.unpack_from
-        take_recv = self.take_recv
-        recv_segments = self._recv_segments
-        on_recv_wc = self.on_recv_wc
-        qp_num = self.qp_num
+        if (
+            self.state is not _RTS
+            or self._rtr_pending
+            or sview[start + 2] != _DDP_LAST_SEGMENT
+            or (sview[start + 3] != _CTRL_SEND_PLAIN and sview[start + 3] != _CTRL_SEND_SE)
+        ):
+            return start  # not a Send (a bulk FPDU, say): no kernel call for nothing
+        kernels = self._kernels
         rx_msn = self._rx_msn
-        success, recv, no_flags = WCStatus.SUCCESS, WCOpcode.RECV, WCFlags.NONE
-        discard = _RX_DISCARD
-        while end - start >= _SMALL_SEND_MIN:
-            ulpdu_len, ddp_ctrl, ctrl, _inv, qn, msn, mo = unpack(sview, start)
-            if (
-                ddp_ctrl != _DDP_LAST_SEGMENT
-                or (ctrl != _CTRL_SEND_PLAIN and ctrl != _CTRL_SEND_SE)
-                or qn
-                or mo
-                or msn != rx_msn[_QN_SEND]
-                or ulpdu_len < _UNTAGGED_ULPDU_MIN
-            ):
-                break
-            body_end = start + ulpdu_len + 2 + (-(ulpdu_len + 2) & 3)
-            if body_end + _CRC_BYTES > end:
-                break
-            if crc_on and crc32c(sview[start:body_end]) != wire_crc(sview, body_end)[0]:
-                break
+        stop, msgs = kernels.scan_sends(sview, start, end, rx_msn[_QN_SEND], self.config.crc)
+        if not msgs:
+            return start
+        take_recv = self.take_recv
+        recv_spans = self._recv_spans
+        handle = kernels.handle
+        targets = Targets()
+        segments = targets.segments
+        add_segment = segments.append
+        add_count = targets.nsegs.append
+        jobs: list[RecvJob] = []
+        refused: RecvJob | None = None
+        for i in range(1, len(msgs), _MSG_WORDS):
             job = take_recv()
             if job is None:
-                break
-            payload = ulpdu_len - _UNTAGGED_ULPDU_MIN
+                break  # the general path reports "no buffer"
             try:
-                segments = recv_segments(job)
+                spans = recv_spans(job)
             except AccessViolation:
-                segments = None
-            if segments is None or payload > job.length:
-                # The general path reports it (LOC_PROT_ERR or LOC_LEN_ERR, Terminate).
-                self._start = start + ddp.UNTAGGED_HDR_LEN
-                hdr = ddp.parse_header(sview, start, end)
-                assert hdr is not None
-                self._fit_send(self._open_send(job, hdr), hdr, payload)
-                raise AssertionError("a refused Send passed the general checks")
-            data = sview[start + ddp.UNTAGGED_HDR_LEN : start + ddp.UNTAGGED_HDR_LEN + payload]
-            if len(segments) == 1:
-                segments[0][:payload] = data
-            else:
-                pos = 0
-                for target in slice_segments(segments, 0, payload):
-                    k = len(target)
-                    target[:] = data[pos : pos + k]
-                    pos += k
-            start = body_end + _CRC_BYTES
-            rx_msn[_QN_SEND] = (msn + 1) & U32_MAX
-            on_recv_wc(
-                WC(job.wr_id, success, recv, payload, qp_num, no_flags, 0, 0, ctrl == _CTRL_SEND_SE)
-            )
-            if self._rx is discard:
+                refused = job
                 break
-        return start
+            if msgs[i] > job.length:
+                refused = job
+                break
+            for region, off, n in spans:
+                add_segment((region.handle or handle(region), region.length, off, n))
+            add_count(len(spans))
+            jobs.append(job)
+        if jobs:
+            kernels.place(sview, msgs, targets)
+        on_recv_wc = self.on_recv_wc
+        qp_num = self.qp_num
+        success, recv, no_flags = WCStatus.SUCCESS, WCOpcode.RECV, WCFlags.NONE
+        for k, job in enumerate(jobs):
+            rx_msn[_QN_SEND] = (rx_msn[_QN_SEND] + 1) & U32_MAX
+            i = k * _MSG_WORDS
+            on_recv_wc(
+                WC(job.wr_id, success, recv, msgs[i + 1], qp_num, no_flags, 0, 0, msgs[i + 2] == 1)
+            )
+            if self._rx is _RX_DISCARD:
+                # The completion ended the QP: the receives taken for the rest are flushed.
+                rest = jobs[k + 1 :]
+                self.flush_recv([*rest, refused] if refused is not None else rest)
+                return end
+        if len(jobs) * _MSG_WORDS == len(msgs):
+            return stop
+        fpdu = msgs[len(jobs) * _MSG_WORDS] - ddp.UNTAGGED_HDR_LEN
+        if refused is not None:
+            # The general path reports it (LOC_PROT_ERR or LOC_LEN_ERR, Terminate).
+            self._start = fpdu + ddp.UNTAGGED_HDR_LEN
+            hdr = ddp.parse_header(sview, fpdu, end)
+            assert hdr is not None
+            self._fit_send(self._open_send(refused, hdr), hdr, hdr.payload_len)
+            raise AssertionError("a refused Send passed the general checks")
+        return fpdu
 
     def _place(self, src: memoryview) -> None:
         targets = self._targets
@@ -815,17 +824,26 @@ class Engine:
         msg.received += payload
         return targets
 
-    def _recv_segments(self, job: RecvJob) -> list[memoryview]:
-        """The registered memory a receive's SGEs name (raises AccessViolation)."""
+    def _recv_spans(self, job: RecvJob) -> list[tuple[Region, int, int]]:
+        """Region, offset and length of each piece of registered memory a receive's
+        SGEs name (raises AccessViolation)."""
+        locate = self.memory.locate
+        pd = self.pd
         sges = job.sges
         if len(sges) == 1:  # the common case, without the comprehension
             s = sges[0]
             if s.length:
-                return [self.memory.resolve(s.lkey, self.pd, s.addr, s.length, _LOCAL_WRITE)]
+                return [(*locate(s.lkey, pd, s.addr, s.length, _LOCAL_WRITE), s.length)]
             return []
-        resolve = self.memory.resolve
-        pd = self.pd
-        return [resolve(s.lkey, pd, s.addr, s.length, _LOCAL_WRITE) for s in sges if s.length]
+        return [
+            (*locate(s.lkey, pd, s.addr, s.length, _LOCAL_WRITE), s.length)
+            for s in sges
+            if s.length
+        ]
+
+    def _recv_segments(self, job: RecvJob) -> list[memoryview]:
+        """The registered memory a receive's SGEs name (raises AccessViolation)."""
+        return [region.view[off : off + n] for region, off, n in self._recv_spans(job)]
 
     def _open_send(self, job: RecvJob, hdr: ddp.Header) -> _RxMessage:
         """Start receiving a Send into ``job``; a receive naming bad memory is refused."""

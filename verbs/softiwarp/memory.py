@@ -80,6 +80,9 @@ class Region:
     valid: bool = True
     rights: int = 0
     """``access`` as a plain int (the data path tests bits without enum arithmetic)."""
+    handle: object = None
+    """The compiled kernels' reference to ``view`` (``kernels.Kernels.handle``), made on
+    first use; dropped at deregistration, which releases the buffer it holds."""
 
     def __post_init__(self) -> None:
         self.rights = int(self.access)
@@ -107,6 +110,7 @@ class MemoryTable:
     def deregister(self, region: Region) -> None:
         """Remove a region; its STag is invalid from now on."""
         region.valid = False
+        region.handle = None
         self._regions.pop(region.stag >> 8, None)
 
     def lookup(self, stag: int) -> Region | None:
@@ -116,9 +120,11 @@ class MemoryTable:
             return None
         return region
 
-    def resolve(self, stag: int, pd: object, addr: int, length: int, access: int) -> memoryview:
-        """The bytes ``[addr, addr + length)`` of the region ``stag``, checked for ``access``
-        (``Access`` bits; the data path passes them as a plain int)."""
+    def locate(
+        self, stag: int, pd: object, addr: int, length: int, access: int
+    ) -> tuple[Region, int]:
+        """The region ``stag`` and the offset of ``[addr, addr + length)`` in it, checked for
+        ``access`` (``Access`` bits; the data path passes them as a plain int)."""
         region = self._regions.get(stag >> 8)  # lookup(), inlined: once per message
         if region is None or region.stag != stag or not region.valid:
             raise AccessViolation(Violation.INVALID_STAG, stag, addr, length)
@@ -129,6 +135,12 @@ class MemoryTable:
         offset = addr - region.addr
         if offset < 0 or length < 0 or offset + length > region.length:
             raise AccessViolation(Violation.BOUNDS, stag, addr, length)
+        return region, offset
+
+    def resolve(self, stag: int, pd: object, addr: int, length: int, access: int) -> memoryview:
+        """The bytes ``[addr, addr + length)`` of the region ``stag``, checked as by
+        :meth:`locate`."""
+        region, offset = self.locate(stag, pd, addr, length, access)
         return region.view[offset : offset + length]
 
     def invalidate(self, stag: int, pd: object) -> Violation | None:

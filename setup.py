@@ -1,0 +1,53 @@
+"""Build script for the optional compiled accelerator; the metadata is in pyproject.toml.
+
+The soft-iWARP engine runs in pure Python. When a C compiler and the Python
+headers are there, this also builds ``rdmashim.verbs.softiwarp._accel`` (cffi
+API mode, ``verbs/softiwarp/accel_build.py``), which takes the per-FPDU work
+of small Sends. The extension is optional: when it cannot be built (no
+compiler, no headers, any error) the build warns and the pure-Python install
+goes on. ``RDMASHIM_NO_EXTENSIONS=1`` skips it.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from setuptools import setup
+from setuptools.command.build_ext import build_ext
+
+
+def _no_extensions() -> bool:
+    return os.environ.get("RDMASHIM_NO_EXTENSIONS", "") not in ("", "0")
+
+
+def _warn(what: str, exc: BaseException) -> None:
+    print(
+        f"WARNING: {what} failed ({type(exc).__name__}: {exc}); rdmashim installs without "
+        "its compiled accelerator and runs the pure-Python engine",
+        file=sys.stderr,
+    )
+
+
+class OptionalBuildExt(build_ext):
+    """``build_ext`` whose failures are warnings: the accelerator is optional."""
+
+    def run(self) -> None:
+        try:
+            super().run()
+        except Exception as exc:
+            _warn("building the C extensions", exc)
+            self.extensions = []
+
+    def build_extension(self, ext: object) -> None:
+        try:
+            super().build_extension(ext)  # type: ignore[arg-type]
+        except Exception as exc:
+            _warn(f"building {getattr(ext, 'name', ext)}", exc)
+            self.extensions = [e for e in self.extensions if e is not ext]
+
+
+setup(
+    cmdclass={"build_ext": OptionalBuildExt},
+    cffi_modules=[] if _no_extensions() else ["verbs/softiwarp/accel_build.py:ffibuilder"],
+)

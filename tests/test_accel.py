@@ -1,0 +1,378 @@
+"""The compiled kernels (``_accel``) against the Python reference (``kernels.py``): the
+same bytes, placements, completions and stop offsets for random batches of Sends and
+random, flawed and hostile received streams; the loader's switch; and the API suite
+on the Python kernels in a child process (the main run uses the compiled ones)."""
+
+from __future__ import annotations
+
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from crc32c import crc32c
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from test_engine_small_sends import FLAWED_RUNS
+from test_engine_small_sends import _run as run_small_sends
+
+from rdmashim.verbs.enums import Access
+from rdmashim.verbs.softiwarp import ddp, fastpath
+from rdmashim.verbs.softiwarp.ddp import QN, Opcode
+from rdmashim.verbs.softiwarp.kernels import (
+    MAX_SEND_PAYLOAD,
+    MSG_WORDS,
+    SEND_CTRLS,
+    Kernels,
+    PyKernels,
+    Targets,
+)
+from rdmashim.verbs.softiwarp.memory import Region
+
+REPO = Path(__file__).resolve().parents[1]
+PY: Kernels = PyKernels()
+_U32 = st.integers(0, 0xFFFFFFFF)
+
+
+@pytest.fixture(scope="module")
+def c() -> Kernels:
+    if fastpath.COMPILED is None:
+        pytest.skip(f"compiled kernels unavailable: {fastpath.WHY_NOT}")
+    return fastpath.COMPILED
+
+
+# ---------------------------------------------------------------- CRC32c
+@settings(max_examples=200, deadline=None)
+@given(data=st.binary(max_size=300), value=_U32, skip=st.integers(0, 7))
+def test_crc32c_matches_the_package(c: Kernels, data: bytes, value: int, skip: int) -> None:
+    from rdmashim.verbs.softiwarp._accel import ffi, lib
+
+    view = memoryview(data)[skip:]  # every alignment
+    expected = crc32c(view, value)
+    assert c.crc32c(view, value) == expected == PY.crc32c(view, value)
+    raw = ffi.from_buffer("uint8_t[]", view)
+    assert lib.rs_crc32c_sw(value, raw, len(raw)) == expected  # the table, with or without SSE4.2
+
+
+def test_crc32c_of_a_large_buffer(c: Kernels) -> None:
+    data = random.Random(3).randbytes(1 << 20)
+    assert c.crc32c(data) == crc32c(data)
+    assert c.crc32c(memoryview(data)[5:], 0x12345678) == crc32c(memoryview(data)[5:], 0x12345678)
+
+
+# ---------------------------------------------------------------- TX framing
+_SEND = st.tuples(st.binary(max_size=100), st.sampled_from(sorted(SEND_CTRLS)), _U32)
+
+
+@settings(max_examples=200, deadline=None)
+@given(sends=st.lists(_SEND, max_size=20), msn=_U32, crc=st.booleans())
+def test_frame_sends_matches_the_reference_and_the_codec(
+    c: Kernels, sends: list[tuple[bytes, int, int]], msn: int, crc: bool
+) -> None:
+    payloads = [p for p, _, _ in sends]
+    ctrls = bytes(ctrl for _, ctrl, _ in sends)
+    invs = [inv for _, _, inv in sends]
+    framed = bytes(c.frame_sends(payloads, ctrls, invs, msn, crc))
+    assert framed == bytes(PY.frame_sends(payloads, ctrls, invs, msn, crc))
+    codec = b""
+    for i, (payload, ctrl, inv) in enumerate(sends):
+        header = ddp.encode_untagged(
+            Opcode(ctrl & 0xF), True, QN.SEND, (msn + i) & 0xFFFFFFFF, 0, len(payload), inv
+        )
+        codec += b"".join(bytes(b) for b in ddp.encode_fpdu(header, [payload], crc=crc))
+    assert framed == codec
+
+
+@pytest.mark.parametrize(
+    ("payload_len", "ctrl"),
+    [
+        (MAX_SEND_PAYLOAD + 1, ddp.RDMAP_VERSION | Opcode.SEND),
+        (4, ddp.RDMAP_VERSION | Opcode.WRITE),
+        (4, ddp.RDMAP_VERSION | Opcode.TERMINATE),
+        (4, Opcode.SEND),  # RDMAP version 0
+    ],
+)
+def test_frame_sends_refuses_what_is_not_a_one_fpdu_send(
+    c: Kernels, payload_len: int, ctrl: int
+) -> None:
+    for kernels in (c, PY):
+        with pytest.raises(ValueError, match="not a one-FPDU Send"):
+            kernels.frame_sends([b"ok", bytes(payload_len)], bytes([0x43, ctrl]), [0, 0], 1, True)
+    largest = bytes(MAX_SEND_PAYLOAD)
+    assert c.frame_sends([largest], b"\x43", [7], 1, True) == PY.frame_sends(
+        [largest], b"\x43", [7], 1, True
+    )
+
+
+# ---------------------------------------------------------------- RX scan
+_SCAN_FLAWS = [
+    "none", "bad_crc", "payload_flip", "wrong_msn", "not_last", "qn", "mo", "inv", "tagged",
+    "ddp_version", "rdmap_version", "short_ulpdu", "long_ulpdu", "truncated", "reserved",
+]  # fmt: skip
+
+
+def _stream(
+    sizes: list[int], se: list[bool], msn: int, crc: bool, flaw: str, at: int, cut: int
+) -> bytes:
+    """FPDUs of Sends (from the codec), the one at ``at`` given the flaw."""
+    out = bytearray()
+    for i, size in enumerate(sizes):
+        payload = bytes((i * 31 + k) & 0xFF for k in range(size))
+        op = Opcode.SEND_SE if se[i % len(se)] else Opcode.SEND
+        qn, mo, last, this_msn = QN.SEND, 0, True, (msn + i) & 0xFFFFFFFF
+        hit = i == at
+        if hit and flaw == "wrong_msn":
+            this_msn = (this_msn + 1) & 0xFFFFFFFF
+        if hit and flaw == "not_last":
+            last = False
+        if hit and flaw == "qn":
+            qn = QN.READ_REQUEST
+        if hit and flaw == "mo":
+            mo = 1
+        if hit and flaw == "inv":
+            op = Opcode.SEND_INV
+        header = bytearray(ddp.encode_untagged(op, last, qn, this_msn, mo, size))
+        if hit and flaw == "tagged":
+            header[2] |= ddp.DDP_TAGGED
+        if hit and flaw == "ddp_version":
+            header[2] ^= 0x03
+        if hit and flaw == "rdmap_version":
+            header[3] ^= 0xC0
+        if hit and flaw == "reserved":
+            header[2] |= 0x04
+        fpdu = bytearray(
+            b"".join(bytes(b) for b in ddp.encode_fpdu(bytes(header), [payload], crc=crc))
+        )
+        if hit and flaw == "bad_crc":
+            fpdu[-1] ^= 0x80
+        if hit and flaw == "payload_flip" and size:
+            fpdu[ddp.UNTAGGED_HDR_LEN] ^= 1
+        if hit and flaw == "short_ulpdu":
+            fpdu[0:2] = (ddp.UNTAGGED_HDR_LEN - 3).to_bytes(2, "big")
+        if hit and flaw == "long_ulpdu":
+            fpdu[0:2] = (0xFFFF).to_bytes(2, "big")
+        out += fpdu
+    if flaw == "truncated":
+        del out[max(0, len(out) - cut) :]
+    return bytes(out)
+
+
+def _scan_both(c: Kernels, buf: bytes, start: int, end: int, msn: int, crc: bool):
+    result = c.scan_sends(buf, start, end, msn, crc)
+    assert result == PY.scan_sends(buf, start, end, msn, crc)
+    stop, msgs = result
+    assert len(msgs) % MSG_WORDS == 0
+    return stop, msgs
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    sizes=st.lists(st.integers(0, 70), min_size=1, max_size=10),
+    se=st.lists(st.booleans(), min_size=1, max_size=4),
+    msn=st.one_of(_U32, st.integers(0xFFFFFFF0, 0xFFFFFFFF)),
+    crc=st.booleans(),
+    flaw=st.sampled_from(_SCAN_FLAWS),
+    at=st.integers(0, 9),
+    cut=st.integers(1, 40),
+    lead=st.binary(max_size=9),
+    tail=st.binary(max_size=30),
+)
+def test_scan_matches_the_reference(
+    c: Kernels, sizes: list[int], se: list[bool], msn: int, crc: bool, flaw: str, at: int,
+    cut: int, lead: bytes, tail: bytes,
+) -> None:  # fmt: skip
+    body = _stream(sizes, se, msn, crc, flaw, at, cut)
+    buf = lead + body + tail
+    stop, msgs = _scan_both(c, buf, len(lead), len(lead) + len(body), msn, crc)
+    found = len(msgs) // MSG_WORDS
+    crc_only = flaw in ("bad_crc", "payload_flip")
+    if flaw == "none" or at >= len(sizes) or (crc_only and not crc):
+        if flaw != "truncated":
+            assert (found, stop) == (len(sizes), len(lead) + len(body))
+    elif flaw != "truncated" and not (flaw == "payload_flip" and not sizes[at]):
+        assert found == at
+    for k in range(found):
+        off, length, solicited = msgs[k * MSG_WORDS : (k + 1) * MSG_WORDS]
+        if not (flaw == "payload_flip" and k == at):
+            assert buf[off : off + length] == bytes((k * 31 + j) & 0xFF for j in range(length))
+        assert solicited == int(se[k % len(se)])
+    # Any window of the same bytes, including ones that cut an FPDU.
+    for start, end in ((0, len(buf)), (len(lead), len(buf) - 1), (len(lead) + 1, len(buf))):
+        _scan_both(c, buf, start, end, msn, crc)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    data=st.binary(max_size=400),
+    msn=_U32,
+    crc=st.booleans(),
+    start=st.integers(-2, 420),
+    end=st.integers(-2, 420),
+)
+def test_scan_of_hostile_bytes_matches_the_reference(
+    c: Kernels, data: bytes, msn: int, crc: bool, start: int, end: int
+) -> None:
+    stop, msgs = _scan_both(c, data, start, end, msn, crc)
+    if not 0 <= start <= end <= len(data):
+        assert (stop, msgs) == (start, [])
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    sizes=st.lists(st.integers(0, 40), min_size=1, max_size=8),
+    crc=st.booleans(),
+    edits=st.lists(st.tuples(st.integers(0, 10000), st.integers(0, 255)), min_size=1, max_size=4),
+)
+def test_scan_of_mutated_streams_matches_the_reference(
+    c: Kernels, sizes: list[int], crc: bool, edits: list[tuple[int, int]]
+) -> None:
+    buf = bytearray(_stream(sizes, [False, True], 5, crc, "none", -1, 0))
+    for pos, value in edits:
+        buf[pos % len(buf)] = value
+    _scan_both(c, bytes(buf), 0, len(buf), 5, crc)
+
+
+# ---------------------------------------------------------------- RX placement
+def _regions(count: int, size: int) -> list[Region]:
+    return [
+        Region(i + 1, 0x1000 * (i + 1), size, Access.LOCAL_WRITE, None, memoryview(bytearray(size)))
+        for i in range(count)
+    ]
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    sizes=st.lists(st.integers(0, 60), min_size=1, max_size=8),
+    splits=st.lists(st.lists(st.integers(0, 70), max_size=3), min_size=8, max_size=8),
+    offsets=st.lists(st.integers(0, 140), min_size=24, max_size=24),
+    extra=st.integers(-2, 2),
+)
+def test_place_matches_the_reference(
+    c: Kernels, sizes: list[int], splits: list[list[int]], offsets: list[int], extra: int
+) -> None:
+    """Random segment layouts (some out of bounds, too short, or fewer than the
+    messages): the same bytes placed, or the same ValueError after the same prefix."""
+    buf = _stream(sizes, [True], 1, True, "none", -1, 0)
+    _, msgs = _scan_both(c, buf, 0, len(buf), 1, True)
+    layouts = []
+    for impl in (c, PY):
+        regions = _regions(3, 128)
+        targets = Targets()
+        seg = 0
+        for i in range(len(sizes)):
+            parts = splits[i] or [sizes[i]]
+            for n in parts:
+                region = regions[seg % 3]
+                targets.segments.append((impl.handle(region), region.length, offsets[seg % 24], n))
+                seg += 1
+            targets.nsegs.append(len(parts))
+        if extra > 0:
+            targets.nsegs[-1] += extra  # more segments than there are
+        elif extra < 0:
+            del targets.nsegs[extra:]  # fewer messages than scanned: fine
+        try:
+            impl.place(buf, msgs, targets)
+            error = None
+        except ValueError:
+            error = ValueError
+        layouts.append(([bytes(r.view) for r in regions], error))
+    assert layouts[0] == layouts[1]
+
+
+def test_place_refuses_msgs_outside_the_buffer(c: Kernels) -> None:
+    for impl in (c, PY):
+        (region,) = _regions(1, 64)
+        targets = Targets([(impl.handle(region), 64, 0, 64)], [1])
+        with pytest.raises(ValueError):
+            impl.place(b"x" * 10, [8, 4, 0], targets)  # payload runs past the buffer
+        with pytest.raises(ValueError):
+            impl.place(b"x" * 10, [], targets)  # more targets than messages
+        assert bytes(region.view) == bytes(64)
+
+
+def test_deregistration_releases_the_compiled_handle(c: Kernels) -> None:
+    """The compiled handle holds the region's buffer; deregistering drops it, so the
+    buffer can be released (an MR's close does that)."""
+    from rdmashim.verbs.softiwarp.memory import MemoryTable
+
+    table = MemoryTable()
+    view = memoryview(bytearray(32))
+    region = table.register(None, view, 0x1000, Access.LOCAL_WRITE)
+    handle = c.handle(region)
+    assert c.handle(region) is handle  # made once
+    with pytest.raises(BufferError):
+        view.release()
+    del handle
+    table.deregister(region)
+    view.release()
+
+
+# ---------------------------------------------------------------- engine
+@settings(max_examples=100, deadline=None)
+@given(**FLAWED_RUNS, whole=st.booleans())
+def test_engine_on_both_kernels_gives_the_same_results(
+    c: Kernels, crc: bool, sizes: list[int], flaw: str, at: int, whole: bool
+) -> None:
+    """Completions, placed bytes, state, error and Terminate of an engine fed a flawed
+    run of small Sends are the same on the compiled and the Python kernels."""
+    results = []
+    for compiled in (True, False):
+        before = fastpath.use(compiled)
+        try:
+            results.append(run_small_sends(crc, sizes, flaw, at, whole))
+        finally:
+            fastpath.restore(before)
+    assert results[0] == results[1]
+
+
+# ---------------------------------------------------------------- the loader, the fallback
+def _child(code: str, **env: str) -> str:
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+        env={**os.environ, **env}, check=True,
+    )  # fmt: skip
+    return proc.stdout.strip()
+
+
+def test_environment_variable_forces_the_fallback(c: Kernels) -> None:
+    code = "from rdmashim.verbs.softiwarp import fastpath; print(fastpath.describe())"
+    assert _child(code, RDMASHIM_NO_EXTENSIONS="0").startswith("yes (C")
+    assert _child(code, RDMASHIM_NO_EXTENSIONS="1") == "no (RDMASHIM_NO_EXTENSIONS is set)"
+
+
+def test_use_switches_new_engines() -> None:
+    before = fastpath.use(False)
+    try:
+        assert not fastpath.accelerated()
+        assert fastpath.describe().startswith("no (")
+        if fastpath.COMPILED is None:
+            with pytest.raises(RuntimeError, match="unavailable"):
+                fastpath.use(True)
+        else:
+            fastpath.use(True)
+            assert fastpath.accelerated()
+    finally:
+        fastpath.restore(before)
+
+
+def test_api_suite_on_the_python_kernels() -> None:
+    """tests/api (this process runs it on the compiled kernels when they are built)
+    once more in a child process where RDMASHIM_NO_EXTENSIONS=1 forces the fallback."""
+    env = {**os.environ, "RDMASHIM_NO_EXTENSIONS": "1"}
+    env.pop("RDMASHIM_BACKEND", None)  # the engine's suite: softiwarp
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "tests/api", "-q", "-x", "-p", "no:cacheprovider"],
+        capture_output=True, text=True, timeout=600, cwd=REPO, env=env,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert " passed" in proc.stdout.splitlines()[-1]
+
+
+def test_compiled_kernels_are_there_when_required() -> None:
+    """CI sets RDMASHIM_REQUIRE_EXTENSIONS=1 where gcc and the headers are installed: a
+    build that silently fell back must fail there, not skip the compiled runs."""
+    if os.environ.get("RDMASHIM_REQUIRE_EXTENSIONS", "") in ("", "0"):
+        pytest.skip("RDMASHIM_REQUIRE_EXTENSIONS is not set")
+    assert fastpath.COMPILED is not None, fastpath.WHY_NOT

@@ -1,0 +1,302 @@
+/* Fuzz driver for the soft-iWARP engine's compiled kernels (verbs/softiwarp/_accel.c).
+ *
+ * Build it with the kernels under AddressSanitizer and UndefinedBehaviorSanitizer:
+ *
+ *   gcc -g -O1 -fsanitize=address,undefined -fno-sanitize-recover=all \
+ *       -I verbs/softiwarp tools/accel_fuzz.c verbs/softiwarp/_accel.c -o accel_fuzz
+ *   ./accel_fuzz SECONDS [SEED]
+ *
+ * Each round frames a valid run of Sends with rs_frame_sends (checked by a scan
+ * that must take all of it), mutates it (byte writes, truncation, garbage,
+ * splices) or replaces it with random bytes, and runs rs_scan_sends over random
+ * windows and rs_place into random, partly invalid targets; rs_frame_sends gets
+ * random, partly inconsistent arguments too, and the hardware CRC32c is compared
+ * with the table. Inputs sit in buffers of exactly their size (ASan sees any read
+ * past them); outputs have canary zones on both sides, checked after every call.
+ * Any sanitizer report aborts; any broken invariant prints "ORACLE:" and exits 1.
+ * tests/test_accel_fuzz.py runs it; -DRS_FUZZ_SELFTEST builds the kernels with a
+ * deliberate overread, which the test requires ASan to catch.
+ */
+#include "_accel.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#define GUARD 32
+#define CANARY 0xA5
+#define MAX_MSGS 48
+#define MAX_SEGS 160
+
+static uint64_t rng_state;
+
+static uint64_t rnd(void)
+{
+    rng_state ^= rng_state << 13;
+    rng_state ^= rng_state >> 7;
+    rng_state ^= rng_state << 17;
+    return rng_state;
+}
+
+static size_t below(size_t n)
+{
+    return n ? (size_t)(rnd() % n) : 0;
+}
+
+static void oracle(const char *what, uint64_t round)
+{
+    fprintf(stderr, "ORACLE: %s (round %llu)\n", what, (unsigned long long)round);
+    exit(1);
+}
+
+/* A guarded output buffer: GUARD canary bytes, cap usable bytes, GUARD canary bytes. */
+static uint8_t *guarded(size_t cap)
+{
+    uint8_t *raw = malloc(cap + 2 * GUARD);
+    if (!raw) {
+        perror("malloc");
+        exit(2);
+    }
+    memset(raw, CANARY, cap + 2 * GUARD);
+    return raw + GUARD;
+}
+
+static void check_guards(uint8_t *buf, size_t cap, uint64_t round)
+{
+    for (size_t i = 0; i < GUARD; i++)
+        if (buf[-1 - (long)i] != CANARY || buf[cap + i] != CANARY)
+            oracle("write outside an output buffer", round);
+}
+
+static void release(uint8_t *buf)
+{
+    free(buf - GUARD);
+}
+
+/* An input buffer of exactly len bytes (ASan reports any read past it). */
+static uint8_t *exact(size_t len)
+{
+    uint8_t *buf = malloc(len ? len : 1);
+    if (!buf) {
+        perror("malloc");
+        exit(2);
+    }
+    return buf;
+}
+
+static uint8_t *exact_copy(const uint8_t *data, size_t len)
+{
+    uint8_t *copy = exact(len);
+    if (len)
+        memcpy(copy, data, len);
+    return copy;
+}
+
+static uint8_t *random_bytes(size_t len)
+{
+    uint8_t *buf = exact(len);
+    for (size_t i = 0; i < len; i++)
+        buf[i] = (uint8_t)rnd();
+    return buf;
+}
+
+/* A valid run of Sends; returns its length (*out malloc'd, exactly that long). */
+static size_t valid_run(uint8_t **out, size_t *count, uint32_t msn, int crc, uint64_t round)
+{
+    size_t n = 1 + below(MAX_MSGS);
+    uint32_t lens[MAX_MSGS], invs[MAX_MSGS];
+    uint8_t ctrls[MAX_MSGS];
+    size_t total = 0;
+    for (size_t i = 0; i < n; i++) {
+        lens[i] = (uint32_t)(below(8) ? below(120) : below(3000));
+        invs[i] = (uint32_t)rnd();
+        ctrls[i] = below(2) ? 0x45 : 0x43; /* Send with SE, Send */
+        total += lens[i];
+    }
+    uint8_t *data = random_bytes(total);
+    size_t cap = total + n * (RS_SEND_MIN + 3);
+    uint8_t *framed = guarded(cap);
+    int64_t len = rs_frame_sends(framed, cap, data, total, lens, ctrls, invs, n, msn, crc);
+    check_guards(framed, cap, round);
+    if (len < 0)
+        oracle("rs_frame_sends refused valid Sends", round);
+    *out = exact_copy(framed, (size_t)len);
+    release(framed);
+    free(data);
+    *count = n;
+    return (size_t)len;
+}
+
+static void mutate(uint8_t **buf, size_t *len)
+{
+    size_t edits = 1 + below(4);
+    for (size_t e = 0; e < edits && *len; e++) {
+        switch (below(6)) {
+        case 0: /* a random byte */
+            (*buf)[below(*len)] = (uint8_t)rnd();
+            break;
+        case 1: /* a bit */
+            (*buf)[below(*len)] ^= (uint8_t)(1u << below(8));
+            break;
+        case 2: /* a length field: the first two bytes of some FPDU-aligned word */
+            (*buf)[below(*len) & ~(size_t)3] = (uint8_t)rnd();
+            break;
+        case 3: { /* truncation */
+            size_t keep = below(*len);
+            uint8_t *shorter = exact_copy(*buf, keep);
+            free(*buf);
+            *buf = shorter;
+            *len = keep;
+            break;
+        }
+        case 4: { /* a run of garbage */
+            size_t at = below(*len), n = below(40);
+            for (size_t i = at; i < *len && i < at + n; i++)
+                (*buf)[i] = (uint8_t)rnd();
+            break;
+        }
+        default: { /* splice: the tail again, shifted */
+            size_t from = below(*len), to = below(*len);
+            size_t n = *len - (from > to ? from : to);
+            memmove(*buf + to, *buf + from, n);
+            break;
+        }
+        }
+    }
+}
+
+static void scan_and_place(const uint8_t *buf, size_t len, uint32_t msn, int crc, uint64_t round)
+{
+    size_t start = below(8) ? 0 : below(len + 1);
+    size_t end = below(4) ? len : start + below(len - start + 1);
+#ifdef RS_FUZZ_SELFTEST
+    end = len; /* where the deliberate overread leaves the buffer */
+#endif
+    size_t words = below(4) ? (end - start) / RS_SEND_MIN * RS_MSG_WORDS + below(4) : below(30);
+    uint32_t *msgs = (uint32_t *)(void *)guarded(words * sizeof(uint32_t));
+    size_t stop = (size_t)-1;
+    size_t n = rs_scan_sends(buf, len, start, end, msn, crc, msgs, words, &stop);
+    check_guards((uint8_t *)msgs, words * sizeof(uint32_t), round);
+    if (n > words / RS_MSG_WORDS || stop < start || stop > end)
+        oracle("rs_scan_sends result out of bounds", round);
+    size_t pos = start;
+    for (size_t i = 0; i < n; i++) {
+        size_t off = msgs[i * RS_MSG_WORDS], plen = msgs[i * RS_MSG_WORDS + 1];
+        size_t fpdu = (RS_UNTAGGED_HDR_LEN + plen + 3) / 4 * 4 + RS_CRC_LEN;
+        if (off != pos + RS_UNTAGGED_HDR_LEN || pos + fpdu > end || msgs[i * RS_MSG_WORDS + 2] > 1)
+            oracle("a scanned message outside the window", round);
+        pos += fpdu;
+    }
+    if (pos != stop)
+        oracle("stop is not the end of the last message", round);
+
+    /* Targets: segments in their own guarded buffers, mostly valid. */
+    size_t nseg = below(MAX_SEGS);
+    uint8_t *bases[MAX_SEGS];
+    uint64_t caps[MAX_SEGS], offs[MAX_SEGS], lens[MAX_SEGS];
+    for (size_t s = 0; s < nseg; s++) {
+        caps[s] = below(4) ? below(200) : below(4000);
+        bases[s] = guarded((size_t)caps[s]);
+        offs[s] = below(10) ? below((size_t)caps[s] + 1) : below(8000);
+        lens[s] = below(10) ? below((size_t)(caps[s] - (offs[s] <= caps[s] ? offs[s] : 0)) + 1)
+                            : below(8000);
+    }
+    size_t nmsg = n + (below(8) ? 0 : below(3));
+    uint32_t *nsegs = (uint32_t *)(void *)guarded((nmsg ? nmsg : 1) * sizeof(uint32_t));
+    for (size_t i = 0; i < nmsg; i++)
+        nsegs[i] = (uint32_t)(below(6) ? 1 : below(4));
+    int rc = rs_place(buf, len, msgs, words, nmsg, bases, caps, offs, lens, nseg, nsegs, nmsg);
+    if (rc != 0 && rc != -1)
+        oracle("rs_place returned something else than 0 or -1", round);
+    check_guards((uint8_t *)nsegs, (nmsg ? nmsg : 1) * sizeof(uint32_t), round);
+    for (size_t s = 0; s < nseg; s++) {
+        check_guards(bases[s], (size_t)caps[s], round);
+        release(bases[s]);
+    }
+    release((uint8_t *)nsegs);
+    release((uint8_t *)msgs);
+}
+
+static void frame_randomly(uint64_t round)
+{
+    size_t n = below(12);
+    uint32_t lens[12], invs[12];
+    uint8_t ctrls[12];
+    size_t total = 0;
+    for (size_t i = 0; i < n; i++) {
+        lens[i] = (uint32_t)(below(10) ? below(200) : rnd() % 70000);
+        invs[i] = (uint32_t)rnd();
+        ctrls[i] = (uint8_t)(below(10) ? 0x43 + below(4) : rnd());
+        total += lens[i];
+    }
+    size_t data_len = below(4) ? total : below(total + 100);
+    uint8_t *data = random_bytes(data_len);
+    size_t need = total + n * (RS_SEND_MIN + 3);
+    size_t cap = below(3) ? need : below(need + 1);
+    uint8_t *out = guarded(cap);
+    int64_t w = rs_frame_sends(out, cap, data, data_len, lens, ctrls, invs, n, (uint32_t)rnd(),
+                               (int)below(2));
+    check_guards(out, cap, round);
+    if (w > (int64_t)cap || w < -1)
+        oracle("rs_frame_sends wrote more than its buffer", round);
+    release(out);
+    free(data);
+}
+
+static void crc_both(uint64_t round)
+{
+    size_t len = below(300);
+    uint8_t *data = random_bytes(len);
+    size_t skip = below(len + 1);
+    uint32_t seed = (uint32_t)rnd();
+    if (rs_crc32c(seed, data + skip, len - skip) != rs_crc32c_sw(seed, data + skip, len - skip))
+        oracle("the CRC32c instruction and the table disagree", round);
+    free(data);
+}
+
+int main(int argc, char **argv)
+{
+    if (argc < 2) {
+        fprintf(stderr, "usage: %s SECONDS [SEED]\n", argv[0]);
+        return 2;
+    }
+    double seconds = atof(argv[1]);
+    rng_state = argc > 2 ? strtoull(argv[2], NULL, 0) : (uint64_t)time(NULL);
+    rng_state |= 1;
+    fprintf(stderr, "accel_fuzz: seed %llu, %.0f s, CRC32c %s\n", (unsigned long long)rng_state,
+            seconds, rs_crc32c_hw() ? "SSE4.2" : "table");
+    clock_t begin = clock();
+    uint64_t round = 0;
+    while ((double)(clock() - begin) / CLOCKS_PER_SEC < seconds) {
+        uint32_t msn = below(4) ? (uint32_t)rnd() : 0xFFFFFFFFu - (uint32_t)below(40);
+        int crc = (int)below(2);
+#ifdef RS_FUZZ_SELFTEST
+        crc = 1; /* the deliberate overread is in the CRC check */
+#endif
+        uint8_t *buf;
+        size_t count;
+        size_t len = valid_run(&buf, &count, msn, crc, round);
+        size_t stop;
+        uint32_t *all = (uint32_t *)(void *)exact(count * RS_MSG_WORDS * sizeof(uint32_t));
+        if (rs_scan_sends(buf, len, 0, len, msn, crc, all, count * RS_MSG_WORDS, &stop) != count ||
+            stop != len)
+            oracle("a valid run was not taken whole", round);
+        free(all);
+        if (below(5) == 0) { /* random bytes instead */
+            free(buf);
+            len = below(600);
+            buf = random_bytes(len);
+        } else {
+            mutate(&buf, &len);
+        }
+        for (int k = 0; k < 4; k++)
+            scan_and_place(buf, len, msn, crc, round);
+        free(buf);
+        frame_randomly(round);
+        crc_both(round);
+        round++;
+    }
+    printf("rounds %llu\n", (unsigned long long)round);
+    return 0;
+}

@@ -1,0 +1,66 @@
+/* The soft-iWARP engine's compiled data-path kernels (see _accel.c).
+ *
+ * Everything between the cdef markers is also read by accel_build.py as the
+ * cffi declarations, so it holds only integer #defines and prototypes.
+ */
+#ifndef RDMASHIM_ACCEL_H
+#define RDMASHIM_ACCEL_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+/* cdef-begin */
+#define RS_UNTAGGED_HDR_LEN 20
+#define RS_CRC_LEN 4
+#define RS_SEND_MIN 24
+#define RS_MAX_SEND_PAYLOAD 65517
+#define RS_MSG_WORDS 3
+
+/* Fill the CRC tables and pick SSE4.2 when the CPU has it (idempotent). */
+void rs_init(void);
+
+/* 1 when rs_crc32c uses the CPU's CRC32 instruction, 0 for the table. */
+int rs_crc32c_hw(void);
+
+/* CRC32c of data[0:len], continuing from a previous result `crc` (0 to start),
+ * as the crc32c package's crc32c(data, crc). rs_crc32c_sw always uses the
+ * slicing-by-8 table. */
+uint32_t rs_crc32c(uint32_t crc, const uint8_t *data, size_t len);
+uint32_t rs_crc32c_sw(uint32_t crc, const uint8_t *data, size_t len);
+
+/* Frame n one-FPDU untagged Sends into out[0:out_cap].
+ * Message i: payload lens[i] bytes taken in turn from data[0:data_len], RDMAP
+ * control byte ctrls[i] (Send, Send with Invalidate, with SE or not),
+ * invalidate STag invs[i], MSN msn + i (mod 2^32), MO 0, QN 0, last flag set;
+ * then zero PAD and the CRC32c (LSB first), or a zero CRC field when crc is 0.
+ * Returns the bytes written, or -1 (out unspecified) when a control byte is
+ * not a Send's, a payload does not fit one FPDU, the payloads do not add up
+ * to data_len or out is too small. */
+int64_t rs_frame_sends(uint8_t *out, size_t out_cap, const uint8_t *data, size_t data_len,
+                       const uint32_t *lens, const uint8_t *ctrls, const uint32_t *invs,
+                       size_t n, uint32_t msn, int crc);
+
+/* Scan buf[start:end] for a run of whole one-FPDU Sends (or Sends with SE):
+ * DDP control "untagged, last, version 1", QN 0, MO 0, MSNs msn, msn + 1, ...,
+ * a ULPDU length that holds the header, the whole FPDU present and, when crc
+ * is set, a matching CRC. Stops at the first FPDU that is anything else.
+ * For each message found writes RS_MSG_WORDS words to out: the payload's
+ * offset in buf, its length, 1 if solicited. At most out_cap / RS_MSG_WORDS
+ * messages. Returns their count; *stop is the offset after the last one
+ * (start when none). Nothing is read outside buf[start:end]. */
+size_t rs_scan_sends(const uint8_t *buf, size_t buf_len, size_t start, size_t end,
+                     uint32_t msn, int crc, uint32_t *out, size_t out_cap, size_t *stop);
+
+/* Copy the payloads of n scanned messages (msgs: RS_MSG_WORDS words each, as
+ * rs_scan_sends wrote them; msg_words of them) out of buf[0:buf_len] into
+ * their targets. Message i fills the next nsegs[i] segments in turn; segment
+ * s is bases[s][offs[s]:offs[s] + lens[s]] in a buffer of caps[s] bytes.
+ * Returns 0, or -1 when an offset or length is out of its bounds, the
+ * segments run out or cannot hold a payload (the messages before it are
+ * placed: that is the caller's bug, never the peer's). */
+int rs_place(const uint8_t *buf, size_t buf_len, const uint32_t *msgs, size_t msg_words,
+             size_t n, uint8_t *const *bases, const uint64_t *caps, const uint64_t *offs,
+             const uint64_t *lens, size_t nseg, const uint32_t *nsegs, size_t nsegs_len);
+/* cdef-end */
+
+#endif

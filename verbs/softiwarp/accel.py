@@ -1,0 +1,92 @@
+"""The compiled kernels: :class:`~rdmashim.verbs.softiwarp.kernels.Kernels` over ``_accel``.
+
+Importing this module fails (``ImportError``) when the extension was not built
+or cffi's backend is missing; :mod:`.fastpath` then keeps the Python kernels.
+Buffers go to C through ``ffi.from_buffer`` (a pointer and its length, the
+object kept alive for the call), integer lists through cffi arrays; C writes
+only into buffers sized here and returns counts and offsets.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from rdmashim.verbs.softiwarp._accel import ffi, lib
+from rdmashim.verbs.softiwarp.kernels import MSG_WORDS, SEND_MIN, Buffer, Targets
+from rdmashim.verbs.softiwarp.memory import Region
+
+_FRAME_OVERHEAD = SEND_MIN + 3
+"""Most bytes an FPDU adds to its payload: header, PAD, CRC."""
+
+lib.rs_init()
+
+
+def _bytes(data: Buffer) -> Any:
+    return ffi.from_buffer("uint8_t[]", data)
+
+
+class CKernels:
+    """The kernels of ``_accel.c`` (see :class:`~rdmashim.verbs.softiwarp.kernels.Kernels`)."""
+
+    accelerated = True
+    name = "C (cffi), CRC32c " + ("SSE4.2" if lib.rs_crc32c_hw() else "table")
+
+    def crc32c(self, data: Buffer, value: int = 0) -> int:
+        """See :class:`Kernels`."""
+        view = _bytes(data)
+        return int(lib.rs_crc32c(value, view, len(view)))
+
+    def frame_sends(
+        self, payloads: Sequence[bytes], ctrls: Buffer, invs: Sequence[int], msn: int, crc: bool
+    ) -> Buffer:
+        """See :class:`Kernels`."""
+        n = len(payloads)
+        if not n == len(ctrls) == len(invs):
+            raise ValueError("frame_sends: payloads, ctrls and invs differ in length")
+        data = b"".join(payloads)
+        out = bytearray(len(data) + n * _FRAME_OVERHEAD)
+        written = lib.rs_frame_sends(
+            _bytes(out), len(out), data, len(data),
+            ffi.new("uint32_t[]", [len(p) for p in payloads]), _bytes(ctrls),
+            ffi.new("uint32_t[]", invs), n, msn, crc,
+        )  # fmt: skip
+        if written < 0:
+            raise ValueError("frame_sends: a message is not a one-FPDU Send")
+        del out[written:]
+        return out
+
+    def scan_sends(
+        self, buf: Buffer, start: int, end: int, msn: int, crc: bool
+    ) -> tuple[int, list[int]]:
+        """See :class:`Kernels`."""
+        if not 0 <= start <= end <= len(buf):
+            return start, []
+        words = (end - start) // SEND_MIN * MSG_WORDS
+        out = ffi.new("uint32_t[]", words or 1)
+        stop = ffi.new("size_t *")
+        view = _bytes(buf)
+        count = lib.rs_scan_sends(view, len(view), start, end, msn, crc, out, words, stop)
+        return int(stop[0]), ffi.unpack(out, count * MSG_WORDS)
+
+    def place(self, buf: Buffer, msgs: Sequence[int], targets: Targets) -> None:
+        """See :class:`Kernels`."""
+        nsegs = targets.nsegs
+        segments = targets.segments
+        handles, caps, offs, lens = zip(*segments, strict=True) if segments else ((), (), (), ())
+        view = _bytes(buf)
+        failed = lib.rs_place(
+            view, len(view), ffi.new("uint32_t[]", msgs), len(msgs), len(nsegs),
+            ffi.new("uint8_t *[]", handles), ffi.new("uint64_t[]", caps),
+            ffi.new("uint64_t[]", offs), ffi.new("uint64_t[]", lens),
+            len(segments), ffi.new("uint32_t[]", nsegs), len(nsegs),
+        )  # fmt: skip
+        if failed:
+            raise ValueError("place: a message or segment outside its bounds")
+
+    def handle(self, region: Region) -> object:
+        """See :class:`Kernels`: a cdata over the region's memory, made once per region."""
+        handle = region.handle
+        if handle is None:
+            handle = region.handle = ffi.from_buffer("uint8_t[]", region.view, True)
+        return handle
