@@ -18,10 +18,11 @@ import rdmashim
 
 
 def engine_path() -> str:
-    """Which engine path the run asked for: ``RDMASHIM_NO_EXTENSIONS=1`` forces pure Python."""
-    if os.environ.get("RDMASHIM_NO_EXTENSIONS", "") not in ("", "0"):
-        return "pure Python (RDMASHIM_NO_EXTENSIONS)"
-    return "default"
+    """Which data-path kernels the engine runs: the compiled accelerator, or the pure-Python
+    fallback (``RDMASHIM_NO_EXTENSIONS=1`` forces it) and why."""
+    from rdmashim.verbs.softiwarp import fastpath
+
+    return f"accelerated: {fastpath.describe()}"
 
 
 def run_meta() -> dict[str, Any]:
