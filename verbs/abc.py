@@ -18,7 +18,7 @@ attributes or compute them.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Protocol, Self
 
 from rdmashim.verbs.enums import Access, QPState, QPType
@@ -85,8 +85,11 @@ class Context(Resource, Protocol):
     def create_comp_channel(self) -> CompChannel:
         """A completion channel CQs can report events to."""
 
-    def create_cq(self, cqe: int, channel: CompChannel | None = None) -> CQ:
-        """A completion queue holding at least ``cqe`` completions."""
+    def create_cq(
+        self, cqe: int, channel: CompChannel | None = None, *, handler: CQHandler | None = None
+    ) -> CQ:
+        """A completion queue holding at least ``cqe`` completions; it reports to
+        ``channel`` or calls ``handler`` (:meth:`CQ.set_handler`), not both (EINVAL)."""
 
     async def get_async_event(self) -> AsyncEvent:
         """Wait for the next asynchronous event (``ibv_get_async_event``)."""
@@ -173,6 +176,10 @@ class CompChannel(Resource, Protocol):
         """Wait for the next event; returns the CQ it is for (acknowledge it there)."""
 
 
+CQHandler = Callable[["CQ"], None]
+"""A completion handler: a plain function (never awaits, never blocks) called with the CQ."""
+
+
 class CQ(Resource, Protocol):
     """A completion queue (``ibv_cq``)."""
 
@@ -196,6 +203,16 @@ class CQ(Resource, Protocol):
 
     def ack_events(self, n: int) -> None:
         """Acknowledge ``n`` events taken from the channel."""
+
+    @property
+    def handler(self) -> CQHandler | None:
+        """The completion handler, if one is set."""
+
+    def set_handler(self, handler: CQHandler | None) -> None:
+        """Call ``handler(cq)`` for the completion that follows each arming instead of an
+        event on a channel (the kernel's ``ib_create_cq`` completion handler). None
+        removes it. EINVAL on a CQ created with a channel. See ``docs/verbs.md``:
+        where it runs, what it may do, and what an exception in it does."""
 
     async def wait(self) -> None:
         """Wait until the CQ holds at least one completion."""
@@ -318,4 +335,15 @@ class QP(Resource, Protocol):
         """Wait until the QP's connection is gone."""
 
 
-__all__ = ["CQ", "MR", "PD", "QP", "SRQ", "CompChannel", "Context", "Device", "Resource"]
+__all__ = [
+    "CQ",
+    "MR",
+    "PD",
+    "QP",
+    "SRQ",
+    "CQHandler",
+    "CompChannel",
+    "Context",
+    "Device",
+    "Resource",
+]

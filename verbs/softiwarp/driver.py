@@ -20,6 +20,7 @@ import errno
 import logging
 import os
 import socket as _stdlib_socket
+from collections.abc import Callable
 
 import trio
 
@@ -48,6 +49,8 @@ class Link:
         self._tx_wakeup = trio.Event()
         self._rx_done = trio.Event()
         self.closed = trio.Event()
+        self.after_receive: Callable[[], None] = lambda: None
+        """Called in the receive task after each batch of received bytes is processed."""
 
     # ------------------------------------------------------------------ transmit
     def kick(self) -> None:
@@ -150,6 +153,7 @@ class Link:
     def _after_rx(self) -> None:
         if not self._pending and (self.engine.tx_ready or self.engine.state is _ERROR):
             self.flush()
+        self.after_receive()
 
     # ------------------------------------------------------------------ lifetime
     async def run(self) -> None:

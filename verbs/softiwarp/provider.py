@@ -12,6 +12,7 @@ import errno
 import itertools
 import logging
 import socket
+import weakref
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from contextlib import asynccontextmanager
@@ -232,6 +233,13 @@ class Context(_Parent):
         """Bytes registered in the context's MRs now."""
         self._async_events: deque[AsyncEvent] = deque(maxlen=MAX_ASYNC_EVENTS)
         self._async_waiter = trio.Event()
+        self._due: deque[CQ] = deque()
+        """CQs whose handler is due (armed, then a completion came)."""
+        self._dispatching = False
+        self._receivers: weakref.WeakSet[trio.lowlevel.Task] = weakref.WeakSet()
+        """The Links' receive tasks: they run due handlers after each batch they read."""
+        self._dispatcher_wakeup: trio.Event | None = None
+        """Wakes the task that runs handlers due outside a receive task (None: not started)."""
 
     @property
     def backend(self) -> str:
@@ -296,14 +304,66 @@ class Context(_Parent):
         self._check_open("create_comp_channel")
         return self._adopt(CompChannel())
 
-    def create_cq(self, cqe: int, channel: abc.CompChannel | None = None) -> CQ:
-        """A completion queue holding up to ``cqe`` completions."""
+    def create_cq(
+        self,
+        cqe: int,
+        channel: abc.CompChannel | None = None,
+        *,
+        handler: abc.CQHandler | None = None,
+    ) -> CQ:
+        """A completion queue holding up to ``cqe`` completions, reporting to ``channel``
+        or calling ``handler`` (see :meth:`CQ.set_handler`)."""
         self._check_open("create_cq")
         if channel is not None:
             channel = own(channel, CompChannel, "create_cq")
+            if handler is not None:
+                raise VerbsError(errno.EINVAL, "create_cq", "a CQ takes a channel or a handler")
         if not 1 <= cqe <= MAX_CQE:
             raise VerbsError(errno.EINVAL, "create_cq", f"cqe {cqe} outside 1..{MAX_CQE}")
-        return self._adopt(CQ(self, cqe, channel))
+        cq = self._adopt(CQ(self, cqe, channel))
+        if handler is not None:
+            cq.set_handler(handler)
+        return cq
+
+    # ------------------------------------------------------------ completion handlers
+    def _handler_due(self, cq: CQ) -> None:
+        """``cq`` was armed and a completion came: its handler runs in the receive task
+        after the batch it is reading, or else in the dispatcher task soon after."""
+        self._due.append(cq)
+        if self._dispatching or trio.lowlevel.current_task() in self._receivers:
+            return
+        wakeup = self._dispatcher_wakeup
+        if wakeup is None:
+            self._dispatcher_wakeup = trio.Event()
+            self.nursery.start_soon(self._dispatcher)
+        else:
+            wakeup.set()
+
+    def _after_receive(self) -> None:
+        """Called by a Link's receive task after each batch it read: run due handlers."""
+        self._receivers.add(trio.lowlevel.current_task())
+        if self._due:
+            self._dispatch()
+
+    async def _dispatcher(self) -> None:
+        self._dispatch()
+        while True:
+            wakeup = self._dispatcher_wakeup = trio.Event()
+            await wakeup.wait()
+            self._dispatch()
+
+    def _dispatch(self) -> None:
+        """Run the due handlers, and those falling due meanwhile, one at a time."""
+        if self._dispatching:
+            return  # a handler posted work: the running loop takes what falls due
+        self._dispatching = True
+        due = self._due
+        try:
+            while due:
+                cq = due.popleft()
+                cq._handler_run()
+        finally:
+            self._dispatching = False
 
     def _post_async(self, event_type: AsyncEventType, element: CQ | QP) -> None:
         if len(self._async_events) == MAX_ASYNC_EVENTS:
@@ -511,6 +571,34 @@ class CQ(_Resource):
         """The QPs completing into this CQ (they go to ERR if it overruns)."""
         self.events_acked = 0
         self.events_delivered = 0
+        self.handler: abc.CQHandler | None = None
+
+    def set_handler(self, handler: abc.CQHandler | None) -> None:
+        """Call ``handler(self)`` for the completion that follows each :meth:`req_notify`.
+
+        It runs in the task that made the completion: a received message's in the
+        connection's receive task, right after the bytes it read are processed (no
+        task switch); others (a post's send completions, flushes) in the context's
+        dispatcher task soon after. A handler that posts or polls finds its new
+        completions reported the same way once it re-armed. An exception in it is
+        logged and moves the QPs completing here to ERR (their ``error`` is it).
+        """
+        self._check_open("set_handler")
+        if handler is not None and self.channel is not None:
+            raise VerbsError(errno.EINVAL, "set_handler", "the CQ reports to a channel")
+        self.handler = handler
+
+    def _handler_run(self) -> None:
+        handler = self.handler
+        if handler is None or self._closed:
+            return
+        try:
+            handler(self)
+        except Exception as exc:
+            log.exception("completion handler %r failed; its CQ's QPs go to ERR", handler)
+            for qp in list(self._qps.values()):
+                if qp.state is not QPState.ERR:
+                    qp.engine.set_error(exc)
 
     def _push(self, wc: WC) -> None:
         if len(self._entries) >= self.cqe:
@@ -530,6 +618,8 @@ class CQ(_Resource):
             if self.channel is not None:
                 self.events_delivered += 1
                 self.channel._notify(self)
+            elif self.handler is not None:
+                self.context._handler_due(self)
 
     async def _fail_qps(self) -> None:
         """After an overrun: every QP completing here goes to ERR (QP_FATAL each)."""
@@ -574,7 +664,8 @@ class CQ(_Resource):
         return self.poll_into(wcs, num_entries)
 
     def req_notify(self, solicited_only: bool = False) -> None:
-        """Arm the CQ: the next (solicited) completion sends one event to the channel."""
+        """Arm the CQ: the next (solicited) completion sends one event to the channel or
+        calls the handler once (completions already queued do not count)."""
         self._check_open("req_notify_cq")
         self._armed = True
         self._solicited_only = solicited_only
@@ -1050,6 +1141,7 @@ class QP(_Resource):
 
     def _attach(self, link: Link) -> None:
         self._link = link
+        link.after_receive = self.context._after_receive
         self._state = QPState.RTS if self.engine.state is EngineState.RTS else self._state
 
     async def wait_closed(self) -> None:

@@ -1,0 +1,78 @@
+"""Where the built-in engine runs completion handlers (the API suite checks what they do).
+
+A received message's completion calls the handler in the connection's receive
+task, right after the bytes are processed: no task switch between the bytes
+and the handler. Completions of a post made outside a handler call it soon
+after from the context's dispatcher task, never inside the post.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import trio
+from api.support import SIG, TIMEOUT, Cm, drain, ok
+
+from rdmashim import SendWR, WROpcode
+from rdmashim.cm import EventChannel
+
+
+@pytest.fixture
+async def cm() -> Any:
+    async with EventChannel() as channel:
+        yield Cm(channel)
+
+
+class Steps(trio.abc.Instrument):
+    """Records the tasks trio steps, in order."""
+
+    def __init__(self) -> None:
+        self.stepped: list[trio.lowlevel.Task] = []
+
+    def before_task_step(self, task: trio.lowlevel.Task) -> None:
+        self.stepped.append(task)
+
+
+async def test_receive_handler_runs_in_the_receive_task(cm: Cm) -> None:
+    pair = await cm.pair()
+    client, server = pair.client, pair.server
+    server.post_recvs(server.reg(16), 1, 16)
+    seen: list[tuple[trio.lowlevel.Task, int]] = []
+    steps = Steps()
+
+    def handler(cq: Any) -> None:
+        seen.append((trio.lowlevel.current_task(), len(steps.stepped)))
+
+    server.recv_cq.set_handler(handler)
+    server.recv_cq.req_notify()
+    msg = client.reg(b"x")
+    trio.lowlevel.add_instrument(steps)
+    try:
+        client.qp.post_send(SendWR(1, WROpcode.SEND, [msg.sge()]))
+        with trio.fail_after(TIMEOUT):
+            while not seen:  # noqa: ASYNC110 (the handler runs in another task)
+                await trio.sleep(0.001)
+    finally:
+        trio.lowlevel.remove_instrument(steps)
+    task, at = seen[0]
+    assert task.coro.cr_code.co_name == "_rx_loop"
+    # The step that ran the handler is the receive task's own: it read the bytes.
+    assert steps.stepped[at - 1] is task
+    ok(await drain(server.recv_cq, 1))
+
+
+async def test_post_completions_call_the_handler_after_the_post(cm: Cm) -> None:
+    pair = await cm.pair()
+    client, server = pair.client, pair.server
+    server.post_recvs(server.reg(16), 1, 16)
+    tasks: list[trio.lowlevel.Task] = []
+    client.send_cq.set_handler(lambda cq: tasks.append(trio.lowlevel.current_task()))
+    client.send_cq.req_notify()
+    client.qp.post_send(SendWR(1, WROpcode.SEND, [client.reg(b"y").sge()], SIG))
+    assert tasks == []  # never inside the post
+    with trio.fail_after(TIMEOUT):
+        while not tasks:  # noqa: ASYNC110
+            await trio.sleep(0.001)
+    assert tasks[0] is not trio.lowlevel.current_task()
+    ok(await drain(client.send_cq, 1))
