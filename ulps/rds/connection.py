@@ -15,6 +15,7 @@ never sent twice, and a broken session drops it with a status saying so.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 from collections import deque
@@ -37,10 +38,21 @@ from rdmashim.ulps.rds.wire import (
     RdsHeader,
     RdsProtocolError,
 )
-from rdmashim.verbs import WC, Access, RecvWR, SendFlags, SendWR, WCOpcode, WCStatus, WROpcode
+from rdmashim.verbs import (
+    Access,
+    RecvBatch,
+    RecvWR,
+    SendFlags,
+    SendWR,
+    WCArray,
+    WCOpcode,
+    WCStatus,
+    WROpcode,
+)
 
 if TYPE_CHECKING:
     from rdmashim.cm import Connection, ConnectionRequest
+    from rdmashim.verbs.abc import CQ
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +69,8 @@ RDMA_DEPTH = 16
 """RDMA operations a session keeps in flight (beside its send slots on the send queue)."""
 _RDMA_WR = 1 << 32
 """Work request ids at and above this are RDMA operations; below, send slots."""
+_SUCCESS = WCStatus.SUCCESS
+_RECV = WCOpcode.RECV
 
 
 class SessionLost(Exception):
@@ -314,6 +328,14 @@ class Session:
     ``conn`` is a :class:`rdmashim.cm.Connection` (PD, CQ, QP), not yet
     connected: the session posts its receives first. :meth:`run` takes the
     credits the peer announced in its private data.
+
+    Completions are taken by the CQ's completion handler (as the kernel's RDS
+    does in its ``ib_create_cq`` handler): it delivers received messages to
+    their sockets, re-posts the receives, posts what the new credits allow and
+    re-arms, where the backend reports the completion (the built-in engine: in
+    the receive task that read the bytes). :meth:`run`'s task only sends a
+    held-back acknowledgement when its delay ends and ends the session when the
+    handler finds the connection broken.
     """
 
     def __init__(self, rds: RdsConnection, conn: Connection | ConnectionRequest) -> None:
@@ -336,11 +358,21 @@ class Session:
         self.acked_to_peer = rds.next_recv - 1
         self._assembly: tuple[RdsHeader, bytearray, int] | None = None
         self.lost = False
+        self._wcs = WCArray(64)
+        self._recvs = RecvBatch(
+            RecvWR(i, [self.recv_mr.sge(i * SLOT, SLOT)]) for i in range(RECV_SLOTS)
+        )
+        self._failure: SessionLost | None = None
+        """Why the session ended, once the completion handler found out."""
+        self._wake = trio.Event()
+        """Set for :meth:`run`'s task when the session ends."""
+        self._ack_at = math.inf
+        """When an acknowledgement held back must go on its own."""
+        self._timer: trio.CancelScope | None = None
+        self._pumping = False
 
         # Before the connection is up: the peer may send as soon as it is.
-        self.qp.post_recv(
-            [RecvWR(i, [self.recv_mr.sge(i * SLOT, SLOT)]) for i in range(RECV_SLOTS)]
-        )
+        self.qp.post_recv_batch(self._recvs)
 
     def close(self) -> None:
         """Deregister the session's buffers (once its QP is destroyed)."""
@@ -410,9 +442,18 @@ class Session:
         """Post as many fragments as credits and send slots allow (never blocks).
 
         Data never takes the last credit: that one is kept for a credit update.
+        A call from inside another (a completion handler run by a post) returns:
+        the running one takes the slots and credits it freed.
         """
-        if self.lost:
+        if self.lost or self._pumping:
             return
+        self._pumping = True
+        try:
+            self._pump()
+        finally:
+            self._pumping = False
+
+    def _pump(self) -> None:
         rds = self.rds
         while self.free_slots and self.send_credits > 1:
             fence = False
@@ -446,7 +487,7 @@ class Session:
 
     # ------------------------------------------------------------------ receive
     def _on_recv(self, slot: int, byte_len: int) -> None:
-        """Take one received fragment (or ack) and post its buffer again."""
+        """Take one received fragment (or ack); the caller posts its buffer again."""
         base = slot * SLOT
         view = self.recv_mr.buf[base : base + byte_len]
         header = RdsHeader.decode(view)
@@ -456,8 +497,6 @@ class Session:
         self.rds.acked(header.ack)
         if header.sequence:
             self._assemble(header, view[RDS_HEADER_LEN:])
-        self.qp.post_recv(RecvWR(slot, [self.recv_mr.sge(base, SLOT)]))
-        self.advertise += 1
 
     def _assemble(self, header: RdsHeader, fragment: memoryview) -> None:
         """Add a fragment (a view of the receive buffer: copied before it is reused)."""
@@ -479,20 +518,72 @@ class Session:
             self.rds.received(first, bytes(data))
 
     # ------------------------------------------------------------------ the loop
-    def _completions(self, wcs: list[WC]) -> None:
-        for wc in wcs:
-            if wc.wr_id in self.rdma:  # receives use slot numbers: no clash
-                self._rdma_done(wc.wr_id, wc.status)
-            if wc.status != WCStatus.SUCCESS:
-                raise SessionLost(
-                    f"{wc.status.name} (work request {wc.wr_id:#x}) with {self.rds.peer}"
-                )
-            if wc.opcode == WCOpcode.RECV:
-                self._on_recv(wc.wr_id, wc.byte_len)
-            elif wc.wr_id < _RDMA_WR:  # this Send and every one posted before it are done
-                while (slot := self.posted.popleft()) != wc.wr_id:
+    def _completions(self, wcs: WCArray, n: int) -> None:
+        """Take entries ``0..n-1`` of ``wcs``; the receives among them are posted again
+        (even when a broken one ends the session: the QP flushes them then)."""
+        reposts: list[int] = []
+        try:
+            for i in range(n):
+                wr_id = wcs.wr_id[i]
+                status = wcs.status[i]
+                if wr_id in self.rdma:  # receives use slot numbers: no clash
+                    self._rdma_done(wr_id, status)
+                if status != _SUCCESS:
+                    raise SessionLost(
+                        f"{status.name} (work request {wr_id:#x}) with {self.rds.peer}"
+                    )
+                if wcs.opcode[i] == _RECV:
+                    reposts.append(wr_id)
+                    self._on_recv(wr_id, wcs.byte_len[i])
+                elif wr_id < _RDMA_WR:  # this Send and every one posted before it are done
+                    while (slot := self.posted.popleft()) != wr_id:
+                        self.free_slots.append(slot)
                     self.free_slots.append(slot)
-                self.free_slots.append(slot)
+        finally:
+            if reposts and not self.lost:
+                self.qp.post_recv_batch(self._recvs, indices=reposts)
+                self.advertise += len(reposts)
+
+    def _on_cq(self, cq: CQ) -> None:
+        """The CQ's completion handler: take everything, then re-arm (see the class)."""
+        if self.lost:
+            return
+        wcs = self._wcs
+        try:
+            while True:
+                n = cq.poll_into(wcs)
+                if not n:
+                    cq.req_notify()
+                    n = cq.poll_into(wcs)  # what came between the last poll and the arming
+                    if not n:
+                        break
+                self._completions(wcs, n)
+                self.pump_sends()
+                self._acknowledge()
+        except RdsProtocolError as exc:
+            log.warning("RDS protocol error from %s: %s", self.rds.peer, exc)
+            self._end(SessionLost(str(exc)))
+        except SessionLost as exc:
+            self._end(exc)
+
+    def _acknowledge(self) -> None:
+        """Send an acknowledgement now if many receives wait to be announced, else make
+        sure one goes within ``ACK_DELAY`` unless a message of ours carries it."""
+        if self.advertise >= RECV_SLOTS // 2:
+            self._send_ack()
+            self._ack_at = math.inf
+        elif self.rds.next_recv - 1 <= self.acked_to_peer:
+            self._ack_at = math.inf  # a message of ours carried it
+        elif self._ack_at == math.inf:
+            self._ack_at = trio.current_time() + ACK_DELAY
+            if self._timer is not None:
+                self._timer.deadline = self._ack_at
+
+    def _end(self, failure: SessionLost) -> None:
+        if self._failure is None:
+            self._failure = failure
+        self.lost = True
+        self._wake.set()
 
     async def run(self, credits: int) -> None:
         """Drive the session until its connection breaks (raises :class:`SessionLost`).
@@ -502,24 +593,19 @@ class Session:
         self.send_credits = credits
         self.rds.counters.sessions += 1
         self.pump_sends()
-        ack_at = math.inf  # when an acknowledgement held back must go on its own
         try:
-            while True:
-                if ack_at == math.inf:
-                    self._completions(await self.cq.poll_wait(64))
-                else:
-                    with trio.move_on_at(ack_at):
-                        self._completions(await self.cq.poll_wait(64))
-                self.pump_sends()
-                if self.rds.next_recv - 1 <= self.acked_to_peer:
-                    ack_at = math.inf  # a message of ours carried it
-                elif ack_at == math.inf:
-                    ack_at = trio.current_time() + ACK_DELAY
-                if self.advertise >= RECV_SLOTS // 2 or trio.current_time() >= ack_at:
-                    self._send_ack()
-                    ack_at = math.inf
-        except RdsProtocolError as exc:
-            log.warning("RDS protocol error from %s: %s", self.rds.peer, exc)
-            raise SessionLost(str(exc)) from exc
+            self.cq.set_handler(self._on_cq)
+            self._on_cq(self.cq)  # what came before, and arm
+            while self._failure is None:
+                with trio.CancelScope(deadline=self._ack_at) as self._timer:
+                    await self._wake.wait()
+                self._timer = None
+                if self._failure is None and trio.current_time() >= self._ack_at:
+                    self._ack_at = math.inf
+                    if self.rds.next_recv - 1 > self.acked_to_peer:
+                        self._send_ack()
+            raise self._failure
         finally:
             self.lost = True
+            with contextlib.suppress(OSError):  # the CQ may be closed already
+                self.cq.set_handler(None)

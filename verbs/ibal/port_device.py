@@ -251,12 +251,19 @@ class Context:
         self._check("create_comp_channel")
         return CompChannel(self)
 
-    def create_cq(self, cqe: int, channel: abc.CompChannel | None = None) -> abc.CQ:
-        """``ib_create_cq`` with a completion callback."""
+    def create_cq(
+        self,
+        cqe: int,
+        channel: abc.CompChannel | None = None,
+        *,
+        handler: abc.CQHandler | None = None,
+    ) -> abc.CQ:
+        """``ib_create_cq`` with a completion callback; it reports to ``channel`` or
+        calls ``handler`` on the application's loop."""
         from rdmashim.verbs.ibal.port_queues import CQ
 
         self._check("create_cq")
-        return CQ(self, cqe, channel)
+        return CQ(self, cqe, channel, handler)
 
     def _check(self, operation: str) -> None:
         if self.closed:

@@ -3,12 +3,13 @@
 A CQ is ``ib_create_cq`` with a completion callback: the callback (on the
 AL's callback thread) hands the notification to the application's trio loop,
 where it wakes ``wait`` and, when the application armed the CQ, queues the CQ
-on its completion channel. ``req_notify`` is ``ib_rearm_cq`` (one-shot, as
-verbs), ``poll`` is ``ib_poll_cq`` over a free list of ``ib_wc_t`` the CQ
-reuses. A QP is ``ib_create_qp``: unbound, moved to INIT as rdma_cm does,
-bound to its connection by the CM (:mod:`.port_cm`). Posting converts the
-portable work requests to one linked ``ib_send_wr_t``/``ib_recv_wr_t`` chain;
-a refusal's ``failed_wr`` becomes ``bad_wr``, the index in the list given.
+on its completion channel or calls its completion handler (``set_handler``).
+``req_notify`` is ``ib_rearm_cq`` (one-shot, as verbs), ``poll`` is
+``ib_poll_cq`` over a free list of ``ib_wc_t`` the CQ reuses. A QP is
+``ib_create_qp``: unbound, moved to INIT as rdma_cm does, bound to its
+connection by the CM (:mod:`.port_cm`). Posting converts the portable work
+requests to one linked ``ib_send_wr_t``/``ib_recv_wr_t`` chain; a refusal's
+``failed_wr`` becomes ``bad_wr``, the index in the list given.
 
 A batch (``post_send_batch``/``post_recv_batch``) keeps its entries converted
 to ``ib_*_wr_t`` (entries set since are converted again) and posts the chosen
@@ -22,6 +23,7 @@ import contextlib
 import copy
 import errno
 import itertools
+import logging
 from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any, Self, TypeVar
 
@@ -145,6 +147,9 @@ def wc_fields(entry: ib_wc_t, qp_numbers: dict[int, int]) -> tuple[Any, ...]:
     )
 
 
+log = logging.getLogger(__name__)
+
+
 class CompChannel:
     """A completion channel: CQs whose armed notification fired, in order."""
 
@@ -180,9 +185,18 @@ class CompChannel:
 class CQ:
     """A completion queue: ``ib_create_cq`` with a completion callback (``h_cq``)."""
 
-    def __init__(self, context: Context, cqe: int, channel: abc.CompChannel | None) -> None:
+    def __init__(
+        self,
+        context: Context,
+        cqe: int,
+        channel: abc.CompChannel | None,
+        handler: abc.CQHandler | None = None,
+    ) -> None:
         self.context = context
         self.channel = own(channel, CompChannel, "create_cq") if channel is not None else None
+        if channel is not None and handler is not None:
+            raise VerbsError(errno.EINVAL, "create_cq", "a CQ takes a channel or a handler")
+        self.handler = handler
         with verbs_errors("create_cq"):
             self.h_cq: IbCq = ib_create_cq(
                 context.ca,
@@ -206,9 +220,31 @@ class CQ:
         waiters, self._waiters = self._waiters, []
         for event in waiters:
             event.set()
-        if self._app_armed and self.channel is not None:
+        if not self._app_armed or self.closed:
+            return
+        if self.channel is not None:
             self._app_armed = False
             self.channel.push(self)
+        elif self.handler is not None:
+            self._app_armed = False
+            try:
+                self.handler(self)
+            except Exception:
+                log.exception("completion handler %r failed; its CQ's QPs go to ERR", self.handler)
+                for h_qp in list(self.h_cq.users):
+                    qp = h_qp.user_context
+                    if isinstance(qp, QP) and not qp.closed and qp.state is not QPState.ERR:
+                        with contextlib.suppress(VerbsError):
+                            qp.modify(qp_state=QPState.ERR)
+
+    def set_handler(self, handler: abc.CQHandler | None) -> None:
+        """Call ``handler(self)`` on the application's loop for the completion that
+        follows each arming (IBAL's ``pfn_comp_cb``, as the channel's events come)."""
+        if self.closed:
+            raise VerbsError(errno.EBADF, "set_handler", "CQ closed")
+        if handler is not None and self.channel is not None:
+            raise VerbsError(errno.EINVAL, "set_handler", "the CQ reports to a channel")
+        self.handler = handler
 
     def req_notify(self, solicited_only: bool = False) -> None:
         """``ib_rearm_cq``: one channel event at the next (solicited) completion."""
