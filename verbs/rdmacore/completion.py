@@ -11,6 +11,12 @@ Events read from a channel are counted per CQ and acknowledged
 events it consumes itself, and at the latest when the CQ is destroyed (which
 libibverbs requires).
 
+:meth:`CQ.set_handler` gives a CQ (one without a channel: it waits on its
+private one) a completion handler: a trio system task waits on the channel's
+fd; for each event (``ibv_get_cq_event``, acknowledged at once) that follows
+an arming by :meth:`CQ.req_notify` it calls the handler, one hop from the
+kernel's event. The task ends with the CQ or when the handler is removed.
+
 :meth:`CQ.poll_into` polls straight into a ``struct ibv_wc[n]`` the
 :class:`~rdmashim.verbs.wr.WCArray` keeps (:class:`WCBuffer`) and copies each
 field to the array's list with one strided slice of the buffer: no object per
@@ -39,6 +45,7 @@ from rdmashim.verbs.rdmacore.cdefs import ffi
 from rdmashim.verbs.wr import WC, WCArray
 
 if TYPE_CHECKING:
+    from rdmashim.verbs import abc
     from rdmashim.verbs.rdmacore.device import Context
 
 log = logging.getLogger(__name__)
@@ -228,6 +235,10 @@ class CQ(Resource):
     _kind = "completion queue"
 
     def __init__(self, context: Context, cqe: int, channel: CompChannel | None) -> None:
+        self.handler: abc.CQHandler | None = None
+        self._app_armed = False
+        """Armed by :meth:`req_notify` (not only by :meth:`wait`): the handler is due."""
+        self._handler_task = False
         events = channel if channel is not None else CompChannel(context)
         super().__init__(context, events)
         self.context = context
@@ -259,11 +270,45 @@ class CQ(Resource):
     def _event_arrived(self) -> None:
         self._unacked += 1
         self.events_delivered += 1
+        handler = self.handler if self._app_armed else None
         if self._waiters:
             self._wakeups += 1
             self.ack_events(1)
+        elif self.handler is not None:
+            self.ack_events(1)
         else:
             self._events._ready.append(self)
+        if handler is not None:
+            self._app_armed = False
+            try:
+                handler(self)
+            except Exception as exc:
+                log.exception("completion handler %r failed; its CQ's QPs go to ERR", handler)
+                self.context._cq_handler_failed(self, exc)
+
+    def set_handler(self, handler: abc.CQHandler | None) -> None:
+        """Call ``handler(self)`` for the event that follows each :meth:`req_notify`, from
+        a task waiting on the CQ's private channel (see the module docstring). An
+        exception in it is logged and moves the QPs completing here to ERR."""
+        self._check_open("set_handler")
+        if handler is not None and self.channel is not None:
+            raise VerbsError(errno.EINVAL, "set_handler", "the CQ reports to a channel")
+        self.handler = handler
+        if handler is not None and not self._handler_task:
+            self._handler_task = True
+            trio.lowlevel.spawn_system_task(self._handler_loop, name=f"cq-handler-{id(self):x}")
+
+    async def _handler_loop(self) -> None:
+        """Read the private channel while the CQ has a handler (the events call it)."""
+        try:
+            while self.handler is not None and not self._closed:
+                await self._events._await_events()
+        except VerbsError as exc:  # the CQ or its channel closed
+            log.debug("completion handler task ends: %s", exc)
+        except Exception:  # a system task must not raise: it would end the trio run
+            log.exception("completion handler task failed")
+        finally:
+            self._handler_task = False
 
     def _poll_cq_into(self, limit: int, array: Any) -> int:
         n: int = self._poll_cq(self._ptr, limit, array)
@@ -322,8 +367,13 @@ class CQ(Resource):
         return [buffered.popleft() for _ in range(n)]
 
     def req_notify(self, solicited_only: bool = False) -> None:
-        """Arm the CQ: the next (solicited) completion sends one event to the channel."""
+        """Arm the CQ: the next (solicited) completion sends one event to the channel or
+        calls the handler once."""
         self._check_open("req_notify_cq")
+        self._app_armed = True
+        self._arm(solicited_only)
+
+    def _arm(self, solicited_only: bool = False) -> None:
         lib.check(self._req_notify_cq(self._ptr, int(solicited_only)), "req_notify_cq")
 
     def ack_events(self, n: int) -> None:
@@ -351,7 +401,7 @@ class CQ(Resource):
         try:
             while not (n := poll()):
                 seen = self._wakeups
-                self.req_notify()
+                self._arm()
                 if n := poll():
                     return n
                 while self._wakeups == seen:

@@ -10,6 +10,7 @@ everything created from it.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import os
@@ -26,7 +27,7 @@ import trio
 from rdmashim.verbs import abc
 from rdmashim.verbs.attrs import DeviceAttr, PortAttr
 from rdmashim.verbs.backend import own
-from rdmashim.verbs.enums import AtomicCap, Mtu, NodeType, PortState, Transport
+from rdmashim.verbs.enums import AtomicCap, Mtu, NodeType, PortState, QPState, Transport
 from rdmashim.verbs.errors import BackendUnavailable, VerbsError
 from rdmashim.verbs.events import AsyncEvent, AsyncEventType
 from rdmashim.verbs.rdmacore import lib
@@ -304,6 +305,14 @@ class Context(Resource):
         """Remember a QP by number (completions name their QP so)."""
         self._qps[qp_num] = qp
 
+    def _cq_handler_failed(self, cq: Any, why: Exception) -> None:
+        """``cq``'s completion handler raised: the QPs completing into it go to ERR."""
+        for qp in list(self._qps.values()):
+            if (qp.send_cq is cq or qp.recv_cq is cq) and not qp.closed:
+                with contextlib.suppress(OSError):
+                    qp.modify(qp_state=QPState.ERR)
+                qp._failed(why)
+
     def _qp_failed(self, qp_num: int, why: Exception) -> None:
         """A completion with an error status came from QP ``qp_num``: it is in ERR."""
         qp = self._qps.get(qp_num)
@@ -390,10 +399,22 @@ class Context(Resource):
         self._check_open("create_comp_channel")
         return CompChannel(self)
 
-    def create_cq(self, cqe: int, channel: abc.CompChannel | None = None) -> CQ:
-        """A completion queue holding at least ``cqe`` completions."""
+    def create_cq(
+        self,
+        cqe: int,
+        channel: abc.CompChannel | None = None,
+        *,
+        handler: abc.CQHandler | None = None,
+    ) -> CQ:
+        """A completion queue holding at least ``cqe`` completions, reporting to
+        ``channel`` or calling ``handler`` (:meth:`CQ.set_handler`)."""
         self._check_open("create_cq")
-        return CQ(self, cqe, None if channel is None else own(channel, CompChannel, "create_cq"))
+        if channel is not None and handler is not None:
+            raise VerbsError(errno.EINVAL, "create_cq", "a CQ takes a channel or a handler")
+        cq = CQ(self, cqe, None if channel is None else own(channel, CompChannel, "create_cq"))
+        if handler is not None:
+            cq.set_handler(handler)
+        return cq
 
     async def get_async_event(self) -> AsyncEvent:
         """Wait for the next asynchronous event (acknowledged at once: it is copied)."""
