@@ -18,6 +18,7 @@ Everything here uses only the portable verbs and rdma_cm API.
 from __future__ import annotations
 
 import errno
+import functools
 import ipaddress
 import logging
 import random
@@ -64,6 +65,19 @@ if TYPE_CHECKING:
     from rdmashim.verbs.abc import PD
 
 log = logging.getLogger(__name__)
+
+
+@functools.lru_cache(maxsize=1024)
+def _parse_ip(text: str) -> IPAddress:
+    """``ipaddress.ip_address``, remembered: a sender names the same few peers."""
+    return ipaddress.ip_address(text)
+
+
+@functools.lru_cache(maxsize=1024)
+def _ip_text(ip: IPAddress) -> str:
+    """The text of an address (a received message's sender), remembered."""
+    return str(ip)
+
 
 QP_CAP = QPCap(max_send_wr=128, max_recv_wr=RECV_SLOTS, max_send_sge=1, max_recv_sge=1)
 MONITOR_BACKLOG = 1024
@@ -123,8 +137,8 @@ class RdsSocket:
         if len(data) > limit:
             raise RdsError(errno.EMSGSIZE, f"{len(data)}-byte message exceeds RDS's {limit}")
         try:
-            ip = ipaddress.ip_address(dest[0])
-        except ValueError as exc:
+            ip = _parse_ip(dest[0])
+        except (ValueError, TypeError) as exc:
             raise RdsError(errno.EINVAL, f"{dest[0]!r} is not an IP address") from exc
         if not 0 <= dest[1] < 65536:  # port 0: an RDS ping, answered by the node
             raise RdsError(errno.EINVAL, f"port {dest[1]} outside 1..65535")
@@ -318,7 +332,7 @@ class RdsNode:
                 peer, sport, dport, sock.queued_bytes,
             )  # fmt: skip
             return
-        sock._push(ReceivedMessage(data, (str(peer), sport), header.sequence))
+        sock._push(ReceivedMessage(data, (_ip_text(peer), sport), header.sequence))
         if sock.queued_bytes > self.settings.rcvbuf:
             self._set_congested(dport, True)
 
