@@ -20,6 +20,10 @@
 #define RDMAP_SEND_INV 0x44
 #define RDMAP_SEND_SE 0x45
 #define RDMAP_SEND_SE_INV 0x46
+#define RDMAP_WRITE 0x40
+#define RDMAP_READ_RESPONSE 0x42
+#define DDP_TAGGED_MIDDLE 0x81 /* DDP control: tagged, version 1 */
+#define DDP_TAGGED_LAST 0xC1   /* DDP control: tagged, last segment, version 1 */
 #define CRC32C_POLY 0x82F63B78u /* reflected Castagnoli polynomial */
 
 static uint32_t crc_table[8][256];
@@ -65,6 +69,11 @@ static inline uint32_t load_be32(const uint8_t *p)
 static inline uint32_t load_be16(const uint8_t *p)
 {
     return (uint32_t)p[0] << 8 | (uint32_t)p[1];
+}
+
+static inline uint64_t load_be64(const uint8_t *p)
+{
+    return (uint64_t)load_be32(p) << 32 | load_be32(p + 4);
 }
 
 static inline void store_be32(uint8_t *p, uint32_t v)
@@ -137,6 +146,17 @@ static inline size_t pad_len(size_t ulpdu_len)
     return (4 - ((ulpdu_len + 2) & 3)) & 3;
 }
 
+/* After the header_len bytes of header at f: the payload, zero PAD up to body bytes,
+ * and the CRC field. */
+static void fill_fpdu(uint8_t *f, size_t header_len, const uint8_t *payload, size_t n,
+                      size_t body, int crc)
+{
+    if (n)
+        memcpy(f + header_len, payload, n);
+    memset(f + header_len + n, 0, body - header_len - n);
+    store_le32(f + body, crc ? rs_crc32c(0, f, body) : 0);
+}
+
 int64_t rs_frame_sends(uint8_t *out, size_t out_cap, const uint8_t *data, size_t data_len,
                        const uint32_t *lens, const uint8_t *ctrls, const uint32_t *invs,
                        size_t n, uint32_t msn, int crc)
@@ -164,10 +184,7 @@ int64_t rs_frame_sends(uint8_t *out, size_t out_cap, const uint8_t *data, size_t
         store_be32(f + 8, 0);                      /* QN: Send queue */
         store_be32(f + 12, msn + (uint32_t)i);     /* MSN, modulo 2^32 */
         store_be32(f + 16, 0);                     /* MO */
-        if (len)
-            memcpy(f + RS_UNTAGGED_HDR_LEN, data + d, len);
-        memset(f + RS_UNTAGGED_HDR_LEN + len, 0, body - RS_UNTAGGED_HDR_LEN - len);
-        store_le32(f + body, crc ? rs_crc32c(0, f, body) : 0);
+        fill_fpdu(f, RS_UNTAGGED_HDR_LEN, data + d, len, body, crc);
         o += body + RS_CRC_LEN;
         d += len;
     }
@@ -244,4 +261,94 @@ int rs_place(const uint8_t *buf, size_t buf_len, const uint32_t *msgs, size_t ms
             return -1;
     }
     return 0;
+}
+
+/* Whether [to, to + len) stays below 2^64. */
+static inline int fits_to(uint64_t to, uint64_t len)
+{
+    return len == 0 || len - 1 <= UINT64_MAX - to;
+}
+
+int64_t rs_frame_tagged(uint8_t *out, size_t out_cap, const uint8_t *data, size_t data_len,
+                        uint8_t ctrl, uint32_t stag, uint64_t to, size_t chunk, int last,
+                        int crc)
+{
+    if ((ctrl != RDMAP_WRITE && ctrl != RDMAP_READ_RESPONSE) || chunk == 0 ||
+        chunk > RS_MAX_TAGGED_PAYLOAD || !fits_to(to, data_len))
+        return -1;
+    size_t o = 0; /* bytes written to out */
+    size_t d = 0; /* payload bytes framed */
+    for (;;) {
+        size_t n = data_len - d < chunk ? data_len - d : chunk;
+        int final = d + n == data_len;
+        size_t ulpdu_len = RS_TAGGED_HDR_LEN - 2 + n;
+        size_t body = RS_TAGGED_HDR_LEN + n + pad_len(ulpdu_len);
+        if (out_cap - o < body + RS_CRC_LEN)
+            return -1;
+        uint8_t *f = out + o;
+        uint64_t at = to + d;
+        f[0] = (uint8_t)(ulpdu_len >> 8);
+        f[1] = (uint8_t)ulpdu_len;
+        f[2] = final && last ? DDP_TAGGED_LAST : DDP_TAGGED_MIDDLE;
+        f[3] = ctrl;
+        store_be32(f + 4, stag);
+        store_be32(f + 8, (uint32_t)(at >> 32));
+        store_be32(f + 12, (uint32_t)at);
+        fill_fpdu(f, RS_TAGGED_HDR_LEN, data + d, n, body, crc);
+        o += body + RS_CRC_LEN;
+        d += n;
+        if (final)
+            return (int64_t)o;
+    }
+}
+
+int64_t rs_place_tagged(const uint8_t *buf, size_t buf_len, size_t start, size_t end,
+                        uint8_t ctrl, uint32_t stag, uint64_t to, uint8_t *dst, size_t dst_len,
+                        size_t off, int crc, int in_order, uint64_t *result)
+{
+    if ((ctrl != RDMAP_WRITE && ctrl != RDMAP_READ_RESPONSE) || off > dst_len)
+        return -1;
+    uint64_t span = dst_len - off; /* bytes of the range */
+    if (!fits_to(to, span))
+        return -1;
+    uint64_t done = 0; /* in order: payload bytes placed */
+    result[0] = to;
+    result[1] = 0;
+    if (start > end || end > buf_len)
+        return (int64_t)start;
+    size_t pos = start;
+    while (end - pos >= RS_TAGGED_MIN) {
+        const uint8_t *f = buf + pos;
+        size_t ulpdu_len = load_be16(f);
+        if ((f[2] != DDP_TAGGED_MIDDLE && f[2] != DDP_TAGGED_LAST) || f[3] != ctrl ||
+            load_be32(f + 4) != stag || ulpdu_len < RS_TAGGED_HDR_LEN - 2)
+            break;
+        uint64_t n = ulpdu_len - (RS_TAGGED_HDR_LEN - 2);
+        uint64_t got = load_be64(f + 8);
+        if (got < to)
+            break;
+        uint64_t rel = got - to; /* where the payload goes in the range */
+        if (rel > span || n > span - rel)
+            break;
+        int final = f[2] == DDP_TAGGED_LAST;
+        if (in_order && (rel != done || (final && rel + n != span)))
+            break;
+        size_t body = ulpdu_len + 2 + pad_len(ulpdu_len);
+        if (body + RS_CRC_LEN > end - pos)
+            break;
+        if (crc && rs_crc32c(0, f, body) != load_le32(f + body))
+            break;
+        if (n)
+            memcpy(dst + off + rel, f + RS_TAGGED_HDR_LEN, (size_t)n);
+        pos += body + RS_CRC_LEN;
+        if (in_order) {
+            done += n;
+            if (final) {
+                result[1] = 1;
+                break;
+            }
+        }
+    }
+    result[0] = to + done;
+    return (int64_t)pos;
 }

@@ -13,11 +13,20 @@ from collections.abc import Sequence
 from typing import Any
 
 from rdmashim.verbs.softiwarp._accel import ffi, lib
-from rdmashim.verbs.softiwarp.kernels import MSG_WORDS, SEND_MIN, Buffer, Targets
+from rdmashim.verbs.softiwarp.kernels import (
+    MSG_WORDS,
+    SEND_MIN,
+    TAGGED_MIN,
+    Buffer,
+    Targets,
+    check_tagged_frame,
+    check_tagged_target,
+)
 from rdmashim.verbs.softiwarp.memory import Region
 
 _FRAME_OVERHEAD = SEND_MIN + 3
 """Most bytes an FPDU adds to its payload: header, PAD, CRC."""
+_TAGGED_OVERHEAD = TAGGED_MIN + 3
 
 lib.rs_init()
 
@@ -90,3 +99,38 @@ class CKernels:
         if handle is None:
             handle = region.handle = ffi.from_buffer("uint8_t[]", region.view, True)
         return handle
+
+    def frame_tagged(
+        self, src: Buffer, ctrl: int, stag: int, to: int, chunk: int, last: bool, crc: bool
+    ) -> list[Buffer]:
+        """See :class:`Kernels`: one buffer, the payload copied in."""
+        data = _bytes(src)
+        total = len(data)
+        check_tagged_frame(ctrl, stag, to, total, chunk)
+        out = bytearray(total + (total // chunk + 1) * _TAGGED_OVERHEAD)
+        written = lib.rs_frame_tagged(
+            _bytes(out), len(out), data, total, ctrl, stag, to, chunk, last, crc
+        )
+        if written < 0:
+            raise ValueError("frame_tagged: not a run of tagged FPDUs")
+        del out[written:]
+        return [out]
+
+    def place_tagged(
+        self, buf: Buffer, start: int, end: int, ctrl: int, stag: int, to: int,
+        target: object, off: int, crc: bool, in_order: bool,
+    ) -> tuple[int, int, bool]:  # fmt: skip
+        """See :class:`Kernels`."""
+        dst = target if isinstance(target, ffi.CData) else _bytes(target)  # type: ignore[arg-type]
+        size = len(dst)
+        check_tagged_target(ctrl, stag, to, size, off)
+        if not 0 <= start <= end <= len(buf):
+            return start, to, False
+        result = ffi.new("uint64_t[2]")
+        view = _bytes(buf)
+        stop = lib.rs_place_tagged(
+            view, len(view), start, end, ctrl, stag, to, dst, size, off, crc, in_order, result
+        )
+        if stop < 0:
+            raise ValueError("place_tagged: the range is not inside its target")
+        return int(stop), int(result[0]), bool(result[1])
