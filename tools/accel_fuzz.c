@@ -268,7 +268,7 @@ static size_t valid_tagged(uint8_t **out, uint8_t ctrl, uint32_t stag, uint64_t 
     uint8_t *data = random_bytes(total);
     size_t cap = total + (total / chunk + 1) * (RS_TAGGED_MIN + 3);
     uint8_t *framed = guarded(cap);
-    int64_t len = rs_frame_tagged(framed, cap, data, total, ctrl, stag, to, chunk, 1, crc);
+    int64_t len = rs_frame_tagged(framed, cap, data, total, ctrl, stag, to, chunk, 1, crc, 1);
     check_guards(framed, cap, round);
     if (len < 0)
         oracle("rs_frame_tagged refused a valid run", round);
@@ -330,7 +330,7 @@ static void frame_tagged_randomly(uint64_t round)
     uint8_t ctrl = below(4) ? (below(2) ? 0x40 : 0x42) : (uint8_t)rnd();
     uint64_t to = below(4) ? rnd() >> 8 : UINT64_MAX - below(5000);
     int64_t w = rs_frame_tagged(out, cap, data, data_len, ctrl, (uint32_t)rnd(), to, chunk,
-                                (int)below(2), (int)below(2));
+                                (int)below(2), (int)below(2), (int)below(2));
     check_guards(out, cap, round);
     if (w > (int64_t)cap || w < -1)
         oracle("rs_frame_tagged wrote more than its buffer", round);
@@ -340,7 +340,7 @@ static void frame_tagged_randomly(uint64_t round)
 
 static void crc_both(uint64_t round)
 {
-    size_t len = below(300);
+    size_t len = below(4) ? below(300) : below(3000);
     uint8_t *data = random_bytes(len);
     size_t skip = below(len + 1);
     uint32_t seed = (uint32_t)rnd();

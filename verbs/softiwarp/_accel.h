@@ -67,14 +67,16 @@ int rs_place(const uint8_t *buf, size_t buf_len, const uint32_t *msgs, size_t ms
 
 /* Frame data[0:data_len] as tagged FPDUs (RDMAP control byte ctrl: RDMA Write or
  * Read Response) to STag stag at TO to, chunk payload bytes each (the final one
- * fewer; one empty FPDU when data_len is 0), into out[0:out_cap]: header, payload,
- * zero PAD, CRC32c (LSB first; a zero field when crc is 0). The final FPDU has the
- * DDP last flag when last is set. Returns the bytes written, or -1 (out
- * unspecified) when ctrl is not a tagged opcode's, chunk is 0 or above
- * RS_MAX_TAGGED_PAYLOAD, to + data_len passes 2^64 or out is too small. */
+ * fewer; one empty FPDU when data_len is 0), into out[0:out_cap]: header, payload
+ * (only when copy is set), zero PAD, CRC32c over header, payload and PAD (LSB
+ * first; a zero field when crc is 0). Without copy, the caller sends each FPDU's
+ * payload from data between its header and its PAD. The final FPDU has the DDP
+ * last flag when last is set. Returns the bytes written, or -1 (out unspecified)
+ * when ctrl is not a tagged opcode's, chunk is 0 or above RS_MAX_TAGGED_PAYLOAD,
+ * to + data_len passes 2^64 or out is too small. */
 int64_t rs_frame_tagged(uint8_t *out, size_t out_cap, const uint8_t *data, size_t data_len,
                         uint8_t ctrl, uint32_t stag, uint64_t to, size_t chunk, int last,
-                        int crc);
+                        int crc, int copy);
 
 /* Place the run of whole tagged FPDUs at buf[start:end] whose payloads land in the
  * range [to, to + dst_len - off) of the caller's checked memory, TO `to` being

@@ -12,10 +12,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from rdmashim.verbs.softiwarp import ddp
 from rdmashim.verbs.softiwarp._accel import ffi, lib
 from rdmashim.verbs.softiwarp.kernels import (
     MSG_WORDS,
     SEND_MIN,
+    TAGGED_HDR_LEN,
     TAGGED_MIN,
     Buffer,
     Targets,
@@ -27,6 +29,11 @@ from rdmashim.verbs.softiwarp.memory import Region
 _FRAME_OVERHEAD = SEND_MIN + 3
 """Most bytes an FPDU adds to its payload: header, PAD, CRC."""
 _TAGGED_OVERHEAD = TAGGED_MIN + 3
+_TRAILER = tuple(ddp.pad_len(TAGGED_HDR_LEN - 2 + n) + ddp.TRAILER_CRC_LEN for n in range(4))
+"""PAD and CRC bytes after a tagged payload of ``n`` bytes, by ``n % 4``."""
+COPY_MAX = 8192
+"""Largest FPDU payload the compiled framing copies (measured: 1428 bytes copy at 137 us
+per MiB against 579 for slices; 65516 bytes cost 138 us copied, 62 as slices)."""
 
 lib.rs_init()
 
@@ -103,18 +110,38 @@ class CKernels:
     def frame_tagged(
         self, src: Buffer, ctrl: int, stag: int, to: int, chunk: int, last: bool, crc: bool
     ) -> list[Buffer]:
-        """See :class:`Kernels`: one buffer, the payload copied in."""
+        """See :class:`Kernels`: one buffer with the payload copied in for FPDUs of up to
+        :data:`COPY_MAX` payload bytes (cheaper than three iovecs each), else headers
+        and trailers around slices of ``src``."""
         data = _bytes(src)
         total = len(data)
         check_tagged_frame(ctrl, stag, to, total, chunk)
-        out = bytearray(total + (total // chunk + 1) * _TAGGED_OVERHEAD)
+        copy = chunk <= COPY_MAX
+        count = total // chunk + 1
+        out = bytearray((total if copy else 0) + count * _TAGGED_OVERHEAD)
         written = lib.rs_frame_tagged(
-            _bytes(out), len(out), data, total, ctrl, stag, to, chunk, last, crc
+            _bytes(out), len(out), data, total, ctrl, stag, to, chunk, last, crc, copy
         )
         if written < 0:
             raise ValueError("frame_tagged: not a run of tagged FPDUs")
-        del out[written:]
-        return [out]
+        if copy:
+            del out[written:]
+            return [out]
+        frames = memoryview(out)
+        payload = memoryview(src)
+        parts: list[Buffer] = []
+        o = d = 0
+        while True:
+            n = min(chunk, total - d)
+            trailer = o + TAGGED_HDR_LEN + _TRAILER[n & 3]
+            parts.append(frames[o : o + TAGGED_HDR_LEN])
+            if n:
+                parts.append(payload[d : d + n])
+            parts.append(frames[o + TAGGED_HDR_LEN : trailer])
+            o = trailer
+            d += n
+            if d == total:
+                return parts
 
     def place_tagged(
         self, buf: Buffer, start: int, end: int, ctrl: int, stag: int, to: int,
