@@ -340,7 +340,7 @@ static void frame_tagged_randomly(uint64_t round)
 
 static void crc_both(uint64_t round)
 {
-    size_t len = below(4) ? below(300) : below(3000);
+    size_t len = below(4) ? below(300) : below(2) ? below(3000) : below(20000);
     uint8_t *data = random_bytes(len);
     size_t skip = below(len + 1);
     uint32_t seed = (uint32_t)rnd();

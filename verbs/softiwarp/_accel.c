@@ -26,18 +26,40 @@
 #define DDP_TAGGED_LAST 0xC1   /* DDP control: tagged, last segment, version 1 */
 #define CRC32C_POLY 0x82F63B78u /* reflected Castagnoli polynomial */
 
-#define CRC_LANE 128 /* bytes per lane of the three-way hardware CRC */
+#define CRC_LANE 128       /* bytes per lane of the three-way hardware CRC */
+#define CRC_LONG_LANE 2048 /* the same for long buffers */
 
 static uint32_t crc_table[8][256];
-static uint32_t crc_shift[4][256]; /* a raw CRC state advanced over CRC_LANE zero bytes */
+static uint32_t crc_shift[4][256];      /* raw CRC state advanced over CRC_LANE zero bytes */
+static uint32_t crc_shift_long[4][256]; /* the same over CRC_LONG_LANE zero bytes */
 static int crc_ready;
 static int crc_hw;
 
-/* The raw CRC state v advanced over CRC_LANE zero bytes (a linear map of v). */
-static inline uint32_t crc_shift_lane(uint32_t v)
+/* The raw CRC state v advanced over a lane of zero bytes (a linear map of v). */
+static inline uint32_t shift_state(uint32_t table[4][256], uint32_t v)
 {
-    return crc_shift[0][v & 0xff] ^ crc_shift[1][(v >> 8) & 0xff] ^
-           crc_shift[2][(v >> 16) & 0xff] ^ crc_shift[3][v >> 24];
+    return table[0][v & 0xff] ^ table[1][(v >> 8) & 0xff] ^ table[2][(v >> 16) & 0xff] ^
+           table[3][v >> 24];
+}
+
+/* Fill table for shift_state over lane zero bytes (crc_table[0] must be ready). */
+static void make_shift(uint32_t table[4][256], int lane)
+{
+    uint32_t basis[32]; /* each bit of a state, advanced over the lane */
+    for (int bit = 0; bit < 32; bit++) {
+        uint32_t c = 1u << bit;
+        for (int k = 0; k < lane; k++)
+            c = crc_table[0][c & 0xff] ^ (c >> 8);
+        basis[bit] = c;
+    }
+    for (int k = 0; k < 4; k++)
+        for (uint32_t b = 0; b < 256; b++) {
+            uint32_t v = 0;
+            for (int j = 0; j < 8; j++)
+                if (b & (1u << j))
+                    v ^= basis[8 * k + j];
+            table[k][b] = v;
+        }
 }
 
 void rs_init(void)
@@ -53,21 +75,8 @@ void rs_init(void)
     for (uint32_t i = 0; i < 256; i++)
         for (int t = 1; t < 8; t++)
             crc_table[t][i] = (crc_table[t - 1][i] >> 8) ^ crc_table[0][crc_table[t - 1][i] & 0xff];
-    uint32_t basis[32]; /* each bit of a state, advanced over CRC_LANE zero bytes */
-    for (int bit = 0; bit < 32; bit++) {
-        uint32_t c = 1u << bit;
-        for (int k = 0; k < CRC_LANE; k++)
-            c = crc_table[0][c & 0xff] ^ (c >> 8);
-        basis[bit] = c;
-    }
-    for (int k = 0; k < 4; k++)
-        for (uint32_t b = 0; b < 256; b++) {
-            uint32_t v = 0;
-            for (int j = 0; j < 8; j++)
-                if (b & (1u << j))
-                    v ^= basis[8 * k + j];
-            crc_shift[k][b] = v;
-        }
+    make_shift(crc_shift, CRC_LANE);
+    make_shift(crc_shift_long, CRC_LONG_LANE);
 #ifdef RS_HAVE_HW_CRC
     __builtin_cpu_init();
     crc_hw = __builtin_cpu_supports("sse4.2") ? 1 : 0;
@@ -137,28 +146,43 @@ uint32_t rs_crc32c_sw(uint32_t crc, const uint8_t *data, size_t len)
 }
 
 #ifdef RS_HAVE_HW_CRC
+/* The raw state c over the blocks of three lanes of lane bytes at *data; advances
+ * *data and *len past them. */
+__attribute__((target("sse4.2"))) static uint64_t crc_lanes(uint64_t c, const uint8_t **data,
+                                                            size_t *len, size_t lane,
+                                                            uint32_t table[4][256])
+{
+    const uint8_t *p = *data;
+    size_t n = *len;
+    while (n >= 3 * lane) {
+        uint64_t c1 = 0, c2 = 0;
+        for (size_t i = 0; i < lane; i += 8) {
+            uint64_t w0, w1, w2;
+            memcpy(&w0, p + i, 8);
+            memcpy(&w1, p + lane + i, 8);
+            memcpy(&w2, p + 2 * lane + i, 8);
+            c = _mm_crc32_u64(c, w0);
+            c1 = _mm_crc32_u64(c1, w1);
+            c2 = _mm_crc32_u64(c2, w2);
+        }
+        c = shift_state(table, (uint32_t)c) ^ (uint32_t)c1;
+        c = shift_state(table, (uint32_t)c) ^ (uint32_t)c2;
+        p += 3 * lane;
+        n -= 3 * lane;
+    }
+    *data = p;
+    *len = n;
+    return c;
+}
+
 __attribute__((target("sse4.2"))) static uint32_t crc32c_hw(uint32_t crc, const uint8_t *data,
                                                              size_t len)
 {
     uint64_t c = ~crc;
     /* Three lanes at once (the instruction's latency is three times its throughput),
      * joined by advancing the states before them over the lanes that follow. */
-    while (len >= 3 * CRC_LANE) {
-        uint64_t c1 = 0, c2 = 0;
-        for (size_t i = 0; i < CRC_LANE; i += 8) {
-            uint64_t w0, w1, w2;
-            memcpy(&w0, data + i, 8);
-            memcpy(&w1, data + CRC_LANE + i, 8);
-            memcpy(&w2, data + 2 * CRC_LANE + i, 8);
-            c = _mm_crc32_u64(c, w0);
-            c1 = _mm_crc32_u64(c1, w1);
-            c2 = _mm_crc32_u64(c2, w2);
-        }
-        c = crc_shift_lane((uint32_t)c) ^ (uint32_t)c1;
-        c = crc_shift_lane((uint32_t)c) ^ (uint32_t)c2;
-        data += 3 * CRC_LANE;
-        len -= 3 * CRC_LANE;
-    }
+    c = crc_lanes(c, &data, &len, CRC_LONG_LANE, crc_shift_long);
+    c = crc_lanes(c, &data, &len, CRC_LANE, crc_shift);
     while (len >= 8) {
         uint64_t word;
         memcpy(&word, data, 8); /* unaligned load; x86 is little-endian like the CRC */
