@@ -20,6 +20,7 @@ from rdmashim.verbs.softiwarp.kernels import (
     TAGGED_HDR_LEN,
     TAGGED_MIN,
     Buffer,
+    PyKernels,
     Targets,
     check_tagged_frame,
     check_tagged_target,
@@ -35,11 +36,22 @@ COPY_MAX = 8192
 """Largest FPDU payload the compiled framing copies (measured: 1428 bytes copy at 137 us
 per MiB against 579 for slices; 65516 bytes cost 138 us copied, 62 as slices)."""
 
+_PY = PyKernels()
+"""For runs of one message, where cffi's conversions cost more than the work (measured,
+8-byte Sends: framing 1.55 us in C against 0.79, scanning 1.12 against 0.73, placing
+2.48 against 0.91)."""
+
 lib.rs_init()
 
 
 def _bytes(data: Buffer) -> Any:
     return ffi.from_buffer("uint8_t[]", data)
+
+
+def _fpdu_len(buf: Buffer, pos: int) -> int:
+    """Bytes of the FPDU whose length field is at ``buf[pos:pos + 2]``."""
+    ulpdu_len = buf[pos] << 8 | buf[pos + 1]
+    return ulpdu_len + 6 + (-(ulpdu_len + 2) & 3)
 
 
 class CKernels:
@@ -58,6 +70,8 @@ class CKernels:
     ) -> Buffer:
         """See :class:`Kernels`."""
         n = len(payloads)
+        if n == 1:
+            return _PY.frame_sends(payloads, ctrls, invs, msn, crc)
         if not n == len(ctrls) == len(invs):
             raise ValueError("frame_sends: payloads, ctrls and invs differ in length")
         data = b"".join(payloads)
@@ -78,6 +92,8 @@ class CKernels:
         """See :class:`Kernels`."""
         if not 0 <= start <= end <= len(buf):
             return start, []
+        if end - start < 2 * SEND_MIN or end - start - _fpdu_len(buf, start) < SEND_MIN:
+            return _PY.scan_sends(buf, start, end, msn, crc)  # room for one FPDU at most
         words = (end - start) // SEND_MIN * MSG_WORDS
         out = ffi.new("uint32_t[]", words or 1)
         stop = ffi.new("size_t *")
@@ -89,6 +105,9 @@ class CKernels:
         """See :class:`Kernels`."""
         nsegs = targets.nsegs
         segments = targets.segments
+        if len(nsegs) == 1:
+            _PY.place(buf, msgs, targets)  # slice assignment works on the handles too
+            return
         handles, caps, offs, lens = zip(*segments, strict=True) if segments else ((), (), (), ())
         view = _bytes(buf)
         failed = lib.rs_place(
