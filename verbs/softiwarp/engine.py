@@ -688,10 +688,8 @@ class Engine:
         take_recv = self.take_recv
         recv_spans = self._recv_spans
         handle = kernels.handle
-        targets = Targets()
-        segments = targets.segments
-        add_segment = segments.append
-        add_count = targets.nsegs.append
+        segments: list[tuple[object, int, int, int]] = []
+        nsegs: list[int] = []
         jobs: list[RecvJob] = []
         refused: RecvJob | None = None
         for i in range(1, len(msgs), _MSG_WORDS):
@@ -706,12 +704,19 @@ class Engine:
             if msgs[i] > job.length:
                 refused = job
                 break
-            for region, off, n in spans:
-                add_segment((region.handle or handle(region), region.length, off, n))
-            add_count(len(spans))
+            if len(spans) == 1 and not jobs and len(msgs) == _MSG_WORDS:
+                # One message into one piece of memory: a slice copy costs less than
+                # handing the kernels their targets (the common ping-pong case).
+                region, off, _ = spans[0]
+                src, length = msgs[0], msgs[1]
+                region.view[off : off + length] = sview[src : src + length]
+            else:
+                for region, off, n in spans:
+                    segments.append((region.handle or handle(region), region.length, off, n))
+                nsegs.append(len(spans))
             jobs.append(job)
-        if jobs:
-            kernels.place(sview, msgs, targets)
+        if nsegs:
+            kernels.place(sview, msgs, Targets(segments, nsegs))
         on_recv_wc = self.on_recv_wc
         qp_num = self.qp_num
         success, recv, no_flags = WCStatus.SUCCESS, WCOpcode.RECV, WCFlags.NONE
