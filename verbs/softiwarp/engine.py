@@ -68,6 +68,11 @@ RTR_STAG = 1
 STAGING_SIZE = 256 * 1024
 DIRECT_MIN = 16 * 1024
 """Payload left to receive above which bytes go straight into the target region."""
+PRODUCE_MAX = 1024 * 1024
+"""Bytes of FPDUs one :meth:`Engine.produce` returns at most (one more step of a message
+may pass it). Measured: the compiled tagged framing's buffers of 4 MiB in flight cost
+31 us per 64 KiB step in page faults (the allocator hands memory back and takes it
+again), 1 MiB 6.6 us."""
 TAGGED_STEP = 64 * 1024
 """Payload bytes of tagged FPDUs framed per kernel call (at least one FPDU's)."""
 TO_LIMIT = 1 << 64
@@ -331,7 +336,7 @@ class Engine:
         return not (head.opcode is WROpcode.RDMA_READ and len(self._orq) >= self.config.ord)
 
     # ------------------------------------------------------------------ transmit
-    def produce(self, max_bytes: int = 4 * 1024 * 1024, max_buffers: int = 512) -> list[Chunk]:
+    def produce(self, max_bytes: int = PRODUCE_MAX, max_buffers: int = 512) -> list[Chunk]:
         """Buffers of the next FPDUs to send (empty when there is nothing to send)."""
         if self._terminate is not None:
             return self._take_terminate()
