@@ -22,7 +22,10 @@ from rdmashim.verbs.enums import Access
 from rdmashim.verbs.softiwarp import ddp, fastpath
 from rdmashim.verbs.softiwarp.ddp import QN, Opcode
 from rdmashim.verbs.softiwarp.kernels import (
+    CTRL_READ_RESPONSE,
+    CTRL_WRITE,
     MAX_SEND_PAYLOAD,
+    MAX_TAGGED_PAYLOAD,
     MSG_WORDS,
     SEND_CTRLS,
     Kernels,
@@ -307,6 +310,192 @@ def test_deregistration_releases_the_compiled_handle(c: Kernels) -> None:
     del handle
     table.deregister(region)
     view.release()
+
+
+# ---------------------------------------------------------------- tagged runs
+_TAGGED_FLAWS = [
+    "none", "bad_crc", "payload_flip", "stag", "ctrl", "below", "past_end", "gap", "early_last",
+    "reserved", "untagged", "short_ulpdu", "long_ulpdu", "truncated",
+]  # fmt: skip
+
+
+def _tagged_stream(
+    sizes: list[int], ctrl: int, stag: int, to: int, crc: bool, flaw: str, at: int, cut: int
+) -> bytes:
+    """Tagged FPDUs (from the codec) at consecutive TOs from ``to``, the last one with the
+    last flag, the one at ``at`` given the flaw."""
+    out = bytearray()
+    for i, size in enumerate(sizes):
+        payload = bytes((i * 13 + k) & 0xFF for k in range(size))
+        hit = i == at
+        at_to, this_stag, last = to, stag, i == len(sizes) - 1
+        if hit and flaw == "stag":
+            this_stag ^= 0x100
+        if hit and flaw == "below":
+            at_to -= 1
+        if hit and flaw == "past_end":
+            at_to += 1 << 20
+        if hit and flaw == "gap":
+            at_to += 1
+        if hit and flaw == "early_last":
+            last = True
+        op = Opcode(ctrl & 0xF)
+        header = bytearray(ddp.encode_tagged(op, last, this_stag, at_to % (1 << 64), size))
+        if hit and flaw == "ctrl":
+            header[3] ^= 0x02  # Write <-> Read Response
+        if hit and flaw == "reserved":
+            header[2] |= 0x08
+        if hit and flaw == "untagged":
+            header[2] &= ~ddp.DDP_TAGGED
+        fpdu = bytearray(
+            b"".join(bytes(b) for b in ddp.encode_fpdu(bytes(header), [payload], crc=crc))
+        )
+        if hit and flaw == "bad_crc":
+            fpdu[-2] ^= 0x10
+        if hit and flaw == "payload_flip" and size:
+            fpdu[ddp.TAGGED_HDR_LEN] ^= 1
+        if hit and flaw == "short_ulpdu":
+            fpdu[0:2] = (ddp.TAGGED_HDR_LEN - 3).to_bytes(2, "big")
+        if hit and flaw == "long_ulpdu":
+            fpdu[0:2] = (0xFFFF).to_bytes(2, "big")
+        out += fpdu
+        to += size
+    if flaw == "truncated":
+        del out[max(0, len(out) - cut) :]
+    return bytes(out)
+
+
+def _place_tagged_both(
+    c: Kernels, buf: bytes, start: int, end: int, ctrl: int, stag: int, to: int, size: int,
+    off: int, crc: bool, in_order: bool,
+) -> tuple[tuple[int, int, bool], bytes]:  # fmt: skip
+    """The same results and the same bytes placed from both kernels."""
+    results = []
+    for impl, wrap in ((c, True), (PY, True), (c, False)):
+        target = bytearray(b"\xee" * size)
+        region = Region(stag, to - off, size, Access.REMOTE_WRITE, None, memoryview(target))
+        dst = impl.handle(region) if wrap else memoryview(target)
+        try:
+            got = impl.place_tagged(buf, start, end, ctrl, stag, to, dst, off, crc, in_order)
+        except ValueError:
+            got = None
+        results.append((got, bytes(target)))
+    assert results[0] == results[1] == results[2]
+    return results[0]  # type: ignore[return-value]
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    sizes=st.lists(st.integers(0, 90), min_size=1, max_size=10),
+    read=st.booleans(),
+    stag=_U32,
+    to=st.one_of(st.integers(0, 1 << 40), st.integers((1 << 64) - 2000, (1 << 64) - 900)),
+    crc=st.booleans(),
+    flaw=st.sampled_from(_TAGGED_FLAWS),
+    at=st.integers(0, 9),
+    cut=st.integers(1, 40),
+    lead=st.binary(max_size=9),
+    off=st.integers(0, 5),
+    spare=st.integers(-3, 9),
+    in_order=st.booleans(),
+)
+def test_place_tagged_matches_the_reference(
+    c: Kernels, sizes: list[int], read: bool, stag: int, to: int, crc: bool, flaw: str,
+    at: int, cut: int, lead: bytes, off: int, spare: int, in_order: bool,
+) -> None:  # fmt: skip
+    ctrl = CTRL_READ_RESPONSE if read else CTRL_WRITE
+    body = _tagged_stream(sizes, ctrl, stag, to, crc, flaw, at, cut)
+    buf = lead + body + b"\0" * 5
+    size = off + max(0, sum(sizes) + spare)
+    if to + size - off > 1 << 64:
+        return
+    (stop, after, last), placed = _place_tagged_both(
+        c, buf, len(lead), len(lead) + len(body), ctrl, stag, to, size, off, crc, in_order
+    )
+    if flaw == "none" and spare >= 0 and (spare == 0 or not in_order):
+        assert stop == len(lead) + len(body)
+        assert placed[off : off + sum(sizes)] == b"".join(
+            bytes((i * 13 + k) & 0xFF for k in range(n)) for i, n in enumerate(sizes)
+        )
+        assert (after, last) == ((to + sum(sizes), True) if in_order else (to, False))
+    for start, end in ((0, len(buf)), (len(lead) + 1, len(buf)), (len(lead), len(buf) - 7)):
+        _place_tagged_both(c, buf, start, end, ctrl, stag, to, size, off, crc, in_order)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    data=st.binary(max_size=400),
+    stag=st.sampled_from([0, 0x01020304, 0xFFFFFFFF]),
+    to=st.sampled_from([0, 0x10, (1 << 64) - 64]),
+    size=st.integers(0, 64),
+    crc=st.booleans(),
+    start=st.integers(-2, 420),
+    end=st.integers(-2, 420),
+    in_order=st.booleans(),
+)
+def test_place_tagged_of_hostile_bytes_matches_the_reference(
+    c: Kernels, data: bytes, stag: int, to: int, size: int, crc: bool, start: int, end: int,
+    in_order: bool,
+) -> None:  # fmt: skip
+    _place_tagged_both(c, data, start, end, CTRL_WRITE, stag, to, size, 0, crc, in_order)
+
+
+def test_place_tagged_refuses_a_range_outside_its_target(c: Kernels) -> None:
+    for impl in (c, PY):
+        for ctrl, to, off in ((0x43, 0, 0), (CTRL_WRITE, 0, 9), (CTRL_WRITE, (1 << 64) - 4, 0)):
+            with pytest.raises(ValueError):
+                impl.place_tagged(
+                    b"", 0, 0, ctrl, 1, to, memoryview(bytearray(8)), off, True, False
+                )
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    size=st.one_of(st.integers(0, 3000), st.integers(16000, 40000)),
+    skip=st.integers(0, 7),
+    read=st.booleans(),
+    stag=_U32,
+    to=st.one_of(st.integers(0, 1 << 40), st.just((1 << 64) - 40000)),
+    chunk=st.one_of(  # the compiled kernels copy payloads up to COPY_MAX, slice longer ones
+        st.integers(1, 300), st.integers(8190, 8195), st.just(MAX_TAGGED_PAYLOAD)
+    ),
+    last=st.booleans(),
+    crc=st.booleans(),
+)
+def test_frame_tagged_matches_the_reference_and_the_codec(
+    c: Kernels, size: int, skip: int, read: bool, stag: int, to: int, chunk: int, last: bool,
+    crc: bool,
+) -> None:  # fmt: skip
+    ctrl = CTRL_READ_RESPONSE if read else CTRL_WRITE
+    data = memoryview(random.Random(size).randbytes(size + skip))[skip:]
+    framed = b"".join(bytes(b) for b in c.frame_tagged(data, ctrl, stag, to, chunk, last, crc))
+    assert framed == b"".join(
+        bytes(b) for b in PY.frame_tagged(data, ctrl, stag, to, chunk, last, crc)
+    )
+    pieces = [data[o : o + chunk] for o in range(0, size, chunk)] or [data[:0]]
+    codec = b""
+    for k, piece in enumerate(pieces):
+        final = last and k == len(pieces) - 1
+        header = ddp.encode_tagged(Opcode(ctrl & 0xF), final, stag, to + k * chunk, len(piece))
+        codec += b"".join(bytes(b) for b in ddp.encode_fpdu(header, [piece], crc=crc))
+    assert framed == codec
+    # what frame_tagged gives, place_tagged takes back whole
+    placed = _place_tagged_both(c, framed, 0, len(framed), ctrl, stag, to, size, 0, crc, last)
+    assert placed[0][0] == len(framed)
+    assert placed[1] == bytes(data)
+
+
+@pytest.mark.parametrize(
+    ("ctrl", "stag", "to", "chunk"),
+    [(0x43, 0, 0, 100), (CTRL_WRITE, 1 << 32, 0, 100), (CTRL_WRITE, 0, (1 << 64) - 9, 100),
+     (CTRL_WRITE, 0, 0, 0), (CTRL_WRITE, 0, 0, MAX_TAGGED_PAYLOAD + 1)],
+)  # fmt: skip
+def test_frame_tagged_refuses_what_is_not_a_tagged_run(
+    c: Kernels, ctrl: int, stag: int, to: int, chunk: int
+) -> None:
+    for impl in (c, PY):
+        with pytest.raises(ValueError, match="not a run of tagged FPDUs"):
+            impl.frame_tagged(bytes(10), ctrl, stag, to, chunk, True, True)
 
 
 # ---------------------------------------------------------------- engine

@@ -11,7 +11,10 @@
  * splices) or replaces it with random bytes, and runs rs_scan_sends over random
  * windows and rs_place into random, partly invalid targets; rs_frame_sends gets
  * random, partly inconsistent arguments too, and the hardware CRC32c is compared
- * with the table. Inputs sit in buffers of exactly their size (ASan sees any read
+ * with the table. Likewise for tagged runs: rs_frame_tagged frames one (which
+ * rs_place_tagged must take back whole, in order, into a buffer of exactly its
+ * size), which is mutated or replaced and placed by rs_place_tagged over random
+ * windows into guarded targets with random ranges and offsets. Inputs sit in buffers of exactly their size (ASan sees any read
  * past them); outputs have canary zones on both sides, checked after every call.
  * Any sanitizer report aborts; any broken invariant prints "ORACLE:" and exits 1.
  * tests/test_accel_fuzz.py runs it; -DRS_FUZZ_SELFTEST builds the kernels with a
@@ -166,6 +169,18 @@ static void mutate(uint8_t **buf, size_t *len)
     }
 }
 
+/* Mutate a run, or (one time in five) replace it with random bytes. */
+static void mutate_or_replace(uint8_t **buf, size_t *len)
+{
+    if (below(5) == 0) {
+        free(*buf);
+        *len = below(600);
+        *buf = random_bytes(*len);
+    } else {
+        mutate(buf, len);
+    }
+}
+
 static void scan_and_place(const uint8_t *buf, size_t len, uint32_t msn, int crc, uint64_t round)
 {
     size_t start = below(8) ? 0 : below(len + 1);
@@ -244,9 +259,88 @@ static void frame_randomly(uint64_t round)
     free(data);
 }
 
+/* A valid tagged run; returns its length (*out malloc'd, exactly that long). */
+static size_t valid_tagged(uint8_t **out, uint8_t ctrl, uint32_t stag, uint64_t to, int crc,
+                           uint64_t round)
+{
+    size_t total = below(4) ? below(3000) : below(20000);
+    size_t chunk = below(4) ? 1 + below(1500) : RS_MAX_TAGGED_PAYLOAD - below(3);
+    uint8_t *data = random_bytes(total);
+    size_t cap = total + (total / chunk + 1) * (RS_TAGGED_MIN + 3);
+    uint8_t *framed = guarded(cap);
+    int64_t len = rs_frame_tagged(framed, cap, data, total, ctrl, stag, to, chunk, 1, crc, 1);
+    check_guards(framed, cap, round);
+    if (len < 0)
+        oracle("rs_frame_tagged refused a valid run", round);
+    uint8_t *dst = guarded(total);
+    uint64_t result[2];
+    int64_t stop = rs_place_tagged(framed, (size_t)len, 0, (size_t)len, ctrl, stag, to, dst, total,
+                                   0, crc, 1, result);
+    check_guards(dst, total, round);
+    if (stop != len || result[0] != to + total || result[1] != 1 ||
+        (total && memcmp(dst, data, total) != 0))
+        oracle("a valid tagged run was not placed whole", round);
+    *out = exact_copy(framed, (size_t)len);
+    release(dst);
+    release(framed);
+    free(data);
+    return (size_t)len;
+}
+
+static void place_tagged_randomly(const uint8_t *buf, size_t len, uint8_t ctrl, uint32_t stag,
+                                  uint64_t to, int crc, uint64_t round)
+{
+    size_t start = below(8) ? 0 : below(len + 1);
+    size_t end = below(4) ? len : start + below(len - start + 1);
+    if (below(10) == 0) { /* a window that is not one */
+        start = below(len + 10);
+        end = below(len + 10);
+    }
+    size_t cap = below(4) ? below(200) : below(30000);
+    size_t off = below(10) ? below(cap + 1) : below(cap + 50);
+    uint64_t at = below(4) ? to : below(2) ? to + below(3000) - 1500 : rnd();
+    uint8_t *dst = guarded(cap);
+    uint64_t result[2] = {0, 0};
+    int in_order = (int)below(2);
+    int64_t stop = rs_place_tagged(buf, len, start, end, ctrl, stag, at, dst, cap, off, crc,
+                                   in_order, result);
+    check_guards(dst, cap, round);
+    if (stop == -1) {
+        if (off <= cap && (cap - off == 0 || cap - off - 1 <= UINT64_MAX - at))
+            oracle("rs_place_tagged refused a valid range", round);
+    } else if (start > end || end > len) {
+        if ((size_t)stop != start)
+            oracle("rs_place_tagged took bytes outside its window", round);
+    } else if ((size_t)stop < start || (size_t)stop > end || result[0] < at ||
+               result[0] - at > cap - off || result[1] > 1) {
+        oracle("rs_place_tagged result out of bounds", round);
+    }
+    release(dst);
+}
+
+static void frame_tagged_randomly(uint64_t round)
+{
+    size_t total = below(10) ? below(3000) : below(70000);
+    size_t data_len = below(4) ? total : below(total + 1);
+    uint8_t *data = random_bytes(data_len);
+    size_t chunk = below(10) ? 1 + below(2000) : below(70000);
+    size_t need = data_len + (data_len / (chunk ? chunk : 1) + 1) * (RS_TAGGED_MIN + 3);
+    size_t cap = below(3) ? need : below(need + 1);
+    uint8_t *out = guarded(cap);
+    uint8_t ctrl = below(4) ? (below(2) ? 0x40 : 0x42) : (uint8_t)rnd();
+    uint64_t to = below(4) ? rnd() >> 8 : UINT64_MAX - below(5000);
+    int64_t w = rs_frame_tagged(out, cap, data, data_len, ctrl, (uint32_t)rnd(), to, chunk,
+                                (int)below(2), (int)below(2), (int)below(2));
+    check_guards(out, cap, round);
+    if (w > (int64_t)cap || w < -1)
+        oracle("rs_frame_tagged wrote more than its buffer", round);
+    release(out);
+    free(data);
+}
+
 static void crc_both(uint64_t round)
 {
-    size_t len = below(300);
+    size_t len = below(4) ? below(300) : below(2) ? below(3000) : below(20000);
     uint8_t *data = random_bytes(len);
     size_t skip = below(len + 1);
     uint32_t seed = (uint32_t)rnd();
@@ -283,17 +377,21 @@ int main(int argc, char **argv)
             stop != len)
             oracle("a valid run was not taken whole", round);
         free(all);
-        if (below(5) == 0) { /* random bytes instead */
-            free(buf);
-            len = below(600);
-            buf = random_bytes(len);
-        } else {
-            mutate(&buf, &len);
-        }
+        mutate_or_replace(&buf, &len);
         for (int k = 0; k < 4; k++)
             scan_and_place(buf, len, msn, crc, round);
         free(buf);
         frame_randomly(round);
+
+        uint8_t ctrl = below(2) ? 0x40 : 0x42;
+        uint32_t stag = (uint32_t)rnd();
+        uint64_t to = below(4) ? rnd() >> (below(64)) : UINT64_MAX - below(30000) - 20000;
+        len = valid_tagged(&buf, ctrl, stag, to, crc, round);
+        mutate_or_replace(&buf, &len);
+        for (int k = 0; k < 4; k++)
+            place_tagged_randomly(buf, len, ctrl, stag, to, crc, round);
+        free(buf);
+        frame_tagged_randomly(round);
         crc_both(round);
         round++;
     }

@@ -15,6 +15,9 @@
 #define RS_SEND_MIN 24
 #define RS_MAX_SEND_PAYLOAD 65517
 #define RS_MSG_WORDS 3
+#define RS_TAGGED_HDR_LEN 16
+#define RS_TAGGED_MIN 20
+#define RS_MAX_TAGGED_PAYLOAD 65521
 
 /* Fill the CRC tables and pick SSE4.2 when the CPU has it (idempotent). */
 void rs_init(void);
@@ -61,6 +64,36 @@ size_t rs_scan_sends(const uint8_t *buf, size_t buf_len, size_t start, size_t en
 int rs_place(const uint8_t *buf, size_t buf_len, const uint32_t *msgs, size_t msg_words,
              size_t n, uint8_t *const *bases, const uint64_t *caps, const uint64_t *offs,
              const uint64_t *lens, size_t nseg, const uint32_t *nsegs, size_t nsegs_len);
+
+/* Frame data[0:data_len] as tagged FPDUs (RDMAP control byte ctrl: RDMA Write or
+ * Read Response) to STag stag at TO to, chunk payload bytes each (the final one
+ * fewer; one empty FPDU when data_len is 0), into out[0:out_cap]: header, payload
+ * (only when copy is set), zero PAD, CRC32c over header, payload and PAD (LSB
+ * first; a zero field when crc is 0). Without copy, the caller sends each FPDU's
+ * payload from data between its header and its PAD. The final FPDU has the DDP
+ * last flag when last is set. Returns the bytes written, or -1 (out unspecified)
+ * when ctrl is not a tagged opcode's, chunk is 0 or above RS_MAX_TAGGED_PAYLOAD,
+ * to + data_len passes 2^64 or out is too small. */
+int64_t rs_frame_tagged(uint8_t *out, size_t out_cap, const uint8_t *data, size_t data_len,
+                        uint8_t ctrl, uint32_t stag, uint64_t to, size_t chunk, int last,
+                        int crc, int copy);
+
+/* Place the run of whole tagged FPDUs at buf[start:end] whose payloads land in the
+ * range [to, to + dst_len - off) of the caller's checked memory, TO `to` being
+ * dst[off]. Each FPDU must have DDP control "tagged, version 1" (last or not,
+ * reserved bits zero), RDMAP control byte ctrl, STag stag, a ULPDU length that
+ * holds the header, its payload inside the range, the whole FPDU present and,
+ * when crc is set, a matching CRC; with in_order, the first FPDU's TO is `to`,
+ * each next one's follows the one before, and an FPDU with the last flag must
+ * end the range and ends the run. Stops before the first FPDU that is anything
+ * else, placing nothing of it. Returns the offset after the run (start when
+ * none, or when start/end are not a window of buf); result[0] is the TO after
+ * the run's payload in order (`to` otherwise), result[1] 1 when the run ended
+ * with the last flag in order. Returns -1 when off > dst_len, ctrl is not a
+ * tagged opcode's or the range passes 2^64 (the caller's bug). */
+int64_t rs_place_tagged(const uint8_t *buf, size_t buf_len, size_t start, size_t end,
+                        uint8_t ctrl, uint32_t stag, uint64_t to, uint8_t *dst, size_t dst_len,
+                        size_t off, int crc, int in_order, uint64_t *result);
 /* cdef-end */
 
 #endif

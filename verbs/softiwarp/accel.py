@@ -12,18 +12,46 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from rdmashim.verbs.softiwarp import ddp
 from rdmashim.verbs.softiwarp._accel import ffi, lib
-from rdmashim.verbs.softiwarp.kernels import MSG_WORDS, SEND_MIN, Buffer, Targets
+from rdmashim.verbs.softiwarp.kernels import (
+    MSG_WORDS,
+    SEND_MIN,
+    TAGGED_HDR_LEN,
+    TAGGED_MIN,
+    Buffer,
+    PyKernels,
+    Targets,
+    check_tagged_frame,
+    check_tagged_target,
+)
 from rdmashim.verbs.softiwarp.memory import Region
 
 _FRAME_OVERHEAD = SEND_MIN + 3
 """Most bytes an FPDU adds to its payload: header, PAD, CRC."""
+_TAGGED_OVERHEAD = TAGGED_MIN + 3
+_TRAILER = tuple(ddp.pad_len(TAGGED_HDR_LEN - 2 + n) + ddp.TRAILER_CRC_LEN for n in range(4))
+"""PAD and CRC bytes after a tagged payload of ``n`` bytes, by ``n % 4``."""
+COPY_MAX = 8192
+"""Largest FPDU payload the compiled framing copies (measured: 1428 bytes copy at 137 us
+per MiB against 579 for slices; 65516 bytes cost 138 us copied, 62 as slices)."""
+
+_PY = PyKernels()
+"""For runs of one message, where cffi's conversions cost more than the work (measured,
+8-byte Sends: framing 1.55 us in C against 0.79, scanning 1.12 against 0.73, placing
+2.48 against 0.91)."""
 
 lib.rs_init()
 
 
 def _bytes(data: Buffer) -> Any:
     return ffi.from_buffer("uint8_t[]", data)
+
+
+def _fpdu_len(buf: Buffer, pos: int) -> int:
+    """Bytes of the FPDU whose length field is at ``buf[pos:pos + 2]``."""
+    ulpdu_len = buf[pos] << 8 | buf[pos + 1]
+    return ulpdu_len + 6 + (-(ulpdu_len + 2) & 3)
 
 
 class CKernels:
@@ -42,6 +70,8 @@ class CKernels:
     ) -> Buffer:
         """See :class:`Kernels`."""
         n = len(payloads)
+        if n == 1:
+            return _PY.frame_sends(payloads, ctrls, invs, msn, crc)
         if not n == len(ctrls) == len(invs):
             raise ValueError("frame_sends: payloads, ctrls and invs differ in length")
         data = b"".join(payloads)
@@ -62,6 +92,8 @@ class CKernels:
         """See :class:`Kernels`."""
         if not 0 <= start <= end <= len(buf):
             return start, []
+        if end - start < 2 * SEND_MIN or end - start - _fpdu_len(buf, start) < SEND_MIN:
+            return _PY.scan_sends(buf, start, end, msn, crc)  # room for one FPDU at most
         words = (end - start) // SEND_MIN * MSG_WORDS
         out = ffi.new("uint32_t[]", words or 1)
         stop = ffi.new("size_t *")
@@ -73,6 +105,9 @@ class CKernels:
         """See :class:`Kernels`."""
         nsegs = targets.nsegs
         segments = targets.segments
+        if len(nsegs) == 1:
+            _PY.place(buf, msgs, targets)  # slice assignment works on the handles too
+            return
         handles, caps, offs, lens = zip(*segments, strict=True) if segments else ((), (), (), ())
         view = _bytes(buf)
         failed = lib.rs_place(
@@ -90,3 +125,58 @@ class CKernels:
         if handle is None:
             handle = region.handle = ffi.from_buffer("uint8_t[]", region.view, True)
         return handle
+
+    def frame_tagged(
+        self, src: Buffer, ctrl: int, stag: int, to: int, chunk: int, last: bool, crc: bool
+    ) -> list[Buffer]:
+        """See :class:`Kernels`: one buffer with the payload copied in for FPDUs of up to
+        :data:`COPY_MAX` payload bytes (cheaper than three iovecs each), else headers
+        and trailers around slices of ``src``."""
+        data = _bytes(src)
+        total = len(data)
+        check_tagged_frame(ctrl, stag, to, total, chunk)
+        copy = chunk <= COPY_MAX
+        count = total // chunk + 1
+        out = bytearray((total if copy else 0) + count * _TAGGED_OVERHEAD)
+        written = lib.rs_frame_tagged(
+            _bytes(out), len(out), data, total, ctrl, stag, to, chunk, last, crc, copy
+        )
+        if written < 0:
+            raise ValueError("frame_tagged: not a run of tagged FPDUs")
+        if copy:
+            del out[written:]
+            return [out]
+        frames = memoryview(out)
+        payload = memoryview(src)
+        parts: list[Buffer] = []
+        o = d = 0
+        while True:
+            n = min(chunk, total - d)
+            trailer = o + TAGGED_HDR_LEN + _TRAILER[n & 3]
+            parts.append(frames[o : o + TAGGED_HDR_LEN])
+            if n:
+                parts.append(payload[d : d + n])
+            parts.append(frames[o + TAGGED_HDR_LEN : trailer])
+            o = trailer
+            d += n
+            if d == total:
+                return parts
+
+    def place_tagged(
+        self, buf: Buffer, start: int, end: int, ctrl: int, stag: int, to: int,
+        target: object, off: int, crc: bool, in_order: bool,
+    ) -> tuple[int, int, bool]:  # fmt: skip
+        """See :class:`Kernels`."""
+        dst = target if isinstance(target, ffi.CData) else _bytes(target)  # type: ignore[arg-type]
+        size = len(dst)
+        check_tagged_target(ctrl, stag, to, size, off)
+        if not 0 <= start <= end <= len(buf):
+            return start, to, False
+        result = ffi.new("uint64_t[2]")
+        view = _bytes(buf)
+        stop = lib.rs_place_tagged(
+            view, len(view), start, end, ctrl, stag, to, dst, size, off, crc, in_order, result
+        )
+        if stop < 0:
+            raise ValueError("place_tagged: the range is not inside its target")
+        return int(stop), int(result[0]), bool(result[1])

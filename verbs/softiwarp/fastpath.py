@@ -2,9 +2,9 @@
 
 The pattern of aiohttp, yarl and msgpack: ``_accel`` (C through cffi, built
 when a compiler was there at install time) takes the per-FPDU work of bursts
-of small Sends, and the pure-Python kernels (:mod:`.kernels`) are the
-reference and the fallback. The compiled kernels are used when they were built
-and cffi's backend imports, unless the environment variable
+of small Sends and of runs of tagged FPDUs, and the pure-Python kernels
+(:mod:`.kernels`) are the reference and the fallback. The compiled kernels are
+used when they were built and cffi's backend imports, unless the environment variable
 ``RDMASHIM_NO_EXTENSIONS`` is set (to anything but ``0``) when this module is
 first imported. Each engine takes :func:`kernels` when it is created;
 :func:`use` changes that choice for engines created later (the tests run every

@@ -1,10 +1,12 @@
 """The engine's data-path kernels: their interface and the pure-Python reference.
 
-A kernel does the per-FPDU work of one burst of small Sends in one call: TX
-frames a run of one-FPDU Sends into one buffer, RX scans the staging buffer
-for the run of whole one-FPDU Sends it may complete and places their payloads.
+A kernel does the per-FPDU work of one burst in one call: TX frames a run of
+one-FPDU Sends into one buffer, or a run of tagged FPDUs (RDMA Write, Read
+Response) over a contiguous source; RX scans the staging buffer for the run of
+whole one-FPDU Sends it may complete and places their payloads, or places the
+run of whole tagged FPDUs bound for one checked range of registered memory.
 The engine decides everything else (which work requests qualify, which
-receives take the messages, completions, errors) and calls the kernels
+receives or regions take the data, completions, errors) and calls the kernels
 through :mod:`~rdmashim.verbs.softiwarp.fastpath`, which picks these
 functions or their compiled twins in ``_accel.c`` (:mod:`.accel`). This
 module is the reference: the compiled kernels must give the same bytes, the
@@ -41,7 +43,20 @@ SEND_CTRLS = frozenset(
 """RDMAP control bytes :meth:`Kernels.frame_sends` writes."""
 CTRL_SEND = ddp.RDMAP_VERSION | Opcode.SEND
 CTRL_SEND_SE = ddp.RDMAP_VERSION | Opcode.SEND_SE
+CTRL_WRITE = ddp.RDMAP_VERSION | Opcode.WRITE
+CTRL_READ_RESPONSE = ddp.RDMAP_VERSION | Opcode.READ_RESPONSE
+TAGGED_CTRLS = frozenset((CTRL_WRITE, CTRL_READ_RESPONSE))
+"""RDMAP control bytes of the tagged kernels (:meth:`Kernels.place_tagged`, ``frame_tagged``)."""
+TAGGED_HDR_LEN = ddp.TAGGED_HDR_LEN
+TAGGED_MIN = ddp.TAGGED_HDR_LEN + ddp.TRAILER_CRC_LEN
+"""Fewest bytes that hold a whole tagged FPDU (header and CRC field, no payload)."""
+MAX_TAGGED_PAYLOAD = ddp.MAX_ULPDU - (ddp.TAGGED_HDR_LEN - 2)
+"""Most payload one tagged FPDU carries."""
+DDP_TAGGED_MIDDLE = ddp.DDP_TAGGED | ddp.DDP_VERSION
+DDP_TAGGED_LAST = ddp.DDP_TAGGED | ddp.DDP_LAST | ddp.DDP_VERSION
+TO_LIMIT = 1 << 64
 _U32 = 0xFFFFFFFF
+_TAGGED = ddp.TAGGED
 _UNTAGGED = ddp.UNTAGGED
 _CRC_FIELD = ddp.CRC_FIELD
 _ZERO_CRC = bytes(ddp.TRAILER_CRC_LEN)
@@ -95,7 +110,36 @@ class Kernels(Protocol):
         ...
 
     def handle(self, region: Region) -> object:
-        """What :class:`Targets` names a registered region's memory by."""
+        """What :class:`Targets` and :meth:`place_tagged` name a registered region's
+        memory by."""
+        ...
+
+    def frame_tagged(
+        self, src: Buffer, ctrl: int, stag: int, to: int, chunk: int, last: bool, crc: bool
+    ) -> list[Buffer]:
+        """The FPDUs of ``src`` as tagged segments (RDMAP control byte ``ctrl``, a Write's
+        or a Read Response's) to ``stag`` at ``to``: ``chunk`` payload bytes each (the
+        final one fewer; one empty FPDU for an empty ``src``), the final one with the DDP
+        last flag when ``last``; zero PAD and the CRC (zero field when ``crc`` is false).
+        The buffers to send, in order (payload slices of ``src`` or copies)."""
+        ...
+
+    def place_tagged(
+        self, buf: Buffer, start: int, end: int, ctrl: int, stag: int, to: int,
+        target: object, off: int, crc: bool, in_order: bool,
+    ) -> tuple[int, int, bool]:  # fmt: skip
+        """Place the run of whole tagged FPDUs at ``buf[start:end]`` bound for the range
+        ``[to, to + len(target) - off)``, which the caller resolved and checked (STag,
+        PD, access, bounds); TO ``to`` is ``target[off]`` (``target`` a :meth:`handle`
+        or a writable buffer). Each FPDU must have the DDP control byte of a tagged
+        segment (reserved bits zero), RDMAP control byte ``ctrl``, STag ``stag``, a
+        ULPDU length that holds the header, its payload inside the range, the whole
+        FPDU present and, when ``crc`` is set, a matching CRC. ``in_order`` (a Read
+        Response's sink): the first FPDU's TO is ``to``, each next one's follows the
+        one before, an FPDU with the last flag must end the range and ends the run.
+        Stops before the first FPDU that is anything else, without placing it.
+        Returns the offset after the run, in order the TO after the run's payload (else
+        ``to``) and whether the run ended with the last flag (in order)."""
         ...
 
 
@@ -141,7 +185,6 @@ class PyKernels:
         if not 0 <= start <= end <= len(buf) or len(buf) > _U32:
             return start, out
         unpack = _UNTAGGED.unpack_from
-        wire_crc = _CRC_FIELD.unpack_from
         pos = start
         while end - pos >= SEND_MIN:
             ulpdu_len, ddp_ctrl, ctrl, _inv, qn, got_msn, mo = unpack(buf, pos)
@@ -154,10 +197,8 @@ class PyKernels:
                 or ulpdu_len < UNTAGGED_HDR_LEN - 2
             ):
                 break
-            body = ulpdu_len + 2 + ddp.pad_len(ulpdu_len)
-            if body + ddp.TRAILER_CRC_LEN > end - pos:
-                break
-            if crc and crc32c(buf[pos : pos + body]) != wire_crc(buf, pos + body)[0]:
+            size = _whole_fpdu(buf, pos, end, ulpdu_len, crc)
+            if not size:
                 break
             out += (
                 pos + UNTAGGED_HDR_LEN,
@@ -165,7 +206,7 @@ class PyKernels:
                 ctrl == CTRL_SEND_SE,
             )
             msn = (msn + 1) & _U32
-            pos += body + ddp.TRAILER_CRC_LEN
+            pos += size
         return pos, out
 
     def place(self, buf: Buffer, msgs: Sequence[int], targets: Targets) -> None:
@@ -196,3 +237,108 @@ class PyKernels:
     def handle(self, region: Region) -> object:
         """See :class:`Kernels`: the region's own memoryview."""
         return region.view
+
+    def frame_tagged(
+        self, src: Buffer, ctrl: int, stag: int, to: int, chunk: int, last: bool, crc: bool
+    ) -> list[Buffer]:
+        """See :class:`Kernels`: headers and trailers around slices of ``src``."""
+        view = memoryview(src)
+        total = view.nbytes
+        check_tagged_frame(ctrl, stag, to, total, chunk)
+        pack = _TAGGED.pack
+        crc_field = _CRC_FIELD.pack
+        out: list[Buffer] = []
+        off = 0
+        while True:
+            n = min(chunk, total - off)
+            final = off + n == total
+            ulpdu_len = TAGGED_HDR_LEN - 2 + n
+            ddp_ctrl = DDP_TAGGED_LAST if final and last else DDP_TAGGED_MIDDLE
+            header = pack(ulpdu_len, ddp_ctrl, ctrl, stag, to + off)
+            pad = ddp.ZERO_PAD[ddp.pad_len(ulpdu_len)]
+            out.append(header)
+            if n:
+                payload = view[off : off + n]
+                out.append(payload)
+                value = crc32c(pad, crc32c(payload, crc32c(header))) if crc else 0
+            else:
+                value = crc32c(pad, crc32c(header)) if crc else 0
+            out.append(pad + crc_field(value) if crc else pad + _ZERO_CRC)
+            off += n
+            if final:
+                return out
+
+    def place_tagged(
+        self, buf: Buffer, start: int, end: int, ctrl: int, stag: int, to: int,
+        target: object, off: int, crc: bool, in_order: bool,
+    ) -> tuple[int, int, bool]:  # fmt: skip
+        """See :class:`Kernels`."""
+        dst = target if isinstance(target, memoryview) else memoryview(target)  # type: ignore[arg-type]
+        span = check_tagged_target(ctrl, stag, to, dst.nbytes, off)
+        if not 0 <= start <= end <= len(buf):
+            return start, to, False
+        unpack = _TAGGED.unpack_from
+        pos = start
+        done = 0  # in order: payload bytes placed
+        last = False
+        while end - pos >= TAGGED_MIN:
+            ulpdu_len, ddp_ctrl, got_ctrl, got_stag, got_to = unpack(buf, pos)
+            if (
+                (ddp_ctrl != DDP_TAGGED_MIDDLE and ddp_ctrl != DDP_TAGGED_LAST)
+                or got_ctrl != ctrl
+                or got_stag != stag
+                or ulpdu_len < TAGGED_HDR_LEN - 2
+            ):
+                break
+            n = ulpdu_len - (TAGGED_HDR_LEN - 2)
+            rel = got_to - to
+            if rel < 0 or rel > span or n > span - rel:
+                break
+            final = ddp_ctrl == DDP_TAGGED_LAST
+            if in_order and (rel != done or (final and rel + n != span)):
+                break
+            size = _whole_fpdu(buf, pos, end, ulpdu_len, crc)
+            if not size:
+                break
+            if n:
+                src = pos + TAGGED_HDR_LEN
+                dst[off + rel : off + rel + n] = buf[src : src + n]
+            pos += size
+            if in_order:
+                done += n
+                if final:
+                    last = True
+                    break
+        return pos, to + done, last
+
+
+def _whole_fpdu(buf: Buffer, pos: int, end: int, ulpdu_len: int, crc: bool) -> int:
+    """The bytes of the FPDU at ``buf[pos:end]`` when it is all there and (``crc`` set)
+    its CRC matches, else 0."""
+    body = ulpdu_len + 2 + ddp.pad_len(ulpdu_len)
+    if body + ddp.TRAILER_CRC_LEN > end - pos:
+        return 0
+    if crc and crc32c(buf[pos : pos + body]) != _CRC_FIELD.unpack_from(buf, pos + body)[0]:
+        return 0
+    return body + ddp.TRAILER_CRC_LEN
+
+
+def _tagged_range(ctrl: int, stag: int, to: int, length: int) -> bool:
+    """Whether ``ctrl`` is a tagged opcode's, ``stag`` fits 32 bits and ``[to, to + length)``
+    stays below 2^64."""
+    return ctrl in TAGGED_CTRLS and 0 <= stag <= _U32 and 0 <= to <= TO_LIMIT - length
+
+
+def check_tagged_frame(ctrl: int, stag: int, to: int, total: int, chunk: int) -> None:
+    """Refuse arguments of :meth:`Kernels.frame_tagged` that are not a tagged run."""
+    if not 1 <= chunk <= MAX_TAGGED_PAYLOAD or not _tagged_range(ctrl, stag, to, total):
+        raise ValueError("frame_tagged: not a run of tagged FPDUs")
+
+
+def check_tagged_target(ctrl: int, stag: int, to: int, size: int, off: int) -> int:
+    """Refuse arguments of :meth:`Kernels.place_tagged` that name no range of its target;
+    the range's length."""
+    span = size - off
+    if not 0 <= off <= size or not _tagged_range(ctrl, stag, to, span):
+        raise ValueError("place_tagged: the range is not inside its target")
+    return span
