@@ -85,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     commit = meta["commit"][:7] or "?"
     title = (
         f"rdmashim perf {args.tool} -a -n {args.iters} --vs-tcp, loopback\n"
-        f"{meta['date'][:16].replace('T', ' ')} UTC, commit {commit}, engine: {meta['engine']}"
+        f"{meta['date'][:16].replace('T', ' ')} UTC, commit {commit}\nengine: {meta['engine']}"
     )
     args.out.parent.mkdir(parents=True, exist_ok=True)
     plot_sweep(str(args.out), args.tool, result.bw, tcp=result.tcp, title=title)
