@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 from crc32c import crc32c
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from test_engine_small_sends import FLAWED_RUNS
 from test_engine_small_sends import _run as run_small_sends
@@ -461,6 +461,16 @@ def test_place_tagged_refuses_a_range_outside_its_target(c: Kernels) -> None:
     ),
     last=st.booleans(),
     crc=st.booleans(),
+)
+@example(  # a run ending at the top of the TO space: the next TO is 2**64 on both kernels
+    size=40000,
+    skip=0,
+    read=False,
+    stag=1,
+    to=(1 << 64) - 40000,
+    chunk=MAX_TAGGED_PAYLOAD,
+    last=True,
+    crc=True,
 )
 def test_frame_tagged_matches_the_reference_and_the_codec(
     c: Kernels, size: int, skip: int, read: bool, stag: int, to: int, chunk: int, last: bool,

@@ -179,4 +179,9 @@ class CKernels:
         )
         if stop < 0:
             raise ValueError("place_tagged: the range is not inside its target")
-        return int(stop), int(result[0]), bool(result[1])
+        # A run ending at the top of the 64-bit TO space is followed by TO 2**64, which
+        # the C side's uint64_t holds as 0; the next TO is never below ``to``.
+        next_to = int(result[0])
+        if next_to < to:
+            next_to += 1 << 64
+        return int(stop), next_to, bool(result[1])
