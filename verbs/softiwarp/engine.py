@@ -20,6 +20,7 @@ work; so does a Terminate from the peer or the loss of the connection.
 
 from __future__ import annotations
 
+import collections
 import logging
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
@@ -230,7 +231,9 @@ class Engine:
     qp_num: int
     pd: object
     memory: MemoryTable
-    take_recv: Callable[[], RecvJob | None]
+    recv_queue: deque[RecvJob]
+    """The receives posted to the QP (or its SRQ), oldest first: the engine takes them
+    from the left, a run of them at a time, and puts back the ones a run did not use."""
     on_send_wc: Callable[[WC], None]
     on_recv_wc: Callable[[WC], None]
     sq_sig_all: bool = False
@@ -238,6 +241,9 @@ class Engine:
     on_fatal: Callable[[Exception], None] = lambda exc: None
     on_ready: Callable[[], None] = lambda: None
     """Called when a P2P responder receives the initiator's RTR (it may transmit from now)."""
+    on_recv_wcs: Callable[[list[WC]], None] | None = None
+    """Takes the successful receive completions of a run of small Sends at once, in
+    order (default: ``on_recv_wc`` for each). Neither callable may end the QP."""
 
     state: EngineState = EngineState.IDLE
     error: Exception | None = None
@@ -277,6 +283,9 @@ class Engine:
         self._rtr_pending = self.config.wait_for_rtr
         self._kernels = kernels()
         """The data-path kernels, compiled or Python (``fastpath``), fixed for this QP."""
+        if self.on_recv_wcs is None:
+            each = self.on_recv_wc
+            self.on_recv_wcs = lambda wcs: collections.deque(map(each, wcs), 0)
         self.bytes_sent = 0
         self.bytes_received = 0
 
@@ -690,52 +699,78 @@ class Engine:
         stop, msgs = kernels.scan_sends(sview, start, end, rx_msn[_QN_SEND], self.config.crc)
         if not msgs:
             return start
-        take_recv = self.take_recv
-        recv_spans = self._recv_spans
+        queue = self.recv_queue
+        count = min(len(msgs) // _MSG_WORDS, len(queue))
+        if count == len(queue):
+            jobs = [*queue]
+            queue.clear()
+        else:
+            popleft = queue.popleft
+            jobs = [popleft() for _ in range(count)]
+        locate = self.memory.locate
+        pd = self.pd
         handle = kernels.handle
+        regions: dict[int, Region] = {}
+        """The regions of the SGEs met in this run, checked once each (no user code
+        runs during a run: none is deregistered meanwhile)."""
         segments: list[tuple[object, int, int, int]] = []
         nsegs: list[int] = []
-        jobs: list[RecvJob] = []
         refused: RecvJob | None = None
-        for i in range(1, len(msgs), _MSG_WORDS):
-            job = take_recv()
-            if job is None:
-                break  # the general path reports "no buffer"
-            try:
-                spans = recv_spans(job)
-            except AccessViolation:
+        alone: Region | None = None
+        """The region of the last job with one SGE (used when the run is one message)."""
+        for k, job in enumerate(jobs):
+            if msgs[k * _MSG_WORDS + 1] > job.length:
                 refused = job
                 break
-            if msgs[i] > job.length:
-                refused = job
-                break
-            if len(spans) == 1 and not jobs and len(msgs) == _MSG_WORDS:
-                # One message into one piece of memory: a slice copy costs less than
-                # handing the kernels their targets (the common ping-pong case).
-                region, off, _ = spans[0]
-                src, length = msgs[0], msgs[1]
-                region.view[off : off + length] = sview[src : src + length]
+            sges = job.sges
+            if len(sges) == 1 and sges[0].length:
+                s = sges[0]
+                region = regions.get(s.lkey)
+                off = s.addr - region.addr if region is not None else -1
+                if region is None or off < 0 or off + s.length > region.length:
+                    try:
+                        region, off = locate(s.lkey, pd, s.addr, s.length, _LOCAL_WRITE)
+                    except AccessViolation:
+                        refused = job
+                        break
+                    regions[s.lkey] = region
+                alone = region
+                segments.append((region.handle or handle(region), region.length, off, s.length))
+                nsegs.append(1)
             else:
+                try:
+                    spans = self._recv_spans(job)
+                except AccessViolation:
+                    refused = job
+                    break
                 for region, off, n in spans:
                     segments.append((region.handle or handle(region), region.length, off, n))
                 nsegs.append(len(spans))
-            jobs.append(job)
-        if nsegs:
+        else:
+            k = len(jobs)
+        if k < len(jobs):
+            # Back to the queue, in order: the refused one goes to the general path.
+            queue.extendleft(reversed(jobs[k + 1 if refused is not None else k :]))
+            del jobs[k:]
+        if len(msgs) == _MSG_WORDS and alone is not None and jobs:
+            # One message into one piece of memory: a slice copy costs less than handing
+            # the kernels their targets (the common ping-pong case).
+            off = segments[0][2]
+            src, length = msgs[0], msgs[1]
+            alone.view[off : off + length] = sview[src : src + length]
+        elif jobs:
             kernels.place(sview, msgs, Targets(segments, nsegs))
-        on_recv_wc = self.on_recv_wc
-        qp_num = self.qp_num
-        success, recv, no_flags = WCStatus.SUCCESS, WCOpcode.RECV, WCFlags.NONE
-        for k, job in enumerate(jobs):
-            rx_msn[_QN_SEND] = (rx_msn[_QN_SEND] + 1) & U32_MAX
-            i = k * _MSG_WORDS
-            on_recv_wc(
-                WC(job.wr_id, success, recv, msgs[i + 1], qp_num, no_flags, 0, 0, msgs[i + 2] == 1)
-            )
-            if self._rx is _RX_DISCARD:
-                # The completion ended the QP: the receives taken for the rest are flushed.
-                rest = jobs[k + 1 :]
-                self.flush_recv([*rest, refused] if refused is not None else rest)
-                return end
+        if jobs:
+            qp_num = self.qp_num
+            success, recv, no_flags = WCStatus.SUCCESS, WCOpcode.RECV, WCFlags.NONE
+            rx_msn[_QN_SEND] = (rx_msn[_QN_SEND] + len(jobs)) & U32_MAX
+            self.on_recv_wcs(  # type: ignore[misc]
+                [
+                    WC(job.wr_id, success, recv, msgs[i + 1], qp_num, no_flags, 0, 0,
+                       msgs[i + 2] == 1)
+                    for job, i in zip(jobs, range(0, len(msgs), _MSG_WORDS), strict=False)
+                ]
+            )  # fmt: skip
         if len(jobs) * _MSG_WORDS == len(msgs):
             return stop
         fpdu = msgs[len(jobs) * _MSG_WORDS] - ddp.UNTAGGED_HDR_LEN
@@ -880,7 +915,7 @@ class Engine:
                 )
             if self._rtr_pending:
                 self._rtr_received()
-            job = self.take_recv()
+            job = self.recv_queue.popleft() if self.recv_queue else None
             if job is None:
                 raise ProtocolError(
                     "Send with no receive posted",

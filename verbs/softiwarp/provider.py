@@ -602,18 +602,38 @@ class CQ(_Resource):
 
     def _push(self, wc: WC) -> None:
         if len(self._entries) >= self.cqe:
-            if not self._overrun:
-                self._overrun = True
-                log.error("CQ overrun: %d entries; completion %r lost", self.cqe, wc)
-                self.context._post_async(AsyncEventType.CQ_ERR, self)
-                # Not from inside the engine that is completing: on the next tick.
-                self.context.nursery.start_soon(self._fail_qps)
+            self._overflow(wc)
             return
         self._entries.append(wc)
+        self._arrived(wc.solicited or wc.status != WCStatus.SUCCESS)
+
+    def _push_all(self, wcs: list[WC]) -> None:
+        """Queue completions in order as :meth:`_push` of each, with one wakeup and at
+        most one event or handler call for them all."""
+        room = self.cqe - len(self._entries)
+        if len(wcs) > room:
+            for wc in wcs:  # up to the overrun (rare): each as it comes
+                self._push(wc)
+            return
+        self._entries.extend(wcs)
+        self._arrived(
+            not self._solicited_only
+            or any(wc.solicited or wc.status != WCStatus.SUCCESS for wc in wcs)
+        )
+
+    def _overflow(self, wc: WC) -> None:
+        if not self._overrun:
+            self._overrun = True
+            log.error("CQ overrun: %d entries; completion %r lost", self.cqe, wc)
+            self.context._post_async(AsyncEventType.CQ_ERR, self)
+            # Not from inside the engine that is completing: on the next tick.
+            self.context.nursery.start_soon(self._fail_qps)
+
+    def _arrived(self, notable: bool) -> None:
+        """Completions were queued: wake waiters; an armed CQ reports them if one of them
+        is ``notable`` (solicited or an error) or it was armed for any."""
         self._waiter.set()
-        if self._armed and (
-            not self._solicited_only or wc.solicited or wc.status != WCStatus.SUCCESS
-        ):
+        if self._armed and (not self._solicited_only or notable):
             self._armed = False
             if self.channel is not None:
                 self.events_delivered += 1
@@ -724,9 +744,6 @@ class SRQ(_Resource):
         _queue_recvs(
             "post_srq_recv", self._queue, jobs, self.max_wr, self.max_sge, "SRQ full", max_nsge
         )
-
-    def _take(self) -> RecvJob | None:
-        return self._queue.popleft() if self._queue else None
 
     def close(self) -> None:
         """Destroy the SRQ."""
@@ -951,9 +968,10 @@ class QP(_Resource):
             qp_num=self.qp_num,
             pd=pd,
             memory=self.context.memory,
-            take_recv=srq._take if srq is not None else self._take_recv,
+            recv_queue=srq._queue if srq is not None else self._rq,
             on_send_wc=send_cq._push,
             on_recv_wc=recv_cq._push,
+            on_recv_wcs=recv_cq._push_all,
             sq_sig_all=sq_sig_all,
             on_fatal=self._on_fatal,
         )
@@ -981,9 +999,6 @@ class QP(_Resource):
     def remote_terminate(self) -> TermCode | None:
         """The error code of a Terminate the peer sent, if it sent one."""
         return self.engine.remote_terminate
-
-    def _take_recv(self) -> RecvJob | None:
-        return self._rq.popleft() if self._rq else None
 
     def _on_fatal(self, exc: Exception) -> None:
         for listener in self.error_listeners:
