@@ -184,6 +184,61 @@ class SendJob:
     """MSN of the Read Request that carried this RDMA Read."""
 
 
+class SendRun:
+    """Consecutive inline Sends posted together, carried by the engine as one job.
+
+    Each entry is a work request of its own (an SQ slot, a wr_id, a completion if
+    signaled or flushed); the run is framed by one kernel call. ``post_send`` of a
+    list makes one of the Sends (and Sends with Invalidate) that carry inline data
+    fitting one FPDU and no FENCE.
+    """
+
+    __slots__ = (
+        "ctrls",
+        "done",
+        "flags",
+        "invs",
+        "payloads",
+        "signaled",
+        "size",
+        "status",
+        "wr_ids",
+    )
+
+    opcode = WROpcode.SEND
+    """What the SQ's checks see (a run is never a Read)."""
+
+    def __init__(self) -> None:
+        self.payloads: list[bytes] = []
+        self.ctrls = bytearray()
+        """The RDMAP control byte of each entry (Send or Send with SE, with Invalidate)."""
+        self.invs: list[int] = []
+        self.wr_ids: list[int] = []
+        self.signaled: list[int] = []
+        """The wr_ids of the entries with SIGNALED, in order."""
+        self.size = 0
+        """Bytes of the entries' FPDUs."""
+        self.flags = 0
+        """SIGNALED if an entry is (a run never has FENCE)."""
+        self.done = False
+        self.status = WCStatus.SUCCESS
+
+    def add(self, wr_id: int, invalidate: bool, flags: int, inline: bytes, inv: int) -> None:
+        """Append a Send (with Invalidate if ``invalidate``) of ``inline``."""
+        ctrl = _CTRL_SEND_SE if flags & _SOLICITED else _CTRL_SEND_PLAIN
+        self.ctrls.append(ctrl + _INV_STEP if invalidate else ctrl)
+        self.payloads.append(inline)
+        self.invs.append(inv)
+        self.wr_ids.append(wr_id)
+        if flags & _SIGNALED:
+            self.signaled.append(wr_id)
+            self.flags = _SIGNALED
+        self.size += ((ddp.UNTAGGED_HDR_LEN + 3 + len(inline)) & ~3) + _CRC_BYTES
+
+    def __len__(self) -> int:
+        return len(self.wr_ids)
+
+
 @dataclass(eq=False, slots=True)
 class RecvJob:
     """A posted receive as the engine carries it."""
@@ -243,7 +298,10 @@ class Engine:
     """Called when a P2P responder receives the initiator's RTR (it may transmit from now)."""
     on_recv_wcs: Callable[[list[WC]], None] | None = None
     """Takes the successful receive completions of a run of small Sends at once, in
-    order (default: ``on_recv_wc`` for each). Neither callable may end the QP."""
+    order (default: ``on_recv_wc`` for each). No completion callable may end the QP."""
+    on_send_wcs: Callable[[list[WC]], None] | None = None
+    """Takes the completions of a :class:`SendRun` at once (default: ``on_send_wc``
+    for each)."""
 
     state: EngineState = EngineState.IDLE
     error: Exception | None = None
@@ -251,8 +309,8 @@ class Engine:
     remote_terminate: TermCode | None = None
 
     def __post_init__(self) -> None:
-        self._sq: deque[SendJob] = deque()
-        self._sq_order: deque[SendJob] = deque()
+        self._sq: deque[SendJob | SendRun] = deque()
+        self._sq_order: deque[SendJob | SendRun] = deque()
         self._orq: deque[SendJob] = deque()
         self._irq: deque[_ReadResponse] = deque()
         self._responding = 0
@@ -261,7 +319,7 @@ class Engine:
         """The FPDUs of the message being sent: their buffers (trailers included), whether
         they end the message, their bytes."""
         self._current_job: SendJob | None = None
-        self._burst_done: list[SendJob] = []
+        self._burst_done: list[SendJob | SendRun] = []
         self._terminate: bytes | None = None
         self._control: list[Chunk] = []
         self._tx_msn = [0, 0, 0]
@@ -284,8 +342,11 @@ class Engine:
         self._kernels = kernels()
         """The data-path kernels, compiled or Python (``fastpath``), fixed for this QP."""
         if self.on_recv_wcs is None:
-            each = self.on_recv_wc
-            self.on_recv_wcs = lambda wcs: collections.deque(map(each, wcs), 0)
+            self.on_recv_wcs = _each(self.on_recv_wc)
+        if self.on_send_wcs is None:
+            self.on_send_wcs = _each(self.on_send_wc)
+        self._run_extra = 0
+        """Entries of the runs in the SQ beyond one each (``sq_depth`` counts entries)."""
         self.bytes_sent = 0
         self.bytes_received = 0
 
@@ -314,18 +375,27 @@ class Engine:
         self._control += ddp.encode_fpdu(ulpdu, crc=self.config.crc)
 
     # ------------------------------------------------------------------ posting
-    def post_send(self, job: SendJob) -> None:
-        """Queue a send work request (already checked against the QP's limits)."""
+    def post_send(self, job: SendJob | SendRun) -> None:
+        """Queue a send work request, or a run of them (already checked against the QP's
+        limits)."""
         state = self.state
         if state is _ERROR or state is _TERMINATE:  # identity: Enum hashing is Python code
             self._complete_send(job, WCStatus.WR_FLUSH_ERR)
             return
+        if job.__class__ is SendRun:
+            self._run_extra += len(job) - 1  # type: ignore[arg-type]
         self._sq.append(job)
 
     @property
     def sq_depth(self) -> int:
         """Send work requests posted and not yet completed."""
-        return len(self._sq) + len(self._sq_order)
+        return len(self._sq) + len(self._sq_order) + self._run_extra
+
+    @property
+    def small_send_max(self) -> int:
+        """The most payload bytes of a Send framed in one FPDU (a :class:`SendRun`'s
+        entries carry no more)."""
+        return (self.config.max_fpdu - ddp.UNTAGGED_HDR_LEN - _CRC_BYTES) & ~3
 
     @property
     def tx_ready(self) -> bool:
@@ -356,6 +426,8 @@ class Engine:
         while size < max_bytes and len(out) < max_buffers:
             if self._current is None and self._sq and not self._irq:
                 size += self._small_send_fpdus(out, max_bytes - size)
+                if size >= max_bytes:
+                    break  # (a SendRun left at the head must not reach _start_next)
             if self._current is None and not self._start_next():
                 break
             try:
@@ -405,7 +477,7 @@ class Engine:
         orq = self._orq
         order = self._sq_order
         burst = self._burst_done
-        most = (self.config.max_fpdu - ddp.UNTAGGED_HDR_LEN - _CRC_BYTES) & ~3
+        most = self.small_send_max
         send, send_inv = WROpcode.SEND, WROpcode.SEND_WITH_INV  # enum lookups cost
         payloads: list[bytes] = []
         ctrls = bytearray()
@@ -413,6 +485,16 @@ class Engine:
         size = 0
         while sq and size < budget:
             job = sq[0]
+            if job.__class__ is SendRun:  # taken whole (its size is bounded at post time)
+                run: SendRun = sq.popleft()  # type: ignore[assignment]
+                order.append(run)
+                burst.append(run)
+                payloads += run.payloads
+                ctrls += run.ctrls
+                invs += run.invs
+                size += run.size
+                continue
+            assert isinstance(job, SendJob)
             inline = job.inline
             op = job.opcode
             if (
@@ -1191,7 +1273,10 @@ class Engine:
         self._burst_done.clear()
         self._drain_sq_order()
         while self._sq:
-            self._complete_send(self._sq.popleft(), WCStatus.WR_FLUSH_ERR)
+            job = self._sq.popleft()
+            if job.__class__ is SendRun:
+                self._run_extra -= len(job) - 1  # type: ignore[arg-type]
+            self._complete_send(job, WCStatus.WR_FLUSH_ERR)
         msg = self._rx_send
         if msg is not None:
             self._rx_send = None
@@ -1210,15 +1295,29 @@ class Engine:
         success = WCStatus.SUCCESS
         while order and order[0].done:
             job = order.popleft()
+            if job.__class__ is SendRun:
+                self._run_extra -= len(job) - 1  # type: ignore[arg-type]
             if quiet and job.status is success and not job.flags & _SIGNALED:
                 continue  # what _complete_send would do, without the call
             self._complete_send(job, job.status)
 
-    def _complete_send(self, job: SendJob, status: WCStatus) -> None:
+    def _complete_send(self, job: SendJob | SendRun, status: WCStatus) -> None:
+        if job.__class__ is SendRun:
+            ids = job.signaled if status is WCStatus.SUCCESS and not self.sq_sig_all else job.wr_ids  # type: ignore[union-attr]
+            if ids:
+                send, qp_num = WCOpcode.SEND, self.qp_num
+                self.on_send_wcs([WC(wr_id, status, send, 0, qp_num) for wr_id in ids])  # type: ignore[misc]
+            return
+        assert isinstance(job, SendJob)
         if status is WCStatus.SUCCESS and not (self.sq_sig_all or job.flags & _SIGNALED):
             return
         byte_len = job.length if job.opcode is WROpcode.RDMA_READ else 0
         self.on_send_wc(WC(job.wr_id, status, _WC_OPCODE[job.opcode], byte_len, self.qp_num))
+
+
+def _each(callback: Callable[[WC], None]) -> Callable[[list[WC]], None]:
+    """A callable taking a list of completions that hands each to ``callback``."""
+    return lambda wcs: collections.deque(map(callback, wcs), 0)
 
 
 def _check_wire_fields(job: SendJob) -> None:

@@ -42,7 +42,7 @@ from rdmashim.verbs.enums import (
 )
 from rdmashim.verbs.errors import NotSupported, VerbsError
 from rdmashim.verbs.events import AsyncEvent, AsyncEventType
-from rdmashim.verbs.softiwarp.engine import Engine, EngineState, RecvJob, SendJob
+from rdmashim.verbs.softiwarp.engine import Engine, EngineState, RecvJob, SendJob, SendRun
 from rdmashim.verbs.softiwarp.memory import AccessViolation, MemoryTable, Region
 from rdmashim.verbs.softiwarp.mpa import MAX_PRIVATE_DATA, V2_BLOCK_LEN
 from rdmashim.verbs.softiwarp.terminate import TermCode
@@ -828,6 +828,10 @@ _U64 = 0xFFFFFFFFFFFFFFFF
 _INLINE = int(SendFlags.INLINE)
 # Enum members bound once: an attribute lookup on an enum class costs per work request.
 _RDMA_READ = WROpcode.RDMA_READ
+_SEND_INV = WROpcode.SEND_WITH_INV
+_FENCE = int(SendFlags.FENCE)
+_RUN_BYTES = 256 * 1024
+"""A :class:`SendRun` takes no more entries once its FPDUs reach this many bytes."""
 _RTS = QPState.RTS
 _ERR = QPState.ERR
 _SUPPORTED_SEND = frozenset(
@@ -894,6 +898,7 @@ class _SendTemplate:
         "opcode",
         "remote_addr",
         "rkey",
+        "runnable",
         "source",
         "unsupported",
     )  # fmt: skip
@@ -916,6 +921,14 @@ class _SendTemplate:
         self.length = 0
         self.source: _InlineSGE | None = None
         """The one SGE of an inline send from registered memory (the common case)."""
+        self.runnable = (
+            flags & _INLINE
+            and opcode in (WROpcode.SEND, _SEND_INV)
+            and not flags & _FENCE
+            and keys_fit
+        )
+        """An inline Send without FENCE: it joins a :class:`SendRun` if its data fit
+        one FPDU."""
         if flags & _INLINE and opcode is not _RDMA_READ:
             if len(sges) == 1 and sges[0].__class__ is SGE:
                 self.source = source = _InlineSGE(sges[0])
@@ -972,6 +985,7 @@ class QP(_Resource):
             on_send_wc=send_cq._push,
             on_recv_wc=recv_cq._push,
             on_recv_wcs=recv_cq._push_all,
+            on_send_wcs=send_cq._push_all,
             sq_sig_all=sq_sig_all,
             on_fatal=self._on_fatal,
         )
@@ -1060,6 +1074,8 @@ class QP(_Resource):
         max_sge, max_inline = cap.max_send_sge, cap.max_inline_data
         post = self.engine.post_send
         memory = self.context.memory
+        most = self.engine.small_send_max
+        run: SendRun | None = None
         try:
             for i, t in enumerate(templates):
                 if t.unsupported:
@@ -1095,6 +1111,19 @@ class QP(_Resource):
                         )
                     if not (t.keys_fit and t.remote_addr <= _U64 + 1 - length):
                         raise _bad_wr(errno.EINVAL, "post_send", i, _WIRE_LIMITS)
+                    if t.runnable and length <= most:
+                        if run is None or run.size >= _RUN_BYTES:
+                            if run is not None:
+                                post(run)
+                            run = SendRun()
+                        run.add(
+                            wrs[i].wr_id, t.opcode is _SEND_INV, t.flags, inline,
+                            t.invalidate_rkey,
+                        )  # fmt: skip
+                        continue
+                if run is not None:
+                    post(run)
+                    run = None
                 post(
                     SendJob(
                         wrs[i].wr_id, t.opcode, t.flags, t.local, inline, length,
@@ -1102,6 +1131,8 @@ class QP(_Resource):
                     )
                 )  # fmt: skip
         finally:  # the requests before a refused one are posted: they go out now
+            if run is not None:
+                post(run)
             if self._link is not None:
                 self._link.kick()
 
