@@ -38,8 +38,8 @@ def _run(first: int, n: int, signaled: set[int] | None = None) -> SendRun:
     signaled, all if None)."""
     run = SendRun()
     for wr_id in range(first, first + n):
-        flags = SendFlags.SIGNALED if signaled is None or wr_id in signaled else 0
-        run.add(wr_id, False, int(flags), wr_id.to_bytes(8, "little"), 0)
+        flags = int(SendFlags.SIGNALED if signaled is None or wr_id in signaled else 0)
+        run.add(wr_id, SendRun.ctrl(flags, False), flags, wr_id.to_bytes(8, "little"), 0)
     return run
 
 

@@ -97,6 +97,8 @@ _CTRL_SEND_SE = ddp.RDMAP_VERSION | Opcode.SEND_SE
 _INV_STEP = Opcode.SEND_INV - Opcode.SEND
 """From SEND / SEND_SE to SEND_INV / SEND_SE_INV (each follows its plain opcode)."""
 _QN_SEND = int(QN.SEND)
+_SEND_FPDU_BASE = ddp.UNTAGGED_HDR_LEN + 3
+"""Header bytes of an untagged FPDU, plus 3 to round its payload up to the pad."""
 _UNTAGGED_ULPDU_MIN = ddp.UNTAGGED_HDR_LEN - 2
 """ULPDU length of an untagged segment without payload."""
 _TAGGED = ddp.TAGGED
@@ -223,17 +225,24 @@ class SendRun:
         self.done = False
         self.status = WCStatus.SUCCESS
 
-    def add(self, wr_id: int, invalidate: bool, flags: int, inline: bytes, inv: int) -> None:
-        """Append a Send (with Invalidate if ``invalidate``) of ``inline``."""
+    @staticmethod
+    def ctrl(flags: int, invalidate: bool) -> int:
+        """The RDMAP control byte of an entry with ``flags`` (Send with Invalidate if
+        ``invalidate``)."""
         ctrl = _CTRL_SEND_SE if flags & _SOLICITED else _CTRL_SEND_PLAIN
-        self.ctrls.append(ctrl + _INV_STEP if invalidate else ctrl)
+        return ctrl + _INV_STEP if invalidate else ctrl
+
+    def add(self, wr_id: int, ctrl: int, flags: int, inline: bytes, inv: int) -> None:
+        """Append an entry: control byte ``ctrl`` (from :meth:`ctrl`), its ``flags``, its
+        data and the STag a Send with Invalidate names."""
+        self.ctrls.append(ctrl)
         self.payloads.append(inline)
         self.invs.append(inv)
         self.wr_ids.append(wr_id)
         if flags & _SIGNALED:
             self.signaled.append(wr_id)
             self.flags = _SIGNALED
-        self.size += ((ddp.UNTAGGED_HDR_LEN + 3 + len(inline)) & ~3) + _CRC_BYTES
+        self.size += ((_SEND_FPDU_BASE + len(inline)) & ~3) + _CRC_BYTES
 
     def __len__(self) -> int:
         return len(self.wr_ids)
@@ -516,7 +525,7 @@ class Engine:
             payloads.append(inline)
             ctrls.append(ctrl + _INV_STEP if op is send_inv else ctrl)
             invs.append(job.invalidate_rkey)
-            size += ((ddp.UNTAGGED_HDR_LEN + 3 + len(inline)) & ~3) + _CRC_BYTES
+            size += ((_SEND_FPDU_BASE + len(inline)) & ~3) + _CRC_BYTES
         if payloads:
             msns = self._tx_msn
             msn = msns[_QN_SEND]

@@ -847,10 +847,11 @@ class _InlineSGE:
     """An SGE of an inline send: the region it names is looked up once and kept while it
     stays registered (a deregistered one is looked up again, and refused if gone)."""
 
-    __slots__ = ("end", "offset", "region", "sge")
+    __slots__ = ("end", "length", "offset", "region", "sge")
 
     def __init__(self, sge: SGE) -> None:
         self.sge = sge
+        self.length = sge.length
         self.region: Region | None = None
         self.offset = self.end = 0
 
@@ -898,7 +899,7 @@ class _SendTemplate:
         "opcode",
         "remote_addr",
         "rkey",
-        "runnable",
+        "run_ctrl",
         "source",
         "unsupported",
     )  # fmt: skip
@@ -921,14 +922,15 @@ class _SendTemplate:
         self.length = 0
         self.source: _InlineSGE | None = None
         """The one SGE of an inline send from registered memory (the common case)."""
-        self.runnable = (
+        runnable = (
             flags & _INLINE
             and opcode in (WROpcode.SEND, _SEND_INV)
             and not flags & _FENCE
             and keys_fit
         )
-        """An inline Send without FENCE: it joins a :class:`SendRun` if its data fit
-        one FPDU."""
+        self.run_ctrl = SendRun.ctrl(flags, opcode is _SEND_INV) if runnable else 0
+        """An inline Send without FENCE joins a :class:`SendRun` if its data fit one FPDU:
+        its control byte there (0: it does not)."""
         if flags & _INLINE and opcode is not _RDMA_READ:
             if len(sges) == 1 and sges[0].__class__ is SGE:
                 self.source = source = _InlineSGE(sges[0])
@@ -1075,61 +1077,72 @@ class QP(_Resource):
         post = self.engine.post_send
         memory = self.context.memory
         most = self.engine.small_send_max
+        fast_max = min(most, max_inline)
         run: SendRun | None = None
         try:
             for i, t in enumerate(templates):
-                if t.unsupported:
-                    raise NotSupported("post_send", f"work request {i}: {t.unsupported}")
-                limit = 1 if t.opcode is _RDMA_READ else max_sge
-                if t.nsge > limit:
-                    raise _bad_wr(errno.EINVAL, "post_send", i, f"{t.nsge} SGEs > {limit}")
-                if i >= room:
-                    raise _bad_wr(
-                        errno.ENOMEM, "post_send", i, f"send queue full ({cap.max_send_wr})"
-                    )
-                inline = None
-                parts = t.inline
-                if parts is None:
-                    if t.invalid:
-                        raise _bad_wr(errno.EINVAL, "post_send", i, t.invalid)
-                    length = t.length
+                ctrl = t.run_ctrl
+                src = t.source
+                if (
+                    ctrl
+                    and i < room
+                    and t.nsge <= max_sge
+                    and src is not None
+                    and (region := src.region) is not None
+                    and region.valid
+                    and src.length <= fast_max
+                    and t.remote_addr <= _U64 + 1 - src.length
+                ):
+                    # The common case: every check below passes, the copy joins the run.
+                    inline = region.view[src.offset : src.end].tobytes()
                 else:
-                    # The engine sends the copy; the SGEs are not kept.
-                    src = t.source
-                    if src is not None and (region := src.region) is not None and region.valid:
-                        inline = region.view[src.offset : src.end].tobytes()  # the common case
-                    elif src is not None and (data := src.read(memory)) is not None:
-                        inline = data  # looked up (again)
-                    elif len(parts) == 1:
-                        inline = _inline_bytes(i, parts[0], memory)
-                    else:
-                        inline = b"".join([_inline_bytes(i, p, memory) for p in parts])
-                    length = len(inline)
-                    if length > max_inline:
+                    if t.unsupported:
+                        raise NotSupported("post_send", f"work request {i}: {t.unsupported}")
+                    limit = 1 if t.opcode is _RDMA_READ else max_sge
+                    if t.nsge > limit:
+                        raise _bad_wr(errno.EINVAL, "post_send", i, f"{t.nsge} SGEs > {limit}")
+                    if i >= room:
                         raise _bad_wr(
-                            errno.EINVAL, "post_send", i, f"{length} inline bytes > {max_inline}"
+                            errno.ENOMEM, "post_send", i, f"send queue full ({cap.max_send_wr})"
                         )
-                    if not (t.keys_fit and t.remote_addr <= _U64 + 1 - length):
-                        raise _bad_wr(errno.EINVAL, "post_send", i, _WIRE_LIMITS)
-                    if t.runnable and length <= most:
-                        if run is None or run.size >= _RUN_BYTES:
-                            if run is not None:
-                                post(run)
-                            run = SendRun()
-                        run.add(
-                            wrs[i].wr_id, t.opcode is _SEND_INV, t.flags, inline,
-                            t.invalidate_rkey,
+                    inline = None
+                    parts = t.inline
+                    if parts is None:
+                        if t.invalid:
+                            raise _bad_wr(errno.EINVAL, "post_send", i, t.invalid)
+                        length = t.length
+                    else:
+                        # The engine sends the copy; the SGEs are not kept.
+                        if src is not None and (data := src.read(memory)) is not None:
+                            inline = data  # looked up (again)
+                        elif len(parts) == 1:
+                            inline = _inline_bytes(i, parts[0], memory)
+                        else:
+                            inline = b"".join([_inline_bytes(i, p, memory) for p in parts])
+                        length = len(inline)
+                        if length > max_inline:
+                            raise _bad_wr(
+                                errno.EINVAL, "post_send", i,
+                                f"{length} inline bytes > {max_inline}",
+                            )  # fmt: skip
+                        if not (t.keys_fit and t.remote_addr <= _U64 + 1 - length):
+                            raise _bad_wr(errno.EINVAL, "post_send", i, _WIRE_LIMITS)
+                    if not ctrl or inline is None or length > most:
+                        if run is not None:
+                            post(run)
+                            run = None
+                        post(
+                            SendJob(
+                                wrs[i].wr_id, t.opcode, t.flags, t.local, inline, length,
+                                t.remote_addr, t.rkey, t.invalidate_rkey,
+                            )
                         )  # fmt: skip
                         continue
-                if run is not None:
-                    post(run)
-                    run = None
-                post(
-                    SendJob(
-                        wrs[i].wr_id, t.opcode, t.flags, t.local, inline, length,
-                        t.remote_addr, t.rkey, t.invalidate_rkey,
-                    )
-                )  # fmt: skip
+                if run is None or run.size >= _RUN_BYTES:
+                    if run is not None:
+                        post(run)
+                    run = SendRun()
+                run.add(wrs[i].wr_id, ctrl, t.flags, inline, t.invalidate_rkey)
         finally:  # the requests before a refused one are posted: they go out now
             if run is not None:
                 post(run)
