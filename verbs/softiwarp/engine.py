@@ -20,7 +20,6 @@ work; so does a Terminate from the peer or the loss of the connection.
 
 from __future__ import annotations
 
-import collections
 import logging
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
@@ -350,10 +349,8 @@ class Engine:
         self._rtr_pending = self.config.wait_for_rtr
         self._kernels = kernels()
         """The data-path kernels, compiled or Python (``fastpath``), fixed for this QP."""
-        if self.on_recv_wcs is None:
-            self.on_recv_wcs = _each(self.on_recv_wc)
-        if self.on_send_wcs is None:
-            self.on_send_wcs = _each(self.on_send_wc)
+        self._recv_wcs = self.on_recv_wcs or _each(self.on_recv_wc)
+        self._send_wcs = self.on_send_wcs or _each(self.on_send_wc)
         self._run_extra = 0
         """Entries of the runs in the SQ beyond one each (``sq_depth`` counts entries)."""
         self.bytes_sent = 0
@@ -391,8 +388,8 @@ class Engine:
         if state is _ERROR or state is _TERMINATE:  # identity: Enum hashing is Python code
             self._complete_send(job, WCStatus.WR_FLUSH_ERR)
             return
-        if job.__class__ is SendRun:
-            self._run_extra += len(job) - 1  # type: ignore[arg-type]
+        if isinstance(job, SendRun):
+            self._run_extra += len(job) - 1
         self._sq.append(job)
 
     @property
@@ -494,16 +491,15 @@ class Engine:
         size = 0
         while sq and size < budget:
             job = sq[0]
-            if job.__class__ is SendRun:  # taken whole (its size is bounded at post time)
-                run: SendRun = sq.popleft()  # type: ignore[assignment]
-                order.append(run)
-                burst.append(run)
-                payloads += run.payloads
-                ctrls += run.ctrls
-                invs += run.invs
-                size += run.size
+            if isinstance(job, SendRun):  # taken whole (its size is bounded at post time)
+                sq.popleft()
+                order.append(job)
+                burst.append(job)
+                payloads += job.payloads
+                ctrls += job.ctrls
+                invs += job.invs
+                size += job.size
                 continue
-            assert isinstance(job, SendJob)
             inline = job.inline
             op = job.opcode
             if (
@@ -563,6 +559,7 @@ class Engine:
         if not self._sq or not self._sq_head_may_start():
             return False
         job = self._sq.popleft()
+        assert isinstance(job, SendJob)  # produce() frames a run at the head itself
         self._sq_order.append(job)
         self._current_job = job
         self._current = self._job_fpdus(job)
@@ -855,7 +852,7 @@ class Engine:
             qp_num = self.qp_num
             success, recv, no_flags = WCStatus.SUCCESS, WCOpcode.RECV, WCFlags.NONE
             rx_msn[_QN_SEND] = (rx_msn[_QN_SEND] + len(jobs)) & U32_MAX
-            self.on_recv_wcs(  # type: ignore[misc]
+            self._recv_wcs(
                 [
                     WC(job.wr_id, success, recv, msgs[i + 1], qp_num, no_flags, 0, 0,
                        msgs[i + 2] == 1)
@@ -1272,20 +1269,20 @@ class Engine:
             self._current_job.status = WCStatus.WR_FLUSH_ERR
         self._current = None
         self._current_job = None
-        for job in self._sq_order:
-            if not job.done:
-                job.done = True
-                job.status = WCStatus.WR_FLUSH_ERR
+        for entry in self._sq_order:
+            if not entry.done:
+                entry.done = True
+                entry.status = WCStatus.WR_FLUSH_ERR
         self._orq.clear()
         self._irq.clear()
         self._responding = 0
         self._burst_done.clear()
         self._drain_sq_order()
         while self._sq:
-            job = self._sq.popleft()
-            if job.__class__ is SendRun:
-                self._run_extra -= len(job) - 1  # type: ignore[arg-type]
-            self._complete_send(job, WCStatus.WR_FLUSH_ERR)
+            queued = self._sq.popleft()
+            if isinstance(queued, SendRun):
+                self._run_extra -= len(queued) - 1
+            self._complete_send(queued, WCStatus.WR_FLUSH_ERR)
         msg = self._rx_send
         if msg is not None:
             self._rx_send = None
@@ -1304,20 +1301,20 @@ class Engine:
         success = WCStatus.SUCCESS
         while order and order[0].done:
             job = order.popleft()
-            if job.__class__ is SendRun:
-                self._run_extra -= len(job) - 1  # type: ignore[arg-type]
+            if isinstance(job, SendRun):
+                self._run_extra -= len(job) - 1
             if quiet and job.status is success and not job.flags & _SIGNALED:
                 continue  # what _complete_send would do, without the call
             self._complete_send(job, job.status)
 
     def _complete_send(self, job: SendJob | SendRun, status: WCStatus) -> None:
-        if job.__class__ is SendRun:
-            ids = job.signaled if status is WCStatus.SUCCESS and not self.sq_sig_all else job.wr_ids  # type: ignore[union-attr]
+        if isinstance(job, SendRun):
+            quiet = status is WCStatus.SUCCESS and not self.sq_sig_all
+            ids = job.signaled if quiet else job.wr_ids
             if ids:
                 send, qp_num = WCOpcode.SEND, self.qp_num
-                self.on_send_wcs([WC(wr_id, status, send, 0, qp_num) for wr_id in ids])  # type: ignore[misc]
+                self._send_wcs([WC(wr_id, status, send, 0, qp_num) for wr_id in ids])
             return
-        assert isinstance(job, SendJob)
         if status is WCStatus.SUCCESS and not (self.sq_sig_all or job.flags & _SIGNALED):
             return
         byte_len = job.length if job.opcode is WROpcode.RDMA_READ else 0
@@ -1326,7 +1323,12 @@ class Engine:
 
 def _each(callback: Callable[[WC], None]) -> Callable[[list[WC]], None]:
     """A callable taking a list of completions that hands each to ``callback``."""
-    return lambda wcs: collections.deque(map(callback, wcs), 0)
+
+    def each(wcs: list[WC]) -> None:
+        for wc in wcs:
+            callback(wc)
+
+    return each
 
 
 def _check_wire_fields(job: SendJob) -> None:

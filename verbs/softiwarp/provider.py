@@ -1094,7 +1094,7 @@ class QP(_Resource):
                     and t.remote_addr <= _U64 + 1 - src.length
                 ):
                     # The common case: every check below passes, the copy joins the run.
-                    inline = region.view[src.offset : src.end].tobytes()
+                    inline: bytes | None = region.view[src.offset : src.end].tobytes()
                 else:
                     if t.unsupported:
                         raise NotSupported("post_send", f"work request {i}: {t.unsupported}")
@@ -1127,7 +1127,7 @@ class QP(_Resource):
                             )  # fmt: skip
                         if not (t.keys_fit and t.remote_addr <= _U64 + 1 - length):
                             raise _bad_wr(errno.EINVAL, "post_send", i, _WIRE_LIMITS)
-                    if not ctrl or inline is None or length > most:
+                    if not ctrl or inline is None or length > most:  # a job of its own
                         if run is not None:
                             post(run)
                             run = None
@@ -1142,7 +1142,7 @@ class QP(_Resource):
                     if run is not None:
                         post(run)
                     run = SendRun()
-                run.add(wrs[i].wr_id, ctrl, t.flags, inline, t.invalidate_rkey)
+                run.add(wrs[i].wr_id, ctrl, t.flags, inline, t.invalidate_rkey)  # type: ignore[arg-type]
         finally:  # the requests before a refused one are posted: they go out now
             if run is not None:
                 post(run)
