@@ -1080,8 +1080,10 @@ class QP(_Resource):
         fast_max = min(most, max_inline)
         run: SendRun | None = None
         try:
+            # A post of one request makes a plain job: a run of one costs more.
+            several = len(templates) > 1
             for i, t in enumerate(templates):
-                ctrl = t.run_ctrl
+                ctrl = t.run_ctrl if several else 0
                 src = t.source
                 if (
                     ctrl
