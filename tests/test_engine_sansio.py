@@ -58,7 +58,7 @@ class Host:
             qp_num=1,
             pd=self.pd,
             memory=self.memory,
-            take_recv=lambda: self.rq.popleft() if self.rq else None,
+            recv_queue=self.rq,
             on_send_wc=self.send_wcs.append,
             on_recv_wc=self.recv_wcs.append,
         )

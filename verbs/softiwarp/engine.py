@@ -96,6 +96,8 @@ _CTRL_SEND_SE = ddp.RDMAP_VERSION | Opcode.SEND_SE
 _INV_STEP = Opcode.SEND_INV - Opcode.SEND
 """From SEND / SEND_SE to SEND_INV / SEND_SE_INV (each follows its plain opcode)."""
 _QN_SEND = int(QN.SEND)
+_SEND_FPDU_BASE = ddp.UNTAGGED_HDR_LEN + 3
+"""Header bytes of an untagged FPDU, plus 3 to round its payload up to the pad."""
 _UNTAGGED_ULPDU_MIN = ddp.UNTAGGED_HDR_LEN - 2
 """ULPDU length of an untagged segment without payload."""
 _TAGGED = ddp.TAGGED
@@ -183,6 +185,68 @@ class SendJob:
     """MSN of the Read Request that carried this RDMA Read."""
 
 
+class SendRun:
+    """Consecutive inline Sends posted together, carried by the engine as one job.
+
+    Each entry is a work request of its own (an SQ slot, a wr_id, a completion if
+    signaled or flushed); the run is framed by one kernel call. ``post_send`` of a
+    list makes one of the Sends (and Sends with Invalidate) that carry inline data
+    fitting one FPDU and no FENCE.
+    """
+
+    __slots__ = (
+        "ctrls",
+        "done",
+        "flags",
+        "invs",
+        "payloads",
+        "signaled",
+        "size",
+        "status",
+        "wr_ids",
+    )
+
+    opcode = WROpcode.SEND
+    """What the SQ's checks see (a run is never a Read)."""
+
+    def __init__(self) -> None:
+        self.payloads: list[bytes] = []
+        self.ctrls = bytearray()
+        """The RDMAP control byte of each entry (Send or Send with SE, with Invalidate)."""
+        self.invs: list[int] = []
+        self.wr_ids: list[int] = []
+        self.signaled: list[int] = []
+        """The wr_ids of the entries with SIGNALED, in order."""
+        self.size = 0
+        """Bytes of the entries' FPDUs."""
+        self.flags = 0
+        """SIGNALED if an entry is (a run never has FENCE)."""
+        self.done = False
+        self.status = WCStatus.SUCCESS
+
+    @staticmethod
+    def ctrl(flags: int, invalidate: bool) -> int:
+        """The RDMAP control byte of an entry with ``flags`` (Send with Invalidate if
+        ``invalidate``)."""
+        ctrl = _CTRL_SEND_SE if flags & _SOLICITED else _CTRL_SEND_PLAIN
+        return ctrl + _INV_STEP if invalidate else ctrl
+
+    def add(self, wr_id: int, ctrl: int, flags: int, inline: bytes, inv: int) -> None:
+        """Append an entry: control byte ``ctrl`` (from :meth:`ctrl`), its ``flags``, its
+        data and the STag a Send with Invalidate names."""
+        self.ctrls.append(ctrl)
+        self.payloads.append(inline)
+        self.invs.append(inv)
+        self.wr_ids.append(wr_id)
+        if flags & _SIGNALED:
+            self.signaled.append(wr_id)
+            self.flags = _SIGNALED
+        self.size += ((_SEND_FPDU_BASE + len(inline)) & ~3) + _CRC_BYTES
+
+    def __len__(self) -> int:
+        return len(self.wr_ids)
+
+
 @dataclass(eq=False, slots=True)
 class RecvJob:
     """A posted receive as the engine carries it."""
@@ -230,7 +294,9 @@ class Engine:
     qp_num: int
     pd: object
     memory: MemoryTable
-    take_recv: Callable[[], RecvJob | None]
+    recv_queue: deque[RecvJob]
+    """The receives posted to the QP (or its SRQ), oldest first: the engine takes them
+    from the left, a run of them at a time, and puts back the ones a run did not use."""
     on_send_wc: Callable[[WC], None]
     on_recv_wc: Callable[[WC], None]
     sq_sig_all: bool = False
@@ -238,6 +304,12 @@ class Engine:
     on_fatal: Callable[[Exception], None] = lambda exc: None
     on_ready: Callable[[], None] = lambda: None
     """Called when a P2P responder receives the initiator's RTR (it may transmit from now)."""
+    on_recv_wcs: Callable[[list[WC]], None] | None = None
+    """Takes the successful receive completions of a run of small Sends at once, in
+    order (default: ``on_recv_wc`` for each). No completion callable may end the QP."""
+    on_send_wcs: Callable[[list[WC]], None] | None = None
+    """Takes the completions of a :class:`SendRun` at once (default: ``on_send_wc``
+    for each)."""
 
     state: EngineState = EngineState.IDLE
     error: Exception | None = None
@@ -245,8 +317,8 @@ class Engine:
     remote_terminate: TermCode | None = None
 
     def __post_init__(self) -> None:
-        self._sq: deque[SendJob] = deque()
-        self._sq_order: deque[SendJob] = deque()
+        self._sq: deque[SendJob | SendRun] = deque()
+        self._sq_order: deque[SendJob | SendRun] = deque()
         self._orq: deque[SendJob] = deque()
         self._irq: deque[_ReadResponse] = deque()
         self._responding = 0
@@ -255,7 +327,7 @@ class Engine:
         """The FPDUs of the message being sent: their buffers (trailers included), whether
         they end the message, their bytes."""
         self._current_job: SendJob | None = None
-        self._burst_done: list[SendJob] = []
+        self._burst_done: list[SendJob | SendRun] = []
         self._terminate: bytes | None = None
         self._control: list[Chunk] = []
         self._tx_msn = [0, 0, 0]
@@ -277,6 +349,10 @@ class Engine:
         self._rtr_pending = self.config.wait_for_rtr
         self._kernels = kernels()
         """The data-path kernels, compiled or Python (``fastpath``), fixed for this QP."""
+        self._recv_wcs = self.on_recv_wcs or _each(self.on_recv_wc)
+        self._send_wcs = self.on_send_wcs or _each(self.on_send_wc)
+        self._run_extra = 0
+        """Entries of the runs in the SQ beyond one each (``sq_depth`` counts entries)."""
         self.bytes_sent = 0
         self.bytes_received = 0
 
@@ -305,18 +381,27 @@ class Engine:
         self._control += ddp.encode_fpdu(ulpdu, crc=self.config.crc)
 
     # ------------------------------------------------------------------ posting
-    def post_send(self, job: SendJob) -> None:
-        """Queue a send work request (already checked against the QP's limits)."""
+    def post_send(self, job: SendJob | SendRun) -> None:
+        """Queue a send work request, or a run of them (already checked against the QP's
+        limits)."""
         state = self.state
         if state is _ERROR or state is _TERMINATE:  # identity: Enum hashing is Python code
             self._complete_send(job, WCStatus.WR_FLUSH_ERR)
             return
+        if isinstance(job, SendRun):
+            self._run_extra += len(job) - 1
         self._sq.append(job)
 
     @property
     def sq_depth(self) -> int:
         """Send work requests posted and not yet completed."""
-        return len(self._sq) + len(self._sq_order)
+        return len(self._sq) + len(self._sq_order) + self._run_extra
+
+    @property
+    def small_send_max(self) -> int:
+        """The most payload bytes of a Send framed in one FPDU (a :class:`SendRun`'s
+        entries carry no more)."""
+        return (self.config.max_fpdu - ddp.UNTAGGED_HDR_LEN - _CRC_BYTES) & ~3
 
     @property
     def tx_ready(self) -> bool:
@@ -347,6 +432,8 @@ class Engine:
         while size < max_bytes and len(out) < max_buffers:
             if self._current is None and self._sq and not self._irq:
                 size += self._small_send_fpdus(out, max_bytes - size)
+                if size >= max_bytes:
+                    break  # (a SendRun left at the head must not reach _start_next)
             if self._current is None and not self._start_next():
                 break
             try:
@@ -396,7 +483,7 @@ class Engine:
         orq = self._orq
         order = self._sq_order
         burst = self._burst_done
-        most = (self.config.max_fpdu - ddp.UNTAGGED_HDR_LEN - _CRC_BYTES) & ~3
+        most = self.small_send_max
         send, send_inv = WROpcode.SEND, WROpcode.SEND_WITH_INV  # enum lookups cost
         payloads: list[bytes] = []
         ctrls = bytearray()
@@ -404,6 +491,15 @@ class Engine:
         size = 0
         while sq and size < budget:
             job = sq[0]
+            if isinstance(job, SendRun):  # taken whole (its size is bounded at post time)
+                sq.popleft()
+                order.append(job)
+                burst.append(job)
+                payloads += job.payloads
+                ctrls += job.ctrls
+                invs += job.invs
+                size += job.size
+                continue
             inline = job.inline
             op = job.opcode
             if (
@@ -425,7 +521,7 @@ class Engine:
             payloads.append(inline)
             ctrls.append(ctrl + _INV_STEP if op is send_inv else ctrl)
             invs.append(job.invalidate_rkey)
-            size += ((ddp.UNTAGGED_HDR_LEN + 3 + len(inline)) & ~3) + _CRC_BYTES
+            size += ((_SEND_FPDU_BASE + len(inline)) & ~3) + _CRC_BYTES
         if payloads:
             msns = self._tx_msn
             msn = msns[_QN_SEND]
@@ -463,6 +559,7 @@ class Engine:
         if not self._sq or not self._sq_head_may_start():
             return False
         job = self._sq.popleft()
+        assert isinstance(job, SendJob)  # produce() frames a run at the head itself
         self._sq_order.append(job)
         self._current_job = job
         self._current = self._job_fpdus(job)
@@ -690,52 +787,78 @@ class Engine:
         stop, msgs = kernels.scan_sends(sview, start, end, rx_msn[_QN_SEND], self.config.crc)
         if not msgs:
             return start
-        take_recv = self.take_recv
-        recv_spans = self._recv_spans
+        queue = self.recv_queue
+        count = min(len(msgs) // _MSG_WORDS, len(queue))
+        if count == len(queue):
+            jobs = [*queue]
+            queue.clear()
+        else:
+            popleft = queue.popleft
+            jobs = [popleft() for _ in range(count)]
+        locate = self.memory.locate
+        pd = self.pd
         handle = kernels.handle
+        regions: dict[int, Region] = {}
+        """The regions of the SGEs met in this run, checked once each (no user code
+        runs during a run: none is deregistered meanwhile)."""
         segments: list[tuple[object, int, int, int]] = []
         nsegs: list[int] = []
-        jobs: list[RecvJob] = []
         refused: RecvJob | None = None
-        for i in range(1, len(msgs), _MSG_WORDS):
-            job = take_recv()
-            if job is None:
-                break  # the general path reports "no buffer"
-            try:
-                spans = recv_spans(job)
-            except AccessViolation:
+        alone: Region | None = None
+        """The region of the last job with one SGE (used when the run is one message)."""
+        for k, job in enumerate(jobs):
+            if msgs[k * _MSG_WORDS + 1] > job.length:
                 refused = job
                 break
-            if msgs[i] > job.length:
-                refused = job
-                break
-            if len(spans) == 1 and not jobs and len(msgs) == _MSG_WORDS:
-                # One message into one piece of memory: a slice copy costs less than
-                # handing the kernels their targets (the common ping-pong case).
-                region, off, _ = spans[0]
-                src, length = msgs[0], msgs[1]
-                region.view[off : off + length] = sview[src : src + length]
+            sges = job.sges
+            if len(sges) == 1 and sges[0].length:
+                s = sges[0]
+                region = regions.get(s.lkey)
+                off = s.addr - region.addr if region is not None else -1
+                if region is None or off < 0 or off + s.length > region.length:
+                    try:
+                        region, off = locate(s.lkey, pd, s.addr, s.length, _LOCAL_WRITE)
+                    except AccessViolation:
+                        refused = job
+                        break
+                    regions[s.lkey] = region
+                alone = region
+                segments.append((region.handle or handle(region), region.length, off, s.length))
+                nsegs.append(1)
             else:
+                try:
+                    spans = self._recv_spans(job)
+                except AccessViolation:
+                    refused = job
+                    break
                 for region, off, n in spans:
                     segments.append((region.handle or handle(region), region.length, off, n))
                 nsegs.append(len(spans))
-            jobs.append(job)
-        if nsegs:
+        else:
+            k = len(jobs)
+        if k < len(jobs):
+            # Back to the queue, in order: the refused one goes to the general path.
+            queue.extendleft(reversed(jobs[k + 1 if refused is not None else k :]))
+            del jobs[k:]
+        if len(msgs) == _MSG_WORDS and alone is not None and jobs:
+            # One message into one piece of memory: a slice copy costs less than handing
+            # the kernels their targets (the common ping-pong case).
+            off = segments[0][2]
+            src, length = msgs[0], msgs[1]
+            alone.view[off : off + length] = sview[src : src + length]
+        elif jobs:
             kernels.place(sview, msgs, Targets(segments, nsegs))
-        on_recv_wc = self.on_recv_wc
-        qp_num = self.qp_num
-        success, recv, no_flags = WCStatus.SUCCESS, WCOpcode.RECV, WCFlags.NONE
-        for k, job in enumerate(jobs):
-            rx_msn[_QN_SEND] = (rx_msn[_QN_SEND] + 1) & U32_MAX
-            i = k * _MSG_WORDS
-            on_recv_wc(
-                WC(job.wr_id, success, recv, msgs[i + 1], qp_num, no_flags, 0, 0, msgs[i + 2] == 1)
-            )
-            if self._rx is _RX_DISCARD:
-                # The completion ended the QP: the receives taken for the rest are flushed.
-                rest = jobs[k + 1 :]
-                self.flush_recv([*rest, refused] if refused is not None else rest)
-                return end
+        if jobs:
+            qp_num = self.qp_num
+            success, recv, no_flags = WCStatus.SUCCESS, WCOpcode.RECV, WCFlags.NONE
+            rx_msn[_QN_SEND] = (rx_msn[_QN_SEND] + len(jobs)) & U32_MAX
+            self._recv_wcs(
+                [
+                    WC(job.wr_id, success, recv, msgs[i + 1], qp_num, no_flags, 0, 0,
+                       msgs[i + 2] == 1)
+                    for job, i in zip(jobs, range(0, len(msgs), _MSG_WORDS), strict=False)
+                ]
+            )  # fmt: skip
         if len(jobs) * _MSG_WORDS == len(msgs):
             return stop
         fpdu = msgs[len(jobs) * _MSG_WORDS] - ddp.UNTAGGED_HDR_LEN
@@ -880,7 +1003,7 @@ class Engine:
                 )
             if self._rtr_pending:
                 self._rtr_received()
-            job = self.take_recv()
+            job = self.recv_queue.popleft() if self.recv_queue else None
             if job is None:
                 raise ProtocolError(
                     "Send with no receive posted",
@@ -1146,17 +1269,20 @@ class Engine:
             self._current_job.status = WCStatus.WR_FLUSH_ERR
         self._current = None
         self._current_job = None
-        for job in self._sq_order:
-            if not job.done:
-                job.done = True
-                job.status = WCStatus.WR_FLUSH_ERR
+        for entry in self._sq_order:
+            if not entry.done:
+                entry.done = True
+                entry.status = WCStatus.WR_FLUSH_ERR
         self._orq.clear()
         self._irq.clear()
         self._responding = 0
         self._burst_done.clear()
         self._drain_sq_order()
         while self._sq:
-            self._complete_send(self._sq.popleft(), WCStatus.WR_FLUSH_ERR)
+            queued = self._sq.popleft()
+            if isinstance(queued, SendRun):
+                self._run_extra -= len(queued) - 1
+            self._complete_send(queued, WCStatus.WR_FLUSH_ERR)
         msg = self._rx_send
         if msg is not None:
             self._rx_send = None
@@ -1175,15 +1301,34 @@ class Engine:
         success = WCStatus.SUCCESS
         while order and order[0].done:
             job = order.popleft()
+            if isinstance(job, SendRun):
+                self._run_extra -= len(job) - 1
             if quiet and job.status is success and not job.flags & _SIGNALED:
                 continue  # what _complete_send would do, without the call
             self._complete_send(job, job.status)
 
-    def _complete_send(self, job: SendJob, status: WCStatus) -> None:
+    def _complete_send(self, job: SendJob | SendRun, status: WCStatus) -> None:
+        if isinstance(job, SendRun):
+            quiet = status is WCStatus.SUCCESS and not self.sq_sig_all
+            ids = job.signaled if quiet else job.wr_ids
+            if ids:
+                send, qp_num = WCOpcode.SEND, self.qp_num
+                self._send_wcs([WC(wr_id, status, send, 0, qp_num) for wr_id in ids])
+            return
         if status is WCStatus.SUCCESS and not (self.sq_sig_all or job.flags & _SIGNALED):
             return
         byte_len = job.length if job.opcode is WROpcode.RDMA_READ else 0
         self.on_send_wc(WC(job.wr_id, status, _WC_OPCODE[job.opcode], byte_len, self.qp_num))
+
+
+def _each(callback: Callable[[WC], None]) -> Callable[[list[WC]], None]:
+    """A callable taking a list of completions that hands each to ``callback``."""
+
+    def each(wcs: list[WC]) -> None:
+        for wc in wcs:
+            callback(wc)
+
+    return each
 
 
 def _check_wire_fields(job: SendJob) -> None:

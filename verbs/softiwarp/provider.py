@@ -42,7 +42,7 @@ from rdmashim.verbs.enums import (
 )
 from rdmashim.verbs.errors import NotSupported, VerbsError
 from rdmashim.verbs.events import AsyncEvent, AsyncEventType
-from rdmashim.verbs.softiwarp.engine import Engine, EngineState, RecvJob, SendJob
+from rdmashim.verbs.softiwarp.engine import Engine, EngineState, RecvJob, SendJob, SendRun
 from rdmashim.verbs.softiwarp.memory import AccessViolation, MemoryTable, Region
 from rdmashim.verbs.softiwarp.mpa import MAX_PRIVATE_DATA, V2_BLOCK_LEN
 from rdmashim.verbs.softiwarp.terminate import TermCode
@@ -602,18 +602,38 @@ class CQ(_Resource):
 
     def _push(self, wc: WC) -> None:
         if len(self._entries) >= self.cqe:
-            if not self._overrun:
-                self._overrun = True
-                log.error("CQ overrun: %d entries; completion %r lost", self.cqe, wc)
-                self.context._post_async(AsyncEventType.CQ_ERR, self)
-                # Not from inside the engine that is completing: on the next tick.
-                self.context.nursery.start_soon(self._fail_qps)
+            self._overflow(wc)
             return
         self._entries.append(wc)
+        self._arrived(wc.solicited or wc.status != WCStatus.SUCCESS)
+
+    def _push_all(self, wcs: list[WC]) -> None:
+        """Queue completions in order as :meth:`_push` of each, with one wakeup and at
+        most one event or handler call for them all."""
+        room = self.cqe - len(self._entries)
+        if len(wcs) > room:
+            for wc in wcs:  # up to the overrun (rare): each as it comes
+                self._push(wc)
+            return
+        self._entries.extend(wcs)
+        self._arrived(
+            not self._solicited_only
+            or any(wc.solicited or wc.status != WCStatus.SUCCESS for wc in wcs)
+        )
+
+    def _overflow(self, wc: WC) -> None:
+        if not self._overrun:
+            self._overrun = True
+            log.error("CQ overrun: %d entries; completion %r lost", self.cqe, wc)
+            self.context._post_async(AsyncEventType.CQ_ERR, self)
+            # Not from inside the engine that is completing: on the next tick.
+            self.context.nursery.start_soon(self._fail_qps)
+
+    def _arrived(self, notable: bool) -> None:
+        """Completions were queued: wake waiters; an armed CQ reports them if one of them
+        is ``notable`` (solicited or an error) or it was armed for any."""
         self._waiter.set()
-        if self._armed and (
-            not self._solicited_only or wc.solicited or wc.status != WCStatus.SUCCESS
-        ):
+        if self._armed and (not self._solicited_only or notable):
             self._armed = False
             if self.channel is not None:
                 self.events_delivered += 1
@@ -725,9 +745,6 @@ class SRQ(_Resource):
             "post_srq_recv", self._queue, jobs, self.max_wr, self.max_sge, "SRQ full", max_nsge
         )
 
-    def _take(self) -> RecvJob | None:
-        return self._queue.popleft() if self._queue else None
-
     def close(self) -> None:
         """Destroy the SRQ."""
         self._leave_parent()
@@ -811,6 +828,10 @@ _U64 = 0xFFFFFFFFFFFFFFFF
 _INLINE = int(SendFlags.INLINE)
 # Enum members bound once: an attribute lookup on an enum class costs per work request.
 _RDMA_READ = WROpcode.RDMA_READ
+_SEND_INV = WROpcode.SEND_WITH_INV
+_FENCE = int(SendFlags.FENCE)
+_RUN_BYTES = 256 * 1024
+"""A :class:`SendRun` takes no more entries once its FPDUs reach this many bytes."""
 _RTS = QPState.RTS
 _ERR = QPState.ERR
 _SUPPORTED_SEND = frozenset(
@@ -826,10 +847,11 @@ class _InlineSGE:
     """An SGE of an inline send: the region it names is looked up once and kept while it
     stays registered (a deregistered one is looked up again, and refused if gone)."""
 
-    __slots__ = ("end", "offset", "region", "sge")
+    __slots__ = ("end", "length", "offset", "region", "sge")
 
     def __init__(self, sge: SGE) -> None:
         self.sge = sge
+        self.length = sge.length
         self.region: Region | None = None
         self.offset = self.end = 0
 
@@ -877,6 +899,7 @@ class _SendTemplate:
         "opcode",
         "remote_addr",
         "rkey",
+        "run_ctrl",
         "source",
         "unsupported",
     )  # fmt: skip
@@ -899,6 +922,15 @@ class _SendTemplate:
         self.length = 0
         self.source: _InlineSGE | None = None
         """The one SGE of an inline send from registered memory (the common case)."""
+        runnable = (
+            flags & _INLINE
+            and opcode in (WROpcode.SEND, _SEND_INV)
+            and not flags & _FENCE
+            and keys_fit
+        )
+        self.run_ctrl = SendRun.ctrl(flags, opcode is _SEND_INV) if runnable else 0
+        """An inline Send without FENCE joins a :class:`SendRun` if its data fit one FPDU:
+        its control byte there (0: it does not)."""
         if flags & _INLINE and opcode is not _RDMA_READ:
             if len(sges) == 1 and sges[0].__class__ is SGE:
                 self.source = source = _InlineSGE(sges[0])
@@ -951,9 +983,11 @@ class QP(_Resource):
             qp_num=self.qp_num,
             pd=pd,
             memory=self.context.memory,
-            take_recv=srq._take if srq is not None else self._take_recv,
+            recv_queue=srq._queue if srq is not None else self._rq,
             on_send_wc=send_cq._push,
             on_recv_wc=recv_cq._push,
+            on_recv_wcs=recv_cq._push_all,
+            on_send_wcs=send_cq._push_all,
             sq_sig_all=sq_sig_all,
             on_fatal=self._on_fatal,
         )
@@ -981,9 +1015,6 @@ class QP(_Resource):
     def remote_terminate(self) -> TermCode | None:
         """The error code of a Terminate the peer sent, if it sent one."""
         return self.engine.remote_terminate
-
-    def _take_recv(self) -> RecvJob | None:
-        return self._rq.popleft() if self._rq else None
 
     def _on_fatal(self, exc: Exception) -> None:
         for listener in self.error_listeners:
@@ -1045,48 +1076,78 @@ class QP(_Resource):
         max_sge, max_inline = cap.max_send_sge, cap.max_inline_data
         post = self.engine.post_send
         memory = self.context.memory
+        most = self.engine.small_send_max
+        fast_max = min(most, max_inline)
+        run: SendRun | None = None
         try:
+            # A post of one request makes a plain job: a run of one costs more.
+            several = len(templates) > 1
             for i, t in enumerate(templates):
-                if t.unsupported:
-                    raise NotSupported("post_send", f"work request {i}: {t.unsupported}")
-                limit = 1 if t.opcode is _RDMA_READ else max_sge
-                if t.nsge > limit:
-                    raise _bad_wr(errno.EINVAL, "post_send", i, f"{t.nsge} SGEs > {limit}")
-                if i >= room:
-                    raise _bad_wr(
-                        errno.ENOMEM, "post_send", i, f"send queue full ({cap.max_send_wr})"
-                    )
-                inline = None
-                parts = t.inline
-                if parts is None:
-                    if t.invalid:
-                        raise _bad_wr(errno.EINVAL, "post_send", i, t.invalid)
-                    length = t.length
+                ctrl = t.run_ctrl if several else 0
+                src = t.source
+                if (
+                    ctrl
+                    and i < room
+                    and t.nsge <= max_sge
+                    and src is not None
+                    and (region := src.region) is not None
+                    and region.valid
+                    and src.length <= fast_max
+                    and t.remote_addr <= _U64 + 1 - src.length
+                ):
+                    # The common case: every check below passes, the copy joins the run.
+                    inline: bytes | None = region.view[src.offset : src.end].tobytes()
                 else:
-                    # The engine sends the copy; the SGEs are not kept.
-                    src = t.source
-                    if src is not None and (region := src.region) is not None and region.valid:
-                        inline = region.view[src.offset : src.end].tobytes()  # the common case
-                    elif src is not None and (data := src.read(memory)) is not None:
-                        inline = data  # looked up (again)
-                    elif len(parts) == 1:
-                        inline = _inline_bytes(i, parts[0], memory)
-                    else:
-                        inline = b"".join([_inline_bytes(i, p, memory) for p in parts])
-                    length = len(inline)
-                    if length > max_inline:
+                    if t.unsupported:
+                        raise NotSupported("post_send", f"work request {i}: {t.unsupported}")
+                    limit = 1 if t.opcode is _RDMA_READ else max_sge
+                    if t.nsge > limit:
+                        raise _bad_wr(errno.EINVAL, "post_send", i, f"{t.nsge} SGEs > {limit}")
+                    if i >= room:
                         raise _bad_wr(
-                            errno.EINVAL, "post_send", i, f"{length} inline bytes > {max_inline}"
+                            errno.ENOMEM, "post_send", i, f"send queue full ({cap.max_send_wr})"
                         )
-                    if not (t.keys_fit and t.remote_addr <= _U64 + 1 - length):
-                        raise _bad_wr(errno.EINVAL, "post_send", i, _WIRE_LIMITS)
-                post(
-                    SendJob(
-                        wrs[i].wr_id, t.opcode, t.flags, t.local, inline, length,
-                        t.remote_addr, t.rkey, t.invalidate_rkey,
-                    )
-                )  # fmt: skip
+                    inline = None
+                    parts = t.inline
+                    if parts is None:
+                        if t.invalid:
+                            raise _bad_wr(errno.EINVAL, "post_send", i, t.invalid)
+                        length = t.length
+                    else:
+                        # The engine sends the copy; the SGEs are not kept.
+                        if src is not None and (data := src.read(memory)) is not None:
+                            inline = data  # looked up (again)
+                        elif len(parts) == 1:
+                            inline = _inline_bytes(i, parts[0], memory)
+                        else:
+                            inline = b"".join([_inline_bytes(i, p, memory) for p in parts])
+                        length = len(inline)
+                        if length > max_inline:
+                            raise _bad_wr(
+                                errno.EINVAL, "post_send", i,
+                                f"{length} inline bytes > {max_inline}",
+                            )  # fmt: skip
+                        if not (t.keys_fit and t.remote_addr <= _U64 + 1 - length):
+                            raise _bad_wr(errno.EINVAL, "post_send", i, _WIRE_LIMITS)
+                    if not ctrl or inline is None or length > most:  # a job of its own
+                        if run is not None:
+                            post(run)
+                            run = None
+                        post(
+                            SendJob(
+                                wrs[i].wr_id, t.opcode, t.flags, t.local, inline, length,
+                                t.remote_addr, t.rkey, t.invalidate_rkey,
+                            )
+                        )  # fmt: skip
+                        continue
+                if run is None or run.size >= _RUN_BYTES:
+                    if run is not None:
+                        post(run)
+                    run = SendRun()
+                run.add(wrs[i].wr_id, ctrl, t.flags, inline, t.invalidate_rkey)  # type: ignore[arg-type]
         finally:  # the requests before a refused one are posted: they go out now
+            if run is not None:
+                post(run)
             if self._link is not None:
                 self._link.kick()
 
