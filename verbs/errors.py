@@ -30,6 +30,12 @@ class VerbsError(OSError):
         return f"[Errno {self.errno}] {self.strerror}"
 
 
+def check_cq_target(operation: str, channel: object, handler: object) -> None:
+    """A CQ reports to a completion channel or calls a handler, not both (EINVAL)."""
+    if channel is not None and handler is not None:
+        raise VerbsError(_errno.EINVAL, operation, "a CQ takes a channel or a handler")
+
+
 class NotSupported(VerbsError):
     """The device or backend does not provide this feature."""
 

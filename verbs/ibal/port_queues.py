@@ -32,7 +32,7 @@ import trio
 from rdmashim.verbs.attrs import QPAttr, QPCap
 from rdmashim.verbs.backend import own
 from rdmashim.verbs.enums import QPState, QPType, SendFlags, WCFlags, WCOpcode, WCStatus, WROpcode
-from rdmashim.verbs.errors import NotSupported, VerbsError
+from rdmashim.verbs.errors import NotSupported, VerbsError, check_cq_target
 from rdmashim.verbs.ibal.cq import (
     IbCq,
     ib_cq_create_t,
@@ -194,8 +194,7 @@ class CQ:
     ) -> None:
         self.context = context
         self.channel = own(channel, CompChannel, "create_cq") if channel is not None else None
-        if channel is not None and handler is not None:
-            raise VerbsError(errno.EINVAL, "create_cq", "a CQ takes a channel or a handler")
+        check_cq_target("create_cq", channel, handler)
         self.handler = handler
         with verbs_errors("create_cq"):
             self.h_cq: IbCq = ib_create_cq(
@@ -242,8 +241,7 @@ class CQ:
         follows each arming (IBAL's ``pfn_comp_cb``, as the channel's events come)."""
         if self.closed:
             raise VerbsError(errno.EBADF, "set_handler", "CQ closed")
-        if handler is not None and self.channel is not None:
-            raise VerbsError(errno.EINVAL, "set_handler", "the CQ reports to a channel")
+        check_cq_target("set_handler", self.channel, handler)
         self.handler = handler
 
     def req_notify(self, solicited_only: bool = False) -> None:

@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any
 import trio
 
 from rdmashim.verbs.enums import WCFlags, WCOpcode, WCStatus
-from rdmashim.verbs.errors import VerbsError
+from rdmashim.verbs.errors import VerbsError, check_cq_target
 from rdmashim.verbs.rdmacore import lib
 from rdmashim.verbs.rdmacore.base import Resource
 from rdmashim.verbs.rdmacore.cdefs import ffi
@@ -291,8 +291,7 @@ class CQ(Resource):
         a task waiting on the CQ's private channel (see the module docstring). An
         exception in it is logged and moves the QPs completing here to ERR."""
         self._check_open("set_handler")
-        if handler is not None and self.channel is not None:
-            raise VerbsError(errno.EINVAL, "set_handler", "the CQ reports to a channel")
+        check_cq_target("set_handler", self.channel, handler)
         self.handler = handler
         if handler is not None and not self._handler_task:
             self._handler_task = True

@@ -28,7 +28,7 @@ from rdmashim.verbs import abc
 from rdmashim.verbs.attrs import DeviceAttr, PortAttr
 from rdmashim.verbs.backend import own
 from rdmashim.verbs.enums import AtomicCap, Mtu, NodeType, PortState, QPState, Transport
-from rdmashim.verbs.errors import BackendUnavailable, VerbsError
+from rdmashim.verbs.errors import BackendUnavailable, VerbsError, check_cq_target
 from rdmashim.verbs.events import AsyncEvent, AsyncEventType
 from rdmashim.verbs.rdmacore import lib
 from rdmashim.verbs.rdmacore.base import Resource
@@ -409,8 +409,7 @@ class Context(Resource):
         """A completion queue holding at least ``cqe`` completions, reporting to
         ``channel`` or calling ``handler`` (:meth:`CQ.set_handler`)."""
         self._check_open("create_cq")
-        if channel is not None and handler is not None:
-            raise VerbsError(errno.EINVAL, "create_cq", "a CQ takes a channel or a handler")
+        check_cq_target("create_cq", channel, handler)
         cq = CQ(self, cqe, None if channel is None else own(channel, CompChannel, "create_cq"))
         if handler is not None:
             cq.set_handler(handler)

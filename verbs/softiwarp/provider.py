@@ -40,7 +40,7 @@ from rdmashim.verbs.enums import (
     WCStatus,
     WROpcode,
 )
-from rdmashim.verbs.errors import NotSupported, VerbsError
+from rdmashim.verbs.errors import NotSupported, VerbsError, check_cq_target
 from rdmashim.verbs.events import AsyncEvent, AsyncEventType
 from rdmashim.verbs.softiwarp.engine import Engine, EngineState, RecvJob, SendJob, SendRun
 from rdmashim.verbs.softiwarp.memory import AccessViolation, MemoryTable, Region
@@ -316,8 +316,7 @@ class Context(_Parent):
         self._check_open("create_cq")
         if channel is not None:
             channel = own(channel, CompChannel, "create_cq")
-            if handler is not None:
-                raise VerbsError(errno.EINVAL, "create_cq", "a CQ takes a channel or a handler")
+        check_cq_target("create_cq", channel, handler)
         if not 1 <= cqe <= MAX_CQE:
             raise VerbsError(errno.EINVAL, "create_cq", f"cqe {cqe} outside 1..{MAX_CQE}")
         cq = self._adopt(CQ(self, cqe, channel))
@@ -584,8 +583,7 @@ class CQ(_Resource):
         logged and moves the QPs completing here to ERR (their ``error`` is it).
         """
         self._check_open("set_handler")
-        if handler is not None and self.channel is not None:
-            raise VerbsError(errno.EINVAL, "set_handler", "the CQ reports to a channel")
+        check_cq_target("set_handler", self.channel, handler)
         self.handler = handler
 
     def _handler_run(self) -> None:
