@@ -19,7 +19,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import re
 import subprocess
 import sys
 from pathlib import Path
@@ -40,12 +39,13 @@ RUNS = vm_api_suite.registered_backends()
 GUEST_HAS = set(RUNS)
 """Runs the guest image provides for (python3, python3-cffi, rdma-core, siw): all."""
 FLAKY = "ibal+rdmacore"
-"""A run that failed intermittently in the emulated guest (2 of 5 CI runs)."""
-FLAKY_TESTS = {"tests/api/test_cq.py::test_one_channel_many_cqs"}
-"""The tests of :data:`FLAKY` whose failure alone is still reported as xfail: a channel
-event not seen within 60 s, never reproduced in the guest since (see the xfail text).
-The other failure seen (every Write completing before ERR) had its cause fixed (the IBAL
-facade posted a chain one request per doorbell) and fails again."""
+"""A run that failed now and then in the emulated guest, each time one test alone waiting
+60 s for an event that never came: a completion channel event (test_one_channel_many_cqs,
+twice), later a CONNECT_REQUEST (test_channel_event_only_after_arming, once). Not
+reproduced in the guest since (about 260 runs of the first, 25 runs of test_cm, test_cq and
+test_cq_handler for the second). Its failure counts as xfail only when the failed tests
+pass when run again (the xfail text holds both runs' output, the failed test's INFO log
+records included, for the investigation); a failure that repeats fails."""
 LIMIT = 2400.0
 """Seconds for the whole run: pip (first time), boot, each backend's suite under TCG."""
 
@@ -81,10 +81,10 @@ def test_api_suite_in_the_siw_vm(vm_results: dict[str, Any], backend: str) -> No
         if backend in GUEST_HAS and os.environ.get(siwvm.REQUIRE_ENV) == "1":
             pytest.fail(reason)
         pytest.skip(reason)
-    failed = set(re.findall(r"^FAILED (\S+?)(?:\[\d+\])? ", result["output"], re.MULTILINE))
-    if backend == FLAKY and result["status"] == "failed" and failed and failed <= FLAKY_TESTS:
+    if backend == FLAKY and result["status"] == "failed" and result.get("rerun") == "passed":
         pytest.xfail(
-            f"{FLAKY}: a completion channel event did not come within 60 s, seen in CI "
-            f"and not reproduced since; being investigated:\n{result['output'][-3000:]}"
+            f"{FLAKY}: failed, then passed when its failed tests ran again (an event lost "
+            f"now and then under emulation, being investigated):\n{result['output'][-3000:]}\n"
+            f"the rerun:\n{result['rerun_output'][-6000:]}"
         )
     assert result["status"] == "passed", f"in-guest pytest of {backend}:\n{result['output']}"

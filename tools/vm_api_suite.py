@@ -24,7 +24,10 @@ What it does:
    127.0.0.1 to a siw device on ``lo``), and for each backend runs
    ``RDMASHIM_BACKEND=<name> RDMASHIM_API_HOST=<eth0's address> python3 -m
    pytest tests/api``; the connections take the kernel's loopback path. A backend whose module
-   raises ``BackendUnavailable`` in the guest is reported as unavailable.
+   raises ``BackendUnavailable`` in the guest is reported as unavailable. When a
+   backend's suite fails, its failed tests run once more, their DEBUG log captured
+   (``rerun`` in the results: whether the failure repeats); the backend's status
+   stays failed. A failed test shows the library's INFO log records in either run.
 
 The guest's output is printed as it comes. The exit status is 0 when every
 backend that ran passed and at least one ran, 1 otherwise, 2 when the guest
@@ -116,10 +119,21 @@ EOF
     else
         echo "== backend $b: python3 -m pytest tests/api __PYTEST_ARGS__"
         RDMASHIM_BACKEND=$name RDMASHIM_IBAL_HCA=$hca \
-            python3 -m pytest -p no:cacheprovider -p no:hypothesispytest tests/api \
-            __PYTEST_ARGS__ \
+            python3 -m pytest -p no:cacheprovider -p no:hypothesispytest --log-level=INFO \
+            tests/api __PYTEST_ARGS__ \
             2>&1 | tee /host/pytest.$b.txt
         r=${PIPESTATUS[0]}
+        failed=$(grep -oP '^FAILED \K\S+' /host/pytest.$b.txt | sort -u)
+        if [ $r != 0 ] && [ -n "$failed" ]; then
+            # Once more, the failed tests alone, their DEBUG log captured: whether a
+            # failure repeats, and what the library did while it happened.
+            echo "== backend $b: rerun of the failed tests"
+            RDMASHIM_BACKEND=$name RDMASHIM_IBAL_HCA=$hca \
+                python3 -m pytest -p no:cacheprovider -p no:hypothesispytest \
+                --log-level=DEBUG $failed 2>&1 | tee /host/rerun.$b.txt
+            [ ${PIPESTATUS[0]} = 0 ] && echo passed > /host/rerun-status.$b \
+                || echo failed > /host/rerun-status.$b
+        fi
     fi
     echo $(( ($(date +%s%N) - start) / 1000000 )) > /host/ms.$b
     [ $r = 0 ] && echo passed > /host/status.$b || { echo failed > /host/status.$b; rc=1; }
@@ -142,6 +156,9 @@ class BackendResult:
     """pytest's last line (``N passed, ...``) or why nothing ran."""
     seconds: float | None
     output: str
+    rerun: str | None = None
+    """After a failure, the failed tests run once more: passed or failed (None: not rerun)."""
+    rerun_output: str = ""
 
 
 IBAL_ON_RDMACORE = ("ibal+rdmacore", "rping:ibal+rdmacore")
@@ -221,6 +238,8 @@ def collect(name: str, backends: list[str]) -> dict[str, BackendResult]:
             summary=lines[-1].strip("= ") if lines else "(no output)",
             seconds=int(ms) / 1000 if ms and ms.isdigit() else None,
             output=output,
+            rerun=read(f"rerun-status.{b}"),
+            rerun_output=read(f"rerun.{b}.txt") or "",
         )
     return results
 
@@ -278,6 +297,8 @@ def main(argv: list[str] | None = None) -> int:
     for b, r in results.items():
         took = f" in {r.seconds:.0f} s" if r.seconds is not None else ""
         print(f"vm-api-suite: {b}: {r.status}{took}: {r.summary}")
+        if r.rerun is not None:
+            print(f"vm-api-suite: {b}: the failed tests, run again: {r.rerun}")
     ran = [r for r in results.values() if r.status in ("passed", "failed", "error")]
     no_run = (90, siwvm.guestbed.NO_SCRIPT, siwvm.guestbed.TIMED_OUT)
     if rc in no_run or not any(r.status != "missing" for r in results.values()):
