@@ -193,6 +193,7 @@ class NativeChannel:
         if kind is CMEventType.CONNECT_REQUEST:
             listener = self._ids.get(lib.address(listen_ptr))
             if listener is None:
+                log.info("connection request for a listener no longer known refused")
                 lib.rdmacm().rdma_destroy_id(id_ptr)
                 return
             cm_id = self._wrap(id_ptr, listener.ps, listener.user_context)
