@@ -25,9 +25,13 @@ What it does:
    ``RDMASHIM_BACKEND=<name> RDMASHIM_API_HOST=<eth0's address> python3 -m
    pytest tests/api``; the connections take the kernel's loopback path. A backend whose module
    raises ``BackendUnavailable`` in the guest is reported as unavailable. When a
-   backend's suite fails, its failed tests run once more, their DEBUG log captured
+   backend's suite fails in three tests or fewer, they run once more, their DEBUG log captured
    (``rerun`` in the results: whether the failure repeats); the backend's status
    stays failed. A failed test shows the library's INFO log records in either run.
+   ``--backend rxe:rdmacore`` runs rdmacore on Soft-RoCE instead: siw_eth0 makes way
+   for ``rxe_eth0`` on the same eth0 (not yet one of the default runs: on rxe 23 of
+   the suite's tests still fail, most of them waiting for a DISCONNECTED that an IB
+   QP's error does not bring).
 
 The guest's output is printed as it comes. The exit status is 0 when every
 backend that ran passed and at least one ran, 1 otherwise, 2 when the guest
@@ -83,7 +87,18 @@ rc=0
 for b in __BACKENDS__; do
     # "ibal+rdmacore": the ibal backend on rdmacore's CAs; "rping:ibal+rdmacore": our
     # rping client on that backend against the kernel's rping -s.
-    run=${b#rping:}; name=${run%%+*}; hca=""; [ "$run" != "$name" ] && hca=${run#*+}
+    # "rxe:rdmacore": rdmacore on Soft-RoCE; siw_eth0 makes way for rxe_eth0 (both on
+    # eth0, rdma_cm would pick either), so rxe runs come last.
+    if [ "${b#rxe:}" != "$b" ] && ! rdma link show rxe_eth0 > /dev/null 2>&1; then
+        rdma link del siw_eth0
+        if ! { modprobe rdma_rxe && rdma link add rxe_eth0 type rxe netdev eth0; }; then
+            echo "== backend $b: rxe setup failed"; dmesg | tail -5
+            echo error > /host/status.$b; rc=1; continue
+        fi
+        echo "vm-api-suite: $(rdma link show | tr '\n' ' ')"
+    fi
+    run=${b#rxe:}; run=${run#rping:}; name=${run%%+*}; hca=""
+    [ "$run" != "$name" ] && hca=${run#*+}
     python3 - "$name" $hca > /host/probe.$b 2>&1 <<'EOF'
 import sys
 from rdmashim.registry import load_backend
@@ -106,7 +121,7 @@ EOF
         continue
     fi
     start=$(date +%s%N)
-    if [ "$b" != "$run" ]; then
+    if [ "${b#rping:}" != "$b" ]; then
         echo "== $b: kernel rping -s, our ping -c -V -C 5 (RDMASHIM_BACKEND=$name on $hca)"
         timeout 90 rping -s -a $HOST -p 7174 -V > /host/rping-server.txt 2>&1 & P=$!
         sleep 1
@@ -124,9 +139,9 @@ EOF
             2>&1 | tee /host/pytest.$b.txt
         r=${PIPESTATUS[0]}
         failed=$(grep -oP '^FAILED \K\S+' /host/pytest.$b.txt | sort -u)
-        if [ $r != 0 ] && [ -n "$failed" ]; then
-            # Once more, the failed tests alone, their DEBUG log captured: whether a
-            # failure repeats, and what the library did while it happened.
+        if [ $r != 0 ] && [ -n "$failed" ] && [ $(echo "$failed" | wc -l) -le 3 ]; then
+            # Once more, the failed tests alone (a few: more is no flake), their DEBUG
+            # log captured: whether a failure repeats, and what the library did.
             echo "== backend $b: rerun of the failed tests"
             RDMASHIM_BACKEND=$name RDMASHIM_IBAL_HCA=$hca \
                 python3 -m pytest -p no:cacheprovider -p no:hypothesispytest \
