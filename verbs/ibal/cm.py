@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import socket
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -537,21 +538,53 @@ async def _req(req: ib_cm_req_t) -> None:
         if req.timeout_ms
         else timeout_seconds(req.remote_resp_timeout, req.max_cm_retries)
     )
-    cm_id = cm.channel.create_id(conn)
+    six = ":" in path.dst_ip
+    cm_id = _source_bound_id(cm, conn, path) if path.src_ip else cm.channel.create_id(conn)
     conn.cm_id = cm_id
     cm_id.connect_timeout = limit
     if hasattr(cm_id, "mpa_reply_timeout"):
         cm_id.mpa_reply_timeout = limit
-    six = ":" in path.dst_ip
-    src = (path.src_ip, 0, 0, path.scope_id) if six else (path.src_ip, 0)
     dst = (path.dst_ip, port, 0, path.scope_id) if six else (path.dst_ip, port)
     h_qp.cm_conn = conn
     try:
-        cm_id.resolve_addr(src if path.src_ip else None, dst, max(1, int(limit * 1000)))
+        cm_id.resolve_addr(None, dst, max(1, int(limit * 1000)))
     except BaseException:
         h_qp.cm_conn = None
         cm_id.destroy()
         raise
+
+
+SOURCE_PORT_TRIES = 8
+"""Source ports :func:`_source_bound_id` tries before it gives up."""
+
+
+def _source_bound_id(cm: CaCm, conn: CmConnection, path: ib_path_rec_t) -> Any:
+    """A CM id for ``conn`` bound to the path's source address, at a TCP port no socket
+    holds there, not even one in TIME_WAIT.
+
+    An iWARP connection is a TCP connection from the id's port. Left to pick it, the
+    kernel's rdma_cm chooses in its own port space, blind to TCP's: siw's bind then
+    fails now and then with EADDRINUSE inside ``rdma_connect``, after the QP is bound
+    and too late to try another port (seen in the guest under load). A port that a
+    plain bind without SO_REUSEADDR gets is free in TCP; one the HCA's port space
+    holds fails ``bind_addr`` here, at once, and the next is tried.
+    """
+    six = ":" in path.src_ip
+    family = socket.AF_INET6 if six else socket.AF_INET
+    tries = SOURCE_PORT_TRIES
+    while True:
+        with socket.socket(family, socket.SOCK_STREAM) as probe:
+            probe.bind((path.src_ip, 0, 0, path.scope_id) if six else (path.src_ip, 0))
+            port = int(probe.getsockname()[1])
+        cm_id = cm.channel.create_id(conn)
+        try:
+            cm_id.bind_addr((path.src_ip, port, 0, path.scope_id) if six else (path.src_ip, port))
+            return cm_id
+        except OSError as exc:
+            cm_id.destroy()
+            tries -= 1
+            if exc.errno != errno.EADDRINUSE or not tries:
+                raise
 
 
 def ib_cm_rep(h_cm_req: CmConnection, p_cm_rep: ib_cm_rep_t) -> None:
