@@ -224,8 +224,14 @@ class Link:
             self._rx_scope.cancel()  # the receive task leaves the socket now
         try:
             self._take_leftover()
+            streak = 0
             while not ready() and not self._rx_stopped:
-                if self._read() and not ready():
+                drained = self._read()
+                if drained is None or ready():
+                    break
+                streak += 1
+                if drained:
+                    streak = 0
                     self._waiter_blocked = True
                     try:
                         await trio.lowlevel.wait_readable(self._wait_fd)
@@ -233,6 +239,9 @@ class Link:
                         pass  # interrupt(), or the link ended (_rx_stopped)
                     finally:
                         self._waiter_blocked = False
+                elif streak >= _RX_BATCH:  # a long stream of bytes: let others run
+                    streak = 0
+                    await trio.lowlevel.checkpoint()
         except Exception as exc:
             self._rx_stopped = True
             self._rx_failure = exc  # the receive task raises it, and the link ends
