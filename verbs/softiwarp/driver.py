@@ -52,7 +52,8 @@ class Link:
         self._rx_done = trio.Event()
         self.closed = trio.Event()
         self._rx_stopped = False
-        """The connection ended (FIN, a socket error or a failure): nothing more to read."""
+        """The connection ended (FIN, a socket error, a failure, the link's end): nothing
+        more to read."""
         self._rx_failure: Exception | None = None
         """An unexpected error while a waiter processed received bytes."""
         self._waiter_reads = False
@@ -124,11 +125,11 @@ class Link:
         scope.cancel()
 
     # ------------------------------------------------------------------ receive
-    # One task at a time may wait for the socket to be readable (trio refuses a
-    # second): the receive task, except while a CQ waiter reads in its place
-    # (read_until). That waiter is then woken by the socket itself and processes the
-    # message that completes its wait, with no task switch in between; the receive
-    # task, moved off the socket, parks until the waiter gives the socket back.
+    # One task at a time reads the socket, so bytes are processed once and in order:
+    # the receive task, except while a CQ waiter reads in its place (read_until).
+    # That waiter is then woken by the socket itself and processes the message that
+    # completes its wait, with no task switch in between; the receive task, moved
+    # off the socket, parks until the waiter gives the socket back.
     async def _rx_loop(self) -> None:
         # Runs until the peer's FIN: after an error the engine discards what arrives,
         # so that closing the socket never resets a Terminate still in flight.
@@ -207,7 +208,7 @@ class Link:
     @property
     def can_read(self) -> bool:
         """Whether :meth:`read_until` may read now (nobody else does, the connection is up)."""
-        return not (self._waiter_reads or self._rx_stopped or self.closed.is_set())
+        return not (self._waiter_reads or self._rx_stopped)
 
     async def read_until(self, ready: Callable[[], object]) -> None:
         """Read and process in place of the receive task until ``ready()`` is true, the
