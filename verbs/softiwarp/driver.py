@@ -163,7 +163,7 @@ class Link:
             drained = self._read()
             if drained is None:
                 return
-            self._after_rx()
+            self.after_receive()
             streak += 1
             if drained:
                 # The last read did not fill its buffer: the socket was empty then, so
