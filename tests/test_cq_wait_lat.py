@@ -6,8 +6,8 @@ arrives, in order, across many ping-pongs; a cancelled wait leaves the connectio
 whole and the receive task reading again (it answers Reads and places Writes while
 nobody waits); Read Responses and Writes that arrive while a waiter reads are
 handled; completions made by other tasks wake the waiter; closing the CQ or the QP,
-or the peer going away, ends the wait; CQs fed by several QPs, and QPs with a CQ
-handler, keep the receive task's wakeup.
+the peer going away, or a bug met while the waiter reads, ends the wait; CQs fed by
+several QPs, and QPs with a CQ handler, keep the receive task's wakeup.
 """
 
 from __future__ import annotations
@@ -331,4 +331,40 @@ async def test_closing_the_cq_or_the_qp_ends_a_reading_wait(ctx: Any) -> None:
         with trio.fail_after(BOUND):
             wc = (await server.send_cq.poll_wait(1))[0]
         assert wc.status is WCStatus.SUCCESS and bytes(cmr.buf[:10]) == b"still here"
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_bug_met_while_a_waiter_reads_ends_only_that_connection(ctx: Any) -> None:
+    """An unexpected error in the processing a waiter runs (a bug of ours, injected here)
+    ends the connection as one in the receive task does: the QP goes to ERR with it, the
+    waiter gets its receive flushed, and the other connection of the context goes on."""
+    async with trio.open_nursery() as nursery:
+        client, server = await make_pair(ctx)
+        other_client, other_server = await make_pair(ctx)
+        post_slots(client, client.reg(SLOT), 1)
+        waiter = await blocked_waiter(nursery, client.recv_cq)
+        assert reading(client.recv_cq, client)
+        bug = RuntimeError("injected bug")
+
+        def received(nbytes: int) -> None:
+            raise bug
+
+        client.qp.engine.received = received  # type: ignore[method-assign]
+        smr = server.reg(SLOT)
+        server.qp.post_send(SendWR(1, WROpcode.SEND, [smr.sge(0, 8)], 0))
+        await waiter.ended()
+        got = waiter.wcs
+        with trio.fail_after(BOUND):
+            while not got:
+                got += await client.recv_cq.poll_wait(1)
+            await client.qp.wait_closed()
+        assert [w.status for w in got] == [WCStatus.WR_FLUSH_ERR]
+        error = client.qp.error  # as the link's nursery raised it: in a group
+        assert bug in getattr(error, "exceptions", (error,))
+        omr, tmr = other_client.reg(SLOT), other_server.reg(b"still fine")
+        post_slots(other_client, omr, 1)
+        other_server.qp.post_send(SendWR(2, WROpcode.SEND, [tmr.sge()], 0))
+        with trio.fail_after(BOUND):
+            wc = (await other_client.recv_cq.poll_wait(1))[0]
+        assert wc.status is WCStatus.SUCCESS and bytes(omr.buf[:10]) == b"still fine"
         nursery.cancel_scope.cancel()
