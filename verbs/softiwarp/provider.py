@@ -700,9 +700,9 @@ class CQ(_Resource):
         """Wait until the CQ holds at least one completion.
 
         When one connected QP completes here, no CQ of it has a handler and no other
-        task does so already, the waiting task reads that QP's connection itself in
-        place of its receive task: a received message that completes here wakes
-        it in one hop. Otherwise the receive task wakes it.
+        task reads its connection already, the waiting task reads that connection
+        itself in place of its receive task: a received message that completes here
+        wakes it in one hop. Otherwise the receive task wakes it.
         """
         self._check_open("wait")
         while not self._entries:
