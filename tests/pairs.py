@@ -50,17 +50,22 @@ async def make_pair(
     sq_sig_all: bool = False,
     channel: bool = False,
     listener: trio.SocketListener | None = None,
+    client_cq: Any = None,
 ) -> tuple[Side, Side]:
     """Two QPs connected through a real loopback TCP connection: (client, server).
 
     Connects through ``listener`` when given (it is closed afterwards), so a
-    caller can learn the port before any byte is sent.
+    caller can learn the port before any byte is sent. ``client_cq`` (of ``ctx``)
+    is the client QP's send and receive CQ when given.
     """
     sides = []
     for c in (ctx, server_ctx or ctx):
         pd = c.alloc_pd()
         chan = c.create_comp_channel() if channel else None
-        scq, rcq = c.create_cq(4096), c.create_cq(4096, chan)
+        if client_cq is not None and not sides:
+            scq = rcq = client_cq
+        else:
+            scq, rcq = c.create_cq(4096), c.create_cq(4096, chan)
         kwargs: dict[str, Any] = {
             "cap": cap or rdmashim.QPCap(max_send_sge=6, max_recv_sge=6, max_inline_data=64)
         }

@@ -566,6 +566,8 @@ class CQ(_Resource):
         self._solicited_only = False
         self._overrun = False
         self._waiter = trio.Event()
+        self._reader: Link | None = None
+        """The connection a task in :meth:`wait` reads in place of its receive task."""
         self._qps: dict[int, QP] = {}
         """The QPs completing into this CQ (they go to ERR if it overruns)."""
         self.events_acked = 0
@@ -631,6 +633,8 @@ class CQ(_Resource):
         """Completions were queued: wake waiters; an armed CQ reports them if one of them
         is ``notable`` (solicited or an error) or it was armed for any."""
         self._waiter.set()
+        if self._reader is not None:
+            self._reader.interrupt()
         if self._armed and (not self._solicited_only or notable):
             self._armed = False
             if self.channel is not None:
@@ -693,12 +697,39 @@ class CQ(_Resource):
         self.events_acked += n
 
     async def wait(self) -> None:
-        """Wait until the CQ holds at least one completion."""
+        """Wait until the CQ holds at least one completion.
+
+        When one connected QP completes here, no CQ of it has a handler and no other
+        task reads its connection already, the waiting task reads that connection
+        itself in place of its receive task: a received message that completes here
+        wakes it in one hop. Otherwise the receive task wakes it.
+        """
         self._check_open("wait")
         while not self._entries:
-            self._waiter = trio.Event()
-            await self._waiter.wait()
+            link = self._sole_link()
+            if link is not None and link.can_read:
+                self._reader = link
+                try:
+                    await link.read_until(self._ready)
+                finally:
+                    self._reader = None
+            else:
+                self._waiter = trio.Event()
+                await self._waiter.wait()
             self._check_open("wait")
+
+    def _sole_link(self) -> Link | None:
+        """The connection of the only QP completing here, unless a CQ of it has a handler
+        (a handler runs in the receive task, after the batch it read)."""
+        if len(self._qps) != 1:
+            return None
+        for qp in self._qps.values():
+            if qp.send_cq.handler is None and qp.recv_cq.handler is None:
+                return qp._link
+        return None
+
+    def _ready(self) -> bool:
+        return bool(self._entries) or self._closed
 
     async def poll_wait(self, num_entries: int = 16) -> list[WC]:
         """Wait for completions and take up to ``num_entries`` of them (at least one)."""
@@ -713,6 +744,8 @@ class CQ(_Resource):
         if not self._closed:
             self._leave_parent()
             self._waiter.set()
+            if self._reader is not None:
+                self._reader.interrupt()
 
 
 class SRQ(_Resource):
