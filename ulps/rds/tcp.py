@@ -22,8 +22,10 @@ the receiver takes them outside the sequence (``tcp_recv.c`` ``rds_tcp_data_recv
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import logging
+import os
 import socket
 import struct
 import termios
@@ -71,7 +73,10 @@ def tune(sock: trio.socket.SocketType) -> None:
 
 def unacknowledged_bytes(sock: trio.socket.SocketType) -> int:
     """Bytes written to ``sock`` that its peer has not acknowledged yet (SIOCOUTQ)."""
-    buf = fcntl.ioctl(sock.fileno(), _SIOCOUTQ, bytes(_INT.size))
+    fd = sock.fileno()
+    if fd < 0:
+        raise OSError(errno.EBADF, "the RDS/TCP socket is closed")
+    buf = fcntl.ioctl(fd, _SIOCOUTQ, bytes(_INT.size))
     value: int = _INT.unpack(buf)[0]
     return value
 
@@ -178,7 +183,27 @@ class TcpSession:
                     nursery.start_soon(self._guard, task)
         finally:
             self.lost = True
+            if not isinstance(self._failure, RdsProtocolError):
+                self._drain()
         raise SessionLost(str(self._failure or "the session ended"))
+
+    def _drain(self) -> None:
+        """Take what is still in the socket's receive buffer before it is closed.
+
+        TCP acknowledged those bytes, so the peer counts their messages as
+        delivered and will not send them again: closing with them unread would
+        lose them (Linux reads in the socket's data-ready callback, so its
+        buffer holds nothing to lose).
+        """
+        fd = self.stream.socket.fileno()
+        while fd >= 0:
+            try:
+                data = os.read(fd, SEND_BATCH)
+                if not data:
+                    return
+                self._take(data)
+            except (OSError, RdsProtocolError):  # empty (EAGAIN), reset, or garbage
+                return
 
     async def _guard(self, task: Callable[[], Awaitable[None]]) -> None:
         try:
@@ -222,11 +247,15 @@ class TcpSession:
             data = await self.stream.receive_some(SEND_BATCH)
             if not data:
                 raise SessionLost(f"{rds.peer} closed the connection")
-            for header, payload in self.decoder.feed(data):
-                if header.flags == RdsFlag.CONG_BITMAP:  # exactly, as rds_tcp_data_recv
-                    rds.peer_map(payload)
-                else:
-                    rds.received(header, payload)
+            self._take(data)
+
+    def _take(self, data: bytes) -> None:
+        rds = self.rds
+        for header, payload in self.decoder.feed(data):
+            if header.flags == RdsFlag.CONG_BITMAP:  # exactly, as rds_tcp_data_recv
+                rds.peer_map(payload)
+            else:
+                rds.received(header, payload)
 
     async def _acks(self) -> None:
         while True:
