@@ -167,11 +167,13 @@ class TcpSession:
         self._wake.set()
 
     def cut(self) -> None:
-        """Break the connection underneath, as a network failure would (for tests and
-        the demo): the socket is shut down both ways and the session ends."""
+        """Break the connection underneath (for tests and the demo): we stop writing,
+        the peer's session ends at our end of stream, and so does ours at its. Both
+        read what was on its way first: TCP acknowledged it, so nothing may stay unread.
+        """
         if not self.lost:
             with contextlib.suppress(OSError):  # already gone
-                self.stream.socket.shutdown(socket.SHUT_RDWR)
+                self.stream.socket.shutdown(socket.SHUT_WR)
 
     async def run(self) -> None:
         """Carry messages until the connection breaks (raises :class:`SessionLost`)."""
@@ -183,6 +185,8 @@ class TcpSession:
                     nursery.start_soon(self._guard, task)
         finally:
             self.lost = True
+            with contextlib.suppress(OSError):  # what TCP delivered need not go again
+                self.check_acks()
             if not isinstance(self._failure, RdsProtocolError):
                 self._drain()
         raise SessionLost(str(self._failure or "the session ended"))
