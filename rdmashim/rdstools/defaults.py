@@ -6,6 +6,7 @@ RDS machinery; the tools use the same ones.
 
 from __future__ import annotations
 
+from rdmashim.ulps.rds.settings import TRANSPORTS
 from rdmashim.ulps.rds.wire import RDS_CM_PORT, RDS_MAX_MSG_SIZE
 
 ECHO_PORT = 7
@@ -36,4 +37,5 @@ __all__ = [
     "RDS_CM_PORT",
     "RDS_MAX_MSG_SIZE",
     "STRESS_PORT",
+    "TRANSPORTS",
 ]

@@ -29,7 +29,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from types import TracebackType
-from typing import TYPE_CHECKING, Literal, NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import trio
 
@@ -49,7 +49,7 @@ from rdmashim.ulps.rds.connection import (
     SessionLost,
 )
 from rdmashim.ulps.rds.rdma import RdmaOp, RdmaStatus, Registrations
-from rdmashim.ulps.rds.settings import RdsSettings
+from rdmashim.ulps.rds.settings import TRANSPORTS, RdsSettings, Transport
 from rdmashim.ulps.rds.tcp import TcpSession, tune
 from rdmashim.ulps.rds.wire import (
     RDS_CM_PORT,
@@ -86,8 +86,6 @@ def _ip_text(ip: IPAddress) -> str:
 
 
 QP_CAP = QPCap(max_send_wr=128, max_recv_wr=RECV_SLOTS, max_send_sge=1, max_recv_sge=1)
-Transport = Literal["rdma", "tcp"]
-TRANSPORTS: tuple[Transport, ...] = ("rdma", "tcp")
 RDS_TCP_NPATHS = 1
 """Paths we announce in the handshake probe: one (Linux offers up to
 ``RDS_MPATH_WORKERS``, 8; the peer then uses the smaller number)."""
