@@ -255,6 +255,29 @@ async def test_the_lower_address_connects_and_the_higher_knocks() -> None:
                     assert conn.getpeername()[0] == LOW
 
 
+async def test_a_knock_while_connected_means_the_peer_lost_its_end() -> None:
+    async with RdsNode(LOW, 0, transport="tcp") as node:
+        with trio.socket.socket() as high_listener:
+            await high_listener.bind((HIGH, node.port))
+            high_listener.listen()
+            sock = node.bind(4000)
+            await sock.sendto(b"one", (HIGH, 4000))
+            with trio.fail_after(5):
+                first, _ = await high_listener.accept()
+                old = RawPeer(trio.SocketStream(first))
+                assert (await old.receive(is_data))[1] == b"one"
+                # The peer "rebooted": it knocks although our connection is up.
+                knocker = await trio.open_tcp_stream(LOW, node.port, local_address=HIGH)
+                assert await RawPeer(knocker).closed()
+                assert await old.closed()  # we let the old connection go ...
+                await old.stream.aclose()
+                second, _ = await high_listener.accept()  # ... and connect anew
+                new = RawPeer(trio.SocketStream(second))
+                header, _ = await new.receive(lambda h: h.sport == RDS_FLAG_PROBE_PORT)
+                assert header.extensions[1] == GenNumExt(node.generation)
+                await new.stream.aclose()
+
+
 async def test_simultaneous_sends_from_both_sides_build_one_connection() -> None:
     a, b = await nodes([LOW, HIGH], "tcp")
     try:

@@ -734,10 +734,17 @@ class RdsNode:
                 return
             rds = entry.rds
             if rds.canonical:
-                # The higher address knocked: close, and connect ourselves unless we are.
+                # The higher address knocked: close, and connect ourselves.
                 log.debug("RDS/TCP %s: %s knocked", self.address, peer)
-                if rds.session is None or rds.session.lost:
-                    entry.poked = True
+                entry.poked = True
+                session = rds.session
+                if isinstance(session, TcpSession) and not session.lost:
+                    # It has no connection with us: ours is a dead one (it rebooted, say).
+                    log.info(
+                        "RDS/TCP %s: %s knocked while connected; reconnecting", self.address, peer
+                    )
+                    session.cut()
+                else:
                     self._start_connector(entry)
                 return
             tune(stream.socket)
@@ -779,7 +786,7 @@ class RdsNode:
                 rds.last_active = trio.current_time()
                 if entry.session_scope is scope:
                     entry.session_scope = None
-        if rds.pending:
+        if rds.pending or entry.poked:
             self._start_connector(entry)
 
     def _unreachable(self, entry: _Peer, exc: BaseException) -> None:
