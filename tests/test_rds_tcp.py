@@ -176,6 +176,29 @@ async def test_ping_on_port_0_and_the_handshake_probe_are_answered() -> None:
         await peer.stream.aclose()
 
 
+async def test_a_new_generation_in_the_probe_is_a_restart() -> None:
+    async with RdsNode(HIGH, 0, transport="tcp") as node:
+        sock = node.bind(4000)
+        peer = await raw_connect(node)
+        with trio.fail_after(5):
+            for seq, gen in ((1, 77), (2, 77)):  # the same generation twice: nothing new
+                probe = RdsHeader(seq, 0, 0, RDS_FLAG_PROBE_PORT, 0, extensions=(GenNumExt(gen),))
+                await peer.send(frame(probe))
+            await peer.send(data_msg(3, b"before"))
+            assert (await sock.recvfrom())[0] == b"before"
+            (conn,) = node.connections()
+            assert (conn.peer_generation, conn.counters.peer_restarts) == (77, 0)
+            await peer.stream.aclose()
+            peer = await raw_connect(node)  # the peer came back as a new incarnation
+            probe = RdsHeader(1, 0, 0, RDS_FLAG_PROBE_PORT, 0, extensions=(GenNumExt(78),))
+            await peer.send(frame(probe))
+            # Its numbering starts afresh, even flagged as a resend.
+            await peer.send(data_msg(2, b"after", flags=RdsFlag.RETRANSMITTED))
+            assert (await sock.recvfrom())[0] == b"after"
+            assert conn.peer_generation == 78 and conn.counters.peer_restarts >= 1
+        await peer.stream.aclose()
+
+
 @pytest.mark.parametrize(
     "garbage",
     [
