@@ -104,10 +104,17 @@ async def exchange(node: RdsNode, sock: RdsSocket, job: siwvm.Job) -> dict[str, 
     return {
         "got": got, "ours": ours, "echoes": echoes, "pong": pong,
         "sessions": conn.counters.sessions, "peer_generation": conn.peer_generation,
+        "counters": {
+            k: getattr(conn.counters, k)
+            for k in ("recv_messages", "send_messages", "retransmits", "recv_drop_old_seq",
+                      "peer_restarts", "recv_seq_gaps", "cong_updates_sent")
+        },
     }  # fmt: skip
 
 
 def check_round(facts: dict[str, Any], job_result: siwvm.JobResult) -> None:
+    shown = {k: v for k, v in facts.items() if k in ("sessions", "peer_generation", "counters")}
+    print("\nround with the kernel:", shown)
     assert job_result.returncode == 0, job_result.output
     assert facts["got"] == [(body(b"k", i), (GUEST_IP, GUEST_PORT)) for i in range(N)]
     assert facts["echoes"] == [(b"echo:" + m, (GUEST_IP, GUEST_PORT)) for m in facts["ours"]]
