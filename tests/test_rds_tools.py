@@ -185,3 +185,26 @@ async def test_format_info_shows_nodes_of_this_process() -> None:
         ]
         with pytest.raises(ValueError, match="no rds-info table"):
             format_info(a, "x")
+
+
+async def test_format_info_tcp_table_shows_the_stream() -> None:
+    net = subnet()
+    a = RdsNode(net + "1", 0, transport="tcp")
+    async with a, RdsNode(net + "2", a.port, transport="tcp") as b:
+        sa, sb = a.bind(4000), b.bind(4001)
+        with trio.fail_after(20):
+            await sa.sendto(b"x" * 100, (net + "2", 4001))
+            assert await sb.recvfrom() == (b"x" * 100, (net + "1", 4000))
+            await drain(a)
+        text = format_info(a, "T")
+        assert text.startswith("TCP Connections:"), text
+        # Our end (any port) to the peer's RDS port: no message half read; written
+        # bytes (map, probe, message) all acknowledged.
+        row = re.search(
+            rf"{re.escape(net)}1\s+\d+\s+{re.escape(net)}2\s+{a.port}\s+48\s+0\s+(\d+)\s+(\d+)\s+(\d+)",
+            text,
+        )
+        assert row is not None, text
+        sent, expect, seen = map(int, row.groups())
+        assert sent == expect == seen > 8192 + 48 * 3 + 100
+        assert format_info(a, "n").count(net) == 2  # and the other tables as before

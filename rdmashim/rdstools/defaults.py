@@ -19,8 +19,9 @@ INFO_TABLES = {
     "r": "receive queue messages",
     "s": "send queue messages",
     "t": "retransmit queue messages",
+    "T": "TCP sockets (RDS over TCP)",
 }
-"""rds-info's table letters that apply (all of them but the IB and TCP transport tables)."""
+"""rds-info's table letters that apply (all of them but the IB transport's)."""
 ALL_TABLES = "".join(INFO_TABLES)
 MIN_STRESS_BYTES = 16
 """The smallest rds-stress message: its header (``stress.STRESS_HEADER``)."""

@@ -59,16 +59,19 @@ _INT = struct.Struct("i")
 
 def tune(sock: trio.socket.SocketType) -> None:
     """Set a connection up as ``rds_tcp_tune`` and ``rds_tcp_keepalive`` do: no Nagle,
-    keepalive after 5 s of silence, dead after 5 unanswered probes 5 s apart."""
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
-    for option, value in (
-        ("TCP_KEEPIDLE", KEEPALIVE_IDLE),
-        ("TCP_KEEPINTVL", KEEPALIVE_IDLE),
-        ("TCP_KEEPCNT", KEEPALIVE_COUNT),
-    ):
-        if hasattr(socket, option):
-            sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, option), value)
+    keepalive after 5 s of silence, dead after 5 unanswered probes 5 s apart. A
+    connection already gone is left alone: its session finds out."""
+    options = [
+        (socket.IPPROTO_TCP, "TCP_NODELAY", 1),
+        (socket.SOL_SOCKET, "SO_KEEPALIVE", 1),
+        (socket.IPPROTO_TCP, "TCP_KEEPIDLE", KEEPALIVE_IDLE),
+        (socket.IPPROTO_TCP, "TCP_KEEPINTVL", KEEPALIVE_IDLE),
+        (socket.IPPROTO_TCP, "TCP_KEEPCNT", KEEPALIVE_COUNT),
+    ]
+    with contextlib.suppress(OSError):
+        for level, option, value in options:
+            if hasattr(socket, option):
+                sock.setsockopt(level, getattr(socket, option), value)
 
 
 def unacknowledged_bytes(sock: trio.socket.SocketType) -> int:
@@ -100,6 +103,14 @@ class StreamDecoder:
     def buffered(self) -> int:
         """Bytes held for a message not complete yet."""
         return len(self._buf)
+
+    @property
+    def remaining(self) -> tuple[int, int]:
+        """(header bytes, payload bytes) still to come for the current message
+        (rds-info's ``hdr_rem`` and ``data_rem``)."""
+        if self._header is None:
+            return RDS_HEADER_LEN - len(self._buf), 0
+        return 0, self._header.length - len(self._buf)
 
     def feed(self, data: bytes | bytearray | memoryview) -> list[tuple[RdsHeader, bytes]]:
         """The messages ``data`` completes, in order, as (header, payload)."""
@@ -268,6 +279,19 @@ class TcpSession:
                 await self._written.wait()
             await trio.sleep(ACK_POLL)
             self.check_acks()
+
+    def info(self) -> tuple[str, int, str, int, int, int, int, int, int]:
+        """rds-info's TCP socket row: local and peer (address, port), the header and
+        payload bytes still to come, bytes written, the offset just past the last
+        message written, and the offset TCP has had acknowledged (``SIOCOUTQ``)."""
+        sock = self.stream.socket
+        try:
+            local, peer = sock.getsockname()[:2], sock.getpeername()[:2]
+            acked = self.written - unacknowledged_bytes(sock)
+        except OSError:  # gone already
+            local, peer, acked = ("-", 0), ("-", 0), 0
+        last = self.inflight[-1][0] if self.inflight else self.written
+        return (*local, *peer, *self.decoder.remaining, self.written, last, acked)
 
     def check_acks(self) -> None:
         """Tell the connection which messages TCP has delivered in full."""
