@@ -13,6 +13,7 @@ kernel knocks when it speaks first (docs/rds.md).
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Awaitable, Callable, Iterator
 from typing import Any, TypeVar
 
@@ -159,3 +160,19 @@ async def test_reconnects_after_rmmod_and_after_our_restart(guest: siwvm.Guest) 
         check_round(facts, facts["result"])
     assert "rds_tcp unloaded" in rounds[1]["result"].output
     assert rounds[1]["sessions"] >= 2  # the same node, connected again
+
+
+async def test_rds_ping_cli_to_the_kernels_port_0(guest: siwvm.Guest) -> None:
+    """``rdmashim rds ping -p 0 --transport tcp``: pinged as rds-ping pings, the kernel
+    answers in ``rds_send_pong`` (no program on its side)."""
+    loaded = await guest.run("modprobe rds_tcp && echo loaded", 60)
+    assert loaded.returncode == 0, loaded.output
+    argv = [
+        sys.executable, "-m", "rdmashim", "rds", "ping", "-I", HOST_IP, "--transport", "tcp",
+        "--cm-port", str(RDS_TCP_PORT), "-p", "0", "-c", "3", "-i", "200ms", GUEST_IP,
+    ]  # fmt: skip
+    done = await siwvm.run_in_netns(argv, 60)
+    print("\n" + done.stdout)
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert [line.split(":")[0].strip() for line in lines] == ["1", "2", "3"], lines
