@@ -4,6 +4,7 @@ here (real TCP sockets on loopback addresses) that speaks Linux ``rds_tcp``'s ru
 from __future__ import annotations
 
 import errno
+import ipaddress
 import random
 import socket
 import struct
@@ -12,8 +13,10 @@ import pytest
 import trio
 import trio.lowlevel
 
+from rdmashim.ulps.rds.connection import RdsConnection
 from rdmashim.ulps.rds.node import RdsError, RdsNode
 from rdmashim.ulps.rds.rdma import RdmaOp
+from rdmashim.ulps.rds.settings import RdsSettings
 from rdmashim.ulps.rds.tcp import StreamDecoder
 from rdmashim.ulps.rds.wire import (
     RDS_CONG_MAP_BYTES,
@@ -378,3 +381,69 @@ async def test_rdma_is_refused_over_tcp_naming_the_transport() -> None:
             RdsNode(LOW, transport="udp")  # type: ignore[arg-type]
     finally:
         await close([a, b])
+
+
+# ----------------------------------------------------------------------- bounds
+async def test_tcp_strangers_are_bounded_by_max_peers_and_expire() -> None:
+    """Strangers from 40 lower addresses each connect, send a message and go:
+    ``max_peers`` holds the entries to 8 meanwhile and ``peer_idle_expiry`` clears
+    them. A new peer beyond
+    ``max_peers`` with none idle is refused (closed) and a send to one is ENOBUFS."""
+    settings = RdsSettings(max_peers=8, peer_idle_expiry=0.5)
+    node_ip = "127.0.0.200"
+    async with RdsNode(node_ip, 0, transport="tcp", settings=settings) as node:
+        inbox = node.bind(5000)
+        with trio.fail_after(60):
+            for i in range(40):
+                ip = f"127.0.0.{i + 2}"
+                stream = await trio.open_tcp_stream(node_ip, node.port, local_address=ip)
+                async with stream:
+                    await stream.send_all(data_msg(1, b"hi", sport=9, dport=5000))
+                    assert await inbox.recvfrom() == (b"hi", (ip, 9))
+                assert len(node._peers) <= settings.max_peers
+            await wait_for(lambda: not node._peers, 5)
+        assert node.peers_expired == 40
+    settings = RdsSettings(max_peers=2)
+    async with RdsNode(node_ip, 0, transport="tcp", settings=settings) as node:
+        with trio.fail_after(20):
+            held = [
+                RawPeer(await trio.open_tcp_stream(node_ip, node.port, local_address=ip))
+                for ip in ("127.0.0.2", "127.0.0.3")
+            ]
+            for peer in held:
+                await peer.receive()  # the node's map: the session is up
+            refused = RawPeer(
+                await trio.open_tcp_stream(node_ip, node.port, local_address="127.0.0.4")
+            )
+            assert await refused.closed()
+            with pytest.raises(RdsError, match="max_peers") as info:
+                await node.bind(4000).sendto(b"x", ("127.0.0.9", 4000))
+            assert info.value.errno == errno.ENOBUFS
+            for peer in held:
+                await peer.stream.aclose()
+
+
+async def test_tcp_idle_session_is_closed_and_maps_wait_as_one() -> None:
+    async with RdsNode(
+        HIGH, 0, transport="tcp", settings=RdsSettings(peer_idle_expiry=0.5)
+    ) as node:
+        peer = await raw_connect(node)
+        with trio.fail_after(10):
+            await peer.receive()
+            start = trio.current_time()
+            assert await peer.closed()
+            assert trio.current_time() - start >= 0.4
+        await peer.stream.aclose()
+        # Maps go outside the sequence: of several waiting, the newest only.
+        rds = RdsConnection(node.address, ipaddress.ip_address(LOW), lambda *a: None)
+        rds.numbered_maps = False
+        for i in range(100):
+            rds.queue_map(bytes([i]) * RDS_CONG_MAP_BYTES)
+        assert rds.map_out == bytes([99]) * RDS_CONG_MAP_BYTES and not rds.unsent
+        assert rds.counters.cong_updates_sent == 100
+
+
+async def wait_for(condition: object, seconds: float) -> None:
+    with trio.fail_after(seconds):
+        while not condition():  # type: ignore[operator]  # noqa: ASYNC110 - plain state
+            await trio.sleep(0.01)
