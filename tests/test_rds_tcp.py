@@ -271,6 +271,7 @@ async def test_the_lower_address_connects_and_the_higher_knocks() -> None:
             await peer.stream.aclose()
     async with RdsNode(LOW, 0, transport="tcp") as node:
         with trio.socket.socket() as high_listener:
+            high_listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             await high_listener.bind((HIGH, node.port))
             high_listener.listen()
             with trio.fail_after(5):
@@ -284,6 +285,7 @@ async def test_the_lower_address_connects_and_the_higher_knocks() -> None:
 async def test_a_knock_while_connected_means_the_peer_lost_its_end() -> None:
     async with RdsNode(LOW, 0, transport="tcp") as node:
         with trio.socket.socket() as high_listener:
+            high_listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             await high_listener.bind((HIGH, node.port))
             high_listener.listen()
             sock = node.bind(4000)
