@@ -49,6 +49,7 @@ from typing import Any
 import trio
 
 from rdmashim.ulps.rds.node import RdsNode, RdsSocket
+from rdmashim.ulps.rds.settings import Transport
 from rdmashim.ulps.rds.wire import RdsHeader
 
 AGENT = Path(__file__)
@@ -189,13 +190,20 @@ async def sender(
     return {}
 
 
-async def mesh(address: str, port: int, ports: list[int], peers: list[str], count: int) -> dict:
+async def mesh(
+    address: str,
+    port: int,
+    ports: list[int],
+    peers: list[str],
+    count: int,
+    transport: Transport = "rdma",
+) -> dict:
     """Send ``count`` messages from every local socket to every peer socket; check arrivals."""
     stdin = Stdin()
     expected = count * len(peers) * len(ports) * len(ports)
     got: dict[str, list[int]] = {}
     bad: dict[str, int] = {}
-    async with RdsNode(address, port) as node:
+    async with RdsNode(address, port, transport=transport) as node:
         socks = [node.bind(p) for p in ports]
         emit(up=node.port)
         if await stdin.line() is None:

@@ -1,4 +1,4 @@
-"""RDS sockets over the built-in engine: several nodes on loopback addresses."""
+"""RDS sockets on both transports (the built-in engine, and TCP): nodes on loopback addresses."""
 
 from __future__ import annotations
 
@@ -11,15 +11,15 @@ import pytest
 import trio
 import trio.lowlevel
 
-from rdmashim import QPState
 from rdmashim.ulps.rds.node import RdsError
 from rdmashim.ulps.rds.wire import RDS_MAX_MSG_SIZE
 
-from rdsnodes import close, nodes
+from rdsnodes import close, nodes, transports
 
 
-async def test_messages_both_ways_in_order() -> None:
-    a, b = await nodes(["127.0.0.1", "127.0.0.2"])
+@transports
+async def test_messages_both_ways_in_order(transport: str) -> None:
+    a, b = await nodes(["127.0.0.1", "127.0.0.2"], transport)
     try:
         sa, sb = a.bind(4000), b.bind(5000)
         with trio.fail_after(20):
@@ -37,9 +37,10 @@ async def test_messages_both_ways_in_order() -> None:
         await close([a, b])
 
 
-async def test_all_to_all_three_nodes_large_messages() -> None:
+@transports
+async def test_all_to_all_three_nodes_large_messages(transport: str) -> None:
     addrs = ["127.0.0.1", "127.0.0.2", "127.0.0.3"]
-    all_nodes = await nodes(addrs)
+    all_nodes = await nodes(addrs, transport)
     try:
         socks = [n.bind(p) for n in all_nodes for p in (4000, 4001)]
         rng = random.Random(7)
@@ -74,8 +75,9 @@ async def test_all_to_all_three_nodes_large_messages() -> None:
         await close(all_nodes)
 
 
-async def test_errors_name_the_problem() -> None:
-    (a,) = await nodes(["127.0.0.1"])
+@transports
+async def test_errors_name_the_problem(transport: str) -> None:
+    (a,) = await nodes(["127.0.0.1"], transport)
     try:
         s = a.bind(4000)
         with pytest.raises(RdsError) as info:
@@ -104,9 +106,10 @@ async def test_errors_name_the_problem() -> None:
         await close([a])
 
 
+@transports
 @pytest.mark.parametrize("cuts", [3])
-async def test_connection_cut_underneath_loses_nothing(cuts: int) -> None:
-    a, b = await nodes(["127.0.0.1", "127.0.0.2"])
+async def test_connection_cut_underneath_loses_nothing(cuts: int, transport: str) -> None:
+    a, b = await nodes(["127.0.0.1", "127.0.0.2"], transport)
     try:
         sa, sb = a.bind(4000), b.bind(4000)
         n = 3000
@@ -131,7 +134,7 @@ async def test_connection_cut_underneath_loses_nothing(cuts: int) -> None:
                             if session is not None and not session.lost:
                                 break
                             await trio.sleep(0.005)
-                        session.qp.modify(qp_state=QPState.ERR)  # cut underneath
+                        session.cut()  # underneath
                         done_cuts += 1
                     if i % 50 == 0:
                         await trio.lowlevel.checkpoint()
@@ -150,10 +153,11 @@ async def test_connection_cut_underneath_loses_nothing(cuts: int) -> None:
         await close([a, b])
 
 
-async def test_slow_receiver_congests_its_port_and_memory_stays_bounded() -> None:
+@transports
+async def test_slow_receiver_congests_its_port_and_memory_stays_bounded(transport: str) -> None:
     from rdmashim.ulps.rds.settings import RCVBUF, SNDBUF
 
-    a, b = await nodes(["127.0.0.1", "127.0.0.2"])
+    a, b = await nodes(["127.0.0.1", "127.0.0.2"], transport)
     try:
         sa, sb = a.bind(4000), b.bind(4000)
         chunk = 256 * 1024

@@ -2,7 +2,8 @@
 
 The hosts are ``netns.py``'s three (a, b and c on a bridged LAN, 10.201.0.0/24
 and fd00:201::/64). One RDS node runs in each, as an agent process
-(``rds_agent.py mesh``) on the standard RDS CM port, with two sockets. Once
+(``rds_agent.py mesh``) on the standard RDS port, with two sockets, over RDMA
+or over TCP. Once
 every node listens, each sends ``COUNT`` messages from each of its sockets to
 each socket of each other node, interleaved so that every pair is in flight at
 once, while receiving. Each node checks every payload against its stamp
@@ -20,9 +21,11 @@ import pytest
 import rds_agent
 import trio
 
+from rdmashim.ulps.rds.settings import Transport
 from rdmashim.ulps.rds.wire import RDS_CM_PORT
 
 import netns
+from rdsnodes import transports
 
 pytestmark = pytest.mark.netns
 
@@ -40,9 +43,10 @@ def lan_address(host: netns.Host, version: int) -> str:
     raise LookupError(f"host {host.name} has no IPv{version} LAN address")
 
 
+@transports
 @pytest.mark.parametrize("version", [4, 6], ids=["ipv4", "ipv6"])
 async def test_all_to_all_between_namespaces_content_and_order(
-    net: netns.Network, version: int
+    net: netns.Network, version: int, transport: Transport
 ) -> None:
     hosts = list(net.hosts.values())
     addresses = {host.name: lan_address(host, version) for host in hosts}
@@ -55,7 +59,7 @@ async def test_all_to_all_between_namespaces_content_and_order(
                 peers = [a for name, a in addresses.items() if name != host.name]
                 argv = rds_agent.argv(
                     "mesh", netns=host.netns, address=me, port=RDS_CM_PORT, ports=PORTS,
-                    peers=peers, count=COUNT,
+                    peers=peers, count=COUNT, transport=transport,
                 )  # fmt: skip
                 agents.append(await netns.Agent.start(f"mesh@{host.name}", argv))
             # Every node listens before any sends: a node gives up on a peer that
@@ -73,7 +77,7 @@ async def test_all_to_all_between_namespaces_content_and_order(
         for agent in agents:
             await agent.aclose()
     print(
-        f"IPv{version} all-to-all:",
+        f"IPv{version} all-to-all over {transport}:",
         {h: (round(r["seconds"], 2), {p: c["sessions"] for p, c in r["counters"].items()})
          for h, r in results.items()},
     )  # fmt: skip
@@ -88,8 +92,13 @@ async def test_all_to_all_between_namespaces_content_and_order(
             assert result["bad"][pair] == 0, f"{host.name} from {pair}: damaged payloads"
         # One connection to each other node, whichever side spoke first.
         assert sorted(result["counters"]) == sorted(others), result["counters"]
+        # Over TCP each node also gets the peer's handshake probe and the answer to its own.
+        handshake = 2 if transport == "tcp" else 0
         for peer, counters in result["counters"].items():
-            assert counters["recv_messages"] == COUNT * len(PORTS) ** 2, (peer, counters)
+            assert counters["recv_messages"] == COUNT * len(PORTS) ** 2 + handshake, (
+                peer,
+                counters,
+            )
             assert counters["send_messages"] >= COUNT * len(PORTS) ** 2, (peer, counters)
             assert counters["retransmits"] == counters["recv_drop_old_seq"] == 0, counters
             assert counters["peer_restarts"] == counters["recv_seq_gaps"] == 0, counters

@@ -23,22 +23,24 @@ from rdmashim.ulps.rds.node import RdsNode
 
 from clirun import STRESS_ROW as ROW
 from clirun import background, free_port, rdmashim, subnet
+from rdsnodes import transports
 
 
 # ------------------------------------------------------------------ the commands
-def test_ping_gets_replies_and_info_shows_the_pinger() -> None:
+@transports
+def test_ping_gets_replies_and_info_shows_the_pinger(transport: str) -> None:
     net = subnet()
     server, pinger, asker = net + "1", net + "2", net + "3"
     port = str(free_port(server))
-    with background("rds", "ping", "--serve", "-I", server, "--cm-port", port) as responder:
-        out = rdmashim("rds", "ping", "-I", pinger, "--cm-port", port, "-c", "3", "-i", "200ms",
-                       server)  # fmt: skip
+    over = ("--cm-port", port, "--transport", transport)
+    with background("rds", "ping", "--serve", "-I", server, *over) as responder:
+        out = rdmashim("rds", "ping", "-I", pinger, *over, "-c", "3", "-i", "200ms", server)
         assert out.returncode == 0, out.stderr
         lines = out.stdout.splitlines()
         assert [line.split(":")[0].strip() for line in lines] == ["1", "2", "3"]
         assert all(re.fullmatch(r"\s+\d+: \d+ usec", line) for line in lines), lines
 
-        info = rdmashim("rds", "info", "-I", asker, "--cm-port", port, "-n", "-c", server)
+        info = rdmashim("rds", "info", "-I", asker, *over, "-n", "-c", server)
         assert info.returncode == 0, info.stderr
         assert "RDS Connections:" in info.stdout and "Counters:" in info.stdout
         conns = info.stdout.split("RDS Connections:")[1]
@@ -58,23 +60,24 @@ def test_ping_without_a_responder_fails_and_serve_needs_an_address() -> None:
     assert "no rds-info answer" in out.stderr
 
 
-def stress_run(*flags: str) -> tuple[str, str]:
+def stress_run(*flags: str, transport: str = "rdma") -> tuple[str, str]:
     """``rds stress`` active with ``flags`` against a passive one: both sides' output."""
     net = subnet()
     passive_ip, active_ip = net + "1", net + "2"
-    port = str(free_port(passive_ip))
-    with background("rds", "stress", "-r", passive_ip, "--cm-port", port) as passive:
-        out = rdmashim(
-            "rds", "stress", "-r", active_ip, "-s", passive_ip, "--cm-port", port, *flags
-        )
+    over = ("--cm-port", str(free_port(passive_ip)), "--transport", transport)
+    with background("rds", "stress", "-r", passive_ip, *over) as passive:
+        out = rdmashim("rds", "stress", "-r", active_ip, "-s", passive_ip, *over, *flags)
         assert out.returncode == 0, out.stderr
         status, passive_out, _ = passive.finish(timeout=15)
         assert status == 0
     return out.stdout, passive_out
 
 
-def test_stress_prints_rds_stress_columns() -> None:
-    stdout, passive_out = stress_run("-T", "3", "-q", "1024", "-a", "256", "-t", "2", "-d", "4")
+@transports
+def test_stress_prints_rds_stress_columns(transport: str) -> None:
+    stdout, passive_out = stress_run(
+        "-T", "3", "-q", "1024", "-a", "256", "-t", "2", "-d", "4", transport=transport
+    )  # fmt: skip
     lines = stdout.splitlines()
     head = lines.index(STRESS_COLUMNS)
     assert re.fullmatch(r"tsks +tx/s +tx\+rx K/s +rw\+rr K/s +tx us/c +rtt us +cpu %", lines[head])
@@ -106,6 +109,12 @@ def test_stress_with_rdma_bytes(read: bool) -> None:
     assert re.search(r"\d+\.\d+ RDMA K/s \(0 failed\)", passive_out), passive_out
 
 
+def test_stress_rdma_bytes_need_the_rdma_transport() -> None:
+    out = rdmashim("rds", "stress", "-r", "127.0.0.1", "-s", "127.0.0.2", "--transport", "tcp",
+                   "-D", "4096")  # fmt: skip
+    assert out.returncode == 2 and "-D (RDMA bytes) needs --transport rdma" in out.stderr
+
+
 async def test_stress_config_checks_rdma_room() -> None:
     with pytest.raises(ValueError, match="req_bytes"):
         StressConfig("10.0.0.1", req_bytes=MIN_STRESS_BYTES, rdma_bytes=4096)
@@ -113,8 +122,10 @@ async def test_stress_config_checks_rdma_room() -> None:
         StressConfig("10.0.0.1", rdma_bytes=-1)
 
 
-def test_demo_loses_nothing_through_cuts() -> None:
-    out = rdmashim("rds", "demo", "-T", "3", "--cuts", "2", "--address", subnet() + "1", "-q")
+@transports
+def test_demo_loses_nothing_through_cuts(transport: str) -> None:
+    out = rdmashim("rds", "demo", "-T", "3", "--cuts", "2", "--address", subnet() + "1", "-q",
+                   "--transport", transport)  # fmt: skip
     assert out.returncode == 0, out.stdout + out.stderr
     assert "lost 0, duplicated 0, out of order 0, corrupt 0" in out.stdout
     assert out.stdout.count("cut the connection") == 2
@@ -174,3 +185,26 @@ async def test_format_info_shows_nodes_of_this_process() -> None:
         ]
         with pytest.raises(ValueError, match="no rds-info table"):
             format_info(a, "x")
+
+
+async def test_format_info_tcp_table_shows_the_stream() -> None:
+    net = subnet()
+    a = RdsNode(net + "1", 0, transport="tcp")
+    async with a, RdsNode(net + "2", a.port, transport="tcp") as b:
+        sa, sb = a.bind(4000), b.bind(4001)
+        with trio.fail_after(20):
+            await sa.sendto(b"x" * 100, (net + "2", 4001))
+            assert await sb.recvfrom() == (b"x" * 100, (net + "1", 4000))
+            await drain(a)
+        text = format_info(a, "T")
+        assert text.startswith("TCP Connections:"), text
+        # Our end (any port) to the peer's RDS port: no message half read; written
+        # bytes (map, probe, message) all acknowledged.
+        row = re.search(
+            rf"{re.escape(net)}1\s+\d+\s+{re.escape(net)}2\s+{a.port}\s+48\s+0\s+(\d+)\s+(\d+)\s+(\d+)",
+            text,
+        )
+        assert row is not None, text
+        sent, expect, seen = map(int, row.groups())
+        assert sent == expect == seen > 8192 + 48 * 3 + 100
+        assert format_info(a, "n").count(net) == 2  # and the other tables as before

@@ -19,6 +19,7 @@ from rdmashim.rdstools.defaults import (
     RDS_CM_PORT,
     RDS_MAX_MSG_SIZE,
     STRESS_PORT,
+    TRANSPORTS,
 )
 
 MAX_TASKS = 256
@@ -49,14 +50,20 @@ def add_rds(sub: argparse._SubParsersAction[Parser]) -> None:
         "rds",
         help="rds-tools on rdmashim's RDS: ping, stress, info, and a messaging demo",
         description="rds-tools (rds-ping, rds-stress, rds-info) on rdmashim's RDS over the "
-        "built-in engine. Every node needs its own IP address (any 127.x.y.z on Linux); "
-        "nodes find each other on the rdma_cm port (--cm-port, the same on all nodes).",
+        "built-in engine (--transport rdma) or over TCP as Linux's rds_tcp (--transport tcp). "
+        "Every node needs its own IP address (any 127.x.y.z on Linux); nodes find each other "
+        "on one port (--cm-port: rdma_cm's, or TCP's; the same on all nodes).",
     )
     rsub = rds.add_subparsers(dest="rds_command", required=True)
     cm = Parser(add_help=False)
     cm.add_argument(
         "--cm-port", type=integer(1, 65535), default=RDS_CM_PORT,
-        help=f"rdma_cm port of every node (default {RDS_CM_PORT})",
+        help=f"rdma_cm (or TCP) port of every node (default {RDS_CM_PORT})",
+    )  # fmt: skip
+    cm.add_argument(
+        "--transport", choices=TRANSPORTS, default="rdma",
+        help="rdma: the built-in engine's RC queue pairs; tcp: TCP, as Linux's rds_tcp "
+        "(default rdma)",
     )  # fmt: skip
     cm.add_argument("--info", action="store_true", help="print rds-info's tables at the end")
 
@@ -173,8 +180,13 @@ def add_rds(sub: argparse._SubParsersAction[Parser]) -> None:
     )
     p.add_argument("-q", "--quiet", action="store_true", help="no progress line")
     p.add_argument(
-        "--cm-port", type=port, default=0, help="rdma_cm port of the nodes (default: a free one)"
-    )
+        "--cm-port", type=port, default=0,
+        help="rdma_cm (or TCP) port of the nodes (default: a free one)",
+    )  # fmt: skip
+    p.add_argument(
+        "--transport", choices=TRANSPORTS, default="rdma",
+        help="rdma (the built-in engine) or tcp (as Linux's rds_tcp; default rdma)",
+    )  # fmt: skip
     p.add_argument("--info", action="store_true", help="print rds-info's tables at the end")
     p.set_defaults(func=_run("rds_demo"))
     for name, choice in rsub.choices.items():

@@ -16,7 +16,7 @@ import trio
 
 from rdmashim.cliargs import UsageError, rate
 from rdmashim.clisignals import Signals
-from rdmashim.rdstools.common import RdsToolError, drain, guess_source, open_node
+from rdmashim.rdstools.common import RdsToolError, drain, guess_source, open_node, port_name
 from rdmashim.rdstools.defaults import ALL_TABLES, INFO_PORT, INFO_TABLES
 from rdmashim.rdstools.demo import DemoProgress, run_rds_demo
 from rdmashim.rdstools.info import format_info, query_info, serve_info
@@ -52,13 +52,17 @@ async def rds_ping(args: argparse.Namespace) -> int:
     _check_other(args.local, None if args.serve else args.dest)
     if args.serve:
         signals = Signals()
-        async with open_node(args.local, args.cm_port) as node, trio.open_nursery() as nursery:
+        async with (
+            open_node(args.local, args.cm_port, args.transport) as node,
+            trio.open_nursery() as nursery,
+        ):
             await nursery.start(signals.watch)
             await nursery.start(serve_echo, node, args.port)
             await nursery.start(serve_info, node)
             print(
                 f"rds ping responder on {node.address}: echo on RDS port {args.port}, "
-                f"rds-info on RDS port {INFO_PORT}, rdma_cm port {node.port}; Ctrl-C to stop",
+                f"rds-info on RDS port {INFO_PORT}, {port_name(node.transport)} {node.port}; "
+                "Ctrl-C to stop",
                 flush=True,
             )
             await signals.stopped.wait()
@@ -67,7 +71,7 @@ async def rds_ping(args: argparse.Namespace) -> int:
             nursery.cancel_scope.cancel()
         return signals.status
     local = args.local or guess_source(args.dest)
-    async with open_node(local, args.cm_port) as node:
+    async with open_node(local, args.cm_port, args.transport) as node:
         stats = await ping(
             node, args.dest, port=args.port, count=args.count, interval=args.interval,
             on_reply=lambda reply: print(format_ping_reply(reply), flush=True),
@@ -94,13 +98,18 @@ async def rds_stress(args: argparse.Namespace) -> int:
             )  # fmt: skip
         except ValueError as exc:
             raise UsageError(str(exc)) from None
+        if cfg.rdma_bytes and args.transport != "rdma":
+            raise UsageError(f"-D (RDMA bytes) needs --transport rdma, not {args.transport}")
         buffers = cfg.tasks * cfg.depth * cfg.rdma_bytes
         if buffers > MAX_RDMA_BUFFERS:
             raise UsageError(
                 f"-t {cfg.tasks} x -d {cfg.depth} x -D {cfg.rdma_bytes} = {buffers} bytes of "
                 f"RDMA buffers, more than {MAX_RDMA_BUFFERS >> 20} MiB"
             )
-    async with open_node(args.local, args.cm_port) as node, trio.open_nursery() as nursery:
+    async with (
+        open_node(args.local, args.cm_port, args.transport) as node,
+        trio.open_nursery() as nursery,
+    ):
         await nursery.start(serve_info, node)
         if cfg is None:
             status = await _stress_passive(node, args, nursery)
@@ -118,7 +127,7 @@ async def _stress_passive(node: RdsNode, args: argparse.Namespace, nursery: trio
     await nursery.start(signals.watch, scope.cancel)
     print(
         f"rds stress passive on {node.address} port {args.port} "
-        f"(rdma_cm port {node.port}): waiting for an active side",
+        f"({port_name(node.transport)} {node.port}): waiting for an active side",
         flush=True,
     )
     result = PassiveResult()
@@ -197,7 +206,7 @@ async def rds_info(args: argparse.Namespace) -> int:
     tables = "".join(t for t in INFO_TABLES if getattr(args, f"table_{t}")) or ALL_TABLES
     _check_other(args.local, args.dest)
     local = args.local or guess_source(args.dest)
-    async with open_node(local, args.cm_port) as node:
+    async with open_node(local, args.cm_port, args.transport) as node:
         text = await query_info(node, args.dest, tables, within=args.timeout)
         await drain(node, 1.0)
     print(text, end="")
@@ -235,7 +244,8 @@ async def rds_demo(args: argparse.Namespace) -> int:
 
     result = await run_rds_demo(
         nodes=args.nodes, seconds=args.seconds, size=args.size, cuts=args.cuts,
-        first_address=args.address, cm_port=args.cm_port, on_progress=progress, on_event=event,
+        first_address=args.address, cm_port=args.cm_port, transport=args.transport,
+        on_progress=progress, on_event=event,
     )  # fmt: skip
     event(
         f"sent {result.sent} messages, delivered {result.delivered}: lost {result.lost}, "

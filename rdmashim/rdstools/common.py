@@ -17,6 +17,7 @@ import trio
 
 from rdmashim.rdstools.defaults import RDS_CM_PORT
 from rdmashim.ulps.rds.node import RdsError, RdsNode, RdsSocket
+from rdmashim.ulps.rds.settings import Transport
 
 log = logging.getLogger(__name__)
 
@@ -59,24 +60,33 @@ def bind_any(node: RdsNode, rng: random.Random | None = None) -> RdsSocket:
 
 
 @asynccontextmanager
-async def open_node(address: str, cm_port: int = RDS_CM_PORT) -> AsyncIterator[RdsNode]:
+async def open_node(
+    address: str, cm_port: int = RDS_CM_PORT, transport: Transport = "rdma"
+) -> AsyncIterator[RdsNode]:
     """An :class:`RdsNode` on ``address``; a failure to start says what to check."""
     async with AsyncExitStack() as stack:
         try:
-            node = await stack.enter_async_context(RdsNode(address, cm_port))
+            node = await stack.enter_async_context(RdsNode(address, cm_port, transport=transport))
         except OSError as exc:
-            raise node_error(exc, address, cm_port) from exc
+            raise node_error(exc, address, cm_port, transport) from exc
         yield node
 
 
-def node_error(exc: OSError, address: str, cm_port: int) -> RdsToolError:
+def port_name(transport: Transport) -> str:
+    """What a node's port is on ``transport``: "rdma_cm port" or "TCP port"."""
+    return "rdma_cm port" if transport == "rdma" else "TCP port"
+
+
+def node_error(
+    exc: OSError, address: str, cm_port: int, transport: Transport = "rdma"
+) -> RdsToolError:
     """Why a node did not start, with what to check."""
     hint = ""
     if exc.errno == errno.EADDRINUSE:
         hint = " (another RDS node on this address? each node needs its own address)"
     elif exc.errno == errno.EADDRNOTAVAIL:
         hint = " (not an address of this machine; any 127.x.y.z is, on Linux)"
-    where = f"{address}, rdma_cm port {cm_port}"
+    where = f"{address}, {port_name(transport)} {cm_port}"
     return RdsToolError(f"cannot start an RDS node on {where}: {exc}{hint}")
 
 

@@ -6,6 +6,7 @@ RDS machinery; the tools use the same ones.
 
 from __future__ import annotations
 
+from rdmashim.ulps.rds.settings import TRANSPORTS
 from rdmashim.ulps.rds.wire import RDS_CM_PORT, RDS_MAX_MSG_SIZE
 
 ECHO_PORT = 7
@@ -18,8 +19,9 @@ INFO_TABLES = {
     "r": "receive queue messages",
     "s": "send queue messages",
     "t": "retransmit queue messages",
+    "T": "TCP sockets (RDS over TCP)",
 }
-"""rds-info's table letters that apply (all of them but the IB and TCP transport tables)."""
+"""rds-info's table letters that apply (all of them but the IB transport's)."""
 ALL_TABLES = "".join(INFO_TABLES)
 MIN_STRESS_BYTES = 16
 """The smallest rds-stress message: its header (``stress.STRESS_HEADER``)."""
@@ -36,4 +38,5 @@ __all__ = [
     "RDS_CM_PORT",
     "RDS_MAX_MSG_SIZE",
     "STRESS_PORT",
+    "TRANSPORTS",
 ]

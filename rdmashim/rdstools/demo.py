@@ -13,13 +13,13 @@ from dataclasses import dataclass, field, fields
 
 import trio
 
-from rdmashim.rdstools.common import busy_any, node_error
+from rdmashim.rdstools.common import busy_any, node_error, port_name
 from rdmashim.rdstools.defaults import DEMO_MIN_SIZE
 from rdmashim.rdstools.info import format_info
 from rdmashim.ulps.rds.connection import RdsConnection
 from rdmashim.ulps.rds.node import RdsNode
+from rdmashim.ulps.rds.settings import Transport
 from rdmashim.ulps.rds.wire import RDS_MAX_MSG_SIZE
-from rdmashim.verbs import QPState
 
 DEMO_PORT = 4000
 DEMO_WINDOW = 128
@@ -95,7 +95,9 @@ class _Stream:
     room: trio.Event = field(default_factory=trio.Event)
 
 
-async def _start_nodes(stack: AsyncExitStack, addresses: Sequence[str], port: int) -> list[RdsNode]:
+async def _start_nodes(
+    stack: AsyncExitStack, addresses: Sequence[str], port: int, transport: Transport
+) -> list[RdsNode]:
     """Nodes on ``addresses``, all on one CM port (``0``: a free one, retried on a clash)."""
     for attempt in range(5):
         nodes: list[RdsNode] = []
@@ -103,13 +105,15 @@ async def _start_nodes(stack: AsyncExitStack, addresses: Sequence[str], port: in
         chosen = port
         try:
             for address in addresses:
-                node = await inner.enter_async_context(RdsNode(address, chosen))
+                node = await inner.enter_async_context(
+                    RdsNode(address, chosen, transport=transport)
+                )
                 chosen = node.port
                 nodes.append(node)
         except OSError as exc:
             await inner.aclose()
             if port or attempt == 4:
-                raise node_error(exc, address, chosen) from exc
+                raise node_error(exc, address, chosen, transport) from exc
             continue
         await stack.enter_async_context(inner)
         return nodes
@@ -124,6 +128,7 @@ async def run_rds_demo(
     cuts: int = 2,
     first_address: str = "127.0.0.1",
     cm_port: int = 0,
+    transport: Transport = "rdma",
     on_progress: Callable[[DemoProgress], None] = lambda p: None,
     on_event: Callable[[str], None] = lambda text: None,
 ) -> DemoResult:
@@ -132,7 +137,8 @@ async def run_rds_demo(
     Each message carries its sender, a sequence number per (sender, receiver)
     and a CRC32 of its payload; receivers check that each arrives exactly once,
     in order, intact. ``cuts`` times during the run, a live connection is cut
-    underneath (its QP moved to ERR, as a broken link would); RDS reconnects
+    underneath (its QP moved to ERR, as a broken link would; over TCP, one side
+    shuts the connection down); RDS reconnects
     and resends what the peer had not acknowledged. After ``seconds`` the
     senders stop and the demo waits for every message to arrive.
     """
@@ -148,10 +154,11 @@ async def run_rds_demo(
     streams = {(i, j): _Stream() for i in range(nodes) for j in range(nodes) if i != j}
     body = size - _STAMP.size
     async with AsyncExitStack() as stack:
-        all_nodes = await _start_nodes(stack, addresses, cm_port)
+        all_nodes = await _start_nodes(stack, addresses, cm_port, transport)
         socks = [node.bind(DEMO_PORT) for node in all_nodes]
         on_event(
-            f"{nodes} RDS nodes on {', '.join(addresses)} (rdma_cm port {all_nodes[0].port}), "
+            f"{nodes} RDS nodes on {', '.join(addresses)} "
+            f"({port_name(transport)} {all_nodes[0].port}), "
             f"socket {DEMO_PORT} on each; every socket sends {size}-byte messages to every other"
         )
         stop = trio.Event()
@@ -209,12 +216,13 @@ async def run_rds_demo(
             both = (near, far)
             resent = tuple(c.counters.retransmits for c in both)
             queued = sum(c.counters.send_messages for c in both)
-            session.qp.modify(qp_state=QPState.ERR)
+            session.cut()
             cut = DemoCut(time.perf_counter() - t0, addresses[side], addresses[other])
             result.cuts.append(cut)
             on_event(
                 f"{cut.at:5.1f} s  cut the connection {cut.local} -> {cut.peer} underneath "
-                "(its QP to ERR); the senders carry on"
+                f"({'its QP to ERR' if transport == 'rdma' else 'a TCP shutdown'}); "
+                "the senders carry on"
             )
             with trio.move_on_after(10):
                 while near.session is None or near.session is session or near.session.lost:  # noqa: ASYNC110

@@ -13,6 +13,7 @@ from rdmashim.rdstools.common import RdsToolError, bind_any, serve_answers
 from rdmashim.rdstools.defaults import ALL_TABLES, INFO_PORT, INFO_TABLES
 from rdmashim.ulps.rds.connection import Counters
 from rdmashim.ulps.rds.node import RdsError, RdsNode
+from rdmashim.ulps.rds.tcp import TcpSession
 from rdmashim.ulps.rds.wire import RDS_MAX_MSG_SIZE
 
 log = logging.getLogger(__name__)
@@ -76,6 +77,20 @@ def format_info(nodes: RdsNode | Iterable[RdsNode], tables: str = ALL_TABLES) ->
                         f"{rds.local!s:>15} {rds.peer!s:>15} {0:>4} {rds.next_seq:>16} "
                         f"{rds.next_recv:>16} {node.connection_flags(str(rds.peer))}"
                     )
+        elif letter == "T":
+            out.append(
+                f"\nTCP Connections:\n{'LocalAddr':>15} {'LPort':>5} {'RemoteAddr':>15} "
+                f"{'RPort':>5} {'HdrRemain':>10} {'DataRemain':>10} {'SentNxt':>12} "
+                f"{'ExpectUna':>12} {'SeenUna':>12}"
+            )
+            for node in all_nodes:
+                for rds in node.connections():
+                    if isinstance(rds.session, TcpSession) and not rds.session.lost:
+                        la, lp, ra, rp, hdr, data, nxt, una, seen = rds.session.info()
+                        out.append(
+                            f"{la:>15} {lp:>5} {ra:>15} {rp:>5} {hdr:>10} {data:>10} "
+                            f"{nxt:>12} {una:>12} {seen:>12}"
+                        )
         else:
             name = {"r": "Receive", "s": "Send", "t": "Retransmit"}[letter]
             out.append(

@@ -33,6 +33,7 @@ from rdmashim.ulps.rds.wire import (
     RDS_HEADER_LEN,
     RDS_MAX_ADV_CREDIT,
     CongestionMap,
+    Extension,
     RdmaExt,
     RdsFlag,
     RdsHeader,
@@ -40,6 +41,7 @@ from rdmashim.ulps.rds.wire import (
 )
 from rdmashim.verbs import (
     Access,
+    QPState,
     RecvBatch,
     RecvWR,
     SendFlags,
@@ -52,6 +54,7 @@ from rdmashim.verbs import (
 
 if TYPE_CHECKING:
     from rdmashim.cm import Connection, ConnectionRequest
+    from rdmashim.ulps.rds.tcp import TcpSession
     from rdmashim.verbs.abc import CQ
 
 log = logging.getLogger(__name__)
@@ -87,6 +90,10 @@ class OutMessage:
     data: bytes
     flags: RdsFlag = RdsFlag.NONE
     rdma: RdmaOp | None = None
+    extensions: tuple[Extension, ...] = ()
+    own: bool = False
+    """The node's own message (a congestion map, a ping reply, a handshake probe):
+    worth no reconnect, and kept by no peer entry."""
 
     @property
     def fragments(self) -> int:
@@ -137,7 +144,14 @@ class RdsConnection:
     """Called with the ports whose congestion bit changed in the peer's map."""
     peer_congestion: CongestionMap = field(default_factory=CongestionMap)
     """The peer node's congestion map: its ports whose receivers are full."""
-    session: Session | None = None
+    session: Session | TcpSession | None = None
+    numbered_maps: bool = True
+    """Whether our congestion maps are numbered messages (RDMA) or go outside the
+    sequence, newest only, in :attr:`map_out` (TCP, as Linux's ``rds_tcp``)."""
+    map_out: bytes | None = None
+    """The congestion map waiting to go out outside the sequence (TCP)."""
+    peer_generation: int = 0
+    """The peer's generation number from its handshake probe (0: none seen)."""
     queued_bytes: int = 0
     settings: RdsSettings = field(default_factory=RdsSettings)
     """The bounds of the queue (``sndbuf``, ``max_queued_messages``)."""
@@ -163,13 +177,17 @@ class RdsConnection:
         data: bytes,
         flags: RdsFlag = RdsFlag.NONE,
         rdma: RdmaOp | None = None,
+        *,
+        extensions: tuple[Extension, ...] = (),
+        own: bool = False,
     ) -> None:
         """Number a message and queue it; it goes out as soon as a session can take it.
 
         ``rdma``, an operation whose local buffer is registered already, runs
-        just before the message on the same session.
+        just before the message on the same session. ``own`` marks the node's
+        own messages (see :attr:`OutMessage.own`).
         """
-        msg = OutMessage(self.next_seq, sport, dport, bytes(data), flags, rdma)
+        msg = OutMessage(self.next_seq, sport, dport, bytes(data), flags, rdma, extensions, own)
         self.next_seq += 1
         self.last_active = trio.current_time()
         self.unsent.append(msg)
@@ -188,8 +206,16 @@ class RdsConnection:
         A map is a state, not a change: of several unsent ones only the last
         counts, so a peer flipping our ports cannot make us queue maps without
         bound. A retransmitted one is left alone (the peer may drop it as a
-        duplicate) and the new map goes behind it.
+        duplicate) and the new map goes behind it. Where maps go outside the
+        sequence (:attr:`numbered_maps` false), the newest simply waits in
+        :attr:`map_out`.
         """
+        if not self.numbered_maps:
+            self.map_out = bytes(data)
+            self.counters.cong_updates_sent += 1
+            if self.session is not None:
+                self.session.pump_sends()
+            return
         for msg in reversed(self.unsent):
             if msg.flags & RdsFlag.CONG_BITMAP:
                 if not msg.flags & RdsFlag.RETRANSMITTED:
@@ -197,14 +223,14 @@ class RdsConnection:
                     self.counters.cong_updates_sent += 1
                     return
                 break
-        self.queue(0, 0, data, RdsFlag.CONG_BITMAP)
+        self.queue(0, 0, data, RdsFlag.CONG_BITMAP, own=True)
 
     @property
     def pending(self) -> bool:
         """Whether messages of sockets wait to be sent or acknowledged. The node's own
-        (port 0: congestion maps, pongs) do not count: every session starts with a
+        (congestion maps, pongs, probes) do not count: every session starts with a
         fresh map, and a pong is worth no reconnect, nor keeps a peer entry."""
-        return any(m.sport for queue in (self.unsent, self.unacked) for m in queue)
+        return any(not m.own for queue in (self.unsent, self.unacked) for m in queue)
 
     @property
     def queued_messages(self) -> int:
@@ -246,8 +272,11 @@ class RdsConnection:
         for m in self.unacked:
             if m.rdma is None:
                 again.append(
-                    OutMessage(m.seq, m.sport, m.dport, m.data, m.flags | RdsFlag.RETRANSMITTED)
-                )
+                    OutMessage(
+                        m.seq, m.sport, m.dport, m.data, m.flags | RdsFlag.RETRANSMITTED,
+                        extensions=m.extensions, own=m.own,
+                    )
+                )  # fmt: skip
             else:
                 self._drop(m, RdmaStatus.DROPPED, "the connection broke before the peer had it")
         self.counters.retransmits += len(again)
@@ -309,17 +338,38 @@ class RdsConnection:
             self.counters.recv_seq_gaps += 1
         self.next_recv = seq + 1
         if header.flags & RdsFlag.CONG_BITMAP:
-            new = CongestionMap.decode(data)
-            if new is None:
-                raise RdsProtocolError(f"congestion map of {len(data)} bytes from {self.peer}")
-            changed = self.peer_congestion.diff(new)
-            self.peer_congestion = new
-            if changed:
-                self.on_congestion(self, changed)
+            self.peer_map(data)
             return
         self.counters.recv_messages += 1
         self.counters.recv_bytes += len(data)
         self.deliver(self.peer, header, data)
+
+    def peer_map(self, data: bytes) -> None:
+        """The peer's congestion map arrived (numbered or not, by transport)."""
+        new = CongestionMap.decode(data)
+        if new is None:
+            raise RdsProtocolError(f"congestion map of {len(data)} bytes from {self.peer}")
+        self.last_active = trio.current_time()
+        changed = self.peer_congestion.diff(new)
+        self.peer_congestion = new
+        if changed:
+            self.on_congestion(self, changed)
+
+    def peer_restarted(self, generation: int) -> int:
+        """The peer's handshake probe names a generation other than the one it named
+        before: it restarted. As Linux's ``rds_conn_peer_gen_update`` (``recv.c``),
+        what we still meant to send again to its former self is dropped, and its
+        numbering is taken afresh; how many messages were dropped."""
+        log.info("RDS peer %s restarted (generation %#x)", self.peer, generation)
+        self.counters.peer_restarts += 1
+        stale = [m for m in self.unsent if m.flags & RdsFlag.RETRANSMITTED]
+        for msg in stale:
+            self.unsent.remove(msg)
+            self._drop(msg, RdmaStatus.DROPPED, "the peer restarted")
+        self.next_recv = 0
+        if stale:
+            self._space.set()
+        return len(stale)
 
 
 class Session:
@@ -386,10 +436,12 @@ class Session:
         self.acked_to_peer = self.rds.next_recv - 1
         if msg is None:  # a standalone ack / credit update
             return RdsHeader(0, self.acked_to_peer, 0, 0, 0, RdsFlag.NONE, credit).encode()
-        chasing = (RdmaExt(msg.rdma.rkey),) if first and msg.rdma is not None else ()
+        extensions = msg.extensions if first else ()
+        if first and msg.rdma is not None:
+            extensions += (RdmaExt(msg.rdma.rkey),)
         return RdsHeader(
             msg.seq, self.acked_to_peer, len(msg.data), msg.sport, msg.dport,
-            msg.flags, credit, extensions=chasing,
+            msg.flags, credit, extensions=extensions,
         ).encode()  # fmt: skip
 
     def _post_rdma(self, op: RdmaOp) -> None:
@@ -585,12 +637,18 @@ class Session:
         self.lost = True
         self._wake.set()
 
-    async def run(self, credits: int) -> None:
+    def cut(self) -> None:
+        """Break the connection underneath, as a failure would (for tests and the demo):
+        the QP goes to the error state and the session ends."""
+        if not self.lost:
+            self.qp.modify(qp_state=QPState.ERR)
+
+    async def run(self) -> None:
         """Drive the session until its connection breaks (raises :class:`SessionLost`).
 
-        ``credits``: the receives the peer announced in its private data.
+        :attr:`send_credits` holds the receives the peer announced in its private
+        data by then.
         """
-        self.send_credits = credits
         self.rds.counters.sessions += 1
         self.pump_sends()
         try:

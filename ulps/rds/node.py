@@ -1,18 +1,20 @@
 """RDS nodes and sockets: reliable, ordered datagrams between (IP, port) endpoints.
 
 An :class:`RdsNode` is this machine's RDS presence on one local IP address. It
-listens for RDS connections (rdma_cm, port ``RDS_CM_PORT`` unless told
-otherwise) and keeps one :class:`RdsConnection` per peer node, shared by all
-its sockets. The lower address initiates, as Linux RDS does; when both sides
-start at once, the lower address's attempt wins, so two nodes never build two
-connections. :class:`RdsSocket` is a socket bound to (node address, port)::
+listens for RDS connections (port ``RDS_CM_PORT`` unless told otherwise) on its
+transport, ``"rdma"`` (rdma_cm and RC queue pairs, Linux's ``rds_rdma``) or
+``"tcp"`` (Linux's ``rds_tcp``, :mod:`.tcp`), and keeps one
+:class:`RdsConnection` per peer node, shared by all its sockets. The lower
+address initiates, as Linux RDS does; when both sides start at once, the lower
+address's attempt wins, so two nodes never build two connections.
+:class:`RdsSocket` is a socket bound to (node address, port)::
 
     async with RdsNode("10.0.0.1") as node:
         sock = node.bind(4000)
         await sock.sendto(b"hello", ("10.0.0.2", 4000))
         data, (ip, port) = await sock.recvfrom()
 
-Everything here uses only the portable verbs and rdma_cm API.
+Over RDMA everything here uses only the portable verbs and rdma_cm API.
 """
 
 from __future__ import annotations
@@ -47,12 +49,16 @@ from rdmashim.ulps.rds.connection import (
     SessionLost,
 )
 from rdmashim.ulps.rds.rdma import RdmaOp, RdmaStatus, Registrations
-from rdmashim.ulps.rds.settings import RdsSettings
+from rdmashim.ulps.rds.settings import TRANSPORTS, RdsSettings, Transport
+from rdmashim.ulps.rds.tcp import TcpSession, tune
 from rdmashim.ulps.rds.wire import (
     RDS_CM_PORT,
+    RDS_FLAG_PROBE_PORT,
     RDS_MAX_MSG_SIZE,
     CongestionMap,
     ConnectPrivate,
+    GenNumExt,
+    NpathsExt,
     RdmaExt,
     RdsHeader,
 )
@@ -80,6 +86,9 @@ def _ip_text(ip: IPAddress) -> str:
 
 
 QP_CAP = QPCap(max_send_wr=128, max_recv_wr=RECV_SLOTS, max_send_sge=1, max_recv_sge=1)
+RDS_TCP_NPATHS = 1
+"""Paths we announce in the handshake probe: one (Linux offers up to
+``RDS_MPATH_WORKERS``, 8; the peer then uses the smaller number)."""
 MONITOR_BACKLOG = 1024
 """Congestion changes a monitor may fall behind by; later ones are dropped for it."""
 
@@ -94,6 +103,8 @@ class _Peer:
 
     rds: RdsConnection
     connecting: bool = False
+    poked: bool = False
+    """RDS/TCP: the peer connected to ask us, the lower address, to connect."""
     connector: trio.CancelScope | None = None
     session_scope: trio.CancelScope | None = None
     unreachable: BaseException | None = None
@@ -238,10 +249,22 @@ class RdsNode:
     """This machine's RDS endpoint on one IP address (see the module docstring)."""
 
     def __init__(
-        self, address: str, port: int = RDS_CM_PORT, *, settings: RdsSettings | None = None
+        self,
+        address: str,
+        port: int = RDS_CM_PORT,
+        *,
+        transport: Transport = "rdma",
+        settings: RdsSettings | None = None,
     ) -> None:
+        if transport not in TRANSPORTS:
+            raise ValueError(f"RDS transport {transport!r} is neither 'rdma' nor 'tcp'")
         self.address = ipaddress.ip_address(address)
         self.port = port
+        self.transport: Transport = transport
+        """``"rdma"`` or ``"tcp"``: what carries the node's connections."""
+        self.generation = random.getrandbits(32) | 1
+        """This node's generation number, sent in the RDS/TCP handshake probe: a peer
+        that sees it change knows we restarted (Linux's ``c_my_gen_num``)."""
         self.settings = settings or RdsSettings()
         """The node's bounds and timers (:class:`RdsSettings`)."""
         self._peers: dict[IPAddress, _Peer] = {}
@@ -262,6 +285,15 @@ class RdsNode:
     # ------------------------------------------------------------------ lifetime
     @asynccontextmanager
     async def _run(self) -> AsyncIterator[RdsNode]:
+        if self.transport == "tcp":
+            async with service_nursery() as nursery:
+                self._nursery = nursery
+                listeners = await trio.open_tcp_listeners(self.port, host=str(self.address))
+                self.port = listeners[0].socket.getsockname()[1]
+                nursery.start_soon(trio.serve_listeners, self._tcp_incoming, listeners)
+                async with self._running(nursery):
+                    yield self
+            return
         async with open_device_for(str(self.address)) as ctx, service_nursery() as nursery:
             self.pd = ctx.alloc_pd()
             self._nursery = nursery
@@ -272,14 +304,20 @@ class RdsNode:
                 )
             )  # fmt: skip
             self.port = local[1]
-            nursery.start_soon(self._expire_idle)
-            try:
+            async with self._running(nursery):
                 yield self
-            finally:
-                for entry in self._peers.values():
-                    entry.rds.drop_all(RdmaStatus.CANCELED, "the RDS node closed")
-                for sock in list(self._sockets.values()):
-                    sock.close()
+
+    @asynccontextmanager
+    async def _running(self, nursery: trio.Nursery) -> AsyncIterator[None]:
+        """The node's life once it listens, whatever the transport."""
+        nursery.start_soon(self._expire_idle)
+        try:
+            yield
+        finally:
+            for entry in self._peers.values():
+                entry.rds.drop_all(RdmaStatus.CANCELED, "the RDS node closed")
+            for sock in list(self._sockets.values()):
+                sock.close()
 
     async def __aenter__(self) -> RdsNode:
         self._cm = self._run()
@@ -294,7 +332,13 @@ class RdsNode:
         return await self._cm.__aexit__(exc_type, exc, tb)
 
     def running_pd(self) -> PD:
-        """:attr:`pd`, which exists while the node runs (ENOTCONN before and after)."""
+        """:attr:`pd`, which exists while the node runs (ENOTCONN before and after;
+        EOPNOTSUPP over TCP, which has no RDMA)."""
+        if self.transport == "tcp":
+            raise RdsError(
+                errno.EOPNOTSUPP,
+                "RDMA by cookie needs the rdma transport; this RDS node runs over tcp",
+            )
         if self.pd is None:
             raise RdsError(errno.ENOTCONN, "the RDS node is not running")
         return self.pd
@@ -315,7 +359,12 @@ class RdsNode:
     def _deliver(self, peer: IPAddress, header: RdsHeader, data: bytes) -> None:
         sport, dport = header.sport, header.dport
         if dport == 0 and sport != 0:  # an RDS ping: answer it, as Linux's rds_send_pong
+            if sport == RDS_FLAG_PROBE_PORT:  # the handshake probe
+                self._handshake(peer, header)
             self._pong(peer, sport)
+            return
+        if dport == RDS_FLAG_PROBE_PORT and sport == 0:  # the answer to our probe
+            self._handshake(peer, header)
             return
         sock = self._sockets.get(dport)
         if sock is None:
@@ -345,7 +394,28 @@ class RdsNode:
                 entry.rds.counters.replies_dropped += 1
             log.debug("RDS pong to %s:%d dropped: its queue is full", peer, sport)
             return
-        self._send(0, peer, sport, b"")
+        probe = sport == RDS_FLAG_PROBE_PORT and self.transport == "tcp"
+        entry.rds.queue(
+            0, sport, b"", extensions=self._probe_extensions() if probe else (), own=True
+        )
+        if entry.rds.session is None:
+            self._start_connector(entry)
+
+    def _probe_extensions(self) -> tuple[NpathsExt, GenNumExt]:
+        """What the RDS/TCP handshake probe and its answer carry (``rds_send_probe``)."""
+        return (NpathsExt(RDS_TCP_NPATHS), GenNumExt(self.generation))
+
+    def _handshake(self, peer: IPAddress, header: RdsHeader) -> None:
+        """A handshake probe or its answer: note the peer's generation number
+        (``recv.c`` ``rds_recv_hs_exthdrs``). We use one path whatever it offers."""
+        entry = self._peers.get(peer)
+        generation = next((e.gen_num for e in header.extensions if isinstance(e, GenNumExt)), 0)
+        if entry is None or not generation:
+            return
+        rds = entry.rds
+        if rds.peer_generation and generation != rds.peer_generation:
+            rds.peer_restarted(generation)
+        rds.peer_generation = generation
 
     # ------------------------------------------------------------------ congestion
     def _set_congested(self, port: int, congested: bool) -> None:
@@ -476,6 +546,7 @@ class RdsNode:
         rds = RdsConnection(
             self.address, peer, self._deliver, on_congestion=self._peer_congestion,
             settings=self.settings, last_active=trio.current_time(),
+            numbered_maps=self.transport == "rdma",
         )  # fmt: skip
         entry = self._peers[peer] = _Peer(rds)
         return entry
@@ -487,7 +558,7 @@ class RdsNode:
         rds = entry.rds
         return (
             rds.session is None and entry.connector is None and entry.session_scope is None
-            and not rds.pending
+            and not rds.pending and not entry.poked
         )  # fmt: skip
 
     def _drop_peer(self, peer: IPAddress, why: str) -> None:
@@ -525,14 +596,17 @@ class RdsNode:
         window = settings.reconnect_min
         with scope:
             try:
-                while rds.session is None and rds.pending:
+                while rds.session is None and (rds.pending or entry.poked):
                     if not rds.canonical and entry.failures == 0:
                         # give the canonical side the first move
                         await trio.sleep(settings.reconnect_min)
                         if rds.connected:  # the peer's connection came meanwhile
                             break
                     try:
-                        await self._active_session(entry)
+                        if self.transport == "tcp":
+                            await self._tcp_active(entry)
+                        else:
+                            await self._active_session(entry)
                         window = settings.reconnect_min
                     except (CMError, OSError) as exc:
                         entry.failures += 1
@@ -565,7 +639,8 @@ class RdsNode:
             ) as conn:  # fmt: skip
                 entry.connecting = False
                 theirs = ConnectPrivate.decode(conn.private_data, ipv6=rds.peer.version == 6)
-                await self._run_session(entry, holder[0], theirs)
+                holder[0].send_credits = theirs.credit
+                await self._run_session(entry, holder[0], theirs.ack_seq)
         finally:
             entry.connecting = False
             if holder:  # the QP is gone: its buffers can go
@@ -607,13 +682,82 @@ class RdsNode:
         try:
             conn = await request.accept(private_data=self._private(entry.rds))
             session.conn = conn
-            await self._run_session(entry, session, theirs)
+            session.send_credits = theirs.credit
+            await self._run_session(entry, session, theirs.ack_seq)
         finally:
             with trio.CancelScope(shield=True):
                 await request.aclose()  # the QP is gone: its buffers can go
             session.close()
 
-    async def _run_session(self, entry: _Peer, session: Session, theirs: ConnectPrivate) -> None:
+    async def _tcp_active(self, entry: _Peer) -> None:
+        """One RDS/TCP connect. The lower address's connection carries the traffic;
+        the higher address only knocks: it connects and closes at once, and the
+        lower one connects back (``tcp_connect.c`` ``rds_tcp_state_change``,
+        ``tcp_listen.c`` ``rds_tcp_accept_one_path``). Raises OSError when nothing
+        came of it."""
+        rds = entry.rds
+        entry.connecting = True
+        try:
+            stream = await trio.open_tcp_stream(
+                str(rds.peer), self.port, local_address=str(self.address)
+            )
+        finally:
+            entry.connecting = False
+        async with stream:
+            tune(stream.socket)
+            if rds.canonical:
+                entry.poked = False
+                await self._run_session(entry, TcpSession(rds, stream), 0)
+                return
+        with trio.move_on_after(self.settings.reconnect_max):
+            while rds.session is None:  # noqa: ASYNC110 - woken by the peer's connection
+                await trio.sleep(self.settings.reconnect_min)
+        if rds.session is None:
+            raise OSError(errno.ETIMEDOUT, f"RDS/TCP node {rds.peer} did not connect back")
+
+    async def _tcp_incoming(self, stream: trio.SocketStream) -> None:
+        """A TCP connection to our RDS port (see :meth:`_tcp_active` for who connects)."""
+        async with stream:
+            try:
+                peer = ipaddress.ip_address(stream.socket.getpeername()[0])
+            except OSError:  # gone already
+                return
+            if peer == self.address or peer.version != self.address.version:
+                log.warning("RDS/TCP connection from %s refused", peer)
+                return
+            entry = self._peers.get(peer) or self._new_entry(peer)
+            if entry is None:
+                log.warning(
+                    "RDS/TCP connection from %s refused: %d peers, none idle (max_peers)",
+                    peer, len(self._peers),
+                )  # fmt: skip
+                return
+            rds = entry.rds
+            if rds.canonical:
+                # The higher address knocked: close, and connect ourselves.
+                log.debug("RDS/TCP %s: %s knocked", self.address, peer)
+                entry.poked = True
+                session = rds.session
+                if isinstance(session, TcpSession) and not session.lost:
+                    # It has no connection with us: ours is a dead one (it rebooted, say).
+                    log.info(
+                        "RDS/TCP %s: %s knocked while connected; reconnecting", self.address, peer
+                    )
+                    session.cut()
+                else:
+                    self._start_connector(entry)
+                return
+            tune(stream.socket)
+            if entry.connector is not None:
+                entry.connector.cancel()  # a knock of ours, now answered
+            await self._run_session(entry, TcpSession(rds, stream), 0)
+
+    async def _run_session(
+        self, entry: _Peer, session: Session | TcpSession, peer_ack: int
+    ) -> None:
+        """Carry the connection on a new session until it ends. ``peer_ack``: the last
+        message the peer says it has (RDMA private data; 0 over TCP, where what
+        TCP acknowledged is known already)."""
         rds = entry.rds
         if entry.session_scope is not None:
             entry.session_scope.cancel()  # a stale session the peer has given up on
@@ -621,17 +765,19 @@ class RdsNode:
             rds.session.lost = True
         entry.unreachable = None
         entry.failures = 0
-        rds.resume(theirs.ack_seq)
+        rds.resume(peer_ack)
         # Every new session starts with our map: a port that filled up or drained
         # while no session was up would otherwise stay wrong at the peer for good.
         self._send_map(rds)
+        if self.transport == "tcp":  # the handshake probe (send.c rds_send_probe)
+            rds.queue(RDS_FLAG_PROBE_PORT, 0, b"", extensions=self._probe_extensions(), own=True)
         rds.session = session
         rds.last_active = trio.current_time()
-        log.debug("RDS session %s -> %s up (peer acked %d)", rds.local, rds.peer, theirs.ack_seq)
+        log.debug("RDS session %s -> %s up (peer acked %d)", rds.local, rds.peer, peer_ack)
         with trio.CancelScope() as scope:
             entry.session_scope = scope
             try:
-                await session.run(theirs.credit)
+                await session.run()
             except SessionLost as exc:
                 log.info("RDS session with %s lost: %s", rds.peer, exc)
             finally:
@@ -640,7 +786,7 @@ class RdsNode:
                 rds.last_active = trio.current_time()
                 if entry.session_scope is scope:
                     entry.session_scope = None
-        if rds.pending:
+        if rds.pending or entry.poked:
             self._start_connector(entry)
 
     def _unreachable(self, entry: _Peer, exc: BaseException) -> None:

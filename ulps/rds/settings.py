@@ -8,6 +8,11 @@ and the Linux RDS setting it follows (``net/rds``), where there is one.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
+
+Transport = Literal["rdma", "tcp"]
+"""What carries an RDS node's connections: RC queue pairs (``rds_rdma``) or TCP (``rds_tcp``)."""
+TRANSPORTS: tuple[Transport, ...] = ("rdma", "tcp")
 
 SNDBUF = 4 * 1024 * 1024
 """Default :attr:`RdsSettings.sndbuf`."""

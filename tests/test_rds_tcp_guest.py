@@ -1,0 +1,178 @@
+"""Our RDS/TCP node against the Linux kernel's ``rds_tcp`` in a QEMU guest.
+
+The guest (tap 6, 10.77.0.16) runs a Python program on a kernel RDS socket
+(``AF_RDS``); our node runs on the host's bridge address (10.77.0.1) inside
+the test bed's namespace, on TCP port 16385 as the kernel's. Messages go both
+ways, pings on port 0 both ways, and the pair reconnects after the kernel's
+``rds_tcp`` is unloaded and loaded again and after our node restarts.
+
+Our address is the lower one, so our node carries the connection and the
+kernel knocks when it speaks first (docs/rds.md).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Awaitable, Callable, Iterator
+from typing import Any, TypeVar
+
+import pytest
+import siwvm
+import trio
+
+from rdmashim.ulps.rds.node import RdsNode, RdsSocket
+from rdmashim.ulps.rds.wire import RDS_TCP_PORT
+
+pytestmark = [pytest.mark.slow, pytest.mark.interop]
+
+T = TypeVar("T")
+GUEST_IP = "10.77.0.16"
+"""Our own tap and address, clear of the other guest modules' (taps 0 to 5)."""
+TAP = 6
+GUEST_NAME = "rdmashim-rdstcp"
+HOST_IP = siwvm.HOST_IP
+GUEST_PORT, HOST_PORT = 4000, 5000
+SIZES = [0, 1, 47, 4095, 4097, 65536]
+"""Message sizes, cycled (the kernel's default send buffer keeps them under 100 KiB)."""
+N = 60
+LIMIT = 120.0
+
+KERNEL_SIDE = rf"""
+import os, socket, sys, time
+job, host, me, n = os.environ["JOB"], sys.argv[1], sys.argv[2], int(sys.argv[3])
+sizes = [int(x) for x in sys.argv[4].split(",")]
+s = socket.socket(socket.AF_RDS, socket.SOCK_SEQPACKET, 0)
+s.bind((me, {GUEST_PORT}))
+open(job + ".ready", "w").close()
+while not os.path.exists(job + ".go"):
+    time.sleep(0.05)
+def body(tag, i):
+    return (b"%s%d:" % (tag, i) + bytes(range(256)) * 300)[: max(sizes[i % len(sizes)], 8)]
+for i in range(n):                       # the kernel speaks first (it knocks)
+    s.sendto(body(b"k", i), (host, {HOST_PORT}))
+for i in range(n):                       # then echoes what we send
+    data, addr = s.recvfrom(1 << 20)
+    s.sendto(b"echo:" + data, addr)
+s.sendto(b"", (host, 0))                 # an RDS ping to our node
+data, addr = s.recvfrom(100)
+print("pong", repr(data), addr[0], addr[1], flush=True)
+s.close()
+"""
+
+
+def body(tag: bytes, i: int) -> bytes:
+    """What the kernel side sends as message ``i`` (the same rule as KERNEL_SIDE)."""
+    return (b"%s%d:" % (tag, i) + bytes(range(256)) * 300)[: max(SIZES[i % len(SIZES)], 8)]
+
+
+def kernel_job(vm: siwvm.Guest, reload: bool = False) -> siwvm.Job:
+    """Start the kernel side in the guest (after reloading ``rds_tcp`` if ``reload``)."""
+    sizes = ",".join(map(str, SIZES))
+    return vm.start_job(
+        "set -e\n"
+        + ("rmmod rds_tcp\necho rds_tcp unloaded\n" if reload else "")
+        + "modprobe rds_tcp\n"
+        + f"cat > $JOB.py <<'EOF'\n{KERNEL_SIDE}EOF\n"
+        + f"python3 $JOB.py {HOST_IP} {GUEST_IP} {N} {sizes}\n"
+    )
+
+
+@pytest.fixture(scope="module")
+def guest() -> Iterator[siwvm.Guest]:
+    with siwvm.booted(GUEST_NAME, GUEST_IP, TAP, ("rds",)) as vm:
+        yield vm
+
+
+async def within(limit: float, fn: Callable[..., Awaitable[T]], *args: Any) -> T:
+    """``fn(*args)``, failing after ``limit`` s (in the namespace's own trio loop)."""
+    with trio.fail_after(limit):
+        return await fn(*args)
+
+
+async def exchange(node: RdsNode, sock: RdsSocket, job: siwvm.Job) -> dict[str, Any]:
+    """One round with the kernel side: its messages, our messages and its echoes, pings."""
+    await job.wait_file("ready", 60)
+    job.touch("go")
+    got = [await sock.recvfrom() for _ in range(N)]
+    ours = [b"h%d:" % i + os.urandom(SIZES[i % len(SIZES)]) for i in range(N)]
+    for data in ours:
+        await sock.sendto(data, (GUEST_IP, GUEST_PORT))
+    echoes = [await sock.recvfrom() for _ in range(N)]
+    await sock.sendto(b"", (GUEST_IP, 0))  # the kernel answers pings on port 0
+    pong = await sock.recvfrom()
+    (conn,) = node.connections()
+    return {
+        "got": got, "ours": ours, "echoes": echoes, "pong": pong,
+        "sessions": conn.counters.sessions, "peer_generation": conn.peer_generation,
+        "counters": {
+            k: getattr(conn.counters, k)
+            for k in ("recv_messages", "send_messages", "retransmits", "recv_drop_old_seq",
+                      "peer_restarts", "recv_seq_gaps", "cong_updates_sent")
+        },
+    }  # fmt: skip
+
+
+def check_round(facts: dict[str, Any], job_result: siwvm.JobResult) -> None:
+    shown = {k: v for k, v in facts.items() if k in ("sessions", "peer_generation", "counters")}
+    print("\nround with the kernel:", shown)
+    assert job_result.returncode == 0, job_result.output
+    assert facts["got"] == [(body(b"k", i), (GUEST_IP, GUEST_PORT)) for i in range(N)]
+    assert facts["echoes"] == [(b"echo:" + m, (GUEST_IP, GUEST_PORT)) for m in facts["ours"]]
+    assert facts["pong"] == (b"", (GUEST_IP, 0))
+    assert f"pong b'' {HOST_IP} 0" in job_result.output  # our node answered its ping
+
+
+async def test_messages_both_ways_and_pings(guest: siwvm.Guest) -> None:
+    async def host() -> dict[str, Any]:
+        async with RdsNode(HOST_IP, RDS_TCP_PORT, transport="tcp") as node:
+            sock = node.bind(HOST_PORT)
+            job = kernel_job(guest)
+            facts = await exchange(node, sock, job)
+            facts["result"] = await job.wait(LIMIT)
+            return facts
+
+    facts = await siwvm.in_netns(within, LIMIT, host)
+    check_round(facts, facts["result"])
+    assert facts["sessions"] == 1
+
+
+async def test_reconnects_after_rmmod_and_after_our_restart(guest: siwvm.Guest) -> None:
+    async def host() -> list[dict[str, Any]]:
+        rounds = []
+        async with RdsNode(HOST_IP, RDS_TCP_PORT, transport="tcp") as node:
+            sock = node.bind(HOST_PORT)
+            first = kernel_job(guest)
+            rounds.append(await exchange(node, sock, first))
+            rounds[-1]["result"] = await first.wait(LIMIT)
+            second = kernel_job(guest, reload=True)  # the kernel's rds_tcp goes and comes back
+            rounds.append(await exchange(node, sock, second))
+            rounds[-1]["result"] = await second.wait(LIMIT)
+        async with RdsNode(HOST_IP, RDS_TCP_PORT, transport="tcp") as node:  # we restart
+            sock = node.bind(HOST_PORT)
+            third = kernel_job(guest)
+            rounds.append(await exchange(node, sock, third))
+            rounds[-1]["result"] = await third.wait(LIMIT)
+        return rounds
+
+    rounds = await siwvm.in_netns(within, 3 * LIMIT, host)
+    for facts in rounds:
+        check_round(facts, facts["result"])
+    assert "rds_tcp unloaded" in rounds[1]["result"].output
+    assert rounds[1]["sessions"] >= 2  # the same node, connected again
+
+
+async def test_rds_ping_cli_to_the_kernels_port_0(guest: siwvm.Guest) -> None:
+    """``rdmashim rds ping -p 0 --transport tcp``: pinged as rds-ping pings, the kernel
+    answers in ``rds_send_pong`` (no program on its side)."""
+    loaded = await guest.run("modprobe rds_tcp && echo loaded", 60)
+    assert loaded.returncode == 0, loaded.output
+    argv = [
+        sys.executable, "-m", "rdmashim", "rds", "ping", "-I", HOST_IP, "--transport", "tcp",
+        "--cm-port", str(RDS_TCP_PORT), "-p", "0", "-c", "3", "-i", "200ms", GUEST_IP,
+    ]  # fmt: skip
+    done = await siwvm.run_in_netns(argv, 60)
+    print("\n" + done.stdout)
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert [line.split(":")[0].strip() for line in lines] == ["1", "2", "3"], lines

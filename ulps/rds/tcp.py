@@ -1,0 +1,303 @@
+"""RDS over TCP, as Linux's ``rds_tcp`` speaks it (``net/rds/tcp*.c``).
+
+One TCP connection per pair of nodes carries both directions. On the stream
+every message is its 48-byte :class:`~rdmashim.ulps.rds.wire.RdsHeader` and
+then ``h_len`` bytes of payload, whole (no 4 KiB fragments as over RDMA), with
+``h_ack`` and ``h_credit`` zero: TCP does the flow control, and a message
+counts as acknowledged once TCP has the peer's ack for its last byte (Linux's
+``rds_tcp_is_acked`` against ``snd_una``; here the socket's ``SIOCOUTQ``).
+
+* :class:`StreamDecoder` (sans-IO) cuts the byte stream into (header, payload)
+  and refuses an ``h_len`` over ``RDS_MAX_MSG_SIZE`` before buffering any of it.
+* :class:`TcpSession` drives one connected stream for an
+  :class:`~rdmashim.ulps.rds.connection.RdsConnection`: the numbering,
+  retransmission after a reconnect and the dropping of duplicates are the
+  connection's, shared with the RDMA transport.
+
+Congestion maps travel as Linux's ``rds_cong_update_alloc`` makes them:
+sequence 0, ports 0, ``h_flags`` exactly ``CONG_BITMAP``, never retransmitted;
+the receiver takes them outside the sequence (``tcp_recv.c`` ``rds_tcp_data_recv``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import logging
+import os
+import socket
+import struct
+import termios
+from collections import deque
+from collections.abc import Awaitable, Callable
+
+import trio
+
+from rdmashim.ulps.rds.connection import OutMessage, RdsConnection, SessionLost
+from rdmashim.ulps.rds.wire import (
+    RDS_HEADER_LEN,
+    RdsFlag,
+    RdsHeader,
+    RdsProtocolError,
+)
+
+log = logging.getLogger(__name__)
+
+SEND_BATCH = 64 * 1024
+"""Bytes of messages gathered into one write (Linux corks the socket around a batch)."""
+ACK_POLL = 0.002
+"""Seconds between looks at how much of what we wrote TCP has had acknowledged."""
+KEEPALIVE_IDLE = 5
+"""Seconds of silence before a keepalive probe, and between probes (``rds_tcp_keepalive``)."""
+KEEPALIVE_COUNT = 5
+"""Unanswered keepalive probes after which the connection is dead (``rds_tcp_keepalive``)."""
+_SIOCOUTQ = termios.TIOCOUTQ
+"""Linux's SIOCOUTQ: bytes written to a TCP socket that the peer has not acknowledged."""
+_INT = struct.Struct("i")
+
+
+def tune(sock: trio.socket.SocketType) -> None:
+    """Set a connection up as ``rds_tcp_tune`` and ``rds_tcp_keepalive`` do: no Nagle,
+    keepalive after 5 s of silence, dead after 5 unanswered probes 5 s apart. A
+    connection already gone is left alone: its session finds out."""
+    options = [
+        (socket.IPPROTO_TCP, "TCP_NODELAY", 1),
+        (socket.SOL_SOCKET, "SO_KEEPALIVE", 1),
+        (socket.IPPROTO_TCP, "TCP_KEEPIDLE", KEEPALIVE_IDLE),
+        (socket.IPPROTO_TCP, "TCP_KEEPINTVL", KEEPALIVE_IDLE),
+        (socket.IPPROTO_TCP, "TCP_KEEPCNT", KEEPALIVE_COUNT),
+    ]
+    with contextlib.suppress(OSError):
+        for level, option, value in options:
+            if hasattr(socket, option):
+                sock.setsockopt(level, getattr(socket, option), value)
+
+
+def unacknowledged_bytes(sock: trio.socket.SocketType) -> int:
+    """Bytes written to ``sock`` that its peer has not acknowledged yet (SIOCOUTQ)."""
+    fd = sock.fileno()
+    if fd < 0:
+        raise OSError(errno.EBADF, "the RDS/TCP socket is closed")
+    buf = fcntl.ioctl(fd, _SIOCOUTQ, bytes(_INT.size))
+    value: int = _INT.unpack(buf)[0]
+    return value
+
+
+class StreamDecoder:
+    """Cuts an RDS/TCP byte stream into messages (sans-IO).
+
+    :meth:`feed` takes bytes as they come, in pieces of any size, and returns
+    the messages they complete. A header is checked as soon as its 48 bytes are
+    in (:meth:`RdsHeader.decode`): a checksum that does not match, or an
+    ``h_len`` over ``RDS_MAX_MSG_SIZE``, raises :class:`RdsProtocolError`
+    before any of the payload is kept, so a peer cannot make us buffer more
+    than one message of at most 1 MiB.
+    """
+
+    def __init__(self) -> None:
+        self._buf = bytearray()
+        self._header: RdsHeader | None = None
+
+    @property
+    def buffered(self) -> int:
+        """Bytes held for a message not complete yet."""
+        return len(self._buf)
+
+    @property
+    def remaining(self) -> tuple[int, int]:
+        """(header bytes, payload bytes) still to come for the current message
+        (rds-info's ``hdr_rem`` and ``data_rem``)."""
+        if self._header is None:
+            return RDS_HEADER_LEN - len(self._buf), 0
+        return 0, self._header.length - len(self._buf)
+
+    def feed(self, data: bytes | bytearray | memoryview) -> list[tuple[RdsHeader, bytes]]:
+        """The messages ``data`` completes, in order, as (header, payload)."""
+        buf = self._buf
+        buf += data
+        out: list[tuple[RdsHeader, bytes]] = []
+        pos = 0
+        while True:
+            if self._header is None:
+                header = RdsHeader.decode(memoryview(buf)[pos:])
+                if header is None:
+                    break
+                self._header = header
+                pos += RDS_HEADER_LEN
+            end = pos + self._header.length
+            if end > len(buf):
+                break
+            out.append((self._header, bytes(buf[pos:end])))
+            self._header = None
+            pos = end
+        del buf[:pos]
+        return out
+
+
+def message_bytes(msg: OutMessage) -> bytes:
+    """A numbered message as it goes on the stream: header (``h_ack`` and ``h_credit``
+    zero, as ``rds_tcp_xmit`` sends it) and payload."""
+    header = RdsHeader(
+        msg.seq, 0, len(msg.data), msg.sport, msg.dport, msg.flags, extensions=msg.extensions
+    )
+    return header.encode() + msg.data
+
+
+def map_bytes(data: bytes) -> bytes:
+    """A congestion map update as Linux's ``rds_cong_update_alloc`` makes it."""
+    return RdsHeader(length=len(data), flags=RdsFlag.CONG_BITMAP).encode() + data
+
+
+class TcpSession:
+    """One TCP connection carrying an :class:`RdsConnection`'s messages.
+
+    :meth:`run` runs three tasks until the connection breaks: one writes what
+    the connection has queued (the newest congestion map first), one reads and
+    hands whole messages to the connection, and one watches TCP's
+    acknowledgements while something written is unacknowledged, and tells the
+    connection which messages the peer has.
+    """
+
+    def __init__(self, rds: RdsConnection, stream: trio.SocketStream) -> None:
+        self.rds = rds
+        self.stream = stream
+        self.lost = False
+        self.decoder = StreamDecoder()
+        self.written = 0
+        """Bytes written on this connection so far."""
+        self.inflight: deque[tuple[int, int]] = deque()
+        """(stream offset just past the message, its sequence number), oldest first."""
+        self._wake = trio.Event()
+        self._written = trio.Event()
+        self._failure: BaseException | None = None
+        self._scope: trio.CancelScope | None = None
+
+    def pump_sends(self) -> None:
+        """Something was queued: have the writer look (never blocks)."""
+        self._wake.set()
+
+    def cut(self) -> None:
+        """Break the connection underneath (for tests and the demo): we stop writing,
+        the peer's session ends at our end of stream, and so does ours at its. Both
+        read what was on its way first: TCP acknowledged it, so nothing may stay unread.
+        """
+        if not self.lost:
+            with contextlib.suppress(OSError):  # already gone
+                self.stream.socket.shutdown(socket.SHUT_WR)
+
+    async def run(self) -> None:
+        """Carry messages until the connection breaks (raises :class:`SessionLost`)."""
+        self.rds.counters.sessions += 1
+        try:
+            async with trio.open_nursery() as nursery:
+                self._scope = nursery.cancel_scope
+                for task in (self._writer, self._reader, self._acks):
+                    nursery.start_soon(self._guard, task)
+        finally:
+            self.lost = True
+            with contextlib.suppress(OSError):  # what TCP delivered need not go again
+                self.check_acks()
+            if not isinstance(self._failure, RdsProtocolError):
+                self._drain()
+        raise SessionLost(str(self._failure or "the session ended"))
+
+    def _drain(self) -> None:
+        """Take what is still in the socket's receive buffer before it is closed.
+
+        TCP acknowledged those bytes, so the peer counts their messages as
+        delivered and will not send them again: closing with them unread would
+        lose them (Linux reads in the socket's data-ready callback, so its
+        buffer holds nothing to lose).
+        """
+        fd = self.stream.socket.fileno()
+        while fd >= 0:
+            try:
+                data = os.read(fd, SEND_BATCH)
+                if not data:
+                    return
+                self._take(data)
+            except (OSError, RdsProtocolError):  # empty (EAGAIN), reset, or garbage
+                return
+
+    async def _guard(self, task: Callable[[], Awaitable[None]]) -> None:
+        try:
+            await task()
+        except RdsProtocolError as exc:
+            log.warning("RDS/TCP protocol error from %s: %s", self.rds.peer, exc)
+            self._fail(exc)
+        except (OSError, SessionLost, trio.BrokenResourceError, trio.ClosedResourceError) as exc:
+            self._fail(exc)
+
+    def _fail(self, exc: BaseException) -> None:
+        if self._failure is None:
+            self._failure = exc
+        self.lost = True
+        assert self._scope is not None
+        self._scope.cancel()
+
+    async def _writer(self) -> None:
+        rds = self.rds
+        while True:
+            batch = bytearray()
+            if rds.map_out is not None:
+                batch += map_bytes(rds.map_out)
+                rds.map_out = None
+            while rds.unsent and len(batch) < SEND_BATCH:
+                msg = rds.unsent.popleft()
+                rds.unacked.append(msg)
+                batch += message_bytes(msg)
+                self.inflight.append((self.written + len(batch), msg.seq))
+            if not batch:
+                self._wake = trio.Event()
+                await self._wake.wait()
+                continue
+            await self.stream.send_all(batch)
+            self.written += len(batch)
+            self._written.set()
+
+    async def _reader(self) -> None:
+        rds = self.rds
+        while True:
+            data = await self.stream.receive_some(SEND_BATCH)
+            if not data:
+                raise SessionLost(f"{rds.peer} closed the connection")
+            self._take(data)
+
+    def _take(self, data: bytes) -> None:
+        rds = self.rds
+        for header, payload in self.decoder.feed(data):
+            if header.flags == RdsFlag.CONG_BITMAP:  # exactly, as rds_tcp_data_recv
+                rds.peer_map(payload)
+            else:
+                rds.received(header, payload)
+
+    async def _acks(self) -> None:
+        while True:
+            if not self.inflight:
+                self._written = trio.Event()
+                await self._written.wait()
+            await trio.sleep(ACK_POLL)
+            self.check_acks()
+
+    def info(self) -> tuple[str, int, str, int, int, int, int, int, int]:
+        """rds-info's TCP socket row: local and peer (address, port), the header and
+        payload bytes still to come, bytes written, the offset just past the last
+        message written, and the offset TCP has had acknowledged (``SIOCOUTQ``)."""
+        sock = self.stream.socket
+        try:
+            local, peer = sock.getsockname()[:2], sock.getpeername()[:2]
+            acked = self.written - unacknowledged_bytes(sock)
+        except OSError:  # gone already
+            local, peer, acked = ("-", 0), ("-", 0), 0
+        last = self.inflight[-1][0] if self.inflight else self.written
+        return (*local, *peer, *self.decoder.remaining, self.written, last, acked)
+
+    def check_acks(self) -> None:
+        """Tell the connection which messages TCP has delivered in full."""
+        acked_to = self.written - unacknowledged_bytes(self.stream.socket)
+        last = None
+        while self.inflight and self.inflight[0][0] <= acked_to:
+            last = self.inflight.popleft()[1]
+        if last is not None:
+            self.rds.acked(last)
