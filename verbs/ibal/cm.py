@@ -576,6 +576,7 @@ def _source_bound_id(cm: CaCm, conn: CmConnection, path: ib_path_rec_t) -> Any:
         with socket.socket(family, socket.SOCK_STREAM) as probe:
             probe.bind((path.src_ip, 0, 0, path.scope_id) if six else (path.src_ip, 0))
             port = int(probe.getsockname()[1])
+        assert cm.channel is not None  # _cm_of started it
         cm_id = cm.channel.create_id(conn)
         try:
             cm_id.bind_addr((path.src_ip, port, 0, path.scope_id) if six else (path.src_ip, port))
