@@ -63,6 +63,9 @@ GUEST_TIMEOUT = 60
 """``RDMASHIM_API_TIMEOUT`` in the guest: seconds any one wait may take under TCG."""
 RUN_LIMIT = 1500
 """Seconds the whole guest may run (boot, setup, every backend's suite)."""
+SUITE_LIMIT = 600
+"""Seconds one backend's pytest may run in the guest before it is killed (a suite takes
+about 100 s under TCG; a hung one would otherwise hold the guest until ``RUN_LIMIT``)."""
 SKIP = 77
 
 _GUEST_SCRIPT = r"""#!/bin/bash
@@ -133,17 +136,19 @@ EOF
         [ $s = 0 ] || r=1
     else
         echo "== backend $b: python3 -m pytest tests/api __PYTEST_ARGS__"
-        RDMASHIM_BACKEND=$name RDMASHIM_IBAL_HCA=$hca \
+        # A run that hangs past the limit is killed (faulthandler has shown its stacks).
+        RDMASHIM_BACKEND=$name RDMASHIM_IBAL_HCA=$hca timeout -k 10 __SUITE_LIMIT__ \
             python3 -m pytest -p no:cacheprovider -p no:hypothesispytest --log-level=INFO \
             tests/api __PYTEST_ARGS__ \
             2>&1 | tee /host/pytest.$b.txt
         r=${PIPESTATUS[0]}
+        [ $r = 124 ] && echo "killed: still running after __SUITE_LIMIT__ s" >> /host/pytest.$b.txt
         failed=$(grep -oP '^FAILED \K\S+' /host/pytest.$b.txt | sort -u)
         if [ $r != 0 ] && [ -n "$failed" ] && [ $(echo "$failed" | wc -l) -le 3 ]; then
             # Once more, the failed tests alone (a few: more is no flake), their DEBUG
             # log captured: whether a failure repeats, and what the library did.
             echo "== backend $b: rerun of the failed tests"
-            RDMASHIM_BACKEND=$name RDMASHIM_IBAL_HCA=$hca \
+            RDMASHIM_BACKEND=$name RDMASHIM_IBAL_HCA=$hca timeout -k 10 __SUITE_LIMIT__ \
                 python3 -m pytest -p no:cacheprovider -p no:hypothesispytest \
                 --log-level=DEBUG $failed 2>&1 | tee /host/rerun.$b.txt
             [ ${PIPESTATUS[0]} = 0 ] && echo passed > /host/rerun-status.$b \
@@ -189,11 +194,14 @@ def registered_backends() -> list[str]:
     return [*BACKENDS, *IBAL_ON_RDMACORE]
 
 
-def guest_script(backends: list[str], pytest_args: list[str], timeout: int) -> str:
+def guest_script(
+    backends: list[str], pytest_args: list[str], timeout: int, suite_limit: int = SUITE_LIMIT
+) -> str:
     return (
         _GUEST_SCRIPT.replace("__BACKENDS__", " ".join(shlex.quote(b) for b in backends))
         .replace("__PYTEST_ARGS__", " ".join(shlex.quote(a) for a in pytest_args))
         .replace("__TIMEOUT__", str(timeout))
+        .replace("__SUITE_LIMIT__", str(suite_limit))
     )
 
 
@@ -276,6 +284,12 @@ def main(argv: list[str] | None = None) -> int:
         default=GUEST_TIMEOUT,
         help=f"RDMASHIM_API_TIMEOUT in the guest (default {GUEST_TIMEOUT})",
     )
+    parser.add_argument(
+        "--suite-limit",
+        type=int,
+        default=SUITE_LIMIT,
+        help=f"seconds one backend's pytest may run in the guest (default {SUITE_LIMIT})",
+    )
     parser.add_argument("--quiet", action="store_true", help="do not echo the guest's output")
     parser.add_argument("pytest_args", nargs="*", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -300,7 +314,7 @@ def main(argv: list[str] | None = None) -> int:
     run = siwvm.cache_dir() / "run"
     src = siwvm.stage_tree(run / f"{args.name}.stage" / "src")
     script = run / f"{args.name}.suite.sh"
-    script.write_text(guest_script(backends, args.pytest_args, args.wait_limit))
+    script.write_text(guest_script(backends, args.pytest_args, args.wait_limit, args.suite_limit))
     boot_start = time.monotonic()
     rc, line = boot(args.name, deps, src, script, args.timeout, echo=not args.quiet)
     report["guest_seconds"] = round(time.monotonic() - boot_start, 1)
