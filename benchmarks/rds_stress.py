@@ -33,6 +33,10 @@ time per wall-clock time).
 Usage::
 
     python benchmarks/rds_stress.py [--quick] [--repeat N] [--duration S] [--json FILE]
+                                    [--transport rdma|tcp]
+
+``--transport tcp`` runs our nodes over RDS/TCP (Linux ``rds_tcp``'s wire)
+instead of the engine; the ``-D`` case needs RDMA and is left out.
 """
 
 from __future__ import annotations
@@ -69,6 +73,7 @@ from rdmashim.rdstools.stress import (
     stress_passive,
 )
 from rdmashim.ulps.rds.node import RdsNode
+from rdmashim.ulps.rds.settings import Transport
 
 from streams import read_exact, stop_process
 
@@ -106,6 +111,11 @@ CASES = [
 ]
 
 
+def cases(transport: Transport) -> list[Case]:
+    """The cases that run on ``transport`` (over TCP, none with RDMA)."""
+    return [c for c in CASES if transport == "rdma" or not c.rdma]
+
+
 # =============================================================================================
 # passive process
 # =============================================================================================
@@ -126,12 +136,12 @@ async def raw_passive(stream: trio.SocketStream) -> None:
             await stream.send_all(answer)
 
 
-async def serve_main(cm_port: int) -> None:
+async def serve_main(cm_port: int, transport: Transport) -> None:
     async with trio.open_nursery() as nursery:
         listeners = await trio.open_tcp_listeners(0, host=SERVER_IP)
         raw_port = listeners[0].socket.getsockname()[1]
         nursery.start_soon(trio.serve_listeners, raw_passive, listeners)
-        async with open_node(SERVER_IP, cm_port) as node:
+        async with open_node(SERVER_IP, cm_port, transport) as node:
             await nursery.start(serve_info, node)
             result = PassiveResult()
             await nursery.start(lambda task_status: stress_passive(
@@ -254,8 +264,8 @@ def _status(text: str) -> None:
 
 async def client_main(cm_port: int, raw_port: int, args: argparse.Namespace) -> list[dict]:
     results = []
-    async with open_node(CLIENT_IP, cm_port) as node:
-        for case in CASES:
+    async with open_node(CLIENT_IP, cm_port, args.transport) as node:
+        for case in cases(args.transport):
             samples: dict[str, list[Sample]] = {"ours": [], "raw": []}
             for i in range(args.repeat):
                 _status(f"{case.label}: sample {i + 1}/{args.repeat} (ours)")
@@ -289,7 +299,9 @@ async def client_main(cm_port: int, raw_port: int, args: argparse.Namespace) -> 
 
 def print_table(results: list[dict], args: argparse.Namespace) -> None:
     print(RESULT_LINE)
-    print(" rdmashim rds stress vs raw TCP request/ack (trio both ends, two processes, loopback)")
+    over = "RDS/TCP" if args.transport == "tcp" else "RDS over the built-in engine"
+    print(f" rdmashim rds stress ({over}) vs raw TCP request/ack (trio both ends, two processes,")
+    print(" loopback)")
     print(
         f" {args.repeat} samples of {args.duration:g} s per side, alternating; medians; "
         "ratio = ours/raw"
@@ -338,15 +350,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeat", type=int, help="samples per side (default 5)")
     p.add_argument("--duration", type=float, help="seconds per sample (default 3)")
     p.add_argument("--json", metavar="FILE", help="write every sample to FILE")
+    p.add_argument(
+        "--transport",
+        choices=("rdma", "tcp"),
+        default="rdma",
+        help="our nodes' transport (default rdma: the built-in engine)",
+    )
     p.add_argument("--serve", type=int, metavar="CM_PORT", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.serve is not None:
-        trio.run(serve_main, args.serve)
+        trio.run(serve_main, args.serve, args.transport)
         return 0
     args.repeat = args.repeat or (3 if args.quick else 5)
     args.duration = args.duration or (1.0 if args.quick else 3.0)
     cm_port = _free_port()
     cmd = [sys.executable, str(Path(__file__).resolve()), "--serve", str(cm_port)]
+    cmd += ["--transport", args.transport]
     server = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
     meta = {
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
@@ -358,6 +377,7 @@ def main(argv: list[str] | None = None) -> int:
         "trio": trio.__version__,
         "repeat": args.repeat,
         "duration_s": args.duration,
+        "transport": args.transport,
     }
     try:
         assert server.stdout is not None

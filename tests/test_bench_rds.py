@@ -1,0 +1,43 @@
+"""``benchmarks/rds_stress.py`` runs end to end on both RDS transports and prints every case.
+
+A smoke test, not a benchmark: one short sample per side; no figure is judged,
+only that each case the transport runs has our figure, raw TCP's and their
+ratio, and that ``--json`` says which transport ran.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "rds_stress.py"
+RDMA_CASE = "q=64 a=16 t=1 d=4 D=64K"
+
+
+@pytest.mark.parametrize("transport", ["rdma", "tcp"])
+def test_rds_stress_benchmark_prints_ours_beside_raw(tmp_path: Path, transport: str) -> None:
+    out = tmp_path / "rds.json"
+    args = ["--repeat", "1", "--duration", "0.3", "--transport", transport, "--json", str(out)]
+    done = subprocess.run(
+        [sys.executable, str(SCRIPT), *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    doc = json.loads(out.read_text())
+    assert doc["meta"]["transport"] == transport
+    labels = [r["label"] for r in doc["results"]]
+    assert (RDMA_CASE in labels) == (transport == "rdma"), labels
+    assert len(labels) == (4 if transport == "rdma" else 3)
+    for result in doc["results"]:
+        ours, raw = result["median"]["ours"]["tx_per_s"], result["median"]["raw"]["tx_per_s"]
+        assert ours > 0 and raw > 0
+        assert abs(result["ratio_tx_per_s"] - ours / raw) < 1e-9
+        assert result["label"] in done.stdout
+    assert ("RDS/TCP" in done.stdout) == (transport == "tcp")
