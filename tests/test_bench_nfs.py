@@ -8,23 +8,15 @@ and a TCP value and that ``--json`` holds the samples of both.
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "nfs.py"
+from benchrun import run_benchmark
 
 
 def test_nfs_benchmark_prints_rdma_and_tcp(tmp_path: Path) -> None:
     out = tmp_path / "nfs.json"
     args = ["--size", "4", "--getattrs", "100", "--repeat", "1", "--json", str(out)]
-    done = subprocess.run(
-        [sys.executable, str(SCRIPT), *args],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
+    done = run_benchmark("nfs.py", *args)
     assert done.returncode == 0, done.stderr
     assert "RDMA" in done.stdout and "TCP" in done.stdout and "RDMA/TCP" in done.stdout
     rows: dict[str, list[str]] = {}

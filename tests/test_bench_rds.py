@@ -8,13 +8,11 @@ ratio, and that ``--json`` says which transport ran.
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from benchrun import run_benchmark
 
-SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "rds_stress.py"
 RDMA_CASE = "q=64 a=16 t=1 d=4 D=64K"
 
 
@@ -22,13 +20,7 @@ RDMA_CASE = "q=64 a=16 t=1 d=4 D=64K"
 def test_rds_stress_benchmark_prints_ours_beside_raw(tmp_path: Path, transport: str) -> None:
     out = tmp_path / "rds.json"
     args = ["--repeat", "1", "--duration", "0.3", "--transport", transport, "--json", str(out)]
-    done = subprocess.run(
-        [sys.executable, str(SCRIPT), *args],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
+    done = run_benchmark("rds_stress.py", *args)
     assert done.returncode == 0, done.stderr
     doc = json.loads(out.read_text())
     assert doc["meta"]["transport"] == transport

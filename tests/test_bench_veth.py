@@ -11,25 +11,16 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from benchrun import run_benchmark
 
 import netns
 
-SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "bench.py"
-
 
 def bench(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, str(SCRIPT), *args],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-        env=env,
-    )
+    return run_benchmark("bench.py", *args, env=env)
 
 
 @pytest.mark.netns
