@@ -118,35 +118,36 @@ class StreamDecoder:
         buf += data
         out: list[tuple[RdsHeader, bytes]] = []
         pos = 0
-        while True:
-            if self._header is None:
-                header = RdsHeader.decode(memoryview(buf)[pos:])
-                if header is None:
+        with memoryview(buf) as view:  # released before the consumed bytes are dropped
+            while True:
+                if self._header is None:
+                    header = RdsHeader.decode(view[pos:])
+                    if header is None:
+                        break
+                    self._header = header
+                    pos += RDS_HEADER_LEN
+                end = pos + self._header.length
+                if end > len(buf):
                     break
-                self._header = header
-                pos += RDS_HEADER_LEN
-            end = pos + self._header.length
-            if end > len(buf):
-                break
-            out.append((self._header, bytes(buf[pos:end])))
-            self._header = None
-            pos = end
+                out.append((self._header, bytes(view[pos:end])))  # the one copy
+                self._header = None
+                pos = end
         del buf[:pos]
         return out
 
 
-def message_bytes(msg: OutMessage) -> bytes:
-    """A numbered message as it goes on the stream: header (``h_ack`` and ``h_credit``
-    zero, as ``rds_tcp_xmit`` sends it) and payload."""
-    header = RdsHeader(
+def message_header(msg: OutMessage) -> bytes:
+    """A numbered message's header as it goes on the stream before its payload
+    (``h_ack`` and ``h_credit`` zero, as ``rds_tcp_xmit`` sends it)."""
+    return RdsHeader(
         msg.seq, 0, len(msg.data), msg.sport, msg.dport, msg.flags, extensions=msg.extensions
-    )
-    return header.encode() + msg.data
+    ).encode()
 
 
-def map_bytes(data: bytes) -> bytes:
-    """A congestion map update as Linux's ``rds_cong_update_alloc`` makes it."""
-    return RdsHeader(length=len(data), flags=RdsFlag.CONG_BITMAP).encode() + data
+def map_header(length: int) -> bytes:
+    """The header of a congestion map update of ``length`` bytes, as Linux's
+    ``rds_cong_update_alloc`` makes it."""
+    return RdsHeader(length=length, flags=RdsFlag.CONG_BITMAP).encode()
 
 
 class TcpSession:
@@ -241,12 +242,14 @@ class TcpSession:
         while True:
             batch = bytearray()
             if rds.map_out is not None:
-                batch += map_bytes(rds.map_out)
+                batch += map_header(len(rds.map_out))
+                batch += rds.map_out
                 rds.map_out = None
             while rds.unsent and len(batch) < SEND_BATCH:
                 msg = rds.unsent.popleft()
                 rds.unacked.append(msg)
-                batch += message_bytes(msg)
+                batch += message_header(msg)
+                batch += msg.data
                 self.inflight.append((self.written + len(batch), msg.seq))
             if not batch:
                 self._wake = trio.Event()
