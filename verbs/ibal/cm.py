@@ -554,6 +554,21 @@ async def _req(req: ib_cm_req_t) -> None:
         raise
 
 
+def tcp_port_probe(
+    host: str, port: int = 0, scope_id: int = 0, *, reuse: bool = False
+) -> tuple[Any, ...]:
+    """Bind a TCP socket to ``host:port`` and close it: the address it got (port 0:
+    a free one the kernel picked). Without ``reuse`` (SO_REUSEADDR) no socket holds
+    that port on ``host``, not even one in TIME_WAIT. Raises the bind's OSError."""
+    six = ":" in host
+    with socket.socket(socket.AF_INET6 if six else socket.AF_INET, socket.SOCK_STREAM) as probe:
+        if reuse:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        probe.bind((host, port, 0, scope_id) if six else (host, port))
+        got = int(probe.getsockname()[1])
+    return (host, got, 0, scope_id) if six else (host, got)
+
+
 SOURCE_PORT_TRIES = 8
 """Source ports :func:`_source_bound_id` tries before it gives up."""
 
@@ -569,17 +584,13 @@ def _source_bound_id(cm: CaCm, conn: CmConnection, path: ib_path_rec_t) -> Any:
     plain bind without SO_REUSEADDR gets is free in TCP; one the HCA's port space
     holds fails ``bind_addr`` here, at once, and the next is tried.
     """
-    six = ":" in path.src_ip
-    family = socket.AF_INET6 if six else socket.AF_INET
     tries = SOURCE_PORT_TRIES
     while True:
-        with socket.socket(family, socket.SOCK_STREAM) as probe:
-            probe.bind((path.src_ip, 0, 0, path.scope_id) if six else (path.src_ip, 0))
-            port = int(probe.getsockname()[1])
+        addr = tcp_port_probe(path.src_ip, 0, path.scope_id)
         assert cm.channel is not None  # _cm_of started it
         cm_id = cm.channel.create_id(conn)
         try:
-            cm_id.bind_addr((path.src_ip, port, 0, path.scope_id) if six else (path.src_ip, port))
+            cm_id.bind_addr(addr)
             return cm_id
         except OSError as exc:
             cm_id.destroy()

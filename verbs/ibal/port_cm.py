@@ -60,6 +60,7 @@ from rdmashim.verbs.ibal.cm import (
     ib_cm_rep,
     ib_cm_req,
     ib_cm_rtu,
+    tcp_port_probe,
 )
 from rdmashim.verbs.ibal.cm_state import ib_rej_status_t
 from rdmashim.verbs.ibal.cm_types import (
@@ -109,14 +110,10 @@ def device_for(ip: str) -> str:
 
 def _free_port(host: str, port: int) -> int:
     """Check ``host:port`` can be bound (port 0: pick a free ephemeral one) and return it."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as probe:
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            probe.bind((host, port))
-        except OSError as exc:
-            raise VerbsError(exc.errno or errno.EADDRINUSE, "listen", str(exc)) from exc
-        return int(probe.getsockname()[1])
+    try:
+        return int(tcp_port_probe(host, port, reuse=True)[1])
+    except OSError as exc:
+        raise VerbsError(exc.errno or errno.EADDRINUSE, "listen", str(exc)) from exc
 
 
 _LISTENING: dict[int, list[tuple[str, object]]] = {}
