@@ -109,6 +109,30 @@ def test_frame_sends_refuses_what_is_not_a_one_fpdu_send(
     )
 
 
+# ---------------------------------------------------------------- flawed streams
+def _framed(header: bytes | bytearray, payload: bytes, crc: bool, flaw: str) -> bytearray:
+    """One FPDU (from the codec) of ``header`` and ``payload``, with ``flaw`` if it is one
+    of its framing: a bad CRC, a flipped payload byte, an ULPDU length too short or too
+    long (the header's own length says where the payload starts)."""
+    fpdu = bytearray(b"".join(bytes(b) for b in ddp.encode_fpdu(bytes(header), [payload], crc=crc)))
+    if flaw == "bad_crc":
+        fpdu[-1] ^= 0x80
+    if flaw == "payload_flip" and payload:
+        fpdu[len(header)] ^= 1
+    if flaw == "short_ulpdu":
+        fpdu[0:2] = (len(header) - 3).to_bytes(2, "big")
+    if flaw == "long_ulpdu":
+        fpdu[0:2] = (0xFFFF).to_bytes(2, "big")
+    return fpdu
+
+
+def _cut(out: bytearray, flaw: str, cut: int) -> bytes:
+    """The stream, its last ``cut`` bytes gone if ``flaw`` is "truncated"."""
+    if flaw == "truncated":
+        del out[max(0, len(out) - cut) :]
+    return bytes(out)
+
+
 # ---------------------------------------------------------------- RX scan
 _SCAN_FLAWS = [
     "none", "bad_crc", "payload_flip", "wrong_msn", "not_last", "qn", "mo", "inv", "tagged",
@@ -145,21 +169,8 @@ def _stream(
             header[3] ^= 0xC0
         if hit and flaw == "reserved":
             header[2] |= 0x04
-        fpdu = bytearray(
-            b"".join(bytes(b) for b in ddp.encode_fpdu(bytes(header), [payload], crc=crc))
-        )
-        if hit and flaw == "bad_crc":
-            fpdu[-1] ^= 0x80
-        if hit and flaw == "payload_flip" and size:
-            fpdu[ddp.UNTAGGED_HDR_LEN] ^= 1
-        if hit and flaw == "short_ulpdu":
-            fpdu[0:2] = (ddp.UNTAGGED_HDR_LEN - 3).to_bytes(2, "big")
-        if hit and flaw == "long_ulpdu":
-            fpdu[0:2] = (0xFFFF).to_bytes(2, "big")
-        out += fpdu
-    if flaw == "truncated":
-        del out[max(0, len(out) - cut) :]
-    return bytes(out)
+        out += _framed(header, payload, crc, flaw if hit else "none")
+    return _cut(out, flaw, cut)
 
 
 def _scan_both(c: Kernels, buf: bytes, start: int, end: int, msn: int, crc: bool):
@@ -347,22 +358,9 @@ def _tagged_stream(
             header[2] |= 0x08
         if hit and flaw == "untagged":
             header[2] &= ~ddp.DDP_TAGGED
-        fpdu = bytearray(
-            b"".join(bytes(b) for b in ddp.encode_fpdu(bytes(header), [payload], crc=crc))
-        )
-        if hit and flaw == "bad_crc":
-            fpdu[-2] ^= 0x10
-        if hit and flaw == "payload_flip" and size:
-            fpdu[ddp.TAGGED_HDR_LEN] ^= 1
-        if hit and flaw == "short_ulpdu":
-            fpdu[0:2] = (ddp.TAGGED_HDR_LEN - 3).to_bytes(2, "big")
-        if hit and flaw == "long_ulpdu":
-            fpdu[0:2] = (0xFFFF).to_bytes(2, "big")
-        out += fpdu
+        out += _framed(header, payload, crc, flaw if hit else "none")
         to += size
-    if flaw == "truncated":
-        del out[max(0, len(out) - cut) :]
-    return bytes(out)
+    return _cut(out, flaw, cut)
 
 
 def _place_tagged_both(
