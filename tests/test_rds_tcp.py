@@ -4,10 +4,12 @@ here (real TCP sockets on loopback addresses) that speaks Linux ``rds_tcp``'s ru
 from __future__ import annotations
 
 import errno
+import gc
 import ipaddress
 import random
 import socket
 import struct
+import tracemalloc
 
 import pytest
 import trio
@@ -17,7 +19,7 @@ from rdmashim.ulps.rds.connection import RdsConnection
 from rdmashim.ulps.rds.node import RdsError, RdsNode
 from rdmashim.ulps.rds.rdma import RdmaOp
 from rdmashim.ulps.rds.settings import RdsSettings
-from rdmashim.ulps.rds.tcp import StreamDecoder
+from rdmashim.ulps.rds.tcp import StreamDecoder, TcpSession
 from rdmashim.ulps.rds.wire import (
     RDS_CONG_MAP_BYTES,
     RDS_FLAG_PROBE_PORT,
@@ -423,6 +425,40 @@ async def test_tcp_strangers_are_bounded_by_max_peers_and_expire() -> None:
             assert info.value.errno == errno.ENOBUFS
             for peer in held:
                 await peer.stream.aclose()
+
+
+TCP_HEAP_PER_CONNECTION = 4 * 1024
+"""Python heap 300 strangers may leave per connection (interned strings, caches), as the
+RDMA transport's soak allows (tests/test_rds_bounds.py)."""
+
+
+async def test_tcp_strangers_leave_no_session_and_no_heap_behind() -> None:
+    """300 strangers connect over TCP, send a message and go; once their entries
+    expire no RDS connection or TCP session is left, and the Python heap is back
+    where it was after the first 30 (tracemalloc)."""
+    settings = RdsSettings(peer_idle_expiry=0.3)
+    node_ip = "127.0.9.200"  # above every stranger: their connections carry the traffic
+    async with RdsNode(node_ip, 0, transport="tcp", settings=settings) as node:
+        inbox = node.bind(5000)
+        with trio.fail_after(120):
+            for i in range(330):
+                if i == 30:  # allocators and caches settled: the baseline
+                    gc.collect()
+                    tracemalloc.start()
+                ip = f"127.0.{2 + i // 250}.{2 + i % 250}"
+                stream = await trio.open_tcp_stream(node_ip, node.port, local_address=ip)
+                async with stream:
+                    await stream.send_all(data_msg(1, b"hi", sport=9, dport=5000))
+                    assert await inbox.recvfrom() == (b"hi", (ip, 9))
+            await wait_for(lambda: not node._peers, 10)
+        gc.collect()
+        heap = tracemalloc.get_traced_memory()[0]
+        tracemalloc.stop()
+        print(f"RDS/TCP soak: {heap // 300} heap bytes kept per connection")
+        alive = [o for o in gc.get_objects() if isinstance(o, RdsConnection | TcpSession)]
+        assert alive == []
+        assert node.peers_expired == 330
+        assert heap / 300 < TCP_HEAP_PER_CONNECTION, heap
 
 
 async def test_tcp_idle_session_is_closed_and_maps_wait_as_one() -> None:
