@@ -121,3 +121,18 @@ async def resolve(host: str | None, port: int, *, passive: bool = False) -> list
         if sockaddr not in seen:
             seen.append(sockaddr)
     return seen
+
+
+def tcp_port_probe(
+    host: str, port: int = 0, scope_id: int = 0, *, reuse: bool = False
+) -> tuple[Any, ...]:
+    """Bind a TCP socket to ``host:port`` and close it: the address it got (port 0:
+    a free one the kernel picked). Without ``reuse`` (SO_REUSEADDR) no socket holds
+    that port on ``host``, not even one in TIME_WAIT. Raises the bind's OSError."""
+    six = ":" in host
+    with socket.socket(socket.AF_INET6 if six else socket.AF_INET, socket.SOCK_STREAM) as probe:
+        if reuse:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        probe.bind((host, port, 0, scope_id) if six else (host, port))
+        got = int(probe.getsockname()[1])
+    return (host, got, 0, scope_id) if six else (host, got)

@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import errno
 import logging
-import socket
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -538,65 +537,21 @@ async def _req(req: ib_cm_req_t) -> None:
         if req.timeout_ms
         else timeout_seconds(req.remote_resp_timeout, req.max_cm_retries)
     )
-    six = ":" in path.dst_ip
-    cm_id = _source_bound_id(cm, conn, path) if path.src_ip else cm.channel.create_id(conn)
+    cm_id = cm.channel.create_id(conn)
     conn.cm_id = cm_id
     cm_id.connect_timeout = limit
     if hasattr(cm_id, "mpa_reply_timeout"):
         cm_id.mpa_reply_timeout = limit
+    six = ":" in path.dst_ip
+    src = (path.src_ip, 0, 0, path.scope_id) if six else (path.src_ip, 0)
     dst = (path.dst_ip, port, 0, path.scope_id) if six else (path.dst_ip, port)
     h_qp.cm_conn = conn
     try:
-        cm_id.resolve_addr(None, dst, max(1, int(limit * 1000)))
+        cm_id.resolve_addr(src if path.src_ip else None, dst, max(1, int(limit * 1000)))
     except BaseException:
         h_qp.cm_conn = None
         cm_id.destroy()
         raise
-
-
-def tcp_port_probe(
-    host: str, port: int = 0, scope_id: int = 0, *, reuse: bool = False
-) -> tuple[Any, ...]:
-    """Bind a TCP socket to ``host:port`` and close it: the address it got (port 0:
-    a free one the kernel picked). Without ``reuse`` (SO_REUSEADDR) no socket holds
-    that port on ``host``, not even one in TIME_WAIT. Raises the bind's OSError."""
-    six = ":" in host
-    with socket.socket(socket.AF_INET6 if six else socket.AF_INET, socket.SOCK_STREAM) as probe:
-        if reuse:
-            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        probe.bind((host, port, 0, scope_id) if six else (host, port))
-        got = int(probe.getsockname()[1])
-    return (host, got, 0, scope_id) if six else (host, got)
-
-
-SOURCE_PORT_TRIES = 8
-"""Source ports :func:`_source_bound_id` tries before it gives up."""
-
-
-def _source_bound_id(cm: CaCm, conn: CmConnection, path: ib_path_rec_t) -> Any:
-    """A CM id for ``conn`` bound to the path's source address, at a TCP port no socket
-    holds there, not even one in TIME_WAIT.
-
-    An iWARP connection is a TCP connection from the id's port. Left to pick it, the
-    kernel's rdma_cm chooses in its own port space, blind to TCP's: siw's bind then
-    fails now and then with EADDRINUSE inside ``rdma_connect``, after the QP is bound
-    and too late to try another port (seen in the guest under load). A port that a
-    plain bind without SO_REUSEADDR gets is free in TCP; one the HCA's port space
-    holds fails ``bind_addr`` here, at once, and the next is tried.
-    """
-    tries = SOURCE_PORT_TRIES
-    while True:
-        addr = tcp_port_probe(path.src_ip, 0, path.scope_id)
-        assert cm.channel is not None  # _cm_of started it
-        cm_id = cm.channel.create_id(conn)
-        try:
-            cm_id.bind_addr(addr)
-            return cm_id
-        except OSError as exc:
-            cm_id.destroy()
-            tries -= 1
-            if exc.errno != errno.EADDRINUSE or not tries:
-                raise
 
 
 def ib_cm_rep(h_cm_req: CmConnection, p_cm_rep: ib_cm_rep_t) -> None:

@@ -60,7 +60,6 @@ from rdmashim.verbs.ibal.cm import (
     ib_cm_rep,
     ib_cm_req,
     ib_cm_rtu,
-    tcp_port_probe,
 )
 from rdmashim.verbs.ibal.cm_state import ib_rej_status_t
 from rdmashim.verbs.ibal.cm_types import (
@@ -111,7 +110,7 @@ def device_for(ip: str) -> str:
 def _free_port(host: str, port: int) -> int:
     """Check ``host:port`` can be bound (port 0: pick a free ephemeral one) and return it."""
     try:
-        return int(tcp_port_probe(host, port, reuse=True)[1])
+        return int(addressing.tcp_port_probe(host, port, reuse=True)[1])
     except OSError as exc:
         raise VerbsError(exc.errno or errno.EADDRINUSE, "listen", str(exc)) from exc
 

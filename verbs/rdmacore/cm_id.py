@@ -219,6 +219,25 @@ class NativeChannel:
 
 
 # ---------------------------------------------------------------------- ids
+SOURCE_PORT_TRIES = 8
+"""Source ports :meth:`RdmaCoreCMId.resolve_addr` tries when rdma_cm holds the one it picked."""
+
+
+def _tcp_free_source(src: addressing.SockAddr | None, six: bool) -> addressing.SockAddr:
+    """The source address for an id that names no port: ``src``'s address (any address
+    if None) at a port no TCP socket holds, not even one in TIME_WAIT.
+
+    An iWARP connection is a TCP connection from the id's port. Left to pick it, the
+    kernel's rdma_cm chooses in its own port space, blind to TCP's, and siw's bind
+    inside ``rdma_connect`` then fails now and then with EADDRINUSE, too late to try
+    another port (seen in the guest). A port rdma_cm holds fails at once, here, and
+    the next is tried. On InfiniBand any free port serves as well.
+    """
+    if src is not None:
+        return addressing.tcp_port_probe(str(src[0]), 0, int(src[3]) if len(src) > 3 else 0)
+    return addressing.tcp_port_probe("::" if six else "0.0.0.0")
+
+
 class RdmaCoreCMId:
     """A communication identifier over librdmacm (``struct rdma_cm_id``).
 
@@ -335,12 +354,14 @@ class RdmaCoreCMId:
     ) -> None:
         """Resolve ``dst`` (host name, IPv4 or IPv6): ADDR_RESOLVED or ADDR_ERROR follows."""
         self._check("resolve_addr")
+        bound = self.state is State.ADDR_BOUND
         self.state = State.ADDR_QUERY
-        self._spawn(self._resolve_addr, src, dst, timeout_ms)
+        self._spawn(self._resolve_addr, src, dst, timeout_ms, bound)
 
     async def _resolve_addr(
-        self, src: addressing.SockAddr | None, dst: addressing.SockAddr, timeout_ms: int
-    ) -> None:
+        self, src: addressing.SockAddr | None, dst: addressing.SockAddr, timeout_ms: int,
+        bound: bool,
+    ) -> None:  # fmt: skip
         try:
             candidates = await addressing.resolve(str(dst[0]), int(dst[1]))
             if src is not None:
@@ -348,16 +369,28 @@ class RdmaCoreCMId:
                 candidates = [c for c in candidates if (":" in c[0]) == want_v6]
             if not candidates:
                 raise OSError(errno.EADDRNOTAVAIL, f"no address of {dst[0]} in our family")
-            source = to_sockaddr(src) if src is not None else ffi.NULL
-            lib.check(
-                lib.rdmacm().rdma_resolve_addr(
-                    self._ptr,
-                    ffi.cast("struct sockaddr *", source),
-                    ffi.cast("struct sockaddr *", to_sockaddr(candidates[0])),
-                    timeout_ms,
-                ),
-                "rdma_resolve_addr",
-            )
+            peer = candidates[0]
+            tries = SOURCE_PORT_TRIES
+            while True:
+                source = src
+                if not bound and (src is None or not int(src[1])):
+                    source = _tcp_free_source(src, ":" in peer[0])
+                sockaddr = to_sockaddr(source) if source is not None else ffi.NULL
+                try:
+                    lib.check(
+                        lib.rdmacm().rdma_resolve_addr(
+                            self._ptr,
+                            ffi.cast("struct sockaddr *", sockaddr),
+                            ffi.cast("struct sockaddr *", to_sockaddr(peer)),
+                            timeout_ms,
+                        ),
+                        "rdma_resolve_addr",
+                    )
+                    break
+                except VerbsError as exc:
+                    tries -= 1
+                    if exc.errno != errno.EADDRINUSE or source is src or not tries:
+                        raise
         except OSError as exc:
             self.state = State.IDLE
             status = -errno.EADDRNOTAVAIL if isinstance(exc, socket.gaierror) else -(exc.errno or 5)
