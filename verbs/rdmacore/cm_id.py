@@ -220,22 +220,40 @@ class NativeChannel:
 
 # ---------------------------------------------------------------------- ids
 SOURCE_PORT_TRIES = 8
-"""Source ports :meth:`RdmaCoreCMId.resolve_addr` tries when rdma_cm holds the one it picked."""
+"""Ports :func:`_on_tcp_free_port` tries when rdma_cm holds the one it picked."""
 
 
-def _tcp_free_source(src: addressing.SockAddr | None, six: bool) -> addressing.SockAddr:
-    """The source address for an id that names no port: ``src``'s address (any address
-    if None) at a port no TCP socket holds, not even one in TIME_WAIT.
+def _on_tcp_free_port(
+    addr: addressing.SockAddr | None, six: bool, call: Callable[[Any], None]
+) -> None:
+    """``call(sockaddr)`` with ``addr`` (any address if None) and, when it names no
+    port, a port no TCP socket holds, not even one in TIME_WAIT; the next such port
+    when rdma_cm answers EADDRINUSE, up to :data:`SOURCE_PORT_TRIES`.
 
-    An iWARP connection is a TCP connection from the id's port. Left to pick it, the
-    kernel's rdma_cm chooses in its own port space, blind to TCP's, and siw's bind
-    inside ``rdma_connect`` then fails now and then with EADDRINUSE, too late to try
-    another port (seen in the guest). A port rdma_cm holds fails at once, here, and
-    the next is tried. On InfiniBand any free port serves as well.
+    An iWARP connection, and a listener, are TCP sockets at the id's port. Left to
+    pick it (port 0), the kernel's rdma_cm chooses in its own port space, blind to
+    TCP's, and siw's bind inside ``rdma_connect``, or its listen inside
+    ``rdma_listen``, then fails now and then with EADDRINUSE, too late to try another
+    port (both seen in the guest). A port rdma_cm holds fails at once, here. On
+    InfiniBand any free port serves as well.
     """
-    if src is not None:
-        return addressing.tcp_port_probe(str(src[0]), 0, int(src[3]) if len(src) > 3 else 0)
-    return addressing.tcp_port_probe("::" if six else "0.0.0.0")
+    if addr is not None and int(addr[1]):
+        call(to_sockaddr(addr))
+        return
+    tries = SOURCE_PORT_TRIES
+    while True:
+        if addr is not None:
+            scope = int(addr[3]) if len(addr) > 3 else 0
+            chosen = addressing.tcp_port_probe(str(addr[0]), 0, scope)
+        else:
+            chosen = addressing.tcp_port_probe("::" if six else "0.0.0.0")
+        try:
+            call(to_sockaddr(chosen))
+            return
+        except VerbsError as exc:
+            tries -= 1
+            if exc.errno != errno.EADDRINUSE or not tries:
+                raise
 
 
 class RdmaCoreCMId:
@@ -339,10 +357,14 @@ class RdmaCoreCMId:
     def bind_addr(self, addr: addressing.SockAddr) -> None:
         """Bind to a local address and port (``rdma_bind_addr``)."""
         cm = self._check("bind_addr")
-        lib.check(
-            cm.rdma_bind_addr(self._ptr, ffi.cast("struct sockaddr *", to_sockaddr(addr))),
-            "rdma_bind_addr",
-        )
+
+        def bind(sockaddr: Any) -> None:
+            lib.check(
+                cm.rdma_bind_addr(self._ptr, ffi.cast("struct sockaddr *", sockaddr)),
+                "rdma_bind_addr",
+            )
+
+        _on_tcp_free_port(addr, ":" in str(addr[0]), bind)
         self._refresh_addresses()
         self.state = State.ADDR_BOUND
 
@@ -370,27 +392,22 @@ class RdmaCoreCMId:
             if not candidates:
                 raise OSError(errno.EADDRNOTAVAIL, f"no address of {dst[0]} in our family")
             peer = candidates[0]
-            tries = SOURCE_PORT_TRIES
-            while True:
-                source = src
-                if not bound and (src is None or not int(src[1])):
-                    source = _tcp_free_source(src, ":" in peer[0])
-                sockaddr = to_sockaddr(source) if source is not None else ffi.NULL
-                try:
-                    lib.check(
-                        lib.rdmacm().rdma_resolve_addr(
-                            self._ptr,
-                            ffi.cast("struct sockaddr *", sockaddr),
-                            ffi.cast("struct sockaddr *", to_sockaddr(peer)),
-                            timeout_ms,
-                        ),
-                        "rdma_resolve_addr",
-                    )
-                    break
-                except VerbsError as exc:
-                    tries -= 1
-                    if exc.errno != errno.EADDRINUSE or source is src or not tries:
-                        raise
+
+            def resolve(sockaddr: Any) -> None:
+                lib.check(
+                    lib.rdmacm().rdma_resolve_addr(
+                        self._ptr,
+                        ffi.cast("struct sockaddr *", sockaddr),
+                        ffi.cast("struct sockaddr *", to_sockaddr(peer)),
+                        timeout_ms,
+                    ),
+                    "rdma_resolve_addr",
+                )
+
+            if bound:  # the port is the one bind_addr gave
+                resolve(ffi.NULL if src is None else to_sockaddr(src))
+            else:
+                _on_tcp_free_port(src, ":" in peer[0], resolve)
         except OSError as exc:
             self.state = State.IDLE
             status = -errno.EADDRNOTAVAIL if isinstance(exc, socket.gaierror) else -(exc.errno or 5)
