@@ -241,7 +241,27 @@ class SendRun:
         if flags & _SIGNALED:
             self.signaled.append(wr_id)
             self.flags = _SIGNALED
-        self.size += ((_SEND_FPDU_BASE + len(inline)) & ~3) + _CRC_BYTES
+        self.size += self.fpdu_bytes(len(inline))
+
+    @classmethod
+    def of(
+        cls, payloads: list[bytes], ctrls: bytes, invs: list[int], wr_ids: list[int],
+        signaled: list[int], size: int,
+    ) -> SendRun:  # fmt: skip
+        """A run made whole: the lists as :meth:`add` of each entry would leave them
+        (``size`` their FPDUs' bytes); the run keeps them and never changes them."""
+        run = cls()
+        run.payloads, run.invs, run.wr_ids, run.signaled, run.size = (
+            payloads, invs, wr_ids, signaled, size,
+        )  # fmt: skip
+        run.ctrls = ctrls  # type: ignore[assignment]
+        run.flags = _SIGNALED if signaled else 0
+        return run
+
+    @staticmethod
+    def fpdu_bytes(length: int) -> int:
+        """The bytes of the FPDU of an entry carrying ``length`` bytes."""
+        return ((_SEND_FPDU_BASE + length) & ~3) + _CRC_BYTES
 
     def __len__(self) -> int:
         return len(self.wr_ids)

@@ -857,6 +857,7 @@ def _bad_wr(err: int, operation: str, index: int, detail: str) -> VerbsError:
 _U32 = 0xFFFFFFFF
 _U64 = 0xFFFFFFFFFFFFFFFF
 _INLINE = int(SendFlags.INLINE)
+_SIGNALED = int(SendFlags.SIGNALED)
 # Enum members bound once: an attribute lookup on an enum class costs per work request.
 _RDMA_READ = WROpcode.RDMA_READ
 _SEND_INV = WROpcode.SEND_WITH_INV
@@ -980,6 +981,53 @@ class _SendTemplate:
             self.invalid = _WIRE_LIMITS
 
 
+class _RunPlan:
+    """What a post of a batch's first entries needs when they all join one
+    :class:`SendRun`: inline Sends without FENCE, each with one SGE whose region was
+    found, worked out once. A post checks that those regions are still registered and
+    the QP's limits, copies the data and makes the run, with no per-entry checks."""
+
+    __slots__ = ("ctrls", "invs", "longest", "regions", "signaled", "size", "spans")
+
+    def __init__(self, templates: Sequence[_SendTemplate]) -> None:
+        self.ctrls = bytes(t.run_ctrl for t in templates)
+        self.invs = [t.invalidate_rkey for t in templates]
+        self.signaled = [i for i, t in enumerate(templates) if t.flags & _SIGNALED]
+        """The indices of the entries with SIGNALED."""
+        sources = [t.source for t in templates]
+        self.spans = [(s.region.view, s.offset, s.end) for s in sources]  # type: ignore[union-attr]
+        self.regions = list({id(s.region): s.region for s in sources}.values())  # type: ignore[union-attr]
+        """The regions the data come from (each still registered, or the plan is void)."""
+        lengths = [s.length for s in sources]  # type: ignore[union-attr]
+        self.longest = max(lengths)
+        self.size = sum(map(SendRun.fpdu_bytes, lengths))
+
+    @staticmethod
+    def possible(templates: Sequence[_SendTemplate]) -> bool | None:
+        """Whether these entries may be posted by a plan: never (False: fewer than two,
+        or one would not join a run), not now (None: a region not found yet, or gone),
+        or yes."""
+        if len(templates) < 2:
+            return False
+        lengths = 0
+        for t in templates:
+            src = t.source
+            if not t.run_ctrl or src is None or t.remote_addr > _U64 + 1 - src.length:
+                return False
+            lengths += SendRun.fpdu_bytes(src.length)
+        if lengths > _RUN_BYTES:  # not one run, as the general path makes them
+            return False
+        return all(t.source.region is not None and t.source.region.valid for t in templates)  # type: ignore[union-attr]
+
+    def run(self, wrs: Sequence[SendWR]) -> SendRun:
+        """The run of ``wrs`` (the entries the plan was made of), their data copied now."""
+        wr_ids = [w.wr_id for w in wrs]
+        return SendRun.of(
+            [view[start:end].tobytes() for view, start, end in self.spans],
+            self.ctrls, self.invs, wr_ids, [wr_ids[i] for i in self.signaled], self.size,
+        )  # fmt: skip
+
+
 class _SendTemplates(list[_SendTemplate]):
     """A send batch's entries as templates, for one context's memory table."""
 
@@ -987,9 +1035,27 @@ class _SendTemplates(list[_SendTemplate]):
         super().__init__([None] * n)  # type: ignore[list-item]
         self.memory = memory
         """The table the inline SGEs' regions are looked up in (the templates cache them)."""
+        self._plans: dict[int, _RunPlan | None] = {}
+        """By how many first entries a post takes: their plan, or None if they can have
+        none (until an entry is set again)."""
 
     def set(self, i: int, wr: SendWR) -> None:
         self[i] = _SendTemplate(wr)
+        self._plans.clear()
+
+    def plan(self, count: int) -> _RunPlan | None:
+        """The plan of the first ``count`` entries while its regions stay registered
+        (made again once one is gone or was not found yet: the general path looks the
+        SGEs up again)."""
+        plan = self._plans.get(count, False)
+        if plan is None or (plan is not False and all(r.valid for r in plan.regions)):
+            return plan
+        entries = self[:count]
+        possible = _RunPlan.possible(entries)
+        if possible is None:
+            return None
+        plan = self._plans[count] = _RunPlan(entries) if possible else None
+        return plan
 
 
 class QP(_Resource):
@@ -1089,9 +1155,30 @@ class QP(_Resource):
         # By the table's id: the templates hold the table, so the id is not reused meanwhile.
         templates = batch.prepared(id(memory), lambda n: _SendTemplates(n, memory))
         if isinstance(entries, range):
-            self._post_sends(batch.wrs(entries), templates[: entries.stop])
+            wrs = batch.wrs(entries)
+            if not self._post_run(wrs, templates.plan(entries.stop)):
+                self._post_sends(wrs, templates[: entries.stop])
         else:
             self._post_sends(batch.wrs(entries), [templates[i] for i in entries])
+
+    def _post_run(self, wrs: Sequence[SendWR], plan: _RunPlan | None) -> bool:
+        """Post ``wrs`` as one run by their batch's ``plan`` when the QP's state and
+        limits let every entry pass (what :meth:`_post_sends` would make of them); False
+        (nothing posted) otherwise."""
+        if plan is None or self._state is not _RTS:
+            return False
+        cap = self.cap
+        engine = self.engine
+        if (
+            len(wrs) > cap.max_send_wr - engine.sq_depth
+            or cap.max_send_sge < 1
+            or plan.longest > min(engine.small_send_max, cap.max_inline_data)
+        ):
+            return False
+        engine.post_send(plan.run(wrs))
+        if self._link is not None:
+            self._link.kick()
+        return True
 
     def _post_sends(self, wrs: Sequence[SendWR], templates: Sequence[_SendTemplate]) -> None:
         """Post ``wrs`` (``templates[i]`` made from ``wrs[i]``) in order; the first refused
