@@ -96,6 +96,8 @@ _CTRL_SEND_SE = ddp.RDMAP_VERSION | Opcode.SEND_SE
 _INV_STEP = Opcode.SEND_INV - Opcode.SEND
 """From SEND / SEND_SE to SEND_INV / SEND_SE_INV (each follows its plain opcode)."""
 _QN_SEND = int(QN.SEND)
+_ONE = 1
+"""``_ONE.__eq__`` maps a scan's solicited words (1 or 0) to bools at C speed."""
 _SEND_FPDU_BASE = ddp.UNTAGGED_HDR_LEN + 3
 """Header bytes of an untagged FPDU, plus 3 to round its payload up to the pad."""
 _UNTAGGED_ULPDU_MIN = ddp.UNTAGGED_HDR_LEN - 2
@@ -267,6 +269,43 @@ class SendRun:
         return len(self.wr_ids)
 
 
+class RecvRun:
+    """The successful receive completions of a run of small Sends, column by column:
+    what a CQ keeps of them (no :class:`WC` per message unless one is asked for).
+
+    Entry ``i`` is the completion of the receive ``wr_ids[i]``: opcode RECV, status
+    SUCCESS, ``byte_lens[i]`` bytes, ``solicited[i]``, no flags. ``start`` is the first
+    entry not taken yet (a CQ takes them from the front).
+    """
+
+    __slots__ = ("byte_lens", "qp_num", "solicited", "start", "wr_ids")
+
+    def __init__(
+        self, wr_ids: list[int], byte_lens: list[int], solicited: list[bool], qp_num: int
+    ) -> None:
+        self.wr_ids = wr_ids
+        self.byte_lens = byte_lens
+        self.solicited = solicited
+        self.qp_num = qp_num
+        self.start = 0
+
+    def __len__(self) -> int:
+        return len(self.wr_ids) - self.start
+
+    def take(self, n: int) -> list[WC]:
+        """The next ``n`` entries as completions, taken."""
+        start = self.start
+        self.start = stop = start + n
+        success, recv, qp_num, no_flags = WCStatus.SUCCESS, WCOpcode.RECV, self.qp_num, WCFlags.NONE
+        return [
+            WC(wr_id, success, recv, byte_len, qp_num, no_flags, 0, 0, solicited)
+            for wr_id, byte_len, solicited in zip(
+                self.wr_ids[start:stop], self.byte_lens[start:stop], self.solicited[start:stop],
+                strict=True,
+            )
+        ]  # fmt: skip
+
+
 @dataclass(eq=False, slots=True)
 class RecvJob:
     """A posted receive as the engine carries it."""
@@ -324,7 +363,7 @@ class Engine:
     on_fatal: Callable[[Exception], None] = lambda exc: None
     on_ready: Callable[[], None] = lambda: None
     """Called when a P2P responder receives the initiator's RTR (it may transmit from now)."""
-    on_recv_wcs: Callable[[list[WC]], None] | None = None
+    on_recv_wcs: Callable[[RecvRun], None] | None = None
     """Takes the successful receive completions of a run of small Sends at once, in
     order (default: ``on_recv_wc`` for each). No completion callable may end the QP."""
     on_send_wcs: Callable[[list[WC]], None] | None = None
@@ -369,7 +408,7 @@ class Engine:
         self._rtr_pending = self.config.wait_for_rtr
         self._kernels = kernels()
         """The data-path kernels, compiled or Python (``fastpath``), fixed for this QP."""
-        self._recv_wcs = self.on_recv_wcs or _each(self.on_recv_wc)
+        self._recv_wcs = self.on_recv_wcs or _each_of_run(self.on_recv_wc)
         self._send_wcs = self.on_send_wcs or _each(self.on_send_wc)
         self._run_extra = 0
         """Entries of the runs in the SQ beyond one each (``sq_depth`` counts entries)."""
@@ -869,15 +908,13 @@ class Engine:
         elif jobs:
             kernels.place(sview, msgs, Targets(segments, nsegs))
         if jobs:
-            qp_num = self.qp_num
-            success, recv, no_flags = WCStatus.SUCCESS, WCOpcode.RECV, WCFlags.NONE
             rx_msn[_QN_SEND] = (rx_msn[_QN_SEND] + len(jobs)) & U32_MAX
+            words = len(jobs) * _MSG_WORDS
             self._recv_wcs(
-                [
-                    WC(job.wr_id, success, recv, msgs[i + 1], qp_num, no_flags, 0, 0,
-                       msgs[i + 2] == 1)
-                    for job, i in zip(jobs, range(0, len(msgs), _MSG_WORDS), strict=False)
-                ]
+                RecvRun(
+                    [job.wr_id for job in jobs], msgs[1:words:_MSG_WORDS],
+                    list(map(_ONE.__eq__, msgs[2:words:_MSG_WORDS])), self.qp_num,
+                )
             )  # fmt: skip
         if len(jobs) * _MSG_WORDS == len(msgs):
             return stop
@@ -1346,6 +1383,17 @@ def _each(callback: Callable[[WC], None]) -> Callable[[list[WC]], None]:
 
     def each(wcs: list[WC]) -> None:
         for wc in wcs:
+            callback(wc)
+
+    return each
+
+
+def _each_of_run(callback: Callable[[WC], None]) -> Callable[[RecvRun], None]:
+    """A callable taking a :class:`RecvRun` that hands each of its completions to
+    ``callback``."""
+
+    def each(run: RecvRun) -> None:
+        for wc in run.take(len(run)):
             callback(wc)
 
     return each

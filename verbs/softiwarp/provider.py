@@ -36,13 +36,21 @@ from rdmashim.verbs.enums import (
     QPType,
     SendFlags,
     Transport,
+    WCFlags,
     WCOpcode,
     WCStatus,
     WROpcode,
 )
 from rdmashim.verbs.errors import NotSupported, VerbsError, check_cq_target
 from rdmashim.verbs.events import AsyncEvent, AsyncEventType
-from rdmashim.verbs.softiwarp.engine import Engine, EngineState, RecvJob, SendJob, SendRun
+from rdmashim.verbs.softiwarp.engine import (
+    Engine,
+    EngineState,
+    RecvJob,
+    RecvRun,
+    SendJob,
+    SendRun,
+)
 from rdmashim.verbs.softiwarp.memory import AccessViolation, MemoryTable, Region
 from rdmashim.verbs.softiwarp.mpa import MAX_PRIVATE_DATA, V2_BLOCK_LEN
 from rdmashim.verbs.softiwarp.terminate import TermCode
@@ -561,7 +569,11 @@ class CQ(_Resource):
         self.context = context
         self.cqe = cqe
         self.channel = channel
-        self._entries: deque[WC] = deque()
+        self._entries: deque[WC | RecvRun] = deque()
+        """Completions in order: one :class:`WC` each, or runs of receive completions
+        kept column by column (never empty)."""
+        self._count = 0
+        """Completions in ``_entries``."""
         self._armed = False
         self._solicited_only = False
         self._overrun = False
@@ -601,25 +613,37 @@ class CQ(_Resource):
                     qp.engine.set_error(exc)
 
     def _push(self, wc: WC) -> None:
-        if len(self._entries) >= self.cqe:
+        if self._count >= self.cqe:
             self._overflow(wc)
             return
         self._entries.append(wc)
+        self._count += 1
         self._arrived(wc.solicited or wc.status != WCStatus.SUCCESS)
 
     def _push_all(self, wcs: list[WC]) -> None:
         """Queue completions in order as :meth:`_push` of each, with one wakeup and at
         most one event or handler call for them all."""
-        room = self.cqe - len(self._entries)
-        if len(wcs) > room:
+        if len(wcs) > self.cqe - self._count:
             for wc in wcs:  # up to the overrun (rare): each as it comes
                 self._push(wc)
             return
         self._entries.extend(wcs)
+        self._count += len(wcs)
         self._arrived(
             not self._solicited_only
             or any(wc.solicited or wc.status != WCStatus.SUCCESS for wc in wcs)
         )
+
+    def _push_run(self, run: RecvRun) -> None:
+        """Queue a run of successful receive completions as :meth:`_push_all` of them,
+        kept as the run (one entry)."""
+        if len(run) > self.cqe - self._count:
+            for wc in run.take(len(run)):  # up to the overrun (rare): each as it comes
+                self._push(wc)
+            return
+        self._entries.append(run)
+        self._count += len(run)
+        self._arrived(not self._solicited_only or True in run.solicited)
 
     def _overflow(self, wc: WC) -> None:
         if not self._overrun:
@@ -663,22 +687,57 @@ class CQ(_Resource):
 
     def _take(self, num_entries: int) -> list[WC]:
         entries = self._entries
-        n = min(num_entries, len(entries))
-        if n == len(entries):
-            taken = list(entries)
-            entries.clear()
-            return taken
-        return [entries.popleft() for _ in range(n)]
+        taken: list[WC] = []
+        left = min(num_entries, self._count)
+        self._count -= left
+        while left:
+            entry = entries[0]
+            if entry.__class__ is RecvRun:
+                n = min(left, len(entry))  # type: ignore[arg-type]
+                taken += entry.take(n)  # type: ignore[union-attr]
+                if not entry:
+                    entries.popleft()
+            else:
+                n = 1
+                taken.append(entries.popleft())  # type: ignore[arg-type]
+            left -= n
+        return taken
 
     def poll_into(self, wcs: WCArray, num_entries: int | None = None) -> int:
         """Take up to ``num_entries`` (default ``len(wcs)``) completions into ``wcs``; how many.
 
-        The CQ keeps the engine's completions as they come (one named tuple each);
-        this moves their fields into the array's lists and keeps none of them."""
+        The CQ keeps the engine's completions as they come (one named tuple each, or
+        the columns of a run of receives); this moves their fields into the array's
+        lists (a run's a column at a time) and keeps none of them."""
+        self._check_open("poll_cq")
+        if self._overrun:
+            raise VerbsError(errno.EOVERFLOW, "poll_cq", f"more than {self.cqe} completions queued")
         limit = len(wcs) if num_entries is None else min(num_entries, len(wcs))
-        taken = self.poll(limit)
-        wcs.fill(taken)
-        return len(taken)
+        entries = self._entries
+        total = min(limit, self._count)
+        self._count -= total
+        pos = 0
+        rows: list[WC] = []
+        while pos + len(rows) < total:
+            entry = entries[0]
+            if entry.__class__ is not RecvRun:
+                rows.append(entries.popleft())  # type: ignore[arg-type]
+                continue
+            if rows:
+                wcs.fill(rows, pos)
+                pos += len(rows)
+                rows = []
+            run: RecvRun = entry  # type: ignore[assignment]
+            n = min(total - pos, len(run))
+            start = run.start
+            _fill_run(wcs, pos, run, start, start + n)
+            run.start += n
+            if not run:
+                entries.popleft()
+            pos += n
+        if rows:
+            wcs.fill(rows, pos)
+        return total
 
     async def poll_wait_into(self, wcs: WCArray, num_entries: int | None = None) -> int:
         """Wait for completions and take up to ``num_entries`` of them into ``wcs``."""
@@ -705,7 +764,7 @@ class CQ(_Resource):
         wakes it in one hop. Otherwise the receive task wakes it.
         """
         self._check_open("wait")
-        while not self._entries:
+        while not self._count:
             link = self._sole_link()
             if link is not None and link.can_read:
                 self._reader = link
@@ -729,7 +788,7 @@ class CQ(_Resource):
         return None
 
     def _ready(self) -> bool:
-        return bool(self._entries) or self._closed
+        return bool(self._count) or self._closed
 
     async def poll_wait(self, num_entries: int = 16) -> list[WC]:
         """Wait for completions and take up to ``num_entries`` of them (at least one)."""
@@ -737,7 +796,7 @@ class CQ(_Resource):
         return self.poll(num_entries)
 
     def __len__(self) -> int:
-        return len(self._entries)
+        return self._count
 
     def close(self) -> None:
         """Destroy the CQ."""
@@ -746,6 +805,24 @@ class CQ(_Resource):
             self._waiter.set()
             if self._reader is not None:
                 self._reader.interrupt()
+
+
+def _fill_run(wcs: WCArray, pos: int, run: RecvRun, start: int, stop: int) -> None:
+    """Entries ``start:stop`` of a run into ``wcs`` from entry ``pos`` on, a column at a
+    time."""
+    n = stop - start
+    end = pos + n
+    wcs.wr_id[pos:end] = run.wr_ids[start:stop]
+    wcs.status[pos:end] = [_SUCCESS] * n
+    wcs.opcode[pos:end] = [_RECV] * n
+    wcs.byte_len[pos:end] = run.byte_lens[start:stop]
+    wcs.qp_num[pos:end] = [run.qp_num] * n
+    wcs.wc_flags[pos:end] = [_NO_FLAGS] * n
+    zeros = [0] * n
+    wcs.invalidated_rkey[pos:end] = zeros
+    wcs.vendor_err[pos:end] = zeros
+    wcs.solicited[pos:end] = run.solicited[start:stop]
+    wcs.imm_data[pos:end] = zeros
 
 
 class SRQ(_Resource):
@@ -865,6 +942,9 @@ _FENCE = int(SendFlags.FENCE)
 _RUN_BYTES = 256 * 1024
 """A :class:`SendRun` takes no more entries once its FPDUs reach this many bytes."""
 _RTS = QPState.RTS
+_SUCCESS = WCStatus.SUCCESS
+_RECV = WCOpcode.RECV
+_NO_FLAGS = WCFlags.NONE
 _ERR = QPState.ERR
 _SUPPORTED_SEND = frozenset(
     {WROpcode.SEND, WROpcode.SEND_WITH_INV, WROpcode.RDMA_WRITE, WROpcode.RDMA_READ}
@@ -1083,7 +1163,7 @@ class QP(_Resource):
             recv_queue=srq._queue if srq is not None else self._rq,
             on_send_wc=send_cq._push,
             on_recv_wc=recv_cq._push,
-            on_recv_wcs=recv_cq._push_all,
+            on_recv_wcs=recv_cq._push_run,
             on_send_wcs=send_cq._push_all,
             sq_sig_all=sq_sig_all,
             on_fatal=self._on_fatal,
