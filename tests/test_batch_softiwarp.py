@@ -50,7 +50,7 @@ async def test_poll_into_after_an_overrun_is_eoverflow() -> None:
 
 async def test_a_batch_of_inline_sends_by_its_plan_is_post_send() -> None:
     cap = QPCap(max_send_wr=4, max_inline_data=16)
-    async with connected(prepare=post_receives(16), cap=cap) as pair:
+    async with connected(prepare=post_receives(24), cap=cap) as pair:
         client, server = pair.client, pair.server
         src = client.pd.reg_mr(bytearray(b"abcdefgh"), Access.LOCAL_WRITE)
         flags = SendFlags.INLINE
@@ -61,20 +61,23 @@ async def test_a_batch_of_inline_sends_by_its_plan_is_post_send() -> None:
                 SendWR(3, WROpcode.SEND, [src.sge(5, 3)], flags | SendFlags.SIGNALED),
             ]
         )
-        client.qp.post_send_batch(batch)
+        client.qp.post_send_batch(batch)  # finds the regions
+        client.qp.post_send_batch(batch)  # by the plan
+        plans = batch.prepared(id(client.qp.context.memory), None)._plans  # type: ignore[arg-type]
+        assert set(plans) == {3} and plans[3] is not None
         src.buf[:] = b"ABCDEFGH"  # copied at each post: the next one sends these
         client.qp.post_send_batch(batch, 2)  # 1 and 2, unsignaled
         batch.set(0, wr_id=4, send_flags=flags | SendFlags.SIGNALED)
         client.qp.post_send_batch(batch)
-        assert [w.wr_id for w in await drain(client.send_cq, 3)] == [3, 4, 3]
-        got = await drain(server.recv_cq, 8)
+        assert [w.wr_id for w in await drain(client.send_cq, 4)] == [3, 3, 4, 3]
+        got = await drain(server.recv_cq, 11)
         assert [(w.status, w.byte_len, w.solicited) for w in got] == [
             (WCStatus.SUCCESS, n, sol)
-            for n, sol in [(2, 0), (3, 1), (3, 0), (2, 0), (3, 1), (2, 0), (3, 1), (3, 0)]
+            for n, sol in [(2, 0), (3, 1), (3, 0)] * 2 + [(2, 0), (3, 1), (2, 0), (3, 1), (3, 0)]
         ]
         placed = bytes(pair.server_mr.buf)
         assert [placed[64 * i : 64 * i + w.byte_len] for i, w in enumerate(got)] == [
-            b"ab", b"cde", b"fgh", b"AB", b"CDE", b"AB", b"CDE", b"FGH"
+            b"ab", b"cde", b"fgh", b"ab", b"cde", b"fgh", b"AB", b"CDE", b"AB", b"CDE", b"FGH"
         ]  # fmt: skip
         # Past the send queue: refused as post_send refuses the list (ENOMEM, bad_wr the
         # entry past max_send_wr), the entries before it go.

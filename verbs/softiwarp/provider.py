@@ -1097,7 +1097,8 @@ class _RunPlan:
             lengths += SendRun.fpdu_bytes(src.length)
         if lengths > _RUN_BYTES:  # not one run, as the general path makes them
             return False
-        return all(t.source.region is not None and t.source.region.valid for t in templates)  # type: ignore[union-attr]
+        found = all(t.source.region is not None and t.source.region.valid for t in templates)  # type: ignore[union-attr]
+        return True if found else None
 
     def run(self, wrs: Sequence[SendWR]) -> SendRun:
         """The run of ``wrs`` (the entries the plan was made of), their data copied now."""
