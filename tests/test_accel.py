@@ -74,11 +74,12 @@ _SEND = st.tuples(st.binary(max_size=100), st.sampled_from(sorted(SEND_CTRLS)), 
 def test_frame_sends_matches_the_reference_and_the_codec(
     c: Kernels, sends: list[tuple[bytes, int, int]], msn: int, crc: bool
 ) -> None:
-    payloads = [p for p, _, _ in sends]
+    data = b"".join(p for p, _, _ in sends)
+    lens = [len(p) for p, _, _ in sends]
     ctrls = bytes(ctrl for _, ctrl, _ in sends)
     invs = [inv for _, _, inv in sends]
-    framed = bytes(c.frame_sends(payloads, ctrls, invs, msn, crc))
-    assert framed == bytes(PY.frame_sends(payloads, ctrls, invs, msn, crc))
+    framed = bytes(c.frame_sends(data, lens, ctrls, invs, msn, crc))
+    assert framed == bytes(PY.frame_sends(memoryview(data), lens, ctrls, invs, msn, crc))
     codec = b""
     for i, (payload, ctrl, inv) in enumerate(sends):
         header = ddp.encode_untagged(
@@ -100,12 +101,15 @@ def test_frame_sends_matches_the_reference_and_the_codec(
 def test_frame_sends_refuses_what_is_not_a_one_fpdu_send(
     c: Kernels, payload_len: int, ctrl: int
 ) -> None:
+    data = b"ok" + bytes(payload_len)
     for kernels in (c, PY):
         with pytest.raises(ValueError, match="not a one-FPDU Send"):
-            kernels.frame_sends([b"ok", bytes(payload_len)], bytes([0x43, ctrl]), [0, 0], 1, True)
+            kernels.frame_sends(data, [2, payload_len], bytes([0x43, ctrl]), [0, 0], 1, True)
+        with pytest.raises(ValueError):  # lengths that do not add up to the data
+            kernels.frame_sends(b"ok" * 3, [2, 2], b"\x43\x43", [0, 0], 1, True)
     largest = bytes(MAX_SEND_PAYLOAD)
-    assert c.frame_sends([largest], b"\x43", [7], 1, True) == PY.frame_sends(
-        [largest], b"\x43", [7], 1, True
+    assert c.frame_sends(largest, [len(largest)], b"\x43", [7], 1, True) == PY.frame_sends(
+        largest, [len(largest)], b"\x43", [7], 1, True
     )
 
 

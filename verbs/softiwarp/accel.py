@@ -66,19 +66,19 @@ class CKernels:
         return int(lib.rs_crc32c(value, view, len(view)))
 
     def frame_sends(
-        self, payloads: Sequence[bytes], ctrls: Buffer, invs: Sequence[int], msn: int, crc: bool
-    ) -> Buffer:
+        self, data: Buffer, lens: Sequence[int], ctrls: Buffer, invs: Sequence[int], msn: int,
+        crc: bool,
+    ) -> Buffer:  # fmt: skip
         """See :class:`Kernels`."""
-        n = len(payloads)
+        n = len(lens)
         if n == 1:
-            return _PY.frame_sends(payloads, ctrls, invs, msn, crc)
+            return _PY.frame_sends(data, lens, ctrls, invs, msn, crc)
         if not n == len(ctrls) == len(invs):
-            raise ValueError("frame_sends: payloads, ctrls and invs differ in length")
-        data = b"".join(payloads)
-        out = bytearray(len(data) + n * _FRAME_OVERHEAD)
+            raise ValueError("frame_sends: lens, ctrls and invs differ in length")
+        src = _bytes(data)
+        out = bytearray(len(src) + n * _FRAME_OVERHEAD)
         written = lib.rs_frame_sends(
-            _bytes(out), len(out), data, len(data),
-            ffi.new("uint32_t[]", [len(p) for p in payloads]), _bytes(ctrls),
+            _bytes(out), len(out), src, len(src), ffi.new("uint32_t[]", lens), _bytes(ctrls),
             ffi.new("uint32_t[]", invs), n, msn, crc,
         )  # fmt: skip
         if written < 0:

@@ -97,6 +97,7 @@ _INV_STEP = Opcode.SEND_INV - Opcode.SEND
 """From SEND / SEND_SE to SEND_INV / SEND_SE_INV (each follows its plain opcode)."""
 _QN_SEND = int(QN.SEND)
 _ONE = 1
+_GT = int.__gt__
 """``_ONE.__eq__`` maps a scan's solicited words (1 or 0) to bools at C speed."""
 _SEND_FPDU_BASE = ddp.UNTAGGED_HDR_LEN + 3
 """Header bytes of an untagged FPDU, plus 3 to round its payload up to the pad."""
@@ -197,11 +198,12 @@ class SendRun:
     """
 
     __slots__ = (
+        "chunks",
         "ctrls",
         "done",
         "flags",
         "invs",
-        "payloads",
+        "lens",
         "signaled",
         "size",
         "status",
@@ -212,7 +214,10 @@ class SendRun:
     """What the SQ's checks see (a run is never a Read)."""
 
     def __init__(self) -> None:
-        self.payloads: list[bytes] = []
+        self.chunks: list[Chunk] = []
+        """The entries' data, in order (one piece each, or one for them all)."""
+        self.lens: list[int] = []
+        """Each entry's length."""
         self.ctrls = bytearray()
         """The RDMAP control byte of each entry (Send or Send with SE, with Invalidate)."""
         self.invs: list[int] = []
@@ -237,7 +242,8 @@ class SendRun:
         """Append an entry: control byte ``ctrl`` (from :meth:`ctrl`), its ``flags``, its
         data and the STag a Send with Invalidate names."""
         self.ctrls.append(ctrl)
-        self.payloads.append(inline)
+        self.chunks.append(inline)
+        self.lens.append(len(inline))
         self.invs.append(inv)
         self.wr_ids.append(wr_id)
         if flags & _SIGNALED:
@@ -247,14 +253,15 @@ class SendRun:
 
     @classmethod
     def of(
-        cls, payloads: list[bytes], ctrls: bytes, invs: list[int], wr_ids: list[int],
+        cls, data: bytes, lens: list[int], ctrls: bytes, invs: list[int], wr_ids: list[int],
         signaled: list[int], size: int,
     ) -> SendRun:  # fmt: skip
-        """A run made whole: the lists as :meth:`add` of each entry would leave them
-        (``size`` their FPDUs' bytes); the run keeps them and never changes them."""
+        """A run made whole: the entries' data joined and the lists as :meth:`add` of
+        each entry would leave them (``size`` their FPDUs' bytes); the run keeps them
+        and never changes them."""
         run = cls()
-        run.payloads, run.invs, run.wr_ids, run.signaled, run.size = (
-            payloads, invs, wr_ids, signaled, size,
+        run.chunks, run.lens, run.invs, run.wr_ids, run.signaled, run.size = (
+            [data], lens, invs, wr_ids, signaled, size,
         )  # fmt: skip
         run.ctrls = ctrls  # type: ignore[assignment]
         run.flags = _SIGNALED if signaled else 0
@@ -306,6 +313,9 @@ class RecvRun:
         ]  # fmt: skip
 
 
+_NOT_CHECKED: tuple[object, Region | None, int, int] = (None, None, 0, 0)
+
+
 @dataclass(eq=False, slots=True)
 class RecvJob:
     """A posted receive as the engine carries it."""
@@ -313,6 +323,10 @@ class RecvJob:
     wr_id: int
     sges: Sequence[SGE]
     length: int
+    checked: tuple[object, Region | None, int, int] = _NOT_CHECKED
+    """For a receive of one non-empty SGE: the memory token it was checked under
+    (:meth:`MemoryTable.token`), the region, the offset in it and the length (a
+    receive posted again is not checked again while the token holds)."""
 
 
 @dataclass(eq=False, slots=True)
@@ -544,7 +558,8 @@ class Engine:
         burst = self._burst_done
         most = self.small_send_max
         send, send_inv = WROpcode.SEND, WROpcode.SEND_WITH_INV  # enum lookups cost
-        payloads: list[bytes] = []
+        chunks: list[Chunk] = []
+        lens: list[int] = []
         ctrls = bytearray()
         invs: list[int] = []
         size = 0
@@ -554,7 +569,8 @@ class Engine:
                 sq.popleft()
                 order.append(job)
                 burst.append(job)
-                payloads += job.payloads
+                chunks += job.chunks
+                lens += job.lens
                 ctrls += job.ctrls
                 invs += job.invs
                 size += job.size
@@ -577,17 +593,19 @@ class Engine:
             order.append(job)
             burst.append(job)
             ctrl = _CTRL_SEND_SE if job.flags & _SOLICITED else _CTRL_SEND_PLAIN
-            payloads.append(inline)
+            chunks.append(inline)
+            lens.append(len(inline))
             ctrls.append(ctrl + _INV_STEP if op is send_inv else ctrl)
             invs.append(job.invalidate_rkey)
             size += ((_SEND_FPDU_BASE + len(inline)) & ~3) + _CRC_BYTES
-        if payloads:
+        if lens:
             msns = self._tx_msn
             msn = msns[_QN_SEND]
-            msns[_QN_SEND] = (msn + len(payloads)) & U32_MAX
+            msns[_QN_SEND] = (msn + len(lens)) & U32_MAX
+            data = chunks[0] if len(chunks) == 1 else b"".join(chunks)
             out.append(
                 self._kernels.frame_sends(
-                    payloads, ctrls, invs, (msn + 1) & U32_MAX, self.config.crc
+                    data, lens, ctrls, invs, (msn + 1) & U32_MAX, self.config.crc
                 )
             )
         return size
@@ -854,8 +872,13 @@ class Engine:
         else:
             popleft = queue.popleft
             jobs = [popleft() for _ in range(count)]
-        locate = self.memory.locate
         pd = self.pd
+        token = self.memory.token(pd)
+        if count > 1 and (segments := self._checked_targets(jobs, msgs, token)) is not None:
+            kernels.place(sview, msgs, Targets(segments, [1] * count))
+            self._complete_small_sends(jobs, msgs)
+            return stop if count * _MSG_WORDS == len(msgs) else self._fpdu_at(msgs, count)
+        locate = self.memory.locate
         handle = kernels.handle
         regions: dict[int, Region] = {}
         """The regions of the SGEs met in this run, checked once each (no user code
@@ -882,6 +905,7 @@ class Engine:
                         break
                     regions[s.lkey] = region
                 alone = region
+                job.checked = (token, region, off, s.length)
                 segments.append((region.handle or handle(region), region.length, off, s.length))
                 nsegs.append(1)
             else:
@@ -908,17 +932,10 @@ class Engine:
         elif jobs:
             kernels.place(sview, msgs, Targets(segments, nsegs))
         if jobs:
-            rx_msn[_QN_SEND] = (rx_msn[_QN_SEND] + len(jobs)) & U32_MAX
-            words = len(jobs) * _MSG_WORDS
-            self._recv_wcs(
-                RecvRun(
-                    [job.wr_id for job in jobs], msgs[1:words:_MSG_WORDS],
-                    list(map(_ONE.__eq__, msgs[2:words:_MSG_WORDS])), self.qp_num,
-                )
-            )  # fmt: skip
+            self._complete_small_sends(jobs, msgs)
         if len(jobs) * _MSG_WORDS == len(msgs):
             return stop
-        fpdu = msgs[len(jobs) * _MSG_WORDS] - ddp.UNTAGGED_HDR_LEN
+        fpdu = self._fpdu_at(msgs, len(jobs))
         if refused is not None:
             # The general path reports it (LOC_PROT_ERR or LOC_LEN_ERR, Terminate).
             self._start = fpdu + ddp.UNTAGGED_HDR_LEN
@@ -927,6 +944,38 @@ class Engine:
             self._fit_send(self._open_send(refused, hdr), hdr, hdr.payload_len)
             raise AssertionError("a refused Send passed the general checks")
         return fpdu
+
+    def _checked_targets(
+        self, jobs: list[RecvJob], msgs: list[int], token: object
+    ) -> list[tuple[object, int, int, int]] | None:
+        """The targets of the scanned messages ``msgs`` in the receives ``jobs`` (one
+        each) when every receive was checked under ``token`` and holds its message; None
+        when one was not (the general loop then checks them, and finds which fails)."""
+        checked = [job.checked for job in jobs]
+        if [c[0] for c in checked].count(token) != len(checked):
+            return None
+        words = len(jobs) * _MSG_WORDS
+        if any(map(_GT, msgs[1:words:_MSG_WORDS], [c[3] for c in checked])):
+            return None
+        handle = self._kernels.handle
+        return [(r.handle or handle(r), r.length, off, n) for _, r, off, n in checked]  # type: ignore[union-attr]
+
+    def _complete_small_sends(self, jobs: list[RecvJob], msgs: list[int]) -> None:
+        """Complete the receives ``jobs`` with the first scanned messages of ``msgs``."""
+        rx_msn = self._rx_msn
+        rx_msn[_QN_SEND] = (rx_msn[_QN_SEND] + len(jobs)) & U32_MAX
+        words = len(jobs) * _MSG_WORDS
+        self._recv_wcs(
+            RecvRun(
+                [job.wr_id for job in jobs], msgs[1:words:_MSG_WORDS],
+                list(map(_ONE.__eq__, msgs[2:words:_MSG_WORDS])), self.qp_num,
+            )
+        )  # fmt: skip
+
+    @staticmethod
+    def _fpdu_at(msgs: list[int], k: int) -> int:
+        """Where the FPDU of scanned message ``k`` starts."""
+        return msgs[k * _MSG_WORDS] - ddp.UNTAGGED_HDR_LEN
 
     def _tagged_run(self, sview: memoryview, start: int, end: int, ctrl: int) -> int:
         """Place the whole tagged FPDUs at ``sview[start:end]`` bound for one region;

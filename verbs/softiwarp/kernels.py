@@ -88,11 +88,13 @@ class Kernels(Protocol):
         ...
 
     def frame_sends(
-        self, payloads: Sequence[bytes], ctrls: Buffer, invs: Sequence[int], msn: int, crc: bool
-    ) -> Buffer:
-        """The FPDUs of one-FPDU Sends: payload ``payloads[i]``, RDMAP control byte
-        ``ctrls[i]``, invalidate STag ``invs[i]``, MSN ``msn + i`` (mod 2^32), QN 0,
-        MO 0, last; zero PAD and the CRC (zero field when ``crc`` is false)."""
+        self, data: Buffer, lens: Sequence[int], ctrls: Buffer, invs: Sequence[int], msn: int,
+        crc: bool,
+    ) -> Buffer:  # fmt: skip
+        """The FPDUs of one-FPDU Sends: payload the next ``lens[i]`` bytes of ``data``
+        (they add up to all of it), RDMAP control byte ``ctrls[i]``, invalidate STag
+        ``invs[i]``, MSN ``msn + i`` (mod 2^32), QN 0, MO 0, last; zero PAD and the CRC
+        (zero field when ``crc`` is false)."""
         ...
 
     def scan_sends(
@@ -154,18 +156,25 @@ class PyKernels:
         return int(crc32c(data, value))
 
     def frame_sends(
-        self, payloads: Sequence[bytes], ctrls: Buffer, invs: Sequence[int], msn: int, crc: bool
-    ) -> Buffer:
+        self, data: Buffer, lens: Sequence[int], ctrls: Buffer, invs: Sequence[int], msn: int,
+        crc: bool,
+    ) -> Buffer:  # fmt: skip
         """See :class:`Kernels`."""
-        if not len(payloads) == len(ctrls) == len(invs):
-            raise ValueError("frame_sends: payloads, ctrls and invs differ in length")
+        if not len(lens) == len(ctrls) == len(invs):
+            raise ValueError("frame_sends: lens, ctrls and invs differ in length")
+        view = memoryview(data).cast("B")
+        if sum(lens) != len(view):
+            raise ValueError("frame_sends: the lengths do not add up to the data")
         pack = _UNTAGGED.pack
         crc_field = _CRC_FIELD.pack
         parts: list[bytes] = []
-        for i, payload in enumerate(payloads):
+        end = 0
+        for i, n in enumerate(lens):
             ctrl = ctrls[i]
-            if ctrl not in SEND_CTRLS or len(payload) > MAX_SEND_PAYLOAD:
+            if ctrl not in SEND_CTRLS or not 0 <= n <= MAX_SEND_PAYLOAD:
                 raise ValueError(f"frame_sends: message {i} is not a one-FPDU Send")
+            payload = view[end : end + n]
+            end += n
             ulpdu_len = UNTAGGED_HDR_LEN - 2 + len(payload)
             body = (
                 pack(ulpdu_len, DDP_UNTAGGED_LAST, ctrl, invs[i], 0, (msn + i) & _U32, 0) + payload

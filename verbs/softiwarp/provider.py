@@ -17,6 +17,7 @@ from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from operator import getitem
 from typing import TYPE_CHECKING, Self, TypeVar
 
 import psutil
@@ -1067,7 +1068,7 @@ class _RunPlan:
     found, worked out once. A post checks that those regions are still registered and
     the QP's limits, copies the data and makes the run, with no per-entry checks."""
 
-    __slots__ = ("ctrls", "invs", "longest", "regions", "signaled", "size", "spans")
+    __slots__ = ("ctrls", "invs", "lens", "regions", "signaled", "size", "slices", "views")
 
     def __init__(self, templates: Sequence[_SendTemplate]) -> None:
         self.ctrls = bytes(t.run_ctrl for t in templates)
@@ -1075,12 +1076,13 @@ class _RunPlan:
         self.signaled = [i for i, t in enumerate(templates) if t.flags & _SIGNALED]
         """The indices of the entries with SIGNALED."""
         sources = [t.source for t in templates]
-        self.spans = [(s.region.view, s.offset, s.end) for s in sources]  # type: ignore[union-attr]
+        self.views = [s.region.view for s in sources]  # type: ignore[union-attr]
+        self.slices = [slice(s.offset, s.end) for s in sources]  # type: ignore[union-attr]
+        """Each entry's data: ``views[i][slices[i]]``."""
         self.regions = list({id(s.region): s.region for s in sources}.values())  # type: ignore[union-attr]
         """The regions the data come from (each still registered, or the plan is void)."""
-        lengths = [s.length for s in sources]  # type: ignore[union-attr]
-        self.longest = max(lengths)
-        self.size = sum(map(SendRun.fpdu_bytes, lengths))
+        self.lens = [s.length for s in sources]  # type: ignore[union-attr]
+        self.size = sum(map(SendRun.fpdu_bytes, self.lens))
 
     @staticmethod
     def possible(templates: Sequence[_SendTemplate]) -> bool | None:
@@ -1104,8 +1106,8 @@ class _RunPlan:
         """The run of ``wrs`` (the entries the plan was made of), their data copied now."""
         wr_ids = [w.wr_id for w in wrs]
         return SendRun.of(
-            [view[start:end].tobytes() for view, start, end in self.spans],
-            self.ctrls, self.invs, wr_ids, [wr_ids[i] for i in self.signaled], self.size,
+            b"".join(map(getitem, self.views, self.slices)), self.lens, self.ctrls, self.invs,
+            wr_ids, [wr_ids[i] for i in self.signaled], self.size,
         )  # fmt: skip
 
 
@@ -1253,7 +1255,7 @@ class QP(_Resource):
         if (
             len(wrs) > cap.max_send_wr - engine.sq_depth
             or cap.max_send_sge < 1
-            or plan.longest > min(engine.small_send_max, cap.max_inline_data)
+            or max(plan.lens) > min(engine.small_send_max, cap.max_inline_data)
         ):
             return False
         engine.post_send(plan.run(wrs))
