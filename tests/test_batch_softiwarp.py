@@ -17,6 +17,7 @@ from rdmashim import (
     Access,
     AsyncEventType,
     QPCap,
+    RecvBatch,
     RecvWR,
     SendBatch,
     SendFlags,
@@ -139,3 +140,26 @@ async def until(ready: Callable[[], bool]) -> None:
     with trio.fail_after(BOUND):
         while not ready():  # noqa: ASYNC110 - the engine's progress sets no event to wait on
             await trio.sleep(0.005)
+
+
+async def test_a_receive_checked_before_is_checked_again_once_a_region_goes() -> None:
+    async with connected(cap=QPCap(max_inline_data=16)) as pair:
+        client, server = pair.client, pair.server
+        sink = server.pd.reg_mr(bytearray(16), Access.LOCAL_WRITE)
+        recvs = RecvBatch(RecvWR(i, [sink.sge(8 * i, 8)]) for i in range(2))
+        batch = SendBatch(
+            SendWR(i, WROpcode.SEND, [bytes([65 + i]) * 8], SendFlags.INLINE) for i in range(2)
+        )
+        server.qp.post_recv_batch(recvs)
+        client.qp.post_send_batch(batch)  # a run: both receives checked (and kept so)
+        assert [w.status for w in await drain(server.recv_cq, 2)] == [WCStatus.SUCCESS] * 2
+        assert bytes(sink.buf) == b"A" * 8 + b"B" * 8
+        server.qp.post_recv_batch(recvs)
+        other = server.pd.reg_mr(bytearray(8), Access.LOCAL_WRITE)
+        other.close()  # any region gone: what was checked is checked again
+        sink.close()
+        client.qp.post_send_batch(batch)
+        got = await drain(server.recv_cq, 2)
+        assert [(w.wr_id, w.status) for w in got] == [
+            (0, WCStatus.LOC_PROT_ERR), (1, WCStatus.WR_FLUSH_ERR)
+        ]  # fmt: skip
