@@ -310,6 +310,50 @@ def test_place_refuses_msgs_outside_the_buffer(c: Kernels) -> None:
         assert bytes(region.view) == bytes(64)
 
 
+@settings(max_examples=300, deadline=None)
+@given(
+    sizes=st.lists(st.integers(0, 60), min_size=1, max_size=12),
+    offsets=st.lists(st.integers(0, 300), min_size=12, max_size=12),
+    room=st.lists(st.integers(0, 70), min_size=12, max_size=12),
+    cap=st.integers(0, 400),
+    fewer=st.integers(0, 2),
+)
+def test_place_in_matches_the_reference(
+    c: Kernels, sizes: list[int], offsets: list[int], room: list[int], cap: int, fewer: int
+) -> None:
+    """Messages into receives of one buffer at random offsets and sizes (some too short,
+    some past the buffer): the same bytes placed, or the same ValueError after the same
+    prefix."""
+    buf = _stream(sizes, [True], 1, True, "none", -1, 0)
+    _, msgs = _scan_both(c, buf, 0, len(buf), 1, True)
+    count = max(0, len(sizes) - fewer)
+    outcomes = []
+    for impl in (c, PY):
+        (region,) = _regions(1, cap)
+        try:
+            impl.place_in(buf, msgs, impl.handle(region), offsets[:count], room[:count])
+            error = None
+        except ValueError:
+            error = ValueError
+        outcomes.append((bytes(region.view), error))
+    assert outcomes[0] == outcomes[1]
+    fits = all(
+        sizes[i] <= room[i] and offsets[i] + room[i] <= cap for i in range(count)
+    )  # fmt: skip
+    assert (outcomes[0][1] is None) == fits
+
+
+def test_place_in_refuses_msgs_outside_the_buffer(c: Kernels) -> None:
+    for impl in (c, PY):
+        (region,) = _regions(1, 64)
+        target = impl.handle(region)
+        with pytest.raises(ValueError):
+            impl.place_in(b"x" * 10, [8, 4, 0, 0, 1, 0], target, [0, 8], [8, 8])  # past buf
+        with pytest.raises(ValueError):
+            impl.place_in(b"x" * 10, [0, 1, 0], target, [0, 8], [8, 8])  # more than scanned
+        assert bytes(region.view) == bytes(64)
+
+
 def test_deregistration_releases_the_compiled_handle(c: Kernels) -> None:
     """The compiled handle holds the region's buffer; deregistering drops it, so the
     buffer can be released (an MR's close does that)."""

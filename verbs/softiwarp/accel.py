@@ -119,6 +119,26 @@ class CKernels:
         if failed:
             raise ValueError("place: a message or segment outside its bounds")
 
+    def place_in(
+        self, buf: Buffer, msgs: Sequence[int], target: object, offs: Sequence[int],
+        lens: Sequence[int],
+    ) -> None:  # fmt: skip
+        """See :class:`Kernels`."""
+        n = len(offs)
+        if n == 1:
+            _PY.place_in(buf, msgs, target, offs, lens)  # slice assignment works on handles
+            return
+        if len(lens) < n:
+            raise ValueError("place_in: more targets than lengths")
+        dst = target if isinstance(target, ffi.CData) else _bytes(target)  # type: ignore[arg-type]
+        view = _bytes(buf)
+        failed = lib.rs_place_in(
+            view, len(view), ffi.new("uint32_t[]", msgs), len(msgs), n, dst, len(dst),
+            ffi.new("uint64_t[]", offs), ffi.new("uint64_t[]", lens),
+        )  # fmt: skip
+        if failed:
+            raise ValueError("place_in: a message outside the buffer or its receive")
+
     def handle(self, region: Region) -> object:
         """See :class:`Kernels`: a cdata over the region's memory, made once per region."""
         handle = region.handle

@@ -874,8 +874,7 @@ class Engine:
             jobs = [popleft() for _ in range(count)]
         pd = self.pd
         token = self.memory.token(pd)
-        if count > 1 and (segments := self._checked_targets(jobs, msgs, token)) is not None:
-            kernels.place(sview, msgs, Targets(segments, [1] * count))
+        if count > 1 and self._place_checked(sview, jobs, msgs, token):
             self._complete_small_sends(jobs, msgs)
             return stop if count * _MSG_WORDS == len(msgs) else self._fpdu_at(msgs, count)
         locate = self.memory.locate
@@ -945,20 +944,30 @@ class Engine:
             raise AssertionError("a refused Send passed the general checks")
         return fpdu
 
-    def _checked_targets(
-        self, jobs: list[RecvJob], msgs: list[int], token: object
-    ) -> list[tuple[object, int, int, int]] | None:
-        """The targets of the scanned messages ``msgs`` in the receives ``jobs`` (one
-        each) when every receive was checked under ``token`` and holds its message; None
-        when one was not (the general loop then checks them, and finds which fails)."""
+    def _place_checked(
+        self, sview: memoryview, jobs: list[RecvJob], msgs: list[int], token: object
+    ) -> bool:
+        """Place the scanned messages ``msgs`` into the receives ``jobs`` (one each) when
+        every receive was checked under ``token`` and holds its message; False (nothing
+        placed) when one was not (the general loop then checks them, and finds which
+        fails)."""
         checked = [job.checked for job in jobs]
         if [c[0] for c in checked].count(token) != len(checked):
-            return None
+            return False
         words = len(jobs) * _MSG_WORDS
-        if any(map(_GT, msgs[1:words:_MSG_WORDS], [c[3] for c in checked])):
-            return None
-        handle = self._kernels.handle
-        return [(r.handle or handle(r), r.length, off, n) for _, r, off, n in checked]  # type: ignore[union-attr]
+        lens = [c[3] for c in checked]
+        if any(map(_GT, msgs[1:words:_MSG_WORDS], lens)):
+            return False
+        kernels = self._kernels
+        region: Region = checked[0][1]  # type: ignore[assignment]
+        if [c[1] for c in checked].count(region) == len(checked):  # the usual: one region
+            target = region.handle or kernels.handle(region)
+            kernels.place_in(sview, msgs, target, [c[2] for c in checked], lens)
+            return True
+        handle = kernels.handle
+        segments = [(r.handle or handle(r), r.length, off, n) for _, r, off, n in checked]  # type: ignore[union-attr]
+        kernels.place(sview, msgs, Targets(segments, [1] * len(checked)))
+        return True
 
     def _complete_small_sends(self, jobs: list[RecvJob], msgs: list[int]) -> None:
         """Complete the receives ``jobs`` with the first scanned messages of ``msgs``."""

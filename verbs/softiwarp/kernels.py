@@ -111,9 +111,20 @@ class Kernels(Protocol):
         into their targets."""
         ...
 
+    def place_in(
+        self, buf: Buffer, msgs: Sequence[int], target: object, offs: Sequence[int],
+        lens: Sequence[int],
+    ) -> None:  # fmt: skip
+        """Copy the payloads of the first ``len(offs)`` messages of a scan into one
+        buffer (a :meth:`handle`): message ``i`` to ``target[offs[i]:]``, into a
+        receive of ``lens[i]`` bytes there. ValueError when a message lies outside
+        ``buf`` or is longer than its receive, or a receive passes the end of
+        ``target`` (those before it are placed)."""
+        ...
+
     def handle(self, region: Region) -> object:
-        """What :class:`Targets` and :meth:`place_tagged` name a registered region's
-        memory by."""
+        """What :class:`Targets`, :meth:`place_in` and :meth:`place_tagged` name a
+        registered region's memory by."""
         ...
 
     def frame_tagged(
@@ -242,6 +253,24 @@ class PyKernels:
             s += count
             if left:
                 raise ValueError(f"place: message {i} longer than its segments")
+
+    def place_in(
+        self, buf: Buffer, msgs: Sequence[int], target: object, offs: Sequence[int],
+        lens: Sequence[int],
+    ) -> None:  # fmt: skip
+        """See :class:`Kernels`."""
+        dst: memoryview = target  # type: ignore[assignment]
+        if len(offs) > len(msgs) // MSG_WORDS or len(lens) < len(offs):
+            raise ValueError("place_in: more targets than messages or lengths")
+        size = len(buf)
+        cap = len(dst)
+        for i, off in enumerate(offs):
+            src = msgs[i * MSG_WORDS]
+            n = msgs[i * MSG_WORDS + 1]
+            if src > size or n > size - src or n > lens[i] or off > cap or lens[i] > cap - off:
+                raise ValueError(f"place_in: message {i} outside the buffer or its receive")
+            if n:
+                dst[off : off + n] = buf[src : src + n]  # type: ignore[index]
 
     def handle(self, region: Region) -> object:
         """See :class:`Kernels`: the region's own memoryview."""
