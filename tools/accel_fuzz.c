@@ -247,6 +247,9 @@ static void scan_and_place(const uint8_t *buf, size_t len, uint32_t msn, int crc
     rc = rs_place_in(buf, len, msgs, words, nmsg, dst, cap, at, room);
     if (rc != (fits ? 0 : -1))
         oracle("rs_place_in did not refuse exactly what does not fit", round);
+    for (size_t i = 0; rc && i < cap; i++)
+        if (dst[i] != CANARY)
+            oracle("rs_place_in placed something of what it refused", round);
     check_guards(dst, cap, round);
     check_guards((uint8_t *)at, (nmsg ? nmsg : 1) * sizeof(uint64_t), round);
     check_guards((uint8_t *)room, (nmsg ? nmsg : 1) * sizeof(uint64_t), round);

@@ -342,14 +342,17 @@ int rs_place_in(const uint8_t *buf, size_t buf_len, const uint32_t *msgs, size_t
 {
     if (n > msg_words / RS_MSG_WORDS)
         return -1;
-    for (size_t i = 0; i < n; i++) {
+    for (size_t i = 0; i < n; i++) { /* every check first: all or nothing is placed */
         size_t off = msgs[i * RS_MSG_WORDS];
         size_t len = msgs[i * RS_MSG_WORDS + 1];
         if (off > buf_len || len > buf_len - off || len > lens[i] || offs[i] > dst_len ||
             lens[i] > dst_len - offs[i])
             return -1;
+    }
+    for (size_t i = 0; i < n; i++) {
+        size_t len = msgs[i * RS_MSG_WORDS + 1];
         if (len)
-            memcpy(dst + offs[i], buf + off, len);
+            memcpy(dst + offs[i], buf + msgs[i * RS_MSG_WORDS], len);
     }
     return 0;
 }

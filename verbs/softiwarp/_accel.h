@@ -68,9 +68,8 @@ int rs_place(const uint8_t *buf, size_t buf_len, const uint32_t *msgs, size_t ms
 /* Copy the payloads of n scanned messages (msgs: RS_MSG_WORDS words each, as
  * rs_scan_sends wrote them; msg_words of them) out of buf[0:buf_len] into one buffer
  * dst[0:dst_len]: message i to dst[offs[i]:], into a receive of lens[i] bytes there.
- * Returns 0, or -1 when a message lies outside buf or is longer than its receive, or a
- * receive passes dst_len (the messages before it are placed: that is the caller's bug,
- * never the peer's). */
+ * Returns 0, or -1 (placing nothing) when a message lies outside buf or is longer than
+ * its receive, or a receive passes dst_len. */
 int rs_place_in(const uint8_t *buf, size_t buf_len, const uint32_t *msgs, size_t msg_words,
                 size_t n, uint8_t *dst, size_t dst_len, const uint64_t *offs,
                 const uint64_t *lens);

@@ -21,6 +21,7 @@ work; so does a Terminate from the peer or the loss of the connection.
 from __future__ import annotations
 
 import logging
+from array import array
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -216,11 +217,11 @@ class SendRun:
     def __init__(self) -> None:
         self.chunks: list[Chunk] = []
         """The entries' data, in order (one piece each, or one for them all)."""
-        self.lens: list[int] = []
+        self.lens = array("I")
         """Each entry's length."""
         self.ctrls = bytearray()
         """The RDMAP control byte of each entry (Send or Send with SE, with Invalidate)."""
-        self.invs: list[int] = []
+        self.invs = array("I")
         self.wr_ids: list[int] = []
         self.signaled: list[int] = []
         """The wr_ids of the entries with SIGNALED, in order."""
@@ -253,7 +254,7 @@ class SendRun:
 
     @classmethod
     def of(
-        cls, data: bytes, lens: list[int], ctrls: bytes, invs: list[int], wr_ids: list[int],
+        cls, data: bytes, lens: array[int], ctrls: bytes, invs: array[int], wr_ids: list[int],
         signaled: list[int], size: int,
     ) -> SendRun:  # fmt: skip
         """A run made whole: the entries' data joined and the lists as :meth:`add` of
@@ -559,9 +560,9 @@ class Engine:
         most = self.small_send_max
         send, send_inv = WROpcode.SEND, WROpcode.SEND_WITH_INV  # enum lookups cost
         chunks: list[Chunk] = []
-        lens: list[int] = []
+        lens = array("I")
         ctrls = bytearray()
-        invs: list[int] = []
+        invs = array("I")
         size = 0
         while sq and size < budget:
             job = sq[0]
@@ -951,22 +952,25 @@ class Engine:
         every receive was checked under ``token`` and holds its message; False (nothing
         placed) when one was not (the general loop then checks them, and finds which
         fails)."""
-        checked = [job.checked for job in jobs]
-        if [c[0] for c in checked].count(token) != len(checked):
-            return False
-        words = len(jobs) * _MSG_WORDS
-        lens = [c[3] for c in checked]
-        if any(map(_GT, msgs[1:words:_MSG_WORDS], lens)):
+        tokens, regions, offs, lens = zip(*[job.checked for job in jobs], strict=True)
+        if tokens.count(token) != len(tokens):
             return False
         kernels = self._kernels
-        region: Region = checked[0][1]  # type: ignore[assignment]
-        if [c[1] for c in checked].count(region) == len(checked):  # the usual: one region
-            target = region.handle or kernels.handle(region)
-            kernels.place_in(sview, msgs, target, [c[2] for c in checked], lens)
+        region: Region = regions[0]
+        if regions.count(region) == len(regions):  # the usual: one region
+            try:
+                kernels.place_in(sview, msgs, region.handle or kernels.handle(region), offs, lens)
+            except ValueError:
+                return False  # a Send longer than its receive: the general loop reports it
             return True
+        if any(map(_GT, msgs[1 : len(jobs) * _MSG_WORDS : _MSG_WORDS], lens)):
+            return False
         handle = kernels.handle
-        segments = [(r.handle or handle(r), r.length, off, n) for _, r, off, n in checked]  # type: ignore[union-attr]
-        kernels.place(sview, msgs, Targets(segments, [1] * len(checked)))
+        segments = [
+            (r.handle or handle(r), r.length, off, n)
+            for r, off, n in zip(regions, offs, lens, strict=True)
+        ]
+        kernels.place(sview, msgs, Targets(segments, [1] * len(jobs)))
         return True
 
     def _complete_small_sends(self, jobs: list[RecvJob], msgs: list[int]) -> None:

@@ -99,10 +99,11 @@ class Kernels(Protocol):
 
     def scan_sends(
         self, buf: Buffer, start: int, end: int, msn: int, crc: bool
-    ) -> tuple[int, list[int]]:
+    ) -> tuple[int, Sequence[int]]:
         """The run of whole one-FPDU Sends (with SE or not) at ``buf[start:end]``
         whose MSNs count up from ``msn``: the offset after the run and
-        :data:`MSG_WORDS` words per message (payload offset, length, solicited).
+        :data:`MSG_WORDS` words per message (payload offset, length, solicited; a
+        list or an ``array("I")``).
         It stops before the first FPDU that is anything else or fails its CRC."""
         ...
 
@@ -117,9 +118,10 @@ class Kernels(Protocol):
     ) -> None:  # fmt: skip
         """Copy the payloads of the first ``len(offs)`` messages of a scan into one
         buffer (a :meth:`handle`): message ``i`` to ``target[offs[i]:]``, into a
-        receive of ``lens[i]`` bytes there. ValueError when a message lies outside
-        ``buf`` or is longer than its receive, or a receive passes the end of
-        ``target`` (those before it are placed)."""
+        receive of ``lens[i]`` bytes there. ValueError, and nothing placed, when a
+        message lies outside ``buf`` or is longer than its receive (a peer's Send
+        too long for the receive it takes), or a receive passes the end of
+        ``target``."""
         ...
 
     def handle(self, region: Region) -> object:
@@ -269,6 +271,9 @@ class PyKernels:
             n = msgs[i * MSG_WORDS + 1]
             if src > size or n > size - src or n > lens[i] or off > cap or lens[i] > cap - off:
                 raise ValueError(f"place_in: message {i} outside the buffer or its receive")
+        for i, off in enumerate(offs):
+            src = msgs[i * MSG_WORDS]
+            n = msgs[i * MSG_WORDS + 1]
             if n:
                 dst[off : off + n] = buf[src : src + n]  # type: ignore[index]
 

@@ -13,6 +13,7 @@ import itertools
 import logging
 import socket
 import weakref
+from array import array
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from contextlib import asynccontextmanager
@@ -1072,7 +1073,7 @@ class _RunPlan:
 
     def __init__(self, templates: Sequence[_SendTemplate]) -> None:
         self.ctrls = bytes(t.run_ctrl for t in templates)
-        self.invs = [t.invalidate_rkey for t in templates]
+        self.invs = array("I", [t.invalidate_rkey for t in templates])
         self.signaled = [i for i, t in enumerate(templates) if t.flags & _SIGNALED]
         """The indices of the entries with SIGNALED."""
         sources = [t.source for t in templates]
@@ -1081,7 +1082,7 @@ class _RunPlan:
         """Each entry's data: ``views[i][slices[i]]``."""
         self.regions = list({id(s.region): s.region for s in sources}.values())  # type: ignore[union-attr]
         """The regions the data come from (each still registered, or the plan is void)."""
-        self.lens = [s.length for s in sources]  # type: ignore[union-attr]
+        self.lens = array("I", [s.length for s in sources])  # type: ignore[union-attr]
         self.size = sum(map(SendRun.fpdu_bytes, self.lens))
 
     @staticmethod
