@@ -260,12 +260,14 @@ class SendRun:
         """A run made whole: the entries' data joined and the lists as :meth:`add` of
         each entry would leave them (``size`` their FPDUs' bytes); the run keeps them
         and never changes them."""
-        run = cls()
+        run = cls.__new__(cls)  # every field set here: no empty lists made to be replaced
         run.chunks, run.lens, run.invs, run.wr_ids, run.signaled, run.size = (
             [data], lens, invs, wr_ids, signaled, size,
         )  # fmt: skip
         run.ctrls = ctrls  # type: ignore[assignment]
         run.flags = _SIGNALED if signaled else 0
+        run.done = False
+        run.status = WCStatus.SUCCESS
         return run
 
     @staticmethod

@@ -1069,7 +1069,9 @@ class _RunPlan:
     found, worked out once. A post checks that those regions are still registered and
     the QP's limits, copies the data and makes the run, with no per-entry checks."""
 
-    __slots__ = ("ctrls", "invs", "lens", "regions", "signaled", "size", "slices", "views")
+    __slots__ = (
+        "ctrls", "invs", "lens", "longest", "regions", "signaled", "size", "slices", "views",
+    )  # fmt: skip
 
     def __init__(self, templates: Sequence[_SendTemplate]) -> None:
         self.ctrls = bytes(t.run_ctrl for t in templates)
@@ -1083,6 +1085,7 @@ class _RunPlan:
         self.regions = list({id(s.region): s.region for s in sources}.values())  # type: ignore[union-attr]
         """The regions the data come from (each still registered, or the plan is void)."""
         self.lens = array("I", [s.length for s in sources])  # type: ignore[union-attr]
+        self.longest = max(self.lens)
         self.size = sum(map(SendRun.fpdu_bytes, self.lens))
 
     @staticmethod
@@ -1256,7 +1259,7 @@ class QP(_Resource):
         if (
             len(wrs) > cap.max_send_wr - engine.sq_depth
             or cap.max_send_sge < 1
-            or max(plan.lens) > min(engine.small_send_max, cap.max_inline_data)
+            or plan.longest > min(engine.small_send_max, cap.max_inline_data)
         ):
             return False
         engine.post_send(plan.run(wrs))
