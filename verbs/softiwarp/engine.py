@@ -562,16 +562,18 @@ class Engine:
         most = self.small_send_max
         send, send_inv = WROpcode.SEND, WROpcode.SEND_WITH_INV  # enum lookups cost
         chunks: list[Chunk] = []
-        lens = array("I")
+        lens: list[int] = []
         ctrls = bytearray()
-        invs = array("I")
+        invs: list[int] = []
         size = 0
+        run: SendRun | None = None  # the run taken, when it is all (framed from its arrays)
         while sq and size < budget:
             job = sq[0]
             if isinstance(job, SendRun):  # taken whole (its size is bounded at post time)
                 sq.popleft()
                 order.append(job)
                 burst.append(job)
+                run = None if lens else job
                 chunks += job.chunks
                 lens += job.lens
                 ctrls += job.ctrls
@@ -595,6 +597,7 @@ class Engine:
             sq.popleft()
             order.append(job)
             burst.append(job)
+            run = None
             ctrl = _CTRL_SEND_SE if job.flags & _SOLICITED else _CTRL_SEND_PLAIN
             chunks.append(inline)
             lens.append(len(inline))
@@ -606,6 +609,8 @@ class Engine:
             msn = msns[_QN_SEND]
             msns[_QN_SEND] = (msn + len(lens)) & U32_MAX
             data = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+            if run is not None:  # its arrays go to the kernels as they are
+                lens, ctrls, invs = run.lens, run.ctrls, run.invs  # type: ignore[assignment]
             out.append(
                 self._kernels.frame_sends(
                     data, lens, ctrls, invs, (msn + 1) & U32_MAX, self.config.crc
@@ -876,8 +881,10 @@ class Engine:
             popleft = queue.popleft
             jobs = [popleft() for _ in range(count)]
         pd = self.pd
-        token = self.memory.token(pd)
-        if count > 1 and self._place_checked(sview, jobs, msgs, token):
+        # What the checks of this run's receives are kept under (none for one message:
+        # a ping-pong costs less without).
+        token = self.memory.token(pd) if count > 1 else None
+        if token is not None and self._place_checked(sview, jobs, msgs, token):
             self._complete_small_sends(jobs, msgs)
             return stop if count * _MSG_WORDS == len(msgs) else self._fpdu_at(msgs, count)
         locate = self.memory.locate
@@ -907,7 +914,8 @@ class Engine:
                         break
                     regions[s.lkey] = region
                 alone = region
-                job.checked = (token, region, off, s.length)
+                if token is not None:
+                    job.checked = (token, region, off, s.length)
                 segments.append((region.handle or handle(region), region.length, off, s.length))
                 nsegs.append(1)
             else:
@@ -979,6 +987,12 @@ class Engine:
         """Complete the receives ``jobs`` with the first scanned messages of ``msgs``."""
         rx_msn = self._rx_msn
         rx_msn[_QN_SEND] = (rx_msn[_QN_SEND] + len(jobs)) & U32_MAX
+        if len(jobs) == 1:  # a completion costs less than a run of one
+            self.on_recv_wc(
+                WC(jobs[0].wr_id, WCStatus.SUCCESS, WCOpcode.RECV, msgs[1], self.qp_num,
+                   WCFlags.NONE, 0, 0, msgs[2] == 1)
+            )  # fmt: skip
+            return
         words = len(jobs) * _MSG_WORDS
         self._recv_wcs(
             RecvRun(

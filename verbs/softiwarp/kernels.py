@@ -175,7 +175,8 @@ class PyKernels:
         """See :class:`Kernels`."""
         if not len(lens) == len(ctrls) == len(invs):
             raise ValueError("frame_sends: lens, ctrls and invs differ in length")
-        view = memoryview(data).cast("B")
+        one = len(lens) == 1  # the ping-pong case: the data is the payload
+        view = data if one else memoryview(data).cast("B")
         if sum(lens) != len(view):
             raise ValueError("frame_sends: the lengths do not add up to the data")
         pack = _UNTAGGED.pack
@@ -186,7 +187,7 @@ class PyKernels:
             ctrl = ctrls[i]
             if ctrl not in SEND_CTRLS or not 0 <= n <= MAX_SEND_PAYLOAD:
                 raise ValueError(f"frame_sends: message {i} is not a one-FPDU Send")
-            payload = view[end : end + n]
+            payload = data if one else view[end : end + n]
             end += n
             ulpdu_len = UNTAGGED_HDR_LEN - 2 + len(payload)
             body = (
