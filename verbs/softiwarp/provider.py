@@ -1219,6 +1219,9 @@ class QP(_Resource):
         come back as completions.
         """
         self._check_open("post_send")
+        if wr.__class__ is SendWR:  # one request: no list to make
+            self._post_sends((wr,), (_SendTemplate(wr),))  # type: ignore[arg-type]
+            return
         wrs = _as_list(wr)
         # One template per request object: a list repeating a request makes it once.
         made: dict[int, _SendTemplate] = {}
@@ -1359,6 +1362,9 @@ class QP(_Resource):
     def post_recv(self, wr: RecvWR | Iterable[RecvWR]) -> None:
         """Post one receive work request or a list of them (never blocks)."""
         self._check_open("post_recv")
+        if wr.__class__ is RecvWR:  # one request: no list to make
+            self._post_recvs((_recv_job(wr),))  # type: ignore[arg-type]
+            return
         self._post_recvs([_recv_job(w) for w in _as_list(wr)])
 
     def post_recv_batch(
