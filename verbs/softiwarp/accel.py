@@ -60,7 +60,7 @@ def _u32(values: Sequence[int]) -> Any:
     """``uint32_t`` words for C: an ``array("I")`` as it is, any other sequence copied."""
     if values.__class__ is array:
         return ffi.from_buffer("uint32_t[]", values)
-    return ffi.new("uint32_t[]", values)  # type: ignore[call-overload]
+    return ffi.new("uint32_t[]", values)
 
 
 def _fpdu_len(buf: Buffer, pos: int) -> int:

@@ -291,7 +291,7 @@ class RecvRun:
     __slots__ = ("byte_lens", "qp_num", "solicited", "start", "wr_ids")
 
     def __init__(
-        self, wr_ids: list[int], byte_lens: list[int], solicited: list[bool], qp_num: int
+        self, wr_ids: list[int], byte_lens: Sequence[int], solicited: list[bool], qp_num: int
     ) -> None:
         self.wr_ids = wr_ids
         self.byte_lens = byte_lens
@@ -956,7 +956,7 @@ class Engine:
         return fpdu
 
     def _place_checked(
-        self, sview: memoryview, jobs: list[RecvJob], msgs: list[int], token: object
+        self, sview: memoryview, jobs: list[RecvJob], msgs: Sequence[int], token: object
     ) -> bool:
         """Place the scanned messages ``msgs`` into the receives ``jobs`` (one each) when
         every receive was checked under ``token`` and holds its message; False (nothing
@@ -983,7 +983,7 @@ class Engine:
         kernels.place(sview, msgs, Targets(segments, [1] * len(jobs)))
         return True
 
-    def _complete_small_sends(self, jobs: list[RecvJob], msgs: list[int]) -> None:
+    def _complete_small_sends(self, jobs: list[RecvJob], msgs: Sequence[int]) -> None:
         """Complete the receives ``jobs`` with the first scanned messages of ``msgs``."""
         rx_msn = self._rx_msn
         rx_msn[_QN_SEND] = (rx_msn[_QN_SEND] + len(jobs)) & U32_MAX
@@ -1002,7 +1002,7 @@ class Engine:
         )  # fmt: skip
 
     @staticmethod
-    def _fpdu_at(msgs: list[int], k: int) -> int:
+    def _fpdu_at(msgs: Sequence[int], k: int) -> int:
         """Where the FPDU of scanned message ``k`` starts."""
         return msgs[k * _MSG_WORDS] - ddp.UNTAGGED_HDR_LEN
 

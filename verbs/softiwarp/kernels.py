@@ -276,7 +276,7 @@ class PyKernels:
             src = msgs[i * MSG_WORDS]
             n = msgs[i * MSG_WORDS + 1]
             if n:
-                dst[off : off + n] = buf[src : src + n]  # type: ignore[index]
+                dst[off : off + n] = buf[src : src + n]
 
     def handle(self, region: Region) -> object:
         """See :class:`Kernels`: the region's own memoryview."""

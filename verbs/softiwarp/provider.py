@@ -695,8 +695,8 @@ class CQ(_Resource):
         while left:
             entry = entries[0]
             if entry.__class__ is RecvRun:
-                n = min(left, len(entry))  # type: ignore[arg-type]
-                taken += entry.take(n)  # type: ignore[union-attr]
+                n = min(left, len(entry))
+                taken += entry.take(n)
                 if not entry:
                     entries.popleft()
             else:
@@ -729,7 +729,7 @@ class CQ(_Resource):
                 wcs.fill(rows, pos)
                 pos += len(rows)
                 rows = []
-            run: RecvRun = entry  # type: ignore[assignment]
+            run: RecvRun = entry
             n = min(total - pos, len(run))
             start = run.start
             _fill_run(wcs, pos, run, start, start + n)
@@ -1082,7 +1082,7 @@ class _RunPlan:
         self.views = [s.region.view for s in sources]  # type: ignore[union-attr]
         self.slices = [slice(s.offset, s.end) for s in sources]  # type: ignore[union-attr]
         """Each entry's data: ``views[i][slices[i]]``."""
-        self.regions = list({id(s.region): s.region for s in sources}.values())  # type: ignore[union-attr]
+        self.regions: list[Region] = list({id(s.region): s.region for s in sources}.values())  # type: ignore[union-attr,arg-type]
         """The regions the data come from (each still registered, or the plan is void)."""
         self.lens = array("I", [s.length for s in sources])  # type: ignore[union-attr]
         self.longest = max(self.lens)
@@ -1134,9 +1134,10 @@ class _SendTemplates(list[_SendTemplate]):
         """The plan of the first ``count`` entries while its regions stay registered
         (made again once one is gone or was not found yet: the general path looks the
         SGEs up again)."""
-        plan = self._plans.get(count, False)
-        if plan is None or (plan is not False and all(r.valid for r in plan.regions)):
-            return plan
+        if count in self._plans:
+            plan = self._plans[count]
+            if plan is None or all(r.valid for r in plan.regions):
+                return plan
         entries = self[:count]
         possible = _RunPlan.possible(entries)
         if possible is None:
@@ -1220,7 +1221,7 @@ class QP(_Resource):
         """
         self._check_open("post_send")
         if wr.__class__ is SendWR:  # one request: no list to make
-            self._post_sends((wr,), (_SendTemplate(wr),))  # type: ignore[arg-type]
+            self._post_sends((wr,), (_SendTemplate(wr),))
             return
         wrs = _as_list(wr)
         # One template per request object: a list repeating a request makes it once.
@@ -1363,7 +1364,7 @@ class QP(_Resource):
         """Post one receive work request or a list of them (never blocks)."""
         self._check_open("post_recv")
         if wr.__class__ is RecvWR:  # one request: no list to make
-            self._post_recvs((_recv_job(wr),))  # type: ignore[arg-type]
+            self._post_recvs((_recv_job(wr),))
             return
         self._post_recvs([_recv_job(w) for w in _as_list(wr)])
 
