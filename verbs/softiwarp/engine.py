@@ -26,6 +26,8 @@ from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from enum import Enum, auto
+from itertools import repeat
+from operator import attrgetter, call
 
 from crc32c import crc32c
 
@@ -99,6 +101,8 @@ _INV_STEP = Opcode.SEND_INV - Opcode.SEND
 _QN_SEND = int(QN.SEND)
 _ONE = 1
 _GT = int.__gt__
+_WR_ID = attrgetter("wr_id")
+_CHECKED = attrgetter("checked")
 """``_ONE.__eq__`` maps a scan's solicited words (1 or 0) to bools at C speed."""
 _SEND_FPDU_BASE = ddp.UNTAGGED_HDR_LEN + 3
 """Header bytes of an untagged FPDU, plus 3 to round its payload up to the pad."""
@@ -879,7 +883,7 @@ class Engine:
             queue.clear()
         else:
             popleft = queue.popleft
-            jobs = [popleft() for _ in range(count)]
+            jobs = list(map(call, repeat(popleft, count)))  # count poplefts, at C speed
         pd = self.pd
         # What the checks of this run's receives are kept under (none for one message:
         # a ping-pong costs less without).
@@ -962,7 +966,7 @@ class Engine:
         every receive was checked under ``token`` and holds its message; False (nothing
         placed) when one was not (the general loop then checks them, and finds which
         fails)."""
-        tokens, regions, offs, lens = zip(*[job.checked for job in jobs], strict=True)
+        tokens, regions, offs, lens = zip(*map(_CHECKED, jobs), strict=True)
         if tokens.count(token) != len(tokens):
             return False
         kernels = self._kernels
@@ -996,7 +1000,7 @@ class Engine:
         words = len(jobs) * _MSG_WORDS
         self._recv_wcs(
             RecvRun(
-                [job.wr_id for job in jobs], msgs[1:words:_MSG_WORDS],
+                list(map(_WR_ID, jobs)), msgs[1:words:_MSG_WORDS],
                 list(map(_ONE.__eq__, msgs[2:words:_MSG_WORDS])), self.qp_num,
             )
         )  # fmt: skip

@@ -18,7 +18,7 @@ from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from operator import getitem
+from operator import attrgetter, getitem
 from typing import TYPE_CHECKING, Self, TypeVar
 
 import psutil
@@ -924,7 +924,7 @@ def _batch_jobs(
     jobs = batch.prepared(RecvJob, _RecvJobs)
     if isinstance(entries, range):
         return jobs[: entries.stop], jobs.max_nsge
-    return [jobs[i] for i in entries], jobs.max_nsge
+    return list(map(jobs.__getitem__, entries)), jobs.max_nsge
 
 
 def _bad_wr(err: int, operation: str, index: int, detail: str) -> VerbsError:
@@ -937,6 +937,7 @@ _U32 = 0xFFFFFFFF
 _U64 = 0xFFFFFFFFFFFFFFFF
 _INLINE = int(SendFlags.INLINE)
 _SIGNALED = int(SendFlags.SIGNALED)
+_WR_ID = attrgetter("wr_id")
 # Enum members bound once: an attribute lookup on an enum class costs per work request.
 _RDMA_READ = WROpcode.RDMA_READ
 _SEND_INV = WROpcode.SEND_WITH_INV
@@ -1108,7 +1109,7 @@ class _RunPlan:
 
     def run(self, wrs: Sequence[SendWR]) -> SendRun:
         """The run of ``wrs`` (the entries the plan was made of), their data copied now."""
-        wr_ids = [w.wr_id for w in wrs]
+        wr_ids = list(map(_WR_ID, wrs))
         return SendRun.of(
             b"".join(map(getitem, self.views, self.slices)), self.lens, self.ctrls, self.invs,
             wr_ids, [wr_ids[i] for i in self.signaled], self.size,
