@@ -74,11 +74,12 @@ _SEND = st.tuples(st.binary(max_size=100), st.sampled_from(sorted(SEND_CTRLS)), 
 def test_frame_sends_matches_the_reference_and_the_codec(
     c: Kernels, sends: list[tuple[bytes, int, int]], msn: int, crc: bool
 ) -> None:
-    payloads = [p for p, _, _ in sends]
+    data = b"".join(p for p, _, _ in sends)
+    lens = [len(p) for p, _, _ in sends]
     ctrls = bytes(ctrl for _, ctrl, _ in sends)
     invs = [inv for _, _, inv in sends]
-    framed = bytes(c.frame_sends(payloads, ctrls, invs, msn, crc))
-    assert framed == bytes(PY.frame_sends(payloads, ctrls, invs, msn, crc))
+    framed = bytes(c.frame_sends(data, lens, ctrls, invs, msn, crc))
+    assert framed == bytes(PY.frame_sends(memoryview(data), lens, ctrls, invs, msn, crc))
     codec = b""
     for i, (payload, ctrl, inv) in enumerate(sends):
         header = ddp.encode_untagged(
@@ -100,12 +101,15 @@ def test_frame_sends_matches_the_reference_and_the_codec(
 def test_frame_sends_refuses_what_is_not_a_one_fpdu_send(
     c: Kernels, payload_len: int, ctrl: int
 ) -> None:
+    data = b"ok" + bytes(payload_len)
     for kernels in (c, PY):
         with pytest.raises(ValueError, match="not a one-FPDU Send"):
-            kernels.frame_sends([b"ok", bytes(payload_len)], bytes([0x43, ctrl]), [0, 0], 1, True)
+            kernels.frame_sends(data, [2, payload_len], bytes([0x43, ctrl]), [0, 0], 1, True)
+        with pytest.raises(ValueError):  # lengths that do not add up to the data
+            kernels.frame_sends(b"ok" * 3, [2, 2], b"\x43\x43", [0, 0], 1, True)
     largest = bytes(MAX_SEND_PAYLOAD)
-    assert c.frame_sends([largest], b"\x43", [7], 1, True) == PY.frame_sends(
-        [largest], b"\x43", [7], 1, True
+    assert c.frame_sends(largest, [len(largest)], b"\x43", [7], 1, True) == PY.frame_sends(
+        largest, [len(largest)], b"\x43", [7], 1, True
     )
 
 
@@ -174,9 +178,8 @@ def _stream(
 
 
 def _scan_both(c: Kernels, buf: bytes, start: int, end: int, msn: int, crc: bool):
-    result = c.scan_sends(buf, start, end, msn, crc)
-    assert result == PY.scan_sends(buf, start, end, msn, crc)
-    stop, msgs = result
+    stop, msgs = c.scan_sends(buf, start, end, msn, crc)
+    assert (stop, list(msgs)) == PY.scan_sends(buf, start, end, msn, crc)
     assert len(msgs) % MSG_WORDS == 0
     return stop, msgs
 
@@ -303,6 +306,51 @@ def test_place_refuses_msgs_outside_the_buffer(c: Kernels) -> None:
             impl.place(b"x" * 10, [8, 4, 0], targets)  # payload runs past the buffer
         with pytest.raises(ValueError):
             impl.place(b"x" * 10, [], targets)  # more targets than messages
+        assert bytes(region.view) == bytes(64)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    sizes=st.lists(st.integers(0, 60), min_size=1, max_size=12),
+    offsets=st.lists(st.integers(0, 300), min_size=12, max_size=12),
+    room=st.lists(st.integers(0, 70), min_size=12, max_size=12),
+    cap=st.integers(0, 400),
+    fewer=st.integers(0, 2),
+)
+def test_place_in_matches_the_reference(
+    c: Kernels, sizes: list[int], offsets: list[int], room: list[int], cap: int, fewer: int
+) -> None:
+    """Messages into receives of one buffer at random offsets and sizes (some too short,
+    some past the buffer): the same bytes placed, or the same ValueError with nothing
+    placed."""
+    buf = _stream(sizes, [True], 1, True, "none", -1, 0)
+    _, msgs = _scan_both(c, buf, 0, len(buf), 1, True)
+    count = max(0, len(sizes) - fewer)
+    outcomes = []
+    for impl in (c, PY):
+        (region,) = _regions(1, cap)
+        try:
+            impl.place_in(buf, msgs, impl.handle(region), offsets[:count], room[:count])
+            error = None
+        except ValueError:
+            error = ValueError
+        outcomes.append((bytes(region.view), error))
+    assert outcomes[0] == outcomes[1]
+    fits = all(
+        sizes[i] <= room[i] and offsets[i] + room[i] <= cap for i in range(count)
+    )  # fmt: skip
+    assert (outcomes[0][1] is None) == fits
+    assert fits or outcomes[0][0] == bytes(cap)  # all or nothing
+
+
+def test_place_in_refuses_msgs_outside_the_buffer(c: Kernels) -> None:
+    for impl in (c, PY):
+        (region,) = _regions(1, 64)
+        target = impl.handle(region)
+        with pytest.raises(ValueError):
+            impl.place_in(b"x" * 10, [8, 4, 0, 0, 1, 0], target, [0, 8], [8, 8])  # past buf
+        with pytest.raises(ValueError):
+            impl.place_in(b"x" * 10, [0, 1, 0], target, [0, 8], [8, 8])  # more than scanned
         assert bytes(region.view) == bytes(64)
 
 

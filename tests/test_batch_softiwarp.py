@@ -1,22 +1,32 @@
 """The batch verbs on the built-in engine where its own rules show: a CQ overrun reads the
-same through ``poll_into`` as through ``poll``."""
+same through ``poll_into`` as through ``poll``; a batch of inline Sends posted by its
+plan (one run, no per-entry checks) copies, limits and refuses as ``post_send`` does; a
+CQ keeps a run of received Sends as columns and hands them out, whole or in part, between
+other completions, as it would one by one."""
 
 from __future__ import annotations
 
 import errno
+from collections.abc import Callable
 
 import pytest
 import trio
-from test_resources import BOUND, connected, post_receives
+from test_resources import BOUND, connected, drain, post_receives
 
 from rdmashim import (
     Access,
     AsyncEventType,
+    QPCap,
+    RecvBatch,
+    RecvWR,
     SendBatch,
     SendFlags,
     SendWR,
     VerbsError,
     WCArray,
+    WCFlags,
+    WCOpcode,
+    WCStatus,
     WROpcode,
 )
 
@@ -37,3 +47,119 @@ async def test_poll_into_after_an_overrun_is_eoverflow() -> None:
             with pytest.raises(VerbsError) as info:
                 poll()
             assert info.value.errno == errno.EOVERFLOW
+
+
+async def test_a_batch_of_inline_sends_by_its_plan_is_post_send() -> None:
+    cap = QPCap(max_send_wr=4, max_inline_data=16)
+    async with connected(prepare=post_receives(24), cap=cap) as pair:
+        client, server = pair.client, pair.server
+        src = client.pd.reg_mr(bytearray(b"abcdefgh"), Access.LOCAL_WRITE)
+        flags = SendFlags.INLINE
+        batch = SendBatch(
+            [
+                SendWR(1, WROpcode.SEND, [src.sge(0, 2)], flags),
+                SendWR(2, WROpcode.SEND, [src.sge(2, 3)], flags | SendFlags.SOLICITED),
+                SendWR(3, WROpcode.SEND, [src.sge(5, 3)], flags | SendFlags.SIGNALED),
+            ]
+        )
+        client.qp.post_send_batch(batch)  # finds the regions
+        client.qp.post_send_batch(batch)  # by the plan
+        plans = batch.prepared(id(client.qp.context.memory), None)._plans  # type: ignore[arg-type]
+        assert set(plans) == {3} and plans[3] is not None
+        src.buf[:] = b"ABCDEFGH"  # copied at each post: the next one sends these
+        client.qp.post_send_batch(batch, 2)  # 1 and 2, unsignaled
+        batch.set(0, wr_id=4, send_flags=flags | SendFlags.SIGNALED)
+        client.qp.post_send_batch(batch)
+        assert [w.wr_id for w in await drain(client.send_cq, 4)] == [3, 3, 4, 3]
+        got = await drain(server.recv_cq, 11)
+        assert [(w.status, w.byte_len, w.solicited) for w in got] == [
+            (WCStatus.SUCCESS, n, sol)
+            for n, sol in [(2, 0), (3, 1), (3, 0)] * 2 + [(2, 0), (3, 1), (2, 0), (3, 1), (3, 0)]
+        ]
+        placed = bytes(pair.server_mr.buf)
+        assert [placed[64 * i : 64 * i + w.byte_len] for i, w in enumerate(got)] == [
+            b"ab", b"cde", b"fgh", b"ab", b"cde", b"fgh", b"AB", b"CDE", b"AB", b"CDE", b"FGH"
+        ]  # fmt: skip
+        # Past the send queue: refused as post_send refuses the list (ENOMEM, bad_wr the
+        # entry past max_send_wr), the entries before it go.
+        five = SendBatch([batch[2]] * 5)
+        with pytest.raises(VerbsError) as batched:
+            client.qp.post_send_batch(five)
+        assert (batched.value.errno, batched.value.bad_wr) == (errno.ENOMEM, 4)
+        assert len(await drain(client.send_cq, 4)) == 4
+        # Its region gone: refused as post_send refuses an inline SGE outside a region.
+        src.close()
+        with pytest.raises(VerbsError) as plain:
+            client.qp.post_send(list(batch.wrs(range(3))))
+        with pytest.raises(VerbsError) as batched:
+            client.qp.post_send_batch(batch)
+        assert (batched.value.errno, batched.value.bad_wr) == (plain.value.errno, 0)
+
+
+async def test_a_run_of_receive_completions_polled_in_parts() -> None:
+    n = 20
+    async with connected(prepare=post_receives(2 * n), cap=QPCap(max_inline_data=16)) as pair:
+        client, server = pair.client, pair.server
+        src = client.pd.reg_mr(bytearray(range(8)), Access.LOCAL_WRITE)
+        sink = client.pd.reg_mr(bytearray(8), Access.LOCAL_WRITE)
+        client.qp.post_recv(RecvWR(0, [sink.sge()]))
+        batch = SendBatch(
+            SendWR(i, WROpcode.SEND, [src.sge(0, i % 7)], SendFlags.INLINE | flags)
+            for i in range(n)
+            for flags in [SendFlags.SOLICITED if i % 5 == 1 else SendFlags.NONE]
+        )
+        cq = server.recv_cq
+        assert cq is server.send_cq
+        client.qp.post_send_batch(batch)
+        await until(lambda: len(cq) == n)
+        # A completion between two runs stays in its place.
+        server.qp.post_send(SendWR(77, WROpcode.SEND, [pair.server_mr.sge(0, 1)]))
+        client.qp.post_send_batch(batch)  # the plan's way
+        await until(lambda: len(cq) == 2 * n + 1)
+        wcs = WCArray(3)
+        got = []
+        while len(cq) > 4:  # parts of runs into an array, and as WCs
+            k = cq.poll_into(wcs)
+            got += [wcs[i] for i in range(k)]
+            got += cq.poll(2)
+        k = cq.poll_into(WCArray(2 * n))
+        assert k == len(cq) + k <= 4
+        recv = [(i % 7, i % 5 == 1) for i in range(n)]
+        expected = [(WCOpcode.RECV, *r) for r in recv]
+        expected = [*expected, (WCOpcode.SEND, 0, False), *expected]
+        assert [(w.opcode, w.byte_len, w.solicited) for w in got] == expected[: len(got)]
+        assert len(got) + k == 2 * n + 1
+        assert [w.wr_id for w in got if w.opcode == WCOpcode.RECV] == list(range(len(got) - 1))
+        assert {(w.status, w.qp_num, w.wc_flags) for w in got} == {
+            (WCStatus.SUCCESS, server.qp.qp_num, WCFlags.NONE)
+        }
+
+
+async def until(ready: Callable[[], bool]) -> None:
+    """Wait for bytes in flight to be processed until ``ready()`` (nothing to wake on)."""
+    with trio.fail_after(BOUND):
+        while not ready():  # noqa: ASYNC110 - the engine's progress sets no event to wait on
+            await trio.sleep(0.005)
+
+
+async def test_a_receive_checked_before_is_checked_again_once_a_region_goes() -> None:
+    async with connected(cap=QPCap(max_inline_data=16)) as pair:
+        client, server = pair.client, pair.server
+        sink = server.pd.reg_mr(bytearray(16), Access.LOCAL_WRITE)
+        recvs = RecvBatch(RecvWR(i, [sink.sge(8 * i, 8)]) for i in range(2))
+        batch = SendBatch(
+            SendWR(i, WROpcode.SEND, [bytes([65 + i]) * 8], SendFlags.INLINE) for i in range(2)
+        )
+        server.qp.post_recv_batch(recvs)
+        client.qp.post_send_batch(batch)  # a run: both receives checked (and kept so)
+        assert [w.status for w in await drain(server.recv_cq, 2)] == [WCStatus.SUCCESS] * 2
+        assert bytes(sink.buf) == b"A" * 8 + b"B" * 8
+        server.qp.post_recv_batch(recvs)
+        other = server.pd.reg_mr(bytearray(8), Access.LOCAL_WRITE)
+        other.close()  # any region gone: what was checked is checked again
+        sink.close()
+        client.qp.post_send_batch(batch)
+        got = await drain(server.recv_cq, 2)
+        assert [(w.wr_id, w.status) for w in got] == [
+            (0, WCStatus.LOC_PROT_ERR), (1, WCStatus.WR_FLUSH_ERR)
+        ]  # fmt: skip

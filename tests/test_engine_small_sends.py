@@ -15,6 +15,7 @@ from test_engine_sansio import Host, pump, untagged, wire
 from rdmashim import SGE, RecvWR, SendFlags, SendWR, VerbsError, WCStatus, WROpcode
 from rdmashim.verbs.softiwarp.ddp import QN, Opcode
 from rdmashim.verbs.softiwarp.engine import EngineState, RecvJob, SendJob
+from rdmashim.verbs.softiwarp.memory import Region
 
 from pairs import Side
 
@@ -23,6 +24,46 @@ pytestmark = pytest.mark.usefixtures("engine_kernels")  # compiled and Python ke
 _FLAW = st.sampled_from(
     ["none", "bad_crc", "wrong_msn", "too_long", "dead_region", "no_receive", "inv", "not_last"]
 )
+
+
+def _stream(crc: bool, sizes: list[int], flaw: str, at: int, first_msn: int) -> bytearray:
+    """The FPDUs of Sends of ``sizes`` bytes from MSN ``first_msn`` on, with ``flaw`` at
+    Send ``at`` if it is one of the stream's."""
+    fpdus = []
+    for i, size in enumerate(sizes):
+        op = Opcode.SEND_SE if i % 3 == 0 else Opcode.SEND
+        payload = bytes((i + k) & 0xFF for k in range(size))
+        msn, last = first_msn + i, True
+        if i == at and flaw == "wrong_msn":
+            msn += 1
+        if i == at and flaw == "inv":
+            op = Opcode.SEND_INV
+        if i == at and flaw == "not_last":
+            last = False
+        fpdus.append(untagged(op, QN.SEND, msn, 0, payload, last=last))
+    data = bytearray(wire(*fpdus, crc=crc))
+    if flaw == "bad_crc":
+        data[-1] ^= 1
+    return data
+
+
+def _feed(host: Host, data: bytearray, whole: bool) -> None:
+    if whole:
+        host.engine.receive_data(data)
+    else:
+        for k in range(len(data)):
+            host.engine.receive_data(data[k : k + 1])
+
+
+def _outcome(host: Host, *regions: Region) -> tuple:
+    term = b"".join(bytes(b) for b in host.engine.produce())
+    return (
+        [(w.wr_id, w.status, w.byte_len, w.solicited) for w in host.recv_wcs],
+        [bytes(r.view) for r in regions],
+        host.engine.state,
+        host.engine.error.code if host.engine.error is not None else None,
+        term,
+    )
 
 
 def _run(crc: bool, sizes: list[int], flaw: str, at: int, whole: bool):
@@ -39,34 +80,34 @@ def _run(crc: bool, sizes: list[int], flaw: str, at: int, whole: bool):
             sges = (SGE(region.addr + 64 * i, length, region.stag),)
         host.rq.append(RecvJob(i, sges if region is recv or i % 2 else sges[:1], length))
     host.memory.deregister(dead)
-    fpdus = []
-    for i, size in enumerate(sizes):
-        op = Opcode.SEND_SE if i % 3 == 0 else Opcode.SEND
-        payload = bytes((i + k) & 0xFF for k in range(size))
-        msn, last = i + 1, True
-        if i == at and flaw == "wrong_msn":
-            msn += 1
-        if i == at and flaw == "inv":
-            op = Opcode.SEND_INV
-        if i == at and flaw == "not_last":
-            last = False
-        fpdus.append(untagged(op, QN.SEND, msn, 0, payload, last=last))
-    data = bytearray(wire(*fpdus, crc=crc))
-    if flaw == "bad_crc":
-        data[-1] ^= 1
-    if whole:
-        host.engine.receive_data(data)
-    else:
-        for k in range(len(data)):
-            host.engine.receive_data(data[k : k + 1])
-    term = b"".join(bytes(b) for b in host.engine.produce())
-    return (
-        [(w.wr_id, w.status, w.byte_len, w.solicited) for w in host.recv_wcs],
-        bytes(recv.view),
-        host.engine.state,
-        host.engine.error.code if host.engine.error is not None else None,
-        term,
-    )
+    _feed(host, _stream(crc, sizes, flaw, at, 1), whole)
+    return _outcome(host, recv)
+
+
+def _run_reposted(crc: bool, sizes: list[int], flaw: str, at: int, whole: bool, split: bool):
+    """As :func:`_run`, into receives of one SGE each (in one region, or alternating
+    between two when ``split``) that took a clean run of Sends before, so the receiver
+    checked and kept them; a dead region dies between the runs."""
+    host = Host(crc)
+    regions = (host.region(64 * len(sizes)), host.region(64 * len(sizes)))
+    dead = host.region(64)
+    jobs = []
+    for i in range(len(sizes)):
+        region = regions[i % 2 if split else 0]
+        offset = 64 * i
+        if flaw == "dead_region" and i == at:
+            region, offset = dead, 0
+        length = 4 if flaw == "too_long" and i == at else 64
+        jobs.append(RecvJob(i, (SGE(region.addr + offset, length, region.stag),), length))
+    host.rq.extend(jobs)
+    host.engine.receive_data(_stream(crc, [1] * len(sizes), "none", -1, 1))
+    assert len(host.recv_wcs) == len(sizes) and not host.rq
+    host.recv_wcs.clear()
+    if flaw == "dead_region":
+        host.memory.deregister(dead)
+    host.rq.extend(jobs[:at] if flaw == "no_receive" else jobs)
+    _feed(host, _stream(crc, sizes, flaw, at, 1 + len(sizes)), whole)
+    return _outcome(host, *regions)
 
 
 FLAWED_RUNS = {
@@ -83,6 +124,21 @@ FLAWED_RUNS = {
 def test_whole_buffer_matches_bytewise(crc: bool, sizes: list[int], flaw: str, at: int) -> None:
     whole = _run(crc, sizes, flaw, at, whole=True)
     assert whole == _run(crc, sizes, flaw, at, whole=False)
+    if flaw == "none" or (at >= len(sizes) and flaw != "bad_crc"):
+        assert whole[2] is EngineState.RTS
+        assert [w[:3] for w in whole[0]] == [(i, WCStatus.SUCCESS, n) for i, n in enumerate(sizes)]
+
+
+@settings(max_examples=150, deadline=None)
+@given(**FLAWED_RUNS, split=st.booleans())
+def test_reposted_receives_whole_buffer_matches_bytewise(
+    crc: bool, sizes: list[int], flaw: str, at: int, split: bool
+) -> None:
+    """Receives checked in an earlier run and posted again are not checked again (the
+    fast path places into them as kept) until a region dies: the same outcome as the
+    general path, which checks each receive as it comes."""
+    whole = _run_reposted(crc, sizes, flaw, at, True, split)
+    assert whole == _run_reposted(crc, sizes, flaw, at, False, split)
     if flaw == "none" or (at >= len(sizes) and flaw != "bad_crc"):
         assert whole[2] is EngineState.RTS
         assert [w[:3] for w in whole[0]] == [(i, WCStatus.SUCCESS, n) for i, n in enumerate(sizes)]

@@ -9,7 +9,8 @@
  * Each round frames a valid run of Sends with rs_frame_sends (checked by a scan
  * that must take all of it), mutates it (byte writes, truncation, garbage,
  * splices) or replaces it with random bytes, and runs rs_scan_sends over random
- * windows and rs_place into random, partly invalid targets; rs_frame_sends gets
+ * windows, rs_place into random, partly invalid targets and rs_place_in into one
+ * guarded buffer at random, partly invalid offsets; rs_frame_sends gets
  * random, partly inconsistent arguments too, and the hardware CRC32c is compared
  * with the table. Likewise for tagged runs: rs_frame_tagged frames one (which
  * rs_place_tagged must take back whole, in order, into a buffer of exactly its
@@ -230,6 +231,31 @@ static void scan_and_place(const uint8_t *buf, size_t len, uint32_t msn, int crc
         release(bases[s]);
     }
     release((uint8_t *)nsegs);
+
+    /* One target buffer: receives at random offsets and sizes, mostly inside it. */
+    size_t cap = below(4) ? below(400) : below(20000);
+    uint8_t *dst = guarded(cap);
+    uint64_t *at = (uint64_t *)(void *)guarded((nmsg ? nmsg : 1) * sizeof(uint64_t));
+    uint64_t *room = (uint64_t *)(void *)guarded((nmsg ? nmsg : 1) * sizeof(uint64_t));
+    int fits = nmsg <= n;
+    for (size_t i = 0; i < nmsg; i++) {
+        at[i] = below(10) ? below(cap + 1) : rnd() >> below(64);
+        room[i] = below(10) ? below(cap - (at[i] <= cap ? at[i] : cap) + 1) : rnd() >> below(64);
+        if (i < n && (msgs[i * RS_MSG_WORDS + 1] > room[i] || at[i] > cap || room[i] > cap - at[i]))
+            fits = 0;
+    }
+    rc = rs_place_in(buf, len, msgs, words, nmsg, dst, cap, at, room);
+    if (rc != (fits ? 0 : -1))
+        oracle("rs_place_in did not refuse exactly what does not fit", round);
+    for (size_t i = 0; rc && i < cap; i++)
+        if (dst[i] != CANARY)
+            oracle("rs_place_in placed something of what it refused", round);
+    check_guards(dst, cap, round);
+    check_guards((uint8_t *)at, (nmsg ? nmsg : 1) * sizeof(uint64_t), round);
+    check_guards((uint8_t *)room, (nmsg ? nmsg : 1) * sizeof(uint64_t), round);
+    release((uint8_t *)room);
+    release((uint8_t *)at);
+    release(dst);
     release((uint8_t *)msgs);
 }
 

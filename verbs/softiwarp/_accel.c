@@ -336,6 +336,27 @@ static inline int fits_to(uint64_t to, uint64_t len)
     return len == 0 || len - 1 <= UINT64_MAX - to;
 }
 
+int rs_place_in(const uint8_t *buf, size_t buf_len, const uint32_t *msgs, size_t msg_words,
+                size_t n, uint8_t *dst, size_t dst_len, const uint64_t *offs,
+                const uint64_t *lens)
+{
+    if (n > msg_words / RS_MSG_WORDS)
+        return -1;
+    for (size_t i = 0; i < n; i++) { /* every check first: all or nothing is placed */
+        size_t off = msgs[i * RS_MSG_WORDS];
+        size_t len = msgs[i * RS_MSG_WORDS + 1];
+        if (off > buf_len || len > buf_len - off || len > lens[i] || offs[i] > dst_len ||
+            lens[i] > dst_len - offs[i])
+            return -1;
+    }
+    for (size_t i = 0; i < n; i++) {
+        size_t len = msgs[i * RS_MSG_WORDS + 1];
+        if (len)
+            memcpy(dst + offs[i], buf + msgs[i * RS_MSG_WORDS], len);
+    }
+    return 0;
+}
+
 int64_t rs_frame_tagged(uint8_t *out, size_t out_cap, const uint8_t *data, size_t data_len,
                         uint8_t ctrl, uint32_t stag, uint64_t to, size_t chunk, int last,
                         int crc, int copy)

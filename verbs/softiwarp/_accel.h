@@ -65,6 +65,15 @@ int rs_place(const uint8_t *buf, size_t buf_len, const uint32_t *msgs, size_t ms
              size_t n, uint8_t *const *bases, const uint64_t *caps, const uint64_t *offs,
              const uint64_t *lens, size_t nseg, const uint32_t *nsegs, size_t nsegs_len);
 
+/* Copy the payloads of n scanned messages (msgs: RS_MSG_WORDS words each, as
+ * rs_scan_sends wrote them; msg_words of them) out of buf[0:buf_len] into one buffer
+ * dst[0:dst_len]: message i to dst[offs[i]:], into a receive of lens[i] bytes there.
+ * Returns 0, or -1 (placing nothing) when a message lies outside buf or is longer than
+ * its receive, or a receive passes dst_len. */
+int rs_place_in(const uint8_t *buf, size_t buf_len, const uint32_t *msgs, size_t msg_words,
+                size_t n, uint8_t *dst, size_t dst_len, const uint64_t *offs,
+                const uint64_t *lens);
+
 /* Frame data[0:data_len] as tagged FPDUs (RDMAP control byte ctrl: RDMA Write or
  * Read Response) to STag stag at TO to, chunk payload bytes each (the final one
  * fewer; one empty FPDU when data_len is 0), into out[0:out_cap]: header, payload

@@ -9,6 +9,7 @@ only into buffers sized here and returns counts and offsets.
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Sequence
 from typing import Any
 
@@ -48,6 +49,20 @@ def _bytes(data: Buffer) -> Any:
     return ffi.from_buffer("uint8_t[]", data)
 
 
+_ZERO_WORD = array("I", [0])
+"""One zero ``uint32_t`` (``array("I")`` is 32 bits wide on every platform CPython runs on;
+checked at import)."""
+if _ZERO_WORD.itemsize != 4:
+    raise ImportError("array('I') is not 32 bits wide here")
+
+
+def _u32(values: Sequence[int]) -> Any:
+    """``uint32_t`` words for C: an ``array("I")`` as it is, any other sequence copied."""
+    if values.__class__ is array:
+        return ffi.from_buffer("uint32_t[]", values)
+    return ffi.new("uint32_t[]", values)
+
+
 def _fpdu_len(buf: Buffer, pos: int) -> int:
     """Bytes of the FPDU whose length field is at ``buf[pos:pos + 2]``."""
     ulpdu_len = buf[pos] << 8 | buf[pos + 1]
@@ -66,20 +81,20 @@ class CKernels:
         return int(lib.rs_crc32c(value, view, len(view)))
 
     def frame_sends(
-        self, payloads: Sequence[bytes], ctrls: Buffer, invs: Sequence[int], msn: int, crc: bool
-    ) -> Buffer:
+        self, data: Buffer, lens: Sequence[int], ctrls: Buffer, invs: Sequence[int], msn: int,
+        crc: bool,
+    ) -> Buffer:  # fmt: skip
         """See :class:`Kernels`."""
-        n = len(payloads)
+        n = len(lens)
         if n == 1:
-            return _PY.frame_sends(payloads, ctrls, invs, msn, crc)
+            return _PY.frame_sends(data, lens, ctrls, invs, msn, crc)
         if not n == len(ctrls) == len(invs):
-            raise ValueError("frame_sends: payloads, ctrls and invs differ in length")
-        data = b"".join(payloads)
-        out = bytearray(len(data) + n * _FRAME_OVERHEAD)
+            raise ValueError("frame_sends: lens, ctrls and invs differ in length")
+        src = _bytes(data)
+        out = bytearray(len(src) + n * _FRAME_OVERHEAD)
         written = lib.rs_frame_sends(
-            _bytes(out), len(out), data, len(data),
-            ffi.new("uint32_t[]", [len(p) for p in payloads]), _bytes(ctrls),
-            ffi.new("uint32_t[]", invs), n, msn, crc,
+            _bytes(out), len(out), src, len(src), _u32(lens), _bytes(ctrls), _u32(invs), n, msn,
+            crc,
         )  # fmt: skip
         if written < 0:
             raise ValueError("frame_sends: a message is not a one-FPDU Send")
@@ -88,18 +103,19 @@ class CKernels:
 
     def scan_sends(
         self, buf: Buffer, start: int, end: int, msn: int, crc: bool
-    ) -> tuple[int, list[int]]:
+    ) -> tuple[int, Sequence[int]]:
         """See :class:`Kernels`."""
         if not 0 <= start <= end <= len(buf):
             return start, []
         if end - start < 2 * SEND_MIN or end - start - _fpdu_len(buf, start) < SEND_MIN:
             return _PY.scan_sends(buf, start, end, msn, crc)  # room for one FPDU at most
         words = (end - start) // SEND_MIN * MSG_WORDS
-        out = ffi.new("uint32_t[]", words or 1)
+        out = _ZERO_WORD * words
         stop = ffi.new("size_t *")
         view = _bytes(buf)
-        count = lib.rs_scan_sends(view, len(view), start, end, msn, crc, out, words, stop)
-        return int(stop[0]), ffi.unpack(out, count * MSG_WORDS)
+        count = lib.rs_scan_sends(view, len(view), start, end, msn, crc, _u32(out), words, stop)
+        del out[count * MSG_WORDS :]
+        return int(stop[0]), out
 
     def place(self, buf: Buffer, msgs: Sequence[int], targets: Targets) -> None:
         """See :class:`Kernels`."""
@@ -111,13 +127,33 @@ class CKernels:
         handles, caps, offs, lens = zip(*segments, strict=True) if segments else ((), (), (), ())
         view = _bytes(buf)
         failed = lib.rs_place(
-            view, len(view), ffi.new("uint32_t[]", msgs), len(msgs), len(nsegs),
+            view, len(view), _u32(msgs), len(msgs), len(nsegs),
             ffi.new("uint8_t *[]", handles), ffi.new("uint64_t[]", caps),
             ffi.new("uint64_t[]", offs), ffi.new("uint64_t[]", lens),
             len(segments), ffi.new("uint32_t[]", nsegs), len(nsegs),
         )  # fmt: skip
         if failed:
             raise ValueError("place: a message or segment outside its bounds")
+
+    def place_in(
+        self, buf: Buffer, msgs: Sequence[int], target: object, offs: Sequence[int],
+        lens: Sequence[int],
+    ) -> None:  # fmt: skip
+        """See :class:`Kernels`."""
+        n = len(offs)
+        if n == 1:
+            _PY.place_in(buf, msgs, target, offs, lens)  # slice assignment works on handles
+            return
+        if len(lens) < n:
+            raise ValueError("place_in: more targets than lengths")
+        dst = target if isinstance(target, ffi.CData) else _bytes(target)  # type: ignore[arg-type]
+        view = _bytes(buf)
+        failed = lib.rs_place_in(
+            view, len(view), _u32(msgs), len(msgs), n, dst, len(dst),
+            ffi.new("uint64_t[]", offs), ffi.new("uint64_t[]", lens),
+        )  # fmt: skip
+        if failed:
+            raise ValueError("place_in: a message outside the buffer or its receive")
 
     def handle(self, region: Region) -> object:
         """See :class:`Kernels`: a cdata over the region's memory, made once per region."""

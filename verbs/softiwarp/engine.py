@@ -21,10 +21,13 @@ work; so does a Terminate from the peer or the loss of the connection.
 from __future__ import annotations
 
 import logging
+from array import array
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from enum import Enum, auto
+from itertools import repeat
+from operator import attrgetter, call
 
 from crc32c import crc32c
 
@@ -96,6 +99,11 @@ _CTRL_SEND_SE = ddp.RDMAP_VERSION | Opcode.SEND_SE
 _INV_STEP = Opcode.SEND_INV - Opcode.SEND
 """From SEND / SEND_SE to SEND_INV / SEND_SE_INV (each follows its plain opcode)."""
 _QN_SEND = int(QN.SEND)
+_ONE = 1
+_GT = int.__gt__
+_WR_ID = attrgetter("wr_id")
+_CHECKED = attrgetter("checked")
+"""``_ONE.__eq__`` maps a scan's solicited words (1 or 0) to bools at C speed."""
 _SEND_FPDU_BASE = ddp.UNTAGGED_HDR_LEN + 3
 """Header bytes of an untagged FPDU, plus 3 to round its payload up to the pad."""
 _UNTAGGED_ULPDU_MIN = ddp.UNTAGGED_HDR_LEN - 2
@@ -195,11 +203,12 @@ class SendRun:
     """
 
     __slots__ = (
+        "chunks",
         "ctrls",
         "done",
         "flags",
         "invs",
-        "payloads",
+        "lens",
         "signaled",
         "size",
         "status",
@@ -210,10 +219,13 @@ class SendRun:
     """What the SQ's checks see (a run is never a Read)."""
 
     def __init__(self) -> None:
-        self.payloads: list[bytes] = []
+        self.chunks: list[Chunk] = []
+        """The entries' data, in order (one piece each, or one for them all)."""
+        self.lens = array("I")
+        """Each entry's length."""
         self.ctrls = bytearray()
         """The RDMAP control byte of each entry (Send or Send with SE, with Invalidate)."""
-        self.invs: list[int] = []
+        self.invs = array("I")
         self.wr_ids: list[int] = []
         self.signaled: list[int] = []
         """The wr_ids of the entries with SIGNALED, in order."""
@@ -235,16 +247,80 @@ class SendRun:
         """Append an entry: control byte ``ctrl`` (from :meth:`ctrl`), its ``flags``, its
         data and the STag a Send with Invalidate names."""
         self.ctrls.append(ctrl)
-        self.payloads.append(inline)
+        self.chunks.append(inline)
+        self.lens.append(len(inline))
         self.invs.append(inv)
         self.wr_ids.append(wr_id)
         if flags & _SIGNALED:
             self.signaled.append(wr_id)
             self.flags = _SIGNALED
-        self.size += ((_SEND_FPDU_BASE + len(inline)) & ~3) + _CRC_BYTES
+        self.size += self.fpdu_bytes(len(inline))
+
+    @classmethod
+    def of(
+        cls, data: bytes, lens: array[int], ctrls: bytes, invs: array[int], wr_ids: list[int],
+        signaled: list[int], size: int,
+    ) -> SendRun:  # fmt: skip
+        """A run made whole: the entries' data joined and the lists as :meth:`add` of
+        each entry would leave them (``size`` their FPDUs' bytes); the run keeps them
+        and never changes them."""
+        run = cls.__new__(cls)  # every field set here: no empty lists made to be replaced
+        run.chunks, run.lens, run.invs, run.wr_ids, run.signaled, run.size = (
+            [data], lens, invs, wr_ids, signaled, size,
+        )  # fmt: skip
+        run.ctrls = ctrls  # type: ignore[assignment]
+        run.flags = _SIGNALED if signaled else 0
+        run.done = False
+        run.status = WCStatus.SUCCESS
+        return run
+
+    @staticmethod
+    def fpdu_bytes(length: int) -> int:
+        """The bytes of the FPDU of an entry carrying ``length`` bytes."""
+        return ((_SEND_FPDU_BASE + length) & ~3) + _CRC_BYTES
 
     def __len__(self) -> int:
         return len(self.wr_ids)
+
+
+class RecvRun:
+    """The successful receive completions of a run of small Sends, column by column:
+    what a CQ keeps of them (no :class:`WC` per message unless one is asked for).
+
+    Entry ``i`` is the completion of the receive ``wr_ids[i]``: opcode RECV, status
+    SUCCESS, ``byte_lens[i]`` bytes, ``solicited[i]``, no flags. ``start`` is the first
+    entry not taken yet (a CQ takes them from the front).
+    """
+
+    __slots__ = ("byte_lens", "qp_num", "solicited", "start", "wr_ids")
+
+    def __init__(
+        self, wr_ids: list[int], byte_lens: Sequence[int], solicited: list[bool], qp_num: int
+    ) -> None:
+        self.wr_ids = wr_ids
+        self.byte_lens = byte_lens
+        self.solicited = solicited
+        self.qp_num = qp_num
+        self.start = 0
+
+    def __len__(self) -> int:
+        return len(self.wr_ids) - self.start
+
+    def take(self, n: int) -> list[WC]:
+        """The next ``n`` entries as completions, taken."""
+        start = self.start
+        self.start = stop = start + n
+        success, recv, qp_num, no_flags = WCStatus.SUCCESS, WCOpcode.RECV, self.qp_num, WCFlags.NONE
+        return [
+            WC(wr_id, success, recv, byte_len, qp_num, no_flags, 0, 0, solicited)
+            for wr_id, byte_len, solicited in zip(
+                self.wr_ids[start:stop], self.byte_lens[start:stop], self.solicited[start:stop],
+                strict=True,
+            )
+        ]  # fmt: skip
+
+
+_NOT_CHECKED: tuple[object, Region | None, int, int] = (None, None, 0, 0)
 
 
 @dataclass(eq=False, slots=True)
@@ -254,6 +330,10 @@ class RecvJob:
     wr_id: int
     sges: Sequence[SGE]
     length: int
+    checked: tuple[object, Region | None, int, int] = _NOT_CHECKED
+    """For a receive of one non-empty SGE: the memory token it was checked under
+    (:meth:`MemoryTable.token`), the region, the offset in it and the length (a
+    receive posted again is not checked again while the token holds)."""
 
 
 @dataclass(eq=False, slots=True)
@@ -304,7 +384,7 @@ class Engine:
     on_fatal: Callable[[Exception], None] = lambda exc: None
     on_ready: Callable[[], None] = lambda: None
     """Called when a P2P responder receives the initiator's RTR (it may transmit from now)."""
-    on_recv_wcs: Callable[[list[WC]], None] | None = None
+    on_recv_wcs: Callable[[RecvRun], None] | None = None
     """Takes the successful receive completions of a run of small Sends at once, in
     order (default: ``on_recv_wc`` for each). No completion callable may end the QP."""
     on_send_wcs: Callable[[list[WC]], None] | None = None
@@ -349,7 +429,7 @@ class Engine:
         self._rtr_pending = self.config.wait_for_rtr
         self._kernels = kernels()
         """The data-path kernels, compiled or Python (``fastpath``), fixed for this QP."""
-        self._recv_wcs = self.on_recv_wcs or _each(self.on_recv_wc)
+        self._recv_wcs = self.on_recv_wcs or _each_of_run(self.on_recv_wc)
         self._send_wcs = self.on_send_wcs or _each(self.on_send_wc)
         self._run_extra = 0
         """Entries of the runs in the SQ beyond one each (``sq_depth`` counts entries)."""
@@ -485,17 +565,21 @@ class Engine:
         burst = self._burst_done
         most = self.small_send_max
         send, send_inv = WROpcode.SEND, WROpcode.SEND_WITH_INV  # enum lookups cost
-        payloads: list[bytes] = []
+        chunks: list[Chunk] = []
+        lens: list[int] = []
         ctrls = bytearray()
         invs: list[int] = []
         size = 0
+        run: SendRun | None = None  # the run taken, when it is all (framed from its arrays)
         while sq and size < budget:
             job = sq[0]
             if isinstance(job, SendRun):  # taken whole (its size is bounded at post time)
                 sq.popleft()
                 order.append(job)
                 burst.append(job)
-                payloads += job.payloads
+                run = None if lens else job
+                chunks += job.chunks
+                lens += job.lens
                 ctrls += job.ctrls
                 invs += job.invs
                 size += job.size
@@ -517,18 +601,23 @@ class Engine:
             sq.popleft()
             order.append(job)
             burst.append(job)
+            run = None
             ctrl = _CTRL_SEND_SE if job.flags & _SOLICITED else _CTRL_SEND_PLAIN
-            payloads.append(inline)
+            chunks.append(inline)
+            lens.append(len(inline))
             ctrls.append(ctrl + _INV_STEP if op is send_inv else ctrl)
             invs.append(job.invalidate_rkey)
             size += ((_SEND_FPDU_BASE + len(inline)) & ~3) + _CRC_BYTES
-        if payloads:
+        if lens:
             msns = self._tx_msn
             msn = msns[_QN_SEND]
-            msns[_QN_SEND] = (msn + len(payloads)) & U32_MAX
+            msns[_QN_SEND] = (msn + len(lens)) & U32_MAX
+            data = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+            if run is not None:  # its arrays go to the kernels as they are
+                lens, ctrls, invs = run.lens, run.ctrls, run.invs  # type: ignore[assignment]
             out.append(
                 self._kernels.frame_sends(
-                    payloads, ctrls, invs, (msn + 1) & U32_MAX, self.config.crc
+                    data, lens, ctrls, invs, (msn + 1) & U32_MAX, self.config.crc
                 )
             )
         return size
@@ -794,9 +883,15 @@ class Engine:
             queue.clear()
         else:
             popleft = queue.popleft
-            jobs = [popleft() for _ in range(count)]
-        locate = self.memory.locate
+            jobs = list(map(call, repeat(popleft, count)))  # count poplefts, at C speed
         pd = self.pd
+        # What the checks of this run's receives are kept under (none for one message:
+        # a ping-pong costs less without).
+        token = self.memory.token(pd) if count > 1 else None
+        if token is not None and self._place_checked(sview, jobs, msgs, token):
+            self._complete_small_sends(jobs, msgs)
+            return stop if count * _MSG_WORDS == len(msgs) else self._fpdu_at(msgs, count)
+        locate = self.memory.locate
         handle = kernels.handle
         regions: dict[int, Region] = {}
         """The regions of the SGEs met in this run, checked once each (no user code
@@ -823,6 +918,8 @@ class Engine:
                         break
                     regions[s.lkey] = region
                 alone = region
+                if token is not None:
+                    job.checked = (token, region, off, s.length)
                 segments.append((region.handle or handle(region), region.length, off, s.length))
                 nsegs.append(1)
             else:
@@ -849,19 +946,10 @@ class Engine:
         elif jobs:
             kernels.place(sview, msgs, Targets(segments, nsegs))
         if jobs:
-            qp_num = self.qp_num
-            success, recv, no_flags = WCStatus.SUCCESS, WCOpcode.RECV, WCFlags.NONE
-            rx_msn[_QN_SEND] = (rx_msn[_QN_SEND] + len(jobs)) & U32_MAX
-            self._recv_wcs(
-                [
-                    WC(job.wr_id, success, recv, msgs[i + 1], qp_num, no_flags, 0, 0,
-                       msgs[i + 2] == 1)
-                    for job, i in zip(jobs, range(0, len(msgs), _MSG_WORDS), strict=False)
-                ]
-            )  # fmt: skip
+            self._complete_small_sends(jobs, msgs)
         if len(jobs) * _MSG_WORDS == len(msgs):
             return stop
-        fpdu = msgs[len(jobs) * _MSG_WORDS] - ddp.UNTAGGED_HDR_LEN
+        fpdu = self._fpdu_at(msgs, len(jobs))
         if refused is not None:
             # The general path reports it (LOC_PROT_ERR or LOC_LEN_ERR, Terminate).
             self._start = fpdu + ddp.UNTAGGED_HDR_LEN
@@ -870,6 +958,57 @@ class Engine:
             self._fit_send(self._open_send(refused, hdr), hdr, hdr.payload_len)
             raise AssertionError("a refused Send passed the general checks")
         return fpdu
+
+    def _place_checked(
+        self, sview: memoryview, jobs: list[RecvJob], msgs: Sequence[int], token: object
+    ) -> bool:
+        """Place the scanned messages ``msgs`` into the receives ``jobs`` (one each) when
+        every receive was checked under ``token`` and holds its message; False (nothing
+        placed) when one was not (the general loop then checks them, and finds which
+        fails)."""
+        tokens, regions, offs, lens = zip(*map(_CHECKED, jobs), strict=True)
+        if tokens.count(token) != len(tokens):
+            return False
+        kernels = self._kernels
+        region: Region = regions[0]
+        if regions.count(region) == len(regions):  # the usual: one region
+            try:
+                kernels.place_in(sview, msgs, region.handle or kernels.handle(region), offs, lens)
+            except ValueError:
+                return False  # a Send longer than its receive: the general loop reports it
+            return True
+        if any(map(_GT, msgs[1 : len(jobs) * _MSG_WORDS : _MSG_WORDS], lens)):
+            return False
+        handle = kernels.handle
+        segments = [
+            (r.handle or handle(r), r.length, off, n)
+            for r, off, n in zip(regions, offs, lens, strict=True)
+        ]
+        kernels.place(sview, msgs, Targets(segments, [1] * len(jobs)))
+        return True
+
+    def _complete_small_sends(self, jobs: list[RecvJob], msgs: Sequence[int]) -> None:
+        """Complete the receives ``jobs`` with the first scanned messages of ``msgs``."""
+        rx_msn = self._rx_msn
+        rx_msn[_QN_SEND] = (rx_msn[_QN_SEND] + len(jobs)) & U32_MAX
+        if len(jobs) == 1:  # a completion costs less than a run of one
+            self.on_recv_wc(
+                WC(jobs[0].wr_id, WCStatus.SUCCESS, WCOpcode.RECV, msgs[1], self.qp_num,
+                   WCFlags.NONE, 0, 0, msgs[2] == 1)
+            )  # fmt: skip
+            return
+        words = len(jobs) * _MSG_WORDS
+        self._recv_wcs(
+            RecvRun(
+                list(map(_WR_ID, jobs)), msgs[1:words:_MSG_WORDS],
+                list(map(_ONE.__eq__, msgs[2:words:_MSG_WORDS])), self.qp_num,
+            )
+        )  # fmt: skip
+
+    @staticmethod
+    def _fpdu_at(msgs: Sequence[int], k: int) -> int:
+        """Where the FPDU of scanned message ``k`` starts."""
+        return msgs[k * _MSG_WORDS] - ddp.UNTAGGED_HDR_LEN
 
     def _tagged_run(self, sview: memoryview, start: int, end: int, ctrl: int) -> int:
         """Place the whole tagged FPDUs at ``sview[start:end]`` bound for one region;
@@ -1326,6 +1465,17 @@ def _each(callback: Callable[[WC], None]) -> Callable[[list[WC]], None]:
 
     def each(wcs: list[WC]) -> None:
         for wc in wcs:
+            callback(wc)
+
+    return each
+
+
+def _each_of_run(callback: Callable[[WC], None]) -> Callable[[RecvRun], None]:
+    """A callable taking a :class:`RecvRun` that hands each of its completions to
+    ``callback``."""
+
+    def each(run: RecvRun) -> None:
+        for wc in run.take(len(run)):
             callback(wc)
 
     return each

@@ -88,19 +88,22 @@ class Kernels(Protocol):
         ...
 
     def frame_sends(
-        self, payloads: Sequence[bytes], ctrls: Buffer, invs: Sequence[int], msn: int, crc: bool
-    ) -> Buffer:
-        """The FPDUs of one-FPDU Sends: payload ``payloads[i]``, RDMAP control byte
-        ``ctrls[i]``, invalidate STag ``invs[i]``, MSN ``msn + i`` (mod 2^32), QN 0,
-        MO 0, last; zero PAD and the CRC (zero field when ``crc`` is false)."""
+        self, data: Buffer, lens: Sequence[int], ctrls: Buffer, invs: Sequence[int], msn: int,
+        crc: bool,
+    ) -> Buffer:  # fmt: skip
+        """The FPDUs of one-FPDU Sends: payload the next ``lens[i]`` bytes of ``data``
+        (they add up to all of it), RDMAP control byte ``ctrls[i]``, invalidate STag
+        ``invs[i]``, MSN ``msn + i`` (mod 2^32), QN 0, MO 0, last; zero PAD and the CRC
+        (zero field when ``crc`` is false)."""
         ...
 
     def scan_sends(
         self, buf: Buffer, start: int, end: int, msn: int, crc: bool
-    ) -> tuple[int, list[int]]:
+    ) -> tuple[int, Sequence[int]]:
         """The run of whole one-FPDU Sends (with SE or not) at ``buf[start:end]``
         whose MSNs count up from ``msn``: the offset after the run and
-        :data:`MSG_WORDS` words per message (payload offset, length, solicited).
+        :data:`MSG_WORDS` words per message (payload offset, length, solicited; a
+        list or an ``array("I")``).
         It stops before the first FPDU that is anything else or fails its CRC."""
         ...
 
@@ -109,9 +112,21 @@ class Kernels(Protocol):
         into their targets."""
         ...
 
+    def place_in(
+        self, buf: Buffer, msgs: Sequence[int], target: object, offs: Sequence[int],
+        lens: Sequence[int],
+    ) -> None:  # fmt: skip
+        """Copy the payloads of the first ``len(offs)`` messages of a scan into one
+        buffer (a :meth:`handle`): message ``i`` to ``target[offs[i]:]``, into a
+        receive of ``lens[i]`` bytes there. ValueError, and nothing placed, when a
+        message lies outside ``buf`` or is longer than its receive (a peer's Send
+        too long for the receive it takes), or a receive passes the end of
+        ``target``."""
+        ...
+
     def handle(self, region: Region) -> object:
-        """What :class:`Targets` and :meth:`place_tagged` name a registered region's
-        memory by."""
+        """What :class:`Targets`, :meth:`place_in` and :meth:`place_tagged` name a
+        registered region's memory by."""
         ...
 
     def frame_tagged(
@@ -154,18 +169,26 @@ class PyKernels:
         return int(crc32c(data, value))
 
     def frame_sends(
-        self, payloads: Sequence[bytes], ctrls: Buffer, invs: Sequence[int], msn: int, crc: bool
-    ) -> Buffer:
+        self, data: Buffer, lens: Sequence[int], ctrls: Buffer, invs: Sequence[int], msn: int,
+        crc: bool,
+    ) -> Buffer:  # fmt: skip
         """See :class:`Kernels`."""
-        if not len(payloads) == len(ctrls) == len(invs):
-            raise ValueError("frame_sends: payloads, ctrls and invs differ in length")
+        if not len(lens) == len(ctrls) == len(invs):
+            raise ValueError("frame_sends: lens, ctrls and invs differ in length")
+        one = len(lens) == 1  # the ping-pong case: the data is the payload
+        view = data if one else memoryview(data).cast("B")
+        if sum(lens) != len(view):
+            raise ValueError("frame_sends: the lengths do not add up to the data")
         pack = _UNTAGGED.pack
         crc_field = _CRC_FIELD.pack
         parts: list[bytes] = []
-        for i, payload in enumerate(payloads):
+        end = 0
+        for i, n in enumerate(lens):
             ctrl = ctrls[i]
-            if ctrl not in SEND_CTRLS or len(payload) > MAX_SEND_PAYLOAD:
+            if ctrl not in SEND_CTRLS or not 0 <= n <= MAX_SEND_PAYLOAD:
                 raise ValueError(f"frame_sends: message {i} is not a one-FPDU Send")
+            payload = data if one else view[end : end + n]
+            end += n
             ulpdu_len = UNTAGGED_HDR_LEN - 2 + len(payload)
             body = (
                 pack(ulpdu_len, DDP_UNTAGGED_LAST, ctrl, invs[i], 0, (msn + i) & _U32, 0) + payload
@@ -233,6 +256,27 @@ class PyKernels:
             s += count
             if left:
                 raise ValueError(f"place: message {i} longer than its segments")
+
+    def place_in(
+        self, buf: Buffer, msgs: Sequence[int], target: object, offs: Sequence[int],
+        lens: Sequence[int],
+    ) -> None:  # fmt: skip
+        """See :class:`Kernels`."""
+        dst: memoryview = target  # type: ignore[assignment]
+        if len(offs) > len(msgs) // MSG_WORDS or len(lens) < len(offs):
+            raise ValueError("place_in: more targets than messages or lengths")
+        size = len(buf)
+        cap = len(dst)
+        for i, off in enumerate(offs):
+            src = msgs[i * MSG_WORDS]
+            n = msgs[i * MSG_WORDS + 1]
+            if src > size or n > size - src or n > lens[i] or off > cap or lens[i] > cap - off:
+                raise ValueError(f"place_in: message {i} outside the buffer or its receive")
+        for i, off in enumerate(offs):
+            src = msgs[i * MSG_WORDS]
+            n = msgs[i * MSG_WORDS + 1]
+            if n:
+                dst[off : off + n] = buf[src : src + n]
 
     def handle(self, region: Region) -> object:
         """See :class:`Kernels`: the region's own memoryview."""

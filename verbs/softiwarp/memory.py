@@ -93,6 +93,16 @@ class MemoryTable:
     """All regions of one device, by STag index."""
 
     _regions: dict[int, Region] = field(default_factory=dict)
+    _tokens: dict[object, object] = field(default_factory=dict)
+
+    def token(self, pd: object) -> object:
+        """An object that stays the same for ``pd`` until a region is deregistered or
+        invalidated: what the engine checked of a region of ``pd`` under one token (that
+        it is valid, in the PD, with its rights and bounds) holds while the token does."""
+        token = self._tokens.get(pd)
+        if token is None:
+            token = self._tokens[pd] = object()
+        return token
 
     def register(self, pd: object, view: memoryview, addr: int, access: Access) -> Region:
         """Add a region under a random unused STag (never 0 and never 1, the RTR STag)."""
@@ -111,6 +121,7 @@ class MemoryTable:
         """Remove a region; its STag is invalid from now on."""
         region.valid = False
         region.handle = None
+        self._tokens.clear()
         self._regions.pop(region.stag >> 8, None)
 
     def lookup(self, stag: int) -> Region | None:
@@ -157,4 +168,5 @@ class MemoryTable:
         if not region.rights & _REMOTE:
             return Violation.ACCESS
         region.valid = False
+        self._tokens.clear()
         return None

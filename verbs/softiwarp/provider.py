@@ -13,10 +13,12 @@ import itertools
 import logging
 import socket
 import weakref
+from array import array
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from operator import attrgetter, getitem
 from typing import TYPE_CHECKING, Self, TypeVar
 
 import psutil
@@ -36,13 +38,21 @@ from rdmashim.verbs.enums import (
     QPType,
     SendFlags,
     Transport,
+    WCFlags,
     WCOpcode,
     WCStatus,
     WROpcode,
 )
 from rdmashim.verbs.errors import NotSupported, VerbsError, check_cq_target
 from rdmashim.verbs.events import AsyncEvent, AsyncEventType
-from rdmashim.verbs.softiwarp.engine import Engine, EngineState, RecvJob, SendJob, SendRun
+from rdmashim.verbs.softiwarp.engine import (
+    Engine,
+    EngineState,
+    RecvJob,
+    RecvRun,
+    SendJob,
+    SendRun,
+)
 from rdmashim.verbs.softiwarp.memory import AccessViolation, MemoryTable, Region
 from rdmashim.verbs.softiwarp.mpa import MAX_PRIVATE_DATA, V2_BLOCK_LEN
 from rdmashim.verbs.softiwarp.terminate import TermCode
@@ -561,7 +571,11 @@ class CQ(_Resource):
         self.context = context
         self.cqe = cqe
         self.channel = channel
-        self._entries: deque[WC] = deque()
+        self._entries: deque[WC | RecvRun] = deque()
+        """Completions in order: one :class:`WC` each, or runs of receive completions
+        kept column by column (never empty)."""
+        self._count = 0
+        """Completions in ``_entries``."""
         self._armed = False
         self._solicited_only = False
         self._overrun = False
@@ -601,25 +615,37 @@ class CQ(_Resource):
                     qp.engine.set_error(exc)
 
     def _push(self, wc: WC) -> None:
-        if len(self._entries) >= self.cqe:
+        if self._count >= self.cqe:
             self._overflow(wc)
             return
         self._entries.append(wc)
+        self._count += 1
         self._arrived(wc.solicited or wc.status != WCStatus.SUCCESS)
 
     def _push_all(self, wcs: list[WC]) -> None:
         """Queue completions in order as :meth:`_push` of each, with one wakeup and at
         most one event or handler call for them all."""
-        room = self.cqe - len(self._entries)
-        if len(wcs) > room:
+        if len(wcs) > self.cqe - self._count:
             for wc in wcs:  # up to the overrun (rare): each as it comes
                 self._push(wc)
             return
         self._entries.extend(wcs)
+        self._count += len(wcs)
         self._arrived(
             not self._solicited_only
             or any(wc.solicited or wc.status != WCStatus.SUCCESS for wc in wcs)
         )
+
+    def _push_run(self, run: RecvRun) -> None:
+        """Queue a run of successful receive completions as :meth:`_push_all` of them,
+        kept as the run (one entry)."""
+        if len(run) > self.cqe - self._count:
+            for wc in run.take(len(run)):  # up to the overrun (rare): each as it comes
+                self._push(wc)
+            return
+        self._entries.append(run)
+        self._count += len(run)
+        self._arrived(not self._solicited_only or True in run.solicited)
 
     def _overflow(self, wc: WC) -> None:
         if not self._overrun:
@@ -663,22 +689,57 @@ class CQ(_Resource):
 
     def _take(self, num_entries: int) -> list[WC]:
         entries = self._entries
-        n = min(num_entries, len(entries))
-        if n == len(entries):
-            taken = list(entries)
-            entries.clear()
-            return taken
-        return [entries.popleft() for _ in range(n)]
+        taken: list[WC] = []
+        left = min(num_entries, self._count)
+        self._count -= left
+        while left:
+            entry = entries[0]
+            if entry.__class__ is RecvRun:
+                n = min(left, len(entry))
+                taken += entry.take(n)
+                if not entry:
+                    entries.popleft()
+            else:
+                n = 1
+                taken.append(entries.popleft())  # type: ignore[arg-type]
+            left -= n
+        return taken
 
     def poll_into(self, wcs: WCArray, num_entries: int | None = None) -> int:
         """Take up to ``num_entries`` (default ``len(wcs)``) completions into ``wcs``; how many.
 
-        The CQ keeps the engine's completions as they come (one named tuple each);
-        this moves their fields into the array's lists and keeps none of them."""
+        The CQ keeps the engine's completions as they come (one named tuple each, or
+        the columns of a run of receives); this moves their fields into the array's
+        lists (a run's a column at a time) and keeps none of them."""
+        self._check_open("poll_cq")
+        if self._overrun:
+            raise VerbsError(errno.EOVERFLOW, "poll_cq", f"more than {self.cqe} completions queued")
         limit = len(wcs) if num_entries is None else min(num_entries, len(wcs))
-        taken = self.poll(limit)
-        wcs.fill(taken)
-        return len(taken)
+        entries = self._entries
+        total = min(limit, self._count)
+        self._count -= total
+        pos = 0
+        rows: list[WC] = []
+        while pos + len(rows) < total:
+            entry = entries[0]
+            if entry.__class__ is not RecvRun:
+                rows.append(entries.popleft())  # type: ignore[arg-type]
+                continue
+            if rows:
+                wcs.fill(rows, pos)
+                pos += len(rows)
+                rows = []
+            run: RecvRun = entry
+            n = min(total - pos, len(run))
+            start = run.start
+            _fill_run(wcs, pos, run, start, start + n)
+            run.start += n
+            if not run:
+                entries.popleft()
+            pos += n
+        if rows:
+            wcs.fill(rows, pos)
+        return total
 
     async def poll_wait_into(self, wcs: WCArray, num_entries: int | None = None) -> int:
         """Wait for completions and take up to ``num_entries`` of them into ``wcs``."""
@@ -705,7 +766,7 @@ class CQ(_Resource):
         wakes it in one hop. Otherwise the receive task wakes it.
         """
         self._check_open("wait")
-        while not self._entries:
+        while not self._count:
             link = self._sole_link()
             if link is not None and link.can_read:
                 self._reader = link
@@ -729,7 +790,7 @@ class CQ(_Resource):
         return None
 
     def _ready(self) -> bool:
-        return bool(self._entries) or self._closed
+        return bool(self._count) or self._closed
 
     async def poll_wait(self, num_entries: int = 16) -> list[WC]:
         """Wait for completions and take up to ``num_entries`` of them (at least one)."""
@@ -737,7 +798,7 @@ class CQ(_Resource):
         return self.poll(num_entries)
 
     def __len__(self) -> int:
-        return len(self._entries)
+        return self._count
 
     def close(self) -> None:
         """Destroy the CQ."""
@@ -746,6 +807,24 @@ class CQ(_Resource):
             self._waiter.set()
             if self._reader is not None:
                 self._reader.interrupt()
+
+
+def _fill_run(wcs: WCArray, pos: int, run: RecvRun, start: int, stop: int) -> None:
+    """Entries ``start:stop`` of a run into ``wcs`` from entry ``pos`` on, a column at a
+    time."""
+    n = stop - start
+    end = pos + n
+    wcs.wr_id[pos:end] = run.wr_ids[start:stop]
+    wcs.status[pos:end] = [_SUCCESS] * n
+    wcs.opcode[pos:end] = [_RECV] * n
+    wcs.byte_len[pos:end] = run.byte_lens[start:stop]
+    wcs.qp_num[pos:end] = [run.qp_num] * n
+    wcs.wc_flags[pos:end] = [_NO_FLAGS] * n
+    zeros = [0] * n
+    wcs.invalidated_rkey[pos:end] = zeros
+    wcs.vendor_err[pos:end] = zeros
+    wcs.solicited[pos:end] = run.solicited[start:stop]
+    wcs.imm_data[pos:end] = zeros
 
 
 class SRQ(_Resource):
@@ -845,7 +924,7 @@ def _batch_jobs(
     jobs = batch.prepared(RecvJob, _RecvJobs)
     if isinstance(entries, range):
         return jobs[: entries.stop], jobs.max_nsge
-    return [jobs[i] for i in entries], jobs.max_nsge
+    return list(map(jobs.__getitem__, entries)), jobs.max_nsge
 
 
 def _bad_wr(err: int, operation: str, index: int, detail: str) -> VerbsError:
@@ -857,6 +936,8 @@ def _bad_wr(err: int, operation: str, index: int, detail: str) -> VerbsError:
 _U32 = 0xFFFFFFFF
 _U64 = 0xFFFFFFFFFFFFFFFF
 _INLINE = int(SendFlags.INLINE)
+_SIGNALED = int(SendFlags.SIGNALED)
+_WR_ID = attrgetter("wr_id")
 # Enum members bound once: an attribute lookup on an enum class costs per work request.
 _RDMA_READ = WROpcode.RDMA_READ
 _SEND_INV = WROpcode.SEND_WITH_INV
@@ -864,6 +945,9 @@ _FENCE = int(SendFlags.FENCE)
 _RUN_BYTES = 256 * 1024
 """A :class:`SendRun` takes no more entries once its FPDUs reach this many bytes."""
 _RTS = QPState.RTS
+_SUCCESS = WCStatus.SUCCESS
+_RECV = WCOpcode.RECV
+_NO_FLAGS = WCFlags.NONE
 _ERR = QPState.ERR
 _SUPPORTED_SEND = frozenset(
     {WROpcode.SEND, WROpcode.SEND_WITH_INV, WROpcode.RDMA_WRITE, WROpcode.RDMA_READ}
@@ -980,6 +1064,58 @@ class _SendTemplate:
             self.invalid = _WIRE_LIMITS
 
 
+class _RunPlan:
+    """What a post of a batch's first entries needs when they all join one
+    :class:`SendRun`: inline Sends without FENCE, each with one SGE whose region was
+    found, worked out once. A post checks that those regions are still registered and
+    the QP's limits, copies the data and makes the run, with no per-entry checks."""
+
+    __slots__ = (
+        "ctrls", "invs", "lens", "longest", "regions", "signaled", "size", "slices", "views",
+    )  # fmt: skip
+
+    def __init__(self, templates: Sequence[_SendTemplate]) -> None:
+        self.ctrls = bytes(t.run_ctrl for t in templates)
+        self.invs = array("I", [t.invalidate_rkey for t in templates])
+        self.signaled = [i for i, t in enumerate(templates) if t.flags & _SIGNALED]
+        """The indices of the entries with SIGNALED."""
+        sources = [t.source for t in templates]
+        self.views = [s.region.view for s in sources]  # type: ignore[union-attr]
+        self.slices = [slice(s.offset, s.end) for s in sources]  # type: ignore[union-attr]
+        """Each entry's data: ``views[i][slices[i]]``."""
+        self.regions: list[Region] = list({id(s.region): s.region for s in sources}.values())  # type: ignore[union-attr,arg-type]
+        """The regions the data come from (each still registered, or the plan is void)."""
+        self.lens = array("I", [s.length for s in sources])  # type: ignore[union-attr]
+        self.longest = max(self.lens)
+        self.size = sum(map(SendRun.fpdu_bytes, self.lens))
+
+    @staticmethod
+    def possible(templates: Sequence[_SendTemplate]) -> bool | None:
+        """Whether these entries may be posted by a plan: never (False: fewer than two,
+        or one would not join a run), not now (None: a region not found yet, or gone),
+        or yes."""
+        if len(templates) < 2:
+            return False
+        lengths = 0
+        for t in templates:
+            src = t.source
+            if not t.run_ctrl or src is None or t.remote_addr > _U64 + 1 - src.length:
+                return False
+            lengths += SendRun.fpdu_bytes(src.length)
+        if lengths > _RUN_BYTES:  # not one run, as the general path makes them
+            return False
+        found = all(t.source.region is not None and t.source.region.valid for t in templates)  # type: ignore[union-attr]
+        return True if found else None
+
+    def run(self, wrs: Sequence[SendWR]) -> SendRun:
+        """The run of ``wrs`` (the entries the plan was made of), their data copied now."""
+        wr_ids = list(map(_WR_ID, wrs))
+        return SendRun.of(
+            b"".join(map(getitem, self.views, self.slices)), self.lens, self.ctrls, self.invs,
+            wr_ids, [wr_ids[i] for i in self.signaled], self.size,
+        )  # fmt: skip
+
+
 class _SendTemplates(list[_SendTemplate]):
     """A send batch's entries as templates, for one context's memory table."""
 
@@ -987,9 +1123,28 @@ class _SendTemplates(list[_SendTemplate]):
         super().__init__([None] * n)  # type: ignore[list-item]
         self.memory = memory
         """The table the inline SGEs' regions are looked up in (the templates cache them)."""
+        self._plans: dict[int, _RunPlan | None] = {}
+        """By how many first entries a post takes: their plan, or None if they can have
+        none (until an entry is set again)."""
 
     def set(self, i: int, wr: SendWR) -> None:
         self[i] = _SendTemplate(wr)
+        self._plans.clear()
+
+    def plan(self, count: int) -> _RunPlan | None:
+        """The plan of the first ``count`` entries while its regions stay registered
+        (made again once one is gone or was not found yet: the general path looks the
+        SGEs up again)."""
+        if count in self._plans:
+            plan = self._plans[count]
+            if plan is None or all(r.valid for r in plan.regions):
+                return plan
+        entries = self[:count]
+        possible = _RunPlan.possible(entries)
+        if possible is None:
+            return None
+        plan = self._plans[count] = _RunPlan(entries) if possible else None
+        return plan
 
 
 class QP(_Resource):
@@ -1017,7 +1172,7 @@ class QP(_Resource):
             recv_queue=srq._queue if srq is not None else self._rq,
             on_send_wc=send_cq._push,
             on_recv_wc=recv_cq._push,
-            on_recv_wcs=recv_cq._push_all,
+            on_recv_wcs=recv_cq._push_run,
             on_send_wcs=send_cq._push_all,
             sq_sig_all=sq_sig_all,
             on_fatal=self._on_fatal,
@@ -1066,6 +1221,9 @@ class QP(_Resource):
         come back as completions.
         """
         self._check_open("post_send")
+        if wr.__class__ is SendWR:  # one request: no list to make
+            self._post_sends((wr,), (_SendTemplate(wr),))
+            return
         wrs = _as_list(wr)
         # One template per request object: a list repeating a request makes it once.
         made: dict[int, _SendTemplate] = {}
@@ -1089,9 +1247,30 @@ class QP(_Resource):
         # By the table's id: the templates hold the table, so the id is not reused meanwhile.
         templates = batch.prepared(id(memory), lambda n: _SendTemplates(n, memory))
         if isinstance(entries, range):
-            self._post_sends(batch.wrs(entries), templates[: entries.stop])
+            wrs = batch.wrs(entries)
+            if not self._post_run(wrs, templates.plan(entries.stop)):
+                self._post_sends(wrs, templates[: entries.stop])
         else:
             self._post_sends(batch.wrs(entries), [templates[i] for i in entries])
+
+    def _post_run(self, wrs: Sequence[SendWR], plan: _RunPlan | None) -> bool:
+        """Post ``wrs`` as one run by their batch's ``plan`` when the QP's state and
+        limits let every entry pass (what :meth:`_post_sends` would make of them); False
+        (nothing posted) otherwise."""
+        if plan is None or self._state is not _RTS:
+            return False
+        cap = self.cap
+        engine = self.engine
+        if (
+            len(wrs) > cap.max_send_wr - engine.sq_depth
+            or cap.max_send_sge < 1
+            or plan.longest > min(engine.small_send_max, cap.max_inline_data)
+        ):
+            return False
+        engine.post_send(plan.run(wrs))
+        if self._link is not None:
+            self._link.kick()
+        return True
 
     def _post_sends(self, wrs: Sequence[SendWR], templates: Sequence[_SendTemplate]) -> None:
         """Post ``wrs`` (``templates[i]`` made from ``wrs[i]``) in order; the first refused
@@ -1185,6 +1364,9 @@ class QP(_Resource):
     def post_recv(self, wr: RecvWR | Iterable[RecvWR]) -> None:
         """Post one receive work request or a list of them (never blocks)."""
         self._check_open("post_recv")
+        if wr.__class__ is RecvWR:  # one request: no list to make
+            self._post_recvs((_recv_job(wr),))
+            return
         self._post_recvs([_recv_job(w) for w in _as_list(wr)])
 
     def post_recv_batch(
