@@ -11,7 +11,7 @@ both CM ids report DISCONNECTED, and everything still posted is flushed.
 from __future__ import annotations
 
 import pytest
-from api.support import SIG, Cm, E, End, Pair, drain, is_linux_siw
+from api.support import SIG, Cm, E, End, Pair, drain, is_linux_siw, ok, quiet
 
 from rdmashim import SGE, Access, QPState, RecvWR, SendWR, Transport, WCOpcode, WCStatus, WROpcode
 
@@ -38,9 +38,8 @@ async def connection_ended(pair: Pair, *receivers: tuple[End, int]) -> None:
         assert {w.status for w in wcs} == {WCStatus.WR_FLUSH_ERR}, wcs
 
 
-def _iwarp(pair: Pair) -> None:
-    if pair.client.ctx.query_device().transport != Transport.IWARP:
-        pytest.skip("iWARP semantics (an IB RC QP retries or NAKs instead)")
+def _iwarp(pair: Pair) -> bool:
+    return pair.client.ctx.query_device().transport == Transport.IWARP
 
 
 @pytest.mark.parametrize("case", ["deregistered", "other-pd", "out-of-bounds"])
@@ -71,7 +70,6 @@ async def test_bad_local_key_on_send(pair: Pair, case: str) -> None:
     "case", ["deregistered", "no-remote-write", "out-of-bounds", "other-pd", "wrong-key"]
 )
 async def test_remote_write_violation(pair: Pair, case: str) -> None:
-    _iwarp(pair)
     client, server = pair.client, pair.server
     server.post_recvs(server.reg(3 * 16), 3, 16)
     target = server.reg(4096)
@@ -92,11 +90,16 @@ async def test_remote_write_violation(pair: Pair, case: str) -> None:
         rkey = target.rkey ^ 0xFF  # the right region, the wrong key
     src = client.reg(b"x" * 16)
     client.qp.post_send(SendWR(1, WROpcode.RDMA_WRITE, [src.sge()], SIG, addr, rkey))
-    # An iWARP Write completes at its sender once sent; the peer's Terminate that
-    # refuses it arrives later (RFC 5040: Writes are not acknowledged).
     (wc,) = await drain(client.send_cq, 1)
-    assert (wc.wr_id, wc.opcode) == (1, WCOpcode.RDMA_WRITE)
-    assert wc.status in (WCStatus.SUCCESS, WCStatus.REM_ACCESS_ERR), wc
+    assert wc.wr_id == 1
+    if _iwarp(pair):
+        # An iWARP Write completes at its sender once sent; the peer's Terminate that
+        # refuses it arrives later (RFC 5040: Writes are not acknowledged).
+        assert wc.opcode == WCOpcode.RDMA_WRITE
+        assert wc.status in (WCStatus.SUCCESS, WCStatus.REM_ACCESS_ERR), wc
+    else:
+        # IB acknowledges Writes: the responder NAKs this one (Remote Access Error).
+        assert wc.status == WCStatus.REM_ACCESS_ERR, wc
     await connection_ended(pair, (server, 3))
     if case != "deregistered":
         assert bytes(target.buf) == bytes(4096)  # nothing was placed
@@ -141,7 +144,8 @@ async def test_remote_read_violation(pair: Pair, case: str) -> None:
 
 async def test_send_without_a_posted_receive(pair: Pair) -> None:
     """iWARP has no receiver-not-ready retry: the receiver ends the connection."""
-    _iwarp(pair)
+    if not _iwarp(pair):
+        pytest.skip("iWARP semantics: IB retries the Send (test_send_waits_for_a_receive)")
     client = pair.client
     client.post_recvs(client.reg(16), 1, 16)
     client.qp.post_send(SendWR(1, WROpcode.SEND, [client.reg(b"nobody listens").sge()], SIG))
@@ -149,6 +153,23 @@ async def test_send_without_a_posted_receive(pair: Pair) -> None:
     # Sent before the Terminate came back (SUCCESS), or flushed by it.
     assert wc.status in (WCStatus.SUCCESS, WCStatus.WR_FLUSH_ERR), wc
     await connection_ended(pair, (client, 1))
+
+
+async def test_send_waits_for_a_receive(pair: Pair) -> None:
+    """IB NAKs a Send with no receive posted as receiver-not-ready and the sender
+    retries it (without limit at the CM's default ``rnr_retry_count``, 7) until one is."""
+    if _iwarp(pair):
+        pytest.skip("IB semantics: iWARP ends the connection (test_send_without_a_posted_receive)")
+    client, server = pair.client, pair.server
+    client.qp.post_send(SendWR(1, WROpcode.SEND, [client.reg(b"nobody listens").sge()], SIG))
+    assert await quiet(client.send_cq) == []
+    rbuf = server.reg(16)
+    server.qp.post_recv(RecvWR(2, [rbuf.sge()]))
+    (sent,) = ok(await drain(client.send_cq, 1))
+    (got,) = ok(await drain(server.recv_cq, 1))
+    assert (sent.wr_id, got.wr_id) == (1, 2)
+    assert bytes(rbuf.buf[: got.byte_len]) == b"nobody listens"
+    assert client.qp.query().qp_state == QPState.RTS
 
 
 async def test_send_longer_than_the_receive(pair: Pair) -> None:
