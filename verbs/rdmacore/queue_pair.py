@@ -48,6 +48,7 @@ _QUERY_MASK = IBV_QP_STATE | IBV_QP_MAX_QP_RD_ATOMIC | IBV_QP_MAX_DEST_RD_ATOMIC
 
 _INLINE = int(SendFlags.INLINE)
 _WITH_IMM = frozenset({WROpcode.RDMA_WRITE_WITH_IMM, WROpcode.SEND_WITH_IMM})
+_ATOMIC = frozenset({WROpcode.ATOMIC_CMP_AND_SWP, WROpcode.ATOMIC_FETCH_AND_ADD})
 _STATES = {s.value: s for s in QPState}
 
 
@@ -105,8 +106,13 @@ def _encode_send_wr(c: Any, w: SendWR, keep: list[Any], i: int) -> None:
         c.imm_data = socket.htonl(w.imm_data)
     elif opcode == WROpcode.SEND_WITH_INV:
         c.invalidate_rkey = w.invalidate_rkey
-    c.wr.rdma.remote_addr = w.remote_addr
-    c.wr.rdma.rkey = w.rkey
+    if opcode in _ATOMIC:
+        atomic = c.wr.atomic
+        atomic.remote_addr, atomic.rkey = w.remote_addr, w.rkey
+        atomic.compare_add, atomic.swap = w.compare_add, w.swap
+    else:
+        c.wr.rdma.remote_addr = w.remote_addr
+        c.wr.rdma.rkey = w.rkey
 
 
 def _encode(ctype: str, encode: Callable[..., None], wrs: list[Any]) -> tuple[Any, list[Any]]:
