@@ -495,7 +495,10 @@ class RdmaCoreCMId:
         On IB and RoCE that takes a DREQ, which ``rdma_disconnect`` sends."""
         if self.state is State.ESTABLISHED and not self._ends_with_its_qp():
             log.info("%s: the QP went to ERR (%s); disconnecting", self, why)
-            self.disconnect()
+            try:  # called from poll() and the like: their caller gets no error of ours
+                self.disconnect()
+            except VerbsError as exc:
+                log.warning("%s: disconnecting after the QP's error: %s", self, exc)
 
     # ------------------------------------------------------------------ connecting
     def connect(self, param: ConnParam | None = None) -> None:
