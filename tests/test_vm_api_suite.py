@@ -2,7 +2,8 @@
 
 Beside one run per backend, the ibal backend runs on rdma-core's CAs (the kernel's
 siw), through tests/api and as an rping client of the kernel's ``rping -s``
-(``tools/vm_api_suite.py``'s ``IBAL_ON_RDMACORE``).
+(``tools/vm_api_suite.py``'s ``IBAL_ON_RDMACORE``), and the rdmacore backend runs the
+suite once more on the kernel's Soft-RoCE, rxe (``RXE``: an InfiniBand-transport device).
 
 One guest boots for the module: ``tools/vm_api_suite.py --json`` (the developer
 command of the README) runs ``python3 -m pytest tests/api`` in it once per
@@ -37,7 +38,7 @@ sys.modules.setdefault("vm_api_suite", vm_api_suite)  # its dataclasses look the
 _spec.loader.exec_module(vm_api_suite)
 RUNS = vm_api_suite.registered_backends()
 GUEST_HAS = set(RUNS)
-"""Runs the guest image provides for (python3, python3-cffi, rdma-core, siw): all."""
+"""Runs the guest image provides for (python3, python3-cffi, rdma-core, siw, rxe): all."""
 FLAKY = "ibal+rdmacore"
 """A run that failed now and then in the emulated guest, each time one test alone waiting
 60 s for an event that never came: a completion channel event (test_one_channel_many_cqs,

@@ -28,10 +28,9 @@ What it does:
    backend's suite fails in three tests or fewer, they run once more, their DEBUG log captured
    (``rerun`` in the results: whether the failure repeats); the backend's status
    stays failed. A failed test shows the library's INFO log records in either run.
-   ``--backend rxe:rdmacore`` runs rdmacore on Soft-RoCE instead: siw_eth0 makes way
-   for ``rxe_eth0`` on the same eth0 (not yet one of the default runs: on rxe 23 of
-   the suite's tests still fail, most of them waiting for a DISCONNECTED that an IB
-   QP's error does not bring).
+   The ``rxe:rdmacore`` run (:data:`RXE`) is rdmacore on Soft-RoCE: siw_eth0 makes way
+   for ``rxe_eth0`` on the same eth0, so it runs last; the suite then meets InfiniBand
+   semantics (the IB CM, RNR retry, NAKed Writes, immediate data) on the same guest.
 
 The guest's output is printed as it comes. The exit status is 0 when every
 backend that ran passed and at least one ran, 1 otherwise, 2 when the guest
@@ -186,12 +185,17 @@ IBAL_ON_RDMACORE = ("ibal+rdmacore", "rping:ibal+rdmacore")
 through tests/api, and its rping client against the kernel's ``rping -s``."""
 
 
+RXE = "rxe:rdmacore"
+"""The rdmacore backend on the kernel's Soft-RoCE (rdma_rxe on eth0) instead of siw:
+the suite on an InfiniBand-transport device. It replaces siw_eth0, so it runs last."""
+
+
 def registered_backends() -> list[str]:
     """Every backend this tree registers (the guest runs the same tree), then ibal on
-    rdma-core (:data:`IBAL_ON_RDMACORE`)."""
+    rdma-core (:data:`IBAL_ON_RDMACORE`), then rdmacore on rxe (:data:`RXE`)."""
     from rdmashim.registry import BACKENDS
 
-    return [*BACKENDS, *IBAL_ON_RDMACORE]
+    return [*BACKENDS, *IBAL_ON_RDMACORE, RXE]
 
 
 def guest_script(

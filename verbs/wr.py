@@ -40,8 +40,11 @@ class SendWR:
 
     ``sg_list`` holds SGEs, or, with ``SendFlags.INLINE``, may hold plain bytes-like
     objects whose contents are copied at post time. ``remote_addr``/``rkey`` name
-    the peer's buffer for RDMA Write and Read; ``invalidate_rkey`` the STag a
-    Send with Invalidate invalidates at the peer.
+    the peer's buffer for RDMA Write and Read, and the peer's 8 bytes for an atomic
+    operation; ``invalidate_rkey`` the STag a Send with Invalidate invalidates at
+    the peer. ``compare_add`` is what ATOMIC_CMP_AND_SWP compares with (``swap``
+    replaces it when equal) and what ATOMIC_FETCH_AND_ADD adds; the original value
+    lands in the 8-byte SGE (devices whose ``atomic_cap`` is not NONE).
     """
 
     wr_id: int = 0
@@ -52,6 +55,8 @@ class SendWR:
     rkey: int = 0
     invalidate_rkey: int = 0
     imm_data: int = 0
+    compare_add: int = 0
+    swap: int = 0
 
 
 @dataclass(slots=True)

@@ -74,6 +74,16 @@ def is_linux_siw(attr: DeviceAttr) -> bool:
     return attr.vendor_id == SIW_VENDOR_ID and not attr.fw_ver.startswith("rdmashim")
 
 
+RXE_VENDOR_ID = 0xFFFFFF
+
+
+def is_linux_rxe(attr: DeviceAttr) -> bool:
+    """Whether the device is the Linux kernel's Soft-RoCE, rxe (its vendor id,
+    ``RXE_VENDOR_ID`` in rxe_param.h); its deviations are accepted where they show,
+    each with its reason, as siw's are."""
+    return attr.vendor_id == RXE_VENDOR_ID
+
+
 def check_cut_send_queue(statuses: list[WCStatus]) -> None:
     """A send queue cut off mid-way completes SUCCESS up to some request, then
     WR_FLUSH_ERR. The one request being transmitted at the cut may complete with

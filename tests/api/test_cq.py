@@ -49,8 +49,10 @@ async def test_channel_event_only_after_arming(cm: Cm) -> None:
     pair = await cm.pair(comp_channel=True)
     client, server = pair.client, pair.server
     channel, cq = server.comp_channel, server.recv_cq
-    rbuf = server.reg(64)
-    server.post_recvs(rbuf, 2, 32)
+    # A receive for each of the three Sends: a Send without one ends an iWARP
+    # connection (Terminate), and on IB waits for receiver-not-ready retries.
+    rbuf = server.reg(3 * 32)
+    server.post_recvs(rbuf, 3, 32)
     msg = client.reg(b"hi")
     client.qp.post_send(SendWR(1, WROpcode.SEND, [msg.sge()], SIG))
     ok(await drain(client.send_cq, 1))

@@ -11,7 +11,7 @@ both CM ids report DISCONNECTED, and everything still posted is flushed.
 from __future__ import annotations
 
 import pytest
-from api.support import SIG, Cm, E, End, Pair, drain, is_linux_siw
+from api.support import SIG, Cm, E, End, Pair, drain, is_linux_rxe, is_linux_siw, ok, quiet
 
 from rdmashim import SGE, Access, QPState, RecvWR, SendWR, Transport, WCOpcode, WCStatus, WROpcode
 
@@ -22,6 +22,16 @@ LOCAL_PROTECTION = {WCStatus.LOC_PROT_ERR, WCStatus.LOC_QP_OP_ERR}
 # Kernel siw never reports REM_ACCESS_ERR: the peer's Terminate moves the QP to ERR
 # and siw flushes the outstanding Read (siw_qp.c, siw_sq_flush of the ORQ).
 REMOTE_READ_REFUSED = {WCStatus.REM_ACCESS_ERR, WCStatus.WR_FLUSH_ERR}
+
+
+def receive_failure(pair: Pair, *expected: WCStatus) -> set[WCStatus]:
+    """The statuses a receive that cannot take a Send may complete with: ``expected``,
+    and on the kernel's rxe (6.1) LOC_QP_OP_ERR, whatever the cause: its responder
+    turns a failed copy of a Send's payload into the receive (too short, or memory
+    without LOCAL_WRITE) into a malformed WQE (rxe_resp.c, send_data_in returns
+    RESPST_ERR_MALFORMED_WQE), which completes LOC_QP_OP_ERR."""
+    rxe = is_linux_rxe(pair.server.ctx.query_device())
+    return set(expected) | ({WCStatus.LOC_QP_OP_ERR} if rxe else set())
 
 
 async def connection_ended(pair: Pair, *receivers: tuple[End, int]) -> None:
@@ -38,9 +48,8 @@ async def connection_ended(pair: Pair, *receivers: tuple[End, int]) -> None:
         assert {w.status for w in wcs} == {WCStatus.WR_FLUSH_ERR}, wcs
 
 
-def _iwarp(pair: Pair) -> None:
-    if pair.client.ctx.query_device().transport != Transport.IWARP:
-        pytest.skip("iWARP semantics (an IB RC QP retries or NAKs instead)")
+def _iwarp(pair: Pair) -> bool:
+    return pair.client.ctx.query_device().transport == Transport.IWARP
 
 
 @pytest.mark.parametrize("case", ["deregistered", "other-pd", "out-of-bounds"])
@@ -71,7 +80,6 @@ async def test_bad_local_key_on_send(pair: Pair, case: str) -> None:
     "case", ["deregistered", "no-remote-write", "out-of-bounds", "other-pd", "wrong-key"]
 )
 async def test_remote_write_violation(pair: Pair, case: str) -> None:
-    _iwarp(pair)
     client, server = pair.client, pair.server
     server.post_recvs(server.reg(3 * 16), 3, 16)
     target = server.reg(4096)
@@ -92,11 +100,16 @@ async def test_remote_write_violation(pair: Pair, case: str) -> None:
         rkey = target.rkey ^ 0xFF  # the right region, the wrong key
     src = client.reg(b"x" * 16)
     client.qp.post_send(SendWR(1, WROpcode.RDMA_WRITE, [src.sge()], SIG, addr, rkey))
-    # An iWARP Write completes at its sender once sent; the peer's Terminate that
-    # refuses it arrives later (RFC 5040: Writes are not acknowledged).
     (wc,) = await drain(client.send_cq, 1)
-    assert (wc.wr_id, wc.opcode) == (1, WCOpcode.RDMA_WRITE)
-    assert wc.status in (WCStatus.SUCCESS, WCStatus.REM_ACCESS_ERR), wc
+    assert wc.wr_id == 1
+    if _iwarp(pair):
+        # An iWARP Write completes at its sender once sent; the peer's Terminate that
+        # refuses it arrives later (RFC 5040: Writes are not acknowledged).
+        assert wc.opcode == WCOpcode.RDMA_WRITE
+        assert wc.status in (WCStatus.SUCCESS, WCStatus.REM_ACCESS_ERR), wc
+    else:
+        # IB acknowledges Writes: the responder NAKs this one (Remote Access Error).
+        assert wc.status == WCStatus.REM_ACCESS_ERR, wc
     await connection_ended(pair, (server, 3))
     if case != "deregistered":
         assert bytes(target.buf) == bytes(4096)  # nothing was placed
@@ -141,7 +154,8 @@ async def test_remote_read_violation(pair: Pair, case: str) -> None:
 
 async def test_send_without_a_posted_receive(pair: Pair) -> None:
     """iWARP has no receiver-not-ready retry: the receiver ends the connection."""
-    _iwarp(pair)
+    if not _iwarp(pair):
+        pytest.skip("iWARP semantics: IB retries the Send (test_send_waits_for_a_receive)")
     client = pair.client
     client.post_recvs(client.reg(16), 1, 16)
     client.qp.post_send(SendWR(1, WROpcode.SEND, [client.reg(b"nobody listens").sge()], SIG))
@@ -151,13 +165,30 @@ async def test_send_without_a_posted_receive(pair: Pair) -> None:
     await connection_ended(pair, (client, 1))
 
 
+async def test_send_waits_for_a_receive(pair: Pair) -> None:
+    """IB NAKs a Send with no receive posted as receiver-not-ready and the sender
+    retries it (without limit at the CM's default ``rnr_retry_count``, 7) until one is."""
+    if _iwarp(pair):
+        pytest.skip("IB semantics: iWARP ends the connection (test_send_without_a_posted_receive)")
+    client, server = pair.client, pair.server
+    client.qp.post_send(SendWR(1, WROpcode.SEND, [client.reg(b"nobody listens").sge()], SIG))
+    assert await quiet(client.send_cq) == []
+    rbuf = server.reg(16)
+    server.qp.post_recv(RecvWR(2, [rbuf.sge()]))
+    (sent,) = ok(await drain(client.send_cq, 1))
+    (got,) = ok(await drain(server.recv_cq, 1))
+    assert (sent.wr_id, got.wr_id) == (1, 2)
+    assert bytes(rbuf.buf[: got.byte_len]) == b"nobody listens"
+    assert client.qp.query().qp_state == QPState.RTS
+
+
 async def test_send_longer_than_the_receive(pair: Pair) -> None:
     client, server = pair.client, pair.server
     rbuf = server.reg(100)
     server.qp.post_recv([RecvWR(1, [rbuf.sge()]), RecvWR(2, [rbuf.sge()])])
     client.qp.post_send(SendWR(1, WROpcode.SEND, [client.reg(5000).sge()], SIG))
     (wc,) = await drain(server.recv_cq, 1)
-    assert (wc.wr_id, wc.status) == (1, WCStatus.LOC_LEN_ERR)
+    assert wc.wr_id == 1 and wc.status in receive_failure(pair, WCStatus.LOC_LEN_ERR), wc
     await connection_ended(pair, (server, 1))
 
 
@@ -170,7 +201,8 @@ async def test_receive_into_memory_without_local_write(pair: Pair) -> None:
     # Kernel siw reports GENERAL_ERR: its placement check of a receive's SGE
     # (siw_qp_rx.c, siw_rx_data) leaves the status unset, and siw_rdmap_complete
     # turns any unset error into GENERAL_ERR.
-    assert wc.wr_id == 1 and wc.status in (WCStatus.LOC_PROT_ERR, WCStatus.GENERAL_ERR), wc
+    allowed = receive_failure(pair, WCStatus.LOC_PROT_ERR, WCStatus.GENERAL_ERR)
+    assert wc.wr_id == 1 and wc.status in allowed, wc
     await connection_ended(pair, (server, 1))
     assert bytes(ro.buf[:3]) == bytes(3)
 

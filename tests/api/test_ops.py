@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import errno
 import itertools
+import sys
 
 import pytest
 from api.support import SIG, Cm, Pair, drain, is_linux_siw, ok, pattern, quiet, settle
@@ -13,6 +14,7 @@ from api.support import SIG, Cm, Pair, drain, is_linux_siw, ok, pattern, quiet, 
 import rdmashim
 from rdmashim import (
     Access,
+    AtomicCap,
     NotSupported,
     QPCap,
     QPState,
@@ -106,6 +108,32 @@ async def test_write_with_immediate(pair: Pair) -> None:
     assert wc.opcode == WCOpcode.RECV_RDMA_WITH_IMM and wc.wc_flags & WCFlags.WITH_IMM
     assert getattr(wc, "imm_data", None) == 7
     assert bytes(dst.buf[:7]) == b"written"
+
+
+async def test_atomics(pair: Pair) -> None:
+    """Fetch-and-add and compare-and-swap on the peer's 8 bytes, in order, each
+    returning the value it found (the target in host byte order, as rxe keeps it)."""
+    client, server = pair.client, pair.server
+    if client.ctx.query_device().atomic_cap == AtomicCap.NONE:
+        pytest.skip("the device reports no atomic operations (atomic_cap NONE)")
+    target = server.reg((40).to_bytes(8, sys.byteorder), Access.LOCAL_WRITE | Access.REMOTE_ATOMIC)
+    found = client.reg(3 * 8)
+    add, cas = WROpcode.ATOMIC_FETCH_AND_ADD, WROpcode.ATOMIC_CMP_AND_SWP
+    remote = (SIG, target.addr, target.rkey)
+    client.qp.post_send(
+        [
+            SendWR(1, add, [found.sge(0, 8)], *remote, compare_add=2),
+            SendWR(2, cas, [found.sge(8, 8)], *remote, compare_add=42, swap=7),
+            SendWR(3, cas, [found.sge(16, 8)], *remote, compare_add=42, swap=9),
+        ]
+    )
+    wcs = ok(await drain(client.send_cq, 3))
+    assert [(w.wr_id, w.opcode, w.byte_len) for w in wcs] == [
+        (1, WCOpcode.FETCH_ADD, 8), (2, WCOpcode.COMP_SWAP, 8), (3, WCOpcode.COMP_SWAP, 8),
+    ]  # fmt: skip
+    values = [int.from_bytes(found.buf[i : i + 8], sys.byteorder) for i in (0, 8, 16)]
+    assert values == [40, 42, 7]  # the third compare failed: 7 stays
+    assert int.from_bytes(target.buf, sys.byteorder) == 7
 
 
 @pytest.mark.parametrize("size", [1, 4096, 100003])

@@ -496,6 +496,7 @@ int rdma_listen(struct rdma_cm_id *id, int backlog);
 int rdma_accept(struct rdma_cm_id *id, struct rdma_conn_param *conn_param);
 int rdma_reject(struct rdma_cm_id *id, const void *private_data, uint8_t private_data_len);
 int rdma_disconnect(struct rdma_cm_id *id);
+const char *rdma_reject_msg(struct rdma_cm_id *id, int reason);
 int rdma_get_cm_event(struct rdma_event_channel *channel, struct rdma_cm_event **event);
 int rdma_ack_cm_event(struct rdma_cm_event *event);
 """

@@ -46,7 +46,7 @@ from rdmashim.verbs.errors import BackendUnavailable, NotSupported, VerbsError
 from rdmashim.verbs.rdmacore import lib
 from rdmashim.verbs.rdmacore.cdefs import ffi
 from rdmashim.verbs.rdmacore.completion import notify_closing
-from rdmashim.verbs.rdmacore.device import Context
+from rdmashim.verbs.rdmacore.device import IB_CM_PRIVATE_DATA, Context
 from rdmashim.verbs.rdmacore.memory import PD
 from rdmashim.verbs.rdmacore.queue_pair import QP
 
@@ -70,6 +70,13 @@ _CONNECT_FAILURES = {
     errno.ENETUNREACH: CMEventType.UNREACHABLE,
 }
 """errno of a failed ``rdma_connect`` -> the event reported instead (see connect)."""
+IB_CM_REJ_CONSUMER_DEFINED = 28
+"""The IB CM's reject reason for a REJ the peer's application sent (``rdma_reject``)."""
+_IB_REJECT_ERRNO = {IB_CM_REJ_CONSUMER_DEFINED: errno.ECONNRESET}
+"""A REJECTED event's status on IB and RoCE is the IB CM's reject reason, positive
+(the kernel's cma.c passes ``rej_rcvd.reason`` on); the portable API gives the errno
+iWARP gives: -ECONNRESET when the peer rejected (an MPA Reject), -ECONNREFUSED for
+any other reason (no listener: reason 8, invalid service ID), the reason in ``detail``."""
 _SOCKADDR_IN6 = struct.Struct("=HH4s16sI")  # family, port, flowinfo, address, scope id
 
 
@@ -288,6 +295,8 @@ class RdmaCoreCMId:
         self.max_pending = DEFAULT_MAX_PENDING
         """Bounds the kernel's listen backlog (``listen`` takes the smaller)."""
         self._timer: trio.CancelScope | None = None
+        self._disconnecting = False
+        """Whether ``disconnect`` called ``rdma_disconnect`` (a DREQ went out on IB)."""
 
     def __repr__(self) -> str:
         return f"<RdmaCoreCMId {self.state.name} local={self.local_addr} peer={self.peer_addr}>"
@@ -328,7 +337,7 @@ class RdmaCoreCMId:
 
     def _native_param(self, operation: str, param: ConnParam | None) -> tuple[Any, Any]:
         param = param or ConnParam()
-        check_private_data(self.context, operation, param.private_data)
+        self._check_private_data(operation, param.private_data)
         attr = self._bound_context(operation).query_device()
         native = ffi.new("struct rdma_conn_param *")
         data = ffi.new("char[]", param.private_data) if param.private_data else ffi.NULL
@@ -342,6 +351,20 @@ class RdmaCoreCMId:
         native.srq = param.srq
         native.qp_num = param.qp_num
         return native, data
+
+    def _check_private_data(self, operation: str, private_data: bytes) -> None:
+        """EINVAL for more private data than ``operation`` carries: on iWARP one limit
+        for all (``max_private_data``), on IB and RoCE the IB CM message's
+        (:data:`~rdmashim.verbs.rdmacore.device.IB_CM_PRIVATE_DATA`)."""
+        if self.context is None or self.context.device.transport is Transport.IWARP:
+            check_private_data(self.context, operation, private_data)
+        elif len(private_data) > IB_CM_PRIVATE_DATA[operation]:
+            raise VerbsError(
+                errno.EINVAL,
+                operation,
+                f"{len(private_data)} bytes of private data > {IB_CM_PRIVATE_DATA[operation]} "
+                f"(the IB CM's limit for {operation})",
+            )
 
     def _bound_context(self, operation: str) -> Context:
         if self.context is None:
@@ -450,6 +473,7 @@ class RdmaCoreCMId:
 
         qp = pd._create_qp(send_cq, recv_cq, cap, srq, sq_sig_all, QPType.RC, create)
         qp.close_listeners.append(self._qp_closed)
+        qp.error_listeners.append(self._qp_in_error)
         self.pd = pd
         self.qp = qp
         return qp
@@ -458,6 +482,23 @@ class RdmaCoreCMId:
         if self.state is not State.DESTROYED:
             self._ptr.qp = ffi.NULL
         self.qp = None
+
+    def _ends_with_its_qp(self) -> bool:
+        """Whether the kernel ends the connection itself when the QP goes to ERR: on
+        iWARP yes (siw sends a Terminate and closes the TCP stream); on IB and RoCE
+        the IB CM knows nothing of the QP, so the connection stays until a DREQ."""
+        return self.context is not None and self.context.device.transport is Transport.IWARP
+
+    def _qp_in_error(self, why: Exception) -> None:
+        """The id's QP went to ERR (an error completion, a fatal async event, ``modify``):
+        the connection ends, as the portable API promises (both sides get DISCONNECTED).
+        On IB and RoCE that takes a DREQ, which ``rdma_disconnect`` sends."""
+        if self.state is State.ESTABLISHED and not self._ends_with_its_qp():
+            log.info("%s: the QP went to ERR (%s); disconnecting", self, why)
+            try:  # called from poll() and the like: their caller gets no error of ours
+                self.disconnect()
+            except VerbsError as exc:
+                log.warning("%s: disconnecting after the QP's error: %s", self, exc)
 
     # ------------------------------------------------------------------ connecting
     def connect(self, param: ConnParam | None = None) -> None:
@@ -520,7 +561,7 @@ class RdmaCoreCMId:
     def reject(self, private_data: bytes = b"") -> None:
         """Reject the connection request on this id with ``private_data``."""
         cm = self._check("reject")
-        check_private_data(self.context, "reject", private_data)
+        self._check_private_data("reject", private_data)
         data = ffi.new("char[]", private_data) if private_data else ffi.NULL
         lib.check(cm.rdma_reject(self._ptr, data, len(private_data)), "rdma_reject")
         self.state = State.DISCONNECTED
@@ -529,6 +570,7 @@ class RdmaCoreCMId:
         """End the connection (``rdma_disconnect``); both sides get DISCONNECTED."""
         cm = self._check("disconnect")
         if self.state in (State.ESTABLISHED, State.ACCEPTING, State.CONNECT):
+            self._disconnecting = True
             lib.check(cm.rdma_disconnect(self._ptr), "rdma_disconnect")
             if self.qp is not None:
                 # rdma_disconnect(3): the QP is in the error state now. On iWARP
@@ -541,6 +583,7 @@ class RdmaCoreCMId:
         E = CMEventType
         private_data = b""
         reported: ConnParam | None = None
+        detail = ""
         if kind is E.ADDR_RESOLVED:
             self._refresh_addresses()
             try:
@@ -571,11 +614,37 @@ class RdmaCoreCMId:
             self._stop_timer()
             self.state = State.ROUTE_RESOLVED if self.state is State.CONNECT else State.DISCONNECTED
             private_data = param.private_data
+            if kind is E.REJECTED and status > 0:
+                detail = self._reject_reason(status)
+                status = -_IB_REJECT_ERRNO.get(status, errno.ECONNREFUSED)
         elif kind is E.DISCONNECTED:
+            if not self._disconnecting and not self._ends_with_its_qp():
+                self._answer_dreq()
             self.state = State.DISCONNECTED
             if self.qp is not None:
                 self.qp._disconnected(ConnectionResetError("connection closed"), flush=True)
-        self.channel.post(kind, self, status, private_data=private_data, param=reported)
+        self.channel.post(
+            kind, self, status, private_data=private_data, param=reported, detail=detail
+        )
+
+    def _reject_reason(self, reason: int) -> str:
+        """The words for an IB CM reject reason, which rdma_cm passes as a REJECTED
+        event's status on IB and RoCE (iw_cm passes -ECONNREFUSED)."""
+        try:
+            text = lib.function(lib.rdmacm(), "rdma_reject_msg")(self._ptr, reason)
+        except NotSupported:
+            text = ffi.NULL
+        words = ffi.string(text).decode(errors="replace") if text != ffi.NULL else "unknown"
+        return f"IB CM reject reason {reason}: {words}"
+
+    def _answer_dreq(self) -> None:
+        """The peer's DREQ ended the connection: answer it with a DREP now
+        (``rdma_disconnect``), so the peer's DISCONNECTED follows at once, as on iWARP,
+        where the TCP close needs no answer, rather than when this application calls
+        ``disconnect`` or the DREQ times out (the IB CM sends no DREP on its own)."""
+        self._disconnecting = True
+        if lib.rdmacm().rdma_disconnect(self._ptr) != 0:
+            log.debug("%s: answering the DREQ: %s", self, os.strerror(lib.last_errno()))
 
     def _spawn(self, fn: Callable[..., Awaitable[None]], *args: object) -> None:
         self.channel.nursery.start_soon(fn, *args)

@@ -45,7 +45,13 @@ IWARP_PRIVATE_DATA = 248
 """What Linux's iw_cm with siw carries (6.1, measured: a 252-byte connect is rejected;
 MPA allows 256, of which MPA v2's IRD/ORD block takes 4)."""
 IB_PRIVATE_DATA = 56
-"""rdma_cm's limit for a connect on IB/RoCE (``rdma_connect(3)``); accept allows more."""
+"""rdma_cm's limit for a connect on IB/RoCE (``rdma_connect(3)``): the IB CM's REQ carries
+92 bytes, of which rdma_cm's own header takes 36. ``max_private_data`` reports it, the
+smallest of the three (:data:`IB_CM_PRIVATE_DATA`)."""
+IB_CM_PRIVATE_DATA = {"connect": IB_PRIVATE_DATA, "accept": 196, "reject": 148}
+"""Private data each operation carries on IB/RoCE: the REQ's (less rdma_cm's header),
+the REP's and the REJ's whole private data fields (the kernel's ``ib_cm.h``
+``IB_CM_REP_PRIVATE_DATA_SIZE`` and ``IB_CM_REJ_PRIVATE_DATA_SIZE``)."""
 NO_DEVICE_HINT = (
     "load a driver, or add a software device: "
     "modprobe siw rdma_ucm; rdma link add siw0 type siw netdev eth0"

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 import trio
 
 from rdmashim.verbs.attrs import QPAttr, QPCap
-from rdmashim.verbs.enums import QPState, QPType, SendFlags, WROpcode
+from rdmashim.verbs.enums import QPState, QPType, SendFlags, Transport, WROpcode
 from rdmashim.verbs.errors import NotSupported, VerbsError
 from rdmashim.verbs.rdmacore import lib
 from rdmashim.verbs.rdmacore.base import Resource
@@ -37,6 +37,10 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 IBV_QP_STATE = 1 << 0
+IBV_QP_ACCESS_FLAGS = 1 << 3
+IBV_QP_PKEY_INDEX = 1 << 4
+IBV_QP_PORT = 1 << 5
+_TO_INIT_MASK = IBV_QP_STATE | IBV_QP_ACCESS_FLAGS | IBV_QP_PKEY_INDEX | IBV_QP_PORT
 IBV_QP_MAX_QP_RD_ATOMIC = 1 << 13
 IBV_QP_MAX_DEST_RD_ATOMIC = 1 << 17
 IBV_QP_CAP = 1 << 19
@@ -44,6 +48,7 @@ _QUERY_MASK = IBV_QP_STATE | IBV_QP_MAX_QP_RD_ATOMIC | IBV_QP_MAX_DEST_RD_ATOMIC
 
 _INLINE = int(SendFlags.INLINE)
 _WITH_IMM = frozenset({WROpcode.RDMA_WRITE_WITH_IMM, WROpcode.SEND_WITH_IMM})
+_ATOMIC = frozenset({WROpcode.ATOMIC_CMP_AND_SWP, WROpcode.ATOMIC_FETCH_AND_ADD})
 _STATES = {s.value: s for s in QPState}
 
 
@@ -101,8 +106,13 @@ def _encode_send_wr(c: Any, w: SendWR, keep: list[Any], i: int) -> None:
         c.imm_data = socket.htonl(w.imm_data)
     elif opcode == WROpcode.SEND_WITH_INV:
         c.invalidate_rkey = w.invalidate_rkey
-    c.wr.rdma.remote_addr = w.remote_addr
-    c.wr.rdma.rkey = w.rkey
+    if opcode in _ATOMIC:
+        atomic = c.wr.atomic
+        atomic.remote_addr, atomic.rkey = w.remote_addr, w.rkey
+        atomic.compare_add, atomic.swap = w.compare_add, w.swap
+    else:
+        c.wr.rdma.remote_addr = w.remote_addr
+        c.wr.rdma.rkey = w.rkey
 
 
 def _encode(ctype: str, encode: Callable[..., None], wrs: list[Any]) -> tuple[Any, list[Any]]:
@@ -330,6 +340,8 @@ class QP(Resource):
         self._connection_over.set()
         self.close_listeners: list[Callable[[], None]] = []
         """Called when the QP is destroyed (a CM id forgets it)."""
+        self.error_listeners: list[Callable[[Exception], None]] = []
+        """Called with the cause when the QP goes to ERR (a CM id ends its connection)."""
         self._immediate_data = self.context.immediate_data
         self.context._track(self._ptr, self)
         self.context._track_qp(self.qp_num, self)
@@ -452,16 +464,41 @@ class QP(Resource):
         )
 
     def modify(self, *, qp_state: QPState) -> None:
-        """Move the QP to ``qp_state`` (``ibv_modify_qp`` with IBV_QP_STATE)."""
+        """Move the QP to ``qp_state`` (``ibv_modify_qp`` with IBV_QP_STATE).
+
+        ERR is reached from any state, as on iWARP: an IB or RoCE QP still in RESET
+        is moved to INIT first, since the kernel's state table for those devices
+        (``ib_modify_qp_is_ok``) allows ERR only from INIT on.
+        """
         self._check_open("modify_qp")
-        attr = ffi.new("struct ibv_qp_attr *")
-        attr.qp_state = QPState(qp_state)
-        lib.check(lib.verbs().ibv_modify_qp(self._ptr, attr, IBV_QP_STATE), "ibv_modify_qp")
-        self._state_hint = QPState(qp_state)
-        if self._state_hint is QPState.ERR:
-            self._error = self._error or ConnectionAbortedError("QP moved to ERROR")
-        elif self._state_hint is QPState.RESET:
+        qp_state = QPState(qp_state)
+        if (
+            qp_state is QPState.ERR
+            and self.context.device.transport is not Transport.IWARP
+            and self._query().qp_state == QPState.RESET
+        ):
+            self._set_state(QPState.INIT, _TO_INIT_MASK, port_num=1)
+        self._set_state(qp_state, IBV_QP_STATE)
+        self._state_hint = qp_state
+        if qp_state is QPState.ERR:
+            self._went_to_err(ConnectionAbortedError("QP moved to ERROR"))
+        elif qp_state is QPState.RESET:
             self._error = None
+
+    def _set_state(self, state: QPState, mask: int, **fields: int) -> None:
+        attr = ffi.new("struct ibv_qp_attr *")
+        attr.qp_state = state
+        for name, value in fields.items():
+            setattr(attr, name, value)
+        lib.check(lib.verbs().ibv_modify_qp(self._ptr, attr, mask), "ibv_modify_qp")
+
+    def _went_to_err(self, why: Exception) -> None:
+        """The QP is in ERR: keep the first cause and tell the error listeners once."""
+        self._state_hint = QPState.ERR
+        if self._error is None:
+            self._error = why
+            for listener in list(self.error_listeners):
+                listener(why)
 
     @property
     def error(self) -> Exception | None:
@@ -478,8 +515,7 @@ class QP(Resource):
         """The QP is in ERR: an error or flush completion came from it, an async
         event reported it fatal, or the id's ``rdma_disconnect`` moved it there."""
         if self._state_hint is not QPState.RESET:
-            self._state_hint = QPState.ERR
-            self._error = self._error or why
+            self._went_to_err(why)
 
     def _disconnected(self, why: Exception, flush: bool = False) -> None:
         """The connection is gone: the QP is in ERR (moved there when ``flush``).
