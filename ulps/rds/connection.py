@@ -479,7 +479,14 @@ class Session:
             self.rds.counters.rdma_failures += 1
             op._finish(status_of(status), status.name)
 
-    def _post(self, header: bytes, payload: bytes | memoryview, fence: bool = False) -> None:
+    def _post(
+        self, header: bytes, payload: bytes | memoryview, fence: bool = False, last: bool = True
+    ) -> None:
+        """Post one Send. The last of a message (and an ack) is solicited: a Linux peer
+        arms its receive CQ for solicited completions only (``ib_cm.c``
+        ``rds_ib_setup_qp``; ``ib_send.c`` ``rds_ib_xmit`` solicits a message's last
+        fragment, ``ib_recv.c`` ``rds_ib_recv_init_ack`` every ack), so it would not
+        look at what came before until a solicited Send arrives."""
         slot = self.free_slots.pop()
         base = slot * SLOT
         buf = self.send_mr.buf
@@ -489,6 +496,8 @@ class Session:
             self.send_credits -= 1
         self.posted.append(slot)
         flags = SendFlags.FENCE if fence else SendFlags(0)
+        if last:
+            flags |= SendFlags.SOLICITED
         if len(self.posted) % SIGNAL_EVERY == 0 or len(self.free_slots) < SIGNAL_EVERY:
             flags |= SendFlags.SIGNALED
         self.qp.post_send(
@@ -538,9 +547,10 @@ class Session:
             assert msg is not None
             start = self.next_fragment * RDS_FRAG_SIZE
             payload = memoryview(msg.data)[start : start + RDS_FRAG_SIZE]
-            self._post(self._header(msg, start == 0, self._extra_flags), payload, fence)
             self.next_fragment += 1
-            if self.next_fragment >= msg.fragments:
+            last = self.next_fragment >= msg.fragments
+            self._post(self._header(msg, start == 0, self._extra_flags), payload, fence, last)
+            if last:
                 self.current = None
         if rds.unsent or self.current is not None:
             rds.counters.credit_waits += 1
