@@ -31,6 +31,8 @@ import pytest
 import siwvm
 import trio
 
+from rds_rxe_agent import CONG_BURST, M
+
 from rdmashim.ulps.rds.wire import RDS_HEADER_LEN, RDS_PORT, RdsFlag, RdsHeader
 
 pytestmark = [pytest.mark.slow, pytest.mark.interop]
@@ -156,6 +158,50 @@ async def test_exchange_ours_lower_and_first(pair: Pair) -> None:
     """Our node, the lower address, speaks first and connects: the kernel accepts."""
     kres, ores, _ = await run_round(pair, "exchange-ours-first", K_HIGH, O_LOW)
     check_exchange(kres, ores, K_HIGH, O_LOW)
+
+
+def check_stream(res: dict[str, Any]) -> None:
+    """Every message of a reconnect round arrived once, in order."""
+    assert res["received"] == M and res["in_order"] and res["dups"] == 0, res
+
+
+async def test_reconnect_after_our_qp_goes_to_error(pair: Pair) -> None:
+    """Halfway through a stream both ways our node moves its QP to the error state; our
+    node (the lower address) reconnects and resends what the kernel had not acked."""
+    kres, ores, _ = await run_round(pair, "reconnect-cut", K_HIGH, O_LOW)
+    check_stream(kres)
+    check_stream(ores)
+    assert ores["counters"]["sessions"] >= 2, ores["counters"]
+
+
+async def test_reconnect_after_the_kernels_link_goes_down(pair: Pair) -> None:
+    """Halfway through, guest K's eth0 goes down for 3 s and comes back."""
+    kres, ores, _ = await run_round(pair, "reconnect-flap", K_IP, O_IP)
+    check_stream(kres)
+    check_stream(ores)
+
+
+async def test_our_congestion_map_stops_the_kernels_sender(pair: Pair) -> None:
+    """Our socket reads nothing until it holds more than its rcvbuf: our map marks
+    the port congested, and the kernel's non-blocking ``sendto`` gets ENOBUFS
+    (``rds_cong_wait``); once our socket has read, the kernel's sending resumes."""
+    kres, ores, _ = await run_round(pair, "congestion", K_IP, O_IP)
+    assert kres["enobufs"] > 0, kres
+    assert kres["sent"] == CONG_BURST and kres["resumed_after"] is not None, kres
+    assert ores["all_in_order"], ores
+    assert ores["held_while_congested"] < CONG_BURST, ores
+
+
+async def test_rdma_by_cookie_both_ways(pair: Pair) -> None:
+    """We RDMA-write and RDMA-read a region the kernel offered with ``RDS_GET_MR``;
+    the kernel RDMA-writes a region of ours with ``RDS_CMSG_RDMA_ARGS``."""
+    kres, ores, _ = await run_round(pair, "rdma", K_IP, O_IP)
+    assert ores["write_status"] == "RdmaStatus.SUCCESS", ores
+    assert kres["region_written"], kres
+    assert ores["read_status"] == "RdmaStatus.SUCCESS" and ores["read_back_ok"], ores
+    assert kres["kernel_write_sent"], kres
+    assert kres["kernel_write_status"] == [[7, 0]], kres
+    assert kres["our_verdict"]["region_written"], kres
 
 
 # ---------------------------------------------------------------- the capture
