@@ -30,7 +30,6 @@ from typing import Any
 import pytest
 import siwvm
 import trio
-
 from rds_rxe_agent import CONG_BURST, M
 
 from rdmashim.ulps.rds.wire import RDS_HEADER_LEN, RDS_PORT, RdsFlag, RdsHeader
