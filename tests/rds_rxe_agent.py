@@ -239,7 +239,9 @@ def kernel_rdma(s: socket.socket, peer: str) -> dict[str, Any]:
     result["kernel_cookie"] = cookie.value
     result["kernel_region_addr"] = ctypes.addressof(region)
     s.sendto(json.dumps({"cookie": cookie.value, "addr": ctypes.addressof(region)}).encode(), dest)
-    data, _ = s.recvfrom(4096)  # our node wrote, then read, then says so
+    chasers = [s.recvfrom(4096)[0] for _ in range(2)]  # the messages behind our Write, Read
+    result["chasers"] = [c.decode() for c in chasers]
+    data, _ = s.recvfrom(4096)  # then our node says how it went
     result["our_report"] = json.loads(data)
     result["region_written"] = region.raw[:RDMA_LEN] == body("w", 0, RDMA_LEN)
     # 2. The kernel RDMAs into a region of ours (its cookie arrives in a message).

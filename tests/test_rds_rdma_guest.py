@@ -196,6 +196,7 @@ async def test_rdma_by_cookie_both_ways(pair: Pair) -> None:
     the kernel RDMA-writes a region of ours with ``RDS_CMSG_RDMA_ARGS``."""
     kres, ores, _ = await run_round(pair, "rdma", K_IP, O_IP)
     assert ores["write_status"] == "RdmaStatus.SUCCESS", ores
+    assert kres["chasers"] == ["written", "read"], kres
     assert kres["region_written"], kres
     assert ores["read_status"] == "RdmaStatus.SUCCESS" and ores["read_back_ok"], ores
     assert kres["kernel_write_sent"], kres
