@@ -32,6 +32,7 @@ import siwvm
 import trio
 from rds_rxe_agent import CONG_BURST, M
 
+from rdmashim.ulps.rds.rdma import RdmaStatus
 from rdmashim.ulps.rds.wire import RDS_HEADER_LEN, RDS_PORT, RdsFlag, RdsHeader
 
 pytestmark = [pytest.mark.slow, pytest.mark.interop]
@@ -195,10 +196,10 @@ async def test_rdma_by_cookie_both_ways(pair: Pair) -> None:
     """We RDMA-write and RDMA-read a region the kernel offered with ``RDS_GET_MR``;
     the kernel RDMA-writes a region of ours with ``RDS_CMSG_RDMA_ARGS``."""
     kres, ores, _ = await run_round(pair, "rdma", K_IP, O_IP)
-    assert ores["write_status"] == "RdmaStatus.SUCCESS", ores
+    assert ores["write_status"] == str(RdmaStatus.SUCCESS), ores
     assert kres["chasers"] == ["written", "read"], kres
     assert kres["region_written"], kres
-    assert ores["read_status"] == "RdmaStatus.SUCCESS" and ores["read_back_ok"], ores
+    assert ores["read_status"] == str(RdmaStatus.SUCCESS) and ores["read_back_ok"], ores
     assert kres["kernel_write_sent"], kres
     assert kres["kernel_write_status"] == [[7, 0]], kres
     assert kres["our_verdict"]["region_written"], kres
