@@ -227,6 +227,9 @@ def kernel_rdma(s: socket.socket, peer: str) -> dict[str, Any]:
     # EOPNOTSUPP on a FRWR device such as rxe (ib_frmr.c rds_ib_reg_frmr: no connection,
     # "TODO: Add FRWR support for RDS_GET_MR using proxy qp"); RDS_CMSG_RDMA_MAP maps
     # on a message's connection, and the message carries RDS_EXTHDR_RDMA_DEST.
+    # RDS_CMSG_RDMA_MAP needs the connection up (EINVAL while the kernel is still
+    # reconnecting after an earlier round): our node's hello brings it up first.
+    result["hello"] = s.recvfrom(100)[0].decode()
     region = ctypes.create_string_buffer(b"K" * RDMA_LEN, RDMA_LEN)
     cookie = ctypes.c_uint64(0)
     args = GetMrArgs(Iovec(ctypes.addressof(region), RDMA_LEN), ctypes.addressof(cookie), 0)
@@ -385,6 +388,7 @@ async def ours_rdma(sock: Any, peer: str) -> dict[str, Any]:
 
     dest = (peer, KERNEL_PORT)
     result: dict[str, Any] = {}
+    await sock.sendto(b"hello", dest)
     data, _ = await sock.recvfrom()
     if data == b"map":  # the message that mapped the kernel's region (RDS_CMSG_RDMA_MAP)
         data, _ = await sock.recvfrom()
