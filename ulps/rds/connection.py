@@ -537,12 +537,12 @@ class Session:
                 elif rds.unsent[0].rdma is not None and len(self.rdma) >= RDMA_DEPTH:
                     break
                 else:
-                    msg = rds.unsent.popleft()
-                    rds.unacked.append(msg)
-                    self._start(msg)
-                    if msg.rdma is not None:
-                        self._post_rdma(msg.rdma)
-                        fence = not msg.rdma.write  # the peer sees it after the Read
+                    numbered = rds.unsent.popleft()
+                    rds.unacked.append(numbered)
+                    self._start(numbered)
+                    if numbered.rdma is not None:
+                        self._post_rdma(numbered.rdma)
+                        fence = not numbered.rdma.write  # the peer sees it after the Read
             msg = self.current
             assert msg is not None
             start = self.next_fragment * RDS_FRAG_SIZE
