@@ -68,7 +68,9 @@ async def test_rds_traffic_with_rdma(wire_tools: None, tmp_path: Path) -> None:
     assert rc == 0, f"the wire judge found problems:\n{text}"
     opcodes = result.get("rdmap_opcodes", {})
     assert {"Send", "Write", "Read Request", "Read Response"} <= set(opcodes), text
-    sends = [f for f in result["fpdu_list"] if f.get("opcode") == 3]
+    # Send, and Send with Solicited Event (a message's last fragment and every ack).
+    sends = [f for f in result["fpdu_list"] if f.get("opcode") in (3, 5)]
+    assert any(f.get("opcode") == 5 for f in sends), text
     assert sends and all(f["payload_len"] >= RDS_HEADER_LEN for f in sends), text
     headers = [RdsHeader.decode(p) for p in send_payloads(pcap)]
     assert all(h is not None for h in headers)
@@ -77,7 +79,8 @@ async def test_rds_traffic_with_rdma(wire_tools: None, tmp_path: Path) -> None:
 
 
 def send_payloads(pcap: Path) -> list[bytes]:
-    """The payload of every Send FPDU in the capture's MPA connections."""
+    """The payload of every Send FPDU (with or without Solicited Event) in the
+    capture's MPA connections."""
     out = []
     for stream in tcp_streams(pcap):
         data = stream.data()
@@ -86,7 +89,7 @@ def send_payloads(pcap: Path) -> list[bytes]:
         _, pos = mpa.parse_start_frame(data, reply=data.startswith(mpa.REP_KEY))
         while (hdr := ddp.parse_header(data, pos, len(data))) is not None:
             end = pos + hdr.ulpdu_len + 2
-            if hdr.opcode is ddp.Opcode.SEND:
+            if hdr.opcode in (ddp.Opcode.SEND, ddp.Opcode.SEND_SE):
                 out.append(data[pos + hdr.header_len : end])
             pos = end + ddp.pad_len(hdr.ulpdu_len) + 4
     return out

@@ -474,7 +474,6 @@ async def test_tcp_idle_session_is_closed_and_maps_wait_as_one() -> None:
         await peer.stream.aclose()
         # Maps go outside the sequence: of several waiting, the newest only.
         rds = RdsConnection(node.address, ipaddress.ip_address(LOW), lambda *a: None)
-        rds.numbered_maps = False
         for i in range(100):
             rds.queue_map(bytes([i]) * RDS_CONG_MAP_BYTES)
         assert rds.map_out == bytes([99]) * RDS_CONG_MAP_BYTES and not rds.unsent

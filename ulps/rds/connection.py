@@ -64,6 +64,11 @@ SLOT = RDS_HEADER_LEN + RDS_FRAG_SIZE
 RECV_SLOTS = 128
 SEND_SLOTS = 64
 SIGNAL_EVERY = 8
+ACK_REQUIRED_EVERY = 8
+"""A message asks the peer for an acknowledgement (``RDS_FLAG_ACK_REQUIRED``) at
+least once in this many, and the last one before the queue runs dry always does:
+Linux acknowledges only what asks (``ib_recv.c`` ``rds_ib_set_ack``) unless a message
+of its own carries the ack (its ``rds_sysctl_max_unacked_packets``, 8, in ``send.c``)."""
 """A session asks for a completion every this many Sends (or each one when slots run
 low): one completion frees the slots of every Send posted before it."""
 ACK_DELAY = 0.002
@@ -145,11 +150,10 @@ class RdsConnection:
     peer_congestion: CongestionMap = field(default_factory=CongestionMap)
     """The peer node's congestion map: its ports whose receivers are full."""
     session: Session | TcpSession | None = None
-    numbered_maps: bool = True
-    """Whether our congestion maps are numbered messages (RDMA) or go outside the
-    sequence, newest only, in :attr:`map_out` (TCP, as Linux's ``rds_tcp``)."""
     map_out: bytes | None = None
-    """The congestion map waiting to go out outside the sequence (TCP)."""
+    """The congestion map waiting to go out. Maps go outside the sequence (number 0,
+    never resent), between messages, as Linux's ``rds_cong_update_alloc`` makes them
+    and ``rds_send_xmit`` sends them on either transport."""
     peer_generation: int = 0
     """The peer's generation number from its handshake probe (0: none seen)."""
     queued_bytes: int = 0
@@ -192,11 +196,8 @@ class RdsConnection:
         self.last_active = trio.current_time()
         self.unsent.append(msg)
         self.queued_bytes += len(msg.data)
-        if flags & RdsFlag.CONG_BITMAP:
-            self.counters.cong_updates_sent += 1
-        else:
-            self.counters.send_messages += 1
-            self.counters.send_bytes += len(msg.data)
+        self.counters.send_messages += 1
+        self.counters.send_bytes += len(msg.data)
         if self.session is not None:
             self.session.pump_sends()
 
@@ -205,25 +206,14 @@ class RdsConnection:
 
         A map is a state, not a change: of several unsent ones only the last
         counts, so a peer flipping our ports cannot make us queue maps without
-        bound. A retransmitted one is left alone (the peer may drop it as a
-        duplicate) and the new map goes behind it. Where maps go outside the
-        sequence (:attr:`numbered_maps` false), the newest simply waits in
-        :attr:`map_out`.
+        bound. The newest waits in :attr:`map_out` and goes before the next
+        message (a session breaking under it loses it: every session starts
+        with a fresh one).
         """
-        if not self.numbered_maps:
-            self.map_out = bytes(data)
-            self.counters.cong_updates_sent += 1
-            if self.session is not None:
-                self.session.pump_sends()
-            return
-        for msg in reversed(self.unsent):
-            if msg.flags & RdsFlag.CONG_BITMAP:
-                if not msg.flags & RdsFlag.RETRANSMITTED:
-                    msg.data = bytes(data)
-                    self.counters.cong_updates_sent += 1
-                    return
-                break
-        self.queue(0, 0, data, RdsFlag.CONG_BITMAP, own=True)
+        self.map_out = bytes(data)
+        self.counters.cong_updates_sent += 1
+        if self.session is not None:
+            self.session.pump_sends()
 
     @property
     def pending(self) -> bool:
@@ -337,9 +327,6 @@ class RdsConnection:
             log.info("RDS peer %s resumes at %d where %d was due", self.peer, seq, self.next_recv)
             self.counters.recv_seq_gaps += 1
         self.next_recv = seq + 1
-        if header.flags & RdsFlag.CONG_BITMAP:
-            self.peer_map(data)
-            return
         self.counters.recv_messages += 1
         self.counters.recv_bytes += len(data)
         self.deliver(self.peer, header, data)
@@ -376,8 +363,12 @@ class Session:
     """One RC connection carrying an :class:`RdsConnection`'s messages.
 
     ``conn`` is a :class:`rdmashim.cm.Connection` (PD, CQ, QP), not yet
-    connected: the session posts its receives first. :meth:`run` takes the
-    credits the peer announced in its private data.
+    connected: the session posts its receives first. :meth:`peer_credits` takes
+    the credits the peer announced in its private data; none turns flow control
+    off, as Linux's ``rds_ib_set_flow_control`` does (a Linux peer announces none
+    unless its ``flow_control`` sysctl is on, and it is off by default). Without
+    flow control the send slots bound what is in flight, and a receiver that has
+    no receive posted makes the sender's QP retry (RNR retry 7: for ever).
 
     Completions are taken by the CQ's completion handler (as the kernel's RDS
     does in its ``ib_create_cq`` handler): it delivers received messages to
@@ -394,7 +385,11 @@ class Session:
         self.qp = conn.qp
         self.cq = conn.send_cq
         self.send_credits = 0
+        self.flow_control = True
+        """Whether Sends wait for the peer's credits (see :meth:`peer_credits`)."""
         self.advertise = 0
+        self._ack_countdown = 0
+        """Messages left before the next one asks for an acknowledgement."""
         self.recv_mr = conn.pd.reg_mr(bytearray(SLOT * RECV_SLOTS), Access.LOCAL_WRITE)
         self.send_mr = conn.pd.reg_mr(bytearray(SLOT * SEND_SLOTS), Access.LOCAL_WRITE)
         self.free_slots = list(range(SEND_SLOTS))
@@ -405,6 +400,8 @@ class Session:
         self._next_rdma = _RDMA_WR
         self.current: OutMessage | None = None
         self.next_fragment = 0
+        self._extra_flags = RdsFlag.NONE
+        """Flags the current message's headers carry beside its own (ACK_REQUIRED)."""
         self.acked_to_peer = rds.next_recv - 1
         self._assembly: tuple[RdsHeader, bytearray, int] | None = None
         self.lost = False
@@ -424,13 +421,23 @@ class Session:
         # Before the connection is up: the peer may send as soon as it is.
         self.qp.post_recv_batch(self._recvs)
 
+    def peer_credits(self, credits: int) -> None:
+        """The credits the peer's private data announced (``dp_credit``); 0: no flow
+        control on this session, either way (``ib_cm.c`` ``rds_ib_set_flow_control``)."""
+        self.flow_control = credits != 0
+        self.send_credits = credits
+
     def close(self) -> None:
         """Deregister the session's buffers (once its QP is destroyed)."""
         self.recv_mr.close()
         self.send_mr.close()
 
     # ------------------------------------------------------------------ transmit
-    def _header(self, msg: OutMessage | None, first: bool = False) -> bytes:
+    def _header(
+        self, msg: OutMessage | None, first: bool = False, flags: RdsFlag = RdsFlag.NONE
+    ) -> bytes:
+        """The header of a fragment of ``msg`` (None: a standalone ack), with ``flags``
+        beside the message's own."""
         credit = min(self.advertise, RDS_MAX_ADV_CREDIT)
         self.advertise -= credit
         self.acked_to_peer = self.rds.next_recv - 1
@@ -441,7 +448,7 @@ class Session:
             extensions += (RdmaExt(msg.rdma.rkey),)
         return RdsHeader(
             msg.seq, self.acked_to_peer, len(msg.data), msg.sport, msg.dport,
-            msg.flags, credit, extensions=extensions,
+            msg.flags | flags, credit, extensions=extensions,
         ).encode()  # fmt: skip
 
     def _post_rdma(self, op: RdmaOp) -> None:
@@ -472,15 +479,25 @@ class Session:
             self.rds.counters.rdma_failures += 1
             op._finish(status_of(status), status.name)
 
-    def _post(self, header: bytes, payload: bytes | memoryview, fence: bool = False) -> None:
+    def _post(
+        self, header: bytes, payload: bytes | memoryview, fence: bool = False, last: bool = True
+    ) -> None:
+        """Post one Send. The last of a message (and an ack) is solicited: a Linux peer
+        arms its receive CQ for solicited completions only (``ib_cm.c``
+        ``rds_ib_setup_qp``; ``ib_send.c`` ``rds_ib_xmit`` solicits a message's last
+        fragment, ``ib_recv.c`` ``rds_ib_recv_init_ack`` every ack), so it would not
+        look at what came before until a solicited Send arrives."""
         slot = self.free_slots.pop()
         base = slot * SLOT
         buf = self.send_mr.buf
         buf[base : base + RDS_HEADER_LEN] = header
         buf[base + RDS_HEADER_LEN : base + RDS_HEADER_LEN + len(payload)] = payload
-        self.send_credits -= 1
+        if self.flow_control:
+            self.send_credits -= 1
         self.posted.append(slot)
         flags = SendFlags.FENCE if fence else SendFlags(0)
+        if last:
+            flags |= SendFlags.SOLICITED
         if len(self.posted) % SIGNAL_EVERY == 0 or len(self.free_slots) < SIGNAL_EVERY:
             flags |= SendFlags.SIGNALED
         self.qp.post_send(
@@ -494,8 +511,10 @@ class Session:
         """Post as many fragments as credits and send slots allow (never blocks).
 
         Data never takes the last credit: that one is kept for a credit update.
-        A call from inside another (a completion handler run by a post) returns:
-        the running one takes the slots and credits it freed.
+        Between messages our newest congestion map goes first, as a message
+        numbered 0 that is never resent. A call from inside another (a completion
+        handler run by a post) returns: the running one takes the slots and
+        credits it freed.
         """
         if self.lost or self._pumping:
             return
@@ -507,33 +526,53 @@ class Session:
 
     def _pump(self) -> None:
         rds = self.rds
-        while self.free_slots and self.send_credits > 1:
+        while self.free_slots and (self.send_credits > 1 or not self.flow_control):
             fence = False
             if self.current is None:
-                if not rds.unsent:
+                if rds.map_out is not None:
+                    self._start(OutMessage(0, 0, 0, rds.map_out, RdsFlag.CONG_BITMAP, own=True))
+                    rds.map_out = None
+                elif not rds.unsent:
                     return
-                if rds.unsent[0].rdma is not None and len(self.rdma) >= RDMA_DEPTH:
+                elif rds.unsent[0].rdma is not None and len(self.rdma) >= RDMA_DEPTH:
                     break
-                self.current = rds.unsent.popleft()
-                self.next_fragment = 0
-                rds.unacked.append(self.current)
-                if self.current.rdma is not None:
-                    self._post_rdma(self.current.rdma)
-                    fence = not self.current.rdma.write  # the peer sees it after the Read
+                else:
+                    numbered = rds.unsent.popleft()
+                    rds.unacked.append(numbered)
+                    self._start(numbered)
+                    if numbered.rdma is not None:
+                        self._post_rdma(numbered.rdma)
+                        fence = not numbered.rdma.write  # the peer sees it after the Read
             msg = self.current
+            assert msg is not None
             start = self.next_fragment * RDS_FRAG_SIZE
             payload = memoryview(msg.data)[start : start + RDS_FRAG_SIZE]
-            self._post(self._header(msg, first=start == 0), payload, fence)
             self.next_fragment += 1
-            if self.next_fragment >= msg.fragments:
+            last = self.next_fragment >= msg.fragments
+            self._post(self._header(msg, start == 0, self._extra_flags), payload, fence, last)
+            if last:
                 self.current = None
         if rds.unsent or self.current is not None:
             rds.counters.credit_waits += 1
 
+    def _start(self, msg: OutMessage) -> None:
+        """Make ``msg`` the message whose fragments go next; a numbered one asks for an
+        acknowledgement now and then (:data:`ACK_REQUIRED_EVERY`)."""
+        self.current = msg
+        self.next_fragment = 0
+        self._extra_flags = RdsFlag.NONE
+        if msg.seq:
+            if self._ack_countdown == 0 or not self.rds.unsent:
+                self._extra_flags = RdsFlag.ACK_REQUIRED
+                self._ack_countdown = ACK_REQUIRED_EVERY
+            self._ack_countdown -= 1
+
     def _send_ack(self) -> None:
         # The last credit only goes to a message that grants the peer some: spent on a
         # bare ack, both sides could end up with none and wait for each other forever.
-        if self.free_slots and (self.send_credits > 1 or (self.send_credits and self.advertise)):
+        if self.free_slots and (
+            not self.flow_control or self.send_credits > 1 or (self.send_credits and self.advertise)
+        ):
             self._post(self._header(None), b"")
             self.rds.counters.acks_sent += 1
 
@@ -547,14 +586,14 @@ class Session:
             raise RdsProtocolError(f"{byte_len}-byte message shorter than an RDS header")
         self.send_credits += header.credit
         self.rds.acked(header.ack)
-        if header.sequence:
+        if header.sport or header.dport or header.length:  # else a bare ack, as ib_recv.c's
             self._assemble(header, view[RDS_HEADER_LEN:])
 
     def _assemble(self, header: RdsHeader, fragment: memoryview) -> None:
         """Add a fragment (a view of the receive buffer: copied before it is reused)."""
         if self._assembly is None:
             if len(fragment) == header.length:  # a whole message: one copy
-                self.rds.received(header, bytes(fragment))
+                self._whole(header, bytes(fragment))
                 return
             self._assembly = (header, bytearray(), 0)
         first, data, _ = self._assembly
@@ -567,7 +606,15 @@ class Session:
             raise RdsProtocolError(f"message {first.sequence} longer than its {first.length} bytes")
         if len(data) == first.length:
             self._assembly = None
-            self.rds.received(first, bytes(data))
+            self._whole(first, bytes(data))
+
+    def _whole(self, header: RdsHeader, data: bytes) -> None:
+        """A message is complete: a congestion map (flags exactly CONG_BITMAP, as
+        ``ib_recv.c`` ``rds_ib_process_recv`` tells one) or a numbered message."""
+        if header.flags == RdsFlag.CONG_BITMAP:
+            self.rds.peer_map(data)
+        else:
+            self.rds.received(header, data)
 
     # ------------------------------------------------------------------ the loop
     def _completions(self, wcs: WCArray, n: int) -> None:
@@ -594,7 +641,8 @@ class Session:
         finally:
             if reposts and not self.lost:
                 self.qp.post_recv_batch(self._recvs, indices=reposts)
-                self.advertise += len(reposts)
+                if self.flow_control:
+                    self.advertise += len(reposts)
 
     def _on_cq(self, cq: CQ) -> None:
         """The CQ's completion handler: take everything, then re-arm (see the class)."""
@@ -646,8 +694,7 @@ class Session:
     async def run(self) -> None:
         """Drive the session until its connection breaks (raises :class:`SessionLost`).
 
-        :attr:`send_credits` holds the receives the peer announced in its private
-        data by then.
+        :meth:`peer_credits` has taken the peer's private data by then.
         """
         self.rds.counters.sessions += 1
         self.pump_sends()

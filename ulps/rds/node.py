@@ -1,9 +1,10 @@
 """RDS nodes and sockets: reliable, ordered datagrams between (IP, port) endpoints.
 
 An :class:`RdsNode` is this machine's RDS presence on one local IP address. It
-listens for RDS connections (port ``RDS_CM_PORT`` unless told otherwise) on its
-transport, ``"rdma"`` (rdma_cm and RC queue pairs, Linux's ``rds_rdma``) or
-``"tcp"`` (Linux's ``rds_tcp``, :mod:`.tcp`), and keeps one
+listens for RDS connections (unless told otherwise on Linux's port: ``RDS_PORT``
+for IPv4 over RDMA, ``RDS_CM_PORT`` for IPv6 and for TCP) on its transport,
+``"rdma"`` (rdma_cm and RC queue pairs, Linux's ``rds_rdma``) or ``"tcp"``
+(Linux's ``rds_tcp``, :mod:`.tcp`), and keeps one
 :class:`RdsConnection` per peer node, shared by all its sockets. The lower
 address initiates, as Linux RDS does; when both sides start at once, the lower
 address's attempt wins, so two nodes never build two connections.
@@ -55,6 +56,7 @@ from rdmashim.ulps.rds.wire import (
     RDS_CM_PORT,
     RDS_FLAG_PROBE_PORT,
     RDS_MAX_MSG_SIZE,
+    RDS_PORT,
     CongestionMap,
     ConnectPrivate,
     GenNumExt,
@@ -91,6 +93,16 @@ RDS_TCP_NPATHS = 1
 ``RDS_MPATH_WORKERS``, 8; the peer then uses the smaller number)."""
 MONITOR_BACKLOG = 1024
 """Congestion changes a monitor may fall behind by; later ones are dropped for it."""
+
+
+def default_port(address: IPAddress, transport: Transport) -> int:
+    """The port Linux's RDS listens on and connects to: ``RDS_PORT`` (18634) for IPv4
+    over RDMA, ``RDS_CM_PORT`` (16385) for IPv6 over RDMA and for TCP
+    (``rdma_transport.c`` ``rds_rdma_listen_init``, ``ib_cm.c``
+    ``rds_ib_conn_path_connect``, ``tcp_listen.c``)."""
+    if transport == "rdma" and address.version == 4:
+        return RDS_PORT
+    return RDS_CM_PORT
 
 
 class RdsError(OSError):
@@ -251,7 +263,7 @@ class RdsNode:
     def __init__(
         self,
         address: str,
-        port: int = RDS_CM_PORT,
+        port: int | None = None,
         *,
         transport: Transport = "rdma",
         settings: RdsSettings | None = None,
@@ -259,7 +271,7 @@ class RdsNode:
         if transport not in TRANSPORTS:
             raise ValueError(f"RDS transport {transport!r} is neither 'rdma' nor 'tcp'")
         self.address = ipaddress.ip_address(address)
-        self.port = port
+        self.port = default_port(self.address, transport) if port is None else port
         self.transport: Transport = transport
         """``"rdma"`` or ``"tcp"``: what carries the node's connections."""
         self.generation = random.getrandbits(32) | 1
@@ -546,7 +558,6 @@ class RdsNode:
         rds = RdsConnection(
             self.address, peer, self._deliver, on_congestion=self._peer_congestion,
             settings=self.settings, last_active=trio.current_time(),
-            numbered_maps=self.transport == "rdma",
         )  # fmt: skip
         entry = self._peers[peer] = _Peer(rds)
         return entry
@@ -639,7 +650,7 @@ class RdsNode:
             ) as conn:  # fmt: skip
                 entry.connecting = False
                 theirs = ConnectPrivate.decode(conn.private_data, ipv6=rds.peer.version == 6)
-                holder[0].send_credits = theirs.credit
+                holder[0].peer_credits(theirs.credit)
                 await self._run_session(entry, holder[0], theirs.ack_seq)
         finally:
             entry.connecting = False
@@ -682,7 +693,7 @@ class RdsNode:
         try:
             conn = await request.accept(private_data=self._private(entry.rds))
             session.conn = conn
-            session.send_credits = theirs.credit
+            session.peer_credits(theirs.credit)
             await self._run_session(entry, session, theirs.ack_seq)
         finally:
             with trio.CancelScope(shield=True):
