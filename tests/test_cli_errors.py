@@ -187,6 +187,21 @@ def test_a_port_in_use(command: list[str], text: str) -> None:
     assert_one_error_line(out, FAILED, text.format(port=port))
 
 
+@pytest.mark.parametrize(
+    "transport, port", [("rdma", 18634), ("tcp", 16385)], ids=["rdma", "tcp"]
+)
+def test_rds_nodes_default_to_linux_ports(transport: str, port: int) -> None:
+    """Without --cm-port a node takes the port Linux's RDS uses on its transport (IPv4)."""
+    host = subnet() + "1"
+    with socket.socket() as taken:
+        taken.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        taken.bind((host, port))
+        taken.listen()
+        out = run([*RDMASHIM, "rds", "stress", "-r", host, "--transport", transport])
+    assert_one_error_line(out, FAILED, f"RDS node on {host}, ")
+    assert f" port {port}:" in out.stderr
+
+
 def test_ping_server_on_an_address_not_ours() -> None:
     out = run([*RDMASHIM, "ping", "-s", "-a", "10.255.255.1", "-p", "0"])  # bind fails: no traffic
     assert_one_error_line(out, FAILED, "cannot listen on 10.255.255.1:0")

@@ -18,6 +18,7 @@ from rdmashim.rdstools.defaults import (
     MIN_STRESS_BYTES,
     RDS_CM_PORT,
     RDS_MAX_MSG_SIZE,
+    RDS_PORT,
     STRESS_PORT,
     TRANSPORTS,
 )
@@ -57,8 +58,9 @@ def add_rds(sub: argparse._SubParsersAction[Parser]) -> None:
     rsub = rds.add_subparsers(dest="rds_command", required=True)
     cm = Parser(add_help=False)
     cm.add_argument(
-        "--cm-port", type=integer(1, 65535), default=RDS_CM_PORT,
-        help=f"rdma_cm (or TCP) port of every node (default {RDS_CM_PORT})",
+        "--cm-port", type=integer(1, 65535), default=None,
+        help=f"rdma_cm (or TCP) port of every node (default Linux's: {RDS_PORT} for IPv4 over "
+        f"rdma, {RDS_CM_PORT} for IPv6 and over tcp)",
     )  # fmt: skip
     cm.add_argument(
         "--transport", choices=TRANSPORTS, default="rdma",

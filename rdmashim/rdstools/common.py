@@ -15,8 +15,7 @@ from contextlib import AsyncExitStack, asynccontextmanager
 
 import trio
 
-from rdmashim.rdstools.defaults import RDS_CM_PORT
-from rdmashim.ulps.rds.node import RdsError, RdsNode, RdsSocket
+from rdmashim.ulps.rds.node import RdsError, RdsNode, RdsSocket, default_port
 from rdmashim.ulps.rds.settings import Transport
 
 log = logging.getLogger(__name__)
@@ -61,13 +60,16 @@ def bind_any(node: RdsNode, rng: random.Random | None = None) -> RdsSocket:
 
 @asynccontextmanager
 async def open_node(
-    address: str, cm_port: int = RDS_CM_PORT, transport: Transport = "rdma"
+    address: str, cm_port: int | None = None, transport: Transport = "rdma"
 ) -> AsyncIterator[RdsNode]:
-    """An :class:`RdsNode` on ``address``; a failure to start says what to check."""
+    """An :class:`RdsNode` on ``address`` (at Linux's port for the transport and address
+    family when ``cm_port`` is None); a failure to start says what to check."""
     async with AsyncExitStack() as stack:
         try:
             node = await stack.enter_async_context(RdsNode(address, cm_port, transport=transport))
         except OSError as exc:
+            if cm_port is None:
+                cm_port = default_port(ipaddress.ip_address(address), transport)
             raise node_error(exc, address, cm_port, transport) from exc
         yield node
 

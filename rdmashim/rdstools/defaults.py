@@ -7,7 +7,7 @@ RDS machinery; the tools use the same ones.
 from __future__ import annotations
 
 from rdmashim.ulps.rds.settings import TRANSPORTS
-from rdmashim.ulps.rds.wire import RDS_CM_PORT, RDS_MAX_MSG_SIZE
+from rdmashim.ulps.rds.wire import RDS_CM_PORT, RDS_MAX_MSG_SIZE, RDS_PORT
 
 ECHO_PORT = 7
 INFO_PORT = 10000
@@ -37,6 +37,7 @@ __all__ = [
     "MIN_STRESS_BYTES",
     "RDS_CM_PORT",
     "RDS_MAX_MSG_SIZE",
+    "RDS_PORT",
     "STRESS_PORT",
     "TRANSPORTS",
 ]
