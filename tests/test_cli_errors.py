@@ -187,9 +187,7 @@ def test_a_port_in_use(command: list[str], text: str) -> None:
     assert_one_error_line(out, FAILED, text.format(port=port))
 
 
-@pytest.mark.parametrize(
-    "transport, port", [("rdma", 18634), ("tcp", 16385)], ids=["rdma", "tcp"]
-)
+@pytest.mark.parametrize("transport, port", [("rdma", 18634), ("tcp", 16385)], ids=["rdma", "tcp"])
 def test_rds_nodes_default_to_linux_ports(transport: str, port: int) -> None:
     """Without --cm-port a node takes the port Linux's RDS uses on its transport (IPv4)."""
     host = subnet() + "1"
