@@ -203,14 +203,24 @@ async def test_100k_messages_across_cuts_none_lost_none_duplicated_in_order(
                     bad.append((src, sock.address, seq))
                 progress["received"] += 1
 
+        def renewed(cut: list[object]) -> bool:
+            """Both nodes have a live session and neither is one the last cut broke."""
+            now = [live(a), live(b)]
+            return all(s is not None and all(s is not c for c in cut) for s in now)
+
         async def cut_now_and_then() -> None:
+            cut: list[object] = []  # both ends' sessions at the last cut: both must be replaced
             for i in range(1, TOTAL // CUT_EVERY):
                 await wait_until(lambda i=i: progress["sent"] >= i * CUT_EVERY, 60, "sending")
                 node = (a, b)[i % 2]
                 kind = list(cuts_here)[i // 2 % len(cuts_here)]
-                await wait_until(lambda node=node: live(node) is not None, 10, "reconnecting")
+                # The peer of the node cut last may not have seen that cut yet: its
+                # session looks live until it does, and a cut of it would be the
+                # same break counted twice.
+                await wait_until(lambda cut=cut: renewed(cut), 10, "reconnecting")
                 session = live(node)
                 assert session is not None
+                cut = [live(a), live(b)]
                 if not (session.rds.unsent or session.rds.unacked):
                     idle[0] += 1  # nothing in flight: nobody needs to reconnect
                 cuts_here[kind](session)
