@@ -26,7 +26,7 @@ from rdmashim.verbs.enums import Access, QPState, QPType
 if TYPE_CHECKING:
     from typing_extensions import Buffer
 
-    from rdmashim.verbs.attrs import DeviceAttr, PortAttr, QPAttr, QPCap
+    from rdmashim.verbs.attrs import AHAttr, DeviceAttr, PortAttr, QPAttr, QPCap
     from rdmashim.verbs.events import AsyncEvent
     from rdmashim.verbs.wr import SGE, WC, RecvBatch, RecvWR, SendBatch, SendWR, WCArray
 
@@ -79,6 +79,10 @@ class Context(Resource, Protocol):
     def query_port(self, port_num: int = 1) -> PortAttr:
         """State and limits of port ``port_num`` (numbered from 1)."""
 
+    def query_gid(self, port_num: int, index: int) -> bytes:
+        """Entry ``index`` of port ``port_num``'s GID table (16 bytes; all zero when unset).
+        NotSupported where the transport has no GID table to address UD datagrams by."""
+
     def alloc_pd(self) -> PD:
         """A new protection domain."""
 
@@ -121,6 +125,18 @@ class PD(Resource, Protocol):
 
     def create_srq(self, max_wr: int = 128, max_sge: int = 1) -> SRQ:
         """A shared receive queue for QPs of this PD."""
+
+    def create_ah(self, attr: AHAttr) -> AH:
+        """An address handle for UD sends (``ibv_create_ah``); NotSupported where the
+        transport has no UD (iWARP)."""
+
+
+class AH(Resource, Protocol):
+    """An address handle (``ibv_ah``): where a UD Send goes (``SendWR.ah``)."""
+
+    @property
+    def pd(self) -> PD:
+        """The PD the handle was created on."""
 
 
 class MR(Resource, Protocol):
@@ -328,14 +344,17 @@ class QP(Resource, Protocol):
     def query(self) -> QPAttr:
         """Current attributes."""
 
-    def modify(self, *, qp_state: QPState) -> None:
-        """Change the QP's state (``ibv_modify_qp``)."""
+    def modify(self, *, qp_state: QPState, qkey: int | None = None) -> None:
+        """Change the QP's state (``ibv_modify_qp``). A UD QP takes its Q_Key with the
+        move to INIT (``qkey``; receives with another Q_Key are dropped), then goes to
+        RTR and RTS with no path; other QPs refuse ``qkey`` (EINVAL)."""
 
     async def wait_closed(self) -> None:
         """Wait until the QP's connection is gone."""
 
 
 __all__ = [
+    "AH",
     "CQ",
     "MR",
     "PD",

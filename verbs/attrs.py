@@ -89,3 +89,26 @@ class QPAttr:
     max_dest_rd_atomic: int
     """IRD: the peer's RDMA Reads this side serves at once."""
     sq_sig_all: bool
+
+
+@dataclass(frozen=True, slots=True)
+class AHAttr:
+    """Where a UD datagram goes (``ibv_ah_attr`` with its ``ibv_global_route``).
+
+    RoCE addresses by GID: ``is_global`` with ``dgid`` (16 bytes, e.g. the peer's
+    ``Context.query_gid``) and ``sgid_index``, the local GID table entry to send
+    from (its type, RoCE v1 or v2, picks the encapsulation). InfiniBand without
+    a GRH addresses by ``dlid`` alone.
+    """
+
+    dlid: int = 0
+    sl: int = 0
+    port_num: int = 1
+    is_global: bool = False
+    dgid: bytes = bytes(16)
+    sgid_index: int = 0
+    hop_limit: int = 64
+    flow_label: int = 0
+    traffic_class: int = 0
+    src_path_bits: int = 0
+    static_rate: int = 0

@@ -16,10 +16,13 @@ from __future__ import annotations
 import errno
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, Generic, NamedTuple, Protocol, TypeAlias, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, NamedTuple, Protocol, TypeAlias, TypeVar
 
 from rdmashim.verbs.enums import SendFlags, WCFlags, WCOpcode, WCStatus, WROpcode
 from rdmashim.verbs.errors import CompletionError, VerbsError
+
+if TYPE_CHECKING:
+    from rdmashim.verbs.abc import AH
 
 
 class SGE(NamedTuple):
@@ -45,6 +48,10 @@ class SendWR:
     the peer. ``compare_add`` is what ATOMIC_CMP_AND_SWP compares with (``swap``
     replaces it when equal) and what ATOMIC_FETCH_AND_ADD adds; the original value
     lands in the 8-byte SGE (devices whose ``atomic_cap`` is not NONE).
+    On a UD QP a Send names its destination: the address handle ``ah``
+    (:meth:`PD.create_ah <rdmashim.verbs.abc.PD.create_ah>`), the peer's QP
+    number ``remote_qpn`` and the Q_Key ``remote_qkey`` (``ibv_send_wr.wr.ud``);
+    other QP types ignore them.
     """
 
     wr_id: int = 0
@@ -57,6 +64,9 @@ class SendWR:
     imm_data: int = 0
     compare_add: int = 0
     swap: int = 0
+    ah: AH | None = None
+    remote_qpn: int = 0
+    remote_qkey: int = 0
 
 
 @dataclass(slots=True)
@@ -83,6 +93,9 @@ class WC(NamedTuple):
     imm_data: int = 0
     """Immediate data (host order) when ``wc_flags`` has ``WITH_IMM``; iWARP without RFC
     7306 carries none."""
+    src_qp: int = 0
+    """A UD receive's sender QP number (``wc_flags`` has ``GRH`` when the buffer's first
+    40 bytes hold the datagram's Global Route Header, as on RoCE); 0 on other QPs."""
 
     def raise_for_status(self) -> WC:
         """Return self if the work request succeeded, else raise :class:`CompletionError`."""
@@ -106,7 +119,7 @@ class Prepared(Protocol[_W_contra]):
 def _copy_send(w: SendWR) -> SendWR:
     return SendWR(
         w.wr_id, w.opcode, tuple(w.sg_list), w.send_flags, w.remote_addr, w.rkey,
-        w.invalidate_rkey, w.imm_data,
+        w.invalidate_rkey, w.imm_data, w.compare_add, w.swap, w.ah, w.remote_qpn, w.remote_qkey,
     )  # fmt: skip
 
 
@@ -279,7 +292,7 @@ class WCArray:
     ``n = cq.poll_into(wcs)`` fills entries ``0..n-1``: ``wcs.wr_id[i]``,
     ``wcs.status[i]``, ``wcs.opcode[i]``, ``wcs.byte_len[i]``, ``wcs.qp_num[i]``,
     ``wcs.wc_flags[i]``, ``wcs.invalidated_rkey[i]``, ``wcs.vendor_err[i]``,
-    ``wcs.solicited[i]`` and ``wcs.imm_data[i]`` hold what the fields of a
+    ``wcs.solicited[i]``, ``wcs.imm_data[i]`` and ``wcs.src_qp[i]`` hold what the fields of a
     :class:`WC` would (status, opcode and flags as their enum members); entries
     from ``n`` on keep older values. No object is made per completion; slices
     such as ``wcs.wr_id[:n]`` or ``wcs.status[:n].count(WCStatus.SUCCESS)``
@@ -302,6 +315,7 @@ class WCArray:
         self.vendor_err: list[int] = [0] * n
         self.solicited: list[bool] = [False] * n
         self.imm_data: list[int] = [0] * n
+        self.src_qp: list[int] = [0] * n
         self.columns: tuple[list[Any], ...] = tuple(getattr(self, f) for f in WC._fields)
         """The lists in the order of :class:`WC`'s fields."""
         self.native: Any = None

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any, NoReturn, Self
 import trio
 
 from rdmashim.registry import load_backend
-from rdmashim.verbs.attrs import DeviceAttr, PortAttr
+from rdmashim.verbs.attrs import AHAttr, DeviceAttr, PortAttr
 from rdmashim.verbs.backend import own
 from rdmashim.verbs.enums import Access, Mtu, NodeType, PortState, QPType, Transport
 from rdmashim.verbs.errors import NotSupported, VerbsError
@@ -239,6 +239,10 @@ class Context:
         )  # fmt: skip
 
     # ------------------------------------------------------------------ objects
+    def query_gid(self, port_num: int, index: int) -> bytes:
+        """Refused: IBAL here serves iWARP, which has no UD to address by GID."""
+        raise NotSupported("query_gid", "no GID table (IBAL over iWARP: iWARP has no UD)")
+
     def alloc_pd(self) -> PD:
         """``ib_alloc_pd``."""
         self._check("alloc_pd")
@@ -351,8 +355,14 @@ class PD:
         from rdmashim.verbs.ibal.port_queues import QP
 
         if qp_type is not QPType.RC:
-            raise NotSupported("create_qp", f"{qp_type.name} QPs (IBAL over iWARP: RC only)")
+            raise NotSupported(
+                "create_qp", f"{qp_type.name} QPs (IBAL over iWARP: iWARP has no UD, RC only)"
+            )
         return QP(self, send_cq, recv_cq, cap, srq, sq_sig_all)
+
+    def create_ah(self, attr: AHAttr) -> abc.AH:
+        """Refused: address vectors are for UD, which iWARP lacks."""
+        raise NotSupported("create_ah", "UD (IBAL over iWARP: iWARP has no UD)")
 
     def create_srq(self, max_wr: int = 128, max_sge: int = 1) -> abc.SRQ:
         """``ib_create_srq``."""

@@ -144,6 +144,7 @@ def wc_fields(entry: ib_wc_t, qp_numbers: dict[int, int]) -> tuple[Any, ...]:
         entry.vendor_specific,
         False,
         imm,
+        0,
     )
 
 
@@ -603,10 +604,13 @@ class QP:
             sq_sig_all=self.sq_sig_all,
         )  # fmt: skip
 
-    def modify(self, *, qp_state: QPState) -> None:
-        """``ib_modify_qp`` (a connected QP only goes to ERR: the connection moves it)."""
+    def modify(self, *, qp_state: QPState, qkey: int | None = None) -> None:
+        """``ib_modify_qp`` (a connected QP only goes to ERR: the connection moves it);
+        ``qkey`` is for UD QPs, which IBAL over iWARP lacks (EINVAL)."""
         if self.closed:
             raise VerbsError(errno.EBADF, "modify_qp", "QP closed")
+        if qkey is not None:
+            raise VerbsError(errno.EINVAL, "modify_qp", "qkey: no UD QPs over iWARP")
         with verbs_errors("modify_qp"):
             ib_modify_qp(self.h_qp, ib_qp_mod_t(_TO_IB_STATE[QPState(qp_state)]))
 

@@ -233,6 +233,12 @@ struct ibv_ah_attr {
     uint8_t port_num;
 };
 
+struct ibv_ah {
+    struct ibv_context *context;
+    struct ibv_pd *pd;
+    uint32_t handle;
+};
+
 struct ibv_srq_attr {
     uint32_t max_wr;
     uint32_t max_sge;
@@ -404,6 +410,9 @@ int ibv_modify_qp(struct ibv_qp *qp, struct ibv_qp_attr *attr, int attr_mask);
 int ibv_query_qp(struct ibv_qp *qp, struct ibv_qp_attr *attr, int attr_mask,
                  struct ibv_qp_init_attr *init_attr);
 int ibv_destroy_qp(struct ibv_qp *qp);
+struct ibv_ah *ibv_create_ah(struct ibv_pd *pd, struct ibv_ah_attr *attr);
+int ibv_destroy_ah(struct ibv_ah *ah);
+int ibv_query_gid(struct ibv_context *context, uint8_t port_num, int index, union ibv_gid *gid);
 """
 
 RDMACM = """

@@ -118,6 +118,7 @@ def decode_into(wcs: WCArray, buf: WCBuffer, start: int, n: int) -> None:
     wcs.byte_len[start:end] = buf.column("byte_len", n)
     wcs.qp_num[start:end] = buf.column("qp_num", n)
     wcs.vendor_err[start:end] = buf.column("vendor_err", n)
+    wcs.src_qp[start:end] = buf.column("src_qp", n)
     flags = buf.column("wc_flags", n)
     if any(flags):
         shared = buf.column("imm_data", n)
@@ -158,6 +159,7 @@ def decode_wc(wc: Any) -> WC:
         wc.invalidated_rkey if flags & _WITH_INV else 0,
         wc.vendor_err,
         imm_data=socket.ntohl(wc.imm_data) if flags & _WITH_IMM else 0,
+        src_qp=wc.src_qp,
     )
 
 

@@ -395,6 +395,13 @@ class Context(Resource):
             port_cap_flags=a.port_cap_flags,
         )
 
+    def query_gid(self, port_num: int, index: int) -> bytes:
+        """Entry ``index`` of port ``port_num``'s GID table (``ibv_query_gid``)."""
+        self._check_open("query_gid")
+        gid = ffi.new("union ibv_gid *")
+        lib.check(lib.verbs().ibv_query_gid(self._ptr, port_num, index, gid), "ibv_query_gid")
+        return bytes(gid.raw)
+
     def alloc_pd(self) -> PD:
         """A new protection domain."""
         self._check_open("alloc_pd")

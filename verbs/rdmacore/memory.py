@@ -13,16 +13,16 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from rdmashim.verbs import abc
-from rdmashim.verbs.attrs import QPCap
+from rdmashim.verbs.attrs import AHAttr, QPCap
 from rdmashim.verbs.backend import own
 from rdmashim.verbs.buffers import PinnedBuffer, PinnedRegion, pin
-from rdmashim.verbs.enums import Access, QPType
+from rdmashim.verbs.enums import Access, QPType, Transport
 from rdmashim.verbs.errors import NotSupported, VerbsError
 from rdmashim.verbs.rdmacore import lib
 from rdmashim.verbs.rdmacore.base import Resource
 from rdmashim.verbs.rdmacore.cdefs import ffi
 from rdmashim.verbs.rdmacore.completion import CQ
-from rdmashim.verbs.rdmacore.queue_pair import QP, SRQ
+from rdmashim.verbs.rdmacore.queue_pair import AH, QP, SRQ
 
 IGNORES_IOVA = frozenset({0x626D74})
 """Vendor ids of devices that take ``ibv_reg_mr_iova`` but address the region by its
@@ -85,6 +85,8 @@ class PD(Resource):
     ) -> QP:
         """A QP whose C object ``create(init_attr)`` makes (ibv_create_qp, rdma_create_qp)."""
         self._check_open("create_qp")
+        if qp_type == QPType.UD:
+            self._check_ud("create_qp")
         return QP(
             self,
             own(send_cq, CQ, "create_qp"),
@@ -100,6 +102,16 @@ class PD(Resource):
         """A shared receive queue for QPs of this PD."""
         self._check_open("create_srq")
         return SRQ(self, max_wr, max_sge)
+
+    def create_ah(self, attr: AHAttr) -> AH:
+        """An address handle for UD sends (``ibv_create_ah``)."""
+        self._check_open("create_ah")
+        self._check_ud("create_ah")
+        return AH(self, attr)
+
+    def _check_ud(self, operation: str) -> None:
+        if self.context.device.transport is Transport.IWARP:
+            raise NotSupported(operation, "UD (iWARP has no UD: RC only)")
 
     def _destroy(self) -> None:
         lib.check(lib.verbs().ibv_dealloc_pd(self._ptr), "ibv_dealloc_pd")

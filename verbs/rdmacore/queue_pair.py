@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import trio
 
-from rdmashim.verbs.attrs import QPAttr, QPCap
+from rdmashim.verbs.attrs import AHAttr, QPAttr, QPCap
 from rdmashim.verbs.enums import QPState, QPType, SendFlags, Transport, WROpcode
 from rdmashim.verbs.errors import NotSupported, VerbsError
 from rdmashim.verbs.rdmacore import lib
@@ -40,7 +40,14 @@ IBV_QP_STATE = 1 << 0
 IBV_QP_ACCESS_FLAGS = 1 << 3
 IBV_QP_PKEY_INDEX = 1 << 4
 IBV_QP_PORT = 1 << 5
+IBV_QP_QKEY = 1 << 6
+IBV_QP_SQ_PSN = 1 << 16
 _TO_INIT_MASK = IBV_QP_STATE | IBV_QP_ACCESS_FLAGS | IBV_QP_PKEY_INDEX | IBV_QP_PORT
+_UD_MASKS = {
+    QPState.INIT: IBV_QP_STATE | IBV_QP_PKEY_INDEX | IBV_QP_PORT | IBV_QP_QKEY,
+    QPState.RTS: IBV_QP_STATE | IBV_QP_SQ_PSN,
+}
+"""What a UD QP's moves carry besides the state (RTR needs no path)."""
 IBV_QP_MAX_QP_RD_ATOMIC = 1 << 13
 IBV_QP_MAX_DEST_RD_ATOMIC = 1 << 17
 IBV_QP_CAP = 1 << 19
@@ -110,6 +117,11 @@ def _encode_send_wr(c: Any, w: SendWR, keep: list[Any], i: int) -> None:
         atomic = c.wr.atomic
         atomic.remote_addr, atomic.rkey = w.remote_addr, w.rkey
         atomic.compare_add, atomic.swap = w.compare_add, w.swap
+    elif w.ah is not None:
+        if not isinstance(w.ah, AH):
+            raise VerbsError(errno.EINVAL, "post_send", f"work request {i}: ah of another backend")
+        ud = c.wr.ud
+        ud.ah, ud.remote_qpn, ud.remote_qkey = w.ah._ptr, w.remote_qpn, w.remote_qkey
     else:
         c.wr.rdma.remote_addr = w.remote_addr
         c.wr.rdma.rkey = w.rkey
@@ -235,6 +247,33 @@ def _send_chain(n: int) -> WRChain:
 
 def _recv_chain(n: int) -> WRChain:
     return WRChain("struct ibv_recv_wr", _encode_recv_wr, n)
+
+
+class AH(Resource):
+    """An address handle (``ibv_ah``) for UD sends."""
+
+    _kind = "address handle"
+
+    def __init__(self, pd: PD, attr: AHAttr) -> None:
+        super().__init__(pd)
+        self.pd = pd
+        self.attr = attr
+        """What it was created with."""
+        if len(attr.dgid) != 16:
+            raise VerbsError(errno.EINVAL, "create_ah", f"dgid of {len(attr.dgid)} bytes, not 16")
+        c = ffi.new("struct ibv_ah_attr *")
+        c.dlid, c.sl, c.port_num = attr.dlid, attr.sl, attr.port_num
+        c.src_path_bits, c.static_rate = attr.src_path_bits, attr.static_rate
+        c.is_global = int(attr.is_global)
+        grh = c.grh
+        grh.dgid.raw = attr.dgid
+        grh.sgid_index, grh.hop_limit = attr.sgid_index, attr.hop_limit
+        grh.flow_label, grh.traffic_class = attr.flow_label, attr.traffic_class
+        self._ptr = lib.check_ptr(lib.verbs().ibv_create_ah(pd._ptr, c), "ibv_create_ah")
+        self._created()
+
+    def _destroy(self) -> None:
+        lib.check(lib.verbs().ibv_destroy_ah(self._ptr), "ibv_destroy_ah")
 
 
 class SRQ(Resource):
@@ -463,15 +502,24 @@ class QP(Resource):
             sq_sig_all=self.sq_sig_all,
         )
 
-    def modify(self, *, qp_state: QPState) -> None:
+    def modify(self, *, qp_state: QPState, qkey: int | None = None) -> None:
         """Move the QP to ``qp_state`` (``ibv_modify_qp`` with IBV_QP_STATE).
 
         ERR is reached from any state, as on iWARP: an IB or RoCE QP still in RESET
         is moved to INIT first, since the kernel's state table for those devices
-        (``ib_modify_qp_is_ok``) allows ERR only from INIT on.
+        (``ib_modify_qp_is_ok``) allows ERR only from INIT on. A UD QP moves to
+        INIT with its Q_Key ``qkey`` (default 0) on port 1, pkey index 0, and to RTS
+        with send PSN 0; other QPs refuse ``qkey``.
         """
         self._check_open("modify_qp")
         qp_state = QPState(qp_state)
+        if self.qp_type is QPType.UD and qp_state in _UD_MASKS:
+            fields = {"qkey": qkey or 0, "port_num": 1} if qp_state is QPState.INIT else {}
+            self._set_state(qp_state, _UD_MASKS[qp_state], **fields)
+            self._state_hint = qp_state
+            return
+        if qkey is not None:
+            raise VerbsError(errno.EINVAL, "modify_qp", "qkey is for a UD QP moving to INIT")
         if (
             qp_state is QPState.ERR
             and self.context.device.transport is not Transport.IWARP

@@ -25,7 +25,7 @@ import psutil
 import trio
 
 from rdmashim.verbs import abc
-from rdmashim.verbs.attrs import DeviceAttr, PortAttr, QPAttr, QPCap
+from rdmashim.verbs.attrs import AHAttr, DeviceAttr, PortAttr, QPAttr, QPCap
 from rdmashim.verbs.backend import own
 from rdmashim.verbs.buffers import PinnedBuffer, PinnedRegion, pin
 from rdmashim.verbs.enums import (
@@ -304,6 +304,10 @@ class Context(_Parent):
             netdev=self.device.netdev,
         )
 
+    def query_gid(self, port_num: int, index: int) -> bytes:
+        """Refused: iWARP addresses by IP and has no UD to address by GID."""
+        raise NotSupported("query_gid", "no GID table (iWARP has no UD: RC only)")
+
     def alloc_pd(self) -> PD:
         """A new protection domain."""
         self._check_open("alloc_pd")
@@ -452,6 +456,10 @@ class PD(_Parent):
         ctx.registered_bytes += pinned.length
         return self._adopt(MR(self, pinned, region))
 
+    def create_ah(self, attr: AHAttr) -> abc.AH:
+        """Refused: address handles are for UD, which iWARP lacks."""
+        raise NotSupported("create_ah", "UD (iWARP has no UD: RC only)")
+
     def create_qp(
         self,
         *,
@@ -468,7 +476,9 @@ class PD(_Parent):
         recv = own(recv_cq, CQ, "create_qp")
         shared = None if srq is None else own(srq, SRQ, "create_qp")
         if qp_type != QPType.RC:
-            raise NotSupported("create_qp", f"{QPType(qp_type).name} QPs (iWARP has RC only)")
+            raise NotSupported(
+                "create_qp", f"{QPType(qp_type).name} QPs (iWARP has RC only: no UD)"
+            )
         cap = cap or QPCap()
         limits = (
             (cap.max_send_wr, 1, MAX_QP_WR, "max_send_wr"),
@@ -1402,10 +1412,11 @@ class QP(_Resource):
             sq_sig_all=self.sq_sig_all,
         )
 
-    def modify(self, *, qp_state: QPState) -> None:
-        """Change state; a user may only move a QP to ERR (the CM moves it to RTS)."""
+    def modify(self, *, qp_state: QPState, qkey: int | None = None) -> None:
+        """Change state; a user may only move a QP to ERR (the CM moves it to RTS).
+        ``qkey`` is for UD QPs, which iWARP lacks (EINVAL)."""
         self._check_open("modify_qp")
-        if QPState(qp_state) is not QPState.ERR:
+        if QPState(qp_state) is not QPState.ERR or qkey is not None:
             raise VerbsError(
                 errno.EINVAL,
                 "modify_qp",
