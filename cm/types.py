@@ -167,10 +167,13 @@ class CMEvent:
         return text
 
 
-def check_private_data(context: Context | None, operation: str, private_data: bytes) -> None:
-    """EINVAL if ``private_data`` is longer than the device takes (``max_private_data``;
-    252 bytes, MPA's limit, before a device is chosen)."""
-    limit = context.query_device().max_private_data if context is not None else 252
+def check_private_data(
+    context: Context | None, operation: str, private_data: bytes, limit: int | None = None
+) -> None:
+    """EINVAL if ``private_data`` is longer than ``limit`` or, when None, than the device
+    takes (``max_private_data``; 252 bytes, MPA's limit, before a device is chosen)."""
+    if limit is None:
+        limit = context.query_device().max_private_data if context is not None else 252
     if len(private_data) > limit:
         raise VerbsError(
             errno.EINVAL, operation, f"{len(private_data)} bytes of private data > {limit}"

@@ -307,7 +307,10 @@ class RdsConnection:
 
     # ------------------------------------------------------------------ receiving
     def received(self, header: RdsHeader, data: bytes) -> None:
-        """A whole message arrived: deliver it once, in order.
+        """A whole message arrived: a congestion map (``h_flags`` exactly CONG_BITMAP,
+        as ``ib_recv.c`` ``rds_ib_process_recv`` and ``tcp_recv.c``
+        ``rds_tcp_data_recv`` tell one, on either transport) goes to :meth:`peer_map`;
+        a numbered message is delivered once, in order.
 
         An old sequence number on a retransmission is a duplicate and dropped.
         On a first transmission it means the peer started afresh (its process
@@ -315,6 +318,9 @@ class RdsConnection:
         one means the peer resent what it still had after we restarted (Linux
         RDS accepts both the same way).
         """
+        if header.flags == RdsFlag.CONG_BITMAP:
+            self.peer_map(data)
+            return
         seq = header.sequence
         self.last_active = trio.current_time()
         if seq < self.next_recv:
@@ -332,7 +338,7 @@ class RdsConnection:
         self.deliver(self.peer, header, data)
 
     def peer_map(self, data: bytes) -> None:
-        """The peer's congestion map arrived (numbered or not, by transport)."""
+        """The peer's congestion map arrived."""
         new = CongestionMap.decode(data)
         if new is None:
             raise RdsProtocolError(f"congestion map of {len(data)} bytes from {self.peer}")
@@ -593,7 +599,7 @@ class Session:
         """Add a fragment (a view of the receive buffer: copied before it is reused)."""
         if self._assembly is None:
             if len(fragment) == header.length:  # a whole message: one copy
-                self._whole(header, bytes(fragment))
+                self.rds.received(header, bytes(fragment))
                 return
             self._assembly = (header, bytearray(), 0)
         first, data, _ = self._assembly
@@ -606,15 +612,7 @@ class Session:
             raise RdsProtocolError(f"message {first.sequence} longer than its {first.length} bytes")
         if len(data) == first.length:
             self._assembly = None
-            self._whole(first, bytes(data))
-
-    def _whole(self, header: RdsHeader, data: bytes) -> None:
-        """A message is complete: a congestion map (flags exactly CONG_BITMAP, as
-        ``ib_recv.c`` ``rds_ib_process_recv`` tells one) or a numbered message."""
-        if header.flags == RdsFlag.CONG_BITMAP:
-            self.rds.peer_map(data)
-        else:
-            self.rds.received(header, data)
+            self.rds.received(first, bytes(data))
 
     # ------------------------------------------------------------------ the loop
     def _completions(self, wcs: WCArray, n: int) -> None:

@@ -268,12 +268,9 @@ class TcpSession:
             self._take(data)
 
     def _take(self, data: bytes) -> None:
-        rds = self.rds
+        received = self.rds.received
         for header, payload in self.decoder.feed(data):
-            if header.flags == RdsFlag.CONG_BITMAP:  # exactly, as rds_tcp_data_recv
-                rds.peer_map(payload)
-            else:
-                rds.received(header, payload)
+            received(header, payload)
 
     async def _acks(self) -> None:
         while True:

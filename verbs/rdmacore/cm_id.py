@@ -356,15 +356,9 @@ class RdmaCoreCMId:
         """EINVAL for more private data than ``operation`` carries: on iWARP one limit
         for all (``max_private_data``), on IB and RoCE the IB CM message's
         (:data:`~rdmashim.verbs.rdmacore.device.IB_CM_PRIVATE_DATA`)."""
-        if self.context is None or self.context.device.transport is Transport.IWARP:
-            check_private_data(self.context, operation, private_data)
-        elif len(private_data) > IB_CM_PRIVATE_DATA[operation]:
-            raise VerbsError(
-                errno.EINVAL,
-                operation,
-                f"{len(private_data)} bytes of private data > {IB_CM_PRIVATE_DATA[operation]} "
-                f"(the IB CM's limit for {operation})",
-            )
+        iwarp = self.context is None or self.context.device.transport is Transport.IWARP
+        limit = None if iwarp else IB_CM_PRIVATE_DATA[operation]
+        check_private_data(self.context, operation, private_data, limit)
 
     def _bound_context(self, operation: str) -> Context:
         if self.context is None:

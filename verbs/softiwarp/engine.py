@@ -100,10 +100,10 @@ _INV_STEP = Opcode.SEND_INV - Opcode.SEND
 """From SEND / SEND_SE to SEND_INV / SEND_SE_INV (each follows its plain opcode)."""
 _QN_SEND = int(QN.SEND)
 _ONE = 1
+"""``_ONE.__eq__`` maps a scan's solicited words (1 or 0) to bools at C speed."""
 _GT = int.__gt__
 _WR_ID = attrgetter("wr_id")
 _CHECKED = attrgetter("checked")
-"""``_ONE.__eq__`` maps a scan's solicited words (1 or 0) to bools at C speed."""
 _SEND_FPDU_BASE = ddp.UNTAGGED_HDR_LEN + 3
 """Header bytes of an untagged FPDU, plus 3 to round its payload up to the pad."""
 _UNTAGGED_ULPDU_MIN = ddp.UNTAGGED_HDR_LEN - 2
