@@ -5,14 +5,16 @@ from __future__ import annotations
 import errno
 import os
 import random
+from ipaddress import ip_address
 from typing import Any
 
 import pytest
 import trio
 import trio.lowlevel
 
+from rdmashim.ulps.rds.connection import RdsConnection
 from rdmashim.ulps.rds.node import RdsError
-from rdmashim.ulps.rds.wire import RDS_MAX_MSG_SIZE
+from rdmashim.ulps.rds.wire import RDS_MAX_MSG_SIZE, RdsFlag, RdsHeader
 
 from rdsnodes import close, nodes, transports
 
@@ -188,3 +190,36 @@ async def test_slow_receiver_congests_its_port_and_memory_stays_bounded(transpor
         assert not a.peer_congestion("127.0.0.2")
     finally:
         await close([a, b])
+
+
+async def test_a_new_entry_for_a_peer_numbers_above_the_last_one() -> None:
+    """A node that restarts (or forgets a peer) starts its sequence above every number
+    its former self sent, so a peer keeping its receive state (Linux keeps
+    ``cp_next_rx_seq`` until the module unloads) takes what it sends again after a
+    reconnect, flagged RETRANSMITTED, for new messages."""
+    first = RdsConnection(ip_address("10.0.0.1"), ip_address("10.0.0.2"), lambda *a: None)
+    for port in range(1000):
+        first.queue(port, 1, b"x")
+    second = RdsConnection(ip_address("10.0.0.1"), ip_address("10.0.0.2"), lambda *a: None)
+    assert second.next_seq > first.next_seq > 1000
+
+
+async def test_a_peer_numbering_from_1_again_is_taken_as_restarted() -> None:
+    """Linux starts at 1 whenever its module loads: a first transmission below the
+    number due is a restarted peer (delivered), a retransmission below it a
+    duplicate (dropped), and a first message is taken wherever it starts."""
+    got: list[bytes] = []
+    rds = RdsConnection(
+        ip_address("10.0.0.1"), ip_address("10.0.0.2"), lambda peer, h, data: got.append(data)
+    )
+
+    def header(seq: int, flags: RdsFlag = RdsFlag.NONE) -> RdsHeader:
+        return RdsHeader(seq, 0, 1, 4000, 4000, flags)
+
+    for seq, flags, data in [(50, RdsFlag.NONE, b"a"), (51, RdsFlag.NONE, b"b"),
+                             (1, RdsFlag.NONE, b"c"), (1, RdsFlag.RETRANSMITTED, b"d"),
+                             (2, RdsFlag.RETRANSMITTED, b"e")]:  # fmt: skip
+        rds.received(header(seq, flags), data)
+    assert got == [b"a", b"b", b"c", b"e"]
+    c = rds.counters
+    assert (c.peer_restarts, c.recv_seq_gaps, c.recv_drop_old_seq, rds.next_recv) == (1, 0, 1, 3)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -141,9 +142,19 @@ class RdsConnection:
     """Called with (peer, first header, data) for each new message, in order."""
     unsent: deque[OutMessage] = field(default_factory=deque)
     unacked: deque[OutMessage] = field(default_factory=deque)
-    next_seq: int = 1
+    next_seq: int = field(default_factory=time.time_ns)
+    """The sequence number of our next message. The first is the wall clock in
+    nanoseconds, as TCP picks its initial sequence number from a clock: a new entry
+    for the peer (after this process restarted, or the entry expired) numbers above
+    anything an earlier one sent, so a peer that kept its receive state (Linux's
+    ``cp_next_rx_seq`` lives as long as the module) never takes a message we send
+    again after a reconnect, flagged RETRANSMITTED, for one it has seen
+    (``recv.c`` ``rds_recv_incoming``). Linux starts at 1."""
     next_recv: int = 1
     """The sequence number of the next new message from the peer."""
+    heard: bool = False
+    """Whether a numbered message has come from the peer: the first one sets
+    :attr:`next_recv` wherever the peer's numbering starts."""
     counters: Counters = field(default_factory=Counters)
     on_congestion: Callable[[RdsConnection, set[int]], None] = lambda rds, ports: None
     """Called with the ports whose congestion bit changed in the peer's map."""
@@ -329,10 +340,11 @@ class RdsConnection:
                 return
             log.info("RDS peer %s restarted its numbering at %d", self.peer, seq)
             self.counters.peer_restarts += 1
-        elif seq > self.next_recv:
+        elif seq > self.next_recv and self.heard:
             log.info("RDS peer %s resumes at %d where %d was due", self.peer, seq, self.next_recv)
             self.counters.recv_seq_gaps += 1
         self.next_recv = seq + 1
+        self.heard = True
         self.counters.recv_messages += 1
         self.counters.recv_bytes += len(data)
         self.deliver(self.peer, header, data)
