@@ -9,6 +9,12 @@ collected PD) never leaves a C object pointing at freed memory. ``close()`` is
 idempotent; a closed object refuses use with EBADF. Objects collected without
 ``close()`` are destroyed by their finalizer, which logs failures instead of
 raising.
+
+"In any order" includes a reference cycle collected at once: Python clears the
+weak references to the cycle's objects before it runs their finalizers, so a
+parent finalized first (a CQ before its QP) cannot see its children, and its
+C object is still in use (EBUSY). Such a parent is left *orphaned* and destroyed
+right after its last child is.
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ class Resource:
 
     _kind = "resource"
     _closed = True  # until __init__ has created the C object
+    _orphaned = False  # collected while a child still used it: closed after the child
 
     def __init__(self, *parents: Resource | None) -> None:
         """Check the parents are open; the subclass then creates its C object and calls
@@ -71,6 +78,9 @@ class Resource:
             raise
         for parent in self._parents:
             parent._children.discard(self)
+            if parent._orphaned and not parent._children:
+                parent._orphaned = False
+                parent._finalize()
 
     def __enter__(self) -> Self:
         return self
@@ -81,7 +91,17 @@ class Resource:
     def __del__(self) -> None:
         if self._closed or sys.is_finalizing():
             return
+        self._finalize()
+
+    def _finalize(self) -> None:
+        """Close a collected object, or leave it orphaned while a child uses it."""
         try:
             self.close()
+        except VerbsError as exc:
+            if exc.errno != errno.EBUSY:
+                log.exception("destroying a collected %s failed", self._kind)
+            else:
+                log.debug("collected %s still in use: destroyed after its child", self._kind)
+                self._orphaned = True
         except Exception:
             log.exception("destroying a collected %s failed", self._kind)
