@@ -256,6 +256,35 @@ async def test_at_max_peers_with_none_idle_a_new_one_is_rejected() -> None:
                     assert _ip(4) not in node._peers and len(node._peers) == 3
 
 
+async def test_a_peer_whose_rds_rejects_us_is_tried_until_it_takes_us(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A reject from the peer's RDS (its ``rdma_reject``: here it has no room, for a
+    kernel it is busy with its own connect) is an answer: the node keeps trying past
+    ``give_up_after`` and drops nothing; the message arrives once the peer takes it."""
+    caplog.set_level(logging.INFO, logger="rdmashim.ulps.rds.node")
+    fast = RdsSettings(reconnect_min=0.02, reconnect_max=0.1, give_up_after=2)
+    async with (
+        node_with(RdsSettings(max_peers=1)) as full,
+        RdsNode("127.0.0.2", full.port, settings=fast) as sender,
+    ):
+        inbox = full.bind(5000)
+        with trio.fail_after(30):
+            async with stranger(full, "127.0.0.3"):  # its one entry, live
+                await wait_until(lambda: len(full._peers) == 1, 5, "the stranger's session")
+                await sender.bind(4000).sendto(b"let me in", (str(full.address), 5000))
+
+                def rejected() -> int:
+                    return caplog.text.count("rejected by its RDS")
+
+                await wait_until(lambda: rejected() > 2 * fast.give_up_after, 10, "rejects")
+                (rds,) = sender.connections()
+                assert rds.pending and rds.counters.sessions == 0
+                assert "unreachable" not in caplog.text
+            # The stranger left; its entry, idle, makes room.
+            assert await inbox.recvfrom() == (b"let me in", ("127.0.0.2", 4000))
+
+
 def _ip(last: int) -> Any:
     return ipaddress.ip_address(f"127.0.0.{last}")
 

@@ -37,6 +37,7 @@ import trio
 from rdmashim.cm import (
     CMError,
     Connection,
+    ConnectionRejected,
     ConnectionRequest,
     open_connection,
     open_device_for,
@@ -620,8 +621,16 @@ class RdsNode:
                             await self._active_session(entry)
                         window = settings.reconnect_min
                     except (CMError, OSError) as exc:
-                        entry.failures += 1
-                        log.info("RDS connect to %s failed (%d): %s", rds.peer, entry.failures, exc)
+                        if isinstance(exc, ConnectionRejected) and exc.errno == errno.ECONNRESET:
+                            # Its RDS answered (rdma_reject): reachable, only busy, as Linux
+                            # is while its own connect is under way (ib_cm.c
+                            # rds_ib_cm_handle_connect): no step towards giving up.
+                            log.info("RDS connect to %s rejected by its RDS: %s", rds.peer, exc)
+                        else:
+                            entry.failures += 1
+                            log.info(
+                                "RDS connect to %s failed (%d): %s", rds.peer, entry.failures, exc
+                            )
                         if entry.failures >= settings.give_up_after and not rds.counters.sessions:
                             self._unreachable(entry, exc)
                             return
