@@ -13,10 +13,11 @@ one JSON line with what they saw. ROUND is one of
   :data:`N` messages of :data:`SIZES` (up to 1 MiB: 256 fragments), the other checks
   them and sends its own; each then pings the other's port 0 and waits for the pong.
   Who speaks first connects (the kernel's RDS connects from either address).
-* ``reconnect-cut`` / ``reconnect-flap``: both stream :data:`M` small messages at the
-  same time; halfway our node moves its QP to the error state (``cut``) or the
-  kernel's guest takes eth0 down for a while (``flap``). Every message must arrive
-  once, in order.
+* ``reconnect-cut`` / ``reconnect-link``: both stream :data:`M` small messages at
+  the same time; halfway our node moves its QP to the error state (``cut``), or the
+  kernel side touches ``$JOB.link-down`` and the host takes guest K's bridge port
+  down for longer than RC's retries last, while both go on sending (``link``; ours
+  spreads its messages over the outage). Every message must arrive once, in order.
 * ``congestion``: the kernel sends :data:`CONG_BURST` messages of 64 KiB to our
   socket, which reads none until it is congested (our map tells the kernel so)
   and the kernel's non-blocking ``sendto`` fails with ENOBUFS; then our socket reads
@@ -36,7 +37,6 @@ import json
 import os
 import socket
 import struct
-import subprocess
 import sys
 import threading
 import time
@@ -49,6 +49,8 @@ N = 16
 """Messages each way in an exchange round (two of 1 MiB)."""
 M = 300
 """Messages each way in a reconnect round."""
+LINK_PACE = 0.1
+"""Seconds between our messages in the ``link`` round: 30 s of them, past the outage."""
 CONG_SIZE = 65536
 CONG_BURST = 160
 """64 KiB messages the kernel sends at our unread socket: 10 MiB, past our 4 MiB rcvbuf
@@ -78,13 +80,17 @@ def body(tag: str, i: int, size: int | None = None) -> bytes:
     return (f"{tag}{i}:".encode() + PATTERN)[:n]
 
 
+def wait_for(path: str) -> None:
+    deadline = time.monotonic() + WAIT
+    while not os.path.exists(path):
+        if time.monotonic() > deadline:
+            raise SystemExit(f"no {path} from the host")
+        time.sleep(0.05)
+
+
 def wait_go(job: str) -> None:
     Path(job + ".ready").touch()
-    deadline = time.monotonic() + WAIT
-    while not os.path.exists(job + ".go"):
-        if time.monotonic() > deadline:
-            raise SystemExit("no go from the host")
-        time.sleep(0.05)
+    wait_for(job + ".go")
 
 
 def emit(**result: Any) -> None:
@@ -152,7 +158,8 @@ def kernel_exchange(s: socket.socket, peer: str, first: bool) -> dict[str, Any]:
             list(pong[1])]}  # fmt: skip
 
 
-def kernel_reconnect(s: socket.socket, peer: str, flap: bool) -> dict[str, Any]:
+def kernel_reconnect(s: socket.socket, peer: str, job: str | None) -> dict[str, Any]:
+    """Both ways at once; with ``job``, the host cuts the link halfway (see the module)."""
     dest = (peer, OUR_PORT)
     received: list[bytes] = []
 
@@ -165,10 +172,8 @@ def kernel_reconnect(s: socket.socket, peer: str, flap: bool) -> dict[str, Any]:
     thread.start()
     errors = 0
     for i in range(M):
-        if flap and i == M // 2:
-            subprocess.run(["ip", "link", "set", "eth0", "down"], check=True)
-            time.sleep(3)
-            subprocess.run(["ip", "link", "set", "eth0", "up"], check=True)
+        if job is not None and i == M // 2:
+            Path(job + ".link-down").touch()  # and go on: the rest waits in RDS's queue
         while True:
             try:
                 s.sendto(body("k", i, 100), dest)
@@ -280,7 +285,7 @@ def kernel_main(round_: str, me: str, peer: str) -> None:
     if round_.startswith("exchange"):
         result = kernel_exchange(s, peer, first=round_ == "exchange-kernel-first")
     elif round_.startswith("reconnect"):
-        result = kernel_reconnect(s, peer, flap=round_ == "reconnect-flap")
+        result = kernel_reconnect(s, peer, job if round_ == "reconnect-link" else None)
     elif round_ == "congestion":
         result = kernel_congestion(s, peer)
     elif round_ == "rdma":
@@ -307,7 +312,7 @@ async def ours_main(round_: str, me: str, peer: str) -> None:
             if round_.startswith("exchange"):
                 result = await ours_exchange(sock, peer, round_ == "exchange-ours-first")
             elif round_.startswith("reconnect"):
-                result = await ours_reconnect(node, sock, peer, round_ == "reconnect-cut")
+                result = await ours_reconnect(node, sock, peer, round_)
             elif round_ == "congestion":
                 result = await ours_congestion(node, sock, peer)
             elif round_ == "rdma":
@@ -343,7 +348,7 @@ async def ours_exchange(sock: Any, peer: str, first: bool) -> dict[str, Any]:
             "pong": [pong[0].hex(), list(pong[1])]}  # fmt: skip
 
 
-async def ours_reconnect(node: Any, sock: Any, peer: str, cut: bool) -> dict[str, Any]:
+async def ours_reconnect(node: Any, sock: Any, peer: str, round_: str) -> dict[str, Any]:
     import trio
 
     dest = (peer, KERNEL_PORT)
@@ -356,13 +361,15 @@ async def ours_reconnect(node: Any, sock: Any, peer: str, cut: bool) -> dict[str
     async with trio.open_nursery() as nursery:
         nursery.start_soon(reader)
         for i in range(M):
-            if cut and i == M // 2:
+            if round_ == "reconnect-cut" and i == M // 2:
                 (conn,) = node.connections()
                 while conn.session is None or conn.session.lost:  # noqa: ASYNC110
                     await trio.sleep(0.01)  # a session lost to a connect race: the next
                 conn.session.cut()
             await sock.sendto(body("o", i, 100), dest)
-            if i % 10 == 0:
+            if round_ == "reconnect-link":
+                await trio.sleep(LINK_PACE)  # in flight all through the outage
+            elif i % 10 == 0:
                 await trio.sleep(0.01)  # spread the messages over the break
     want = [body("k", i, 100) for i in range(M)]
     return {"received": len(received), "in_order": received == want,
