@@ -24,7 +24,7 @@ one JSON line with what they saw. ROUND is one of
   everything and the kernel's sending resumes.
 * ``rdma``: the kernel offers a region by ``RDS_GET_MR``; we RDMA-write into it and
   RDMA-read it back, each op chasing a message (:class:`RdmaOp`). Then we offer a
-  region and the kernel writes into it with ``RDS_CMSG_RDMA_ARGS``.
+  region and the kernel writes into it and reads it back with ``RDS_CMSG_RDMA_ARGS``.
 
 The kernel side imports nothing but the standard library (the guest's python3).
 """
@@ -267,15 +267,30 @@ def kernel_rdma(s: socket.socket, peer: str) -> dict[str, Any]:
     statuses: list[list[int]] = []
     while "our_verdict" not in result or (result["kernel_write_sent"] and not statuses):
         data, ancdata, _, _ = s.recvmsg(4096, 1024)
-        statuses += [
-            list(struct.unpack_from("=Qi", d)) for lvl, t, d in ancdata
-            if lvl == SOL_RDS and t == RDS_CMSG_RDMA_STATUS
-        ]  # fmt: skip
+        statuses += rdma_statuses(ancdata)
         if data:
             result["our_verdict"] = json.loads(data)
     result["kernel_write_status"] = statuses  # [[user_token, RDS_RDMA_* status]]
-    del vec
+    # 3. The kernel RDMA-reads our region (what it wrote there) into a fresh buffer.
+    back = ctypes.create_string_buffer(RDMA_LEN)
+    cmsg, back_vec = cmsg_rdma_args(offer["cookie"], offer["addr"], back, False, 8)
+    s.sendmsg([b"rdma read done"], [(SOL_RDS, RDS_CMSG_RDMA_ARGS, cmsg)], 0, dest)
+    read_statuses: list[list[int]] = []
+    while not read_statuses:  # a notification: a recvmsg with no data
+        read_statuses = rdma_statuses(s.recvmsg(4096, 1024)[1])
+    result["kernel_read_status"] = read_statuses
+    result["kernel_read_back_ok"] = back.raw[:RDMA_LEN] == local.raw[:RDMA_LEN]
+    del vec, back_vec
     return result
+
+
+def rdma_statuses(ancdata: list[tuple[int, int, bytes]]) -> list[list[int]]:
+    """The RDMA status notifications (``RDS_CMSG_RDMA_STATUS``) in a recvmsg's
+    ancillary data: [[user_token, RDS_RDMA_* status]]."""
+    return [
+        list(struct.unpack_from("=Qi", d)) for lvl, t, d in ancdata
+        if lvl == SOL_RDS and t == RDS_CMSG_RDMA_STATUS
+    ]  # fmt: skip
 
 
 def kernel_main(round_: str, me: str, peer: str) -> None:
@@ -428,6 +443,8 @@ async def ours_rdma(sock: Any, peer: str) -> dict[str, Any]:
                "region_head": bytes(region[:8]).hex(), "our_cookie": our_cookie}  # fmt: skip
     await sock.sendto(json.dumps(verdict).encode(), dest)
     result["kernel_wrote"] = verdict
+    # The kernel reads the region back; its message comes behind the Read.
+    result["kernel_read_message"] = (await sock.recvfrom())[0].decode(errors="replace")
     return result
 
 

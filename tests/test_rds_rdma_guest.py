@@ -223,7 +223,8 @@ async def test_our_congestion_map_stops_the_kernels_sender(pair: Pair) -> None:
 
 async def test_rdma_by_cookie_both_ways(pair: Pair) -> None:
     """We RDMA-write and RDMA-read a region the kernel offered with ``RDS_GET_MR``;
-    the kernel RDMA-writes a region of ours with ``RDS_CMSG_RDMA_ARGS``."""
+    the kernel RDMA-writes a region of ours with ``RDS_CMSG_RDMA_ARGS`` and reads it
+    back."""
     kres, ores, _ = await run_round(pair, "rdma", K_IP, O_IP)
     assert ores["write_status"] == str(RdmaStatus.SUCCESS), ores
     assert kres["chasers"] == ["written", "read"], kres
@@ -232,6 +233,9 @@ async def test_rdma_by_cookie_both_ways(pair: Pair) -> None:
     assert kres["kernel_write_sent"], kres
     assert kres["kernel_write_status"] == [[7, 0]], kres
     assert kres["our_verdict"]["region_written"], kres
+    assert kres["kernel_read_status"] == [[8, 0]], kres
+    assert kres["kernel_read_back_ok"], kres
+    assert ores["kernel_read_message"] == "rdma read done", ores
 
 
 # ---------------------------------------------------------------- the capture
