@@ -12,7 +12,9 @@ task, when a Read Request asks for a response) calls it directly: it gathers
 the FPDUs the engine produces (headers, memory slices, CRC trailers) into
 ``writev`` calls until the engine has nothing more or the socket is full. Only
 then does a transmit task wait for writability and continue. So a small Send
-leaves inside ``post_send``, with no task switch.
+leaves inside ``post_send``, with no task switch; when nothing is queued, one
+inline Send is framed and written by :meth:`Link.write_now` (one ``write``),
+without the engine's queues.
 """
 
 from __future__ import annotations
@@ -75,6 +77,25 @@ class Link:
         """New work was posted or arrived: send what can be sent now."""
         if not self._pending:
             self.flush()
+
+    @property
+    def tx_idle(self) -> bool:
+        """Whether nothing waits to be written: bytes written now go out next."""
+        return not self._pending
+
+    def write_now(self, frame: Chunk) -> int:
+        """Write ``frame`` at once (only when :attr:`tx_idle`); the bytes written. What did
+        not fit is left for the transmit task, which reports it to the engine with
+        ``sent``. A socket error raises OSError with nothing written."""
+        try:
+            n = os.write(self._fd, frame)
+        except BlockingIOError:
+            n = 0
+        if n < len(frame):
+            self._pending = [memoryview(frame)[n:]]
+            self._pending_total = n
+            self._tx_wakeup.set()
+        return n
 
     def flush(self) -> None:
         """Send until the engine has nothing more or the socket is full (never blocks)."""

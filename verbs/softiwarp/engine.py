@@ -39,7 +39,7 @@ from rdmashim.verbs.softiwarp.kernels import CTRL_WRITE as _CTRL_WRITE
 from rdmashim.verbs.softiwarp.kernels import MSG_WORDS as _MSG_WORDS
 from rdmashim.verbs.softiwarp.kernels import TAGGED_CTRLS as _TAGGED_CTRLS
 from rdmashim.verbs.softiwarp.kernels import TAGGED_MIN as _TAGGED_MIN
-from rdmashim.verbs.softiwarp.kernels import Targets
+from rdmashim.verbs.softiwarp.kernels import Buffer, Targets
 from rdmashim.verbs.softiwarp.memory import AccessViolation, MemoryTable, Region, Violation
 from rdmashim.verbs.softiwarp.terminate import (
     DDP_CATASTROPHIC,
@@ -493,6 +493,48 @@ class Engine:
         if self._current is not None or self._irq:
             return True
         return bool(self._sq) and self._sq_head_may_start()
+
+    @property
+    def tx_idle(self) -> bool:
+        """Whether nothing is queued, in progress or awaiting its completion on the send
+        side, in RTS: a Send framed by :meth:`frame_send` may go out before anything else."""
+        return (
+            self.state is _RTS
+            and not self._sq
+            and not self._sq_order
+            and self._current is None
+            and not self._irq
+            and not self._control
+            and self._terminate is None
+            and not self._rtr_pending
+        )
+
+    def frame_send(self, payload: Buffer, ctrl: int, invalidate_rkey: int) -> Buffer:
+        """The FPDU of one Send (control byte ``ctrl``) carrying ``payload`` (at most
+        :attr:`small_send_max` bytes) with the next send MSN, when :attr:`tx_idle`.
+
+        The one-message path of ``post_send``: the driver writes it at once and
+        reports with :meth:`took_send`; nothing changes until then (a failed write
+        leaves the Send to the general path)."""
+        msn = (self._tx_msn[_QN_SEND] + 1) & U32_MAX
+        return self._kernels.frame_sends(
+            payload, (len(payload),), bytes((ctrl,)), (invalidate_rkey,), msn, self.config.crc
+        )
+
+    def took_send(self, wr_id: int, flags: int, payload: bytes, written: int, whole: bool) -> None:
+        """The FPDU :meth:`frame_send` made went to TCP (``whole``), or its first
+        ``written`` bytes did and the driver sends the rest (then reports with
+        :meth:`sent`). Completes the Send as the general path would."""
+        msns = self._tx_msn
+        msns[_QN_SEND] = (msns[_QN_SEND] + 1) & U32_MAX
+        if whole:
+            self.bytes_sent += written
+            if self.sq_sig_all or flags & _SIGNALED:
+                self.on_send_wc(WC(wr_id, WCStatus.SUCCESS, WCOpcode.SEND, 0, self.qp_num))
+            return
+        job = SendJob(wr_id, WROpcode.SEND, flags, (), payload, len(payload))
+        self._sq_order.append(job)
+        self._burst_done.append(job)
 
     def _sq_head_may_start(self) -> bool:
         head = self._sq[0]
