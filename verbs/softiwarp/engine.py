@@ -916,8 +916,8 @@ class Engine:
         kernels = self._kernels
         rx_msn = self._rx_msn
         stop, msgs = kernels.scan_sends(sview, start, end, rx_msn[_QN_SEND], self.config.crc)
-        if not msgs:
-            return start
+        if not msgs or (len(msgs) == _MSG_WORDS and self._one_send(sview, msgs)):
+            return stop if msgs else start
         queue = self.recv_queue
         count = min(len(msgs) // _MSG_WORDS, len(queue))
         if count == len(queue):
@@ -941,8 +941,6 @@ class Engine:
         segments: list[tuple[object, int, int, int]] = []
         nsegs: list[int] = []
         refused: RecvJob | None = None
-        alone: Region | None = None
-        """The region of the last job with one SGE (used when the run is one message)."""
         for k, job in enumerate(jobs):
             if msgs[k * _MSG_WORDS + 1] > job.length:
                 refused = job
@@ -959,7 +957,6 @@ class Engine:
                         refused = job
                         break
                     regions[s.lkey] = region
-                alone = region
                 if token is not None:
                     job.checked = (token, region, off, s.length)
                 segments.append((region.handle or handle(region), region.length, off, s.length))
@@ -979,13 +976,7 @@ class Engine:
             # Back to the queue, in order: the refused one goes to the general path.
             queue.extendleft(reversed(jobs[k + 1 if refused is not None else k :]))
             del jobs[k:]
-        if len(msgs) == _MSG_WORDS and alone is not None and jobs:
-            # One message into one piece of memory: a slice copy costs less than handing
-            # the kernels their targets (the common ping-pong case).
-            off = segments[0][2]
-            src, length = msgs[0], msgs[1]
-            alone.view[off : off + length] = sview[src : src + length]
-        elif jobs:
+        if jobs:
             kernels.place(sview, msgs, Targets(segments, nsegs))
         if jobs:
             self._complete_small_sends(jobs, msgs)
@@ -1000,6 +991,30 @@ class Engine:
             self._fit_send(self._open_send(refused, hdr), hdr, hdr.payload_len)
             raise AssertionError("a refused Send passed the general checks")
         return fpdu
+
+    def _one_send(self, sview: memoryview, msgs: Sequence[int]) -> bool:
+        """Complete the one scanned Send ``msgs`` into the receive at the head of the
+        queue when that has one non-empty SGE of a region that holds it (the ping-pong
+        case, without a run's bookkeeping); False, nothing changed, otherwise (the
+        general loop of :meth:`_small_sends` then takes it and reports what fails)."""
+        queue = self.recv_queue
+        if not queue:
+            return False
+        job = queue[0]
+        sges = job.sges
+        length = msgs[1]
+        if len(sges) != 1 or length > job.length or not sges[0].length:
+            return False
+        s = sges[0]
+        try:
+            region, off = self.memory.locate(s.lkey, self.pd, s.addr, s.length, _LOCAL_WRITE)
+        except AccessViolation:
+            return False
+        queue.popleft()
+        src = msgs[0]
+        region.view[off : off + length] = sview[src : src + length]
+        self._complete_small_sends([job], msgs)
+        return True
 
     def _place_checked(
         self, sview: memoryview, jobs: list[RecvJob], msgs: Sequence[int], token: object
