@@ -73,6 +73,8 @@ class Link:
         self._rx_parked: trio.lowlevel.Task | None = None
         """The receive task while it waits for a task in :meth:`read_until` to end (or
         after, while the socket is lent)."""
+        self._drained = False
+        """The last read found the socket empty (or did not fill its buffer)."""
         self._lent_by: _Lender | None = None
         """Set while the socket is lent (:meth:`_lend`)."""
         self.after_receive: Callable[[], None] = lambda: None
@@ -218,6 +220,7 @@ class Link:
         try:
             n = os.readv(self._fd, [buf])
         except BlockingIOError:
+            self._drained = True
             return True
         except OSError as exc:
             if exc.errno == errno.EINTR:
@@ -231,7 +234,8 @@ class Link:
             return None
         engine.received(n)
         self._flush_after_rx()
-        return n < len(buf)
+        self._drained = drained = n < len(buf)
+        return drained
 
     def _flush_after_rx(self) -> None:
         if not self._pending and (self.engine.tx_ready or self.engine.state is _ERROR):
@@ -252,16 +256,19 @@ class Link:
 
         The receive task goes back to the socket when this is cancelled or the run
         loop next waits for I/O after it returned (unless a wait took the socket on
-        by then: :meth:`_lend`); the bytes are processed whole, in order, by whichever
-        task read them. Only
+        by then: :meth:`_lend`); a socket taken on so, whose last read found it empty,
+        is waited on before it is read. The bytes are processed whole, in order, by
+        whichever task read them. Only
         the receive task runs ``after_receive``. An unexpected error while processing
         ends the connection as it would in the receive task.
         """
         assert self.can_read
         self._waiter_reads = True
+        drained: bool | None = False
         if self._lent_by is not None:  # lent to the waiter before: this one takes it on
             self._lent_by.lent.discard(self)
             self._lent_by = None
+            drained = self._drained
         if self._rx_scope is not None:
             self._rx_scope.cancel()  # the receive task leaves the socket now
         lend = False
@@ -269,10 +276,11 @@ class Link:
             self._take_leftover()
             streak = 0
             while not ready() and not self._rx_stopped:
-                drained = self._read()
-                if drained is None or ready():
-                    break
-                streak += 1
+                if not drained:  # (the socket lent here was empty at its last read: wait)
+                    drained = self._read()
+                    if drained is None or ready():
+                        break
+                    streak += 1
                 if drained:
                     streak = 0
                     self._waiter_blocked = True
@@ -282,6 +290,7 @@ class Link:
                         pass  # interrupt(), or the link ended (_rx_stopped)
                     finally:
                         self._waiter_blocked = False
+                    drained = False
                 elif streak >= _RX_BATCH:  # a long stream of bytes: let others run
                     streak = 0
                     await trio.lowlevel.checkpoint()
