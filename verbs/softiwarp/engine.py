@@ -39,7 +39,7 @@ from rdmashim.verbs.softiwarp.kernels import CTRL_WRITE as _CTRL_WRITE
 from rdmashim.verbs.softiwarp.kernels import MSG_WORDS as _MSG_WORDS
 from rdmashim.verbs.softiwarp.kernels import TAGGED_CTRLS as _TAGGED_CTRLS
 from rdmashim.verbs.softiwarp.kernels import TAGGED_MIN as _TAGGED_MIN
-from rdmashim.verbs.softiwarp.kernels import Buffer, Targets
+from rdmashim.verbs.softiwarp.kernels import Buffer, Targets, frame_send
 from rdmashim.verbs.softiwarp.memory import AccessViolation, MemoryTable, Region, Violation
 from rdmashim.verbs.softiwarp.terminate import (
     DDP_CATASTROPHIC,
@@ -517,9 +517,7 @@ class Engine:
         reports with :meth:`took_send`; nothing changes until then (a failed write
         leaves the Send to the general path)."""
         msn = (self._tx_msn[_QN_SEND] + 1) & U32_MAX
-        return self._kernels.frame_sends(
-            payload, (len(payload),), bytes((ctrl,)), (invalidate_rkey,), msn, self.config.crc
-        )
+        return frame_send(payload, ctrl, invalidate_rkey, msn, self.config.crc)
 
     def took_send(self, wr_id: int, flags: int, payload: bytes, written: int, whole: bool) -> None:
         """The FPDU :meth:`frame_send` made went to TCP (``whole``), or its first
