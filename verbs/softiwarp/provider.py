@@ -1435,7 +1435,17 @@ class QP(_Resource):
         """Post one receive work request or a list of them (never blocks)."""
         self._check_open("post_recv")
         if wr.__class__ is RecvWR:  # one request: no list to make
-            self._post_recvs((_recv_job(wr),))
+            job = _recv_job(wr)
+            rq, cap = self._rq, self.cap
+            if (
+                self.srq is None
+                and self._state is not _ERR
+                and len(job.sges) <= cap.max_recv_sge
+                and len(rq) < cap.max_recv_wr
+            ):
+                rq.append(job)  # what _post_recvs does with it, without its general checks
+                return
+            self._post_recvs((job,))
             return
         self._post_recvs([_recv_job(w) for w in _as_list(wr)])
 

@@ -1,23 +1,37 @@
-"""The one-message send path of the built-in engine: ``post_send`` of one inline Send
-when nothing is queued frames it and writes it at once (``QP._send_now``).
+"""The one-message paths of the built-in engine: ``post_send`` of one inline Send
+when nothing is queued frames it and writes it at once (``QP._send_now``), and
+``post_recv`` of one request queues it without the list's general checks.
 
 Checked: the FPDU it makes is byte for byte the one the queued path makes (plain,
 with SE, with Invalidate's field, CRC on and off); over real loopback TCP to a peer
 that does not read, Sends posted while the socket is full are queued behind the
 partly written one and reach the peer whole and in order, their signaled
 completions in order; requests the path does not take (FENCE, raw bytes, two SGEs,
-RDMA Write) still go the general way; with the compiled and the Python kernels.
+RDMA Write) still go the general way; one receive posted alone meets the same
+refusals as in a list (queue full, too many SGEs, an SRQ) and is flushed in ERR;
+with the compiled and the Python kernels.
 """
 
 from __future__ import annotations
 
+import errno
 import socket
 from typing import Any
 
 import pytest
 import trio
 
-from rdmashim import Access, QPCap, RecvWR, SendFlags, SendWR, WCStatus, WROpcode
+from rdmashim import (
+    Access,
+    QPCap,
+    QPState,
+    RecvWR,
+    SendFlags,
+    SendWR,
+    VerbsError,
+    WCStatus,
+    WROpcode,
+)
 from rdmashim.verbs.softiwarp.connection import connect_qp, read_request
 from rdmashim.verbs.softiwarp.ddp import UNTAGGED_HDR_LEN
 from rdmashim.verbs.softiwarp.engine import Engine, EngineConfig, SendJob, SendRun
@@ -166,3 +180,29 @@ async def test_other_sends_take_the_general_path(
     want = b"raw bytes" if isinstance(parts[0], bytes) else b"abcdefgh"[: wc.byte_len]
     assert bytes(dst.buf[: wc.byte_len]) == want
     assert swc.wr_id == 5
+
+
+async def test_one_receive_meets_the_refusals_of_a_list(ctx: Any) -> None:
+    _, server = await make_pair(ctx, cap=QPCap(max_recv_wr=2, max_recv_sge=1))
+    buf = server.reg(64)
+    server.qp.post_recv(RecvWR(1, [buf.sge(0, 32)]))
+    with pytest.raises(VerbsError) as info:
+        server.qp.post_recv(RecvWR(2, [buf.sge(0, 16), buf.sge(16, 16)]))
+    assert info.value.errno == errno.EINVAL and info.value.bad_wr == 0
+    server.qp.post_recv(RecvWR(3, [buf.sge(32, 32)]))
+    with pytest.raises(VerbsError) as info:
+        server.qp.post_recv(RecvWR(4, [buf.sge(0, 32)]))
+    assert info.value.errno == errno.ENOMEM and "receive queue full (2)" in str(info.value)
+    server.qp.modify(qp_state=QPState.ERR)
+    server.qp.post_recv(RecvWR(5, [buf.sge(0, 32)]))  # in ERR: flushed at once
+    with trio.fail_after(BOUND):
+        wcs: list = []
+        while len(wcs) < 3:
+            wcs += await server.recv_cq.poll_wait(8)
+    assert sorted((w.wr_id, w.status) for w in wcs) == [
+        (1, WCStatus.WR_FLUSH_ERR), (3, WCStatus.WR_FLUSH_ERR), (5, WCStatus.WR_FLUSH_ERR),
+    ]  # fmt: skip
+    _, srq_server = await make_pair(ctx, srq=True)
+    with pytest.raises(VerbsError) as info:
+        srq_server.qp.post_recv(RecvWR(6, [buf.sge(0, 32)]))
+    assert info.value.errno == errno.EINVAL
