@@ -20,6 +20,7 @@ from typing import Any
 
 import pytest
 import trio
+from test_engine_sansio import Host
 
 from rdmashim import (
     Access,
@@ -34,9 +35,8 @@ from rdmashim import (
 )
 from rdmashim.verbs.softiwarp.connection import connect_qp, read_request
 from rdmashim.verbs.softiwarp.ddp import UNTAGGED_HDR_LEN
-from rdmashim.verbs.softiwarp.engine import Engine, EngineConfig, SendJob, SendRun
+from rdmashim.verbs.softiwarp.engine import SendJob, SendRun
 from rdmashim.verbs.softiwarp.kernels import PyKernels
-from rdmashim.verbs.softiwarp.memory import MemoryTable
 from rdmashim.verbs.softiwarp.mpa import encode_start_frame
 from rdmashim.verbs.softiwarp.negotiation import MpaOptions, answer_request
 
@@ -50,15 +50,6 @@ BOUND = 10.0
 """Seconds any wait here may take (they take milliseconds)."""
 
 
-def _engine(crc: bool) -> Engine:
-    engine = Engine(
-        qp_num=1, pd=object(), memory=MemoryTable(), recv_queue=None,  # type: ignore[arg-type]
-        on_send_wc=lambda wc: None, on_recv_wc=lambda wc: None,
-    )  # fmt: skip
-    engine.start(EngineConfig(max_fpdu=65536, crc=crc, ird=1, ord=1))
-    return engine
-
-
 @pytest.mark.parametrize("crc", [True, False])
 @pytest.mark.parametrize(
     ("flags", "inv", "size"),
@@ -66,7 +57,7 @@ def _engine(crc: bool) -> Engine:
 )
 def test_frame_send_matches_the_queued_path(crc: bool, flags: int, inv: int, size: int) -> None:
     payload = bytes(range(size))
-    queued, now = _engine(crc), _engine(crc)
+    queued, now = Host(crc).engine, Host(crc).engine
     for k in range(3):  # the MSN advances the same way on both
         queued.post_send(SendJob(k, WROpcode.SEND, flags, (), payload, size, 0, 0, inv))
         want = b"".join(bytes(c) for c in queued.produce())
