@@ -30,6 +30,7 @@ pytestmark = pytest.mark.usefixtures("engine_kernels")  # compiled and Python ke
 
 SIG = SendFlags.SIGNALED
 INLINE = SendFlags.INLINE
+SUCCESS = WCStatus.SUCCESS
 BOUND = 10.0
 """Seconds any wait here may take (they take milliseconds)."""
 SLOT = 64
@@ -163,6 +164,59 @@ async def test_a_cancelled_wait_hands_the_socket_back_to_the_receive_task(ctx: A
                         got.append(struct.unpack("<Q", cmr.buf[wc.wr_id * SLOT :][:8])[0])
         assert got == list(range(48))
         nursery.cancel_scope.cancel()
+
+
+@pytest.mark.parametrize("then", ["sleeps", "spins"])
+async def test_a_wait_that_got_its_completion_lends_the_socket_until_the_loop_waits(
+    ctx: Any, then: str
+) -> None:
+    """A wait that returns with its completion leaves the receive task parked (the
+    socket lent to the next wait, no task switch); when the task does something else
+    instead (sleeps: the loop would block in its wait for I/O; spins on checkpoints:
+    it never blocks), the receive task reads again and answers the peer's Write and
+    Read."""
+    client, server = await make_pair(ctx)
+    cmr, smr = client.reg(SLOT * 4), server.reg(SLOT * 4)
+    link = client.qp._link
+    for round_ in range(3):
+        post_slots(client, cmr, 1)
+        cmr.buf[:16] = bytes(16)
+        smr.buf[SLOT : SLOT + 16] = b"written by peer!"
+        lent: list[bool] = []
+        answered = trio.Event()
+
+        async def client_side(lent: list[bool], answered: trio.Event) -> None:
+            (wc,) = await client.recv_cq.poll_wait(1)
+            wc.raise_for_status()
+            lent.append(link._lent_by is not None and link._rx_parked is not None)
+            # What the peer does now needs the client's receive task (and completes
+            # nothing at the peer before that: the loop may block).
+            server.qp.post_send(
+                SendWR(1, WROpcode.RDMA_WRITE, [smr.sge(SLOT, 16)], 0, cmr.addr, cmr.rkey)
+            )
+            server.qp.post_send(
+                SendWR(2, WROpcode.RDMA_READ, [smr.sge(SLOT * 2, 16)], SIG, cmr.addr, cmr.rkey)
+            )
+            if then == "sleeps":
+                await answered.wait()
+            while not answered.is_set():
+                await trio.lowlevel.checkpoint()
+
+        async def server_side(answered: trio.Event) -> None:
+            (wc,) = await server.send_cq.poll_wait(2)
+            assert (wc.wr_id, wc.status) == (2, SUCCESS)
+            answered.set()
+
+        with trio.fail_after(BOUND):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(client_side, lent, answered)
+                nursery.start_soon(server_side, answered)
+                await trio.testing.wait_all_tasks_blocked()  # the receive tasks parked
+                server.qp.post_send(SendWR(round_, WROpcode.SEND, [smr.sge(0, 8)], INLINE))
+        assert lent == [True]
+        assert bytes(smr.buf[SLOT * 2 : SLOT * 2 + 16]) == b"written by peer!"
+        assert bytes(cmr.buf[:16]) == b"written by peer!"
+        assert link._lent_by is None
 
 
 async def test_read_responses_and_writes_arriving_while_a_waiter_reads(ctx: Any) -> None:

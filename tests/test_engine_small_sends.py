@@ -21,9 +21,8 @@ from pairs import Side
 
 pytestmark = pytest.mark.usefixtures("engine_kernels")  # compiled and Python kernels
 
-_FLAW = st.sampled_from(
-    ["none", "bad_crc", "wrong_msn", "too_long", "dead_region", "no_receive", "inv", "not_last"]
-)
+FLAWS = ["none", "bad_crc", "wrong_msn", "too_long", "dead_region", "no_receive", "inv", "not_last"]
+_FLAW = st.sampled_from(FLAWS)
 
 
 def _stream(crc: bool, sizes: list[int], flaw: str, at: int, first_msn: int) -> bytearray:
@@ -142,6 +141,17 @@ def test_reposted_receives_whole_buffer_matches_bytewise(
     if flaw == "none" or (at >= len(sizes) and flaw != "bad_crc"):
         assert whole[2] is EngineState.RTS
         assert [w[:3] for w in whole[0]] == [(i, WCStatus.SUCCESS, n) for i, n in enumerate(sizes)]
+
+
+@pytest.mark.parametrize("crc", [True, False])
+@pytest.mark.parametrize("flaw", FLAWS)
+def test_one_send_whole_matches_bytewise(crc: bool, flaw: str) -> None:
+    """A buffer holding one Send (the ping-pong case, placed without a run's
+    bookkeeping) ends as the general path ends it, with each flaw."""
+    whole = _run_reposted(crc, [8], flaw, 0, True, False)
+    assert whole == _run_reposted(crc, [8], flaw, 0, False, False)
+    if flaw == "none":
+        assert [w[:3] for w in whole[0]] == [(0, WCStatus.SUCCESS, 8)]
 
 
 @settings(max_examples=80, deadline=None)

@@ -5,14 +5,19 @@ buffer, or the target slice of registered memory for a large payload) with
 non-blocking ``readv`` calls, and waits for readability only when the socket
 is empty. A task waiting on a CQ may take its place (:meth:`Link.read_until`):
 it then waits for the socket itself and processes what arrives, so the message
-that completes its wait wakes it directly, not through the receive task.
+that completes its wait wakes it directly, not through the receive task. A wait
+that ends with its completion lends the socket on: the receive task stays parked
+while the task waits again before the run loop next waits for I/O (a ping-pong:
+no task switch per message), and reads again from that loop pass on otherwise.
 
 Transmit: :meth:`Link.flush` is synchronous. ``post_send`` (and the receive
 task, when a Read Request asks for a response) calls it directly: it gathers
 the FPDUs the engine produces (headers, memory slices, CRC trailers) into
 ``writev`` calls until the engine has nothing more or the socket is full. Only
 then does a transmit task wait for writability and continue. So a small Send
-leaves inside ``post_send``, with no task switch.
+leaves inside ``post_send``, with no task switch; when nothing is queued, one
+inline Send is framed and written by :meth:`Link.write_now` (one ``write``),
+without the engine's queues.
 """
 
 from __future__ import annotations
@@ -66,7 +71,12 @@ class Link:
         the wait saves."""
         self._waiter_blocked = False
         self._rx_parked: trio.lowlevel.Task | None = None
-        """The receive task while it waits for a task in :meth:`read_until` to end."""
+        """The receive task while it waits for a task in :meth:`read_until` to end (or
+        after, while the socket is lent)."""
+        self._drained = False
+        """The last read found the socket empty (or did not fill its buffer)."""
+        self._lent_by: _Lender | None = None
+        """Set while the socket is lent (:meth:`_lend`)."""
         self.after_receive: Callable[[], None] = lambda: None
         """Called in the receive task after each batch of received bytes is processed."""
 
@@ -75,6 +85,25 @@ class Link:
         """New work was posted or arrived: send what can be sent now."""
         if not self._pending:
             self.flush()
+
+    @property
+    def tx_idle(self) -> bool:
+        """Whether nothing waits to be written: bytes written now go out next."""
+        return not self._pending
+
+    def write_now(self, frame: Chunk) -> int:
+        """Write ``frame`` at once (only when :attr:`tx_idle`); the bytes written. What did
+        not fit is left for the transmit task, which reports it to the engine with
+        ``sent``. A socket error raises OSError with nothing written."""
+        try:
+            n = os.write(self._fd, frame)
+        except BlockingIOError:
+            n = 0
+        if n < len(frame):
+            self._pending = [memoryview(frame)[n:]]
+            self._pending_total = n
+            self._tx_wakeup.set()
+        return n
 
     def flush(self) -> None:
         """Send until the engine has nothing more or the socket is full (never blocks)."""
@@ -191,6 +220,7 @@ class Link:
         try:
             n = os.readv(self._fd, [buf])
         except BlockingIOError:
+            self._drained = True
             return True
         except OSError as exc:
             if exc.errno == errno.EINTR:
@@ -204,7 +234,8 @@ class Link:
             return None
         engine.received(n)
         self._flush_after_rx()
-        return n < len(buf)
+        self._drained = drained = n < len(buf)
+        return drained
 
     def _flush_after_rx(self) -> None:
         if not self._pending and (self.engine.tx_ready or self.engine.state is _ERROR):
@@ -223,23 +254,33 @@ class Link:
         """Read and process in place of the receive task until ``ready()`` is true, the
         connection ends or :meth:`interrupt` is called (only when :attr:`can_read`).
 
-        The receive task goes back to the socket when this returns or is cancelled;
-        the bytes are processed whole, in order, by whichever task read them. Only
+        The receive task goes back to the socket when this is cancelled or the run
+        loop next waits for I/O after it returned (unless a wait took the socket on
+        by then: :meth:`_lend`); a socket taken on so, whose last read found it empty,
+        is waited on before it is read. The bytes are processed whole, in order, by
+        whichever task read them. Only
         the receive task runs ``after_receive``. An unexpected error while processing
         ends the connection as it would in the receive task.
         """
         assert self.can_read
         self._waiter_reads = True
+        drained: bool | None = False
+        if self._lent_by is not None:  # lent to the waiter before: this one takes it on
+            self._lent_by.lent.discard(self)
+            self._lent_by = None
+            drained = self._drained
         if self._rx_scope is not None:
             self._rx_scope.cancel()  # the receive task leaves the socket now
+        lend = False
         try:
             self._take_leftover()
             streak = 0
             while not ready() and not self._rx_stopped:
-                drained = self._read()
-                if drained is None or ready():
-                    break
-                streak += 1
+                if not drained:  # (the socket lent here was empty at its last read: wait)
+                    drained = self._read()
+                    if drained is None or ready():
+                        break
+                    streak += 1
                 if drained:
                     streak = 0
                     self._waiter_blocked = True
@@ -249,17 +290,38 @@ class Link:
                         pass  # interrupt(), or the link ended (_rx_stopped)
                     finally:
                         self._waiter_blocked = False
+                    drained = False
                 elif streak >= _RX_BATCH:  # a long stream of bytes: let others run
                     streak = 0
                     await trio.lowlevel.checkpoint()
+            lend = not self._rx_stopped
         except Exception as exc:
             self._rx_stopped = True
             self._rx_failure = exc  # the receive task raises it, and the link ends
         finally:
             self._waiter_reads = False
-            task, self._rx_parked = self._rx_parked, None
-            if task is not None:
-                trio.lowlevel.reschedule(task)
+            if self._rx_parked is not None:
+                if lend:
+                    self._lend()
+                else:
+                    self._hand_back()
+
+    def _lend(self) -> None:
+        """Leave the parked receive task parked after a wait that ended with what it
+        waited for: the waiter usually waits again (a ping-pong) before the run loop
+        next waits for I/O, and takes the socket on; if it does not, :class:`_Lender`
+        gives the socket back to the receive task then. Saves a task switch per
+        message."""
+        lender = _lender()
+        lender.lent.add(self)
+        self._lent_by = lender
+
+    def _hand_back(self) -> None:
+        """Reschedule the parked receive task: it reads the socket again."""
+        self._lent_by = None
+        task, self._rx_parked = self._rx_parked, None
+        if task is not None:
+            trio.lowlevel.reschedule(task)
 
     def interrupt(self) -> None:
         """Wake the task in :meth:`read_until`: what it waits for came another way."""
@@ -289,10 +351,52 @@ class Link:
                 log.exception("QP %d: flushing after the error failed", self.engine.qp_num)
         finally:
             self._rx_stopped = True
+            if self._lent_by is not None:
+                self._lent_by.lent.discard(self)
+                self._lent_by = None
             trio.lowlevel.notify_closing(self._wait_fd)  # a waiter in read_until returns
             os.close(self._wait_fd)
             self.sock.close()
             self.closed.set()
+
+
+class _Lender(trio.abc.Instrument):
+    """Gives lent sockets back to their receive tasks when the trio run loop is about
+    to wait for I/O (one per run, installed when a socket is first lent): a waiter
+    that did not wait again by then left the socket, and its receive task reads it
+    from the next loop pass on."""
+
+    def __init__(self) -> None:
+        self.lent: set[Link] = set()
+
+    def before_io_wait(self, timeout: float) -> None:
+        """Called by trio before each wait for I/O (``timeout`` 0 when tasks are ready)."""
+        if not self.lent:
+            return
+        links, self.lent = self.lent, set()
+        for link in links:
+            link._hand_back()
+        if timeout > 0:
+            # The loop was about to sleep with the receive tasks now ready: wake it.
+            trio.lowlevel.current_trio_token().run_sync_soon(_nothing)
+
+
+def _nothing() -> None:
+    """What :class:`_Lender` runs to end the loop's wait for I/O at once."""
+
+
+_LENDER: trio.lowlevel.RunVar[_Lender] = trio.lowlevel.RunVar("rdmashim_softiwarp_lender")
+
+
+def _lender() -> _Lender:
+    """This trio run's :class:`_Lender`, installed on first use."""
+    try:
+        return _LENDER.get()
+    except LookupError:
+        lender = _Lender()
+        trio.lowlevel.add_instrument(lender)
+        _LENDER.set(lender)
+        return lender
 
 
 def _advance(bufs: list[Chunk], n: int) -> list[Chunk]:

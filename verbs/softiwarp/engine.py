@@ -39,7 +39,7 @@ from rdmashim.verbs.softiwarp.kernels import CTRL_WRITE as _CTRL_WRITE
 from rdmashim.verbs.softiwarp.kernels import MSG_WORDS as _MSG_WORDS
 from rdmashim.verbs.softiwarp.kernels import TAGGED_CTRLS as _TAGGED_CTRLS
 from rdmashim.verbs.softiwarp.kernels import TAGGED_MIN as _TAGGED_MIN
-from rdmashim.verbs.softiwarp.kernels import Targets
+from rdmashim.verbs.softiwarp.kernels import Buffer, Targets, frame_send
 from rdmashim.verbs.softiwarp.memory import AccessViolation, MemoryTable, Region, Violation
 from rdmashim.verbs.softiwarp.terminate import (
     DDP_CATASTROPHIC,
@@ -494,6 +494,46 @@ class Engine:
             return True
         return bool(self._sq) and self._sq_head_may_start()
 
+    @property
+    def tx_idle(self) -> bool:
+        """Whether nothing is queued, in progress or awaiting its completion on the send
+        side, in RTS: a Send framed by :meth:`frame_send` may go out before anything else."""
+        return (
+            self.state is _RTS
+            and not self._sq
+            and not self._sq_order
+            and self._current is None
+            and not self._irq
+            and not self._control
+            and self._terminate is None
+            and not self._rtr_pending
+        )
+
+    def frame_send(self, payload: Buffer, ctrl: int, invalidate_rkey: int) -> Buffer:
+        """The FPDU of one Send (control byte ``ctrl``) carrying ``payload`` (at most
+        :attr:`small_send_max` bytes) with the next send MSN, when :attr:`tx_idle`.
+
+        The one-message path of ``post_send``: the driver writes it at once and
+        reports with :meth:`took_send`; nothing changes until then (a failed write
+        leaves the Send to the general path)."""
+        msn = (self._tx_msn[_QN_SEND] + 1) & U32_MAX
+        return frame_send(payload, ctrl, invalidate_rkey, msn, self.config.crc)
+
+    def took_send(self, wr_id: int, flags: int, payload: bytes, written: int, whole: bool) -> None:
+        """The FPDU :meth:`frame_send` made went to TCP (``whole``), or its first
+        ``written`` bytes did and the driver sends the rest (then reports with
+        :meth:`sent`). Completes the Send as the general path would."""
+        msns = self._tx_msn
+        msns[_QN_SEND] = (msns[_QN_SEND] + 1) & U32_MAX
+        if whole:
+            self.bytes_sent += written
+            if self.sq_sig_all or flags & _SIGNALED:
+                self.on_send_wc(WC(wr_id, WCStatus.SUCCESS, WCOpcode.SEND, 0, self.qp_num))
+            return
+        job = SendJob(wr_id, WROpcode.SEND, flags, (), payload, len(payload))
+        self._sq_order.append(job)
+        self._burst_done.append(job)
+
     def _sq_head_may_start(self) -> bool:
         head = self._sq[0]
         if head.flags & _FENCE and self._orq:
@@ -874,8 +914,8 @@ class Engine:
         kernels = self._kernels
         rx_msn = self._rx_msn
         stop, msgs = kernels.scan_sends(sview, start, end, rx_msn[_QN_SEND], self.config.crc)
-        if not msgs:
-            return start
+        if not msgs or (len(msgs) == _MSG_WORDS and self._one_send(sview, msgs)):
+            return stop if msgs else start
         queue = self.recv_queue
         count = min(len(msgs) // _MSG_WORDS, len(queue))
         if count == len(queue):
@@ -899,8 +939,6 @@ class Engine:
         segments: list[tuple[object, int, int, int]] = []
         nsegs: list[int] = []
         refused: RecvJob | None = None
-        alone: Region | None = None
-        """The region of the last job with one SGE (used when the run is one message)."""
         for k, job in enumerate(jobs):
             if msgs[k * _MSG_WORDS + 1] > job.length:
                 refused = job
@@ -917,7 +955,6 @@ class Engine:
                         refused = job
                         break
                     regions[s.lkey] = region
-                alone = region
                 if token is not None:
                     job.checked = (token, region, off, s.length)
                 segments.append((region.handle or handle(region), region.length, off, s.length))
@@ -937,13 +974,7 @@ class Engine:
             # Back to the queue, in order: the refused one goes to the general path.
             queue.extendleft(reversed(jobs[k + 1 if refused is not None else k :]))
             del jobs[k:]
-        if len(msgs) == _MSG_WORDS and alone is not None and jobs:
-            # One message into one piece of memory: a slice copy costs less than handing
-            # the kernels their targets (the common ping-pong case).
-            off = segments[0][2]
-            src, length = msgs[0], msgs[1]
-            alone.view[off : off + length] = sview[src : src + length]
-        elif jobs:
+        if jobs:
             kernels.place(sview, msgs, Targets(segments, nsegs))
         if jobs:
             self._complete_small_sends(jobs, msgs)
@@ -958,6 +989,30 @@ class Engine:
             self._fit_send(self._open_send(refused, hdr), hdr, hdr.payload_len)
             raise AssertionError("a refused Send passed the general checks")
         return fpdu
+
+    def _one_send(self, sview: memoryview, msgs: Sequence[int]) -> bool:
+        """Complete the one scanned Send ``msgs`` into the receive at the head of the
+        queue when that has one non-empty SGE of a region that holds it (the ping-pong
+        case, without a run's bookkeeping); False, nothing changed, otherwise (the
+        general loop of :meth:`_small_sends` then takes it and reports what fails)."""
+        queue = self.recv_queue
+        if not queue:
+            return False
+        job = queue[0]
+        sges = job.sges
+        length = msgs[1]
+        if len(sges) != 1 or length > job.length or not sges[0].length:
+            return False
+        s = sges[0]
+        try:
+            region, off = self.memory.locate(s.lkey, self.pd, s.addr, s.length, _LOCAL_WRITE)
+        except AccessViolation:
+            return False
+        queue.popleft()
+        src = msgs[0]
+        region.view[off : off + length] = sview[src : src + length]
+        self._complete_small_sends([job], msgs)
+        return True
 
     def _place_checked(
         self, sview: memoryview, jobs: list[RecvJob], msgs: Sequence[int], token: object

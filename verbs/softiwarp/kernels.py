@@ -60,6 +60,8 @@ _TAGGED = ddp.TAGGED
 _UNTAGGED = ddp.UNTAGGED
 _CRC_FIELD = ddp.CRC_FIELD
 _ZERO_CRC = bytes(ddp.TRAILER_CRC_LEN)
+_PACK_UNTAGGED = _UNTAGGED.pack
+_PACK_CRC = _CRC_FIELD.pack
 
 
 @dataclass(eq=False, slots=True)
@@ -175,29 +177,16 @@ class PyKernels:
         """See :class:`Kernels`."""
         if not len(lens) == len(ctrls) == len(invs):
             raise ValueError("frame_sends: lens, ctrls and invs differ in length")
-        one = len(lens) == 1  # the ping-pong case: the data is the payload
-        view = data if one else memoryview(data).cast("B")
+        view = memoryview(data).cast("B")
         if sum(lens) != len(view):
             raise ValueError("frame_sends: the lengths do not add up to the data")
-        pack = _UNTAGGED.pack
-        crc_field = _CRC_FIELD.pack
+        if len(lens) == 1:  # the ping-pong case: the data is the payload
+            return frame_send(data, ctrls[0], invs[0], msn, crc)
         parts: list[bytes] = []
         end = 0
         for i, n in enumerate(lens):
-            ctrl = ctrls[i]
-            if ctrl not in SEND_CTRLS or not 0 <= n <= MAX_SEND_PAYLOAD:
-                raise ValueError(f"frame_sends: message {i} is not a one-FPDU Send")
-            payload = data if one else view[end : end + n]
+            parts.append(frame_send(view[end : end + n], ctrls[i], invs[i], (msn + i) & _U32, crc))
             end += n
-            ulpdu_len = UNTAGGED_HDR_LEN - 2 + len(payload)
-            body = (
-                pack(ulpdu_len, DDP_UNTAGGED_LAST, ctrl, invs[i], 0, (msn + i) & _U32, 0) + payload
-            )
-            pad = ddp.pad_len(ulpdu_len)
-            if pad:
-                body += ddp.ZERO_PAD[pad]
-            parts.append(body)
-            parts.append(crc_field(crc32c(body)) if crc else _ZERO_CRC)
         return b"".join(parts)
 
     def scan_sends(
@@ -354,6 +343,22 @@ class PyKernels:
                     last = True
                     break
         return pos, to + done, last
+
+
+def frame_send(payload: Buffer, ctrl: int, inv: int, msn: int, crc: bool) -> bytes:
+    """The FPDU of one one-FPDU Send: ``payload``, RDMAP control byte ``ctrl`` (one of
+    :data:`SEND_CTRLS`), invalidate STag ``inv``, MSN ``msn``, QN 0, MO 0, last; zero
+    PAD and the CRC (zero field when ``crc`` is false). Both kernels frame a single
+    Send with it (cffi's conversions cost more than this work)."""
+    n = len(payload)
+    if ctrl not in SEND_CTRLS or not 0 <= n <= MAX_SEND_PAYLOAD:
+        raise ValueError("frame_sends: a message is not a one-FPDU Send")
+    ulpdu_len = UNTAGGED_HDR_LEN - 2 + n
+    body = _PACK_UNTAGGED(ulpdu_len, DDP_UNTAGGED_LAST, ctrl, inv, 0, msn, 0) + payload
+    pad = -(ulpdu_len + 2) & 3
+    if pad:
+        body += ddp.ZERO_PAD[pad]
+    return body + (_PACK_CRC(crc32c(body)) if crc else _ZERO_CRC)
 
 
 def _whole_fpdu(buf: Buffer, pos: int, end: int, ulpdu_len: int, crc: bool) -> int:

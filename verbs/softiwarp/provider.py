@@ -952,6 +952,10 @@ _WR_ID = attrgetter("wr_id")
 _RDMA_READ = WROpcode.RDMA_READ
 _SEND_INV = WROpcode.SEND_WITH_INV
 _FENCE = int(SendFlags.FENCE)
+_SOLICITED = int(SendFlags.SOLICITED)
+_SEND = WROpcode.SEND
+_CTRL_SEND = SendRun.ctrl(0, False)
+_CTRL_SE = SendRun.ctrl(_SOLICITED, False)
 _RUN_BYTES = 256 * 1024
 """A :class:`SendRun` takes no more entries once its FPDUs reach this many bytes."""
 _RTS = QPState.RTS
@@ -1175,6 +1179,11 @@ class QP(_Resource):
         self.qp_num = next(self.context._qp_numbers)
         self._rq: deque[RecvJob] = deque()
         self._link: Link | None = None
+        self._now_sge: SGE | None = None
+        self._now_region: Region | None = None
+        """The SGE :meth:`_send_now` last sent from, and its region."""
+        self._now_max = -1
+        """The most bytes :meth:`_send_now` sends (set when connected; -1: none)."""
         self.engine = Engine(
             qp_num=self.qp_num,
             pd=pd,
@@ -1232,13 +1241,64 @@ class QP(_Resource):
         """
         self._check_open("post_send")
         if wr.__class__ is SendWR:  # one request: no list to make
-            self._post_sends((wr,), (_SendTemplate(wr),))
+            if not self._send_now(wr):
+                self._post_sends((wr,), (_SendTemplate(wr),))
             return
         wrs = _as_list(wr)
         # One template per request object: a list repeating a request makes it once.
         made: dict[int, _SendTemplate] = {}
         templates = [made.get(id(w)) or made.setdefault(id(w), _SendTemplate(w)) for w in wrs]
         self._post_sends(wrs, templates)
+
+    def _send_now(self, wr: SendWR) -> bool:
+        """Frame and write one inline Send of registered memory at once when nothing is
+        queued before it (the latency path: one ``write``, no queue, no task switch);
+        False (nothing done) when it is anything else or the send side is busy.
+
+        Only a request every check of :meth:`_post_sends` passes comes here: a plain
+        Send with INLINE and no FENCE, one SGE inside a region, fitting one FPDU and
+        the wire's fields."""
+        link = self._link
+        flags = int(wr.send_flags)
+        sges = wr.sg_list
+        if (
+            link is None
+            or wr.opcode is not _SEND
+            or flags & _FENCE
+            or not flags & _INLINE
+            or len(sges) != 1
+            or self._state is not _RTS
+            or not link.tx_idle
+        ):
+            return False
+        engine = self.engine
+        sge = sges[0]
+        if type(sge) is not SGE:
+            return False
+        region = self._now_region
+        if sge is not self._now_sge or region is None or not region.valid:
+            region = self.context.memory.lookup(sge.lkey)
+            if region is None or not 0 <= sge.addr - region.addr <= region.length - sge.length:
+                return False
+            self._now_sge, self._now_region = sge, region
+        length = sge.length
+        inv = wr.invalidate_rkey
+        if (
+            length > self._now_max
+            or not engine.tx_idle
+            or not (0 <= wr.rkey <= _U32 and 0 <= inv <= _U32)
+            or not 0 <= wr.remote_addr <= _U64 + 1 - length
+        ):
+            return False
+        start = sge.addr - region.addr
+        payload = region.view[start : start + length].tobytes()
+        frame = engine.frame_send(payload, _CTRL_SE if flags & _SOLICITED else _CTRL_SEND, inv)
+        try:
+            n = link.write_now(frame)
+        except OSError:
+            return False  # the general path meets the error again and flushes the Send
+        engine.took_send(wr.wr_id, flags, payload, n, n == len(frame))
+        return True
 
     def post_send_batch(
         self, batch: SendBatch, count: int | None = None, *, indices: Sequence[int] | None = None
@@ -1375,7 +1435,17 @@ class QP(_Resource):
         """Post one receive work request or a list of them (never blocks)."""
         self._check_open("post_recv")
         if wr.__class__ is RecvWR:  # one request: no list to make
-            self._post_recvs((_recv_job(wr),))
+            job = _recv_job(wr)
+            rq, cap = self._rq, self.cap
+            if (
+                self.srq is None
+                and self._state is not _ERR
+                and len(job.sges) <= cap.max_recv_sge
+                and len(rq) < cap.max_recv_wr
+            ):
+                rq.append(job)  # what _post_recvs does with it, without its general checks
+                return
+            self._post_recvs((job,))
             return
         self._post_recvs([_recv_job(w) for w in _as_list(wr)])
 
@@ -1426,6 +1496,9 @@ class QP(_Resource):
 
     def _attach(self, link: Link) -> None:
         self._link = link
+        cap = self.cap
+        room = cap.max_send_wr >= 1 and cap.max_send_sge >= 1
+        self._now_max = min(self.engine.small_send_max, cap.max_inline_data) if room else -1
         link.after_receive = self.context._after_receive
         self._state = QPState.RTS if self.engine.state is EngineState.RTS else self._state
 

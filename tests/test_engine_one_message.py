@@ -1,0 +1,199 @@
+"""The one-message paths of the built-in engine: ``post_send`` of one inline Send
+when nothing is queued frames it and writes it at once (``QP._send_now``), and
+``post_recv`` of one request queues it without the list's general checks.
+
+Checked: the FPDU it makes is byte for byte the one the queued path makes (plain,
+with SE, with Invalidate's field, CRC on and off); over real loopback TCP to a peer
+that does not read, Sends posted while the socket is full are queued behind the
+partly written one and reach the peer whole and in order, their signaled
+completions in order; requests the path does not take (FENCE, raw bytes, two SGEs,
+RDMA Write) still go the general way; one receive posted alone meets the same
+refusals as in a list (queue full, too many SGEs, an SRQ) and is flushed in ERR;
+with the compiled and the Python kernels.
+"""
+
+from __future__ import annotations
+
+import errno
+import socket
+from typing import Any
+
+import pytest
+import trio
+from test_engine_sansio import Host
+
+from rdmashim import (
+    Access,
+    QPCap,
+    QPState,
+    RecvWR,
+    SendFlags,
+    SendWR,
+    VerbsError,
+    WCStatus,
+    WROpcode,
+)
+from rdmashim.verbs.softiwarp.connection import connect_qp, read_request
+from rdmashim.verbs.softiwarp.ddp import UNTAGGED_HDR_LEN
+from rdmashim.verbs.softiwarp.engine import SendJob, SendRun
+from rdmashim.verbs.softiwarp.kernels import PyKernels
+from rdmashim.verbs.softiwarp.mpa import encode_start_frame
+from rdmashim.verbs.softiwarp.negotiation import MpaOptions, answer_request
+
+from pairs import make_pair
+
+pytestmark = pytest.mark.usefixtures("engine_kernels")  # compiled and Python kernels
+
+INLINE = SendFlags.INLINE
+SIG = SendFlags.SIGNALED
+BOUND = 10.0
+"""Seconds any wait here may take (they take milliseconds)."""
+
+
+@pytest.mark.parametrize("crc", [True, False])
+@pytest.mark.parametrize(
+    ("flags", "inv", "size"),
+    [(0, 0, 8), (int(SendFlags.SOLICITED), 0, 1), (0, 0x1234, 0), (0, 7, 63)],
+)
+def test_frame_send_matches_the_queued_path(crc: bool, flags: int, inv: int, size: int) -> None:
+    payload = bytes(range(size))
+    queued, now = Host(crc).engine, Host(crc).engine
+    for k in range(3):  # the MSN advances the same way on both
+        queued.post_send(SendJob(k, WROpcode.SEND, flags, (), payload, size, 0, 0, inv))
+        want = b"".join(bytes(c) for c in queued.produce())
+        queued.sent(len(want))
+        assert now.tx_idle
+        got = bytes(now.frame_send(payload, SendRun.ctrl(flags, False), inv))
+        now.took_send(k, flags, payload, len(got), True)
+        assert got == want
+    assert now.bytes_sent == queued.bytes_sent
+
+
+async def _qp_to_mute_peer(ctx: Any, sq_depth: int) -> tuple[Any, Any, Any, trio.SocketStream]:
+    """A QP connected (MPA, CRC on) to a plain socket this test reads when it wants."""
+    pd = ctx.alloc_pd()
+    cq = ctx.create_cq(4096)
+    cap = QPCap(max_send_wr=sq_depth, max_inline_data=64, max_send_sge=2)
+    qp = pd.create_qp(send_cq=cq, recv_cq=cq, cap=cap)
+    (listener,) = await trio.open_tcp_listeners(0, host="127.0.0.1")
+    port = listener.socket.getsockname()[1]
+    peer: list[trio.SocketStream] = []
+
+    async def serve() -> None:
+        stream = await listener.accept()
+        stream.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        req = await read_request(stream)
+        reply, _ = answer_request(req.frame, MpaOptions(), b"")
+        await stream.send_all(encode_start_frame(reply))
+        peer.append(stream)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(serve)
+        stream = await trio.open_tcp_stream("127.0.0.1", port)
+        stream.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+        await connect_qp(qp, stream)
+    await listener.aclose()
+    return pd, cq, qp, peer[0]
+
+
+async def test_sends_while_the_socket_is_full_stay_whole_and_in_order(ctx: Any) -> None:
+    pd, cq, qp, peer = await _qp_to_mute_peer(ctx, 8192)
+    mr = pd.reg_mr(bytearray(64), Access.LOCAL_WRITE)
+    link = qp._link
+    posted = 0
+    partial_seen = False
+    expected: list[bytes] = []
+    # Post until the socket took part of a Send, then some more behind it.
+    extra = 0
+    while extra < 50:
+        data = posted.to_bytes(4, "little") * 16
+        mr.buf[:] = data
+        flags = INLINE | SIG if posted % 3 == 0 else INLINE
+        qp.post_send(SendWR(posted, WROpcode.SEND, [mr.sge(0, 64)], flags))
+        expected.append(data)
+        posted += 1
+        if link._pending:
+            partial_seen = True
+        if partial_seen:
+            extra += 1
+        assert posted < 7000, "the socket never filled"
+    assert partial_seen
+    received = bytearray()
+    want = posted * (UNTAGGED_HDR_LEN + 64 + 4)
+    with trio.fail_after(BOUND):
+        while len(received) < want:
+            received += await peer.receive_some(65536)
+    assert len(received) == want
+    pos = 0
+    kernels = PyKernels()
+    stop, msgs = kernels.scan_sends(received, 0, len(received), 1, True)
+    assert stop == len(received)
+    assert len(msgs) // 3 == posted
+    for k in range(posted):
+        pos, length = msgs[3 * k], msgs[3 * k + 1]
+        assert received[pos : pos + length] == expected[k]
+    wr_ids = []
+    with trio.fail_after(BOUND):
+        while len(wr_ids) < (posted + 2) // 3:
+            for wc in await cq.poll_wait(64):
+                assert wc.status == WCStatus.SUCCESS
+                wr_ids.append(wc.wr_id)
+    assert wr_ids == list(range(0, posted, 3))
+    qp.close()
+    await peer.aclose()
+
+
+@pytest.mark.parametrize(
+    ("parts", "flags"),
+    [
+        ([b"raw bytes"], INLINE | SIG),
+        ([(0, 0)], INLINE | SIG | SendFlags.FENCE),
+        ([(0, 4), (4, 4)], INLINE | SIG),
+        ([(0, 8)], SIG),
+    ],
+    ids=["bytes", "fence", "two-sges", "not-inline"],
+)
+async def test_other_sends_take_the_general_path(
+    ctx: Any, parts: list[Any], flags: SendFlags
+) -> None:
+    client, server = await make_pair(ctx)
+    src = client.reg(b"abcdefgh")
+    dst = server.reg(64)
+    sges = [p if isinstance(p, bytes) else src.sge(*p) for p in parts]
+    wr = SendWR(5, WROpcode.SEND, sges, flags)
+    server.qp.post_recv(RecvWR(9, [dst.sge(0, 64)]))
+    assert not client.qp._send_now(wr)
+    client.qp.post_send(wr)
+    with trio.fail_after(BOUND):
+        (wc,) = await server.recv_cq.poll_wait(1)
+        (swc,) = await client.send_cq.poll_wait(1)
+    assert wc.status == swc.status == WCStatus.SUCCESS
+    want = b"raw bytes" if isinstance(parts[0], bytes) else b"abcdefgh"[: wc.byte_len]
+    assert bytes(dst.buf[: wc.byte_len]) == want
+    assert swc.wr_id == 5
+
+
+async def test_one_receive_meets_the_refusals_of_a_list(ctx: Any) -> None:
+    _, server = await make_pair(ctx, cap=QPCap(max_recv_wr=2, max_recv_sge=1))
+    buf = server.reg(64)
+    server.qp.post_recv(RecvWR(1, [buf.sge(0, 32)]))
+    with pytest.raises(VerbsError) as info:
+        server.qp.post_recv(RecvWR(2, [buf.sge(0, 16), buf.sge(16, 16)]))
+    assert info.value.errno == errno.EINVAL and info.value.bad_wr == 0
+    server.qp.post_recv(RecvWR(3, [buf.sge(32, 32)]))
+    with pytest.raises(VerbsError) as info:
+        server.qp.post_recv(RecvWR(4, [buf.sge(0, 32)]))
+    assert info.value.errno == errno.ENOMEM and "receive queue full (2)" in str(info.value)
+    server.qp.modify(qp_state=QPState.ERR)
+    server.qp.post_recv(RecvWR(5, [buf.sge(0, 32)]))  # in ERR: flushed at once
+    with trio.fail_after(BOUND):
+        wcs: list = []
+        while len(wcs) < 3:
+            wcs += await server.recv_cq.poll_wait(8)
+    assert sorted((w.wr_id, w.status) for w in wcs) == [
+        (1, WCStatus.WR_FLUSH_ERR), (3, WCStatus.WR_FLUSH_ERR), (5, WCStatus.WR_FLUSH_ERR),
+    ]  # fmt: skip
+    _, srq_server = await make_pair(ctx, srq=True)
+    with pytest.raises(VerbsError) as info:
+        srq_server.qp.post_recv(RecvWR(6, [buf.sge(0, 32)]))
+    assert info.value.errno == errno.EINVAL
