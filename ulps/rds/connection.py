@@ -79,6 +79,19 @@ _RDMA_WR = 1 << 32
 """Work request ids at and above this are RDMA operations; below, send slots."""
 _SUCCESS = WCStatus.SUCCESS
 _RECV = WCOpcode.RECV
+_SEND = WROpcode.SEND
+_FLAGS = {
+    (fence, last, signaled): (
+        (SendFlags.FENCE if fence else SendFlags.NONE)
+        | (SendFlags.SOLICITED if last else SendFlags.NONE)
+        | (SendFlags.SIGNALED if signaled else SendFlags.NONE)
+    )
+    for fence in (False, True)
+    for last in (False, True)
+    for signaled in (False, True)
+}
+"""A Send's flags by (fence, last fragment, signaled): made once, as Flag arithmetic
+costs a Python call each time."""
 
 
 class SessionLost(Exception):
@@ -423,6 +436,9 @@ class Session:
         """When an acknowledgement held back must go on its own."""
         self._timer: trio.CancelScope | None = None
         self._pumping = False
+        self._repump = False
+        self._wrs: list[SendWR] = []
+        """Work requests made and not yet posted (:meth:`_submit` posts them)."""
 
         # Before the connection is up: the peer may send as soon as it is.
         self.qp.post_recv_batch(self._recvs)
@@ -463,7 +479,7 @@ class Session:
         self._next_rdma += 1
         self.rdma[wr_id] = op
         assert op._mr is not None  # registered when the message was queued (_begin)
-        self.qp.post_send(
+        self._wrs.append(
             SendWR(
                 wr_id, WROpcode.RDMA_WRITE if op.write else WROpcode.RDMA_READ, [op._mr.sge()],
                 SendFlags.SIGNALED, op.remote_addr, op.rkey,
@@ -488,45 +504,56 @@ class Session:
     def _post(
         self, header: bytes, payload: bytes | memoryview, fence: bool = False, last: bool = True
     ) -> None:
-        """Post one Send. The last of a message (and an ack) is solicited: a Linux peer
-        arms its receive CQ for solicited completions only (``ib_cm.c``
-        ``rds_ib_setup_qp``; ``ib_send.c`` ``rds_ib_xmit`` solicits a message's last
-        fragment, ``ib_recv.c`` ``rds_ib_recv_init_ack`` every ack), so it would not
-        look at what came before until a solicited Send arrives."""
+        """Fill a send slot and add its Send to the ones :meth:`_submit` posts. The last
+        of a message (and an ack) is solicited: a Linux peer arms its receive CQ for
+        solicited completions only (``ib_cm.c`` ``rds_ib_setup_qp``; ``ib_send.c``
+        ``rds_ib_xmit`` solicits a message's last fragment, ``ib_recv.c``
+        ``rds_ib_recv_init_ack`` every ack), so it would not look at what came before
+        until a solicited Send arrives."""
         slot = self.free_slots.pop()
         base = slot * SLOT
+        end = base + RDS_HEADER_LEN + len(payload)
         buf = self.send_mr.buf
         buf[base : base + RDS_HEADER_LEN] = header
-        buf[base + RDS_HEADER_LEN : base + RDS_HEADER_LEN + len(payload)] = payload
+        buf[base + RDS_HEADER_LEN : end] = payload
         if self.flow_control:
             self.send_credits -= 1
-        self.posted.append(slot)
-        flags = SendFlags.FENCE if fence else SendFlags(0)
-        if last:
-            flags |= SendFlags.SOLICITED
-        if len(self.posted) % SIGNAL_EVERY == 0 or len(self.free_slots) < SIGNAL_EVERY:
-            flags |= SendFlags.SIGNALED
-        self.qp.post_send(
-            SendWR(
-                slot, WROpcode.SEND, [self.send_mr.sge(base, RDS_HEADER_LEN + len(payload))],
-                flags,
-            )
-        )  # fmt: skip
+        posted = self.posted
+        posted.append(slot)
+        signaled = len(posted) % SIGNAL_EVERY == 0 or len(self.free_slots) < SIGNAL_EVERY
+        self._wrs.append(
+            SendWR(slot, _SEND, [self.send_mr.sge(base, end - base)], _FLAGS[fence, last, signaled])
+        )
+
+    def _submit(self) -> None:
+        """Post the Sends (and RDMA operations) made since the last call, as one list: the
+        engine frames them together and hands them to TCP in one write."""
+        wrs = self._wrs
+        if wrs:
+            self._wrs = []
+            self.qp.post_send(wrs[0] if len(wrs) == 1 else wrs)
 
     def pump_sends(self) -> None:
         """Post as many fragments as credits and send slots allow (never blocks).
 
         Data never takes the last credit: that one is kept for a credit update.
         Between messages our newest congestion map goes first, as a message
-        numbered 0 that is never resent. A call from inside another (a completion
-        handler run by a post) returns: the running one takes the slots and
-        credits it freed.
+        numbered 0 that is never resent. What one call makes is posted as one list.
+        A call from inside another (a completion handler run by a post) returns:
+        the running one pumps again for the slots and credits it freed.
         """
-        if self.lost or self._pumping:
+        if self.lost:
+            return
+        if self._pumping:
+            self._repump = True
             return
         self._pumping = True
         try:
-            self._pump()
+            self._repump = True
+            while self._repump:
+                self._repump = False
+                self._pump()
+                self._submit()
         finally:
             self._pumping = False
 
@@ -580,6 +607,7 @@ class Session:
             not self.flow_control or self.send_credits > 1 or (self.send_credits and self.advertise)
         ):
             self._post(self._header(None), b"")
+            self._submit()
             self.rds.counters.acks_sent += 1
 
     # ------------------------------------------------------------------ receive
