@@ -257,8 +257,11 @@ class RdsConnection:
 
     def acked(self, ack: int) -> None:
         """The peer has every message up to ``ack``."""
-        while self.unacked and self.unacked[0].seq <= ack:
-            msg = self.unacked.popleft()
+        unacked = self.unacked
+        if not unacked or unacked[0].seq > ack:
+            return  # nothing new: the room did not change
+        while unacked and unacked[0].seq <= ack:
+            msg = unacked.popleft()
             self.queued_bytes -= len(msg.data)
             if msg.rdma is not None:  # it arrived, so its RDMA operation is done
                 msg.rdma._finish(RdmaStatus.SUCCESS)
@@ -675,17 +678,25 @@ class Session:
         if self.lost:
             return
         wcs = self._wcs
+        room = len(wcs)
+        armed = False
         try:
             while True:
                 n = cq.poll_into(wcs)
                 if not n:
-                    cq.req_notify()
-                    n = cq.poll_into(wcs)  # what came between the last poll and the arming
-                    if not n:
+                    if armed:  # nothing came between the arming and this poll
                         break
+                    cq.req_notify()
+                    armed = True
+                    continue
                 self._completions(wcs, n)
                 self.pump_sends()
                 self._acknowledge()
+                # A short poll emptied the CQ: arm now, and the next poll takes what
+                # came meanwhile (one poll fewer than polling until empty first).
+                armed = n < room
+                if armed:
+                    cq.req_notify()
         except RdsProtocolError as exc:
             log.warning("RDS protocol error from %s: %s", self.rds.peer, exc)
             self._end(SessionLost(str(exc)))
