@@ -434,7 +434,12 @@ class Session:
         self._failure: SessionLost | None = None
         """Why the session ended, once the completion handler found out."""
         self._wake = trio.Event()
-        """Set for :meth:`run`'s task when the session ends."""
+        """Set for :meth:`run`'s task when the session ends or sends wait for it."""
+        self._burst = False
+        """The last completion handler run delivered several messages: what their
+        receivers send in answer waits for :meth:`run`'s task to post it together."""
+        self._flush_due = False
+        """:meth:`run`'s task is to post what waits."""
         self._ack_at = math.inf
         """When an acknowledgement held back must go on its own."""
         self._timer: trio.CancelScope | None = None
@@ -537,6 +542,17 @@ class Session:
             self.qp.post_send(wrs[0] if len(wrs) == 1 else wrs)
 
     def pump_sends(self) -> None:
+        """Post what waits to go out (never blocks): now, or, while the receivers of a
+        batch of delivered messages answer them (:attr:`_burst`), once they all have, in
+        one list, from :meth:`run`'s task."""
+        if self._burst:
+            if not self._flush_due:
+                self._flush_due = True
+                self._wake.set()
+            return
+        self._pump_now()
+
+    def _pump_now(self) -> None:
         """Post as many fragments as credits and send slots allow (never blocks).
 
         Data never takes the last credit: that one is kept for a credit update.
@@ -680,6 +696,8 @@ class Session:
         wcs = self._wcs
         room = len(wcs)
         armed = False
+        counters = self.rds.counters
+        received = counters.recv_messages
         try:
             while True:
                 n = cq.poll_into(wcs)
@@ -690,13 +708,14 @@ class Session:
                     armed = True
                     continue
                 self._completions(wcs, n)
-                self.pump_sends()
+                self._pump_now()
                 self._acknowledge()
                 # A short poll emptied the CQ: arm now, and the next poll takes what
                 # came meanwhile (one poll fewer than polling until empty first).
                 armed = n < room
                 if armed:
                     cq.req_notify()
+            self._burst = counters.recv_messages - received > 1
         except RdsProtocolError as exc:
             log.warning("RDS protocol error from %s: %s", self.rds.peer, exc)
             self._end(SessionLost(str(exc)))
@@ -734,7 +753,7 @@ class Session:
         :meth:`peer_credits` has taken the peer's private data by then.
         """
         self.rds.counters.sessions += 1
-        self.pump_sends()
+        self._pump_now()
         try:
             self.cq.set_handler(self._on_cq)
             self._on_cq(self.cq)  # what came before, and arm
@@ -742,7 +761,16 @@ class Session:
                 with trio.CancelScope(deadline=self._ack_at) as self._timer:
                     await self._wake.wait()
                 self._timer = None
-                if self._failure is None and trio.current_time() >= self._ack_at:
+                if self._failure is not None:
+                    break
+                if self._wake.is_set():
+                    self._wake = trio.Event()
+                if self._flush_due:
+                    # The receivers woken with this one may not have run yet: let them.
+                    await trio.lowlevel.cancel_shielded_checkpoint()
+                    self._flush_due = self._burst = False
+                    self._pump_now()
+                if trio.current_time() >= self._ack_at:
                     self._ack_at = math.inf
                     if self.rds.next_recv - 1 > self.acked_to_peer:
                         self._send_ack()
