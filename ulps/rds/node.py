@@ -221,12 +221,27 @@ class RdsSocket:
                 break
             await self._arrived.park()
             parked = True
+        message = self._take()
+        if not parked:
+            await trio.lowlevel.cancel_shielded_checkpoint()
+        return message
+
+    def recvfrom_nowait(self) -> tuple[bytes, tuple[str, int]]:
+        """The next message if one is here, else ``trio.WouldBlock`` (Linux's recvmsg
+        with MSG_DONTWAIT). A server that drains its socket this way answers the
+        messages of a burst in one turn of the scheduler, so the node posts the
+        answers together."""
+        if self.closed:
+            raise RdsError(errno.EBADF, "recvfrom on a closed RDS socket")
+        if not self.received:
+            raise trio.WouldBlock
+        return self._take()
+
+    def _take(self) -> tuple[bytes, tuple[str, int]]:
         msg = self.received.popleft()
         self.queued_bytes -= len(msg.data)
         if self.queued_bytes < self.node.settings.rcvbuf // 2:
             self.node._set_congested(self.port, False)
-        if not parked:
-            await trio.lowlevel.cancel_shielded_checkpoint()
         return msg.data, msg.sender
 
     def _push(self, msg: ReceivedMessage) -> None:
