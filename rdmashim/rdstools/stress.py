@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import struct
@@ -213,8 +214,10 @@ def _stress_rdma(data: bytes, sender: tuple[str, int]) -> RdmaOp | None:
     return RdmaOp.write_to(cookie, _rdma_pattern(size))
 
 
+@functools.lru_cache(maxsize=8)
 def _rdma_pattern(size: int) -> bytes:
-    """What an ack writes (and a request offers to be read): the same bytes every time."""
+    """What an ack writes (and a request offers to be read): the same bytes every time,
+    made once per size (an ack's RDMA Write only reads them)."""
     return (b"rds-stress rdma " * (size // 16 + 1))[:size]
 
 
