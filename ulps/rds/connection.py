@@ -399,6 +399,14 @@ class Session:
     the receive task that read the bytes). :meth:`run`'s task only sends a
     held-back acknowledgement when its delay ends and ends the session when the
     handler finds the connection broken.
+
+    Sends are posted as lists: what one pump makes goes in one ``post_send``
+    (the engine frames it into one write). When a handler run delivers several
+    messages, the answers their receivers send in the next turn of the scheduler
+    wait in the queue and :meth:`run`'s task posts them together after them
+    (a burst of requests costs one post, one write and, at the peer, one read
+    and one handler run). The wire is the same either way: the same headers,
+    flags and order.
     """
 
     def __init__(self, rds: RdsConnection, conn: Connection | ConnectionRequest) -> None:
