@@ -16,6 +16,9 @@ acks come back in order.
 - **ours**: ``rdmashim.rdstools.stress.stress_active`` (what ``rdmashim rds stress
   -s`` runs): one RDS socket per task, all over the one RDS connection between
   the two nodes (built-in soft-iWARP engine, rdma_cm, MPA with CRC32c).
+  Both sides take the messages already queued on a socket without waiting
+  (``recvfrom_nowait``, rds-stress's ``MSG_DONTWAIT`` loop), so a burst of
+  requests is answered in one turn and the node posts the acks together.
 - **raw TCP**: one trio TCP stream per task (``TCP_NODELAY``, as trio sets
   it); the passive side reads exactly ``q`` bytes and answers with ``a``
   bytes that echo the header; the active side reads exactly ``a`` bytes.
