@@ -569,7 +569,8 @@ class Session:
         A call from inside another (a completion handler run by a post) returns:
         the running one pumps again for the slots and credits it freed.
         """
-        if self.lost:
+        rds = self.rds
+        if self.lost or (self.current is None and not rds.unsent and rds.map_out is None):
             return
         if self._pumping:
             self._repump = True
