@@ -16,6 +16,9 @@ acks come back in order.
 - **ours**: ``rdmashim.rdstools.stress.stress_active`` (what ``rdmashim rds stress
   -s`` runs): one RDS socket per task, all over the one RDS connection between
   the two nodes (built-in soft-iWARP engine, rdma_cm, MPA with CRC32c).
+  Both sides take the messages already queued on a socket without waiting
+  (``recvfrom_nowait``, rds-stress's ``MSG_DONTWAIT`` loop), so a burst of
+  requests is answered in one turn and the node posts the acks together.
 - **raw TCP**: one trio TCP stream per task (``TCP_NODELAY``, as trio sets
   it); the passive side reads exactly ``q`` bytes and answers with ``a``
   bytes that echo the header; the active side reads exactly ``a`` bytes.
@@ -33,7 +36,7 @@ time per wall-clock time).
 Usage::
 
     python benchmarks/rds_stress.py [--quick] [--repeat N] [--duration S] [--json FILE]
-                                    [--transport rdma|tcp]
+                                    [--transport rdma|tcp] [--cases 1,3]
 
 ``--transport tcp`` runs our nodes over RDS/TCP (Linux ``rds_tcp``'s wire)
 instead of the engine; the ``-D`` case needs RDMA and is left out.
@@ -111,9 +114,11 @@ CASES = [
 ]
 
 
-def cases(transport: Transport) -> list[Case]:
-    """The cases that run on ``transport`` (over TCP, none with RDMA)."""
-    return [c for c in CASES if transport == "rdma" or not c.rdma]
+def cases(transport: Transport, chosen: list[int] | None = None) -> list[Case]:
+    """The cases that run on ``transport`` (over TCP, none with RDMA); ``chosen``: only
+    these (1-based numbers in :data:`CASES`)."""
+    picked = CASES if not chosen else [CASES[i - 1] for i in chosen]
+    return [c for c in picked if transport == "rdma" or not c.rdma]
 
 
 # =============================================================================================
@@ -265,7 +270,7 @@ def _status(text: str) -> None:
 async def client_main(cm_port: int, raw_port: int, args: argparse.Namespace) -> list[dict]:
     results = []
     async with open_node(CLIENT_IP, cm_port, args.transport) as node:
-        for case in cases(args.transport):
+        for case in cases(args.transport, args.cases):
             samples: dict[str, list[Sample]] = {"ours": [], "raw": []}
             for i in range(args.repeat):
                 _status(f"{case.label}: sample {i + 1}/{args.repeat} (ours)")
@@ -355,6 +360,11 @@ def main(argv: list[str] | None = None) -> int:
         choices=("rdma", "tcp"),
         default="rdma",
         help="our nodes' transport (default rdma: the built-in engine)",
+    )
+    p.add_argument(
+        "--cases",
+        type=lambda text: [int(n) for n in text.split(",")],
+        help="run only these cases, by number (e.g. 1,3; default all)",
     )
     p.add_argument("--serve", type=int, metavar="CM_PORT", help=argparse.SUPPRESS)
     args = p.parse_args(argv)

@@ -80,6 +80,19 @@ _RDMA_WR = 1 << 32
 """Work request ids at and above this are RDMA operations; below, send slots."""
 _SUCCESS = WCStatus.SUCCESS
 _RECV = WCOpcode.RECV
+_SEND = WROpcode.SEND
+_FLAGS = {
+    (fence, last, signaled): (
+        (SendFlags.FENCE if fence else SendFlags.NONE)
+        | (SendFlags.SOLICITED if last else SendFlags.NONE)
+        | (SendFlags.SIGNALED if signaled else SendFlags.NONE)
+    )
+    for fence in (False, True)
+    for last in (False, True)
+    for signaled in (False, True)
+}
+"""A Send's flags by (fence, last fragment, signaled): made once, as Flag arithmetic
+costs a Python call each time."""
 
 
 class SessionLost(Exception):
@@ -255,8 +268,11 @@ class RdsConnection:
 
     def acked(self, ack: int) -> None:
         """The peer has every message up to ``ack``."""
-        while self.unacked and self.unacked[0].seq <= ack:
-            msg = self.unacked.popleft()
+        unacked = self.unacked
+        if not unacked or unacked[0].seq > ack:
+            return  # nothing new: the room did not change
+        while unacked and unacked[0].seq <= ack:
+            msg = unacked.popleft()
             self.queued_bytes -= len(msg.data)
             if msg.rdma is not None:  # it arrived, so its RDMA operation is done
                 msg.rdma._finish(RdmaStatus.SUCCESS)
@@ -395,6 +411,14 @@ class Session:
     the receive task that read the bytes). :meth:`run`'s task only sends a
     held-back acknowledgement when its delay ends and ends the session when the
     handler finds the connection broken.
+
+    Sends are posted as lists: what one pump makes goes in one ``post_send``
+    (the engine frames it into one write). When a handler run delivers several
+    messages, the answers their receivers send in the next turn of the scheduler
+    wait in the queue and :meth:`run`'s task posts them together after them
+    (a burst of requests costs one post, one write and, at the peer, one read
+    and one handler run). The wire is the same either way: the same headers,
+    flags and order.
     """
 
     def __init__(self, rds: RdsConnection, conn: Connection | ConnectionRequest) -> None:
@@ -430,11 +454,19 @@ class Session:
         self._failure: SessionLost | None = None
         """Why the session ended, once the completion handler found out."""
         self._wake = trio.Event()
-        """Set for :meth:`run`'s task when the session ends."""
+        """Set for :meth:`run`'s task when the session ends or sends wait for it."""
+        self._burst = False
+        """The last completion handler run delivered several messages: what their
+        receivers send in answer waits for :meth:`run`'s task to post it together."""
+        self._flush_due = False
+        """:meth:`run`'s task is to post what waits."""
         self._ack_at = math.inf
         """When an acknowledgement held back must go on its own."""
         self._timer: trio.CancelScope | None = None
         self._pumping = False
+        self._repump = False
+        self._wrs: list[SendWR] = []
+        """Work requests made and not yet posted (:meth:`_submit` posts them)."""
 
         # Before the connection is up: the peer may send as soon as it is.
         self.qp.post_recv_batch(self._recvs)
@@ -475,7 +507,7 @@ class Session:
         self._next_rdma += 1
         self.rdma[wr_id] = op
         assert op._mr is not None  # registered when the message was queued (_begin)
-        self.qp.post_send(
+        self._wrs.append(
             SendWR(
                 wr_id, WROpcode.RDMA_WRITE if op.write else WROpcode.RDMA_READ, [op._mr.sge()],
                 SendFlags.SIGNALED, op.remote_addr, op.rkey,
@@ -500,45 +532,68 @@ class Session:
     def _post(
         self, header: bytes, payload: bytes | memoryview, fence: bool = False, last: bool = True
     ) -> None:
-        """Post one Send. The last of a message (and an ack) is solicited: a Linux peer
-        arms its receive CQ for solicited completions only (``ib_cm.c``
-        ``rds_ib_setup_qp``; ``ib_send.c`` ``rds_ib_xmit`` solicits a message's last
-        fragment, ``ib_recv.c`` ``rds_ib_recv_init_ack`` every ack), so it would not
-        look at what came before until a solicited Send arrives."""
+        """Fill a send slot and add its Send to the ones :meth:`_submit` posts. The last
+        of a message (and an ack) is solicited: a Linux peer arms its receive CQ for
+        solicited completions only (``ib_cm.c`` ``rds_ib_setup_qp``; ``ib_send.c``
+        ``rds_ib_xmit`` solicits a message's last fragment, ``ib_recv.c``
+        ``rds_ib_recv_init_ack`` every ack), so it would not look at what came before
+        until a solicited Send arrives."""
         slot = self.free_slots.pop()
         base = slot * SLOT
+        end = base + RDS_HEADER_LEN + len(payload)
         buf = self.send_mr.buf
         buf[base : base + RDS_HEADER_LEN] = header
-        buf[base + RDS_HEADER_LEN : base + RDS_HEADER_LEN + len(payload)] = payload
+        buf[base + RDS_HEADER_LEN : end] = payload
         if self.flow_control:
             self.send_credits -= 1
-        self.posted.append(slot)
-        flags = SendFlags.FENCE if fence else SendFlags(0)
-        if last:
-            flags |= SendFlags.SOLICITED
-        if len(self.posted) % SIGNAL_EVERY == 0 or len(self.free_slots) < SIGNAL_EVERY:
-            flags |= SendFlags.SIGNALED
-        self.qp.post_send(
-            SendWR(
-                slot, WROpcode.SEND, [self.send_mr.sge(base, RDS_HEADER_LEN + len(payload))],
-                flags,
-            )
-        )  # fmt: skip
+        posted = self.posted
+        posted.append(slot)
+        signaled = len(posted) % SIGNAL_EVERY == 0 or len(self.free_slots) < SIGNAL_EVERY
+        self._wrs.append(
+            SendWR(slot, _SEND, [self.send_mr.sge(base, end - base)], _FLAGS[fence, last, signaled])
+        )
+
+    def _submit(self) -> None:
+        """Post the Sends (and RDMA operations) made since the last call, as one list: the
+        engine frames them together and hands them to TCP in one write."""
+        wrs = self._wrs
+        if wrs:
+            self._wrs = []
+            self.qp.post_send(wrs[0] if len(wrs) == 1 else wrs)
 
     def pump_sends(self) -> None:
+        """Post what waits to go out (never blocks): now, or, while the receivers of a
+        batch of delivered messages answer them (:attr:`_burst`), once they all have, in
+        one list, from :meth:`run`'s task."""
+        if self._burst:
+            if not self._flush_due:
+                self._flush_due = True
+                self._wake.set()
+            return
+        self._pump_now()
+
+    def _pump_now(self) -> None:
         """Post as many fragments as credits and send slots allow (never blocks).
 
         Data never takes the last credit: that one is kept for a credit update.
         Between messages our newest congestion map goes first, as a message
-        numbered 0 that is never resent. A call from inside another (a completion
-        handler run by a post) returns: the running one takes the slots and
-        credits it freed.
+        numbered 0 that is never resent. What one call makes is posted as one list.
+        A call from inside another (a completion handler run by a post) returns:
+        the running one pumps again for the slots and credits it freed.
         """
-        if self.lost or self._pumping:
+        rds = self.rds
+        if self.lost or (self.current is None and not rds.unsent and rds.map_out is None):
+            return
+        if self._pumping:
+            self._repump = True
             return
         self._pumping = True
         try:
-            self._pump()
+            self._repump = True
+            while self._repump:
+                self._repump = False
+                self._pump()
+                self._submit()
         finally:
             self._pumping = False
 
@@ -592,6 +647,7 @@ class Session:
             not self.flow_control or self.send_credits > 1 or (self.send_credits and self.advertise)
         ):
             self._post(self._header(None), b"")
+            self._submit()
             self.rds.counters.acks_sent += 1
 
     # ------------------------------------------------------------------ receive
@@ -659,17 +715,28 @@ class Session:
         if self.lost:
             return
         wcs = self._wcs
+        room = len(wcs)
+        armed = False
+        counters = self.rds.counters
+        received = counters.recv_messages
         try:
             while True:
                 n = cq.poll_into(wcs)
                 if not n:
-                    cq.req_notify()
-                    n = cq.poll_into(wcs)  # what came between the last poll and the arming
-                    if not n:
+                    if armed:  # nothing came between the arming and this poll
                         break
+                    cq.req_notify()
+                    armed = True
+                    continue
                 self._completions(wcs, n)
-                self.pump_sends()
+                self._pump_now()
                 self._acknowledge()
+                # A short poll emptied the CQ: arm now, and the next poll takes what
+                # came meanwhile (one poll fewer than polling until empty first).
+                armed = n < room
+                if armed:
+                    cq.req_notify()
+            self._burst = counters.recv_messages - received > 1
         except RdsProtocolError as exc:
             log.warning("RDS protocol error from %s: %s", self.rds.peer, exc)
             self._end(SessionLost(str(exc)))
@@ -707,7 +774,7 @@ class Session:
         :meth:`peer_credits` has taken the peer's private data by then.
         """
         self.rds.counters.sessions += 1
-        self.pump_sends()
+        self._pump_now()
         try:
             self.cq.set_handler(self._on_cq)
             self._on_cq(self.cq)  # what came before, and arm
@@ -715,7 +782,16 @@ class Session:
                 with trio.CancelScope(deadline=self._ack_at) as self._timer:
                     await self._wake.wait()
                 self._timer = None
-                if self._failure is None and trio.current_time() >= self._ack_at:
+                if self._failure is not None:
+                    break
+                if self._wake.is_set():
+                    self._wake = trio.Event()
+                if self._flush_due:
+                    # The receivers woken with this one may not have run yet: let them.
+                    await trio.lowlevel.cancel_shielded_checkpoint()
+                    self._flush_due = self._burst = False
+                    self._pump_now()
+                if trio.current_time() >= self._ack_at:
                     self._ack_at = math.inf
                     if self.rds.next_recv - 1 > self.acked_to_peer:
                         self._send_ack()

@@ -178,30 +178,38 @@ class RdsSocket:
         operation ended (see :mod:`rdmashim.ulps.rds.rdma`).
         """
         ip, port = self._check(data, dest)
-        while ip != self.node.address:  # the peer entry may expire while we wait: look again
-            entry = self.node._connection(ip)
-            if not entry.rds.has_room:
-                await entry.rds.wait_room()
-            elif entry.rds.peer_congestion.test(port):
+        node = self.node
+        if ip == node.address:
+            node._send_loopback(self.port, port, data, rdma)
+            return
+        while True:  # the peer entry may expire while we wait: look again
+            entry = node._connection(ip)
+            rds = entry.rds
+            if not rds.has_room:
+                await rds.wait_room()
+            elif rds.peer_congestion.test(port):
                 if entry.uncongested.is_set():  # shared by every waiter, as wait_room's
                     entry.uncongested = trio.Event()
                 await entry.uncongested.wait()
             else:
                 break
-        self.node._send(self.port, ip, port, data, rdma)
+        node._send(entry, self.port, port, data, rdma)
 
     def sendto_nowait(
         self, data: bytes, dest: tuple[str, int], *, rdma: RdmaOp | None = None
     ) -> None:
         """Send without waiting; raises ``trio.WouldBlock`` while the queue is full."""
         ip, port = self._check(data, dest)
-        if ip != self.node.address:
-            rds = self.node._connection(ip).rds
-            if rds.peer_congestion.test(port):
-                raise RdsError(errno.ENOBUFS, f"RDS port {port} on {ip} is congested")
-            if not rds.has_room:
-                raise trio.WouldBlock
-        self.node._send(self.port, ip, port, data, rdma)
+        node = self.node
+        if ip == node.address:
+            node._send_loopback(self.port, port, data, rdma)
+            return
+        entry = node._connection(ip)
+        if entry.rds.peer_congestion.test(port):
+            raise RdsError(errno.ENOBUFS, f"RDS port {port} on {ip} is congested")
+        if not entry.rds.has_room:
+            raise trio.WouldBlock
+        node._send(entry, self.port, port, data, rdma)
 
     async def recvfrom(self) -> tuple[bytes, tuple[str, int]]:
         """The next message for this socket and its sender's (IP, port)."""
@@ -214,12 +222,27 @@ class RdsSocket:
                 break
             await self._arrived.park()
             parked = True
+        message = self._take()
+        if not parked:
+            await trio.lowlevel.cancel_shielded_checkpoint()
+        return message
+
+    def recvfrom_nowait(self) -> tuple[bytes, tuple[str, int]]:
+        """The next message if one is here, else ``trio.WouldBlock`` (Linux's recvmsg
+        with MSG_DONTWAIT). A server that drains its socket this way answers the
+        messages of a burst in one turn of the scheduler, so the node posts the
+        answers together."""
+        if self.closed:
+            raise RdsError(errno.EBADF, "recvfrom on a closed RDS socket")
+        if not self.received:
+            raise trio.WouldBlock
+        return self._take()
+
+    def _take(self) -> tuple[bytes, tuple[str, int]]:
         msg = self.received.popleft()
         self.queued_bytes -= len(msg.data)
         if self.queued_bytes < self.node.settings.rcvbuf // 2:
             self.node._set_congested(self.port, False)
-        if not parked:
-            await trio.lowlevel.cancel_shielded_checkpoint()
         return msg.data, msg.sender
 
     def _push(self, msg: ReceivedMessage) -> None:
@@ -523,17 +546,20 @@ class RdsNode:
             raise RdsError(errno.EHOSTUNREACH, f"no RDS node at {peer}: {exc}") from exc
         return entry
 
-    def _send(
-        self, sport: int, peer: IPAddress, dport: int, data: bytes, rdma: RdmaOp | None = None
+    def _send_loopback(
+        self, sport: int, dport: int, data: bytes, rdma: RdmaOp | None = None
     ) -> None:
-        if peer == self.address:  # the loopback transport: no connection to ourselves
-            if rdma is not None:
-                raise RdsError(errno.EOPNOTSUPP, "RDMA to the node's own address (as Linux)")
-            self.loopback_messages += 1
-            header = RdsHeader(self.loopback_messages, 0, len(data), sport, dport)
-            self._deliver(peer, header, bytes(data))
-            return
-        entry = self._connection(peer)
+        """A message to the node's own address: the loopback transport, no connection."""
+        if rdma is not None:
+            raise RdsError(errno.EOPNOTSUPP, "RDMA to the node's own address (as Linux)")
+        self.loopback_messages += 1
+        header = RdsHeader(self.loopback_messages, 0, len(data), sport, dport)
+        self._deliver(self.address, header, bytes(data))
+
+    def _send(
+        self, entry: _Peer, sport: int, dport: int, data: bytes, rdma: RdmaOp | None = None
+    ) -> None:
+        """Queue a message on the connection of ``entry`` (from :meth:`_connection`)."""
         if rdma is not None:
             try:
                 rdma._begin(self.running_pd())

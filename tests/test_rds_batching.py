@@ -1,0 +1,130 @@
+"""RDS's batching paths: ``recvfrom_nowait``, and answers to a burst of delivered
+messages, which a session holds back to post together (``Session.pump_sends``)."""
+
+from __future__ import annotations
+
+import errno
+
+import pytest
+import trio
+
+from rdmashim.ulps.rds.node import RdsError, RdsSocket
+
+from rdsnodes import close, nodes, transports
+
+BURST = 24
+
+
+@transports
+async def test_recvfrom_nowait_takes_what_is_here_in_order(transport: str) -> None:
+    a, b = await nodes(["127.0.0.1", "127.0.0.2"], transport)
+    try:
+        sa, sb = a.bind(4000), b.bind(5000)
+        with pytest.raises(trio.WouldBlock):
+            sb.recvfrom_nowait()
+        with trio.fail_after(20):
+            for i in range(5):
+                await sa.sendto(b"m%d" % i, ("127.0.0.2", 5000))
+            first = await sb.recvfrom()
+            got = [first]
+            while len(got) < 5:
+                try:
+                    got.append(sb.recvfrom_nowait())
+                except trio.WouldBlock:
+                    got.append(await sb.recvfrom())
+        assert got == [(b"m%d" % i, ("127.0.0.1", 4000)) for i in range(5)]
+        assert sb.queued_bytes == 0
+        with pytest.raises(trio.WouldBlock):
+            sb.recvfrom_nowait()
+        sb.close()
+        with pytest.raises(RdsError) as info:
+            sb.recvfrom_nowait()
+        assert info.value.errno == errno.EBADF
+    finally:
+        await close([a, b])
+
+
+@transports
+async def test_answers_to_a_burst_arrive_when_the_answerer_stops_receiving(
+    transport: str,
+) -> None:
+    """The requests, queued before the connection is up, go out in one post and come
+    in together; the server answers every one in one turn and then waits on something
+    else (not ``recvfrom``): the answers held back for the burst must still go out,
+    in order."""
+    a, b = await nodes(["127.0.0.1", "127.0.0.2"], transport)
+    try:
+        sa, sb = a.bind(4000), b.bind(5000)
+        answered = trio.Event()
+
+        async def server() -> None:
+            data, sender = await sb.recvfrom()
+            count = 0
+            while True:
+                await sb.sendto(b"re:" + data, sender)
+                count += 1
+                if count == BURST:
+                    break
+                try:
+                    data, sender = sb.recvfrom_nowait()
+                except trio.WouldBlock:
+                    data, sender = await sb.recvfrom()
+            answered.set()
+            await trio.sleep_forever()
+
+        with trio.fail_after(20):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(server)
+                for i in range(BURST):
+                    sa.sendto_nowait(b"q%d" % i, ("127.0.0.2", 5000))
+                got = [await sa.recvfrom() for _ in range(BURST)]
+                await answered.wait()
+                nursery.cancel_scope.cancel()
+        assert got == [(b"re:q%d" % i, ("127.0.0.2", 5000)) for i in range(BURST)]
+    finally:
+        await close([a, b])
+
+
+async def test_bursts_both_ways_many_sockets() -> None:
+    """Several client sockets keep requests in flight and several server sockets answer
+    them in bursts: every answer comes back once, in order per socket."""
+    a, b = await nodes(["127.0.0.1", "127.0.0.2"])
+    rounds, depth, tasks = 40, 8, 4
+    try:
+        servers = [b.bind(5000 + i) for i in range(tasks)]
+        clients = [a.bind(4000 + i) for i in range(tasks)]
+        seen: list[list[bytes]] = [[] for _ in range(tasks)]
+
+        async def serve(sock: RdsSocket) -> None:
+            while True:
+                try:
+                    data, sender = sock.recvfrom_nowait()
+                except trio.WouldBlock:
+                    data, sender = await sock.recvfrom()
+                await sock.sendto(data, sender)
+
+        async def client(i: int) -> None:
+            sock, dest = clients[i], servers[i].address
+            sent = 0
+            for _ in range(depth):
+                await sock.sendto(b"%d:%d" % (i, sent), dest)
+                sent += 1
+            while len(seen[i]) < rounds * depth:
+                data, _ = await sock.recvfrom()
+                seen[i].append(data)
+                if sent < rounds * depth:
+                    await sock.sendto(b"%d:%d" % (i, sent), dest)
+                    sent += 1
+
+        with trio.fail_after(60):
+            async with trio.open_nursery() as nursery:
+                for sock in servers:
+                    nursery.start_soon(serve, sock)
+                async with trio.open_nursery() as clients_nursery:
+                    for i in range(tasks):
+                        clients_nursery.start_soon(client, i)
+                nursery.cancel_scope.cancel()
+        for i in range(tasks):
+            assert seen[i] == [b"%d:%d" % (i, n) for n in range(rounds * depth)]
+    finally:
+        await close([a, b])
