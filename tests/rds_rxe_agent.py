@@ -15,9 +15,10 @@ one JSON line with what they saw. ROUND is one of
   Who speaks first connects (the kernel's RDS connects from either address).
 * ``reconnect-cut`` / ``reconnect-link``: both stream :data:`M` small messages at
   the same time; halfway our node moves its QP to the error state (``cut``), or the
-  kernel side touches ``$JOB.link-down`` and the host takes guest K's bridge port
-  down for longer than RC's retries last, while both go on sending (``link``; ours
-  spreads its messages over the outage). Every message must arrive once, in order.
+  kernel side, once a quarter of ours has arrived, touches ``$JOB.link-down`` and
+  the host takes guest K's bridge port down for longer than RC's retries last,
+  while both go on sending (``link``; ours spreads its messages over the outage).
+  Every message must arrive once, in order.
 * ``congestion``: the kernel sends :data:`CONG_BURST` messages of 64 KiB to our
   socket, which reads none until it is congested (our map tells the kernel so)
   and the kernel's non-blocking ``sendto`` fails with ENOBUFS; then our socket reads
@@ -173,7 +174,13 @@ def kernel_reconnect(s: socket.socket, peer: str, job: str | None) -> dict[str, 
     errors = 0
     for i in range(M):
         if job is not None and i == M // 2:
-            Path(job + ".link-down").touch()  # and go on: the rest waits in RDS's queue
+            # Once the connection is up and carries our node's messages (a cut
+            # before its first session would be a peer never reached), ask for the
+            # cut and go on: the rest waits in RDS's queue.
+            deadline = time.monotonic() + WAIT
+            while len(received) < M // 4 and time.monotonic() < deadline:
+                time.sleep(0.05)
+            Path(job + ".link-down").touch()
         while True:
             try:
                 s.sendto(body("k", i, 100), dest)

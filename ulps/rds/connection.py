@@ -782,16 +782,14 @@ class Session:
                 with trio.CancelScope(deadline=self._ack_at) as self._timer:
                     await self._wake.wait()
                 self._timer = None
-                if self._failure is not None:
-                    break
                 if self._wake.is_set():
                     self._wake = trio.Event()
-                if self._flush_due:
+                if self._failure is None and self._flush_due:
                     # The receivers woken with this one may not have run yet: let them.
                     await trio.lowlevel.cancel_shielded_checkpoint()
                     self._flush_due = self._burst = False
                     self._pump_now()
-                if trio.current_time() >= self._ack_at:
+                if self._failure is None and trio.current_time() >= self._ack_at:
                     self._ack_at = math.inf
                     if self.rds.next_recv - 1 > self.acked_to_peer:
                         self._send_ack()
