@@ -258,9 +258,9 @@ class Link:
         loop next waits for I/O after it returned (unless a wait took the socket on
         by then: :meth:`_lend`); a socket taken on so, whose last read found it empty,
         is waited on before it is read. The bytes are processed whole, in order, by
-        whichever task read them. Only
-        the receive task runs ``after_receive``. An unexpected error while processing
-        ends the connection as it would in the receive task.
+        whichever task read them. Only the receive task runs ``after_receive``. An
+        unexpected error while processing ends the connection as it would in the
+        receive task.
         """
         assert self.can_read
         self._waiter_reads = True

@@ -914,8 +914,10 @@ class Engine:
         kernels = self._kernels
         rx_msn = self._rx_msn
         stop, msgs = kernels.scan_sends(sview, start, end, rx_msn[_QN_SEND], self.config.crc)
-        if not msgs or (len(msgs) == _MSG_WORDS and self._one_send(sview, msgs)):
-            return stop if msgs else start
+        if not msgs:
+            return start
+        if len(msgs) == _MSG_WORDS and self._one_send(sview, msgs):
+            return stop
         queue = self.recv_queue
         count = min(len(msgs) // _MSG_WORDS, len(queue))
         if count == len(queue):

@@ -861,9 +861,7 @@ class SRQ(_Resource):
         self._post_jobs(*_batch_jobs(batch, "post_srq_recv", count, indices))
 
     def _post_jobs(self, jobs: Sequence[RecvJob], max_nsge: int | None = None) -> None:
-        _queue_recvs(
-            "post_srq_recv", self._queue, jobs, self.max_wr, self.max_sge, "SRQ full", max_nsge
-        )
+        _queue_recvs("post_srq_recv", self._queue, jobs, self.max_wr, self.max_sge, "SRQ", max_nsge)
 
     def close(self) -> None:
         """Destroy the SRQ."""
@@ -901,12 +899,13 @@ class _RecvJobs(list[RecvJob]):
 
 def _queue_recvs(
     operation: str, queue: deque[RecvJob], jobs: Sequence[RecvJob], max_wr: int, max_sge: int,
-    full: str, max_nsge: int | None = None,
+    name: str, max_nsge: int | None = None,
     flush: Callable[[Sequence[RecvJob]], None] | None = None,
 ) -> None:  # fmt: skip
     """Queue receive jobs as ``post_recv`` posts a list (``bad_wr`` the first refused, the
-    ones before it queued); with ``flush`` (a QP in ERR) they are flushed instead. When no
-    job has more than ``max_nsge`` SGEs (a batch knows) and all fit, one ``extend``."""
+    ones before it queued; ``name`` the queue's in the error); with ``flush`` (a QP in
+    ERR) they are flushed instead. When no job has more than ``max_nsge`` SGEs (a batch
+    or a single request knows) and all fit, one ``extend``."""
     if (
         flush is None
         and max_nsge is not None
@@ -922,7 +921,7 @@ def _queue_recvs(
             flush([job])
             continue
         if len(queue) >= max_wr:
-            raise _bad_wr(errno.ENOMEM, operation, i, full)
+            raise _bad_wr(errno.ENOMEM, operation, i, f"{name} full ({max_wr})")
         queue.append(job)
 
 
@@ -1179,9 +1178,8 @@ class QP(_Resource):
         self.qp_num = next(self.context._qp_numbers)
         self._rq: deque[RecvJob] = deque()
         self._link: Link | None = None
-        self._now_sge: SGE | None = None
-        self._now_region: Region | None = None
-        """The SGE :meth:`_send_now` last sent from, and its region."""
+        self._now_src: _InlineSGE | None = None
+        """The SGE :meth:`_send_now` last sent from, with its region."""
         self._now_max = -1
         """The most bytes :meth:`_send_now` sends (set when connected; -1: none)."""
         self.engine = Engine(
@@ -1275,12 +1273,6 @@ class QP(_Resource):
         sge = sges[0]
         if type(sge) is not SGE:
             return False
-        region = self._now_region
-        if sge is not self._now_sge or region is None or not region.valid:
-            region = self.context.memory.lookup(sge.lkey)
-            if region is None or not 0 <= sge.addr - region.addr <= region.length - sge.length:
-                return False
-            self._now_sge, self._now_region = sge, region
         length = sge.length
         inv = wr.invalidate_rkey
         if (
@@ -1290,8 +1282,12 @@ class QP(_Resource):
             or not 0 <= wr.remote_addr <= _U64 + 1 - length
         ):
             return False
-        start = sge.addr - region.addr
-        payload = region.view[start : start + length].tobytes()
+        src = self._now_src
+        if src is None or src.sge is not sge:
+            src = self._now_src = _InlineSGE(sge)
+        payload = src.read(self.context.memory)
+        if payload is None:
+            return False
         frame = engine.frame_send(payload, _CTRL_SE if flags & _SOLICITED else _CTRL_SEND, inv)
         try:
             n = link.write_now(frame)
@@ -1436,16 +1432,7 @@ class QP(_Resource):
         self._check_open("post_recv")
         if wr.__class__ is RecvWR:  # one request: no list to make
             job = _recv_job(wr)
-            rq, cap = self._rq, self.cap
-            if (
-                self.srq is None
-                and self._state is not _ERR
-                and len(job.sges) <= cap.max_recv_sge
-                and len(rq) < cap.max_recv_wr
-            ):
-                rq.append(job)  # what _post_recvs does with it, without its general checks
-                return
-            self._post_recvs((job,))
+            self._post_recvs((job,), len(job.sges))
             return
         self._post_recvs([_recv_job(w) for w in _as_list(wr)])
 
@@ -1464,7 +1451,7 @@ class QP(_Resource):
         cap = self.cap
         _queue_recvs(
             "post_recv", self._rq, jobs, cap.max_recv_wr, cap.max_recv_sge,
-            f"receive queue full ({cap.max_recv_wr})", max_nsge,
+            "receive queue", max_nsge,
             self.engine.flush_recv if self._state is _ERR else None,
         )  # fmt: skip
 
