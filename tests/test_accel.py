@@ -59,6 +59,20 @@ def test_crc32c_matches_the_package(c: Kernels, data: bytes, value: int, skip: i
     assert lib.rs_crc32c_sw(value, raw, len(raw)) == expected  # the table, with or without SSE4.2
 
 
+def test_crc32c_across_the_lengths_of_each_method(c: Kernels) -> None:
+    # The instruction's three lanes (384 and 6144 bytes a round) and the vector fold (from
+    # 512 bytes, 256 a round, then 16 at a time, then the instruction): every length
+    # around their steps, at odd alignments, continuing from a value.
+    rng = random.Random(5)
+    data = rng.randbytes(16384)
+    lengths = [*range(370, 800), *range(6100, 6200), 12288 - 1, 12288, 12288 + 17, 16379]
+    for n in lengths:
+        skip = rng.randrange(8)
+        view = memoryview(data)[skip : skip + n]
+        value = rng.getrandbits(32)
+        assert c.crc32c(view, value) == crc32c(view, value), (n, skip)
+
+
 def test_crc32c_of_a_large_buffer(c: Kernels) -> None:
     data = random.Random(3).randbytes(1 << 20)
     assert c.crc32c(data) == crc32c(data)

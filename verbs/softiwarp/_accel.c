@@ -11,7 +11,7 @@
 #include <string.h>
 
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(RS_NO_HW_CRC)
-#include <nmmintrin.h>
+#include <immintrin.h>
 #define RS_HAVE_HW_CRC 1
 #endif
 
@@ -25,6 +25,7 @@
 #define DDP_TAGGED_MIDDLE 0x81 /* DDP control: tagged, version 1 */
 #define DDP_TAGGED_LAST 0xC1   /* DDP control: tagged, last segment, version 1 */
 #define CRC32C_POLY 0x82F63B78u /* reflected Castagnoli polynomial */
+#define CRC32C_POLY_NORMAL 0x1EDC6F41u /* the same, highest power first (x^32 implied) */
 
 #define CRC_LANE 128       /* bytes per lane of the three-way hardware CRC */
 #define CRC_LONG_LANE 2048 /* the same for long buffers */
@@ -33,7 +34,7 @@ static uint32_t crc_table[8][256];
 static uint32_t crc_shift[4][256];      /* raw CRC state advanced over CRC_LANE zero bytes */
 static uint32_t crc_shift_long[4][256]; /* the same over CRC_LONG_LANE zero bytes */
 static int crc_ready;
-static int crc_hw;
+static int crc_hw; /* RS_CRC_TABLE, RS_CRC_INSN or RS_CRC_FOLD */
 
 /* The raw CRC state v advanced over a lane of zero bytes (a linear map of v). */
 static inline uint32_t shift_state(uint32_t table[4][256], uint32_t v)
@@ -62,6 +63,41 @@ static void make_shift(uint32_t table[4][256], int lane)
         }
 }
 
+#ifdef RS_HAVE_HW_CRC
+/* Carry-less folding (the CPU's vector multiply without carries): a 128-bit block A
+ * of the message, bit j of its little-endian value standing for x^(127 - j) (the
+ * reflected order of the CRC), is worth A * x^D mod P where it stands D bits
+ * earlier than the block it is folded onto. With A = L x^64 + H (L its low 64 bits),
+ * that is L (x^(D+64) mod P) + H (x^D mod P): two 64 x 32-bit products that fit in
+ * 128 bits, XORed onto the later block. A reflected product comes out one bit
+ * higher (times x), hence the keys x^(D+63) and x^(D-1). */
+static uint64_t fold_near[2]; /* keys to fold a block onto the next one (D = 128) */
+static uint64_t fold_lane[2]; /* over one 512-bit vector (D = 512) */
+static uint64_t fold_far[2];  /* over the four vectors the main loop holds (D = 2048) */
+
+/* x^e mod P as a reflected 64-bit key: the term x^d at bit 63 - d. */
+static uint64_t fold_key(unsigned e)
+{
+    uint64_t r = 1;
+    for (unsigned i = 0; i < e; i++) {
+        r <<= 1;
+        if (r >> 32)
+            r ^= (1ull << 32) | CRC32C_POLY_NORMAL;
+    }
+    uint64_t key = 0;
+    for (int d = 0; d < 32; d++)
+        if (r >> d & 1)
+            key |= 1ull << (63 - d);
+    return key;
+}
+
+static void fold_keys(uint64_t keys[2], unsigned distance)
+{
+    keys[0] = fold_key(distance + 63); /* for the low half */
+    keys[1] = fold_key(distance - 1);  /* for the high half */
+}
+#endif
+
 void rs_init(void)
 {
     if (crc_ready)
@@ -79,7 +115,14 @@ void rs_init(void)
     make_shift(crc_shift_long, CRC_LONG_LANE);
 #ifdef RS_HAVE_HW_CRC
     __builtin_cpu_init();
-    crc_hw = __builtin_cpu_supports("sse4.2") ? 1 : 0;
+    if (__builtin_cpu_supports("sse4.2"))
+        crc_hw = RS_CRC_INSN;
+    if (crc_hw && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("vpclmulqdq")) {
+        fold_keys(fold_near, 128);
+        fold_keys(fold_lane, 512);
+        fold_keys(fold_far, 4 * 512);
+        crc_hw = RS_CRC_FOLD;
+    }
 #endif
     crc_ready = 1;
 }
@@ -195,12 +238,64 @@ __attribute__((target("sse4.2"))) static uint32_t crc32c_hw(uint32_t crc, const 
         c32 = _mm_crc32_u8(c32, *data++);
     return ~c32;
 }
+
+#define FOLD_TARGET __attribute__((target("avx512f,vpclmulqdq,pclmul,sse4.2")))
+#define FOLD_MIN 512 /* shorter buffers take crc32c_hw (the fold's set-up costs more) */
+
+FOLD_TARGET static inline __m128i fold16(__m128i a, __m128i keys, __m128i next)
+{
+    __m128i lo = _mm_clmulepi64_si128(a, keys, 0x00), hi = _mm_clmulepi64_si128(a, keys, 0x11);
+    return _mm_xor_si128(_mm_xor_si128(lo, hi), next);
+}
+
+FOLD_TARGET static inline __m512i fold64(__m512i a, __m512i keys, __m512i next)
+{
+    __m512i lo = _mm512_clmulepi64_epi128(a, keys, 0x00);
+    __m512i hi = _mm512_clmulepi64_epi128(a, keys, 0x11);
+    return _mm512_ternarylogic_epi64(lo, hi, next, 0x96); /* lo ^ hi ^ next */
+}
+
+/* The CRC32c of data[0:len] (len >= FOLD_MIN) by folding: four 512-bit accumulators
+ * take 256 bytes a round, the state to continue from XORed into the first 4 bytes;
+ * they fold into one 128-bit block A, whose CRC (the instruction's, from a zero
+ * state) continues over the bytes left, since the message is A x^(8 * rest) + rest
+ * mod P. */
+FOLD_TARGET static uint32_t crc32c_fold(uint32_t crc, const uint8_t *data, size_t len)
+{
+    __m512i acc[4];
+    for (int i = 0; i < 4; i++)
+        acc[i] = _mm512_loadu_si512(data + 64 * i);
+    acc[0] = _mm512_xor_si512(acc[0], _mm512_zextsi128_si512(_mm_cvtsi32_si128((int)~crc)));
+    data += 256;
+    len -= 256;
+    __m512i far = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)fold_far));
+    while (len >= 256) {
+        for (int i = 0; i < 4; i++)
+            acc[i] = fold64(acc[i], far, _mm512_loadu_si512(data + 64 * i));
+        data += 256;
+        len -= 256;
+    }
+    __m512i lane = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)fold_lane));
+    __m512i v = fold64(fold64(fold64(acc[0], lane, acc[1]), lane, acc[2]), lane, acc[3]);
+    __m128i near = _mm_loadu_si128((const __m128i *)fold_near);
+    __m128i a = _mm512_extracti32x4_epi32(v, 0);
+    a = fold16(a, near, _mm512_extracti32x4_epi32(v, 1));
+    a = fold16(a, near, _mm512_extracti32x4_epi32(v, 2));
+    a = fold16(a, near, _mm512_extracti32x4_epi32(v, 3));
+    for (; len >= 16; data += 16, len -= 16)
+        a = fold16(a, near, _mm_loadu_si128((const __m128i *)data));
+    uint64_t c = _mm_crc32_u64(0, (uint64_t)_mm_cvtsi128_si64(a));
+    c = _mm_crc32_u64(c, (uint64_t)_mm_extract_epi64(a, 1));
+    return crc32c_hw(~(uint32_t)c, data, len);
+}
 #endif
 
 uint32_t rs_crc32c(uint32_t crc, const uint8_t *data, size_t len)
 {
     rs_init();
 #ifdef RS_HAVE_HW_CRC
+    if (crc_hw == RS_CRC_FOLD && len >= FOLD_MIN)
+        return crc32c_fold(crc, data, len);
     if (crc_hw)
         return crc32c_hw(crc, data, len);
 #endif

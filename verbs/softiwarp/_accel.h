@@ -19,10 +19,15 @@
 #define RS_TAGGED_MIN 20
 #define RS_MAX_TAGGED_PAYLOAD 65521
 
-/* Fill the CRC tables and pick SSE4.2 when the CPU has it (idempotent). */
+/* Fill the CRC tables and pick the fastest CRC method the CPU has (idempotent). */
 void rs_init(void);
 
-/* 1 when rs_crc32c uses the CPU's CRC32 instruction, 0 for the table. */
+/* How rs_crc32c computes: RS_CRC_TABLE (tables), RS_CRC_INSN (the CPU's CRC32
+ * instruction) or RS_CRC_FOLD (carry-less multiplication on 512-bit vectors for long
+ * buffers, the instruction for the rest). */
+#define RS_CRC_TABLE 0
+#define RS_CRC_INSN 1
+#define RS_CRC_FOLD 2
 int rs_crc32c_hw(void);
 
 /* CRC32c of data[0:len], continuing from a previous result `crc` (0 to start),

@@ -73,7 +73,9 @@ class CKernels:
     """The kernels of ``_accel.c`` (see :class:`~rdmashim.verbs.softiwarp.kernels.Kernels`)."""
 
     accelerated = True
-    name = "C (cffi), CRC32c " + ("SSE4.2" if lib.rs_crc32c_hw() else "table")
+    name = "C (cffi), CRC32c " + {lib.RS_CRC_INSN: "SSE4.2", lib.RS_CRC_FOLD: "VPCLMULQDQ"}.get(
+        lib.rs_crc32c_hw(), "table"
+    )
 
     def crc32c(self, data: Buffer, value: int = 0) -> int:
         """See :class:`Kernels`."""

@@ -29,8 +29,6 @@ from enum import Enum, auto
 from itertools import repeat
 from operator import attrgetter, call
 
-from crc32c import crc32c
-
 from rdmashim.verbs.enums import Access, SendFlags, WCFlags, WCOpcode, WCStatus, WROpcode
 from rdmashim.verbs.softiwarp import ddp
 from rdmashim.verbs.softiwarp.ddp import QN, Opcode
@@ -581,6 +579,7 @@ class Engine:
         ulpdu_len = (header[0] << 8) | header[1]
         pad = -(ulpdu_len + 2) & 3
         if self.config.crc:
+            crc32c = self._kernels.crc32c
             value = 0
             for part in fpdu:
                 value = crc32c(part, value)
@@ -805,7 +804,7 @@ class Engine:
         if direct is not None:
             self._direct = None
             if self.config.crc:
-                self._crc = crc32c(direct[:nbytes], self._crc)
+                self._crc = self._kernels.crc32c(direct[:nbytes], self._crc)
             self._remaining -= nbytes
             target = self._targets[0]
             if nbytes == len(target):
@@ -836,6 +835,7 @@ class Engine:
     def _process(self) -> None:
         sview = self._sview
         crc_on = self.config.crc
+        crc32c = self._kernels.crc32c
         while True:
             avail = self._end - self._start
             rx = self._rx
