@@ -357,6 +357,32 @@ def test_place_in_matches_the_reference(
     assert fits or outcomes[0][0] == bytes(cap)  # all or nothing
 
 
+@settings(max_examples=100, deadline=None)
+@given(
+    pieces=st.lists(
+        st.tuples(st.integers(0, 2), st.integers(0, 64), st.integers(0, 64)), max_size=70
+    )
+)
+def test_gather_matches_the_reference(c: Kernels, pieces: list[tuple[int, int, int]]) -> None:
+    rng = random.Random(len(pieces))
+    views = [memoryview(bytearray(rng.randbytes(128))) for _ in range(3)]
+    regions = [
+        Region(i + 1, 0x1000 * (i + 1), 128, Access.LOCAL_WRITE, None, v)
+        for i, v in enumerate(views)
+    ]
+    chosen = [regions[r] for r, _, _ in pieces]
+    starts = [start for _, start, _ in pieces]
+    lens = [n for _, _, n in pieces]
+    expected = b"".join(regions[r].view[a : a + n] for r, a, n in pieces)
+    plans = [(impl, impl.gather_plan(chosen, starts, lens)) for impl in (c, PY)]
+    for impl, plan in plans:
+        assert bytes(impl.gather(plan)) == expected
+    for view in views:  # a plan copies what the regions hold when it is used
+        view[:] = bytes(128)
+    for impl, plan in plans:
+        assert bytes(impl.gather(plan)) == bytes(sum(lens))
+
+
 def test_place_in_refuses_msgs_outside_the_buffer(c: Kernels) -> None:
     for impl in (c, PY):
         (region,) = _regions(1, 64)

@@ -547,3 +547,11 @@ int64_t rs_place_tagged(const uint8_t *buf, size_t buf_len, size_t start, size_t
     result[0] = to + done;
     return (int64_t)pos;
 }
+
+void rs_gather(uint8_t *out, uint8_t *const *srcs, const uint32_t *lens, size_t n)
+{
+    for (size_t i = 0; i < n; i++) {
+        memcpy(out, srcs[i], lens[i]);
+        out += lens[i];
+    }
+}

@@ -108,6 +108,11 @@ int64_t rs_frame_tagged(uint8_t *out, size_t out_cap, const uint8_t *data, size_
 int64_t rs_place_tagged(const uint8_t *buf, size_t buf_len, size_t start, size_t end,
                         uint8_t ctrl, uint32_t stag, uint64_t to, uint8_t *dst, size_t dst_len,
                         size_t off, int crc, int in_order, uint64_t *result);
+/* Copy n pieces in turn into out (the sum of lens bytes): piece i is lens[i] bytes
+ * at srcs[i]. Local memory only, which the caller checked: each piece lies inside
+ * a buffer it holds (a registered region's). */
+void rs_gather(uint8_t *out, uint8_t *const *srcs, const uint32_t *lens, size_t n);
+
 /* cdef-end */
 
 #endif

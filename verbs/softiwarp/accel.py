@@ -164,6 +164,24 @@ class CKernels:
             handle = region.handle = ffi.from_buffer("uint8_t[]", region.view, True)
         return handle
 
+    def gather_plan(
+        self, regions: Sequence[Region], starts: Sequence[int], lens: Sequence[int]
+    ) -> object:
+        """See :class:`Kernels`: a pointer to each piece (into the regions' handles,
+        which live as long as the regions stay registered) and the lengths."""
+        sizes = array("I", lens)
+        pointers = ffi.new(
+            "uint8_t *[]", [self.handle(r) + a for r, a in zip(regions, starts, strict=True)]
+        )
+        return pointers, ffi.from_buffer("uint32_t[]", sizes), sizes, len(sizes), sum(sizes)
+
+    def gather(self, plan: object) -> Buffer:
+        """See :class:`Kernels`."""
+        pointers, sizes, _, n, total = plan  # type: ignore[misc]
+        out = bytearray(total)
+        lib.rs_gather(ffi.from_buffer("uint8_t[]", out), pointers, sizes, n)
+        return out
+
     def frame_tagged(
         self, src: Buffer, ctrl: int, stag: int, to: int, chunk: int, last: bool, crc: bool
     ) -> list[Buffer]:

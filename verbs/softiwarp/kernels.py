@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from operator import getitem
 from typing import Protocol
 
 from crc32c import crc32c
@@ -129,6 +130,19 @@ class Kernels(Protocol):
     def handle(self, region: Region) -> object:
         """What :class:`Targets`, :meth:`place_in` and :meth:`place_tagged` name a
         registered region's memory by."""
+        ...
+
+    def gather_plan(
+        self, regions: Sequence[Region], starts: Sequence[int], lens: Sequence[int]
+    ) -> object:
+        """What :meth:`gather` copies: ``lens[i]`` bytes at ``starts[i]`` of
+        ``regions[i]``'s memory, in turn. The caller checked that each piece lies
+        inside its region; the plan holds while every region stays registered."""
+        ...
+
+    def gather(self, plan: object) -> Buffer:
+        """A copy of the pieces ``plan`` (from :meth:`gather_plan`) names, joined; only
+        while the plan's regions are registered."""
         ...
 
     def frame_tagged(
@@ -270,6 +284,19 @@ class PyKernels:
     def handle(self, region: Region) -> object:
         """See :class:`Kernels`: the region's own memoryview."""
         return region.view
+
+    def gather_plan(
+        self, regions: Sequence[Region], starts: Sequence[int], lens: Sequence[int]
+    ) -> object:
+        """See :class:`Kernels`: the regions' views and the slices to take of them."""
+        return [r.view for r in regions], [
+            slice(a, a + n) for a, n in zip(starts, lens, strict=True)
+        ]
+
+    def gather(self, plan: object) -> Buffer:
+        """See :class:`Kernels`."""
+        views, slices = plan  # type: ignore[misc]
+        return b"".join(map(getitem, views, slices))
 
     def frame_tagged(
         self, src: Buffer, ctrl: int, stag: int, to: int, chunk: int, last: bool, crc: bool

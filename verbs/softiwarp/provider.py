@@ -18,7 +18,7 @@ from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from operator import attrgetter, getitem
+from operator import attrgetter
 from typing import TYPE_CHECKING, Self, TypeVar
 
 import psutil
@@ -45,6 +45,7 @@ from rdmashim.verbs.enums import (
 )
 from rdmashim.verbs.errors import NotSupported, VerbsError, check_cq_target
 from rdmashim.verbs.events import AsyncEvent, AsyncEventType
+from rdmashim.verbs.softiwarp import fastpath
 from rdmashim.verbs.softiwarp.engine import (
     Engine,
     EngineState,
@@ -1084,7 +1085,7 @@ class _RunPlan:
     the QP's limits, copies the data and makes the run, with no per-entry checks."""
 
     __slots__ = (
-        "ctrls", "invs", "lens", "longest", "regions", "signaled", "size", "slices", "views",
+        "ctrls", "data", "invs", "kernels", "lens", "longest", "regions", "signaled", "size",
     )  # fmt: skip
 
     def __init__(self, templates: Sequence[_SendTemplate]) -> None:
@@ -1093,12 +1094,16 @@ class _RunPlan:
         self.signaled = [i for i, t in enumerate(templates) if t.flags & _SIGNALED]
         """The indices of the entries with SIGNALED."""
         sources = [t.source for t in templates]
-        self.views = [s.region.view for s in sources]  # type: ignore[union-attr]
-        self.slices = [slice(s.offset, s.end) for s in sources]  # type: ignore[union-attr]
-        """Each entry's data: ``views[i][slices[i]]``."""
+        self.lens = array("I", [s.length for s in sources])  # type: ignore[union-attr]
+        self.kernels = kernels = fastpath.kernels()
+        self.data = kernels.gather_plan(
+            [s.region for s in sources],  # type: ignore[union-attr,misc]
+            [s.offset for s in sources],  # type: ignore[union-attr]
+            self.lens,
+        )
+        """What the kernels copy each entry's data by."""
         self.regions: list[Region] = list({id(s.region): s.region for s in sources}.values())  # type: ignore[union-attr,arg-type]
         """The regions the data come from (each still registered, or the plan is void)."""
-        self.lens = array("I", [s.length for s in sources])  # type: ignore[union-attr]
         self.longest = max(self.lens)
         self.size = sum(map(SendRun.fpdu_bytes, self.lens))
 
@@ -1124,7 +1129,7 @@ class _RunPlan:
         """The run of ``wrs`` (the entries the plan was made of), their data copied now."""
         wr_ids = list(map(_WR_ID, wrs))
         return SendRun.of(
-            b"".join(map(getitem, self.views, self.slices)), self.lens, self.ctrls, self.invs,
+            self.kernels.gather(self.data), self.lens, self.ctrls, self.invs,
             wr_ids, [wr_ids[i] for i in self.signaled], self.size,
         )  # fmt: skip
 
