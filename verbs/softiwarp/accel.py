@@ -10,8 +10,8 @@ only into buffers sized here and returns counts and offsets.
 from __future__ import annotations
 
 from array import array
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, cast
 
 from rdmashim.verbs.softiwarp import ddp
 from rdmashim.verbs.softiwarp._accel import ffi, lib
@@ -170,14 +170,15 @@ class CKernels:
         """See :class:`Kernels`: a pointer to each piece (into the regions' handles,
         which live as long as the regions stay registered) and the lengths."""
         sizes = array("I", lens)
+        handle: Callable[[Region], Any] = self.handle
         pointers = ffi.new(
-            "uint8_t *[]", [self.handle(r) + a for r, a in zip(regions, starts, strict=True)]
+            "uint8_t *[]", [handle(r) + a for r, a in zip(regions, starts, strict=True)]
         )
         return pointers, ffi.from_buffer("uint32_t[]", sizes), sizes, len(sizes), sum(sizes)
 
     def gather(self, plan: object) -> Buffer:
         """See :class:`Kernels`."""
-        pointers, sizes, _, n, total = plan  # type: ignore[misc]
+        pointers, sizes, _, n, total = cast("tuple[Any, Any, array[int], int, int]", plan)
         out = bytearray(total)
         lib.rs_gather(ffi.from_buffer("uint8_t[]", out), pointers, sizes, n)
         return out

@@ -258,7 +258,7 @@ class SendRun:
 
     @classmethod
     def of(
-        cls, data: bytes, lens: array[int], ctrls: bytes, invs: array[int], wr_ids: list[int],
+        cls, data: Chunk, lens: array[int], ctrls: bytes, invs: array[int], wr_ids: list[int],
         signaled: list[int], size: int,
     ) -> SendRun:  # fmt: skip
         """A run made whole: the entries' data joined and the lists as :meth:`add` of

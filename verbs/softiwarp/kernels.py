@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from operator import getitem
-from typing import Protocol
+from typing import Any, Protocol, cast
 
 from crc32c import crc32c
 
@@ -295,7 +295,7 @@ class PyKernels:
 
     def gather(self, plan: object) -> Buffer:
         """See :class:`Kernels`."""
-        views, slices = plan  # type: ignore[misc]
+        views, slices = cast(tuple[list[Any], list[slice]], plan)
         return b"".join(map(getitem, views, slices))
 
     def frame_tagged(
