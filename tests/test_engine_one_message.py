@@ -6,8 +6,10 @@ Checked: the FPDU it makes is byte for byte the one the queued path makes (plain
 with SE, with Invalidate's field, CRC on and off); over real loopback TCP to a peer
 that does not read, Sends posted while the socket is full are queued behind the
 partly written one and reach the peer whole and in order, their signaled
-completions in order; requests the path does not take (FENCE, raw bytes, two SGEs,
-RDMA Write) still go the general way; one receive posted alone meets the same
+completions in order; a small Send without INLINE is copied when posted and takes
+the same path (one past :data:`COPY_SEND_MAX` does not; one from a region of another
+PD fails as the general path says); requests the path does not take (FENCE, raw
+bytes, two SGEs, RDMA Write) still go the general way; one receive posted alone meets the same
 refusals as in a list (queue full, too many SGEs, an SRQ) and is flushed in ERR;
 with the compiled and the Python kernels.
 """
@@ -27,6 +29,7 @@ from rdmashim import (
     QPCap,
     QPState,
     RecvWR,
+    SendBatch,
     SendFlags,
     SendWR,
     VerbsError,
@@ -39,6 +42,7 @@ from rdmashim.verbs.softiwarp.engine import SendJob, SendRun
 from rdmashim.verbs.softiwarp.kernels import PyKernels
 from rdmashim.verbs.softiwarp.mpa import encode_start_frame
 from rdmashim.verbs.softiwarp.negotiation import MpaOptions, answer_request
+from rdmashim.verbs.softiwarp.provider import COPY_SEND_MAX, _SendTemplate
 
 from pairs import make_pair
 
@@ -149,9 +153,9 @@ async def test_sends_while_the_socket_is_full_stay_whole_and_in_order(ctx: Any) 
         ([b"raw bytes"], INLINE | SIG),
         ([(0, 0)], INLINE | SIG | SendFlags.FENCE),
         ([(0, 4), (4, 4)], INLINE | SIG),
-        ([(0, 8)], SIG),
+        ([(0, 4), (4, 4)], SIG),
     ],
-    ids=["bytes", "fence", "two-sges", "not-inline"],
+    ids=["bytes", "fence", "two-sges", "two-sges-not-inline"],
 )
 async def test_other_sends_take_the_general_path(
     ctx: Any, parts: list[Any], flags: SendFlags
@@ -171,6 +175,82 @@ async def test_other_sends_take_the_general_path(
     want = b"raw bytes" if isinstance(parts[0], bytes) else b"abcdefgh"[: wc.byte_len]
     assert bytes(dst.buf[: wc.byte_len]) == want
     assert swc.wr_id == 5
+
+
+@pytest.mark.parametrize("size", [8, COPY_SEND_MAX])
+async def test_a_small_send_without_inline_is_copied_and_written_at_once(
+    ctx: Any, size: int
+) -> None:
+    client, server = await make_pair(ctx)
+    data = bytes(i % 251 for i in range(size))
+    src = client.reg(data)
+    dst = server.reg(size)
+    server.qp.post_recv(RecvWR(9, [dst.sge(0, size)]))
+    assert client.qp._send_now(SendWR(5, WROpcode.SEND, [src.sge(0, size)], SIG))
+    src.buf[:] = bytes(size)  # the copy was taken when posted
+    with trio.fail_after(BOUND):
+        (wc,) = await server.recv_cq.poll_wait(1)
+        (swc,) = await client.send_cq.poll_wait(1)
+    assert wc.status == swc.status == WCStatus.SUCCESS and swc.wr_id == 5
+    assert bytes(dst.buf) == data
+
+
+async def test_a_batch_of_small_sends_without_inline_goes_as_one_run(ctx: Any) -> None:
+    client, server = await make_pair(ctx)
+    src = client.reg(bytes(range(64)))
+    dst = server.reg(64 * 8)
+    server.qp.post_recv([RecvWR(i, [dst.sge(64 * i, 64)]) for i in range(8)])
+    batch = SendBatch([SendWR(i, WROpcode.SEND, [src.sge(i, 64 - i)], SIG) for i in range(8)])
+    posted: list[Any] = []
+    engine = client.qp.engine
+    real_post = engine.post_send
+    engine.post_send = lambda job: (posted.append(job), real_post(job))  # type: ignore[method-assign]
+    client.qp.post_send_batch(batch)
+    assert [type(job) for job in posted] == [SendRun]
+    got: list[Any] = []
+    with trio.fail_after(BOUND):
+        while len(got) < 8:
+            got += await server.recv_cq.poll_wait(8)
+    for wc in got:
+        i = wc.wr_id
+        assert wc.status == WCStatus.SUCCESS and wc.byte_len == 64 - i
+        assert bytes(dst.buf[64 * i : 64 * i + 64 - i]) == bytes(range(i, 64))
+
+
+async def test_a_send_without_inline_past_the_copy_limit_is_not_copied(ctx: Any) -> None:
+    client, server = await make_pair(ctx)
+    size = COPY_SEND_MAX + 4
+    src, dst = client.reg(size), server.reg(size)
+    server.qp.post_recv(RecvWR(9, [dst.sge(0, size)]))
+    wr = SendWR(5, WROpcode.SEND, [src.sge(0, size)], SIG)
+    assert not client.qp._send_now(wr)
+    assert not _SendTemplate(wr).copied
+    server.qp.post_recv(RecvWR(10, [dst.sge(0, size)]))
+    client.qp.post_send([wr, wr])
+    got: list[Any] = []
+    with trio.fail_after(BOUND):
+        while len(got) < 2:
+            got += await server.recv_cq.poll_wait(2)
+    assert [(wc.status, wc.byte_len) for wc in got] == [(WCStatus.SUCCESS, size)] * 2
+
+
+@pytest.mark.parametrize("post", ["one", "list", "batch"])
+async def test_a_copied_send_from_another_pd_fails_as_the_general_path_says(
+    ctx: Any, post: str
+) -> None:
+    client, server = await make_pair(ctx)
+    other = ctx.alloc_pd().reg_mr(bytearray(b"abcdefgh"), Access.LOCAL_WRITE)
+    dst = server.reg(64)
+    server.qp.post_recv(RecvWR(9, [dst.sge(0, 64)]))
+    wr = SendWR(5, WROpcode.SEND, [other.sge(0, 8)], SIG)
+    assert not client.qp._send_now(wr)
+    if post == "batch":  # the batch's plan sees the PD differ and leaves it to the general path
+        client.qp.post_send_batch(SendBatch([wr, wr]))
+    else:
+        client.qp.post_send([wr, wr] if post == "list" else wr)
+    with trio.fail_after(BOUND):
+        swc = (await client.send_cq.poll_wait(1))[0]
+    assert swc.wr_id == 5 and swc.status == WCStatus.LOC_PROT_ERR
 
 
 async def test_one_receive_meets_the_refusals_of_a_list(ctx: Any) -> None:

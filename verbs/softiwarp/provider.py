@@ -81,6 +81,12 @@ VENDOR_ID = 0x626D74  # as Linux siw ("bmt")
 MAX_QP_WR = 16384
 MAX_SGE = 6
 MAX_INLINE = 80
+COPY_SEND_MAX = 8192
+"""A Send (or Send with Invalidate) of one SGE of registered memory, without INLINE or
+FENCE, of at most this many bytes is copied when posted and then goes as an inline one
+does (framed in C with the Sends beside it, or written at once from ``post_send``):
+cheaper than keeping its SGE for the framing later. Its region must be in the QP's PD,
+else it takes the general path, which reports the error."""
 MAX_ORD_IRD = 128
 MAX_CQE = 1 << 20
 MAX_ASYNC_EVENTS = 1024
@@ -1017,6 +1023,7 @@ class _SendTemplate:
     """
 
     __slots__ = (
+        "copied",
         "flags",
         "inline",
         "invalid",
@@ -1050,16 +1057,14 @@ class _SendTemplate:
         self.local: tuple[SGE, ...] = ()
         self.length = 0
         self.source: _InlineSGE | None = None
-        """The one SGE of an inline send from registered memory (the common case)."""
-        runnable = (
-            flags & _INLINE
-            and opcode in (WROpcode.SEND, _SEND_INV)
-            and not flags & _FENCE
-            and keys_fit
-        )
+        """The one SGE of registered memory of an inline Send (the common case) or of a
+        Send copied when posted (:data:`COPY_SEND_MAX`)."""
+        self.copied = False
+        """A Send without INLINE copied when posted: its region must be in the QP's PD."""
+        runnable = opcode in (WROpcode.SEND, _SEND_INV) and not flags & _FENCE and keys_fit
         self.run_ctrl = SendRun.ctrl(flags, opcode is _SEND_INV) if runnable else 0
-        """An inline Send without FENCE joins a :class:`SendRun` if its data fit one FPDU:
-        its control byte there (0: it does not)."""
+        """An inline or copied Send without FENCE joins a :class:`SendRun` if its data fit
+        one FPDU: its control byte there (0: it does not)."""
         if flags & _INLINE and opcode is not _RDMA_READ:
             if len(sges) == 1 and sges[0].__class__ is SGE:
                 self.source = source = _InlineSGE(sges[0])
@@ -1071,11 +1076,17 @@ class _SendTemplate:
         local = tuple(s for s in sges if isinstance(s, SGE))
         if len(local) != len(sges):
             self.invalid = "raw bytes need INLINE"
+            self.run_ctrl = 0
             return
         self.local = local
         self.length = length = sum(s.length for s in local)
         if not (length <= _U32 and keys_fit and remote_addr <= _U64 + 1 - length):
             self.invalid = _WIRE_LIMITS
+        elif runnable and len(local) == 1 and 0 < length <= COPY_SEND_MAX:
+            self.source = _InlineSGE(local[0])
+            self.copied = True
+            return
+        self.run_ctrl = 0
 
 
 class _RunPlan:
@@ -1085,7 +1096,8 @@ class _RunPlan:
     the QP's limits, copies the data and makes the run, with no per-entry checks."""
 
     __slots__ = (
-        "ctrls", "data", "invs", "kernels", "lens", "longest", "regions", "signaled", "size",
+        "ctrls", "data", "invs", "kernels", "lens", "longest", "longest_inline", "pd", "regions",
+        "signaled", "size",
     )  # fmt: skip
 
     def __init__(self, templates: Sequence[_SendTemplate]) -> None:
@@ -1093,18 +1105,22 @@ class _RunPlan:
         self.invs = array("I", [t.invalidate_rkey for t in templates])
         self.signaled = [i for i, t in enumerate(templates) if t.flags & _SIGNALED]
         """The indices of the entries with SIGNALED."""
-        sources = [t.source for t in templates]
-        self.lens = array("I", [s.length for s in sources])  # type: ignore[union-attr]
+        sources: list[_InlineSGE] = [t.source for t in templates]  # type: ignore[misc]
+        regions: list[Region] = [s.region for s in sources]  # type: ignore[misc]
+        self.lens = array("I", [s.length for s in sources])
         self.kernels = kernels = fastpath.kernels()
-        self.data = kernels.gather_plan(
-            [s.region for s in sources],  # type: ignore[union-attr,misc]
-            [s.offset for s in sources],  # type: ignore[union-attr]
-            self.lens,
-        )
+        self.data = kernels.gather_plan(regions, [s.offset for s in sources], self.lens)
         """What the kernels copy each entry's data by."""
-        self.regions: list[Region] = list({id(s.region): s.region for s in sources}.values())  # type: ignore[union-attr,arg-type]
+        self.regions = list({id(r): r for r in regions}.values())
         """The regions the data come from (each still registered, or the plan is void)."""
         self.longest = max(self.lens)
+        self.longest_inline = max(
+            (n for n, t in zip(self.lens, templates, strict=True) if not t.copied), default=0
+        )
+        """The longest entry with INLINE (the QP's ``max_inline_data`` bounds those)."""
+        pds = [r.pd for r, t in zip(regions, templates, strict=True) if t.copied]
+        self.pd: object = pds[0] if pds else None
+        """The PD of the copied entries' regions (:meth:`possible`: one), None if none."""
         self.size = sum(map(SendRun.fpdu_bytes, self.lens))
 
     @staticmethod
@@ -1123,6 +1139,8 @@ class _RunPlan:
         if lengths > _RUN_BYTES:  # not one run, as the general path makes them
             return False
         found = all(t.source.region is not None and t.source.region.valid for t in templates)  # type: ignore[union-attr]
+        if found and len({id(t.source.region.pd) for t in templates if t.copied}) > 1:  # type: ignore[union-attr]
+            return False  # copied entries of two PDs: a QP has one, the general path reports
         return True if found else None
 
     def run(self, wrs: Sequence[SendWR]) -> SendRun:
@@ -1186,6 +1204,8 @@ class QP(_Resource):
         self._now_src: _InlineSGE | None = None
         """The SGE :meth:`_send_now` last sent from, with its region."""
         self._now_max = -1
+        self._copy_max = -1
+        """The most bytes :meth:`_send_now` sends without INLINE (-1: none)."""
         """The most bytes :meth:`_send_now` sends (set when connected; -1: none)."""
         self.engine = Engine(
             qp_num=self.qp_num,
@@ -1254,13 +1274,14 @@ class QP(_Resource):
         self._post_sends(wrs, templates)
 
     def _send_now(self, wr: SendWR) -> bool:
-        """Frame and write one inline Send of registered memory at once when nothing is
-        queued before it (the latency path: one ``write``, no queue, no task switch);
-        False (nothing done) when it is anything else or the send side is busy.
+        """Frame and write one inline (or copied: :data:`COPY_SEND_MAX`) Send of
+        registered memory at once when nothing is queued before it (the latency path:
+        one ``write``, no queue, no task switch); False (nothing done) when it is
+        anything else or the send side is busy.
 
         Only a request every check of :meth:`_post_sends` passes comes here: a plain
-        Send with INLINE and no FENCE, one SGE inside a region, fitting one FPDU and
-        the wire's fields."""
+        Send without FENCE, one SGE inside a region (of the QP's PD without INLINE),
+        fitting one FPDU and the wire's fields."""
         link = self._link
         flags = int(wr.send_flags)
         sges = wr.sg_list
@@ -1268,7 +1289,6 @@ class QP(_Resource):
             link is None
             or wr.opcode is not _SEND
             or flags & _FENCE
-            or not flags & _INLINE
             or len(sges) != 1
             or self._state is not _RTS
             or not link.tx_idle
@@ -1281,7 +1301,7 @@ class QP(_Resource):
         length = sge.length
         inv = wr.invalidate_rkey
         if (
-            length > self._now_max
+            length > (self._now_max if flags & _INLINE else self._copy_max)
             or not engine.tx_idle
             or not (0 <= wr.rkey <= _U32 and 0 <= inv <= _U32)
             or not 0 <= wr.remote_addr <= _U64 + 1 - length
@@ -1291,7 +1311,7 @@ class QP(_Resource):
         if src is None or src.sge is not sge:
             src = self._now_src = _InlineSGE(sge)
         payload = src.read(self.context.memory)
-        if payload is None:
+        if payload is None or not (flags & _INLINE or src.region.pd is self.pd):  # type: ignore[union-attr]
             return False
         frame = engine.frame_send(payload, _CTRL_SE if flags & _SOLICITED else _CTRL_SEND, inv)
         try:
@@ -1335,7 +1355,9 @@ class QP(_Resource):
         if (
             len(wrs) > cap.max_send_wr - engine.sq_depth
             or cap.max_send_sge < 1
-            or plan.longest > min(engine.small_send_max, cap.max_inline_data)
+            or plan.longest > engine.small_send_max
+            or plan.longest_inline > cap.max_inline_data
+            or (plan.pd is not None and plan.pd is not self.pd)
         ):
             return False
         engine.post_send(plan.run(wrs))
@@ -1359,6 +1381,7 @@ class QP(_Resource):
         memory = self.context.memory
         most = self.engine.small_send_max
         fast_max = min(most, max_inline)
+        pd = self.pd
         run: SendRun | None = None
         try:
             # A post of one request makes a plain job: a run of one costs more.
@@ -1373,8 +1396,9 @@ class QP(_Resource):
                     and src is not None
                     and (region := src.region) is not None
                     and region.valid
-                    and src.length <= fast_max
+                    and src.length <= (most if t.copied else fast_max)
                     and t.remote_addr <= _U64 + 1 - src.length
+                    and (not t.copied or region.pd is pd)
                 ):
                     # The common case: every check below passes, the copy joins the run.
                     inline: bytes | None = region.view[src.offset : src.end].tobytes()
@@ -1394,6 +1418,12 @@ class QP(_Resource):
                         if t.invalid:
                             raise _bad_wr(errno.EINVAL, "post_send", i, t.invalid)
                         length = t.length
+                        if (
+                            src is not None  # copied when posted: its region looked up now
+                            and (data := src.read(memory)) is not None
+                            and src.region.pd is pd  # type: ignore[union-attr]
+                        ):
+                            inline = data
                     else:
                         # The engine sends the copy; the SGEs are not kept.
                         if src is not None and (data := src.read(memory)) is not None:
@@ -1491,6 +1521,7 @@ class QP(_Resource):
         cap = self.cap
         room = cap.max_send_wr >= 1 and cap.max_send_sge >= 1
         self._now_max = min(self.engine.small_send_max, cap.max_inline_data) if room else -1
+        self._copy_max = min(self.engine.small_send_max, COPY_SEND_MAX) if room else -1
         link.after_receive = self.context._after_receive
         self._state = QPState.RTS if self.engine.state is EngineState.RTS else self._state
 
