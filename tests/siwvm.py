@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import fcntl
 import hashlib
 import importlib.metadata
 import os
@@ -71,6 +72,9 @@ SIW_KO_ENV = "RDMASHIM_SIW_KO"
 BOOT_TIMEOUT = 90.0
 """Seconds from starting QEMU until the agent is ready (TCG: about 12)."""
 STOP_TIMEOUT = 30.0
+TAP_WAIT = 1200.0
+"""Seconds a guest waits for its tap while another test run on this machine (a second
+clone, CI beside a developer) has a guest on it: QEMU cannot share a tap."""
 POLL = 0.05
 
 T = TypeVar("T")
@@ -440,10 +444,41 @@ class Guest:
         """Console logs of earlier boots that died (kept as ``NAME.crash-N.log``)."""
         self._jobs = 0
         self._token = uuid.uuid4().hex
+        self._tap_lock: int | None = None
+        """A descriptor holding the lock on :attr:`tap` while this guest boots or runs."""
 
     # -- lifetime (synchronous: usable from module-scoped fixtures)
+    def _lock_tap(self) -> None:
+        """Wait (at most :data:`TAP_WAIT`) until no other guest on this machine holds the
+        tap, then hold it until the guest is stopped or killed."""
+        if self._tap_lock is not None:
+            return
+        path = cache_dir() / "run" / f"{self.tap}.lock"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        deadline = time.monotonic() + TAP_WAIT
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    os.close(fd)
+                    raise RuntimeError(
+                        f"guest {self.name}: {self.tap} stayed in use by another test run "
+                        f"on this machine for {TAP_WAIT:.0f} s ({path})"
+                    ) from None
+                time.sleep(1.0)
+        self._tap_lock = fd
+
+    def _unlock_tap(self) -> None:
+        fd, self._tap_lock = self._tap_lock, None
+        if fd is not None:
+            os.close(fd)  # the lock goes with the descriptor
+
     def start(self) -> None:
         """Boot and wait until the agent is ready (siw0 up)."""
+        self._lock_tap()
         self._jobs = 0
         self._token = uuid.uuid4().hex
         agent = cache_dir() / "run" / f"{self.name}.agent.sh"
@@ -507,6 +542,7 @@ class Guest:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)  # QEMU too, not only boot.py
             proc.wait()
+        self._unlock_tap()
 
     async def ensure_async(self) -> Path | None:
         return await trio.to_thread.run_sync(self.ensure)
@@ -519,6 +555,7 @@ class Guest:
         """Let the agent finish (or kill QEMU); return the guest's dmesg if it got one."""
         proc = self.proc
         if proc is None:
+            self._unlock_tap()
             return self.dmesg
         if proc.poll() is None:
             self._jobs += 1
@@ -532,6 +569,7 @@ class Guest:
         dmesg = self.share / "dmesg.txt"
         self.dmesg = dmesg.read_text(errors="replace") if dmesg.exists() else ""
         self.proc = None
+        self._unlock_tap()
         return self.dmesg
 
     def log_tail(self, lines: int = 40) -> str:

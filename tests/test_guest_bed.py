@@ -100,6 +100,26 @@ TOOLS = ["rping", "ib_write_bw", "ib_send_bw", "ib_read_bw", "ibv_devinfo", "tcp
 
 
 @pytest.mark.interop
+def test_two_guests_on_one_tap_take_turns(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    # Two test runs on one machine (CI beside a developer's run) must not boot two
+    # QEMUs on one tap (the second fails: "Device or resource busy"): the second waits.
+    monkeypatch.setattr(siwvm, "cache_dir", lambda: tmp_path)
+    monkeypatch.setattr(siwvm, "TAP_WAIT", 1.5)
+    first = siwvm.Guest("bed-a", tap="tap9")
+    second = siwvm.Guest("bed-b", tap="tap9")
+    other = siwvm.Guest("bed-c", tap="tap10")
+    first._lock_tap()
+    other._lock_tap()  # another tap is free
+    with pytest.raises(RuntimeError, match="tap9 stayed in use"):
+        second._lock_tap()
+    first.stop()  # never booted: stopping gives the tap back all the same
+    second._lock_tap()
+    second.kill()
+    first._lock_tap()
+    first.stop()
+    other.stop()
+
+
 def test_guest_has_every_module_and_tool() -> None:
     siwvm.require_guest()
     script = f"""
