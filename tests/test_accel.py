@@ -234,6 +234,27 @@ def test_scan_matches_the_reference(
         _scan_both(c, buf, start, end, msn, crc)
 
 
+@pytest.mark.parametrize("flaw", ["none", "bad_crc", "payload_flip", "truncated"])
+@pytest.mark.parametrize("at", [0, 2])
+def test_place_tagged_of_long_payloads_matches_the_reference(
+    c: Kernels, flaw: str, at: int
+) -> None:
+    # Payloads from FOLD_MIN (512) on take the copying CRC pass: a bad CRC is placed
+    # there, then stops the run, in both kernels.
+    sizes = [511, 512, 4099, 65000]
+    for ctrl, in_order in ((CTRL_WRITE, False), (CTRL_READ_RESPONSE, True)):
+        body = _tagged_stream(sizes, ctrl, 0x1234, 0x10000, True, flaw, at, 9)
+        (stop, _, _), placed = _place_tagged_both(
+            c, body, 0, len(body), ctrl, 0x1234, 0x10000, sum(sizes), 0, True, in_order
+        )
+        whole = sizes if flaw == "none" else sizes[:at]
+        expected = b"".join(
+            bytes((i * 13 + k) & 0xFF for k in range(n)) for i, n in enumerate(whole)
+        )
+        assert placed[: len(expected)] == expected
+        assert (stop == len(body)) == (flaw == "none")
+
+
 @settings(max_examples=300, deadline=None)
 @given(
     data=st.binary(max_size=400),

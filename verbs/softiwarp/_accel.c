@@ -259,21 +259,31 @@ FOLD_TARGET static inline __m512i fold64(__m512i a, __m512i keys, __m512i next)
  * take 256 bytes a round, the state to continue from XORed into the first 4 bytes;
  * they fold into one 128-bit block A, whose CRC (the instruction's, from a zero
  * state) continues over the bytes left, since the message is A x^(8 * rest) + rest
- * mod P. */
-FOLD_TARGET static uint32_t crc32c_fold(uint32_t crc, const uint8_t *data, size_t len)
+ * mod P. With dst (else NULL), the bytes are also copied there as they are read. */
+FOLD_TARGET static uint32_t crc32c_fold(uint32_t crc, uint8_t *dst, const uint8_t *data,
+                                        size_t len)
 {
     __m512i acc[4];
-    for (int i = 0; i < 4; i++)
+    for (int i = 0; i < 4; i++) {
         acc[i] = _mm512_loadu_si512(data + 64 * i);
+        if (dst)
+            _mm512_storeu_si512(dst + 64 * i, acc[i]);
+    }
     acc[0] = _mm512_xor_si512(acc[0], _mm512_zextsi128_si512(_mm_cvtsi32_si128((int)~crc)));
     data += 256;
     len -= 256;
+    dst = dst ? dst + 256 : NULL;
     __m512i far = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)fold_far));
     while (len >= 256) {
-        for (int i = 0; i < 4; i++)
-            acc[i] = fold64(acc[i], far, _mm512_loadu_si512(data + 64 * i));
+        for (int i = 0; i < 4; i++) {
+            __m512i next = _mm512_loadu_si512(data + 64 * i);
+            if (dst)
+                _mm512_storeu_si512(dst + 64 * i, next);
+            acc[i] = fold64(acc[i], far, next);
+        }
         data += 256;
         len -= 256;
+        dst = dst ? dst + 256 : NULL;
     }
     __m512i lane = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)fold_lane));
     __m512i v = fold64(fold64(fold64(acc[0], lane, acc[1]), lane, acc[2]), lane, acc[3]);
@@ -282,8 +292,16 @@ FOLD_TARGET static uint32_t crc32c_fold(uint32_t crc, const uint8_t *data, size_
     a = fold16(a, near, _mm512_extracti32x4_epi32(v, 1));
     a = fold16(a, near, _mm512_extracti32x4_epi32(v, 2));
     a = fold16(a, near, _mm512_extracti32x4_epi32(v, 3));
-    for (; len >= 16; data += 16, len -= 16)
-        a = fold16(a, near, _mm_loadu_si128((const __m128i *)data));
+    for (; len >= 16; data += 16, len -= 16) {
+        __m128i next = _mm_loadu_si128((const __m128i *)data);
+        if (dst) {
+            _mm_storeu_si128((__m128i *)dst, next);
+            dst += 16;
+        }
+        a = fold16(a, near, next);
+    }
+    if (dst)
+        memcpy(dst, data, len);
     uint64_t c = _mm_crc32_u64(0, (uint64_t)_mm_cvtsi128_si64(a));
     c = _mm_crc32_u64(c, (uint64_t)_mm_extract_epi64(a, 1));
     return crc32c_hw(~(uint32_t)c, data, len);
@@ -295,11 +313,24 @@ uint32_t rs_crc32c(uint32_t crc, const uint8_t *data, size_t len)
     rs_init();
 #ifdef RS_HAVE_HW_CRC
     if (crc_hw == RS_CRC_FOLD && len >= FOLD_MIN)
-        return crc32c_fold(crc, data, len);
+        return crc32c_fold(crc, NULL, data, len);
     if (crc_hw)
         return crc32c_hw(crc, data, len);
 #endif
     return rs_crc32c_sw(crc, data, len);
+}
+
+/* rs_crc32c of src[0:len] continuing from crc, with src copied to dst (not overlapping)
+ * in the same pass where the CPU allows it. */
+static uint32_t crc32c_copy(uint32_t crc, uint8_t *dst, const uint8_t *src, size_t len)
+{
+#ifdef RS_HAVE_HW_CRC
+    if (crc_hw == RS_CRC_FOLD && len >= FOLD_MIN)
+        return crc32c_fold(crc, dst, src, len);
+#endif
+    if (len)
+        memcpy(dst, src, len);
+    return rs_crc32c(crc, src, len);
 }
 
 /* PAD bytes after a ULPDU so that the FPDU (with its 2 length bytes) ends 4-aligned. */
@@ -531,10 +562,19 @@ int64_t rs_place_tagged(const uint8_t *buf, size_t buf_len, size_t start, size_t
         size_t body = ulpdu_len + 2 + pad_len(ulpdu_len);
         if (body + RS_CRC_LEN > end - pos)
             break;
-        if (crc && rs_crc32c(0, f, body) != load_le32(f + body))
-            break;
-        if (n)
-            memcpy(dst + off + rel, f + RS_TAGGED_HDR_LEN, (size_t)n);
+        /* The payload is placed, then the CRC checked (as siw does): one pass over it. A
+         * mismatch ends the run at this FPDU, placed inside the checked range; the
+         * engine's general path then fails the connection with its Terminate. */
+        const uint8_t *payload = f + RS_TAGGED_HDR_LEN;
+        if (crc) {
+            uint32_t c = rs_crc32c(0, f, RS_TAGGED_HDR_LEN);
+            c = crc32c_copy(c, dst + off + rel, payload, (size_t)n);
+            c = rs_crc32c(c, payload + n, body - RS_TAGGED_HDR_LEN - (size_t)n);
+            if (c != load_le32(f + body))
+                break;
+        } else if (n) {
+            memcpy(dst + off + rel, payload, (size_t)n);
+        }
         pos += body + RS_CRC_LEN;
         if (in_order) {
             done += n;

@@ -100,7 +100,9 @@ int64_t rs_frame_tagged(uint8_t *out, size_t out_cap, const uint8_t *data, size_
  * when crc is set, a matching CRC; with in_order, the first FPDU's TO is `to`,
  * each next one's follows the one before, and an FPDU with the last flag must
  * end the range and ends the run. Stops before the first FPDU that is anything
- * else, placing nothing of it. Returns the offset after the run (start when
+ * else, placing nothing of it, except that an FPDU whose CRC alone fails has its
+ * payload placed (inside the range) before the run stops at it: the CRC is checked
+ * in the pass that copies, as siw places before it checks. Returns the offset after the run (start when
  * none, or when start/end are not a window of buf); result[0] is the TO after
  * the run's payload in order (`to` otherwise), result[1] 1 when the run ended
  * with the last flag in order. Returns -1 when off > dst_len, ctrl is not a

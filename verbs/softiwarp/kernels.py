@@ -168,9 +168,11 @@ class Kernels(Protocol):
         FPDU present and, when ``crc`` is set, a matching CRC. ``in_order`` (a Read
         Response's sink): the first FPDU's TO is ``to``, each next one's follows the
         one before, an FPDU with the last flag must end the range and ends the run.
-        Stops before the first FPDU that is anything else, without placing it.
-        Returns the offset after the run, in order the TO after the run's payload (else
-        ``to``) and whether the run ended with the last flag (in order)."""
+        Stops before the first FPDU that is anything else, without placing it, except
+        that one whose CRC alone fails is placed (inside the range) before the run
+        stops at it: the CRC is checked in the pass that copies, as siw places before
+        it checks. Returns the offset after the run, in order the TO after the run's
+        payload (else ``to``) and whether the run ended with the last flag (in order)."""
         ...
 
 
@@ -357,12 +359,14 @@ class PyKernels:
             final = ddp_ctrl == DDP_TAGGED_LAST
             if in_order and (rel != done or (final and rel + n != span)):
                 break
-            size = _whole_fpdu(buf, pos, end, ulpdu_len, crc)
+            size = _whole_fpdu(buf, pos, end, ulpdu_len, False)
             if not size:
                 break
             if n:
                 src = pos + TAGGED_HDR_LEN
                 dst[off + rel : off + rel + n] = buf[src : src + n]
+            if crc and not _whole_fpdu(buf, pos, end, ulpdu_len, crc):
+                break  # placed, then checked (as siw): the general path reports the CRC
             pos += size
             if in_order:
                 done += n
