@@ -344,10 +344,16 @@ static inline size_t pad_len(size_t ulpdu_len)
 static void fill_fpdu(uint8_t *f, size_t header_len, const uint8_t *payload, size_t n,
                       size_t body, int crc)
 {
-    if (n)
-        memcpy(f + header_len, payload, n);
     memset(f + header_len + n, 0, body - header_len - n);
-    store_le32(f + body, crc ? rs_crc32c(0, f, body) : 0);
+    if (!crc) {
+        if (n)
+            memcpy(f + header_len, payload, n);
+        store_le32(f + body, 0);
+        return;
+    }
+    uint32_t c = rs_crc32c(0, f, header_len);
+    c = crc32c_copy(c, f + header_len, payload, n); /* copied in the pass that sums it */
+    store_le32(f + body, rs_crc32c(c, f + header_len + n, body - header_len - n));
 }
 
 int64_t rs_frame_sends(uint8_t *out, size_t out_cap, const uint8_t *data, size_t data_len,
