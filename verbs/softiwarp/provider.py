@@ -1204,9 +1204,9 @@ class QP(_Resource):
         self._now_src: _InlineSGE | None = None
         """The SGE :meth:`_send_now` last sent from, with its region."""
         self._now_max = -1
+        """The most bytes :meth:`_send_now` sends (set when connected; -1: none)."""
         self._copy_max = -1
         """The most bytes :meth:`_send_now` sends without INLINE (-1: none)."""
-        """The most bytes :meth:`_send_now` sends (set when connected; -1: none)."""
         self.engine = Engine(
             qp_num=self.qp_num,
             pd=pd,
