@@ -39,8 +39,11 @@ from rdmashim.ulps.rds.wire import (
     RdsFlag,
     RdsHeader,
     RdsProtocolError,
+    encode_extensions,
+    pack_header_into,
 )
 from rdmashim.verbs import (
+    SGE,
     Access,
     QPState,
     RecvBatch,
@@ -81,18 +84,21 @@ _RDMA_WR = 1 << 32
 _SUCCESS = WCStatus.SUCCESS
 _RECV = WCOpcode.RECV
 _SEND = WROpcode.SEND
+_ACK_REQUIRED = int(RdsFlag.ACK_REQUIRED)
 _FLAGS = {
-    (fence, last, signaled): (
+    (fence, last, signaled, inline): (
         (SendFlags.FENCE if fence else SendFlags.NONE)
         | (SendFlags.SOLICITED if last else SendFlags.NONE)
         | (SendFlags.SIGNALED if signaled else SendFlags.NONE)
+        | (SendFlags.INLINE if inline else SendFlags.NONE)
     )
     for fence in (False, True)
     for last in (False, True)
     for signaled in (False, True)
+    for inline in (False, True)
 }
-"""A Send's flags by (fence, last fragment, signaled): made once, as Flag arithmetic
-costs a Python call each time."""
+"""A Send's flags by (fence, last fragment, signaled, inline): made once, as Flag
+arithmetic costs a Python call each time."""
 
 
 class SessionLost(Exception):
@@ -434,6 +440,16 @@ class Session:
         """Messages left before the next one asks for an acknowledgement."""
         self.recv_mr = conn.pd.reg_mr(bytearray(SLOT * RECV_SLOTS), Access.LOCAL_WRITE)
         self.send_mr = conn.pd.reg_mr(bytearray(SLOT * SEND_SLOTS), Access.LOCAL_WRITE)
+        self._recv_buf = self.recv_mr.buf
+        self._send_buf = self.send_mr.buf
+        first = self.send_mr.sge(0, SLOT)
+        self._send_addr, self._send_lkey = first.addr, first.lkey
+        self._slot_wrs = [SendWR(slot, _SEND) for slot in range(SEND_SLOTS)]
+        self._max_inline = conn.qp.cap.max_inline_data
+        """Sends up to this long go INLINE (copied when posted; the slot is free again at
+        once, though it is reused only after a later signaled Send completes)."""
+        """Each send slot's Send, filled in again for each fragment the slot carries
+        (a post copies what it needs of a work request)."""
         self.free_slots = list(range(SEND_SLOTS))
         self.posted: deque[int] = deque()
         """Send slots in flight, in posting order (the send queue completes in order)."""
@@ -442,7 +458,7 @@ class Session:
         self._next_rdma = _RDMA_WR
         self.current: OutMessage | None = None
         self.next_fragment = 0
-        self._extra_flags = RdsFlag.NONE
+        self._extra_flags = 0
         """Flags the current message's headers carry beside its own (ACK_REQUIRED)."""
         self.acked_to_peer = rds.next_recv - 1
         self._assembly: tuple[RdsHeader, bytearray, int] | None = None
@@ -483,24 +499,6 @@ class Session:
         self.send_mr.close()
 
     # ------------------------------------------------------------------ transmit
-    def _header(
-        self, msg: OutMessage | None, first: bool = False, flags: RdsFlag = RdsFlag.NONE
-    ) -> bytes:
-        """The header of a fragment of ``msg`` (None: a standalone ack), with ``flags``
-        beside the message's own."""
-        credit = min(self.advertise, RDS_MAX_ADV_CREDIT)
-        self.advertise -= credit
-        self.acked_to_peer = self.rds.next_recv - 1
-        if msg is None:  # a standalone ack / credit update
-            return RdsHeader(0, self.acked_to_peer, 0, 0, 0, RdsFlag.NONE, credit).encode()
-        extensions = msg.extensions if first else ()
-        if first and msg.rdma is not None:
-            extensions += (RdmaExt(msg.rdma.rkey),)
-        return RdsHeader(
-            msg.seq, self.acked_to_peer, len(msg.data), msg.sport, msg.dport,
-            msg.flags | flags, credit, extensions=extensions,
-        ).encode()  # fmt: skip
-
     def _post_rdma(self, op: RdmaOp) -> None:
         """Post the RDMA Write or Read a message carries, ahead of the message."""
         wr_id = self._next_rdma
@@ -530,28 +528,55 @@ class Session:
             op._finish(status_of(status), status.name)
 
     def _post(
-        self, header: bytes, payload: bytes | memoryview, fence: bool = False, last: bool = True
+        self,
+        msg: OutMessage | None,
+        first: bool = True,
+        payload: bytes | memoryview = b"",
+        fence: bool = False,
+        last: bool = True,
     ) -> None:
-        """Fill a send slot and add its Send to the ones :meth:`_submit` posts. The last
-        of a message (and an ack) is solicited: a Linux peer arms its receive CQ for
-        solicited completions only (``ib_cm.c`` ``rds_ib_setup_qp``; ``ib_send.c``
-        ``rds_ib_xmit`` solicits a message's last fragment, ``ib_recv.c``
-        ``rds_ib_recv_init_ack`` every ack), so it would not look at what came before
-        until a solicited Send arrives."""
+        """Fill a send slot with a fragment of ``msg`` (None: a standalone ack, whose
+        credits and acknowledgement every header carries) and add its Send to the
+        ones :meth:`_submit` posts. The header is written straight into the slot.
+
+        The last fragment of a message (and an ack) is solicited: a Linux peer arms
+        its receive CQ for solicited completions only (``ib_cm.c``
+        ``rds_ib_setup_qp``; ``ib_send.c`` ``rds_ib_xmit`` solicits a message's last
+        fragment, ``ib_recv.c`` ``rds_ib_recv_init_ack`` every ack), so it would not
+        look at what came before until a solicited Send arrives."""
+        credit = min(self.advertise, RDS_MAX_ADV_CREDIT)
+        self.advertise -= credit
+        self.acked_to_peer = ack = self.rds.next_recv - 1
         slot = self.free_slots.pop()
         base = slot * SLOT
-        end = base + RDS_HEADER_LEN + len(payload)
-        buf = self.send_mr.buf
-        buf[base : base + RDS_HEADER_LEN] = header
-        buf[base + RDS_HEADER_LEN : end] = payload
+        buf = self._send_buf
+        size = len(payload)
+        if msg is None:
+            pack_header_into(buf, base, 0, ack, 0, 0, 0, 0, credit)
+        else:
+            exthdr = b""
+            if first and (msg.extensions or msg.rdma is not None):
+                extensions = msg.extensions
+                if msg.rdma is not None:
+                    extensions += (RdmaExt(msg.rdma.rkey),)
+                exthdr = encode_extensions(extensions)
+            flags = int(msg.flags) | self._extra_flags
+            pack_header_into(
+                buf, base, msg.seq, ack, len(msg.data), msg.sport, msg.dport, flags, credit,
+                exthdr,
+            )  # fmt: skip
+            if size:
+                buf[base + RDS_HEADER_LEN : base + RDS_HEADER_LEN + size] = payload
         if self.flow_control:
             self.send_credits -= 1
         posted = self.posted
         posted.append(slot)
         signaled = len(posted) % SIGNAL_EVERY == 0 or len(self.free_slots) < SIGNAL_EVERY
-        self._wrs.append(
-            SendWR(slot, _SEND, [self.send_mr.sge(base, end - base)], _FLAGS[fence, last, signaled])
-        )
+        wr = self._slot_wrs[slot]
+        length = RDS_HEADER_LEN + size
+        wr.sg_list = [SGE(self._send_addr + base, length, self._send_lkey)]
+        wr.send_flags = _FLAGS[fence, last, signaled, length <= self._max_inline]
+        self._wrs.append(wr)
 
     def _submit(self) -> None:
         """Post the Sends (and RDMA operations) made since the last call, as one list: the
@@ -618,11 +643,17 @@ class Session:
                         fence = not numbered.rdma.write  # the peer sees it after the Read
             msg = self.current
             assert msg is not None
-            start = self.next_fragment * RDS_FRAG_SIZE
-            payload = memoryview(msg.data)[start : start + RDS_FRAG_SIZE]
-            self.next_fragment += 1
+            fragment = self.next_fragment
+            data = msg.data
+            if fragment == 0 and len(data) <= RDS_FRAG_SIZE:  # the whole message: no view
+                self._post(msg, True, data, fence)
+                self.current = None
+                continue
+            start = fragment * RDS_FRAG_SIZE
+            self.next_fragment = fragment + 1
             last = self.next_fragment >= msg.fragments
-            self._post(self._header(msg, start == 0, self._extra_flags), payload, fence, last)
+            payload = memoryview(data)[start : start + RDS_FRAG_SIZE]
+            self._post(msg, fragment == 0, payload, fence, last)
             if last:
                 self.current = None
         if rds.unsent or self.current is not None:
@@ -633,10 +664,10 @@ class Session:
         acknowledgement now and then (:data:`ACK_REQUIRED_EVERY`)."""
         self.current = msg
         self.next_fragment = 0
-        self._extra_flags = RdsFlag.NONE
+        self._extra_flags = 0
         if msg.seq:
             if self._ack_countdown == 0 or not self.rds.unsent:
-                self._extra_flags = RdsFlag.ACK_REQUIRED
+                self._extra_flags = _ACK_REQUIRED
                 self._ack_countdown = ACK_REQUIRED_EVERY
             self._ack_countdown -= 1
 
@@ -646,7 +677,7 @@ class Session:
         if self.free_slots and (
             not self.flow_control or self.send_credits > 1 or (self.send_credits and self.advertise)
         ):
-            self._post(self._header(None), b"")
+            self._post(None)
             self._submit()
             self.rds.counters.acks_sent += 1
 
@@ -654,7 +685,7 @@ class Session:
     def _on_recv(self, slot: int, byte_len: int) -> None:
         """Take one received fragment (or ack); the caller posts its buffer again."""
         base = slot * SLOT
-        view = self.recv_mr.buf[base : base + byte_len]
+        view = self._recv_buf[base : base + byte_len]
         header = RdsHeader.decode(view)
         if header is None:
             raise RdsProtocolError(f"{byte_len}-byte message shorter than an RDS header")
