@@ -30,6 +30,7 @@ import trio
 from rdmashim.ulps.rds.rdma import RdmaOp, RdmaStatus, status_of
 from rdmashim.ulps.rds.settings import RdsSettings
 from rdmashim.ulps.rds.wire import (
+    HEADER_STRUCT,
     RDS_FRAG_SIZE,
     RDS_HEADER_LEN,
     RDS_MAX_ADV_CREDIT,
@@ -40,7 +41,6 @@ from rdmashim.ulps.rds.wire import (
     RdsHeader,
     RdsProtocolError,
     encode_extensions,
-    pack_header_into,
 )
 from rdmashim.verbs import (
     SGE,
@@ -75,6 +75,10 @@ Linux acknowledges only what asks (``ib_recv.c`` ``rds_ib_set_ack``) unless a me
 of its own carries the ack (its ``rds_sysctl_max_unacked_packets``, 8, in ``send.c``)."""
 """A session asks for a completion every this many Sends (or each one when slots run
 low): one completion frees the slots of every Send posted before it."""
+BURST_MAX = 16
+"""Messages queued during a burst (see :meth:`Session.pump_sends`) after which they are
+posted at once rather than all together later: the peer starts on these while the
+rest are made, so the two ends work at the same time instead of taking turns."""
 ACK_DELAY = 0.002
 """Seconds a session holds an acknowledgement back for a message of ours to carry it."""
 RDMA_DEPTH = 16
@@ -85,6 +89,7 @@ _SUCCESS = WCStatus.SUCCESS
 _RECV = WCOpcode.RECV
 _SEND = WROpcode.SEND
 _ACK_REQUIRED = int(RdsFlag.ACK_REQUIRED)
+_pack_header = HEADER_STRUCT.pack_into
 _FLAGS = {
     (fence, last, signaled, inline): (
         (SendFlags.FENCE if fence else SendFlags.NONE)
@@ -423,8 +428,9 @@ class Session:
     messages, the answers their receivers send in the next turn of the scheduler
     wait in the queue and :meth:`run`'s task posts them together after them
     (a burst of requests costs one post, one write and, at the peer, one read
-    and one handler run). The wire is the same either way: the same headers,
-    flags and order.
+    and one handler run), up to :data:`BURST_MAX` of them: more are posted as they
+    come, so that the peer works on the first ones while the rest are made. The
+    wire is the same either way: the same headers, flags and order.
     """
 
     def __init__(self, rds: RdsConnection, conn: Connection | ConnectionRequest) -> None:
@@ -552,7 +558,7 @@ class Session:
         buf = self._send_buf
         size = len(payload)
         if msg is None:
-            pack_header_into(buf, base, 0, ack, 0, 0, 0, 0, credit)
+            _pack_header(buf, base, 0, ack, 0, 0, 0, 0, credit, 0, b"")
         else:
             exthdr = b""
             if first and (msg.extensions or msg.rdma is not None):
@@ -561,9 +567,9 @@ class Session:
                     extensions += (RdmaExt(msg.rdma.rkey),)
                 exthdr = encode_extensions(extensions)
             flags = int(msg.flags) | self._extra_flags
-            pack_header_into(
+            _pack_header(
                 buf, base, msg.seq, ack, len(msg.data), msg.sport, msg.dport, flags, credit,
-                exthdr,
+                0, exthdr,
             )  # fmt: skip
             if size:
                 buf[base + RDS_HEADER_LEN : base + RDS_HEADER_LEN + size] = payload
@@ -589,8 +595,8 @@ class Session:
     def pump_sends(self) -> None:
         """Post what waits to go out (never blocks): now, or, while the receivers of a
         batch of delivered messages answer them (:attr:`_burst`), once they all have, in
-        one list, from :meth:`run`'s task."""
-        if self._burst:
+        one list, from :meth:`run`'s task, unless :data:`BURST_MAX` of them wait."""
+        if self._burst and len(self.rds.unsent) < BURST_MAX:
             if not self._flush_due:
                 self._flush_due = True
                 self._wake.set()

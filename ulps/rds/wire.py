@@ -369,7 +369,12 @@ def verify_checksum(header: bytes | bytearray | memoryview) -> bool:
 # The RDS header
 # ---------------------------------------------------------------------------------------
 
-_HDR = struct.Struct("!QQIHHBB4xH16s")
+HEADER_STRUCT = _HDR = struct.Struct("!QQIHHBB4xH16s")
+"""The 48-byte header's fields: sequence, ack, length, sport, dport, flags, credit,
+checksum (after 4 pad bytes) and the 16-byte extension area (a shorter one is padded
+with NONE bytes). The send path packs its headers straight into its buffers with
+``HEADER_STRUCT.pack_into``, fields it knows to fit and no :class:`RdsHeader`
+(``struct.error`` if they do not)."""
 assert _HDR.size == RDS_HEADER_LEN
 _FLAG_VALUES = tuple(RdsFlag(value) for value in range(256))
 """``h_flags`` by value: an index is cheaper than an enum call per header."""
@@ -451,25 +456,6 @@ class RdsHeader:
             )
         extensions = parse_extensions(area) if area[0] else ()  # (the common case: none)
         return cls(seq, ack, length, sport, dport, _FLAG_VALUES[flags], credit, csum, extensions)
-
-
-def pack_header_into(
-    buf: bytearray | memoryview,
-    offset: int,
-    sequence: int,
-    ack: int,
-    length: int,
-    sport: int,
-    dport: int,
-    flags: int,
-    credit: int,
-    exthdr: bytes = b"",
-) -> None:
-    """Write the header of these fields (no checksum) into ``buf`` at ``offset``: the
-    send path's encoder, with no :class:`RdsHeader` in between. The caller's fields
-    are known to fit (``struct.error`` if not); ``exthdr`` is the extension area
-    (:func:`encode_extensions`; shorter, it is padded with NONE bytes)."""
-    _HDR.pack_into(buf, offset, sequence, ack, length, sport, dport, flags, credit, 0, exthdr)
 
 
 # ---------------------------------------------------------------------------------------
