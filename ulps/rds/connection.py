@@ -550,7 +550,9 @@ class Session:
         ``rds_ib_setup_qp``; ``ib_send.c`` ``rds_ib_xmit`` solicits a message's last
         fragment, ``ib_recv.c`` ``rds_ib_recv_init_ack`` every ack), so it would not
         look at what came before until a solicited Send arrives."""
-        credit = min(self.advertise, RDS_MAX_ADV_CREDIT)
+        credit = self.advertise
+        if credit > RDS_MAX_ADV_CREDIT:
+            credit = RDS_MAX_ADV_CREDIT
         self.advertise -= credit
         self.acked_to_peer = ack = self.rds.next_recv - 1
         slot = self.free_slots.pop()
@@ -577,7 +579,7 @@ class Session:
             self.send_credits -= 1
         posted = self.posted
         posted.append(slot)
-        signaled = len(posted) % SIGNAL_EVERY == 0 or len(self.free_slots) < SIGNAL_EVERY
+        signaled = not len(posted) % SIGNAL_EVERY or len(self.free_slots) < SIGNAL_EVERY
         wr = self._slot_wrs[slot]
         length = RDS_HEADER_LEN + size
         wr.sg_list = [SGE(self._send_addr + base, length, self._send_lkey)]
@@ -724,19 +726,21 @@ class Session:
         """Take entries ``0..n-1`` of ``wcs``; the receives among them are posted again
         (even when a broken one ends the session: the QP flushes them then)."""
         reposts: list[int] = []
+        wr_ids, statuses, opcodes, lengths = wcs.wr_id, wcs.status, wcs.opcode, wcs.byte_len
+        rdma = self.rdma
         try:
             for i in range(n):
-                wr_id = wcs.wr_id[i]
-                status = wcs.status[i]
-                if wr_id in self.rdma:  # receives use slot numbers: no clash
+                wr_id = wr_ids[i]
+                status = statuses[i]
+                if rdma and wr_id in rdma:  # receives use slot numbers: no clash
                     self._rdma_done(wr_id, status)
                 if status != _SUCCESS:
                     raise SessionLost(
                         f"{status.name} (work request {wr_id:#x}) with {self.rds.peer}"
                     )
-                if wcs.opcode[i] == _RECV:
+                if opcodes[i] == _RECV:
                     reposts.append(wr_id)
-                    self._on_recv(wr_id, wcs.byte_len[i])
+                    self._on_recv(wr_id, lengths[i])
                 elif wr_id < _RDMA_WR:  # this Send and every one posted before it are done
                     while (slot := self.posted.popleft()) != wr_id:
                         self.free_slots.append(slot)
