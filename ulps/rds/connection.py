@@ -195,8 +195,20 @@ class RdsConnection:
     settings: RdsSettings = field(default_factory=RdsSettings)
     """The bounds of the queue (``sndbuf``, ``max_queued_messages``)."""
     last_active: float = 0.0
-    """When (trio's clock) a message was last queued or received, or a session began or ended."""
+    """When (trio's clock) a session began or ended, or a message was last queued or
+    received as of :meth:`active_at`'s last look (messages only set :attr:`busy`: a
+    clock read per message costs more than the node's idle check needs)."""
+    busy: bool = False
+    """A message was queued or received since :attr:`last_active` was set."""
     _space: trio.Event = field(default_factory=trio.Event)
+
+    def active_at(self, now: float) -> float:
+        """When the connection was last active, as seen at ``now`` (trio's clock): a
+        message since the last look counts as activity now."""
+        if self.busy:
+            self.busy = False
+            self.last_active = now
+        return self.last_active
 
     @property
     def connected(self) -> bool:
@@ -228,7 +240,7 @@ class RdsConnection:
         """
         msg = OutMessage(self.next_seq, sport, dport, bytes(data), flags, rdma, extensions, own)
         self.next_seq += 1
-        self.last_active = trio.current_time()
+        self.busy = True
         self.unsent.append(msg)
         self.queued_bytes += len(msg.data)
         self.counters.send_messages += 1
@@ -360,7 +372,7 @@ class RdsConnection:
             self.peer_map(data)
             return
         seq = header.sequence
-        self.last_active = trio.current_time()
+        self.busy = True
         if seq < self.next_recv:
             if header.flags & RdsFlag.RETRANSMITTED:
                 self.counters.recv_drop_old_seq += 1

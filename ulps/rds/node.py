@@ -590,7 +590,8 @@ class RdsNode:
     def _new_entry(self, peer: IPAddress) -> _Peer | None:
         """A new peer entry, making room for it if need be (None: no room)."""
         if len(self._peers) >= self.settings.max_peers:
-            idle = [(e.rds.last_active, p) for p, e in self._peers.items() if self._droppable(e)]
+            now = trio.current_time()
+            idle = [(e.rds.active_at(now), p) for p, e in self._peers.items() if self._droppable(e)]
             if not idle:
                 return None
             self._drop_peer(min(idle)[1], "to make room")
@@ -627,7 +628,7 @@ class RdsNode:
     def _expire(self, now: float) -> None:
         for peer, entry in list(self._peers.items()):
             rds = entry.rds
-            if now - rds.last_active < self.settings.peer_idle_expiry or rds.pending:
+            if now - rds.active_at(now) < self.settings.peer_idle_expiry or rds.pending:
                 continue
             if entry.session_scope is not None:
                 log.debug("RDS %s closes its idle session with %s", self.address, peer)
