@@ -67,6 +67,10 @@ IPAddress = IPv4Address | IPv6Address
 SLOT = RDS_HEADER_LEN + RDS_FRAG_SIZE
 RECV_SLOTS = 128
 SEND_SLOTS = 64
+REPOST_BATCH = 8
+"""Receive buffers go back to the QP (and their credits to the peer) in lists of at
+least this many: a post per message, where one message comes at a time, costs more
+than the few receives it keeps posted (at least 120 of 128 stay posted)."""
 SIGNAL_EVERY = 8
 ACK_REQUIRED_EVERY = 8
 """A message asks the peer for an acknowledgement (``RDS_FLAG_ACK_REQUIRED``) at
@@ -502,6 +506,9 @@ class Session:
         self._wrs: list[SendWR] = []
         """Work requests made and not yet posted (:meth:`_submit` posts them)."""
 
+        self._reposts: list[int] = []
+        """Receive buffers taken and not yet posted again (see :data:`REPOST_BATCH`)."""
+
         # Before the connection is up: the peer may send as soon as it is.
         self.qp.post_recv_batch(self._recvs)
 
@@ -736,8 +743,9 @@ class Session:
     # ------------------------------------------------------------------ the loop
     def _completions(self, wcs: WCArray, n: int) -> None:
         """Take entries ``0..n-1`` of ``wcs``; the receives among them are posted again
-        (even when a broken one ends the session: the QP flushes them then)."""
-        reposts: list[int] = []
+        once :data:`REPOST_BATCH` wait (even when a broken one ends the session: the QP
+        flushes them then)."""
+        reposts = self._reposts
         wr_ids, statuses, opcodes, lengths = wcs.wr_id, wcs.status, wcs.opcode, wcs.byte_len
         rdma = self.rdma
         try:
@@ -758,7 +766,8 @@ class Session:
                         self.free_slots.append(slot)
                     self.free_slots.append(slot)
         finally:
-            if reposts and not self.lost:
+            if len(reposts) >= REPOST_BATCH and not self.lost:
+                self._reposts = []
                 self.qp.post_recv_batch(self._recvs, indices=reposts)
                 if self.flow_control:
                     self.advertise += len(reposts)
