@@ -281,6 +281,9 @@ async def stress_active(
             raise RdsToolError(f"{cfg.dest}: {first}") from None
         clock = _Clock()
         on_start()
+        # perf_counter at each running task's last ack (or its start), for the watchdog:
+        # one timer for the run rather than a cancel scope per wait for an ack.
+        last_ack: dict[int, float] = {}
 
         async def task(i: int, sock: RdsSocket) -> None:
             pending: deque[tuple[int, float]] = deque()
@@ -314,6 +317,7 @@ async def stress_active(
                 now.send_usecs += (t1 - t0) * 1e6
 
             running[0] += 1
+            last_ack[i] = perf()
             try:
                 for _ in range(cfg.depth):
                     await send_one()
@@ -321,13 +325,8 @@ async def stress_active(
                     if sock.received:  # acks already here are taken without waiting
                         data, sender = sock.recvfrom_nowait()  # (rds-stress's MSG_DONTWAIT)
                     else:
-                        with trio.move_on_after(ACK_TIMEOUT) as waiting:
-                            data, sender = await sock.recvfrom()
-                        if waiting.cancelled_caught:
-                            raise RdsToolError(
-                                f"task {i}: no ack from {cfg.dest} for {ACK_TIMEOUT:g} s"
-                            )
-                    t = perf()
+                        data, sender = await sock.recvfrom()
+                    last_ack[i] = t = perf()
                     op, task_no, ack_seq, _ = _parse_stress(data, sender)
                     if (op, ack_seq) == (OP_ACK, 0):
                         continue  # a late answer to a repeated start-up request
@@ -352,6 +351,7 @@ async def stress_active(
                         await send_one()
             finally:
                 running[0] -= 1
+                del last_ack[i]
 
         async def reporter() -> None:
             last = clock.snapshot()
@@ -366,6 +366,16 @@ async def stress_active(
                 on_second(sample)
                 last = snap
 
+        async def watchdog() -> None:
+            while True:
+                await trio.sleep(1.0)
+                now = time.perf_counter()
+                for i, since in last_ack.items():
+                    if now - since > ACK_TIMEOUT:
+                        raise RdsToolError(
+                            f"task {i}: no ack from {cfg.dest} for {ACK_TIMEOUT:g} s"
+                        )
+
         async def timer() -> None:
             if cfg.seconds:
                 with trio.move_on_after(cfg.seconds):
@@ -375,6 +385,7 @@ async def stress_active(
         async with trio.open_nursery() as outer:
             outer.start_soon(reporter)
             outer.start_soon(timer)
+            outer.start_soon(watchdog)
             async with trio.open_nursery() as tasks:
                 for i, sock in enumerate(socks):
                     tasks.start_soon(task, i, sock)

@@ -30,6 +30,7 @@ import trio
 from rdmashim.ulps.rds.rdma import RdmaOp, RdmaStatus, status_of
 from rdmashim.ulps.rds.settings import RdsSettings
 from rdmashim.ulps.rds.wire import (
+    HEADER_STRUCT,
     RDS_FRAG_SIZE,
     RDS_HEADER_LEN,
     RDS_MAX_ADV_CREDIT,
@@ -39,8 +40,10 @@ from rdmashim.ulps.rds.wire import (
     RdsFlag,
     RdsHeader,
     RdsProtocolError,
+    encode_extensions,
 )
 from rdmashim.verbs import (
+    SGE,
     Access,
     QPState,
     RecvBatch,
@@ -64,6 +67,10 @@ IPAddress = IPv4Address | IPv6Address
 SLOT = RDS_HEADER_LEN + RDS_FRAG_SIZE
 RECV_SLOTS = 128
 SEND_SLOTS = 64
+REPOST_BATCH = 8
+"""Receive buffers go back to the QP (and their credits to the peer) in lists of at
+least this many: a post per message, where one message comes at a time, costs more
+than the few receives it keeps posted (at least 120 of 128 stay posted)."""
 SIGNAL_EVERY = 8
 ACK_REQUIRED_EVERY = 8
 """A message asks the peer for an acknowledgement (``RDS_FLAG_ACK_REQUIRED``) at
@@ -72,6 +79,10 @@ Linux acknowledges only what asks (``ib_recv.c`` ``rds_ib_set_ack``) unless a me
 of its own carries the ack (its ``rds_sysctl_max_unacked_packets``, 8, in ``send.c``)."""
 """A session asks for a completion every this many Sends (or each one when slots run
 low): one completion frees the slots of every Send posted before it."""
+BURST_MAX = 16
+"""Messages queued during a burst (see :meth:`Session.pump_sends`) after which they are
+posted at once rather than all together later: the peer starts on these while the
+rest are made, so the two ends work at the same time instead of taking turns."""
 ACK_DELAY = 0.002
 """Seconds a session holds an acknowledgement back for a message of ours to carry it."""
 RDMA_DEPTH = 16
@@ -81,18 +92,22 @@ _RDMA_WR = 1 << 32
 _SUCCESS = WCStatus.SUCCESS
 _RECV = WCOpcode.RECV
 _SEND = WROpcode.SEND
+_ACK_REQUIRED = int(RdsFlag.ACK_REQUIRED)
+_pack_header = HEADER_STRUCT.pack_into
 _FLAGS = {
-    (fence, last, signaled): (
+    (fence, last, signaled, inline): (
         (SendFlags.FENCE if fence else SendFlags.NONE)
         | (SendFlags.SOLICITED if last else SendFlags.NONE)
         | (SendFlags.SIGNALED if signaled else SendFlags.NONE)
+        | (SendFlags.INLINE if inline else SendFlags.NONE)
     )
     for fence in (False, True)
     for last in (False, True)
     for signaled in (False, True)
+    for inline in (False, True)
 }
-"""A Send's flags by (fence, last fragment, signaled): made once, as Flag arithmetic
-costs a Python call each time."""
+"""A Send's flags by (fence, last fragment, signaled, inline): made once, as Flag
+arithmetic costs a Python call each time."""
 
 
 class SessionLost(Exception):
@@ -184,8 +199,20 @@ class RdsConnection:
     settings: RdsSettings = field(default_factory=RdsSettings)
     """The bounds of the queue (``sndbuf``, ``max_queued_messages``)."""
     last_active: float = 0.0
-    """When (trio's clock) a message was last queued or received, or a session began or ended."""
+    """When (trio's clock) a session began or ended, or a message was last queued or
+    received as of :meth:`active_at`'s last look (messages only set :attr:`busy`: a
+    clock read per message costs more than the node's idle check needs)."""
+    busy: bool = False
+    """A message was queued or received since :attr:`last_active` was set."""
     _space: trio.Event = field(default_factory=trio.Event)
+
+    def active_at(self, now: float) -> float:
+        """When the connection was last active, as seen at ``now`` (trio's clock): a
+        message since the last look counts as activity now."""
+        if self.busy:
+            self.busy = False
+            self.last_active = now
+        return self.last_active
 
     @property
     def connected(self) -> bool:
@@ -217,7 +244,7 @@ class RdsConnection:
         """
         msg = OutMessage(self.next_seq, sport, dport, bytes(data), flags, rdma, extensions, own)
         self.next_seq += 1
-        self.last_active = trio.current_time()
+        self.busy = True
         self.unsent.append(msg)
         self.queued_bytes += len(msg.data)
         self.counters.send_messages += 1
@@ -349,7 +376,7 @@ class RdsConnection:
             self.peer_map(data)
             return
         seq = header.sequence
-        self.last_active = trio.current_time()
+        self.busy = True
         if seq < self.next_recv:
             if header.flags & RdsFlag.RETRANSMITTED:
                 self.counters.recv_drop_old_seq += 1
@@ -417,8 +444,9 @@ class Session:
     messages, the answers their receivers send in the next turn of the scheduler
     wait in the queue and :meth:`run`'s task posts them together after them
     (a burst of requests costs one post, one write and, at the peer, one read
-    and one handler run). The wire is the same either way: the same headers,
-    flags and order.
+    and one handler run), up to :data:`BURST_MAX` of them: more are posted as they
+    come, so that the peer works on the first ones while the rest are made. The
+    wire is the same either way: the same headers, flags and order.
     """
 
     def __init__(self, rds: RdsConnection, conn: Connection | ConnectionRequest) -> None:
@@ -434,6 +462,16 @@ class Session:
         """Messages left before the next one asks for an acknowledgement."""
         self.recv_mr = conn.pd.reg_mr(bytearray(SLOT * RECV_SLOTS), Access.LOCAL_WRITE)
         self.send_mr = conn.pd.reg_mr(bytearray(SLOT * SEND_SLOTS), Access.LOCAL_WRITE)
+        self._recv_buf = self.recv_mr.buf
+        self._send_buf = self.send_mr.buf
+        first = self.send_mr.sge(0, SLOT)
+        self._send_addr, self._send_lkey = first.addr, first.lkey
+        self._slot_wrs = [SendWR(slot, _SEND) for slot in range(SEND_SLOTS)]
+        self._max_inline = conn.qp.cap.max_inline_data
+        """Sends up to this long go INLINE (copied when posted; the slot is free again at
+        once, though it is reused only after a later signaled Send completes)."""
+        """Each send slot's Send, filled in again for each fragment the slot carries
+        (a post copies what it needs of a work request)."""
         self.free_slots = list(range(SEND_SLOTS))
         self.posted: deque[int] = deque()
         """Send slots in flight, in posting order (the send queue completes in order)."""
@@ -442,7 +480,7 @@ class Session:
         self._next_rdma = _RDMA_WR
         self.current: OutMessage | None = None
         self.next_fragment = 0
-        self._extra_flags = RdsFlag.NONE
+        self._extra_flags = 0
         """Flags the current message's headers carry beside its own (ACK_REQUIRED)."""
         self.acked_to_peer = rds.next_recv - 1
         self._assembly: tuple[RdsHeader, bytearray, int] | None = None
@@ -468,6 +506,9 @@ class Session:
         self._wrs: list[SendWR] = []
         """Work requests made and not yet posted (:meth:`_submit` posts them)."""
 
+        self._reposts: list[int] = []
+        """Receive buffers taken and not yet posted again (see :data:`REPOST_BATCH`)."""
+
         # Before the connection is up: the peer may send as soon as it is.
         self.qp.post_recv_batch(self._recvs)
 
@@ -483,24 +524,6 @@ class Session:
         self.send_mr.close()
 
     # ------------------------------------------------------------------ transmit
-    def _header(
-        self, msg: OutMessage | None, first: bool = False, flags: RdsFlag = RdsFlag.NONE
-    ) -> bytes:
-        """The header of a fragment of ``msg`` (None: a standalone ack), with ``flags``
-        beside the message's own."""
-        credit = min(self.advertise, RDS_MAX_ADV_CREDIT)
-        self.advertise -= credit
-        self.acked_to_peer = self.rds.next_recv - 1
-        if msg is None:  # a standalone ack / credit update
-            return RdsHeader(0, self.acked_to_peer, 0, 0, 0, RdsFlag.NONE, credit).encode()
-        extensions = msg.extensions if first else ()
-        if first and msg.rdma is not None:
-            extensions += (RdmaExt(msg.rdma.rkey),)
-        return RdsHeader(
-            msg.seq, self.acked_to_peer, len(msg.data), msg.sport, msg.dport,
-            msg.flags | flags, credit, extensions=extensions,
-        ).encode()  # fmt: skip
-
     def _post_rdma(self, op: RdmaOp) -> None:
         """Post the RDMA Write or Read a message carries, ahead of the message."""
         wr_id = self._next_rdma
@@ -530,28 +553,57 @@ class Session:
             op._finish(status_of(status), status.name)
 
     def _post(
-        self, header: bytes, payload: bytes | memoryview, fence: bool = False, last: bool = True
+        self,
+        msg: OutMessage | None,
+        first: bool = True,
+        payload: bytes | memoryview = b"",
+        fence: bool = False,
+        last: bool = True,
     ) -> None:
-        """Fill a send slot and add its Send to the ones :meth:`_submit` posts. The last
-        of a message (and an ack) is solicited: a Linux peer arms its receive CQ for
-        solicited completions only (``ib_cm.c`` ``rds_ib_setup_qp``; ``ib_send.c``
-        ``rds_ib_xmit`` solicits a message's last fragment, ``ib_recv.c``
-        ``rds_ib_recv_init_ack`` every ack), so it would not look at what came before
-        until a solicited Send arrives."""
+        """Fill a send slot with a fragment of ``msg`` (None: a standalone ack, whose
+        credits and acknowledgement every header carries) and add its Send to the
+        ones :meth:`_submit` posts. The header is written straight into the slot.
+
+        The last fragment of a message (and an ack) is solicited: a Linux peer arms
+        its receive CQ for solicited completions only (``ib_cm.c``
+        ``rds_ib_setup_qp``; ``ib_send.c`` ``rds_ib_xmit`` solicits a message's last
+        fragment, ``ib_recv.c`` ``rds_ib_recv_init_ack`` every ack), so it would not
+        look at what came before until a solicited Send arrives."""
+        credit = self.advertise
+        if credit > RDS_MAX_ADV_CREDIT:
+            credit = RDS_MAX_ADV_CREDIT
+        self.advertise -= credit
+        self.acked_to_peer = ack = self.rds.next_recv - 1
         slot = self.free_slots.pop()
         base = slot * SLOT
-        end = base + RDS_HEADER_LEN + len(payload)
-        buf = self.send_mr.buf
-        buf[base : base + RDS_HEADER_LEN] = header
-        buf[base + RDS_HEADER_LEN : end] = payload
+        buf = self._send_buf
+        size = len(payload)
+        if msg is None:
+            _pack_header(buf, base, 0, ack, 0, 0, 0, 0, credit, 0, b"")
+        else:
+            exthdr = b""
+            if first and (msg.extensions or msg.rdma is not None):
+                extensions = msg.extensions
+                if msg.rdma is not None:
+                    extensions += (RdmaExt(msg.rdma.rkey),)
+                exthdr = encode_extensions(extensions)
+            flags = int(msg.flags) | self._extra_flags
+            _pack_header(
+                buf, base, msg.seq, ack, len(msg.data), msg.sport, msg.dport, flags, credit,
+                0, exthdr,
+            )  # fmt: skip
+            if size:
+                buf[base + RDS_HEADER_LEN : base + RDS_HEADER_LEN + size] = payload
         if self.flow_control:
             self.send_credits -= 1
         posted = self.posted
         posted.append(slot)
-        signaled = len(posted) % SIGNAL_EVERY == 0 or len(self.free_slots) < SIGNAL_EVERY
-        self._wrs.append(
-            SendWR(slot, _SEND, [self.send_mr.sge(base, end - base)], _FLAGS[fence, last, signaled])
-        )
+        signaled = not len(posted) % SIGNAL_EVERY or len(self.free_slots) < SIGNAL_EVERY
+        wr = self._slot_wrs[slot]
+        length = RDS_HEADER_LEN + size
+        wr.sg_list = [SGE(self._send_addr + base, length, self._send_lkey)]
+        wr.send_flags = _FLAGS[fence, last, signaled, length <= self._max_inline]
+        self._wrs.append(wr)
 
     def _submit(self) -> None:
         """Post the Sends (and RDMA operations) made since the last call, as one list: the
@@ -564,8 +616,8 @@ class Session:
     def pump_sends(self) -> None:
         """Post what waits to go out (never blocks): now, or, while the receivers of a
         batch of delivered messages answer them (:attr:`_burst`), once they all have, in
-        one list, from :meth:`run`'s task."""
-        if self._burst:
+        one list, from :meth:`run`'s task, unless :data:`BURST_MAX` of them wait."""
+        if self._burst and len(self.rds.unsent) < BURST_MAX:
             if not self._flush_due:
                 self._flush_due = True
                 self._wake.set()
@@ -618,11 +670,17 @@ class Session:
                         fence = not numbered.rdma.write  # the peer sees it after the Read
             msg = self.current
             assert msg is not None
-            start = self.next_fragment * RDS_FRAG_SIZE
-            payload = memoryview(msg.data)[start : start + RDS_FRAG_SIZE]
-            self.next_fragment += 1
+            fragment = self.next_fragment
+            data = msg.data
+            if fragment == 0 and len(data) <= RDS_FRAG_SIZE:  # the whole message: no view
+                self._post(msg, True, data, fence)
+                self.current = None
+                continue
+            start = fragment * RDS_FRAG_SIZE
+            self.next_fragment = fragment + 1
             last = self.next_fragment >= msg.fragments
-            self._post(self._header(msg, start == 0, self._extra_flags), payload, fence, last)
+            payload = memoryview(data)[start : start + RDS_FRAG_SIZE]
+            self._post(msg, fragment == 0, payload, fence, last)
             if last:
                 self.current = None
         if rds.unsent or self.current is not None:
@@ -633,10 +691,10 @@ class Session:
         acknowledgement now and then (:data:`ACK_REQUIRED_EVERY`)."""
         self.current = msg
         self.next_fragment = 0
-        self._extra_flags = RdsFlag.NONE
+        self._extra_flags = 0
         if msg.seq:
             if self._ack_countdown == 0 or not self.rds.unsent:
-                self._extra_flags = RdsFlag.ACK_REQUIRED
+                self._extra_flags = _ACK_REQUIRED
                 self._ack_countdown = ACK_REQUIRED_EVERY
             self._ack_countdown -= 1
 
@@ -646,7 +704,7 @@ class Session:
         if self.free_slots and (
             not self.flow_control or self.send_credits > 1 or (self.send_credits and self.advertise)
         ):
-            self._post(self._header(None), b"")
+            self._post(None)
             self._submit()
             self.rds.counters.acks_sent += 1
 
@@ -654,7 +712,7 @@ class Session:
     def _on_recv(self, slot: int, byte_len: int) -> None:
         """Take one received fragment (or ack); the caller posts its buffer again."""
         base = slot * SLOT
-        view = self.recv_mr.buf[base : base + byte_len]
+        view = self._recv_buf[base : base + byte_len]
         header = RdsHeader.decode(view)
         if header is None:
             raise RdsProtocolError(f"{byte_len}-byte message shorter than an RDS header")
@@ -685,27 +743,31 @@ class Session:
     # ------------------------------------------------------------------ the loop
     def _completions(self, wcs: WCArray, n: int) -> None:
         """Take entries ``0..n-1`` of ``wcs``; the receives among them are posted again
-        (even when a broken one ends the session: the QP flushes them then)."""
-        reposts: list[int] = []
+        once :data:`REPOST_BATCH` wait (even when a broken one ends the session: the QP
+        flushes them then)."""
+        reposts = self._reposts
+        wr_ids, statuses, opcodes, lengths = wcs.wr_id, wcs.status, wcs.opcode, wcs.byte_len
+        rdma = self.rdma
         try:
             for i in range(n):
-                wr_id = wcs.wr_id[i]
-                status = wcs.status[i]
-                if wr_id in self.rdma:  # receives use slot numbers: no clash
+                wr_id = wr_ids[i]
+                status = statuses[i]
+                if rdma and wr_id in rdma:  # receives use slot numbers: no clash
                     self._rdma_done(wr_id, status)
                 if status != _SUCCESS:
                     raise SessionLost(
                         f"{status.name} (work request {wr_id:#x}) with {self.rds.peer}"
                     )
-                if wcs.opcode[i] == _RECV:
+                if opcodes[i] == _RECV:
                     reposts.append(wr_id)
-                    self._on_recv(wr_id, wcs.byte_len[i])
+                    self._on_recv(wr_id, lengths[i])
                 elif wr_id < _RDMA_WR:  # this Send and every one posted before it are done
                     while (slot := self.posted.popleft()) != wr_id:
                         self.free_slots.append(slot)
                     self.free_slots.append(slot)
         finally:
-            if reposts and not self.lost:
+            if len(reposts) >= REPOST_BATCH and not self.lost:
+                self._reposts = []
                 self.qp.post_recv_batch(self._recvs, indices=reposts)
                 if self.flow_control:
                     self.advertise += len(reposts)

@@ -20,6 +20,7 @@ Over RDMA everything here uses only the portable verbs and rdma_cm API.
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import functools
 import ipaddress
@@ -89,6 +90,11 @@ def _ip_text(ip: IPAddress) -> str:
 
 
 QP_CAP = QPCap(max_send_wr=128, max_recv_wr=RECV_SLOTS, max_send_sge=1, max_recv_sge=1)
+"""The queues of a session's QP; :attr:`RdsNode` adds the inline bytes its device takes."""
+MAX_INLINE = 128
+"""Inline bytes a session asks for at most (where the device takes them): a Send that
+fits (a standalone ack, a header and a small message) is copied when posted, which
+the built-in engine frames in its batch paths."""
 RDS_TCP_NPATHS = 1
 """Paths we announce in the handshake probe: one (Linux offers up to
 ``RDS_MPATH_WORKERS``, 8; the peer then uses the smaller number)."""
@@ -248,7 +254,8 @@ class RdsSocket:
     def _push(self, msg: ReceivedMessage) -> None:
         self.received.append(msg)
         self.queued_bytes += len(msg.data)
-        self._arrived.unpark()
+        if self._arrived:  # a reader waits (unpark costs even when none does)
+            self._arrived.unpark()
 
     # ------------------------------------------------------------------ RDMA by cookie
     def get_mr(self, buffer: Buffer, *, use_once: bool = False) -> int:
@@ -317,6 +324,9 @@ class RdsNode:
         self.congestion = CongestionMap()
         """This node's ports whose sockets hold more than ``settings.rcvbuf`` bytes unread."""
         self._monitors: list[trio.MemorySendChannel[tuple[str, set[int]]]] = []
+        self._qp_cap = QP_CAP
+        """:data:`QP_CAP` with as many inline bytes as the device takes, up to
+        :data:`MAX_INLINE` (set when the node starts)."""
 
     # ------------------------------------------------------------------ lifetime
     @asynccontextmanager
@@ -333,9 +343,11 @@ class RdsNode:
         async with open_device_for(str(self.address)) as ctx, service_nursery() as nursery:
             self.pd = ctx.alloc_pd()
             self._nursery = nursery
+            inline = min(MAX_INLINE, ctx.query_device().max_inline_data)
+            self._qp_cap = dataclasses.replace(QP_CAP, max_inline_data=inline)
             local = await nursery.start(
                 lambda task_status: serve(
-                    self._incoming, self.port, host=str(self.address), cap=QP_CAP,
+                    self._incoming, self.port, host=str(self.address), cap=self._qp_cap,
                     cqe=1024, pd=self.pd, task_status=task_status,
                 )
             )  # fmt: skip
@@ -578,7 +590,8 @@ class RdsNode:
     def _new_entry(self, peer: IPAddress) -> _Peer | None:
         """A new peer entry, making room for it if need be (None: no room)."""
         if len(self._peers) >= self.settings.max_peers:
-            idle = [(e.rds.last_active, p) for p, e in self._peers.items() if self._droppable(e)]
+            now = trio.current_time()
+            idle = [(e.rds.active_at(now), p) for p, e in self._peers.items() if self._droppable(e)]
             if not idle:
                 return None
             self._drop_peer(min(idle)[1], "to make room")
@@ -615,7 +628,7 @@ class RdsNode:
     def _expire(self, now: float) -> None:
         for peer, entry in list(self._peers.items()):
             rds = entry.rds
-            if now - rds.last_active < self.settings.peer_idle_expiry or rds.pending:
+            if now - rds.active_at(now) < self.settings.peer_idle_expiry or rds.pending:
                 continue
             if entry.session_scope is not None:
                 log.debug("RDS %s closes its idle session with %s", self.address, peer)
@@ -680,7 +693,7 @@ class RdsNode:
         entry.connecting = True
         try:
             async with open_connection(
-                str(rds.peer), self.port, private_data=self._private(rds), cap=QP_CAP,
+                str(rds.peer), self.port, private_data=self._private(rds), cap=self._qp_cap,
                 cqe=1024, pd=self.pd, prepare=prepare,
             ) as conn:  # fmt: skip
                 entry.connecting = False

@@ -369,8 +369,16 @@ def verify_checksum(header: bytes | bytearray | memoryview) -> bool:
 # The RDS header
 # ---------------------------------------------------------------------------------------
 
-_HDR = struct.Struct("!QQIHHBB4xH16s")
+HEADER_STRUCT = _HDR = struct.Struct("!QQIHHBB4xH16s")
+"""The 48-byte header's fields: sequence, ack, length, sport, dport, flags, credit,
+checksum (after 4 pad bytes) and the 16-byte extension area (a shorter one is padded
+with NONE bytes). The send path packs its headers straight into its buffers with
+``HEADER_STRUCT.pack_into``, fields it knows to fit and no :class:`RdsHeader`
+(``struct.error`` if they do not)."""
 assert _HDR.size == RDS_HEADER_LEN
+_FLAG_VALUES = tuple(RdsFlag(value) for value in range(256))
+"""``h_flags`` by value: an index is cheaper than an enum call per header."""
+_CONG_BITMAP = int(RdsFlag.CONG_BITMAP)
 
 
 @dataclass(frozen=True, slots=True)
@@ -394,6 +402,19 @@ class RdsHeader:
 
     def encode(self) -> bytes:
         """The 48 header bytes; raises ValueError for a header RDS cannot carry."""
+        if not 0 <= self.length <= RDS_MAX_MSG_SIZE:
+            raise ValueError(f"length={self.length} is outside 0..RDS_MAX_MSG_SIZE")
+        area = encode_extensions(self.extensions) if self.extensions else b""
+        try:
+            return _HDR.pack(
+                self.sequence, self.ack, self.length, self.sport, self.dport, self.flags,
+                self.credit, self.checksum, area,
+            )  # fmt: skip
+        except struct.error:  # a field too wide: say which
+            self._check_fields()
+            raise
+
+    def _check_fields(self) -> None:
         _check_uint("sequence", self.sequence, 64)
         _check_uint("ack", self.ack, 64)
         _check_uint("sport", self.sport, 16)
@@ -401,19 +422,6 @@ class RdsHeader:
         _check_uint("flags", self.flags, 8)
         _check_uint("credit", self.credit, 8)
         _check_uint("checksum", self.checksum, 16)
-        if not 0 <= self.length <= RDS_MAX_MSG_SIZE:
-            raise ValueError(f"length={self.length} is outside 0..RDS_MAX_MSG_SIZE")
-        return _HDR.pack(
-            self.sequence,
-            self.ack,
-            self.length,
-            self.sport,
-            self.dport,
-            self.flags,
-            self.credit,
-            self.checksum,
-            encode_extensions(self.extensions),
-        )
 
     def with_checksum(self) -> RdsHeader:
         """This header with ``checksum`` set to the value of its other fields."""
@@ -442,21 +450,12 @@ class RdsHeader:
             raise RdsProtocolError(
                 f"RDS message length {length} exceeds RDS_MAX_MSG_SIZE ({RDS_MAX_MSG_SIZE})"
             )
-        if flags & RdsFlag.CONG_BITMAP and length != RDS_CONG_MAP_BYTES:
+        if flags & _CONG_BITMAP and length != RDS_CONG_MAP_BYTES:  # (an int: no Flag call)
             raise RdsProtocolError(
                 f"RDS congestion map update of {length} bytes, not {RDS_CONG_MAP_BYTES}"
             )
-        return cls(
-            sequence=seq,
-            ack=ack,
-            length=length,
-            sport=sport,
-            dport=dport,
-            flags=RdsFlag(flags),
-            credit=credit,
-            checksum=csum,
-            extensions=parse_extensions(area),
-        )
+        extensions = parse_extensions(area) if area[0] else ()  # (the common case: none)
+        return cls(seq, ack, length, sport, dport, _FLAG_VALUES[flags], credit, csum, extensions)
 
 
 # ---------------------------------------------------------------------------------------
