@@ -467,11 +467,11 @@ class Session:
         first = self.send_mr.sge(0, SLOT)
         self._send_addr, self._send_lkey = first.addr, first.lkey
         self._slot_wrs = [SendWR(slot, _SEND) for slot in range(SEND_SLOTS)]
+        """Each send slot's Send, filled in again for each fragment the slot carries
+        (a post copies what it needs of a work request)."""
         self._max_inline = conn.qp.cap.max_inline_data
         """Sends up to this long go INLINE (copied when posted; the slot is free again at
         once, though it is reused only after a later signaled Send completes)."""
-        """Each send slot's Send, filled in again for each fragment the slot carries
-        (a post copies what it needs of a work request)."""
         self.free_slots = list(range(SEND_SLOTS))
         self.posted: deque[int] = deque()
         """Send slots in flight, in posting order (the send queue completes in order)."""

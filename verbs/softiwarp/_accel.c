@@ -333,6 +333,16 @@ static uint32_t crc32c_copy(uint32_t crc, uint8_t *dst, const uint8_t *src, size
     return rs_crc32c(crc, src, len);
 }
 
+/* The CRC32c of the FPDU f[0:body] whose payload f[header_len:header_len + n] is copied
+ * from `from` to `to` in the pass that sums it (one of the two is that part of f). */
+static uint32_t fpdu_crc_copy(const uint8_t *f, size_t header_len, uint8_t *to,
+                              const uint8_t *from, size_t n, size_t body)
+{
+    uint32_t c = rs_crc32c(0, f, header_len);
+    c = crc32c_copy(c, to, from, n);
+    return rs_crc32c(c, f + header_len + n, body - header_len - n);
+}
+
 /* PAD bytes after a ULPDU so that the FPDU (with its 2 length bytes) ends 4-aligned. */
 static inline size_t pad_len(size_t ulpdu_len)
 {
@@ -351,9 +361,7 @@ static void fill_fpdu(uint8_t *f, size_t header_len, const uint8_t *payload, siz
         store_le32(f + body, 0);
         return;
     }
-    uint32_t c = rs_crc32c(0, f, header_len);
-    c = crc32c_copy(c, f + header_len, payload, n); /* copied in the pass that sums it */
-    store_le32(f + body, rs_crc32c(c, f + header_len + n, body - header_len - n));
+    store_le32(f + body, fpdu_crc_copy(f, header_len, f + header_len, payload, n, body));
 }
 
 int64_t rs_frame_sends(uint8_t *out, size_t out_cap, const uint8_t *data, size_t data_len,
@@ -573,10 +581,9 @@ int64_t rs_place_tagged(const uint8_t *buf, size_t buf_len, size_t start, size_t
          * engine's general path then fails the connection with its Terminate. */
         const uint8_t *payload = f + RS_TAGGED_HDR_LEN;
         if (crc) {
-            uint32_t c = rs_crc32c(0, f, RS_TAGGED_HDR_LEN);
-            c = crc32c_copy(c, dst + off + rel, payload, (size_t)n);
-            c = rs_crc32c(c, payload + n, body - RS_TAGGED_HDR_LEN - (size_t)n);
-            if (c != load_le32(f + body))
+            uint8_t *to = dst + off + rel;
+            if (fpdu_crc_copy(f, RS_TAGGED_HDR_LEN, to, payload, (size_t)n, body) !=
+                load_le32(f + body))
                 break;
         } else if (n) {
             memcpy(dst + off + rel, payload, (size_t)n);

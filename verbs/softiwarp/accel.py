@@ -174,11 +174,12 @@ class CKernels:
         pointers = ffi.new(
             "uint8_t *[]", [handle(r) + a for r, a in zip(regions, starts, strict=True)]
         )
-        return pointers, ffi.from_buffer("uint32_t[]", sizes), sizes, len(sizes), sum(sizes)
+        # (the cdata of the lengths keeps their array alive)
+        return pointers, ffi.from_buffer("uint32_t[]", sizes), len(sizes), sum(sizes)
 
     def gather(self, plan: object) -> Buffer:
         """See :class:`Kernels`."""
-        pointers, sizes, _, n, total = cast("tuple[Any, Any, array[int], int, int]", plan)
+        pointers, sizes, n, total = cast("tuple[Any, Any, int, int]", plan)
         out = bytearray(total)
         lib.rs_gather(ffi.from_buffer("uint8_t[]", out), pointers, sizes, n)
         return out

@@ -990,8 +990,10 @@ class _InlineSGE:
         self.region: Region | None = None
         self.offset = self.end = 0
 
-    def read(self, memory: MemoryTable) -> bytes | None:
-        """A copy of the bytes the SGE names now, or None if no region holds them."""
+    def read(self, memory: MemoryTable, pd: object = None) -> bytes | None:
+        """A copy of the bytes the SGE names now, or None if no region holds them (or,
+        with ``pd``, the region is of another PD: a Send without INLINE reads only its
+        QP's memory)."""
         region = self.region
         s = self.sge
         if region is None or not region.valid:
@@ -1001,6 +1003,8 @@ class _InlineSGE:
                 return None
             self.offset = s.addr - region.addr
             self.end = self.offset + s.length
+        if pd is not None and region.pd is not pd:
+            return None
         return region.view[self.offset : self.end].tobytes()
 
 
@@ -1062,7 +1066,7 @@ class _SendTemplate:
         self.copied = False
         """A Send without INLINE copied when posted: its region must be in the QP's PD."""
         runnable = opcode in (WROpcode.SEND, _SEND_INV) and not flags & _FENCE and keys_fit
-        self.run_ctrl = SendRun.ctrl(flags, opcode is _SEND_INV) if runnable else 0
+        self.run_ctrl = 0
         """An inline or copied Send without FENCE joins a :class:`SendRun` if its data fit
         one FPDU: its control byte there (0: it does not)."""
         if flags & _INLINE and opcode is not _RDMA_READ:
@@ -1071,12 +1075,13 @@ class _SendTemplate:
                 self.inline: tuple[_InlineSGE | InlineData, ...] | None = (source,)
             else:
                 self.inline = tuple(_InlineSGE(s) if isinstance(s, SGE) else s for s in sges)
+            if runnable:
+                self.run_ctrl = SendRun.ctrl(flags, opcode is _SEND_INV)
             return
         self.inline = None
         local = tuple(s for s in sges if isinstance(s, SGE))
         if len(local) != len(sges):
             self.invalid = "raw bytes need INLINE"
-            self.run_ctrl = 0
             return
         self.local = local
         self.length = length = sum(s.length for s in local)
@@ -1085,8 +1090,7 @@ class _SendTemplate:
         elif runnable and len(local) == 1 and 0 < length <= COPY_SEND_MAX:
             self.source = _InlineSGE(local[0])
             self.copied = True
-            return
-        self.run_ctrl = 0
+            self.run_ctrl = SendRun.ctrl(flags, opcode is _SEND_INV)
 
 
 class _RunPlan:
@@ -1310,8 +1314,8 @@ class QP(_Resource):
         src = self._now_src
         if src is None or src.sge is not sge:
             src = self._now_src = _InlineSGE(sge)
-        payload = src.read(self.context.memory)
-        if payload is None or not (flags & _INLINE or src.region.pd is self.pd):  # type: ignore[union-attr]
+        payload = src.read(self.context.memory, None if flags & _INLINE else self.pd)
+        if payload is None:
             return False
         frame = engine.frame_send(payload, _CTRL_SE if flags & _SOLICITED else _CTRL_SEND, inv)
         try:
@@ -1418,12 +1422,8 @@ class QP(_Resource):
                         if t.invalid:
                             raise _bad_wr(errno.EINVAL, "post_send", i, t.invalid)
                         length = t.length
-                        if (
-                            src is not None  # copied when posted: its region looked up now
-                            and (data := src.read(memory)) is not None
-                            and src.region.pd is pd  # type: ignore[union-attr]
-                        ):
-                            inline = data
+                        if src is not None:  # copied when posted: its region looked up now
+                            inline = src.read(memory, pd)
                     else:
                         # The engine sends the copy; the SGEs are not kept.
                         if src is not None and (data := src.read(memory)) is not None:
