@@ -344,21 +344,42 @@ async def capture(enabled: bool, pcap: Path, port: int) -> AsyncIterator[Any]:
         yield cap
 
 
-async def judge(pcap: Path, port: int, guest_ip: str = GUEST_IP) -> dict[str, Any]:
-    """The wire judge's verdict on a capture with the guest, less siw's non-zero PAD.
+CRC_PROBLEM = "FPDU(s) with a bad CRC32c"
+"""The wire judge's problem line for FPDUs whose CRC32c is wrong (after their count)."""
+
+
+def set_aside_guest(result: dict[str, Any], guest_ip: str) -> dict[str, Any]:
+    """Split a wire judge verdict into the guest's findings and ours.
 
     The kernel's siw sends PAD bytes that are not zero (a receiver ignores them;
-    the judge sets them aside with ``--pad-from``). TCP retransmissions (a slow TCG
-    guest's delayed ACKs provoke tail-loss probes) are not framed by tshark; the
-    judge lists them apart. Adds ``our_problems`` (must be empty), ``guest_pad``
-    (the PAD findings set aside) and ``retransmissions`` (their frame numbers).
+    the judge sets them aside itself with ``--pad-from``), and has been seen once
+    to send an FPDU whose CRC32c is wrong (CI, a 65535-byte rping: see
+    docs/interop.md). A bad CRC from the guest is its fault, and our side must
+    answer it with a Terminate; whether that happened is the test's to check. TCP
+    retransmissions (a slow TCG guest's delayed ACKs provoke tail-loss probes) are
+    not framed by tshark; the judge lists them apart. Adds ``our_problems`` (must
+    be empty), ``guest_pad``, ``guest_crc`` (the guest's bad FPDUs) and
+    ``retransmissions`` (their frame numbers).
     """
-    rc, result, _ = await wirecap.judge_capture(pcap, port, "--pad-from", guest_ip)
-    result["our_problems"] = list(result.get("problems", []))
+    errors = result.get("crc_errors", [])
+    theirs = [e for e in errors if e["src"].rsplit(":", 1)[0] == guest_ip]
+    ours = len(errors) - len(theirs)
+    problems = [p for p in result.get("problems", []) if not p.endswith(CRC_PROBLEM)]
+    if ours:
+        problems.insert(0, f"{ours} {CRC_PROBLEM}")
+    result["our_problems"] = problems
+    result["guest_crc"] = theirs
     result["guest_pad"] = result.get("pad_ignored", [])
     result["retransmissions"] = [r["frame"] for r in result.get("retransmitted_payload", [])]
-    result["judge_rc"] = rc
     return result
+
+
+async def judge(pcap: Path, port: int, guest_ip: str = GUEST_IP) -> dict[str, Any]:
+    """The wire judge's verdict on a capture with the guest, split by
+    :func:`set_aside_guest` (also adds ``judge_rc``)."""
+    rc, result, _ = await wirecap.judge_capture(pcap, port, "--pad-from", guest_ip)
+    result["judge_rc"] = rc
+    return set_aside_guest(result, guest_ip)
 
 
 @dataclass

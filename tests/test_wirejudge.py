@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import siwvm
 from crc32c import crc32c
 
 pytestmark = pytest.mark.wire
@@ -203,6 +204,18 @@ def test_bad_crc(tmp_path: Path) -> None:
     assert result["crc"]["bad"] == 1 and len(result["crc_errors"]) == 1
     assert "Bad CRC32" in result["crc_errors"][0]["tshark"]
     assert result["crc_errors"][0]["src"] == f"{CLIENT}:40000"
+
+
+@pytest.mark.parametrize("guest", [CLIENT, SERVER])
+def test_bad_crc_from_the_guest_is_set_aside(tmp_path: Path, guest: str) -> None:
+    """The siw test bed's split (``siwvm.set_aside_guest``): a bad CRC the guest sent is
+    its own finding; one we sent stays ours."""
+    _, result = judge(session(crc=True, crc_frame=True).write(tmp_path / "crc.pcap"))
+    split = siwvm.set_aside_guest(result, guest)
+    if guest == CLIENT:  # the sender of the bad FPDU
+        assert split["our_problems"] == [] and len(split["guest_crc"]) == 1, split
+    else:
+        assert split["our_problems"] == [f"1 {siwvm.CRC_PROBLEM}"] and split["guest_crc"] == []
 
 
 def test_bad_key_leaves_everything_undissected(tmp_path: Path) -> None:
