@@ -364,6 +364,33 @@ static void fill_fpdu(uint8_t *f, size_t header_len, const uint8_t *payload, siz
     store_le32(f + body, fpdu_crc_copy(f, header_len, f + header_len, payload, n, body));
 }
 
+/* The FPDU of one Send (control byte ctrl, invalidate STag inv, MSN msn) carrying the
+ * len bytes at src, written at f (cap bytes there): its size, or 0 when the control
+ * byte is not a Send's, the payload does not fit one FPDU or f is too small. */
+static size_t frame_one_send(uint8_t *f, size_t cap, uint8_t ctrl, uint32_t inv, uint32_t msn,
+                             const uint8_t *src, size_t len, int crc)
+{
+    if (ctrl != RDMAP_SEND && ctrl != RDMAP_SEND_INV && ctrl != RDMAP_SEND_SE &&
+        ctrl != RDMAP_SEND_SE_INV)
+        return 0;
+    if (len > RS_MAX_SEND_PAYLOAD)
+        return 0;
+    size_t ulpdu_len = RS_UNTAGGED_HDR_LEN - 2 + len;
+    size_t body = RS_UNTAGGED_HDR_LEN + len + pad_len(ulpdu_len);
+    if (cap < body + RS_CRC_LEN)
+        return 0;
+    f[0] = (uint8_t)(ulpdu_len >> 8);
+    f[1] = (uint8_t)ulpdu_len;
+    f[2] = DDP_UNTAGGED_LAST;
+    f[3] = ctrl;
+    store_be32(f + 4, inv);
+    store_be32(f + 8, 0);   /* QN: Send queue */
+    store_be32(f + 12, msn); /* MSN */
+    store_be32(f + 16, 0);  /* MO */
+    fill_fpdu(f, RS_UNTAGGED_HDR_LEN, src, len, body, crc);
+    return body + RS_CRC_LEN;
+}
+
 int64_t rs_frame_sends(uint8_t *out, size_t out_cap, const uint8_t *data, size_t data_len,
                        const uint32_t *lens, const uint8_t *ctrls, const uint32_t *invs,
                        size_t n, uint32_t msn, int crc)
@@ -372,31 +399,32 @@ int64_t rs_frame_sends(uint8_t *out, size_t out_cap, const uint8_t *data, size_t
     size_t d = 0; /* payload bytes taken from data */
     for (size_t i = 0; i < n; i++) {
         size_t len = lens[i];
-        uint8_t ctrl = ctrls[i];
-        if (ctrl != RDMAP_SEND && ctrl != RDMAP_SEND_INV && ctrl != RDMAP_SEND_SE &&
-            ctrl != RDMAP_SEND_SE_INV)
+        if (len > data_len - d)
             return -1;
-        if (len > RS_MAX_SEND_PAYLOAD || len > data_len - d)
+        size_t w = frame_one_send(out + o, out_cap - o, ctrls[i], invs[i], msn + (uint32_t)i,
+                                  data + d, len, crc);
+        if (!w)
             return -1;
-        size_t ulpdu_len = RS_UNTAGGED_HDR_LEN - 2 + len;
-        size_t body = RS_UNTAGGED_HDR_LEN + len + pad_len(ulpdu_len);
-        if (out_cap - o < body + RS_CRC_LEN)
-            return -1;
-        uint8_t *f = out + o;
-        f[0] = (uint8_t)(ulpdu_len >> 8);
-        f[1] = (uint8_t)ulpdu_len;
-        f[2] = DDP_UNTAGGED_LAST;
-        f[3] = ctrl;
-        store_be32(f + 4, invs[i]);
-        store_be32(f + 8, 0);                      /* QN: Send queue */
-        store_be32(f + 12, msn + (uint32_t)i);     /* MSN, modulo 2^32 */
-        store_be32(f + 16, 0);                     /* MO */
-        fill_fpdu(f, RS_UNTAGGED_HDR_LEN, data + d, len, body, crc);
-        o += body + RS_CRC_LEN;
+        o += w;
         d += len;
     }
     if (d != data_len)
         return -1;
+    return (int64_t)o;
+}
+
+int64_t rs_frame_gather(uint8_t *out, size_t out_cap, uint8_t *const *srcs,
+                        const uint32_t *lens, const uint8_t *ctrls, const uint32_t *invs,
+                        size_t n, uint32_t msn, int crc)
+{
+    size_t o = 0;
+    for (size_t i = 0; i < n; i++) {
+        size_t w = frame_one_send(out + o, out_cap - o, ctrls[i], invs[i], msn + (uint32_t)i,
+                                  srcs[i], lens[i], crc);
+        if (!w)
+            return -1;
+        o += w;
+    }
     return (int64_t)o;
 }
 

@@ -164,24 +164,46 @@ class CKernels:
             handle = region.handle = ffi.from_buffer("uint8_t[]", region.view, True)
         return handle
 
-    def gather_plan(
-        self, regions: Sequence[Region], starts: Sequence[int], lens: Sequence[int]
-    ) -> object:
+    def send_plan(
+        self, regions: Sequence[Region], starts: Sequence[int], lens: array[int], ctrls: bytes,
+        invs: array[int],
+    ) -> object:  # fmt: skip
         """See :class:`Kernels`: a pointer to each piece (into the regions' handles,
-        which live as long as the regions stay registered) and the lengths."""
-        sizes = array("I", lens)
+        which live as long as the regions stay registered) and the other arrays as C
+        sees them, converted once."""
+        if not len(starts) == len(lens) == len(ctrls) == len(invs):
+            raise ValueError("send_plan: starts, lens, ctrls and invs differ in length")
         handle: Callable[[Region], Any] = self.handle
         pointers = ffi.new(
             "uint8_t *[]", [handle(r) + a for r, a in zip(regions, starts, strict=True)]
         )
-        # (the cdata of the lengths keeps their array alive)
-        return pointers, ffi.from_buffer("uint32_t[]", sizes), len(sizes), sum(sizes)
+        # (each cdata keeps its array alive)
+        n = len(lens)
+        total = sum(lens)
+        return (
+            pointers, _u32(lens), n, total, _bytes(ctrls), _u32(invs),
+            total + n * _FRAME_OVERHEAD,
+        )  # fmt: skip
 
     def gather(self, plan: object) -> Buffer:
         """See :class:`Kernels`."""
-        pointers, sizes, n, total = cast("tuple[Any, Any, int, int]", plan)
+        pointers, sizes, n, total = cast("tuple[Any, Any, int, int]", plan)[:4]
         out = bytearray(total)
         lib.rs_gather(ffi.from_buffer("uint8_t[]", out), pointers, sizes, n)
+        return out
+
+    def frame_plan(self, plan: object, msn: int, crc: bool) -> Buffer:
+        """See :class:`Kernels`."""
+        pointers, sizes, n, _, ctrls, invs, most = cast(
+            "tuple[Any, Any, int, int, Any, Any, int]", plan
+        )
+        out = bytearray(most)
+        written = lib.rs_frame_gather(
+            ffi.from_buffer("uint8_t[]", out), most, pointers, sizes, ctrls, invs, n, msn, crc
+        )
+        if written < 0:
+            raise ValueError("frame_plan: a message is not a one-FPDU Send")
+        del out[written:]
         return out
 
     def frame_tagged(

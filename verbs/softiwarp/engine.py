@@ -516,8 +516,7 @@ class Engine:
         The one-message path of ``post_send``: the driver writes it at once and
         reports with :meth:`took_send`; nothing changes until then (a failed write
         leaves the Send to the general path)."""
-        msn = (self._tx_msn[_QN_SEND] + 1) & U32_MAX
-        return frame_send(payload, ctrl, invalidate_rkey, msn, self.config.crc)
+        return frame_send(payload, ctrl, invalidate_rkey, self.next_send_msn, self.config.crc)
 
     def took_send(self, wr_id: int, flags: int, payload: bytes, written: int, whole: bool) -> None:
         """The FPDU :meth:`frame_send` made went to TCP (``whole``), or its first
@@ -530,7 +529,36 @@ class Engine:
             if self.sq_sig_all or flags & _SIGNALED:
                 self.on_send_wc(WC(wr_id, WCStatus.SUCCESS, WCOpcode.SEND, 0, self.qp_num))
             return
-        job = SendJob(wr_id, WROpcode.SEND, flags, (), payload, len(payload))
+        self._taken_in_part(SendJob(wr_id, WROpcode.SEND, flags, (), payload, len(payload)))
+
+    def frame_run(self, run: SendRun) -> Buffer:
+        """The FPDUs of ``run`` with the next send MSNs, when :attr:`tx_idle`: what
+        :meth:`produce` would make of it at the head of the queue. The driver writes
+        them at once and reports with :meth:`took_run`; nothing changes until then."""
+        chunks = run.chunks
+        data = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+        return self._kernels.frame_sends(
+            data, run.lens, run.ctrls, run.invs, self.next_send_msn, self.config.crc
+        )
+
+    @property
+    def next_send_msn(self) -> int:
+        """The MSN the next Send carries (on the wire: counted from 1, modulo 2**32)."""
+        return (self._tx_msn[_QN_SEND] + 1) & U32_MAX
+
+    def took_run(self, run: SendRun, written: int, whole: bool) -> None:
+        """What :meth:`took_send` is to one Send, for the FPDUs :meth:`frame_run` made."""
+        msns = self._tx_msn
+        msns[_QN_SEND] = (msns[_QN_SEND] + len(run)) & U32_MAX
+        if whole:
+            self.bytes_sent += written
+            self._complete_send(run, WCStatus.SUCCESS)
+            return
+        self._run_extra += len(run) - 1
+        self._taken_in_part(run)
+
+    def _taken_in_part(self, job: SendJob | SendRun) -> None:
+        """A job the driver took partly written: it completes when the rest is sent."""
         self._sq_order.append(job)
         self._burst_done.append(job)
 

@@ -47,6 +47,7 @@ from rdmashim.verbs.errors import NotSupported, VerbsError, check_cq_target
 from rdmashim.verbs.events import AsyncEvent, AsyncEventType
 from rdmashim.verbs.softiwarp import fastpath
 from rdmashim.verbs.softiwarp.engine import (
+    Chunk,
     Engine,
     EngineState,
     RecvJob,
@@ -1100,8 +1101,8 @@ class _RunPlan:
     the QP's limits, copies the data and makes the run, with no per-entry checks."""
 
     __slots__ = (
-        "ctrls", "data", "invs", "kernels", "lens", "longest", "longest_inline", "pd", "regions",
-        "signaled", "size",
+        "ctrls", "data", "ids", "invs", "kernels", "lens", "longest", "longest_inline", "pd",
+        "regions", "signaled", "size",
     )  # fmt: skip
 
     def __init__(self, templates: Sequence[_SendTemplate]) -> None:
@@ -1113,8 +1114,10 @@ class _RunPlan:
         regions: list[Region] = [s.region for s in sources]  # type: ignore[misc]
         self.lens = array("I", [s.length for s in sources])
         self.kernels = kernels = fastpath.kernels()
-        self.data = kernels.gather_plan(regions, [s.offset for s in sources], self.lens)
-        """What the kernels copy each entry's data by."""
+        self.data = kernels.send_plan(
+            regions, [s.offset for s in sources], self.lens, self.ctrls, self.invs
+        )
+        """What the kernels copy and frame the entries' data by."""
         self.regions = list({id(r): r for r in regions}.values())
         """The regions the data come from (each still registered, or the plan is void)."""
         self.longest = max(self.lens)
@@ -1126,6 +1129,9 @@ class _RunPlan:
         self.pd: object = pds[0] if pds else None
         """The PD of the copied entries' regions (:meth:`possible`: one), None if none."""
         self.size = sum(map(SendRun.fpdu_bytes, self.lens))
+        self.ids: tuple[list[int], list[int]] | None = None
+        """The entries' wr_ids and those of the SIGNALED ones, taken at the first post
+        (a run only reads them)."""
 
     @staticmethod
     def possible(templates: Sequence[_SendTemplate]) -> bool | None:
@@ -1147,13 +1153,20 @@ class _RunPlan:
             return False  # copied entries of two PDs: a QP has one, the general path reports
         return True if found else None
 
-    def run(self, wrs: Sequence[SendWR]) -> SendRun:
-        """The run of ``wrs`` (the entries the plan was made of), their data copied now."""
-        wr_ids = list(map(_WR_ID, wrs))
-        return SendRun.of(
-            self.kernels.gather(self.data), self.lens, self.ctrls, self.invs,
-            wr_ids, [wr_ids[i] for i in self.signaled], self.size,
-        )  # fmt: skip
+    def run(self, wrs: Sequence[SendWR], data: Chunk | None = None) -> SendRun:
+        """The run of ``wrs`` (the entries the plan was made of), their data copied now
+        (or ``data``, what stands for it: the FPDUs :meth:`frame` made of them)."""
+        ids = self.ids
+        if ids is None:  # a batch's entries change only through it, which voids the plan
+            wr_ids = list(map(_WR_ID, wrs))
+            ids = self.ids = (wr_ids, [wr_ids[i] for i in self.signaled])
+        if data is None:
+            data = self.kernels.gather(self.data)
+        return SendRun.of(data, self.lens, self.ctrls, self.invs, *ids, self.size)
+
+    def frame(self, msn: int, crc: bool) -> Chunk:
+        """The entries' FPDUs, MSNs from ``msn`` on, their data read now."""
+        return self.kernels.frame_plan(self.data, msn, crc)
 
 
 class _SendTemplates(list[_SendTemplate]):
@@ -1364,9 +1377,33 @@ class QP(_Resource):
             or (plan.pd is not None and plan.pd is not self.pd)
         ):
             return False
+        link = self._link
+        if link is not None and link.tx_idle and engine.tx_idle:
+            frame = plan.frame(engine.next_send_msn, engine.config.crc)
+            if self._write_run(plan.run(wrs, frame), frame):
+                return True
         engine.post_send(plan.run(wrs))
-        if self._link is not None:
-            self._link.kick()
+        if link is not None:
+            link.kick()
+        return True
+
+    def _write_run(self, run: SendRun, frame: Chunk | None = None) -> bool:
+        """Write a run of Sends at once when nothing is queued before it (what
+        :meth:`_send_now` does for one Send: no queue, no completion pass), as
+        ``frame``, its FPDUs, or framed now; False (nothing done) when the send side
+        is busy or the write fails (the general path then meets the error and
+        flushes the run)."""
+        link = self._link
+        engine = self.engine
+        if link is None or not link.tx_idle or not engine.tx_idle:
+            return False
+        if frame is None:
+            frame = engine.frame_run(run)
+        try:
+            n = link.write_now(frame)
+        except OSError:
+            return False
+        engine.took_run(run, n, n == len(frame))
         return True
 
     def _post_sends(self, wrs: Sequence[SendWR], templates: Sequence[_SendTemplate]) -> None:
@@ -1457,10 +1494,11 @@ class QP(_Resource):
                     run = SendRun()
                 run.add(wrs[i].wr_id, ctrl, t.flags, inline, t.invalidate_rkey)  # type: ignore[arg-type]
         finally:  # the requests before a refused one are posted: they go out now
-            if run is not None:
-                post(run)
-            if self._link is not None:
-                self._link.kick()
+            if run is None or not self._write_run(run):
+                if run is not None:
+                    post(run)
+                if self._link is not None:
+                    self._link.kick()
 
     def post_recv(self, wr: RecvWR | Iterable[RecvWR]) -> None:
         """Post one receive work request or a list of them (never blocks)."""
