@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import collections
 import itertools
+import os
 from collections import deque
 
 import pytest
@@ -634,6 +635,27 @@ def test_stags_are_not_predictable() -> None:
         for guess in (s + 1, s - 1, s + 256, s - 256):
             if guess not in live:
                 assert table.lookup(guess) is None
+
+
+def test_a_forked_child_draws_other_stags() -> None:
+    """The STags' random words come from a pool: a child must not reuse the words its
+    parent draws next (it inherited the pool)."""
+    table, pd = MemoryTable(), object()
+    view = memoryview(bytearray(16))
+    table.register(pd, view, 0x1000, RW)  # the pool is filled
+    read, write = os.pipe()
+    child = os.fork()
+    if child == 0:  # pragma: no cover (the child reports through the pipe)
+        stags = [table.register(pd, view, 0x1000, RW).stag for _ in range(8)]
+        os.write(write, b"".join(s.to_bytes(4, "little") for s in stags))
+        os._exit(0)
+    os.close(write)
+    with os.fdopen(read, "rb") as pipe:
+        theirs = pipe.read()
+    os.waitpid(child, 0)
+    ours = [table.register(pd, view, 0x1000, RW).stag for _ in range(8)]
+    assert len(theirs) == 32
+    assert {int.from_bytes(theirs[i : i + 4], "little") for i in range(0, 32, 4)}.isdisjoint(ours)
 
 
 @pytest.mark.parametrize(
