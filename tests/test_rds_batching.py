@@ -1,5 +1,6 @@
-"""RDS's batching paths: ``recvfrom_nowait``, and answers to a burst of delivered
-messages, which a session holds back to post together (``Session.pump_sends``)."""
+"""RDS's batching paths: ``recvfrom_nowait``, answers to a burst of delivered
+messages, which a session holds back to post together (``Session.pump_sends``), and
+acknowledgements held back for a message to carry them (``ACK_DELAY``)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import errno
 import pytest
 import trio
 
+from rdmashim.ulps.rds.connection import ACK_DELAY
 from rdmashim.ulps.rds.node import RdsError, RdsSocket
 
 from rdsnodes import close, nodes, transports
@@ -126,5 +128,59 @@ async def test_bursts_both_ways_many_sockets() -> None:
                 nursery.cancel_scope.cancel()
         for i in range(tasks):
             assert seen[i] == [b"%d:%d" % (i, n) for n in range(rounds * depth)]
+    finally:
+        await close([a, b])
+
+
+async def test_a_steady_exchange_sends_no_bare_acks() -> None:
+    """In a ping-pong every message carries the acknowledgement of the one before: a bare
+    ack goes only when no message of ours followed a receive within ACK_DELAY, so only
+    a round that slow may cost one. The echo answers a quarter of ACK_DELAY late: a
+    timer that fired ACK_DELAY after the first of many receives would find one
+    unanswered most times."""
+    a, b = await nodes(["127.0.0.1", "127.0.0.2"])
+    try:
+        sa, sb = a.bind(4000), b.bind(5000)
+
+        async def echo() -> None:
+            while True:
+                data, sender = await sb.recvfrom()
+                await trio.sleep(ACK_DELAY / 4)
+                await sb.sendto(data, sender)
+
+        slow = 0
+        with trio.fail_after(30):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(echo)
+                await sa.sendto(b"hello", ("127.0.0.2", 5000))  # the session comes up
+                await sa.recvfrom()
+                acks_before = [n.connections()[0].counters.acks_sent for n in (a, b)]
+                for i in range(100):
+                    start = trio.current_time()
+                    await sa.sendto(b"%d" % i, ("127.0.0.2", 5000))
+                    assert await sa.recvfrom() == (b"%d" % i, ("127.0.0.2", 5000))
+                    slow += trio.current_time() - start > ACK_DELAY
+                nursery.cancel_scope.cancel()
+        acks_after = [n.connections()[0].counters.acks_sent for n in (a, b)]
+        acks = [n - m for n, m in zip(acks_after, acks_before, strict=True)]
+        assert sum(acks) <= slow, f"bare acks {acks} in a ping-pong with {slow} slow rounds"
+    finally:
+        await close([a, b])
+
+
+async def test_messages_nobody_answers_are_acknowledged_on_their_own() -> None:
+    """No message of the receiver's carries the acknowledgement: a bare one goes
+    ACK_DELAY after the first message (well within a hundred times that here)."""
+    a, b = await nodes(["127.0.0.1", "127.0.0.2"])
+    try:
+        sa, sb = a.bind(4000), b.bind(5000)
+        with trio.fail_after(30):
+            for i in range(5):
+                await sa.sendto(b"%d" % i, ("127.0.0.2", 5000))
+            for _ in range(5):
+                await sb.recvfrom()
+        await trio.sleep(ACK_DELAY * 100)
+        assert not a.connections()[0].unacked
+        assert b.connections()[0].counters.acks_sent >= 1
     finally:
         await close([a, b])

@@ -84,7 +84,9 @@ BURST_MAX = 16
 posted at once rather than all together later: the peer starts on these while the
 rest are made, so the two ends work at the same time instead of taking turns."""
 ACK_DELAY = 0.002
-"""Seconds a session holds an acknowledgement back for a message of ours to carry it."""
+"""Seconds a session holds an acknowledgement back for a message of ours to carry it:
+a bare one goes only when none of ours went within this time of the first message it
+acknowledges."""
 RDMA_DEPTH = 16
 """RDMA operations a session keeps in flight (beside its send slots on the send queue)."""
 _RDMA_WR = 1 << 32
@@ -574,6 +576,7 @@ class Session:
             credit = RDS_MAX_ADV_CREDIT
         self.advertise -= credit
         self.acked_to_peer = ack = self.rds.next_recv - 1
+        self._ack_at = math.inf  # this one carries it
         slot = self.free_slots.pop()
         base = slot * SLOT
         buf = self._send_buf
@@ -815,8 +818,11 @@ class Session:
             self._ack_at = math.inf  # a message of ours carried it
         elif self._ack_at == math.inf:
             self._ack_at = trio.current_time() + ACK_DELAY
-            if self._timer is not None:
-                self._timer.deadline = self._ack_at
+            timer = self._timer
+            # A timer set already wakes the run task sooner; it sets the next one then
+            # (moving a deadline costs more than that wake-up, once per ACK_DELAY).
+            if timer is not None and timer.deadline == math.inf:
+                timer.deadline = self._ack_at
 
     def _end(self, failure: SessionLost) -> None:
         if self._failure is None:
