@@ -29,6 +29,7 @@ from rdmashim.verbs.softiwarp.kernels import (
     MAX_TAGGED_PAYLOAD,
     MSG_WORDS,
     SEND_CTRLS,
+    SPAN,
     Kernels,
     PyKernels,
     Targets,
@@ -366,7 +367,7 @@ def test_place_in_matches_the_reference(
     for impl in (c, PY):
         (region,) = _regions(1, cap)
         try:
-            impl.place_in(buf, msgs, impl.handle(region), offsets[:count], room[:count])
+            impl.place_in(buf, msgs, impl.handle(region), _spans(offsets[:count], room[:count]))
             error = None
         except ValueError:
             error = ValueError
@@ -432,10 +433,17 @@ def test_place_in_refuses_msgs_outside_the_buffer(c: Kernels) -> None:
         (region,) = _regions(1, 64)
         target = impl.handle(region)
         with pytest.raises(ValueError):
-            impl.place_in(b"x" * 10, [8, 4, 0, 0, 1, 0], target, [0, 8], [8, 8])  # past buf
+            impl.place_in(b"x" * 10, [8, 4, 0, 0, 1, 0], target, _spans([0, 8], [8, 8]))  # past buf
         with pytest.raises(ValueError):
-            impl.place_in(b"x" * 10, [0, 1, 0], target, [0, 8], [8, 8])  # more than scanned
+            impl.place_in(b"x" * 10, [0, 1, 0], target, _spans([0, 8], [8, 8]))  # more than scanned
+        with pytest.raises(ValueError):
+            impl.place_in(b"x" * 10, [0, 1, 0], target, _spans([0], [8])[:-8])  # half a span
         assert bytes(region.view) == bytes(64)
+
+
+def _spans(offs: list[int], lens: list[int]) -> bytes:
+    """Receives as place_in takes them: (offset, length) pairs."""
+    return b"".join(SPAN.pack(o, n) for o, n in zip(offs, lens, strict=True))
 
 
 def test_deregistration_releases_the_compiled_handle(c: Kernels) -> None:

@@ -235,26 +235,26 @@ static void scan_and_place(const uint8_t *buf, size_t len, uint32_t msn, int crc
     /* One target buffer: receives at random offsets and sizes, mostly inside it. */
     size_t cap = below(4) ? below(400) : below(20000);
     uint8_t *dst = guarded(cap);
-    uint64_t *at = (uint64_t *)(void *)guarded((nmsg ? nmsg : 1) * sizeof(uint64_t));
-    uint64_t *room = (uint64_t *)(void *)guarded((nmsg ? nmsg : 1) * sizeof(uint64_t));
+    /* spans: (offset, room) per receive */
+    uint64_t *spans = (uint64_t *)(void *)guarded((nmsg ? nmsg : 1) * 2 * sizeof(uint64_t));
     int fits = nmsg <= n;
     for (size_t i = 0; i < nmsg; i++) {
-        at[i] = below(10) ? below(cap + 1) : rnd() >> below(64);
-        room[i] = below(10) ? below(cap - (at[i] <= cap ? at[i] : cap) + 1) : rnd() >> below(64);
-        if (i < n && (msgs[i * RS_MSG_WORDS + 1] > room[i] || at[i] > cap || room[i] > cap - at[i]))
+        uint64_t at = below(10) ? below(cap + 1) : rnd() >> below(64);
+        uint64_t room = below(10) ? below(cap - (at <= cap ? at : cap) + 1) : rnd() >> below(64);
+        spans[2 * i] = at;
+        spans[2 * i + 1] = room;
+        if (i < n && (msgs[i * RS_MSG_WORDS + 1] > room || at > cap || room > cap - at))
             fits = 0;
     }
-    rc = rs_place_in(buf, len, msgs, words, nmsg, dst, cap, at, room);
+    rc = rs_place_in(buf, len, msgs, words, nmsg, dst, cap, spans);
     if (rc != (fits ? 0 : -1))
         oracle("rs_place_in did not refuse exactly what does not fit", round);
     for (size_t i = 0; rc && i < cap; i++)
         if (dst[i] != CANARY)
             oracle("rs_place_in placed something of what it refused", round);
     check_guards(dst, cap, round);
-    check_guards((uint8_t *)at, (nmsg ? nmsg : 1) * sizeof(uint64_t), round);
-    check_guards((uint8_t *)room, (nmsg ? nmsg : 1) * sizeof(uint64_t), round);
-    release((uint8_t *)room);
-    release((uint8_t *)at);
+    check_guards((uint8_t *)spans, (nmsg ? nmsg : 1) * 2 * sizeof(uint64_t), round);
+    release((uint8_t *)spans);
     release(dst);
     release((uint8_t *)msgs);
 }

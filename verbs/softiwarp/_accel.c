@@ -505,22 +505,22 @@ static inline int fits_to(uint64_t to, uint64_t len)
 }
 
 int rs_place_in(const uint8_t *buf, size_t buf_len, const uint32_t *msgs, size_t msg_words,
-                size_t n, uint8_t *dst, size_t dst_len, const uint64_t *offs,
-                const uint64_t *lens)
+                size_t n, uint8_t *dst, size_t dst_len, const uint64_t *spans)
 {
     if (n > msg_words / RS_MSG_WORDS)
         return -1;
     for (size_t i = 0; i < n; i++) { /* every check first: all or nothing is placed */
         size_t off = msgs[i * RS_MSG_WORDS];
         size_t len = msgs[i * RS_MSG_WORDS + 1];
-        if (off > buf_len || len > buf_len - off || len > lens[i] || offs[i] > dst_len ||
-            lens[i] > dst_len - offs[i])
+        uint64_t at = spans[2 * i], room = spans[2 * i + 1];
+        if (off > buf_len || len > buf_len - off || len > room || at > dst_len ||
+            room > dst_len - at)
             return -1;
     }
     for (size_t i = 0; i < n; i++) {
         size_t len = msgs[i * RS_MSG_WORDS + 1];
         if (len)
-            memcpy(dst + offs[i], buf + msgs[i * RS_MSG_WORDS], len);
+            memcpy(dst + spans[2 * i], buf + msgs[i * RS_MSG_WORDS], len);
     }
     return 0;
 }

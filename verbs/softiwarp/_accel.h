@@ -72,12 +72,11 @@ int rs_place(const uint8_t *buf, size_t buf_len, const uint32_t *msgs, size_t ms
 
 /* Copy the payloads of n scanned messages (msgs: RS_MSG_WORDS words each, as
  * rs_scan_sends wrote them; msg_words of them) out of buf[0:buf_len] into one buffer
- * dst[0:dst_len]: message i to dst[offs[i]:], into a receive of lens[i] bytes there.
- * Returns 0, or -1 (placing nothing) when a message lies outside buf or is longer than
- * its receive, or a receive passes dst_len. */
+ * dst[0:dst_len]: message i to dst[spans[2i]:], into a receive of spans[2i+1] bytes
+ * there. Returns 0, or -1 (placing nothing) when a message lies outside buf or is
+ * longer than its receive, or a receive passes dst_len. */
 int rs_place_in(const uint8_t *buf, size_t buf_len, const uint32_t *msgs, size_t msg_words,
-                size_t n, uint8_t *dst, size_t dst_len, const uint64_t *offs,
-                const uint64_t *lens);
+                size_t n, uint8_t *dst, size_t dst_len, const uint64_t *spans);
 
 /* Frame data[0:data_len] as tagged FPDUs (RDMAP control byte ctrl: RDMA Write or
  * Read Response) to STag stag at TO to, chunk payload bytes each (the final one

@@ -18,6 +18,7 @@ from rdmashim.verbs.softiwarp._accel import ffi, lib
 from rdmashim.verbs.softiwarp.kernels import (
     MSG_WORDS,
     SEND_MIN,
+    SPAN,
     TAGGED_HDR_LEN,
     TAGGED_MIN,
     Buffer,
@@ -137,22 +138,19 @@ class CKernels:
         if failed:
             raise ValueError("place: a message or segment outside its bounds")
 
-    def place_in(
-        self, buf: Buffer, msgs: Sequence[int], target: object, offs: Sequence[int],
-        lens: Sequence[int],
-    ) -> None:  # fmt: skip
+    def place_in(self, buf: Buffer, msgs: Sequence[int], target: object, spans: Buffer) -> None:
         """See :class:`Kernels`."""
-        n = len(offs)
+        n, odd = divmod(memoryview(spans).nbytes, SPAN.size)
+        if odd:
+            raise ValueError("place_in: spans are not whole (offset, length) pairs")
         if n == 1:
-            _PY.place_in(buf, msgs, target, offs, lens)  # slice assignment works on handles
+            _PY.place_in(buf, msgs, target, spans)  # slice assignment works on handles
             return
-        if len(lens) < n:
-            raise ValueError("place_in: more targets than lengths")
         dst = target if isinstance(target, ffi.CData) else _bytes(target)  # type: ignore[arg-type]
         view = _bytes(buf)
         failed = lib.rs_place_in(
             view, len(view), _u32(msgs), len(msgs), n, dst, len(dst),
-            ffi.new("uint64_t[]", offs), ffi.new("uint64_t[]", lens),
+            ffi.from_buffer("uint64_t[]", spans),
         )  # fmt: skip
         if failed:
             raise ValueError("place_in: a message outside the buffer or its receive")

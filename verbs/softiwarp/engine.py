@@ -35,6 +35,7 @@ from rdmashim.verbs.softiwarp.ddp import QN, Opcode
 from rdmashim.verbs.softiwarp.fastpath import kernels
 from rdmashim.verbs.softiwarp.kernels import CTRL_WRITE as _CTRL_WRITE
 from rdmashim.verbs.softiwarp.kernels import MSG_WORDS as _MSG_WORDS
+from rdmashim.verbs.softiwarp.kernels import SPAN as _SPAN
 from rdmashim.verbs.softiwarp.kernels import TAGGED_CTRLS as _TAGGED_CTRLS
 from rdmashim.verbs.softiwarp.kernels import TAGGED_MIN as _TAGGED_MIN
 from rdmashim.verbs.softiwarp.kernels import Buffer, Targets, frame_send
@@ -102,6 +103,8 @@ _QN_SEND = int(QN.SEND)
 _ONE = 1
 """``_ONE.__eq__`` maps a scan's solicited words (1 or 0) to bools at C speed."""
 _GT = int.__gt__
+_pack_span = _SPAN.pack
+_unpack_span = _SPAN.unpack
 _WR_ID = attrgetter("wr_id")
 _CHECKED = attrgetter("checked")
 _SEND_FPDU_BASE = ddp.UNTAGGED_HDR_LEN + 3
@@ -320,7 +323,7 @@ class RecvRun:
         ]  # fmt: skip
 
 
-_NOT_CHECKED: tuple[object, Region | None, int, int] = (None, None, 0, 0)
+_NOT_CHECKED: tuple[object, Region | None, bytes] = (None, None, b"")
 
 
 @dataclass(eq=False, slots=True)
@@ -330,10 +333,11 @@ class RecvJob:
     wr_id: int
     sges: Sequence[SGE]
     length: int
-    checked: tuple[object, Region | None, int, int] = _NOT_CHECKED
+    checked: tuple[object, Region | None, bytes] = _NOT_CHECKED
     """For a receive of one non-empty SGE: the memory token it was checked under
-    (:meth:`MemoryTable.token`), the region, the offset in it and the length (a
-    receive posted again is not checked again while the token holds)."""
+    (:meth:`MemoryTable.token`), the region, and the offset in it and the length as a
+    :data:`~.kernels.SPAN` (a receive posted again is not checked again while the
+    token holds; a run's spans go to the kernel joined)."""
 
 
 @dataclass(eq=False, slots=True)
@@ -988,7 +992,7 @@ class Engine:
                         break
                     regions[s.lkey] = region
                 if token is not None:
-                    job.checked = (token, region, off, s.length)
+                    job.checked = (token, region, _pack_span(off, s.length))
                 segments.append((region.handle or handle(region), region.length, off, s.length))
                 nsegs.append(1)
             else:
@@ -1053,22 +1057,24 @@ class Engine:
         every receive was checked under ``token`` and holds its message; False (nothing
         placed) when one was not (the general loop then checks them, and finds which
         fails)."""
-        tokens, regions, offs, lens = zip(*map(_CHECKED, jobs), strict=True)
+        tokens, regions, spans = zip(*map(_CHECKED, jobs), strict=True)
         if tokens.count(token) != len(tokens):
             return False
         kernels = self._kernels
         region: Region = regions[0]
         if regions.count(region) == len(regions):  # the usual: one region
+            handle = region.handle or kernels.handle(region)
             try:
-                kernels.place_in(sview, msgs, region.handle or kernels.handle(region), offs, lens)
+                kernels.place_in(sview, msgs, handle, b"".join(spans))
             except ValueError:
                 return False  # a Send longer than its receive: the general loop reports it
             return True
+        offs, lens = zip(*map(_unpack_span, spans), strict=True)
         if any(map(_GT, msgs[1 : len(jobs) * _MSG_WORDS : _MSG_WORDS], lens)):
             return False
-        handle = kernels.handle
+        make_handle = kernels.handle
         segments = [
-            (r.handle or handle(r), r.length, off, n)
+            (r.handle or make_handle(r), r.length, off, n)
             for r, off, n in zip(regions, offs, lens, strict=True)
         ]
         kernels.place(sview, msgs, Targets(segments, [1] * len(jobs)))

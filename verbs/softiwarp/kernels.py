@@ -16,6 +16,7 @@ checks; both raise ``ValueError`` for arguments they refuse.
 
 from __future__ import annotations
 
+import struct
 from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -57,6 +58,9 @@ MAX_TAGGED_PAYLOAD = ddp.MAX_ULPDU - (ddp.TAGGED_HDR_LEN - 2)
 DDP_TAGGED_MIDDLE = ddp.DDP_TAGGED | ddp.DDP_VERSION
 DDP_TAGGED_LAST = ddp.DDP_TAGGED | ddp.DDP_LAST | ddp.DDP_VERSION
 TO_LIMIT = 1 << 64
+SPAN = struct.Struct("=QQ")
+"""One receive as :meth:`Kernels.place_in` takes it: its offset in the target and its
+length, native 64-bit words (the compiled kernel reads them in place)."""
 _U32 = 0xFFFFFFFF
 _TAGGED = ddp.TAGGED
 _UNTAGGED = ddp.UNTAGGED
@@ -116,16 +120,13 @@ class Kernels(Protocol):
         into their targets."""
         ...
 
-    def place_in(
-        self, buf: Buffer, msgs: Sequence[int], target: object, offs: Sequence[int],
-        lens: Sequence[int],
-    ) -> None:  # fmt: skip
-        """Copy the payloads of the first ``len(offs)`` messages of a scan into one
-        buffer (a :meth:`handle`): message ``i`` to ``target[offs[i]:]``, into a
-        receive of ``lens[i]`` bytes there. ValueError, and nothing placed, when a
-        message lies outside ``buf`` or is longer than its receive (a peer's Send
-        too long for the receive it takes), or a receive passes the end of
-        ``target``."""
+    def place_in(self, buf: Buffer, msgs: Sequence[int], target: object, spans: Buffer) -> None:
+        """Copy the payloads of the first messages of a scan into one buffer (a
+        :meth:`handle`), one per :data:`SPAN` of ``spans``: message ``i`` to
+        ``target[off:]``, into a receive of ``length`` bytes there, for span ``i``'s
+        ``(off, length)``. ValueError, and nothing placed, when a message lies
+        outside ``buf`` or is longer than its receive (a peer's Send too long for the
+        receive it takes), or a receive passes the end of ``target``."""
         ...
 
     def handle(self, region: Region) -> object:
@@ -272,14 +273,16 @@ class PyKernels:
             if left:
                 raise ValueError(f"place: message {i} longer than its segments")
 
-    def place_in(
-        self, buf: Buffer, msgs: Sequence[int], target: object, offs: Sequence[int],
-        lens: Sequence[int],
-    ) -> None:  # fmt: skip
+    def place_in(self, buf: Buffer, msgs: Sequence[int], target: object, spans: Buffer) -> None:
         """See :class:`Kernels`."""
         dst: memoryview = target  # type: ignore[assignment]
-        if len(offs) > len(msgs) // MSG_WORDS or len(lens) < len(offs):
-            raise ValueError("place_in: more targets than messages or lengths")
+        raw = memoryview(spans).cast("B")
+        if len(raw) % SPAN.size:
+            raise ValueError("place_in: spans are not whole (offset, length) pairs")
+        words = raw.cast("Q")
+        offs, lens = words[0::2], words[1::2]
+        if len(offs) > len(msgs) // MSG_WORDS:
+            raise ValueError("place_in: more targets than messages")
         size = len(buf)
         cap = len(dst)
         for i, off in enumerate(offs):
