@@ -283,9 +283,10 @@ class RdsConnection:
     @property
     def has_room(self) -> bool:
         """Whether another message may be queued without waiting."""
+        settings = self.settings  # (inline: a test per message)
         return (
-            self.queued_bytes < self.settings.sndbuf
-            and self.queued_messages < self.settings.max_queued_messages
+            self.queued_bytes < settings.sndbuf
+            and len(self.unsent) + len(self.unacked) < settings.max_queued_messages
         )
 
     async def wait_room(self) -> None:

@@ -638,7 +638,8 @@ class CongestionMap:
         self._bits[port >> 3] &= ~(1 << (port & 7)) & 0xFF
 
     def test(self, port: int) -> bool:
-        _check_port(port)
+        if not 0 <= port < RDS_CONG_MAP_BITS:  # (_check_port inline: a test per message)
+            _check_port(port)
         return bool(self._bits[port >> 3] & (1 << (port & 7)))
 
     def __contains__(self, port: object) -> bool:

@@ -436,7 +436,8 @@ class PD(_Parent):
         buffer's own address.
         """
         self._check_open("reg_mr")
-        access = Access(access)
+        if access.__class__ is not Access:  # (an Enum call costs about a microsecond)
+            access = Access(access)
         if (
             access & (Access.REMOTE_WRITE | Access.REMOTE_ATOMIC)
             and not access & Access.LOCAL_WRITE
