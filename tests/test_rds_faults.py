@@ -397,7 +397,7 @@ def stamps_across(runs: list[tuple[str, list[int]]], count: int) -> int:
 
 
 async def test_receiver_killed_and_restarted_mid_stream() -> None:
-    """The receiver (another process, on HIGH) SIGKILLed 6 times; 32,000 messages.
+    """The receiver (another process, on HIGH) SIGKILLed 6 times; 64,000 messages.
 
     Each replacement is started ahead in standby (imported, waiting for
     ``go``), so the receiver is back within milliseconds of the kill: a
@@ -406,7 +406,7 @@ async def test_receiver_killed_and_restarted_mid_stream() -> None:
     ``test_receiver_gone_past_the_give_up_window_is_reported``).
     """
     rng = random.Random(44)
-    per_pair, kills, dports = 8000, 6, [5000, 5001]
+    per_pair, kills, dports = 16000, 6, [5000, 5001]
     a = await start_node(LOW)
     try:
         socks = [a.bind(4000), a.bind(4001)]
