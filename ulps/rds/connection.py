@@ -472,6 +472,8 @@ class Session:
         self._slot_wrs = [SendWR(slot, _SEND) for slot in range(SEND_SLOTS)]
         """Each send slot's Send, filled in again for each fragment the slot carries
         (a post copies what it needs of a work request)."""
+        self._slot_lengths = [-1] * SEND_SLOTS
+        """The length of each slot's Send's SGE, kept while fragments fill it alike."""
         self._max_inline = conn.qp.cap.max_inline_data
         """Sends up to this long go INLINE (copied when posted; the slot is free again at
         once, though it is reused only after a later signaled Send completes)."""
@@ -605,7 +607,9 @@ class Session:
         signaled = not len(posted) % SIGNAL_EVERY or len(self.free_slots) < SIGNAL_EVERY
         wr = self._slot_wrs[slot]
         length = RDS_HEADER_LEN + size
-        wr.sg_list = [SGE(self._send_addr + base, length, self._send_lkey)]
+        if self._slot_lengths[slot] != length:  # else the slot's last list fits
+            self._slot_lengths[slot] = length
+            wr.sg_list = [SGE(self._send_addr + base, length, self._send_lkey)]
         wr.send_flags = _FLAGS[fence, last, signaled, length <= self._max_inline]
         self._wrs.append(wr)
 

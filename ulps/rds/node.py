@@ -311,6 +311,11 @@ class RdsNode:
         self.settings = settings or RdsSettings()
         """The node's bounds and timers (:class:`RdsSettings`)."""
         self._peers: dict[IPAddress, _Peer] = {}
+        self._recent: tuple[IPAddress, _Peer] | None = None
+        """The peer last looked up and its entry: senders name the same address object
+        again (``_parse_ip`` remembers it), and hashing an address costs a Python call."""
+        self._recent_text: tuple[IPAddress | None, str] = (None, "")
+        """The sender address last delivered from, and its text (same reason)."""
         self._sockets: dict[int, RdsSocket] = {}
         self._nursery: trio.Nursery | None = None
         self.pd: PD | None = None
@@ -429,7 +434,10 @@ class RdsNode:
                 peer, sport, dport, sock.queued_bytes,
             )  # fmt: skip
             return
-        sock._push(ReceivedMessage(data, (_ip_text(peer), sport), header.sequence))
+        recent = self._recent_text
+        if recent[0] is not peer:
+            recent = self._recent_text = (peer, _ip_text(peer))
+        sock._push(ReceivedMessage(data, (recent[1], sport), header.sequence))
         if sock.queued_bytes > self.settings.rcvbuf:
             self._set_congested(dport, True)
 
@@ -538,7 +546,8 @@ class RdsNode:
         return [p.rds for p in self._peers.values()]
 
     def _connection(self, peer: IPAddress) -> _Peer:
-        entry = self._peers.get(peer)
+        recent = self._recent
+        entry = recent[1] if recent is not None and recent[0] is peer else self._peers.get(peer)
         if entry is None:
             if peer.version != self.address.version:
                 raise RdsError(errno.EAFNOSUPPORT, f"{peer} and {self.address} differ in family")
@@ -549,6 +558,7 @@ class RdsNode:
                     f"no room for RDS peer {peer}: {len(self._peers)} peers, none idle "
                     f"(max_peers={self.settings.max_peers})",
                 )
+        self._recent = (peer, entry)
         if entry.unreachable is not None and entry.rds.session is None:
             if trio.current_time() >= entry.unreachable_until:
                 entry.unreachable = None  # it may be back: this message tries again
@@ -614,6 +624,7 @@ class RdsNode:
 
     def _drop_peer(self, peer: IPAddress, why: str) -> None:
         entry = self._peers.pop(peer)
+        self._recent = None
         self.peers_expired += 1
         entry.uncongested.set()  # senders waiting on it look the peer up again
         entry.rds._space.set()
