@@ -76,3 +76,61 @@ async def test_post_completions_call_the_handler_after_the_post(cm: Cm) -> None:
             await trio.sleep(0.001)
     assert tasks[0] is not trio.lowlevel.current_task()
     ok(await drain(client.send_cq, 1))
+
+
+async def test_a_task_driving_the_cq_reads_and_runs_the_handler_itself(cm: Cm) -> None:
+    """``drive_until``: the waiting task reads the connection and runs the handler after
+    the read, so what the handler hands on needs no other task."""
+    pair = await cm.pair()
+    client, server = pair.client, pair.server
+    server.post_recvs(server.reg(16), 1, 16)
+    seen: list[trio.lowlevel.Task] = []
+
+    def handler(cq: Any) -> None:
+        seen.append(trio.lowlevel.current_task())
+        drain(cq)
+
+    server.recv_cq.set_handler(handler)
+    server.recv_cq.req_notify()
+    msg = client.reg(b"x")
+
+    async def send_soon() -> None:
+        await trio.sleep(0.05)
+        client.qp.post_send(SendWR(1, WROpcode.SEND, [msg.sge()]))
+
+    with trio.fail_after(TIMEOUT):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(send_soon)
+            assert await server.recv_cq.drive_until(lambda: seen)
+    assert seen == [trio.lowlevel.current_task()]
+
+
+async def test_drive_until_looks_again_on_interrupt_and_refuses_a_cq_without_one_qp(
+    cm: Cm,
+) -> None:
+    """What a driving task waits for may come another way (nothing arrives on its
+    connection): ``interrupt_wait`` makes it look at ``ready`` again."""
+    pair = await cm.pair()
+    server = pair.server
+    server.recv_cq.set_handler(lambda cq: None)
+    flag: list[bool] = []
+    ended: list[bool] = []
+
+    async def drive() -> None:
+        ended.append(await server.recv_cq.drive_until(lambda: flag))
+
+    with trio.fail_after(TIMEOUT):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(drive)
+            await trio.sleep(0.05)
+            server.recv_cq.interrupt_wait()
+            await trio.sleep(0.05)
+            assert not ended  # looked again: not ready, so it waits on
+            flag.append(True)
+            server.recv_cq.interrupt_wait()
+    assert ended == [True]
+    lone = server.qp.context.create_cq(4)
+    try:
+        assert not await lone.drive_until(lambda: False)  # no QP completes there
+    finally:
+        lone.close()

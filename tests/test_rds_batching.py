@@ -5,6 +5,7 @@ acknowledgements held back for a message to carry them (``ACK_DELAY``)."""
 from __future__ import annotations
 
 import errno
+from typing import Any
 
 import pytest
 import trio
@@ -184,3 +185,43 @@ async def test_messages_nobody_answers_are_acknowledged_on_their_own() -> None:
         assert b.connections()[0].counters.acks_sent >= 1
     finally:
         await close([a, b])
+
+
+async def test_a_reader_driving_its_session_wakes_for_what_comes_another_way() -> None:
+    """With one session up, a socket's waiting reader reads that connection itself
+    (``CQ.drive_until``): a message from the node's own address, the socket closing,
+    and a message over a second peer's session must still end its wait."""
+    a, b, c = await nodes(["127.0.0.1", "127.0.0.2", "127.0.0.3"])
+    try:
+        sa, sb, sc = a.bind(4000), b.bind(5000), c.bind(6000)
+        other, closing = a.bind(4001), a.bind(4002)
+        got: list[tuple[bytes, tuple[str, int]]] = []
+        errors: list[int] = []
+
+        async def receive(sock: RdsSocket) -> None:
+            try:
+                got.append(await sock.recvfrom())
+            except RdsError as exc:
+                errors.append(exc.errno)
+
+        async def while_driving(sock: RdsSocket, act: Any) -> None:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(receive, sock)
+                await trio.sleep(0.05)
+                assert sock._driving is not None, "the reader does not drive the session"
+                await act()
+
+        async def close_it() -> None:
+            closing.close()
+
+        with trio.fail_after(30):
+            await sa.sendto(b"up", ("127.0.0.2", 5000))  # the one session
+            await sb.recvfrom()
+            await while_driving(sa, lambda: other.sendto(b"local", ("127.0.0.1", 4000)))
+            await while_driving(closing, close_it)
+            await while_driving(sa, lambda: sc.sendto(b"third", ("127.0.0.1", 4000)))
+        assert got == [(b"local", ("127.0.0.1", 4001)), (b"third", ("127.0.0.3", 6000))]
+        assert errors == [errno.EBADF]
+        assert a._drivable() is None  # two peers now: a reader parks instead
+    finally:
+        await close([a, b, c])

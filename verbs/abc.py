@@ -233,6 +233,18 @@ class CQ(Resource, Protocol):
     async def wait(self) -> None:
         """Wait until the CQ holds at least one completion."""
 
+    async def drive_until(self, ready: Callable[[], object]) -> bool:
+        """Wait until ``ready()`` is true, this task running the CQ's completion handler
+        itself as completions come (``ready`` is checked after each run): True then.
+        False at once where the backend cannot (then wait some other way, such as for
+        what the handler wakes). The built-in engine can when one connected QP
+        completes here: the waiting task reads its connection, so a message the
+        handler hands on costs no task switch. What makes ``ready`` true another way
+        calls :meth:`interrupt_wait` after."""
+
+    def interrupt_wait(self) -> None:
+        """Make a :meth:`drive_until` in progress look at its ``ready`` again now."""
+
     async def poll_wait(self, num_entries: int = 16) -> list[WC]:
         """Wait for completions and take up to ``num_entries`` of them (at least one)."""
 

@@ -72,7 +72,7 @@ from rdmashim.verbs.tasks import service_nursery
 if TYPE_CHECKING:
     from typing_extensions import Buffer
 
-    from rdmashim.verbs.abc import PD
+    from rdmashim.verbs.abc import CQ, PD
 
 log = logging.getLogger(__name__)
 
@@ -153,6 +153,8 @@ class RdsSocket:
     received: deque[ReceivedMessage] = field(default_factory=deque)
     """Messages not yet taken by :meth:`recvfrom`, oldest first."""
     _arrived: trio.lowlevel.ParkingLot = field(default_factory=trio.lowlevel.ParkingLot)
+    _driving: CQ | None = None
+    """The CQ a reader drives while it waits (see :meth:`recvfrom`)."""
     _registrations: Registrations = field(default_factory=Registrations)
 
     @property
@@ -226,6 +228,16 @@ class RdsSocket:
                 raise RdsError(errno.EBADF, "recvfrom on a closed RDS socket")
             if self.received:
                 break
+            cq = self.node._drivable()
+            if cq is not None:
+                self._driving = cq
+                try:
+                    driven = await cq.drive_until(self._readable)
+                finally:
+                    self._driving = None
+                if driven:
+                    parked = True
+                    continue
             await self._arrived.park()
             parked = True
         message = self._take()
@@ -251,11 +263,16 @@ class RdsSocket:
             self.node._set_congested(self.port, False)
         return msg.data, msg.sender
 
+    def _readable(self) -> bool:
+        return bool(self.received) or self.closed
+
     def _push(self, msg: ReceivedMessage) -> None:
         self.received.append(msg)
         self.queued_bytes += len(msg.data)
         if self._arrived:  # a reader waits (unpark costs even when none does)
             self._arrived.unpark()
+        elif self._driving is not None:
+            self._driving.interrupt_wait()
 
     # ------------------------------------------------------------------ RDMA by cookie
     def get_mr(self, buffer: Buffer, *, use_once: bool = False) -> int:
@@ -286,6 +303,8 @@ class RdsSocket:
             self.node._set_congested(self.port, False)
             self._registrations.close()
             self._arrived.unpark_all()
+            if self._driving is not None:
+                self._driving.interrupt_wait()
 
 
 class RdsNode:
@@ -544,6 +563,17 @@ class RdsNode:
     def connections(self) -> list[RdsConnection]:
         """Every peer connection (for counters and rds-info)."""
         return [p.rds for p in self._peers.values()]
+
+    def _drivable(self) -> CQ | None:
+        """The CQ of the node's only session, which a waiting reader may drive (a node
+        with several peers has its messages come from several connections)."""
+        if len(self._peers) != 1:
+            return None
+        for entry in self._peers.values():
+            session = entry.rds.session
+            if isinstance(session, Session) and not session.lost:
+                return session.cq
+        return None
 
     def _connection(self, peer: IPAddress) -> _Peer:
         recent = self._recent

@@ -258,6 +258,13 @@ class CQ:
         """Acknowledge ``n`` channel events."""
         self._acked += n
 
+    async def drive_until(self, ready: Callable[[], object]) -> bool:
+        """Not here: IBAL's callbacks run the handler (False)."""
+        return False
+
+    def interrupt_wait(self) -> None:
+        """Nothing waits in :meth:`drive_until` here."""
+
     async def wait(self) -> None:
         """Wait until the CQ holds a completion (arms IBAL's notification if needed)."""
         while not len(self):

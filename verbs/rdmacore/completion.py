@@ -389,6 +389,13 @@ class CQ(Resource):
             self._unacked -= n
             self.events_acked += n
 
+    async def drive_until(self, ready: Callable[[], object]) -> bool:
+        """Not here: the handler runs in the completion channel's task (False)."""
+        return False
+
+    def interrupt_wait(self) -> None:
+        """Nothing waits in :meth:`drive_until` here."""
+
     async def wait(self) -> None:
         """Wait until the CQ holds at least one completion (arm, poll again, then wait)."""
         self._check_open("wait")

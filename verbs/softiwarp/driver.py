@@ -250,7 +250,9 @@ class Link:
         """Whether :meth:`read_until` may read now (nobody else does, the connection is up)."""
         return not (self._waiter_reads or self._rx_stopped)
 
-    async def read_until(self, ready: Callable[[], object]) -> None:
+    async def read_until(
+        self, ready: Callable[[], object], after_read: Callable[[], None] | None = None
+    ) -> None:
         """Read and process in place of the receive task until ``ready()`` is true, the
         connection ends or :meth:`interrupt` is called (only when :attr:`can_read`).
 
@@ -274,10 +276,14 @@ class Link:
         lend = False
         try:
             self._take_leftover()
+            if after_read is not None:
+                after_read()
             streak = 0
             while not ready() and not self._rx_stopped:
                 if not drained:  # (the socket lent here was empty at its last read: wait)
                     drained = self._read()
+                    if after_read is not None:
+                        after_read()
                     if drained is None or ready():
                         break
                     streak += 1

@@ -255,6 +255,8 @@ class Context(_Parent):
         """CQs whose handler is due (armed, then a completion came)."""
         self._dispatching = False
         self._receivers: weakref.WeakSet[trio.lowlevel.Task] = weakref.WeakSet()
+        self._drivers: set[trio.lowlevel.Task] = set()
+        """Tasks in :meth:`CQ.drive_until`: they run due handlers after each read."""
         """The Links' receive tasks: they run due handlers after each batch they read."""
         self._dispatcher_wakeup: trio.Event | None = None
         """Wakes the task that runs handlers due outside a receive task (None: not started)."""
@@ -351,7 +353,8 @@ class Context(_Parent):
         """``cq`` was armed and a completion came: its handler runs in the receive task
         after the batch it is reading, or else in the dispatcher task soon after."""
         self._due.append(cq)
-        if self._dispatching or trio.lowlevel.current_task() in self._receivers:
+        task = trio.lowlevel.current_task()
+        if self._dispatching or task in self._receivers or task in self._drivers:
             return
         wakeup = self._dispatcher_wakeup
         if wakeup is None:
@@ -363,6 +366,11 @@ class Context(_Parent):
     def _after_receive(self) -> None:
         """Called by a Link's receive task after each batch it read: run due handlers."""
         self._receivers.add(trio.lowlevel.current_task())
+        if self._due:
+            self._dispatch()
+
+    def _dispatch_due(self) -> None:
+        """Run the due handlers, if any (a task in :meth:`CQ.drive_until`, after a read)."""
         if self._due:
             self._dispatch()
 
@@ -797,6 +805,36 @@ class CQ(_Resource):
                 self._waiter = trio.Event()
                 await self._waiter.wait()
             self._check_open("wait")
+
+    async def drive_until(self, ready: Callable[[], object]) -> bool:
+        """Wait until ``ready()`` is true, reading the connection of the only QP completing
+        here in this task and running this CQ's handler after each read (so a message
+        the handler hands on wakes nobody else); True then, or when the connection
+        ended. :meth:`interrupt_wait` makes it look at ``ready`` again. False at once
+        when this CQ serves other than one connected QP or another task reads it: wait
+        some other way."""
+        self._check_open("drive_until")
+        if len(self._qps) != 1:
+            return False
+        link = next(iter(self._qps.values()))._link
+        if link is None or not link.can_read:
+            return False
+        context = self.context
+        task = trio.lowlevel.current_task()
+        context._drivers.add(task)
+        self._reader = link
+        try:
+            await link.read_until(ready, after_read=context._dispatch_due)
+        finally:
+            self._reader = None
+            context._drivers.discard(task)
+        return True
+
+    def interrupt_wait(self) -> None:
+        """Make a :meth:`drive_until` in progress look at its ``ready`` again now (what it
+        waits for came another way)."""
+        if self._reader is not None:
+            self._reader.interrupt()
 
     def _sole_link(self) -> Link | None:
         """The connection of the only QP completing here, unless a CQ of it has a handler
