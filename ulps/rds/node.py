@@ -564,31 +564,34 @@ class RdsNode:
         """Every peer connection (for counters and rds-info)."""
         return [p.rds for p in self._peers.values()]
 
+    def _new_peer(self, peer: IPAddress) -> _Peer:
+        """A new entry for ``peer``, or RdsError saying why there is none."""
+        if peer.version != self.address.version:
+            raise RdsError(errno.EAFNOSUPPORT, f"{peer} and {self.address} differ in family")
+        entry = self._new_entry(peer)
+        if entry is None:
+            raise RdsError(
+                errno.ENOBUFS,
+                f"no room for RDS peer {peer}: {len(self._peers)} peers, none idle "
+                f"(max_peers={self.settings.max_peers})",
+            )
+        return entry
+
     def _drivable(self) -> CQ | None:
         """The CQ of the node's only session, which a waiting reader may drive (a node
         with several peers has its messages come from several connections)."""
         if len(self._peers) != 1:
             return None
-        for entry in self._peers.values():
-            session = entry.rds.session
-            if isinstance(session, Session) and not session.lost:
-                return session.cq
-        return None
+        session = next(iter(self._peers.values())).rds.session
+        return session.cq if isinstance(session, Session) and not session.lost else None
 
     def _connection(self, peer: IPAddress) -> _Peer:
         recent = self._recent
-        entry = recent[1] if recent is not None and recent[0] is peer else self._peers.get(peer)
-        if entry is None:
-            if peer.version != self.address.version:
-                raise RdsError(errno.EAFNOSUPPORT, f"{peer} and {self.address} differ in family")
-            entry = self._new_entry(peer)
-            if entry is None:
-                raise RdsError(
-                    errno.ENOBUFS,
-                    f"no room for RDS peer {peer}: {len(self._peers)} peers, none idle "
-                    f"(max_peers={self.settings.max_peers})",
-                )
-        self._recent = (peer, entry)
+        if recent is not None and recent[0] is peer:
+            entry = recent[1]
+        else:
+            entry = self._peers.get(peer) or self._new_peer(peer)
+            self._recent = (peer, entry)
         if entry.unreachable is not None and entry.rds.session is None:
             if trio.current_time() >= entry.unreachable_until:
                 entry.unreachable = None  # it may be back: this message tries again

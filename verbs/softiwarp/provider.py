@@ -255,9 +255,9 @@ class Context(_Parent):
         """CQs whose handler is due (armed, then a completion came)."""
         self._dispatching = False
         self._receivers: weakref.WeakSet[trio.lowlevel.Task] = weakref.WeakSet()
+        """The Links' receive tasks: they run due handlers after each batch they read."""
         self._drivers: set[trio.lowlevel.Task] = set()
         """Tasks in :meth:`CQ.drive_until`: they run due handlers after each read."""
-        """The Links' receive tasks: they run due handlers after each batch they read."""
         self._dispatcher_wakeup: trio.Event | None = None
         """Wakes the task that runs handlers due outside a receive task (None: not started)."""
 
@@ -366,11 +366,11 @@ class Context(_Parent):
     def _after_receive(self) -> None:
         """Called by a Link's receive task after each batch it read: run due handlers."""
         self._receivers.add(trio.lowlevel.current_task())
-        if self._due:
-            self._dispatch()
+        self._dispatch_due()
 
     def _dispatch_due(self) -> None:
-        """Run the due handlers, if any (a task in :meth:`CQ.drive_until`, after a read)."""
+        """Run the due handlers, if any (after a read, by a receive task or a task in
+        :meth:`CQ.drive_until`)."""
         if self._due:
             self._dispatch()
 
@@ -814,9 +814,8 @@ class CQ(_Resource):
         when this CQ serves other than one connected QP or another task reads it: wait
         some other way."""
         self._check_open("drive_until")
-        if len(self._qps) != 1:
-            return False
-        link = next(iter(self._qps.values()))._link
+        qp = self._only_qp()
+        link = qp._link if qp is not None else None
         if link is None or not link.can_read:
             return False
         context = self.context
@@ -839,12 +838,14 @@ class CQ(_Resource):
     def _sole_link(self) -> Link | None:
         """The connection of the only QP completing here, unless a CQ of it has a handler
         (a handler runs in the receive task, after the batch it read)."""
-        if len(self._qps) != 1:
+        qp = self._only_qp()
+        if qp is None or qp.send_cq.handler is not None or qp.recv_cq.handler is not None:
             return None
-        for qp in self._qps.values():
-            if qp.send_cq.handler is None and qp.recv_cq.handler is None:
-                return qp._link
-        return None
+        return qp._link
+
+    def _only_qp(self) -> QP | None:
+        """The QP completing here, when there is exactly one."""
+        return next(iter(self._qps.values())) if len(self._qps) == 1 else None
 
     def _ready(self) -> bool:
         return bool(self._count) or self._closed
