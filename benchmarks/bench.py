@@ -32,7 +32,13 @@ Benchmarks (``--only`` takes these names):
     256 KiB buffer and answers the byte count after the client's EOF.
 ``send-lat``
     8 B Send ping-pong (inline, the client sends first); half the round trip,
-    median over the iterations of a sample. Raw: 8 B echo over TCP.
+    median over the iterations of a sample. Raw: 8 B echo over TCP. Every wait
+    blocks (trio sleeps in ``epoll_wait``).
+``send-lat-poll``
+    The same, with every wait polling ``--busy-poll`` microseconds (50) before it
+    blocks, as perftest's latency tools poll their CQ: ours sets ``CQ.busy_poll``,
+    raw TCP polls its socket as long (:mod:`rdmashim.verbs.busypoll`). No CPU goes
+    idle between messages, so neither side pays for waking one.
 
 Ratios are ours/raw: above 1 is better for bandwidth and rate, worse (slower)
 for latency.
@@ -110,6 +116,9 @@ CREDIT_STEP = 512
 CLIENT_CREDIT_RECVS = 64
 LAT_SIZE = 8
 LAT_RECVS = 16
+BUSY_POLL_US = 50.0
+"""send-lat-poll's busy polling, microseconds (the value Linux's documentation suggests
+for ``net.core.busy_read``)."""
 RAW_STAGING = 256 * 1024
 RAW_HDR = struct.Struct("!8s")
 REQ = struct.Struct("!Q")
@@ -153,9 +162,10 @@ def _check(wc: Any, qp: Any) -> None:
 class Server:
     """The passive side: one RDMA listener, one raw TCP listener, a handler per connection."""
 
-    def __init__(self, ctx: Any, profile_dir: Path | None) -> None:
+    def __init__(self, ctx: Any, profile_dir: Path | None, busy_poll: float) -> None:
         self.ctx = ctx
         self.profile_dir = profile_dir
+        self.busy_poll = busy_poll
 
     async def accept_loop(self, listener: trio.SocketListener, handler: Callable) -> None:
         async with trio.open_nursery() as nursery:
@@ -194,8 +204,9 @@ class Server:
                 await qp.wait_closed()
             elif mode == b"S":
                 await self._send_rate(pd, cq, stream, req, options, prof)
-            elif mode == b"L":
-                await self._send_lat(pd, cq, stream, req, options, prof)
+            elif mode in (b"L", b"P"):
+                busy_poll = self.busy_poll if mode == b"P" else 0.0
+                await self._send_lat(pd, cq, stream, req, options, prof, busy_poll)
             else:
                 raise BenchError(f"unknown mode {mode!r}")
         finally:
@@ -253,10 +264,18 @@ class Server:
         await self._run_until_closed(qp, loop)
 
     async def _send_lat(
-        self, pd: Any, cq: Any, stream: Any, req: Any, options: MpaOptions, prof: Any
+        self,
+        pd: Any,
+        cq: Any,
+        stream: Any,
+        req: Any,
+        options: MpaOptions,
+        prof: Any,
+        busy_poll: float,
     ) -> None:
         cap = QPCap(max_send_wr=64, max_recv_wr=LAT_RECVS, max_inline_data=64)
         qp = pd.create_qp(send_cq=cq, recv_cq=cq, cap=cap)
+        cq.busy_poll = busy_poll
         rmr = pd.reg_mr(bytearray(LAT_RECVS * 64), Access.LOCAL_WRITE)
         smr = pd.reg_mr(bytearray(64), Access.LOCAL_WRITE)
         recv_wrs = [RecvWR(i, [rmr.sge(i * 64, 64)]) for i in range(LAT_RECVS)]
@@ -298,9 +317,10 @@ class Server:
                     for _ in range(pending // REQ.size):
                         await stream.send_all(src)
                     pending %= REQ.size
-            elif mode == b"L":
+            elif mode in (b"L", b"P"):
+                busy_poll = self.busy_poll if mode == b"P" else 0.0
                 buf = memoryview(bytearray(LAT_SIZE))
-                while await read_exact(sock, buf):
+                while await read_exact(sock, buf, busy_poll):
                     await stream.send_all(buf)
             else:
                 raise BenchError(f"unknown raw mode {mode!r}")
@@ -312,9 +332,9 @@ async def _wait_stdin_eof() -> None:
             pass
 
 
-async def serve_main(profile_dir: Path | None, host: str, device: str) -> None:
+async def serve_main(profile_dir: Path | None, host: str, device: str, busy_poll: float) -> None:
     async with rdmashim.open_device(device) as ctx:
-        server = Server(ctx, profile_dir)
+        server = Server(ctx, profile_dir, busy_poll)
         rdma_l = (await trio.open_tcp_listeners(0, host=host))[0]
         raw_l = (await trio.open_tcp_listeners(0, host=host))[0]
         ports = rdma_l.socket.getsockname()[1], raw_l.socket.getsockname()[1]
@@ -345,6 +365,8 @@ class Config:
     fpdu: int = MAX_FPDU
     """Our largest FPDU; 0: the connection's MSS (as Linux siw)."""
     path: str = "loopback"
+    busy_poll: float = BUSY_POLL_US / 1e6
+    """Seconds send-lat-poll's waits poll before they block, ours and raw TCP's alike."""
 
 
 @dataclass
@@ -631,6 +653,16 @@ def _lat_stats(half_rtts_ns: list[int]) -> dict[str, float]:
 
 
 async def ours_send_lat(ctx: Any, cfg: Config, prof: _Prof) -> dict[str, float]:
+    return await _ours_lat(ctx, cfg, prof, b"L", 0.0)
+
+
+async def ours_send_lat_poll(ctx: Any, cfg: Config, prof: _Prof) -> dict[str, float]:
+    return await _ours_lat(ctx, cfg, prof, b"P", cfg.busy_poll)
+
+
+async def _ours_lat(
+    ctx: Any, cfg: Config, prof: _Prof, mode: bytes, busy_poll: float
+) -> dict[str, float]:
     recv_wrs: list[RecvWR] = []
 
     def pre(conn: Conn) -> None:
@@ -642,12 +674,13 @@ async def ours_send_lat(ctx: Any, cfg: Config, prof: _Prof) -> dict[str, float]:
     conn = await rdma_connect(
         ctx,
         cfg,
-        b"L",
+        mode,
         cap,
         {"send": (64, Access.LOCAL_WRITE), "recv": (64 * LAT_RECVS, Access.LOCAL_WRITE)},
         pre,
     )
     qp, cq = conn.qp, conn.cq
+    cq.busy_poll = busy_poll
     samples: list[int] = []
     clock = time.perf_counter_ns
     try:
@@ -669,7 +702,15 @@ async def ours_send_lat(ctx: Any, cfg: Config, prof: _Prof) -> dict[str, float]:
 
 
 async def raw_send_lat(ctx: Any, cfg: Config, prof: _Prof) -> dict[str, float]:
-    stream = await raw_connect(cfg, b"L")
+    return await _raw_lat(cfg, b"L", 0.0)
+
+
+async def raw_send_lat_poll(ctx: Any, cfg: Config, prof: _Prof) -> dict[str, float]:
+    return await _raw_lat(cfg, b"P", cfg.busy_poll)
+
+
+async def _raw_lat(cfg: Config, mode: bytes, busy_poll: float) -> dict[str, float]:
+    stream = await raw_connect(cfg, mode)
     sock = stream.socket
     samples: list[int] = []
     clock = time.perf_counter_ns
@@ -679,7 +720,7 @@ async def raw_send_lat(ctx: Any, cfg: Config, prof: _Prof) -> dict[str, float]:
         for i in range(cfg.lat_warmup + cfg.lat_iters):
             t = clock()
             await stream.send_all(ping)
-            if not await read_exact(sock, pong):
+            if not await read_exact(sock, pong, busy_poll):
                 raise BenchError("raw server closed mid-ping-pong")
             dt = clock() - t
             if i >= cfg.lat_warmup:
@@ -714,13 +755,16 @@ BENCHES = [
         "S",
     ),
     Bench("send-lat", ours_send_lat, raw_send_lat, LAT_SIZE, "1", "usec", False, "L"),
+    Bench(
+        "send-lat-poll", ours_send_lat_poll, raw_send_lat_poll, LAT_SIZE, "1", "usec", False, "P"
+    ),
 ]
 BY_NAME = {b.name: b for b in BENCHES}
 
 
 def _perftest_keys(bench: Bench, detail: dict[str, float]) -> dict[str, float]:
     """perftest's JSON key names for one sample."""
-    if bench.name == "send-lat":
+    if bench.unit == "usec":
         keys = ("t_min", "t_max", "t_typical", "t_avg", "t_stdev")
         out = {k: detail[k] for k in keys}
         out["percentile_99"] = detail["percentile_99"]
@@ -796,20 +840,21 @@ def print_header(args: argparse.Namespace, cfg: Config, meta: dict[str, Any]) ->
     dur = f"{cfg.duration:g} s/sample"
     print(f" Duration        : {dur:<16}Lat. iterations: {cfg.lat_iters}")
     print(f" Python          : {meta['python']:<16}CPUs           : {meta['nproc']}")
-    print(f" Date            : {meta['date']}")
+    busy = f"{cfg.busy_poll * 1e6:g} us"
+    print(f" Date            : {meta['date']:<32}Busy poll (-poll): {busy}")
 
 
 def print_table(results: list[dict[str, Any]]) -> None:
     """The medians, their ratio, and the FPDU size our side sent."""
     print(RESULT_LINE)
     print(
-        f" {'benchmark':<11}{'#bytes':>9}  {'depth':<7}{'ours':>12}  {'raw TCP':>12}  "
+        f" {'benchmark':<14}{'#bytes':>6}  {'depth':<7}{'ours':>12}  {'raw TCP':>12}  "
         f"{'ours/raw':>9}  unit"
     )
     for r in results:
         prec = 4 if r["unit"] == "Mmsg/sec" else 2
         print(
-            f" {r['name']:<11}{r['msg_size']:>9}  {r['depth']:<7}"
+            f" {r['name']:<14}{r['msg_size']:>6}  {r['depth']:<7}"
             f"{r['ours_median']:>12.{prec}f}  {r['raw_median']:>12.{prec}f}  "
             f"{r['ratio']:>9.3f}  {r['unit']}"
         )
@@ -877,6 +922,7 @@ def _meta(cfg: Config, args: argparse.Namespace) -> dict[str, Any]:
         "duration_s": cfg.duration,
         "lat_iterations": cfg.lat_iters,
         "lat_warmup": cfg.lat_warmup,
+        "busy_poll_us": cfg.busy_poll * 1e6,
         "bulk_size": BULK_SIZE,
         "depth": DEPTH,
         "send_batch": BATCH,
@@ -899,6 +945,17 @@ async def client_main(
         meta["loadavg_end"] = os.getloadavg()
         print_table(results)
         return meta, results
+
+
+def _busy_poll_arg(text: str) -> float:
+    """``--busy-poll``: microseconds, 0 .. 1e6."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of microseconds") from None
+    if not 0 <= value <= 1e6:
+        raise argparse.ArgumentTypeError(f"{value:g} outside 0..1000000")
+    return value
 
 
 def _fpdu_arg(text: str) -> int:
@@ -930,6 +987,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--duration", type=float, help="seconds per bandwidth/rate sample")
     p.add_argument("--iters", type=int, help="ping-pong iterations per latency sample")
+    p.add_argument(
+        "--busy-poll",
+        type=_busy_poll_arg,
+        default=BUSY_POLL_US,
+        metavar="US",
+        help="send-lat-poll: microseconds each wait polls before it blocks, ours "
+        f"(CQ.busy_poll) and raw TCP's (the socket) alike (default {BUSY_POLL_US:g})",
+    )
     p.add_argument(
         "--profile",
         metavar="DIR",
@@ -982,7 +1047,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.serve:
         profile_dir = Path(args.profile_dir) if args.profile_dir else None
-        trio.run(serve_main, profile_dir, args.host, args.device)
+        trio.run(serve_main, profile_dir, args.host, args.device, args.busy_poll / 1e6)
         return 0
     veth = args.path == "veth"
     if veth and args.netns_server is None:
@@ -998,7 +1063,7 @@ def main(argv: list[str] | None = None) -> int:
     device = f"siw_{vethpath.CLIENT_IF}" if veth else DEVICE
     server_device = f"siw_{vethpath.SERVER_IF}" if veth else DEVICE
     cmd = [sys.executable, str(Path(__file__).resolve()), "--serve", "--host", host,
-           "--device", server_device]  # fmt: skip
+           "--device", server_device, "--busy-poll", str(args.busy_poll)]  # fmt: skip
     if args.netns_server is not None:
         cmd = [*vethpath.netns_exec(args.netns_server), *cmd]
     if args.profile:
@@ -1021,6 +1086,7 @@ def main(argv: list[str] | None = None) -> int:
             device=device,
             fpdu=args.fpdu if args.fpdu is not None else (0 if veth else MAX_FPDU),
             path=f"veth, MTU {vethpath.MTU}, two namespaces" if veth else "loopback",
+            busy_poll=args.busy_poll / 1e6,
         )
         meta, results = trio.run(client_main, args, cfg, benches)
     finally:

@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 import trio
+from api.busyloop import loop_sleeps
 from api.support import SIG, TIMEOUT, Cm, drain, ok
 
 from rdmashim import SendWR, WROpcode
@@ -134,3 +135,35 @@ async def test_drive_until_looks_again_on_interrupt_and_refuses_a_cq_without_one
         assert not await lone.drive_until(lambda: False)  # no QP completes there
     finally:
         lone.close()
+
+
+async def test_busy_polling_waits_where_the_receive_task_reads(cm: Cm) -> None:
+    """A CQ with a handler is read by the receive task, not by its waiter: ``busy_poll``
+    then keeps the waiter polling the CQ while the receive task reads (the run loop
+    never sleeps), and ``drive_until`` polls its connection the same way."""
+    pair = await cm.pair()
+    client, server = pair.client, pair.server
+    server.post_recvs(server.reg(32), 2, 16)
+    msg = client.reg(b"x")
+    seen: list[trio.lowlevel.Task] = []
+    server.recv_cq.set_handler(lambda cq: seen.append(trio.lowlevel.current_task()))
+    server.recv_cq.busy_poll = TIMEOUT
+
+    async def send_soon() -> None:
+        await trio.sleep(0.05)
+        client.qp.post_send(SendWR(1, WROpcode.SEND, [msg.sge()]))
+
+    for wait in ("poll_wait", "drive_until"):
+        server.recv_cq.req_notify()
+        with trio.fail_after(TIMEOUT):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(send_soon)
+                with loop_sleeps() as watch:
+                    if wait == "poll_wait":
+                        ok(await server.recv_cq.poll_wait(1))
+                    else:
+                        assert await server.recv_cq.drive_until(lambda: len(seen) == 2)
+        assert watch.sleeps == 0, wait
+    # The receive task ran the handler for the first; the driving task, for the second.
+    assert seen[0].coro.cr_code.co_name == "_rx_loop"
+    assert seen[1] is trio.lowlevel.current_task()

@@ -211,6 +211,13 @@ class CQ(Resource, Protocol):
     def channel(self) -> CompChannel | None:
         """The completion channel given at creation, if any."""
 
+    busy_poll: float
+    """Seconds the waiting calls (:meth:`wait`, :meth:`poll_wait`, :meth:`poll_wait_into`,
+    :meth:`drive_until`) keep polling after the last arrival before they block: 0 (the
+    default) blocks at once, ``math.inf`` never blocks; ValueError for anything but a
+    number >= 0. The task yields to the others between polls. See
+    :mod:`rdmashim.verbs.busypoll`."""
+
     def poll(self, num_entries: int = 16) -> list[WC]:
         """Take up to ``num_entries`` completions, oldest first (never blocks)."""
 

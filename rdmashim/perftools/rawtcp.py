@@ -20,14 +20,17 @@ With ``-D`` the client sends (or requests) for that many seconds instead of
 
 from __future__ import annotations
 
+import select
 import struct
 import time
+from functools import partial
 
 import trio
 
 from rdmashim.perftools import report
 from rdmashim.perftools.measure import Progress
 from rdmashim.perftools.options import PerfConfig
+from rdmashim.verbs.busypoll import spin_until
 
 HEADER = struct.Struct("!cxxxI")
 """Client -> server, per size: ``W`` (the client sends) or ``R`` (the server sends), size."""
@@ -41,11 +44,20 @@ class RawTcpError(Exception):
     """The raw TCP side of a ``--vs-tcp`` run failed."""
 
 
-async def read_exact(sock: trio.socket.SocketType, view: memoryview) -> bool:
+async def read_exact(
+    sock: trio.socket.SocketType, view: memoryview, busy_poll: float = 0.0
+) -> bool:
     """Fill ``view`` from ``sock``; False on EOF before the first byte, EOFError on EOF
-    after it."""
+    after it. With ``busy_poll`` (seconds) each receive first polls the socket that long
+    for bytes, as ``CQ.busy_poll`` makes our waits do (:mod:`rdmashim.verbs.busypoll`)."""
+    poller = None
+    if busy_poll:
+        poller = select.poll()
+        poller.register(sock.fileno(), select.POLLIN)
     got = 0
     while got < len(view):
+        if poller is not None:
+            await spin_until(partial(poller.poll, 0), busy_poll)
         n = await sock.recv_into(view[got:])
         if not n:
             if got:

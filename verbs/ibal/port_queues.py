@@ -31,6 +31,7 @@ import trio
 
 from rdmashim.verbs.attrs import QPAttr, QPCap
 from rdmashim.verbs.backend import own
+from rdmashim.verbs.busypoll import BusyPoll, spin_until
 from rdmashim.verbs.enums import QPState, QPType, SendFlags, WCFlags, WCOpcode, WCStatus, WROpcode
 from rdmashim.verbs.errors import NotSupported, VerbsError, check_cq_target
 from rdmashim.verbs.ibal.cq import (
@@ -186,6 +187,8 @@ class CompChannel:
 class CQ:
     """A completion queue: ``ib_create_cq`` with a completion callback (``h_cq``)."""
 
+    busy_poll = BusyPoll()
+
     def __init__(
         self,
         context: Context,
@@ -266,7 +269,9 @@ class CQ:
         """Nothing waits in :meth:`drive_until` here."""
 
     async def wait(self) -> None:
-        """Wait until the CQ holds a completion (arms IBAL's notification if needed)."""
+        """Wait until the CQ holds a completion (polls it for :attr:`busy_poll` seconds,
+        then arms IBAL's notification if needed)."""
+        await spin_until(self.__len__, self.busy_poll)
         while not len(self):
             event = trio.Event()
             self._waiters.append(event)

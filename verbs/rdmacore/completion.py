@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any
 
 import trio
 
+from rdmashim.verbs.busypoll import BusyPoll, spin_until
 from rdmashim.verbs.enums import WCFlags, WCOpcode, WCStatus
 from rdmashim.verbs.errors import VerbsError, check_cq_target
 from rdmashim.verbs.rdmacore import lib
@@ -235,6 +236,7 @@ class CQ(Resource):
     """A completion queue (``ibv_cq``); ``cqe`` is the size the provider gave it."""
 
     _kind = "completion queue"
+    busy_poll = BusyPoll()
 
     def __init__(self, context: Context, cqe: int, channel: CompChannel | None) -> None:
         self.handler: abc.CQHandler | None = None
@@ -403,11 +405,13 @@ class CQ(Resource):
             await self._polling(lambda: self._poll_native(16))
 
     async def _polling(self, poll: Callable[[], int]) -> int:
-        """Call ``poll`` until it takes something (arming the CQ, polling once more, then
-        waiting for the channel between tries); returns what it took."""
+        """Call ``poll`` until it takes something (for :attr:`busy_poll` seconds over and
+        over, then arming the CQ, polling once more and waiting for the channel between
+        tries); returns what it took."""
         self._waiters += 1
         try:
-            while not (n := poll()):
+            n = await spin_until(poll, self.busy_poll)
+            while not n and not (n := poll()):
                 seen = self._wakeups
                 self._arm()
                 if n := poll():

@@ -27,10 +27,12 @@ import errno
 import logging
 import os
 import socket as _stdlib_socket
+import time
 from collections.abc import Callable
 
 import trio
 
+from rdmashim.verbs import busypoll
 from rdmashim.verbs.softiwarp.engine import Chunk, Engine, EngineState
 
 log = logging.getLogger(__name__)
@@ -251,10 +253,17 @@ class Link:
         return not (self._waiter_reads or self._rx_stopped)
 
     async def read_until(
-        self, ready: Callable[[], object], after_read: Callable[[], None] | None = None
+        self,
+        ready: Callable[[], object],
+        after_read: Callable[[], None] | None = None,
+        spin: float = 0.0,
     ) -> None:
         """Read and process in place of the receive task until ``ready()`` is true, the
         connection ends or :meth:`interrupt` is called (only when :attr:`can_read`).
+
+        With ``spin`` (seconds) it reads the empty socket again, yielding to the other
+        tasks between tries, until ``spin`` passed since the last bytes came (busy
+        polling: :mod:`rdmashim.verbs.busypoll`), and only then waits for it.
 
         The receive task goes back to the socket when this is cancelled or the run
         loop next waits for I/O after it returned (unless a wait took the socket on
@@ -274,6 +283,9 @@ class Link:
         if self._rx_scope is not None:
             self._rx_scope.cancel()  # the receive task leaves the socket now
         lend = False
+        engine = self.engine
+        seen = -1  # bytes received when the busy polling began
+        spin_end = 0.0
         try:
             self._take_leftover()
             if after_read is not None:
@@ -289,6 +301,14 @@ class Link:
                     streak += 1
                 if drained:
                     streak = 0
+                    if spin:
+                        now = time.perf_counter()
+                        if engine.bytes_received != seen:
+                            seen, spin_end = engine.bytes_received, now + spin
+                        if now < spin_end:  # busy polling: read again after the others ran
+                            await busypoll.pause()
+                            drained = False
+                            continue
                     self._waiter_blocked = True
                     try:
                         await trio.lowlevel.wait_readable(self._wait_fd)

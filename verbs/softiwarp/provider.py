@@ -28,6 +28,7 @@ from rdmashim.verbs import abc
 from rdmashim.verbs.attrs import AHAttr, DeviceAttr, PortAttr, QPAttr, QPCap
 from rdmashim.verbs.backend import own
 from rdmashim.verbs.buffers import PinnedBuffer, PinnedRegion, pin
+from rdmashim.verbs.busypoll import BusyPoll, spin_until
 from rdmashim.verbs.enums import (
     Access,
     AtomicCap,
@@ -593,6 +594,7 @@ class CQ(_Resource):
     """A completion queue (``ibv_cq``)."""
 
     _kind = "completion queue"
+    busy_poll = BusyPoll()
 
     def __init__(self, context: Context, cqe: int, channel: CompChannel | None) -> None:
         self.context = context
@@ -798,10 +800,10 @@ class CQ(_Resource):
             if link is not None and link.can_read:
                 self._reader = link
                 try:
-                    await link.read_until(self._ready)
+                    await link.read_until(self._ready, spin=self.busy_poll)
                 finally:
                     self._reader = None
-            else:
+            elif not await spin_until(self._ready, self.busy_poll):
                 self._waiter = trio.Event()
                 await self._waiter.wait()
             self._check_open("wait")
@@ -823,7 +825,7 @@ class CQ(_Resource):
         context._drivers.add(task)
         self._reader = link
         try:
-            await link.read_until(ready, after_read=context._dispatch_due)
+            await link.read_until(ready, after_read=context._dispatch_due, spin=self.busy_poll)
         finally:
             self._reader = None
             context._drivers.discard(task)

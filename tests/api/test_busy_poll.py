@@ -1,0 +1,106 @@
+"""``CQ.busy_poll``: a CQ's waits poll for a while before they block, on every backend.
+
+A wait that polls sees its completion with the run loop never asleep, lets the
+other tasks and their timers run meanwhile, blocks once its time is up (and
+still wakes for the completion), and is cancelled as any wait is. Values other
+than seconds >= 0 are refused.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Any
+
+import pytest
+import trio
+from api.busyloop import loop_sleeps
+from api.support import TIMEOUT, Cm, ok
+
+from rdmashim import SendWR, WROpcode
+
+DELAY = 0.05
+"""Seconds before the message the waits wait for is sent."""
+
+
+async def _wait_for_send_after(pair: Any, delay: float, busy_poll: float) -> Any:
+    """The server's recv CQ polls ``busy_poll`` seconds; the client sends after ``delay``;
+    the run loop's sleeps while the server waits."""
+    client, server = pair.client, pair.server
+    server.post_recvs(server.reg(16), 1, 16, first_id=7)
+    msg = client.reg(b"x")
+    server.recv_cq.busy_poll = busy_poll
+
+    async def send_later() -> None:
+        await trio.sleep(delay)
+        client.qp.post_send(SendWR(1, WROpcode.SEND, [msg.sge()]))
+
+    with trio.fail_after(TIMEOUT):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(send_later)
+            with loop_sleeps() as watch:
+                (wc,) = ok(await server.recv_cq.poll_wait(1))
+    assert (wc.wr_id, wc.byte_len) == (7, 1)
+    return watch
+
+
+async def test_a_polling_wait_never_lets_the_loop_sleep(cm: Cm) -> None:
+    watch = await _wait_for_send_after(await cm.pair(), DELAY, busy_poll=TIMEOUT)
+    assert watch.sleeps == 0
+
+
+async def test_a_blocking_wait_lets_the_loop_sleep(cm: Cm) -> None:
+    """The control: the same wait without polling sleeps until the message comes."""
+    watch = await _wait_for_send_after(await cm.pair(), DELAY, busy_poll=0)
+    assert watch.sleeps >= 1
+
+
+async def test_a_polling_wait_blocks_when_its_time_is_up(cm: Cm) -> None:
+    poll = 0.02
+    watch = await _wait_for_send_after(await cm.pair(), 10 * poll, busy_poll=poll)
+    assert watch.sleeps >= 1
+    assert watch.first_sleep >= poll  # polled first, then slept before the message came
+
+
+async def test_other_tasks_and_timers_run_while_a_wait_polls(cm: Cm) -> None:
+    pair = await cm.pair()
+    pair.server.recv_cq.busy_poll = math.inf
+    ticks = 0
+
+    async def tick() -> None:
+        nonlocal ticks
+        while True:
+            await trio.sleep(DELAY / 10)
+            ticks += 1
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(tick)
+        await _wait_for_send_after(pair, DELAY, busy_poll=math.inf)
+        nursery.cancel_scope.cancel()
+    assert ticks >= 5
+
+
+async def test_a_polling_wait_is_cancelled_as_any_wait(cm: Cm) -> None:
+    pair = await cm.pair()
+    cq = pair.server.recv_cq
+    cq.busy_poll = math.inf
+    start = time.perf_counter()
+    with trio.move_on_after(DELAY) as scope:
+        await cq.poll_wait(1)
+    assert scope.cancelled_caught
+    assert time.perf_counter() - start < TIMEOUT
+
+
+async def test_busy_poll_takes_seconds_at_or_above_zero(device: Any) -> None:
+    cq = device.create_cq(4)
+    try:
+        assert cq.busy_poll == 0.0
+        for good in (50e-6, 1, math.inf, 0):
+            cq.busy_poll = good
+            assert cq.busy_poll == good
+        for bad in (-1e-6, math.nan, "50", None, True):
+            with pytest.raises(ValueError, match="busy_poll"):
+                cq.busy_poll = bad
+        assert cq.busy_poll == 0
+    finally:
+        cq.close()
