@@ -57,6 +57,7 @@ import sys
 import time
 from collections import deque
 from dataclasses import asdict, dataclass
+from functools import partial
 from pathlib import Path
 
 import trio
@@ -76,7 +77,7 @@ from rdmashim.rdstools.stress import (
     stress_passive,
 )
 from rdmashim.ulps.rds.node import RdsNode
-from rdmashim.ulps.rds.settings import Transport
+from rdmashim.ulps.rds.settings import RdsSettings, Transport
 
 from streams import read_exact, stop_process
 
@@ -126,7 +127,7 @@ def cases(transport: Transport, chosen: list[int] | None = None) -> list[Case]:
 # =============================================================================================
 
 
-async def raw_passive(stream: trio.SocketStream) -> None:
+async def raw_passive(busy_poll: float, stream: trio.SocketStream) -> None:
     sock = stream.socket
     async with stream:
         setup = memoryview(bytearray(RAW_SETUP.size))
@@ -135,18 +136,19 @@ async def raw_passive(stream: trio.SocketStream) -> None:
         req, ack = RAW_SETUP.unpack(setup)
         request = memoryview(bytearray(req))
         answer = bytearray(ack)
-        while await read_exact(sock, request):
+        while await read_exact(sock, request, busy_poll):
             magic, _op, _, task, seq, ack_bytes = HEADER.unpack_from(request)
             HEADER.pack_into(answer, 0, magic, OP_ACK, 0, task, seq, ack_bytes)
             await stream.send_all(answer)
 
 
-async def serve_main(cm_port: int, transport: Transport) -> None:
+async def serve_main(cm_port: int, transport: Transport, busy_poll: float) -> None:
     async with trio.open_nursery() as nursery:
         listeners = await trio.open_tcp_listeners(0, host=SERVER_IP)
         raw_port = listeners[0].socket.getsockname()[1]
-        nursery.start_soon(trio.serve_listeners, raw_passive, listeners)
-        async with open_node(SERVER_IP, cm_port, transport) as node:
+        nursery.start_soon(trio.serve_listeners, partial(raw_passive, busy_poll), listeners)
+        settings = RdsSettings(busy_poll=busy_poll)
+        async with open_node(SERVER_IP, cm_port, transport, settings) as node:
             await nursery.start(serve_info, node)
             result = PassiveResult()
             await nursery.start(lambda task_status: stress_passive(
@@ -193,7 +195,7 @@ def _cpu() -> float:
     return t.user + t.system
 
 
-async def raw(raw_port: int, case: Case, duration: float) -> Sample:
+async def raw(raw_port: int, case: Case, duration: float, busy_poll: float) -> Sample:
     streams = []
     ack = case.ack + case.rdma
     for _ in range(case.tasks):
@@ -227,7 +229,7 @@ async def raw(raw_port: int, case: Case, duration: float) -> Sample:
         for _ in range(case.depth):
             await send_one()
         while pending:
-            if not await read_exact(sock, answer):
+            if not await read_exact(sock, answer, busy_poll):
                 raise EOFError("raw passive side closed")
             t = perf()
             _, op, _, task_no, ack_seq, _ = HEADER.unpack_from(answer)
@@ -269,7 +271,8 @@ def _status(text: str) -> None:
 
 async def client_main(cm_port: int, raw_port: int, args: argparse.Namespace) -> list[dict]:
     results = []
-    async with open_node(CLIENT_IP, cm_port, args.transport) as node:
+    settings = RdsSettings(busy_poll=args.busy_poll / 1e6)
+    async with open_node(CLIENT_IP, cm_port, args.transport, settings) as node:
         for case in cases(args.transport, args.cases):
             samples: dict[str, list[Sample]] = {"ours": [], "raw": []}
             for i in range(args.repeat):
@@ -278,7 +281,9 @@ async def client_main(cm_port: int, raw_port: int, args: argparse.Namespace) -> 
                     samples["ours"].append(await ours(node, case, args.duration))
                 _status(f"{case.label}: sample {i + 1}/{args.repeat} (raw)")
                 with trio.fail_after(10 * args.duration + 60):
-                    samples["raw"].append(await raw(raw_port, case, args.duration))
+                    samples["raw"].append(
+                        await raw(raw_port, case, args.duration, args.busy_poll / 1e6)
+                    )
             med = {
                 side: {
                     key: statistics.median(getattr(s, key) for s in samples[side])
@@ -366,16 +371,26 @@ def main(argv: list[str] | None = None) -> int:
         type=lambda text: [int(n) for n in text.split(",")],
         help="run only these cases, by number (e.g. 1,3; default all)",
     )
+    p.add_argument(
+        "--busy-poll",
+        type=float,
+        default=0.0,
+        metavar="US",
+        help="microseconds each wait for a message polls before it blocks, ours "
+        "(RdsSettings.busy_poll) and raw TCP's (the socket) alike (default 0: block at once)",
+    )
     p.add_argument("--serve", type=int, metavar="CM_PORT", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if not 0 <= args.busy_poll <= 1e6:
+        p.error(f"--busy-poll {args.busy_poll:g} outside 0..1000000")
     if args.serve is not None:
-        trio.run(serve_main, args.serve, args.transport)
+        trio.run(serve_main, args.serve, args.transport, args.busy_poll / 1e6)
         return 0
     args.repeat = args.repeat or (3 if args.quick else 5)
     args.duration = args.duration or (1.0 if args.quick else 3.0)
     cm_port = _free_port()
     cmd = [sys.executable, str(Path(__file__).resolve()), "--serve", str(cm_port)]
-    cmd += ["--transport", args.transport]
+    cmd += ["--transport", args.transport, "--busy-poll", str(args.busy_poll)]
     server = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
     meta = {
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
@@ -388,6 +403,7 @@ def main(argv: list[str] | None = None) -> int:
         "repeat": args.repeat,
         "duration_s": args.duration,
         "transport": args.transport,
+        "busy_poll_us": args.busy_poll,
     }
     try:
         assert server.stdout is not None

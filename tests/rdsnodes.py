@@ -5,17 +5,20 @@ from __future__ import annotations
 import pytest
 
 from rdmashim.ulps.rds.node import TRANSPORTS, RdsNode, Transport
+from rdmashim.ulps.rds.settings import RdsSettings
 
 transports = pytest.mark.parametrize("transport", TRANSPORTS)
 """Run a test on both RDS transports (it takes a ``transport`` argument)."""
 
 
-async def nodes(addresses: list[str], transport: Transport = "rdma") -> list[RdsNode]:
+async def nodes(
+    addresses: list[str], transport: Transport = "rdma", settings: RdsSettings | None = None
+) -> list[RdsNode]:
     """Start nodes on loopback addresses, all on the first one's (free) port."""
     out: list[RdsNode] = []
     port = 0
     for address in addresses:
-        node = RdsNode(address, port, transport=transport)
+        node = RdsNode(address, port, transport=transport, settings=settings)
         await node.__aenter__()
         port = node.port
         out.append(node)

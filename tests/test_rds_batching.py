@@ -9,9 +9,11 @@ from typing import Any
 
 import pytest
 import trio
+from api.busyloop import loop_sleeps
 
 from rdmashim.ulps.rds.connection import ACK_DELAY
 from rdmashim.ulps.rds.node import RdsError, RdsSocket
+from rdmashim.ulps.rds.settings import RdsSettings
 
 from rdsnodes import close, nodes, transports
 
@@ -225,3 +227,42 @@ async def test_a_reader_driving_its_session_wakes_for_what_comes_another_way() -
         assert a._drivable() is None  # two peers now: a reader parks instead
     finally:
         await close([a, b, c])
+
+
+@transports
+@pytest.mark.parametrize(("peers", "busy_poll"), [(1, 30.0), (2, 30.0), (1, 0.0), (2, 0.0)])
+async def test_a_busy_polling_reader_keeps_the_loop_awake(
+    transport: str, peers: int, busy_poll: float
+) -> None:
+    """``RdsSettings.busy_poll``: a reader waiting for a message polls (driving its
+    node's one session, or the socket's queue with two peers up), so trio's run loop
+    never sleeps until the message comes; without it, the loop sleeps meanwhile."""
+    addresses = ["127.0.0.1", "127.0.0.2", "127.0.0.3"][: peers + 1]
+    everyone = await nodes(addresses, transport, RdsSettings(busy_poll=busy_poll))
+    a = everyone[0]
+    try:
+        sa = a.bind(4000)
+        senders = [node.bind(5000) for node in everyone[1:]]
+
+        async def send_later() -> None:
+            await trio.sleep(0.05)
+            await senders[-1].sendto(b"late", ("127.0.0.1", 4000))
+
+        with trio.fail_after(30):
+            for sender in senders:  # the sessions up
+                await sender.sendto(b"up", ("127.0.0.1", 4000))
+                await sa.recvfrom()
+            assert (a._drivable() is not None) == (peers == 1 and transport == "rdma")
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(send_later)
+                with loop_sleeps() as watch:
+                    data, _ = await sa.recvfrom()
+        assert data == b"late"
+        assert (watch.sleeps == 0) == bool(busy_poll), watch.sleeps
+    finally:
+        await close(everyone)
+
+
+def test_busy_poll_setting_is_checked() -> None:
+    with pytest.raises(ValueError, match="busy_poll"):
+        RdsSettings(busy_poll=-1)

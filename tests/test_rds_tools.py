@@ -109,6 +109,15 @@ def test_stress_with_rdma_bytes(read: bool) -> None:
     assert re.search(r"\d+\.\d+ RDMA K/s \(0 failed\)", passive_out), passive_out
 
 
+def test_stress_with_busy_polling() -> None:
+    """--busy-poll: the active side's waits for acks poll 50 us before they block."""
+    stdout, _ = stress_run("-T", "1", "-d", "2", "-z", "--busy-poll", "50us")
+    average = next(line for line in stdout.splitlines() if line.endswith("(average)"))
+    assert int(average.split()[1]) > 0, average
+    out = rdmashim("rds", "stress", "-r", "127.0.0.1", "--busy-poll", "-1")
+    assert out.returncode == 2 and "--busy-poll" in out.stderr
+
+
 def test_stress_rdma_bytes_need_the_rdma_transport() -> None:
     out = rdmashim("rds", "stress", "-r", "127.0.0.1", "-s", "127.0.0.2", "--transport", "tcp",
                    "-D", "4096")  # fmt: skip

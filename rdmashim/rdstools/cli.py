@@ -134,6 +134,11 @@ def add_rds(sub: argparse._SubParsersAction[Parser]) -> None:
     p.add_argument(
         "--rdma-read", action="store_true", help="with -D, the ack RDMA Reads the buffer instead"
     )
+    p.add_argument(
+        "--busy-poll", type=duration(zero=True), default=0.0, metavar="TIME",
+        help="how long a wait for a message polls before it blocks (RdsSettings.busy_poll; "
+        "suffixes ms, msec, us, usec; default 0: block at once)",
+    )  # fmt: skip
     p.add_argument("-z", dest="summary_only", action="store_true", help="only the summary")
     p.set_defaults(func=_run("rds_stress"))
 

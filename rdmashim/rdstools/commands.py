@@ -31,6 +31,7 @@ from rdmashim.rdstools.stress import (
     stress_passive,
 )
 from rdmashim.ulps.rds.node import RdsNode
+from rdmashim.ulps.rds.settings import RdsSettings
 
 MAX_RDMA_BUFFERS = 1 << 30
 """Bytes the active side of ``rds stress -D`` may hold in buffers (one per request in flight)."""
@@ -107,7 +108,9 @@ async def rds_stress(args: argparse.Namespace) -> int:
                 f"RDMA buffers, more than {MAX_RDMA_BUFFERS >> 20} MiB"
             )
     async with (
-        open_node(args.local, args.cm_port, args.transport) as node,
+        open_node(
+            args.local, args.cm_port, args.transport, RdsSettings(busy_poll=args.busy_poll)
+        ) as node,
         trio.open_nursery() as nursery,
     ):
         await nursery.start(serve_info, node)

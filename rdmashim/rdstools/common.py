@@ -16,7 +16,7 @@ from contextlib import AsyncExitStack, asynccontextmanager
 import trio
 
 from rdmashim.ulps.rds.node import RdsError, RdsNode, RdsSocket, default_port
-from rdmashim.ulps.rds.settings import Transport
+from rdmashim.ulps.rds.settings import RdsSettings, Transport
 
 log = logging.getLogger(__name__)
 
@@ -60,13 +60,18 @@ def bind_any(node: RdsNode, rng: random.Random | None = None) -> RdsSocket:
 
 @asynccontextmanager
 async def open_node(
-    address: str, cm_port: int | None = None, transport: Transport = "rdma"
+    address: str,
+    cm_port: int | None = None,
+    transport: Transport = "rdma",
+    settings: RdsSettings | None = None,
 ) -> AsyncIterator[RdsNode]:
     """An :class:`RdsNode` on ``address`` (at Linux's port for the transport and address
     family when ``cm_port`` is None); a failure to start says what to check."""
     async with AsyncExitStack() as stack:
         try:
-            node = await stack.enter_async_context(RdsNode(address, cm_port, transport=transport))
+            node = await stack.enter_async_context(
+                RdsNode(address, cm_port, transport=transport, settings=settings)
+            )
         except OSError as exc:
             if cm_port is None:
                 cm_port = default_port(ipaddress.ip_address(address), transport)

@@ -457,6 +457,7 @@ class Session:
         self.conn = conn
         self.qp = conn.qp
         self.cq = conn.send_cq
+        self.cq.busy_poll = rds.settings.busy_poll  # (a reader may drive it: RdsSocket.recvfrom)
         self.send_credits = 0
         self.flow_control = True
         """Whether Sends wait for the peer's credits (see :meth:`peer_credits`)."""

@@ -67,6 +67,7 @@ from rdmashim.ulps.rds.wire import (
     RdsHeader,
 )
 from rdmashim.verbs.attrs import QPCap
+from rdmashim.verbs.busypoll import spin_until
 from rdmashim.verbs.tasks import service_nursery
 
 if TYPE_CHECKING:
@@ -238,6 +239,11 @@ class RdsSocket:
                 if driven:
                     parked = True
                     continue
+            elif self.node.settings.busy_poll and await spin_until(
+                self._readable, self.node.settings.busy_poll
+            ):
+                parked = True  # (it yielded)
+                continue
             await self._arrived.park()
             parked = True
         message = self._take()

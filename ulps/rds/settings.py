@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from rdmashim.verbs.busypoll import check_busy_poll
+
 Transport = Literal["rdma", "tcp"]
 """What carries an RDS node's connections: RC queue pairs (``rds_rdma``) or TCP (``rds_tcp``)."""
 TRANSPORTS: tuple[Transport, ...] = ("rdma", "tcp")
@@ -60,6 +62,12 @@ class RdsSettings:
     """Seconds without a message either way, with nothing queued, after which
     a peer's session is closed and its entry (sequence numbers, counters,
     congestion map) dropped. Linux keeps connections until the module unloads."""
+    busy_poll: float = 0.0
+    """Seconds a waiting ``recvfrom`` polls for a message before it blocks (0: at
+    once): busy polling, the CPU time traded for the wake-up of an idle CPU
+    (:mod:`rdmashim.verbs.busypoll`; it sets ``busy_poll`` on the sessions' CQs).
+    ``math.inf`` never blocks. Linux: ``SO_BUSY_POLL`` on a socket,
+    ``net.core.busy_read``."""
 
     def __post_init__(self) -> None:
         for name in ("sndbuf", "max_queued_messages", "rcvbuf", "max_peers", "give_up_after"):
@@ -69,5 +77,6 @@ class RdsSettings:
             raise ValueError("RdsSettings.rcvbuf_limit must be at least rcvbuf")
         if not 0 < self.reconnect_min <= self.reconnect_max:
             raise ValueError("RdsSettings needs 0 < reconnect_min <= reconnect_max")
+        check_busy_poll(self.busy_poll)
         if self.unreachable_for < 0 or self.peer_idle_expiry <= 0:
             raise ValueError("RdsSettings.unreachable_for and peer_idle_expiry must be positive")
