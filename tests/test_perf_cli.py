@@ -15,6 +15,7 @@ import sys
 
 import pytest
 import trio
+from api.busyloop import loop_sleeps
 
 from rdmashim.perftools.options import TOOLS, add_arguments, config_from_args
 from rdmashim.perftools.run import run
@@ -70,6 +71,20 @@ async def test_ours_against_ours(tool: str) -> None:
     # (on lo, the six bytes siw_lo's node GUID was made from: "lo" and zeros).
     gids = [ln for ln in out["client"] if ln.startswith(" GID: ")]
     assert gids == [" GID: 108:111" + ":00" * 14] * 2, gids
+
+
+@pytest.mark.parametrize("events", [False, True], ids=["poll", "events"])
+async def test_latency_polls_by_default_and_sleeps_with_events(events: bool) -> None:
+    """perftest's -e: the test's waits sleep on CQ events; without it they poll."""
+    flags = ["-e"] if events else []
+    assert config("send_lat", *flags).events is events
+    with trio.fail_after(60), loop_sleeps() as watch:
+        _out, _, client = await pair("send_lat", "-n", "200", *flags)
+    lat = client.lat[0]
+    assert 0 < lat.t_min <= lat.t_typical <= lat.t_max  # type: ignore[union-attr]
+    # Sleeping, the loop could sleep at each of the 200 round trips; polling, only in
+    # the set-up and result exchanges around them.
+    assert (watch.sleeps >= 200) is events, watch.sleeps
 
 
 async def test_two_qps_and_gbits() -> None:

@@ -58,6 +58,8 @@ class PerfConfig:
     """Ours: also run each size over plain TCP between the same endpoints (both ends ours)."""
     bind: str | None = None
     """The address the server listens on (default all)."""
+    events: bool = False
+    """``-e``: the test's waits for completions sleep; by default they poll (CQ.busy_poll)."""
 
     @property
     def server(self) -> bool:
@@ -185,6 +187,13 @@ def add_arguments(p: argparse.ArgumentParser, tool: str) -> None:
     )
     p.add_argument("-c", "--connection", default="RC", help="connection type (only RC)")
     p.add_argument(
+        "-e",
+        "--events",
+        action="store_true",
+        help="sleep on CQ events (default: poll the CQs, as perftest, yielding the CPU to "
+        "whatever else waits for it between polls)",
+    )
+    p.add_argument(
         "--report_gbits",
         "--report-gbits",
         dest="gbits",
@@ -286,6 +295,7 @@ def config_from_args(tool: str, args: argparse.Namespace) -> PerfConfig:
         plot=args.plot,
         vs_tcp=args.vs_tcp,
         bind=args.bind,
+        events=args.events,
     )
 
 

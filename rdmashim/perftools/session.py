@@ -14,6 +14,7 @@ client retries a refused test connection for a while (perftest: 10 times,
 from __future__ import annotations
 
 import logging
+import math
 import random
 from collections import deque
 from dataclasses import dataclass, field
@@ -306,6 +307,8 @@ class Resources:
             depth = (config.tx_depth + 8) * config.num_qps
             self.send_cq = context.create_cq(depth)
             self.recv_cq = context.create_cq((config.rx_depth + 8) * config.num_qps)
+            if not config.events:  # perftest polls its CQs unless -e
+                self.send_cq.busy_poll = self.recv_cq.busy_poll = math.inf
         pd, send_cq, recv_cq = self.pd, self.send_cq, self.recv_cq
         assert send_cq is not None and recv_cq is not None
         cap = QPCap(
