@@ -8,6 +8,7 @@ than seconds >= 0 are refused.
 
 from __future__ import annotations
 
+import errno
 import math
 import time
 from typing import Any
@@ -17,7 +18,7 @@ import trio
 from api.busyloop import loop_sleeps
 from api.support import TIMEOUT, Cm, ok
 
-from rdmashim import SendWR, WROpcode
+from rdmashim import SendWR, VerbsError, WROpcode
 
 DELAY = 0.05
 """Seconds before the message the waits wait for is sent."""
@@ -89,6 +90,28 @@ async def test_a_polling_wait_is_cancelled_as_any_wait(cm: Cm) -> None:
         await cq.poll_wait(1)
     assert scope.cancelled_caught
     assert time.perf_counter() - start < TIMEOUT
+
+
+async def test_closing_the_cq_ends_a_polling_wait(cm: Cm) -> None:
+    """A wait that would poll for ever ends when its CQ is closed (after its QP), as a
+    blocking one does: EBADF."""
+    pair = await cm.pair()
+    server = pair.server
+    server.recv_cq.busy_poll = math.inf
+    errors: list[int] = []
+
+    async def wait() -> None:
+        with pytest.raises(VerbsError) as info:
+            await server.recv_cq.poll_wait(1)
+        errors.append(info.value.errno)
+
+    with trio.fail_after(TIMEOUT):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(wait)
+            await trio.sleep(DELAY)
+            server.qp.close()
+            server.recv_cq.close()
+    assert errors == [errno.EBADF]
 
 
 async def test_busy_poll_takes_seconds_at_or_above_zero(device: Any) -> None:

@@ -271,8 +271,10 @@ class CQ:
     async def wait(self) -> None:
         """Wait until the CQ holds a completion (polls it for :attr:`busy_poll` seconds,
         then arms IBAL's notification if needed)."""
-        await spin_until(self.__len__, self.busy_poll)
+        await spin_until(lambda: self.closed or len(self), self.busy_poll)
         while not len(self):
+            if self.closed:
+                raise VerbsError(errno.EBADF, "wait", "CQ closed")
             event = trio.Event()
             self._waiters.append(event)
             self._rearm(False)

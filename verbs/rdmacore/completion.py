@@ -33,6 +33,7 @@ import socket
 import weakref
 from collections import deque
 from collections.abc import Callable
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import trio
@@ -410,7 +411,7 @@ class CQ(Resource):
         tries); returns what it took."""
         self._waiters += 1
         try:
-            n = await spin_until(poll, self.busy_poll)
+            n = await spin_until(partial(self._poll_open, poll), self.busy_poll)
             while not n and not (n := poll()):
                 seen = self._wakeups
                 self._arm()
@@ -422,6 +423,11 @@ class CQ(Resource):
             return n
         finally:
             self._waiters -= 1
+
+    def _poll_open(self, poll: Callable[[], int]) -> int:
+        """``poll()``, unless the CQ was closed (a task closed it while another polled)."""
+        self._check_open("wait")
+        return poll()
 
     async def poll_wait(self, num_entries: int = 16) -> list[WC]:
         """Wait for completions and take up to ``num_entries`` of them (at least one)."""
