@@ -9,6 +9,8 @@ that completes its wait wakes it directly, not through the receive task. A wait
 that ends with its completion lends the socket on: the receive task stays parked
 while the task waits again before the run loop next waits for I/O (a ping-pong:
 no task switch per message), and reads again from that loop pass on otherwise.
+A waiter whose CQ has ``busy_poll`` set reads the empty socket again, between
+trio checkpoints, for that long after the last bytes came before it waits.
 
 Transmit: :meth:`Link.flush` is synchronous. ``post_send`` (and the receive
 task, when a Read Request asks for a response) calls it directly: it gathers
