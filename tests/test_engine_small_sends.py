@@ -237,3 +237,30 @@ async def test_inline_gathers_sges_and_bytes(pair: tuple[Side, Side]) -> None:
             SendWR(2, WROpcode.SEND, [b"x", SGE(src.addr + 5, 10, src.lkey)], inline)
         )
     assert info.value.errno == errno.EINVAL
+
+
+def test_a_run_checks_each_receive_once_into_one_shared_tuple() -> None:
+    """The receives of a run checked in one region share one (token, region) tuple, so a
+    later run finds them all checked by counting one object; a deregistration (a new
+    token) makes them checked again, into a new tuple."""
+    host = Host(True)
+    rbuf = host.region(64 * 8)
+    jobs = [RecvJob(i, (SGE(rbuf.addr + 64 * i, 64, rbuf.stag),), 64) for i in range(8)]
+
+    def run(first_msn: int) -> None:
+        host.rq.extend(jobs[:4])
+        host.engine.receive_data(_stream(True, [8, 16, 24, 32], "none", -1, first_msn))
+
+    run(1)
+    shared = jobs[0].checked
+    assert shared is not None and shared[1].stag == rbuf.stag
+    assert all(job.checked is shared for job in jobs[:4])
+    run(5)  # checked already: the run takes the spans as they are
+    assert all(job.checked is shared for job in jobs[:4])
+    host.memory.deregister(host.region(64))  # another region goes: a new token
+    run(9)
+    renewed = jobs[0].checked
+    assert renewed is not None and renewed is not shared and renewed[0] is not shared[0]
+    assert all(job.checked is renewed for job in jobs[:4])
+    assert [w.byte_len for w in host.recv_wcs] == [8, 16, 24, 32] * 3
+    assert all(w.status is WCStatus.SUCCESS for w in host.recv_wcs)
