@@ -292,14 +292,19 @@ class RecvRun:
     what a CQ keeps of them (no :class:`WC` per message unless one is asked for).
 
     Entry ``i`` is the completion of the receive ``wr_ids[i]``: opcode RECV, status
-    SUCCESS, ``byte_lens[i]`` bytes, ``solicited[i]``, no flags. ``start`` is the first
-    entry not taken yet (a CQ takes them from the front).
+    SUCCESS, ``byte_lens[i]`` bytes, ``solicited[i]`` (``solicited`` None: none is),
+    no flags. ``start`` is the first entry not taken yet (a CQ takes them from the
+    front).
     """
 
     __slots__ = ("byte_lens", "qp_num", "solicited", "start", "wr_ids")
 
     def __init__(
-        self, wr_ids: list[int], byte_lens: Sequence[int], solicited: list[bool], qp_num: int
+        self,
+        wr_ids: list[int],
+        byte_lens: Sequence[int],
+        solicited: list[bool] | None,
+        qp_num: int,
     ) -> None:
         self.wr_ids = wr_ids
         self.byte_lens = byte_lens
@@ -310,6 +315,11 @@ class RecvRun:
     def __len__(self) -> int:
         return len(self.wr_ids) - self.start
 
+    def solicited_of(self, start: int, stop: int) -> list[bool]:
+        """Whether entries ``start:stop`` are solicited."""
+        solicited = self.solicited
+        return [False] * (stop - start) if solicited is None else solicited[start:stop]
+
     def take(self, n: int) -> list[WC]:
         """The next ``n`` entries as completions, taken."""
         start = self.start
@@ -318,7 +328,7 @@ class RecvRun:
         return [
             WC(wr_id, success, recv, byte_len, qp_num, no_flags, 0, 0, solicited)
             for wr_id, byte_len, solicited in zip(
-                self.wr_ids[start:stop], self.byte_lens[start:stop], self.solicited[start:stop],
+                self.wr_ids[start:stop], self.byte_lens[start:stop], self.solicited_of(start, stop),
                 strict=True,
             )
         ]  # fmt: skip
@@ -1117,10 +1127,11 @@ class Engine:
             )  # fmt: skip
             return
         words = len(jobs) * _MSG_WORDS
+        solicited = msgs[2:words:_MSG_WORDS]
         self._recv_wcs(
             RecvRun(
                 list(map(_WR_ID, jobs)), msgs[1:words:_MSG_WORDS],
-                list(map(_ONE.__eq__, msgs[2:words:_MSG_WORDS])), self.qp_num,
+                list(map(_ONE.__eq__, solicited)) if any(solicited) else None, self.qp_num,
             )
         )  # fmt: skip
 

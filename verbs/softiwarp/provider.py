@@ -674,7 +674,9 @@ class CQ(_Resource):
             return
         self._entries.append(run)
         self._count += len(run)
-        self._arrived(not self._solicited_only or True in run.solicited)
+        self._arrived(
+            not self._solicited_only or (run.solicited is not None and True in run.solicited)
+        )
 
     def _overflow(self, wc: WC) -> None:
         if not self._overrun:
@@ -883,7 +885,7 @@ def _fill_run(wcs: WCArray, pos: int, run: RecvRun, start: int, stop: int) -> No
     zeros = [0] * n
     wcs.invalidated_rkey[pos:end] = zeros
     wcs.vendor_err[pos:end] = zeros
-    wcs.solicited[pos:end] = run.solicited[start:stop]
+    wcs.solicited[pos:end] = run.solicited_of(start, stop)
     wcs.imm_data[pos:end] = zeros
 
 
