@@ -20,7 +20,7 @@ With ``-D`` the client sends (or requests) for that many seconds instead of
 
 from __future__ import annotations
 
-import select
+import os
 import struct
 import time
 from functools import partial
@@ -48,23 +48,30 @@ async def read_exact(
     sock: trio.socket.SocketType, view: memoryview, busy_poll: float = 0.0
 ) -> bool:
     """Fill ``view`` from ``sock``; False on EOF before the first byte, EOFError on EOF
-    after it. With ``busy_poll`` (seconds) each receive first polls the socket that long
-    for bytes, as ``CQ.busy_poll`` makes our waits do (:mod:`rdmashim.verbs.busypoll`)."""
-    poller = None
-    if busy_poll:
-        poller = select.poll()
-        poller.register(sock.fileno(), select.POLLIN)
+    after it. With ``busy_poll`` (seconds) each receive first tries non-blocking
+    reads for that long, yielding between tries, as ``CQ.busy_poll`` makes our engine's
+    waits do (:mod:`rdmashim.verbs.busypoll`)."""
     got = 0
     while got < len(view):
-        if poller is not None:
-            await spin_until(partial(poller.poll, 0), busy_poll)
-        n = await sock.recv_into(view[got:])
+        read = None
+        if busy_poll:  # our engine's busy polling reads the socket so too
+            read = await spin_until(partial(_read_now, sock.fileno(), view[got:]), busy_poll)
+        n = read[0] if read is not None else await sock.recv_into(view[got:])
         if not n:
             if got:
                 raise EOFError("the peer closed the connection mid-message")
             return False
         got += n
     return True
+
+
+def _read_now(fd: int, view: memoryview) -> tuple[int] | None:
+    """One non-blocking read into ``view``: (bytes read,), 0 at EOF; None when nothing
+    waits."""
+    try:
+        return (os.readv(fd, [view]),)
+    except BlockingIOError:
+        return None
 
 
 async def count_to_eof(sock: trio.socket.SocketType, buf: memoryview) -> int:

@@ -271,16 +271,18 @@ class CQ:
     async def wait(self) -> None:
         """Wait until the CQ holds a completion (polls it for :attr:`busy_poll` seconds,
         then arms IBAL's notification if needed)."""
-        await spin_until(lambda: self.closed or len(self), self.busy_poll)
-        while not len(self):
-            if self.closed:
-                raise VerbsError(errno.EBADF, "wait", "CQ closed")
+        while not await spin_until(self._closed_or_ready, self.busy_poll):
             event = trio.Event()
             self._waiters.append(event)
             self._rearm(False)
             if len(self):
                 return
             await event.wait()
+        if self.closed:
+            raise VerbsError(errno.EBADF, "wait", "CQ closed")
+
+    def _closed_or_ready(self) -> bool:
+        return self.closed or bool(len(self))
 
     async def poll_wait(self, num_entries: int = 16) -> list[WC]:
         """Wait for completions and take up to ``num_entries`` (at least one)."""

@@ -411,8 +411,8 @@ class CQ(Resource):
         tries); returns what it took."""
         self._waiters += 1
         try:
-            n = await spin_until(partial(self._poll_open, poll), self.busy_poll)
-            while not n and not (n := poll()):
+            polled = partial(self._poll_open, poll)
+            while not (n := await spin_until(polled, self.busy_poll)):
                 seen = self._wakeups
                 self._arm()
                 if n := poll():
