@@ -233,6 +233,30 @@ def test_clean_runs_never_reach_the_general_path() -> None:
     assert [(w.wr_id, w.status) for w in host.send_wcs] == [(1, WCStatus.SUCCESS)]
 
 
+@pytest.mark.parametrize("first", ["write", "send"])
+def test_writes_and_sends_taking_turns_never_reach_the_general_path(first: str) -> None:
+    """RDS's RDMA by cookie: each message is a Write followed by the Send that announces
+    it. Read in one buffer, the Writes and the Sends are all taken by the fast paths,
+    each after the other, whichever comes first; the general path parses no header."""
+    host = Host(True)
+    region = host.region(16 * 100)
+    inbox = host.region(16 * 64)
+    for i in range(16):
+        host.rq.append(RecvJob(i, (SGE(inbox.addr + 64 * i, 64, inbox.stag),), 64))
+    fpdus = []
+    for i in range(8):
+        write = tagged(Opcode.WRITE, region.stag, region.addr + 100 * i, _payload(i, 100))
+        send = untagged(Opcode.SEND, QN.SEND, i + 1, 0, b"announce %d" % i)
+        fpdus += [write, send] if first == "write" else [send, write]
+    host.engine.receive_data(wire(*fpdus))
+    assert host.engine._hdr is None
+    assert bytes(region.view[:800]) == b"".join(_payload(i, 100) for i in range(8))
+    assert [(w.wr_id, w.status, w.byte_len) for w in host.recv_wcs] == [
+        (i, WCStatus.SUCCESS, len(b"announce %d" % i)) for i in range(8)
+    ]
+    assert bytes(inbox.view[64 * 7 : 64 * 7 + 10]) == b"announce 7"
+
+
 @settings(max_examples=60, deadline=None)
 @given(
     size=st.integers(0, 5000),

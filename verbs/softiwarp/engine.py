@@ -890,15 +890,20 @@ class Engine:
             avail = self._end - self._start
             rx = self._rx
             if rx is _RX_HDR:
-                if avail >= _TAGGED_MIN:
-                    ctrl = sview[self._start + 3]
+                # The fast paths, in turn while they make progress: the Sends after a
+                # run of Writes (RDS's RDMA by cookie) need no general path either.
+                while avail >= _TAGGED_MIN:
+                    start = self._start
+                    ctrl = sview[start + 3]
                     if ctrl in _TAGGED_CTRLS:
-                        self._start = self._tagged_run(sview, self._start, self._end, ctrl)
+                        self._start = self._tagged_run(sview, start, self._end, ctrl)
                     elif self._rx_send is None:
-                        self._start = self._small_sends(sview, self._start, self._end)
-                    if self._rx is _RX_DISCARD:
+                        self._start = self._small_sends(sview, start, self._end)
+                    if self._start == start or self._rx is _RX_DISCARD:
                         break
                     avail = self._end - self._start
+                if self._rx is _RX_DISCARD:
+                    break
                 if avail < 4:
                     break
                 hdr = ddp.parse_header(sview, self._start, self._end)

@@ -210,6 +210,8 @@ class _Resource:
 
 
 _R = TypeVar("_R", bound=_Resource)
+_REMOTE_WRITES = int(Access.REMOTE_WRITE | Access.REMOTE_ATOMIC)
+_LOCAL_WRITE = int(Access.LOCAL_WRITE)
 
 
 class _Parent(_Resource):
@@ -447,12 +449,10 @@ class PD(_Parent):
         self._check_open("reg_mr")
         if access.__class__ is not Access:  # (an Enum call costs about a microsecond)
             access = Access(access)
-        if (
-            access & (Access.REMOTE_WRITE | Access.REMOTE_ATOMIC)
-            and not access & Access.LOCAL_WRITE
-        ):
+        rights = int(access)  # (and so does each operator on the flags)
+        if rights & _REMOTE_WRITES and not rights & _LOCAL_WRITE:
             raise VerbsError(errno.EINVAL, "reg_mr", "remote write access needs LOCAL_WRITE")
-        pinned = pin(buffer, writable=bool(access & Access.LOCAL_WRITE))
+        pinned = pin(buffer, writable=bool(rights & _LOCAL_WRITE))
         base = pinned.addr if iova is None else iova
         if not 0 <= base <= (1 << 64) - pinned.length:
             pinned.release()
