@@ -11,13 +11,15 @@ import pytest
 import trio
 from api.busyloop import loop_sleeps
 
-from rdmashim.ulps.rds.connection import ACK_DELAY
+from rdmashim.ulps.rds.connection import ACK_DELAY, BURST_MAX, Session
 from rdmashim.ulps.rds.node import RdsError, RdsSocket
 from rdmashim.ulps.rds.settings import RdsSettings
 
 from rdsnodes import close, nodes, transports
 
 BURST = 24
+SMALL_BURST = BURST_MAX // 2
+"""A burst whose answers all fit the hold (BURST_MAX)."""
 
 
 @transports
@@ -86,6 +88,70 @@ async def test_answers_to_a_burst_arrive_when_the_answerer_stops_receiving(
                 await answered.wait()
                 nursery.cancel_scope.cancel()
         assert got == [(b"re:q%d" % i, ("127.0.0.2", 5000)) for i in range(BURST)]
+    finally:
+        await close([a, b])
+
+
+async def test_a_burst_is_answered_first_at_once_then_together_when_the_receiver_waits(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The first answer to a burst is posted at once, so that the peer starts on it;
+    the others wait, and the receiver posts them together itself when it goes back
+    to ``recvfrom`` with no message left anywhere (not the session's task, later)."""
+    answered_by: list[tuple[Any, int]] = []
+    answer_burst = Session.answer_burst
+
+    def spy(session: Session) -> None:
+        answered_by.append((trio.lowlevel.current_task(), len(session.rds.unsent)))
+        answer_burst(session)
+
+    monkeypatch.setattr(Session, "answer_burst", spy)
+    a, b = await nodes(["127.0.0.1", "127.0.0.2"])
+    try:
+        sa, sb = a.bind(4000), b.bind(5000)
+        for i in range(SMALL_BURST):  # queued before the connection is up: one post, one read
+            sa.sendto_nowait(b"q%d" % i, ("127.0.0.2", 5000))
+        with trio.fail_after(20):
+            data, sender = await sb.recvfrom()
+            assert len(sb.received) == SMALL_BURST - 1  # the burst: one handler run delivered all
+            rds = b.connections()[0]
+            await sb.sendto(b"re:" + data, sender)
+            assert not rds.unsent  # posted at once
+            for _ in range(SMALL_BURST - 1):
+                data, sender = sb.recvfrom_nowait()
+                await sb.sendto(b"re:" + data, sender)
+            assert len(rds.unsent) == SMALL_BURST - 1  # held back for the rest of the burst
+            with trio.move_on_after(0.5):
+                await sb.recvfrom()
+            assert answered_by[:1] == [(trio.lowlevel.current_task(), SMALL_BURST - 1)]
+            assert not rds.unsent
+            got = [await sa.recvfrom() for _ in range(SMALL_BURST)]
+        assert got == [(b"re:q%d" % i, ("127.0.0.2", 5000)) for i in range(SMALL_BURST)]
+    finally:
+        await close([a, b])
+
+
+async def test_closing_a_socket_that_holds_messages_keeps_the_bursts_going() -> None:
+    """A socket closed with messages unread drops them, and no longer counts as one
+    whose owner has yet to answer: the next burst is still posted by its receiver."""
+    a, b = await nodes(["127.0.0.1", "127.0.0.2"])
+    try:
+        sa, sb, doomed = a.bind(4000), b.bind(5000), b.bind(5001)
+        with trio.fail_after(20):
+            for i in range(3):
+                await sa.sendto(b"lost %d" % i, ("127.0.0.2", 5001))
+            await sa.sendto(b"after", ("127.0.0.2", 5000))
+            assert (await sb.recvfrom())[0] == b"after"  # in order: the three are there
+            assert len(doomed.received) == 3
+            doomed.close()
+            assert not doomed.received
+            with pytest.raises(RdsError) as err:
+                doomed.recvfrom_nowait()
+            assert err.value.errno == errno.EBADF
+            assert b._holding == 0
+            await sa.sendto(b"ping", ("127.0.0.2", 5000))
+            assert (await sb.recvfrom())[0] == b"ping"
+            assert b._holding == 0
     finally:
         await close([a, b])
 

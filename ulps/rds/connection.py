@@ -195,6 +195,9 @@ class RdsConnection:
     """The congestion map waiting to go out. Maps go outside the sequence (number 0,
     never resent), between messages, as Linux's ``rds_cong_update_alloc`` makes them
     and ``rds_send_xmit`` sends them on either transport."""
+    on_burst: Callable[[Session], None] = lambda session: None
+    """Called when a session first holds back the answers to a burst (see
+    :meth:`Session.answer_burst`)."""
     peer_generation: int = 0
     """The peer's generation number from its handshake probe (0: none seen)."""
     queued_bytes: int = 0
@@ -444,12 +447,14 @@ class Session:
 
     Sends are posted as lists: what one pump makes goes in one ``post_send``
     (the engine frames it into one write). When a handler run delivers several
-    messages, the answers their receivers send in the next turn of the scheduler
-    wait in the queue and :meth:`run`'s task posts them together after them
-    (a burst of requests costs one post, one write and, at the peer, one read
-    and one handler run), up to :data:`BURST_MAX` of them: more are posted as they
-    come, so that the peer works on the first ones while the rest are made. The
-    wire is the same either way: the same headers, flags and order.
+    messages (a burst), the first answer their receivers send goes at once, so
+    that the peer works on it meanwhile; the next ones wait in the queue and go
+    together, posted by the receiver that goes back to waiting when no socket
+    holds a message any more (:meth:`answer_burst`), or else by :meth:`run`'s task
+    a turn of the scheduler later (a burst of requests costs two posts and two
+    writes, and at the peer two reads and two handler runs), up to
+    :data:`BURST_MAX` of them: more are posted as they come. The wire is the same
+    either way: the same headers, flags and order.
     """
 
     def __init__(self, rds: RdsConnection, conn: Connection | ConnectionRequest) -> None:
@@ -504,6 +509,8 @@ class Session:
         receivers send in answer waits for :meth:`run`'s task to post it together."""
         self._flush_due = False
         """:meth:`run`'s task is to post what waits."""
+        self._opening = False
+        """No answer to the burst went yet: the first goes at once."""
         self._ack_at = math.inf
         """When an acknowledgement held back must go on its own."""
         self._timer: trio.CancelScope | None = None
@@ -624,14 +631,28 @@ class Session:
 
     def pump_sends(self) -> None:
         """Post what waits to go out (never blocks): now, or, while the receivers of a
-        batch of delivered messages answer them (:attr:`_burst`), once they all have, in
-        one list, from :meth:`run`'s task, unless :data:`BURST_MAX` of them wait."""
+        burst of delivered messages answer them (:attr:`_burst`), the first answer now
+        and the others once they all have, in one list (:meth:`answer_burst`, or
+        :meth:`run`'s task), unless :data:`BURST_MAX` of them wait."""
         if self._burst and len(self.rds.unsent) < BURST_MAX:
+            if self._opening:  # the first answer goes at once: the peer starts on it
+                self._opening = False
+                self._pump_now()
+                return
             if not self._flush_due:
                 self._flush_due = True
+                self.rds.on_burst(self)
                 self._wake.set()
             return
         self._pump_now()
+
+    def answer_burst(self) -> None:
+        """Post the answers held back for a burst now: their receivers are done (the node
+        calls this when a receiver goes back to waiting and no socket holds a message),
+        so :meth:`run`'s task, which would post them a turn or two later, need not."""
+        if self._flush_due:
+            self._flush_due = self._burst = False
+            self._pump_now()
 
     def _pump_now(self) -> None:
         """Post as many fragments as credits and send slots allow (never blocks).
@@ -807,7 +828,7 @@ class Session:
                 armed = n < room
                 if armed:
                     cq.req_notify()
-            self._burst = counters.recv_messages - received > 1
+            self._burst = self._opening = counters.recv_messages - received > 1
         except RdsProtocolError as exc:
             log.warning("RDS protocol error from %s: %s", self.rds.peer, exc)
             self._end(SessionLost(str(exc)))

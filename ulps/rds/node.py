@@ -229,7 +229,10 @@ class RdsSocket:
                 raise RdsError(errno.EBADF, "recvfrom on a closed RDS socket")
             if self.received:
                 break
-            cq = self.node._drivable()
+            node = self.node
+            if node._bursts and not node._holding:  # every receiver has answered
+                node._answer_bursts()
+            cq = node._drivable()
             if cq is not None:
                 self._driving = cq
                 try:
@@ -239,8 +242,8 @@ class RdsSocket:
                 if driven:
                     parked = True
                     continue
-            elif self.node.settings.busy_poll and await spin_until(
-                self._readable, self.node.settings.busy_poll
+            elif node.settings.busy_poll and await spin_until(
+                self._readable, node.settings.busy_poll
             ):
                 parked = True  # (it yielded)
                 continue
@@ -264,6 +267,8 @@ class RdsSocket:
 
     def _take(self) -> tuple[bytes, tuple[str, int]]:
         msg = self.received.popleft()
+        if not self.received:
+            self.node._holding -= 1
         self.queued_bytes -= len(msg.data)
         if self.queued_bytes < self.node.settings.rcvbuf // 2:
             self.node._set_congested(self.port, False)
@@ -273,6 +278,8 @@ class RdsSocket:
         return bool(self.received) or self.closed
 
     def _push(self, msg: ReceivedMessage) -> None:
+        if not self.received:
+            self.node._holding += 1
         self.received.append(msg)
         self.queued_bytes += len(msg.data)
         if self._arrived:  # a reader waits (unpark costs even when none does)
@@ -308,6 +315,10 @@ class RdsSocket:
             self.node._sockets.pop(self.port, None)
             self.node._set_congested(self.port, False)
             self._registrations.close()
+            if self.received:  # dropped, as Linux drops a closed socket's queue
+                self.received.clear()
+                self.queued_bytes = 0
+                self.node._holding -= 1
             self._arrived.unpark_all()
             if self._driving is not None:
                 self._driving.interrupt_wait()
@@ -342,6 +353,11 @@ class RdsNode:
         self._recent_text: tuple[IPAddress | None, str] = (None, "")
         """The sender address last delivered from, and its text (same reason)."""
         self._sockets: dict[int, RdsSocket] = {}
+        self._holding = 0
+        """How many sockets hold received messages."""
+        self._bursts: dict[Session, None] = {}
+        """Sessions that held back the answers to a burst (:meth:`_answer_bursts`), each
+        once."""
         self._nursery: trio.Nursery | None = None
         self.pd: PD | None = None
         """The protection domain every connection and RDMA registration of the node uses."""
@@ -607,6 +623,16 @@ class RdsNode:
             raise RdsError(errno.EHOSTUNREACH, f"no RDS node at {peer}: {exc}") from exc
         return entry
 
+    def _burst_held(self, session: Session) -> None:
+        self._bursts[session] = None
+
+    def _answer_bursts(self) -> None:
+        """Post the answers sessions hold back for their bursts (see
+        :meth:`Session.answer_burst`)."""
+        bursts, self._bursts = self._bursts, {}
+        for session in bursts:
+            session.answer_burst()
+
     def _send_loopback(
         self, sport: int, dport: int, data: bytes, rdma: RdmaOp | None = None
     ) -> None:
@@ -647,6 +673,7 @@ class RdsNode:
         rds = RdsConnection(
             self.address, peer, self._deliver, on_congestion=self._peer_congestion,
             settings=self.settings, last_active=trio.current_time(),
+            on_burst=self._burst_held,
         )  # fmt: skip
         entry = self._peers[peer] = _Peer(rds)
         return entry
