@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 import trio
+import trio.testing
 from api.busyloop import loop_sleeps
 
 from rdmashim.ulps.rds.connection import ACK_DELAY, BURST_MAX, Session
@@ -127,6 +128,34 @@ async def test_a_burst_is_answered_first_at_once_then_together_when_the_receiver
             assert not rds.unsent
             got = [await sa.recvfrom() for _ in range(SMALL_BURST)]
         assert got == [(b"re:q%d" % i, ("127.0.0.2", 5000)) for i in range(SMALL_BURST)]
+    finally:
+        await close([a, b])
+
+
+async def test_answers_held_for_a_burst_survive_the_session_breaking() -> None:
+    """The session breaks while it holds answers back: the node lets go of it (a peer
+    that reconnects over and over cannot pile dead sessions up there), and the answers,
+    still queued, go out over the next session, once each and in order."""
+    a, b = await nodes(["127.0.0.1", "127.0.0.2"])
+    try:
+        sa, sb = a.bind(4000), b.bind(5000)
+        for i in range(SMALL_BURST):
+            sa.sendto_nowait(b"q%d" % i, ("127.0.0.2", 5000))
+        with trio.fail_after(30):
+            data, sender = await sb.recvfrom()
+            await sb.sendto(b"re:" + data, sender)
+            for _ in range(SMALL_BURST - 1):
+                data, sender = sb.recvfrom_nowait()
+                await sb.sendto(b"re:" + data, sender)
+            rds = b.connections()[0]
+            session = rds.session
+            assert isinstance(session, Session) and list(b._bursts) == [session]
+            session.cut()
+            got = [await sa.recvfrom() for _ in range(SMALL_BURST)]
+            await trio.testing.wait_all_tasks_blocked()
+        assert got == [(b"re:q%d" % i, ("127.0.0.2", 5000)) for i in range(SMALL_BURST)]
+        assert rds.session is not session and rds.counters.sessions == 2
+        assert session not in b._bursts
     finally:
         await close([a, b])
 

@@ -230,7 +230,7 @@ class RdsSocket:
             if self.received:
                 break
             node = self.node
-            if node._bursts and not node._holding:  # every receiver has answered
+            if not node._holding and node._bursts:  # every receiver has answered
                 node._answer_bursts()
             cq = node._drivable()
             if cq is not None:
@@ -919,6 +919,8 @@ class RdsNode:
             finally:
                 if rds.session is session:
                     rds.session = None
+                if isinstance(session, Session):  # nothing to answer for it any more
+                    self._bursts.pop(session, None)
                 rds.last_active = trio.current_time()
                 if entry.session_scope is scope:
                     entry.session_scope = None
