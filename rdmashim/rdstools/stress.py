@@ -358,6 +358,8 @@ async def stress_active(
             next_at = trio.current_time() + 1.0
             while True:
                 await trio.sleep_until(next_at)
+                if stop.is_set():  # the run's time is up: its tasks only wait for acks now
+                    return
                 next_at += 1.0
                 snap = clock.snapshot()
                 sample = snap.minus(last)
