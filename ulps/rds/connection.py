@@ -647,9 +647,9 @@ class Session:
         self._pump_now()
 
     def answer_burst(self) -> None:
-        """Post the answers held back for a burst now: their receivers are done (the node
-        calls this when a receiver goes back to waiting and no socket holds a message),
-        so :meth:`run`'s task, which would post them a turn or two later, need not."""
+        """Post the answers held back for a burst now, if they still wait: their
+        receivers are done (the node calls this when a receiver goes back to waiting and
+        no socket holds a message; else :meth:`run`'s task does, a turn or two later)."""
         if self._flush_due:
             self._flush_due = self._burst = False
             self._pump_now()
@@ -882,8 +882,7 @@ class Session:
                 if self._failure is None and self._flush_due:
                     # The receivers woken with this one may not have run yet: let them.
                     await trio.lowlevel.cancel_shielded_checkpoint()
-                    self._flush_due = self._burst = False
-                    self._pump_now()
+                    self.answer_burst()  # (unless a receiver did meanwhile)
                 if self._failure is None and trio.current_time() >= self._ack_at:
                     self._ack_at = math.inf
                     if self.rds.next_recv - 1 > self.acked_to_peer:

@@ -701,17 +701,17 @@ class Engine:
             invs.append(job.invalidate_rkey)
             size += ((_SEND_FPDU_BASE + len(inline)) & ~3) + _CRC_BYTES
         if lens:
-            crc = self.config.crc
             msns = self._tx_msn
             msn = msns[_QN_SEND]
             msns[_QN_SEND] = (msn + len(lens)) & U32_MAX
-            if len(lens) == 1:  # (the kernels' wrappers cost more than this one FPDU)
-                out.append(frame_send(chunks[0], ctrls[0], invs[0], (msn + 1) & U32_MAX, crc))
-                return size
             data = chunks[0] if len(chunks) == 1 else b"".join(chunks)
             if run is not None:  # its arrays go to the kernels as they are
                 lens, ctrls, invs = run.lens, run.ctrls, run.invs  # type: ignore[assignment]
-            out.append(self._kernels.frame_sends(data, lens, ctrls, invs, (msn + 1) & U32_MAX, crc))
+            out.append(
+                self._kernels.frame_sends(
+                    data, lens, ctrls, invs, (msn + 1) & U32_MAX, self.config.crc
+                )
+            )
         return size
 
     def _take_terminate(self) -> list[Chunk]:
