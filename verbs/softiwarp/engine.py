@@ -35,10 +35,11 @@ from rdmashim.verbs.softiwarp.ddp import QN, Opcode
 from rdmashim.verbs.softiwarp.fastpath import kernels
 from rdmashim.verbs.softiwarp.kernels import CTRL_WRITE as _CTRL_WRITE
 from rdmashim.verbs.softiwarp.kernels import MSG_WORDS as _MSG_WORDS
+from rdmashim.verbs.softiwarp.kernels import SEND_MIN as _SEND_MIN
 from rdmashim.verbs.softiwarp.kernels import SPAN as _SPAN
 from rdmashim.verbs.softiwarp.kernels import TAGGED_CTRLS as _TAGGED_CTRLS
 from rdmashim.verbs.softiwarp.kernels import TAGGED_MIN as _TAGGED_MIN
-from rdmashim.verbs.softiwarp.kernels import Buffer, Targets, frame_send
+from rdmashim.verbs.softiwarp.kernels import Buffer, Targets, frame_send, send_fpdu
 from rdmashim.verbs.softiwarp.memory import AccessViolation, MemoryTable, Region, Violation
 from rdmashim.verbs.softiwarp.terminate import (
     DDP_CATASTROPHIC,
@@ -112,6 +113,8 @@ _SEND_FPDU_BASE = ddp.UNTAGGED_HDR_LEN + 3
 """Header bytes of an untagged FPDU, plus 3 to round its payload up to the pad."""
 _UNTAGGED_ULPDU_MIN = ddp.UNTAGGED_HDR_LEN - 2
 """ULPDU length of an untagged segment without payload."""
+_RUN_CTRLS = (_CTRL_SEND_PLAIN, _CTRL_SEND_SE)
+"""Control bytes of the Sends a run of the fast path holds."""
 _TAGGED = ddp.TAGGED
 _ZERO_PAD = ddp.ZERO_PAD
 _CTRL_SEND = {
@@ -969,13 +972,18 @@ class Engine:
             or (sview[start + 3] != _CTRL_SEND_PLAIN and sview[start + 3] != _CTRL_SEND_SE)
         ):
             return start  # not a Send (a bulk FPDU, say): no kernel call for nothing
-        kernels = self._kernels
         rx_msn = self._rx_msn
-        stop, msgs = kernels.scan_sends(sview, start, end, rx_msn[_QN_SEND], self.config.crc)
-        if not msgs:
-            return start
-        if len(msgs) == _MSG_WORDS and self._one_send(sview, msgs):
-            return stop
+        crc = self.config.crc
+        size = send_fpdu(sview, start, end, rx_msn[_QN_SEND], crc)
+        if not size:
+            return start  # the general path reports what is wrong, or waits for the rest
+        after = start + size
+        if (end - after < _SEND_MIN or sview[after + 3] not in _RUN_CTRLS) and self._lone_send(
+            sview, start, size
+        ):
+            return after
+        kernels = self._kernels
+        stop, msgs = kernels.scan_sends(sview, start, end, rx_msn[_QN_SEND], crc)
         queue = self.recv_queue
         count = min(len(msgs) // _MSG_WORDS, len(queue))
         if count == len(queue):
@@ -1051,17 +1059,18 @@ class Engine:
             raise AssertionError("a refused Send passed the general checks")
         return fpdu
 
-    def _one_send(self, sview: memoryview, msgs: Sequence[int]) -> bool:
-        """Complete the one scanned Send ``msgs`` into the receive at the head of the
-        queue when that has one non-empty SGE of a region that holds it (the ping-pong
-        case, without a run's bookkeeping); False, nothing changed, otherwise (the
-        general loop of :meth:`_small_sends` then takes it and reports what fails)."""
+    def _lone_send(self, sview: memoryview, start: int, size: int) -> bool:
+        """Complete the Send whose checked FPDU of ``size`` bytes is at ``sview[start]``
+        into the receive at the head of the queue when that has one non-empty SGE of a
+        region that holds it (the ping-pong case, or the Send after an RDMA Write: no
+        scan, no run's bookkeeping); False, nothing changed, otherwise (the run's
+        general loop then takes it and reports what fails)."""
         queue = self.recv_queue
         if not queue:
             return False
         job = queue[0]
         sges = job.sges
-        length = msgs[1]
+        length = (sview[start] << 8 | sview[start + 1]) - _UNTAGGED_ULPDU_MIN
         if len(sges) != 1 or length > job.length or not sges[0].length:
             return False
         s = sges[0]
@@ -1070,9 +1079,9 @@ class Engine:
         except AccessViolation:
             return False
         queue.popleft()
-        src = msgs[0]
+        src = start + ddp.UNTAGGED_HDR_LEN
         region.view[off : off + length] = sview[src : src + length]
-        self._complete_small_sends([job], msgs)
+        self._complete_recv(job.wr_id, length, sview[start + 3] == _CTRL_SEND_SE)
         return True
 
     def _place_checked(
@@ -1126,14 +1135,11 @@ class Engine:
 
     def _complete_small_sends(self, jobs: list[RecvJob], msgs: Sequence[int]) -> None:
         """Complete the receives ``jobs`` with the first scanned messages of ``msgs``."""
+        if len(jobs) == 1:  # a completion costs less than a run of one
+            self._complete_recv(jobs[0].wr_id, msgs[1], msgs[2] == 1)
+            return
         rx_msn = self._rx_msn
         rx_msn[_QN_SEND] = (rx_msn[_QN_SEND] + len(jobs)) & U32_MAX
-        if len(jobs) == 1:  # a completion costs less than a run of one
-            self.on_recv_wc(
-                WC(jobs[0].wr_id, WCStatus.SUCCESS, WCOpcode.RECV, msgs[1], self.qp_num,
-                   WCFlags.NONE, 0, 0, msgs[2] == 1)
-            )  # fmt: skip
-            return
         words = len(jobs) * _MSG_WORDS
         solicited = msgs[2:words:_MSG_WORDS]
         self._recv_wcs(
@@ -1141,6 +1147,15 @@ class Engine:
                 list(map(_WR_ID, jobs)), msgs[1:words:_MSG_WORDS],
                 list(map(_ONE.__eq__, solicited)) if any(solicited) else None, self.qp_num,
             )
+        )  # fmt: skip
+
+    def _complete_recv(self, wr_id: int, length: int, solicited: bool) -> None:
+        """Complete one receive with the next Send (``length`` bytes) of the fast paths."""
+        rx_msn = self._rx_msn
+        rx_msn[_QN_SEND] = (rx_msn[_QN_SEND] + 1) & U32_MAX
+        self.on_recv_wc(
+            WC(wr_id, WCStatus.SUCCESS, WCOpcode.RECV, length, self.qp_num, WCFlags.NONE, 0, 0,
+               solicited)
         )  # fmt: skip
 
     @staticmethod

@@ -223,26 +223,15 @@ class PyKernels:
         out: list[int] = []
         if not 0 <= start <= end <= len(buf) or len(buf) > _U32:
             return start, out
-        unpack = _UNTAGGED.unpack_from
         pos = start
         while end - pos >= SEND_MIN:
-            ulpdu_len, ddp_ctrl, ctrl, _inv, qn, got_msn, mo = unpack(buf, pos)
-            if (
-                ddp_ctrl != DDP_UNTAGGED_LAST
-                or (ctrl != CTRL_SEND and ctrl != CTRL_SEND_SE)
-                or qn
-                or mo
-                or got_msn != msn
-                or ulpdu_len < UNTAGGED_HDR_LEN - 2
-            ):
-                break
-            size = _whole_fpdu(buf, pos, end, ulpdu_len, crc)
+            size = send_fpdu(buf, pos, end, msn, crc)
             if not size:
                 break
             out += (
                 pos + UNTAGGED_HDR_LEN,
-                ulpdu_len - (UNTAGGED_HDR_LEN - 2),
-                ctrl == CTRL_SEND_SE,
+                (buf[pos] << 8 | buf[pos + 1]) - (UNTAGGED_HDR_LEN - 2),
+                buf[pos + 3] == CTRL_SEND_SE,
             )
             msn = (msn + 1) & _U32
             pos += size
@@ -411,10 +400,28 @@ def frame_send(payload: Buffer, ctrl: int, inv: int, msn: int, crc: bool) -> byt
     return body + (_PACK_CRC(crc32c(body)) if crc else _ZERO_CRC)
 
 
+def send_fpdu(buf: Buffer, pos: int, end: int, msn: int, crc: bool) -> int:
+    """The bytes of the FPDU at ``buf[pos:end]`` (at least an untagged header) when it is
+    a whole one-segment Send or Send with SE on QN 0 at MO 0, with MSN ``msn`` and
+    (``crc`` set) a matching CRC, else 0: each message :meth:`Kernels.scan_sends` takes.
+    The engine checks a lone Send with it too."""
+    ulpdu_len, ddp_ctrl, ctrl, _inv, qn, got_msn, mo = _UNTAGGED.unpack_from(buf, pos)
+    if (
+        ddp_ctrl != DDP_UNTAGGED_LAST
+        or (ctrl != CTRL_SEND and ctrl != CTRL_SEND_SE)
+        or qn
+        or mo
+        or got_msn != msn
+        or ulpdu_len < UNTAGGED_HDR_LEN - 2
+    ):
+        return 0
+    return _whole_fpdu(buf, pos, end, ulpdu_len, crc)
+
+
 def _whole_fpdu(buf: Buffer, pos: int, end: int, ulpdu_len: int, crc: bool) -> int:
     """The bytes of the FPDU at ``buf[pos:end]`` when it is all there and (``crc`` set)
     its CRC matches, else 0."""
-    body = ulpdu_len + 2 + ddp.pad_len(ulpdu_len)
+    body = (ulpdu_len + 5) & ~3  # length field, ULPDU and PAD (ddp.pad_len, inlined)
     if body + ddp.TRAILER_CRC_LEN > end - pos:
         return 0
     if crc and crc32c(buf[pos : pos + body]) != _CRC_FIELD.unpack_from(buf, pos + body)[0]:
