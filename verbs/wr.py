@@ -332,7 +332,11 @@ class WCArray:
         """Store ``rows`` (:class:`WC` or tuples of its fields, in its order) in entries
         ``start, start + 1, ...`` (for backends; they fit: ``start + len(rows) <= len(self)``)."""
         k = len(rows)
-        if k:
+        columns = self.columns
+        if k == 1:  # (a CQ handler's one completion) field by field: no zip of the rows
+            for column, value in zip(columns, rows[0], strict=True):
+                column[start] = value
+        elif k:
             end = start + k
-            for column, values in zip(self.columns, zip(*rows, strict=True), strict=True):
+            for column, values in zip(columns, zip(*rows, strict=True), strict=True):
                 column[start:end] = values

@@ -393,3 +393,22 @@ def test_batch_and_array_values() -> None:
         WCArray(0)
     wcs = WCArray(2)
     assert len(wcs) == 2 and wcs[1].status == WCStatus.SUCCESS
+
+
+@pytest.mark.parametrize("k", [1, 2, 5])
+def test_array_fill_stores_rows_field_by_field(k: int) -> None:
+    """``fill`` (what backends store polled completions with) puts each row's fields in
+    its entry from ``start`` on, one row as many; a row of the wrong width is refused."""
+    from rdmashim import WC, WCFlags
+
+    rows = [
+        WC(10 + i, WCStatus.REM_ACCESS_ERR, WCOpcode.RDMA_READ, i, 7, WCFlags.WITH_IMM, 3, 4,
+           True, 9 + i, 11)
+        for i in range(k)
+    ]  # fmt: skip
+    wcs = WCArray(k + 2)
+    wcs.fill(rows, 1)
+    assert [wcs[i] for i in range(1, k + 1)] == rows
+    assert wcs[0] == WCArray(1)[0] and wcs[k + 1] == WCArray(1)[0]  # untouched
+    with pytest.raises(ValueError):
+        wcs.fill([tuple(rows[0])[:-1]] * k)

@@ -357,7 +357,7 @@ class Context(_Parent):
         after the batch it is reading, or else in the dispatcher task soon after."""
         self._due.append(cq)
         task = trio.lowlevel.current_task()
-        if self._dispatching or task in self._receivers or task in self._drivers:
+        if self._dispatching or task in self._drivers or task in self._receivers:
             return
         wakeup = self._dispatcher_wakeup
         if wakeup is None:
