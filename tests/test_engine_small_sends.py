@@ -14,7 +14,7 @@ from test_engine_sansio import Host, pump, untagged, wire
 
 from rdmashim import SGE, RecvWR, SendFlags, SendWR, VerbsError, WCStatus, WROpcode
 from rdmashim.verbs.softiwarp.ddp import QN, Opcode
-from rdmashim.verbs.softiwarp.engine import EngineState, RecvJob, SendJob
+from rdmashim.verbs.softiwarp.engine import Engine, EngineState, RecvJob, SendJob
 from rdmashim.verbs.softiwarp.memory import Region
 
 from pairs import Side
@@ -152,6 +152,27 @@ def test_one_send_whole_matches_bytewise(crc: bool, flaw: str) -> None:
     assert whole == _run_reposted(crc, [8], flaw, 0, False, False)
     if flaw == "none":
         assert [w[:3] for w in whole[0]] == [(0, WCStatus.SUCCESS, 8)]
+
+
+@pytest.mark.parametrize("op", [Opcode.SEND, Opcode.SEND_SE])
+def test_one_whole_send_skips_the_receive_loop(monkeypatch: pytest.MonkeyPatch, op: Opcode) -> None:
+    """Bytes that are exactly one whole Send (what a ping-pong reads) are completed
+    without a pass of the engine's receive loop; anything more goes through it."""
+    host = Host(True)
+    region = host.region(64)
+    host.rq.extend(RecvJob(i, (SGE(region.addr + 32 * i, 32, region.stag),), 32) for i in (0, 1))
+    one = wire(untagged(op, QN.SEND, 1, 0, b"ping"), crc=True)
+    passes: list[int] = []
+    general = Engine._process
+    monkeypatch.setattr(Engine, "_process", lambda e: passes.append(1) or general(e))
+    host.engine.receive_data(one)
+    assert not passes  # fails when the one-Send entry of received() is gone
+    assert [(w.wr_id, w.byte_len, w.solicited) for w in host.recv_wcs] == [
+        (0, 4, op is Opcode.SEND_SE)
+    ]
+    assert bytes(region.view[:4]) == b"ping"
+    host.engine.receive_data(wire(untagged(op, QN.SEND, 2, 0, b"pong"), crc=True)[:-1])
+    assert passes and len(host.recv_wcs) == 1  # a part of a Send: the loop waits for the rest
 
 
 @settings(max_examples=80, deadline=None)

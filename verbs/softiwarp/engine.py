@@ -111,7 +111,8 @@ _CHECKED = attrgetter("checked")
 _SPAN_OF = attrgetter("span")
 _SEND_FPDU_BASE = ddp.UNTAGGED_HDR_LEN + 3
 """Header bytes of an untagged FPDU, plus 3 to round its payload up to the pad."""
-_UNTAGGED_ULPDU_MIN = ddp.UNTAGGED_HDR_LEN - 2
+_UNTAGGED_HDR_LEN = ddp.UNTAGGED_HDR_LEN
+_UNTAGGED_ULPDU_MIN = _UNTAGGED_HDR_LEN - 2
 """ULPDU length of an untagged segment without payload."""
 _RUN_CTRLS = (_CTRL_SEND_PLAIN, _CTRL_SEND_SE)
 """Control bytes of the Sends a run of the fast path holds."""
@@ -123,6 +124,12 @@ _CTRL_SEND = {
     (True, False): Opcode.SEND_SE,
     (True, True): Opcode.SEND_SE_INV,
 }
+_SUCCESS = WCStatus.SUCCESS
+_WC_RECV = WCOpcode.RECV
+_WC_SEND = WCOpcode.SEND
+_NO_FLAGS = WCFlags.NONE
+"""The fields of a successful completion, looked up once (an Enum member through its
+class costs 50 ns, three of them a third of a completion's making)."""
 _WC_OPCODE = {
     WROpcode.SEND: WCOpcode.SEND,
     WROpcode.SEND_WITH_INV: WCOpcode.SEND,
@@ -327,9 +334,9 @@ class RecvRun:
         """The next ``n`` entries as completions, taken."""
         start = self.start
         self.start = stop = start + n
-        success, recv, qp_num, no_flags = WCStatus.SUCCESS, WCOpcode.RECV, self.qp_num, WCFlags.NONE
+        qp_num = self.qp_num
         return [
-            WC(wr_id, success, recv, byte_len, qp_num, no_flags, 0, 0, solicited)
+            WC(wr_id, _SUCCESS, _WC_RECV, byte_len, qp_num, _NO_FLAGS, 0, 0, solicited)
             for wr_id, byte_len, solicited in zip(
                 self.wr_ids[start:stop], self.byte_lens[start:stop], self.solicited_of(start, stop),
                 strict=True,
@@ -550,7 +557,7 @@ class Engine:
         if whole:
             self.bytes_sent += written
             if self.sq_sig_all or flags & _SIGNALED:
-                self.on_send_wc(WC(wr_id, WCStatus.SUCCESS, WCOpcode.SEND, 0, self.qp_num))
+                self.on_send_wc(WC(wr_id, _SUCCESS, _WC_SEND, 0, self.qp_num))
             return
         self._taken_in_part(SendJob(wr_id, WROpcode.SEND, flags, (), payload, len(payload)))
 
@@ -870,8 +877,24 @@ class Engine:
             if not self._remaining:
                 self._rx = _RX_TRAILER
             return
-        self._end += nbytes
+        start, end = self._start, self._end + nbytes
+        self._end = end
+        sview = self._sview
         try:
+            if (
+                self._rx is _RX_HDR
+                and end - start >= _SEND_MIN
+                and sview[start + 3] in _RUN_CTRLS
+                and self._rx_send is None
+                and self.state is _RTS
+                and not self._rtr_pending
+                and send_fpdu(sview, start, end, self._rx_msn[_QN_SEND], self.config.crc)
+                == end - start
+                and self._lone_send(sview, start, end - start)
+            ):
+                # The bytes were one whole Send (a ping-pong): no pass of the general loop.
+                self._start = self._end = 0
+                return
             self._process()
         except ProtocolError as exc:
             self._protocol_error(exc)
@@ -1079,7 +1102,7 @@ class Engine:
         except AccessViolation:
             return False
         queue.popleft()
-        src = start + ddp.UNTAGGED_HDR_LEN
+        src = start + _UNTAGGED_HDR_LEN
         region.view[off : off + length] = sview[src : src + length]
         self._complete_recv(job.wr_id, length, sview[start + 3] == _CTRL_SEND_SE)
         return True
@@ -1154,8 +1177,7 @@ class Engine:
         rx_msn = self._rx_msn
         rx_msn[_QN_SEND] = (rx_msn[_QN_SEND] + 1) & U32_MAX
         self.on_recv_wc(
-            WC(wr_id, WCStatus.SUCCESS, WCOpcode.RECV, length, self.qp_num, WCFlags.NONE, 0, 0,
-               solicited)
+            WC(wr_id, _SUCCESS, _WC_RECV, length, self.qp_num, _NO_FLAGS, 0, 0, solicited)
         )  # fmt: skip
 
     @staticmethod
