@@ -29,6 +29,7 @@ from rdmashim import (
     WCStatus,
     WROpcode,
 )
+from rdmashim.verbs.softiwarp import provider
 
 
 async def test_poll_into_after_an_overrun_is_eoverflow() -> None:
@@ -163,3 +164,49 @@ async def test_a_receive_checked_before_is_checked_again_once_a_region_goes() ->
         assert [(w.wr_id, w.status) for w in got] == [
             (0, WCStatus.LOC_PROT_ERR), (1, WCStatus.WR_FLUSH_ERR)
         ]  # fmt: skip
+
+
+async def test_a_request_posted_again_keeps_its_template_while_unchanged(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``post_send`` works a request out once (a template) and again only when one of
+    the fields it was worked out from changed, however it changed (a field set, its
+    ``sg_list`` edited in place); a request with raw inline bytes is worked out at every
+    post. What goes out is always what the request says at the post."""
+    made: list[int] = []
+    make = provider._SendTemplate.__init__
+
+    def counted(self: provider._SendTemplate, w: SendWR) -> None:
+        made.append(w.wr_id)
+        make(self, w)
+
+    monkeypatch.setattr(provider._SendTemplate, "__init__", counted)
+    async with connected(prepare=post_receives(16), cap=QPCap(max_inline_data=16)) as pair:
+        client, server = pair.client, pair.server
+        src = client.pd.reg_mr(bytearray(b"first...second.."), Access.LOCAL_WRITE)
+        a = SendWR(1, WROpcode.SEND, [src.sge(0, 8)], SendFlags(0))
+        b = SendWR(2, WROpcode.SEND, [src.sge(8, 8)], SendFlags.INLINE)
+        raw = bytearray(b"raw")
+        c = SendWR(3, WROpcode.SEND, [raw], SendFlags.INLINE)
+        client.qp.post_send([a, b, c])
+        client.qp.post_send([a, b, c])
+        assert made == [1, 2, 3, 3]  # fails when templates are not kept
+        a.sg_list = [src.sge(8, 8)]  # set
+        b.sg_list[0] = src.sge(0, 5)  # type: ignore[index]  # edited in place
+        raw[:] = b"new"
+        client.qp.post_send([a, b, c])
+        b.send_flags = SendFlags.INLINE | SendFlags.SIGNALED
+        client.qp.post_send([a, b])
+        assert made == [1, 2, 3, 3, 1, 2, 3, 2]
+        assert [w.wr_id for w in await drain(client.send_cq, 1)] == [2]
+        got = await drain(server.recv_cq, 11)
+        placed = bytes(pair.server_mr.buf)
+        assert [placed[64 * w.wr_id : 64 * w.wr_id + w.byte_len] for w in got] == [
+            b"first...", b"second..", b"raw", b"first...", b"second..", b"raw",
+            b"second..", b"first", b"new", b"second..", b"first",
+        ]  # fmt: skip
+        # A QP keeps a bounded number of them (requests made anew at each post: a new id).
+        many = [SendWR(i, WROpcode.RDMA_READ, [src.sge(0, 1)] * 2) for i in range(1100)]
+        with pytest.raises(VerbsError):  # two SGEs in a Read: refused after the templates
+            client.qp.post_send(many)
+        assert 0 < len(client.qp._templates) <= provider._TEMPLATES_KEPT

@@ -1063,6 +1063,21 @@ def _inline_bytes(i: int, part: _InlineSGE | InlineData, memory: MemoryTable) ->
     return bytes(part)
 
 
+def _fields_of(w: SendWR) -> tuple[object, ...] | None:
+    """What a :class:`_SendTemplate` is made of: the request's fields it reads, its SGEs by
+    value (a named tuple each); None when its ``sg_list`` holds raw bytes (read at
+    post time, and mutable: such a template is never reused)."""
+    sges = tuple(w.sg_list)
+    for s in sges:
+        if s.__class__ is not SGE:
+            return None
+    return (w.opcode, w.send_flags, sges, w.remote_addr, w.rkey, w.invalidate_rkey)
+
+
+_TEMPLATES_KEPT = 1024
+"""The most send templates a QP keeps for requests posted again (then it starts over)."""
+
+
 class _SendTemplate:
     """What a send work request means independently of the QP, worked out once.
 
@@ -1080,6 +1095,7 @@ class _SendTemplate:
         "keys_fit",
         "length",
         "local",
+        "made_of",
         "nsge",
         "opcode",
         "remote_addr",
@@ -1092,6 +1108,7 @@ class _SendTemplate:
     def __init__(self, w: SendWR) -> None:
         opcode = w.opcode if w.opcode.__class__ is WROpcode else WROpcode(w.opcode)
         self.opcode = opcode
+        self.made_of = _fields_of(w)
         self.unsupported = (
             None if opcode in _SUPPORTED_SEND else f"{opcode.name} is not an iWARP operation"
         )
@@ -1264,6 +1281,8 @@ class QP(_Resource):
         self._link: Link | None = None
         self._now_src: _InlineSGE | None = None
         """The SGE :meth:`_send_now` last sent from, with its region."""
+        self._templates: dict[int, _SendTemplate] = {}
+        """By the id of the request posted: its template (:meth:`_template`)."""
         self._now_max = -1
         """The most bytes :meth:`_send_now` sends (set when connected; -1: none)."""
         self._copy_max = -1
@@ -1326,13 +1345,25 @@ class QP(_Resource):
         self._check_open("post_send")
         if wr.__class__ is SendWR:  # one request: no list to make
             if not self._send_now(wr):
-                self._post_sends((wr,), (_SendTemplate(wr),))
+                self._post_sends((wr,), (self._template(wr),))
             return
         wrs = _as_list(wr)
-        # One template per request object: a list repeating a request makes it once.
-        made: dict[int, _SendTemplate] = {}
-        templates = [made.get(id(w)) or made.setdefault(id(w), _SendTemplate(w)) for w in wrs]
-        self._post_sends(wrs, templates)
+        self._post_sends(wrs, list(map(self._template, wrs)))
+
+    def _template(self, w: SendWR) -> _SendTemplate:
+        """The template of ``w``: the one made when this object was last posted, while
+        the fields it was made of are unchanged (RDS posts the requests of its send
+        slots again and again, a list may repeat a request), else a new one."""
+        kept = self._templates
+        t = kept.get(id(w))
+        if t is not None and t.made_of is not None and t.made_of == _fields_of(w):
+            return t
+        t = _SendTemplate(w)
+        if t.made_of is not None:
+            if len(kept) >= _TEMPLATES_KEPT:
+                kept.clear()
+            kept[id(w)] = t
+        return t
 
     def _send_now(self, wr: SendWR) -> bool:
         """Frame and write one inline (or copied: :data:`COPY_SEND_MAX`) Send of
