@@ -176,9 +176,9 @@ async def test_a_request_posted_again_keeps_its_template_while_unchanged(
     made: list[int] = []
     make = provider._SendTemplate.__init__
 
-    def counted(self: provider._SendTemplate, w: SendWR) -> None:
+    def counted(self: provider._SendTemplate, w: SendWR, *made_of: tuple[object, ...]) -> None:
         made.append(w.wr_id)
-        make(self, w)
+        make(self, w, *made_of)
 
     monkeypatch.setattr(provider._SendTemplate, "__init__", counted)
     async with connected(prepare=post_receives(16), cap=QPCap(max_inline_data=16)) as pair:

@@ -1105,10 +1105,11 @@ class _SendTemplate:
         "unsupported",
     )  # fmt: skip
 
-    def __init__(self, w: SendWR) -> None:
+    def __init__(self, w: SendWR, made_of: tuple[object, ...] | None = None) -> None:
         opcode = w.opcode if w.opcode.__class__ is WROpcode else WROpcode(w.opcode)
         self.opcode = opcode
-        self.made_of = _fields_of(w)
+        self.made_of = made_of
+        """What it was made of (:func:`_fields_of`), when :meth:`QP._template` keeps it."""
         self.unsupported = (
             None if opcode in _SUPPORTED_SEND else f"{opcode.name} is not an iWARP operation"
         )
@@ -1356,10 +1357,11 @@ class QP(_Resource):
         slots again and again, a list may repeat a request), else a new one."""
         kept = self._templates
         t = kept.get(id(w))
-        if t is not None and t.made_of is not None and t.made_of == _fields_of(w):
+        fields = _fields_of(w)
+        if t is not None and t.made_of == fields and fields is not None:
             return t
-        t = _SendTemplate(w)
-        if t.made_of is not None:
+        t = _SendTemplate(w, fields)
+        if fields is not None:
             if len(kept) >= _TEMPLATES_KEPT:
                 kept.clear()
             kept[id(w)] = t
