@@ -879,22 +879,14 @@ class Engine:
             return
         start, end = self._start, self._end + nbytes
         self._end = end
-        sview = self._sview
         try:
-            if (
-                self._rx is _RX_HDR
-                and end - start >= _SEND_MIN
-                and sview[start + 3] in _RUN_CTRLS
-                and self._rx_send is None
-                and self.state is _RTS
-                and not self._rtr_pending
-                and send_fpdu(sview, start, end, self._rx_msn[_QN_SEND], self.config.crc)
-                == end - start
-                and self._lone_send(sview, start, end - start)
-            ):
-                # The bytes were one whole Send (a ping-pong): no pass of the general loop.
-                self._start = self._end = 0
-                return
+            if self._rx is _RX_HDR and self._rx_send is None and end - start >= _SEND_MIN:
+                # Whole Sends first: when they are all the bytes (a ping-pong reads one),
+                # no pass of the general loop.
+                start = self._start = self._small_sends(self._sview, start, end)
+                if start == end:
+                    self._start = self._end = 0
+                    return
             self._process()
         except ProtocolError as exc:
             self._protocol_error(exc)

@@ -1358,7 +1358,7 @@ class QP(_Resource):
         kept = self._templates
         t = kept.get(id(w))
         fields = _fields_of(w)
-        if t is not None and t.made_of == fields and fields is not None:
+        if t is not None and t.made_of == fields:  # (a kept one's made_of is never None)
             return t
         t = _SendTemplate(w, fields)
         if fields is not None:
