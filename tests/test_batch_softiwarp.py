@@ -181,7 +181,7 @@ async def test_a_request_posted_again_keeps_its_template_while_unchanged(
         make(self, w, *made_of)
 
     monkeypatch.setattr(provider._SendTemplate, "__init__", counted)
-    async with connected(prepare=post_receives(16), cap=QPCap(max_inline_data=16)) as pair:
+    async with connected(prepare=post_receives(24), cap=QPCap(max_inline_data=16)) as pair:
         client, server = pair.client, pair.server
         src = client.pd.reg_mr(bytearray(b"first...second.."), Access.LOCAL_WRITE)
         a = SendWR(1, WROpcode.SEND, [src.sge(0, 8)], SendFlags(0))
@@ -198,13 +198,25 @@ async def test_a_request_posted_again_keeps_its_template_while_unchanged(
         b.send_flags = SendFlags.INLINE | SendFlags.SIGNALED
         client.qp.post_send([a, b])
         assert made == [1, 2, 3, 3, 1, 2, 3, 2]
-        assert [w.wr_id for w in await drain(client.send_cq, 1)] == [2]
-        got = await drain(server.recv_cq, 11)
+        # Flags back to those of before (RDS's slots, signaled or not) find the template
+        # kept before; a third set of flags makes a new one (and the oldest is let go).
+        b.send_flags = SendFlags.INLINE
+        client.qp.post_send([a, b])
+        b.send_flags = SendFlags.INLINE | SendFlags.SIGNALED
+        client.qp.post_send([a, b])
+        assert made == [1, 2, 3, 3, 1, 2, 3, 2]  # fails when only the last one is kept
+        b.send_flags = SendFlags.INLINE | SendFlags.SOLICITED
+        client.qp.post_send([a, b])
+        b.send_flags = SendFlags.INLINE
+        client.qp.post_send([a, b])
+        assert made == [1, 2, 3, 3, 1, 2, 3, 2, 2, 2]
+        assert [w.wr_id for w in await drain(client.send_cq, 2)] == [2, 2]
+        got = await drain(server.recv_cq, 19)
         placed = bytes(pair.server_mr.buf)
         assert [placed[64 * w.wr_id : 64 * w.wr_id + w.byte_len] for w in got] == [
             b"first...", b"second..", b"raw", b"first...", b"second..", b"raw",
             b"second..", b"first", b"new", b"second..", b"first",
-        ]  # fmt: skip
+        ] + [b"second..", b"first"] * 4  # fmt: skip
         # A QP keeps a bounded number of them (requests made anew at each post: a new id).
         many = [SendWR(i, WROpcode.RDMA_READ, [src.sge(0, 1)] * 2) for i in range(1100)]
         with pytest.raises(VerbsError):  # two SGEs in a Read: refused after the templates

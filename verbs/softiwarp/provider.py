@@ -1098,6 +1098,7 @@ class _SendTemplate:
         "made_of",
         "nsge",
         "opcode",
+        "prior",
         "remote_addr",
         "rkey",
         "run_ctrl",
@@ -1110,6 +1111,9 @@ class _SendTemplate:
         self.opcode = opcode
         self.made_of = made_of
         """What it was made of (:func:`_fields_of`), when :meth:`QP._template` keeps it."""
+        self.prior: _SendTemplate | None = None
+        """The template kept for the same request before this one (RDS's send slots
+        alternate between flags, signaled or not: both are kept)."""
         self.unsupported = (
             None if opcode in _SUPPORTED_SEND else f"{opcode.name} is not an iWARP operation"
         )
@@ -1352,20 +1356,32 @@ class QP(_Resource):
         self._post_sends(wrs, list(map(self._template, wrs)))
 
     def _template(self, w: SendWR) -> _SendTemplate:
-        """The template of ``w``: the one made when this object was last posted, while
-        the fields it was made of are unchanged (RDS posts the requests of its send
-        slots again and again, a list may repeat a request), else a new one."""
+        """The template of ``w``: one made when this object was posted before, while the
+        fields it was made of are the same (RDS posts the requests of its send slots
+        again and again, a list may repeat a request), else a new one. Two are kept per
+        request, the last and the one before: a slot's flags alternate (signaled or
+        not), and each miss would work the request out again."""
         kept = self._templates
         t = kept.get(id(w))
         fields = _fields_of(w)
-        if t is not None and t.made_of == fields:  # (a kept one's made_of is never None)
-            return t
-        t = _SendTemplate(w, fields)
+        if t is not None:  # (a kept one's made_of is never None)
+            if t.made_of == fields:
+                return t
+            prior = t.prior
+            if prior is not None and prior.made_of == fields:  # the flags of before again
+                t.prior = None
+                prior.prior = t
+                kept[id(w)] = prior
+                return prior
+        new = _SendTemplate(w, fields)
         if fields is not None:
-            if len(kept) >= _TEMPLATES_KEPT:
+            if t is not None:
+                t.prior = None
+                new.prior = t
+            elif len(kept) >= _TEMPLATES_KEPT:
                 kept.clear()
-            kept[id(w)] = t
-        return t
+            kept[id(w)] = new
+        return new
 
     def _send_now(self, wr: SendWR) -> bool:
         """Frame and write one inline (or copied: :data:`COPY_SEND_MAX`) Send of
