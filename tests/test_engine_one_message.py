@@ -9,9 +9,13 @@ partly written one and reach the peer whole and in order, their signaled
 completions in order; a small Send without INLINE is copied when posted and takes
 the same path (one past :data:`COPY_SEND_MAX` does not; one from a region of another
 PD fails as the general path says); requests the path does not take (FENCE, raw
-bytes, two SGEs, RDMA Write) still go the general way; one receive posted alone meets the same
-refusals as in a list (queue full, too many SGEs, an SRQ) and is flushed in ERR;
-with the compiled and the Python kernels.
+bytes, two SGEs) still go the general way; one receive posted alone meets the same
+refusals as in a list (queue full, too many SGEs, an SRQ) and is flushed in ERR.
+An RDMA Write at the head of a post (RDS's RDMA by cookie: a Write and its Send) is
+framed and written at once with the Sends after it: byte for byte what the queued
+path sends; one it cannot frame so is left to that path; posted while the socket is
+full, Writes and Sends wait behind the partly written one and arrive whole and in
+order. With the compiled and the Python kernels.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import trio
 from test_engine_sansio import Host
 
 from rdmashim import (
+    SGE,
     Access,
     QPCap,
     QPState,
@@ -33,12 +38,13 @@ from rdmashim import (
     SendFlags,
     SendWR,
     VerbsError,
+    WCOpcode,
     WCStatus,
     WROpcode,
 )
 from rdmashim.verbs.softiwarp.connection import connect_qp, read_request
 from rdmashim.verbs.softiwarp.ddp import UNTAGGED_HDR_LEN
-from rdmashim.verbs.softiwarp.engine import SendJob, SendRun
+from rdmashim.verbs.softiwarp.engine import TAGGED_STEP, EngineState, RecvJob, SendJob, SendRun
 from rdmashim.verbs.softiwarp.kernels import PyKernels
 from rdmashim.verbs.softiwarp.mpa import encode_start_frame
 from rdmashim.verbs.softiwarp.negotiation import MpaOptions, answer_request
@@ -71,6 +77,64 @@ def test_frame_send_matches_the_queued_path(crc: bool, flags: int, inv: int, siz
         now.took_send(k, flags, payload, len(got), True)
         assert got == want
     assert now.bytes_sent == queued.bytes_sent
+
+
+@pytest.mark.parametrize("crc", [True, False])
+@pytest.mark.parametrize("size", [0, 5, 4096, 70000])
+def test_frame_write_matches_the_queued_path(crc: bool, size: int) -> None:
+    """An RDMA Write framed at once, and a run of Sends after it, are byte for byte
+    what the queued path sends, and complete as it does."""
+    queued, now = Host(crc), Host(crc)
+    data = bytes(i % 251 for i in range(size))
+    for host in (queued, now):
+        src = host.region(data or b"\0")
+        job = SendJob(
+            7, WROpcode.RDMA_WRITE, int(SIG), (SGE(src.addr, size, src.stag),), None, size,
+            0x1000, 0x55,
+        )  # fmt: skip
+        run = SendRun()
+        run.add(8, SendRun.ctrl(0, False), 0, b"after", 0)
+        if host is queued:
+            host.engine.post_send(job)
+            host.engine.post_send(run)
+            want = b"".join(bytes(c) for c in host.engine.produce())
+            host.engine.sent(len(want))
+        else:
+            assert host.engine.tx_idle
+            framed = host.engine.frame_write(job)
+            assert framed is not None
+            fpdus, nbytes = framed
+            wrote = b"".join(bytes(c) for c in fpdus)
+            assert nbytes == len(wrote)
+            got = wrote + bytes(host.engine.frame_run(run))
+            host.engine.took_write(job, len(got), True)
+            host.engine.took_run(run, 0, True)
+    assert got == want
+    assert now.engine.bytes_sent == queued.engine.bytes_sent
+    assert (
+        [(w.wr_id, w.opcode) for w in now.send_wcs]
+        == [(w.wr_id, w.opcode) for w in queued.send_wcs]
+        == [(7, WCOpcode.RDMA_WRITE)]
+    )
+
+
+def test_frame_write_leaves_what_the_general_path_reports() -> None:
+    """A Write whose local memory does not resolve, or whose fields do not fit the
+    wire, is left to the queued path (which reports it); so is one past TAGGED_STEP."""
+    host = Host(True)
+    src = host.region(64)
+    bad_key = SendJob(1, WROpcode.RDMA_WRITE, 0, (SGE(src.addr, 8, src.stag + 1),), None, 8, 0, 5)
+    too_far = SendJob(
+        2, WROpcode.RDMA_WRITE, 0, (SGE(src.addr, 8, src.stag),), None, 8, 2**64 - 4, 5
+    )
+    big = host.region(TAGGED_STEP + 1)
+    too_big = SendJob(
+        3, WROpcode.RDMA_WRITE, 0, (SGE(big.addr, TAGGED_STEP + 1, big.stag),), None,
+        TAGGED_STEP + 1, 0, 5,
+    )  # fmt: skip
+    for job in (bad_key, too_far, too_big):
+        assert host.engine.frame_write(job) is None
+    assert host.engine.tx_idle and host.engine.bytes_sent == 0
 
 
 async def _qp_to_mute_peer(ctx: Any, sq_depth: int) -> tuple[Any, Any, Any, trio.SocketStream]:
@@ -143,6 +207,68 @@ async def test_sends_while_the_socket_is_full_stay_whole_and_in_order(ctx: Any) 
                 assert wc.status == WCStatus.SUCCESS
                 wr_ids.append(wc.wr_id)
     assert wr_ids == list(range(0, posted, 3))
+    qp.close()
+    await peer.aclose()
+
+
+async def test_writes_while_the_socket_is_full_stay_whole_and_in_order(ctx: Any) -> None:
+    """RDMA Writes each posted with a Send after them go out at once while the socket
+    takes them; posted while it is full, they wait behind the partly written one.
+    A receiving engine (sans-IO, fed what the peer's socket got) finds every Write in
+    place and every Send, in order, with no error; completions come in order."""
+    pd, cq, qp, peer = await _qp_to_mute_peer(ctx, 8192)
+    host = Host(True)
+    size, most = 3000, 300
+    sink = host.region(size * most)
+    rbuf = host.region(64 * most)
+    for k in range(most):
+        host.rq.append(RecvJob(k, (SGE(rbuf.addr + 64 * k, 64, rbuf.stag),), 64))
+    src = pd.reg_mr(bytearray(size * most), Access.LOCAL_WRITE)
+    note = pd.reg_mr(bytearray(8 * most), Access.LOCAL_WRITE)
+    took: list[int] = []
+    engine = qp.engine
+    real_took = engine.took_write
+    engine.took_write = lambda job, n, whole: (took.append(job.wr_id), real_took(job, n, whole))  # type: ignore[method-assign]
+    posted = extra = 0
+    partial_seen = False
+    while extra < 20:
+        k = posted
+        src.buf[size * k : size * (k + 1)] = bytes([k % 251]) * size
+        note.buf[8 * k : 8 * k + 8] = k.to_bytes(8, "little")
+        write = SendWR(
+            1000 + k, WROpcode.RDMA_WRITE, [src.sge(size * k, size)],
+            SIG if k % 3 == 0 else SendFlags(0), sink.addr + size * k, sink.stag,
+        )  # fmt: skip
+        send = SendWR(k, WROpcode.SEND, [note.sge(8 * k, 8)], INLINE | (SIG if k % 2 else 0))
+        qp.post_send([write, send])
+        posted += 1
+        if qp._link._pending:
+            partial_seen = True
+        if partial_seen:
+            extra += 1
+        assert posted < most, "the socket never filled"
+    assert partial_seen
+    assert 1000 in took  # the first went out at once
+    assert 1000 + posted - 1 not in took  # the last waited behind the partly written one
+    with trio.fail_after(BOUND):
+        while len(host.recv_wcs) < posted:
+            host.engine.receive_data(await peer.receive_some(65536))
+    assert host.engine.state is EngineState.RTS
+    assert [(w.wr_id, w.status, w.byte_len) for w in host.recv_wcs] == [
+        (k, WCStatus.SUCCESS, 8) for k in range(posted)
+    ]
+    for k in range(posted):
+        assert bytes(rbuf.view[64 * k : 64 * k + 8]) == k.to_bytes(8, "little")
+        assert bytes(sink.view[size * k : size * (k + 1)]) == bytes([k % 251]) * size
+    signaled = [
+        ((1000 + k,) if k % 3 == 0 else ()) + ((k,) if k % 2 else ()) for k in range(posted)
+    ]
+    want = [w for ids in signaled for w in ids]
+    wcs: list[Any] = []
+    with trio.fail_after(BOUND):
+        while len(wcs) < len(want):
+            wcs += await cq.poll_wait(64)
+    assert [(w.wr_id, w.status) for w in wcs] == [(w, WCStatus.SUCCESS) for w in want]
     qp.close()
     await peer.aclose()
 

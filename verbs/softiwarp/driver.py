@@ -98,6 +98,19 @@ class Link:
         """Whether nothing waits to be written: bytes written now go out next."""
         return not self._pending
 
+    def writev_now(self, frames: list[Chunk]) -> int:
+        """:meth:`write_now` of several buffers, with one ``writev``."""
+        try:
+            n = os.writev(self._fd, frames[:_IOV_MAX])
+        except BlockingIOError:
+            n = 0
+        rest = _advance(frames, n)
+        if rest:
+            self._pending = rest
+            self._pending_total = n
+            self._tx_wakeup.set()
+        return n
+
     def write_now(self, frame: Chunk) -> int:
         """Write ``frame`` at once (only when :attr:`tx_idle`); the bytes written. What did
         not fit is left for the transmit task, which reports it to the engine with

@@ -130,6 +130,7 @@ _WC_SEND = WCOpcode.SEND
 _NO_FLAGS = WCFlags.NONE
 """The fields of a successful completion, looked up once (an Enum member through its
 class costs 50 ns, three of them a third of a completion's making)."""
+_WC_WRITE = WCOpcode.RDMA_WRITE
 _WC_OPCODE = {
     WROpcode.SEND: WCOpcode.SEND,
     WROpcode.SEND_WITH_INV: WCOpcode.SEND,
@@ -514,6 +515,11 @@ class Engine:
         return (self.config.max_fpdu - ddp.UNTAGGED_HDR_LEN - _CRC_BYTES) & ~3
 
     @property
+    def _tagged_max(self) -> int:
+        """The most payload bytes of one tagged FPDU."""
+        return (self.config.max_fpdu - ddp.TAGGED_HDR_LEN - _CRC_BYTES) & ~3
+
+    @property
     def tx_ready(self) -> bool:
         """Whether :meth:`produce` has something to send now."""
         if self._terminate is not None or self._control:
@@ -586,6 +592,36 @@ class Engine:
             return
         self._run_extra += len(run) - 1
         self._taken_in_part(run)
+
+    def frame_write(self, job: SendJob) -> tuple[list[Chunk], int] | None:
+        """The FPDUs of an RDMA Write of at most :data:`TAGGED_STEP` bytes and their size,
+        when :attr:`tx_idle`: what :meth:`produce` would make of it at the head of the
+        queue. The driver writes them at once (with the Sends posted after it, framed
+        by :meth:`frame_run`) and reports with :meth:`took_write`; nothing changes
+        until then. None when the general path must take it: its fields do not fit
+        the wire or its local memory does not resolve (that path reports the error)."""
+        if job.length > TAGGED_STEP:
+            return None
+        try:
+            _check_wire_fields(job)
+            segments = self._local_segments(job)
+        except AccessViolation:
+            return None
+        src = segments[0] if len(segments) == 1 else b"".join(segments)
+        fpdus = self._kernels.frame_tagged(
+            src, _CTRL_WRITE, job.rkey, job.remote_addr, self._tagged_max, True, self.config.crc
+        )
+        return fpdus, sum(map(len, fpdus))
+
+    def took_write(self, job: SendJob, written: int, whole: bool) -> None:
+        """What :meth:`took_send` is to one Send, for the FPDUs :meth:`frame_write` made
+        (a run written with them reports next, with :meth:`took_run`)."""
+        if whole:
+            self.bytes_sent += written
+            if self.sq_sig_all or job.flags & _SIGNALED:
+                self.on_send_wc(WC(job.wr_id, _SUCCESS, _WC_WRITE, 0, self.qp_num))
+            return
+        self._taken_in_part(job)
 
     def _taken_in_part(self, job: SendJob | SendRun) -> None:
         """A job the driver took partly written: it completes when the rest is sent."""
@@ -814,7 +850,7 @@ class Engine:
     ) -> Iterator[tuple[list[Chunk], bool, int]]:
         """The FPDUs of a Write or Read Response, framed by the kernels a step of
         ``TAGGED_STEP`` payload bytes at a time (a step that spans SGEs is joined)."""
-        chunk = (self.config.max_fpdu - ddp.TAGGED_HDR_LEN - _CRC_BYTES) & ~3
+        chunk = self._tagged_max
         step = max(chunk, TAGGED_STEP // chunk * chunk)
         total = sum(len(s) for s in segments)
         frame = self._kernels.frame_tagged

@@ -1001,6 +1001,7 @@ _SIGNALED = int(SendFlags.SIGNALED)
 _WR_ID = attrgetter("wr_id")
 # Enum members bound once: an attribute lookup on an enum class costs per work request.
 _RDMA_READ = WROpcode.RDMA_READ
+_RDMA_WRITE = WROpcode.RDMA_WRITE
 _SEND_INV = WROpcode.SEND_WITH_INV
 _FENCE = int(SendFlags.FENCE)
 _SOLICITED = int(SendFlags.SOLICITED)
@@ -1517,6 +1518,7 @@ class QP(_Resource):
         fast_max = min(most, max_inline)
         pd = self.pd
         run: SendRun | None = None
+        lead: SendJob | None = None  # a first RDMA Write, written with the run after it
         try:
             # A post of one request makes a plain job: a run of one costs more.
             several = len(templates) > 1
@@ -1571,27 +1573,64 @@ class QP(_Resource):
                         if not (t.keys_fit and t.remote_addr <= _U64 + 1 - length):
                             raise _bad_wr(errno.EINVAL, "post_send", i, _WIRE_LIMITS)
                     if not ctrl or inline is None or length > most:  # a job of its own
+                        job = SendJob(
+                            wrs[i].wr_id, t.opcode, t.flags, t.local, inline, length,
+                            t.remote_addr, t.rkey, t.invalidate_rkey,
+                        )  # fmt: skip
+                        if i == 0 and t.opcode is _RDMA_WRITE:
+                            lead = job  # (RDS's RDMA by cookie: a Write, then its Send)
+                            continue
+                        if lead is not None:
+                            post(lead)
+                            lead = None
                         if run is not None:
                             post(run)
                             run = None
-                        post(
-                            SendJob(
-                                wrs[i].wr_id, t.opcode, t.flags, t.local, inline, length,
-                                t.remote_addr, t.rkey, t.invalidate_rkey,
-                            )
-                        )  # fmt: skip
+                        post(job)
                         continue
                 if run is None or run.size >= _RUN_BYTES:
                     if run is not None:
+                        if lead is not None:
+                            post(lead)
+                            lead = None
                         post(run)
                     run = SendRun()
                 run.add(wrs[i].wr_id, ctrl, t.flags, inline, t.invalidate_rkey)  # type: ignore[arg-type]
         finally:  # the requests before a refused one are posted: they go out now
-            if run is None or not self._write_run(run):
-                if run is not None:
-                    post(run)
-                if self._link is not None:
-                    self._link.kick()
+            if lead is None or not self._write_lead(lead, run):
+                if lead is not None:
+                    post(lead)
+                if run is None or not self._write_run(run):
+                    if run is not None:
+                        post(run)
+                    if self._link is not None:
+                        self._link.kick()
+
+    def _write_lead(self, job: SendJob, run: SendRun | None) -> bool:
+        """Write an RDMA Write (and the run of Sends posted after it) at once when nothing
+        is queued before it, as :meth:`_write_run` does a run: one ``writev``, no
+        queue, no completion pass; False (nothing done) when the send side is busy, the
+        engine leaves the Write to the general path or the write fails."""
+        link = self._link
+        engine = self.engine
+        if link is None or not link.tx_idle or not engine.tx_idle:
+            return False
+        framed = engine.frame_write(job)
+        if framed is None:
+            return False
+        frames, size = framed
+        if run is not None:
+            last = engine.frame_run(run)
+            frames.append(last)
+            size += len(last)
+        try:
+            n = link.writev_now(frames)
+        except OSError:
+            return False
+        engine.took_write(job, n, n == size)
+        if run is not None:
+            engine.took_run(run, 0, n == size)
+        return True
 
     def post_recv(self, wr: RecvWR | Iterable[RecvWR]) -> None:
         """Post one receive work request or a list of them (never blocks)."""
