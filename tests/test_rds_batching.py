@@ -12,7 +12,7 @@ import trio
 import trio.testing
 from api.busyloop import loop_sleeps
 
-from rdmashim.ulps.rds.connection import ACK_DELAY, BURST_MAX, Session
+from rdmashim.ulps.rds.connection import ACK_DELAY, BURST_MAX, OPENING_MAX, Session
 from rdmashim.ulps.rds.node import RdsError, RdsSocket
 from rdmashim.ulps.rds.settings import RdsSettings
 
@@ -128,6 +128,42 @@ async def test_a_burst_is_answered_first_at_once_then_together_when_the_receiver
             assert not rds.unsent
             got = [await sa.recvfrom() for _ in range(SMALL_BURST)]
         assert got == [(b"re:q%d" % i, ("127.0.0.2", 5000)) for i in range(SMALL_BURST)]
+    finally:
+        await close([a, b])
+
+
+@pytest.mark.parametrize("senders", [1, 2])
+async def test_a_large_burst_from_several_sockets_is_answered_all_together(
+    senders: int,
+) -> None:
+    """A burst of more than OPENING_MAX messages from several sockets has no answer
+    posted at once: all go together when the receiver waits again. From one socket
+    (one conversation, whose two ends would take turns) the first still goes at once."""
+    size = OPENING_MAX + 4
+    assert size <= BURST_MAX  # (else the hold posts some itself)
+    a, b = await nodes(["127.0.0.1", "127.0.0.2"])
+    try:
+        socks, sb = [a.bind(4000 + k) for k in range(senders)], b.bind(5000)
+        for i in range(size):  # queued before the connection is up: one post, one read
+            socks[i % senders].sendto_nowait(b"q%d" % i, ("127.0.0.2", 5000))
+        with trio.fail_after(20):
+            data, sender = await sb.recvfrom()
+            assert len(sb.received) == size - 1  # the burst: one handler run delivered all
+            rds = b.connections()[0]
+            await sb.sendto(b"re:" + data, sender)
+            assert len(rds.unsent) == (0 if senders == 1 else 1)
+            for _ in range(size - 1):
+                data, sender = sb.recvfrom_nowait()
+                await sb.sendto(b"re:" + data, sender)
+            assert len(rds.unsent) == size - (1 if senders == 1 else 0)
+            with trio.move_on_after(0.5):
+                await sb.recvfrom()
+            assert not rds.unsent
+            for k, sock in enumerate(socks):
+                got = [await sock.recvfrom() for _ in range(k, size, senders)]
+                assert got == [
+                    (b"re:q%d" % i, ("127.0.0.2", 5000)) for i in range(k, size, senders)
+                ]
     finally:
         await close([a, b])
 
