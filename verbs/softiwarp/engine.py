@@ -71,6 +71,10 @@ RTR_STAG = 1
 STAGING_SIZE = 256 * 1024
 DIRECT_MIN = 16 * 1024
 """Payload left to receive above which bytes go straight into the target region."""
+WRITE_NOW_MAX = 64 * 1024
+"""Largest RDMA Write :meth:`Engine.frame_write` frames for a write from ``post_send``:
+a bulk Write is bound by its copy and TCP, not by the queue's per-job work (1 MiB
+Writes: write-bw 0.962-0.974 of raw TCP written so, 0.970-0.980 queued)."""
 PRODUCE_MAX = 1024 * 1024
 """Bytes of FPDUs one :meth:`Engine.produce` returns at most (one more step of a message
 may pass it). Measured: the compiled tagged framing's buffers of 4 MiB in flight cost
@@ -594,13 +598,13 @@ class Engine:
         self._taken_in_part(run)
 
     def frame_write(self, job: SendJob) -> tuple[list[Chunk], int] | None:
-        """The FPDUs of an RDMA Write of at most :data:`TAGGED_STEP` bytes and their size,
+        """The FPDUs of an RDMA Write of at most :data:`WRITE_NOW_MAX` bytes and their size,
         when :attr:`tx_idle`: what :meth:`produce` would make of it at the head of the
         queue. The driver writes them at once (with the Sends posted after it, framed
         by :meth:`frame_run`) and reports with :meth:`took_write`; nothing changes
         until then. None when the general path must take it: its fields do not fit
         the wire or its local memory does not resolve (that path reports the error)."""
-        if job.length > TAGGED_STEP:
+        if job.length > WRITE_NOW_MAX:
             return None
         try:
             _check_wire_fields(job)
