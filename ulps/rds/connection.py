@@ -851,7 +851,7 @@ class Session:
                     cq.req_notify()
             burst = counters.recv_messages - received
             self._burst = burst > 1
-            self._opening = burst > 1 and (burst <= OPENING_MAX or self._talk != -2)
+            self._opening = self._burst and (burst <= OPENING_MAX or self._talk != -2)
         except RdsProtocolError as exc:
             log.warning("RDS protocol error from %s: %s", self.rds.peer, exc)
             self._end(SessionLost(str(exc)))

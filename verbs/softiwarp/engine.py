@@ -611,6 +611,8 @@ class Engine:
             segments = self._local_segments(job)
         except AccessViolation:
             return None
+        # Framed here, not by a step of _tagged_fpdus: its generator cost 2 us more a post
+        # (a 4 KiB Write and a Send: 17.8-18.0 us against 15.7-16.2).
         src = segments[0] if len(segments) == 1 else b"".join(segments)
         fpdus = self._kernels.frame_tagged(
             src, _CTRL_WRITE, job.rkey, job.remote_addr, self._tagged_max, True, self.config.crc
