@@ -33,3 +33,25 @@ def test_rds_stress_benchmark_prints_ours_beside_raw(tmp_path: Path, transport: 
         assert abs(result["ratio_tx_per_s"] - ours / raw) < 1e-9
         assert result["label"] in done.stdout
     assert ("RDS/TCP" in done.stdout) == (transport == "tcp")
+
+
+def test_rds_breakdown_times_every_phase_at_both_ends(tmp_path: Path) -> None:
+    """Every hook of ``rds_breakdown.py`` still fires in order (a renamed or bypassed
+    point leaves no cycle, and its phases without a median), and raw TCP ran beside."""
+    out = tmp_path / "breakdown.json"
+    done = run_benchmark(
+        "rds_breakdown.py", "--repeat", "1", "--duration", "0.5", "--json", str(out)
+    )
+    assert done.returncode == 0, done.stderr
+    doc = json.loads(out.read_text())
+    assert len(doc["phases"]) == 13
+    for side in ("active", "passive"):
+        assert doc[side]["cycles"] > 100, doc[side]
+        assert all(0 < us < 100_000 for us in doc[side]["median_us"]), doc[side]
+    assert doc["median"]["raw"]["tx_per_s"] > 0
+    assert (
+        abs(doc["ratio"] - doc["median"]["ours"]["tx_per_s"] / doc["median"]["raw"]["tx_per_s"])
+        < 1e-9
+    )
+    for phase in doc["phases"]:
+        assert phase in done.stdout

@@ -1,0 +1,336 @@
+#!/usr/bin/env python3
+"""Where an rds stress round trip goes: both ends' critical path, phase by phase.
+
+``rds_stress.py``'s first case (``-t 1 -d 1``: one request in flight) is a
+ping-pong: each end in turn wakes, reads the peer's message, hands it to the
+stress tool, sends the answer and sleeps again. This script runs that case
+with timestamps (``time.perf_counter_ns``) at the points where one layer hands
+over to the next, in both processes, and prints the median time of each phase
+at each end, beside raw TCP's round trip measured in the same run (samples
+alternate ours, raw, ours, ...; raw TCP runs untraced, in a process of its
+own).
+
+The points: trio's I/O wait (an instrument's ``before_io_wait`` and
+``after_io_wait``), ``os.readv`` and ``os.write``/``os.writev`` (the engine's
+socket calls), the engine's ``received``, the RDS session's completion handler
+(``Session._on_cq``), the socket handing a message to its reader
+(``RdsSocket._take``), ``RdsSocket.sendto`` and the QP's ``post_send``. Each
+hook costs about 0.3 us; a phase is counted only in cycles whose points came in
+the usual order (a timer's wake-up or an acknowledgement in the middle leaves
+the cycle out: the counts say how many were kept).
+
+Usage::
+
+    python benchmarks/rds_breakdown.py [--repeat N] [--duration S] [-q BYTES] [-a BYTES]
+                                       [--json FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import trio
+from rds_stress import CLIENT_IP, SERVER_IP, Case, _free_port, ours, raw, raw_passive
+
+import rdmashim
+from rdmashim.rdstools.common import open_node
+from rdmashim.rdstools.defaults import STRESS_PORT
+from rdmashim.rdstools.stress import PassiveResult, stress_passive
+from rdmashim.ulps.rds.connection import Session
+from rdmashim.ulps.rds.node import RdsSocket
+from rdmashim.verbs.softiwarp.engine import Engine
+from rdmashim.verbs.softiwarp.provider import QP
+
+from streams import stop_process
+
+CYCLE = (
+    "wake", "read", "read_end", "engine_end", "handler", "handler_end", "take", "sendto",
+    "post", "write", "write_end", "post_end", "sleep", "wake",
+)  # fmt: skip
+"""The points of one end's turn, in order: from waking up to waking up again."""
+
+PHASES = (
+    "trio resumes the reader",
+    "readv",
+    "engine: bytes to a completion",
+    "completion handler dispatch",
+    "RDS receive (completion handler)",
+    "message to the reader",
+    "the app (rds stress)",
+    "RDS send",
+    "engine: framing the Send",
+    "write syscall",
+    "engine: after the write",
+    "back to waiting (trio)",
+    "asleep: the peer's turn",
+)
+"""What happens between consecutive points of :data:`CYCLE`."""
+
+BUSY = len(PHASES) - 1
+"""The phases before this one are the end's own work (awake)."""
+
+RESULT_LINE = "-" * 72
+GOAL = 0.7
+"""The ratio issue 13 asks of rds stress (ours/raw TCP, tx/s)."""
+
+
+class Tracer(trio.abc.Instrument):
+    """Timestamps at the points of :data:`CYCLE`, in this process, while installed."""
+
+    def __init__(self) -> None:
+        self.log: list[tuple[str, int]] = []
+        self._undo: list[Callable[[], None]] = []
+
+    def before_io_wait(self, timeout: float) -> None:
+        """trio is about to wait for I/O (``timeout`` 0: a look, tasks are ready)."""
+        self.log.append(("sleep" if timeout > 0 else "look", time.perf_counter_ns()))
+
+    def after_io_wait(self, timeout: float) -> None:
+        """trio's wait for I/O ended."""
+        self.log.append(("wake" if timeout > 0 else "looked", time.perf_counter_ns()))
+
+    def _hook(self, owner: Any, name: str, before: str, after: str | None) -> None:
+        original = getattr(owner, name)
+        log, now = self.log, time.perf_counter_ns
+        if after is None:  # (an async function: the call makes the coroutine it runs)
+
+            def hooked(*args: Any, **kwargs: Any) -> Any:
+                log.append((before, now()))
+                return original(*args, **kwargs)
+        else:
+
+            def hooked(*args: Any, **kwargs: Any) -> Any:
+                log.append((before, now()))
+                try:
+                    return original(*args, **kwargs)
+                finally:
+                    log.append((after, now()))
+
+        setattr(owner, name, hooked)
+        self._undo.append(partial(setattr, owner, name, original))
+
+    def install(self) -> None:
+        """Hook the points (in a trio run: the instrument is the run's)."""
+        self._hook(os, "readv", "read", "read_end")
+        self._hook(os, "write", "write", "write_end")
+        self._hook(os, "writev", "write", "write_end")
+        self._hook(Engine, "received", "engine", "engine_end")
+        self._hook(Session, "_on_cq", "handler", "handler_end")
+        self._hook(RdsSocket, "_take", "take", None)
+        self._hook(RdsSocket, "sendto", "sendto", None)
+        self._hook(QP, "post_send", "post", "post_end")
+        trio.lowlevel.add_instrument(self)
+        self._undo.append(partial(trio.lowlevel.remove_instrument, self))
+
+    def uninstall(self) -> None:
+        """Put everything back."""
+        while self._undo:
+            self._undo.pop()()
+
+    def summary(self) -> dict[str, Any]:
+        """Each phase's median (us) over the cycles whose points came in order, how many
+        did, and how often each point came."""
+        log = [(name, t) for name, t in self.log if name != "engine"]  # (right after readv)
+        names = [name for name, _ in log]
+        phases: list[list[int]] = [[] for _ in PHASES]
+        span = len(CYCLE)
+        i = 0
+        while i + span <= len(log):
+            if names[i] == "wake" and names[i : i + span] == list(CYCLE):
+                for k in range(len(PHASES)):
+                    phases[k].append(log[i + k + 1][1] - log[i + k][1])
+                i += span - 1  # its last wake starts the next cycle
+            else:
+                i += 1
+        return {
+            "cycles": len(phases[0]),
+            "counts": {name: names.count(name) for name in sorted(set(CYCLE))},
+            "median_us": [statistics.median(p) / 1000 if p else math.nan for p in phases],
+        }
+
+
+# =============================================================================================
+# the passive processes
+# =============================================================================================
+
+
+async def serve_rds(cm_port: int) -> dict[str, Any]:
+    """The traced passive end, until stdin closes; its summary."""
+    tracer = Tracer()
+    async with trio.open_nursery() as nursery, open_node(SERVER_IP, cm_port) as node:
+        result = PassiveResult()
+        await nursery.start(lambda task_status: stress_passive(
+            node, STRESS_PORT, once=False, result=result, task_status=task_status
+        ))  # fmt: skip
+        tracer.install()
+        print("READY", flush=True)
+        await trio.to_thread.run_sync(sys.stdin.read, abandon_on_cancel=True)
+        tracer.uninstall()
+        nursery.cancel_scope.cancel()
+    return tracer.summary()
+
+
+async def serve_raw() -> None:
+    """The raw TCP passive end (untraced), until stdin closes."""
+    async with trio.open_nursery() as nursery:
+        listeners = await trio.open_tcp_listeners(0, host=SERVER_IP)
+        port = listeners[0].socket.getsockname()[1]
+        nursery.start_soon(trio.serve_listeners, partial(raw_passive, 0.0), listeners)
+        print(f"READY {port}", flush=True)
+        await trio.to_thread.run_sync(sys.stdin.read, abandon_on_cancel=True)
+        nursery.cancel_scope.cancel()
+
+
+# =============================================================================================
+# the active process
+# =============================================================================================
+
+
+async def client_main(cm_port: int, raw_port: int, args: argparse.Namespace) -> dict[str, Any]:
+    case = Case(args.q, args.a, 1, 1)
+    tracer = Tracer()
+    samples: dict[str, list[Any]] = {"ours": [], "raw": []}
+    async with open_node(CLIENT_IP, cm_port) as node:
+        for i in range(args.repeat):
+            if sys.stderr.isatty():
+                sys.stderr.write(f"\r{case.label}: sample {i + 1}/{args.repeat}".ljust(60))
+            tracer.install()
+            try:
+                with trio.fail_after(10 * args.duration + 60):
+                    samples["ours"].append(await ours(node, case, args.duration))
+            finally:
+                tracer.uninstall()
+            with trio.fail_after(10 * args.duration + 60):
+                samples["raw"].append(await raw(raw_port, case, args.duration, 0.0))
+    if sys.stderr.isatty():
+        sys.stderr.write("\r" + " " * 60 + "\r")
+    return {"case": case, "samples": samples, "active": tracer.summary()}
+
+
+def _start(cmd: list[str]) -> tuple[subprocess.Popen[bytes], list[str]]:
+    proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    assert proc.stdout is not None
+    line = proc.stdout.readline().decode().split()
+    if not line or line[0] != "READY":
+        stop_process(proc)
+        raise RuntimeError(f"{cmd[2:]}: passive side did not start (said {line!r})")
+    return proc, line
+
+
+def print_table(doc: dict[str, Any]) -> None:
+    act, pas = doc["active"], doc["passive"]
+    print(RESULT_LINE)
+    print(f" rds stress {doc['case']}: one round trip, phase by phase (medians, us)")
+    print(RESULT_LINE)
+    print(f" {'phase':<40}{'active':>10}{'passive':>10}")
+    busy = [sum(side["median_us"][:BUSY]) for side in (act, pas)]
+    for k, name in enumerate(PHASES):
+        if k == BUSY:
+            print(f" {'awake (the sum above)':<40}{busy[0]:>10.1f}{busy[1]:>10.1f}")
+        print(f" {name:<40}{act['median_us'][k]:>10.1f}{pas['median_us'][k]:>10.1f}")
+    print(RESULT_LINE)
+    o, r = doc["median"]["ours"], doc["median"]["raw"]
+    print(
+        f" round trip: ours {o['rtt_us']:.0f} us ({o['tx_per_s']:.0f} tx/s), raw TCP "
+        f"{r['rtt_us']:.0f} us ({r['tx_per_s']:.0f} tx/s); ratio (tx/s) {doc['ratio']:.3f}"
+    )
+    syscalls = [side["median_us"][1] + side["median_us"][9] for side in (act, pas)]
+    print(
+        f" awake: readv and write {syscalls[0]:.1f} and {syscalls[1]:.1f} us, the rest "
+        f"(Python) {busy[0] - syscalls[0]:.1f} and {busy[1] - syscalls[1]:.1f} us"
+    )
+    goal = r["rtt_us"] / GOAL
+    print(
+        f" a ratio of {GOAL} needs a round trip of {goal:.0f} us: "
+        f"{max(0.0, (o['rtt_us'] - goal) / 2):.0f} us less at each end"
+    )
+    for side, s in (("active", act), ("passive", pas)):
+        turns = max(1, s["counts"]["take"])
+        print(
+            f" {side}: {s['cycles']} of {turns} turns in order; per turn: "
+            f"{s['counts']['wake'] / turns:.2f} wake-ups, "
+            f"{s['counts']['handler'] / turns:.2f} handler runs, "
+            f"{s['counts']['write'] / turns:.2f} writes"
+        )
+    print(RESULT_LINE)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--repeat", type=int, default=3, help="samples per side (default 3)")
+    p.add_argument("--duration", type=float, default=2.0, help="seconds a sample (default 2)")
+    p.add_argument("-q", type=int, default=1024, help="request bytes (default 1024)")
+    p.add_argument("-a", type=int, default=256, help="ack bytes (default 256)")
+    p.add_argument("--json", metavar="FILE", help="write the phases' medians and samples")
+    p.add_argument("--serve-rds", type=int, metavar="CM_PORT", help=argparse.SUPPRESS)
+    p.add_argument("--serve-raw", action="store_true", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.serve_rds is not None:
+        print(json.dumps(trio.run(serve_rds, args.serve_rds)), flush=True)
+        return 0
+    if args.serve_raw:
+        trio.run(serve_raw)
+        return 0
+    if args.repeat < 1 or not 0 < args.duration <= 600:
+        p.error("--repeat must be at least 1 and --duration in (0, 600]")
+    if not 16 <= args.q <= 65536 or not 16 <= args.a <= 65536:
+        p.error("-q and -a must be 16 .. 65536 bytes (the stress header is 16)")
+    me = [sys.executable, str(Path(__file__).resolve())]
+    cm_port = _free_port()
+    rds_side, _ = _start([*me, "--serve-rds", str(cm_port)])
+    try:
+        raw_side, line = _start([*me, "--serve-raw"])
+        try:
+            run = trio.run(client_main, cm_port, int(line[1]), args)
+        finally:
+            stop_process(raw_side)
+    finally:
+        assert rds_side.stdout is not None
+        stop_process(rds_side)
+        passive = json.loads(rds_side.stdout.read().decode().strip().splitlines()[-1])
+    med = {
+        side: {
+            key: statistics.median(getattr(s, key) for s in run["samples"][side])
+            for key in ("tx_per_s", "rtt_us")
+        }
+        for side in ("ours", "raw")
+    }
+    doc: dict[str, Any] = {
+        "meta": {
+            "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+            "python": platform.python_version(),
+            "platform": platform.platform(),
+            "nproc": os.cpu_count(),
+            "rdmashim": rdmashim.__version__,
+            "trio": trio.__version__,
+            "repeat": args.repeat,
+            "duration_s": args.duration,
+        },
+        "case": run["case"].label,
+        "median": med,
+        "ratio": med["ours"]["tx_per_s"] / med["raw"]["tx_per_s"],
+        "phases": list(PHASES),
+    }
+    doc["active"], doc["passive"] = run["active"], passive
+    print_table(doc)
+    if args.json:
+        doc["samples"] = {side: [vars(s) for s in run["samples"][side]] for side in ("ours", "raw")}
+        Path(args.json).write_text(json.dumps(doc, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
