@@ -14,6 +14,7 @@ import trio.lowlevel
 
 from rdmashim.ulps.rds.connection import RdsConnection
 from rdmashim.ulps.rds.node import RdsError
+from rdmashim.ulps.rds.settings import RdsSettings
 from rdmashim.ulps.rds.wire import RDS_MAX_MSG_SIZE, RdsFlag, RdsHeader
 
 from rdsnodes import close, nodes, transports
@@ -35,6 +36,31 @@ async def test_messages_both_ways_in_order(transport: str) -> None:
         assert [d for d, _ in got_a] == [b"b%d" % i for i in range(200)]
         # One connection per pair of nodes, whichever side spoke first.
         assert len(a.connections()) == len(b.connections()) == 1
+    finally:
+        await close([a, b])
+
+
+@transports
+async def test_a_sender_waiting_for_room_wakes_as_acks_come(transport: str) -> None:
+    """With room for 4 messages, 300 sends wait for the peer's acknowledgements again
+    and again; each one that frees room wakes them (the sends would hang otherwise)."""
+    settings = RdsSettings(max_queued_messages=4)
+    a, b = await nodes(["127.0.0.1", "127.0.0.2"], transport, settings)
+    try:
+        sa, sb = a.bind(4000), b.bind(5000)
+        got: list[bytes] = []
+        with trio.fail_after(30):
+            async with trio.open_nursery() as nursery:
+
+                async def receive() -> None:
+                    while len(got) < 300:
+                        got.append((await sb.recvfrom())[0])
+
+                nursery.start_soon(receive)
+                for i in range(300):
+                    await sa.sendto(b"m%d" % i, ("127.0.0.2", 5000))
+                    assert a.connections()[0].queued_messages <= 4
+        assert got == [b"m%d" % i for i in range(300)]
     finally:
         await close([a, b])
 

@@ -222,6 +222,8 @@ class RdsConnection:
     busy: bool = False
     """A message was queued or received since :attr:`last_active` was set."""
     _space: trio.Event = field(default_factory=trio.Event)
+    _room_wanted: bool = False
+    """A task waits in :meth:`wait_room` (acknowledgements look at the room only then)."""
 
     def active_at(self, now: float) -> float:
         """When the connection was last active, as seen at ``now`` (trio's clock): a
@@ -309,6 +311,7 @@ class RdsConnection:
         while not self.has_room:
             if self._space.is_set():  # shared by every waiter: replacing it strands the others
                 self._space = trio.Event()
+            self._room_wanted = True
             await self._space.wait()
 
     def acked(self, ack: int) -> None:
@@ -321,7 +324,8 @@ class RdsConnection:
             self.queued_bytes -= len(msg.data)
             if msg.rdma is not None:  # it arrived, so its RDMA operation is done
                 msg.rdma._finish(RdmaStatus.SUCCESS)
-        if self.has_room:
+        if self._room_wanted and self.has_room:
+            self._room_wanted = False
             self._space.set()
 
     def resume(self, peer_ack: int) -> None:
@@ -510,6 +514,7 @@ class Session:
         self._assembly: tuple[RdsHeader, bytearray, int] | None = None
         self.lost = False
         self._wcs = WCArray(64)
+        self._room = len(self._wcs)
         self._recvs = RecvBatch(
             RecvWR(i, [self.recv_mr.sge(i * SLOT, SLOT)]) for i in range(RECV_SLOTS)
         )
@@ -827,7 +832,7 @@ class Session:
         if self.lost:
             return
         wcs = self._wcs
-        room = len(wcs)
+        room = self._room
         armed = False
         counters = self.rds.counters
         received = counters.recv_messages

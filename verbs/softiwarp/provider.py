@@ -745,9 +745,13 @@ class CQ(_Resource):
         self._check_open("poll_cq")
         if self._overrun:
             raise VerbsError(errno.EOVERFLOW, "poll_cq", f"more than {self.cqe} completions queued")
-        limit = len(wcs) if num_entries is None else min(num_entries, len(wcs))
+        total = self._count
+        if not total:  # (a handler's last poll, after it re-armed)
+            return 0
+        size = len(wcs.wr_id)
+        limit = size if num_entries is None else min(num_entries, size)
         entries = self._entries
-        total = min(limit, self._count)
+        total = min(limit, total)
         self._count -= total
         pos = 0
         rows: list[WC] = []
