@@ -333,6 +333,26 @@ async def test_poll_into_smaller_and_larger_arrays_and_mixed_with_poll(pair: Pai
     assert await quiet(server.recv_cq) == []
 
 
+async def test_a_poll_for_none_or_fewer_takes_none(pair: Pair) -> None:
+    """``num_entries`` 0 or below takes no completion (as ``ibv_poll_cq``) and leaves
+    the queued ones, in order, for the next poll."""
+    client, server = pair.client, pair.server
+    server.post_recvs(server.reg(16), 4, 4)
+    src = client.reg(pattern(4, 6))
+    client.qp.post_send([SendWR(i, WROpcode.SEND, [src.sge(i, 1)], SIG) for i in range(4)])
+    ok(await drain(client.send_cq, 4))
+    with trio.fail_after(TIMEOUT):
+        while len(server.recv_cq) < 4:  # noqa: ASYNC110 (polled: nothing may be taken yet)
+            await trio.sleep(0.01)
+    wcs = WCArray(8)
+    for n in (0, -1, -100):
+        assert server.recv_cq.poll(n) == []
+        assert server.recv_cq.poll_into(wcs, n) == 0
+    assert server.recv_cq.poll_into(wcs) == 4
+    assert wcs.wr_id[:4] == [0, 1, 2, 3]
+    assert server.recv_cq.poll_into(wcs, -1) == 0 and server.recv_cq.poll(-1) == []
+
+
 async def test_poll_wait_into_waits(pair: Pair) -> None:
     client, server = pair.client, pair.server
     server.post_recvs(server.reg(64), 2, 32)

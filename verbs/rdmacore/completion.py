@@ -341,7 +341,7 @@ class CQ(Resource):
 
         Completions an earlier :meth:`wait` or ``len()`` took from the CQ come first."""
         self._check_open("poll_cq")
-        limit = len(wcs) if num_entries is None else min(num_entries, len(wcs))
+        limit = len(wcs) if num_entries is None else max(0, min(num_entries, len(wcs)))
         n = 0
         buffered = self._buffer
         if buffered:

@@ -721,7 +721,7 @@ class CQ(_Resource):
     def _take(self, num_entries: int) -> list[WC]:
         entries = self._entries
         taken: list[WC] = []
-        left = min(num_entries, self._count)
+        left = max(0, min(num_entries, self._count))  # (none for fewer than none)
         self._count -= left
         while left:
             entry = entries[0]
@@ -752,6 +752,8 @@ class CQ(_Resource):
         limit = size if num_entries is None else min(num_entries, size)
         entries = self._entries
         total = min(limit, total)
+        if total <= 0:  # (none asked for, or fewer than none)
+            return 0
         self._count -= total
         pos = 0
         rows: list[WC] = []
