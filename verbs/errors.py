@@ -5,7 +5,7 @@ from __future__ import annotations
 import errno as _errno
 import os
 
-from rdmashim.verbs.enums import WCStatus
+from rdmashim.verbs.enums import Access, WCStatus
 
 
 class VerbsError(OSError):
@@ -34,6 +34,27 @@ def check_cq_target(operation: str, channel: object, handler: object) -> None:
     """A CQ reports to a completion channel or calls a handler, not both (EINVAL)."""
     if channel is not None and handler is not None:
         raise VerbsError(_errno.EINVAL, operation, "a CQ takes a channel or a handler")
+
+
+def check_access(operation: str, access: int) -> Access:
+    """``access`` as :class:`Access` flags, or EINVAL when it holds other bits (an
+    IntFlag would take -1 as every right) or remote write without local write (as
+    libibverbs)."""
+    rights = int(access)
+    if rights < 0 or rights & ~_ACCESS:
+        raise VerbsError(
+            _errno.EINVAL, operation, f"access {rights:#x} holds bits that are no Access"
+        )
+    if rights & _REMOTE_WRITES and not rights & Access.LOCAL_WRITE:
+        raise VerbsError(_errno.EINVAL, operation, "remote write access needs LOCAL_WRITE")
+    return access if isinstance(access, Access) else Access(rights)
+
+
+_ACCESS = int(
+    Access.LOCAL_WRITE | Access.REMOTE_WRITE | Access.REMOTE_READ | Access.REMOTE_ATOMIC
+    | Access.MW_BIND
+)  # fmt: skip
+_REMOTE_WRITES = int(Access.REMOTE_WRITE | Access.REMOTE_ATOMIC)
 
 
 class NotSupported(VerbsError):

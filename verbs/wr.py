@@ -77,6 +77,57 @@ class RecvWR:
     sg_list: Sequence[SGE] = ()
 
 
+_U32 = 0xFFFFFFFF
+_U64 = 0xFFFFFFFFFFFFFFFF
+_SEND_FLAGS = int(SendFlags.FENCE | SendFlags.SIGNALED | SendFlags.SOLICITED | SendFlags.INLINE)
+
+
+def sge_problem(sges: Iterable[object]) -> str | None:
+    """What makes one of ``sges`` impossible to post, or None: a field outside what
+    ``struct ibv_sge`` holds (``addr`` 64 bits, ``length`` and ``lkey`` 32, none
+    negative). Anything but an SGE (inline bytes) is not looked at."""
+    for s in sges:
+        if isinstance(s, SGE) and not (
+            0 <= s.addr <= _U64 and 0 <= s.length <= _U32 and 0 <= s.lkey <= _U32
+        ):
+            return f"{s!r}: addr, length or lkey outside 64, 32 and 32 bits"
+    return None
+
+
+def wr_id_problem(wr_id: int) -> str | None:
+    """Why ``wr_id`` cannot be posted (``ibv_*_wr.wr_id`` is 64 bits, unsigned), or None."""
+    if not 0 <= wr_id <= _U64:
+        return f"wr_id {wr_id} outside 0..2**64-1"
+    return None
+
+
+def send_problem(w: SendWR) -> str | None:
+    """What makes a send request impossible to post whatever the QP and its ``wr_id``
+    (an SGE's field outside its C type, a flag ``ibv_send_flags`` lacks), or None."""
+    flags = int(w.send_flags)
+    if flags & ~_SEND_FLAGS:  # (a negative value too)
+        return f"send_flags {flags:#x} holds bits that are no SendFlags"
+    return sge_problem(w.sg_list)
+
+
+def request_problem(w: SendWR | RecvWR) -> str | None:
+    """What makes a work request impossible to post whatever the QP, or None: for a
+    receive :func:`recv_problem`, for a send its ``wr_id`` or :func:`send_problem`."""
+    if isinstance(w, RecvWR):
+        return recv_problem(w)
+    return wr_id_problem(w.wr_id) or send_problem(w)
+
+
+def recv_problem(w: RecvWR) -> str | None:
+    """What makes a receive request impossible to post (its ``sg_list`` holds SGEs
+    only, each field within its C type), or None."""
+    sges: Sequence[object] = w.sg_list  # (a caller may pass anything)
+    for s in sges:
+        if not isinstance(s, SGE):
+            return f"a receive's sg_list holds SGEs, not {type(s).__name__}"
+    return wr_id_problem(w.wr_id) or sge_problem(w.sg_list)
+
+
 class WC(NamedTuple):
     """A work completion (``ibv_wc``); a named tuple, so cheap to make and compare."""
 

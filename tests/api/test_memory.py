@@ -77,8 +77,17 @@ async def test_keys_of_live_regions_differ(device) -> None:
         (bytearray(64), Access.REMOTE_ATOMIC, errno.EINVAL),
         (42, Access.LOCAL_WRITE, errno.EINVAL),  # not a buffer
         (memoryview(bytearray(64))[::2], Access.LOCAL_WRITE, errno.EINVAL),  # not contiguous
+        (bytearray(64), -1, errno.EINVAL),  # an IntFlag would make it every right
+        (bytearray(64), 1 << 40, errno.EINVAL),  # a bit that is no Access
     ],
-    ids=["remote-write-alone", "remote-atomic-alone", "not-a-buffer", "strided"],
+    ids=[
+        "remote-write-alone",
+        "remote-atomic-alone",
+        "not-a-buffer",
+        "strided",
+        "minus-one",
+        "unknown-bit",
+    ],
 )
 async def test_registration_errors(device, buffer: object, access: Access, err: int) -> None:
     pd = device.alloc_pd()

@@ -18,7 +18,9 @@ from rdmashim import (
     NotSupported,
     QPCap,
     QPState,
+    RecvBatch,
     RecvWR,
+    SendBatch,
     SendFlags,
     SendWR,
     VerbsError,
@@ -231,6 +233,99 @@ async def test_more_sges_than_the_device_allows_fail_at_post(pair: Pair) -> None
     with pytest.raises(VerbsError) as info:
         client.qp.post_send(SendWR(1, WROpcode.SEND, sges, SIG))
     assert info.value.errno == errno.EINVAL
+    assert await quiet(client.send_cq) == []
+
+
+U64 = (1 << 64) - 1
+FAULTS = ["wr_id -1", "wr_id 2**64", "sge length -4", "sge lkey 2**32", "send flag 0x100"]
+
+
+def _faulty(fault: str, sge: rdmashim.SGE, flags: SendFlags) -> tuple[int, object, SendFlags]:
+    """The wr_id, the SGE and the send flags of a request with ``fault``."""
+    wr_id, item = 7, sge
+    if fault == "wr_id -1":
+        wr_id = -1
+    elif fault == "wr_id 2**64":
+        wr_id = U64 + 1
+    elif fault == "sge length -4":
+        item = rdmashim.SGE(sge.addr, -4, sge.lkey)
+    elif fault == "sge lkey 2**32":
+        item = rdmashim.SGE(sge.addr, sge.length, 1 << 32)
+    elif fault == "send flag 0x100":
+        flags = SendFlags(int(flags) | 0x100)
+    else:
+        item = b"8 bytes!"  # not an SGE
+    return wr_id, item, flags
+
+
+@pytest.mark.parametrize("fault", [*FAULTS, "receive of bytes"])
+async def test_fields_c_cannot_hold_are_refused_at_post(pair: Pair, fault: str) -> None:
+    """A work request with a field outside its C type (``wr_id``, ``ibv_sge``'s), a
+    send flag ``ibv_send_flags`` lacks or a receive SGE that is no SGE is refused at
+    post (EINVAL, ``bad_wr`` its index: one request, or the second of a list of
+    receives); nothing of it completes or reaches the wire, and the connection goes on
+    (before, the engine took a negative length and sent the peer a Terminate)."""
+    client, server = pair.client, pair.server
+    src, dst = client.reg(pattern(8, 5)), server.reg(64)
+    wr_id, item, _ = _faulty(fault, dst.sge(8, 8), SIG)
+    if fault != "send flag 0x100":
+        bad = RecvWR(wr_id, [item])  # type: ignore[list-item]
+        for post in ([bad], [RecvWR(1, [dst.sge(0, 8)]), bad]):
+            with pytest.raises(VerbsError) as info:
+                server.qp.post_recv(post[0] if len(post) == 1 else post)
+            assert info.value.errno == errno.EINVAL, info.value
+            assert info.value.bad_wr == len(post) - 1
+    if fault != "receive of bytes":
+        wr_id, item, flags = _faulty(fault, src.sge(0, 8), SIG)
+        with pytest.raises(VerbsError) as info:
+            client.qp.post_send(SendWR(wr_id, WROpcode.SEND, [item], flags))  # type: ignore[list-item]
+        assert info.value.errno == errno.EINVAL, info.value
+        assert info.value.bad_wr == 0
+    server.qp.post_recv(RecvWR(2, [dst.sge(16, 8)]))
+    client.qp.post_send(SendWR(3, WROpcode.SEND, [src.sge(0, 8)], SIG))
+    assert [w.wr_id for w in ok(await drain(client.send_cq, 1))] == [3]
+    (got,) = ok(await drain(server.recv_cq, 1))
+    assert got.wr_id in (1, 2) and got.byte_len == 8
+    assert await quiet(client.send_cq) == []
+
+
+@pytest.mark.parametrize("fault", [*FAULTS, "receive of bytes"])
+async def test_a_batch_entry_c_cannot_hold_is_refused_when_a_post_reaches_it(
+    pair: Pair, fault: str
+) -> None:
+    """The same faults in a prepared batch: a post that reaches the entry raises
+    EINVAL with ``bad_wr`` its position; the entries before it went (the built-in
+    engine, rdma-core) or none did (IBAL's facade converts the whole list first)."""
+    client, server = pair.client, pair.server
+    src, dst = client.reg(pattern(16, 6)), server.reg(64)
+    if fault != "send flag 0x100":
+        wr_id, item, _ = _faulty(fault, dst.sge(8, 8), SIG)
+        recvs = RecvBatch([RecvWR(1, [dst.sge(0, 8)]), RecvWR(wr_id, [item])])  # type: ignore[list-item]
+        with pytest.raises(VerbsError) as info:
+            server.qp.post_recv_batch(recvs)
+        assert info.value.errno == errno.EINVAL and info.value.bad_wr == 1, info.value
+        server.qp.post_recv_batch(recvs, 1)  # the good entry alone posts
+    else:
+        server.qp.post_recv(RecvWR(1, [dst.sge(0, 8)]))
+        server.qp.post_recv(RecvWR(1, [dst.sge(0, 8)]))
+    if fault != "receive of bytes":
+        wr_id, item, flags = _faulty(fault, src.sge(8, 8), SIG)
+        sends = SendBatch(
+            [
+                SendWR(3, WROpcode.SEND, [src.sge(0, 8)], SIG),
+                SendWR(wr_id, WROpcode.SEND, [item], flags),
+            ]  # type: ignore[list-item]
+        )
+        with pytest.raises(VerbsError) as info:
+            client.qp.post_send_batch(sends)
+        assert info.value.errno == errno.EINVAL and info.value.bad_wr == 1, info.value
+    client.qp.post_send(SendWR(4, WROpcode.SEND, [src.sge(0, 8)], SIG))
+    done = ok(await drain(client.send_cq, 1))
+    if done[0].wr_id == 3:  # the entry before the refused one went
+        done += ok(await drain(client.send_cq, 1))
+    assert [w.wr_id for w in done][-1:] == [4]
+    got = ok(await drain(server.recv_cq, len(done)))
+    assert [w.byte_len for w in got] == [8] * len(done)
     assert await quiet(client.send_cq) == []
 
 

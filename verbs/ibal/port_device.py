@@ -27,7 +27,7 @@ from rdmashim.registry import load_backend
 from rdmashim.verbs.attrs import AHAttr, DeviceAttr, PortAttr
 from rdmashim.verbs.backend import own
 from rdmashim.verbs.enums import Access, Mtu, NodeType, PortState, QPType, Transport
-from rdmashim.verbs.errors import NotSupported, VerbsError
+from rdmashim.verbs.errors import NotSupported, VerbsError, check_access
 from rdmashim.verbs.events import AsyncEvent, AsyncEventType
 from rdmashim.verbs.ibal.al import DEFAULT_HCA_BACKEND, HCA_ENV_VAR, IbAl, ib_close_al, ib_open_al
 from rdmashim.verbs.ibal.ca import IbCa, ib_open_ca, ib_query_ca
@@ -327,6 +327,7 @@ class PD:
         self, buffer: Buffer, access: Access = Access.LOCAL_WRITE, *, iova: int | None = None
     ) -> MR:
         """``ib_reg_mem`` of the whole buffer (``iova``: the facade's ``ib_mr_create_t.iova``)."""
+        access = check_access("reg_mr", access)
         try:
             view = memoryview(buffer).cast("B")
         except TypeError as exc:

@@ -77,7 +77,16 @@ from rdmashim.verbs.ibal.wr import (
     ib_send_wr_t,
     ib_wr_type_t,
 )
-from rdmashim.verbs.wr import SGE, WC, RecvBatch, RecvWR, SendBatch, SendWR, WCArray
+from rdmashim.verbs.wr import (
+    SGE,
+    WC,
+    RecvBatch,
+    RecvWR,
+    SendBatch,
+    SendWR,
+    WCArray,
+    request_problem,
+)
 
 if TYPE_CHECKING:
     from rdmashim.verbs import abc
@@ -427,7 +436,15 @@ def _link(items: list[_L]) -> list[_L]:
     return items
 
 
+def _refused(operation: str, i: int, problem: str) -> VerbsError:
+    """EINVAL for request ``i`` (``bad_wr``): a field outside its C type, say."""
+    return _bad(VerbsError(errno.EINVAL, operation, f"work request {i}: {problem}"), i)
+
+
 def _send_wr(i: int, w: SendWR) -> ib_send_wr_t:
+    problem = request_problem(w)
+    if problem:
+        raise _refused("post_send", i, problem)
     kind = _SEND_TYPE.get(WROpcode(w.opcode))
     if kind is None:
         raise _bad(NotSupported("post_send", f"{WROpcode(w.opcode).name} over IBAL"), i)
@@ -443,6 +460,9 @@ def _send_wr(i: int, w: SendWR) -> ib_send_wr_t:
 
 
 def _recv_wr(i: int, w: RecvWR) -> ib_recv_wr_t:
+    problem = request_problem(w)
+    if problem:
+        raise _refused("post_recv", i, problem)
     return ib_recv_wr_t(wr_id=w.wr_id, ds_array=_ds(i, "post_recv", w.sg_list))
 
 

@@ -17,7 +17,7 @@ from rdmashim.verbs.attrs import AHAttr, QPCap
 from rdmashim.verbs.backend import own
 from rdmashim.verbs.buffers import PinnedBuffer, PinnedRegion, pin
 from rdmashim.verbs.enums import Access, QPType, Transport
-from rdmashim.verbs.errors import NotSupported, VerbsError
+from rdmashim.verbs.errors import NotSupported, VerbsError, check_access
 from rdmashim.verbs.rdmacore import lib
 from rdmashim.verbs.rdmacore.base import Resource
 from rdmashim.verbs.rdmacore.cdefs import ffi
@@ -55,7 +55,7 @@ class PD(Resource):
         is the buffer's own address.
         """
         self._check_open("reg_mr")
-        return MR(self, buffer, Access(access), iova)
+        return MR(self, buffer, check_access("reg_mr", access), iova)
 
     def create_qp(
         self,

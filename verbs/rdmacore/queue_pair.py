@@ -28,7 +28,14 @@ from rdmashim.verbs.errors import NotSupported, VerbsError
 from rdmashim.verbs.rdmacore import lib
 from rdmashim.verbs.rdmacore.base import Resource
 from rdmashim.verbs.rdmacore.cdefs import ffi
-from rdmashim.verbs.wr import SGE, RecvBatch, RecvWR, SendBatch, SendWR
+from rdmashim.verbs.wr import (
+    SGE,
+    RecvBatch,
+    RecvWR,
+    SendBatch,
+    SendWR,
+    request_problem,
+)
 
 if TYPE_CHECKING:
     from rdmashim.verbs.rdmacore.completion import CQ
@@ -97,12 +104,32 @@ def _encode_sges(c: Any, sges: Sequence[Any], keep: list[Any], inline: bool, i: 
     c.num_sge = len(sges)
 
 
+def _refuse(operation: str, i: int, problem: str) -> VerbsError:
+    """EINVAL for work request ``i`` (``bad_wr``): a field C cannot hold, say."""
+    exc = VerbsError(errno.EINVAL, operation, f"work request {i}: {problem}")
+    exc.bad_wr = i
+    return exc
+
+
 def _encode_recv_wr(c: Any, w: RecvWR, keep: list[Any], i: int) -> None:
+    problem = request_problem(w)
+    if problem:
+        raise _refuse("post_recv", i, problem)
     c.wr_id = w.wr_id
     _encode_sges(c, w.sg_list, keep, False, i)
 
 
 def _encode_send_wr(c: Any, w: SendWR, keep: list[Any], i: int) -> None:
+    problem = request_problem(w)
+    if problem:
+        raise _refuse("post_send", i, problem)
+    try:
+        _fill_send_wr(c, w, keep, i)
+    except OverflowError as exc:  # rkey, remote_addr, imm_data, ... wider than C's
+        raise _refuse("post_send", i, f"a field outside its C type ({exc})") from None
+
+
+def _fill_send_wr(c: Any, w: SendWR, keep: list[Any], i: int) -> None:
     c.wr_id = w.wr_id
     opcode = WROpcode(w.opcode)
     c.opcode = opcode

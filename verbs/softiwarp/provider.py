@@ -44,7 +44,7 @@ from rdmashim.verbs.enums import (
     WCStatus,
     WROpcode,
 )
-from rdmashim.verbs.errors import NotSupported, VerbsError, check_cq_target
+from rdmashim.verbs.errors import NotSupported, VerbsError, check_access, check_cq_target
 from rdmashim.verbs.events import AsyncEvent, AsyncEventType
 from rdmashim.verbs.softiwarp import fastpath
 from rdmashim.verbs.softiwarp.engine import (
@@ -69,6 +69,9 @@ from rdmashim.verbs.wr import (
     SendBatch,
     SendWR,
     WCArray,
+    recv_problem,
+    send_problem,
+    wr_id_problem,
 )
 
 if TYPE_CHECKING:
@@ -210,7 +213,6 @@ class _Resource:
 
 
 _R = TypeVar("_R", bound=_Resource)
-_REMOTE_WRITES = int(Access.REMOTE_WRITE | Access.REMOTE_ATOMIC)
 _LOCAL_WRITE = int(Access.LOCAL_WRITE)
 
 
@@ -447,11 +449,8 @@ class PD(_Parent):
         buffer's own address.
         """
         self._check_open("reg_mr")
-        if access.__class__ is not Access:  # (an Enum call costs about a microsecond)
-            access = Access(access)
-        rights = int(access)  # (and so does each operator on the flags)
-        if rights & _REMOTE_WRITES and not rights & _LOCAL_WRITE:
-            raise VerbsError(errno.EINVAL, "reg_mr", "remote write access needs LOCAL_WRITE")
+        access = check_access("reg_mr", access)
+        rights = int(access)  # (each operator on the flags costs an Enum call)
         pinned = pin(buffer, writable=bool(rights & _LOCAL_WRITE))
         base = pinned.addr if iova is None else iova
         if not 0 <= base <= (1 << 64) - pinned.length:
@@ -909,14 +908,20 @@ class SRQ(_Resource):
     def post_recv(self, wr: RecvWR | Iterable[RecvWR]) -> None:
         """Post one receive work request or a list of them."""
         self._check_open("post_srq_recv")
-        self._post_jobs([_recv_job(w) for w in _as_list(wr)])
+        jobs, refused = _recv_jobs("post_srq_recv", _as_list(wr))
+        self._post_jobs(jobs)
+        if refused is not None:
+            raise refused
 
     def post_recv_batch(
         self, batch: RecvBatch, count: int | None = None, *, indices: Sequence[int] | None = None
     ) -> None:
         """Post entries of a prepared batch (see :meth:`QP.post_recv_batch`)."""
         self._check_open("post_srq_recv")
-        self._post_jobs(*_batch_jobs(batch, "post_srq_recv", count, indices))
+        jobs, max_nsge, refused = _batch_jobs(batch, "post_srq_recv", count, indices)
+        self._post_jobs(jobs, max_nsge)
+        if refused is not None:
+            raise refused
 
     def _post_jobs(self, jobs: Sequence[RecvJob], max_nsge: int | None = None) -> None:
         _queue_recvs("post_srq_recv", self._queue, jobs, self.max_wr, self.max_sge, "SRQ", max_nsge)
@@ -935,10 +940,35 @@ def _as_list(wr: _W | Iterable[_W]) -> list[_W]:
     return list(wr)
 
 
-def _recv_job(w: RecvWR) -> RecvJob:
-    """The engine's form of a receive (it only reads it: a batch posts one many times)."""
+def _recv_job(w: RecvWR) -> RecvJob | None:
+    """The engine's form of a receive (it only reads it: a batch posts one many times),
+    or None when it cannot be posted (:func:`recv_problem` says why)."""
     sges = tuple(w.sg_list)
-    return RecvJob(w.wr_id, sges, sges[0].length if len(sges) == 1 else sum(s.length for s in sges))
+    if len(sges) == 1:  # (the common case, checked inline: a post of one costs 0.1 us less)
+        s = sges[0]
+        if (
+            s.__class__ is SGE
+            and 0 <= s.length <= _U32
+            and 0 <= s.lkey <= _U32
+            and 0 <= s.addr <= _U64
+            and 0 <= w.wr_id <= _U64
+        ):
+            return RecvJob(w.wr_id, sges, s.length)
+    if recv_problem(w):
+        return None
+    return RecvJob(w.wr_id, sges, sum(s.length for s in sges))
+
+
+def _recv_jobs(operation: str, wrs: Iterable[RecvWR]) -> tuple[list[RecvJob], VerbsError | None]:
+    """The jobs of ``wrs`` up to the first that cannot be posted, and the error that
+    one raises once those before it are posted (``bad_wr`` its index), if any."""
+    jobs: list[RecvJob] = []
+    for i, w in enumerate(wrs):
+        job = _recv_job(w)
+        if job is None:
+            return jobs, _bad_wr(errno.EINVAL, operation, i, recv_problem(w) or "")
+        jobs.append(job)
+    return jobs, None
 
 
 class _RecvJobs(list[RecvJob]):
@@ -949,9 +979,17 @@ class _RecvJobs(list[RecvJob]):
 
     def __init__(self, n: int) -> None:
         super().__init__([None] * n)  # type: ignore[list-item]
+        self.refused: dict[int, str] = {}
+        """The entries that cannot be posted, and why (EINVAL when a post reaches them)."""
 
     def set(self, i: int, wr: RecvWR) -> None:
-        self[i] = job = _recv_job(wr)
+        job = _recv_job(wr)
+        if job is None:
+            self.refused[i] = recv_problem(wr) or ""
+            self[i] = RecvJob(0, (), 0)  # (never posted)
+            return
+        self.refused.pop(i, None)
+        self[i] = job
         self.max_nsge = max(self.max_nsge, len(job.sges))
 
 
@@ -985,13 +1023,21 @@ def _queue_recvs(
 
 def _batch_jobs(
     batch: RecvBatch, operation: str, count: int | None, indices: Sequence[int] | None
-) -> tuple[list[RecvJob], int]:
-    """The jobs a receive batch post takes, and the most SGEs any of them may have."""
+) -> tuple[list[RecvJob], int, VerbsError | None]:
+    """The jobs a receive batch post takes up to the first entry that cannot be posted,
+    the most SGEs any of them may have, and the error that entry raises once those
+    before it are posted (``bad_wr`` its position in the post), if any."""
     entries = batch.select(operation, count, indices)
     jobs = batch.prepared(RecvJob, _RecvJobs)
+    refused = jobs.refused
+    if refused:
+        for k, i in enumerate(entries):
+            if i in refused:
+                taken = list(map(jobs.__getitem__, entries[:k]))
+                return taken, jobs.max_nsge, _bad_wr(errno.EINVAL, operation, k, refused[i])
     if isinstance(entries, range):
-        return jobs[: entries.stop], jobs.max_nsge
-    return list(map(jobs.__getitem__, entries)), jobs.max_nsge
+        return jobs[: entries.stop], jobs.max_nsge, None
+    return list(map(jobs.__getitem__, entries)), jobs.max_nsge, None
 
 
 def _bad_wr(err: int, operation: str, index: int, detail: str) -> VerbsError:
@@ -1010,6 +1056,8 @@ _RDMA_READ = WROpcode.RDMA_READ
 _RDMA_WRITE = WROpcode.RDMA_WRITE
 _SEND_INV = WROpcode.SEND_WITH_INV
 _FENCE = int(SendFlags.FENCE)
+_NOT_NOW_FLAGS = ~int(SendFlags.SIGNALED | SendFlags.SOLICITED | SendFlags.INLINE)
+"""Flags a Send written from ``post_send`` at once lacks: FENCE, and what no SendFlags is."""
 _SOLICITED = int(SendFlags.SOLICITED)
 _SEND = WROpcode.SEND
 _CTRL_SEND = SendRun.ctrl(0, False)
@@ -1124,7 +1172,8 @@ class _SendTemplate:
         self.unsupported = (
             None if opcode in _SUPPORTED_SEND else f"{opcode.name} is not an iWARP operation"
         )
-        self.invalid: str | None = None
+        self.invalid: str | None = send_problem(w)
+        """Why a post of it fails (EINVAL), if it does whatever the QP."""
         self.flags = flags = int(w.send_flags)
         sges = w.sg_list
         self.nsge = len(sges)
@@ -1143,16 +1192,18 @@ class _SendTemplate:
         self.run_ctrl = 0
         """An inline or copied Send without FENCE joins a :class:`SendRun` if its data fit
         one FPDU: its control byte there (0: it does not)."""
+        self.inline: tuple[_InlineSGE | InlineData, ...] | None = None
+        if self.invalid:
+            return
         if flags & _INLINE and opcode is not _RDMA_READ:
             if len(sges) == 1 and sges[0].__class__ is SGE:
                 self.source = source = _InlineSGE(sges[0])
-                self.inline: tuple[_InlineSGE | InlineData, ...] | None = (source,)
+                self.inline = (source,)
             else:
                 self.inline = tuple(_InlineSGE(s) if isinstance(s, SGE) else s for s in sges)
             if runnable:
                 self.run_ctrl = SendRun.ctrl(flags, opcode is _SEND_INV)
             return
-        self.inline = None
         local = tuple(s for s in sges if isinstance(s, SGE))
         if len(local) != len(sges):
             self.invalid = "raw bytes need INLINE"
@@ -1254,7 +1305,10 @@ class _SendTemplates(list[_SendTemplate]):
         none (until an entry is set again)."""
 
     def set(self, i: int, wr: SendWR) -> None:
-        self[i] = _SendTemplate(wr)
+        self[i] = t = _SendTemplate(wr)
+        bad_id = wr_id_problem(wr.wr_id)  # (an entry changes only through here)
+        if bad_id and not t.invalid:
+            t.invalid, t.inline, t.source, t.run_ctrl = bad_id, None, None, 0
         self._plans.clear()
 
     def plan(self, count: int) -> _RunPlan | None:
@@ -1405,7 +1459,8 @@ class QP(_Resource):
         if (
             link is None
             or wr.opcode is not _SEND
-            or flags & _FENCE
+            or flags & _NOT_NOW_FLAGS  # FENCE, or bits that are no SendFlags
+            or not 0 <= wr.wr_id <= _U64
             or len(sges) != 1
             or self._state is not _RTS
             or not link.tx_idle
@@ -1418,7 +1473,7 @@ class QP(_Resource):
         length = sge.length
         inv = wr.invalidate_rkey
         if (
-            length > (self._now_max if flags & _INLINE else self._copy_max)
+            not 0 <= length <= (self._now_max if flags & _INLINE else self._copy_max)
             or not engine.tx_idle
             or not (0 <= wr.rkey <= _U32 and 0 <= inv <= _U32)
             or not 0 <= wr.remote_addr <= _U64 + 1 - length
@@ -1529,6 +1584,8 @@ class QP(_Resource):
             # A post of one request makes a plain job: a run of one costs more.
             several = len(templates) > 1
             for i, t in enumerate(templates):
+                if not 0 <= wrs[i].wr_id <= _U64:
+                    raise _bad_wr(errno.EINVAL, "post_send", i, wr_id_problem(wrs[i].wr_id) or "")
                 ctrl = t.run_ctrl if several else 0
                 src = t.source
                 if (
@@ -1643,9 +1700,14 @@ class QP(_Resource):
         self._check_open("post_recv")
         if wr.__class__ is RecvWR:  # one request: no list to make
             job = _recv_job(wr)
+            if job is None:
+                raise _bad_wr(errno.EINVAL, "post_recv", 0, recv_problem(wr) or "")
             self._post_recvs((job,), len(job.sges))
             return
-        self._post_recvs([_recv_job(w) for w in _as_list(wr)])
+        jobs, refused = _recv_jobs("post_recv", _as_list(wr))
+        self._post_recvs(jobs)
+        if refused is not None:
+            raise refused
 
     def post_recv_batch(
         self, batch: RecvBatch, count: int | None = None, *, indices: Sequence[int] | None = None
@@ -1654,7 +1716,10 @@ class QP(_Resource):
         entries ``indices`` names, as :meth:`post_recv` of that list (the engine's
         receive jobs are made once per entry and posted again each time)."""
         self._check_open("post_recv")
-        self._post_recvs(*_batch_jobs(batch, "post_recv", count, indices))
+        jobs, max_nsge, refused = _batch_jobs(batch, "post_recv", count, indices)
+        self._post_recvs(jobs, max_nsge)
+        if refused is not None:
+            raise refused
 
     def _post_recvs(self, jobs: Sequence[RecvJob], max_nsge: int | None = None) -> None:
         if self.srq is not None:
