@@ -103,6 +103,42 @@ async def test_all_to_all_three_nodes_large_messages(transport: str) -> None:
         await close(all_nodes)
 
 
+class _Index:
+    """An integer that is no int (as numpy's): ``operator.index`` takes it."""
+
+    def __init__(self, value: int) -> None:
+        self.value = value
+
+    def __index__(self) -> int:
+        return self.value
+
+
+async def test_ports_and_destinations_of_the_wrong_shape_are_einval() -> None:
+    """A port that is no integer (a float, a string, a bool) and a destination that
+    is no (address, port) pair are EINVAL at bind and sendto, naming the value; the
+    node closes cleanly after (a float port used to be bound, and the node's close
+    then failed in its congestion map). An integer of another type is taken."""
+    (a,) = await nodes(["127.0.0.1"])
+    try:
+        for port in (1.5, "4000", None, True):
+            with pytest.raises(RdsError, match=r"port .* is not") as info:
+                a.bind(port)  # type: ignore[arg-type]
+            assert info.value.errno == errno.EINVAL
+        s = a.bind(4000)
+        for dest in [("127.0.0.2", 5.5), ("127.0.0.2", "80"), ("127.0.0.2",), None, "127.0.0.2"]:
+            with pytest.raises(RdsError) as info:
+                s.sendto_nowait(b"x", dest)  # type: ignore[arg-type]
+            assert info.value.errno == errno.EINVAL, dest
+            with pytest.raises(RdsError):
+                await s.sendto(b"x", dest)  # type: ignore[arg-type]
+        assert a.bind(_Index(4001)).port == 4001  # type: ignore[arg-type]
+        with pytest.raises(RdsError, match="cookie 'a'"):
+            s.free_mr("a")  # type: ignore[arg-type]
+        assert sorted(sock.port for sock in a.sockets()) == [4000, 4001]
+    finally:
+        await close([a])
+
+
 @transports
 async def test_errors_name_the_problem(transport: str) -> None:
     (a,) = await nodes(["127.0.0.1"], transport)

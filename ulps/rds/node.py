@@ -25,6 +25,7 @@ import errno
 import functools
 import ipaddress
 import logging
+import operator
 import random
 from collections import deque
 from collections.abc import AsyncIterator
@@ -82,6 +83,16 @@ log = logging.getLogger(__name__)
 def _parse_ip(text: str) -> IPAddress:
     """``ipaddress.ip_address``, remembered: a sender names the same few peers."""
     return ipaddress.ip_address(text)
+
+
+def _port_number(port: object) -> int:
+    """``port`` as an int (an integer of any type, not a bool), or EINVAL."""
+    if isinstance(port, bool):
+        raise RdsError(errno.EINVAL, f"port {port!r} is not a number")
+    try:
+        return operator.index(port)  # type: ignore[arg-type]
+    except TypeError as exc:
+        raise RdsError(errno.EINVAL, f"port {port!r} is not an integer") from exc
 
 
 @functools.lru_cache(maxsize=1024)
@@ -170,12 +181,18 @@ class RdsSocket:
         if len(data) > limit:
             raise RdsError(errno.EMSGSIZE, f"{len(data)}-byte message exceeds RDS's {limit}")
         try:
-            ip = _parse_ip(dest[0])
+            host, port = dest
         except (ValueError, TypeError) as exc:
-            raise RdsError(errno.EINVAL, f"{dest[0]!r} is not an IP address") from exc
-        if not 0 <= dest[1] < 65536:  # port 0: an RDS ping, answered by the node
-            raise RdsError(errno.EINVAL, f"port {dest[1]} outside 1..65535")
-        return ip, dest[1]
+            raise RdsError(errno.EINVAL, f"{dest!r} is not an (address, port) pair") from exc
+        try:
+            ip = _parse_ip(host)
+        except (ValueError, TypeError) as exc:
+            raise RdsError(errno.EINVAL, f"{host!r} is not an IP address") from exc
+        if port.__class__ is not int:
+            port = _port_number(port)
+        if not 0 <= port < 65536:  # port 0: an RDS ping, answered by the node
+            raise RdsError(errno.EINVAL, f"port {port} outside 1..65535")
+        return ip, port
 
     async def sendto(
         self, data: bytes, dest: tuple[str, int], *, rdma: RdmaOp | None = None
@@ -299,7 +316,8 @@ class RdsSocket:
     def free_mr(self, cookie: int) -> None:
         """End a registration (``RDS_FREE_MR``); peers' RDMA on it fails from now on."""
         if not self._registrations.free(cookie):
-            raise RdsError(errno.EINVAL, f"no RDMA registration with cookie {cookie:#x}")
+            shown = f"{cookie:#x}" if isinstance(cookie, int) else repr(cookie)
+            raise RdsError(errno.EINVAL, f"no RDMA registration with cookie {shown}")
 
     def registered(self, cookie: int) -> bool:
         """Whether ``cookie`` names one of this socket's live registrations."""
@@ -440,6 +458,7 @@ class RdsNode:
     # ------------------------------------------------------------------ sockets
     def bind(self, port: int) -> RdsSocket:
         """A socket bound to (this node's address, ``port``); port 0 picks a free one."""
+        port = _port_number(port)
         if port == 0:
             port = next(p for p in range(32768, 61000) if p not in self._sockets)
         if not 0 < port < 65536:
