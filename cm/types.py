@@ -7,9 +7,10 @@ the prefixes, so a C ULP ports line by line.
 from __future__ import annotations
 
 import errno
+import operator
 from dataclasses import dataclass, fields
 from enum import Enum, IntEnum, IntFlag, auto
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from rdmashim.verbs.errors import VerbsError
 
@@ -167,11 +168,76 @@ class CMEvent:
         return text
 
 
+def check_sockaddr(operation: str, addr: object) -> tuple[Any, ...]:
+    """``addr`` as the CM takes a socket address: a host (a string) and a port 0..65535
+    (an integer of any type but bool), then IPv6's flow info and scope id; EINVAL
+    naming what is wrong otherwise (a port past 65535 would wrap in ``htons``)."""
+    fields: tuple[Any, ...] = tuple(addr) if isinstance(addr, tuple | list) else ()
+    if len(fields) < 2:
+        raise VerbsError(errno.EINVAL, operation, f"{addr!r} is not a (host, port) address")
+    host, port, *rest = fields
+    if not isinstance(host, str):
+        raise VerbsError(errno.EINVAL, operation, f"host {host!r} is not a string")
+    try:
+        if isinstance(port, bool):
+            raise TypeError
+        port = operator.index(port)
+    except TypeError:
+        raise VerbsError(errno.EINVAL, operation, f"port {port!r} is not an integer") from None
+    if not 0 <= port <= 0xFFFF:
+        raise VerbsError(errno.EINVAL, operation, f"port {port} outside 0..65535")
+    return (host, port, *rest)
+
+
+def check_connect_timeout(operation: str, seconds: float) -> None:
+    """EINVAL unless ``seconds`` (a CM id's ``connect_timeout``) is above 0 (infinity:
+    no limit); NaN and negative times would fail inside the connection's task."""
+    if not seconds > 0:
+        raise VerbsError(errno.EINVAL, operation, f"connect_timeout {seconds!r} is not above 0")
+
+
+def check_listen(operation: str, backlog: int, max_pending: int) -> None:
+    """EINVAL unless ``backlog`` and a listening id's ``max_pending`` are at least 1
+    (with none, every connection would be dropped unseen)."""
+    if not (backlog >= 1 and max_pending >= 1):
+        raise VerbsError(
+            errno.EINVAL, operation, f"backlog {backlog!r} and max_pending {max_pending!r}: "
+            "both at least 1",
+        )  # fmt: skip
+
+
+_CONN_PARAM_LIMITS = (
+    ("responder_resources", None), ("initiator_depth", None), ("flow_control", 0xFF),
+    ("retry_count", 0xFF), ("rnr_retry_count", 0xFF), ("srq", 0xFF), ("qp_num", 0xFFFFFFFF),
+)  # fmt: skip
+"""The integer fields of :class:`ConnParam` and the most ``struct rdma_conn_param``
+holds (None: any, the device's limit bounds it: IRD and ORD)."""
+
+
+def check_conn_param(
+    context: Context | None, operation: str, param: ConnParam, limit: int | None = None
+) -> None:
+    """:func:`check_private_data` of ``param``'s, then EINVAL for a field that is no
+    integer, is negative or exceeds what ``struct rdma_conn_param`` holds."""
+    check_private_data(context, operation, param.private_data, limit)
+    for name, most in _CONN_PARAM_LIMITS:
+        value = getattr(param, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise VerbsError(errno.EINVAL, operation, f"{name} {value!r} is no count")
+        if most is not None and value > most:
+            raise VerbsError(errno.EINVAL, operation, f"{name} {value} outside 0..{most}")
+
+
 def check_private_data(
     context: Context | None, operation: str, private_data: bytes, limit: int | None = None
 ) -> None:
-    """EINVAL if ``private_data`` is longer than ``limit`` or, when None, than the device
-    takes (``max_private_data``; 252 bytes, MPA's limit, before a device is chosen)."""
+    """EINVAL if ``private_data`` is no bytes-like object, or longer than ``limit`` or,
+    when None, than the device takes (``max_private_data``; 252 bytes, MPA's limit,
+    before a device is chosen)."""
+    if not isinstance(private_data, bytes | bytearray | memoryview):
+        raise VerbsError(
+            errno.EINVAL, operation, f"private data is bytes, not {type(private_data).__name__}"
+        )
     if limit is None:
         limit = context.query_device().max_private_data if context is not None else 252
     if len(private_data) > limit:

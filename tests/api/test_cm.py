@@ -301,3 +301,88 @@ async def test_handler_sees_the_peer_disconnect() -> None:
         with trio.fail_after(TIMEOUT):
             await done.wait()
         nursery.cancel_scope.cancel()
+
+
+BAD_ADDRESSES = [
+    (HOST, -1), (HOST, 70000), (HOST, 1.5), (HOST, "80"), (HOST, True), (None, 1), (5, 1),
+    (HOST,), "host:1",
+]  # fmt: skip
+"""Socket addresses no CM takes: a port past 65535 would wrap in ``htons`` (70000 is
+4464), a float be cut, a host that is no string resolve to something."""
+
+
+@pytest.mark.parametrize("addr", BAD_ADDRESSES, ids=repr)
+async def test_addresses_of_the_wrong_shape_are_einval(cm: Cm, addr: object) -> None:
+    """``resolve_addr`` and ``bind_addr`` of an address C cannot hold are EINVAL at once,
+    naming the part that is wrong, and the id stays usable (it resolves a good one)."""
+    cm_id = cm.channel.create_id()
+    for call in (lambda: cm_id.resolve_addr(None, addr), lambda: cm_id.bind_addr(addr)):
+        with pytest.raises(VerbsError) as info:
+            call()
+        assert info.value.errno == errno.EINVAL, info.value
+    cm_id.resolve_addr(None, (HOST, cm.listen()))
+    await cm.events.expect(cm_id, E.ADDR_RESOLVED)
+    cm_id.destroy()
+
+
+@pytest.mark.parametrize(
+    "fault",
+    [
+        {"port": 70000}, {"port": 1.5}, {"host": None}, {"connect_timeout": -1},
+        {"connect_timeout": float("nan")}, {"private_data": "text"},
+        {"responder_resources": -1},
+    ],
+    ids=repr,
+)  # fmt: skip
+async def test_open_connection_refuses_what_it_cannot_send_at_once(cm: Cm, fault: dict) -> None:
+    """``open_connection`` with a port or host C cannot hold, a connect timeout that is
+    not above 0, private data that is no bytes or a negative IRD raises EINVAL before
+    anything goes out (a port of 70000 used to reach port 4464, a NaN timeout to fail
+    inside the connection's task)."""
+    args = {"host": HOST, "port": cm.listen()} | fault
+    host, port = args.pop("host"), args.pop("port")
+    with trio.fail_after(TIMEOUT), pytest.raises(VerbsError) as info:
+        async with open_connection(host, port, **args):
+            pass
+    assert info.value.errno == errno.EINVAL, info.value
+
+
+@pytest.mark.parametrize(
+    "param",
+    [ConnParam(retry_count=256), ConnParam(rnr_retry_count=-1), ConnParam(qp_num=1 << 32),
+     ConnParam(srq=1.5)],  # type: ignore[arg-type]
+    ids=["retry_count 256", "rnr_retry_count -1", "qp_num 2**32", "srq 1.5"],
+)  # fmt: skip
+async def test_conn_params_struct_rdma_conn_param_cannot_hold_are_einval(
+    cm: Cm, param: ConnParam
+) -> None:
+    cm_id = await cm.resolve(cm.listen())
+    make_end(cm_id, cap=None, sq_sig_all=False, cqe=16, comp_channel=False)
+    with pytest.raises(VerbsError) as info:
+        cm_id.connect(param)
+    assert info.value.errno == errno.EINVAL, info.value
+    cm_id.destroy()
+
+
+@pytest.mark.parametrize("fault", [{"port": 70000}, {"port": -1}, {"max_pending": 0}], ids=repr)
+async def test_serve_refuses_a_port_or_a_queue_it_cannot_have(fault: dict) -> None:
+    args = {"port": 0} | fault
+    port = args.pop("port")
+
+    async def handler(request: ConnectionRequest) -> None:
+        await request.reject()
+
+    with trio.fail_after(TIMEOUT), pytest.raises(ExceptionGroup) as info:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(lambda task_status: serve(
+                handler, port, host=HOST, task_status=task_status, **args
+            ))  # fmt: skip
+    errors = list(_leaves(info.value))
+    assert [type(e) for e in errors] == [VerbsError] and errors[0].errno == errno.EINVAL, errors
+
+
+def _leaves(group: BaseExceptionGroup) -> list[BaseException]:
+    out: list[BaseException] = []
+    for exc in group.exceptions:
+        out += _leaves(exc) if isinstance(exc, BaseExceptionGroup) else [exc]
+    return out

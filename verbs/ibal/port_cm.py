@@ -43,7 +43,11 @@ from rdmashim.cm.types import (
     ConnParam,
     PortSpace,
     TransportOptions,
+    check_conn_param,
+    check_connect_timeout,
+    check_listen,
     check_private_data,
+    check_sockaddr,
 )
 from rdmashim.verbs.backend import own
 from rdmashim.verbs.enums import Transport
@@ -236,6 +240,7 @@ class CMId:
         """Bind to a local address and port (``rdma_bind_addr``)."""
         self._require("bind_addr", State.IDLE)
         self._require_tcp("bind_addr")
+        addr = check_sockaddr("bind_addr", addr)
         host = str(addr[0]).split("%", 1)[0]
         try:
             ip = ipaddress.ip_address(host)
@@ -254,6 +259,7 @@ class CMId:
         """Resolve ``dst``; the route's source picks the device (ADDR_RESOLVED / ADDR_ERROR)."""
         self._require("resolve_addr", State.IDLE, State.ADDR_BOUND)
         self._require_tcp("resolve_addr")
+        dst = check_sockaddr("resolve_addr", dst)
         if src is not None and self.state is State.IDLE:
             self.bind_addr(src)
         self.state = State.ADDR_QUERY
@@ -358,8 +364,9 @@ class CMId:
         if self.qp is None:
             raise NotSupported("connect", "IBAL connects a QP (create_qp first)")
         self._check_options("connect")
+        check_connect_timeout("connect", self.connect_timeout)
         param = param or ConnParam()
-        check_private_data(self.context, "connect", param.private_data)
+        check_conn_param(self.context, "connect", param)
         assert self.peer_addr is not None and self.local_addr is not None
         assert self.path is not None
         pdata = param.private_data
@@ -421,6 +428,7 @@ class CMId:
         """``ib_cm_listen`` on the bound port's service ID (CONNECT_REQUEST events)."""
         self._require("listen", State.ADDR_BOUND, State.IDLE)
         self._require_tcp("listen")
+        check_listen("listen", backlog, self.max_pending)
         if self.local_addr is None:
             self.local_addr = ("0.0.0.0", 0)
         host = str(self.local_addr[0])
@@ -495,7 +503,7 @@ class CMId:
             raise NotSupported("accept", "IBAL connects a QP (create_qp first)")
         self._check_options("accept")
         param = param or ConnParam()
-        check_private_data(self.context, "accept", param.private_data)
+        check_conn_param(self.context, "accept", param)
         rep = ib_cm_rep_t(
             h_qp=self.qp.h_qp, p_rep_pdata=param.private_data, pfn_cm_rtu_cb=self._on_rtu,
             pfn_cm_rej_cb=self._on_rej, pfn_cm_dreq_cb=self._on_dreq,

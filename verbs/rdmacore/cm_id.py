@@ -35,7 +35,11 @@ from rdmashim.cm.types import (
     ConnParam,
     PortSpace,
     TransportOptions,
+    check_conn_param,
+    check_connect_timeout,
+    check_listen,
     check_private_data,
+    check_sockaddr,
 )
 from rdmashim.cm.types import CMState as State
 from rdmashim.verbs import abc
@@ -337,7 +341,7 @@ class RdmaCoreCMId:
 
     def _native_param(self, operation: str, param: ConnParam | None) -> tuple[Any, Any]:
         param = param or ConnParam()
-        self._check_private_data(operation, param.private_data)
+        check_conn_param(self.context, operation, param, self._private_data_limit(operation))
         attr = self._bound_context(operation).query_device()
         native = ffi.new("struct rdma_conn_param *")
         data = ffi.new("char[]", param.private_data) if param.private_data else ffi.NULL
@@ -352,13 +356,12 @@ class RdmaCoreCMId:
         native.qp_num = param.qp_num
         return native, data
 
-    def _check_private_data(self, operation: str, private_data: bytes) -> None:
-        """EINVAL for more private data than ``operation`` carries: on iWARP one limit
-        for all (``max_private_data``), on IB and RoCE the IB CM message's
+    def _private_data_limit(self, operation: str) -> int | None:
+        """The most private data ``operation`` carries: on iWARP one limit for all (None:
+        ``max_private_data``), on IB and RoCE the IB CM message's
         (:data:`~rdmashim.verbs.rdmacore.device.IB_CM_PRIVATE_DATA`)."""
         iwarp = self.context is None or self.context.device.transport is Transport.IWARP
-        limit = None if iwarp else IB_CM_PRIVATE_DATA[operation]
-        check_private_data(self.context, operation, private_data, limit)
+        return None if iwarp else IB_CM_PRIVATE_DATA[operation]
 
     def _bound_context(self, operation: str) -> Context:
         if self.context is None:
@@ -374,6 +377,7 @@ class RdmaCoreCMId:
     def bind_addr(self, addr: addressing.SockAddr) -> None:
         """Bind to a local address and port (``rdma_bind_addr``)."""
         cm = self._check("bind_addr")
+        addr = check_sockaddr("bind_addr", addr)
 
         def bind(sockaddr: Any) -> None:
             lib.check(
@@ -393,6 +397,9 @@ class RdmaCoreCMId:
     ) -> None:
         """Resolve ``dst`` (host name, IPv4 or IPv6): ADDR_RESOLVED or ADDR_ERROR follows."""
         self._check("resolve_addr")
+        dst = check_sockaddr("resolve_addr", dst)
+        if src is not None:
+            src = check_sockaddr("resolve_addr", src)
         bound = self.state is State.ADDR_BOUND
         self.state = State.ADDR_QUERY
         self._spawn(self._resolve_addr, src, dst, timeout_ms, bound)
@@ -499,6 +506,7 @@ class RdmaCoreCMId:
         """Connect to the resolved peer: ESTABLISHED, REJECTED, UNREACHABLE or CONNECT_ERROR."""
         cm = self._check("connect")
         self._require_qp("connect")
+        check_connect_timeout("connect", self.connect_timeout)
         native, _data = self._native_param("connect", param)
         if cm.rdma_connect(self._ptr, native) != 0:
             err = lib.last_errno()
@@ -529,6 +537,7 @@ class RdmaCoreCMId:
     def listen(self, backlog: int = 128) -> None:
         """Listen on the bound address (the wildcard if unbound): CONNECT_REQUEST events."""
         cm = self._check("listen")
+        check_listen("listen", backlog, self.max_pending)
         if self.state is State.IDLE:
             self.bind_addr(("0.0.0.0", 0))
         lib.check(cm.rdma_listen(self._ptr, min(backlog, self.max_pending)), "rdma_listen")
@@ -555,7 +564,7 @@ class RdmaCoreCMId:
     def reject(self, private_data: bytes = b"") -> None:
         """Reject the connection request on this id with ``private_data``."""
         cm = self._check("reject")
-        self._check_private_data("reject", private_data)
+        check_private_data(self.context, "reject", private_data, self._private_data_limit("reject"))
         data = ffi.new("char[]", private_data) if private_data else ffi.NULL
         lib.check(cm.rdma_reject(self._ptr, data, len(private_data)), "rdma_reject")
         self.state = State.DISCONNECTED

@@ -46,7 +46,11 @@ from rdmashim.cm.types import (
     ConnParam,
     PortSpace,
     TransportOptions,
+    check_conn_param,
+    check_connect_timeout,
+    check_listen,
     check_private_data,
+    check_sockaddr,
 )
 from rdmashim.cm.types import CMState as State
 from rdmashim.verbs import abc
@@ -239,6 +243,7 @@ class CMId:
         """
         self._require("bind_addr", State.IDLE)
         self._require_tcp("bind_addr")
+        addr = check_sockaddr("bind_addr", addr)
         host = addr[0]
         try:
             ip = ipaddress.ip_address(str(host).split("%", 1)[0])
@@ -266,6 +271,7 @@ class CMId:
         """
         self._require("resolve_addr", State.IDLE, State.ADDR_BOUND)
         self._require_tcp("resolve_addr")
+        dst = check_sockaddr("resolve_addr", dst)
         if src is not None and self.state is State.IDLE:
             self.bind_addr(src)
         self.state = State.ADDR_QUERY
@@ -351,6 +357,7 @@ class CMId:
     # ------------------------------------------------------------------ active side
     def connect(self, param: ConnParam | None = None) -> None:
         """Connect to the resolved peer (ESTABLISHED, REJECTED, UNREACHABLE or CONNECT_ERROR)."""
+        check_connect_timeout("connect", self.connect_timeout)
         self._begin("connect", State.ROUTE_RESOLVED, State.CONNECT, self._connect, param)
 
     def _begin(
@@ -366,7 +373,7 @@ class CMId:
         if self.qp is None:
             raise NotSupported(operation, "iWARP connections need the id's QP (create_qp first)")
         param = param or ConnParam()
-        check_private_data(self.context, operation, param.private_data)
+        check_conn_param(self.context, operation, param)
         self._answered()
         self.state = then
         self._spawn(work, param, failed=CMEventType.CONNECT_ERROR)
@@ -440,6 +447,7 @@ class CMId:
         """Listen for connections on the bound address (CONNECT_REQUEST events)."""
         self._require("listen", State.ADDR_BOUND, State.IDLE)
         self._require_tcp("listen")
+        check_listen("listen", backlog, self.max_pending)
         if self.local_addr is None:
             self.local_addr = ("0.0.0.0", 0)
         host = str(self.local_addr[0])
