@@ -104,8 +104,17 @@ class TransportOptions:
     max_fpdu: int = 65536
 
     def __post_init__(self) -> None:
-        if self.revision not in (1, 2):
-            raise ValueError(f"MPA revision {self.revision} (1 or 2)")
+        if self.revision not in (1, 2) or isinstance(self.revision, bool):
+            raise ValueError(f"MPA revision {self.revision!r} (1 or 2)")
+        for name in ("crc", "p2p"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(
+                    f"TransportOptions.{name} is True or False: {getattr(self, name)!r}"
+                )
+        if not isinstance(self.rtr, RTR):
+            raise ValueError(f"TransportOptions.rtr is RTR flags: {self.rtr!r}")
+        if isinstance(self.max_fpdu, bool) or not isinstance(self.max_fpdu, int):
+            raise ValueError(f"TransportOptions.max_fpdu is bytes, an integer: {self.max_fpdu!r}")
 
     def non_default(self) -> frozenset[str]:
         """Names of the fields that differ from the defaults."""

@@ -125,6 +125,18 @@ def test_transport_options_name_what_differs() -> None:
         TransportOptions(revision=3)
 
 
+@pytest.mark.parametrize(
+    "fault",
+    [{"revision": True}, {"crc": "yes"}, {"p2p": 5}, {"rtr": 6}, {"max_fpdu": 1.5}],
+    ids=repr,
+)
+def test_transport_options_of_the_wrong_type_are_refused(fault: dict) -> None:
+    """A truthy string is no CRC flag, an int no RTR set (``RTR(6)`` is): refused when
+    made, naming the field, rather than taken as what it happens to mean."""
+    with pytest.raises(ValueError, match=next(iter(fault)) if "revision" not in fault else "MPA"):
+        TransportOptions(**fault)
+
+
 # ---------------------------------------------------------------- the seams
 
 

@@ -15,6 +15,7 @@ import gc
 import ipaddress
 import itertools
 import logging
+import math
 import tracemalloc
 import weakref
 from collections.abc import AsyncIterator
@@ -414,3 +415,21 @@ async def test_soak_10000_strangers() -> None:
     print("RDS soak:", stats)
     assert stats["rds_sessions_alive"] == 0 and stats["rds_connections_alive"] == 0
     assert stats["rss_growth_per_connection"] < RSS_PER_CONNECTION
+
+
+@pytest.mark.parametrize(
+    "fault",
+    [
+        {"sndbuf": math.nan}, {"max_queued_messages": 1.5}, {"rcvbuf": True},
+        {"rcvbuf_limit": math.nan}, {"max_peers": "8"}, {"give_up_after": math.nan},
+        {"peer_idle_expiry": math.nan}, {"unreachable_for": math.nan},
+        {"reconnect_min": math.nan},
+    ],
+    ids=repr,
+)  # fmt: skip
+def test_settings_that_no_comparison_bounds_are_refused(fault: dict) -> None:
+    """NaN passes every ``x < 1`` check (each comparison with it is false) and would
+    leave a bound that nothing reaches (a NaN sndbuf: senders never wait); a float or
+    a bool is no count. Refused when the settings are made, naming the field."""
+    with pytest.raises(ValueError, match=r"RdsSettings"):
+        RdsSettings(**fault)

@@ -70,13 +70,17 @@ class RdsSettings:
     ``net.core.busy_read``."""
 
     def __post_init__(self) -> None:
-        for name in ("sndbuf", "max_queued_messages", "rcvbuf", "max_peers", "give_up_after"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"RdsSettings.{name} must be at least 1")
+        counts = ("sndbuf", "max_queued_messages", "rcvbuf", "rcvbuf_limit", "max_peers")
+        for name in (*counts, "give_up_after"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"RdsSettings.{name} must be an integer, at least 1: {value!r}")
         if self.rcvbuf_limit < self.rcvbuf:
             raise ValueError("RdsSettings.rcvbuf_limit must be at least rcvbuf")
-        if not 0 < self.reconnect_min <= self.reconnect_max:
+        if not 0 < self.reconnect_min <= self.reconnect_max:  # (NaN fails each comparison)
             raise ValueError("RdsSettings needs 0 < reconnect_min <= reconnect_max")
         check_busy_poll(self.busy_poll)
-        if self.unreachable_for < 0 or self.peer_idle_expiry <= 0:
-            raise ValueError("RdsSettings.unreachable_for and peer_idle_expiry must be positive")
+        if not (self.unreachable_for >= 0 and self.peer_idle_expiry > 0):
+            raise ValueError(
+                "RdsSettings.unreachable_for must be at least 0 and peer_idle_expiry above 0"
+            )

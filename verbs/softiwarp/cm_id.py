@@ -181,8 +181,8 @@ class CMId:
         if result is None:
             return None
         return TransportOptions(
-            crc=result.crc, revision=result.revision, p2p=result.rtr is not RTR.NONE,
-            rtr=result.rtr, max_fpdu=self.options.max_fpdu,
+            crc=bool(result.crc), revision=result.revision, p2p=result.rtr is not RTR.NONE,
+            rtr=RTR(result.rtr), max_fpdu=self.options.max_fpdu,
         )  # fmt: skip
 
     @property
