@@ -7,12 +7,11 @@ the prefixes, so a C ULP ports line by line.
 from __future__ import annotations
 
 import errno
-import operator
 from dataclasses import dataclass, fields
 from enum import Enum, IntEnum, IntFlag, auto
 from typing import TYPE_CHECKING, Any
 
-from rdmashim.verbs.errors import VerbsError
+from rdmashim.verbs.errors import VerbsError, integer
 
 if TYPE_CHECKING:
     from rdmashim.cm.abc import ChannelHost, CMId
@@ -104,7 +103,7 @@ class TransportOptions:
     max_fpdu: int = 65536
 
     def __post_init__(self) -> None:
-        if self.revision not in (1, 2) or isinstance(self.revision, bool):
+        if integer(self.revision) not in (1, 2):
             raise ValueError(f"MPA revision {self.revision!r} (1 or 2)")
         for name in ("crc", "p2p"):
             if not isinstance(getattr(self, name), bool):
@@ -113,8 +112,10 @@ class TransportOptions:
                 )
         if not isinstance(self.rtr, RTR):
             raise ValueError(f"TransportOptions.rtr is RTR flags: {self.rtr!r}")
-        if isinstance(self.max_fpdu, bool) or not isinstance(self.max_fpdu, int):
+        max_fpdu = integer(self.max_fpdu)
+        if max_fpdu is None:
             raise ValueError(f"TransportOptions.max_fpdu is bytes, an integer: {self.max_fpdu!r}")
+        object.__setattr__(self, "max_fpdu", max_fpdu)
 
     def non_default(self) -> frozenset[str]:
         """Names of the fields that differ from the defaults."""
@@ -187,15 +188,12 @@ def check_sockaddr(operation: str, addr: object) -> tuple[Any, ...]:
     host, port, *rest = fields
     if not isinstance(host, str):
         raise VerbsError(errno.EINVAL, operation, f"host {host!r} is not a string")
-    try:
-        if isinstance(port, bool):
-            raise TypeError
-        port = operator.index(port)
-    except TypeError:
-        raise VerbsError(errno.EINVAL, operation, f"port {port!r} is not an integer") from None
-    if not 0 <= port <= 0xFFFF:
-        raise VerbsError(errno.EINVAL, operation, f"port {port} outside 0..65535")
-    return (host, port, *rest)
+    number = integer(port)
+    if number is None:
+        raise VerbsError(errno.EINVAL, operation, f"port {port!r} is not an integer")
+    if not 0 <= number <= 0xFFFF:
+        raise VerbsError(errno.EINVAL, operation, f"port {number} outside 0..65535")
+    return (host, number, *rest)
 
 
 def check_connect_timeout(operation: str, seconds: float) -> None:
@@ -230,9 +228,11 @@ def check_conn_param(
     integer, is negative or exceeds what ``struct rdma_conn_param`` holds."""
     check_private_data(context, operation, param.private_data, limit)
     for name, most in _CONN_PARAM_LIMITS:
-        value = getattr(param, name)
-        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            raise VerbsError(errno.EINVAL, operation, f"{name} {value!r} is no count")
+        value = integer(getattr(param, name))
+        if value is None or value < 0:
+            raise VerbsError(
+                errno.EINVAL, operation, f"{name} {getattr(param, name)!r} is no count"
+            )
         if most is not None and value > most:
             raise VerbsError(errno.EINVAL, operation, f"{name} {value} outside 0..{most}")
 

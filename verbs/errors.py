@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno as _errno
+import operator
 import os
 
 from rdmashim.verbs.enums import Access, WCStatus
@@ -34,6 +35,24 @@ def check_cq_target(operation: str, channel: object, handler: object) -> None:
     """A CQ reports to a completion channel or calls a handler, not both (EINVAL)."""
     if channel is not None and handler is not None:
         raise VerbsError(_errno.EINVAL, operation, "a CQ takes a channel or a handler")
+
+
+def refused_wr(err: int, operation: str, index: int, detail: str) -> VerbsError:
+    """The error of a post that refuses its work request ``index`` (its ``bad_wr``)."""
+    exc = VerbsError(err, operation, f"work request {index}: {detail}")
+    exc.bad_wr = index
+    return exc
+
+
+def integer(value: object) -> int | None:
+    """``value`` as an int when it is an integer (any type with ``__index__``, as
+    numpy's, but not a bool), else None: what a count, port or size may be."""
+    if isinstance(value, bool):
+        return None
+    try:
+        return operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        return None
 
 
 def check_access(operation: str, access: int) -> Access:

@@ -25,7 +25,6 @@ import errno
 import functools
 import ipaddress
 import logging
-import operator
 import random
 from collections import deque
 from collections.abc import AsyncIterator
@@ -69,6 +68,7 @@ from rdmashim.ulps.rds.wire import (
 )
 from rdmashim.verbs.attrs import QPCap
 from rdmashim.verbs.busypoll import spin_until
+from rdmashim.verbs.errors import integer
 from rdmashim.verbs.tasks import service_nursery
 
 if TYPE_CHECKING:
@@ -86,13 +86,11 @@ def _parse_ip(text: str) -> IPAddress:
 
 
 def _port_number(port: object) -> int:
-    """``port`` as an int (an integer of any type, not a bool), or EINVAL."""
-    if isinstance(port, bool):
-        raise RdsError(errno.EINVAL, f"port {port!r} is not a number")
-    try:
-        return operator.index(port)  # type: ignore[arg-type]
-    except TypeError as exc:
-        raise RdsError(errno.EINVAL, f"port {port!r} is not an integer") from exc
+    """``port`` as an int (:func:`~rdmashim.verbs.errors.integer`), or EINVAL."""
+    number = integer(port)
+    if number is None:
+        raise RdsError(errno.EINVAL, f"port {port!r} is not an integer")
+    return number
 
 
 @functools.lru_cache(maxsize=1024)

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from rdmashim.verbs.busypoll import check_busy_poll
+from rdmashim.verbs.errors import integer
 
 Transport = Literal["rdma", "tcp"]
 """What carries an RDS node's connections: RC queue pairs (``rds_rdma``) or TCP (``rds_tcp``)."""
@@ -73,8 +74,10 @@ class RdsSettings:
         counts = ("sndbuf", "max_queued_messages", "rcvbuf", "rcvbuf_limit", "max_peers")
         for name in (*counts, "give_up_after"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            number = integer(value)
+            if number is None or number < 1:
                 raise ValueError(f"RdsSettings.{name} must be an integer, at least 1: {value!r}")
+            object.__setattr__(self, name, number)  # (a numpy integer, say, kept as an int)
         if self.rcvbuf_limit < self.rcvbuf:
             raise ValueError("RdsSettings.rcvbuf_limit must be at least rcvbuf")
         if not 0 < self.reconnect_min <= self.reconnect_max:  # (NaN fails each comparison)

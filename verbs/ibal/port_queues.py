@@ -33,7 +33,7 @@ from rdmashim.verbs.attrs import QPAttr, QPCap
 from rdmashim.verbs.backend import own
 from rdmashim.verbs.busypoll import BusyPoll, spin_until
 from rdmashim.verbs.enums import QPState, QPType, SendFlags, WCFlags, WCOpcode, WCStatus, WROpcode
-from rdmashim.verbs.errors import NotSupported, VerbsError, check_cq_target
+from rdmashim.verbs.errors import NotSupported, VerbsError, check_cq_target, refused_wr
 from rdmashim.verbs.ibal.cq import (
     IbCq,
     ib_cq_create_t,
@@ -436,15 +436,10 @@ def _link(items: list[_L]) -> list[_L]:
     return items
 
 
-def _refused(operation: str, i: int, problem: str) -> VerbsError:
-    """EINVAL for request ``i`` (``bad_wr``): a field outside its C type, say."""
-    return _bad(VerbsError(errno.EINVAL, operation, f"work request {i}: {problem}"), i)
-
-
 def _send_wr(i: int, w: SendWR) -> ib_send_wr_t:
     problem = request_problem(w)
     if problem:
-        raise _refused("post_send", i, problem)
+        raise refused_wr(errno.EINVAL, "post_send", i, problem)
     kind = _SEND_TYPE.get(WROpcode(w.opcode))
     if kind is None:
         raise _bad(NotSupported("post_send", f"{WROpcode(w.opcode).name} over IBAL"), i)
@@ -462,7 +457,7 @@ def _send_wr(i: int, w: SendWR) -> ib_send_wr_t:
 def _recv_wr(i: int, w: RecvWR) -> ib_recv_wr_t:
     problem = request_problem(w)
     if problem:
-        raise _refused("post_recv", i, problem)
+        raise refused_wr(errno.EINVAL, "post_recv", i, problem)
     return ib_recv_wr_t(wr_id=w.wr_id, ds_array=_ds(i, "post_recv", w.sg_list))
 
 

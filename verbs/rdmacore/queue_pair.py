@@ -24,7 +24,7 @@ import trio
 
 from rdmashim.verbs.attrs import AHAttr, QPAttr, QPCap
 from rdmashim.verbs.enums import QPState, QPType, SendFlags, Transport, WROpcode
-from rdmashim.verbs.errors import NotSupported, VerbsError
+from rdmashim.verbs.errors import NotSupported, VerbsError, refused_wr
 from rdmashim.verbs.rdmacore import lib
 from rdmashim.verbs.rdmacore.base import Resource
 from rdmashim.verbs.rdmacore.cdefs import ffi
@@ -104,17 +104,10 @@ def _encode_sges(c: Any, sges: Sequence[Any], keep: list[Any], inline: bool, i: 
     c.num_sge = len(sges)
 
 
-def _refuse(operation: str, i: int, problem: str) -> VerbsError:
-    """EINVAL for work request ``i`` (``bad_wr``): a field C cannot hold, say."""
-    exc = VerbsError(errno.EINVAL, operation, f"work request {i}: {problem}")
-    exc.bad_wr = i
-    return exc
-
-
 def _encode_recv_wr(c: Any, w: RecvWR, keep: list[Any], i: int) -> None:
     problem = request_problem(w)
     if problem:
-        raise _refuse("post_recv", i, problem)
+        raise refused_wr(errno.EINVAL, "post_recv", i, problem)
     c.wr_id = w.wr_id
     _encode_sges(c, w.sg_list, keep, False, i)
 
@@ -122,11 +115,13 @@ def _encode_recv_wr(c: Any, w: RecvWR, keep: list[Any], i: int) -> None:
 def _encode_send_wr(c: Any, w: SendWR, keep: list[Any], i: int) -> None:
     problem = request_problem(w)
     if problem:
-        raise _refuse("post_send", i, problem)
+        raise refused_wr(errno.EINVAL, "post_send", i, problem)
     try:
         _fill_send_wr(c, w, keep, i)
     except OverflowError as exc:  # rkey, remote_addr, imm_data, ... wider than C's
-        raise _refuse("post_send", i, f"a field outside its C type ({exc})") from None
+        raise refused_wr(
+            errno.EINVAL, "post_send", i, f"a field outside its C type ({exc})"
+        ) from None
 
 
 def _fill_send_wr(c: Any, w: SendWR, keep: list[Any], i: int) -> None:
@@ -259,11 +254,9 @@ def _post_batch(
     chains.post(post, handle, bad, operation, entries if cut is None else entries[:cut])
     if cut is not None:
         if cut == stop:
-            detail = chains.errors[entries[cut]]
-            exc = VerbsError(errno.EINVAL, operation, f"work request {cut}: {detail}")
-        else:
-            assert refusal is not None
-            exc = refusal(cut)
+            raise refused_wr(errno.EINVAL, operation, cut, chains.errors[entries[cut]])
+        assert refusal is not None
+        exc = refusal(cut)
         exc.bad_wr = cut
         raise exc
 

@@ -44,7 +44,13 @@ from rdmashim.verbs.enums import (
     WCStatus,
     WROpcode,
 )
-from rdmashim.verbs.errors import NotSupported, VerbsError, check_access, check_cq_target
+from rdmashim.verbs.errors import (
+    NotSupported,
+    VerbsError,
+    check_access,
+    check_cq_target,
+    refused_wr,
+)
 from rdmashim.verbs.events import AsyncEvent, AsyncEventType
 from rdmashim.verbs.softiwarp import fastpath
 from rdmashim.verbs.softiwarp.engine import (
@@ -744,15 +750,11 @@ class CQ(_Resource):
         self._check_open("poll_cq")
         if self._overrun:
             raise VerbsError(errno.EOVERFLOW, "poll_cq", f"more than {self.cqe} completions queued")
-        total = self._count
-        if not total:  # (a handler's last poll, after it re-armed)
+        total = self._count if num_entries is None else min(num_entries, self._count)
+        if total <= 0:  # (an empty CQ: a handler's last poll after re-arming; or none asked)
             return 0
-        size = len(wcs.wr_id)
-        limit = size if num_entries is None else min(num_entries, size)
+        total = min(total, len(wcs.wr_id))
         entries = self._entries
-        total = min(limit, total)
-        if total <= 0:  # (none asked for, or fewer than none)
-            return 0
         self._count -= total
         pos = 0
         rows: list[WC] = []
@@ -966,7 +968,7 @@ def _recv_jobs(operation: str, wrs: Iterable[RecvWR]) -> tuple[list[RecvJob], Ve
     for i, w in enumerate(wrs):
         job = _recv_job(w)
         if job is None:
-            return jobs, _bad_wr(errno.EINVAL, operation, i, recv_problem(w) or "")
+            return jobs, refused_wr(errno.EINVAL, operation, i, recv_problem(w) or "")
         jobs.append(job)
     return jobs, None
 
@@ -1012,12 +1014,12 @@ def _queue_recvs(
         return
     for i, job in enumerate(jobs):
         if len(job.sges) > max_sge:
-            raise _bad_wr(errno.EINVAL, operation, i, f"{len(job.sges)} SGEs > {max_sge}")
+            raise refused_wr(errno.EINVAL, operation, i, f"{len(job.sges)} SGEs > {max_sge}")
         if flush is not None:
             flush([job])
             continue
         if len(queue) >= max_wr:
-            raise _bad_wr(errno.ENOMEM, operation, i, f"{name} full ({max_wr})")
+            raise refused_wr(errno.ENOMEM, operation, i, f"{name} full ({max_wr})")
         queue.append(job)
 
 
@@ -1034,16 +1036,10 @@ def _batch_jobs(
         for k, i in enumerate(entries):
             if i in refused:
                 taken = list(map(jobs.__getitem__, entries[:k]))
-                return taken, jobs.max_nsge, _bad_wr(errno.EINVAL, operation, k, refused[i])
+                return taken, jobs.max_nsge, refused_wr(errno.EINVAL, operation, k, refused[i])
     if isinstance(entries, range):
         return jobs[: entries.stop], jobs.max_nsge, None
     return list(map(jobs.__getitem__, entries)), jobs.max_nsge, None
-
-
-def _bad_wr(err: int, operation: str, index: int, detail: str) -> VerbsError:
-    exc = VerbsError(err, operation, f"work request {index}: {detail}")
-    exc.bad_wr = index
-    return exc
 
 
 _U32 = 0xFFFFFFFF
@@ -1113,7 +1109,9 @@ def _inline_bytes(i: int, part: _InlineSGE | InlineData, memory: MemoryTable) ->
     if isinstance(part, _InlineSGE):
         data = part.read(memory)
         if data is None:
-            raise _bad_wr(errno.EINVAL, "post_send", i, f"inline SGE {part.sge} outside a region")
+            raise refused_wr(
+                errno.EINVAL, "post_send", i, f"inline SGE {part.sge} outside a region"
+            )
         return data
     return bytes(part)
 
@@ -1567,7 +1565,9 @@ class QP(_Resource):
         state = self._state
         if state is not _RTS and state is not _ERR:
             if wrs:
-                raise _bad_wr(errno.ENOTCONN, "post_send", 0, f"QP {self.qp_num} is {state.name}")
+                raise refused_wr(
+                    errno.ENOTCONN, "post_send", 0, f"QP {self.qp_num} is {state.name}"
+                )
             return
         cap = self.cap
         # Posting to the engine in RTS only queues: the depth grows by one per job.
@@ -1585,7 +1585,9 @@ class QP(_Resource):
             several = len(templates) > 1
             for i, t in enumerate(templates):
                 if not 0 <= wrs[i].wr_id <= _U64:
-                    raise _bad_wr(errno.EINVAL, "post_send", i, wr_id_problem(wrs[i].wr_id) or "")
+                    raise refused_wr(
+                        errno.EINVAL, "post_send", i, wr_id_problem(wrs[i].wr_id) or ""
+                    )
                 ctrl = t.run_ctrl if several else 0
                 src = t.source
                 if (
@@ -1606,16 +1608,16 @@ class QP(_Resource):
                         raise NotSupported("post_send", f"work request {i}: {t.unsupported}")
                     limit = 1 if t.opcode is _RDMA_READ else max_sge
                     if t.nsge > limit:
-                        raise _bad_wr(errno.EINVAL, "post_send", i, f"{t.nsge} SGEs > {limit}")
+                        raise refused_wr(errno.EINVAL, "post_send", i, f"{t.nsge} SGEs > {limit}")
                     if i >= room:
-                        raise _bad_wr(
+                        raise refused_wr(
                             errno.ENOMEM, "post_send", i, f"send queue full ({cap.max_send_wr})"
                         )
                     inline = None
                     parts = t.inline
                     if parts is None:
                         if t.invalid:
-                            raise _bad_wr(errno.EINVAL, "post_send", i, t.invalid)
+                            raise refused_wr(errno.EINVAL, "post_send", i, t.invalid)
                         length = t.length
                         if src is not None:  # copied when posted: its region looked up now
                             inline = src.read(memory, pd)
@@ -1629,12 +1631,12 @@ class QP(_Resource):
                             inline = b"".join([_inline_bytes(i, p, memory) for p in parts])
                         length = len(inline)
                         if length > max_inline:
-                            raise _bad_wr(
+                            raise refused_wr(
                                 errno.EINVAL, "post_send", i,
                                 f"{length} inline bytes > {max_inline}",
                             )  # fmt: skip
                         if not (t.keys_fit and t.remote_addr <= _U64 + 1 - length):
-                            raise _bad_wr(errno.EINVAL, "post_send", i, _WIRE_LIMITS)
+                            raise refused_wr(errno.EINVAL, "post_send", i, _WIRE_LIMITS)
                     if not ctrl or inline is None or length > most:  # a job of its own
                         job = SendJob(
                             wrs[i].wr_id, t.opcode, t.flags, t.local, inline, length,
@@ -1701,7 +1703,7 @@ class QP(_Resource):
         if wr.__class__ is RecvWR:  # one request: no list to make
             job = _recv_job(wr)
             if job is None:
-                raise _bad_wr(errno.EINVAL, "post_recv", 0, recv_problem(wr) or "")
+                raise refused_wr(errno.EINVAL, "post_recv", 0, recv_problem(wr) or "")
             self._post_recvs((job,), len(job.sges))
             return
         jobs, refused = _recv_jobs("post_recv", _as_list(wr))
