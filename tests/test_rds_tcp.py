@@ -3,6 +3,7 @@ here (real TCP sockets on loopback addresses) that speaks Linux ``rds_tcp``'s ru
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import gc
 import ipaddress
@@ -10,13 +11,14 @@ import random
 import socket
 import struct
 import tracemalloc
+from collections.abc import AsyncIterator
 
 import pytest
 import trio
 import trio.lowlevel
 
 from rdmashim.ulps.rds.connection import RdsConnection
-from rdmashim.ulps.rds.node import RdsError, RdsNode
+from rdmashim.ulps.rds.node import RdsError, RdsNode, RdsSocket
 from rdmashim.ulps.rds.rdma import RdmaOp
 from rdmashim.ulps.rds.settings import RdsSettings
 from rdmashim.ulps.rds.tcp import StreamDecoder, TcpSession
@@ -251,14 +253,21 @@ async def test_retransmitted_duplicates_are_dropped_after_a_reconnect() -> None:
         await peer.stream.aclose()
 
 
+@contextlib.asynccontextmanager
+async def listening(address: str, port: int) -> AsyncIterator[trio.socket.SocketType]:
+    """A plain TCP listener at (``address``, ``port``): a hand-driven RDS peer's."""
+    with trio.socket.socket() as listener:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        await listener.bind((address, port))
+        listener.listen()
+        yield listener
+
+
 async def test_the_lower_address_connects_and_the_higher_knocks() -> None:
     """Our node at the higher address with something to send connects and closes at
     once; the lower one connects back. At the lower address it does the same to a
     knock: closes it and connects."""
-    with trio.socket.socket() as raw_listener:
-        raw_listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        await raw_listener.bind((LOW, 0))
-        raw_listener.listen()
+    async with listening(LOW, 0) as raw_listener:
         port = raw_listener.getsockname()[1]
         async with RdsNode(HIGH, port, transport="tcp") as node:
             sock = node.bind(4000)
@@ -272,41 +281,108 @@ async def test_the_lower_address_connects_and_the_higher_knocks() -> None:
                 _, payload = await peer.receive(is_data)
                 assert payload == b"to the low one"
             await peer.stream.aclose()
-    async with RdsNode(LOW, 0, transport="tcp") as node:
-        with trio.socket.socket() as high_listener:
-            high_listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            await high_listener.bind((HIGH, node.port))
-            high_listener.listen()
-            with trio.fail_after(5):
-                knocker = await trio.open_tcp_stream(LOW, node.port, local_address=HIGH)
-                assert await RawPeer(knocker).closed()  # refused ...
-                conn, _ = await high_listener.accept()  # ... and the node connects instead
-                with conn:
-                    assert conn.getpeername()[0] == LOW
+    async with (
+        RdsNode(LOW, 0, transport="tcp") as node,
+        listening(HIGH, node.port) as high_listener,
+    ):
+        with trio.fail_after(5):
+            knocker = await trio.open_tcp_stream(LOW, node.port, local_address=HIGH)
+            assert await RawPeer(knocker).closed()  # refused ...
+            conn, _ = await high_listener.accept()  # ... and the node connects instead
+            with conn:
+                assert conn.getpeername()[0] == LOW
 
 
-async def test_a_knock_while_connected_means_the_peer_lost_its_end() -> None:
-    async with RdsNode(LOW, 0, transport="tcp") as node:
-        with trio.socket.socket() as high_listener:
-            high_listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            await high_listener.bind((HIGH, node.port))
-            high_listener.listen()
-            sock = node.bind(4000)
-            await sock.sendto(b"one", (HIGH, 4000))
-            with trio.fail_after(5):
-                first, _ = await high_listener.accept()
-                old = RawPeer(trio.SocketStream(first))
-                assert (await old.receive(is_data))[1] == b"one"
-                # The peer "rebooted": it knocks although our connection is up.
-                knocker = await trio.open_tcp_stream(LOW, node.port, local_address=HIGH)
-                assert await RawPeer(knocker).closed()
-                assert await old.closed()  # we let the old connection go ...
-                await old.stream.aclose()
-                second, _ = await high_listener.accept()  # ... and connect anew
-                new = RawPeer(trio.SocketStream(second))
-                header, _ = await new.receive(lambda h: h.sport == RDS_FLAG_PROBE_PORT)
-                assert header.extensions[1] == GenNumExt(node.generation)
-                await new.stream.aclose()
+TCP_REPAIR = 19
+"""``linux/tcp.h``: a socket in repair mode closes without sending FIN or RST."""
+
+
+async def connected_low_node(
+    node: RdsNode, high: trio.socket.SocketType
+) -> tuple[RawPeer, RdsSocket]:
+    """Have ``node`` (the lower address) connect to the hand-driven higher one listening
+    on ``high`` and carry a first message on it; the peer's end and our socket."""
+    sock = node.bind(4000)
+    await sock.sendto(b"one", (HIGH, 4000))
+    first, _ = await high.accept()
+    old = RawPeer(trio.SocketStream(first))
+    assert (await old.receive(is_data))[1] == b"one"
+    return old, sock
+
+
+def is_probe(header: RdsHeader) -> bool:
+    return header.sport == RDS_FLAG_PROBE_PORT and header.dport == 0
+
+
+async def test_a_knock_while_connected_is_checked_with_a_probe_and_the_connection_kept() -> None:
+    """A knock on its way while our connection came up (the kernel's send path knocks
+    again while its path is down): the live connection answers the probe and stays."""
+    async with (
+        RdsNode(LOW, 0, transport="tcp") as node,
+        listening(HIGH, node.port) as high_listener,
+    ):
+        with trio.fail_after(5):
+            old, sock = await connected_low_node(node, high_listener)
+            knocker = await trio.open_tcp_stream(LOW, node.port, local_address=HIGH)
+            assert await RawPeer(knocker).closed()
+            header, _ = await old.receive(is_probe)  # the check, on our connection
+            assert header.extensions[1] == GenNumExt(node.generation)
+            await sock.sendto(b"two", (HIGH, 4000))
+            assert (await old.receive(is_data))[1] == b"two"  # still the same one
+        (conn,) = node.connections()
+        assert conn.counters.sessions == 1
+        assert conn.counters.retransmits == 0
+        await old.stream.aclose()
+
+
+async def test_a_knock_from_a_peer_that_lost_its_end_brings_a_new_connection() -> None:
+    """The peer lost its end without a word (its socket closed in TCP repair mode sends
+    no FIN or RST, as a reboot), then knocks: the probe on our connection meets a reset,
+    and we connect anew."""
+    async with (
+        RdsNode(LOW, 0, transport="tcp") as node,
+        listening(HIGH, node.port) as high_listener,
+    ):
+        with trio.fail_after(5):
+            old, _ = await connected_low_node(node, high_listener)
+            old.stream.socket.setsockopt(socket.IPPROTO_TCP, TCP_REPAIR, 1)
+            await old.stream.aclose()  # gone, silently
+            knocker = await trio.open_tcp_stream(LOW, node.port, local_address=HIGH)
+            assert await RawPeer(knocker).closed()
+            second, _ = await high_listener.accept()  # ... and connect anew
+            new = RawPeer(trio.SocketStream(second))
+            header, _ = await new.receive(is_probe)
+            assert header.extensions[1] == GenNumExt(node.generation)
+            await new.stream.aclose()
+        (conn,) = node.connections()
+        assert conn.counters.sessions == 2
+
+
+async def test_a_connection_the_peer_resets_unanswered_counts_as_refused() -> None:
+    """Linux resets a connection from the lower address that arrives while its own
+    knock is under way (``rds_tcp_accept_one``), its TCP having acknowledged what we
+    wrote: the message goes again on the next connection, flagged, and the session
+    counts as refused."""
+    async with (
+        RdsNode(LOW, 0, transport="tcp") as node,
+        listening(HIGH, node.port) as high_listener,
+    ):
+        sock = node.bind(4000)
+        await sock.sendto(b"once", (HIGH, 4000))
+        with trio.fail_after(5):
+            first, _ = await high_listener.accept()
+            assert await first.recv(1)  # the session is up, writing
+            first.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            first.close()  # a reset, before a word
+            second, _ = await high_listener.accept()
+            new = RawPeer(trio.SocketStream(second))
+            header, payload = await new.receive(lambda h: h.dport == 4000)
+            assert (payload, header.flags) == (b"once", RdsFlag.RETRANSMITTED)
+            await new.send(frame(RdsHeader(1, 0, 0, 4000, 4000)))
+            assert (await sock.recvfrom())[0] == b""
+        (conn,) = node.connections()
+        assert (conn.counters.sessions, conn.counters.sessions_refused) == (2, 1)
+        await new.stream.aclose()
 
 
 async def test_simultaneous_sends_from_both_sides_build_one_connection() -> None:

@@ -129,7 +129,8 @@ async def exchange(node: RdsNode, sock: RdsSocket, job: siwvm.Job) -> dict[str, 
     (conn,) = node.connections()
     return {
         "got": got, "ours": ours, "echoes": echoes, "pong": pong,
-        "sessions": conn.counters.sessions, "peer_generation": conn.peer_generation,
+        "sessions": conn.counters.sessions, "refused": conn.counters.sessions_refused,
+        "peer_generation": conn.peer_generation,
         "counters": {
             k: getattr(conn.counters, k)
             for k in ("recv_messages", "send_messages", "retransmits", "recv_drop_old_seq",
@@ -139,7 +140,8 @@ async def exchange(node: RdsNode, sock: RdsSocket, job: siwvm.Job) -> dict[str, 
 
 
 def check_round(facts: dict[str, Any], job_result: siwvm.JobResult) -> None:
-    shown = {k: v for k, v in facts.items() if k in ("sessions", "peer_generation", "counters")}
+    keys = ("sessions", "refused", "peer_generation", "counters")
+    shown = {k: v for k, v in facts.items() if k in keys}
     print("\nround with the kernel:", shown)
     assert job_result.returncode == 0, job_result.output
     assert facts["got"] == [(body(b"k", i), (GUEST_IP, GUEST_PORT)) for i in range(N)]
@@ -159,7 +161,8 @@ async def test_messages_both_ways_and_pings(guest: siwvm.Guest) -> None:
 
     facts = await judged(guest, siwvm.in_netns(within, LIMIT, host))
     check_round(facts, facts["result"])
-    assert facts["sessions"] == 1
+    # One session carried it all; the kernel may reset one that met its own knock.
+    assert facts["sessions"] - facts["refused"] == 1
 
 
 async def test_reconnects_after_rmmod_and_after_our_restart(guest: siwvm.Guest) -> None:

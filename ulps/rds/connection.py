@@ -163,6 +163,10 @@ class Counters:
     acks_sent: int = 0
     credit_waits: int = 0
     sessions: int = 0
+    sessions_refused: int = 0
+    """RDS/TCP sessions that ended before the peer sent a byte: its RDS refused the
+    connection. Linux resets one that arrives while its own connect to us is under
+    way (``tcp_listen.c`` ``rds_tcp_accept_one``: the path is not DOWN)."""
     cong_updates_sent: int = 0
     """Congestion maps sent (one at the start of every session, and on each change)."""
     rdma_writes: int = 0

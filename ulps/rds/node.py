@@ -515,6 +515,10 @@ class RdsNode:
         if entry.rds.session is None:
             self._start_connector(entry)
 
+    def _probe(self, rds: RdsConnection) -> None:
+        """Queue the RDS/TCP handshake probe (``send.c`` ``rds_send_probe``)."""
+        rds.queue(RDS_FLAG_PROBE_PORT, 0, b"", extensions=self._probe_extensions(), own=True)
+
     def _probe_extensions(self) -> tuple[NpathsExt, GenNumExt]:
         """What the RDS/TCP handshake probe and its answer carry (``rds_send_probe``)."""
         return (NpathsExt(RDS_TCP_NPATHS), GenNumExt(self.generation))
@@ -747,12 +751,14 @@ class RdsNode:
                         await trio.sleep(settings.reconnect_min)
                         if rds.connected:  # the peer's connection came meanwhile
                             break
+                    refused = rds.counters.sessions_refused
                     try:
                         if self.transport == "tcp":
                             await self._tcp_active(entry)
                         else:
                             await self._active_session(entry)
-                        window = settings.reconnect_min
+                        if rds.counters.sessions_refused == refused:  # else: backing off on
+                            window = settings.reconnect_min
                     except (CMError, OSError) as exc:
                         if isinstance(exc, ConnectionRejected) and exc.errno == errno.ECONNRESET:
                             # Its RDS answered (rdma_reject): reachable, only busy, as Linux
@@ -892,11 +898,13 @@ class RdsNode:
                 entry.poked = True
                 session = rds.session
                 if isinstance(session, TcpSession) and not session.lost:
-                    # It has no connection with us: ours is a dead one (it rebooted, say).
-                    log.info(
-                        "RDS/TCP %s: %s knocked while connected; reconnecting", self.address, peer
-                    )
-                    session.cut()
+                    # Either a knock that was on its way while ours connected, or the
+                    # peer lost its end (it rebooted, say). A probe on our connection
+                    # tells them apart: a peer without the connection resets it, and
+                    # the session's end connects anew (poked); a live one answers.
+                    log.info("RDS/TCP %s: %s knocked while connected; probing", self.address, peer)
+                    if rds.has_room:
+                        self._probe(rds)
                 else:
                     self._start_connector(entry)
                 return
@@ -922,8 +930,8 @@ class RdsNode:
         # Every new session starts with our map: a port that filled up or drained
         # while no session was up would otherwise stay wrong at the peer for good.
         self._send_map(rds)
-        if self.transport == "tcp":  # the handshake probe (send.c rds_send_probe)
-            rds.queue(RDS_FLAG_PROBE_PORT, 0, b"", extensions=self._probe_extensions(), own=True)
+        if self.transport == "tcp":
+            self._probe(rds)
         rds.session = session
         rds.last_active = trio.current_time()
         log.debug("RDS session %s -> %s up (peer acked %d)", rds.local, rds.peer, peer_ack)

@@ -167,6 +167,8 @@ class TcpSession:
         self.decoder = StreamDecoder()
         self.written = 0
         """Bytes written on this connection so far."""
+        self.heard = False
+        """Whether the peer has sent anything on this connection."""
         self.inflight: deque[tuple[int, int]] = deque()
         """(stream offset just past the message, its sequence number), oldest first."""
         self._wake = trio.Event()
@@ -201,6 +203,8 @@ class TcpSession:
                 self.check_acks()
             if not isinstance(self._failure, RdsProtocolError):
                 self._drain()
+            if not self.heard:
+                self.rds.counters.sessions_refused += 1
         raise SessionLost(str(self._failure or "the session ended"))
 
     def _drain(self) -> None:
@@ -268,6 +272,7 @@ class TcpSession:
             self._take(data)
 
     def _take(self, data: bytes) -> None:
+        self.heard = True
         received = self.rds.received
         for header, payload in self.decoder.feed(data):
             received(header, payload)
@@ -294,7 +299,13 @@ class TcpSession:
         return (*local, *peer, *self.decoder.remaining, self.written, last, acked)
 
     def check_acks(self) -> None:
-        """Tell the connection which messages TCP has delivered in full."""
+        """Tell the connection which messages TCP has delivered in full, once the peer
+        has spoken on this connection: till then TCP's ack says only that its kernel
+        took the bytes, and a peer whose RDS refuses the connection resets it with
+        them unread (``tcp_listen.c`` ``rds_tcp_accept_one``). They go again, flagged,
+        on the next connection; a peer that had them drops them by number."""
+        if not self.heard:
+            return
         acked_to = self.written - unacknowledged_bytes(self.stream.socket)
         last = None
         while self.inflight and self.inflight[0][0] <= acked_to:
