@@ -34,6 +34,8 @@ import traceback
 from collections.abc import Callable
 from typing import NoReturn
 
+from rdmashim.verbs.tasks import leaves
+
 EXIT_ERROR = 1
 EXIT_USAGE = 2
 EXIT_SIGINT = 128 + signal.SIGINT
@@ -169,13 +171,6 @@ def rate(amount: float, seconds: float) -> float | None:
 
 
 # ------------------------------------------------------------------ the ending
-def leaves(exc: BaseException) -> list[BaseException]:
-    """The exceptions inside (nested) exception groups, in order; ``exc`` itself otherwise."""
-    if isinstance(exc, BaseExceptionGroup):
-        return [leaf for sub in exc.exceptions for leaf in leaves(sub)]
-    return [exc]
-
-
 def describe(exc: BaseException) -> str:
     """The one line that reports ``exc``: its message; a defect's type as well."""
     text = " ".join(str(exc).split())
@@ -257,7 +252,6 @@ __all__ = [
     "duration",
     "host",
     "integer",
-    "leaves",
     "parse_duration",
     "port",
     "rate",

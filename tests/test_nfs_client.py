@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import io
 import os
+import re
 from contextlib import AbstractAsyncContextManager
 from pathlib import Path
 
@@ -108,6 +109,57 @@ async def test_a_missing_path_is_noent(tmp_path: Path, proto: Proto) -> None:
                 assert str(caught.value) == "NFS3ERR_NOENT: no such file or directory: /no"
             with pytest.raises(NfsError, match=r"^NFS3ERR_NOENT: no such file or directory: /nil$"):
                 await nfs.read_file("/nil", io.BytesIO())
+
+
+async def test_bad_arguments_are_refused_by_name_before_the_server_sees_them(
+    tmp_path: Path,
+) -> None:
+    """Each raised a raw error before (struct.error, AttributeError, an ExceptionGroup),
+    or, for a negative size, truncated the file and returned 0."""
+    with trio.fail_after(60):
+        async with nfs_server(tmp_path) as (serving, export), client(serving, "tcp") as nfs:
+            (export / "keep").write_bytes(b"kept")
+            data = io.BytesIO(b"abc")
+            refused = [
+                (nfs.listdir, (5,), TypeError, "an NFS path is a str, not int"),
+                (nfs.getattr, (b"/keep",), TypeError, "an NFS path is a str, not bytes"),
+                (nfs.remove, ("/ke\0ep",), ValueError, "NFS path '/ke\\x00ep' holds a NUL"),
+                (nfs.rename, ("/keep", None), TypeError, "not NoneType"),
+                (nfs.mkdir, ("/d", -1), ValueError, "mode -0o1 outside 0o0..0o7777"),
+                (nfs.mkdir, ("/d", 0o40755), ValueError, "mode 0o40755 outside"),
+                (nfs.mkdir, ("/d", "755"), TypeError, "mode must be an integer, not str"),
+                (nfs.write_file, ("/keep", data, -1), ValueError, "size -1 outside 0.."),
+                (nfs.write_file, ("/keep", data, 1.5), TypeError, "size must be an integer"),
+                (nfs.write_file, ("/keep", data, True), TypeError, "not bool"),
+                (nfs.write_file, ("/keep", 5, 3), TypeError, "the source must have a read"),
+                (nfs.write_file, ("/keep", data, 3, 5), TypeError, "progress must be callable"),
+                (nfs.read_file, ("/keep", "sink"), TypeError, "the sink must have a write"),
+            ]
+            for call, args, kind, text in refused:
+                with pytest.raises(kind, match=re.escape(text)):
+                    await call(*args)
+            assert (export / "keep").read_bytes() == b"kept"
+            assert not (export / "d").exists()
+            # A source that misbehaves mid-transfer: the error itself, not a group.
+            with pytest.raises(TypeError, match=r"source\.read gave str, not bytes"):
+                await nfs.write_file("/s", io.StringIO("abc"), 3)  # type: ignore[arg-type]
+            with pytest.raises(EOFError, match="the source ended at 3 of 10 bytes"):
+                await nfs.write_file("/s", io.BytesIO(b"abc"), 10)
+            with pytest.raises(NfsError, match="NFS3ERR_ISDIR"):  # a piece's error, unwrapped
+                await nfs.read_file("/", io.BytesIO())
+            assert sorted(n for n, _ in await nfs.listdir("/")) == ["keep", "s"]
+        bad_connects = [
+            ({"export": 5}, TypeError, "the export is a str, not int"),
+            ({"proto": "udp"}, ValueError, "proto 'udp' is neither 'rdma' nor 'tcp'"),
+            ({"port": 70000}, ValueError, "port 70000 outside 1..65535"),
+            ({"mount_port": 0}, ValueError, "mount_port 0 outside 1..65535"),
+            ({"rpcbind_port": "111"}, TypeError, "rpcbind_port must be an integer, not str"),
+        ]
+        for change, kind, text in bad_connects:
+            kwargs: dict[str, object] = {"export": str(export), "proto": "tcp", **change}
+            with pytest.raises(kind, match=re.escape(text)):
+                async with NfsClient.connect("127.0.0.1", **kwargs):  # type: ignore[arg-type]
+                    pass
 
 
 async def test_the_longest_export_that_prefixes_a_path_holds_it(tmp_path: Path) -> None:

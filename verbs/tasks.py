@@ -5,6 +5,8 @@ objects that own background tasks (an opened device, a CM event channel) use
 :func:`service_nursery` instead, so ``except ConnectionRejected:`` around
 their ``async with`` block works as a user expects. Leaving the block cancels
 the background tasks; an error in one of them still comes out as a group.
+Work split into tasks that the caller waits for (a file moved in pieces) uses
+:func:`unwrapping_nursery`: its first error comes out as itself.
 """
 
 from __future__ import annotations
@@ -32,3 +34,26 @@ async def service_nursery() -> AsyncIterator[trio.Nursery]:
         raise
     nursery.cancel_scope.cancel()
     await manager.__aexit__(None, None, None)
+
+
+def leaves(exc: BaseException) -> list[BaseException]:
+    """The exceptions inside (nested) exception groups, in order; ``exc`` itself otherwise."""
+    if isinstance(exc, BaseExceptionGroup):
+        return [leaf for sub in exc.exceptions for leaf in leaves(sub)]
+    return [exc]
+
+
+@asynccontextmanager
+async def unwrapping_nursery() -> AsyncIterator[trio.Nursery]:
+    """A nursery whose failure comes out as its first error itself, not in an
+    ExceptionGroup, so ``except NfsError:`` around a call that runs its pieces in
+    tasks works as a user expects. Several errors: the first, the group chained as its
+    cause. A cancellation alone passes as it came."""
+    try:
+        async with trio.open_nursery() as nursery:
+            yield nursery
+    except BaseExceptionGroup as group:
+        real = [leaf for leaf in leaves(group) if not isinstance(leaf, trio.Cancelled)]
+        if not real:
+            raise
+        raise real[0] from (group if len(real) > 1 else None)

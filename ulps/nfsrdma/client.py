@@ -18,7 +18,10 @@ sized pieces with :data:`IN_FLIGHT` calls outstanding; over RDMA the READ
 data lands in a Write chunk and the WRITE data goes as a Read chunk (RFC
 8267). Writes are UNSTABLE, then COMMIT; a piece whose write verifier is
 not the COMMIT's is written again, stable. Every status other than NFS3_OK
-is an :class:`NfsError` naming it.
+is an :class:`NfsError` naming it, raised as itself from a transfer's pieces
+too. A bad argument (a path that is not a str, a mode outside ``0o7777``, a
+negative size, a source without ``read``) raises TypeError or ValueError
+naming it before anything goes to the server.
 """
 
 from __future__ import annotations
@@ -49,6 +52,8 @@ from rdmashim.ulps.nfsrdma.rpcbind import (
 from rdmashim.ulps.nfsrdma.service import AuthSys, Reply
 from rdmashim.ulps.nfsrdma.tcp import connect_tcp
 from rdmashim.ulps.nfsrdma.xdr import Unpacker
+from rdmashim.verbs.errors import integer
+from rdmashim.verbs.tasks import unwrapping_nursery
 
 log = logging.getLogger(__name__)
 
@@ -155,7 +160,36 @@ def default_cred() -> AuthSys:
 
 
 def _components(path: str) -> list[str]:
+    if not isinstance(path, str):
+        raise TypeError(f"an NFS path is a str, not {type(path).__name__}")
+    if "\0" in path:
+        raise ValueError(f"NFS path {path!r} holds a NUL")
     return [c for c in path.split("/") if c and c != "."]
+
+
+def _checked(value: object, what: str, low: int, high: int, show: str = "d") -> int:
+    """``value`` as an int in ``low..high`` (shown in format ``show``); TypeError or
+    ValueError naming ``what``."""
+    number = integer(value)
+    if number is None:
+        raise TypeError(f"{what} must be an integer, not {type(value).__name__}")
+    if not low <= number <= high:
+        raise ValueError(f"{what} {number:#{show}} outside {low:#{show}}..{high:#{show}}")
+    return number
+
+
+def _callable_attr(obj: object, name: str, what: str) -> None:
+    if not callable(getattr(obj, name, None)):
+        raise TypeError(f"{what} must have a {name}() method ({type(obj).__name__} has none)")
+
+
+def _check_progress(progress: object) -> None:
+    if progress is not None and not callable(progress):
+        raise TypeError(f"progress must be callable, not {type(progress).__name__}")
+
+
+MAX_MODE = 0o7777
+"""The permission bits a mode may hold (with setuid, setgid and sticky)."""
 
 
 def _args(*fill: Callable[[Reply], None]) -> Reply:
@@ -297,6 +331,14 @@ class NfsClient:
         backend: str | None = None,
     ) -> AsyncIterator[NfsClient]:
         """Mount ``export`` at ``host`` and yield a client over ``proto`` (closed on leaving)."""
+        if not isinstance(export, str):
+            raise TypeError(f"the export is a str, not {type(export).__name__}")
+        if proto not in ("rdma", "tcp"):
+            raise ValueError(f"proto {proto!r} is neither 'rdma' nor 'tcp'")
+        for what, value in (("port", port), ("rpcbind_port", rpcbind_port),
+                            ("mount_port", mount_port)):  # fmt: skip
+            if value is not None:
+                _checked(value, what, 1, 65535)
         cred = cred or default_cred()
         mport = await _mount_port(host, rpcbind_port, mount_port)
         async with connect_tcp(host, mport, cred=cred) as mount:
@@ -407,6 +449,7 @@ class NfsClient:
 
     async def mkdir(self, path: str, mode: int = 0o755) -> bytes:
         """Make directory ``path``; its handle."""
+        mode = _checked(mode, "mode", 0, MAX_MODE, "o")
         parent, name = await self._parent(path)
         u = await self._ok(
             t.MKDIR, path,
@@ -440,6 +483,8 @@ class NfsClient:
     # ------------------------------------------------------------- files
     async def read_file(self, path: str, sink: Sink, progress: Progress | None = None) -> int:
         """Copy file ``path`` into ``sink`` in order; the bytes copied."""
+        _callable_attr(sink, "write", "the sink")
+        _check_progress(progress)
         fh = await self.lookup(path)
         total = (await self._getattr(fh, path)).size
         done = next_piece = 0
@@ -460,7 +505,7 @@ class NfsClient:
                 if progress:
                     progress(done, total)
 
-        async with trio.open_nursery() as nursery:
+        async with unwrapping_nursery() as nursery:
             for offset in range(0, total, self.rtmax):
                 await window.acquire()
                 nursery.start_soon(fetch, offset, min(self.rtmax, total - offset))
@@ -496,6 +541,10 @@ class NfsClient:
         mode: int = 0o644,
     ) -> int:
         """Create (or truncate) file ``path`` and write ``size`` bytes of ``source``; the bytes."""
+        size = _checked(size, "size", 0, 2**64 - 1)
+        mode = _checked(mode, "mode", 0, MAX_MODE, "o")
+        _callable_attr(source, "read", "the source")
+        _check_progress(progress)
         parent, name = await self._parent(path)
         u = await self._ok(
             t.CREATE, path,
@@ -523,10 +572,15 @@ class NfsClient:
 
         offset = 0
         while offset < size:
-            async with trio.open_nursery() as nursery:
+            async with unwrapping_nursery() as nursery:
                 batch_end = min(size, offset + COMMIT_EVERY)
                 while offset < batch_end:
-                    data = source.read(min(self.wtmax, batch_end - offset))
+                    asked = min(self.wtmax, batch_end - offset)
+                    data = source.read(asked)
+                    if not isinstance(data, (bytes, bytearray, memoryview)):
+                        raise TypeError(f"source.read gave {type(data).__name__}, not bytes")
+                    if len(data) > asked:
+                        raise ValueError(f"source.read({asked}) gave {len(data)} bytes")
                     if not data:
                         raise EOFError(f"the source ended at {offset} of {size} bytes")
                     await window.acquire()
