@@ -158,6 +158,12 @@ class TcpSession:
     hands whole messages to the connection, and one watches TCP's
     acknowledgements while something written is unacknowledged, and tells the
     connection which messages the peer has.
+
+    A message queued while the writer has nothing in hand is written at once, in
+    the sender's task (:meth:`pump_sends`: one ``write``, no task switch), unless
+    the last read delivered a burst: the answers to a burst wait for the writer,
+    which sends them together. What the socket does not take at once is left to
+    the writer, which writes it before anything else.
     """
 
     def __init__(self, rds: RdsConnection, stream: trio.SocketStream) -> None:
@@ -173,12 +179,49 @@ class TcpSession:
         """(stream offset just past the message, its sequence number), oldest first."""
         self._wake = trio.Event()
         self._written = trio.Event()
+        self._writing = False
+        """The writer task is in a write: nothing else may write meanwhile."""
+        self._rest: memoryview | None = None
+        """What a write in :meth:`pump_sends` left unwritten, for the writer."""
+        self._burst = False
+        """The last read delivered more than one message."""
         self._failure: BaseException | None = None
         self._scope: trio.CancelScope | None = None
 
     def pump_sends(self) -> None:
-        """Something was queued: have the writer look (never blocks)."""
-        self._wake.set()
+        """Something was queued: write it now, or have the writer look (never blocks)."""
+        if self._writing or self._rest is not None or self._burst or self.lost:
+            self._wake.set()
+            return
+        batch = self._batch()
+        if not batch:
+            return
+        try:
+            n = os.write(self.stream.socket.fileno(), batch)
+        except OSError:  # full (EAGAIN), or broken: the writer's write says which
+            n = 0
+        self.written += n
+        if n < len(batch):
+            self._rest = memoryview(batch)[n:]
+            self._wake.set()
+        self._written.set()
+
+    def _batch(self) -> bytearray:
+        """Take what is queued (the newest congestion map first) as the bytes to write,
+        up to about :data:`SEND_BATCH`; the messages move to ``unacked``."""
+        rds = self.rds
+        batch = bytearray()
+        if rds.map_out is not None:
+            batch += map_header(len(rds.map_out))
+            batch += rds.map_out
+            rds.map_out = None
+        while rds.unsent and len(batch) < SEND_BATCH:
+            msg = rds.unsent.popleft()
+            rds.unacked.append(msg)
+            batch += message_header(msg)
+            batch += msg.data
+            self.inflight.append((self.written + len(batch), msg.seq))
+        return batch
 
     def cut(self) -> None:
         """Break the connection underneath (for tests and the demo): we stop writing,
@@ -242,24 +285,18 @@ class TcpSession:
         self._scope.cancel()
 
     async def _writer(self) -> None:
-        rds = self.rds
         while True:
-            batch = bytearray()
-            if rds.map_out is not None:
-                batch += map_header(len(rds.map_out))
-                batch += rds.map_out
-                rds.map_out = None
-            while rds.unsent and len(batch) < SEND_BATCH:
-                msg = rds.unsent.popleft()
-                rds.unacked.append(msg)
-                batch += message_header(msg)
-                batch += msg.data
-                self.inflight.append((self.written + len(batch), msg.seq))
+            rest, self._rest = self._rest, None
+            batch = rest if rest is not None else self._batch()
             if not batch:
                 self._wake = trio.Event()
                 await self._wake.wait()
                 continue
-            await self.stream.send_all(batch)
+            self._writing = True
+            try:
+                await self.stream.send_all(batch)
+            finally:
+                self._writing = False
             self.written += len(batch)
             self._written.set()
 
@@ -274,7 +311,9 @@ class TcpSession:
     def _take(self, data: bytes) -> None:
         self.heard = True
         received = self.rds.received
-        for header, payload in self.decoder.feed(data):
+        messages = self.decoder.feed(data)
+        self._burst = len(messages) > 1
+        for header, payload in messages:
             received(header, payload)
 
     async def _acks(self) -> None:
