@@ -239,6 +239,45 @@ async def test_the_answers_to_a_burst_go_together_and_big_ones_in_order() -> Non
         await peer.stream.aclose()
 
 
+async def test_a_waiting_receiver_reads_the_socket_itself_and_lends_it_back() -> None:
+    """A task in recvfrom reads the session's socket in place of the reader task (the
+    message wakes it directly); once it stops waiting, the reader takes the socket
+    back before trio waits for I/O, and messages for other sockets still arrive. A
+    message that comes another way (here from the node itself) ends the wait."""
+    async with RdsNode(HIGH, 0, transport="tcp") as node:
+        with trio.fail_after(5):
+            peer, sock = await started_session(node)
+            (conn,) = node.connections()
+            session = conn.session
+            assert isinstance(session, TcpSession)
+            got: list[bytes] = []
+            lent: list[bool] = []
+
+            async def receive_one() -> None:
+                got.append((await sock.recvfrom())[0])
+                lent.append(session._lent_by is not None)  # the reader stays parked
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(receive_one)
+                await trio.testing.wait_all_tasks_blocked()
+                assert session._driving  # the receiver waits on the socket itself
+                await peer.send(data_msg(2, b"direct"))
+            assert (got, lent) == ([b"direct"], [True])
+            assert session._lent_by is None  # given back when trio waited for I/O
+            other = node.bind(4001)
+            await peer.send(data_msg(3, b"for 4001", dport=4001))
+            while not other.received:  # noqa: ASYNC110 - a wait on the socket would drive it
+                await trio.sleep(0.001)  # (nobody drives: the reader task has the socket)
+            assert other.recvfrom_nowait() == (b"for 4001", (LOW, 7))
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(receive_one)
+                await trio.testing.wait_all_tasks_blocked()
+                assert session._driving
+                await other.sendto(b"from 4001", (HIGH, 4000))  # not over the socket
+            assert got == [b"direct", b"from 4001"]
+        await peer.stream.aclose()
+
+
 async def test_ping_on_port_0_and_the_handshake_probe_are_answered() -> None:
     async with RdsNode(HIGH, 0, transport="tcp") as node:
         peer = await raw_connect(node)

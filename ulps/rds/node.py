@@ -163,7 +163,7 @@ class RdsSocket:
     received: deque[ReceivedMessage] = field(default_factory=deque)
     """Messages not yet taken by :meth:`recvfrom`, oldest first."""
     _arrived: trio.lowlevel.ParkingLot = field(default_factory=trio.lowlevel.ParkingLot)
-    _driving: CQ | None = None
+    _driving: CQ | TcpSession | None = None
     """The CQ a reader drives while it waits (see :meth:`recvfrom`)."""
     _registrations: Registrations = field(default_factory=Registrations)
 
@@ -247,11 +247,11 @@ class RdsSocket:
             node = self.node
             if not node._holding and node._bursts:  # every receiver has answered
                 node._answer_bursts()
-            cq = node._drivable()
-            if cq is not None:
-                self._driving = cq
+            drivable = node._drivable()
+            if drivable is not None:
+                self._driving = drivable
                 try:
-                    driven = await cq.drive_until(self._readable)
+                    driven = await drivable.drive_until(self._readable)
                 finally:
                     self._driving = None
                 if driven:
@@ -620,13 +620,16 @@ class RdsNode:
             )
         return entry
 
-    def _drivable(self) -> CQ | None:
-        """The CQ of the node's only session, which a waiting reader may drive (a node
-        with several peers has its messages come from several connections)."""
+    def _drivable(self) -> CQ | TcpSession | None:
+        """What a waiting reader may drive: the CQ of the node's only session, or the
+        session itself over TCP (a node with several peers has its messages come from
+        several connections)."""
         if len(self._peers) != 1:
             return None
         session = next(iter(self._peers.values())).rds.session
-        return session.cq if isinstance(session, Session) and not session.lost else None
+        if session is None or session.lost:
+            return None
+        return session.cq if isinstance(session, Session) else session
 
     def _connection(self, peer: IPAddress) -> _Peer:
         recent = self._recent

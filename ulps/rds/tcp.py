@@ -29,6 +29,7 @@ import os
 import socket
 import struct
 import termios
+import time
 from collections import deque
 from collections.abc import Awaitable, Callable
 
@@ -41,6 +42,7 @@ from rdmashim.ulps.rds.wire import (
     RdsHeader,
     RdsProtocolError,
 )
+from rdmashim.verbs import busypoll, lending
 
 log = logging.getLogger(__name__)
 
@@ -164,6 +166,12 @@ class TcpSession:
     the last read delivered a burst: the answers to a burst wait for the writer,
     which sends them together. What the socket does not take at once is left to
     the writer, which writes it before anything else.
+
+    A task waiting for a message may read in place of the reader
+    (:meth:`drive_until`): the socket then wakes that task itself, and the message
+    it waits for reaches it with no task switch. When its wait ends with that
+    message, the socket is lent (:mod:`rdmashim.verbs.lending`): the reader stays
+    parked unless the run loop comes to wait for I/O before the task waits again.
     """
 
     def __init__(self, rds: RdsConnection, stream: trio.SocketStream) -> None:
@@ -185,6 +193,18 @@ class TcpSession:
         """What a write in :meth:`pump_sends` left unwritten, for the writer."""
         self._burst = False
         """The last read delivered more than one message."""
+        self._driving = False
+        """A task in :meth:`drive_until` reads in place of the reader task."""
+        self._reader_scope: trio.CancelScope | None = None
+        self._wait_scope: trio.CancelScope | None = None
+        self._reader_back = trio.Event()
+        self._lent_by: lending.Lender | None = None
+        """Set while the socket is lent: the reader stays parked."""
+        self._lender: lending.Lender | None = None
+        self._empty = False
+        """The last read found the socket empty, or did not fill its buffer."""
+        self.bytes_read = 0
+        """Bytes read from the connection so far."""
         self._failure: BaseException | None = None
         self._scope: trio.CancelScope | None = None
 
@@ -242,6 +262,9 @@ class TcpSession:
                     nursery.start_soon(self._guard, task)
         finally:
             self.lost = True
+            if self._lent_by is not None:
+                self._lent_by.lent.discard(self)
+                self._lent_by = None
             with contextlib.suppress(OSError):  # what TCP delivered need not go again
                 self.check_acks()
             if not isinstance(self._failure, RdsProtocolError):
@@ -301,12 +324,101 @@ class TcpSession:
             self._written.set()
 
     async def _reader(self) -> None:
-        rds = self.rds
+        sock = self.stream.socket
         while True:
-            data = await self.stream.receive_some(SEND_BATCH)
-            if not data:
-                raise SessionLost(f"{rds.peer} closed the connection")
-            self._take(data)
+            if self._driving or self._lent_by is not None:
+                self._reader_back = trio.Event()
+                await self._reader_back.wait()
+                continue
+            if self._read():
+                with trio.CancelScope() as self._reader_scope:  # drive_until cancels it
+                    await trio.lowlevel.wait_readable(sock)
+                self._reader_scope = None
+            else:
+                await trio.lowlevel.checkpoint()
+
+    def _read(self) -> bool:
+        """Read once and take what came; whether the socket was empty. Raises
+        :class:`SessionLost` at the peer's end of stream, OSError on a socket error."""
+        try:
+            data = os.read(self.stream.socket.fileno(), SEND_BATCH)
+        except BlockingIOError:
+            self._empty = True
+            return True
+        if not data:
+            raise SessionLost(f"{self.rds.peer} closed the connection")
+        self.bytes_read += len(data)
+        self._take(data)
+        self._empty = empty = len(data) < SEND_BATCH
+        return empty
+
+    async def drive_until(self, ready: Callable[[], object]) -> bool:
+        """Read and take messages in place of the reader task until ``ready()`` is true,
+        the session ends or :meth:`interrupt_wait` is called; False at once when another
+        task reads already or the session is lost (wait some other way). With the
+        node's ``busy_poll`` it reads the empty socket again, between trio checkpoints,
+        for that long after the last bytes came before it waits
+        (:mod:`rdmashim.verbs.busypoll`)."""
+        if self._driving or self.lost or self._scope is None:  # (None: not running yet)
+            return False
+        self._driving = True
+        empty = False
+        if self._lent_by is not None:  # lent to the last wait: this one takes it on
+            self._lent_by.lent.discard(self)
+            self._lent_by = None
+            empty = self._empty  # (then wait before reading)
+        if self._reader_scope is not None:
+            self._reader_scope.cancel()  # the reader task leaves the socket now
+        sock = self.stream.socket
+        lend = False
+        spin = self.rds.settings.busy_poll
+        seen, spin_end = self.bytes_read, time.perf_counter() + spin
+        try:
+            while not ready() and not self.lost:
+                if empty and spin:
+                    now = time.perf_counter()
+                    if self.bytes_read != seen:
+                        seen, spin_end = self.bytes_read, now + spin
+                    if now < spin_end:  # busy polling: read again after the others ran
+                        await busypoll.pause()
+                        empty = self._read()
+                        continue
+                if empty:
+                    with trio.CancelScope() as self._wait_scope:
+                        await trio.lowlevel.wait_readable(sock)
+                    self._wait_scope = None
+                    if not ready():
+                        empty = self._read()
+                else:
+                    empty = self._read()
+            lend = not self.lost
+        except RdsProtocolError as exc:
+            log.warning("RDS/TCP protocol error from %s: %s", self.rds.peer, exc)
+            self._fail(exc)
+        except (OSError, SessionLost) as exc:
+            self._fail(exc)
+        finally:
+            self._driving = False
+            self._wait_scope = None
+            if lend:
+                if self._lender is None:
+                    self._lender = lending.lender()
+                self._lender.lent.add(self)
+                self._lent_by = self._lender
+            else:
+                self._reader_back.set()
+        return True
+
+    def hand_back(self) -> None:
+        """The socket goes back to the reader task (:class:`~rdmashim.verbs.lending.Lender`
+        calls this before the run loop waits for I/O)."""
+        self._lent_by = None
+        self._reader_back.set()
+
+    def interrupt_wait(self) -> None:
+        """Make a :meth:`drive_until` in progress look at its ``ready`` again now."""
+        if self._wait_scope is not None:
+            self._wait_scope.cancel()
 
     def _take(self, data: bytes) -> None:
         self.heard = True

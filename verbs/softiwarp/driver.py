@@ -34,7 +34,7 @@ from collections.abc import Callable
 
 import trio
 
-from rdmashim.verbs import busypoll
+from rdmashim.verbs import busypoll, lending
 from rdmashim.verbs.softiwarp.engine import Chunk, Engine, EngineState
 
 log = logging.getLogger(__name__)
@@ -79,11 +79,11 @@ class Link:
         after, while the socket is lent)."""
         self._drained = False
         """The last read found the socket empty (or did not fill its buffer)."""
-        self._lent_by: _Lender | None = None
+        self._lent_by: lending.Lender | None = None
         """Set while the socket is lent (:meth:`_lend`)."""
-        self._lender: _Lender | None = None
-        """This trio run's :class:`_Lender`, once the socket was first lent (a link lives in
-        one run)."""
+        self._lender: lending.Lender | None = None
+        """This trio run's :class:`~rdmashim.verbs.lending.Lender`, once the socket was
+        first lent (a link lives in one run)."""
         self.after_receive: Callable[[], None] = lambda: None
         """Called in the receive task after each batch of received bytes is processed."""
 
@@ -349,21 +349,21 @@ class Link:
                 if lend:
                     self._lend()
                 else:
-                    self._hand_back()
+                    self.hand_back()
 
     def _lend(self) -> None:
         """Leave the parked receive task parked after a wait that ended with what it
         waited for: the waiter usually waits again (a ping-pong) before the run loop
-        next waits for I/O, and takes the socket on; if it does not, :class:`_Lender`
-        gives the socket back to the receive task then. Saves a task switch per
-        message."""
+        next waits for I/O, and takes the socket on; if it does not, the run's
+        :class:`~rdmashim.verbs.lending.Lender` gives the socket back to the receive
+        task then. Saves a task switch per message."""
         lender = self._lender
         if lender is None:  # the run's, kept: a RunVar lookup costs 0.3 us a message
-            lender = self._lender = _lender()
+            lender = self._lender = lending.lender()
         lender.lent.add(self)
         self._lent_by = lender
 
-    def _hand_back(self) -> None:
+    def hand_back(self) -> None:
         """Reschedule the parked receive task: it reads the socket again."""
         self._lent_by = None
         task, self._rx_parked = self._rx_parked, None
@@ -405,45 +405,6 @@ class Link:
             os.close(self._wait_fd)
             self.sock.close()
             self.closed.set()
-
-
-class _Lender(trio.abc.Instrument):
-    """Gives lent sockets back to their receive tasks when the trio run loop is about
-    to wait for I/O (one per run, installed when a socket is first lent): a waiter
-    that did not wait again by then left the socket, and its receive task reads it
-    from the next loop pass on."""
-
-    def __init__(self) -> None:
-        self.lent: set[Link] = set()
-
-    def before_io_wait(self, timeout: float) -> None:
-        """Called by trio before each wait for I/O (``timeout`` 0 when tasks are ready)."""
-        if not self.lent:
-            return
-        links, self.lent = self.lent, set()
-        for link in links:
-            link._hand_back()
-        if timeout > 0:
-            # The loop was about to sleep with the receive tasks now ready: wake it.
-            trio.lowlevel.current_trio_token().run_sync_soon(_nothing)
-
-
-def _nothing() -> None:
-    """What :class:`_Lender` runs to end the loop's wait for I/O at once."""
-
-
-_LENDER: trio.lowlevel.RunVar[_Lender] = trio.lowlevel.RunVar("rdmashim_softiwarp_lender")
-
-
-def _lender() -> _Lender:
-    """This trio run's :class:`_Lender`, installed on first use."""
-    try:
-        return _LENDER.get()
-    except LookupError:
-        lender = _Lender()
-        trio.lowlevel.add_instrument(lender)
-        _LENDER.set(lender)
-        return lender
 
 
 def _advance(bufs: list[Chunk], n: int) -> list[Chunk]:

@@ -1,0 +1,64 @@
+"""A socket lent to a waiting task, given back to its reader before trio waits for I/O.
+
+A task that waits for a message may read a connection's socket in place of the
+connection's reader task, so the socket wakes it directly (no task switch per
+message). When its wait ends with what it waited for, it usually waits again
+before the run loop next waits for I/O (a ping-pong) and takes the socket on;
+the reader task, parked meanwhile, need not wake in between. The socket is
+*lent*: :class:`Lender`, one per trio run, gives every socket still lent back
+to its reader (:meth:`Lent.hand_back`) when the run loop is about to wait for
+I/O. The built-in engine's :class:`~rdmashim.verbs.softiwarp.driver.Link` and
+RDS/TCP's session lend so.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import trio
+
+
+class Lent(Protocol):
+    """What lends its socket: :meth:`hand_back` wakes its parked reader task."""
+
+    def hand_back(self) -> None: ...
+
+
+class Lender(trio.abc.Instrument):
+    """Gives lent sockets back to their readers when the trio run loop is about to
+    wait for I/O (installed by :func:`lender` when a socket is first lent): a waiter
+    that did not wait again by then left the socket, and its reader reads it from the
+    next loop pass on."""
+
+    def __init__(self) -> None:
+        self.lent: set[Lent] = set()
+
+    def before_io_wait(self, timeout: float) -> None:
+        """Called by trio before each wait for I/O (``timeout`` 0 when tasks are ready)."""
+        if not self.lent:
+            return
+        lent, self.lent = self.lent, set()
+        for item in lent:
+            item.hand_back()
+        if timeout > 0:
+            # The loop was about to sleep with the readers now ready: wake it.
+            trio.lowlevel.current_trio_token().run_sync_soon(_nothing)
+
+
+def _nothing() -> None:
+    """What :class:`Lender` runs to end the loop's wait for I/O at once."""
+
+
+_LENDER: trio.lowlevel.RunVar[Lender] = trio.lowlevel.RunVar("rdmashim_lender")
+
+
+def lender() -> Lender:
+    """This trio run's :class:`Lender`, installed on first use (keep it: a RunVar
+    lookup costs about 0.3 us, once a message)."""
+    try:
+        return _LENDER.get()
+    except LookupError:
+        found = Lender()
+        trio.lowlevel.add_instrument(found)
+        _LENDER.set(found)
+        return found
