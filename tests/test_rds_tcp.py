@@ -278,6 +278,33 @@ async def test_a_waiting_receiver_reads_the_socket_itself_and_lends_it_back() ->
         await peer.stream.aclose()
 
 
+async def test_a_receiver_driving_a_session_that_ends_from_our_side_waits_on() -> None:
+    """The session closes while a task reads its socket and the peer says nothing (our
+    idle expiry): the task stops reading it (it waited on a descriptor of its own, which
+    the session's end closes) and takes the message of the next session."""
+    settings = RdsSettings(peer_idle_expiry=0.3)
+    async with RdsNode(HIGH, 0, transport="tcp", settings=settings) as node:
+        with trio.fail_after(10):
+            peer, sock = await started_session(node)
+            got: list[bytes] = []
+
+            async def receive_one() -> None:
+                got.append((await sock.recvfrom())[0])
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(receive_one)
+                await trio.testing.wait_all_tasks_blocked()
+                assert sock._driving is not None
+                assert await peer.closed()  # we closed the idle session ...
+                await trio.testing.wait_all_tasks_blocked()
+                assert sock._driving is None  # ... and the reader left its socket
+                again = await raw_connect(node)
+                await again.send(data_msg(9, b"next session"))
+            assert got == [b"next session"]
+        await peer.stream.aclose()
+        await again.stream.aclose()
+
+
 async def test_ping_on_port_0_and_the_handshake_probe_are_answered() -> None:
     async with RdsNode(HIGH, 0, transport="tcp") as node:
         peer = await raw_connect(node)

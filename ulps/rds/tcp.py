@@ -196,7 +196,11 @@ class TcpSession:
         self._driving = False
         """A task in :meth:`drive_until` reads in place of the reader task."""
         self._reader_scope: trio.CancelScope | None = None
-        self._wait_scope: trio.CancelScope | None = None
+        self._wait_fd = -1
+        """What :meth:`drive_until` waits on, made when :meth:`run` starts: a descriptor
+        of its own, which :meth:`interrupt_wait` ends with ``notify_closing`` (a cancel
+        scope per wait costs more than the task switch the wait saves)."""
+        self._waiter_blocked = False
         self._reader_back = trio.Event()
         self._lent_by: lending.Lender | None = None
         """Set while the socket is lent: the reader stays parked."""
@@ -255,6 +259,7 @@ class TcpSession:
     async def run(self) -> None:
         """Carry messages until the connection breaks (raises :class:`SessionLost`)."""
         self.rds.counters.sessions += 1
+        self._wait_fd = os.dup(self.stream.socket.fileno())
         try:
             async with trio.open_nursery() as nursery:
                 self._scope = nursery.cancel_scope
@@ -265,6 +270,8 @@ class TcpSession:
             if self._lent_by is not None:
                 self._lent_by.lent.discard(self)
                 self._lent_by = None
+            trio.lowlevel.notify_closing(self._wait_fd)  # a task in drive_until returns
+            os.close(self._wait_fd)
             with contextlib.suppress(OSError):  # what TCP delivered need not go again
                 self.check_acks()
             if not isinstance(self._failure, RdsProtocolError):
@@ -369,7 +376,6 @@ class TcpSession:
             empty = self._empty  # (then wait before reading)
         if self._reader_scope is not None:
             self._reader_scope.cancel()  # the reader task leaves the socket now
-        sock = self.stream.socket
         lend = False
         spin = self.rds.settings.busy_poll
         seen, spin_end = self.bytes_read, time.perf_counter() + spin
@@ -384,10 +390,14 @@ class TcpSession:
                         empty = self._read()
                         continue
                 if empty:
-                    with trio.CancelScope() as self._wait_scope:
-                        await trio.lowlevel.wait_readable(sock)
-                    self._wait_scope = None
-                    if not ready():
+                    self._waiter_blocked = True
+                    try:
+                        await trio.lowlevel.wait_readable(self._wait_fd)
+                    except trio.ClosedResourceError:
+                        pass  # interrupt_wait(), or the session ended
+                    finally:
+                        self._waiter_blocked = False
+                    if not ready() and not self.lost:
                         empty = self._read()
                 else:
                     empty = self._read()
@@ -399,7 +409,6 @@ class TcpSession:
             self._fail(exc)
         finally:
             self._driving = False
-            self._wait_scope = None
             if lend:
                 if self._lender is None:
                     self._lender = lending.lender()
@@ -417,8 +426,9 @@ class TcpSession:
 
     def interrupt_wait(self) -> None:
         """Make a :meth:`drive_until` in progress look at its ``ready`` again now."""
-        if self._wait_scope is not None:
-            self._wait_scope.cancel()
+        if self._waiter_blocked:
+            self._waiter_blocked = False
+            trio.lowlevel.notify_closing(self._wait_fd)
 
     def _take(self, data: bytes) -> None:
         self.heard = True
