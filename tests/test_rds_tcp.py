@@ -278,11 +278,14 @@ async def test_a_waiting_receiver_reads_the_socket_itself_and_lends_it_back() ->
         await peer.stream.aclose()
 
 
-async def test_a_receiver_driving_a_session_that_ends_from_our_side_waits_on() -> None:
-    """The session closes while a task reads its socket and the peer says nothing (our
-    idle expiry): the task stops reading it (it waited on a descriptor of its own, which
-    the session's end closes) and takes the message of the next session."""
-    settings = RdsSettings(peer_idle_expiry=0.3)
+@pytest.mark.parametrize("ending", ["idle", "garbage"])
+async def test_a_receiver_driving_a_session_that_ends_waits_on(ending: str) -> None:
+    """The session ends while a task reads its socket: closed from our side while the
+    peer says nothing (idle expiry), or for a header the peer should never send (a
+    length over RDS_MAX_MSG_SIZE, read by that task). The task stops reading the socket
+    (it waited on a descriptor of its own, which the session's end closes), nothing is
+    delivered, and it takes the message of the next session."""
+    settings = RdsSettings(peer_idle_expiry=0.3 if ending == "idle" else 60.0)
     async with RdsNode(HIGH, 0, transport="tcp", settings=settings) as node:
         with trio.fail_after(10):
             peer, sock = await started_session(node)
@@ -295,7 +298,11 @@ async def test_a_receiver_driving_a_session_that_ends_from_our_side_waits_on() -
                 nursery.start_soon(receive_one)
                 await trio.testing.wait_all_tasks_blocked()
                 assert sock._driving is not None
-                assert await peer.closed()  # we closed the idle session ...
+                if ending == "garbage":
+                    header = bytearray(RdsHeader(2, 0, 16, 7, 4000).encode())
+                    struct.pack_into("!I", header, 16, RDS_MAX_MSG_SIZE + 1)
+                    await peer.send(bytes(header))
+                assert await peer.closed()  # the session ended ...
                 await trio.testing.wait_all_tasks_blocked()
                 assert sock._driving is None  # ... and the reader left its socket
                 again = await raw_connect(node)
