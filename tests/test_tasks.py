@@ -1,11 +1,34 @@
-"""The nursery helpers of ``verbs.tasks``: what comes out of them when tasks fail."""
+"""The nursery helpers of ``verbs.tasks``: objects that own background tasks let the
+caller's own exceptions out unwrapped, and work split into tasks raises its first error
+as itself."""
 
 from __future__ import annotations
 
 import pytest
 import trio
 
+import rdmashim
+from rdmashim.cm import EventChannel
 from rdmashim.verbs.tasks import leaves, unwrapping_nursery
+
+
+async def test_open_device_lets_exceptions_through() -> None:
+    with pytest.raises(KeyError, match="mine"):
+        async with rdmashim.open_device("siw_lo"):
+            raise KeyError("mine")
+
+
+async def test_event_channel_lets_exceptions_through() -> None:
+    with pytest.raises(KeyError, match="mine"):
+        async with EventChannel():
+            raise KeyError("mine")
+
+
+async def test_cancellation_still_works() -> None:
+    with trio.move_on_after(0.01) as scope:
+        async with rdmashim.open_device("siw_lo"), EventChannel():
+            await trio.sleep_forever()
+    assert scope.cancelled_caught
 
 
 async def fail(exc: BaseException, after: float = 0.0) -> None:
