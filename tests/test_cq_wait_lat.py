@@ -188,7 +188,7 @@ async def test_a_wait_that_got_its_completion_lends_the_socket_until_the_loop_wa
         async def client_side(lent: list[bool], answered: trio.Event) -> None:
             (wc,) = await client.recv_cq.poll_wait(1)
             wc.raise_for_status()
-            lent.append(link._lent_by is not None and link._rx_parked is not None)
+            lent.append(link._loan.active and link._rx_parked is not None)
             # What the peer does now needs the client's receive task (and completes
             # nothing at the peer before that: the loop may block).
             server.qp.post_send(
@@ -216,7 +216,7 @@ async def test_a_wait_that_got_its_completion_lends_the_socket_until_the_loop_wa
         assert lent == [True]
         assert bytes(smr.buf[SLOT * 2 : SLOT * 2 + 16]) == b"written by peer!"
         assert bytes(cmr.buf[:16]) == b"written by peer!"
-        assert link._lent_by is None
+        assert not link._loan.active
 
 
 async def test_read_responses_and_writes_arriving_while_a_waiter_reads(ctx: Any) -> None:

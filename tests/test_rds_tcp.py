@@ -255,7 +255,7 @@ async def test_a_waiting_receiver_reads_the_socket_itself_and_lends_it_back() ->
 
             async def receive_one() -> None:
                 got.append((await sock.recvfrom())[0])
-                lent.append(session._lent_by is not None)  # the reader stays parked
+                lent.append(session._loan.active)  # the reader stays parked
 
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(receive_one)
@@ -263,7 +263,7 @@ async def test_a_waiting_receiver_reads_the_socket_itself_and_lends_it_back() ->
                 assert session._driving  # the receiver waits on the socket itself
                 await peer.send(data_msg(2, b"direct"))
             assert (got, lent) == ([b"direct"], [True])
-            assert session._lent_by is None  # given back when trio waited for I/O
+            assert not session._loan.active  # given back when trio waited for I/O
             other = node.bind(4001)
             await peer.send(data_msg(3, b"for 4001", dport=4001))
             while not other.received:  # noqa: ASYNC110 - a wait on the socket would drive it

@@ -8,7 +8,7 @@ the reader task, parked meanwhile, need not wake in between. The socket is
 *lent*: :class:`Lender`, one per trio run, gives every socket still lent back
 to its reader (:meth:`Lent.hand_back`) when the run loop is about to wait for
 I/O. The built-in engine's :class:`~rdmashim.verbs.softiwarp.driver.Link` and
-RDS/TCP's session lend so.
+RDS/TCP's session lend so, each through a :class:`Loan`.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ class Lent(Protocol):
 
 class Lender(trio.abc.Instrument):
     """Gives lent sockets back to their readers when the trio run loop is about to
-    wait for I/O (installed by :func:`lender` when a socket is first lent): a waiter
+    wait for I/O (installed by :meth:`Loan.lend` when a socket is first lent): a waiter
     that did not wait again by then left the socket, and its reader reads it from the
     next loop pass on."""
 
@@ -52,9 +52,8 @@ def _nothing() -> None:
 _LENDER: trio.lowlevel.RunVar[Lender] = trio.lowlevel.RunVar("rdmashim_lender")
 
 
-def lender() -> Lender:
-    """This trio run's :class:`Lender`, installed on first use (keep it: a RunVar
-    lookup costs about 0.3 us, once a message)."""
+def _lender_of_run() -> Lender:
+    """This trio run's :class:`Lender`, installed on first use."""
     try:
         return _LENDER.get()
     except LookupError:
@@ -62,3 +61,40 @@ def lender() -> Lender:
         trio.lowlevel.add_instrument(found)
         _LENDER.set(found)
         return found
+
+
+class Loan:
+    """One socket's lending: whether it is lent now, and this run's :class:`Lender`,
+    kept (a RunVar lookup costs about 0.3 us, once a message; a socket lives in one
+    run). The owner's :meth:`Lent.hand_back` calls :meth:`returned`."""
+
+    __slots__ = ("_lender", "_owner", "active")
+
+    def __init__(self, owner: Lent) -> None:
+        self._owner = owner
+        self._lender: Lender | None = None
+        self.active = False
+        """Lent: the reader stays parked until the lender hands the socket back."""
+
+    def lend(self) -> None:
+        """Leave the reader parked; the lender hands the socket back before trio next
+        waits for I/O unless :meth:`end` comes first."""
+        lender = self._lender
+        if lender is None:
+            lender = self._lender = _lender_of_run()
+        lender.lent.add(self._owner)
+        self.active = True
+
+    def end(self) -> bool:
+        """Take the socket off the lender (a new wait takes it on, or the connection
+        ends); whether it was lent."""
+        if not self.active:
+            return False
+        assert self._lender is not None
+        self._lender.lent.discard(self._owner)
+        self.active = False
+        return True
+
+    def returned(self) -> None:
+        """The lender handed the socket back."""
+        self.active = False

@@ -181,8 +181,6 @@ class TcpSession:
         self.decoder = StreamDecoder()
         self.written = 0
         """Bytes written on this connection so far."""
-        self.heard = False
-        """Whether the peer has sent anything on this connection."""
         self.inflight: deque[tuple[int, int]] = deque()
         """(stream offset just past the message, its sequence number), oldest first."""
         self._wake = trio.Event()
@@ -202,9 +200,8 @@ class TcpSession:
         scope per wait costs more than the task switch the wait saves)."""
         self._waiter_blocked = False
         self._reader_back = trio.Event()
-        self._lent_by: lending.Lender | None = None
-        """Set while the socket is lent: the reader stays parked."""
-        self._lender: lending.Lender | None = None
+        self._loan = lending.Loan(self)
+        """Whether the socket is lent: the reader stays parked meanwhile."""
         self._empty = False
         """The last read found the socket empty, or did not fill its buffer."""
         self.bytes_read = 0
@@ -267,9 +264,7 @@ class TcpSession:
                     nursery.start_soon(self._guard, task)
         finally:
             self.lost = True
-            if self._lent_by is not None:
-                self._lent_by.lent.discard(self)
-                self._lent_by = None
+            self._loan.end()
             trio.lowlevel.notify_closing(self._wait_fd)  # a task in drive_until returns
             os.close(self._wait_fd)
             with contextlib.suppress(OSError):  # what TCP delivered need not go again
@@ -333,7 +328,7 @@ class TcpSession:
     async def _reader(self) -> None:
         sock = self.stream.socket
         while True:
-            if self._driving or self._lent_by is not None:
+            if self._driving or self._loan.active:
                 self._reader_back = trio.Event()
                 await self._reader_back.wait()
                 continue
@@ -354,7 +349,6 @@ class TcpSession:
             return True
         if not data:
             raise SessionLost(f"{self.rds.peer} closed the connection")
-        self.bytes_read += len(data)
         self._take(data)
         self._empty = empty = len(data) < SEND_BATCH
         return empty
@@ -370,9 +364,7 @@ class TcpSession:
             return False
         self._driving = True
         empty = False
-        if self._lent_by is not None:  # lent to the last wait: this one takes it on
-            self._lent_by.lent.discard(self)
-            self._lent_by = None
+        if self._loan.end():  # lent to the last wait: this one takes it on
             empty = self._empty  # (then wait before reading)
         if self._reader_scope is not None:
             self._reader_scope.cancel()  # the reader task leaves the socket now
@@ -410,10 +402,7 @@ class TcpSession:
         finally:
             self._driving = False
             if lend:
-                if self._lender is None:
-                    self._lender = lending.lender()
-                self._lender.lent.add(self)
-                self._lent_by = self._lender
+                self._loan.lend()
             else:
                 self._reader_back.set()
         return True
@@ -421,7 +410,7 @@ class TcpSession:
     def hand_back(self) -> None:
         """The socket goes back to the reader task (:class:`~rdmashim.verbs.lending.Lender`
         calls this before the run loop waits for I/O)."""
-        self._lent_by = None
+        self._loan.returned()
         self._reader_back.set()
 
     def interrupt_wait(self) -> None:
@@ -430,8 +419,13 @@ class TcpSession:
             self._waiter_blocked = False
             trio.lowlevel.notify_closing(self._wait_fd)
 
+    @property
+    def heard(self) -> bool:
+        """Whether the peer has sent anything on this connection."""
+        return self.bytes_read > 0
+
     def _take(self, data: bytes) -> None:
-        self.heard = True
+        self.bytes_read += len(data)
         received = self.rds.received
         messages = self.decoder.feed(data)
         self._burst = len(messages) > 1

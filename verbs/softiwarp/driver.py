@@ -79,11 +79,8 @@ class Link:
         after, while the socket is lent)."""
         self._drained = False
         """The last read found the socket empty (or did not fill its buffer)."""
-        self._lent_by: lending.Lender | None = None
-        """Set while the socket is lent (:meth:`_lend`)."""
-        self._lender: lending.Lender | None = None
-        """This trio run's :class:`~rdmashim.verbs.lending.Lender`, once the socket was
-        first lent (a link lives in one run)."""
+        self._loan = lending.Loan(self)
+        """Whether the socket is lent (:meth:`_lend`)."""
         self.after_receive: Callable[[], None] = lambda: None
         """Called in the receive task after each batch of received bytes is processed."""
 
@@ -294,9 +291,7 @@ class Link:
         assert self.can_read
         self._waiter_reads = True
         drained: bool | None = False
-        if self._lent_by is not None:  # lent to the waiter before: this one takes it on
-            self._lent_by.lent.discard(self)
-            self._lent_by = None
+        if self._loan.end():  # lent to the waiter before: this one takes it on
             drained = self._drained
         if self._rx_scope is not None:
             self._rx_scope.cancel()  # the receive task leaves the socket now
@@ -357,15 +352,11 @@ class Link:
         next waits for I/O, and takes the socket on; if it does not, the run's
         :class:`~rdmashim.verbs.lending.Lender` gives the socket back to the receive
         task then. Saves a task switch per message."""
-        lender = self._lender
-        if lender is None:  # the run's, kept: a RunVar lookup costs 0.3 us a message
-            lender = self._lender = lending.lender()
-        lender.lent.add(self)
-        self._lent_by = lender
+        self._loan.lend()
 
     def hand_back(self) -> None:
         """Reschedule the parked receive task: it reads the socket again."""
-        self._lent_by = None
+        self._loan.returned()
         task, self._rx_parked = self._rx_parked, None
         if task is not None:
             trio.lowlevel.reschedule(task)
@@ -398,9 +389,7 @@ class Link:
                 log.exception("QP %d: flushing after the error failed", self.engine.qp_num)
         finally:
             self._rx_stopped = True
-            if self._lent_by is not None:
-                self._lent_by.lent.discard(self)
-                self._lent_by = None
+            self._loan.end()
             trio.lowlevel.notify_closing(self._wait_fd)  # a waiter in read_until returns
             os.close(self._wait_fd)
             self.sock.close()
