@@ -40,6 +40,14 @@ Benchmarks (``--only`` takes these names):
     raw TCP polls its socket as long (:mod:`rdmashim.verbs.busypoll`). No CPU goes
     idle between messages, so neither side pays for waking one.
 
+``req-ack`` and ``req-write``
+    What ``rds_stress.py``'s unbatched cases ask of the engine, with no ULP on it:
+    the client Sends a request (1024 B, one in flight; 64 B, four in flight), and
+    the server answers each with a Send (256 B; 16 B), ``req-write`` first placing
+    64 KiB in the client's MR with an RDMA Write named in the request. No RDS: the
+    most any ULP on this engine can reach in the same pattern (transactions per
+    second). Raw: the same requests and answers (64 KiB + 16 B) over TCP.
+
 Ratios are ours/raw: above 1 is better for bandwidth and rate, worse (slower)
 for latency.
 
@@ -120,6 +128,16 @@ BUSY_POLL_US = 50.0
 """send-lat-poll's busy polling, microseconds (the value Linux's documentation suggests
 for ``net.core.busy_read``)."""
 RAW_STAGING = 256 * 1024
+REQ_RECVS = 16
+"""Receives each side of req-ack / req-write keeps posted (above any depth used)."""
+REQ_SLOT = 1024
+"""Bytes of each of those receives."""
+REQ_SIGNAL = 8
+"""req-ack / req-write signal one Send in this many (the others complete with it)."""
+REQ_HDR = struct.Struct("!IIQI")
+"""A request's head: answer bytes, RDMA Write bytes, the client's buffer and its rkey."""
+RAW_REQ_HDR = struct.Struct("!cxHI")
+"""Raw TCP's mode header for req-ack / req-write: b"Q", request and answer bytes."""
 RAW_HDR = struct.Struct("!8s")
 REQ = struct.Struct("!Q")
 PRIV_REQ = struct.Struct("!cBBI")
@@ -207,6 +225,8 @@ class Server:
             elif mode in (b"L", b"P"):
                 busy_poll = self.busy_poll if mode == b"P" else 0.0
                 await self._send_lat(pd, cq, stream, req, options, prof, busy_poll)
+            elif mode == b"Q":
+                await self._req_ack(pd, cq, stream, req, options, prof)
             else:
                 raise BenchError(f"unknown mode {mode!r}")
         finally:
@@ -297,6 +317,57 @@ class Server:
 
         await self._run_until_closed(qp, loop)
 
+    async def _req_ack(
+        self, pd: Any, cq: Any, stream: Any, req: Any, options: MpaOptions, prof: Any
+    ) -> None:
+        """Answer each request with a Send, after an RDMA Write when it names one."""
+        cap = QPCap(max_send_wr=8 * REQ_RECVS, max_recv_wr=REQ_RECVS, max_inline_data=64)
+        qp = pd.create_qp(send_cq=cq, recv_cq=cq, cap=cap)
+        rmr = pd.reg_mr(bytearray(REQ_RECVS * REQ_SLOT), Access.LOCAL_WRITE)
+        smr = pd.reg_mr(bytearray(_req_pattern(max(REQ_SLOT, REQ_WRITE.rdma))), Access.LOCAL_WRITE)
+        recvs = RecvBatch(RecvWR(i, [rmr.sge(i * REQ_SLOT, REQ_SLOT)]) for i in range(REQ_RECVS))
+        qp.post_recv_batch(recvs)
+        await accept_qp(
+            qp, stream, req, private_data=PRIV_REP.pack(0, 0, REQ_RECVS), options=options
+        )
+        if prof:
+            prof.enable()
+        wcs = WCArray(REQ_RECVS)
+        posts: dict[tuple[int, int, int, int, bool], list[SendWR]] = {}
+
+        def answer(head: tuple[int, int, int, int], signaled: bool) -> list[SendWR]:
+            # (the same request is answered with the same WRs: the engine keeps their
+            # templates, as RDS's send slots have it do)
+            ack, rdma, addr, rkey = head
+            flags = SendFlags.SIGNALED if signaled else SendFlags(0)
+            wrs = [SendWR(0, WROpcode.SEND, [smr.sge(0, ack)], flags)]
+            if rdma:
+                wrs.insert(0, SendWR(0, WROpcode.RDMA_WRITE, [smr.sge(0, rdma)], SendFlags(0),
+                                     addr, rkey))  # fmt: skip
+            return wrs
+
+        async def loop() -> None:
+            answered = 0
+            buf = rmr.buf
+            while True:
+                n = await cq.poll_wait_into(wcs)
+                for i in range(n):
+                    if wcs.status[i] != WCStatus.SUCCESS:
+                        return  # flushed: the client went away
+                    if wcs.opcode[i] != WCOpcode.RECV:
+                        continue
+                    slot = wcs.wr_id[i]
+                    head = REQ_HDR.unpack_from(buf, slot * REQ_SLOT)
+                    qp.post_recv_batch(recvs, indices=(slot,))
+                    answered += 1
+                    key = (*head, answered % REQ_SIGNAL == 0)
+                    wrs = posts.get(key)
+                    if wrs is None:
+                        wrs = posts[key] = answer(head, key[-1])
+                    qp.post_send(wrs)
+
+        await self._run_until_closed(qp, loop)
+
     # ------------------------------------------------------------------ raw TCP
     async def raw(self, stream: trio.SocketStream) -> None:
         sock = stream.socket
@@ -322,6 +393,12 @@ class Server:
                 buf = memoryview(bytearray(LAT_SIZE))
                 while await read_exact(sock, buf, busy_poll):
                     await stream.send_all(buf)
+            elif mode == b"Q":
+                _, size, answer_size = RAW_REQ_HDR.unpack(hdr)
+                request = memoryview(bytearray(size))
+                answer = memoryview(bytearray(answer_size))
+                while await read_exact(sock, request):
+                    await stream.send_all(answer)
             else:
                 raise BenchError(f"unknown raw mode {mode!r}")
 
@@ -728,6 +805,130 @@ async def _raw_lat(cfg: Config, mode: bytes, busy_poll: float) -> dict[str, floa
     return _lat_stats(samples)
 
 
+# ------------------------------------------------------------------ req-ack / req-write
+@dataclass(frozen=True)
+class ReqCase:
+    """One request/answer pattern: request and answer bytes, requests in flight, and
+    the bytes of the RDMA Write that comes before each answer (0: none)."""
+
+    request: int
+    answer: int
+    depth: int
+    rdma: int = 0
+
+
+REQ_ACK = ReqCase(1024, 256, 1)
+"""rds stress's ``-q 1024 -a 256 -t 1 -d 1``, without RDS."""
+REQ_WRITE = ReqCase(64, 16, 4, 65536)
+"""rds stress's ``-q 64 -a 16 -t 1 -d 4 -D 65536``, without RDS."""
+
+
+def _req_pattern(size: int) -> bytes:
+    """What the server's answers and Writes carry (the client checks its Writes landed)."""
+    return bytes(range(256)) * (size // 256) + bytes(range(size % 256))
+
+
+def _tx(done: int, seconds: float, depth: int) -> dict[str, float]:
+    return {
+        "value": done / seconds,
+        "transactions": done,
+        "seconds": seconds,
+        "rtt_us": depth * seconds / max(1, done) * 1e6,
+    }
+
+
+async def ours_req(ctx: Any, cfg: Config, case: ReqCase) -> dict[str, float]:
+    recv_wrs = RecvBatch(())
+
+    def pre(conn: Conn) -> None:
+        nonlocal recv_wrs
+        rmr = conn.mrs["recv"]
+        recv_wrs = RecvBatch(RecvWR(i, [rmr.sge(i * REQ_SLOT, REQ_SLOT)]) for i in range(REQ_RECVS))
+        conn.qp.post_recv_batch(recv_wrs)
+
+    cap = QPCap(max_send_wr=8 * REQ_RECVS, max_recv_wr=REQ_RECVS, max_inline_data=64)
+    conn = await rdma_connect(
+        ctx, cfg, b"Q", cap,
+        {
+            "request": (case.request, Access.LOCAL_WRITE),
+            "recv": (REQ_RECVS * REQ_SLOT, Access.LOCAL_WRITE),
+            "sink": (max(1, case.rdma), ALL_ACCESS),
+        },
+        pre,
+    )  # fmt: skip
+    qp, cq = conn.qp, conn.cq
+    try:
+        sink = conn.mrs["sink"]
+        REQ_HDR.pack_into(conn.mrs["request"].buf, 0, case.answer, case.rdma, sink.addr, sink.rkey)
+        sge = conn.mrs["request"].sge(0, case.request)
+        quiet = SendWR(0, WROpcode.SEND, [sge], SendFlags(0))
+        signaled = SendWR(0, WROpcode.SEND, [sge], SendFlags.SIGNALED)
+        wcs = WCArray(REQ_RECVS)
+        t0 = time.perf_counter()
+        deadline = t0 + cfg.duration
+        sent = done = 0
+        for _ in range(case.depth):
+            sent += 1
+            qp.post_send(signaled if sent % REQ_SIGNAL == 0 else quiet)
+        while done < sent:
+            n = await cq.poll_wait_into(wcs)
+            for i in range(n):
+                if wcs.status[i] != WCStatus.SUCCESS:
+                    _check(wcs[i], qp)
+                if wcs.opcode[i] != WCOpcode.RECV:
+                    continue
+                qp.post_recv_batch(recv_wrs, indices=(wcs.wr_id[i],))
+                done += 1
+                if time.perf_counter() < deadline:
+                    sent += 1
+                    qp.post_send(signaled if sent % REQ_SIGNAL == 0 else quiet)
+        elapsed = time.perf_counter() - t0
+        if case.rdma and sink.buf != _req_pattern(case.rdma):
+            raise BenchError("the server's RDMA Writes did not land in the client's MR")
+    finally:
+        await conn.aclose()
+    return _tx(done, elapsed, case.depth)
+
+
+async def raw_req(cfg: Config, case: ReqCase) -> dict[str, float]:
+    answer_size = case.answer + case.rdma
+    stream = await raw_connect(cfg, RAW_REQ_HDR.pack(b"Q", case.request, answer_size))
+    async with stream:
+        request = bytes(case.request)
+        answer = memoryview(bytearray(answer_size))
+        t0 = time.perf_counter()
+        deadline = t0 + cfg.duration
+        sent = done = 0
+        for _ in range(case.depth):
+            await stream.send_all(request)
+            sent += 1
+        while done < sent:
+            if not await read_exact(stream.socket, answer):
+                raise BenchError("raw server closed mid-request")
+            done += 1
+            if time.perf_counter() < deadline:
+                await stream.send_all(request)
+                sent += 1
+        elapsed = time.perf_counter() - t0
+    return _tx(done, elapsed, case.depth)
+
+
+async def ours_req_ack(ctx: Any, cfg: Config, prof: _Prof) -> dict[str, float]:
+    return await ours_req(ctx, cfg, REQ_ACK)
+
+
+async def raw_req_ack(ctx: Any, cfg: Config, prof: _Prof) -> dict[str, float]:
+    return await raw_req(cfg, REQ_ACK)
+
+
+async def ours_req_write(ctx: Any, cfg: Config, prof: _Prof) -> dict[str, float]:
+    return await ours_req(ctx, cfg, REQ_WRITE)
+
+
+async def raw_req_write(ctx: Any, cfg: Config, prof: _Prof) -> dict[str, float]:
+    return await raw_req(cfg, REQ_WRITE)
+
+
 # ------------------------------------------------------------------ the table
 @dataclass(frozen=True)
 class Bench:
@@ -758,6 +959,8 @@ BENCHES = [
     Bench(
         "send-lat-poll", ours_send_lat_poll, raw_send_lat_poll, LAT_SIZE, "1", "usec", False, "P"
     ),
+    Bench("req-ack", ours_req_ack, raw_req_ack, REQ_ACK.request, "1", "tx/sec", True, "Q"),
+    Bench("req-write", ours_req_write, raw_req_write, REQ_WRITE.request, "4", "tx/sec", True, "Q"),
 ]
 BY_NAME = {b.name: b for b in BENCHES}
 
@@ -770,6 +973,12 @@ def _perftest_keys(bench: Bench, detail: dict[str, float]) -> dict[str, float]:
         out["percentile_99"] = detail["percentile_99"]
         out["percentile_99.9"] = detail["percentile_99.9"]
         return {"MsgSize": bench.msg_size, "n_iterations": detail["n_iterations"], **out}
+    if bench.unit == "tx/sec":
+        return {
+            "MsgSize": bench.msg_size,
+            "n_iterations": detail["transactions"],
+            "MsgRate": detail["value"] / 1e6,
+        }
     if bench.name == "send-rate":
         rate = detail["value"]
         return {
