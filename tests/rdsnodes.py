@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
+import trio
 
 from rdmashim.ulps.rds.node import TRANSPORTS, RdsNode, Transport
 from rdmashim.ulps.rds.settings import RdsSettings
@@ -28,3 +31,13 @@ async def nodes(
 async def close(all_nodes: list[RdsNode]) -> None:
     for node in reversed(all_nodes):
         await node.__aexit__(None, None, None)
+
+
+async def wait_until(condition: Callable[[], object], seconds: float, what: str) -> None:
+    """Poll ``condition`` (plain state, no event to wait on) until it holds; an
+    AssertionError naming ``what`` after ``seconds``."""
+    with trio.move_on_after(seconds):
+        while not condition():  # noqa: ASYNC110 - conditions on plain state, not events
+            await trio.sleep(0.005)
+        return
+    raise AssertionError(f"{what}: not within {seconds} s")

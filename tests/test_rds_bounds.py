@@ -33,19 +33,12 @@ from rdmashim.ulps.rds.settings import RdsSettings
 from rdmashim.ulps.rds.wire import RDS_FRAG_SIZE, RDS_HEADER_LEN, ConnectPrivate, RdsHeader
 from rdmashim.verbs import Access, QPCap, RecvWR, SendFlags, SendWR, WROpcode
 
+from rdsnodes import wait_until
 from residency import resident_bytes
 
 LOW = "127.0.0.1"
 SLOT = RDS_HEADER_LEN + 64
 FULL = RDS_HEADER_LEN + RDS_FRAG_SIZE
-
-
-async def wait_until(condition: Any, seconds: float, what: str) -> None:
-    with trio.move_on_after(seconds):
-        while not condition():  # noqa: ASYNC110 - conditions on plain state, not events
-            await trio.sleep(0.01)
-        return
-    raise AssertionError(f"{what}: not within {seconds} s")
 
 
 @dataclass

@@ -65,7 +65,7 @@ from rdmashim.ulps.rds.node import RdsError, RdsNode, RdsSocket, Transport
 from rdmashim.ulps.rds.tcp import TcpSession
 
 import netns
-from rdsnodes import transports
+from rdsnodes import transports, wait_until
 
 LOW, HIGH = "127.0.0.1", "127.0.0.2"
 """The test process's node, and the other one (the agent's, in the process tests)."""
@@ -88,14 +88,6 @@ async def node_pair(transport: Transport = "rdma") -> AsyncIterator[tuple[RdsNod
             await b.__aexit__(None, None, None)
     finally:
         await a.__aexit__(None, None, None)
-
-
-async def wait_until(condition: Callable[[], bool], seconds: float, what: str) -> None:
-    with trio.move_on_after(seconds):
-        while not condition():  # noqa: ASYNC110 - conditions on plain state, not events
-            await trio.sleep(0.005)
-        return
-    raise AssertionError(f"{what}: not within {seconds} s")
 
 
 # ---------------------------------------------------------------------- cutting

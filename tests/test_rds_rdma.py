@@ -9,12 +9,14 @@ import os
 import pytest
 import trio
 
+from rdmashim.ulps.rds.connection import SIGNAL_EVERY, Session
 from rdmashim.ulps.rds.node import RdsError
 from rdmashim.ulps.rds.rdma import RdmaOp, RdmaStatus, cookie_offset, cookie_rkey
 from rdmashim.ulps.rds.wire import RdmaExt
+from rdmashim.verbs import WCStatus
 from rdmashim.verbs.buffers import address_of
 
-from rdsnodes import close, nodes
+from rdsnodes import close, nodes, wait_until
 
 A, B = "127.0.0.1", "127.0.0.2"
 
@@ -75,6 +77,50 @@ async def test_many_operations_in_flight_keep_message_order() -> None:
             assert {await op.wait() for op in ops} == {RdmaStatus.SUCCESS}
         assert got == [m for i in range(100) for m in (b"%d" % i, b"plain %d" % i)]
         assert bytes(board) == b"".join(b"%063d" % i + b"\n" for i in range(100))
+    finally:
+        await close([a, b])
+
+
+async def test_writes_go_unsignaled_and_leave_with_the_next_send(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """As Linux posts an RDMA Write without ``RDS_RDMA_NOTIFY_ME``: no completion of its
+    own (its operation is done when the peer acknowledges the message); the session
+    forgets it once a Send posted after it completes, so none stays counted against
+    the RDMA operations it keeps in flight. A Read still completes on its own."""
+    seen: list[tuple[int, WCStatus]] = []
+    original = Session._rdma_done
+
+    def spy(self: Session, wr_id: int, status: WCStatus) -> None:
+        seen.append((wr_id, status))
+        original(self, wr_id, status)
+
+    monkeypatch.setattr(Session, "_rdma_done", spy)
+    a, b = await nodes([A, B])
+    try:
+        sa, sb = a.bind(4000), b.bind(5000)
+        board = bytearray(64 * 40)
+        cookie = sb.get_mr(board)
+        with trio.fail_after(20):
+            for i in range(40):
+                op = RdmaOp.write_to(cookie, b"%064d" % i, offset=64 * i)
+                await sa.sendto(b"%d" % i, (B, 5000), rdma=op)
+                assert (await sb.recvfrom())[0] == b"%d" % i
+                assert await op.wait() == RdmaStatus.SUCCESS
+            session = a.connections()[0].session
+            assert isinstance(session, Session)
+            assert 0 < len(session.rdma) < SIGNAL_EVERY  # the newest wait for a signal
+            read = RdmaOp.read_into(cookie, bytearray(64), offset=64 * 39)
+            await sa.sendto(b"read", (B, 5000), rdma=read)
+            assert (await sb.recvfrom())[0] == b"read"
+            assert await read.wait() == RdmaStatus.SUCCESS
+            for _ in range(SIGNAL_EVERY):  # a signaled Send after every Write
+                await sa.sendto(b"plain", (B, 5000))
+                await sb.recvfrom()
+            await wait_until(lambda: not session.rdma, 10, "the Writes forgotten")
+        assert bytes(read.buffer) == b"%064d" % 39
+        assert bytes(board) == b"".join(b"%064d" % i for i in range(40))
+        assert [status for _, status in seen] == [WCStatus.SUCCESS]  # the Read's alone
     finally:
         await close([a, b])
 

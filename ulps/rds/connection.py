@@ -106,6 +106,7 @@ _RDMA_WR = 1 << 32
 _SUCCESS = WCStatus.SUCCESS
 _RECV = WCOpcode.RECV
 _SEND = WROpcode.SEND
+_UNSIGNALED = SendFlags(0)
 _ACK_REQUIRED = int(RdsFlag.ACK_REQUIRED)
 _pack_header = HEADER_STRUCT.pack_into
 _FLAGS = {
@@ -510,6 +511,14 @@ class Session:
         self.rdma: dict[int, RdmaOp] = {}
         """RDMA operations in flight, by work request id."""
         self._next_rdma = _RDMA_WR
+        self._writes: deque[int] = deque()
+        """The work request ids of the RDMA Writes in :attr:`rdma`, in posting order. A
+        Write is posted unsignaled (as Linux posts one without ``RDS_RDMA_NOTIFY_ME``): it
+        is done when a Send posted after it completes, and its operation when the peer
+        acknowledges the message (a failed one still completes, with its error)."""
+        self._rdma_marks = [_RDMA_WR] * SEND_SLOTS
+        """For each send slot, :attr:`_next_rdma` when it was last posted: the RDMA
+        operations below it went before the slot's Send."""
         self.current: OutMessage | None = None
         self.next_fragment = 0
         self._extra_flags = 0
@@ -568,11 +577,13 @@ class Session:
         self._next_rdma += 1
         self.rdma[wr_id] = op
         assert op._mr is not None  # registered when the message was queued (_begin)
+        if op.write:
+            self._writes.append(wr_id)
+            opcode, flags = WROpcode.RDMA_WRITE, _UNSIGNALED
+        else:  # the data is here when the Read completes
+            opcode, flags = WROpcode.RDMA_READ, SendFlags.SIGNALED
         self._wrs.append(
-            SendWR(
-                wr_id, WROpcode.RDMA_WRITE if op.write else WROpcode.RDMA_READ, [op._mr.sge()],
-                SendFlags.SIGNALED, op.remote_addr, op.rkey,
-            )
+            SendWR(wr_id, opcode, [op._mr.sge()], flags, op.remote_addr, op.rkey)
         )  # fmt: skip
         counters = self.rds.counters
         counters.rdma_bytes += op.length
@@ -580,6 +591,12 @@ class Session:
             counters.rdma_writes += 1
         else:
             counters.rdma_reads += 1
+
+    def _writes_done(self, slot: int) -> None:
+        """The Send of ``slot`` completed: so did the RDMA Writes posted before it."""
+        writes, mark, rdma = self._writes, self._rdma_marks[slot], self.rdma
+        while writes and writes[0] < mark:
+            rdma.pop(writes.popleft(), None)  # (None: a failed one was taken already)
 
     def _rdma_done(self, wr_id: int, status: WCStatus) -> None:
         op = self.rdma.pop(wr_id)
@@ -637,6 +654,7 @@ class Session:
             self.send_credits -= 1
         posted = self.posted
         posted.append(slot)
+        self._rdma_marks[slot] = self._next_rdma
         signaled = not len(posted) % SIGNAL_EVERY or len(self.free_slots) < SIGNAL_EVERY
         wr = self._slot_wrs[slot]
         length = RDS_HEADER_LEN + size
@@ -824,6 +842,8 @@ class Session:
                     while (slot := self.posted.popleft()) != wr_id:
                         self.free_slots.append(slot)
                     self.free_slots.append(slot)
+                    if self._writes:
+                        self._writes_done(slot)
         finally:
             if len(reposts) >= REPOST_BATCH and not self.lost:
                 self._reposts = []
