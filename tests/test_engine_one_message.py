@@ -321,6 +321,35 @@ async def test_a_small_send_without_inline_is_copied_and_written_at_once(
     assert bytes(dst.buf) == data
 
 
+@pytest.mark.parametrize("as_list", [False, True], ids=["request", "list-of-one"])
+async def test_one_send_in_a_list_takes_the_latency_path(
+    ctx: Any, as_list: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A list holding one Send is framed by ``frame_send`` and written at once, as the
+    request alone is (the general path would queue a job and frame it in ``produce``)."""
+    client, server = await make_pair(ctx)
+    src = client.reg(b"one of a list")
+    dst = server.reg(64)
+    engine = client.qp.engine
+    framed: list[int] = []
+    original = engine.frame_send
+
+    def frame_send(payload: bytes, *args: Any) -> Any:
+        framed.append(len(payload))
+        return original(payload, *args)
+
+    monkeypatch.setattr(engine, "frame_send", frame_send)
+    server.qp.post_recv(RecvWR(9, [dst.sge(0, 64)]))
+    wr = SendWR(5, WROpcode.SEND, [src.sge()], SIG)
+    client.qp.post_send([wr] if as_list else wr)
+    assert framed == [13] and engine.tx_idle
+    with trio.fail_after(BOUND):
+        (wc,) = await server.recv_cq.poll_wait(1)
+        (swc,) = await client.send_cq.poll_wait(1)
+    assert wc.status == swc.status == WCStatus.SUCCESS and swc.wr_id == 5
+    assert bytes(dst.buf[: wc.byte_len]) == b"one of a list"
+
+
 async def test_a_batch_of_small_sends_without_inline_goes_as_one_run(ctx: Any) -> None:
     client, server = await make_pair(ctx)
     src = client.reg(bytes(range(64)))

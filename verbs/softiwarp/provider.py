@@ -1412,6 +1412,8 @@ class QP(_Resource):
                 self._post_sends((wr,), (self._template(wr),))
             return
         wrs = _as_list(wr)
+        if len(wrs) == 1 and wrs[0].__class__ is SendWR and self._send_now(wrs[0]):
+            return  # (a list of one Send takes the latency path too)
         self._post_sends(wrs, list(map(self._template, wrs)))
 
     def _template(self, w: SendWR) -> _SendTemplate:
