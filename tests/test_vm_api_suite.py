@@ -17,6 +17,7 @@ skipped (failed under ``RDMASHIM_REQUIRE_INTEROP=1``), as in ``test_siw_interop`
 
 from __future__ import annotations
 
+import faulthandler
 import importlib.util
 import json
 import os
@@ -54,6 +55,10 @@ LIMIT = 2400.0
 @pytest.fixture(scope="module")
 def vm_results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     siwvm.require_guest()
+    # The run has its own bound (LIMIT); pytest's faulthandler_timeout (pyproject.toml)
+    # would dump every thread's stack into the log two minutes into it, though nothing
+    # hangs. pytest arms the dump again for the next test.
+    faulthandler.cancel_dump_traceback_later()
     out = tmp_path_factory.mktemp("vm-api") / "results.json"
     run = subprocess.run(
         [sys.executable, str(TOOL), "--name", "api-pytest", "--json", str(out)],
