@@ -339,6 +339,8 @@ class Server:
             # (the same request is answered with the same WRs: the engine keeps their
             # templates, as RDS's send slots have it do)
             ack, rdma, addr, rkey = head
+            if ack > REQ_SLOT or rdma > len(smr.buf):  # (a client's bytes: checked)
+                raise BenchError(f"request for a {ack} B answer and a {rdma} B Write: refused")
             flags = SendFlags.SIGNALED if signaled else SendFlags(0)
             wrs = [SendWR(0, WROpcode.SEND, [smr.sge(0, ack)], flags)]
             if rdma:
@@ -357,12 +359,16 @@ class Server:
                     if wcs.opcode[i] != WCOpcode.RECV:
                         continue
                     slot = wcs.wr_id[i]
+                    if wcs.byte_len[i] < REQ_HDR.size:
+                        raise BenchError(f"a {wcs.byte_len[i]} B request: no room for its head")
                     head = REQ_HDR.unpack_from(buf, slot * REQ_SLOT)
                     qp.post_recv_batch(recvs, indices=(slot,))
                     answered += 1
                     key = (*head, answered % REQ_SIGNAL == 0)
                     wrs = posts.get(key)
                     if wrs is None:
+                        if len(posts) >= 64:  # (a client naming ever new heads)
+                            posts.clear()
                         wrs = posts[key] = answer(head, key[-1])
                     qp.post_send(wrs)
 
@@ -395,6 +401,8 @@ class Server:
                     await stream.send_all(buf)
             elif mode == b"Q":
                 _, size, answer_size = RAW_REQ_HDR.unpack(hdr)
+                if not size or answer_size > MiB + REQ_SLOT:  # (a client's bytes: checked)
+                    raise BenchError(f"raw requests of {size} B, answers of {answer_size} B")
                 request = memoryview(bytearray(size))
                 answer = memoryview(bytearray(answer_size))
                 while await read_exact(sock, request):
