@@ -582,9 +582,7 @@ class Session:
             opcode, flags = WROpcode.RDMA_WRITE, _UNSIGNALED
         else:  # the data is here when the Read completes
             opcode, flags = WROpcode.RDMA_READ, SendFlags.SIGNALED
-        self._wrs.append(
-            SendWR(wr_id, opcode, [op._mr.sge()], flags, op.remote_addr, op.rkey)
-        )  # fmt: skip
+        self._wrs.append(SendWR(wr_id, opcode, [op._mr.sge()], flags, op.remote_addr, op.rkey))
         counters = self.rds.counters
         counters.rdma_bytes += op.length
         if op.write:
