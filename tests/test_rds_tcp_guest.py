@@ -37,6 +37,10 @@ SIZES = [0, 1, 47, 4095, 4097, 65536]
 """Message sizes, cycled (the kernel's default send buffer keeps them under 100 KiB)."""
 N = 60
 LIMIT = 120.0
+KERNEL_WAIT = 90.0
+"""Seconds the kernel side waits for any one message of ours before it gives up: the
+guest's agent runs one job at a time, so a job waiting forever would keep the liveness
+check of :func:`judged` from running and pass our stall off as the guest's."""
 
 KERNEL_SIDE = rf"""
 import os, socket, sys, time
@@ -44,18 +48,26 @@ job, host, me, n = os.environ["JOB"], sys.argv[1], sys.argv[2], int(sys.argv[3])
 sizes = [int(x) for x in sys.argv[4].split(",")]
 s = socket.socket(socket.AF_RDS, socket.SOCK_SEQPACKET, 0)
 s.bind((me, {GUEST_PORT}))
+s.settimeout({KERNEL_WAIT})              # a wait of ours that never ends frees the agent
 open(job + ".ready", "w").close()
 while not os.path.exists(job + ".go"):
     time.sleep(0.05)
 def body(tag, i):
     return (b"%s%d:" % (tag, i) + bytes(range(256)) * 300)[: max(sizes[i % len(sizes)], 8)]
-for i in range(n):                       # the kernel speaks first (it knocks)
-    s.sendto(body(b"k", i), (host, {HOST_PORT}))
-for i in range(n):                       # then echoes what we send
-    data, addr = s.recvfrom(1 << 20)
-    s.sendto(b"echo:" + data, addr)
-s.sendto(b"", (host, 0))                 # an RDS ping to our node
-data, addr = s.recvfrom(100)
+step = "sending"
+try:
+    for i in range(n):                   # the kernel speaks first (it knocks)
+        s.sendto(body(b"k", i), (host, {HOST_PORT}))
+    for i in range(n):                   # then echoes what we send
+        step = "waiting for message %d" % i
+        data, addr = s.recvfrom(1 << 20)
+        s.sendto(b"echo:" + data, addr)
+    step = "pinging"
+    s.sendto(b"", (host, 0))             # an RDS ping to our node
+    data, addr = s.recvfrom(100)
+except OSError as exc:
+    print("kernel side stopped", step, repr(exc), flush=True)
+    raise
 print("pong", repr(data), addr[0], addr[1], flush=True)
 s.close()
 """
@@ -94,7 +106,10 @@ async def judged(guest: siwvm.Guest, run: Awaitable[T]) -> T:
     In one CI run the guest stopped running anything (``modprobe`` of a loaded module
     not done in 60 s) in the middle of this module, its kernel printing no oops. When
     the guest cannot run ``true`` either, the test is an xfail that says so, with the
-    console's oops if any; when it can, the timeout is ours and fails the test.
+    console's oops if any; when it can, the exchange stalled (our node or the kernel's
+    rds_tcp) and the test fails, with what the kernel side last said. (The kernel side
+    gives up a wait of ours after :data:`KERNEL_WAIT`, or its job would keep ``true``
+    from running.)
     """
     try:
         return await run
@@ -106,6 +121,8 @@ async def judged(guest: siwvm.Guest, run: Awaitable[T]) -> T:
         except trio.TooSlowError:
             crash = siwvm.oops(guest.run_dir / "console.log") or "no oops on the console"
             pytest.xfail(f"the guest stopped running programs ({crash}); not our node's doing")
+        said = {p.name: p.read_text()[-500:] for p in sorted(guest.share.glob("job.*.out"))}
+        exc.add_note(f"the guest runs programs, so the exchange stalled; its jobs said {said}")
         raise
 
 
