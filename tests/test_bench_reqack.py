@@ -86,8 +86,7 @@ async def test_server_refuses_hostile_requests_and_serves_on() -> None:
             REQ_HDR.pack(REQ_SLOT + 1, 0, 0, 0),
             REQ_HDR.pack(8, 1 << 30, 0, 0),
         ):
-            ctx_manager = rdmashim.open_device("siw_lo")
-            async with ctx_manager as ctx:
+            async with rdmashim.open_device("siw_lo") as ctx:
                 pd = ctx.alloc_pd()
                 cq = ctx.create_cq(16)
                 qp = pd.create_qp(send_cq=cq, recv_cq=cq, cap=QPCap(max_send_wr=4, max_recv_wr=4))

@@ -8,11 +8,13 @@ the reader task, parked meanwhile, need not wake in between. The socket is
 *lent*: :class:`Lender`, one per trio run, gives every socket still lent back
 to its reader (:meth:`Lent.hand_back`) when the run loop is about to wait for
 I/O. The built-in engine's :class:`~rdmashim.verbs.softiwarp.driver.Link` and
-RDS/TCP's session lend so, each through a :class:`Loan`.
+RDS/TCP's session lend so, each through a :class:`Loan`; the task a socket is lent
+to waits for it on a :class:`WaitPoint`.
 """
 
 from __future__ import annotations
 
+import os
 from typing import Protocol
 
 import trio
@@ -98,3 +100,43 @@ class Loan:
     def returned(self) -> None:
         """The lender handed the socket back."""
         self.active = False
+
+
+class WaitPoint:
+    """What a task reading a socket in place of its reader waits on: a descriptor of its
+    own (a ``dup`` of the socket's), so that :meth:`interrupt` ends that wait, and no
+    other, with ``notify_closing``; a cancel scope per wait costs more than the task
+    switch the wait saves."""
+
+    __slots__ = ("_blocked", "_fd")
+
+    def __init__(self) -> None:
+        self._fd = -1
+        self._blocked = False
+
+    def open(self, fd: int) -> None:
+        """Start serving the socket ``fd`` (:meth:`close` ends it)."""
+        self._fd = os.dup(fd)
+
+    async def wait_readable(self) -> None:
+        """Wait until the socket is readable, :meth:`interrupt` or :meth:`close`."""
+        self._blocked = True
+        try:
+            await trio.lowlevel.wait_readable(self._fd)
+        except trio.ClosedResourceError:
+            pass  # interrupt(), or the connection ended
+        finally:
+            self._blocked = False
+
+    def interrupt(self) -> None:
+        """End a wait in progress now (what it waits for came another way)."""
+        if self._blocked:
+            self._blocked = False
+            trio.lowlevel.notify_closing(self._fd)
+
+    def close(self) -> None:
+        """End any wait and let the descriptor go (idempotent)."""
+        if self._fd >= 0:
+            trio.lowlevel.notify_closing(self._fd)
+            os.close(self._fd)
+            self._fd = -1

@@ -194,11 +194,9 @@ class TcpSession:
         self._driving = False
         """A task in :meth:`drive_until` reads in place of the reader task."""
         self._reader_scope: trio.CancelScope | None = None
-        self._wait_fd = -1
-        """What :meth:`drive_until` waits on, made when :meth:`run` starts: a descriptor
-        of its own, which :meth:`interrupt_wait` ends with ``notify_closing`` (a cancel
-        scope per wait costs more than the task switch the wait saves)."""
-        self._waiter_blocked = False
+        self._wait = lending.WaitPoint()
+        """What :meth:`drive_until` waits on, opened when :meth:`run` starts
+        (:meth:`interrupt_wait` ends that wait)."""
         self._reader_back = trio.Event()
         self._loan = lending.Loan(self)
         """Whether the socket is lent: the reader stays parked meanwhile."""
@@ -256,7 +254,7 @@ class TcpSession:
     async def run(self) -> None:
         """Carry messages until the connection breaks (raises :class:`SessionLost`)."""
         self.rds.counters.sessions += 1
-        self._wait_fd = os.dup(self.stream.socket.fileno())
+        self._wait.open(self.stream.socket.fileno())
         try:
             async with trio.open_nursery() as nursery:
                 self._scope = nursery.cancel_scope
@@ -265,8 +263,7 @@ class TcpSession:
         finally:
             self.lost = True
             self._loan.end()
-            trio.lowlevel.notify_closing(self._wait_fd)  # a task in drive_until returns
-            os.close(self._wait_fd)
+            self._wait.close()  # a task in drive_until returns
             with contextlib.suppress(OSError):  # what TCP delivered need not go again
                 self.check_acks()
             if not isinstance(self._failure, RdsProtocolError):
@@ -382,13 +379,7 @@ class TcpSession:
                         empty = self._read()
                         continue
                 if empty:
-                    self._waiter_blocked = True
-                    try:
-                        await trio.lowlevel.wait_readable(self._wait_fd)
-                    except trio.ClosedResourceError:
-                        pass  # interrupt_wait(), or the session ended
-                    finally:
-                        self._waiter_blocked = False
+                    await self._wait.wait_readable()  # (or interrupt_wait(), or the end)
                     if not ready() and not self.lost:
                         empty = self._read()
                 else:
@@ -415,9 +406,7 @@ class TcpSession:
 
     def interrupt_wait(self) -> None:
         """Make a :meth:`drive_until` in progress look at its ``ready`` again now."""
-        if self._waiter_blocked:
-            self._waiter_blocked = False
-            trio.lowlevel.notify_closing(self._wait_fd)
+        self._wait.interrupt()
 
     @property
     def heard(self) -> bool:

@@ -68,12 +68,9 @@ class Link:
         self._waiter_reads = False
         """A task in :meth:`read_until` reads the socket in place of the receive task."""
         self._rx_scope: trio.CancelScope | None = None
-        self._wait_fd = os.dup(self._fd)
-        """What :meth:`read_until` waits on: a descriptor of its own, so that
-        :meth:`interrupt` ends that wait with ``notify_closing`` (and no other)
-        instead of a cancel scope per wait, which costs more than the task switch
-        the wait saves."""
-        self._waiter_blocked = False
+        self._wait = lending.WaitPoint()
+        """What :meth:`read_until` waits on (:meth:`interrupt` ends that wait)."""
+        self._wait.open(self._fd)
         self._rx_parked: trio.lowlevel.Task | None = None
         """The receive task while it waits for a task in :meth:`read_until` to end (or
         after, while the socket is lent)."""
@@ -323,13 +320,7 @@ class Link:
                             await busypoll.pause()
                             drained = False
                             continue
-                    self._waiter_blocked = True
-                    try:
-                        await trio.lowlevel.wait_readable(self._wait_fd)
-                    except trio.ClosedResourceError:
-                        pass  # interrupt(), or the link ended (_rx_stopped)
-                    finally:
-                        self._waiter_blocked = False
+                    await self._wait.wait_readable()  # (or interrupt(), or the link ended)
                     drained = False
                 elif streak >= _RX_BATCH:  # a long stream of bytes: let others run
                     streak = 0
@@ -363,9 +354,7 @@ class Link:
 
     def interrupt(self) -> None:
         """Wake the task in :meth:`read_until`: what it waits for came another way."""
-        if self._waiter_blocked:
-            self._waiter_blocked = False
-            trio.lowlevel.notify_closing(self._wait_fd)
+        self._wait.interrupt()
 
     # ------------------------------------------------------------------ lifetime
     async def run(self) -> None:
@@ -390,8 +379,7 @@ class Link:
         finally:
             self._rx_stopped = True
             self._loan.end()
-            trio.lowlevel.notify_closing(self._wait_fd)  # a waiter in read_until returns
-            os.close(self._wait_fd)
+            self._wait.close()  # a waiter in read_until returns
             self.sock.close()
             self.closed.set()
 

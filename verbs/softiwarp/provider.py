@@ -1407,14 +1407,14 @@ class QP(_Resource):
         come back as completions.
         """
         self._check_open("post_send")
-        if wr.__class__ is SendWR:  # one request: no list to make
-            if not self._send_now(wr):
-                self._post_sends((wr,), (self._template(wr),))
-            return
-        wrs = _as_list(wr)
-        if len(wrs) == 1 and wrs[0].__class__ is SendWR and self._send_now(wrs[0]):
-            return  # (a list of one Send takes the latency path too)
-        self._post_sends(wrs, list(map(self._template, wrs)))
+        if wr.__class__ is not SendWR:
+            wrs = _as_list(wr)
+            if len(wrs) != 1 or wrs[0].__class__ is not SendWR:
+                self._post_sends(wrs, list(map(self._template, wrs)))
+                return
+            wr = wrs[0]  # a list of one is that request: the latency path too
+        if not self._send_now(wr):
+            self._post_sends((wr,), (self._template(wr),))
 
     def _template(self, w: SendWR) -> _SendTemplate:
         """The template of ``w``: one made when this object was posted before, while the
