@@ -20,7 +20,7 @@ from rdmashim.cm.types import CMEvent, CMEventType, ConnParam, PortSpace
 from rdmashim.registry import chosen_backend, load_backend
 from rdmashim.verbs.abc import Context
 from rdmashim.verbs.backend import Backend
-from rdmashim.verbs.tasks import service_nursery
+from rdmashim.verbs.tasks import leaves, service_nursery
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +71,12 @@ class EventChannel:
         assert self._nursery_manager is not None and self._connector is not None
         try:
             return await self._nursery_manager.__aexit__(exc_type, exc, tb)
+        except BaseException as closing:
+            if _hides(closing, exc):
+                # Cancelled from outside while the block failed, our tasks raised their
+                # Cancelled over the block's error: let the block's error go on as it came.
+                return False
+            raise
         finally:
             self._connector.close()
 
@@ -166,3 +172,15 @@ class EventChannel:
     def _check_open(self) -> None:
         if self._closed or self._nursery is None:
             raise trio.ClosedResourceError("event channel is not open (use `async with`)")
+
+
+def _hides(closing: BaseException, error: BaseException | None) -> bool:
+    """Whether ``closing`` (what closing the channel's nursery raised) is nothing but
+    cancellations standing in front of ``error``, a real error of the block."""
+    if error is None or closing is error or _only_cancelled(error):
+        return False
+    return _only_cancelled(closing)
+
+
+def _only_cancelled(exc: BaseException) -> bool:
+    return all(isinstance(leaf, trio.Cancelled) for leaf in leaves(exc))

@@ -351,6 +351,7 @@ class ConnectionRequest(_OnId):
     own_pd: bool = True
     _connection: Connection | None = None
     _answered: bool = False
+    _setup_failure: CMError | None = None
 
     async def accept(
         self,
@@ -370,7 +371,11 @@ class ConnectionRequest(_OnId):
                 self.param.initiator_depth if initiator_depth is None else initiator_depth,
             )
         )
-        await _expect(self._router, self.id, E.ESTABLISHED)
+        try:
+            await _expect(self._router, self.id, E.ESTABLISHED)
+        except CMError as exc:
+            self._setup_failure = exc
+            raise
         conn = Connection(
             self.id, self.pd, self.send_cq, self.recv_cq, self.qp, self.private_data,
             own_pd=self.own_pd, _router=self._router,
@@ -420,6 +425,15 @@ async def serve(
     created on ``pd`` when given (as for :func:`open_connection`), and ``backend``
     and ``options`` work as there. At most ``max_pending`` connections wait for their
     MPA Request or for their handler's answer (see :attr:`CMId.max_pending`).
+
+    A handler's exception is not contained: its connection is closed, and the
+    exception comes out of ``serve`` (which then stops, closing every connection),
+    or out of ``handler_nursery`` when given, whatever else fails meanwhile (a
+    client that sees the closed connection fails too: both come out). A handler
+    that must keep the listener going catches its errors itself. The one exception
+    ``serve`` takes is the :class:`CMError` of the handler's own ``accept`` when the
+    peer went away before the connection was established: logged at INFO, nothing
+    else happens.
     """
     async with EventChannel(_contexts_of(pd), backend=backend) as channel:
         router = _Router(channel)
@@ -467,10 +481,23 @@ def _start_handler(
 async def _run_handler(
     handler: Callable[[ConnectionRequest], Awaitable[None]], request: ConnectionRequest
 ) -> None:
+    """Run ``handler``, then close its connection. Its exceptions go on (see :func:`serve`)
+    but for the one its own ``accept`` raised because the peer went away."""
+    failed = True
     try:
         await handler(request)
+        failed = False
     except CMError as exc:
-        log.info("connection from %s failed: %s", request.peer_addr, exc)
+        if exc is not request._setup_failure:
+            raise
+        failed = False
+        log.info("connection from %s not set up: %s", request.peer_addr, exc)
     finally:
         with trio.CancelScope(shield=True):
-            await request.aclose()
+            try:
+                await request.aclose()
+            except Exception:
+                if not failed:
+                    raise
+                # The handler's own error is the news; closing after it failed too.
+                log.exception("closing the connection from %s failed", request.peer_addr)

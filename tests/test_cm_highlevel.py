@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import socket
+import struct
 from functools import partial
 from typing import Any
 
@@ -18,6 +19,7 @@ from rdmashim.cm import (
     open_device_for,
     serve,
 )
+from rdmashim.verbs.softiwarp import mpa
 
 SIG = SendFlags.SIGNALED
 
@@ -139,3 +141,68 @@ async def test_open_device_for_an_address_that_is_not_local() -> None:
         async with open_device_for("192.0.2.77"):
             pass
     assert info.value.errno == errno.EADDRNOTAVAIL
+
+
+def closed_port() -> int:
+    """A port nobody listens on (bound once, then released)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+async def test_a_cm_error_the_handler_makes_itself_comes_out_of_serve() -> None:
+    """Only the handler's own ``accept`` failing is serve's to take; a CMError the
+    handler runs into elsewhere (a connection of its own) is the handler's error
+    (before, every CMError was logged at INFO and dropped)."""
+
+    async def forwarder(request: ConnectionRequest) -> None:
+        await request.accept()
+        async with open_connection("127.0.0.1", closed_port()):
+            pass
+
+    with trio.fail_after(10), pytest.raises(BaseExceptionGroup) as info:
+        async with trio.open_nursery() as nursery:
+            addr = await nursery.start(serve, forwarder, 0)
+            async with open_connection("127.0.0.1", addr[1]) as conn:
+                await conn.wait_disconnected()
+            await trio.sleep_forever()
+    assert info.group_contains(ConnectionRejected, depth=None)
+
+
+async def test_a_peer_gone_before_accept_is_logged_and_serve_goes_on(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A hand-made initiator sends its MPA Request and resets the connection while the
+    handler holds the request; the handler's accept fails with a CMError, which serve
+    logs at INFO, and the next connection is served."""
+    reset, accepting = trio.Event(), trio.Event()
+    handlers: list[str] = []
+
+    async def patient(request: ConnectionRequest) -> None:
+        if request.private_data == b"gone":
+            await reset.wait()
+            await trio.sleep(0.1)  # the reset has arrived
+            handlers.append("late accept")
+            accepting.set()
+        await request.accept()
+        handlers.append("accepted")
+
+    caplog.set_level("INFO", logger="rdmashim.cm")
+    async with trio.open_nursery() as nursery:
+        addr = await nursery.start(serve, patient, 0)
+        with trio.fail_after(10):
+            sock = trio.socket.socket()
+            await sock.connect(("127.0.0.1", addr[1]))
+            await sock.send(
+                mpa.encode_start_frame(mpa.StartFrame(reply=False, private_data=b"gone"))
+            )
+            await trio.sleep(0.1)  # the listener has read the request
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            sock.close()  # a reset
+            reset.set()
+            await accepting.wait()
+            async with open_connection("127.0.0.1", addr[1]):
+                pass
+        nursery.cancel_scope.cancel()
+    assert handlers == ["late accept", "accepted"]
+    assert any("not set up" in r.getMessage() for r in caplog.records), caplog.text

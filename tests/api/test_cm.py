@@ -303,6 +303,39 @@ async def test_handler_sees_the_peer_disconnect() -> None:
         nursery.cancel_scope.cancel()
 
 
+class HandlerBug(Exception):
+    """What the handler of ``test_a_handlers_exception_reaches_the_caller_of_serve`` raises."""
+
+
+@pytest.mark.parametrize("delay", [0.0, 0.05], ids=["at once", "after 50 ms"])
+@pytest.mark.parametrize("where", ["serve's nursery", "handler_nursery"])
+async def test_a_handlers_exception_reaches_the_caller_of_serve(delay: float, where: str) -> None:
+    """A handler that raises after accepting closes its connection; the client, which
+    then sees its receive flushed, fails too. Both errors come out of the nursery: the
+    handler's is not hidden behind the client's (before, serve's event channel closing
+    under the cancellation raised only Cancelled, and the handler's error was lost)."""
+
+    async def handler(request: ConnectionRequest) -> None:
+        await request.accept()
+        await trio.sleep(delay)
+        raise HandlerBug("the handler's own mistake")
+
+    with trio.fail_after(TIMEOUT), pytest.raises(BaseExceptionGroup) as info:
+        async with trio.open_nursery() as nursery:
+            extra = {"handler_nursery": nursery} if where == "handler_nursery" else {}
+            addr = await nursery.start(lambda task_status: serve(
+                handler, 0, task_status=task_status, **extra
+            ))  # fmt: skip
+            async with open_connection(HOST, addr[1]) as conn:
+                buf = conn.pd.reg_mr(bytearray(16))
+                conn.qp.post_recv(RecvWR(1, [buf.sge()]))
+                (wc,) = await drain(conn.recv_cq, 1)
+                assert wc.status == WCStatus.WR_FLUSH_ERR  # the handler's end closed it
+                raise ConnectionError("the client saw the connection end")
+    errors = _leaves(info.value)
+    assert {type(e) for e in errors} == {HandlerBug, ConnectionError}, errors
+
+
 BAD_ADDRESSES = [
     (HOST, -1), (HOST, 70000), (HOST, 1.5), (HOST, "80"), (HOST, True), (None, 1), (5, 1),
     (HOST,), "host:1",
