@@ -16,6 +16,12 @@
 Each connection brings its own PD, CQ and QP on the device the route chose;
 the handler (or the caller of ``open_connection``) posts receives and work
 requests on them. Leaving the block (or the handler returning) disconnects.
+
+One CQ takes both queues' completions by default (``conn.cq``; ``conn.send_cq``
+and ``conn.recv_cq`` are that same CQ): a program polling it sees its own
+signaled Sends, Writes and Reads complete beside its receives. With
+``separate_cqs=True`` a connection has two, as librdmacm's ``rdma_create_ep``
+makes them: sends complete in ``send_cq``, receives in ``recv_cq``.
 """
 
 from __future__ import annotations
@@ -139,6 +145,16 @@ class _OnId:
             self.pd.close()
 
     @property
+    def cq(self) -> CQ:
+        """The connection's one CQ, where its Sends, Writes and Reads and its receives
+        all complete (tell them apart by ``wc.opcode``): ``send_cq`` and ``recv_cq``
+        are both this CQ unless the connection was made with ``separate_cqs=True``,
+        when there is none (AttributeError)."""
+        if self.send_cq is not self.recv_cq:
+            raise AttributeError("this connection has separate CQs: use send_cq and recv_cq")
+        return self.send_cq
+
+    @property
     def context(self) -> Context:
         """The device context: the one the route chose, or the request arrived on."""
         return _context_of(self.id)
@@ -238,19 +254,34 @@ def _context_of(cm_id: CMId) -> Context:
     return context
 
 
-def _resources(cm_id: CMId, cap: QPCap | None, cqe: int, pd: PD | None) -> tuple[PD, CQ, QP]:
-    """PD (``pd`` or a new one), CQ and QP for a connection on the id's device."""
-    context = _context_of(cm_id)
-    conn_pd = context.alloc_pd() if pd is None else pd
-    cq = context.create_cq(cqe)
-    try:
-        qp = cm_id.create_qp(conn_pd, send_cq=cq, recv_cq=cq, cap=cap)
-    except BaseException:
-        cq.close()
-        if pd is None:
-            conn_pd.close()
-        raise
-    return conn_pd, cq, qp
+@dataclass(frozen=True)
+class _Plan:
+    """What each connection gets: its QP's ``cap``, CQs of ``cqe`` entries (one for both
+    queues, or one each with ``separate_cqs``), on ``pd`` or a PD of its own."""
+
+    cap: QPCap | None
+    cqe: int
+    pd: PD | None
+    separate_cqs: bool
+
+    def make(self, cm_id: CMId) -> tuple[PD, CQ, CQ, QP]:
+        """The PD, send CQ, receive CQ and QP of a connection on the id's device."""
+        context = _context_of(cm_id)
+        conn_pd = context.alloc_pd() if self.pd is None else self.pd
+        made: list[CQ] = []
+        try:
+            made.append(context.create_cq(self.cqe))
+            if self.separate_cqs:
+                made.append(context.create_cq(self.cqe))
+            send_cq, recv_cq = made[0], made[-1]
+            qp = cm_id.create_qp(conn_pd, send_cq=send_cq, recv_cq=recv_cq, cap=self.cap)
+        except BaseException:
+            for cq in made:
+                cq.close()
+            if self.pd is None:
+                conn_pd.close()
+            raise
+        return conn_pd, send_cq, recv_cq, qp
 
 
 def _contexts_of(pd: PD | None) -> tuple[Context, ...]:
@@ -279,6 +310,7 @@ async def open_connection(
     connect_timeout: float = 10.0,
     prepare: Callable[[Connection], None] | None = None,
     pd: PD | None = None,
+    separate_cqs: bool = False,
     backend: str | None = None,
 ) -> AsyncIterator[Connection]:
     """Connect to ``host``:``port`` and yield the :class:`Connection`.
@@ -291,9 +323,13 @@ async def open_connection(
     device the route must choose), so regions registered there serve it too.
     ``backend`` picks the backend (default: ``pd``'s, else ``RDMASHIM_BACKEND``);
     ``options`` sets up the transport (MPA CRC, revision, peer-to-peer), where the
-    backend lets the application choose (else NotSupported). Raises
-    :class:`ConnectionRejected`, :class:`ConnectionUnreachable` or :class:`CMError`.
+    backend lets the application choose (else NotSupported). The connection's
+    completions go to one CQ of ``cqe`` entries (``conn.cq``, which ``send_cq`` and
+    ``recv_cq`` both are), or with ``separate_cqs`` to a send CQ and a receive CQ of
+    ``cqe`` entries each. Raises :class:`ConnectionRejected`,
+    :class:`ConnectionUnreachable` or :class:`CMError`.
     """
+    plan = _Plan(cap, cqe, pd, separate_cqs)
     async with EventChannel(_contexts_of(pd), backend=backend) as channel:
         router = _Router(channel)
         channel.nursery.start_soon(router.run)
@@ -304,8 +340,10 @@ async def open_connection(
             await _expect(router, cm_id, E.ADDR_RESOLVED)
             cm_id.resolve_route()
             await _expect(router, cm_id, E.ROUTE_RESOLVED)
-            conn_pd, cq, qp = _resources(cm_id, cap, cqe, pd)
-            conn = Connection(cm_id, conn_pd, cq, cq, qp, own_pd=pd is None, _router=router)
+            conn_pd, send_cq, recv_cq, qp = plan.make(cm_id)
+            conn = Connection(
+                cm_id, conn_pd, send_cq, recv_cq, qp, own_pd=pd is None, _router=router
+            )
             if options is not None:
                 cm_id.options = options
             cm_id.connect_timeout = connect_timeout
@@ -413,6 +451,7 @@ async def serve(
     options: TransportOptions | None = None,
     handler_nursery: trio.Nursery | None = None,
     pd: PD | None = None,
+    separate_cqs: bool = False,
     backend: str | None = None,
     max_pending: int = DEFAULT_MAX_PENDING,
     task_status: trio.TaskStatus[SockAddr | None] = trio.TASK_STATUS_IGNORED,
@@ -422,9 +461,10 @@ async def serve(
     Use with ``nursery.start``: it reports the listening (address, port). A
     handler that returns without accepting or rejecting rejects; an accepted
     connection is closed when its handler returns. Every connection's QP is
-    created on ``pd`` when given (as for :func:`open_connection`), and ``backend``
-    and ``options`` work as there. At most ``max_pending`` connections wait for their
-    MPA Request or for their handler's answer (see :attr:`CMId.max_pending`).
+    created on ``pd`` when given (as for :func:`open_connection`), and ``backend``,
+    ``options``, ``cqe`` and ``separate_cqs`` work as there. At most ``max_pending``
+    connections wait for their MPA Request or for their handler's answer (see
+    :attr:`CMId.max_pending`).
 
     A handler's exception is not contained: its connection is closed, and the
     exception comes out of ``serve`` (which then stops, closing every connection),
@@ -435,6 +475,7 @@ async def serve(
     peer went away before the connection was established: logged at INFO, nothing
     else happens.
     """
+    plan = _Plan(cap, cqe, pd, separate_cqs)
     async with EventChannel(_contexts_of(pd), backend=backend) as channel:
         router = _Router(channel)
         channel.nursery.start_soon(router.run)
@@ -448,7 +489,7 @@ async def serve(
         async with trio.open_nursery() as own_nursery:
             nursery = handler_nursery or own_nursery
             async for event in router.requests:
-                _start_handler(nursery, handler, event, router, cap, cqe, pd)
+                _start_handler(nursery, handler, event, router, plan)
                 del event  # else the loop keeps the last connection alive until the next
 
 
@@ -457,14 +498,12 @@ def _start_handler(
     handler: Callable[[ConnectionRequest], Awaitable[None]],
     event: CMEvent,
     router: _Router,
-    cap: QPCap | None,
-    cqe: int,
-    pd: PD | None,
+    plan: _Plan,
 ) -> None:
     """Make a CONNECT_REQUEST's resources and run ``handler`` on it (or reject it)."""
     assert event.param is not None
     try:
-        conn_pd, cq, qp = _resources(event.id, cap, cqe, pd)
+        conn_pd, send_cq, recv_cq, qp = plan.make(event.id)
     except VerbsError as exc:  # e.g. the request came in on another device
         log.warning("connection from %s refused: %s", event.id.peer_addr, exc)
         event.id.reject(b"")
@@ -472,8 +511,8 @@ def _start_handler(
         router.forget(event.id)
         return
     request = ConnectionRequest(
-        event.id, event.private_data, event.param, conn_pd, cq, cq, qp, router,
-        own_pd=pd is None,
+        event.id, event.private_data, event.param, conn_pd, send_cq, recv_cq, qp, router,
+        own_pd=plan.pd is None,
     )  # fmt: skip
     nursery.start_soon(_run_handler, handler, request)
 

@@ -9,20 +9,23 @@ import socket
 
 import pytest
 import trio
-from api.support import HOST, SIG, TIMEOUT, Cm, E, drain, make_end, ok
+from api.support import HOST, SIG, TIMEOUT, Cm, E, drain, make_end, ok, quiet
 
 import rdmashim
 from rdmashim import (
+    WC,
     DeviceAttr,
     QPState,
     RecvWR,
     SendWR,
     Transport,
     VerbsError,
+    WCOpcode,
     WCStatus,
     WROpcode,
 )
 from rdmashim.cm import (
+    Connection,
     ConnectionRejected,
     ConnectionRequest,
     ConnParam,
@@ -300,6 +303,75 @@ async def test_handler_sees_the_peer_disconnect() -> None:
             pass
         with trio.fail_after(TIMEOUT):
             await done.wait()
+        nursery.cancel_scope.cancel()
+
+
+def _post_recv(end: Connection | ConnectionRequest) -> None:
+    end.qp.post_recv(RecvWR(1, [end.pd.reg_mr(bytearray(16)).sge()]))
+
+
+async def _exchange(conn: Connection, first: bool) -> tuple[list[WC], list[WC]]:
+    """A signaled Send each way, ours ``first`` or after the peer's arrived (a receive is
+    posted already); what send_cq and recv_cq gave, the same list twice for one CQ."""
+    msg = conn.pd.reg_mr(bytearray(b"ping"))
+
+    def send() -> None:
+        conn.qp.post_send(SendWR(2, WROpcode.SEND, [msg.sge()], SIG))
+
+    if first:
+        send()
+    if conn.send_cq is conn.recv_cq:
+        wcs = [] if first else ok(await drain(conn.cq, 1))
+        if not first:
+            send()
+        wcs += ok(await drain(conn.cq, 2 if first else 1))
+        return wcs, wcs
+    received = ok(await drain(conn.recv_cq, 1))
+    if not first:
+        send()
+    sent = ok(await drain(conn.send_cq, 1))
+    return sent + await quiet(conn.send_cq), received + await quiet(conn.recv_cq)
+
+
+def _check_cqs(conn: Connection, wcs: tuple[list[WC], list[WC]], separate: bool) -> None:
+    sent, received = wcs
+    if separate:
+        assert conn.send_cq is not conn.recv_cq
+        with pytest.raises(AttributeError, match="separate CQs"):
+            conn.cq  # noqa: B018
+        assert ([w.opcode for w in sent], [w.opcode for w in received]) == (
+            [WCOpcode.SEND], [WCOpcode.RECV]
+        )  # fmt: skip
+    else:
+        assert conn.cq is conn.send_cq is conn.recv_cq
+        assert sorted(w.opcode for w in sent) == [WCOpcode.SEND, WCOpcode.RECV]
+
+
+@pytest.mark.parametrize("separate", [False, True], ids=["one CQ", "separate CQs"])
+async def test_a_connections_cqs_are_what_their_names_say(separate: bool) -> None:
+    """By default a connection has one CQ, ``conn.cq``, which ``send_cq`` and ``recv_cq``
+    both are: Sends and receives complete there. With ``separate_cqs=True`` (librdmacm's
+    ``rdma_create_ep`` shape) a Send completes in ``send_cq`` only, a receive in
+    ``recv_cq`` only, and ``conn.cq`` says there is no one CQ. Both ends alike (before,
+    a connection had one CQ under two names, and no way to have two)."""
+    served = trio.Event()
+
+    async def handler(request: ConnectionRequest) -> None:
+        _post_recv(request)
+        conn = await request.accept()
+        _check_cqs(conn, await _exchange(conn, first=False), separate)
+        served.set()
+        await conn.wait_disconnected()
+
+    async with trio.open_nursery() as nursery:
+        addr = await nursery.start(lambda task_status: serve(
+            handler, 0, separate_cqs=separate, task_status=task_status
+        ))  # fmt: skip
+        with trio.fail_after(TIMEOUT):
+            async with open_connection(HOST, addr[1], separate_cqs=separate) as conn:
+                _post_recv(conn)
+                _check_cqs(conn, await _exchange(conn, first=True), separate)
+                await served.wait()
         nursery.cancel_scope.cancel()
 
 
