@@ -8,12 +8,10 @@ ids satisfy; the backends make them (:mod:`rdmashim.verbs.backend`).
 
 from rdmashim.cm.abc import CMId
 from rdmashim.cm.channel import EventChannel
+from rdmashim.cm.errors import CMError, ConnectionRejected, ConnectionUnreachable
 from rdmashim.cm.highlevel import (
-    CMError,
     Connection,
-    ConnectionRejected,
     ConnectionRequest,
-    ConnectionUnreachable,
     open_connection,
     open_device_for,
     serve,

@@ -24,6 +24,11 @@ SockAddr = tuple[Any, ...]
 (host, port, flowinfo, scope_id)."""
 
 
+def host_port(host: str, port: int) -> str:
+    """``host:port`` as a person writes it, an IPv6 address in brackets (``[::1]:7471``)."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
 @dataclass(frozen=True, slots=True)
 class InterfaceAddress:
     """One IP address of a local interface.

@@ -37,6 +37,7 @@ import trio
 from rdmashim.cm.abc import CMId
 from rdmashim.cm.addressing import SockAddr
 from rdmashim.cm.channel import EventChannel
+from rdmashim.cm.errors import CMError, setup_error
 from rdmashim.cm.types import (
     DEFAULT_MAX_PENDING,
     CMEvent,
@@ -55,33 +56,6 @@ PORT_CLASH_ATTEMPTS = 3
 """Connects :func:`open_connection` tries when the local port the CM chose is in use."""
 CLOSE_TIMEOUT = 5.0
 """Seconds ``aclose`` waits for the connection to close before dropping it."""
-
-
-class CMError(ConnectionError):
-    """Connection setup failed; ``event`` is the CM event that said so."""
-
-    def __init__(self, event: CMEvent) -> None:
-        super().__init__(-event.status if event.status else errno.EIO, str(event))
-        self.event = event
-
-
-class ConnectionRejected(CMError):
-    """The peer rejected the connection (``private_data`` is its answer) or refused it."""
-
-    @property
-    def private_data(self) -> bytes:
-        """What the peer said when it rejected."""
-        return self.event.private_data
-
-
-class ConnectionUnreachable(CMError):
-    """The peer's host did not answer in time, or there is no route to it."""
-
-
-_ERRORS: dict[CMEventType, type[CMError]] = {
-    E.REJECTED: ConnectionRejected,
-    E.UNREACHABLE: ConnectionUnreachable,
-}
 
 
 class _Router:
@@ -233,7 +207,7 @@ async def open_device_for(address: str, *, backend: str | None = None) -> AsyncI
         event = await channel.get_event()
         event.ack()
         if event.event != E.ADDR_RESOLVED:
-            raise _ERRORS.get(event.event, CMError)(event)
+            raise setup_error(event, address, 0)
         try:
             yield _context_of(cm_id)
         finally:
@@ -289,10 +263,14 @@ def _contexts_of(pd: PD | None) -> tuple[Context, ...]:
     return () if pd is None else (pd.context,)
 
 
-async def _expect(router: _Router, cm_id: CMId, kind: CMEventType) -> CMEvent:
+async def _expect(
+    router: _Router, cm_id: CMId, kind: CMEventType, peer: SockAddr, *, passive: bool = False
+) -> CMEvent:
+    """The next event of ``cm_id`` if it is ``kind``, else its :class:`CMError` naming
+    ``peer`` (what the user connects to, or where an accepted connection comes from)."""
     event = await router.next(cm_id)
     if event.event != kind:
-        raise _ERRORS.get(event.event, CMError)(event)
+        raise setup_error(event, str(peer[0]), int(peer[1]), passive=passive)
     return event
 
 
@@ -337,9 +315,9 @@ async def open_connection(
             cm_id = channel.create_id()
             router.watch(cm_id)
             cm_id.resolve_addr(None, (host, port))
-            await _expect(router, cm_id, E.ADDR_RESOLVED)
+            await _expect(router, cm_id, E.ADDR_RESOLVED, (host, port))
             cm_id.resolve_route()
-            await _expect(router, cm_id, E.ROUTE_RESOLVED)
+            await _expect(router, cm_id, E.ROUTE_RESOLVED, (host, port))
             conn_pd, send_cq, recv_cq, qp = plan.make(cm_id)
             conn = Connection(
                 cm_id, conn_pd, send_cq, recv_cq, qp, own_pd=pd is None, _router=router
@@ -361,7 +339,7 @@ async def open_connection(
                 log.info("connect to %s:%d: local port in use, again with a new one", host, port)
                 cm_id.destroy()
                 conn._release()
-        event = await _expect(router, cm_id, E.ESTABLISHED)
+        event = await _expect(router, cm_id, E.ESTABLISHED, (host, port))
         conn.private_data = event.private_data
         channel.nursery.start_soon(conn._follow)
         try:
@@ -410,7 +388,7 @@ class ConnectionRequest(_OnId):
             )
         )
         try:
-            await _expect(self._router, self.id, E.ESTABLISHED)
+            await _expect(self._router, self.id, E.ESTABLISHED, self.peer_addr, passive=True)
         except CMError as exc:
             self._setup_failure = exc
             raise

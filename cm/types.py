@@ -7,10 +7,13 @@ the prefixes, so a C ULP ports line by line.
 from __future__ import annotations
 
 import errno
+import os
+import re
 from dataclasses import dataclass, fields
 from enum import Enum, IntEnum, IntFlag, auto
 from typing import TYPE_CHECKING, Any
 
+from rdmashim.cm.addressing import host_port
 from rdmashim.verbs.errors import VerbsError, integer
 
 if TYPE_CHECKING:
@@ -169,13 +172,27 @@ class CMEvent:
         if self._channel is not None:
             self._channel.ack(self)
 
+    @property
+    def reason(self) -> str:
+        """What went wrong, in words: the backend's ``detail`` without a leading
+        ``[Errno N]``, else the status's ``strerror``; empty for a status of 0."""
+        detail = _ERRNO_PREFIX.sub("", self.detail)
+        if detail or not self.status:
+            return detail
+        return os.strerror(-self.status) if self.status < 0 else f"reason {self.status}"
+
     def __str__(self) -> str:
-        text = f"{self.event.name} on {self.id}"
-        if self.status:
-            text += f" (status {self.status})"
-        if self.detail:
-            text += f": {self.detail}"
-        return text
+        text = self.event.name
+        peer = self.id.peer_addr
+        if peer is not None:
+            text += f" for {host_port(str(peer[0]), int(peer[1]))}"
+        if self.status < 0:
+            text += f" ({errno.errorcode.get(-self.status, self.status)})"
+        reason = self.reason
+        return f"{text}: {reason}" if reason else text
+
+
+_ERRNO_PREFIX = re.compile(r"^\[Errno -?\d+\] ")
 
 
 def check_sockaddr(operation: str, addr: object) -> tuple[Any, ...]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import socket
 import struct
@@ -13,8 +14,12 @@ import trio
 
 from rdmashim import Access, RecvWR, SendFlags, SendWR, WCStatus, WROpcode
 from rdmashim.cm import (
+    CMError,
+    Connection,
     ConnectionRejected,
     ConnectionRequest,
+    ConnectionUnreachable,
+    EventChannel,
     open_connection,
     open_device_for,
     serve,
@@ -206,3 +211,81 @@ async def test_a_peer_gone_before_accept_is_logged_and_serve_goes_on(
         nursery.cancel_scope.cancel()
     assert handlers == ["late accept", "accepted"]
     assert any("not set up" in r.getMessage() for r in caplog.records), caplog.text
+
+
+async def _setup_failure(host: str, port: int, **kwargs: Any) -> CMError:
+    with trio.fail_after(10), pytest.raises(CMError) as info:
+        async with open_connection(host, port, **kwargs):
+            pytest.fail("connected")
+    return info.value
+
+
+async def test_setup_errors_say_where_and_what_happened() -> None:
+    """Each failure names the host and port and what happened, once (before: ``[Errno
+    111] REJECTED on <CMId ROUTE_RESOLVED ...> (status -111): [Errno 111] Error
+    connecting to ...``, the errno twice and the id's state at the time of printing)."""
+    port = closed_port()
+    refused = await _setup_failure("127.0.0.1", port)
+    assert str(refused) == f"connect to 127.0.0.1:{port} refused: nothing listening"
+    assert isinstance(refused, ConnectionRejected) and refused.errno == errno.ECONNREFUSED
+
+    unknown = await _setup_failure("no-such-host.invalid", 7471)
+    assert str(unknown).startswith("cannot resolve host 'no-such-host.invalid': ")
+    assert "Errno" not in str(unknown) and unknown.errno == errno.EADDRNOTAVAIL
+
+    async def refuse(request: ConnectionRequest) -> None:
+        await request.reject(b"full, try later" if request.private_data else b"")
+
+    async with trio.open_nursery() as nursery:
+        addr = await nursery.start(serve, refuse, 0)
+        said = await _setup_failure("127.0.0.1", addr[1], private_data=b"please")
+        silent = await _setup_failure("localhost", addr[1])
+        nursery.cancel_scope.cancel()
+    assert str(said) == (
+        f"connect to 127.0.0.1:{addr[1]} rejected by the peer, which said b'full, try later'"
+    )
+    assert str(silent) == f"connect to localhost:{addr[1]} rejected by the peer (no private data)"
+
+
+async def test_setup_timeouts_say_what_was_not_answered() -> None:
+    """A listener whose accept queue is full drops the SYN (UNREACHABLE once
+    ``connect_timeout`` passes); a TCP listener that never answers the MPA Request
+    (CONNECT_ERROR once the engine's ``mpa_reply_timeout`` passes)."""
+    with socket.socket() as full:
+        full.bind(("127.0.0.1", 0))
+        full.listen(0)
+        port = full.getsockname()[1]
+        waiting = [socket.socket() for _ in range(3)]
+        for sock in waiting:
+            sock.setblocking(False)
+            with contextlib.suppress(BlockingIOError):
+                sock.connect(("127.0.0.1", port))
+        await trio.sleep(0.1)
+        unanswered = await _setup_failure("127.0.0.1", port, connect_timeout=0.5)
+        for sock in waiting:
+            sock.close()
+    assert isinstance(unanswered, ConnectionUnreachable)
+    assert str(unanswered) == f"connect to 127.0.0.1:{port} timed out: no answer from the peer"
+
+    def impatient(conn: Connection) -> None:
+        conn.id.mpa_reply_timeout = 0.5  # type: ignore[attr-defined]  # the engine's
+
+    with socket.socket() as mute:
+        mute.bind(("127.0.0.1", 0))
+        mute.listen()
+        port = mute.getsockname()[1]
+        silent = await _setup_failure("127.0.0.1", port, prepare=impatient)
+    assert str(silent) == f"connect to 127.0.0.1:{port} failed: no MPA Reply within 0.5 s"
+    assert silent.errno == errno.ETIMEDOUT
+
+
+async def test_a_failed_resolution_event_reads_plainly() -> None:
+    """The low-level event names its kind, errno and reason once, no id state."""
+    async with EventChannel() as channel:
+        cm_id = channel.create_id()
+        cm_id.resolve_addr(None, ("no-such-host.invalid", 1))
+        with trio.fail_after(10):
+            event = await channel.get_event()
+        event.ack()
+    assert str(event).startswith("ADDR_ERROR (EADDRNOTAVAIL): ")
+    assert "Errno" not in str(event) and "CMId" not in str(event)
