@@ -22,11 +22,7 @@ fuzz_wire = importlib.util.module_from_spec(_spec)
 sys.modules["fuzz_wire"] = fuzz_wire
 _spec.loader.exec_module(fuzz_wire)
 
-TABLE = {
-    name: [0x1234 + i * 256, 0x10000 * (i + 1), length]
-    for i, (name, (length, *_)) in enumerate(fuzz_wire._REGIONS.items())
-}
-TABLE["high"][1] = (1 << 64) - TABLE["high"][2]  # the responder's region that ends at 2^64
+TABLE = fuzz_wire.nominal_table()
 
 
 @pytest.mark.parametrize("kernels", ["compiled", "python"])

@@ -1,11 +1,16 @@
 """Wire fuzzer for the soft-iWARP engine: hostile FPDU streams against a real responder.
 
 A responder runs in a child process (so a crash is a dead process, not a lost
-exception). It listens on loopback, answers every TCP connection with a real
-MPA exchange and a fresh queue pair, and registers its memory regions as
-slices of one arena with canary bytes before and after each region. After
-every connection it checks the canaries and the regions no peer may write;
-it reports what it found over its stdin/stdout control channel.
+exception). It listens on loopback and treats every TCP connection as a user's
+handler would: two fresh PDs, memory regions registered as slices of a new
+arena with canary bytes before and after each region, CQs and a queue pair,
+receives posted, a real MPA exchange (its Reply carries the region table, for
+which the input is made), and after the input every object closed in one of
+several orders (:data:`TEARDOWNS`), the regions sometimes while the input is
+still being taken. An exception from any of those calls counts as a crash.
+Then it checks the canaries, the regions no peer may write, and that no view
+of the arena is left (it can be resized); it reports what it found over its
+stdin/stdout control channel.
 
 This side generates inputs (deterministic for a seed and an input number):
 valid Sends, Writes, Read Requests, Read Responses and Terminates, with CRC
@@ -93,59 +98,79 @@ def _pattern(n: int, salt: int) -> bytes:
     return bytes((i * 131 + salt) & 0xFF for i in range(n))
 
 
+TEARDOWNS = ("regions-first", "qp-first", "pds-first", "reverse", "shuffled", "regions-early")
+"""The orders a connection's objects are closed in (one per connection, in turn), as a
+user's handler would: its regions first (the MRs a ``serve`` handler closes after the
+disconnect, with the QP still there), the QP first, the PDs first (closing their
+children), the reverse of creation, shuffled, or the regions while the input is still
+being taken."""
+_TABLE = struct.Struct("!IQI")
+"""A region's STag, address and length in the MPA Reply's private data."""
+
+
+def pack_table(table: dict[str, list[int]]) -> bytes:
+    """The region table as private data (in :data:`_REGIONS` order)."""
+    return b"".join(_TABLE.pack(*table[name]) for name in _REGIONS)
+
+
+def unpack_table(data: bytes) -> dict[str, list[int]] | None:
+    """The table :func:`pack_table` made, or None if ``data`` is not one."""
+    if len(data) != _TABLE.size * len(_REGIONS):
+        return None
+    return {
+        name: list(_TABLE.unpack_from(data, i * _TABLE.size)) for i, name in enumerate(_REGIONS)
+    }
+
+
 class _Responder:
-    """The child: one listener, one queue pair per connection, guarded regions."""
+    """The child: one listener; per connection, as a user's handler does it, two PDs,
+    guarded regions over slices of one new arena, CQs and a QP; after the input, every
+    object closed in one of :data:`TEARDOWNS`, then the arena checked (guards, frozen
+    regions, and that no view of it is left: it can be resized)."""
 
     def __init__(self, ctx: Any) -> None:
         import rdmashim
 
         self.rdmashim = rdmashim
         self.ctx = ctx
-        self.pds = [ctx.alloc_pd(), ctx.alloc_pd()]
-        self.pd = self.pds[0]
-        size = sum(length + 2 * GUARD for length, *_ in _REGIONS.values())
-        self.arena = bytearray(_pattern(size, 7))
-        self.pristine = bytes(self.arena)
-        self.regions: dict[str, Any] = {}
-        self.starts: dict[str, int] = {}
+        self.size = sum(length + 2 * GUARD for length, *_ in _REGIONS.values())
+        self.pristine = _pattern(self.size, 7)
         self.guarded: list[tuple[str, int, int]] = []  # (name, start, end) that must not change
+        self.starts: dict[str, int] = {}
         pos = 0
         for name, (length, _, _, _, frozen) in _REGIONS.items():
             self.guarded.append((f"{name}-guard-before", pos, pos + GUARD))
             start = self.starts[name] = pos + GUARD
-            self.register(name)
             if frozen:
                 self.guarded.append((name, start, start + length))
             self.guarded.append((f"{name}-guard-after", start + length, start + length + GUARD))
             pos = start + length + GUARD
         self.connections = 0
         self.strays: list[dict] = []
+        self.teardown_errors: list[dict] = []
         self.internal = _Internal()
 
-    def register(self, name: str) -> None:
-        """(Re-)register a region: a peer's Send with Invalidate may have invalidated it."""
-        length, names, pd_index, iova, _ = _REGIONS[name]
-        access = self.rdmashim.Access.NONE
-        for a in names:
-            access |= self.rdmashim.Access[a]
-        start = self.starts[name]
-        view = memoryview(self.arena)[start : start + length]
-        self.regions[name] = self.pds[pd_index].reg_mr(view, access, iova=iova)
+    def register(self, pds: list[Any], arena: bytearray) -> dict[str, Any]:
+        """The connection's regions, as slices of its arena."""
+        regions = {}
+        view = memoryview(arena)
+        for name, (length, names, pd_index, iova, _) in _REGIONS.items():
+            access = self.rdmashim.Access.NONE
+            for a in names:
+                access |= self.rdmashim.Access[a]
+            start = self.starts[name]
+            regions[name] = pds[pd_index].reg_mr(view[start : start + length], access, iova=iova)
+        view.release()
+        return regions
 
-    def revalidate(self) -> None:
-        for name, mr in self.regions.items():
-            if self.ctx.memory.lookup(mr.rkey) is None:
-                mr.close()
-                self.register(name)
-
-    def table(self) -> dict[str, list[int]]:
-        return {n: [mr.rkey, mr.iova, mr.length] for n, mr in self.regions.items()}
-
-    def check_guards(self, peer: int) -> None:
+    def check(self, peer: int, arena: bytearray) -> None:
         for name, start, end in self.guarded:
-            if self.arena[start:end] != self.pristine[start:end]:
+            if arena[start:end] != self.pristine[start:end]:
                 self.strays.append({"peer_port": peer, "zone": name})
-                self.arena[start:end] = self.pristine[start:end]
+        try:
+            arena.extend(b"\0")  # fails while anything still holds a view of the arena
+        except BufferError as exc:
+            self.teardown_errors.append({"peer_port": peer, "error": f"arena still viewed: {exc}"})
 
     async def serve(self, listener: trio.SocketListener) -> None:
         async with trio.open_nursery() as nursery:
@@ -159,6 +184,7 @@ class _Responder:
         from rdmashim.verbs.softiwarp.terminate import ProtocolError
 
         rdmashim = self.rdmashim
+        teardown = TEARDOWNS[self.connections % len(TEARDOWNS)]
         self.connections += 1
         try:
             peer = stream.socket.getpeername()[1]
@@ -171,38 +197,66 @@ class _Responder:
         except expected:
             await trio.aclose_forcefully(stream)
             return
+        arena = bytearray(self.pristine)
+        pds = [self.ctx.alloc_pd(), self.ctx.alloc_pd()]
+        regions = self.register(pds, arena)
         scq, rcq = self.ctx.create_cq(64), self.ctx.create_cq(64)
-        qp = self.pd.create_qp(
+        qp = pds[0].create_qp(
             send_cq=scq,
             recv_cq=rcq,
             cap=rdmashim.QPCap(max_send_wr=8, max_recv_wr=RECVS, max_send_sge=1, max_recv_sge=1),
         )
-        recv = self.regions["recv"]
+        recv = regions["recv"]
         qp.post_recv(
             [
                 rdmashim.RecvWR(i, [rdmashim.SGE(recv.addr + i * RECV_SIZE, RECV_SIZE, recv.lkey)])
                 for i in range(RECVS)
             ]
         )
+        table = {n: [mr.rkey, mr.iova, mr.length] for n, mr in regions.items()}
+        objects: dict[str, Any] = {f"mr-{n}": mr for n, mr in regions.items()}
+        objects |= {"qp": qp, "send_cq": scq, "recv_cq": rcq, "pd0": pds[0], "pd1": pds[1]}
         try:
-            await accept_qp(qp, stream, request, options=MpaOptions(crc=False, ird=4, ord=4))
-            sink = self.regions["sink"]
+            options = MpaOptions(crc=False, ird=4, ord=4)
+            await accept_qp(qp, stream, request, private_data=pack_table(table), options=options)
+            sink = regions["sink"]
             qp.post_send(
                 rdmashim.SendWR(
                     1, rdmashim.WROpcode.RDMA_READ, [sink.sge()], rdmashim.SendFlags.SIGNALED,
                     READ_TO, READ_STAG,
                 )
             )  # fmt: skip
+            if teardown == "regions-early":  # while the input is being taken
+                await trio.sleep(0.001 * (self.connections % 4))
+                self.close(peer, {k: v for k, v in objects.items() if k.startswith("mr-")})
             with trio.move_on_after(30):
                 await qp.wait_closed()
         except expected:
             await trio.aclose_forcefully(stream)
         finally:
-            qp.close()
-            scq.close()
-            rcq.close()
-            self.check_guards(peer)
-            self.revalidate()
+            names = list(objects)
+            if teardown == "regions-first" or teardown == "regions-early":
+                names.sort(key=lambda n: not n.startswith("mr-"))
+            elif teardown == "qp-first":
+                names.sort(key=lambda n: n != "qp")
+            elif teardown == "pds-first":
+                names.sort(key=lambda n: not n.startswith("pd"))
+            elif teardown == "reverse":
+                names.reverse()
+            else:
+                random.Random(self.connections).shuffle(names)
+            self.close(peer, {n: objects[n] for n in names})
+            self.check(peer, arena)
+
+    def close(self, peer: int, objects: dict[str, Any]) -> None:
+        """Close each object as a user does; an exception from any is a finding."""
+        for name, obj in objects.items():
+            try:
+                obj.close()
+            except Exception as exc:
+                self.teardown_errors.append(
+                    {"peer_port": peer, "error": f"{name}.close(): {type(exc).__name__}: {exc}"}
+                )
 
     async def control(self) -> None:
         stdin = trio.lowlevel.FdStream(os.dup(0))
@@ -215,13 +269,14 @@ class _Responder:
             while b"\n" in buf:
                 _, buf = buf.split(b"\n", 1)
                 strays, self.strays = self.strays, []
+                teardown, self.teardown_errors = self.teardown_errors, []
                 internal, self.internal.records = self.internal.records, []
                 _emit(
                     {
                         "connections": self.connections,
                         "strays": strays,
+                        "teardown_errors": teardown,
                         "internal_errors": internal,
-                        "regions": self.table(),
                     }
                 )
 
@@ -253,7 +308,7 @@ async def _responder_main() -> None:
         responder = _Responder(ctx)
         responder.internal = internal
         (listener,) = await trio.open_tcp_listeners(0, host="127.0.0.1", backlog=512)
-        _emit({"port": listener.socket.getsockname()[1], "regions": responder.table()})
+        _emit({"port": listener.socket.getsockname()[1]})
         async with trio.open_nursery() as nursery:
             nursery.start_soon(responder.serve, listener)
             nursery.start_soon(responder.control)
@@ -284,6 +339,16 @@ class Case:
     note: str = ""
 
 
+def nominal_table() -> dict[str, list[int]]:
+    """A region table of made-up STags and addresses (the shape of a responder's)."""
+    table = {
+        name: [0x1234 + i * 256, 0x10000 * (i + 1), length]
+        for i, (name, (length, *_)) in enumerate(_REGIONS.items())
+    }
+    table["high"][1] = (1 << 64) - table["high"][2]  # the region that ends at 2^64
+    return table
+
+
 def frame(fpdus: list[Fpdu], crc: bool) -> bytes:
     """The FPDUs on the wire: length, header, payload, PAD and CRC32c (or zeros)."""
     out = bytearray()
@@ -312,15 +377,22 @@ class Generator:
         self.classes = classes
 
     def case(self, seed: int, index: int) -> Case:
+        """Input ``index`` of ``seed``, made for :attr:`regions` (its class, CRC and MPA
+        Request are the same for any table)."""
+        rng, case = self.head(seed, index)
+        case.fpdus = self.seed_fpdus(rng)
+        getattr(self, f"_m_{case.cls}")(rng, case)
+        if not case.stream:
+            case.stream = frame(case.fpdus, case.crc)
+        return case
+
+    def head(self, seed: int, index: int) -> tuple[random.Random, Case]:
+        """Input ``index`` of ``seed`` up to its MPA Request (its class and CRC), with the
+        random state the rest is made from."""
         rng = random.Random(seed * 1_000_003 + index)
         cls = rng.choice(self.classes)
         crc = rng.random() < 0.75
-        case = Case(index, cls, crc, self.request(crc))
-        case.fpdus = self.seed_fpdus(rng)
-        getattr(self, f"_m_{cls}")(rng, case)
-        if not case.stream:
-            case.stream = frame(case.fpdus, crc)
-        return case
+        return rng, Case(index, cls, crc, self.request(crc))
 
     @staticmethod
     def request(crc: bool, private_data: bytes = b"fuzz") -> bytes:
@@ -588,7 +660,9 @@ class Child:
         self.log_path = log_path
         self.proc: trio.Process | None = None
         self.port = 0
-        self.regions: dict[str, list[int]] = {}
+        self.regions = nominal_table()
+        """The region table inputs are made for until a connection's MPA Reply brings the
+        real one (each connection registers its regions anew)."""
         self._buf = b""
         self._lock = trio.Lock()
         self.generation = 0
@@ -609,7 +683,6 @@ class Child:
         self._buf = b""
         hello = await self._line(30)
         self.port = hello["port"]
-        self.regions = hello["regions"]
         self.generation += 1
 
     @property
@@ -658,8 +731,12 @@ class Outcome:
     """Seconds from our FIN after the input to the responder's close."""
 
 
-async def exchange(port: int, case: Case) -> Outcome:
-    """One connection: MPA Request, the input, FIN; then what the responder did."""
+async def exchange(
+    port: int, case: Case, remake: Callable[[dict[str, list[int]] | None], Case] | None = None
+) -> Outcome:
+    """One connection: MPA Request, the input, FIN; then what the responder did. With
+    ``remake``, the input is made (from its head) for the region table the MPA Reply
+    carries (None: the Reply had none)."""
     try:
         with trio.fail_after(REPLY_TIMEOUT):
             stream = await trio.open_tcp_stream("127.0.0.1", port)
@@ -668,7 +745,7 @@ async def exchange(port: int, case: Case) -> Outcome:
     sock = stream.socket
     port = sock.getsockname()[1]
     try:
-        outcome = await _exchange(stream, case)
+        outcome = await _exchange(stream, case, remake)
     finally:
         with contextlib.suppress(OSError):
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
@@ -677,7 +754,11 @@ async def exchange(port: int, case: Case) -> Outcome:
     return outcome
 
 
-async def _exchange(stream: trio.SocketStream, case: Case) -> Outcome:
+async def _exchange(
+    stream: trio.SocketStream,
+    case: Case,
+    remake: Callable[[dict[str, list[int]] | None], Case] | None,
+) -> Outcome:
     received = bytearray()
     crc = case.crc
     reply_len = None
@@ -697,6 +778,8 @@ async def _exchange(stream: trio.SocketStream, case: Case) -> Outcome:
                         if reply.reject:
                             return Outcome("reject")
                         crc = reply.crc
+                        if remake is not None:
+                            case = remake(unpack_table(reply.private_data))
         stage = "input not taken"
         with trio.fail_after(REPLY_TIMEOUT):
             await stream.send_all(case.stream)
@@ -810,7 +893,6 @@ async def _fuzz(
             )
             await child.stop()
             await child.start()
-            gen.regions = child.regions
 
     async def collect_strays() -> None:
         if not child.alive:
@@ -819,8 +901,10 @@ async def _fuzz(
             status = await child.status()
         except (ConnectionError, trio.TooSlowError, trio.BrokenResourceError):
             return
-        gen.regions = status["regions"]
         stats.internal_errors += status["internal_errors"]
+        for error in status["teardown_errors"]:
+            error["input"] = ports.get(error["peer_port"])
+            stats.crashes.append({"teardown": error})
         for stray in status["strays"]:
             origin = ports.get(stray["peer_port"])
             stray["input"] = origin
@@ -832,9 +916,17 @@ async def _fuzz(
             if time.monotonic() > deadline:
                 return
             generation = child.generation
-            case = gen.case(seed, index)
+            _, case = gen.head(seed, index)
             in_flight[wid] = (index, case.cls)
-            outcome = await exchange(child.port, case)
+            if case.cls == "mpa":  # the Request is the input: made now, for the last table
+                outcome = await exchange(child.port, gen.case(seed, index))
+            else:
+
+                def remake(table: dict[str, list[int]] | None, index: int = index) -> Case:
+                    gen.regions = table or gen.regions  # the latest, for the MPA class
+                    return gen.case(seed, index)
+
+                outcome = await exchange(child.port, case, remake)
             del in_flight[wid]
             ports[outcome.port] = (index, case.cls, case.note)
             if len(ports) > 20000:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import logging
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -22,6 +23,8 @@ from rdmashim.verbs.wr import SGE
 
 if TYPE_CHECKING:
     from typing_extensions import Buffer
+
+log = logging.getLogger(__name__)
 
 PYBUF_SIMPLE = 0
 PYBUF_WRITABLE = 0x0001
@@ -63,11 +66,19 @@ class PinnedBuffer:
     _export: _PyBuffer | None
 
     def release(self) -> None:
-        """Let the buffer move again (idempotent)."""
+        """Let the buffer move again (idempotent); never raises.
+
+        The view is released too unless somebody still holds a buffer of it (the
+        user's own ``numpy.frombuffer(mr.buf)``, say): that view then lives until its
+        last holder lets go, as any memoryview does, but no longer pins the buffer
+        for the registration."""
         if self._export is not None:
             _release_buffer(ctypes.byref(self._export))
             self._export = None
-            self.view.release()
+            try:
+                self.view.release()
+            except BufferError:
+                log.debug("a view of a released buffer is still exported; it stays")
 
 
 def pin(obj: Buffer, *, writable: bool, operation: str = "reg_mr") -> PinnedBuffer:

@@ -36,6 +36,7 @@ import trio
 
 from rdmashim.verbs import busypoll, lending
 from rdmashim.verbs.softiwarp.engine import Chunk, Engine, EngineState
+from rdmashim.verbs.softiwarp.memory import Region
 
 log = logging.getLogger(__name__)
 
@@ -80,6 +81,14 @@ class Link:
         """Whether the socket is lent (:meth:`_lend`)."""
         self.after_receive: Callable[[], None] = lambda: None
         """Called in the receive task after each batch of received bytes is processed."""
+        engine.memory.watch(self)
+
+    def revoke(self, region: Region) -> None:
+        """``region`` is being deregistered (the link is a :class:`~.memory.Holder`): the
+        FPDUs waiting for room in the socket may hold views of it; they are copied, so
+        they still go out whole (the stream stays framed) and hold no view."""
+        if self._pending:
+            self._pending = [bytes(chunk) for chunk in self._pending]
 
     # ------------------------------------------------------------------ transmit
     def kick(self) -> None:
@@ -378,6 +387,8 @@ class Link:
                 log.exception("QP %d: flushing after the error failed", self.engine.qp_num)
         finally:
             self._rx_stopped = True
+            self._pending = []  # never written now: no view of a region stays here
+            self.engine.memory.unwatch(self)
             self._loan.end()
             self._wait.close()  # a waiter in read_until returns
             self.sock.close()

@@ -21,6 +21,7 @@ work; so does a Terminate from the peer or the loss of the connection.
 from __future__ import annotations
 
 import logging
+import traceback
 from array import array
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
@@ -372,6 +373,7 @@ class _ReadResponse:
     sink_stag: int
     sink_to: int
     source: memoryview
+    src_stag: int
 
 
 @dataclass(eq=False, slots=True)
@@ -438,6 +440,8 @@ class Engine:
         """The FPDUs of the message being sent: their buffers (trailers included), whether
         they end the message, their bytes."""
         self._current_job: SendJob | None = None
+        self._current_stags: tuple[int, ...] = ()
+        """The STags of the local memory :attr:`_current` reads."""
         self._burst_done: list[SendJob | SendRun] = []
         self._terminate: bytes | None = None
         self._control: list[Chunk] = []
@@ -470,6 +474,7 @@ class Engine:
         """Entries of the runs in the SQ beyond one each (``sq_depth`` counts entries)."""
         self.bytes_sent = 0
         self.bytes_received = 0
+        self.memory.watch(self)
 
     # ------------------------------------------------------------------ setup
     def start(self, config: EngineConfig) -> None:
@@ -788,6 +793,7 @@ class Engine:
                 Opcode.READ_RESPONSE, resp.sink_stag, resp.sink_to, [resp.source]
             )
             self._current_job = None
+            self._current_stags = (resp.src_stag,)
             return True
         if not self._sq or not self._sq_head_may_start():
             return False
@@ -796,6 +802,7 @@ class Engine:
         self._sq_order.append(job)
         self._current_job = job
         self._current = self._job_fpdus(job)
+        self._current_stags = () if job.inline is not None else tuple(s.lkey for s in job.sges)
         return True
 
     def _local_segments(self, job: SendJob) -> list[memoryview]:
@@ -1524,7 +1531,7 @@ class Engine:
                     raise ProtocolError(
                         str(exc), exc.violation.rdmap_code(), header=hdr, quote_rdmap=True
                     ) from exc
-            self._irq.append(_ReadResponse(hdr.sink_stag, hdr.sink_to, source))
+            self._irq.append(_ReadResponse(hdr.sink_stag, hdr.sink_to, source, hdr.src_stag))
             self._responding += 1
         elif op is Opcode.TERMINATE:
             assert self._term_body is not None
@@ -1537,7 +1544,9 @@ class Engine:
 
     def _read_done(self) -> None:
         """The Read at the head of the ORQ received all of its response."""
-        self._orq.popleft().done = True
+        job = self._orq.popleft()
+        job.done = True
+        job.sink = None  # placed: no view of the sink beyond its completion
         self._drain_sq_order()
 
     # ------------------------------------------------------------------ errors
@@ -1596,8 +1605,12 @@ class Engine:
     def _enter_error(self, exc: Exception, remote: ddp.Terminate | None = None) -> None:
         if self.state is _ERROR:
             return
+        _clear_frames(exc)  # what the failed calls' frames held (views of regions) goes
+        self.memory.unwatch(self)  # from here on the engine holds no view of a region
         self.error = self.error or exc
         self._rx = _RX_DISCARD
+        self._targets = []
+        self._direct = None
         self.state = EngineState.TERMINATE if self._terminate is not None else EngineState.ERROR
         # The Read whose Request the peer's Terminate quotes gets the remote status.
         quoted = _quoted_read_request(remote) if remote is not None else None
@@ -1617,7 +1630,10 @@ class Engine:
             self._current_job.status = WCStatus.WR_FLUSH_ERR
         self._current = None
         self._current_job = None
+        self._current_stags = ()
         for entry in self._sq_order:
+            if isinstance(entry, SendJob):
+                entry.sink = None
             if not entry.done:
                 entry.done = True
                 entry.status = WCStatus.WR_FLUSH_ERR
@@ -1636,6 +1652,47 @@ class Engine:
             self._rx_send = None
             self.on_recv_wc(WC(msg.job.wr_id, WCStatus.WR_FLUSH_ERR, WCOpcode.RECV, 0, self.qp_num))
         self.on_fatal(exc)
+
+    # ------------------------------------------------------------------ memory
+    def revoke(self, region: Region) -> None:
+        """``region`` is being deregistered (the engine is a :class:`~.memory.Holder`).
+
+        Work that the QP has started on it (a Send being received into it, a Write
+        being placed into it, a Read whose sink it is, a message or Read Response
+        being sent from it) can neither finish nor keep a view of it: that work
+        completes with LOC_PROT_ERR, the peer gets a Terminate and the QP goes to
+        ERROR, which drops every view. Work not started yet checks its memory when it
+        starts, as always.
+        """
+        stag = region.stag
+        msg = self._rx_send
+        hdr = self._hdr
+        reads = [job for job in self._orq if job.sges and job.sges[0].lkey == stag]
+        receiving = msg is not None and any(s.lkey == stag for s in msg.job.sges)
+        sending = self._current is not None and stag in self._current_stags
+        writing = bool(self._targets) and hdr is not None and hdr.opcode is Opcode.WRITE
+        if not (
+            reads
+            or receiving
+            or sending
+            or (writing and hdr is not None and hdr.stag == stag)
+            or any(resp.src_stag == stag for resp in self._irq)
+        ):
+            return
+        log.warning("QP %d: memory region %#010x deregistered while in use", self.qp_num, stag)
+        for job in reads:
+            job.status, job.done = WCStatus.LOC_PROT_ERR, True
+        if sending and self._current_job is not None:
+            self._current_job.status, self._current_job.done = WCStatus.LOC_PROT_ERR, True
+        if receiving and msg is not None:
+            self._rx_send = None
+            self.on_recv_wc(WC(msg.job.wr_id, WCStatus.LOC_PROT_ERR, WCOpcode.RECV, 0, self.qp_num))
+        error = ProtocolError(
+            f"local protection error: memory region {stag:#010x} deregistered while in use",
+            RDMAP_LOCAL_CATASTROPHIC,
+        )
+        self._send_terminate(ddp.Terminate(error.code))
+        self._enter_error(error)
 
     def flush_recv(self, jobs: Sequence[RecvJob]) -> None:
         """Complete receives of a QP in ERROR with WR_FLUSH_ERR."""
@@ -1667,6 +1724,22 @@ class Engine:
             return
         byte_len = job.length if job.opcode is WROpcode.RDMA_READ else 0
         self.on_send_wc(WC(job.wr_id, status, _WC_OPCODE[job.opcode], byte_len, self.qp_num))
+
+
+def _clear_frames(exc: BaseException) -> None:
+    """Drop the locals of the finished frames an exception's tracebacks hold (and those
+    of the exceptions it was raised from): kept as a QP's error, it must not keep views
+    of registered memory, or anything else a frame held, alive."""
+    seen: set[int] = set()
+    pending: list[BaseException | None] = [exc]
+    while pending:
+        e = pending.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        if e.__traceback__ is not None:
+            traceback.clear_frames(e.__traceback__)
+        pending += (e.__cause__, e.__context__)
 
 
 def _each(callback: Callable[[WC], None]) -> Callable[[list[WC]], None]:

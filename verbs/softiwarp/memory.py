@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import os
 import threading
+import weakref
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import Protocol
 
 from rdmashim.verbs.enums import Access
 from rdmashim.verbs.softiwarp.terminate import (
@@ -120,12 +122,36 @@ class Region:
         self.rights = int(self.access)
 
 
+class Holder(Protocol):
+    """What may hold views of registered memory beyond one call (an engine's message in
+    progress, a driver's bytes not yet written): told of each deregistration, it drops
+    every view it holds into that region before the deregistration returns."""
+
+    def revoke(self, region: Region) -> None:
+        """``region`` is being deregistered: drop every view of it held."""
+
+
 @dataclass(slots=True)
 class MemoryTable:
-    """All regions of one device, by STag index."""
+    """All regions of one device, by STag index.
+
+    Deregistration is the one release point of a region's memory: the table marks the
+    region invalid (no check passes for it from then on) and has every :class:`Holder`
+    watching the table drop its views of the region, so nothing is placed into it, or
+    read from it, after :meth:`deregister` returns.
+    """
 
     _regions: dict[int, Region] = field(default_factory=dict)
     _tokens: dict[object, object] = field(default_factory=dict)
+    _holders: weakref.WeakSet[Holder] = field(default_factory=weakref.WeakSet)
+
+    def watch(self, holder: Holder) -> None:
+        """Tell ``holder`` of every deregistration from now on (for as long as it lives)."""
+        self._holders.add(holder)
+
+    def unwatch(self, holder: Holder) -> None:
+        """Stop telling ``holder`` (it holds no view any more, and never will)."""
+        self._holders.discard(holder)
 
     def token(self, pd: object) -> object:
         """An object that stays the same for ``pd`` until a region is deregistered or
@@ -149,11 +175,14 @@ class MemoryTable:
         return region
 
     def deregister(self, region: Region) -> None:
-        """Remove a region; its STag is invalid from now on."""
+        """Remove a region; its STag is invalid from now on, and no holder keeps a view
+        of it."""
         region.valid = False
-        region.handle = None
         self._tokens.clear()
         self._regions.pop(region.stag >> 8, None)
+        for holder in list(self._holders):
+            holder.revoke(region)
+        region.handle = None
 
     def lookup(self, stag: int) -> Region | None:
         """The valid region an STag names, or None."""
