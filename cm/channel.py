@@ -141,7 +141,7 @@ class EventChannel:
         """Queue an event for the application (its backend calls this); none after close."""
         if self._closed:
             return
-        event = CMEvent(kind, cm_id, status, private_data, param, listen_id, detail, self)
+        event = CMEvent(kind, cm_id, status, private_data, param, listen_id, detail, channel=self)
         log.debug("cm event %s", event)
         self.unacked += 1
         self._send.send_nowait(event)

@@ -30,7 +30,8 @@ import errno
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import NamedTuple
 
 import trio
 
@@ -98,24 +99,36 @@ class _OnId:
     """What a connection and a connection request tell about their CM id, and the
     verbs resources they hold."""
 
-    id: CMId
-    pd: PD
-    send_cq: CQ
-    recv_cq: CQ
-    qp: QP
-    own_pd: bool
-    """Whether the PD was made for this connection (else it is shared and stays)."""
-    _router: _Router | None
+    __slots__ = {
+        "_resources": "The verbs resources made for the connection, and whether the PD was.",
+        "_router": "Delivers the id's CM events.",
+        "id": "The CM id (``rdma_cm_id``): addresses, state, negotiated transport options.",
+        "pd": "The protection domain of the QP: register the connection's regions here.",
+        "private_data": "What the peer sent with its connect (a request) or its accept.",
+        "qp": "The queue pair: ``post_send``, ``post_recv`` and their batches.",
+        "recv_cq": "The CQ receives complete in: ``send_cq`` too, unless ``separate_cqs``.",
+        "send_cq": "The CQ the QP's Sends, RDMA Writes and Reads complete in.",
+    }
+
+    def __init__(
+        self, cm_id: CMId, resources: _Resources, private_data: bytes, router: _Router
+    ) -> None:
+        self.id = cm_id
+        self.pd, self.send_cq, self.recv_cq, self.qp, _ = self._resources = resources
+        self.private_data = private_data
+        self._router = router
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.id.local_addr} with {self.id.peer_addr}>"
 
     def _release(self) -> None:
         """Destroy the QP and CQs, and the PD unless it is shared, and stop routing the
         id's events (idempotent)."""
-        if self._router is not None:
-            self._router.forget(self.id)
+        self._router.forget(self.id)
         self.qp.close()
         self.send_cq.close()
         self.recv_cq.close()
-        if self.own_pd:
+        if self._resources.own_pd:
             self.pd.close()
 
     @property
@@ -144,25 +157,31 @@ class _OnId:
         return _address(self.id.peer_addr)
 
 
-@dataclass(eq=False)
 class Connection(_OnId):
-    """An established connection and the verbs resources it runs on."""
+    """An established connection and the verbs resources it runs on (from
+    :func:`open_connection`, or a :func:`serve` handler's ``accept``).
 
-    id: CMId
-    pd: PD
-    send_cq: CQ
-    recv_cq: CQ
-    qp: QP
-    private_data: bytes = b""
-    """What the peer sent in its connect or accept."""
-    own_pd: bool = True
-    _router: _Router | None = None
-    _disconnected: trio.Event = field(default_factory=trio.Event)
-    _closed: trio.Event = field(default_factory=trio.Event)
-    _released: bool = False
+    Post work on ``qp``, poll ``cq`` (or ``send_cq`` and ``recv_cq``), register
+    regions on ``pd``; ``private_data`` is what the peer said in its accept (or
+    connect). Leaving ``open_connection``'s block, or the handler returning,
+    closes it.
+    """
+
+    __slots__ = {
+        "_closed": "Set when the TCP connection is gone too (TIMEWAIT_EXIT).",
+        "_disconnected": "Set when the connection ended, from either side.",
+        "_released": "Whether aclose ran.",
+    }
+
+    def __init__(
+        self, cm_id: CMId, resources: _Resources, private_data: bytes, router: _Router
+    ) -> None:
+        super().__init__(cm_id, resources, private_data, router)
+        self._disconnected = trio.Event()
+        self._closed = trio.Event()
+        self._released = False
 
     async def _follow(self) -> None:
-        assert self._router is not None
         while not self._closed.is_set():
             try:
                 event = await self._router.next(self.id)
@@ -228,6 +247,16 @@ def _context_of(cm_id: CMId) -> Context:
     return context
 
 
+class _Resources(NamedTuple):
+    """What a connection runs on; ``own_pd``: the PD was made for it (else it is shared)."""
+
+    pd: PD
+    send_cq: CQ
+    recv_cq: CQ
+    qp: QP
+    own_pd: bool
+
+
 @dataclass(frozen=True)
 class _Plan:
     """What each connection gets: its QP's ``cap``, CQs of ``cqe`` entries (one for both
@@ -238,7 +267,7 @@ class _Plan:
     pd: PD | None
     separate_cqs: bool
 
-    def make(self, cm_id: CMId) -> tuple[PD, CQ, CQ, QP]:
+    def make(self, cm_id: CMId) -> _Resources:
         """The PD, send CQ, receive CQ and QP of a connection on the id's device."""
         context = _context_of(cm_id)
         conn_pd = context.alloc_pd() if self.pd is None else self.pd
@@ -255,7 +284,7 @@ class _Plan:
             if self.pd is None:
                 conn_pd.close()
             raise
-        return conn_pd, send_cq, recv_cq, qp
+        return _Resources(conn_pd, send_cq, recv_cq, qp, own_pd=self.pd is None)
 
 
 def _contexts_of(pd: PD | None) -> tuple[Context, ...]:
@@ -318,10 +347,7 @@ async def open_connection(
             await _expect(router, cm_id, E.ADDR_RESOLVED, (host, port))
             cm_id.resolve_route()
             await _expect(router, cm_id, E.ROUTE_RESOLVED, (host, port))
-            conn_pd, send_cq, recv_cq, qp = plan.make(cm_id)
-            conn = Connection(
-                cm_id, conn_pd, send_cq, recv_cq, qp, own_pd=pd is None, _router=router
-            )
+            conn = Connection(cm_id, plan.make(cm_id), b"", router)
             if options is not None:
                 cm_id.options = options
             cm_id.connect_timeout = connect_timeout
@@ -349,25 +375,30 @@ async def open_connection(
                 await conn.aclose()
 
 
-@dataclass(eq=False)
 class ConnectionRequest(_OnId):
     """An incoming connection, given to a :func:`serve` handler.
 
-    The PD, CQ and QP exist already: post receives before accepting.
+    The PD, CQ(s) and QP exist already: post receives before accepting (the peer
+    may send as soon as it is connected). ``private_data`` is what the peer sent
+    with its connect, ``param`` its IRD/ORD wishes; then ``await accept(...)``
+    (which returns the :class:`Connection`) or ``await reject(...)``.
     """
 
-    id: CMId
-    private_data: bytes
-    param: ConnParam
-    pd: PD
-    send_cq: CQ
-    recv_cq: CQ
-    qp: QP
-    _router: _Router
-    own_pd: bool = True
-    _connection: Connection | None = None
-    _answered: bool = False
-    _setup_failure: CMError | None = None
+    __slots__ = {
+        "_answered": "Whether accept or reject was called.",
+        "_connection": "The connection once accepted.",
+        "_setup_failure": "The CMError accept raised because the peer went away.",
+        "param": "The peer's wishes from our side: the RDMA Reads it wants us to serve "
+        "(``responder_resources``) and to issue (``initiator_depth``).",
+    }
+
+    def __init__(self, event: CMEvent, resources: _Resources, router: _Router) -> None:
+        super().__init__(event.id, resources, event.private_data, router)
+        assert event.param is not None, "a CONNECT_REQUEST carries the peer's parameters"
+        self.param = event.param
+        self._connection: Connection | None = None
+        self._answered = False
+        self._setup_failure: CMError | None = None
 
     async def accept(
         self,
@@ -392,10 +423,7 @@ class ConnectionRequest(_OnId):
         except CMError as exc:
             self._setup_failure = exc
             raise
-        conn = Connection(
-            self.id, self.pd, self.send_cq, self.recv_cq, self.qp, self.private_data,
-            own_pd=self.own_pd, _router=self._router,
-        )  # fmt: skip
+        conn = Connection(self.id, self._resources, self.private_data, self._router)
         self._router.channel.nursery.start_soon(conn._follow)
         self._connection = conn
         return conn
@@ -479,19 +507,15 @@ def _start_handler(
     plan: _Plan,
 ) -> None:
     """Make a CONNECT_REQUEST's resources and run ``handler`` on it (or reject it)."""
-    assert event.param is not None
     try:
-        conn_pd, send_cq, recv_cq, qp = plan.make(event.id)
+        resources = plan.make(event.id)
     except VerbsError as exc:  # e.g. the request came in on another device
         log.warning("connection from %s refused: %s", event.id.peer_addr, exc)
         event.id.reject(b"")
         event.id.destroy()
         router.forget(event.id)
         return
-    request = ConnectionRequest(
-        event.id, event.private_data, event.param, conn_pd, send_cq, recv_cq, qp, router,
-        own_pd=plan.pd is None,
-    )  # fmt: skip
+    request = ConnectionRequest(event, resources, router)
     nursery.start_soon(_run_handler, handler, request)
 
 

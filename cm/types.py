@@ -148,29 +148,54 @@ class ConnParam:
     qp_num: int = 0
 
 
-@dataclass(frozen=True, slots=True)
 class CMEvent:
     """``struct rdma_cm_event``: what happened to which id.
 
-    ``status`` is 0 or a negative errno, as librdmacm reports it. For
-    CONNECT_REQUEST ``id`` is the new id of the incoming connection and
+    Take one with ``await channel.get_event()`` and acknowledge it with
+    :meth:`ack`. ``status`` is 0 or a negative errno, as librdmacm reports it.
+    For CONNECT_REQUEST ``id`` is the new id of the incoming connection and
     ``listen_id`` the listening one.
     """
 
-    event: CMEventType
-    id: CMId
-    status: int = 0
-    private_data: bytes = b""
-    param: ConnParam | None = None
-    listen_id: CMId | None = None
-    detail: str = ""
-    """What went wrong, in words, for error events."""
-    _channel: ChannelHost | None = None
+    __slots__ = {
+        "_channel": "The channel to acknowledge to.",
+        "detail": "What went wrong, in the backend's words, for error events (else empty).",
+        "event": "The kind of event (:class:`CMEventType`), ``event->event``.",
+        "id": "The CM id it happened to (a new one for CONNECT_REQUEST), ``event->id``.",
+        "listen_id": "For CONNECT_REQUEST, the listening id it arrived on (else None).",
+        "param": "The peer's :class:`ConnParam` (CONNECT_REQUEST, ESTABLISHED), else None.",
+        "private_data": "The peer's private data (CONNECT_REQUEST, ESTABLISHED, REJECTED).",
+        "status": "0, or a negative errno saying why (``event->status``).",
+    }
+
+    def __init__(
+        self,
+        event: CMEventType,
+        id: CMId,
+        status: int = 0,
+        private_data: bytes = b"",
+        param: ConnParam | None = None,
+        listen_id: CMId | None = None,
+        detail: str = "",
+        *,
+        channel: ChannelHost | None = None,
+    ) -> None:
+        self.event = event
+        self.id = id
+        self.status = status
+        self.private_data = private_data
+        self.param = param
+        self.listen_id = listen_id
+        self.detail = detail
+        self._channel = channel
 
     def ack(self) -> None:
         """Acknowledge the event (``rdma_ack_cm_event``); destroying an id waits for it."""
         if self._channel is not None:
             self._channel.ack(self)
+
+    def __repr__(self) -> str:
+        return f"<CMEvent {self}>"
 
     @property
     def reason(self) -> str:

@@ -14,34 +14,35 @@ soft-iWARP engine, which needs nothing but TCP::
     trio.run(main)
 """
 
-from __future__ import annotations
+from collections.abc import AsyncIterator as _AsyncIterator
+from contextlib import asynccontextmanager as _asynccontextmanager
 
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
-
-from rdmashim.registry import chosen_backend, load_backend
+from rdmashim.registry import chosen_backend
+from rdmashim.registry import load_backend as _load_backend
 from rdmashim.verbs import *  # noqa: F403
 from rdmashim.verbs import __all__ as _verbs_all
-from rdmashim.verbs.abc import Context, Device
+from rdmashim.verbs.abc import Context as _Context
+from rdmashim.verbs.abc import Device as _Device
 
 __version__ = "0.1.0"
 
 
-def get_device_list(*, backend: str | None = None) -> list[Device]:
+def get_device_list(*, backend: str | None = None) -> list[_Device]:
     """Devices of the chosen backend (``RDMASHIM_BACKEND``, default softiwarp)."""
-    return load_backend(backend).get_device_list()
+    return _load_backend(backend).get_device_list()
 
 
-@asynccontextmanager
+@_asynccontextmanager
 async def open_device(
     name: str | None = None, *, backend: str | None = None
-) -> AsyncIterator[Context]:
+) -> _AsyncIterator[_Context]:
     """Open a device of the chosen backend as an async context manager.
 
     The context satisfies :class:`rdmashim.verbs.abc.Context` on every backend.
     """
-    async with load_backend(backend).open_device(name) as ctx:
+    async with _load_backend(backend).open_device(name) as ctx:
         yield ctx
 
 
 __all__ = ["__version__", "chosen_backend", "get_device_list", "open_device", *_verbs_all]
+del _verbs_all

@@ -1,4 +1,44 @@
 """RDS: reliable, ordered datagrams between (IP, port) endpoints.
 
-All sockets of two nodes share one RC connection.
+All sockets of two nodes share one RC connection (or one TCP connection with
+``transport="tcp"``)::
+
+    from rdmashim.ulps.rds import RdsNode
+
+    async with RdsNode("10.0.0.1") as node:
+        sock = node.bind(4000)
+        await sock.sendto(b"hello", ("10.0.0.2", 4000))
+        data, (ip, port) = await sock.recvfrom()
+
+``docs/rds.md`` describes the nodes, the wire, flow control and RDMA by cookie.
 """
+
+from rdmashim.ulps.rds.node import RdsError, RdsNode, RdsSocket, ReceivedMessage, default_port
+from rdmashim.ulps.rds.rdma import RdmaOp, RdmaStatus, cookie_offset, cookie_rkey, make_cookie
+from rdmashim.ulps.rds.settings import RdsSettings
+from rdmashim.ulps.rds.wire import (
+    RDS_CM_PORT,
+    RDS_MAX_MSG_SIZE,
+    RDS_PORT,
+    RDS_TCP_PORT,
+    RdsProtocolError,
+)
+
+__all__ = [
+    "RDS_CM_PORT",
+    "RDS_MAX_MSG_SIZE",
+    "RDS_PORT",
+    "RDS_TCP_PORT",
+    "RdmaOp",
+    "RdmaStatus",
+    "RdsError",
+    "RdsNode",
+    "RdsProtocolError",
+    "RdsSettings",
+    "RdsSocket",
+    "ReceivedMessage",
+    "cookie_offset",
+    "cookie_rkey",
+    "default_port",
+    "make_cookie",
+]
