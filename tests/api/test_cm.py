@@ -383,9 +383,12 @@ class HandlerBug(Exception):
 @pytest.mark.parametrize("where", ["serve's nursery", "handler_nursery"])
 async def test_a_handlers_exception_reaches_the_caller_of_serve(delay: float, where: str) -> None:
     """A handler that raises after accepting closes its connection; the client, which
-    then sees its receive flushed, fails too. Both errors come out of the nursery: the
-    handler's is not hidden behind the client's (before, serve's event channel closing
-    under the cancellation raised only Cancelled, and the handler's error was lost)."""
+    then sees its receive flushed (or its connect fail), fails too, unless the handler's
+    error cancelled it first (a handler in the caller's nursery cancels it at once). The
+    handler's error always comes out of the nursery, and the client's beside it when it
+    raised one: neither hides the other (before, serve's event channel closing under
+    the cancellation raised only Cancelled, and the handler's error was lost)."""
+    client_failed = False
 
     async def handler(request: ConnectionRequest) -> None:
         await request.accept()
@@ -403,9 +406,14 @@ async def test_a_handlers_exception_reaches_the_caller_of_serve(delay: float, wh
                 conn.qp.post_recv(RecvWR(1, [buf.sge()]))
                 (wc,) = await drain(conn.recv_cq, 1)
                 assert wc.status == WCStatus.WR_FLUSH_ERR  # the handler's end closed it
+                client_failed = True
                 raise ConnectionError("the client saw the connection end")
     errors = _leaves(info.value)
-    assert {type(e) for e in errors} == {HandlerBug, ConnectionError}, errors
+    assert [e for e in errors if isinstance(e, HandlerBug)], errors
+    # The client fails as it sees the end: in its block, or (the handler was quick)
+    # while open_connection still waited for ESTABLISHED, a CMError.
+    assert all(isinstance(e, HandlerBug | ConnectionError) for e in errors), errors
+    assert not client_failed or [e for e in errors if type(e) is ConnectionError], errors
 
 
 BAD_ADDRESSES = [
