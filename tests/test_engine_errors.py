@@ -7,7 +7,18 @@ import pytest
 import trio
 import trio.lowlevel
 
-from rdmashim import SGE, Access, QPState, RecvWR, SendFlags, SendWR, WCOpcode, WCStatus, WROpcode
+from rdmashim import (
+    SGE,
+    Access,
+    QPState,
+    RecvWR,
+    SendFlags,
+    SendWR,
+    VerbsError,
+    WCOpcode,
+    WCStatus,
+    WROpcode,
+)
 from rdmashim.verbs.softiwarp import ddp
 from rdmashim.verbs.softiwarp.terminate import (
     DdpTaggedCode,
@@ -101,6 +112,10 @@ async def test_write_protection(ctx, case: str, code: TermCode) -> None:
     (wc,) = await drain(client.send_cq, 1)
     assert wc.status == WCStatus.SUCCESS
     await expect_terminated(client, server, code)
+    # The writer reads what may be wrong in its own words (siw's code for missing
+    # rights is "invalid STag", which alone reads as a wrong rkey).
+    words = {"other-pd": "another protection domain", "out-of-bounds": "outside the peer's region"}
+    assert words.get(case, "without REMOTE_WRITE") in str(client.qp.error), client.qp.error
     # The responder's posted receives are flushed.
     wcs = await drain(server.recv_cq, 3)
     assert [(w.wr_id, w.status) for w in wcs] == [(10 + i, WCStatus.WR_FLUSH_ERR) for i in range(3)]
@@ -143,12 +158,18 @@ async def test_read_protection(ctx, case: str, code: TermCode) -> None:
     # The Send behind the Read went out before the Terminate came back, or was flushed.
     assert wcs[1].wr_id == 2 and wcs[1].status in (WCStatus.SUCCESS, WCStatus.WR_FLUSH_ERR)
     await expect_terminated(client, server, code)
+    words = {
+        "bad-stag": "the rkey is wrong", "other-pd": "another protection domain",
+        "no-remote-read": "without REMOTE_READ", "out-of-bounds": "outside the peer's region",
+    }  # fmt: skip
+    assert words[case] in str(client.qp.error), client.qp.error
 
 
 async def test_send_without_receive(pair: tuple[Side, Side]) -> None:
     client, server = pair
     client.qp.post_send(SendWR(1, WROpcode.SEND, [client.reg(b"x").sge()], SIG))
     await expect_terminated(client, server, ddp_untagged(DdpUntaggedCode.MSN_NO_BUFFER))
+    assert "no receive posted" in str(client.qp.error), client.qp.error
 
 
 async def test_send_longer_than_receive(pair: tuple[Side, Side]) -> None:
@@ -181,7 +202,7 @@ async def test_local_protection_error(pair: tuple[Side, Side]) -> None:
     good = client.reg(b"payload")
     client.qp.post_send(
         [
-            SendWR(1, WROpcode.SEND, [SGE(good.addr, 7, 0x7FFF0000)], SIG),
+            SendWR(1, WROpcode.SEND, [SGE(good.addr, 700, good.lkey)], SIG),  # past its end
             SendWR(2, WROpcode.SEND, [good.sge()], SIG),
         ]
     )  # fmt: skip
@@ -193,6 +214,27 @@ async def test_local_protection_error(pair: tuple[Side, Side]) -> None:
     await expect_terminated(
         client, server, rdmap(RdmapType.CATASTROPHIC, RdmapCode.UNSPECIFIED), detector=client
     )
+
+
+async def test_an_sge_of_no_registered_region_is_refused_at_post(pair: tuple[Side, Side]) -> None:
+    """A made-up lkey, or one whose MR was closed, is refused when posted, naming it
+    (before: accepted, then LOC_PROT_ERR and a Terminate at completion time)."""
+    client, server = pair
+    closed = client.reg(b"payload")
+    lkey = closed.lkey
+    closed.close()
+    for sge in (SGE(client.reg(8).addr, 7, 0x7FFF0000), SGE(closed.addr, 7, lkey)):
+        with pytest.raises(VerbsError, match=f"lkey {sge.lkey:#x} names no registered memory"):
+            client.qp.post_send(SendWR(1, WROpcode.SEND, [sge], SIG))
+        with pytest.raises(VerbsError, match="names no registered memory") as refused:
+            client.qp.post_recv([RecvWR(1, [client.reg(8).sge()]), RecvWR(2, [sge])])
+        assert refused.value.bad_wr == 1
+    # The connection is unharmed: a Send still goes.
+    rbuf = server.reg(16)
+    server.qp.post_recv(RecvWR(1, [rbuf.sge()]))
+    client.qp.post_send(SendWR(2, WROpcode.SEND, [client.reg(b"fine").sge()], SIG))
+    ok = await drain(server.recv_cq, 1)
+    assert ok[0].status == WCStatus.SUCCESS and bytes(rbuf.buf[:4]) == b"fine"
 
 
 async def test_invalidated_stag_refuses_access(pair: tuple[Side, Side]) -> None:

@@ -698,6 +698,9 @@ def test_internal_error_ends_one_qp_not_the_process(caplog: pytest.LogCaptureFix
         def resolve(self, *args: object) -> None:
             raise RuntimeError("simulated engine bug")
 
+        def unwatch(self, holder: object) -> None:
+            """(The engine leaves the table's holders when it enters ERROR.)"""
+
     h.engine.memory = Broken()  # type: ignore[assignment]
     h.engine.receive_data(wire(tagged(Opcode.WRITE, rw.stag, rw.addr, b"x")))
     assert h.engine.state is EngineState.TERMINATE

@@ -1538,9 +1538,13 @@ class Engine:
             term = ddp.parse_terminate(self._term_body)
             self.remote_terminate = term.code
             log.warning("QP %d: peer sent Terminate %s", self.qp_num, term.code)
-            self._enter_error(
-                ProtocolError("peer terminated the connection", term.code), remote=term
+            meaning = term.code.meaning
+            message = (
+                f"the peer ended the connection: {meaning}"
+                if meaning
+                else ("the peer ended the connection with a Terminate")
             )
+            self._enter_error(ProtocolError(message, term.code), remote=term)
 
     def _read_done(self) -> None:
         """The Read at the head of the ORQ received all of its response."""

@@ -910,7 +910,7 @@ class SRQ(_Resource):
     def post_recv(self, wr: RecvWR | Iterable[RecvWR]) -> None:
         """Post one receive work request or a list of them."""
         self._check_open("post_srq_recv")
-        jobs, refused = _recv_jobs("post_srq_recv", _as_list(wr))
+        jobs, refused = _recv_jobs("post_srq_recv", _as_list(wr), self.pd.context.memory)
         self._post_jobs(jobs)
         if refused is not None:
             raise refused
@@ -961,16 +961,29 @@ def _recv_job(w: RecvWR) -> RecvJob | None:
     return RecvJob(w.wr_id, sges, sum(s.length for s in sges))
 
 
-def _recv_jobs(operation: str, wrs: Iterable[RecvWR]) -> tuple[list[RecvJob], VerbsError | None]:
+def _recv_jobs(
+    operation: str, wrs: Iterable[RecvWR], memory: MemoryTable
+) -> tuple[list[RecvJob], VerbsError | None]:
     """The jobs of ``wrs`` up to the first that cannot be posted, and the error that
     one raises once those before it are posted (``bad_wr`` its index), if any."""
     jobs: list[RecvJob] = []
     for i, w in enumerate(wrs):
         job = _recv_job(w)
-        if job is None:
-            return jobs, refused_wr(errno.EINVAL, operation, i, recv_problem(w) or "")
+        problem = recv_problem(w) if job is None else unregistered(job.sges, memory)
+        if job is None or problem:
+            return jobs, refused_wr(errno.EINVAL, operation, i, problem or "")
         jobs.append(job)
     return jobs, None
+
+
+def unregistered(sges: Iterable[SGE], memory: MemoryTable) -> str | None:
+    """Why a work request cannot be posted when one of its SGEs names no registered
+    region (its MR closed, say), or None. (Whether the region holds the SGE, its PD
+    and its rights are checked when the data moves, as on every backend.)"""
+    for s in sges:
+        if s.length and memory.lookup(s.lkey) is None:
+            return f"{s}: lkey {s.lkey:#x} names no registered memory region (was its MR closed?)"
+    return None
 
 
 class _RecvJobs(list[RecvJob]):
@@ -1621,6 +1634,8 @@ class QP(_Resource):
                         if t.invalid:
                             raise refused_wr(errno.EINVAL, "post_send", i, t.invalid)
                         length = t.length
+                        if problem := unregistered(t.local, memory):
+                            raise refused_wr(errno.EINVAL, "post_send", i, problem)
                         if src is not None:  # copied when posted: its region looked up now
                             inline = src.read(memory, pd)
                     else:
@@ -1702,13 +1717,15 @@ class QP(_Resource):
     def post_recv(self, wr: RecvWR | Iterable[RecvWR]) -> None:
         """Post one receive work request or a list of them (never blocks)."""
         self._check_open("post_recv")
+        memory = self.context.memory
         if wr.__class__ is RecvWR:  # one request: no list to make
             job = _recv_job(wr)
-            if job is None:
-                raise refused_wr(errno.EINVAL, "post_recv", 0, recv_problem(wr) or "")
+            problem = recv_problem(wr) if job is None else unregistered(job.sges, memory)
+            if job is None or problem:
+                raise refused_wr(errno.EINVAL, "post_recv", 0, problem or "")
             self._post_recvs((job,), len(job.sges))
             return
-        jobs, refused = _recv_jobs("post_recv", _as_list(wr))
+        jobs, refused = _recv_jobs("post_recv", _as_list(wr), memory)
         self._post_recvs(jobs)
         if refused is not None:
             raise refused

@@ -122,6 +122,14 @@ class TermCode:
             ecode = code_table(self.ecode).name
         return f"{layer}/{etype}/{ecode}"
 
+    @property
+    def meaning(self) -> str:
+        """What a peer that sends this code tells the side it ends, in a verbs
+        programmer's words ("" when the code names nothing more specific than itself)."""
+        if self.layer == Layer.RDMAP and self.etype == RdmapType.CATASTROPHIC:
+            return _CATASTROPHIC_PEER
+        return _MEANINGS.get((self.layer, self.etype, self.ecode), "")
+
 
 def rdmap(etype: RdmapType, ecode: RdmapCode) -> TermCode:
     """An RDMAP-layer Terminate code."""
@@ -142,6 +150,63 @@ def llp(ecode: LlpCode) -> TermCode:
     """An MPA (LLP-layer) Terminate code."""
     return TermCode(Layer.LLP, 0, ecode)
 
+
+_WRITE_STAG = (
+    "the peer refused an RDMA Write (or a Read Response) to an rkey it does not take: the "
+    "rkey is wrong, the peer closed that region, or registered it without REMOTE_WRITE"
+)
+_OTHER_PD = "the rkey names a region of another protection domain at the peer"
+_MALFORMED = "the peer found a malformed message on the wire (a bug in one of the two engines)"
+_CATASTROPHIC_PEER = (
+    "the peer failed locally (it closed memory that work in progress used, or hit an error "
+    "of its own)"
+)
+_CANNOT_INVALIDATE = "the peer could not invalidate the STag a Send with Invalidate named"
+_MEANINGS: dict[tuple[int, int, int], str] = {
+    (Layer.DDP, DdpType.TAGGED, DdpTaggedCode.INVALID_STAG): _WRITE_STAG,
+    (Layer.DDP, DdpType.TAGGED, DdpTaggedCode.BASE_BOUNDS): (
+        "an RDMA Write or Read Response fell outside the peer's region (check the remote "
+        "address and the length)"
+    ),
+    (Layer.DDP, DdpType.TAGGED, DdpTaggedCode.STAG_NOT_ASSOC): _OTHER_PD,
+    (Layer.DDP, DdpType.TAGGED, DdpTaggedCode.TO_WRAP): (
+        "the remote address plus the length passes 2**64"
+    ),
+    (Layer.DDP, DdpType.UNTAGGED, DdpUntaggedCode.MSN_NO_BUFFER): (
+        "a Send found no receive posted at the peer, or one too small for it (iWARP has no "
+        "RNR retry: post receives, as large as the Sends, before the peer sends)"
+    ),
+    (Layer.DDP, DdpType.UNTAGGED, DdpUntaggedCode.MSG_TOO_LONG): (
+        "a Send was longer than the receive the peer posted for it"
+    ),
+    (Layer.DDP, DdpType.UNTAGGED, DdpUntaggedCode.INVALID_QN): _MALFORMED,
+    (Layer.DDP, DdpType.UNTAGGED, DdpUntaggedCode.MSN_RANGE): _MALFORMED,
+    (Layer.DDP, DdpType.UNTAGGED, DdpUntaggedCode.INVALID_MO): _MALFORMED,
+    (Layer.RDMAP, RdmapType.REMOTE_PROTECTION, RdmapCode.INVALID_STAG): (
+        "the peer refused an RDMA Read from an rkey it does not take: the rkey is wrong or "
+        "the peer closed that region"
+    ),
+    (Layer.RDMAP, RdmapType.REMOTE_PROTECTION, RdmapCode.ACCESS_RIGHTS): (
+        "the peer's region was registered without REMOTE_READ"
+    ),
+    (Layer.RDMAP, RdmapType.REMOTE_PROTECTION, RdmapCode.BASE_BOUNDS): (
+        "an RDMA Read fell outside the peer's region (check the remote address and the length)"
+    ),
+    (Layer.RDMAP, RdmapType.REMOTE_PROTECTION, RdmapCode.STAG_NOT_ASSOC): _OTHER_PD,
+    (Layer.RDMAP, RdmapType.REMOTE_PROTECTION, RdmapCode.TO_WRAP): (
+        "the remote address plus the length passes 2**64"
+    ),
+    (Layer.RDMAP, RdmapType.REMOTE_PROTECTION, RdmapCode.CANNOT_INVALIDATE): _CANNOT_INVALIDATE,
+    (Layer.RDMAP, RdmapType.REMOTE_OPERATION, RdmapCode.CANNOT_INVALIDATE): _CANNOT_INVALIDATE,
+    (Layer.RDMAP, RdmapType.REMOTE_OPERATION, RdmapCode.CATASTROPHIC_STREAM): (
+        "more RDMA Reads were outstanding than the peer takes (its IRD: lower the ORD)"
+    ),
+    (Layer.LLP, 0, LlpCode.CRC): "bytes were corrupted on the way (a CRC mismatch)",
+    (Layer.LLP, 0, LlpCode.INSUFFICIENT_IRD): (
+        "the peer takes fewer outstanding RDMA Reads than this side asked for (IRD/ORD)"
+    ),
+}
+"""What the common Terminate codes mean to the side they end."""
 
 DDP_CATASTROPHIC = TermCode(Layer.DDP, DdpType.CATASTROPHIC, 0)
 RDMAP_LOCAL_CATASTROPHIC = rdmap(RdmapType.CATASTROPHIC, RdmapCode.UNSPECIFIED)
