@@ -218,3 +218,43 @@ async def test_a_file_that_shrinks_while_read_ends_the_copy_short(tmp_path: Path
 
             count = await nfs.read_file("/f", Shrinking())
             assert count == len(copy) < 2 * SIZE
+
+
+@pytest.mark.parametrize("proto", TRANSPORTS)
+async def test_an_nfs_error_leaves_the_client_block_as_itself(tmp_path: Path, proto: Proto) -> None:
+    """``except NfsError:`` around the whole ``async with NfsClient.connect(...)`` block
+    catches a failing LOOKUP, GETATTR, READ and WRITE, the last two of a transfer in
+    many pieces whose later pieces fail (the file is deleted under it: NFS3ERR_STALE).
+    Over RDMA each came out as an ExceptionGroup holding the NfsError before."""
+    with trio.fail_after(120):
+        async with nfs_server(tmp_path) as (serving, export):
+            victim = export / "f"
+
+            class DeletingSink:
+                def write(self, data: memoryview) -> None:
+                    victim.unlink(missing_ok=True)
+
+            class DeletingSource(io.BytesIO):
+                def read(self, size: int | None = -1) -> bytes:
+                    if self.tell():
+                        victim.unlink(missing_ok=True)
+                    return super().read(size)
+
+            failing = [
+                (lambda nfs: nfs.lookup("/no/such"), t.NFS3ERR_NOENT),
+                (lambda nfs: nfs.getattr("/missing"), t.NFS3ERR_NOENT),
+                (lambda nfs: nfs.read_file("/f", DeletingSink()), t.NFS3ERR_STALE),
+                (lambda nfs: nfs.write_file("/f", DeletingSource(bytes(SIZE)), SIZE),
+                 t.NFS3ERR_STALE),
+            ]  # fmt: skip
+            for attempt, status in failing:
+                victim.write_bytes(bytes(SIZE))
+                if os.geteuid() == 0:
+                    os.chown(victim, 1000, 1000)
+                try:
+                    async with client(serving, proto) as nfs:
+                        await attempt(nfs)
+                except NfsError as exc:
+                    assert exc.status == status, exc
+                else:
+                    raise AssertionError(f"{attempt} did not fail")

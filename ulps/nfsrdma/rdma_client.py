@@ -55,6 +55,7 @@ from rdmashim.ulps.nfsrdma.rpcrdma import (
 )
 from rdmashim.ulps.nfsrdma.xdr import Unpacker, XdrError, pad
 from rdmashim.verbs import Access, QPCap, WCFlags
+from rdmashim.verbs.tasks import service_nursery
 
 if TYPE_CHECKING:
     from rdmashim.cm import Connection
@@ -223,12 +224,9 @@ class RpcRdmaClient:
                 host, port, private_data=private, cap=cap, prepare=prepare, backend=backend
             ) as conn:
                 client = cls(conn, endpoints[0], inline_size, credits)
-                async with trio.open_nursery() as nursery:
+                async with service_nursery() as nursery:  # the caller's errors as themselves
                     nursery.start_soon(client._run)
-                    try:
-                        yield client
-                    finally:
-                        nursery.cancel_scope.cancel()
+                    yield client
         finally:
             for ep in endpoints:
                 ep.close()
