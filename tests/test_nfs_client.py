@@ -258,3 +258,25 @@ async def test_an_nfs_error_leaves_the_client_block_as_itself(tmp_path: Path, pr
                     assert exc.status == status, exc
                 else:
                     raise AssertionError(f"{attempt} did not fail")
+
+
+@pytest.mark.parametrize("proto", TRANSPORTS)
+async def test_read_bytes_and_write_bytes_move_whole_files(tmp_path: Path, proto: Proto) -> None:
+    data = os.urandom(3 << 20)  # several pieces each way
+    with trio.fail_after(120):
+        async with nfs_server(tmp_path) as (serving, export), client(serving, proto) as nfs:
+            seen: list[tuple[int, int]] = []
+            written = await nfs.write_bytes("/w", data, lambda d, n: seen.append((d, n)))
+            assert written == len(data) and seen[-1] == (len(data), len(data))
+            assert (export / "w").read_bytes() == data
+            assert (export / "w").stat().st_mode & 0o777 == 0o644
+            assert await nfs.write_bytes("/v", memoryview(data).cast("I"), mode=0o600) == len(data)
+            assert (export / "v").stat().st_mode & 0o777 == 0o600
+            assert await nfs.read_bytes("/v") == data
+            assert await nfs.write_bytes("/empty", b"") == 0
+            assert await nfs.read_bytes("/empty") == b""
+            with pytest.raises(TypeError, match="data must be bytes-like, not str"):
+                await nfs.write_bytes("/s", "text")  # type: ignore[arg-type]
+            with pytest.raises(NfsError, match="NFS3ERR_NOENT"):
+                await nfs.read_bytes("/missing")
+            assert not (export / "s").exists()

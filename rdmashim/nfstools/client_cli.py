@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, TextIO
 
 from rdmashim.cliargs import Parser, UsageError, backend, host, port, rate
+from rdmashim.ulps.nfsrdma.nfs3_types import FType3
 
 if TYPE_CHECKING:
     from rdmashim.ulps.nfsrdma.client import NfsClient, Progress
@@ -134,20 +135,21 @@ def _join(export: str, path: str) -> str:
     return export.rstrip("/") + "/" + path.lstrip("/") if path.strip("/") else export
 
 
-_FORMAT_OF_TYPE = {1: stat.S_IFREG, 2: stat.S_IFDIR, 3: stat.S_IFBLK, 4: stat.S_IFCHR,
-                   5: stat.S_IFLNK, 6: stat.S_IFSOCK, 7: stat.S_IFIFO}  # fmt: skip
-"""``ftype3`` -> the ``st_mode`` file type bits."""
+_FORMAT_OF_TYPE = {FType3.REG: stat.S_IFREG, FType3.DIR: stat.S_IFDIR, FType3.BLK: stat.S_IFBLK,
+                   FType3.CHR: stat.S_IFCHR, FType3.LNK: stat.S_IFLNK,
+                   FType3.SOCK: stat.S_IFSOCK, FType3.FIFO: stat.S_IFIFO}  # fmt: skip
+"""An ``ftype3`` -> the ``st_mode`` file type bits."""
 
 
 def _line(name: str, a: Fattr3) -> str:
-    mode = stat.filemode(_FORMAT_OF_TYPE.get(a.ftype, 0) | a.mode)
+    mode = stat.filemode(_FORMAT_OF_TYPE[a.ftype] | a.mode)
     when = time.strftime("%Y-%m-%d %H:%M", time.localtime(a.mtime[0]))
     return f"{mode} {a.nlink:>3} {a.uid:>6} {a.gid:>6} {a.size:>12} {when} {name}"
 
 
 async def _ls(nfs: NfsClient, path: str, args: argparse.Namespace) -> None:
     attrs = await nfs.getattr(path)
-    if attrs.ftype != 2:
+    if attrs.ftype is not FType3.DIR:
         print(_line(path.rsplit("/", 1)[-1] or "/", attrs))
         return
     for name, entry in sorted(await nfs.listdir(path)):
@@ -157,7 +159,7 @@ async def _ls(nfs: NfsClient, path: str, args: argparse.Namespace) -> None:
 async def _stat(nfs: NfsClient, path: str, args: argparse.Namespace) -> None:
     a = await nfs.getattr(path)
     print(f"  path: {args.remote.text}")
-    print(f"  type: {stat.filemode(_FORMAT_OF_TYPE.get(a.ftype, 0) | a.mode)} ({a.mode:o})")
+    print(f"  type: {stat.filemode(_FORMAT_OF_TYPE[a.ftype] | a.mode)} ({a.mode:o})")
     print(f"  size: {a.size}  used: {a.used}  links: {a.nlink}")
     print(f"   uid: {a.uid}  gid: {a.gid}  fileid: {a.fileid}  fsid: {a.fsid:#x}")
     for label, (sec, nsec) in (("atime", a.atime), ("mtime", a.mtime), ("ctime", a.ctime)):
@@ -179,18 +181,18 @@ async def _mkdir(nfs: NfsClient, path: str, args: argparse.Namespace) -> None:
         except NfsError as exc:
             if exc.status != NFS3ERR_EXIST:
                 raise
-            if (await nfs.getattr(here)).ftype != 2:
+            if (await nfs.getattr(here)).ftype is not FType3.DIR:
                 raise NfsError(NFS3ERR_NOTDIR, here) from None
 
 
 async def _rm(nfs: NfsClient, path: str, args: argparse.Namespace) -> None:
-    if (await nfs.getattr(path)).ftype != 2:
+    if (await nfs.getattr(path)).ftype is not FType3.DIR:
         await nfs.remove(path)
         return
     if args.recursive:
         for name, entry in await nfs.listdir(path):
             inner = path.rstrip("/") + "/" + name
-            if entry.ftype == 2:
+            if entry.ftype is FType3.DIR:
                 await _rm(nfs, inner, args)
             else:
                 await nfs.remove(inner)
@@ -202,7 +204,7 @@ async def _get(nfs: NfsClient, path: str, args: argparse.Namespace) -> None:
     from rdmashim.ulps.nfsrdma.nfs3_types import NFS3ERR_ISDIR
 
     attrs = await nfs.getattr(path)
-    if attrs.ftype == 2:
+    if attrs.ftype is FType3.DIR:
         raise NfsError(NFS3ERR_ISDIR, path)
     start = time.monotonic()
     if args.to_stdout:
@@ -224,7 +226,7 @@ async def _put(nfs: NfsClient, path: str, args: argparse.Namespace) -> None:
 
     src: Path = args.src
     try:
-        if (await nfs.getattr(path)).ftype == 2:
+        if (await nfs.getattr(path)).ftype is FType3.DIR:
             path = path.rstrip("/") + "/" + src.name
     except NfsError:
         pass  # a new file: its directory must exist, which CREATE tells

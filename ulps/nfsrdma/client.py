@@ -73,12 +73,10 @@ READDIR_MAX = 32768
 """The READDIRPLUS maxcount asked for (over RDMA, the size of the Reply chunk offered)."""
 Proto = Literal["rdma", "tcp"]
 Progress = Callable[[int, int], object]
+Data = bytes | bytearray | memoryview
 """Called with (bytes done, bytes in all) as a transfer goes."""
 
-_STATUS_NAMES = {
-    value: name for name, value in vars(t).items() if name.startswith("NFS3ERR_")
-}  # fmt: skip
-_STATUS_TEXT = {
+_STATUS_TEXT: dict[int, str] = {
     t.NFS3ERR_PERM: "not owner",
     t.NFS3ERR_NOENT: "no such file or directory",
     t.NFS3ERR_IO: "I/O error",
@@ -112,7 +110,10 @@ _STATUS_TEXT = {
 
 def status_name(status: int) -> str:
     """``NFS3ERR_NOENT`` for 2 (``nfsstat3 N`` for a value RFC 1813 does not name)."""
-    return _STATUS_NAMES.get(status, f"nfsstat3 {status}")
+    try:
+        return t.Nfsstat3(status).name
+    except ValueError:
+        return f"nfsstat3 {status}"
 
 
 class NfsError(t.NfsError):
@@ -146,7 +147,28 @@ class Sink(Protocol):
 class Source(Protocol):
     """Where :meth:`NfsClient.write_file` takes the bytes from (a binary file will do)."""
 
-    def read(self, size: int, /) -> bytes: ...
+    def read(self, size: int, /) -> bytes | bytearray | memoryview: ...
+
+
+class _Collect:
+    """A :class:`Sink` keeping every byte (for :meth:`NfsClient.read_bytes`)."""
+
+    def __init__(self) -> None:
+        self.data = bytearray()
+
+    def write(self, data: memoryview, /) -> None:
+        self.data += data
+
+
+class _Pieces:
+    """A :class:`Source` over bytes in memory, handed out without copying."""
+
+    def __init__(self, view: memoryview) -> None:
+        self.view = view
+
+    def read(self, size: int, /) -> memoryview:
+        piece, self.view = self.view[:size], self.view[size:]
+        return piece
 
 
 Call = Callable[..., Awaitable[Unpacker]]
@@ -556,10 +578,10 @@ class NfsClient:
         done = 0
         if progress:
             progress(0, size)
-        uncommitted: list[tuple[int, bytes, bytes]] = []  # (offset, data, write verifier)
+        uncommitted: list[tuple[int, Data, bytes]] = []  # (offset, data, write verifier)
         window = trio.Semaphore(IN_FLIGHT)
 
-        async def put(offset: int, data: bytes) -> None:
+        async def put(offset: int, data: Data) -> None:
             nonlocal done
             try:
                 verifier = await self._write_range(fh, path, offset, data, t.UNSTABLE)
@@ -590,8 +612,28 @@ class NfsClient:
             uncommitted.clear()
         return done
 
+    async def read_bytes(self, path: str, progress: Progress | None = None) -> bytes:
+        """The whole of file ``path`` (:meth:`read_file` into memory)."""
+        sink = _Collect()
+        await self.read_file(path, sink, progress)
+        return bytes(sink.data)
+
+    async def write_bytes(
+        self,
+        path: str,
+        data: Data,
+        progress: Progress | None = None,
+        mode: int = 0o644,
+    ) -> int:
+        """Create (or truncate) file ``path`` holding ``data`` (:meth:`write_file`); the bytes."""
+        try:
+            view = memoryview(data).cast("B")
+        except TypeError:
+            raise TypeError(f"data must be bytes-like, not {type(data).__name__}") from None
+        return await self.write_file(path, _Pieces(view), len(view), progress, mode)
+
     async def _write_range(
-        self, fh: bytes, path: str, offset: int, data: bytes, stable: int
+        self, fh: bytes, path: str, offset: int, data: Data, stable: int
     ) -> bytes:
         """Write all of ``data`` at ``offset``; the write verifier of the last reply."""
         view = memoryview(data)
@@ -615,7 +657,7 @@ class NfsClient:
             view, offset = view[count:], offset + count
         return verifier
 
-    async def _commit(self, fh: bytes, path: str, written: list[tuple[int, bytes, bytes]]) -> None:
+    async def _commit(self, fh: bytes, path: str, written: list[tuple[int, Data, bytes]]) -> None:
         """COMMIT; write again (stable) what the server may have lost (its verifier changed)."""
 
         def fill(r: Reply) -> None:

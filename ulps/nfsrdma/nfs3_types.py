@@ -15,6 +15,7 @@ import errno
 import os
 import stat
 from dataclasses import dataclass
+from enum import IntEnum
 from typing import Final, Literal
 
 from rdmashim.ulps.nfsrdma.xdr import Packer, Unpacker, XdrError
@@ -39,36 +40,72 @@ PATH_LIMIT: Final = 8192
 (MKNOD, REMOVE, RMDIR, RENAME, LINK, READDIR, READDIRPLUS, FSSTAT, FSINFO, PATHCONF) = range(11, 21)
 COMMIT: Final = 21
 
-# nfsstat3.
-NFS3_OK: Final = 0
-NFS3ERR_PERM: Final = 1
-NFS3ERR_NOENT: Final = 2
-NFS3ERR_IO: Final = 5
-NFS3ERR_NXIO: Final = 6
-NFS3ERR_ACCES: Final = 13
-NFS3ERR_EXIST: Final = 17
-NFS3ERR_XDEV: Final = 18
-NFS3ERR_NODEV: Final = 19
-NFS3ERR_NOTDIR: Final = 20
-NFS3ERR_ISDIR: Final = 21
-NFS3ERR_INVAL: Final = 22
-NFS3ERR_FBIG: Final = 27
-NFS3ERR_NOSPC: Final = 28
-NFS3ERR_ROFS: Final = 30
-NFS3ERR_MLINK: Final = 31
-NFS3ERR_NAMETOOLONG: Final = 63
-NFS3ERR_NOTEMPTY: Final = 66
-NFS3ERR_DQUOT: Final = 69
-NFS3ERR_STALE: Final = 70
-NFS3ERR_REMOTE: Final = 71
-NFS3ERR_BADHANDLE: Final = 10001
-NFS3ERR_NOT_SYNC: Final = 10002
-NFS3ERR_BAD_COOKIE: Final = 10003
-NFS3ERR_NOTSUPP: Final = 10004
-NFS3ERR_TOOSMALL: Final = 10005
-NFS3ERR_SERVERFAULT: Final = 10006
-NFS3ERR_BADTYPE: Final = 10007
-NFS3ERR_JUKEBOX: Final = 10008
+
+class Nfsstat3(IntEnum):
+    """``nfsstat3``: the status of an NFSv3 procedure (RFC 1813 section 2.6)."""
+
+    NFS3_OK = 0
+    NFS3ERR_PERM = 1
+    NFS3ERR_NOENT = 2
+    NFS3ERR_IO = 5
+    NFS3ERR_NXIO = 6
+    NFS3ERR_ACCES = 13
+    NFS3ERR_EXIST = 17
+    NFS3ERR_XDEV = 18
+    NFS3ERR_NODEV = 19
+    NFS3ERR_NOTDIR = 20
+    NFS3ERR_ISDIR = 21
+    NFS3ERR_INVAL = 22
+    NFS3ERR_FBIG = 27
+    NFS3ERR_NOSPC = 28
+    NFS3ERR_ROFS = 30
+    NFS3ERR_MLINK = 31
+    NFS3ERR_NAMETOOLONG = 63
+    NFS3ERR_NOTEMPTY = 66
+    NFS3ERR_DQUOT = 69
+    NFS3ERR_STALE = 70
+    NFS3ERR_REMOTE = 71
+    NFS3ERR_BADHANDLE = 10001
+    NFS3ERR_NOT_SYNC = 10002
+    NFS3ERR_BAD_COOKIE = 10003
+    NFS3ERR_NOTSUPP = 10004
+    NFS3ERR_TOOSMALL = 10005
+    NFS3ERR_SERVERFAULT = 10006
+    NFS3ERR_BADTYPE = 10007
+    NFS3ERR_JUKEBOX = 10008
+
+
+# The statuses as names of their own, as RFC 1813 writes them.
+NFS3_OK: Final = Nfsstat3.NFS3_OK
+NFS3ERR_PERM: Final = Nfsstat3.NFS3ERR_PERM
+NFS3ERR_NOENT: Final = Nfsstat3.NFS3ERR_NOENT
+NFS3ERR_IO: Final = Nfsstat3.NFS3ERR_IO
+NFS3ERR_NXIO: Final = Nfsstat3.NFS3ERR_NXIO
+NFS3ERR_ACCES: Final = Nfsstat3.NFS3ERR_ACCES
+NFS3ERR_EXIST: Final = Nfsstat3.NFS3ERR_EXIST
+NFS3ERR_XDEV: Final = Nfsstat3.NFS3ERR_XDEV
+NFS3ERR_NODEV: Final = Nfsstat3.NFS3ERR_NODEV
+NFS3ERR_NOTDIR: Final = Nfsstat3.NFS3ERR_NOTDIR
+NFS3ERR_ISDIR: Final = Nfsstat3.NFS3ERR_ISDIR
+NFS3ERR_INVAL: Final = Nfsstat3.NFS3ERR_INVAL
+NFS3ERR_FBIG: Final = Nfsstat3.NFS3ERR_FBIG
+NFS3ERR_NOSPC: Final = Nfsstat3.NFS3ERR_NOSPC
+NFS3ERR_ROFS: Final = Nfsstat3.NFS3ERR_ROFS
+NFS3ERR_MLINK: Final = Nfsstat3.NFS3ERR_MLINK
+NFS3ERR_NAMETOOLONG: Final = Nfsstat3.NFS3ERR_NAMETOOLONG
+NFS3ERR_NOTEMPTY: Final = Nfsstat3.NFS3ERR_NOTEMPTY
+NFS3ERR_DQUOT: Final = Nfsstat3.NFS3ERR_DQUOT
+NFS3ERR_STALE: Final = Nfsstat3.NFS3ERR_STALE
+NFS3ERR_REMOTE: Final = Nfsstat3.NFS3ERR_REMOTE
+NFS3ERR_BADHANDLE: Final = Nfsstat3.NFS3ERR_BADHANDLE
+NFS3ERR_NOT_SYNC: Final = Nfsstat3.NFS3ERR_NOT_SYNC
+NFS3ERR_BAD_COOKIE: Final = Nfsstat3.NFS3ERR_BAD_COOKIE
+NFS3ERR_NOTSUPP: Final = Nfsstat3.NFS3ERR_NOTSUPP
+NFS3ERR_TOOSMALL: Final = Nfsstat3.NFS3ERR_TOOSMALL
+NFS3ERR_SERVERFAULT: Final = Nfsstat3.NFS3ERR_SERVERFAULT
+NFS3ERR_BADTYPE: Final = Nfsstat3.NFS3ERR_BADTYPE
+NFS3ERR_JUKEBOX: Final = Nfsstat3.NFS3ERR_JUKEBOX
+
 
 _ERRNO_STATUS: Final = {
     errno.EPERM: NFS3ERR_PERM,
@@ -103,13 +140,32 @@ _ERRNO_STATUS: Final = {
 }
 
 
+def status_enum(status: int) -> int:
+    """``status`` as an :class:`Nfsstat3` member, or as it is if RFC 1813 does not name it."""
+    try:
+        return Nfsstat3(status)
+    except ValueError:
+        return status
+
+
 def status_of_errno(code: int | None) -> int:
     """The ``nfsstat3`` for an errno (NFS3ERR_IO for one with no better match)."""
     return _ERRNO_STATUS.get(code or errno.EIO, NFS3ERR_IO)
 
 
-# ftype3.
-NF3REG, NF3DIR, NF3BLK, NF3CHR, NF3LNK, NF3SOCK, NF3FIFO = range(1, 8)
+class FType3(IntEnum):
+    """``ftype3``: the type of a file system object (its ``int`` is the wire value)."""
+
+    REG = 1
+    DIR = 2
+    BLK = 3
+    CHR = 4
+    LNK = 5
+    SOCK = 6
+    FIFO = 7
+
+
+NF3REG, NF3DIR, NF3BLK, NF3CHR, NF3LNK, NF3SOCK, NF3FIFO = FType3
 _FTYPE_OF_FMT: Final = {
     stat.S_IFREG: NF3REG,
     stat.S_IFDIR: NF3DIR,
@@ -150,7 +206,7 @@ TimeSet = Time | Literal["server"] | None
 class Fattr3:
     """The attributes of a file system object (``fattr3``)."""
 
-    ftype: int
+    ftype: FType3
     mode: int
     nlink: int
     uid: int
@@ -239,9 +295,17 @@ def pack_fattr3(p: Packer, a: Fattr3) -> None:
         pack_time(p, t)
 
 
+def _ftype(value: int) -> FType3:
+    try:
+        return FType3(value)
+    except ValueError:
+        raise XdrError(f"ftype3 {value}") from None
+
+
 def unpack_fattr3(u: Unpacker) -> Fattr3:
     """A ``fattr3``."""
-    ftype, mode, nlink, uid, gid = (u.uint() for _ in range(5))
+    ftype = _ftype(u.uint())
+    mode, nlink, uid, gid = (u.uint() for _ in range(4))
     size, used = u.uhyper(), u.uhyper()
     rdev = (u.uint(), u.uint())
     fsid, fileid = u.uhyper(), u.uhyper()
@@ -368,7 +432,8 @@ class NfsError(Exception):
 
     def __init__(self, status: int, detail: str = "") -> None:
         super().__init__(f"nfsstat3 {status}{': ' + detail if detail else ''}")
-        self.status = status
+        self.status: int = status_enum(status)
+        """An :class:`Nfsstat3` (a plain ``int`` for a value RFC 1813 does not name)."""
 
     @classmethod
     def of(cls, exc: OSError) -> NfsError:
