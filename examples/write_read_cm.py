@@ -38,6 +38,14 @@ def resources(cm_id):
     return pd, cq
 
 
+def release(cm_id, pd, cq):
+    """rdma_destroy_qp, rdma_destroy_id, ibv_destroy_cq, ibv_dealloc_pd."""
+    cm_id.qp.close()
+    cm_id.destroy()
+    cq.close()
+    pd.close()  # and the regions registered on it (C deregisters them first)
+
+
 async def server(task_status=trio.TASK_STATUS_IGNORED):
     async with EventChannel() as channel:  # rdma_create_event_channel
         listener = channel.create_id()  # rdma_create_id(channel, &id, NULL, RDMA_PS_TCP)
@@ -46,13 +54,13 @@ async def server(task_status=trio.TASK_STATUS_IGNORED):
         task_status.started(listener.local_addr[1])
         request = await expect(channel, CMEventType.CONNECT_REQUEST)
         cm_id = request.id  # a new id for this connection
-        pd, _ = resources(cm_id)  # nothing completes on our side: the client does it all
+        pd, cq = resources(cm_id)  # nothing completes on our side: the client does it all
         board = pd.reg_mr(bytearray(64), REMOTE)  # ibv_reg_mr
         cm_id.accept(ConnParam(REGION.pack(board.iova, board.rkey)))  # rdma_accept
         await expect(channel, CMEventType.ESTABLISHED)
         await expect(channel, CMEventType.DISCONNECTED)  # the client is done
         print("the server's buffer holds", bytes(board.buf[: len(MESSAGE)]))
-        cm_id.destroy()  # rdma_destroy_id: the QP, CQ and PD go with the channel's device
+        release(cm_id, pd, cq)
         listener.destroy()
 
 
@@ -81,7 +89,7 @@ async def client(port):
         print("read back", bytes(sink.buf))
         cm_id.disconnect()  # rdma_disconnect
         await expect(channel, CMEventType.DISCONNECTED)
-        cm_id.destroy()
+        release(cm_id, pd, cq)
 
 
 async def main():
