@@ -61,10 +61,12 @@ import trio
 from rdmashim.ulps.nfsrdma.client import COMMIT_EVERY, IN_FLIGHT, NfsClient, Proto
 from rdmashim.ulps.nfsrdma.server import ServerConfig, serve_nfs
 
-from report import Status, process_cpu, run_meta, top_functions
+from report import Status, engine_line, process_cpu, run_meta, top_functions
 from streams import stop_process
 
 HOST = "127.0.0.1"
+BACKEND = "softiwarp"
+"""Both ends' backend: the built-in engine."""
 MiB = 1 << 20
 READ_FILE = "read.bin"
 WRITE_FILE = "write.bin"
@@ -113,7 +115,7 @@ async def serve_main(
     host, tcp, rdma, rpcbind = (at[0], int(at[1]), int(at[2]), None) if at else (HOST, 0, 0, 0)
     config = ServerConfig(
         export, root_squash=False, host=host, tcp_port=tcp, rdma_port=rdma, rpcbind_port=rpcbind,
-        backend="softiwarp", state_dir=state,
+        backend=BACKEND, state_dir=state,
     )  # fmt: skip
     async with trio.open_nursery() as nursery:
         serving = await nursery.start(serve_nfs, config)
@@ -258,7 +260,7 @@ BENCHES = [
 async def one_sample(cfg: Config, bench: Bench, proto: Proto) -> dict[str, float]:
     """Mount over ``proto``, run ``bench`` once, unmount (only the benchmark is timed)."""
     async with NfsClient.connect(
-        HOST, cfg.export, proto=proto, rpcbind_port=cfg.rpcbind_port
+        HOST, cfg.export, proto=proto, rpcbind_port=cfg.rpcbind_port, backend=BACKEND
     ) as nfs:
         return await bench.run(nfs, cfg, Window(cfg, f"{bench.name}-{proto}"))
 
@@ -352,6 +354,7 @@ def print_header(args: argparse.Namespace, cfg: Config, meta: dict[str, Any]) ->
     print(RESULT_LINE)
     print(" rdmashim NFSv3: RPC-over-RDMA (soft-iWARP) vs TCP (our server and client, loopback)")
     print(RESULT_LINE)
+    print(engine_line(BACKEND, width=11))
     print(f" Repeats    : {args.repeat:<18} Reported : median of repeats")
     size = f"{cfg.size // MiB} MiB"
     print(f" File size  : {size:<18} GETATTRs : {cfg.getattrs}, one at a time")
@@ -366,7 +369,7 @@ async def client_main(
     args: argparse.Namespace, cfg: Config, benches: list[Bench]
 ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     meta = {
-        **run_meta(),
+        **run_meta(BACKEND),
         "host": HOST,
         "repeat": args.repeat,
         "file_size": cfg.size,

@@ -47,7 +47,7 @@ from typing import Any
 
 import trio
 
-from report import Status, process_cpu, run_meta
+from report import Status, engine_line, process_cpu, run_meta
 from streams import stop_process
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
@@ -62,6 +62,8 @@ LOCK = Path("/tmp/rdmashim-guest.lock")
 READ_FILE = "in.bin"
 MiB = 1 << 20
 PROTOS = ("rdma", "tcp")
+SERVER_BACKEND = "softiwarp"
+"""Our server's backend (benchmarks/nfs.py --serve runs the built-in engine)."""
 RESULT_LINE = "-" * 72
 MOUNTS: dict[str, str] = {}
 """The guest's /proc/mounts line of each transport's mount (its rsize, wsize, ...)."""
@@ -188,7 +190,12 @@ def main(argv: list[str] | None = None) -> int:
     if why:
         print(f"nfs_kernel.py: cannot boot the guest: {why}", file=sys.stderr)
         return 2
-    meta = {**run_meta(), "guest": "QEMU TCG", "file_size": args.size * MiB, "repeat": args.repeat}
+    meta = {
+        **run_meta(SERVER_BACKEND),
+        "guest": "QEMU TCG",
+        "file_size": args.size * MiB,
+        "repeat": args.repeat,
+    }
     with tempfile.TemporaryDirectory(prefix="rdmashim-nfs-kernel-") as tmp, guest_lock():
         export, state = Path(tmp) / "export", Path(tmp) / "state"
         export.mkdir()
@@ -212,6 +219,7 @@ def main(argv: list[str] | None = None) -> int:
         results.append(
             {"name": name, "rdma_median": rdma, "tcp_median": tcp, "ratio": rdma / tcp, **mibs}
         )
+    print(engine_line(SERVER_BACKEND, width=0) + " (our server's)")
     print(f" guest booted in {meta['boot_seconds']:.1f} s; {args.repeat} samples per transport")
     for proto, line in MOUNTS.items():
         print(f" {proto} mount: {line}")

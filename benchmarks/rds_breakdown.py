@@ -28,11 +28,9 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import math
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -45,7 +43,6 @@ from typing import Any
 import trio
 from rds_stress import CLIENT_IP, SERVER_IP, Case, _free_port, ours, raw, raw_passive
 
-import rdmashim
 from rdmashim.rdstools.common import open_node
 from rdmashim.rdstools.defaults import STRESS_PORT
 from rdmashim.rdstools.stress import PassiveResult, stress_passive
@@ -54,6 +51,7 @@ from rdmashim.ulps.rds.node import RdsSocket
 from rdmashim.verbs.softiwarp.engine import Engine
 from rdmashim.verbs.softiwarp.provider import QP
 
+from report import engine_line, run_meta
 from streams import stop_process
 
 CYCLE = (
@@ -234,6 +232,7 @@ def print_table(doc: dict[str, Any]) -> None:
     act, pas = doc["active"], doc["passive"]
     print(RESULT_LINE)
     print(f" rds stress {doc['case']}: one round trip, phase by phase (medians, us)")
+    print(engine_line(width=0))
     print(RESULT_LINE)
     print(f" {'phase':<40}{'active':>10}{'passive':>10}")
     busy = [sum(side["median_us"][:BUSY]) for side in (act, pas)]
@@ -310,12 +309,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     doc: dict[str, Any] = {
         "meta": {
-            "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-            "python": platform.python_version(),
-            "platform": platform.platform(),
-            "nproc": os.cpu_count(),
-            "rdmashim": rdmashim.__version__,
-            "trio": trio.__version__,
+            **run_meta(),
             "repeat": args.repeat,
             "duration_s": args.duration,
         },

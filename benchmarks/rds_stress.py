@@ -45,10 +45,8 @@ instead of the engine; the ``-D`` case needs RDMA and is left out.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import platform
 import socket
 import statistics
 import struct
@@ -62,7 +60,6 @@ from pathlib import Path
 
 import trio
 
-import rdmashim
 from rdmashim.rdstools.common import open_node
 from rdmashim.rdstools.defaults import STRESS_PORT
 from rdmashim.rdstools.info import serve_info
@@ -79,6 +76,7 @@ from rdmashim.rdstools.stress import (
 from rdmashim.ulps.rds.node import RdsNode
 from rdmashim.ulps.rds.settings import RdsSettings, Transport
 
+from report import engine_line, run_meta
 from streams import read_exact, stop_process
 
 CLIENT_IP = "127.0.0.1"
@@ -312,6 +310,7 @@ def print_table(results: list[dict], args: argparse.Namespace) -> None:
     over = "RDS/TCP" if args.transport == "tcp" else "RDS over the built-in engine"
     print(f" rdmashim rds stress ({over}) vs raw TCP request/ack (trio both ends, two processes,")
     print(" loopback)")
+    print(engine_line(width=0) if args.transport == "rdma" else " Engine: none (RDS/TCP)")
     print(
         f" {args.repeat} samples of {args.duration:g} s per side, alternating; medians; "
         "ratio = ours/raw"
@@ -393,13 +392,7 @@ def main(argv: list[str] | None = None) -> int:
     cmd += ["--transport", args.transport, "--busy-poll", str(args.busy_poll)]
     server = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
     meta = {
-        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "python": platform.python_version(),
-        "platform": platform.platform(),
-        "nproc": os.cpu_count(),
-        "loadavg_start": os.getloadavg(),
-        "rdmashim": rdmashim.__version__,
-        "trio": trio.__version__,
+        **run_meta(),
         "repeat": args.repeat,
         "duration_s": args.duration,
         "transport": args.transport,

@@ -1,4 +1,5 @@
-"""What the benchmark scripts share for reporting: run metadata, the progress line, profiles."""
+"""What the benchmark scripts share for reporting: run metadata, the engine line of every header,
+the progress line, profiles."""
 
 from __future__ import annotations
 
@@ -15,19 +16,30 @@ from typing import Any
 import trio
 
 import rdmashim
+from rdmashim.registry import chosen_backend
+from rdmashim.verbs.softiwarp import fastpath
 
 
-def engine_path() -> str:
-    """Which data-path kernels the engine runs: the compiled accelerator, or the pure-Python
-    fallback (``RDMASHIM_NO_EXTENSIONS=1`` forces it) and why."""
-    from rdmashim.verbs.softiwarp import fastpath
+def engine(backend: str | None = None) -> str:
+    """The engine a run uses: the backend (``backend``, else ``RDMASHIM_BACKEND``'s, else
+    softiwarp) and, for the built-in soft-iWARP engine, its data-path kernels: compiled, or
+    pure Python and why, as ``fastpath.describe()`` says (``RDMASHIM_NO_EXTENSIONS=1``
+    forces pure Python)."""
+    name = chosen_backend(backend)
+    if name != "softiwarp":
+        return f"{name} backend"
+    kind = "compiled kernels" if fastpath.accelerated() else "pure-Python kernels"
+    return f"softiwarp backend, {kind}; accelerated: {fastpath.describe()}"
 
-    return f"accelerated: {fastpath.describe()}"
+
+def engine_line(backend: str | None = None, width: int = 16) -> str:
+    """Every benchmark header's engine line, its label padded to ``width`` (:func:`engine`)."""
+    return f" {'Engine':<{width}}: {engine(backend)}"
 
 
-def run_meta() -> dict[str, Any]:
+def run_meta(backend: str | None = None) -> dict[str, Any]:
     """Where and when a run happened: date, commit, Python, CPUs, load average at the start,
-    and the engine path (:func:`engine_path`)."""
+    the backend and the engine (:func:`engine`; ``backend`` as there)."""
     try:
         commit = subprocess.run(
             ["git", "rev-parse", "HEAD"],
@@ -48,7 +60,8 @@ def run_meta() -> dict[str, Any]:
         "commit": commit,
         "rdmashim": rdmashim.__version__,
         "trio": trio.__version__,
-        "engine": engine_path(),
+        "backend": chosen_backend(backend),
+        "engine": engine(backend),
     }
 
 

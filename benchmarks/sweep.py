@@ -36,7 +36,7 @@ from rdmashim.perftools.options import MAX_SIZE, add_arguments, config_from_args
 from rdmashim.perftools.plot import plot_sweep
 from rdmashim.perftools.run import run
 
-from report import run_meta
+from report import engine_line, run_meta
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = REPO / "docs" / "img" / "perf_write_bw_sweep.png"
@@ -66,6 +66,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     meta = run_meta()
+    print(engine_line(width=0), flush=True)
     port = free_port()
     flags = ["-a", "--max-size", str(args.max_size), "-n", str(args.iters), "--vs-tcp"]
     server = subprocess.Popen(
