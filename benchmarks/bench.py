@@ -51,6 +51,13 @@ Benchmarks (``--only`` takes these names):
 Ratios are ours/raw: above 1 is better for bandwidth and rate, worse (slower)
 for latency.
 
+The floor: send-lat and send-lat-poll are also printed against this machine's
+latency floor, measured in the same run, alternating with ours and raw: an 8-byte
+TCP ping-pong in C over 127.0.0.1 (``floor.c``, compiled when the run starts;
+both ends blocking in ``recv`` for send-lat, both spinning on non-blocking
+``recv`` for send-lat-poll), as ours/floor. Without a C compiler the rows say
+why not (:mod:`floor`).
+
 ``--path veth`` (root and iproute2) runs the server and the client in two network
 namespaces joined by a veth pair with a 1500-byte MTU (:mod:`vethpath`), and
 sizes our FPDUs to the connection's MSS, one FPDU per TCP segment, as Linux siw
@@ -75,12 +82,14 @@ import statistics
 import struct
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import floor
 import trio
 
 import rdmashim
@@ -100,7 +109,7 @@ from rdmashim import (
 from rdmashim.verbs.softiwarp.connection import MpaOptions, accept_qp, connect_qp, read_request
 
 import vethpath
-from report import Status, run_meta, top_functions
+from report import Status, engine_line, run_meta, top_functions
 from streams import count_to_eof, read_exact, stop_process
 
 HOST = "127.0.0.1"
@@ -452,6 +461,9 @@ class Config:
     path: str = "loopback"
     busy_poll: float = BUSY_POLL_US / 1e6
     """Seconds send-lat-poll's waits poll before they block, ours and raw TCP's alike."""
+    floor_binary: floor.FloorBinary | None = None
+    """The compiled latency floor (floor.c), or None: ``floor_why`` says why not."""
+    floor_why: str = "not measured in this run"
 
 
 @dataclass
@@ -948,6 +960,8 @@ class Bench:
     unit: str
     higher_is_better: bool
     server_mode: str
+    floor_mode: str = ""
+    """The latency floor this row is printed against: floor.c's mode (block, poll), or none."""
 
 
 BENCHES = [
@@ -963,9 +977,17 @@ BENCHES = [
         True,
         "S",
     ),
-    Bench("send-lat", ours_send_lat, raw_send_lat, LAT_SIZE, "1", "usec", False, "L"),
+    Bench("send-lat", ours_send_lat, raw_send_lat, LAT_SIZE, "1", "usec", False, "L", "block"),
     Bench(
-        "send-lat-poll", ours_send_lat_poll, raw_send_lat_poll, LAT_SIZE, "1", "usec", False, "P"
+        "send-lat-poll",
+        ours_send_lat_poll,
+        raw_send_lat_poll,
+        LAT_SIZE,
+        "1",
+        "usec",
+        False,
+        "P",
+        "poll",
     ),
     Bench("req-ack", ours_req_ack, raw_req_ack, REQ_ACK.request, "1", "tx/sec", True, "Q"),
     Bench("req-write", ours_req_write, raw_req_write, REQ_WRITE.request, "4", "tx/sec", True, "Q"),
@@ -1010,41 +1032,70 @@ async def run_samples(
     for bench in benches:
         details: dict[str, list] = {"ours": [], "raw": []}
         limit = max(60.0, 10 * cfg.duration + 60)
+        floors: list[float] = []
+        floor_why = cfg.floor_why
+        binary = cfg.floor_binary if bench.floor_mode else None
         for i in range(repeat):
             for side, fn in (("ours", bench.ours), ("raw", bench.raw)):
                 status.show(f"{bench.name}: sample {i + 1}/{repeat} ({side})")
                 with trio.fail_after(limit):
                     details[side].append(await fn(ctx, cfg, _Prof(False)))
+            if binary is not None:
+                status.show(f"{bench.name}: sample {i + 1}/{repeat} (floor)")
+                try:
+                    floors.append(await floor.measure(binary, bench.floor_mode,
+                                                      cfg.lat_iters, cfg.lat_warmup))  # fmt: skip
+                except floor.FloorUnavailable as exc:
+                    floor_why, binary = str(exc), None
         ours = statistics.median(d["value"] for d in details["ours"])
         raw = statistics.median(d["value"] for d in details["raw"])
-        results.append(
-            {
-                "name": bench.name,
-                "msg_size": bench.msg_size,
-                "depth": bench.depth,
-                "unit": bench.unit,
-                "ours_median": ours,
-                "raw_median": raw,
-                "ratio": ours / raw,
-                "ratio_meaning": (
-                    "ours/raw throughput (>1: faster than raw TCP)"
-                    if bench.higher_is_better
-                    else "ours/raw time (>1: slower than raw TCP)"
-                ),
-                "ours": [d["value"] for d in details["ours"]],
-                "raw": [d["value"] for d in details["raw"]],
-                "samples": details,
-                "perftest": {
-                    side: [_perftest_keys(bench, d) for d in details[side]]
-                    for side in ("ours", "raw")
-                },
-            }
-        )
+        result: dict[str, Any] = {
+            "name": bench.name,
+            "msg_size": bench.msg_size,
+            "depth": bench.depth,
+            "unit": bench.unit,
+            "ours_median": ours,
+            "raw_median": raw,
+            "ratio": ours / raw,
+            "ratio_meaning": (
+                "ours/raw throughput (>1: faster than raw TCP)"
+                if bench.higher_is_better
+                else "ours/raw time (>1: slower than raw TCP)"
+            ),
+            "ours": [d["value"] for d in details["ours"]],
+            "raw": [d["value"] for d in details["raw"]],
+            "samples": details,
+            "perftest": {
+                side: [_perftest_keys(bench, d) for d in details[side]] for side in ("ours", "raw")
+            },
+        }
+        if bench.floor_mode:
+            result.update(_floor_fields(bench.floor_mode, ours, floors, repeat, floor_why))
+        results.append(result)
     status.clear()
     return results
 
 
-def print_header(args: argparse.Namespace, cfg: Config, meta: dict[str, Any]) -> None:
+def _floor_fields(
+    mode: str, ours: float, floors: list[float], repeat: int, why: str
+) -> dict[str, Any]:
+    """A latency row's floor: the median of its samples and ours/floor, or why there is none
+    (no compiler, or the helper failed in a sample: then no figure at all)."""
+    if len(floors) < repeat:
+        return {"floor_mode": mode, "floor_unavailable": why}
+    median = statistics.median(floors)
+    return {
+        "floor_mode": mode,
+        "floor_median": median,
+        "floor_ratio": ours / median,
+        "floor_ratio_meaning": f"ours/floor time (floor.c, {mode}: C over loopback TCP)",
+        "floor": floors,
+    }
+
+
+def print_header(
+    args: argparse.Namespace, cfg: Config, meta: dict[str, Any], benches: list[Bench]
+) -> None:
     crc = "ON" if cfg.crc else "OFF"
     print(RESULT_LINE)
     print(f" rdmashim soft-iWARP vs raw Python TCP (trio on both ends, two processes, {cfg.path})")
@@ -1052,31 +1103,52 @@ def print_header(args: argparse.Namespace, cfg: Config, meta: dict[str, Any]) ->
     print(f" Device          : {cfg.device:<16}Transport type : IWARP")
     print(f" Connection type : RC              CRC            : {crc}")
     fpdu = f"{cfg.fpdu} B" if cfg.fpdu else "MSS (as siw)"
-    print(f" Max FPDU (ours) : {fpdu:<16}Engine         : {meta['engine']}")
+    print(f" Max FPDU (ours) : {fpdu}")
+    print(engine_line())
     print(f" Repeats         : {args.repeat:<16}Reported       : median of repeats")
     dur = f"{cfg.duration:g} s/sample"
     print(f" Duration        : {dur:<16}Lat. iterations: {cfg.lat_iters}")
     print(f" Python          : {meta['python']:<16}CPUs           : {meta['nproc']}")
     busy = f"{cfg.busy_poll * 1e6:g} us"
     print(f" Date            : {meta['date']:<32}Busy poll (-poll): {busy}")
+    if cfg.floor_binary is not None:
+        print(f" Floor (C)       : {cfg.floor_binary.command} (8 B TCP ping-pong, 127.0.0.1)")
+    elif any(b.floor_mode for b in benches):
+        print(f" Floor (C)       : n/a ({cfg.floor_why})")
+
+
+def _floor_cells(r: dict[str, Any]) -> str:
+    """A row's floor and ours/floor, or why not; nothing for rows without a floor."""
+    if "floor_median" in r:
+        return f"{r['floor_median']:>8.2f}  {r['floor_ratio']:>9.2f}x"
+    if "floor_unavailable" in r:
+        return f"floor: n/a ({r['floor_unavailable']})"
+    return ""
 
 
 def print_table(results: list[dict[str, Any]]) -> None:
-    """The medians, their ratio, and the FPDU size our side sent."""
+    """The medians, their ratio, the floor of the latency rows, and the FPDU size our side
+    sent."""
+    floors = any("floor_mode" in r for r in results)
     print(RESULT_LINE)
-    print(
+    head = (
         f" {'benchmark':<14}{'#bytes':>6}  {'depth':<7}{'ours':>12}  {'raw TCP':>12}  "
-        f"{'ours/raw':>9}  unit"
+        f"{'ours/raw':>9}  {'unit':<9}" + (f"{'floor':>8}  {'ours/floor':>10}" if floors else "")
     )
+    print(head.rstrip())
     for r in results:
         prec = 4 if r["unit"] == "Mmsg/sec" else 2
         print(
             f" {r['name']:<14}{r['msg_size']:>6}  {r['depth']:<7}"
             f"{r['ours_median']:>12.{prec}f}  {r['raw_median']:>12.{prec}f}  "
-            f"{r['ratio']:>9.3f}  {r['unit']}"
+            f"{r['ratio']:>9.3f}  {r['unit']:<9}{_floor_cells(r)}".rstrip()
         )
     print(RESULT_LINE)
     print(" ratio: ours/raw; for usec (latency, half round trip) above 1 means slower than raw TCP")
+    if floors:
+        print(" floor: usec, half round trip of an 8 B TCP ping-pong in C over 127.0.0.1")
+        print(" (benchmarks/floor.c), both ends blocking for send-lat, busy-polling for")
+        print(" send-lat-poll; ours/floor: how many times the floor ours takes")
     ours = [d for r in results for d in r["samples"]["ours"]]
     sizes = sorted({d["max_fpdu"] for d in ours if "max_fpdu" in d})
     if sizes:
@@ -1146,6 +1218,11 @@ def _meta(cfg: Config, args: argparse.Namespace) -> dict[str, Any]:
         "send_max_batches": MAX_BATCHES,
         "server_recvs": SERVER_RECVS,
         "credit_step": CREDIT_STEP,
+        "floor": (
+            {"source": "benchmarks/floor.c", "command": cfg.floor_binary.command}
+            if cfg.floor_binary is not None
+            else {"unavailable": cfg.floor_why}
+        ),
     }
 
 
@@ -1156,7 +1233,7 @@ async def client_main(
         if args.profile:
             return {}, await run_profiles(ctx, cfg, benches, Path(args.profile))
         meta = _meta(cfg, args)
-        print_header(args, cfg, meta)
+        print_header(args, cfg, meta, benches)
         sys.stdout.flush()
         results = await run_samples(ctx, cfg, benches, args.repeat, Status())
         meta["loadavg_end"] = os.getloadavg()
@@ -1246,6 +1323,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def prepare_floor(cfg: Config, benches: list[Bench], directory: Path) -> None:
+    """Compile floor.c into ``directory`` when a latency row of this run needs it (not when
+    profiling); else, or when it cannot be compiled, ``cfg.floor_why`` says why not."""
+    if cfg.profile or not any(b.floor_mode for b in benches):
+        return
+    if cfg.path != "loopback":
+        cfg.floor_why = "measured on loopback only; this run is over a veth pair"
+        return
+    try:
+        cfg.floor_binary = floor.build(directory)
+    except floor.FloorUnavailable as exc:
+        cfg.floor_why = str(exc)
+
+
 def run_on_veth(argv: list[str]) -> int:
     """``--path veth``: build the namespaces and run this script's client in one of them
     (it starts its server in the other); delete them afterwards."""
@@ -1305,7 +1396,9 @@ def main(argv: list[str] | None = None) -> int:
             path=f"veth, MTU {vethpath.MTU}, two namespaces" if veth else "loopback",
             busy_poll=args.busy_poll / 1e6,
         )
-        meta, results = trio.run(client_main, args, cfg, benches)
+        with tempfile.TemporaryDirectory(prefix="rdmashim-floor-") as tmp:
+            prepare_floor(cfg, benches, Path(tmp))
+            meta, results = trio.run(client_main, args, cfg, benches)
     finally:
         stop_process(server)
     if args.profile:

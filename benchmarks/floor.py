@@ -1,0 +1,90 @@
+"""This machine's latency floor: ``floor.c``, an 8-byte TCP ping-pong in C over 127.0.0.1.
+
+bench.py's latency rows are judged against it as well as against raw Python
+TCP: what the kernel's loopback TCP costs with no Python on either end, in the
+two ways our rows wait (``block``: both ends block in ``recv``, the floor of
+send-lat; ``poll``: both ends spin on non-blocking ``recv``, the floor of
+send-lat-poll). It is compiled when a run starts, with ``$CC`` or the compiler
+Python was built with (``sysconfig``'s ``CC``), else ``cc``, into a temporary
+directory of that run; without a compiler, :func:`build` says why not.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import shutil
+import subprocess
+import sysconfig
+from dataclasses import dataclass
+from pathlib import Path
+
+import trio
+
+SOURCE = Path(__file__).resolve().parent / "floor.c"
+MODES = ("block", "poll")
+"""floor.c's modes: both ends block in ``recv``; both spin on non-blocking ``recv``."""
+CFLAGS = ("-O2", "-Wall", "-Wextra")
+
+
+class FloorUnavailable(RuntimeError):
+    """The floor cannot be measured here (no C compiler, or it failed); the text says why."""
+
+
+@dataclass(frozen=True)
+class FloorBinary:
+    """A compiled ``floor.c`` and the command line that built it."""
+
+    path: Path
+    command: str
+
+
+def compiler() -> list[str]:
+    """The C compiler's command: ``$CC``, else Python's own (``sysconfig``), else ``cc``.
+    Raises :class:`FloorUnavailable` naming what was looked for when it is not there."""
+    named = os.environ.get("CC")
+    words = shlex.split(named or sysconfig.get_config_var("CC") or "cc")
+    if words and shutil.which(words[0]):
+        return words
+    if not named and shutil.which("cc"):
+        return ["cc"]
+    where = f"$CC={named!r} not found" if named else "no cc or gcc on PATH"
+    raise FloorUnavailable(f"no C compiler: {where}")
+
+
+def build(directory: Path) -> FloorBinary:
+    """Compile ``floor.c`` into ``directory``; :class:`FloorUnavailable` if it cannot be."""
+    out = directory / "floor"
+    cmd = [*compiler(), *CFLAGS, "-o", str(out), str(SOURCE)]
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=False)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise FloorUnavailable(f"the C compiler failed: {exc}") from None
+    if done.returncode != 0:
+        first = (done.stderr.strip().splitlines() or [f"exit status {done.returncode}"])[0]
+        raise FloorUnavailable(f"floor.c did not compile: {first}")
+    return FloorBinary(out, shlex.join([*cmd[:-3], "floor.c"]))
+
+
+def parse(line: str) -> dict[str, str]:
+    """``floor``'s output line, ``key=value`` words, as a dict."""
+    return dict(word.split("=", 1) for word in line.split() if "=" in word)
+
+
+async def measure(binary: FloorBinary, mode: str, round_trips: int, warmup: int) -> float:
+    """The median half round trip in microseconds over ``round_trips`` ping-pongs after
+    ``warmup``, ``mode`` one of :data:`MODES`; :class:`FloorUnavailable` if the helper
+    failed or took more than a minute and 100 us a round trip."""
+    cmd = [str(binary.path), mode, str(round_trips), str(warmup)]
+    limit = 60 + (round_trips + warmup) * 1e-4
+    with trio.move_on_after(limit) as scope:
+        done = await trio.run_process(cmd, capture_stdout=True, capture_stderr=True, check=False)
+    if scope.cancelled_caught:
+        raise FloorUnavailable(f"floor {mode}: no result in {limit:.0f} s")
+    if done.returncode != 0:
+        raise FloorUnavailable(f"floor {mode} failed: {done.stderr.decode().strip()}")
+    fields = parse(done.stdout.decode())
+    try:
+        return int(fields["median_half_rtt_ns"]) / 1000
+    except (KeyError, ValueError):
+        raise FloorUnavailable(f"floor {mode} said {done.stdout.decode()!r}") from None
