@@ -89,7 +89,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import floor
 import trio
 
 import rdmashim
@@ -108,6 +107,7 @@ from rdmashim import (
 )
 from rdmashim.verbs.softiwarp.connection import MpaOptions, accept_qp, connect_qp, read_request
 
+import floor
 import vethpath
 from report import Status, engine_line, run_meta, top_functions
 from streams import count_to_eof, read_exact, stop_process

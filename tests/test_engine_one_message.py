@@ -68,15 +68,30 @@ BOUND = 10.0
 def test_frame_send_matches_the_queued_path(crc: bool, flags: int, inv: int, size: int) -> None:
     payload = bytes(range(size))
     queued, now = Host(crc).engine, Host(crc).engine
+    opcode = WROpcode.SEND_WITH_INV if inv else WROpcode.SEND
     for k in range(3):  # the MSN advances the same way on both
-        queued.post_send(SendJob(k, WROpcode.SEND, flags, (), payload, size, 0, 0, inv))
+        queued.post_send(SendJob(k, opcode, flags, (), payload, size, 0, 0, inv))
         want = b"".join(bytes(c) for c in queued.produce())
         queued.sent(len(want))
         assert now.tx_idle
-        got = bytes(now.frame_send(payload, SendRun.ctrl(flags, False), inv))
+        got = bytes(now.frame_send(payload, SendRun.ctrl(flags, bool(inv)), inv))
         now.took_send(k, flags, payload, len(got), True)
         assert got == want
     assert now.bytes_sent == queued.bytes_sent
+
+
+@pytest.mark.parametrize("inline", [True, False])
+def test_a_plain_send_leaves_the_invalidate_stag_field_zero(inline: bool) -> None:
+    """RFC 5040 reserves the field in a Send without Invalidate: an invalidate_rkey set
+    on the request does not reach the wire (it did, found by the native engine's
+    differential test)."""
+    host = Host(True)
+    src = host.region(b"payload")
+    sges = (SGE(src.addr, 7, src.stag),)
+    job = SendJob(1, WROpcode.SEND, 0, sges, b"payload" if inline else None, 7, 0, 0, 0x1234)
+    host.engine.post_send(job)
+    wire = b"".join(bytes(c) for c in host.engine.produce())
+    assert wire[3] & 0x0F == 3 and wire[4:8] == bytes(4), wire[:20].hex()
 
 
 @pytest.mark.parametrize("crc", [True, False])

@@ -3,24 +3,19 @@ no stray write, the listener always accepting; and the fuzzer's own parts."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
 from rdmashim.verbs.softiwarp import ddp, fastpath
 from rdmashim.verbs.softiwarp.terminate import DdpTaggedCode, ddp_tagged
 
-TOOL = Path(__file__).resolve().parent.parent / "tools" / "fuzz_wire.py"
-_spec = importlib.util.spec_from_file_location("fuzz_wire", TOOL)
-assert _spec is not None and _spec.loader is not None
-fuzz_wire = importlib.util.module_from_spec(_spec)
-sys.modules["fuzz_wire"] = fuzz_wire
-_spec.loader.exec_module(fuzz_wire)
+from tooling import tool
+
+fuzz_wire = tool("fuzz_wire")
 
 TABLE = fuzz_wire.nominal_table()
 
@@ -35,7 +30,7 @@ def test_ci_slice_finds_no_crash_hang_or_stray_write(kernels: str) -> None:
     elif fastpath.COMPILED is None:
         pytest.skip(f"compiled kernels unavailable: {fastpath.WHY_NOT}")
     proc = subprocess.run(
-        [sys.executable, str(TOOL), "--count", "3000", "--time", "90", "--workers", "4",
+        [sys.executable, fuzz_wire.__file__, "--count", "3000", "--time", "90", "--workers", "4",
          "--seed", "7", "--json"],
         capture_output=True, text=True, timeout=300, env=env,
     )  # fmt: skip

@@ -18,25 +18,20 @@ skipped (failed under ``RDMASHIM_REQUIRE_INTEROP=1``), as in ``test_siw_interop`
 from __future__ import annotations
 
 import faulthandler
-import importlib.util
 import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 from typing import Any
 
 import pytest
 import siwvm
 
+from tooling import tool
+
 pytestmark = [pytest.mark.slow, pytest.mark.interop]
 
-TOOL = Path(__file__).resolve().parent.parent / "tools" / "vm_api_suite.py"
-_spec = importlib.util.spec_from_file_location("vm_api_suite", TOOL)
-assert _spec is not None and _spec.loader is not None
-vm_api_suite = importlib.util.module_from_spec(_spec)
-sys.modules.setdefault("vm_api_suite", vm_api_suite)  # its dataclasses look themselves up
-_spec.loader.exec_module(vm_api_suite)
+vm_api_suite = tool("vm_api_suite")
 RUNS = vm_api_suite.registered_backends()
 GUEST_HAS = set(RUNS)
 """Runs the guest image provides for (python3, python3-cffi, rdma-core, siw, rxe): all."""
@@ -61,7 +56,7 @@ def vm_results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     faulthandler.cancel_dump_traceback_later()
     out = tmp_path_factory.mktemp("vm-api") / "results.json"
     run = subprocess.run(
-        [sys.executable, str(TOOL), "--name", "api-pytest", "--json", str(out)],
+        [sys.executable, vm_api_suite.__file__, "--name", "api-pytest", "--json", str(out)],
         capture_output=True,
         text=True,
         timeout=LIMIT,
@@ -69,7 +64,8 @@ def vm_results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     )
     if not out.exists():
         pytest.fail(
-            f"{TOOL.name} wrote no results (exit {run.returncode}):\n{run.stdout}\n{run.stderr}"
+            f"{vm_api_suite.__name__} wrote no results (exit {run.returncode}):\n"
+            f"{run.stdout}\n{run.stderr}"
         )
     results = json.loads(out.read_text())
     if run.returncode == 2:

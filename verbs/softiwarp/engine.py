@@ -755,7 +755,7 @@ class Engine:
             chunks.append(inline)
             lens.append(len(inline))
             ctrls.append(ctrl + _INV_STEP if op is send_inv else ctrl)
-            invs.append(job.invalidate_rkey)
+            invs.append(job.invalidate_rkey if op is send_inv else 0)
             size += ((_SEND_FPDU_BASE + len(inline)) & ~3) + _CRC_BYTES
         if lens:
             msns = self._tx_msn
@@ -844,13 +844,12 @@ class Engine:
         mo = 0
         pack = _UNTAGGED.pack
         ctrl = opcode | ddp.RDMAP_VERSION
+        inv = job.invalidate_rkey if op is WROpcode.SEND_WITH_INV else 0  # else reserved: 0
         while True:
             n = min(chunk, total - mo)
             last = mo + n == total
             ddp_ctrl = ddp.DDP_VERSION | (ddp.DDP_LAST if last else 0)
-            header = pack(
-                ddp.UNTAGGED_HDR_LEN - 2 + n, ddp_ctrl, ctrl, job.invalidate_rkey, QN.SEND, msn, mo
-            )
+            header = pack(ddp.UNTAGGED_HDR_LEN - 2 + n, ddp_ctrl, ctrl, inv, QN.SEND, msn, mo)
             fpdu: list[Chunk] = [header]
             fpdu += slice_segments(segments, mo, n)
             yield fpdu, last, self._seal(fpdu)

@@ -1188,10 +1188,13 @@ class _SendTemplate:
         self.flags = flags = int(w.send_flags)
         sges = w.sg_list
         self.nsge = len(sges)
-        remote_addr, rkey, inv = self.remote_addr, self.rkey, self.invalidate_rkey = (
+        remote_addr, rkey, inv = self.remote_addr, self.rkey, _ = (
             w.remote_addr, w.rkey, w.invalidate_rkey,
         )  # fmt: skip
         self.keys_fit = keys_fit = 0 <= rkey <= _U32 and 0 <= inv <= _U32 and remote_addr >= 0
+        self.invalidate_rkey = inv if opcode is _SEND_INV else 0
+        """What goes in the header's Invalidate STag field (zero but for a Send with
+        Invalidate: RFC 5040 reserves it in other messages)."""
         self.local: tuple[SGE, ...] = ()
         self.length = 0
         self.source: _InlineSGE | None = None
@@ -1498,7 +1501,8 @@ class QP(_Resource):
         payload = src.read(self.context.memory, None if flags & _INLINE else self.pd)
         if payload is None:
             return False
-        frame = engine.frame_send(payload, _CTRL_SE if flags & _SOLICITED else _CTRL_SEND, inv)
+        # (A plain Send: the header's Invalidate STag field is reserved, zero.)
+        frame = engine.frame_send(payload, _CTRL_SE if flags & _SOLICITED else _CTRL_SEND, 0)
         try:
             n = link.write_now(frame)
         except OSError:

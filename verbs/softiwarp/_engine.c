@@ -1,0 +1,1578 @@
+/* The native engine's core: one device's memory table, completion and receive
+ * queues, and the RDMAP/DDP/MPA protocol state of each queue pair, in C.
+ *
+ * It is sans-IO, as the Python engine (engine.py) it is held to: received bytes
+ * come in through rs_qp_rx, the bytes to send go out through rs_qp_tx and
+ * rs_qp_tx_done, work requests through rs_qp_post_*, completions into rs_cq
+ * rings. It follows the Python engine's rules exactly (the same Terminate codes
+ * in the same order of checks, the same completions, the same bytes on the
+ * wire); tests/test_native_engine.py holds the two to that with the same
+ * streams. docs/native-engine.md has the design.
+ *
+ * Memory safety: a region is named by its STag everywhere; every copy into or
+ * out of registered memory looks the region up and checks it first, and a
+ * deregistration (rs_mem_remove) has every QP drop the work it started on the
+ * region before it returns. Nothing a peer sends is trusted: every length and
+ * offset is checked before it is used.
+ */
+#include "_engine.h"
+#include "_accel.h"
+
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define HDR_TAGGED 16
+#define HDR_UNTAGGED 20
+#define HDR_READ_REQUEST 48
+#define CRC_LEN 4
+#define MAX_HDR 48
+#define RTR_STAG 1
+#define DDP_TAGGED 0x80
+#define DDP_LAST 0x40
+#define DDP_VERSION 0x01
+#define RDMAP_VERSION 0x40
+#define MAX_ORD_IRD 128
+#define TX_BUDGET (256 * 1024) /* bytes framed ahead of what TCP has taken */
+
+enum { OP_WRITE, OP_READ_REQUEST, OP_READ_RESPONSE, OP_SEND, OP_SEND_INV, OP_SEND_SE,
+       OP_SEND_SE_INV, OP_TERMINATE };
+enum { QN_SEND, QN_READ_REQUEST, QN_TERMINATE };
+/* Terminate codes: layers, types, codes (terminate.py) */
+enum { L_RDMAP = 0, L_DDP = 1, L_LLP = 2 };
+enum { T_RDMAP_CATASTROPHIC = 0, T_REMOTE_PROTECTION = 1, T_REMOTE_OPERATION = 2 };
+enum { T_DDP_CATASTROPHIC = 0, T_DDP_TAGGED = 1, T_DDP_UNTAGGED = 2 };
+enum { C_INVALID_STAG = 0, C_BASE_BOUNDS = 1, C_ACCESS_RIGHTS = 2, C_STAG_NOT_ASSOC = 3,
+       C_TO_WRAP = 4, C_VERSION = 5, C_OPCODE = 6, C_CATASTROPHIC_STREAM = 7,
+       C_CANNOT_INVALIDATE = 9, C_UNSPECIFIED = 0xFF };
+enum { D_INVALID_STAG = 0, D_BASE_BOUNDS = 1, D_STAG_NOT_ASSOC = 2, D_TO_WRAP = 3,
+       D_VERSION = 4 };
+enum { U_INVALID_QN = 1, U_MSN_NO_BUFFER = 2, U_MSN_RANGE = 3, U_INVALID_MO = 4,
+       U_VERSION = 6 };
+enum { M_CRC = 2, M_FPDU_START = 3 };
+/* Why an access to registered memory is refused (memory.py's Violation) */
+enum { V_OK, V_INVALID_STAG, V_PD, V_ACCESS, V_BOUNDS };
+
+static const uint8_t header_len[8] = {HDR_TAGGED, HDR_READ_REQUEST, HDR_TAGGED, HDR_UNTAGGED,
+                                      HDR_UNTAGGED, HDR_UNTAGGED, HDR_UNTAGGED, HDR_UNTAGGED};
+
+static inline uint16_t be16(const uint8_t *p) { return (uint16_t)(p[0] << 8 | p[1]); }
+static inline uint32_t be32(const uint8_t *p)
+{
+    return (uint32_t)p[0] << 24 | (uint32_t)p[1] << 16 | (uint32_t)p[2] << 8 | p[3];
+}
+static inline uint64_t be64(const uint8_t *p) { return (uint64_t)be32(p) << 32 | be32(p + 4); }
+static inline void put16(uint8_t *p, uint32_t v) { p[0] = (uint8_t)(v >> 8); p[1] = (uint8_t)v; }
+static inline void put32(uint8_t *p, uint32_t v)
+{
+    p[0] = (uint8_t)(v >> 24); p[1] = (uint8_t)(v >> 16); p[2] = (uint8_t)(v >> 8);
+    p[3] = (uint8_t)v;
+}
+static inline void put64(uint8_t *p, uint64_t v) { put32(p, (uint32_t)(v >> 32)); put32(p + 4, (uint32_t)v); }
+static inline uint32_t pad_of(uint32_t ulpdu_len) { return (uint32_t)(-(ulpdu_len + 2)) & 3; }
+
+/* The 48 header bytes of an RDMA Read Request (untagged, QN 1, MO 0, last). */
+static void put_read_request(uint8_t *p, uint32_t msn, uint32_t sink_stag, uint64_t sink_to,
+                             uint32_t size, uint32_t src_stag, uint64_t src_to)
+{
+    put16(p, HDR_READ_REQUEST - 2);
+    p[2] = DDP_LAST | DDP_VERSION;
+    p[3] = RDMAP_VERSION | OP_READ_REQUEST;
+    put32(p + 4, 0);
+    put32(p + 8, QN_READ_REQUEST);
+    put32(p + 12, msn);
+    put32(p + 16, 0);
+    put32(p + 20, sink_stag);
+    put64(p + 24, sink_to);
+    put32(p + 32, size);
+    put32(p + 36, src_stag);
+    put64(p + 40, src_to);
+}
+
+/* ------------------------------------------------------------------ memory */
+typedef struct {
+    uint32_t stag;
+    int valid;
+    uint8_t *base;
+    uint64_t iova;
+    uint64_t length;
+    uint32_t access;
+    uint64_t pd;
+} rs_region;
+
+struct rs_mem {
+    rs_region **slots; /* open addressing by STag index, linear probing */
+    uint32_t cap;      /* a power of 2 */
+    uint32_t count;
+    rs_qp *qps;        /* every QP of the device, for deregistration */
+};
+
+static uint32_t slot_of(const rs_mem *mem, uint32_t index)
+{
+    return (index * 2654435761u) & (mem->cap - 1);
+}
+
+rs_mem *rs_mem_new(void)
+{
+    rs_mem *mem = calloc(1, sizeof *mem);
+    if (!mem)
+        return NULL;
+    mem->cap = 64;
+    mem->slots = calloc(mem->cap, sizeof *mem->slots);
+    if (!mem->slots) {
+        free(mem);
+        return NULL;
+    }
+    rs_init();
+    return mem;
+}
+
+void rs_mem_free(rs_mem *mem)
+{
+    if (!mem)
+        return;
+    for (uint32_t i = 0; i < mem->cap; i++)
+        free(mem->slots[i]);
+    free(mem->slots);
+    free(mem);
+}
+
+static rs_region *mem_find(const rs_mem *mem, uint32_t stag)
+{
+    uint32_t index = stag >> 8;
+    for (uint32_t s = slot_of(mem, index);; s = (s + 1) & (mem->cap - 1)) {
+        rs_region *r = mem->slots[s];
+        if (!r)
+            return NULL;
+        if (r->stag >> 8 == index)
+            return r->stag == stag ? r : NULL;
+    }
+}
+
+/* The valid region an STag names, or NULL. */
+static rs_region *mem_lookup(const rs_mem *mem, uint32_t stag)
+{
+    rs_region *r = mem_find(mem, stag);
+    return r && r->valid ? r : NULL;
+}
+
+static int mem_grow(rs_mem *mem)
+{
+    uint32_t old_cap = mem->cap;
+    rs_region **old = mem->slots;
+    rs_region **slots = calloc((size_t)old_cap * 2, sizeof *slots);
+    if (!slots)
+        return -1;
+    mem->slots = slots;
+    mem->cap = old_cap * 2;
+    for (uint32_t i = 0; i < old_cap; i++) {
+        if (!old[i])
+            continue;
+        uint32_t s = slot_of(mem, old[i]->stag >> 8);
+        while (slots[s])
+            s = (s + 1) & (mem->cap - 1);
+        slots[s] = old[i];
+    }
+    free(old);
+    return 0;
+}
+
+int rs_mem_add(rs_mem *mem, uint32_t stag, uint8_t *base, uint64_t iova, uint64_t length,
+               uint32_t access, uint64_t pd)
+{
+    if (stag >> 8 == 0 || (length && iova > UINT64_MAX - (length - 1)))
+        return -EINVAL;
+    if (mem_find(mem, stag) || (mem->count + 1) * 2 > mem->cap) {
+        if (mem_find(mem, stag))
+            return -EEXIST;
+        if (mem_grow(mem))
+            return -ENOMEM;
+    }
+    uint32_t s = slot_of(mem, stag >> 8);
+    while (mem->slots[s]) {
+        if (mem->slots[s]->stag >> 8 == stag >> 8)
+            return -EEXIST;
+        s = (s + 1) & (mem->cap - 1);
+    }
+    rs_region *r = calloc(1, sizeof *r);
+    if (!r)
+        return -ENOMEM;
+    *r = (rs_region){stag, 1, base, iova, length, access, pd};
+    mem->slots[s] = r;
+    mem->count++;
+    return 0;
+}
+
+int rs_mem_valid(rs_mem *mem, uint32_t stag) { return mem_lookup(mem, stag) != NULL; }
+
+/* Check [addr, addr + len) of region r for access rights; *p its first byte. */
+static int region_locate(const rs_region *r, uint64_t pd, uint64_t addr, uint64_t len,
+                         uint32_t access, uint8_t **p)
+{
+    if (!r)
+        return V_INVALID_STAG;
+    if (r->pd != pd)
+        return V_PD;
+    if (access & ~r->access)
+        return V_ACCESS;
+    if (addr < r->iova || len > r->length || addr - r->iova > r->length - len)
+        return V_BOUNDS;
+    *p = r->base + (addr - r->iova);
+    return V_OK;
+}
+
+/* The same for the valid region stag names (an access that starts now). */
+static int mem_locate(const rs_mem *mem, uint32_t stag, uint64_t pd, uint64_t addr, uint64_t len,
+                      uint32_t access, uint8_t **p)
+{
+    return region_locate(mem_lookup(mem, stag), pd, addr, len, access, p);
+}
+
+/* The same for the region stag names, valid or invalidated since the access started
+ * (a peer's Send with Invalidate does not stop a message in progress, as in the
+ * Python engine; a deregistration does: the region is gone, and the QP was stopped). */
+static int mem_locate_started(const rs_mem *mem, uint32_t stag, uint64_t pd, uint64_t addr,
+                              uint64_t len, uint32_t access, uint8_t **p)
+{
+    return region_locate(mem_find(mem, stag), pd, addr, len, access, p);
+}
+
+/* ------------------------------------------------------------------ queues */
+struct rs_cq {
+    rs_wc *ring;
+    uint32_t cap, head, count;
+    int overrun;
+};
+
+rs_cq *rs_cq_new(uint32_t cqe)
+{
+    if (cqe == 0)
+        return NULL;
+    rs_cq *cq = calloc(1, sizeof *cq);
+    if (!cq)
+        return NULL;
+    cq->ring = calloc(cqe, sizeof *cq->ring);
+    if (!cq->ring) {
+        free(cq);
+        return NULL;
+    }
+    cq->cap = cqe;
+    return cq;
+}
+
+void rs_cq_free(rs_cq *cq)
+{
+    if (cq) {
+        free(cq->ring);
+        free(cq);
+    }
+}
+
+static int cq_push(rs_cq *cq, const rs_wc *wc)
+{
+    if (cq->count == cq->cap) {
+        cq->overrun = 1;
+        return -1;
+    }
+    cq->ring[(cq->head + cq->count) % cq->cap] = *wc;
+    cq->count++;
+    return 0;
+}
+
+uint32_t rs_cq_poll(rs_cq *cq, rs_wc *out, uint32_t n)
+{
+    uint32_t k = 0;
+    while (k < n && cq->count) {
+        out[k++] = cq->ring[cq->head];
+        cq->head = (cq->head + 1) % cq->cap;
+        cq->count--;
+    }
+    return k;
+}
+
+uint32_t rs_cq_count(rs_cq *cq) { return cq->count; }
+int rs_cq_overrun(rs_cq *cq) { return cq->overrun; }
+
+typedef struct {
+    rs_recv_wr *ring;
+    uint32_t cap, head, count;
+} rs_rq;
+
+static int rq_init(rs_rq *q, uint32_t cap)
+{
+    q->ring = calloc(cap ? cap : 1, sizeof *q->ring);
+    q->cap = cap;
+    q->head = q->count = 0;
+    return q->ring ? 0 : -1;
+}
+
+static uint32_t rq_post(rs_rq *q, const rs_recv_wr *wrs, uint32_t n)
+{
+    uint32_t k = 0;
+    for (; k < n && q->count < q->cap; k++) {
+        q->ring[(q->head + q->count) % q->cap] = wrs[k];
+        q->count++;
+    }
+    return k;
+}
+
+static int rq_take(rs_rq *q, rs_recv_wr *out)
+{
+    if (!q->count)
+        return 0;
+    *out = q->ring[q->head];
+    q->head = (q->head + 1) % q->cap;
+    q->count--;
+    return 1;
+}
+
+struct rs_srq {
+    rs_rq q;
+};
+
+rs_srq *rs_srq_new(uint32_t max_wr)
+{
+    rs_srq *srq = calloc(1, sizeof *srq);
+    if (srq && rq_init(&srq->q, max_wr)) {
+        free(srq);
+        return NULL;
+    }
+    return srq;
+}
+
+void rs_srq_free(rs_srq *srq)
+{
+    if (srq) {
+        free(srq->q.ring);
+        free(srq);
+    }
+}
+
+uint32_t rs_srq_post(rs_srq *srq, const rs_recv_wr *wrs, uint32_t n)
+{
+    return rq_post(&srq->q, wrs, n);
+}
+
+/* ------------------------------------------------------------------ the QP */
+typedef struct {
+    rs_send_wr wr;
+    uint8_t *data;       /* the inline copy, or NULL */
+    uint64_t length;     /* payload bytes (a Read: bytes to read) */
+    uint64_t done_at;    /* tx_total once its last byte was framed */
+    uint32_t msn;        /* a Read's Request MSN */
+    uint64_t received;   /* a Read's response bytes placed */
+    int framed;          /* its last FPDU was framed (a Read: its Request) */
+    int done;
+    uint32_t status;
+} sq_entry;
+
+typedef struct {
+    uint32_t sink_stag, src_stag;
+    uint64_t sink_to, src_to;
+    uint32_t size;
+} irq_entry;
+
+enum { RX_HDR, RX_PAYLOAD, RX_TRAILER, RX_DISCARD };
+enum { CUR_NONE, CUR_SQ, CUR_IRQ };
+
+struct rs_qp {
+    rs_mem *mem;
+    rs_qp *next_in_mem, *prev_in_mem;
+    uint64_t pd;
+    uint32_t qp_num;
+    rs_cq *scq, *rcq;
+    rs_srq *srq;
+    rs_rq rq;
+    int sq_sig_all;
+    int state;
+    rs_error err;
+    int crc;
+    uint32_t ird, ord, max_fpdu;
+    int rtr_pending;
+    /* send side */
+    sq_entry *sq;                 /* posted, not completed: [sq_head, sq_head + sq_count) */
+    uint32_t sq_cap, sq_head, sq_count, sq_started; /* sq_started: entries framed or begun */
+    uint32_t max_send_wr;
+    uint32_t orq[MAX_ORD_IRD];    /* SQ positions (offsets from sq_head are unstable: absolute) */
+    uint64_t orq_seq[MAX_ORD_IRD];
+    uint32_t orq_head, orq_count;
+    int orq_rtr;                  /* the RTR Read is outstanding (no SQ entry) */
+    irq_entry irq[MAX_ORD_IRD];
+    uint32_t irq_head, irq_count, responding;
+    uint64_t sq_seq0;             /* absolute number of the entry at sq_head */
+    int cur;                      /* CUR_*: the message being framed */
+    uint64_t cur_seq;             /* its SQ number */
+    irq_entry cur_irq;
+    uint64_t cur_off;
+    uint32_t tx_msn[3];
+    uint8_t *tx;
+    size_t tx_off, tx_len, tx_cap;
+    uint64_t tx_total, tx_taken;  /* bytes framed ever; bytes TCP has taken */
+    int terminate_queued;
+    /* receive side */
+    uint32_t rx_msn[3];
+    int rx;
+    uint8_t hdr[MAX_HDR];
+    uint32_t hdr_have;
+    uint32_t op, last, ulpdu_len, payload, remaining;
+    uint32_t stag, qn, msn, mo, inv_stag, sink_stag, read_size, src_stag;
+    uint64_t to, sink_to, src_to;
+    uint32_t crc_state;
+    uint8_t trailer[8];
+    uint32_t trailer_have, trailer_need;
+    uint64_t place_to;            /* a Write's TO of the next payload byte */
+    int send_open;                /* a Send message is being received */
+    rs_recv_wr send_wr;
+    uint64_t send_len, send_received;
+    uint32_t send_status;
+    uint8_t term_body[4 + MAX_HDR];
+    uint32_t term_have;
+};
+
+static void enter_error(rs_qp *qp, uint32_t kind, const char *message, int remote_quoted_read,
+                        uint32_t quoted_msn, uint32_t remote_status);
+
+static void set_error_info(rs_qp *qp, uint32_t kind, uint32_t layer, uint32_t etype,
+                           uint32_t ecode, const char *message)
+{
+    if (qp->err.kind != RS_ERR_NONE)
+        return;
+    qp->err.kind = kind;
+    qp->err.layer = layer;
+    qp->err.etype = etype;
+    qp->err.ecode = ecode;
+    snprintf(qp->err.message, sizeof qp->err.message, "%s", message);
+}
+
+rs_qp *rs_qp_new(rs_mem *mem, uint64_t pd, uint32_t qp_num, rs_cq *send_cq, rs_cq *recv_cq,
+                 rs_srq *srq, uint32_t max_send_wr, uint32_t max_recv_wr, int sq_sig_all)
+{
+    rs_qp *qp = calloc(1, sizeof *qp);
+    if (!qp)
+        return NULL;
+    qp->mem = mem;
+    qp->pd = pd;
+    qp->qp_num = qp_num;
+    qp->scq = send_cq;
+    qp->rcq = recv_cq;
+    qp->srq = srq;
+    qp->sq_sig_all = sq_sig_all;
+    qp->max_send_wr = max_send_wr;
+    qp->sq_cap = max_send_wr + 1;
+    qp->sq = calloc(qp->sq_cap, sizeof *qp->sq);
+    qp->tx_cap = 64 * 1024;
+    qp->tx = malloc(qp->tx_cap);
+    if (!qp->sq || !qp->tx || rq_init(&qp->rq, srq ? 0 : max_recv_wr)) {
+        free(qp->sq);
+        free(qp->tx);
+        free(qp->rq.ring);
+        free(qp);
+        return NULL;
+    }
+    qp->crc = 1;
+    qp->ird = qp->ord = 16;
+    qp->max_fpdu = 65536;
+    qp->rx_msn[0] = qp->rx_msn[1] = qp->rx_msn[2] = 1;
+    qp->state = RS_QP_IDLE;
+    qp->next_in_mem = mem->qps;
+    if (mem->qps)
+        mem->qps->prev_in_mem = qp;
+    mem->qps = qp;
+    return qp;
+}
+
+void rs_qp_free(rs_qp *qp)
+{
+    if (!qp)
+        return;
+    if (qp->prev_in_mem)
+        qp->prev_in_mem->next_in_mem = qp->next_in_mem;
+    else
+        qp->mem->qps = qp->next_in_mem;
+    if (qp->next_in_mem)
+        qp->next_in_mem->prev_in_mem = qp->prev_in_mem;
+    for (uint32_t i = 0; i < qp->sq_count; i++)
+        free(qp->sq[(qp->sq_head + i) % qp->sq_cap].data);
+    free(qp->sq);
+    free(qp->tx);
+    free(qp->rq.ring);
+    free(qp);
+}
+
+int rs_qp_state(rs_qp *qp) { return qp->state; }
+void rs_qp_error(rs_qp *qp, rs_error *out) { *out = qp->err; }
+uint32_t rs_qp_sq_depth(rs_qp *qp) { return qp->sq_count; }
+
+static sq_entry *sq_at(rs_qp *qp, uint64_t seq)
+{
+    return &qp->sq[(qp->sq_head + (uint32_t)(seq - qp->sq_seq0)) % qp->sq_cap];
+}
+
+/* ---- transmit buffer */
+static uint8_t *tx_room(rs_qp *qp, size_t n)
+{
+    if (qp->tx_off && qp->tx_off == qp->tx_len)
+        qp->tx_off = qp->tx_len = 0;
+    if (qp->tx_cap - qp->tx_len < n) {
+        if (qp->tx_off) {
+            memmove(qp->tx, qp->tx + qp->tx_off, qp->tx_len - qp->tx_off);
+            qp->tx_len -= qp->tx_off;
+            qp->tx_off = 0;
+        }
+        if (qp->tx_cap - qp->tx_len < n) {
+            size_t cap = qp->tx_cap;
+            while (cap - qp->tx_len < n)
+                cap *= 2;
+            uint8_t *tx = realloc(qp->tx, cap);
+            if (!tx)
+                return NULL;
+            qp->tx = tx;
+            qp->tx_cap = cap;
+        }
+    }
+    return qp->tx + qp->tx_len;
+}
+
+/* Close the FPDU whose header and payload (ulpdu_len + 2 bytes) are at p: PAD, CRC. */
+static void tx_seal(rs_qp *qp, uint8_t *p, uint32_t ulpdu_len)
+{
+    uint32_t pad = pad_of(ulpdu_len);
+    uint32_t n = ulpdu_len + 2;
+    memset(p + n, 0, pad + CRC_LEN);
+    if (qp->crc) {
+        uint32_t c = rs_crc32c(0, p, n + pad);
+        p[n + pad] = (uint8_t)c;
+        p[n + pad + 1] = (uint8_t)(c >> 8);
+        p[n + pad + 2] = (uint8_t)(c >> 16);
+        p[n + pad + 3] = (uint8_t)(c >> 24);
+    }
+    qp->tx_len += n + pad + CRC_LEN;
+    qp->tx_total += n + pad + CRC_LEN;
+}
+
+/* ---- completions */
+static void complete(rs_qp *qp, rs_cq *cq, uint64_t wr_id, uint32_t status, uint32_t opcode,
+                     uint32_t byte_len, uint32_t flags, uint32_t inv, uint32_t solicited)
+{
+    rs_wc wc = {wr_id, status, opcode, byte_len, qp->qp_num, flags, inv, solicited};
+    if (cq_push(cq, &wc) && qp->state == RS_QP_RTS)
+        enter_error(qp, RS_ERR_CQ_OVERRUN, "completion queue overrun", 0, 0, 0);
+}
+
+static uint32_t wc_opcode(uint32_t wr_opcode)
+{
+    return wr_opcode == RS_WR_RDMA_WRITE ? RS_WC_RDMA_WRITE
+           : wr_opcode == RS_WR_RDMA_READ ? RS_WC_RDMA_READ
+                                          : RS_WC_SEND;
+}
+
+/* Complete the SQ entries at the head that are done, in posting order. */
+static void drain_sq(rs_qp *qp)
+{
+    while (qp->sq_count) {
+        sq_entry *e = &qp->sq[qp->sq_head];
+        int done = e->done || (e->framed && e->wr.opcode != RS_WR_RDMA_READ &&
+                               e->status == RS_WC_SUCCESS && qp->tx_taken >= e->done_at);
+        if (!done || qp->sq_started == 0)
+            break;
+        if (e->status != RS_WC_SUCCESS || qp->sq_sig_all || (e->wr.flags & RS_SIGNALED))
+            complete(qp, qp->scq, e->wr.wr_id, e->status, wc_opcode(e->wr.opcode),
+                     e->wr.opcode == RS_WR_RDMA_READ ? (uint32_t)e->length : 0, 0, 0, 0);
+        free(e->data);
+        e->data = NULL;
+        qp->sq_head = (qp->sq_head + 1) % qp->sq_cap;
+        qp->sq_count--;
+        qp->sq_started--;
+        qp->sq_seq0++;
+    }
+}
+
+/* ---- Terminate */
+static void queue_terminate(rs_qp *qp, uint32_t layer, uint32_t etype, uint32_t ecode,
+                            const uint8_t *copied, uint32_t copied_len, int ddp_flag,
+                            int rdmap_flag)
+{
+    if (qp->state != RS_QP_RTS)
+        return;
+    uint32_t body = 4 + copied_len;
+    uint32_t ulpdu = HDR_UNTAGGED - 2 + body;
+    uint8_t *p = tx_room(qp, ulpdu + 2 + 3 + CRC_LEN);
+    if (!p)
+        return;
+    put16(p, ulpdu);
+    p[2] = DDP_LAST | DDP_VERSION;
+    p[3] = RDMAP_VERSION | OP_TERMINATE;
+    put32(p + 4, 0);
+    put32(p + 8, QN_TERMINATE);
+    put32(p + 12, 1);
+    put32(p + 16, 0);
+    uint32_t word = (layer & 0xF) << 28 | (etype & 0xF) << 24 | (ecode & 0xFF) << 16;
+    if (copied_len)
+        word |= 0x8000;
+    if (ddp_flag)
+        word |= 0x4000;
+    if (rdmap_flag)
+        word |= 0x2000;
+    put32(p + 20, word);
+    if (copied_len)
+        memcpy(p + 24, copied, copied_len);
+    tx_seal(qp, p, ulpdu);
+    qp->terminate_queued = 1;
+}
+
+/* Re-encode the header being received, for a Terminate's copy of it; its length. */
+static uint32_t quoted_header(const rs_qp *qp, uint8_t *out)
+{
+    uint32_t op = qp->op;
+    uint32_t payload = qp->payload;
+    if (op == OP_WRITE || op == OP_READ_RESPONSE) {
+        put16(out, HDR_TAGGED - 2 + payload);
+        out[2] = DDP_TAGGED | (qp->last ? DDP_LAST : 0) | DDP_VERSION;
+        out[3] = (uint8_t)(RDMAP_VERSION | op);
+        put32(out + 4, qp->stag);
+        put64(out + 8, qp->to);
+        return HDR_TAGGED;
+    }
+    if (op == OP_READ_REQUEST) {
+        put_read_request(out, qp->msn, qp->sink_stag, qp->sink_to, qp->read_size, qp->src_stag,
+                         qp->src_to);
+        return HDR_READ_REQUEST;
+    }
+    put16(out, HDR_UNTAGGED - 2 + payload);
+    out[2] = (qp->last ? DDP_LAST : 0) | DDP_VERSION;
+    out[3] = (uint8_t)(RDMAP_VERSION | op);
+    put32(out + 4, qp->inv_stag);
+    put32(out + 8, qp->qn);
+    put32(out + 12, qp->msn);
+    put32(out + 16, qp->mo);
+    return HDR_UNTAGGED;
+}
+
+/* The peer broke the protocol: Terminate (quoting the header when `quote`: 1 as a DDP
+ * header, 2 as an RDMAP header), ERROR, flush. */
+static void protocol_error(rs_qp *qp, uint32_t layer, uint32_t etype, uint32_t ecode, int quote,
+                           const char *message)
+{
+    uint8_t copied[MAX_HDR];
+    uint32_t n = quote ? quoted_header(qp, copied) : 0;
+    if (qp->send_open && qp->send_status != RS_WC_SUCCESS) {
+        qp->send_open = 0;
+        complete(qp, qp->rcq, qp->send_wr.wr_id, qp->send_status, RS_WC_RECV, 0, 0, 0, 0);
+    }
+    set_error_info(qp, RS_ERR_PROTOCOL, layer, etype, ecode, message);
+    queue_terminate(qp, layer, etype, ecode, copied, n, quote == 1, quote == 2);
+    enter_error(qp, RS_ERR_PROTOCOL, message, 0, 0, 0);
+}
+
+static void local_error(rs_qp *qp, uint32_t kind, const char *message)
+{
+    set_error_info(qp, kind, L_RDMAP, T_RDMAP_CATASTROPHIC, C_UNSPECIFIED, message);
+    queue_terminate(qp, L_RDMAP, T_RDMAP_CATASTROPHIC, C_UNSPECIFIED, NULL, 0, 0, 0);
+    enter_error(qp, kind, message, 0, 0, 0);
+}
+
+static void flush_rq(rs_qp *qp)
+{
+    rs_recv_wr wr;
+    while (rq_take(&qp->rq, &wr))
+        complete(qp, qp->rcq, wr.wr_id, RS_WC_WR_FLUSH_ERR, RS_WC_RECV, 0, 0, 0, 0);
+}
+
+static void enter_error(rs_qp *qp, uint32_t kind, const char *message, int remote_quoted_read,
+                        uint32_t quoted_msn, uint32_t remote_status)
+{
+    if (qp->state == RS_QP_ERROR || qp->state == RS_QP_TERMINATE)
+        return;
+    set_error_info(qp, kind, 0, 0, 0, message);
+    qp->rx = RX_DISCARD;
+    qp->state = qp->terminate_queued ? RS_QP_TERMINATE : RS_QP_ERROR;
+    if (remote_quoted_read) {
+        for (uint32_t i = 0; i < qp->orq_count; i++) {
+            uint64_t seq = qp->orq_seq[(qp->orq_head + i) % MAX_ORD_IRD];
+            if (seq == UINT64_MAX)
+                continue;
+            sq_entry *e = sq_at(qp, seq);
+            if (e->msn == quoted_msn) {
+                e->done = 1;
+                e->status = remote_status;
+                break;
+            }
+        }
+    }
+    if (qp->cur == CUR_SQ) {
+        sq_entry *e = sq_at(qp, qp->cur_seq);
+        if (!e->done && !e->framed)
+            e->status = RS_WC_WR_FLUSH_ERR;
+    }
+    qp->cur = CUR_NONE;
+    for (uint32_t i = 0; i < qp->sq_started; i++) {
+        sq_entry *e = &qp->sq[(qp->sq_head + i) % qp->sq_cap];
+        int sent = e->framed && e->wr.opcode != RS_WR_RDMA_READ && qp->tx_taken >= e->done_at &&
+                   e->status == RS_WC_SUCCESS;
+        if (!e->done && !sent) {
+            e->done = 1;
+            if (e->status == RS_WC_SUCCESS)
+                e->status = RS_WC_WR_FLUSH_ERR;
+        }
+        e->done = 1;
+    }
+    qp->orq_head = qp->orq_count = 0;
+    qp->orq_rtr = 0;
+    qp->irq_head = qp->irq_count = qp->responding = 0;
+    drain_sq(qp);
+    while (qp->sq_count) { /* not started: flushed */
+        sq_entry *e = &qp->sq[qp->sq_head];
+        complete(qp, qp->scq, e->wr.wr_id, RS_WC_WR_FLUSH_ERR, wc_opcode(e->wr.opcode),
+                 e->wr.opcode == RS_WR_RDMA_READ ? (uint32_t)e->length : 0, 0, 0, 0);
+        free(e->data);
+        e->data = NULL;
+        qp->sq_head = (qp->sq_head + 1) % qp->sq_cap;
+        qp->sq_count--;
+        qp->sq_seq0++;
+    }
+    qp->sq_started = 0;
+    if (qp->send_open) {
+        qp->send_open = 0;
+        complete(qp, qp->rcq, qp->send_wr.wr_id, RS_WC_WR_FLUSH_ERR, RS_WC_RECV, 0, 0, 0, 0);
+    }
+    flush_rq(qp);
+}
+
+void rs_qp_set_error(rs_qp *qp, uint32_t kind, const char *message)
+{
+    enter_error(qp, kind, message, 0, 0, 0);
+}
+
+/* ------------------------------------------------------------------ setup */
+int rs_qp_start(rs_qp *qp, int crc, uint32_t ird, uint32_t ord, uint32_t max_fpdu, int rtr,
+                int wait_rtr)
+{
+    if (max_fpdu < 64 || max_fpdu > 65536 || ird > MAX_ORD_IRD || ord > MAX_ORD_IRD)
+        return -1;
+    qp->crc = crc;
+    qp->ird = ird;
+    qp->ord = ord;
+    qp->max_fpdu = max_fpdu;
+    qp->rtr_pending = wait_rtr;
+    qp->state = RS_QP_RTS;
+    if (rtr == 1) { /* a zero-length Write to the RTR STag */
+        uint8_t *p = tx_room(qp, HDR_TAGGED + 3 + CRC_LEN);
+        if (!p)
+            return -1;
+        put16(p, HDR_TAGGED - 2);
+        p[2] = DDP_TAGGED | DDP_LAST | DDP_VERSION;
+        p[3] = RDMAP_VERSION | OP_WRITE;
+        put32(p + 4, RTR_STAG);
+        put64(p + 8, 0);
+        tx_seal(qp, p, HDR_TAGGED - 2);
+    } else if (rtr == 2) { /* a zero-length Read Request, answered by a Read Response */
+        uint8_t *p = tx_room(qp, HDR_READ_REQUEST + 3 + CRC_LEN);
+        if (!p)
+            return -1;
+        put_read_request(p, ++qp->tx_msn[QN_READ_REQUEST], RTR_STAG, 0, 0, RTR_STAG, 0);
+        tx_seal(qp, p, HDR_READ_REQUEST - 2);
+        qp->orq_rtr = 1;
+        qp->orq_seq[qp->orq_head] = UINT64_MAX;
+        qp->orq_count = 1;
+    }
+    return 0;
+}
+
+/* ------------------------------------------------------------------ posting */
+uint32_t rs_qp_post_send(rs_qp *qp, const rs_send_wr *wrs, uint32_t n, int *why)
+{
+    *why = 0;
+    for (uint32_t k = 0; k < n; k++) {
+        const rs_send_wr *w = &wrs[k];
+        uint64_t length = 0;
+        if (w->num_sge > RS_MAX_SGE) {
+            *why = EINVAL;
+            return k;
+        }
+        for (uint32_t i = 0; i < w->num_sge; i++)
+            length += w->sg_list[i].length;
+        if (w->opcode != RS_WR_SEND && w->opcode != RS_WR_SEND_WITH_INV &&
+            w->opcode != RS_WR_RDMA_WRITE && w->opcode != RS_WR_RDMA_READ) {
+            *why = EOPNOTSUPP;
+            return k;
+        }
+        if ((w->opcode == RS_WR_RDMA_READ && w->num_sge > 1) || length > UINT32_MAX ||
+            (length && w->remote_addr > UINT64_MAX - (length - 1))) {
+            *why = EINVAL;
+            return k;
+        }
+        uint8_t *data = NULL;
+        if ((w->flags & RS_INLINE) && w->opcode != RS_WR_RDMA_READ) {
+            if (length > RS_MAX_INLINE) {
+                *why = EINVAL;
+                return k;
+            }
+            data = malloc(length ? length : 1);
+            if (!data) {
+                *why = ENOMEM;
+                return k;
+            }
+            uint64_t off = 0;
+            for (uint32_t i = 0; i < w->num_sge; i++) { /* inline: any registered region */
+                const rs_sge *s = &w->sg_list[i];
+                rs_region *r = mem_lookup(qp->mem, s->lkey);
+                if (!r || s->addr < r->iova || s->length > r->length ||
+                    s->addr - r->iova > r->length - s->length) {
+                    free(data);
+                    *why = EINVAL;
+                    return k;
+                }
+                memcpy(data + off, r->base + (s->addr - r->iova), s->length);
+                off += s->length;
+            }
+        }
+        if (qp->state != RS_QP_RTS) {
+            free(data);
+            if (qp->state == RS_QP_IDLE) {
+                *why = ENOTCONN;
+                return k;
+            }
+            complete(qp, qp->scq, w->wr_id, RS_WC_WR_FLUSH_ERR, wc_opcode(w->opcode),
+                     w->opcode == RS_WR_RDMA_READ ? (uint32_t)length : 0, 0, 0, 0);
+            continue;
+        }
+        if (qp->sq_count >= qp->max_send_wr) {
+            free(data);
+            *why = ENOMEM;
+            return k;
+        }
+        sq_entry *e = &qp->sq[(qp->sq_head + qp->sq_count) % qp->sq_cap];
+        memset(e, 0, sizeof *e);
+        e->wr = *w;
+        e->data = data;
+        e->length = length;
+        qp->sq_count++;
+    }
+    return n;
+}
+
+uint32_t rs_qp_post_recv(rs_qp *qp, const rs_recv_wr *wrs, uint32_t n)
+{
+    if (qp->srq)
+        return 0;
+    uint32_t k = rq_post(&qp->rq, wrs, n);
+    if (qp->state == RS_QP_ERROR || qp->state == RS_QP_TERMINATE)
+        flush_rq(qp);
+    return k;
+}
+
+/* ------------------------------------------------------------------ transmit */
+/* Copy len payload bytes of entry e, from payload offset off, to dst (its SGEs'
+ * memory, checked now: a region gone or not the QP's is a local protection error). */
+static int copy_payload(rs_qp *qp, sq_entry *e, uint64_t off, uint8_t *dst, uint64_t len)
+{
+    if (e->data) {
+        memcpy(dst, e->data + off, len);
+        return 0;
+    }
+    for (uint32_t i = 0; i < e->wr.num_sge && len; i++) {
+        const rs_sge *s = &e->wr.sg_list[i];
+        if (off >= s->length) {
+            off -= s->length;
+            continue;
+        }
+        uint64_t n = s->length - off < len ? s->length - off : len;
+        uint8_t *src;
+        if (mem_locate_started(qp->mem, s->lkey, qp->pd, s->addr, s->length, 0, &src) != V_OK)
+            return -1;
+        memcpy(dst, src + off, n);
+        dst += n;
+        len -= n;
+        off = 0;
+    }
+    return 0;
+}
+
+/* Check every SGE of e now (as the Python engine resolves them when the message starts). */
+static int check_sges(rs_qp *qp, const sq_entry *e, uint32_t access)
+{
+    if (e->data)
+        return 0;
+    for (uint32_t i = 0; i < e->wr.num_sge; i++) {
+        const rs_sge *s = &e->wr.sg_list[i];
+        uint8_t *p;
+        if (s->length &&
+            mem_locate(qp->mem, s->lkey, qp->pd, s->addr, s->length, access, &p) != V_OK)
+            return -1;
+    }
+    return 0;
+}
+
+static int head_may_start(rs_qp *qp)
+{
+    if (qp->sq_started >= qp->sq_count)
+        return 0;
+    const sq_entry *e = &qp->sq[(qp->sq_head + qp->sq_started) % qp->sq_cap];
+    if ((e->wr.flags & RS_FENCE) && qp->orq_count)
+        return 0;
+    return !(e->wr.opcode == RS_WR_RDMA_READ && qp->orq_count >= qp->ord);
+}
+
+/* Frame the next FPDU of the current tagged message (a Write or a Read Response). */
+static int frame_tagged(rs_qp *qp, uint32_t op, uint32_t stag, uint64_t to, uint64_t total,
+                        sq_entry *e, const uint8_t *src)
+{
+    uint32_t chunk = (qp->max_fpdu - HDR_TAGGED - CRC_LEN) & ~3u;
+    uint64_t n = total - qp->cur_off < chunk ? total - qp->cur_off : chunk;
+    int final = qp->cur_off + n == total;
+    uint32_t ulpdu = HDR_TAGGED - 2 + (uint32_t)n;
+    uint8_t *p = tx_room(qp, ulpdu + 2 + 3 + CRC_LEN);
+    if (!p)
+        return -1;
+    put16(p, ulpdu);
+    p[2] = DDP_TAGGED | (final ? DDP_LAST : 0) | DDP_VERSION;
+    p[3] = (uint8_t)(RDMAP_VERSION | op);
+    put32(p + 4, stag);
+    put64(p + 8, to + qp->cur_off);
+    if (src)
+        memcpy(p + HDR_TAGGED, src + qp->cur_off, n);
+    else if (copy_payload(qp, e, qp->cur_off, p + HDR_TAGGED, n))
+        return -2;
+    tx_seal(qp, p, ulpdu);
+    qp->cur_off += n;
+    return final;
+}
+
+static int frame_send(rs_qp *qp, sq_entry *e)
+{
+    uint32_t chunk = (qp->max_fpdu - HDR_UNTAGGED - CRC_LEN) & ~3u;
+    uint64_t n = e->length - qp->cur_off < chunk ? e->length - qp->cur_off : chunk;
+    int final = qp->cur_off + n == e->length;
+    uint32_t op = (e->wr.flags & RS_SOLICITED) ? OP_SEND_SE : OP_SEND;
+    if (e->wr.opcode == RS_WR_SEND_WITH_INV)
+        op += 1;
+    uint32_t ulpdu = HDR_UNTAGGED - 2 + (uint32_t)n;
+    uint8_t *p = tx_room(qp, ulpdu + 2 + 3 + CRC_LEN);
+    if (!p)
+        return -1;
+    put16(p, ulpdu);
+    p[2] = (final ? DDP_LAST : 0) | DDP_VERSION;
+    p[3] = (uint8_t)(RDMAP_VERSION | op);
+    put32(p + 4, e->wr.opcode == RS_WR_SEND_WITH_INV ? e->wr.invalidate_rkey : 0);
+    put32(p + 8, QN_SEND);
+    put32(p + 12, e->msn);
+    put32(p + 16, (uint32_t)qp->cur_off);
+    if (copy_payload(qp, e, qp->cur_off, p + HDR_UNTAGGED, n))
+        return -2;
+    tx_seal(qp, p, ulpdu);
+    qp->cur_off += n;
+    return final;
+}
+
+static int frame_read_request(rs_qp *qp, sq_entry *e, uint64_t seq)
+{
+    uint8_t *p = tx_room(qp, HDR_READ_REQUEST + 3 + CRC_LEN);
+    if (!p)
+        return -1;
+    const rs_sge *s = e->wr.num_sge ? &e->wr.sg_list[0] : NULL;
+    e->msn = ++qp->tx_msn[QN_READ_REQUEST];
+    put_read_request(p, e->msn, s ? s->lkey : 0, s ? s->addr : 0, (uint32_t)e->length,
+                     e->wr.rkey, e->wr.remote_addr);
+    tx_seal(qp, p, HDR_READ_REQUEST - 2);
+    uint32_t slot = (qp->orq_head + qp->orq_count) % MAX_ORD_IRD;
+    qp->orq_seq[slot] = seq;
+    qp->orq_count++;
+    return 1;
+}
+
+/* Frame FPDUs until TX_BUDGET bytes wait for TCP or nothing can be sent. */
+static void produce(rs_qp *qp)
+{
+    while (qp->state == RS_QP_RTS && !qp->rtr_pending && qp->tx_len - qp->tx_off < TX_BUDGET) {
+        if (qp->cur == CUR_NONE) {
+            if (qp->irq_count) {
+                qp->cur_irq = qp->irq[qp->irq_head];
+                qp->irq_head = (qp->irq_head + 1) % MAX_ORD_IRD;
+                qp->irq_count--;
+                qp->cur = CUR_IRQ;
+                qp->cur_off = 0;
+            } else if (head_may_start(qp)) {
+                qp->cur_seq = qp->sq_seq0 + qp->sq_started;
+                qp->sq_started++;
+                qp->cur = CUR_SQ;
+                qp->cur_off = 0;
+                sq_entry *e = sq_at(qp, qp->cur_seq);
+                uint32_t access = e->wr.opcode == RS_WR_RDMA_READ ? RS_LOCAL_WRITE : 0;
+                const char *what = e->wr.opcode == RS_WR_RDMA_READ ? "a Read's sink"
+                                                                   : "a send's memory";
+                if ((e->wr.opcode == RS_WR_RDMA_READ && !e->length) ? 0
+                                                                     : check_sges(qp, e, access)) {
+                    char message[96];
+                    snprintf(message, sizeof message, "local protection error: %s", what);
+                    e->status = RS_WC_LOC_PROT_ERR;
+                    e->done = 1;
+                    qp->cur = CUR_NONE;
+                    local_error(qp, RS_ERR_LOCAL, message);
+                    return;
+                }
+                if (e->wr.opcode == RS_WR_SEND || e->wr.opcode == RS_WR_SEND_WITH_INV)
+                    e->msn = ++qp->tx_msn[QN_SEND];
+            } else {
+                return;
+            }
+        }
+        int r;
+        if (qp->cur == CUR_IRQ) {
+            irq_entry *q = &qp->cur_irq;
+            uint8_t *src = NULL;
+            if (q->size && mem_locate_started(qp->mem, q->src_stag, qp->pd, q->src_to, q->size,
+                                              RS_REMOTE_READ, &src) != V_OK) {
+                local_error(qp, RS_ERR_LOCAL, "local protection error: a Read's source");
+                return;
+            }
+            r = frame_tagged(qp, OP_READ_RESPONSE, q->sink_stag, q->sink_to, q->size, NULL,
+                             src ? src : (const uint8_t *)"");
+            if (r == 1) {
+                qp->responding--;
+                qp->cur = CUR_NONE;
+            }
+        } else {
+            sq_entry *e = sq_at(qp, qp->cur_seq);
+            if (e->wr.opcode == RS_WR_RDMA_READ)
+                r = frame_read_request(qp, e, qp->cur_seq);
+            else if (e->wr.opcode == RS_WR_RDMA_WRITE)
+                r = frame_tagged(qp, OP_WRITE, e->wr.rkey, e->wr.remote_addr, e->length, e,
+                                 NULL);
+            else
+                r = frame_send(qp, e);
+            if (r == -2) {
+                e->status = RS_WC_LOC_PROT_ERR;
+                e->done = 1;
+                qp->cur = CUR_NONE;
+                local_error(qp, RS_ERR_LOCAL, "local protection error: a send's memory");
+                return;
+            }
+            if (r == 1) {
+                e->framed = 1;
+                e->done_at = qp->tx_total;
+                qp->cur = CUR_NONE;
+            }
+        }
+        if (r < 0)
+            return;
+    }
+}
+
+const uint8_t *rs_qp_tx(rs_qp *qp, size_t *len)
+{
+    produce(qp);
+    *len = qp->tx_len - qp->tx_off;
+    return *len ? qp->tx + qp->tx_off : NULL;
+}
+
+void rs_qp_tx_done(rs_qp *qp, size_t n)
+{
+    size_t have = qp->tx_len - qp->tx_off;
+    if (n > have)
+        n = have;
+    qp->tx_off += n;
+    qp->tx_taken += n;
+    if (qp->state == RS_QP_TERMINATE && qp->tx_off == qp->tx_len)
+        qp->state = RS_QP_ERROR;
+    drain_sq(qp);
+}
+
+/* ------------------------------------------------------------------ receive */
+static void read_done(rs_qp *qp)
+{
+    uint64_t seq = qp->orq_seq[qp->orq_head];
+    qp->orq_head = (qp->orq_head + 1) % MAX_ORD_IRD;
+    qp->orq_count--;
+    if (seq == UINT64_MAX) {
+        qp->orq_rtr = 0;
+        return;
+    }
+    sq_at(qp, seq)->done = 1;
+    drain_sq(qp);
+}
+
+static void rtr_received(rs_qp *qp) { qp->rtr_pending = 0; }
+
+static void ddp_violation(rs_qp *qp, int v, const char *what)
+{
+    static const uint32_t code[] = {0, D_INVALID_STAG, D_STAG_NOT_ASSOC, D_INVALID_STAG,
+                                    D_BASE_BOUNDS};
+    protocol_error(qp, L_DDP, T_DDP_TAGGED, code[v], 1, what);
+}
+
+static void rdmap_violation(rs_qp *qp, int v, const char *what)
+{
+    static const uint32_t code[] = {0, C_INVALID_STAG, C_STAG_NOT_ASSOC, C_ACCESS_RIGHTS,
+                                    C_BASE_BOUNDS};
+    protocol_error(qp, L_RDMAP, T_REMOTE_PROTECTION, code[v], 2, what);
+}
+
+/* QN and MSN of an untagged segment; 0 if good. */
+static int check_untagged(rs_qp *qp, uint32_t qn)
+{
+    if (qp->qn != qn) {
+        protocol_error(qp, L_DDP, T_DDP_UNTAGGED, U_INVALID_QN, 1, "segment on the wrong queue");
+        return -1;
+    }
+    if (qp->msn != qp->rx_msn[qn]) {
+        protocol_error(qp, L_DDP, T_DDP_UNTAGGED, U_MSN_RANGE, 1, "MSN out of range");
+        return -1;
+    }
+    return 0;
+}
+
+/* The header is whole (qp->hdr): decode it and start the segment. */
+static void begin_segment(rs_qp *qp)
+{
+    const uint8_t *h = qp->hdr;
+    uint32_t op = qp->op;
+    qp->last = (h[2] & DDP_LAST) != 0;
+    qp->payload = qp->ulpdu_len + 2 - header_len[op];
+    if (op == OP_WRITE || op == OP_READ_RESPONSE) {
+        qp->stag = be32(h + 4);
+        qp->to = be64(h + 8);
+    } else if (op == OP_READ_REQUEST) {
+        qp->qn = be32(h + 8);
+        qp->msn = be32(h + 12);
+        qp->mo = be32(h + 16);
+        qp->sink_stag = be32(h + 20);
+        qp->sink_to = be64(h + 24);
+        qp->read_size = be32(h + 32);
+        qp->src_stag = be32(h + 36);
+        qp->src_to = be64(h + 40);
+    } else {
+        qp->inv_stag = be32(h + 4);
+        qp->qn = be32(h + 8);
+        qp->msn = be32(h + 12);
+        qp->mo = be32(h + 16);
+    }
+    if (qp->state != RS_QP_RTS) {
+        protocol_error(qp, L_DDP, T_DDP_CATASTROPHIC, 0, 0, "FPDU before the connection reached RTS");
+        return;
+    }
+    uint32_t payload = qp->payload;
+    if (op == OP_WRITE) {
+        if (payload) {
+            uint8_t *p;
+            if (qp->to > UINT64_MAX - (payload - 1)) {
+                protocol_error(qp, L_DDP, T_DDP_TAGGED, D_TO_WRAP, 1, "Write wraps the TO space");
+                return;
+            }
+            int v = mem_locate(qp->mem, qp->stag, qp->pd, qp->to, payload, RS_REMOTE_WRITE, &p);
+            if (v) {
+                ddp_violation(qp, v, "Write refused");
+                return;
+            }
+            qp->place_to = qp->to;
+        } else if (qp->rtr_pending) {
+            rtr_received(qp);
+        }
+    } else if (op == OP_READ_RESPONSE) {
+        if (!qp->orq_count) {
+            protocol_error(qp, L_DDP, T_DDP_CATASTROPHIC, 0, 1, "Read Response with no Read outstanding");
+            return;
+        }
+        uint64_t seq = qp->orq_seq[qp->orq_head];
+        uint64_t length = 0, received = 0, addr = 0;
+        uint32_t lkey = 0;
+        if (seq != UINT64_MAX) {
+            sq_entry *e = sq_at(qp, seq);
+            length = e->length;
+            received = e->received;
+            if (e->wr.num_sge) {
+                lkey = e->wr.sg_list[0].lkey;
+                addr = e->wr.sg_list[0].addr;
+            }
+        }
+        if (length && qp->stag != lkey) {
+            protocol_error(qp, L_DDP, T_DDP_TAGGED, D_INVALID_STAG, 1, "Read Response to another STag");
+            return;
+        }
+        if ((length && qp->to != addr + received) || received + payload > length) {
+            protocol_error(qp, L_DDP, T_DDP_TAGGED, D_BASE_BOUNDS, 1, "Read Response outside the Read's sink");
+            return;
+        }
+        qp->place_to = qp->to;
+    } else if (op == OP_READ_REQUEST) {
+        if (payload) {
+            protocol_error(qp, L_DDP, T_DDP_CATASTROPHIC, 0, 0, "Read Request with payload");
+            return;
+        }
+    } else if (op == OP_TERMINATE) {
+        if (check_untagged(qp, QN_TERMINATE))
+            return;
+        if (qp->mo != 0) {
+            protocol_error(qp, L_DDP, T_DDP_UNTAGGED, U_INVALID_MO, 0, "Terminate with an MO");
+            return;
+        }
+        qp->term_have = 0;
+    } else { /* a Send */
+        if (check_untagged(qp, QN_SEND))
+            return;
+        if (!qp->send_open) {
+            if (qp->mo != 0) {
+                protocol_error(qp, L_DDP, T_DDP_UNTAGGED, U_INVALID_MO, 1, "first segment with an MO");
+                return;
+            }
+            if (qp->rtr_pending)
+                rtr_received(qp);
+            rs_rq *q = qp->srq ? &qp->srq->q : &qp->rq;
+            if (!rq_take(q, &qp->send_wr)) {
+                protocol_error(qp, L_DDP, T_DDP_UNTAGGED, U_MSN_NO_BUFFER, 1, "Send with no receive posted");
+                return;
+            }
+            qp->send_open = 1;
+            qp->send_received = 0;
+            qp->send_status = RS_WC_SUCCESS;
+            qp->send_len = 0;
+            for (uint32_t i = 0; i < qp->send_wr.num_sge; i++)
+                qp->send_len += qp->send_wr.sg_list[i].length;
+            for (uint32_t i = 0; i < qp->send_wr.num_sge; i++) {
+                const rs_sge *s = &qp->send_wr.sg_list[i];
+                uint8_t *p;
+                if (s->length && mem_locate(qp->mem, s->lkey, qp->pd, s->addr, s->length,
+                                            RS_LOCAL_WRITE, &p) != V_OK) {
+                    qp->send_status = RS_WC_LOC_PROT_ERR;
+                    protocol_error(qp, L_DDP, T_DDP_CATASTROPHIC, 0, 1, "a receive names bad memory");
+                    return;
+                }
+            }
+        } else if (qp->mo != qp->send_received) {
+            protocol_error(qp, L_DDP, T_DDP_UNTAGGED, U_INVALID_MO, 1, "MO out of order");
+            return;
+        }
+        if (qp->send_received + payload > qp->send_len) {
+            qp->send_status = RS_WC_LOC_LEN_ERR;
+            protocol_error(qp, L_DDP, T_DDP_UNTAGGED, U_MSN_NO_BUFFER, 1, "Send longer than its receive");
+            return;
+        }
+    }
+    qp->remaining = payload;
+    qp->rx = payload ? RX_PAYLOAD : RX_TRAILER;
+}
+
+/* Place n payload bytes of the current segment (checked when it began; looked up again
+ * here: a region deregistered since stops the QP instead). */
+static void place(rs_qp *qp, const uint8_t *src, uint32_t n)
+{
+    uint32_t op = qp->op;
+    uint8_t *dst;
+    if (op == OP_WRITE || op == OP_READ_RESPONSE) {
+        uint32_t stag = qp->stag;
+        uint32_t access = op == OP_WRITE ? RS_REMOTE_WRITE : RS_LOCAL_WRITE;
+        if (mem_locate_started(qp->mem, stag, qp->pd, qp->place_to, n, access, &dst) != V_OK) {
+            local_error(qp, RS_ERR_REVOKED, "a region in use was deregistered");
+            return;
+        }
+        memcpy(dst, src, n);
+        qp->place_to += n;
+        if (op == OP_READ_RESPONSE)
+            sq_at(qp, qp->orq_seq[qp->orq_head])->received += n;
+        return;
+    }
+    if (op == OP_TERMINATE) {
+        uint32_t room = (uint32_t)sizeof qp->term_body - qp->term_have;
+        uint32_t k = n < room ? n : room;
+        memcpy(qp->term_body + qp->term_have, src, k);
+        qp->term_have += k;
+        return;
+    }
+    /* a Send: walk the receive's SGEs from the message offset */
+    uint64_t off = qp->send_received;
+    for (uint32_t i = 0; i < qp->send_wr.num_sge && n; i++) {
+        const rs_sge *s = &qp->send_wr.sg_list[i];
+        if (off >= s->length) {
+            off -= s->length;
+            continue;
+        }
+        uint32_t k = (uint32_t)(s->length - off < n ? s->length - off : n);
+        if (mem_locate_started(qp->mem, s->lkey, qp->pd, s->addr + off, k, RS_LOCAL_WRITE,
+                               &dst) != V_OK) {
+            qp->send_status = RS_WC_LOC_PROT_ERR;
+            qp->send_open = 0;
+            complete(qp, qp->rcq, qp->send_wr.wr_id, RS_WC_LOC_PROT_ERR, RS_WC_RECV, 0, 0, 0, 0);
+            local_error(qp, RS_ERR_REVOKED, "a region in use was deregistered");
+            return;
+        }
+        memcpy(dst, src, k);
+        src += k;
+        n -= k;
+        qp->send_received += k;
+        off = 0;
+    }
+}
+
+static void end_segment(rs_qp *qp)
+{
+    uint32_t op = qp->op;
+    if (op == OP_WRITE)
+        return;
+    if (op >= OP_SEND && op <= OP_SEND_SE_INV) {
+        if (!qp->last)
+            return;
+        qp->send_open = 0;
+        qp->rx_msn[QN_SEND]++;
+        uint32_t flags = 0, inv = 0;
+        uint32_t solicited = op == OP_SEND_SE || op == OP_SEND_SE_INV;
+        if (op == OP_SEND_INV || op == OP_SEND_SE_INV) {
+            rs_region *r = mem_lookup(qp->mem, qp->inv_stag);
+            int v = !r ? V_INVALID_STAG
+                    : r->pd != qp->pd ? V_PD
+                    : !(r->access & (RS_REMOTE_READ | RS_REMOTE_WRITE | RS_REMOTE_ATOMIC)) ? V_ACCESS
+                                                                                            : V_OK;
+            if (v) {
+                complete(qp, qp->rcq, qp->send_wr.wr_id, RS_WC_REM_INV_REQ_ERR, RS_WC_RECV,
+                         (uint32_t)qp->send_received, 0, 0, 0);
+                protocol_error(qp, L_RDMAP,
+                               v == V_INVALID_STAG ? T_REMOTE_OPERATION : T_REMOTE_PROTECTION,
+                               C_CANNOT_INVALIDATE, 1, "cannot invalidate the STag");
+                return;
+            }
+            r->valid = 0;
+            flags = RS_WC_WITH_INV;
+            inv = qp->inv_stag;
+        }
+        complete(qp, qp->rcq, qp->send_wr.wr_id, RS_WC_SUCCESS, RS_WC_RECV,
+                 (uint32_t)qp->send_received, flags, inv, solicited);
+    } else if (op == OP_READ_RESPONSE) {
+        if (!qp->last)
+            return;
+        uint64_t seq = qp->orq_seq[qp->orq_head];
+        if (seq != UINT64_MAX && sq_at(qp, seq)->received != sq_at(qp, seq)->length) {
+            protocol_error(qp, L_DDP, T_DDP_TAGGED, D_BASE_BOUNDS, 1, "Read Response shorter than its Read");
+            return;
+        }
+        read_done(qp);
+    } else if (op == OP_READ_REQUEST) {
+        if (check_untagged(qp, QN_READ_REQUEST))
+            return;
+        if (qp->responding >= qp->ird) {
+            protocol_error(qp, L_RDMAP, T_REMOTE_OPERATION, C_CATASTROPHIC_STREAM, 2,
+                           "more Read Requests than IRD");
+            return;
+        }
+        qp->rx_msn[QN_READ_REQUEST]++;
+        uint64_t size = qp->read_size;
+        if ((size && qp->sink_to > UINT64_MAX - (size - 1)) ||
+            (size && qp->src_to > UINT64_MAX - (size - 1))) {
+            protocol_error(qp, L_RDMAP, T_REMOTE_PROTECTION, C_TO_WRAP, 2, "Read wraps the TO space");
+            return;
+        }
+        if (!size) {
+            if (qp->rtr_pending)
+                rtr_received(qp);
+        } else {
+            uint8_t *p;
+            int v = mem_locate(qp->mem, qp->src_stag, qp->pd, qp->src_to, size, RS_REMOTE_READ, &p);
+            if (v) {
+                rdmap_violation(qp, v, "Read refused");
+                return;
+            }
+        }
+        irq_entry *q = &qp->irq[(qp->irq_head + qp->irq_count) % MAX_ORD_IRD];
+        *q = (irq_entry){qp->sink_stag, qp->src_stag, qp->sink_to, qp->src_to, qp->read_size};
+        qp->irq_count++;
+        qp->responding++;
+    } else { /* Terminate */
+        uint32_t layer = 0, etype = 0, ecode = 0, quoted_read = 0, quoted_msn = 0, status = 0;
+        if (qp->term_have < 4) {
+            protocol_error(qp, L_RDMAP, T_REMOTE_OPERATION, C_OPCODE, 0, "Terminate too short");
+            return;
+        }
+        uint32_t word = be32(qp->term_body);
+        layer = word >> 28;
+        etype = (word >> 24) & 0xF;
+        ecode = (word >> 16) & 0xFF;
+        const uint8_t *c = qp->term_body + 4;
+        uint32_t have = qp->term_have - 4;
+        if ((word & 0x8000) && have >= HDR_READ_REQUEST && (c[2] & 0x03) == DDP_VERSION &&
+            (c[3] & 0xC0) == RDMAP_VERSION && (c[3] & 0x0F) == OP_READ_REQUEST &&
+            !(c[2] & DDP_TAGGED) && be16(c) + 2u >= HDR_READ_REQUEST) {
+            quoted_read = 1;
+            quoted_msn = be32(c + 12);
+            status = layer == L_RDMAP && etype == T_REMOTE_PROTECTION ? RS_WC_REM_ACCESS_ERR
+                                                                       : RS_WC_REM_OP_ERR;
+        }
+        qp->err.kind = RS_ERR_REMOTE;
+        qp->err.layer = layer;
+        qp->err.etype = etype;
+        qp->err.ecode = ecode;
+        snprintf(qp->err.message, sizeof qp->err.message, "the peer ended the connection");
+        enter_error(qp, RS_ERR_REMOTE, "the peer ended the connection", (int)quoted_read,
+                    quoted_msn, status);
+    }
+}
+
+/* Check the DDP and RDMAP control bytes and the length (parse_header's checks). */
+static int check_control(rs_qp *qp)
+{
+    const uint8_t *h = qp->hdr;
+    uint32_t ddp = h[2], rdmap = h[3];
+    int tagged = (ddp & DDP_TAGGED) != 0;
+    if ((ddp & 0x03) != DDP_VERSION) {
+        protocol_error(qp, L_DDP, tagged ? T_DDP_TAGGED : T_DDP_UNTAGGED,
+                       tagged ? D_VERSION : U_VERSION, 0, "DDP version");
+        return -1;
+    }
+    if ((rdmap & 0xC0) != RDMAP_VERSION) {
+        protocol_error(qp, L_RDMAP, T_REMOTE_OPERATION, C_VERSION, 0, "RDMAP version");
+        return -1;
+    }
+    uint32_t op = rdmap & 0x0F;
+    if (op > OP_TERMINATE || tagged != (op == OP_WRITE || op == OP_READ_RESPONSE)) {
+        protocol_error(qp, L_RDMAP, T_REMOTE_OPERATION, C_OPCODE, 0, "RDMAP opcode");
+        return -1;
+    }
+    qp->ulpdu_len = be16(h);
+    if (qp->ulpdu_len + 2 < header_len[op]) {
+        protocol_error(qp, L_LLP, 0, M_FPDU_START, 0, "ULPDU shorter than its header");
+        return -1;
+    }
+    qp->op = op;
+    return 0;
+}
+
+void rs_qp_rx(rs_qp *qp, const uint8_t *data, size_t len)
+{
+    while (len && qp->rx != RX_DISCARD) {
+        if (qp->rx == RX_HDR) {
+            uint32_t need = qp->hdr_have < 4 ? 4 : header_len[qp->op];
+            uint32_t k = need - qp->hdr_have;
+            if (k > len)
+                k = (uint32_t)len;
+            memcpy(qp->hdr + qp->hdr_have, data, k);
+            qp->hdr_have += k;
+            data += k;
+            len -= k;
+            if (qp->hdr_have == 4 && need == 4) {
+                if (check_control(qp))
+                    return;
+                continue; /* now the whole header */
+            }
+            if (qp->hdr_have < need)
+                return;
+            qp->crc_state = qp->crc ? rs_crc32c(0, qp->hdr, need) : 0;
+            qp->hdr_have = 0;
+            begin_segment(qp);
+        } else if (qp->rx == RX_PAYLOAD) {
+            uint32_t k = qp->remaining < len ? qp->remaining : (uint32_t)len;
+            if (qp->crc)
+                qp->crc_state = rs_crc32c(qp->crc_state, data, k);
+            place(qp, data, k);
+            if (qp->rx == RX_DISCARD)
+                return;
+            data += k;
+            len -= k;
+            qp->remaining -= k;
+            if (!qp->remaining) {
+                qp->rx = RX_TRAILER;
+                qp->trailer_have = 0;
+            }
+        } else { /* RX_TRAILER */
+            if (qp->trailer_have == 0)
+                qp->trailer_need = pad_of(qp->ulpdu_len) + CRC_LEN;
+            uint32_t k = qp->trailer_need - qp->trailer_have;
+            if (k > len)
+                k = (uint32_t)len;
+            memcpy(qp->trailer + qp->trailer_have, data, k);
+            qp->trailer_have += k;
+            data += k;
+            len -= k;
+            if (qp->trailer_have < qp->trailer_need)
+                return;
+            uint32_t pad = qp->trailer_need - CRC_LEN;
+            if (qp->crc) {
+                uint32_t c = rs_crc32c(qp->crc_state, qp->trailer, pad);
+                uint32_t wire = (uint32_t)qp->trailer[pad] | (uint32_t)qp->trailer[pad + 1] << 8 |
+                                (uint32_t)qp->trailer[pad + 2] << 16 |
+                                (uint32_t)qp->trailer[pad + 3] << 24;
+                if (c != wire) {
+                    protocol_error(qp, L_LLP, 0, M_CRC, 0, "received CRC mismatch");
+                    return;
+                }
+            }
+            qp->rx = RX_HDR;
+            qp->trailer_have = 0;
+            end_segment(qp);
+        }
+    }
+}
+
+/* ------------------------------------------------------------------ deregistration */
+static void revoke(rs_qp *qp, uint32_t stag)
+{
+    if (qp->state != RS_QP_RTS)
+        return;
+    int reads = 0, receiving = 0, sending = 0, writing = 0, responding = 0;
+    for (uint32_t i = 0; i < qp->orq_count; i++) {
+        uint64_t seq = qp->orq_seq[(qp->orq_head + i) % MAX_ORD_IRD];
+        if (seq == UINT64_MAX)
+            continue;
+        sq_entry *e = sq_at(qp, seq);
+        if (e->wr.num_sge && e->wr.sg_list[0].lkey == stag) {
+            e->status = RS_WC_LOC_PROT_ERR;
+            e->done = 1;
+            reads = 1;
+        }
+    }
+    if (qp->send_open)
+        for (uint32_t i = 0; i < qp->send_wr.num_sge; i++)
+            receiving |= qp->send_wr.sg_list[i].lkey == stag;
+    if (qp->cur == CUR_SQ) {
+        sq_entry *e = sq_at(qp, qp->cur_seq);
+        for (uint32_t i = 0; !e->data && i < e->wr.num_sge; i++)
+            sending |= e->wr.sg_list[i].lkey == stag;
+        if (sending) {
+            e->status = RS_WC_LOC_PROT_ERR;
+            e->done = 1;
+        }
+    } else if (qp->cur == CUR_IRQ) {
+        responding = qp->cur_irq.src_stag == stag;
+    }
+    for (uint32_t i = 0; i < qp->irq_count; i++)
+        responding |= qp->irq[(qp->irq_head + i) % MAX_ORD_IRD].src_stag == stag;
+    writing = qp->rx == RX_PAYLOAD && qp->op == OP_WRITE && qp->stag == stag;
+    if (!(reads || receiving || sending || writing || responding))
+        return;
+    if (receiving) {
+        qp->send_open = 0;
+        complete(qp, qp->rcq, qp->send_wr.wr_id, RS_WC_LOC_PROT_ERR, RS_WC_RECV, 0, 0, 0, 0);
+    }
+    char message[96];
+    snprintf(message, sizeof message,
+             "local protection error: memory region %#010x deregistered while in use", stag);
+    local_error(qp, RS_ERR_REVOKED, message);
+}
+
+int rs_mem_remove(rs_mem *mem, uint32_t stag)
+{
+    uint32_t index = stag >> 8;
+    uint32_t s = slot_of(mem, index);
+    for (;; s = (s + 1) & (mem->cap - 1)) {
+        if (!mem->slots[s])
+            return -ENOENT;
+        if (mem->slots[s]->stag >> 8 == index)
+            break;
+    }
+    if (mem->slots[s]->stag != stag)
+        return -ENOENT;
+    mem->slots[s]->valid = 0;
+    for (rs_qp *qp = mem->qps; qp; qp = qp->next_in_mem)
+        revoke(qp, stag);
+    free(mem->slots[s]);
+    mem->slots[s] = NULL;
+    mem->count--;
+    /* backward-shift: move later entries of the cluster into the hole */
+    uint32_t hole = s;
+    for (uint32_t j = (s + 1) & (mem->cap - 1); mem->slots[j]; j = (j + 1) & (mem->cap - 1)) {
+        uint32_t home = slot_of(mem, mem->slots[j]->stag >> 8);
+        int moves = hole <= j ? (home <= hole || home > j) : (home <= hole && home > j);
+        if (moves) {
+            mem->slots[hole] = mem->slots[j];
+            mem->slots[j] = NULL;
+            hole = j;
+        }
+    }
+    return 0;
+}

@@ -1,0 +1,161 @@
+/* The native engine's core (see _engine.c and docs/native-engine.md).
+ *
+ * Everything between the cdef markers is also read by accel_build.py as cffi
+ * declarations, so it holds only integer #defines, plain structs, opaque types
+ * and prototypes.
+ */
+#ifndef RDMASHIM_ENGINE_H
+#define RDMASHIM_ENGINE_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+/* cdef-begin */
+#define RS_MAX_SGE 6
+#define RS_MAX_INLINE 65536
+
+/* Access bits (Access) */
+#define RS_LOCAL_WRITE 1
+#define RS_REMOTE_WRITE 2
+#define RS_REMOTE_READ 4
+#define RS_REMOTE_ATOMIC 8
+
+/* Work request opcodes (WROpcode) the engine carries */
+#define RS_WR_RDMA_WRITE 0
+#define RS_WR_SEND 2
+#define RS_WR_RDMA_READ 4
+#define RS_WR_SEND_WITH_INV 9
+
+/* Send flags (SendFlags) */
+#define RS_FENCE 1
+#define RS_SIGNALED 2
+#define RS_SOLICITED 4
+#define RS_INLINE 8
+
+/* Completion statuses (WCStatus) and opcodes (WCOpcode) */
+#define RS_WC_SUCCESS 0
+#define RS_WC_LOC_LEN_ERR 1
+#define RS_WC_LOC_PROT_ERR 4
+#define RS_WC_WR_FLUSH_ERR 5
+#define RS_WC_REM_INV_REQ_ERR 9
+#define RS_WC_REM_ACCESS_ERR 10
+#define RS_WC_REM_OP_ERR 11
+#define RS_WC_SEND 0
+#define RS_WC_RDMA_WRITE 1
+#define RS_WC_RDMA_READ 2
+#define RS_WC_RECV 128
+#define RS_WC_WITH_INV 8
+
+/* QP states */
+#define RS_QP_IDLE 0
+#define RS_QP_RTS 1
+#define RS_QP_TERMINATE 2
+#define RS_QP_ERROR 3
+
+/* Why a QP went to ERROR (rs_qp_error's kind) */
+#define RS_ERR_NONE 0
+#define RS_ERR_PROTOCOL 1      /* the peer broke the protocol: we sent a Terminate */
+#define RS_ERR_REMOTE 2        /* the peer sent a Terminate */
+#define RS_ERR_LOCAL 3         /* a local protection error (a WR named bad memory) */
+#define RS_ERR_REVOKED 4       /* a region in use was deregistered */
+#define RS_ERR_USER 5          /* moved to ERROR by the user, destroyed, or the connection lost */
+#define RS_ERR_CQ_OVERRUN 6    /* a CQ it completes into overflowed */
+
+typedef struct rs_mem rs_mem;
+typedef struct rs_cq rs_cq;
+typedef struct rs_srq rs_srq;
+typedef struct rs_qp rs_qp;
+
+typedef struct {
+    uint64_t addr;
+    uint32_t length;
+    uint32_t lkey;
+} rs_sge;
+
+typedef struct {
+    uint64_t wr_id;
+    uint32_t opcode;
+    uint32_t flags;
+    uint64_t remote_addr;
+    uint32_t rkey;
+    uint32_t invalidate_rkey;
+    uint32_t num_sge;
+    rs_sge sg_list[6];
+} rs_send_wr;
+
+typedef struct {
+    uint64_t wr_id;
+    uint32_t num_sge;
+    rs_sge sg_list[6];
+} rs_recv_wr;
+
+typedef struct {
+    uint64_t wr_id;
+    uint32_t status;
+    uint32_t opcode;
+    uint32_t byte_len;
+    uint32_t qp_num;
+    uint32_t wc_flags;
+    uint32_t invalidated_rkey;
+    uint32_t solicited;
+} rs_wc;
+
+typedef struct {
+    uint32_t kind;          /* RS_ERR_* */
+    uint32_t layer;         /* the Terminate code sent or received */
+    uint32_t etype;
+    uint32_t ecode;
+    char message[160];      /* what happened, for qp.error */
+} rs_error;
+
+/* Memory: one table per device. Regions are named by their STag (lkey = rkey);
+ * base is where the first byte is in this process, iova its tagged offset. */
+rs_mem *rs_mem_new(void);
+void rs_mem_free(rs_mem *mem);
+int rs_mem_add(rs_mem *mem, uint32_t stag, uint8_t *base, uint64_t iova, uint64_t length,
+               uint32_t access, uint64_t pd);
+/* Deregister: every QP of the table stops using the region before this returns
+ * (work started on it completes LOC_PROT_ERR and the QP goes to ERROR). */
+int rs_mem_remove(rs_mem *mem, uint32_t stag);
+int rs_mem_valid(rs_mem *mem, uint32_t stag);
+
+/* Completion queues: a ring of cqe entries. */
+rs_cq *rs_cq_new(uint32_t cqe);
+void rs_cq_free(rs_cq *cq);
+uint32_t rs_cq_poll(rs_cq *cq, rs_wc *out, uint32_t n);
+uint32_t rs_cq_count(rs_cq *cq);
+int rs_cq_overrun(rs_cq *cq);
+
+rs_srq *rs_srq_new(uint32_t max_wr);
+void rs_srq_free(rs_srq *srq);
+/* Post n receives; returns how many were taken (the rest: the queue is full). */
+uint32_t rs_srq_post(rs_srq *srq, const rs_recv_wr *wrs, uint32_t n);
+
+/* A queue pair; srq may be NULL (its own receive queue of max_recv_wr). */
+rs_qp *rs_qp_new(rs_mem *mem, uint64_t pd, uint32_t qp_num, rs_cq *send_cq, rs_cq *recv_cq,
+                 rs_srq *srq, uint32_t max_send_wr, uint32_t max_recv_wr, int sq_sig_all);
+void rs_qp_free(rs_qp *qp);
+/* Enter RTS with what MPA negotiated. rtr: 0 none, 1 send a zero-length Write,
+ * 2 send a zero-length Read Request; wait_rtr: hold transmission until the
+ * peer's RTR arrives. Returns -1 for a max_fpdu outside 64..65536. */
+int rs_qp_start(rs_qp *qp, int crc, uint32_t ird, uint32_t ord, uint32_t max_fpdu, int rtr,
+                int wait_rtr);
+/* Post n send WRs; inline data (RS_INLINE) is copied now. Returns how many were
+ * taken; *why says why the next was not (0: all taken; else an errno). */
+uint32_t rs_qp_post_send(rs_qp *qp, const rs_send_wr *wrs, uint32_t n, int *why);
+uint32_t rs_qp_post_recv(rs_qp *qp, const rs_recv_wr *wrs, uint32_t n);
+/* Received bytes: all of data[0:len] is taken (after an error it is discarded). */
+void rs_qp_rx(rs_qp *qp, const uint8_t *data, size_t len);
+/* The bytes to send now: *len bytes at the returned pointer (NULL, 0 when none);
+ * valid until the next call on the QP. rs_qp_tx_done says n of them went to TCP
+ * (a Send or Write completes once its last byte has). */
+const uint8_t *rs_qp_tx(rs_qp *qp, size_t *len);
+void rs_qp_tx_done(rs_qp *qp, size_t n);
+/* Move to ERROR (the user, a destroy, or the connection lost): flush everything. */
+void rs_qp_set_error(rs_qp *qp, uint32_t kind, const char *message);
+int rs_qp_state(rs_qp *qp);
+void rs_qp_error(rs_qp *qp, rs_error *out);
+uint32_t rs_qp_sq_depth(rs_qp *qp);
+/* cdef-end */
+
+#endif
