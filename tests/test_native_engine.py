@@ -14,6 +14,8 @@ kind. Then a native engine and a Python one talk to each other.
 from __future__ import annotations
 
 import random
+import select
+import socket
 from collections import deque
 from typing import Any
 
@@ -35,6 +37,7 @@ if not native.AVAILABLE:
 fuzz_wire = tool("fuzz_wire")
 
 REGIONS = fuzz_wire._REGIONS
+RW = Access.LOCAL_WRITE | Access.REMOTE_WRITE | Access.REMOTE_READ
 PATTERN = 0xA5
 
 
@@ -392,3 +395,62 @@ def test_a_hostile_stream_never_reads_or_writes_outside_the_regions() -> None:
             same(py, c, f"random input {index}")
         finally:
             c.close()
+
+
+def test_two_native_engines_over_a_real_socket() -> None:
+    """The socket side (rs_qp_read_fd / rs_qp_write_fd) over a socket pair: 1 MiB of
+    Writes, 200 Sends and a 256 KiB Read, driven by select until both are quiet."""
+    left, right = socket.socketpair()
+    hosts = [CHost(EngineConfig(crc=True), qp_num=n) for n in (1, 2)]
+    try:
+        size = 1 << 20
+        data = random.Random(3).randbytes(size)
+        regions = []
+        for host in hosts:
+            buf = bytearray(size)
+            pinned = pin(buf, writable=True)
+            host._pins.append(pinned)
+            host.memory.add(
+                0x4200 + host.qp.qp_num, pinned.addr, pinned.addr, size, RW, host.pds[0]
+            )
+            regions.append((buf, pinned.addr, 0x4200 + host.qp.qp_num))
+        (abuf, aaddr, astag), (bbuf, baddr, bstag) = regions
+        abuf[:] = data
+        sig = SendFlags.SIGNALED
+        hosts[1].post_recv([RecvWR(i, [SGE(baddr + size - 4096, 64, bstag)]) for i in range(200)])
+        hosts[0].post_send(
+            [SendWR(1, WROpcode.RDMA_WRITE, [SGE(aaddr, size // 2, astag)], sig, baddr, bstag)]
+            + [SendWR(10 + i, WROpcode.SEND, [SGE(aaddr + i, 64, astag)], sig) for i in range(200)]
+        )
+        hosts[1].post_send(
+            [SendWR(2, WROpcode.RDMA_READ, [SGE(baddr + size // 2, 1 << 18, bstag)], sig,
+                    aaddr + size // 2, astag)]
+        )  # fmt: skip
+        for s in (left, right):
+            s.setblocking(False)
+        pairs = [(hosts[0], left), (hosts[1], right)]
+        for _ in range(100000):
+            moved = 0
+            for host, sock in pairs:
+                while (n := host.qp.write_fd(sock.fileno())) > 0:
+                    moved += n
+                while (n := host.qp.read_fd(sock.fileno())) > 0:
+                    moved += n
+            if not moved:
+                select.select([left, right], [], [], 0.05)
+                if all(h.qp.sq_depth == 0 for h in hosts):
+                    break
+        for host in hosts:
+            host.collect()
+            assert host.qp.state is EngineState.RTS, host.qp.error
+        assert [w.wr_id for w in hosts[0].send_wcs] == [1, *range(10, 210)]
+        assert [(w.wr_id, w.status.name) for w in hosts[1].send_wcs] == [(2, "SUCCESS")]
+        assert [w.byte_len for w in hosts[1].recv_wcs] == [64] * 200
+        assert bbuf[: size // 2] == data[: size // 2]
+        assert bbuf[size // 2 : size // 2 + (1 << 18)] == data[size // 2 : size // 2 + (1 << 18)]
+        assert bbuf[size - 4096 : size - 4096 + 64] == data[199 : 199 + 64]
+    finally:
+        left.close()
+        right.close()
+        for host in hosts:
+            host.close()

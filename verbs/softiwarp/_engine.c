@@ -22,6 +22,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/socket.h>
 
 #define HDR_TAGGED 16
 #define HDR_UNTAGGED 20
@@ -430,6 +431,7 @@ struct rs_qp {
     uint32_t send_status;
     uint8_t term_body[4 + MAX_HDR];
     uint32_t term_have;
+    uint8_t *rxbuf;               /* what rs_qp_read_fd reads into (made at the first read) */
 };
 
 static void enter_error(rs_qp *qp, uint32_t kind, const char *message, int remote_quoted_read,
@@ -499,6 +501,7 @@ void rs_qp_free(rs_qp *qp)
     free(qp->sq);
     free(qp->tx);
     free(qp->rq.ring);
+    free(qp->rxbuf);
     free(qp);
 }
 
@@ -1502,7 +1505,7 @@ void rs_qp_rx(rs_qp *qp, const uint8_t *data, size_t len)
 }
 
 /* ------------------------------------------------------------------ deregistration */
-static void revoke(rs_qp *qp, uint32_t stag)
+static void qp_revoke(rs_qp *qp, uint32_t stag)
 {
     if (qp->state != RS_QP_RTS)
         return;
@@ -1561,7 +1564,7 @@ int rs_mem_remove(rs_mem *mem, uint32_t stag)
         return -ENOENT;
     mem->slots[s]->valid = 0;
     for (rs_qp *qp = mem->qps; qp; qp = qp->next_in_mem)
-        revoke(qp, stag);
+        qp_revoke(qp, stag);
     free(mem->slots[s]);
     mem->slots[s] = NULL;
     mem->count--;
@@ -1577,4 +1580,43 @@ int rs_mem_remove(rs_mem *mem, uint32_t stag)
         }
     }
     return 0;
+}
+
+/* ------------------------------------------------------------------ the socket */
+#define RX_READ (256 * 1024)
+
+int64_t rs_qp_read_fd(rs_qp *qp, int fd)
+{
+    if (!qp->rxbuf && !(qp->rxbuf = malloc(RX_READ)))
+        return -ENOMEM;
+    ssize_t n = recv(fd, qp->rxbuf, RX_READ, MSG_DONTWAIT);
+    if (n < 0) {
+        int err = errno;
+        if (err != EAGAIN && err != EWOULDBLOCK && err != EINTR)
+            enter_error(qp, RS_ERR_USER, "the connection failed", 0, 0, 0);
+        return -err;
+    }
+    if (n == 0) {
+        enter_error(qp, RS_ERR_USER, "the peer closed the connection", 0, 0, 0);
+        return 0;
+    }
+    rs_qp_rx(qp, qp->rxbuf, (size_t)n);
+    return n;
+}
+
+int64_t rs_qp_write_fd(rs_qp *qp, int fd)
+{
+    size_t len;
+    const uint8_t *p = rs_qp_tx(qp, &len);
+    if (!p)
+        return 0;
+    ssize_t n = send(fd, p, len, MSG_DONTWAIT | MSG_NOSIGNAL);
+    if (n < 0) {
+        int err = errno;
+        if (err != EAGAIN && err != EWOULDBLOCK && err != EINTR)
+            enter_error(qp, RS_ERR_USER, "the connection failed", 0, 0, 0);
+        return -err;
+    }
+    rs_qp_tx_done(qp, (size_t)n);
+    return n;
 }

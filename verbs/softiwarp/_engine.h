@@ -151,6 +151,12 @@ void rs_qp_rx(rs_qp *qp, const uint8_t *data, size_t len);
  * (a Send or Write completes once its last byte has). */
 const uint8_t *rs_qp_tx(rs_qp *qp, size_t *len);
 void rs_qp_tx_done(rs_qp *qp, size_t n);
+/* The socket side: read what the connected socket fd has (one read of up to 256 KiB)
+ * and take it, or write what is ready to send. Each returns the bytes moved, 0 at the
+ * peer's FIN (a read) or when nothing is ready (a write), or -errno (-EAGAIN: the
+ * socket has nothing, or no room). A failed socket moves the QP to ERROR. */
+int64_t rs_qp_read_fd(rs_qp *qp, int fd);
+int64_t rs_qp_write_fd(rs_qp *qp, int fd);
 /* Move to ERROR (the user, a destroy, or the connection lost): flush everything. */
 void rs_qp_set_error(rs_qp *qp, uint32_t kind, const char *message);
 int rs_qp_state(rs_qp *qp);

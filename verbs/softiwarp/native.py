@@ -183,9 +183,24 @@ class NativeQP:
         """``n`` of the bytes :meth:`take` gave went to TCP."""
         lib.rs_qp_tx_done(self._ptr, n)
 
+    def read_fd(self, fd: int) -> int:
+        """Read what the connected socket ``fd`` has and take it: the bytes read, 0 at the
+        peer's FIN (the QP goes to ERROR), -errno (-EAGAIN: nothing there)."""
+        return int(lib.rs_qp_read_fd(self._ptr, fd))
+
+    def write_fd(self, fd: int) -> int:
+        """Write what is ready to ``fd``: the bytes written, 0 when nothing is ready,
+        -errno (-EAGAIN: no room in the socket)."""
+        return int(lib.rs_qp_write_fd(self._ptr, fd))
+
     def set_error(self, message: str = "QP moved to ERROR") -> None:
         """Move to ERROR and flush."""
         lib.rs_qp_set_error(self._ptr, 5, message.encode()[:150])
+
+    @property
+    def sq_depth(self) -> int:
+        """Send work requests posted and not yet completed."""
+        return int(lib.rs_qp_sq_depth(self._ptr))
 
     @property
     def state(self) -> EngineState:
