@@ -86,8 +86,9 @@ def seed_corpus(directory: Path, count: int = 300) -> int:
 
 def fuzz(binary: Path, corpus: Path, seconds: int) -> subprocess.CompletedProcess[str]:
     limits = [f"-max_total_time={seconds}", "-timeout=10", "-rss_limit_mb=2048"]
+    artifacts = f"-artifact_prefix={binary.parent}/"  # a crash's input, not in the cwd
     return subprocess.run(
-        [str(binary), *limits, str(corpus)],
+        [str(binary), *limits, artifacts, str(corpus)],
         capture_output=True, text=True, timeout=seconds + 300, check=False,
     )  # fmt: skip
 
