@@ -3,21 +3,36 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
+import socket
 import sys
 from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 
 import pytest
 import trio
 from nfsecho import ECHO_PROG, Echo
+from test_nfs_server import nfs_server
 
-from rdmashim.ulps.nfsrdma.rpc import ProcUnavail, RpcServer, decode_reply, encode_call
+from rdmashim.ulps.nfsrdma.rpc import (
+    AuthError,
+    GarbageArgs,
+    ProcUnavail,
+    ProgMismatch,
+    ProgUnavail,
+    RpcMismatch,
+    RpcServer,
+    decode_reply,
+    encode_call,
+)
 from rdmashim.ulps.nfsrdma.rpcbind import (
     Binding,
     Registry,
     Rpcbind,
+    merged_uaddr,
     pack_binding,
     parse_uaddr,
     register_with_rpcbind,
@@ -121,14 +136,14 @@ async def test_rpcbind_v3_v4_getaddr(served: tuple[int, Registry]) -> None:
     async with connect_tcp("127.0.0.1", port) as client:
         for vers in (3, 4):
             got = await client.call(RPCBIND, vers, 3, rpcb(NFS, 3, "rdma"))
-            assert got.string() == "0.0.0.0.78.81"
-            assert (await client.call(RPCBIND, vers, 3, rpcb(NFS, 3))).string() == "0.0.0.0.8.1"
+            assert got.string() == "127.0.0.1.78.81"
+            assert (await client.call(RPCBIND, vers, 3, rpcb(NFS, 3))).string() == "127.0.0.1.8.1"
             assert (
                 await client.call(RPCBIND, vers, 3, rpcb(NFS, 4, "tcp"))
-            ).string() == "0.0.0.0.8.1"
+            ).string() == "127.0.0.1.8.1"
             assert (await client.call(RPCBIND, vers, 3, rpcb(42, 1, "tcp"))).string() == ""
         assert (await client.call(RPCBIND, 4, 9, rpcb(NFS, 4, "tcp"))).string() == ""  # GETVERSADDR
-        assert (await client.call(RPCBIND, 4, 9, rpcb(NFS, 3, "tcp"))).string() == "0.0.0.0.8.1"
+        assert (await client.call(RPCBIND, 4, 9, rpcb(NFS, 3, "tcp"))).string() == "127.0.0.1.8.1"
         with pytest.raises(ProcUnavail):
             await client.call(RPCBIND, 3, 9, rpcb(NFS, 3, "tcp"))
         assert (await client.call(RPCBIND, 3, 6)).uint() > 0  # GETTIME
@@ -151,7 +166,7 @@ async def test_set_and_unset_from_loopback(served: tuple[int, Registry]) -> None
         assert (await client.call(RPCBIND, 2, 1, mapping(300001, 2, 17, 999))).boolean()
         assert (
             await client.call(RPCBIND, 3, 3, rpcb(300001, 2, "udp"))
-        ).string() == "0.0.0.0.3.231"
+        ).string() == "127.0.0.1.3.231"
         assert not (await client.call(RPCBIND, 2, 1, mapping(300002, 2, 99, 999))).boolean()
         assert (await client.call(RPCBIND, 2, 2, mapping(300001, 2))).boolean()
         assert registry.lookup(300001, 2, "udp") is None
@@ -233,6 +248,102 @@ async def test_rpcbind_client_over_a_client_object(served: tuple[int, Registry])
         nursery.start_soon(client.run)
         assert (await client.call(RPCBIND, 2, 3, mapping(MOUNT, 3))).uint() == 20048
         nursery.cancel_scope.cancel()
+
+
+def test_getaddr_names_the_address_asked_for_a_wildcard_binding() -> None:
+    assert merged_uaddr("0.0.0.0.8.1", "10.201.0.2") == "10.201.0.2.8.1"
+    assert merged_uaddr("0.0.0.0.8.1", "::ffff:10.0.0.1") == "10.0.0.1.8.1"
+    assert merged_uaddr("::.8.1", "fd00::2") == "fd00::2.8.1"
+    for kept, local in (
+        ("0.0.0.0.8.1", ""),  # the transport could not say
+        ("0.0.0.0.8.1", "0.0.0.0"),
+        ("0.0.0.0.8.1", "fd00::2"),  # the other family
+        ("127.0.0.1.8.1", "10.201.0.2"),  # a binding on one address is that address
+        ("/run/rpcbind.sock", "10.201.0.2"),  # not an internet address
+    ):
+        assert merged_uaddr(kept, local) == kept
+
+
+@asynccontextmanager
+async def udp_socket(port: int) -> AsyncIterator[trio.socket.SocketType]:
+    with trio.socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        await sock.connect(("127.0.0.1", port))
+        yield sock
+
+
+async def udp_call(
+    port: int, prog: int, vers: int, proc: int, args: Reply | None = None
+) -> Unpacker:
+    """One call in one datagram, its reply decoded (an RpcError for a refusal)."""
+    async with udp_socket(port) as sock:
+        await sock.send(bytes(encode_call(9, prog, vers, proc, None, args or Reply()).packer.data))
+        with trio.fail_after(5):
+            return decode_reply(await sock.recv(65536))[1]
+
+
+async def test_serve_nfs_runs_rpcbind_on_tcp_and_udp_and_registers_it(tmp_path: Path) -> None:
+    """Before, program 100000 was not in its own registry (rpcinfo -p: "Program not
+    registered") and nothing answered over UDP."""
+    async with nfs_server(tmp_path) as (serving, _):
+        port = serving.rpcbind_port
+        assert port is not None
+        async with connect_tcp("127.0.0.1", port) as client:
+            dump = read_list(await client.call(RPCBIND, 2, 4), 4)
+        for vers in (2, 3, 4):
+            assert (RPCBIND, vers, 6, port) in dump and (RPCBIND, vers, 17, port) in dump
+        assert (NFS, 3, 6, serving.tcp_port) in dump
+        assert (await udp_call(port, RPCBIND, 2, 0)).remaining() == 0  # NULL
+        assert (await udp_call(port, RPCBIND, 2, 3, mapping(RPCBIND, 2, 17))).uint() == port
+        assert (await udp_call(port, RPCBIND, 2, 3, mapping(MOUNT, 3))).uint() == serving.tcp_port
+        for vers in (3, 4):  # the address the query came to, not 0.0.0.0
+            got = await udp_call(port, RPCBIND, vers, 3, rpcb(RPCBIND, vers, "udp"))
+            assert got.string() == uaddr("127.0.0.1", port)
+        udp_dump = read_bindings(await udp_call(port, RPCBIND, 4, 4))
+        assert Binding(RPCBIND, 2, "udp", uaddr("127.0.0.1", port)) in udp_dump
+        assert Binding(NFS, 3, "rdma", uaddr("127.0.0.1", serving.rdma_port or 0)) in udp_dump
+        assert read_bindings(await udp_call(port, RPCBIND, 3, 4)) == udp_dump  # v3's DUMP
+        with pytest.raises(ProgUnavail):  # UDP answers rpcbind only
+            await udp_call(port, NFS, 3, 0)
+
+
+async def test_hostile_datagrams_are_answered_or_dropped_and_the_server_goes_on(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    def call(rpcvers: int = 2, vers: int = 2, proc: int = 3, cred: int = 0) -> bytes:
+        head = [7, 0, rpcvers, RPCBIND, vers, proc, cred, 0, 0, 0]
+        return b"".join(v.to_bytes(4, "big") for v in head)
+
+    answered = [  # (datagram, what decoding its reply raises)
+        (call(rpcvers=3), RpcMismatch),
+        (call(vers=9), ProgMismatch),
+        (call(proc=77), ProcUnavail),
+        (call(cred=6), AuthError),  # RPCSEC_GSS
+        (call() + b"\x00" * 5, GarbageArgs),  # GETPORT's mapping cut short
+        (call()[:30], AuthError),  # cut inside the credential: AUTH_BADCRED
+        (call()[:18], GarbageArgs),  # cut inside the procedure number
+    ]
+    dropped = [b"", b"\x00\x01", (7).to_bytes(4, "big") + (1).to_bytes(4, "big"), os.urandom(60000)]
+    caplog.set_level(logging.INFO, "rdmashim.ulps.nfsrdma")
+    async with nfs_server(tmp_path) as (serving, _):
+        port = serving.rpcbind_port
+        assert port is not None
+        for datagram, error in answered:
+            async with udp_socket(port) as sock:
+                await sock.send(datagram)
+                with trio.fail_after(5), pytest.raises(error):
+                    decode_reply(await sock.recv(65536))
+        for datagram in dropped:
+            async with udp_socket(port) as sock:
+                await sock.send(datagram)
+                with trio.move_on_after(0.3) as wait:
+                    await sock.recv(65536)
+                assert wait.cancelled_caught, f"{datagram[:8]!r} was answered"
+        async with udp_socket(port) as sock:  # a sender gone before its reply: ICMP, no harm
+            await sock.send(call(proc=0))
+        assert (await udp_call(port, RPCBIND, 4, 3, rpcb(NFS, 3, "tcp"))).string()  # still here
+    said = [r.getMessage() for r in caplog.records if r.name.endswith(".rpc")]
+    assert sum("without a header" in line for line in said) >= 2, said
+    assert any("is not a call" in line for line in said), said
 
 
 async def _rpcinfo_agent() -> None:

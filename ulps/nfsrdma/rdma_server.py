@@ -34,9 +34,8 @@ A connection's failure (a bad peer, a lost link) ends that connection only.
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
 import trio
 
@@ -57,6 +56,7 @@ from rdmashim.ulps.nfsrdma.rpcrdma import (
     peer_sizes,
     read_chunks,
 )
+from rdmashim.ulps.nfsrdma.service import CallHandler
 from rdmashim.ulps.nfsrdma.xdr import XdrError, pad
 from rdmashim.verbs import Access, QPCap, SendWR, WROpcode
 
@@ -73,15 +73,6 @@ DEFAULT_CREDITS = 32
 DEFAULT_MAX_CALL = (1 << 20) + 64 * 1024
 """Bytes of Read chunks one call may bring (an NFS WRITE of 1 MiB and its headers)."""
 TRANSPORT = "rdma"
-
-
-class CallHandler(Protocol):
-    """What serves the calls: :class:`~.rpc.RpcServer` or anything with its ``handle_call``."""
-
-    def handle_call(
-        self, message: memoryview, peer: tuple[str, int], transport: str
-    ) -> Awaitable[Reply | None]:
-        """The reply to a whole RPC call message (None: no answer)."""
 
 
 @dataclass(frozen=True, slots=True)

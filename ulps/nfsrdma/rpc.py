@@ -368,9 +368,10 @@ class RpcServer:
             self.programs[program.number] = program
 
     async def handle_call(
-        self, message: memoryview, peer: tuple[str, int], transport: str
+        self, message: memoryview, peer: tuple[str, int], transport: str, local: str = ""
     ) -> Reply | None:
-        """The reply to the call ``message`` from ``peer`` over ``transport``.
+        """The reply to the call ``message`` from ``peer`` over ``transport``, sent to
+        our address ``local`` (see :attr:`~.service.CallContext.local`).
 
         The returned :class:`~.service.Reply` holds the whole reply message
         (its DDP offsets count from the message's first byte). None only for
@@ -406,7 +407,7 @@ class RpcServer:
         low, high = program.versions
         if not low <= vers <= high:
             return accepted_error(xid, AcceptStat.PROG_MISMATCH, low, high)
-        ctx = CallContext(xid, prog, vers, proc, cred, peer, transport)
+        ctx = CallContext(xid, prog, vers, proc, cred, peer, transport, local)
         return await _dispatch(program, ctx, u)
 
 

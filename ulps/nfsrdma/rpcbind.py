@@ -6,30 +6,45 @@ address); the NFS server fills it (NFS 100003 v3 on ``tcp`` 2049 and ``rdma``
 (100000) answering for it: version 2 (the portmapper: SET, UNSET, GETPORT,
 DUMP with protocol numbers and ports) and versions 3 and 4 (SET, UNSET,
 GETADDR, DUMP, GETTIME, and v4's GETVERSADDR with netids and universal
-addresses "h1.h2.h3.h4.p1.p2"). SET and UNSET are taken from loopback callers
-only, like the system's rpcbind does.
+addresses "h1.h2.h3.h4.p1.p2"), over TCP and UDP alike. GETADDR answers a
+binding on a wildcard address (0.0.0.0, ::) with the address the query came
+to, as the system's rpcbind does: a client elsewhere can use that, not
+0.0.0.0. SET and UNSET are taken from loopback callers only, like the
+system's rpcbind does.
 
 When the system's rpcbind holds port 111, :func:`register_with_rpcbind`
 publishes our bindings there instead (RPCBPROC_SET, or PMAPPROC_SET for a
-portmapper that knows only version 2).
+portmapper that knows only version 2), over its local socket
+(``/run/rpcbind.sock``, where it knows us as ``superuser`` when we are root)
+as libtirpc's servers do, else over TCP.
 """
 
 from __future__ import annotations
 
 import ipaddress
+import logging
 import os
 import socket
 import time
-from collections.abc import Iterable
+from collections.abc import AsyncIterator, Iterable
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from pathlib import Path
+
+import trio
 
 from rdmashim.ulps.nfsrdma.rpc import ProgMismatch, ProgUnavail
 from rdmashim.ulps.nfsrdma.service import AuthSys, CallContext, ProcUnavailable, Reply
-from rdmashim.ulps.nfsrdma.tcp import RpcTcpClient, connect_tcp
+from rdmashim.ulps.nfsrdma.tcp import RpcTcpClient, connect_tcp, rpc_client_on
 from rdmashim.ulps.nfsrdma.xdr import Packer, Unpacker
+
+log = logging.getLogger(__name__)
 
 RPCBIND_PROG = 100000
 RPCBIND_PORT = 111
+RPCBIND_VERSIONS = (2, 3, 4)
+LOCAL_SOCKET = Path("/run/rpcbind.sock")
+"""The system rpcbind's local (AF_LOCAL) socket."""
 NFS_PROG = 100003
 MOUNT_PROG = 100005
 
@@ -58,6 +73,22 @@ def uaddr(host: str, port: int) -> str:
     if not 0 <= port <= 0xFFFF:
         raise ValueError(f"port {port}")
     return f"{ipaddress.ip_address(host)}.{port >> 8}.{port & 0xFF}"
+
+
+def merged_uaddr(address: str, local: str) -> str:
+    """``address`` with a wildcard host (0.0.0.0, ::) replaced by ``local``, the address
+    a query came to; as it is when ``local`` is unknown, a wildcard or of the other family."""
+    try:
+        host, port = parse_uaddr(address)
+        ours = ipaddress.ip_address(local)
+    except ValueError:
+        return address
+    if isinstance(ours, ipaddress.IPv6Address) and ours.ipv4_mapped:
+        ours = ours.ipv4_mapped
+    bound = ipaddress.ip_address(host)
+    if not bound.is_unspecified or ours.is_unspecified or bound.version != ours.version:
+        return address
+    return uaddr(str(ours), port)
 
 
 def parse_uaddr(address: str) -> tuple[str, int]:
@@ -159,14 +190,18 @@ class Registry:
         return None if exact else fallback
 
 
-def _is_local(ctx: CallContext) -> bool:
+def _loopback(host: str) -> bool:
     try:
-        address = ipaddress.ip_address(ctx.peer[0])
+        address = ipaddress.ip_address(host)
     except ValueError:
         return False
     if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped:
         address = address.ipv4_mapped
     return address.is_loopback
+
+
+def _is_local(ctx: CallContext) -> bool:
+    return _loopback(ctx.peer[0])
 
 
 def _owner(ctx: CallContext) -> str:
@@ -247,7 +282,7 @@ class Rpcbind:
             netid = wanted.netid or ctx.transport
             exact = ctx.proc == RPCBPROC_GETVERSADDR
             found = self.registry.lookup(wanted.prog, wanted.vers, netid, exact=exact)
-            out.string(found.uaddr if found else "")
+            out.string(merged_uaddr(found.uaddr, ctx.local) if found else "")
 
 
 def _valid(binding: Binding) -> bool:
@@ -266,16 +301,18 @@ async def register_with_rpcbind(
     port: int = RPCBIND_PORT,
     *,
     unset: bool = False,
+    local_socket: Path | None = LOCAL_SOCKET,
 ) -> list[bool]:
     """Publish ``bindings`` with the rpcbind at ``host``:``port`` (or withdraw them: ``unset``).
 
     Each binding first replaces any stale one of the same program, version
     and netid. A portmapper that speaks only version 2 gets PMAPPROC_SET /
     UNSET (and cannot hold netids other than tcp and udp). Returns, per
-    binding, whether rpcbind took it.
+    binding, whether rpcbind took it. The system's rpcbind (port 111 on
+    this host) is reached through ``local_socket`` when it answers there.
     """
     done: list[bool] = []
-    async with connect_tcp(host, port, cred=_owner_cred()) as client:
+    async with _rpcbind_client(host, port, local_socket) as client:
         for b in bindings:
             try:
                 request = Reply()
@@ -289,6 +326,24 @@ async def register_with_rpcbind(
             except (ProgMismatch, ProgUnavail):
                 done.append(await _portmapper_set(client, b, unset))
     return done
+
+
+@asynccontextmanager
+async def _rpcbind_client(
+    host: str, port: int, local_socket: Path | None
+) -> AsyncIterator[RpcTcpClient]:
+    """A client of the rpcbind at ``host``:``port``: over ``local_socket`` when that is the
+    system's (port 111 on a loopback address) and it answers there, else over TCP."""
+    stream: trio.abc.Stream | None = None
+    if local_socket is not None and port == RPCBIND_PORT and _loopback(host):
+        try:
+            stream = await trio.open_unix_socket(local_socket)
+        except OSError as exc:
+            log.info("rpcbind's local socket %s: %s; asking over TCP", local_socket, exc)
+    if stream is None:
+        stream = await trio.open_tcp_stream(host, port)
+    async with rpc_client_on(stream, cred=_owner_cred()) as client:
+        yield client
 
 
 async def _portmapper_set(client: RpcTcpClient, b: Binding, unset: bool) -> bool:

@@ -17,6 +17,7 @@ program decodes it.
 
 from __future__ import annotations
 
+from collections.abc import Awaitable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -50,7 +51,9 @@ class CallContext:
     peer: tuple[str, int]
     """The caller's address and port."""
     transport: str
-    """``"tcp"`` or ``"rdma"``."""
+    """``"tcp"``, ``"udp"`` or ``"rdma"``."""
+    local: str = ""
+    """The server's own address the call came to ("" where the transport cannot say)."""
 
 
 class ProcUnavailable(Exception):
@@ -88,6 +91,16 @@ class Reply:
             start = offset
         out.append(data[start:])
         return [b for b in out if len(b)]
+
+
+class CallHandler(Protocol):
+    """What a transport hands each call to: :class:`~.rpc.RpcServer`, or anything with
+    its ``handle_call``."""
+
+    def handle_call(
+        self, message: memoryview, peer: tuple[str, int], transport: str, local: str = ""
+    ) -> Awaitable[Reply | None]:
+        """The reply to a whole RPC call message (None: no answer)."""
 
 
 class Program(Protocol):

@@ -9,7 +9,8 @@ than ``record_timeout`` to arrive, a broken stream) is closed; the others go
 on.
 
 :class:`RpcTcpClient` runs any number of calls on one connection at once and
-matches the replies by xid; :func:`connect_tcp` opens one.
+matches the replies by xid; :func:`connect_tcp` opens one (:func:`rpc_client_on`
+runs one on a stream opened otherwise, such as a local socket).
 """
 
 from __future__ import annotations
@@ -70,6 +71,7 @@ class _Connection:
         self.server = server
         self.stream = stream
         self.peer = _peer(stream)
+        self.local = str(stream.socket.getsockname()[0])
         self.decoder = RecordDecoder(max_record)
         self.in_flight = trio.Semaphore(max_in_flight)
         self.record_timeout = record_timeout
@@ -111,7 +113,7 @@ class _Connection:
 
     async def _answer(self, record: bytearray) -> None:
         try:
-            reply = await self.server.handle_call(memoryview(record), self.peer, "tcp")
+            reply = await self.server.handle_call(memoryview(record), self.peer, "tcp", self.local)
             if reply is not None:
                 data = _framed(reply)
                 async with self.send_lock:
@@ -137,8 +139,23 @@ async def serve_tcp(
     ``listeners[0].socket.getsockname()[1]`` tells.
     """
     listeners = await trio.open_tcp_listeners(port, host=host)
-    logger.info("ONC RPC over TCP on %s", [listener.socket.getsockname() for listener in listeners])
     task_status.started(listeners)
+    await serve_tcp_listeners(
+        server, listeners, max_record=max_record, max_in_flight=max_in_flight,
+        record_timeout=record_timeout,
+    )  # fmt: skip
+
+
+async def serve_tcp_listeners(
+    server: RpcServer,
+    listeners: list[trio.SocketListener],
+    *,
+    max_record: int = DEFAULT_MAX_RECORD,
+    max_in_flight: int = DEFAULT_MAX_IN_FLIGHT,
+    record_timeout: float = DEFAULT_RECORD_TIMEOUT,
+) -> None:
+    """:func:`serve_tcp` on ``listeners`` opened already (closed when it ends)."""
+    logger.info("ONC RPC over TCP on %s", [listener.socket.getsockname() for listener in listeners])
 
     async def handle(stream: trio.SocketStream) -> None:
         await _Connection(server, stream, max_record, max_in_flight, record_timeout).serve()
@@ -262,6 +279,19 @@ async def connect_tcp(
 ) -> AsyncIterator[RpcTcpClient]:
     """An :class:`RpcTcpClient` connected to ``host``:``port``, closed when the block ends."""
     stream = await trio.open_tcp_stream(host, port)
+    async with rpc_client_on(stream, cred=cred, max_record=max_record) as client:
+        yield client
+
+
+@asynccontextmanager
+async def rpc_client_on(
+    stream: trio.abc.Stream,
+    *,
+    cred: OpaqueAuth | AuthSys | None = None,
+    max_record: int = DEFAULT_MAX_RECORD,
+) -> AsyncIterator[RpcTcpClient]:
+    """An :class:`RpcTcpClient` running on ``stream`` (a record-marked byte stream: TCP,
+    or a local socket such as rpcbind's), closed with it when the block ends."""
     async with stream, service_nursery() as nursery:
         client = RpcTcpClient(stream, cred=cred, max_record=max_record)
         nursery.start_soon(client.run)
