@@ -15,7 +15,8 @@ from rdmashim.ulps.nfsrdma.xdr import Packer, Unpacker, XdrError
 def test_the_package_exports_its_public_classes_by_their_module_names() -> None:
     homes = {
         "NfsClient": "client", "NfsError": "client", "MountError": "client",
-        "list_exports": "client", "split_remote": "client", "Export": "export",
+        "list_exports": "client", "split_remote": "client", "ServerUnreachable": "client",
+        "Export": "export",
         "ServerConfig": "server", "Serving": "server", "serve_nfs": "server",
         "mount_command": "server", "NFS_TCP_PORT": "server", "NFS_RDMA_PORT": "server",
         "Fattr3": "nfs3_types", "FType3": "nfs3_types", "Nfsstat3": "nfs3_types",

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, TextIO
 
 from rdmashim.cliargs import Parser, UsageError, backend, host, port, rate
-from rdmashim.ulps.nfsrdma.nfs3_types import FType3
+from rdmashim.ulps.nfsrdma.nfs3_types import FType3, Nfsstat3
 
 if TYPE_CHECKING:
     from rdmashim.ulps.nfsrdma.client import NfsClient, Progress
@@ -113,12 +113,23 @@ def _run(args: argparse.Namespace) -> int:
 
 
 async def _main(args: argparse.Namespace) -> None:
-    from rdmashim.ulps.nfsrdma.client import NfsClient, NfsError, list_exports, split_remote
+    from rdmashim.ulps.nfsrdma.client import (
+        NfsClient,
+        NfsError,
+        ServerUnreachable,
+        list_exports,
+        split_remote,
+    )
 
     where: Remote = args.remote
-    exports = await list_exports(
-        where.server, rpcbind_port=args.rpcbind_port, mount_port=args.mount_port
-    )
+    try:
+        exports = await list_exports(
+            where.server, rpcbind_port=args.rpcbind_port, mount_port=args.mount_port
+        )
+    except ServerUnreachable as exc:
+        if exc.program != "rpcbind":
+            raise
+        raise ServerUnreachable(exc.program, exc.host, exc.port, exc.reason, NO_RPCBIND) from None
     export, inner = split_remote(exports, where.path)
     async with NfsClient.connect(
         where.server, export, proto=args.proto, port=args.port, rpcbind_port=args.rpcbind_port,
@@ -126,9 +137,20 @@ async def _main(args: argparse.Namespace) -> None:
     ) as nfs:  # fmt: skip
         try:
             await args.action(nfs, inner, args)
-        except NfsError as exc:  # name the path as the user did
+        except NfsError as exc:  # name the path as the user did; say which option helps
             server = where.text.partition(":/")[0]
-            raise NfsError(exc.status, f"{server}:{_join(export, exc.path)}") from None
+            hint = exc.hint or COMMAND_HINTS.get((args.nfs_command, exc.status), "")
+            raise NfsError(exc.status, f"{server}:{_join(export, exc.path)}", hint) from None
+
+
+NO_RPCBIND = "no rpcbind there? then give --mount-port and --port"
+COMMAND_HINTS: dict[tuple[str, int], str] = {
+    ("mkdir", Nfsstat3.NFS3ERR_EXIST): "mkdir -p takes a directory that exists",
+    ("rm", Nfsstat3.NFS3ERR_NOTEMPTY): "rm -r removes it and everything under it",
+    ("put", Nfsstat3.NFS3ERR_NOENT): "put makes no directory: rdmashim nfs mkdir -p makes it",
+    ("get", Nfsstat3.NFS3ERR_ISDIR): "get copies a file; rdmashim nfs ls lists a directory",
+}
+"""What to say with a status one of the commands met, when the status alone says too little."""
 
 
 def _join(export: str, path: str) -> str:

@@ -8,8 +8,9 @@ The names a user needs are here; ``docs/nfs.md`` maps the modules::
   :class:`Serving`), :func:`mount_command`, :class:`Export` for a program of
   one's own;
 - the client: :class:`NfsClient` (:meth:`~NfsClient.connect`), which raises
-  :class:`NfsError` for a status other than NFS3_OK and :class:`MountError`
-  when MOUNT refuses; :func:`list_exports` and :func:`split_remote`;
+  :class:`NfsError` for a status other than NFS3_OK, :class:`MountError`
+  when MOUNT refuses and :class:`ServerUnreachable` when rpcbind, MOUNT or NFS
+  cannot be reached; :func:`list_exports` and :func:`split_remote`;
 - what they carry: :class:`Fattr3` (with its :class:`FType3`), :class:`Nfsstat3`.
 
 The modules keep their names (``rdmashim.ulps.nfsrdma.client.NfsClient`` is
@@ -20,6 +21,7 @@ from rdmashim.ulps.nfsrdma.client import (
     MountError,
     NfsClient,
     NfsError,
+    ServerUnreachable,
     list_exports,
     split_remote,
 )
@@ -45,6 +47,7 @@ __all__ = [
     "NfsError",
     "Nfsstat3",
     "ServerConfig",
+    "ServerUnreachable",
     "Serving",
     "list_exports",
     "mount_command",

@@ -18,8 +18,12 @@ sized pieces with :data:`IN_FLIGHT` calls outstanding; over RDMA the READ
 data lands in a Write chunk and the WRITE data goes as a Read chunk (RFC
 8267). Writes are UNSTABLE, then COMMIT; a piece whose write verifier is
 not the COMMIT's is written again, stable. Every status other than NFS3_OK
-is an :class:`NfsError` naming it, raised as itself from a transfer's pieces
-too. A bad argument (a path that is not a str, a mode outside ``0o7777``, a
+is an :class:`NfsError` naming it and the object (for NOTDIR, the one that is
+no directory), with a hint where one helps (a root caller refused: root
+squash), raised as itself from a transfer's pieces too; a server that cannot
+be reached is a :class:`ServerUnreachable` naming rpcbind, MOUNT or NFS, the
+port and where it came from (:mod:`.client_connect`, :mod:`.client_errors`).
+A bad argument (a path that is not a str, a mode outside ``0o7777``, a
 negative size, a source without ``read``) raises TypeError or ValueError
 naming it before anything goes to the server.
 """
@@ -27,9 +31,6 @@ naming it before anything goes to the server.
 from __future__ import annotations
 
 import logging
-import os
-import socket
-import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import Literal, Protocol
@@ -37,20 +38,27 @@ from typing import Literal, Protocol
 import trio
 
 from rdmashim.ulps.nfsrdma import nfs3_types as t
-from rdmashim.ulps.nfsrdma.mount import MNT3_OK, MNTPATHLEN, MOUNTPROC_EXPORT, MOUNTPROC_MNT
-from rdmashim.ulps.nfsrdma.rdma_client import RpcRdmaClient
-from rdmashim.ulps.nfsrdma.rpcbind import (
-    IPPROTO_TCP,
-    PMAP_VERS,
-    PMAPPROC_GETPORT,
-    PROC_DUMP,
-    RPCB_VERS4,
-    RPCBIND_PORT,
-    RPCBIND_PROG,
-    unpack_binding,
+from rdmashim.ulps.nfsrdma.client_connect import (
+    answering_rdma,
+    components,
+    default_cred,
+    list_exports,
+    mount,
+    nfs_over_tcp,
+    nfs_port,
+    split_remote,
 )
+from rdmashim.ulps.nfsrdma.client_connect import call_args as _args
+from rdmashim.ulps.nfsrdma.client_errors import (
+    MountError,
+    NfsError,
+    ServerUnreachable,
+    status_hint,
+    status_name,
+)
+from rdmashim.ulps.nfsrdma.rdma_client import RpcRdmaClient
+from rdmashim.ulps.nfsrdma.rpcbind import RPCBIND_PORT
 from rdmashim.ulps.nfsrdma.service import AuthSys, Reply
-from rdmashim.ulps.nfsrdma.tcp import connect_tcp
 from rdmashim.ulps.nfsrdma.xdr import Unpacker
 from rdmashim.verbs.errors import integer
 from rdmashim.verbs.tasks import unwrapping_nursery
@@ -63,74 +71,12 @@ IN_FLIGHT = 4
 """READ or WRITE calls outstanding at once during a transfer."""
 COMMIT_EVERY = 32 << 20
 """Bytes written UNSTABLE before a COMMIT (kept until then, to rewrite on a verifier change)."""
-RDMA_PROBE_SECONDS = 3.0
-"""How long the NULL call that opens an RPC-over-RDMA connection may go unanswered."""
-RDMA_RETRY_PAUSE = 0.2
-"""Seconds a connection made again waits before its first Send."""
-RDMA_ATTEMPTS = 4
-"""RPC-over-RDMA connections made before giving up on a server that answers no NULL call."""
 READDIR_MAX = 32768
 """The READDIRPLUS maxcount asked for (over RDMA, the size of the Reply chunk offered)."""
 Proto = Literal["rdma", "tcp"]
 Progress = Callable[[int, int], object]
-Data = bytes | bytearray | memoryview
 """Called with (bytes done, bytes in all) as a transfer goes."""
-
-_STATUS_TEXT: dict[int, str] = {
-    t.NFS3ERR_PERM: "not owner",
-    t.NFS3ERR_NOENT: "no such file or directory",
-    t.NFS3ERR_IO: "I/O error",
-    t.NFS3ERR_NXIO: "no such device or address",
-    t.NFS3ERR_ACCES: "permission denied",
-    t.NFS3ERR_EXIST: "file exists",
-    t.NFS3ERR_XDEV: "cross-device link",
-    t.NFS3ERR_NODEV: "no such device",
-    t.NFS3ERR_NOTDIR: "not a directory",
-    t.NFS3ERR_ISDIR: "is a directory",
-    t.NFS3ERR_INVAL: "invalid argument",
-    t.NFS3ERR_FBIG: "file too large",
-    t.NFS3ERR_NOSPC: "no space left on device",
-    t.NFS3ERR_ROFS: "read-only file system",
-    t.NFS3ERR_MLINK: "too many links",
-    t.NFS3ERR_NAMETOOLONG: "file name too long",
-    t.NFS3ERR_NOTEMPTY: "directory not empty",
-    t.NFS3ERR_DQUOT: "disk quota exceeded",
-    t.NFS3ERR_STALE: "stale file handle",
-    t.NFS3ERR_REMOTE: "too many levels of remote in path",
-    t.NFS3ERR_BADHANDLE: "illegal file handle",
-    t.NFS3ERR_NOT_SYNC: "update synchronization mismatch",
-    t.NFS3ERR_BAD_COOKIE: "stale READDIR cookie",
-    t.NFS3ERR_NOTSUPP: "operation not supported",
-    t.NFS3ERR_TOOSMALL: "buffer or request too small",
-    t.NFS3ERR_SERVERFAULT: "server fault",
-    t.NFS3ERR_BADTYPE: "type not supported by the server",
-    t.NFS3ERR_JUKEBOX: "try again later",
-}
-
-
-def status_name(status: int) -> str:
-    """``NFS3ERR_NOENT`` for 2 (``nfsstat3 N`` for a value RFC 1813 does not name)."""
-    try:
-        return t.Nfsstat3(status).name
-    except ValueError:
-        return f"nfsstat3 {status}"
-
-
-class NfsError(t.NfsError):
-    """A call answered with an ``nfsstat3`` other than NFS3_OK: ``NFS3ERR_NOENT: ...: /path``."""
-
-    def __init__(self, status: int, path: str = "") -> None:
-        super().__init__(status)
-        self.path = path
-        text = _STATUS_TEXT.get(status, "error")
-        self.args = (f"{status_name(status)}: {text}{': ' + path if path else ''}",)
-
-    def __str__(self) -> str:
-        return str(self.args[0])
-
-
-class MountError(OSError):
-    """MOUNT refused the export (its ``mountstat3``) or does not list it."""
+Data = bytes | bytearray | memoryview
 
 
 class Sink(Protocol):
@@ -174,21 +120,6 @@ class _Pieces:
 Call = Callable[..., Awaitable[Unpacker]]
 
 
-def default_cred() -> AuthSys:
-    """AUTH_SYS as this process: its uid, gid and groups, the host's name."""
-    groups = tuple(g for g in os.getgroups() if g != os.getgid())[:16]
-    stamp = int(time.time()) & 0xFFFF_FFFF
-    return AuthSys(stamp, socket.gethostname()[:255], os.getuid(), os.getgid(), groups)
-
-
-def _components(path: str) -> list[str]:
-    if not isinstance(path, str):
-        raise TypeError(f"an NFS path is a str, not {type(path).__name__}")
-    if "\0" in path:
-        raise ValueError(f"NFS path {path!r} holds a NUL")
-    return [c for c in path.split("/") if c and c != "."]
-
-
 def _checked(value: object, what: str, low: int, high: int, show: str = "d") -> int:
     """``value`` as an int in ``low..high`` (shown in format ``show``); TypeError or
     ValueError naming ``what``."""
@@ -214,118 +145,6 @@ MAX_MODE = 0o7777
 """The permission bits a mode may hold (with setuid, setgid and sticky)."""
 
 
-def _args(*fill: Callable[[Reply], None]) -> Reply:
-    reply = Reply()
-    for item in fill:
-        item(reply)
-    return reply
-
-
-async def rpcbind_port_of(host: str, rpcbind_port: int, prog: int, netid: str) -> int | None:
-    """The port rpcbind at ``host`` names for ``prog`` v3 over ``netid`` (None: not there).
-
-    TCP is asked with the portmapper's GETPORT. Any other netid is looked for in
-    rpcbind's DUMP: rpcbind's GETADDR answers for the netid of the transport
-    the query came on and ignores the one asked for (rpcbind and libtirpc do), so
-    over TCP it would name the TCP port for ``rdma``.
-    """
-    try:
-        async with connect_tcp(host, rpcbind_port) as rpcbind:
-            if netid == "tcp":
-
-                def query(r: Reply) -> None:
-                    for value in (prog, 3, IPPROTO_TCP, 0):
-                        r.packer.uint(value)
-
-                found = await rpcbind.call(RPCBIND_PROG, PMAP_VERS, PMAPPROC_GETPORT, _args(query))
-                port = found.uint()
-                return port or None
-            u = await rpcbind.call(RPCBIND_PROG, RPCB_VERS4, PROC_DUMP, Reply())
-            while u.boolean():
-                binding = unpack_binding(u)
-                if (binding.prog, binding.vers, binding.netid) == (prog, 3, netid) and binding.port:
-                    return binding.port
-            return None
-    except OSError as exc:
-        log.info("no rpcbind at %s port %d: %s", host, rpcbind_port, exc)
-        return None
-
-
-@asynccontextmanager
-async def _answering_rdma(
-    host: str, port: int, backend: str | None, cred: AuthSys
-) -> AsyncIterator[RpcRdmaClient]:
-    """An RPC-over-RDMA connection whose first call, NFS NULL, was answered.
-
-    The Linux kernel's siw (6.1) under a server sometimes leaves the first Send
-    unread when it comes soon after siw's MPA Reply (see "The siw responder
-    race" in docs/interop.md): it is read only when the next TCP segment
-    arrives, and a client holding its one credit sends none. Against knfsd in
-    an emulated guest, where that window is wide, half the connections stalled
-    so. A NULL call unanswered after :data:`RDMA_PROBE_SECONDS` is taken for
-    that: the connection is closed (its FIN wakes siw) and made again, and this
-    time the NULL waits :data:`RDMA_RETRY_PAUSE` first, at most
-    :data:`RDMA_ATTEMPTS` connections in all.
-    """
-    for attempt in range(1, RDMA_ATTEMPTS + 1):
-        async with RpcRdmaClient.connect(host, port, backend=backend) as rdma:
-            if attempt > 1:
-                await trio.sleep(RDMA_RETRY_PAUSE)  # past siw's window after its MPA Reply
-            with trio.move_on_after(RDMA_PROBE_SECONDS) as probe:
-                await rdma.call(t.NFS_PROGRAM, 3, t.NULL, Reply(), cred)
-            if not probe.cancelled_caught:
-                yield rdma
-                return
-        log.warning(
-            "no answer to NULL over RDMA from %s port %d in %.0f s (connection %d of %d)",
-            host, port, RDMA_PROBE_SECONDS, attempt, RDMA_ATTEMPTS,
-        )  # fmt: skip
-    raise TimeoutError(
-        f"{host} port {port}: no answer to NFS NULL over RDMA on {RDMA_ATTEMPTS} connections"
-    )
-
-
-async def _mount_port(host: str, rpcbind_port: int, mount_port: int | None) -> int:
-    if mount_port is not None:
-        return mount_port
-    found = await rpcbind_port_of(host, rpcbind_port, t.MOUNT_PROGRAM, "tcp")
-    if found is None:
-        raise MountError(
-            f"no MOUNT v3 port: rpcbind at {host} port {rpcbind_port} is not there or names none"
-        )
-    return found
-
-
-async def list_exports(
-    host: str, *, rpcbind_port: int = RPCBIND_PORT, mount_port: int | None = None
-) -> list[str]:
-    """The export names MOUNT's EXPORT procedure lists at ``host``."""
-    port = await _mount_port(host, rpcbind_port, mount_port)
-    async with connect_tcp(host, port, cred=default_cred()) as mount:
-        u = await mount.call(t.MOUNT_PROGRAM, 3, MOUNTPROC_EXPORT, Reply())
-        names = []
-        while u.boolean():
-            names.append(u.string(MNTPATHLEN))
-            while u.boolean():
-                u.string(MNTPATHLEN)  # a client group
-        return names
-
-
-def split_remote(exports: list[str], path: str) -> tuple[str, str]:
-    """(export, path inside it): the longest export name that is a prefix of ``path``."""
-    wanted = _components(path)
-    best: str | None = None
-    for name in exports:
-        parts = _components(name)
-        if wanted[: len(parts)] == parts and (best is None or len(parts) > len(_components(best))):
-            best = name
-    if best is None:
-        raise MountError(
-            f"{path}: in no export (the server exports {', '.join(exports) or 'none'})"
-        )
-    return best, "/" + "/".join(wanted[len(_components(best)) :])
-
-
 class NfsClient:
     """NFSv3 calls on one mounted export (make one with :meth:`connect`)."""
 
@@ -337,6 +156,8 @@ class NfsClient:
         self.wtmax = wtmax
         self.rdma: RpcRdmaClient | None = None
         """The RPC-over-RDMA connection (its sizes, credits, counters); None over TCP."""
+        self.uid: int | None = None
+        """The AUTH_SYS uid the calls carry (errors hint at what it may do about them)."""
 
     @classmethod
     @asynccontextmanager
@@ -362,38 +183,34 @@ class NfsClient:
             if value is not None:
                 _checked(value, what, 1, 65535)
         cred = cred or default_cred()
-        mport = await _mount_port(host, rpcbind_port, mount_port)
-        async with connect_tcp(host, mport, cred=cred) as mount:
-            u = await mount.call(
-                t.MOUNT_PROGRAM, 3, MOUNTPROC_MNT, _args(lambda r: r.packer.string(export))
-            )
-            status = u.uint()
-            if status != MNT3_OK:
-                raise MountError(f"MOUNT {export}: {NfsError(status)}")
-            root = t.unpack_fh(u)
+        root = await mount(
+            host, export, rpcbind_port=rpcbind_port, mount_port=mount_port, cred=cred
+        )
+        default = NFS_RDMA_PORT if proto == "rdma" else NFS_TCP_PORT
+        origin = "the NFS port given"
         if port is None:
-            port = await rpcbind_port_of(host, rpcbind_port, t.NFS_PROGRAM, proto)
-            port = port or (NFS_RDMA_PORT if proto == "rdma" else NFS_TCP_PORT)
+            port, origin = await nfs_port(host, rpcbind_port, proto, default)
         if proto == "tcp":
-            async with connect_tcp(host, port, cred=cred) as rpc:
+            async with nfs_over_tcp(host, port, cred, origin) as rpc:
 
                 async def call_tcp(proc: int, args: Reply, **_: int) -> Unpacker:
                     return await rpc.call(t.NFS_PROGRAM, 3, proc, args)
 
-                yield await cls._start(call_tcp, root)
+                yield await cls._start(call_tcp, root, cred.uid)
         else:
-            async with _answering_rdma(host, port, backend, cred) as rdma:
+            async with answering_rdma(host, port, backend, cred, origin) as rdma:
 
                 async def call_rdma(proc: int, args: Reply, **sizes: int) -> Unpacker:
                     return await rdma.call(t.NFS_PROGRAM, 3, proc, args, cred, **sizes)
 
-                client = await cls._start(call_rdma, root)
+                client = await cls._start(call_rdma, root, cred.uid)
                 client.rdma = rdma
                 yield client
 
     @classmethod
-    async def _start(cls, call: Call, root: bytes) -> NfsClient:
+    async def _start(cls, call: Call, root: bytes, uid: int) -> NfsClient:
         client = cls(call, root, 0, 0)
+        client.uid = uid
         u = await client._ok(t.FSINFO, "/", lambda r: t.pack_fh(r.packer, root))
         t.unpack_post_op_attr(u)
         rtmax, _rtpref, _rtmult, wtmax = u.uint(), u.uint(), u.uint(), u.uint()
@@ -401,33 +218,43 @@ class NfsClient:
         return client
 
     async def _ok(
-        self, proc: int, path: str, *fill: Callable[[Reply], None], **sizes: int
+        self,
+        proc: int,
+        path: str,
+        *fill: Callable[[Reply], None],
+        parent: str | None = None,
+        **sizes: int,
     ) -> Unpacker:
-        """Call ``proc``; the Unpacker after an NFS3_OK status, else :class:`NfsError`."""
+        """Call ``proc``; the Unpacker after an NFS3_OK status, else :class:`NfsError`
+        about ``path`` (about ``parent``, the directory the call names, for NOTDIR)."""
         u = await self._call(proc, _args(*fill), **sizes)
         status = u.uint()
         if status != t.NFS3_OK:
-            raise NfsError(status, path)
+            about = parent if status == t.NFS3ERR_NOTDIR and parent is not None else path
+            hint = status_hint(status, self.uid) if self.uid is not None else ""
+            raise NfsError(status, about, hint)
         return u
 
     # ------------------------------------------------------------- names
     async def lookup(self, path: str) -> bytes:
         """The handle of ``path`` (inside the export), looked up one component at a time."""
         fh, walked = self.root, ""
-        for name in _components(path):
-            walked += "/" + name  # an error names the component that failed
+        for name in components(path):
+            above, walked = walked or "/", f"{walked}/{name}"  # errors name where it failed
 
             def fill(r: Reply, directory: bytes = fh, entry: str = name) -> None:
                 t.pack_diropargs(r.packer, directory, entry)
 
-            fh = t.unpack_fh(await self._ok(t.LOOKUP, walked, fill))
+            fh = t.unpack_fh(await self._ok(t.LOOKUP, walked, fill, parent=above))
         return fh
 
-    async def _parent(self, path: str) -> tuple[bytes, str]:
-        parts = _components(path)
+    async def _parent(self, path: str) -> tuple[bytes, str, str]:
+        """The handle of ``path``'s directory, the last name, and the directory's path."""
+        parts = components(path)
         if not parts:
             raise NfsError(t.NFS3ERR_INVAL, path or "/")
-        return await self.lookup("/".join(parts[:-1])), parts[-1]
+        directory = "/" + "/".join(parts[:-1])
+        return await self.lookup(directory), parts[-1], directory
 
     async def getattr(self, path: str) -> t.Fattr3:
         """The attributes of ``path``."""
@@ -472,11 +299,12 @@ class NfsClient:
     async def mkdir(self, path: str, mode: int = 0o755) -> bytes:
         """Make directory ``path``; its handle."""
         mode = _checked(mode, "mode", 0, MAX_MODE, "o")
-        parent, name = await self._parent(path)
+        parent, name, directory = await self._parent(path)
         u = await self._ok(
             t.MKDIR, path,
             lambda r: t.pack_diropargs(r.packer, parent, name),
             lambda r: t.pack_sattr3(r.packer, t.Sattr3(mode=mode)),
+            parent=directory,
         )  # fmt: skip
         return t.unpack_post_op_fh3(u) or await self.lookup(path)
 
@@ -489,13 +317,15 @@ class NfsClient:
         await self._unlink(t.RMDIR, path)
 
     async def _unlink(self, proc: int, path: str) -> None:
-        parent, name = await self._parent(path)
-        await self._ok(proc, path, lambda r: t.pack_diropargs(r.packer, parent, name))
+        parent, name, directory = await self._parent(path)
+        await self._ok(
+            proc, path, lambda r: t.pack_diropargs(r.packer, parent, name), parent=directory
+        )
 
     async def rename(self, path: str, new_path: str) -> None:
         """Rename ``path`` to ``new_path`` (replacing what the server lets it replace)."""
-        parent, name = await self._parent(path)
-        new_parent, new_name = await self._parent(new_path)
+        parent, name, _ = await self._parent(path)
+        new_parent, new_name, _ = await self._parent(new_path)
         await self._ok(
             t.RENAME, path,
             lambda r: t.pack_diropargs(r.packer, parent, name),
@@ -567,12 +397,13 @@ class NfsClient:
         mode = _checked(mode, "mode", 0, MAX_MODE, "o")
         _callable_attr(source, "read", "the source")
         _check_progress(progress)
-        parent, name = await self._parent(path)
+        parent, name, directory = await self._parent(path)
         u = await self._ok(
             t.CREATE, path,
             lambda r: t.pack_diropargs(r.packer, parent, name),
             lambda r: r.packer.uint(t.UNCHECKED),
             lambda r: t.pack_sattr3(r.packer, t.Sattr3(mode=mode, size=0)),
+            parent=directory,
         )  # fmt: skip
         fh = t.unpack_post_op_fh3(u) or await self.lookup(path)
         done = 0
@@ -679,6 +510,7 @@ __all__ = [
     "MountError",
     "NfsClient",
     "NfsError",
+    "ServerUnreachable",
     "Sink",
     "Source",
     "default_cred",
