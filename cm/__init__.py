@@ -16,6 +16,7 @@ from rdmashim.cm.highlevel import (
     open_device_for,
     serve,
 )
+from rdmashim.cm.states import CMStateError
 from rdmashim.cm.types import (
     RTR,
     CMEvent,
@@ -33,6 +34,7 @@ __all__ = [
     "CMEventType",
     "CMId",
     "CMState",
+    "CMStateError",
     "ConnParam",
     "Connection",
     "ConnectionRejected",

@@ -96,6 +96,9 @@ class CMId(Protocol):
     ) -> QP:
         """Create the id's QP on ``pd``, which must be on ``context``."""
 
+    def destroy_qp(self) -> None:
+        """Destroy the id's QP (``rdma_destroy_qp``); nothing if it has none."""
+
     def connect(self, param: ConnParam | None = None) -> None:
         """Connect to the resolved peer: ESTABLISHED, REJECTED, UNREACHABLE or CONNECT_ERROR."""
 

@@ -56,7 +56,7 @@ class PortSpace(IntEnum):
 
 
 class CMState(Enum):
-    """Where a CM id is in its life."""
+    """Where a CM id is in its life; it moves by one table (:mod:`rdmashim.cm.states`)."""
 
     IDLE = auto()
     ADDR_BOUND = auto()

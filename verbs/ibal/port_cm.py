@@ -36,13 +36,13 @@ from typing import TYPE_CHECKING, Any
 import trio
 
 from rdmashim.cm import addressing
+from rdmashim.cm.base import CMIdBase, QPArgs
+from rdmashim.cm.states import Call
 from rdmashim.cm.types import (
-    DEFAULT_MAX_PENDING,
     CMEventType,
     CMState,
     ConnParam,
     PortSpace,
-    TransportOptions,
     check_conn_param,
     check_connect_timeout,
     check_listen,
@@ -51,7 +51,7 @@ from rdmashim.cm.types import (
 )
 from rdmashim.verbs.backend import own
 from rdmashim.verbs.enums import Transport
-from rdmashim.verbs.errors import NotSupported, VerbsError
+from rdmashim.verbs.errors import VerbsError
 from rdmashim.verbs.ibal import cma_header
 from rdmashim.verbs.ibal.cm import (
     CmConnection,
@@ -85,14 +85,10 @@ if TYPE_CHECKING:
     from rdmashim.cm.abc import ChannelHost
     from rdmashim.cm.abc import CMId as AnyCMId
     from rdmashim.verbs import abc
-    from rdmashim.verbs.attrs import QPCap
 
 log = logging.getLogger(__name__)
 E = CMEventType
 State = CMState
-
-DEFAULT_CONNECT_TIMEOUT = 10.0
-"""Seconds ``connect`` waits for the REP (``ib_cm_req``'s ``timeout_ms``)."""
 
 
 def service_id(ps: PortSpace, port: int) -> int:
@@ -139,8 +135,13 @@ def _release(port: int, cm_id: object) -> None:
         _LISTENING.pop(port, None)
 
 
-class CMId:
-    """A communication identifier over IBAL's CM (see the module docstring)."""
+class CMId(CMIdBase[Context, QP]):
+    """A communication identifier over IBAL's CM (see the module docstring).
+
+    ``connect_timeout`` bounds the wait for the REP (``ib_cm_req``'s ``timeout_ms``).
+    """
+
+    options_refused_because = "IBAL's CM has no transport settings"
 
     def __init__(
         self,
@@ -149,73 +150,15 @@ class CMId:
         ps: PortSpace,
         user_context: object = None,
     ) -> None:
-        self.channel = channel
+        super().__init__(channel, ps, user_context)
         self._connector = connector
-        self.ps = PortSpace(ps)
-        self.user_context = user_context
-        self.context: Context | None = None
-        self.qp: QP | None = None
-        self.pd: abc.PD | None = None
-        self.state = State.IDLE
-        self.local_addr: addressing.SockAddr | None = None
-        self.peer_addr: addressing.SockAddr | None = None
-        self.negotiated: TransportOptions | None = None
-        self._options = TransportOptions()
-        self.connect_timeout = DEFAULT_CONNECT_TIMEOUT
-        self.max_pending = DEFAULT_MAX_PENDING
         self.path: ib_path_rec_t | None = None
         self._conn: CmConnection | None = None
         self._listens: list[IbCmListen] = []
-        self._scopes: list[trio.CancelScope] = []
         self._ended = False
-
-    @property
-    def options(self) -> TransportOptions:
-        """Transport options: only the defaults (IBAL's CM has no MPA knobs)."""
-        return self._options
-
-    @options.setter
-    def options(self, value: TransportOptions) -> None:
-        extra = value.non_default()
-        if extra:
-            raise NotSupported("options", f"transport options {sorted(extra)} over IBAL")
-        self._options = value
-
-    def __repr__(self) -> str:
-        return f"<ibal CMId {self.state.name} local={self.local_addr} peer={self.peer_addr}>"
+        """DISCONNECTED was reported (the connection ended, or was ended while accepting)."""
 
     # ------------------------------------------------------------------ helpers
-    def _require(self, operation: str, *states: State) -> None:
-        if self.state not in states:
-            names = " or ".join(s.name for s in states)
-            raise VerbsError(errno.EINVAL, operation, f"CM id is {self.state.name}, needs {names}")
-
-    def _require_tcp(self, operation: str) -> None:
-        if self.ps != PortSpace.TCP:
-            raise NotSupported(operation, f"port space {self.ps.name} over IBAL")
-
-    def _check_options(self, operation: str) -> None:
-        extra = self.options.non_default()
-        if extra:
-            raise NotSupported(operation, f"transport options {sorted(extra)} over IBAL")
-
-    def _spawn(self, fn: Callable[..., Any], *args: object, failed: E) -> None:
-        scope = trio.CancelScope()
-        self._scopes.append(scope)
-
-        async def run() -> None:
-            try:
-                with scope:
-                    await fn(*args)
-            except Exception as exc:
-                log.exception("%s: %s failed", self, getattr(fn, "__name__", fn))
-                if self.state is not State.DESTROYED:
-                    self.channel.post(failed, self, -errno.EIO, detail=f"internal error: {exc!r}")
-            finally:
-                self._scopes.remove(scope)
-
-        self.channel.nursery.start_soon(run)
-
     def _later(self, fn: Callable[..., object], *args: object) -> None:
         """From a callback: run ``fn(*args)`` on the application's loop, unless destroyed."""
         ctx = self.context
@@ -228,9 +171,7 @@ class CMId:
         ctx.to_app(run)
 
     async def _bind_device(self, local_ip: str) -> None:
-        context = await self._connector.device_context(device_for(local_ip))
-        context.close_listeners.append(self._device_removed)
-        self.context = context
+        self._watch_device(await self._connector.device_context(device_for(local_ip)))
 
     def _is_ib(self) -> bool:
         return self.context is not None and self.context.query_device().transport is Transport.IB
@@ -238,7 +179,7 @@ class CMId:
     # ------------------------------------------------------------------ addressing
     def bind_addr(self, addr: addressing.SockAddr) -> None:
         """Bind to a local address and port (``rdma_bind_addr``)."""
-        self._require("bind_addr", State.IDLE)
+        self._require(Call.BIND_ADDR)
         self._require_tcp("bind_addr")
         addr = check_sockaddr("bind_addr", addr)
         host = str(addr[0]).split("%", 1)[0]
@@ -251,18 +192,18 @@ class CMId:
         if not ip.is_unspecified and addressing.interface_of(str(ip)) is None:
             raise VerbsError(errno.EADDRNOTAVAIL, "bind_addr", f"{host} is not a local address")
         self.local_addr = tuple(addr)
-        self.state = State.ADDR_BOUND
+        self._move(Call.BIND_ADDR)
 
     def resolve_addr(
         self, src: addressing.SockAddr | None, dst: addressing.SockAddr, timeout_ms: int = 2000
     ) -> None:
         """Resolve ``dst``; the route's source picks the device (ADDR_RESOLVED / ADDR_ERROR)."""
-        self._require("resolve_addr", State.IDLE, State.ADDR_BOUND)
+        self._require(Call.RESOLVE_ADDR)
         self._require_tcp("resolve_addr")
         dst = check_sockaddr("resolve_addr", dst)
         if src is not None and self.state is State.IDLE:
             self.bind_addr(src)
-        self.state = State.ADDR_QUERY
+        self._move(Call.RESOLVE_ADDR)
         self._spawn(self._resolve_addr, dst, timeout_ms / 1000, failed=E.ADDR_ERROR)
 
     async def _resolve_addr(self, dst: addressing.SockAddr, limit: float) -> None:
@@ -289,26 +230,24 @@ class CMId:
             # AL and an rdma-core CA take seconds to open in an emulated guest).
             await self._bind_device(source)
         except (OSError, trio.TooSlowError) as exc:
-            self.state = State.ADDR_BOUND if bound else State.IDLE
             status = (
                 -errno.EADDRNOTAVAIL
                 if isinstance(exc, socket.gaierror)
                 else -(getattr(exc, "errno", None) or errno.ETIMEDOUT)
             )
-            self.channel.post(E.ADDR_ERROR, self, status, detail=str(exc) or "timed out")
+            self._report(E.ADDR_ERROR, status, detail=str(exc) or "timed out")
             return
         port = bound[1] if bound else 0
         self.local_addr = (
             (source, port) if family == socket.AF_INET else (source, port, 0, scope_id)
         )
         self.peer_addr = tuple(peer)
-        self.state = State.ADDR_RESOLVED
-        self.channel.post(E.ADDR_RESOLVED, self)
+        self._report(E.ADDR_RESOLVED)
 
     def resolve_route(self, timeout_ms: int = 2000) -> None:
         """``ibat_query_path`` to the destination (ROUTE_RESOLVED / ROUTE_ERROR)."""
-        self._require("resolve_route", State.ADDR_RESOLVED)
-        self.state = State.ROUTE_QUERY
+        self._require(Call.RESOLVE_ROUTE)
+        self._move(Call.RESOLVE_ROUTE)
         self._spawn(self._resolve_route, timeout_ms / 1000, failed=E.ROUTE_ERROR)
 
     async def _resolve_route(self, limit: float) -> None:
@@ -323,47 +262,26 @@ class CMId:
                 lambda: ibat_query_path(src, dst, hca_backend=hca, timeout=limit)
             )
         except IbError as exc:
-            self.state = State.ADDR_RESOLVED
-            self.channel.post(E.ROUTE_ERROR, self, -(exc.errno or errno.EIO), detail=str(exc))
+            self._report(E.ROUTE_ERROR, -(exc.errno or errno.EIO), detail=str(exc))
             return
         if path.device_name and PREFIX + path.device_name != self.context.device.name:
-            self.state = State.ADDR_RESOLVED
             detail = f"the path leaves by {path.device_name}, not {self.context.device.name}"
-            self.channel.post(E.ROUTE_ERROR, self, -errno.ENETUNREACH, detail=detail)
+            self._report(E.ROUTE_ERROR, -errno.ENETUNREACH, detail=detail)
             return
         self.path = path
-        self.state = State.ROUTE_RESOLVED
-        self.channel.post(E.ROUTE_RESOLVED, self)
+        self._report(E.ROUTE_RESOLVED)
 
     # ------------------------------------------------------------------ QP
-    def create_qp(
-        self,
-        pd: abc.PD,
-        *,
-        send_cq: abc.CQ,
-        recv_cq: abc.CQ,
-        cap: QPCap | None = None,
-        srq: abc.SRQ | None = None,
-        sq_sig_all: bool = False,
-    ) -> QP:
-        """``ib_create_qp`` on ``pd`` (of ``context``): unbound until connect or accept."""
-        if self.context is None:
-            raise VerbsError(errno.EINVAL, "create_qp", "resolve or receive a connection first")
-        if pd.context is not self.context:
-            raise VerbsError(errno.EINVAL, "create_qp", "PD belongs to another device")
-        if self.qp is not None:
-            raise VerbsError(errno.EEXIST, "create_qp", "the id already has a QP")
-        self.qp = QP(pd, send_cq, recv_cq, cap, srq, sq_sig_all)
-        self.pd = pd
-        return self.qp
+    def _new_qp(self, pd: abc.PD, args: QPArgs) -> QP:
+        """``ib_create_qp`` on ``pd``: unbound until connect or accept."""
+        return QP(pd, *args)
 
     # ------------------------------------------------------------------ active side
     def connect(self, param: ConnParam | None = None) -> None:
         """``ib_cm_req`` over the resolved path (ESTABLISHED, REJECTED or UNREACHABLE)."""
-        self._require("connect", State.ROUTE_RESOLVED)
-        if self.qp is None:
-            raise NotSupported("connect", "IBAL connects a QP (create_qp first)")
-        self._check_options("connect")
+        self._require(Call.CONNECT)
+        self._require_qp("connect", "IBAL connects a QP")
+        assert self.qp is not None
         check_connect_timeout("connect", self.connect_timeout)
         param = param or ConnParam()
         check_conn_param(self.context, "connect", param)
@@ -382,7 +300,7 @@ class CMId:
             init_depth=param.initiator_depth, rnr_retry_cnt=param.rnr_retry_count,
             retry_cnt=param.retry_count, timeout_ms=max(1, int(self.connect_timeout * 1000)),
         )  # fmt: skip
-        self.state = State.CONNECT
+        self._move(Call.CONNECT)
         with verbs_errors("connect"):
             ib_cm_req(req)
 
@@ -409,24 +327,29 @@ class CMId:
         self._later(self._post_fail, *args)
 
     def _post_fail(self, kind: E, status: int, detail: str, pdata: bytes) -> None:
-        accepting = self.state is State.ACCEPTING
-        self.state = State.DISCONNECTED if accepting else State.ROUTE_RESOLVED
-        if accepting:
+        if self.state not in (State.CONNECT, State.ACCEPTING):
+            log.info("%s: %s after the id moved on: %s", self, kind.name, detail)
+            return
+        if self.state is State.ACCEPTING:
             kind = E.CONNECT_ERROR
-        self.channel.post(kind, self, status, private_data=pdata, detail=detail)
+        self._report(kind, status, private_data=pdata, detail=detail)
         if self.qp is not None:
             self.qp.connection_ended()
 
     def _established(self, pdata: bytes, param: ConnParam | None) -> None:
+        if self.state not in (State.CONNECT, State.ACCEPTING):
+            if self._ended and self.qp is not None:  # disconnected while accepting
+                with contextlib.suppress(IbError):
+                    ib_cm_dreq(ib_cm_dreq_t(self.qp.h_qp))
+            return
         if self._conn is not None and self._conn.local_addr is not None:
             self.local_addr = self._conn.local_addr  # the port the transport bound
-        self.state = State.ESTABLISHED
-        self.channel.post(E.ESTABLISHED, self, private_data=pdata, param=param)
+        self._report(E.ESTABLISHED, private_data=pdata, param=param)
 
     # ------------------------------------------------------------------ passive side
     def listen(self, backlog: int = 128) -> None:
         """``ib_cm_listen`` on the bound port's service ID (CONNECT_REQUEST events)."""
-        self._require("listen", State.ADDR_BOUND, State.IDLE)
+        self._require(Call.LISTEN)
         self._require_tcp("listen")
         check_listen("listen", backlog, self.max_pending)
         if self.local_addr is None:
@@ -435,7 +358,7 @@ class CMId:
         port = _free_port(host, int(self.local_addr[1]))
         _reserve(host, port, self)
         self.local_addr = (host, port, *self.local_addr[2:])
-        self.state = State.LISTEN
+        self._move(Call.LISTEN)
         self._spawn(self._listen, host, port, failed=E.CONNECT_ERROR)
 
     async def _listen(self, host: str, port: int) -> None:
@@ -488,20 +411,17 @@ class CMId:
             peer = (header.src_ip, header.src_port)
         child = CMId(self.channel, self._connector, self.ps, self.user_context)
         self.channel.adopt(child)
-        child.context = ctx
-        ctx.close_listeners.append(child._device_removed)
+        child._watch_device(ctx)
         child.local_addr, child.peer_addr = local, peer
         child._conn = conn
-        child.state = State.CONNECT_REQUEST
         param = ConnParam(pdata, responder_resources=rec.resp_res, initiator_depth=rec.resp_res)
-        self.channel.post(E.CONNECT_REQUEST, child, private_data=pdata, param=param, listen_id=self)
+        child._report(E.CONNECT_REQUEST, private_data=pdata, param=param, listen_id=self)
 
     def accept(self, param: ConnParam | None = None) -> None:
         """``ib_cm_rep`` with the id's QP (ESTABLISHED on the RTU callback)."""
-        self._require("accept", State.CONNECT_REQUEST)
-        if self.qp is None:
-            raise NotSupported("accept", "IBAL connects a QP (create_qp first)")
-        self._check_options("accept")
+        self._require(Call.ACCEPT)
+        self._require_qp("accept", "IBAL connects a QP")
+        assert self.qp is not None
         param = param or ConnParam()
         check_conn_param(self.context, "accept", param)
         rep = ib_cm_rep_t(
@@ -510,7 +430,7 @@ class CMId:
         )  # fmt: skip
         rep.init_depth = param.initiator_depth
         assert self._conn is not None
-        self.state = State.ACCEPTING
+        self._move(Call.ACCEPT)
         with verbs_errors("accept"):
             ib_cm_rep(self._conn, rep)
 
@@ -519,10 +439,10 @@ class CMId:
 
     def reject(self, private_data: bytes = b"") -> None:
         """``ib_cm_rej`` of the request with ``private_data``."""
-        self._require("reject", State.CONNECT_REQUEST)
+        self._require(Call.REJECT)
         check_private_data(self.context, "reject", private_data)
         assert self._conn is not None
-        self.state = State.DISCONNECTED
+        self._move(Call.REJECT)
         with verbs_errors("reject"):
             ib_cm_rej(self._conn, ib_cm_rej_t(p_rej_pdata=private_data))
 
@@ -540,25 +460,27 @@ class CMId:
         if self._ended:
             return
         self._ended = True
-        self.state = State.DISCONNECTED
-        self.channel.post(E.DISCONNECTED, self, detail=detail)
+        self._report(E.DISCONNECTED, detail=detail)
         if self.qp is not None:
             self.qp.connection_ended()
-        self.channel.post(E.TIMEWAIT_EXIT, self)
+        self._report(E.TIMEWAIT_EXIT)
 
     def disconnect(self) -> None:
-        """``ib_cm_dreq`` (both sides get DISCONNECTED)."""
-        self._require("disconnect", State.ESTABLISHED, State.ACCEPTING, State.DISCONNECTED)
+        """``ib_cm_dreq`` (both sides get DISCONNECTED). While accepting, before the RTU,
+        the IB CM has no message for it: the id reports DISCONNECTED at once and sends
+        the DREQ when the RTU comes."""
+        self._require(Call.DISCONNECT)
+        self._move(Call.DISCONNECT)
         if self.state is State.DISCONNECTED or self.qp is None:
+            return
+        if self.state is State.ACCEPTING:
+            self._ended_now("disconnected while accepting")
             return
         with contextlib.suppress(IbError):
             ib_cm_dreq(ib_cm_dreq_t(self.qp.h_qp, pfn_cm_drep_cb=self._on_drep))
 
-    def destroy(self) -> None:
-        """Release the id: cancel its listens, end or refuse its connection."""
-        if self.state is State.DESTROYED:
-            return
-        state, self.state = self.state, State.DESTROYED
+    def _teardown(self, state: State) -> None:
+        """Cancel the listens, end or refuse the connection."""
         for listen in self._listens:
             with contextlib.suppress(IbError):
                 ib_cm_cancel(listen)
@@ -572,20 +494,6 @@ class CMId:
                 ib_cm_dreq(ib_cm_dreq_t(self.qp.h_qp))
         if self.qp is not None:
             self.qp.connection_ended()
-        for scope in self._scopes:
-            scope.cancel()
-        if self.context is not None:
-            with contextlib.suppress(ValueError):
-                self.context.close_listeners.remove(self._device_removed)
-        self.channel.forget(self)
-
-    def _device_removed(self) -> None:
-        if self.state is not State.DESTROYED:
-            self.channel.post(E.DEVICE_REMOVAL, self, detail="device context closed")
-
-    def join_multicast(self, addr: addressing.SockAddr, context: object = None) -> None:
-        """Multicast needs UD QPs, which IBAL over iWARP does not have."""
-        raise NotSupported("join_multicast", "multicast over IBAL")
 
 
 class Connector:

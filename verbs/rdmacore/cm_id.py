@@ -23,18 +23,18 @@ import logging
 import os
 import socket
 import struct
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import trio
 
 from rdmashim.cm import addressing
+from rdmashim.cm.base import CMIdBase, QPArgs
+from rdmashim.cm.states import Call
 from rdmashim.cm.types import (
-    DEFAULT_MAX_PENDING,
     CMEventType,
     ConnParam,
     PortSpace,
-    TransportOptions,
     check_conn_param,
     check_connect_timeout,
     check_listen,
@@ -43,7 +43,6 @@ from rdmashim.cm.types import (
 )
 from rdmashim.cm.types import CMState as State
 from rdmashim.verbs import abc
-from rdmashim.verbs.attrs import QPCap
 from rdmashim.verbs.backend import own
 from rdmashim.verbs.enums import QPType, Transport
 from rdmashim.verbs.errors import BackendUnavailable, NotSupported, VerbsError
@@ -62,9 +61,6 @@ TRANSPORT_OPTIONS: frozenset[str] = frozenset()
 negotiates MPA; only the defaults are accepted."""
 
 log = logging.getLogger(__name__)
-
-DEFAULT_CONNECT_TIMEOUT = 10.0
-"""Seconds an active id waits for an answer before UNREACHABLE."""
 
 _CONNECTED_SPACES = (PortSpace.TCP, PortSpace.IB)
 _CONNECT_FAILURES = {
@@ -267,14 +263,18 @@ def _on_tcp_free_port(
                 raise
 
 
-class RdmaCoreCMId:
+class RdmaCoreCMId(CMIdBase[Context, QP]):
     """A communication identifier over librdmacm (``struct rdma_cm_id``).
 
-    The calls and events of :class:`rdmashim.cm.abc.CMId`.
+    The calls and events of :class:`rdmashim.cm.abc.CMId`. Transport settings are the
+    kernel's own (siw's, or the RNIC's): only the defaults are valid
+    (:data:`TRANSPORT_OPTIONS`), and ``negotiated`` is None (librdmacm does not tell
+    what the kernel's iw_cm settled). ``max_pending`` bounds the kernel's listen
+    backlog (``listen`` takes the smaller).
     """
 
-    negotiated: None = None
-    """MPA is negotiated by the kernel's iw_cm; librdmacm does not tell its result."""
+    transport_options = TRANSPORT_OPTIONS
+    options_refused_because = "the kernel's iw_cm negotiates MPA"
 
     def __init__(
         self,
@@ -284,47 +284,16 @@ class RdmaCoreCMId:
         ptr: Any,
         native: NativeChannel,
     ) -> None:
-        self.channel = channel
-        self.ps = PortSpace(ps)
-        self.user_context = user_context
+        super().__init__(channel, ps, user_context)
         self._ptr = ptr
         self._native = native
-        self.context: Context | None = None
-        self.qp: QP | None = None
-        self.pd: PD | None = None
-        self.state = State.IDLE
-        self.local_addr: addressing.SockAddr | None = None
-        self.peer_addr: addressing.SockAddr | None = None
-        self.connect_timeout = DEFAULT_CONNECT_TIMEOUT
-        self.max_pending = DEFAULT_MAX_PENDING
-        """Bounds the kernel's listen backlog (``listen`` takes the smaller)."""
+        self._bound = False
+        """Whether ``bind_addr`` bound the kernel's id (and chose its port)."""
         self._timer: trio.CancelScope | None = None
         self._disconnecting = False
         """Whether ``disconnect`` called ``rdma_disconnect`` (a DREQ went out on IB)."""
 
-    def __repr__(self) -> str:
-        return f"<RdmaCoreCMId {self.state.name} local={self.local_addr} peer={self.peer_addr}>"
-
-    @property
-    def options(self) -> TransportOptions:
-        """Transport settings: the kernel's own (siw's, or the RNIC's); only the defaults
-        are valid (:data:`TRANSPORT_OPTIONS`)."""
-        return TransportOptions()
-
-    @options.setter
-    def options(self, options: TransportOptions) -> None:
-        refused = options.non_default() - TRANSPORT_OPTIONS
-        if refused:
-            raise NotSupported(
-                "options", f"{', '.join(sorted(refused))}: the kernel's iw_cm negotiates MPA"
-            )
-
     # ------------------------------------------------------------------ helpers
-    def _check(self, operation: str) -> Any:
-        if self.state is State.DESTROYED:
-            raise VerbsError(errno.EBADF, operation, "CM id is destroyed")
-        return lib.rdmacm()
-
     def _refresh_addresses(self) -> None:
         route = self._ptr.route.addr
         self.local_addr = from_sockaddr(route.src_storage) or self.local_addr
@@ -368,15 +337,16 @@ class RdmaCoreCMId:
             raise VerbsError(errno.EINVAL, operation, "resolve the address and route first")
         return self.context
 
-    def _require_qp(self, operation: str) -> None:
-        iwarp = self._bound_context(operation).device.transport is Transport.IWARP
-        if self.qp is None and iwarp:
-            raise NotSupported(operation, "iWARP connections need the id's QP (create_qp first)")
+    def _require_qp_on_iwarp(self, operation: str) -> None:
+        """An iWARP connection needs the id's QP (on IB, CONNECT_RESPONSE comes without)."""
+        if self._bound_context(operation).device.transport is Transport.IWARP:
+            self._require_qp(operation, "iWARP connections need the id's QP")
 
     # ------------------------------------------------------------------ addressing
     def bind_addr(self, addr: addressing.SockAddr) -> None:
         """Bind to a local address and port (``rdma_bind_addr``)."""
-        cm = self._check("bind_addr")
+        self._require(Call.BIND_ADDR)
+        cm = lib.rdmacm()
         addr = check_sockaddr("bind_addr", addr)
 
         def bind(sockaddr: Any) -> None:
@@ -387,7 +357,8 @@ class RdmaCoreCMId:
 
         _on_tcp_free_port(addr, ":" in str(addr[0]), bind)
         self._refresh_addresses()
-        self.state = State.ADDR_BOUND
+        self._bound = True
+        self._move(Call.BIND_ADDR)
 
     def resolve_addr(
         self,
@@ -396,13 +367,14 @@ class RdmaCoreCMId:
         timeout_ms: int = 2000,
     ) -> None:
         """Resolve ``dst`` (host name, IPv4 or IPv6): ADDR_RESOLVED or ADDR_ERROR follows."""
-        self._check("resolve_addr")
+        self._require(Call.RESOLVE_ADDR)
         dst = check_sockaddr("resolve_addr", dst)
         if src is not None:
             src = check_sockaddr("resolve_addr", src)
-        bound = self.state is State.ADDR_BOUND
-        self.state = State.ADDR_QUERY
-        self._spawn(self._resolve_addr, src, dst, timeout_ms, bound)
+        self._move(Call.RESOLVE_ADDR)
+        self._spawn(
+            self._resolve_addr, src, dst, timeout_ms, self._bound, failed=CMEventType.ADDR_ERROR
+        )
 
     async def _resolve_addr(
         self, src: addressing.SockAddr | None, dst: addressing.SockAddr, timeout_ms: int,
@@ -433,50 +405,35 @@ class RdmaCoreCMId:
             else:
                 _on_tcp_free_port(src, ":" in peer[0], resolve)
         except OSError as exc:
-            self.state = State.IDLE
             status = -errno.EADDRNOTAVAIL if isinstance(exc, socket.gaierror) else -(exc.errno or 5)
-            self.channel.post(CMEventType.ADDR_ERROR, self, status, detail=str(exc))
+            self._report(CMEventType.ADDR_ERROR, status, detail=str(exc))
 
     def resolve_route(self, timeout_ms: int = 2000) -> None:
         """Resolve the route to the resolved destination: ROUTE_RESOLVED or ROUTE_ERROR."""
-        cm = self._check("resolve_route")
-        lib.check(cm.rdma_resolve_route(self._ptr, timeout_ms), "rdma_resolve_route")
-        self.state = State.ROUTE_QUERY
+        self._require(Call.RESOLVE_ROUTE)
+        lib.check(lib.rdmacm().rdma_resolve_route(self._ptr, timeout_ms), "rdma_resolve_route")
+        self._move(Call.RESOLVE_ROUTE)
 
     # ------------------------------------------------------------------ QP
-    def create_qp(
-        self,
-        pd: abc.PD,
-        *,
-        send_cq: abc.CQ,
-        recv_cq: abc.CQ,
-        cap: QPCap | None = None,
-        srq: abc.SRQ | None = None,
-        sq_sig_all: bool = False,
-    ) -> QP:
-        """Create the id's QP on ``pd`` (``rdma_create_qp``); ``pd`` must be on ``self.context``."""
-        cm = self._check("create_qp")
-        if self.context is None:
-            raise VerbsError(errno.EINVAL, "create_qp", "resolve or receive a connection first")
-        pd = own(pd, PD, "create_qp")
-        if pd.context._ptr != self._ptr.verbs:
+    def _check_pd(self, pd: abc.PD) -> None:
+        if own(pd, PD, "create_qp").context._ptr != self._ptr.verbs:
             raise VerbsError(
                 errno.EINVAL,
                 "create_qp",
                 "PD is not on the device context librdmacm bound the id to",
             )
-        if self.qp is not None:
-            raise VerbsError(errno.EEXIST, "create_qp", "the id already has a QP")
+
+    def _new_qp(self, pd: abc.PD, args: QPArgs) -> QP:
+        """``rdma_create_qp`` on ``pd``."""
+        ours = own(pd, PD, "create_qp")
 
         def create(attr: Any) -> Any:
-            lib.check(cm.rdma_create_qp(self._ptr, pd._ptr, attr), "rdma_create_qp")
+            lib.check(lib.rdmacm().rdma_create_qp(self._ptr, ours._ptr, attr), "rdma_create_qp")
             return self._ptr.qp
 
-        qp = pd._create_qp(send_cq, recv_cq, cap, srq, sq_sig_all, QPType.RC, create)
+        qp = ours._create_qp(*args, QPType.RC, create)
         qp.close_listeners.append(self._qp_closed)
         qp.error_listeners.append(self._qp_in_error)
-        self.pd = pd
-        self.qp = qp
         return qp
 
     def _qp_closed(self) -> None:
@@ -497,31 +454,31 @@ class RdmaCoreCMId:
         if self.state is State.ESTABLISHED and not self._ends_with_its_qp():
             log.info("%s: the QP went to ERR (%s); disconnecting", self, why)
             try:  # called from poll() and the like: their caller gets no error of ours
-                self.disconnect()
+                self._disconnect_now()
             except VerbsError as exc:
                 log.warning("%s: disconnecting after the QP's error: %s", self, exc)
 
     # ------------------------------------------------------------------ connecting
     def connect(self, param: ConnParam | None = None) -> None:
         """Connect to the resolved peer: ESTABLISHED, REJECTED, UNREACHABLE or CONNECT_ERROR."""
-        cm = self._check("connect")
-        self._require_qp("connect")
+        self._require(Call.CONNECT)
+        self._require_qp_on_iwarp("connect")
         check_connect_timeout("connect", self.connect_timeout)
         native, _data = self._native_param("connect", param)
-        if cm.rdma_connect(self._ptr, native) != 0:
-            err = lib.last_errno()
-            kind = _CONNECT_FAILURES.get(err)
-            if kind is None:
-                raise VerbsError(err, "rdma_connect")
+        failed = lib.rdmacm().rdma_connect(self._ptr, native) != 0
+        err = lib.last_errno() if failed else 0
+        if failed and err not in _CONNECT_FAILURES:
+            raise VerbsError(err, "rdma_connect")
+        self._move(Call.CONNECT)
+        if failed:
             # Linux siw (and other iWARP drivers) make the TCP connection inside
             # rdma_connect (siw_cm.c, siw_connect: "connect() is called in blocking
             # mode"), so a refused or unreachable peer fails the call instead of
             # coming back as an event; report it as the event librdmacm gives where
             # the connection is made asynchronously.
-            self.state = State.ROUTE_RESOLVED
-            self.channel.post(kind, self, -err, detail=f"rdma_connect: {os.strerror(err)}")
+            detail = f"rdma_connect: {os.strerror(err)}"
+            self._report(_CONNECT_FAILURES[err], -err, detail=detail)
             return
-        self.state = State.CONNECT
         self._timer = trio.CancelScope()
         self._spawn(self._connect_timer, self._timer, self.connect_timeout)
 
@@ -529,60 +486,63 @@ class RdmaCoreCMId:
         with scope:
             await trio.sleep(limit)
             if self.state is State.CONNECT:
-                self.state = State.ROUTE_RESOLVED
-                self.channel.post(
-                    CMEventType.UNREACHABLE, self, -errno.ETIMEDOUT, detail="no answer in time"
-                )
+                self._report(CMEventType.UNREACHABLE, -errno.ETIMEDOUT, detail="no answer in time")
 
     def listen(self, backlog: int = 128) -> None:
         """Listen on the bound address (the wildcard if unbound): CONNECT_REQUEST events."""
-        cm = self._check("listen")
+        self._require(Call.LISTEN)
         check_listen("listen", backlog, self.max_pending)
         if self.state is State.IDLE:
             self.bind_addr(("0.0.0.0", 0))
-        lib.check(cm.rdma_listen(self._ptr, min(backlog, self.max_pending)), "rdma_listen")
+        limit = min(backlog, self.max_pending)
+        lib.check(lib.rdmacm().rdma_listen(self._ptr, limit), "rdma_listen")
         self._refresh_addresses()
-        self.state = State.LISTEN
+        self._move(Call.LISTEN)
 
     async def _incoming(self, listener: RdmaCoreCMId, status: int, param: ConnParam) -> None:
         self._refresh_addresses()
-        self.state = State.CONNECT_REQUEST
         await self._attach_device()
-        self.channel.post(
-            CMEventType.CONNECT_REQUEST, self, status,
+        self._report(
+            CMEventType.CONNECT_REQUEST, status,
             private_data=param.private_data, param=param, listen_id=listener,
         )  # fmt: skip
 
     def accept(self, param: ConnParam | None = None) -> None:
         """Accept the connection request on this id (ESTABLISHED follows)."""
-        cm = self._check("accept")
-        self._require_qp("accept")
+        self._require(Call.ACCEPT)
+        self._require_qp_on_iwarp("accept")
         native, _data = self._native_param("accept", param)
-        lib.check(cm.rdma_accept(self._ptr, native), "rdma_accept")
-        self.state = State.ACCEPTING
+        lib.check(lib.rdmacm().rdma_accept(self._ptr, native), "rdma_accept")
+        self._move(Call.ACCEPT)
 
     def reject(self, private_data: bytes = b"") -> None:
         """Reject the connection request on this id with ``private_data``."""
-        cm = self._check("reject")
+        self._require(Call.REJECT)
         check_private_data(self.context, "reject", private_data, self._private_data_limit("reject"))
         data = ffi.new("char[]", private_data) if private_data else ffi.NULL
-        lib.check(cm.rdma_reject(self._ptr, data, len(private_data)), "rdma_reject")
-        self.state = State.DISCONNECTED
+        lib.check(lib.rdmacm().rdma_reject(self._ptr, data, len(private_data)), "rdma_reject")
+        self._move(Call.REJECT)
 
     def disconnect(self) -> None:
         """End the connection (``rdma_disconnect``); both sides get DISCONNECTED."""
-        cm = self._check("disconnect")
-        if self.state in (State.ESTABLISHED, State.ACCEPTING, State.CONNECT):
-            self._disconnecting = True
-            lib.check(cm.rdma_disconnect(self._ptr), "rdma_disconnect")
-            if self.qp is not None:
-                # rdma_disconnect(3): the QP is in the error state now. On iWARP
-                # librdmacm asks for SQD, which siw turns into CLOSING and then
-                # ERROR once TCP is closed (siw_qp.c); its query reports no state.
-                self.qp._failed(ConnectionAbortedError("disconnected by the local side"))
+        self._require(Call.DISCONNECT)
+        self._move(Call.DISCONNECT)
+        if self.state is not State.DISCONNECTED:
+            self._disconnect_now()
+
+    def _disconnect_now(self) -> None:
+        """``rdma_disconnect``, and the QP is failed."""
+        self._disconnecting = True
+        lib.check(lib.rdmacm().rdma_disconnect(self._ptr), "rdma_disconnect")
+        if self.qp is not None:
+            # rdma_disconnect(3): the QP is in the error state now. On iWARP
+            # librdmacm asks for SQD, which siw turns into CLOSING and then
+            # ERROR once TCP is closed (siw_qp.c); its query reports no state.
+            self.qp._failed(ConnectionAbortedError("disconnected by the local side"))
 
     # ------------------------------------------------------------------ events
     async def _on_event(self, kind: CMEventType, status: int, param: ConnParam) -> None:
+        """Deliver a librdmacm event; the state moves as the table says."""
         E = CMEventType
         private_data = b""
         reported: ConnParam | None = None
@@ -592,22 +552,15 @@ class RdmaCoreCMId:
             try:
                 await self._attach_device()
             except (BackendUnavailable, VerbsError) as exc:
-                self.state = State.IDLE
-                self.channel.post(E.ADDR_ERROR, self, -errno.ENODEV, detail=str(exc))
+                self._report(E.ADDR_ERROR, -errno.ENODEV, detail=str(exc))
                 return
-            self.state = State.ADDR_RESOLVED
-        elif kind is E.ROUTE_RESOLVED:
-            self.state = State.ROUTE_RESOLVED
-        elif kind in (E.ADDR_ERROR, E.ROUTE_ERROR):
-            self.state = State.IDLE if kind is E.ADDR_ERROR else State.ADDR_RESOLVED
         elif kind in (E.ESTABLISHED, E.CONNECT_RESPONSE):
             if self.state is State.ROUTE_RESOLVED:
                 log.info("%s after the connect timed out; disconnecting", kind.name)
-                self.disconnect()
+                self._disconnect_now()
                 return
             self._stop_timer()
             self._refresh_addresses()
-            self.state = State.ESTABLISHED
             if self.qp is not None:
                 self.qp._connected()
             private_data, reported = param.private_data, param
@@ -615,20 +568,20 @@ class RdmaCoreCMId:
             if self.state is State.ROUTE_RESOLVED:
                 return  # our timer reported the failure already
             self._stop_timer()
-            self.state = State.ROUTE_RESOLVED if self.state is State.CONNECT else State.DISCONNECTED
             private_data = param.private_data
             if kind is E.REJECTED and status > 0:
                 detail = self._reject_reason(status)
                 status = -_IB_REJECT_ERRNO.get(status, errno.ECONNREFUSED)
         elif kind is E.DISCONNECTED:
+            if self.state is State.ROUTE_RESOLVED:
+                return  # the connection that came after the timeout, which we ended
             if not self._disconnecting and not self._ends_with_its_qp():
                 self._answer_dreq()
-            self.state = State.DISCONNECTED
+            self._report(kind, status)
             if self.qp is not None:
                 self.qp._disconnected(ConnectionResetError("connection closed"), flush=True)
-        self.channel.post(
-            kind, self, status, private_data=private_data, param=reported, detail=detail
-        )
+            return
+        self._report(kind, status, private_data=private_data, param=reported, detail=detail)
 
     def _reject_reason(self, reason: int) -> str:
         """The words for an IB CM reject reason, which rdma_cm passes as a REJECTED
@@ -649,30 +602,18 @@ class RdmaCoreCMId:
         if lib.rdmacm().rdma_disconnect(self._ptr) != 0:
             log.debug("%s: answering the DREQ: %s", self, os.strerror(lib.last_errno()))
 
-    def _spawn(self, fn: Callable[..., Awaitable[None]], *args: object) -> None:
-        self.channel.nursery.start_soon(fn, *args)
-
     def _stop_timer(self) -> None:
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
 
     # ------------------------------------------------------------------ teardown
-    def destroy(self) -> None:
-        """Release the id (``rdma_destroy_id``); a connection on it ends."""
-        if self.state is State.DESTROYED:
-            return
+    def _teardown(self, before: State) -> None:
+        """``rdma_destroy_id``; a connection on the id ends."""
         self._stop_timer()
         self._native._forget(self)
         if self.qp is not None:
             self.qp.close_listeners.remove(self._qp_closed)
             self.qp._disconnected(ConnectionAbortedError("CM id destroyed"))
-        rc = lib.rdmacm().rdma_destroy_id(self._ptr)
-        self.state = State.DESTROYED
-        self.channel.forget(self)
-        if rc:
+        if lib.rdmacm().rdma_destroy_id(self._ptr):
             log.warning("rdma_destroy_id: %s", os.strerror(lib.last_errno()))
-
-    def join_multicast(self, addr: addressing.SockAddr, context: object = None) -> None:
-        """Multicast needs UD QPs, which the portable API does not have."""
-        raise NotSupported("join_multicast", "multicast needs UD QPs")

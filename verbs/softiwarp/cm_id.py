@@ -29,18 +29,19 @@ channel's nursery).
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import ipaddress
 import logging
 import socket
+from dataclasses import fields
 from typing import TYPE_CHECKING
 
 import trio
 
 from rdmashim.cm import addressing
+from rdmashim.cm.base import CMIdBase, QPArgs
+from rdmashim.cm.states import Call
 from rdmashim.cm.types import (
-    DEFAULT_MAX_PENDING,
     RTR,
     CMEventType,
     ConnParam,
@@ -54,10 +55,9 @@ from rdmashim.cm.types import (
 )
 from rdmashim.cm.types import CMState as State
 from rdmashim.verbs import abc
-from rdmashim.verbs.attrs import QPCap
 from rdmashim.verbs.backend import own
 from rdmashim.verbs.enums import PortState
-from rdmashim.verbs.errors import NotSupported, VerbsError
+from rdmashim.verbs.errors import VerbsError
 from rdmashim.verbs.softiwarp.connection import (
     MPA_REPLY_TIMEOUT,
     MPA_REQUEST_TIMEOUT,
@@ -73,15 +73,11 @@ from rdmashim.verbs.softiwarp.provider import PD, QP, Context
 from rdmashim.verbs.softiwarp.terminate import ProtocolError
 
 if TYPE_CHECKING:
-    from collections.abc import Awaitable, Callable
-
     from rdmashim.cm.abc import ChannelHost
     from rdmashim.cm.abc import CMId as AnyCMId
 
 log = logging.getLogger(__name__)
 
-DEFAULT_CONNECT_TIMEOUT = 10.0
-"""Seconds an active id waits for the TCP connection before UNREACHABLE."""
 ACCEPT_RETRY_DELAY = 0.1
 """Seconds a listener waits before accepting again after running out of descriptors or
 memory (as ``trio.serve_listeners``)."""
@@ -125,42 +121,30 @@ def _peer_of(stream: trio.SocketStream) -> addressing.SockAddr | None:
     return peer
 
 
-class CMId:
+class CMId(CMIdBase[Context, QP]):
     """A communication identifier (``struct rdma_cm_id``); see the module docstring.
 
     ``context`` is the device context chosen by address resolution (or by the
     listener an incoming connection arrived on); create the PD, CQs and the QP
     on it. ``user_context`` is whatever the caller passed to ``create_id``.
+    ``options`` are the MPA settings this id asks for or accepts (CRC, revision,
+    P2P, FPDU size): every :class:`TransportOptions` field.
     """
 
+    transport_options = frozenset(f.name for f in fields(TransportOptions))
+
     def __init__(self, channel: ChannelHost, ps: PortSpace, user_context: object = None) -> None:
-        self.channel = channel
-        self.ps = PortSpace(ps)
-        self.user_context = user_context
-        self.context: Context | None = None
-        self.qp: QP | None = None
-        self.pd: PD | None = None
-        self.state = State.IDLE
-        self.local_addr: addressing.SockAddr | None = None
-        self.peer_addr: addressing.SockAddr | None = None
-        self.options = TransportOptions()
-        """MPA settings this id asks for or accepts (CRC, revision, P2P, FPDU size)."""
-        self.connect_timeout = DEFAULT_CONNECT_TIMEOUT
+        super().__init__(channel, ps, user_context)
         self.mpa_request_timeout = MPA_REQUEST_TIMEOUT
         """Seconds a listener waits for a new connection's MPA Request (siw: 5)."""
         self.mpa_reply_timeout = MPA_REPLY_TIMEOUT
         """Seconds an active id waits for the MPA Reply (siw: 10)."""
-        self.max_pending = DEFAULT_MAX_PENDING
-        """A listener's bound on connections not yet accepted or rejected (see
-        :data:`DEFAULT_MAX_PENDING`); beyond it the oldest connection still owing its
-        MPA Request is dropped, or else the new one."""
         self.mpa: MpaResult | None = None
         """What MPA setup settled (CRC, revision, IRD/ORD, RTR), once connected."""
         self._family = socket.AF_INET
         self._stream: trio.SocketStream | None = None
         self._request: ConnectRequest | None = None
         self._listeners: list[trio.SocketListener] = []
-        self._scopes: list[trio.CancelScope] = []
         self._disconnect_reported = False
         self._handshakes: dict[trio.SocketStream, trio.CancelScope] = {}
         """A listener's connections whose MPA Request is still coming, oldest first."""
@@ -168,9 +152,6 @@ class CMId:
         """A listener's CONNECT_REQUEST ids the application has not answered yet."""
         self._listen_id: CMId | None = None
         self._throttled = _Throttled()
-
-    def __repr__(self) -> str:
-        return f"<CMId {self.state.name} local={self.local_addr} peer={self.peer_addr}>"
 
     # ------------------------------------------------------------------ helpers
     @property
@@ -191,48 +172,11 @@ class CMId:
         assert self.qp is not None, "connect and accept need the QP"
         return self.qp
 
-    def _spawn(
-        self, fn: Callable[..., Awaitable[None]], *args: object, failed: CMEventType | None = None
-    ) -> None:
-        """Run ``fn(*args)`` in the channel's nursery until the id is destroyed.
-
-        No error of one id's work reaches the nursery (and so the application and the
-        other ids): a failure the work does not report itself is logged, and reported
-        as a ``failed`` event when given.
-        """
-        nursery = self.channel.nursery
-        scope = trio.CancelScope()
-        self._scopes.append(scope)
-
-        async def run() -> None:
-            try:
-                with scope:
-                    await fn(*args)
-            except Exception as exc:
-                log.exception("%s: %s failed", self, getattr(fn, "__name__", fn))
-                if failed is not None and self.state is not State.DESTROYED:
-                    self.channel.post(failed, self, -errno.EIO, detail=f"internal error: {exc!r}")
-            finally:
-                self._scopes.remove(scope)
-
-        nursery.start_soon(run)
-
-    def _require(self, operation: str, *states: State) -> None:
-        if self.state not in states:
-            names = " or ".join(s.name for s in states)
-            raise VerbsError(errno.EINVAL, operation, f"CM id is {self.state.name}, needs {names}")
-
-    def _require_tcp(self, operation: str) -> None:
-        if self.ps != PortSpace.TCP:
-            raise NotSupported(operation, f"port space {self.ps.name} on an iWARP device")
-
     async def _bind_device(self, local_ip: str) -> None:
         netdev = addressing.interface_of(local_ip)
         if netdev is None:
             raise OSError(errno.EADDRNOTAVAIL, f"no local interface has address {local_ip}")
-        context = own(await self.channel.device_context(f"siw_{netdev}"), Context, "bind")
-        context.close_listeners.append(self._device_removed)
-        self.context = context
+        self._watch_device(own(await self.channel.device_context(f"siw_{netdev}"), Context, "bind"))
 
     # ------------------------------------------------------------------ addressing
     def bind_addr(self, addr: addressing.SockAddr) -> None:
@@ -241,7 +185,7 @@ class CMId:
         A specific address binds the id to that interface's device; the wildcard
         address listens on every device.
         """
-        self._require("bind_addr", State.IDLE)
+        self._require(Call.BIND_ADDR)
         self._require_tcp("bind_addr")
         addr = check_sockaddr("bind_addr", addr)
         host = addr[0]
@@ -255,7 +199,7 @@ class CMId:
         if not ip.is_unspecified and addressing.interface_of(str(ip)) is None:
             raise VerbsError(errno.EADDRNOTAVAIL, "bind_addr", f"{host} is not a local address")
         self.local_addr = tuple(addr)
-        self.state = State.ADDR_BOUND
+        self._move(Call.BIND_ADDR)
 
     def resolve_addr(
         self,
@@ -269,12 +213,12 @@ class CMId:
         device is the one bound to that address's interface. Reports
         ADDR_RESOLVED or ADDR_ERROR.
         """
-        self._require("resolve_addr", State.IDLE, State.ADDR_BOUND)
+        self._require(Call.RESOLVE_ADDR)
         self._require_tcp("resolve_addr")
         dst = check_sockaddr("resolve_addr", dst)
         if src is not None and self.state is State.IDLE:
             self.bind_addr(src)
-        self.state = State.ADDR_QUERY
+        self._move(Call.RESOLVE_ADDR)
         self._spawn(self._resolve_addr, dst, timeout_ms / 1000)
 
     async def _resolve_addr(self, dst: addressing.SockAddr, limit: float) -> None:
@@ -295,12 +239,11 @@ class CMId:
                     source = addressing.route_source(peer[0], family, scope_id)
                 await self._bind_device(source)
         except (OSError, trio.TooSlowError) as exc:
-            self.state = State.ADDR_BOUND if self.local_addr else State.IDLE
             if isinstance(exc, socket.gaierror):
                 status = -errno.EADDRNOTAVAIL  # the name has no address
             else:
                 status = -(getattr(exc, "errno", None) or errno.ETIMEDOUT)
-            self.channel.post(CMEventType.ADDR_ERROR, self, status, detail=str(exc) or "timed out")
+            self._report(CMEventType.ADDR_ERROR, status, detail=str(exc) or "timed out")
             return
         self._family = family
         port = self.local_addr[1] if self.local_addr else 0
@@ -308,8 +251,7 @@ class CMId:
             (source, port) if family == socket.AF_INET else (source, port, 0, scope_id)
         )
         self.peer_addr = tuple(peer)
-        self.state = State.ADDR_RESOLVED
-        self.channel.post(CMEventType.ADDR_RESOLVED, self)
+        self._report(CMEventType.ADDR_RESOLVED)
 
     def resolve_route(self, timeout_ms: int = 2000) -> None:
         """Check the route to the resolved destination (ROUTE_RESOLVED or ROUTE_ERROR).
@@ -317,68 +259,44 @@ class CMId:
         On iWARP the route is the TCP/IP one; it is usable when the device's port
         (its interface) is up.
         """
-        self._require("resolve_route", State.ADDR_RESOLVED)
+        self._require(Call.RESOLVE_ROUTE)
+        self._move(Call.RESOLVE_ROUTE)
+        self._spawn(self._resolve_route, failed=CMEventType.ROUTE_ERROR)
+
+    async def _resolve_route(self) -> None:
         assert self.context is not None  # ADDR_RESOLVED binds it
-        self.state = State.ROUTE_QUERY
         port = self.context.query_port(1)
         if port.state != PortState.ACTIVE:
-            self.state = State.ADDR_RESOLVED
-            self.channel.post(
-                CMEventType.ROUTE_ERROR, self, -errno.ENETDOWN, detail=f"{port.netdev} is down"
-            )
+            detail = f"{port.netdev} is down"
+            self._report(CMEventType.ROUTE_ERROR, -errno.ENETDOWN, detail=detail)
             return
-        self.state = State.ROUTE_RESOLVED
-        self.channel.post(CMEventType.ROUTE_RESOLVED, self)
+        self._report(CMEventType.ROUTE_RESOLVED)
 
     # ------------------------------------------------------------------ QP
-    def create_qp(
-        self,
-        pd: abc.PD,
-        *,
-        send_cq: abc.CQ,
-        recv_cq: abc.CQ,
-        cap: QPCap | None = None,
-        srq: abc.SRQ | None = None,
-        sq_sig_all: bool = False,
-    ) -> QP:
-        """Create the id's QP on ``pd``, which must belong to ``self.context``."""
-        if self.context is None:
-            raise VerbsError(errno.EINVAL, "create_qp", "resolve or receive a connection first")
-        pd = own(pd, PD, "create_qp")
-        if pd.context is not self.context:
-            raise VerbsError(errno.EINVAL, "create_qp", "PD belongs to another device")
-        if self.qp is not None:
-            raise VerbsError(errno.EEXIST, "create_qp", "the id already has a QP")
-        self.pd = pd
-        qp = pd.create_qp(send_cq=send_cq, recv_cq=recv_cq, cap=cap, srq=srq, sq_sig_all=sq_sig_all)
-        self.qp = qp
-        return qp
+    def _new_qp(self, pd: abc.PD, args: QPArgs) -> QP:
+        return own(pd, PD, "create_qp").create_qp(**args._asdict())
 
     # ------------------------------------------------------------------ active side
     def connect(self, param: ConnParam | None = None) -> None:
         """Connect to the resolved peer (ESTABLISHED, REJECTED, UNREACHABLE or CONNECT_ERROR)."""
+        self._require(Call.CONNECT)
         check_connect_timeout("connect", self.connect_timeout)
-        self._begin("connect", State.ROUTE_RESOLVED, State.CONNECT, self._connect, param)
+        param = self._begin(Call.CONNECT, param)
+        self._spawn(self._connect, param, failed=CMEventType.CONNECT_ERROR)
 
-    def _begin(
-        self,
-        operation: str,
-        now: State,
-        then: State,
-        work: Callable[[ConnParam], Awaitable[None]],
-        param: ConnParam | None,
-    ) -> None:
-        """Checks shared by connect and accept, then ``work(param)`` in the background."""
-        self._require(operation, now)
-        if self.qp is None:
-            raise NotSupported(operation, "iWARP connections need the id's QP (create_qp first)")
+    def _begin(self, call: Call, param: ConnParam | None) -> ConnParam:
+        """Checks shared by connect and accept; then the id moves on and hears of its QP's
+        errors (a disconnect before the connection is set up is one)."""
+        self._require(call)
+        self._require_qp(call.value, "iWARP connections need the id's QP")
         param = param or ConnParam()
-        check_conn_param(self.context, operation, param)
+        check_conn_param(self.context, call.value, param)
         self._answered()
-        self.state = then
-        self._spawn(work, param, failed=CMEventType.CONNECT_ERROR)
+        self._move(call)
+        self._the_qp.error_listeners.append(self._on_qp_error)
+        return param
 
-    def _options(self, param: ConnParam) -> MpaOptions:
+    def _mpa_options(self, param: ConnParam) -> MpaOptions:
         """The engine's MPA options: the portable ones with IRD/ORD from ``param``."""
         o = self.options
         return MpaOptions(
@@ -413,11 +331,10 @@ class CMId:
             return
         stream = trio.SocketStream(sock)
         self.local_addr = sock.getsockname()
-        self._watch_qp()
         try:
             result = await connect_qp(
-                self._the_qp, stream, private_data=param.private_data, options=self._options(param),
-                reply_timeout=self.mpa_reply_timeout,
+                self._the_qp, stream, private_data=param.private_data,
+                options=self._mpa_options(param), reply_timeout=self.mpa_reply_timeout,
             )  # fmt: skip
         except MpaRejected as exc:
             self._fail(CMEventType.REJECTED, -errno.ECONNRESET, str(exc), exc.private_data)
@@ -429,23 +346,20 @@ class CMId:
             self._fail(CMEventType.CONNECT_ERROR, -errno.ECONNREFUSED, str(exc))
             return
         self.mpa = result
-        self.state = State.ESTABLISHED
-        self.channel.post(
+        self._report(
             CMEventType.ESTABLISHED,
-            self,
             private_data=result.private_data,
             param=ConnParam(result.private_data, result.ird, result.ord),
         )
         self._spawn(self._watch_close)
 
     def _fail(self, kind: CMEventType, status: int, detail: str, private_data: bytes = b"") -> None:
-        self.state = State.ROUTE_RESOLVED
-        self.channel.post(kind, self, status, private_data=private_data, detail=detail)
+        self._report(kind, status, private_data=private_data, detail=detail)
 
     # ------------------------------------------------------------------ passive side
     def listen(self, backlog: int = 128) -> None:
         """Listen for connections on the bound address (CONNECT_REQUEST events)."""
-        self._require("listen", State.ADDR_BOUND, State.IDLE)
+        self._require(Call.LISTEN)
         self._require_tcp("listen")
         check_listen("listen", backlog, self.max_pending)
         if self.local_addr is None:
@@ -466,7 +380,7 @@ class CMId:
         self.local_addr = raw.getsockname()
         listener = trio.SocketListener(trio.socket.from_stdlib_socket(raw))
         self._listeners.append(listener)
-        self.state = State.LISTEN
+        self._move(Call.LISTEN)
         self._spawn(self._accept_loop, listener)
 
     async def _accept_loop(self, listener: trio.SocketListener) -> None:
@@ -546,7 +460,6 @@ class CMId:
             child.destroy()
             raise
         child._stream, child._request = stream, request
-        child.state = State.CONNECT_REQUEST
         child._listen_id = self
         self._unanswered.add(child)
         frame = request.frame
@@ -555,8 +468,8 @@ class CMId:
             responder_resources=frame.ord if frame.enhanced else 16,
             initiator_depth=frame.ird if frame.enhanced else 16,
         )
-        self.channel.post(
-            CMEventType.CONNECT_REQUEST, child,
+        child._report(
+            CMEventType.CONNECT_REQUEST,
             private_data=request.private_data, param=param, listen_id=self,
         )  # fmt: skip
         return child
@@ -569,14 +482,16 @@ class CMId:
 
     def accept(self, param: ConnParam | None = None) -> None:
         """Accept the connection request on this id (ESTABLISHED follows)."""
-        self._begin("accept", State.CONNECT_REQUEST, State.ACCEPTING, self._accept, param)
-
-    async def _accept(self, param: ConnParam) -> None:
+        param = self._begin(Call.ACCEPT, param)
         stream, request = self._stream, self._request
-        assert stream is not None and request is not None
-        self._stream = self._request = None  # the QP's link owns the stream from here
-        self._watch_qp()
-        options = self._options(param)
+        assert stream is not None and request is not None  # CONNECT_REQUEST holds them
+        self._stream = self._request = None  # the task owns the stream, then the QP's link
+        self._spawn(self._accept, stream, request, param, failed=CMEventType.CONNECT_ERROR)
+
+    async def _accept(
+        self, stream: trio.SocketStream, request: ConnectRequest, param: ConnParam
+    ) -> None:
+        options = self._mpa_options(param)
         if options.p2p:
             self._the_qp.engine.on_ready = lambda: self._established(b"")
         try:
@@ -585,8 +500,8 @@ class CMId:
             )
         except (ProtocolError, OSError) as exc:
             _drop(stream)
-            self.state = State.DISCONNECTED
-            self.channel.post(CMEventType.CONNECT_ERROR, self, -errno.ECONNRESET, detail=str(exc))
+            if self.state is State.ACCEPTING:  # not after a disconnect (DISCONNECTED came)
+                self._report(CMEventType.CONNECT_ERROR, -errno.ECONNRESET, detail=str(exc))
             return
         except BaseException:
             _drop(stream)
@@ -598,18 +513,17 @@ class CMId:
 
     def _established(self, private_data: bytes) -> None:
         if self.state is State.ACCEPTING:
-            self.state = State.ESTABLISHED
-            self.channel.post(CMEventType.ESTABLISHED, self, private_data=private_data)
+            self._report(CMEventType.ESTABLISHED, private_data=private_data)
 
     def reject(self, private_data: bytes = b"") -> None:
         """Reject the connection request on this id with ``private_data``."""
-        self._require("reject", State.CONNECT_REQUEST)
+        self._require(Call.REJECT)
         check_private_data(self.context, "reject", private_data)
         stream, request = self._stream, self._request
         self._stream = None
         self._request = None
         self._answered()
-        self.state = State.DISCONNECTED
+        self._move(Call.REJECT)
 
         async def send_reject() -> None:
             assert stream is not None
@@ -626,14 +540,10 @@ class CMId:
         self.channel.nursery.start_soon(send_reject)
 
     # ------------------------------------------------------------------ teardown
-    def _watch_qp(self) -> None:
-        self._the_qp.error_listeners.append(self._on_qp_error)
-
     def _on_qp_error(self, exc: Exception) -> None:
         if self.state in (State.ESTABLISHED, State.ACCEPTING) and not self._disconnect_reported:
             self._disconnect_reported = True
-            self.state = State.DISCONNECTED
-            self.channel.post(CMEventType.DISCONNECTED, self, detail=str(exc))
+            self._report(CMEventType.DISCONNECTED, detail=str(exc))
 
     async def _watch_close(self) -> None:
         await self._the_qp.wait_closed()
@@ -644,16 +554,16 @@ class CMId:
         """End the connection (``rdma_disconnect``): the QP goes to ERR, outstanding work
         is flushed (completed work stays completed), the TCP connection closes and both
         sides get DISCONNECTED."""
-        self._require("disconnect", State.ESTABLISHED, State.ACCEPTING, State.DISCONNECTED)
+        self._require(Call.DISCONNECT)
+        self._move(Call.DISCONNECT)
         if self.qp is not None and self.state is not State.DISCONNECTED:
             self.qp.engine.set_error(ConnectionAbortedError("disconnected by the local side"))
 
-    def destroy(self) -> None:
-        """Release the id (``rdma_destroy_id``): close listeners, drop the connection."""
-        if self.state is State.DESTROYED:
-            return
+    def _teardown(self, before: State) -> None:
+        """Close the listeners and the connection (a request: at once; an established
+        or accepting id: its QP goes to ERR, flushing its work)."""
         self._answered()
-        if self._stream is not None and self.state in (State.CONNECT_REQUEST,):
+        if self._stream is not None:  # a request not answered
             _drop(self._stream)
         self._stream = None
         self._request = None
@@ -662,24 +572,8 @@ class CMId:
         self._listeners.clear()
         for scope in self._handshakes.values():
             scope.cancel()
-        if self.qp is not None and self.state in (State.ESTABLISHED, State.ACCEPTING):
+        if self.qp is not None and before in (State.ESTABLISHED, State.ACCEPTING):
             self.qp.engine.set_error(ConnectionAbortedError("CM id destroyed"))
-        for scope in self._scopes:
-            scope.cancel()
-        if self.context is not None:
-            with contextlib.suppress(ValueError):
-                self.context.close_listeners.remove(self._device_removed)
-        self.state = State.DESTROYED
-        self.channel.forget(self)
-
-    def _device_removed(self) -> None:
-        if self.state is not State.DESTROYED:
-            self.channel.post(CMEventType.DEVICE_REMOVAL, self, detail="device context closed")
-
-    # ------------------------------------------------------------------ misc
-    def join_multicast(self, addr: addressing.SockAddr, context: object = None) -> None:
-        """Multicast needs UD QPs, which iWARP does not have."""
-        raise NotSupported("join_multicast", "multicast on an iWARP device")
 
 
 class Connector:
