@@ -27,7 +27,7 @@ What knfsd (Linux 6.1.192, svcrdma over the guest's siw) does with our client:
   row, then one of the CLI's three, in another), in none of the 12 connections
   in a row of the later runs. The client opens every RDMA connection with NFS
   NULL and makes it again when that goes unanswered
-  (``client._answering_rdma``); the tests print how often that happened.
+  (``client_connect.answering_rdma``); the tests print how often that happened.
 * **Credits.** Every reply grants 64 (``svc_rdma/max_requests``), whatever we
   ask for (32); the client keeps to its own 32 posted Receives.
 * **Sizes.** FSINFO rtmax = wtmax = 128 KiB (``/proc/fs/nfsd/max_block_size``
