@@ -7,7 +7,9 @@ import json
 import os
 import subprocess
 import sys
+import time
 
+import psutil
 import pytest
 
 from rdmashim.verbs.softiwarp import ddp, fastpath
@@ -84,3 +86,32 @@ def test_scan_terminate_finds_the_code_after_other_fpdus() -> None:
     for crc in (False, True):
         assert fuzz_wire.scan_terminate(fuzz_wire.frame([write, body], crc), crc) == code
         assert fuzz_wire.scan_terminate(fuzz_wire.frame([write], crc), crc) is None
+
+
+def test_a_starved_responder_is_told_apart_from_a_hang() -> None:
+    """The responder stopped (SIGSTOP) for 3 s mid-run times out every input in flight;
+    tried again alone they are answered, so they count as stalls, not hangs."""
+    proc = subprocess.Popen(
+        [sys.executable, fuzz_wire.__file__, "--count", "100000", "--time", "12", "--workers",
+         "4", "--seed", "9", "--json"],
+        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 30
+        responder = None
+        while responder is None and time.monotonic() < deadline:
+            time.sleep(0.5)
+            children = psutil.Process(proc.pid).children()
+            responder = next((c for c in children if "--responder" in c.cmdline()), None)
+        assert responder is not None, "no responder process"
+        time.sleep(3)
+        responder.suspend()
+        time.sleep(3)
+        responder.resume()
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    summary = json.loads(out)
+    assert summary["hangs"] == 0, summary["hang_details"]
+    assert summary["stalls_retried_ok"] >= 1, summary
+    assert proc.returncode == 0

@@ -18,9 +18,12 @@ on or off, then mutated by class (bit flips, length fields, STags, offsets
 near 2^64, truncation, bad CRC, versions, opcodes, QN/MSN/MO, garbage,
 splices, MPA Requests). Each input is one connection: MPA Request, the FPDU
 stream, then our FIN. The responder must answer with a Terminate or a close
-within 2 s. After each input the fuzzer checks that the child is alive;
-every connection checks that the listener accepts; the control channel
-says whether any guard zone changed.
+within 2 s; an input that does not is tried again alone at the end, and is a
+hang only if it times out again (a machine that starves the responder for
+seconds times out every input in flight, and none of them alone). After
+each input the fuzzer checks that the child is alive; every connection
+checks that the listener accepts; the control channel says whether any guard
+zone changed.
 
 Usage::
 
@@ -824,6 +827,10 @@ class Stats:
     inputs: int = 0
     crashes: list[dict] = field(default_factory=list)
     hangs: list[dict] = field(default_factory=list)
+    stalls: list[dict] = field(default_factory=list)
+    """Inputs that timed out among others but were answered in time when tried again
+    alone at the end: the machine starved the responder (no MPA Reply for any input at
+    once), not a hang of ours."""
     strays: list[dict] = field(default_factory=list)
     refused: list[dict] = field(default_factory=list)
     max_latency: float = 0.0
@@ -844,6 +851,7 @@ class Stats:
             "inputs_per_s": round(self.inputs / elapsed, 1) if elapsed > 0 else 0.0,
             "crashes": len(self.crashes),
             "hangs": len(self.hangs),
+            "stalls_retried_ok": len(self.stalls),
             "stray_writes": len(self.strays),
             "listener_refused": len(self.refused),
             "max_close_s": round(self.max_latency, 3),
@@ -851,6 +859,7 @@ class Stats:
             "internal_error_details": self.internal_errors[:5],
             "crash_details": self.crashes[:20],
             "hang_details": self.hangs[:20],
+            "stall_details": self.stalls[:20],
             "stray_details": self.strays[:20],
             "classes": {
                 cls: {"inputs": sum(c.values()), "outcomes": dict(c.most_common())}
@@ -910,6 +919,27 @@ async def _fuzz(
             stray["input"] = origin
             stats.strays.append(stray)
 
+    async def attempt(index: int, case: Case) -> Outcome:
+        """Input ``index`` (``case``: its head) on a connection: the MPA class's input is
+        its Request, made now for the last table; the others are made for the table
+        their MPA Reply brings."""
+        if case.cls == "mpa":
+            return await exchange(child.port, gen.case(seed, index))
+
+        def remake(table: dict[str, list[int]] | None) -> Case:
+            gen.regions = table or gen.regions  # the latest, for the MPA class
+            return gen.case(seed, index)
+
+        return await exchange(child.port, case, remake)
+
+    async def retry_hangs() -> None:
+        """Each input that timed out, again alone: a hang only if it times out again."""
+        hangs, stats.hangs = stats.hangs, []
+        for hang in hangs:
+            outcome = await attempt(hang["input"], gen.head(seed, hang["input"])[1])
+            stalled = child.alive and outcome.kind != "hang"
+            (stats.stalls if stalled else stats.hangs).append(hang)
+
     async def worker(wid: int) -> None:
         nonlocal last_progress
         for index in next_index:
@@ -918,15 +948,7 @@ async def _fuzz(
             generation = child.generation
             _, case = gen.head(seed, index)
             in_flight[wid] = (index, case.cls)
-            if case.cls == "mpa":  # the Request is the input: made now, for the last table
-                outcome = await exchange(child.port, gen.case(seed, index))
-            else:
-
-                def remake(table: dict[str, list[int]] | None, index: int = index) -> Case:
-                    gen.regions = table or gen.regions  # the latest, for the MPA class
-                    return gen.case(seed, index)
-
-                outcome = await exchange(child.port, case, remake)
+            outcome = await attempt(index, case)
             del in_flight[wid]
             ports[outcome.port] = (index, case.cls, case.note)
             if len(ports) > 20000:
@@ -963,6 +985,7 @@ async def _fuzz(
             for wid in range(workers):
                 nursery.start_soon(worker, wid)
         await trio.sleep(0.5)
+        await retry_hangs()
         await collect_strays()
         if not child.alive:
             await check_child(child.generation)
@@ -1036,7 +1059,8 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"{summary['inputs']} inputs in {summary['elapsed_s']} s "
             f"({summary['inputs_per_s']}/s): crashes {summary['crashes']}, hangs "
-            f"{summary['hangs']}, stray writes {summary['stray_writes']}, listener refused "
+            f"{summary['hangs']} (and {summary['stalls_retried_ok']} answered when tried "
+            f"again alone), stray writes {summary['stray_writes']}, listener refused "
             f"{summary['listener_refused']}, internal errors {summary['internal_errors']}"
         )
         for cls, entry in summary["classes"].items():
