@@ -13,8 +13,7 @@ from pathlib import Path
 
 import trio
 
-from rdmashim.ulps.nfsrdma.client import NfsClient
-from rdmashim.ulps.nfsrdma.server import ServerConfig, serve_nfs
+from rdmashim.ulps.nfsrdma import NfsClient, ServerConfig, serve_nfs
 
 DATA = b"hello over NFS/RDMA\n" * 1000  # 20 000 bytes: more than one inline message
 
