@@ -12,8 +12,11 @@ kernel knocks when it speaks first (docs/rds.md).
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
 import sys
+import time
 from collections.abc import Awaitable, Callable, Iterator
 from typing import Any, TypeVar
 
@@ -21,6 +24,7 @@ import pytest
 import siwvm
 import trio
 
+from rdmashim.rdstools.info import format_info
 from rdmashim.ulps.rds.node import RdsNode, RdsSocket
 from rdmashim.ulps.rds.wire import RDS_TCP_PORT
 
@@ -42,13 +46,59 @@ KERNEL_WAIT = 90.0
 guest's agent runs one job at a time, so a job waiting forever would keep the liveness
 check of :func:`judged` from running and pass our stall off as the guest's."""
 
+STALL_LIMIT = 30.0
+"""Seconds our side waits for any one message of the kernel's before it asks both sides
+for their state and fails: a round takes about 3 s, and our node forgets a peer idle
+for 60 s (``peer_idle_expiry``), so its state is still there to show."""
+STATE_WAIT = 15.0
+"""Seconds the kernel side has to print its state and end when asked."""
+
 KERNEL_SIDE = rf"""
-import os, socket, sys, time
+import ctypes, errno, os, socket, struct, subprocess, sys, threading, time
 job, host, me, n = os.environ["JOB"], sys.argv[1], sys.argv[2], int(sys.argv[3])
 sizes = [int(x) for x in sys.argv[4].split(",")]
 s = socket.socket(socket.AF_RDS, socket.SOCK_SEQPACKET, 0)
 s.bind((me, {GUEST_PORT}))
 s.settimeout({KERNEL_WAIT})              # a wait of ours that never ends frees the agent
+libc = ctypes.CDLL(None, use_errno=True)
+def table(opt):                          # an RDS_INFO_* table (the guest has no rds-info)
+    size = ctypes.c_int(4096)
+    while True:
+        buf = ctypes.create_string_buffer(size.value)
+        each = libc.getsockopt(s.fileno(), 276, opt, buf, ctypes.byref(size))
+        if each > 0 or ctypes.get_errno() != errno.ENOSPC:
+            return [buf.raw[i : i + each] for i in range(0, size.value, max(each, 1))]
+def rds_state():
+    out = ["--- the kernel's RDS at " + time.strftime("%T")]
+    for e in table(10001):               # RDS_INFO_CONNECTIONS
+        tx, rx, la, fa, tr, fl = struct.unpack_from("<QQ4s4s16sB", e)
+        out.append("conn %s->%s %s next_tx %d next_rx %d flags %#x" % (socket.inet_ntoa(la),
+                   socket.inet_ntoa(fa), tr.rstrip(b"\0").decode(), tx, rx, fl))
+    for name, opt in (("send", 10003), ("retrans", 10004), ("recv", 10005)):
+        rows = [struct.unpack_from("<QI8xHH", e) for e in table(opt)]
+        out.append("%s queue (seq, len, lport, fport, big-endian ports): %s" % (name, rows))
+    for e in table(10007):               # RDS_INFO_TCP_SOCKETS
+        v = struct.unpack_from("<4s2s4s2sQQIII", e)
+        out.append("tcp %s:%d->%s:%d hdr_rem %d data_rem %d sent_nxt %d expected_una %d "
+                   "seen_una %d" % (socket.inet_ntoa(v[0]), int.from_bytes(v[1], "big"),
+                   socket.inet_ntoa(v[2]), int.from_bytes(v[3], "big"), *v[4:]))
+    counters = [struct.unpack_from("<32sQ", e) for e in table(10000)]
+    out.append("counters: " + ", ".join("%s %d" % (k.rstrip(b"\0").decode(), v)
+                                         for k, v in counters if v))
+    ss = subprocess.run(["ss", "-tnoi", "( sport = :16385 or dport = :16385 )"],
+                        capture_output=True, text=True)
+    out.append(ss.stdout.rstrip())
+    dmesg = subprocess.run(["dmesg"], capture_output=True, text=True).stdout.splitlines()
+    out += [line for line in dmesg if "rds" in line.lower()][-15:]
+    return "\n".join(out)
+def asked():                             # our side saw a stall: show the state, and end
+    while not os.path.exists(job + ".dump"):
+        time.sleep(0.05)
+    print("kernel side asked for its state at", step, flush=True)
+    print(rds_state(), flush=True)
+    os._exit(3)
+step = "ready"
+threading.Thread(target=asked, daemon=True).start()
 open(job + ".ready", "w").close()
 while not os.path.exists(job + ".go"):
     time.sleep(0.05)
@@ -57,6 +107,7 @@ def body(tag, i):
 step = "sending"
 try:
     for i in range(n):                   # the kernel speaks first (it knocks)
+        step = "sending message %d" % i
         s.sendto(body(b"k", i), (host, {HOST_PORT}))
     for i in range(n):                   # then echoes what we send
         step = "waiting for message %d" % i
@@ -67,6 +118,7 @@ try:
     data, addr = s.recvfrom(100)
 except OSError as exc:
     print("kernel side stopped", step, repr(exc), flush=True)
+    print(rds_state(), flush=True)
     raise
 print("pong", repr(data), addr[0], addr[1], flush=True)
 s.close()
@@ -108,8 +160,8 @@ async def judged(guest: siwvm.Guest, run: Awaitable[T]) -> T:
     the guest cannot run ``true`` either, the test is an xfail that says so, with the
     console's oops if any; when it can, the exchange stalled (our node or the kernel's
     rds_tcp) and the test fails, with what the kernel side last said. (The kernel side
-    gives up a wait of ours after :data:`KERNEL_WAIT`, or its job would keep ``true``
-    from running.)
+    ends when our side asks it for its state (:func:`receive`), and gives up a wait of
+    ours after :data:`KERNEL_WAIT`: else its job would keep ``true`` from running.)
     """
     try:
         return await run
@@ -132,17 +184,47 @@ async def within(limit: float, fn: Callable[..., Awaitable[T]], *args: Any) -> T
         return await fn(*args)
 
 
+def our_state(node: RdsNode) -> str:
+    """Our node's side of a stall: rds-info's tables, and what they leave out."""
+    extra = [
+        f"peer {rds.peer}: heard {rds.heard}, peer generation {rds.peer_generation:#x}, "
+        f"session {'up' if rds.connected else 'none'}, counters {rds.counters}"
+        for rds in node.connections()
+    ]
+    extra.append(
+        f"peers expired {node.peers_expired}, dropped for no socket {node.drops_no_socket}, "
+        f"for a full socket {node.drops_rcvbuf_full}"
+    )
+    return "\n".join([f"--- our node at {time.strftime('%T')}", format_info(node), *extra])
+
+
+async def receive(
+    node: RdsNode, sock: RdsSocket, job: siwvm.Job, what: str
+) -> tuple[bytes, tuple[str, int]]:
+    """``sock.recvfrom()``; when :data:`STALL_LIMIT` passes first, both sides' state
+    in a TooSlowError (the kernel side prints its own and ends: see :func:`judged`)."""
+    with trio.move_on_after(STALL_LIMIT):
+        return await sock.recvfrom()
+    ours = our_state(node)
+    job.touch("dump")
+    with contextlib.suppress(trio.TooSlowError):
+        await job.wait(STATE_WAIT)
+    raise trio.TooSlowError(
+        f"no {what} within {STALL_LIMIT} s\n{ours}\n--- the kernel side\n{job.output()}"
+    )
+
+
 async def exchange(node: RdsNode, sock: RdsSocket, job: siwvm.Job) -> dict[str, Any]:
     """One round with the kernel side: its messages, our messages and its echoes, pings."""
     await job.wait_file("ready", 60)
     job.touch("go")
-    got = [await sock.recvfrom() for _ in range(N)]
+    got = [await receive(node, sock, job, f"kernel message {i}") for i in range(N)]
     ours = [b"h%d:" % i + os.urandom(SIZES[i % len(SIZES)]) for i in range(N)]
     for data in ours:
         await sock.sendto(data, (GUEST_IP, GUEST_PORT))
-    echoes = [await sock.recvfrom() for _ in range(N)]
+    echoes = [await receive(node, sock, job, f"echo {i}") for i in range(N)]
     await sock.sendto(b"", (GUEST_IP, 0))  # the kernel answers pings on port 0
-    pong = await sock.recvfrom()
+    pong = await receive(node, sock, job, "pong")
     (conn,) = node.connections()
     return {
         "got": got, "ours": ours, "echoes": echoes, "pong": pong,
@@ -167,6 +249,13 @@ def check_round(facts: dict[str, Any], job_result: siwvm.JobResult) -> None:
     assert f"pong b'' {HOST_IP} 0" in job_result.output  # our node answered its ping
 
 
+@pytest.fixture
+def node_log(caplog: pytest.LogCaptureFixture) -> None:
+    """Our node's INFO lines (sessions lost, knocks, restarts) in a failure's report."""
+    caplog.set_level(logging.INFO, logger="rdmashim.ulps.rds")
+
+
+@pytest.mark.usefixtures("node_log")
 async def test_messages_both_ways_and_pings(guest: siwvm.Guest) -> None:
     async def host() -> dict[str, Any]:
         async with RdsNode(HOST_IP, RDS_TCP_PORT, transport="tcp") as node:
@@ -182,6 +271,7 @@ async def test_messages_both_ways_and_pings(guest: siwvm.Guest) -> None:
     assert facts["sessions"] - facts["refused"] == 1
 
 
+@pytest.mark.usefixtures("node_log")
 async def test_reconnects_after_rmmod_and_after_our_restart(guest: siwvm.Guest) -> None:
     async def host() -> list[dict[str, Any]]:
         rounds = []
