@@ -7,6 +7,7 @@ import contextlib
 import errno
 import gc
 import ipaddress
+import logging
 import os
 import random
 import socket
@@ -37,7 +38,7 @@ from rdmashim.ulps.rds.wire import (
     RdsProtocolError,
 )
 
-from rdsnodes import close, nodes
+from rdsnodes import close, nodes, wait_until
 
 LOW, HIGH = "127.0.0.1", "127.0.0.2"
 
@@ -534,6 +535,85 @@ async def test_a_connection_the_peer_resets_unanswered_counts_as_refused() -> No
         (conn,) = node.connections()
         assert (conn.counters.sessions, conn.counters.sessions_refused) == (2, 1)
         await new.stream.aclose()
+
+
+async def test_the_lower_address_connects_again_after_a_drop_with_nothing_to_send() -> None:
+    """Linux's higher address never connects again by itself after its path drops: it
+    holds what it had not delivered and waits for the lower one, knocking only when it
+    sends anew (``threads.c`` ``rds_queue_reconnect``). Our node at the lower address,
+    with nothing of its own waiting, connects again all the same, as Linux's does: the
+    peer's message that was on its way when the connection broke arrives."""
+    async with (
+        RdsNode(LOW, 0, transport="tcp") as node,
+        listening(HIGH, node.port) as high_listener,
+    ):
+        with trio.fail_after(5):
+            old, sock = await connected_low_node(node, high_listener)
+            await old.send(data_msg(1, b"first"))
+            assert await sock.recvfrom() == (b"first", (HIGH, 7))
+            (conn,) = node.connections()
+            await wait_until(lambda: not conn.pending, 2, "our message acknowledged")
+            reset(old.stream.socket)  # its path drops, "second" still held
+            second, _ = await high_listener.accept()
+            new = RawPeer(trio.SocketStream(second))
+            await new.receive(is_probe)
+            await new.send(data_msg(2, b"second", flags=RdsFlag.RETRANSMITTED))
+            assert await sock.recvfrom() == (b"second", (HIGH, 7))
+        assert (conn.counters.sessions, conn.counters.sessions_refused) == (2, 0)
+        await new.stream.aclose()
+
+
+async def test_a_refused_connection_is_tried_again_with_no_knock_after_it() -> None:
+    """A knock asks us to connect; the peer resets our connection before a word (its
+    own knock's teardown still under way, ``tcp_listen.c`` ``rds_tcp_accept_one``) and
+    never knocks again (its sender waits for room in a queue only a connection
+    empties). We connect again, backing off, until one is taken."""
+    async with (
+        RdsNode(LOW, 0, transport="tcp") as node,
+        listening(HIGH, node.port) as high_listener,
+    ):
+        sock = node.bind(4000)
+        with trio.fail_after(5):
+            knocker = await trio.open_tcp_stream(LOW, node.port, local_address=HIGH)
+            assert await RawPeer(knocker).closed()
+            first, _ = await high_listener.accept()
+            assert await first.recv(1)  # our session is up, writing
+            reset(first)
+            second, _ = await high_listener.accept()
+            new = RawPeer(trio.SocketStream(second))
+            await new.receive(is_probe)
+            await new.send(data_msg(1, b"at last"))
+            assert await sock.recvfrom() == (b"at last", (HIGH, 7))
+        (conn,) = node.connections()
+        assert (conn.counters.sessions, conn.counters.sessions_refused) == (2, 1)
+        await new.stream.aclose()
+
+
+async def test_connecting_again_after_a_drop_ends_when_the_peer_is_idle_too_long(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A peer gone for good (nothing listens any more) is tried until it has been idle
+    for ``peer_idle_expiry``; then the node stops and forgets it, as any idle peer."""
+    caplog.set_level(logging.INFO, logger="rdmashim.ulps.rds.node")
+    settings = RdsSettings(peer_idle_expiry=0.5, reconnect_max=0.1)
+    async with RdsNode(LOW, 0, transport="tcp", settings=settings) as node:
+        async with listening(HIGH, node.port) as high_listener:
+            with trio.fail_after(5):
+                old, _ = await connected_low_node(node, high_listener)
+                await old.send(data_msg(1, b"hello"))
+                (conn,) = node.connections()
+                await wait_until(lambda: conn.heard and not conn.pending, 2, "our message acked")
+        reset(old.stream.socket)
+        with trio.fail_after(5):
+            await wait_until(lambda: node.peers_expired == 1, 4, "the peer forgotten")
+        assert not node._peers and conn.counters.sessions == 1
+        assert f"RDS connect to {HIGH} failed" in caplog.text  # it was tried again
+
+
+def reset(raw: socket.socket | trio.socket.SocketType) -> None:
+    """Close with a reset (SO_LINGER 0), as Linux's RDS refuses or drops a connection."""
+    raw.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    raw.close()
 
 
 async def test_simultaneous_sends_from_both_sides_build_one_connection() -> None:

@@ -134,6 +134,12 @@ class _Peer:
     connecting: bool = False
     poked: bool = False
     """RDS/TCP: the peer connected to ask us, the lower address, to connect."""
+    redial: bool = False
+    """RDS/TCP: our session, the lower address's, ended without our closing it. Linux's
+    higher address never connects again by itself: it knocks only when it sends anew,
+    and waits for the lower one with whatever it had not delivered (``threads.c``
+    ``rds_queue_reconnect``), so we connect again, as Linux's lower address does, until
+    a session is up or the peer has been idle for ``peer_idle_expiry``."""
     connector: trio.CancelScope | None = None
     session_scope: trio.CancelScope | None = None
     unreachable: BaseException | None = None
@@ -748,7 +754,9 @@ class RdsNode:
         window = settings.reconnect_min
         with scope:
             try:
-                while rds.session is None and (rds.pending or entry.poked):
+                while rds.session is None and (
+                    rds.pending or entry.poked or self._redial_due(entry)
+                ):
                     if not rds.canonical and entry.failures == 0:
                         # give the canonical side the first move
                         await trio.sleep(settings.reconnect_min)
@@ -783,6 +791,14 @@ class RdsNode:
             finally:
                 entry.connector = None
                 entry.connecting = False
+
+    def _redial_due(self, entry: _Peer) -> bool:
+        """Whether to connect again after losing the session (:attr:`_Peer.redial`); not
+        once the peer has been idle for ``peer_idle_expiry`` (Linux tries for ever)."""
+        if entry.redial:
+            now = trio.current_time()
+            entry.redial = now - entry.rds.active_at(now) < self.settings.peer_idle_expiry
+        return entry.redial
 
     async def _active_session(self, entry: _Peer) -> None:
         rds = entry.rds
@@ -929,6 +945,7 @@ class RdsNode:
             rds.session.lost = True
         entry.unreachable = None
         entry.failures = 0
+        entry.redial = False
         rds.resume(peer_ack)
         # Every new session starts with our map: a port that filled up or drained
         # while no session was up would otherwise stay wrong at the peer for good.
@@ -944,6 +961,7 @@ class RdsNode:
                 await session.run()
             except SessionLost as exc:
                 log.info("RDS session with %s lost: %s", rds.peer, exc)
+                entry.redial = self.transport == "tcp" and rds.canonical
             finally:
                 if rds.session is session:
                     rds.session = None
@@ -952,7 +970,7 @@ class RdsNode:
                 rds.last_active = trio.current_time()
                 if entry.session_scope is scope:
                     entry.session_scope = None
-        if rds.pending or entry.poked:
+        if rds.pending or entry.poked or entry.redial:
             self._start_connector(entry)
 
     def _unreachable(self, entry: _Peer, exc: BaseException) -> None:
