@@ -589,6 +589,38 @@ async def test_a_refused_connection_is_tried_again_with_no_knock_after_it() -> N
         await new.stream.aclose()
 
 
+async def test_resends_across_the_peers_numbering_restart_are_taken_once() -> None:
+    """Linux numbers from 1 again when it learns we restarted (our probe's generation,
+    ``recv.c`` ``rds_conn_peer_gen_update``), while messages it numbered before still
+    wait in its queue and go after that: 250, 251, 252, then 1, 2. The connection
+    breaks before TCP acknowledged 252, 1 and 2, so they come again, flagged, with 3 that
+    never arrived: 252 is a duplicate though it lies above the new numbers (Linux
+    would take it, then drop 3 as old), and 3 is new though it lies below 252."""
+    async with (
+        RdsNode(LOW, 0, transport="tcp") as node,
+        listening(HIGH, node.port) as high_listener,
+    ):
+        with trio.fail_after(5):
+            old, sock = await connected_low_node(node, high_listener)
+            first = [(250, b"k0"), (251, b"k1"), (252, b"k2"), (1, b"k3"), (2, b"k4")]
+            for seq, payload in first:
+                await old.send(data_msg(seq, payload))
+            assert [(await sock.recvfrom())[0] for _ in first] == [p for _, p in first]
+            reset(old.stream.socket)
+            second, _ = await high_listener.accept()  # the lower address connects again
+            new = RawPeer(trio.SocketStream(second))
+            await new.receive(is_probe)
+            for seq, payload in [(252, b"k2"), (1, b"k3"), (2, b"k4"), (3, b"k5")]:
+                await new.send(data_msg(seq, payload, flags=RdsFlag.RETRANSMITTED))
+            await new.send(data_msg(4, b"k6"))
+            assert [(await sock.recvfrom())[0] for _ in range(2)] == [b"k5", b"k6"]
+            await trio.testing.wait_all_tasks_blocked()
+            assert not sock.received
+        (conn,) = node.connections()
+        assert (conn.counters.recv_drop_old_seq, conn.counters.peer_restarts) == (3, 1)
+        await new.stream.aclose()
+
+
 async def test_connecting_again_after_a_drop_ends_when_the_peer_is_idle_too_long(
     caplog: pytest.LogCaptureFixture,
 ) -> None:

@@ -202,6 +202,12 @@ class RdsConnection:
     heard: bool = False
     """Whether a numbered message has come from the peer: the first one sets
     :attr:`next_recv` wherever the peer's numbering starts."""
+    numbered_from: int = 1
+    """The number the peer's current numbering started at (as far as we took it)."""
+    earlier: tuple[int, int] | None = None
+    """The first and last numbers we took from the peer before it last restarted its
+    numbering: a resend numbered between them, while they lie above the new numbers, is
+    a duplicate (see :meth:`received`)."""
     counters: Counters = field(default_factory=Counters)
     on_congestion: Callable[[RdsConnection, set[int]], None] = lambda rds, ports: None
     """Called with the ports whose congestion bit changed in the peer's map."""
@@ -398,26 +404,50 @@ class RdsConnection:
         restarted): numbering restarts from there. A number beyond the next
         one means the peer resent what it still had after we restarted (Linux
         RDS accepts both the same way).
+
+        One more duplicate is told apart, where Linux is wrong: a Linux peer restarts
+        its numbering at 1 when it learns that we restarted (``recv.c``
+        ``rds_conn_peer_gen_update``), while messages it numbered before wait in its
+        queue and go after the restart. When the connection then breaks, it sends
+        again, flagged, what TCP had not acknowledged: an old number among the new
+        ones. Its number lies above the new ones, so Linux takes it as new (delivered
+        twice) and skips ahead, dropping the resends after it as old, though it never
+        had them. A resend numbered within :attr:`earlier` is dropped here instead.
         """
         if header.flags == RdsFlag.CONG_BITMAP:
             self.peer_map(data)
             return
         seq = header.sequence
         self.busy = True
-        if seq < self.next_recv:
-            if header.flags & RdsFlag.RETRANSMITTED:
-                self.counters.recv_drop_old_seq += 1
-                return
-            log.info("RDS peer %s restarted its numbering at %d", self.peer, seq)
-            self.counters.peer_restarts += 1
-        elif seq > self.next_recv and self.heard:
-            log.info("RDS peer %s resumes at %d where %d was due", self.peer, seq, self.next_recv)
-            self.counters.recv_seq_gaps += 1
+        if seq != self.next_recv and not self._new_out_of_turn(seq, header.flags):
+            self.counters.recv_drop_old_seq += 1
+            return
         self.next_recv = seq + 1
         self.heard = True
         self.counters.recv_messages += 1
         self.counters.recv_bytes += len(data)
         self.deliver(self.peer, header, data)
+
+    def _new_out_of_turn(self, seq: int, flags: RdsFlag) -> bool:
+        """Whether a message numbered other than :attr:`next_recv` is new (see
+        :meth:`received`); a new one below it starts the peer's numbering afresh."""
+        due = self.next_recv
+        if not self.heard:
+            self.numbered_from = seq
+            return True
+        if flags & RdsFlag.RETRANSMITTED:
+            earlier = self.earlier
+            if seq < due or (earlier is not None and due <= earlier[0] <= seq <= earlier[1]):
+                return False
+        if seq < due:
+            log.info("RDS peer %s restarted its numbering at %d", self.peer, seq)
+            self.counters.peer_restarts += 1
+            self.earlier = (self.numbered_from, due - 1)
+            self.numbered_from = seq
+        else:
+            log.info("RDS peer %s resumes at %d where %d was due", self.peer, seq, due)
+            self.counters.recv_seq_gaps += 1
+        return True
 
     def peer_map(self, data: bytes) -> None:
         """The peer's congestion map arrived."""
@@ -441,7 +471,9 @@ class RdsConnection:
         for msg in stale:
             self.unsent.remove(msg)
             self._drop(msg, RdmaStatus.DROPPED, "the peer restarted")
-        self.next_recv = 0
+        self.next_recv = self.numbered_from = 1
+        self.heard = False  # its first message sets where its numbering starts
+        self.earlier = None
         if stale:
             self._space.set()
         return len(stale)
