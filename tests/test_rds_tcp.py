@@ -462,6 +462,19 @@ async def connected_low_node(
     return old, sock
 
 
+async def settled_low_node(
+    node: RdsNode, high: trio.socket.SocketType
+) -> tuple[RawPeer, RdsSocket]:
+    """:func:`connected_low_node`, and the peer has spoken (``hello`` from its port 7 to
+    our 4000, taken) and acknowledged our message: nothing of ours waits."""
+    old, sock = await connected_low_node(node, high)
+    await old.send(data_msg(1, b"hello"))
+    assert await sock.recvfrom() == (b"hello", (HIGH, 7))
+    (conn,) = node.connections()
+    await wait_until(lambda: not conn.pending, 2, "our message acknowledged")
+    return old, sock
+
+
 def is_probe(header: RdsHeader) -> bool:
     return header.sport == RDS_FLAG_PROBE_PORT and header.dport == 0
 
@@ -548,17 +561,14 @@ async def test_the_lower_address_connects_again_after_a_drop_with_nothing_to_sen
         listening(HIGH, node.port) as high_listener,
     ):
         with trio.fail_after(5):
-            old, sock = await connected_low_node(node, high_listener)
-            await old.send(data_msg(1, b"first"))
-            assert await sock.recvfrom() == (b"first", (HIGH, 7))
-            (conn,) = node.connections()
-            await wait_until(lambda: not conn.pending, 2, "our message acknowledged")
+            old, sock = await settled_low_node(node, high_listener)
             reset(old.stream.socket)  # its path drops, "second" still held
             second, _ = await high_listener.accept()
             new = RawPeer(trio.SocketStream(second))
             await new.receive(is_probe)
             await new.send(data_msg(2, b"second", flags=RdsFlag.RETRANSMITTED))
             assert await sock.recvfrom() == (b"second", (HIGH, 7))
+        (conn,) = node.connections()
         assert (conn.counters.sessions, conn.counters.sessions_refused) == (2, 0)
         await new.stream.aclose()
 
@@ -628,18 +638,39 @@ async def test_connecting_again_after_a_drop_ends_when_the_peer_is_idle_too_long
     for ``peer_idle_expiry``; then the node stops and forgets it, as any idle peer."""
     caplog.set_level(logging.INFO, logger="rdmashim.ulps.rds.node")
     settings = RdsSettings(peer_idle_expiry=0.5, reconnect_max=0.1)
+    async with node_whose_peer_went(settings) as node:
+        with trio.fail_after(5):
+            await wait_until(lambda: node.peers_expired == 1, 4, "the peer forgotten")
+        assert not node._peers and node.peers_expired == 1
+        assert f"RDS connect to {HIGH} failed" in caplog.text  # it was tried again
+
+
+async def test_a_knock_ends_the_wait_between_attempts_to_connect_again() -> None:
+    """The peer's RDS went (rmmod rds_tcp: nothing listens) and our attempts to connect
+    again wait longer and longer between them; when it is back and knocks, we connect
+    at once, not when the wait ends."""
+    settings = RdsSettings(reconnect_min=5.0, reconnect_max=5.0)
+    async with node_whose_peer_went(settings) as node:
+        await trio.sleep(0.5)  # refused at once, then a wait of 2.5 to 5 s
+        async with listening(HIGH, node.port) as high_listener:
+            knocker = await trio.open_tcp_stream(LOW, node.port, local_address=HIGH)
+            with trio.fail_after(1):
+                assert await RawPeer(knocker).closed()
+                second, _ = await high_listener.accept()
+            with second:
+                assert second.getpeername()[0] == LOW
+
+
+@contextlib.asynccontextmanager
+async def node_whose_peer_went(settings: RdsSettings) -> AsyncIterator[RdsNode]:
+    """A node at LOW whose settled session with the hand-driven peer at HIGH was reset,
+    with nothing listening at HIGH any more (the peer's RDS went)."""
     async with RdsNode(LOW, 0, transport="tcp", settings=settings) as node:
         async with listening(HIGH, node.port) as high_listener:
             with trio.fail_after(5):
-                old, _ = await connected_low_node(node, high_listener)
-                await old.send(data_msg(1, b"hello"))
-                (conn,) = node.connections()
-                await wait_until(lambda: conn.heard and not conn.pending, 2, "our message acked")
+                old, _ = await settled_low_node(node, high_listener)
         reset(old.stream.socket)
-        with trio.fail_after(5):
-            await wait_until(lambda: node.peers_expired == 1, 4, "the peer forgotten")
-        assert not node._peers and conn.counters.sessions == 1
-        assert f"RDS connect to {HIGH} failed" in caplog.text  # it was tried again
+        yield node
 
 
 def reset(raw: socket.socket | trio.socket.SocketType) -> None:

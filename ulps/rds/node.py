@@ -140,6 +140,9 @@ class _Peer:
     and waits for the lower one with whatever it had not delivered (``threads.c``
     ``rds_queue_reconnect``), so we connect again, as Linux's lower address does, until
     a session is up or the peer has been idle for ``peer_idle_expiry``."""
+    knocked: trio.Event = field(default_factory=trio.Event)
+    """RDS/TCP: set by a knock, which ends the wait between our attempts to connect:
+    the peer is there now."""
     connector: trio.CancelScope | None = None
     session_scope: trio.CancelScope | None = None
     unreachable: BaseException | None = None
@@ -763,6 +766,8 @@ class RdsNode:
                         if rds.connected:  # the peer's connection came meanwhile
                             break
                     refused = rds.counters.sessions_refused
+                    if entry.knocked.is_set():
+                        entry.knocked = trio.Event()
                     try:
                         if self.transport == "tcp":
                             await self._tcp_active(entry)
@@ -786,7 +791,9 @@ class RdsNode:
                             return
                     # Linux's backoff (rds_queue_reconnect): the window doubles up to a
                     # maximum; we wait in its upper half, so the attempts thin out for sure.
-                    await trio.sleep(random.uniform(window / 2, window))
+                    # A knock ends the wait: the peer is there now.
+                    with trio.move_on_after(random.uniform(window / 2, window)):
+                        await entry.knocked.wait()
                     window = min(window * 2, settings.reconnect_max)
             finally:
                 entry.connector = None
@@ -925,6 +932,7 @@ class RdsNode:
                     if rds.has_room:
                         self._probe(rds)
                 else:
+                    entry.knocked.set()
                     self._start_connector(entry)
                 return
             tune(stream.socket)
