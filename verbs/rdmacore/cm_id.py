@@ -228,6 +228,8 @@ class NativeChannel:
 # ---------------------------------------------------------------------- ids
 SOURCE_PORT_TRIES = 8
 """Ports :func:`_on_tcp_free_port` tries when rdma_cm holds the one it picked."""
+_PORT_HELD = (errno.EADDRINUSE, errno.EADDRNOTAVAIL)
+"""What rdma_cm answers for a port it holds (see :func:`_on_tcp_free_port`)."""
 
 
 def _on_tcp_free_port(
@@ -235,14 +237,17 @@ def _on_tcp_free_port(
 ) -> None:
     """``call(sockaddr)`` with ``addr`` (any address if None) and, when it names no
     port, a port no TCP socket holds, not even one in TIME_WAIT; the next such port
-    when rdma_cm answers EADDRINUSE, up to :data:`SOURCE_PORT_TRIES`.
+    when rdma_cm holds it already, up to :data:`SOURCE_PORT_TRIES`.
 
     An iWARP connection, and a listener, are TCP sockets at the id's port. Left to
     pick it (port 0), the kernel's rdma_cm chooses in its own port space, blind to
     TCP's, and siw's bind inside ``rdma_connect``, or its listen inside
     ``rdma_listen``, then fails now and then with EADDRINUSE, too late to try another
-    port (both seen in the guest). A port rdma_cm holds fails at once, here. On
-    InfiniBand any free port serves as well.
+    port (both seen in the guest). A port rdma_cm holds fails at once, here: with
+    EADDRINUSE, or EADDRNOTAVAIL where the wildcard address is on either side (the
+    kernel's cma_check_port; an id bound or resolved but not connected holds its port
+    in rdma_cm's space only, where the TCP probe does not see it). On InfiniBand any
+    free port serves as well.
     """
     if addr is not None and int(addr[1]):
         call(to_sockaddr(addr))
@@ -259,7 +264,7 @@ def _on_tcp_free_port(
             return
         except VerbsError as exc:
             tries -= 1
-            if exc.errno != errno.EADDRINUSE or not tries:
+            if exc.errno not in _PORT_HELD or not tries:
                 raise
 
 
@@ -555,8 +560,10 @@ class RdmaCoreCMId(CMIdBase[Context, QP]):
                 self._report(E.ADDR_ERROR, -errno.ENODEV, detail=str(exc))
                 return
         elif kind in (E.ESTABLISHED, E.CONNECT_RESPONSE):
-            if self.state is State.ROUTE_RESOLVED:
-                log.info("%s after the connect timed out; disconnecting", kind.name)
+            if self.state is State.ROUTE_RESOLVED or self._disconnecting:
+                # After the connect timed out, or a disconnect while accepting (which
+                # the kernel's iw_cm does not act on before the connection is up).
+                log.info("%s after the id gave up the connection; disconnecting", kind.name)
                 self._disconnect_now()
                 return
             self._stop_timer()
