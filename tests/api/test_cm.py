@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import errno
 import socket
+from typing import Any
 
 import pytest
 import trio
@@ -306,8 +307,12 @@ async def test_handler_sees_the_peer_disconnect() -> None:
         nursery.cancel_scope.cancel()
 
 
-def _post_recv(end: Connection | ConnectionRequest) -> None:
-    end.qp.post_recv(RecvWR(1, [end.pd.reg_mr(bytearray(16)).sge()]))
+def _post_recv(end: Connection | ConnectionRequest) -> Any:
+    """Post a receive; the region it names (keep it: a region collected is closed, and
+    on rdma-core a kernel provider then ends the QP when the Send arrives)."""
+    mr = end.pd.reg_mr(bytearray(16))
+    end.qp.post_recv(RecvWR(1, [mr.sge()]))
+    return mr
 
 
 async def _exchange(conn: Connection, first: bool) -> tuple[list[WC], list[WC]]:
@@ -347,7 +352,7 @@ def _check_cqs(conn: Connection, wcs: tuple[list[WC], list[WC]], separate: bool)
         assert sorted(w.opcode for w in sent) == [WCOpcode.SEND, WCOpcode.RECV]
 
 
-@pytest.mark.parametrize("separate", [False, True], ids=["one CQ", "separate CQs"])
+@pytest.mark.parametrize("separate", [False, True], ids=["one-CQ", "separate-CQs"])
 async def test_a_connections_cqs_are_what_their_names_say(separate: bool) -> None:
     """By default a connection has one CQ, ``conn.cq``, which ``send_cq`` and ``recv_cq``
     both are: Sends and receives complete there. With ``separate_cqs=True`` (librdmacm's
@@ -357,11 +362,12 @@ async def test_a_connections_cqs_are_what_their_names_say(separate: bool) -> Non
     served = trio.Event()
 
     async def handler(request: ConnectionRequest) -> None:
-        _post_recv(request)
+        region = _post_recv(request)
         conn = await request.accept()
         _check_cqs(conn, await _exchange(conn, first=False), separate)
         served.set()
         await conn.wait_disconnected()
+        region.close()
 
     async with trio.open_nursery() as nursery:
         addr = await nursery.start(lambda task_status: serve(
@@ -369,8 +375,9 @@ async def test_a_connections_cqs_are_what_their_names_say(separate: bool) -> Non
         ))  # fmt: skip
         with trio.fail_after(TIMEOUT):
             async with open_connection(HOST, addr[1], separate_cqs=separate) as conn:
-                _post_recv(conn)
+                region = _post_recv(conn)
                 _check_cqs(conn, await _exchange(conn, first=True), separate)
+                region.close()
                 await served.wait()
         nursery.cancel_scope.cancel()
 
