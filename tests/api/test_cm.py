@@ -386,8 +386,8 @@ class HandlerBug(Exception):
     """What the handler of ``test_a_handlers_exception_reaches_the_caller_of_serve`` raises."""
 
 
-@pytest.mark.parametrize("delay", [0.0, 0.05], ids=["at once", "after 50 ms"])
-@pytest.mark.parametrize("where", ["serve's nursery", "handler_nursery"])
+@pytest.mark.parametrize("delay", [0.0, 0.05], ids=["at-once", "after-50ms"])
+@pytest.mark.parametrize("where", ["serve's nursery", "handler_nursery"], ids=["serve", "handler"])
 async def test_a_handlers_exception_reaches_the_caller_of_serve(delay: float, where: str) -> None:
     """A handler that raises after accepting closes its connection; the client, which
     then sees its receive flushed (or its connect fail), fails too, unless the handler's
