@@ -97,6 +97,8 @@ def _start(
     initiator: bool,
     leftover: bytes,
 ) -> None:
+    if qp._closed or qp.context._closed:  # closed while the MPA frame was on its way
+        raise ConnectionAbortedError("the QP or its device was closed during connection setup")
     rtr_to_send = None
     if initiator and result.rtr is RTR.WRITE:
         rtr_to_send = Opcode.WRITE
