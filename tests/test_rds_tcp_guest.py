@@ -75,8 +75,9 @@ def rds_state():
         out.append("conn %s->%s %s next_tx %d next_rx %d flags %#x" % (socket.inet_ntoa(la),
                    socket.inet_ntoa(fa), tr.rstrip(b"\0").decode(), tx, rx, fl))
     for name, opt in (("send", 10003), ("retrans", 10004), ("recv", 10005)):
-        rows = [struct.unpack_from("<QI8xHH", e) for e in table(opt)]
-        out.append("%s queue (seq, len, lport, fport, big-endian ports): %s" % (name, rows))
+        rows = [struct.unpack_from("<QI", e) + struct.unpack_from(">HH", e, 20)
+                for e in table(opt)]
+        out.append("%s queue (seq, bytes, lport, fport): %s" % (name, rows))
     for e in table(10007):               # RDS_INFO_TCP_SOCKETS
         v = struct.unpack_from("<4s2s4s2sQQIII", e)
         out.append("tcp %s:%d->%s:%d hdr_rem %d data_rem %d sent_nxt %d expected_una %d "
