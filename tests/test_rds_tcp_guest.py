@@ -13,9 +13,12 @@ kernel knocks when it speaks first (docs/rds.md).
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import logging
 import os
+import re
 import sys
+import termios
 import time
 from collections.abc import Awaitable, Callable, Iterator
 from typing import Any, TypeVar
@@ -26,7 +29,8 @@ import trio
 
 from rdmashim.rdstools.info import format_info
 from rdmashim.ulps.rds.node import RdsNode, RdsSocket
-from rdmashim.ulps.rds.wire import RDS_TCP_PORT
+from rdmashim.ulps.rds.tcp import TcpSession
+from rdmashim.ulps.rds.wire import RDS_CONG_MAP_BYTES, RDS_HEADER_LEN, RDS_TCP_PORT
 
 pytestmark = [pytest.mark.slow, pytest.mark.interop]
 
@@ -190,6 +194,12 @@ def our_state(node: RdsNode) -> str:
     extra = [
         f"peer {rds.peer}: heard {rds.heard}, peer generation {rds.peer_generation:#x}, "
         f"session {'up' if rds.connected else 'none'}, counters {rds.counters}"
+        + (
+            f", the session read {rds.session.bytes_read} bytes ({rds.session.decoder.buffered} "
+            "of a message not whole)"
+            if isinstance(rds.session, TcpSession)
+            else ""
+        )
         for rds in node.connections()
     ]
     extra.append(
@@ -200,13 +210,17 @@ def our_state(node: RdsNode) -> str:
 
 
 async def receive(
-    node: RdsNode, sock: RdsSocket, job: siwvm.Job, what: str
+    node: RdsNode, sock: RdsSocket, job: siwvm.Job, what: str, into: list[Any]
 ) -> tuple[bytes, tuple[str, int]]:
-    """``sock.recvfrom()``; when :data:`STALL_LIMIT` passes first, both sides' state
-    in a TooSlowError (the kernel side prints its own and ends: see :func:`judged`)."""
+    """``sock.recvfrom()``, kept in ``into``; when :data:`STALL_LIMIT` passes first, both
+    sides' state in a TooSlowError, with the tags of what came before (the kernel side
+    prints its own state and ends: see :func:`judged`)."""
     with trio.move_on_after(STALL_LIMIT):
-        return await sock.recvfrom()
-    ours = our_state(node)
+        message = await sock.recvfrom()
+        into.append(message)
+        return message
+    tags = b" ".join(data.split(b":")[0] for data, _ in into).decode(errors="replace")
+    ours = f"{our_state(node)}\nthe socket took, in order: {tags}"
     job.touch("dump")
     with contextlib.suppress(trio.TooSlowError):
         await job.wait(STATE_WAIT)
@@ -215,20 +229,97 @@ async def receive(
     )
 
 
+def all_read_and_taken(node: RdsNode, sock: RdsSocket) -> bool:
+    """Whether our node took every byte the kernel wrote and gave its socket every message
+    in them: one session carried them and is up, nothing waits unread in its socket, what
+    it read is whole messages, maps and numbered ones, none of them dropped, and our
+    socket holds none untaken."""
+    (rds,) = node.connections()
+    c, session = rds.counters, rds.session
+    if not isinstance(session, TcpSession) or session.lost or c.sessions - c.sessions_refused != 1:
+        return False
+    unread = fcntl.ioctl(session.stream.socket.fileno(), termios.FIONREAD, b"\0" * 4)
+    maps = c.cong_updates_received
+    whole = RDS_HEADER_LEN * (c.recv_messages + maps) + RDS_CONG_MAP_BYTES * maps + c.recv_bytes
+    dropped = c.recv_drop_old_seq + node.drops_no_socket + node.drops_rcvbuf_full
+    return (
+        int.from_bytes(unread, sys.byteorder) == 0 and session.decoder.buffered == 0
+        and session.bytes_read == whole and not dropped and not sock.received
+    )  # fmt: skip
+
+
+def kernel_flushed(node: RdsNode, sock: RdsSocket, got: list[Any], kernel_said: str) -> str:
+    """Why the kernel's messages missing from ``got`` are the kernel's loss, or "" when
+    any part of that loss's signature is missing (then the stall is a failure).
+
+    Captured once in 45 runs of this module (and the stall of issue 31): k0, the first
+    message of the round after our restart, never came, though the kernel sent the rest
+    and held nothing. The kernel numbered k0 before it learned our new generation; our
+    probe, which shows it, waits in the socket the kernel accepts, and its receive path
+    takes it (``recv.c`` ``rds_conn_peer_gen_update``: ``RDS_MSG_FLUSH`` on every message
+    on the retransmit list) while its send path, after the congestion map, has just moved
+    k0 to that list and not yet looked at the flag, which makes ``rds_send_xmit``
+    (``send.c``) drop k0 unsent. The signature: our node took every byte the kernel wrote
+    and delivered every message in them (:func:`all_read_and_taken`), so k0 was never on
+    the wire; the kernel restarted its numbering in this round; the kernel sent all it
+    had (it waits for our message 0), holds nothing to send or resend, and TCP acked all
+    it wrote; the missing ones are all numbered before its restart (of 60, the last
+    ``next_tx - 1`` carry its new numbers); and our socket took the others once, in order.
+    """
+    (rds,) = node.connections()
+    conn = re.search(r"conn \S+ tcp next_tx (\d+) ", kernel_said)
+    tcp = re.search(r"expected_una (\d+) seen_una (\d+)", kernel_said)
+    quiet = (
+        "asked for its state at waiting for message 0" in kernel_said
+        and "send queue (seq, bytes, lport, fport): []" in kernel_said
+        and "retrans queue (seq, bytes, lport, fport): []" in kernel_said
+    )
+    if not (conn and tcp and quiet and tcp[1] == tcp[2] and rds.counters.peer_restarts):
+        return ""
+    renumbered = N - (int(conn[1]) - 1)  # k(renumbered) was the first numbered 1
+    tags = [data.split(b":")[0] for data, _ in got]
+    missing = [i for i in range(N) if b"k%d" % i not in tags]
+    kept = [(body(b"k", i), (GUEST_IP, GUEST_PORT)) for i in range(N) if i not in missing]
+    if not missing or max(missing) >= renumbered or got != kept:
+        return ""
+    if not all_read_and_taken(node, sock):
+        return ""
+    names = ", ".join(f"k{i}" for i in missing)
+    return (
+        f"the kernel dropped {names} unsent: numbered before it learned our new generation "
+        f"(k0-k{renumbered - 1}), flagged RDS_MSG_FLUSH by rds_conn_peer_gen_update as "
+        "rds_send_xmit moved it to the retransmit list, dropped there; our node read and "
+        "delivered every byte the kernel wrote"
+    )
+
+
 async def exchange(node: RdsNode, sock: RdsSocket, job: siwvm.Job) -> dict[str, Any]:
-    """One round with the kernel side: its messages, our messages and its echoes, pings."""
+    """One round with the kernel side: its messages, our messages and its echoes, pings.
+    A stall waiting for the kernel's messages that has the signature of
+    :func:`kernel_flushed` is an xfail saying so; any other stall fails."""
     await job.wait_file("ready", 60)
     job.touch("go")
-    got = [await receive(node, sock, job, f"kernel message {i}") for i in range(N)]
+    got: list[Any] = []
+    try:
+        for i in range(N):
+            await receive(node, sock, job, f"kernel message {i}", got)
+    except trio.TooSlowError:
+        reason = kernel_flushed(node, sock, got, job.output())
+        if reason:
+            pytest.xfail(reason)
+        raise
+    accounted = all_read_and_taken(node, sock)  # (the kernel's burst is all here now)
     ours = [b"h%d:" % i + os.urandom(SIZES[i % len(SIZES)]) for i in range(N)]
     for data in ours:
         await sock.sendto(data, (GUEST_IP, GUEST_PORT))
-    echoes = [await receive(node, sock, job, f"echo {i}") for i in range(N)]
+    echoes: list[Any] = []
+    for i in range(N):
+        await receive(node, sock, job, f"echo {i}", echoes)
     await sock.sendto(b"", (GUEST_IP, 0))  # the kernel answers pings on port 0
-    pong = await receive(node, sock, job, "pong")
+    pong = await receive(node, sock, job, "pong", [])
     (conn,) = node.connections()
     return {
-        "got": got, "ours": ours, "echoes": echoes, "pong": pong,
+        "got": got, "ours": ours, "echoes": echoes, "pong": pong, "accounted": accounted,
         "sessions": conn.counters.sessions, "refused": conn.counters.sessions_refused,
         "peer_generation": conn.peer_generation,
         "counters": {
@@ -248,6 +339,8 @@ def check_round(facts: dict[str, Any], job_result: siwvm.JobResult) -> None:
     assert facts["echoes"] == [(b"echo:" + m, (GUEST_IP, GUEST_PORT)) for m in facts["ours"]]
     assert facts["pong"] == (b"", (GUEST_IP, 0))
     assert f"pong b'' {HOST_IP} 0" in job_result.output  # our node answered its ping
+    # What kernel_flushed relies on holds whenever one session carried the burst.
+    assert facts["accounted"] or facts["sessions"] - facts["refused"] > 1
 
 
 @pytest.fixture

@@ -170,6 +170,8 @@ class Counters:
     way (``tcp_listen.c`` ``rds_tcp_accept_one``: the path is not DOWN)."""
     cong_updates_sent: int = 0
     """Congestion maps sent (one at the start of every session, and on each change)."""
+    cong_updates_received: int = 0
+    """Congestion maps the peer sent (Linux's ``s_cong_update_received``)."""
     rdma_writes: int = 0
     rdma_reads: int = 0
     rdma_bytes: int = 0
@@ -455,6 +457,7 @@ class RdsConnection:
         if new is None:
             raise RdsProtocolError(f"congestion map of {len(data)} bytes from {self.peer}")
         self.last_active = trio.current_time()
+        self.counters.cong_updates_received += 1
         changed = self.peer_congestion.diff(new)
         self.peer_congestion = new
         if changed:
