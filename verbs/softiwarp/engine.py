@@ -1673,12 +1673,15 @@ class Engine:
         reads = [job for job in self._orq if job.sges and job.sges[0].lkey == stag]
         receiving = msg is not None and any(s.lkey == stag for s in msg.job.sges)
         sending = self._current is not None and stag in self._current_stags
-        writing = bool(self._targets) and hdr is not None and hdr.opcode is Opcode.WRITE
+        writing = (
+            bool(self._targets) and hdr is not None and hdr.opcode is Opcode.WRITE
+            and hdr.stag == stag
+        )  # fmt: skip
         if not (
             reads
             or receiving
             or sending
-            or (writing and hdr is not None and hdr.stag == stag)
+            or writing
             or any(resp.src_stag == stag for resp in self._irq)
         ):
             return
