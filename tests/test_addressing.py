@@ -24,7 +24,7 @@ import pytest
 import trio
 
 from rdmashim.cm import addressing
-from rdmashim.verbs.softiwarp import provider
+from rdmashim.verbs.softiwarp import engines
 
 import netns
 
@@ -88,7 +88,7 @@ PROBE = textwrap.dedent(
     from rdmashim.verbs.softiwarp import provider
 
     async def port():
-        async with provider.open_device("siw_d0") as ctx:
+        async with engines.open_device("siw_d0") as ctx:
             p = ctx.query_port(1)
             return {"state": p.state.name, "mtu": p.active_mtu.name, "netdev": p.netdev}
 
@@ -168,7 +168,7 @@ def test_port_state_in_a_thread_that_entered_the_namespace(dummy_ns: str) -> Non
     seen: dict[str, object] = {}
 
     async def port() -> str:
-        async with provider.open_device("siw_d0") as ctx:
+        async with engines.open_device("siw_d0") as ctx:
             return ctx.query_port(1).state.name
 
     def enter_and_query() -> None:

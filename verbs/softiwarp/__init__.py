@@ -9,6 +9,7 @@ the backend object the registry hands out (:mod:`.backend`, ``BACKEND``).
 """
 
 from rdmashim.verbs.softiwarp.backend import BACKEND
-from rdmashim.verbs.softiwarp.provider import Device, get_device_list, open_device
+from rdmashim.verbs.softiwarp.engines import open_device
+from rdmashim.verbs.softiwarp.provider import Device, get_device_list
 
 __all__ = ["BACKEND", "Device", "get_device_list", "open_device"]

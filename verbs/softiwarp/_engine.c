@@ -107,6 +107,7 @@ struct rs_mem {
     uint32_t cap;      /* a power of 2 */
     uint32_t count;
     rs_qp *qps;        /* every QP of the device, for deregistration */
+    int dead;          /* rs_mem_free was called: freed when its last QP is */
 };
 
 static uint32_t slot_of(const rs_mem *mem, uint32_t index)
@@ -129,9 +130,14 @@ rs_mem *rs_mem_new(void)
     return mem;
 }
 
+/* A table, CQ or SRQ that its owner freed lives on while a QP uses it (rs_qp_free of
+ * the last one frees it): the owners may close them in any order. */
 void rs_mem_free(rs_mem *mem)
 {
     if (!mem)
+        return;
+    mem->dead = 1;
+    if (mem->qps)
         return;
     for (uint32_t i = 0; i < mem->cap; i++)
         free(mem->slots[i]);
@@ -246,6 +252,9 @@ struct rs_cq {
     rs_wc *ring;
     uint32_t cap, head, count;
     int overrun;
+    uint64_t pushed, notable;
+    uint32_t refs; /* QPs completing here */
+    int dead;
 };
 
 rs_cq *rs_cq_new(uint32_t cqe)
@@ -266,14 +275,26 @@ rs_cq *rs_cq_new(uint32_t cqe)
 
 void rs_cq_free(rs_cq *cq)
 {
-    if (cq) {
+    if (!cq)
+        return;
+    cq->dead = 1;
+    if (cq->refs == 0) {
         free(cq->ring);
         free(cq);
     }
 }
 
+static void cq_unref(rs_cq *cq)
+{
+    if (--cq->refs == 0 && cq->dead)
+        rs_cq_free(cq);
+}
+
 static int cq_push(rs_cq *cq, const rs_wc *wc)
 {
+    cq->pushed++;
+    if (wc->solicited || wc->status != RS_WC_SUCCESS)
+        cq->notable++;
     if (cq->count == cq->cap) {
         cq->overrun = 1;
         return -1;
@@ -296,6 +317,8 @@ uint32_t rs_cq_poll(rs_cq *cq, rs_wc *out, uint32_t n)
 
 uint32_t rs_cq_count(rs_cq *cq) { return cq->count; }
 int rs_cq_overrun(rs_cq *cq) { return cq->overrun; }
+uint64_t rs_cq_pushed(rs_cq *cq) { return cq->pushed; }
+uint64_t rs_cq_notable(rs_cq *cq) { return cq->notable; }
 
 typedef struct {
     rs_recv_wr *ring;
@@ -332,6 +355,8 @@ static int rq_take(rs_rq *q, rs_recv_wr *out)
 
 struct rs_srq {
     rs_rq q;
+    uint32_t refs;
+    int dead;
 };
 
 rs_srq *rs_srq_new(uint32_t max_wr)
@@ -346,7 +371,10 @@ rs_srq *rs_srq_new(uint32_t max_wr)
 
 void rs_srq_free(rs_srq *srq)
 {
-    if (srq) {
+    if (!srq)
+        return;
+    srq->dead = 1;
+    if (srq->refs == 0) {
         free(srq->q.ring);
         free(srq);
     }
@@ -432,6 +460,7 @@ struct rs_qp {
     uint8_t term_body[4 + MAX_HDR];
     uint32_t term_have;
     uint8_t *rxbuf;               /* what rs_qp_read_fd reads into (made at the first read) */
+    uint64_t rx_total;            /* bytes received ever */
 };
 
 static void enter_error(rs_qp *qp, uint32_t kind, const char *message, int remote_quoted_read,
@@ -479,6 +508,10 @@ rs_qp *rs_qp_new(rs_mem *mem, uint64_t pd, uint32_t qp_num, rs_cq *send_cq, rs_c
     qp->max_fpdu = 65536;
     qp->rx_msn[0] = qp->rx_msn[1] = qp->rx_msn[2] = 1;
     qp->state = RS_QP_IDLE;
+    send_cq->refs++;
+    recv_cq->refs++;
+    if (srq)
+        srq->refs++;
     qp->next_in_mem = mem->qps;
     if (mem->qps)
         mem->qps->prev_in_mem = qp;
@@ -502,12 +535,20 @@ void rs_qp_free(rs_qp *qp)
     free(qp->tx);
     free(qp->rq.ring);
     free(qp->rxbuf);
+    cq_unref(qp->scq);
+    cq_unref(qp->rcq);
+    if (qp->srq && --qp->srq->refs == 0 && qp->srq->dead)
+        rs_srq_free(qp->srq);
+    if (!qp->mem->qps && qp->mem->dead)
+        rs_mem_free(qp->mem);
     free(qp);
 }
 
 int rs_qp_state(rs_qp *qp) { return qp->state; }
 void rs_qp_error(rs_qp *qp, rs_error *out) { *out = qp->err; }
 uint32_t rs_qp_sq_depth(rs_qp *qp) { return qp->sq_count; }
+int rs_qp_rtr_pending(rs_qp *qp) { return qp->rtr_pending; }
+uint64_t rs_qp_rx_total(rs_qp *qp) { return qp->rx_total; }
 
 static sq_entry *sq_at(rs_qp *qp, uint64_t seq)
 {
@@ -821,6 +862,12 @@ uint32_t rs_qp_post_send(rs_qp *qp, const rs_send_wr *wrs, uint32_t n, int *why)
             uint64_t off = 0;
             for (uint32_t i = 0; i < w->num_sge; i++) { /* inline: any registered region */
                 const rs_sge *s = &w->sg_list[i];
+                if (w->flags & RS_INLINE_RAW) { /* the provider's own bytes (InlineData) */
+                    if (s->length)
+                        memcpy(data + off, (const uint8_t *)(uintptr_t)s->addr, s->length);
+                    off += s->length;
+                    continue;
+                }
                 rs_region *r = mem_lookup(qp->mem, s->lkey);
                 if (!r || s->addr < r->iova || s->length > r->length ||
                     s->addr - r->iova > r->length - s->length) {
@@ -1069,6 +1116,12 @@ const uint8_t *rs_qp_tx(rs_qp *qp, size_t *len)
     produce(qp);
     *len = qp->tx_len - qp->tx_off;
     return *len ? qp->tx + qp->tx_off : NULL;
+}
+
+int rs_qp_tx_pending(rs_qp *qp)
+{
+    produce(qp);
+    return qp->tx_len > qp->tx_off;
 }
 
 void rs_qp_tx_done(rs_qp *qp, size_t n)
@@ -1440,6 +1493,7 @@ static int check_control(rs_qp *qp)
 
 void rs_qp_rx(rs_qp *qp, const uint8_t *data, size_t len)
 {
+    qp->rx_total += len;
     while (len && qp->rx != RX_DISCARD) {
         if (qp->rx == RX_HDR) {
             uint32_t need = qp->hdr_have < 4 ? 4 : header_len[qp->op];

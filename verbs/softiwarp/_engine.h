@@ -31,6 +31,9 @@
 #define RS_SIGNALED 2
 #define RS_SOLICITED 4
 #define RS_INLINE 8
+#define RS_INLINE_RAW 16  /* with RS_INLINE: each SGE's addr is a process address given by
+                           * the provider (a caller's bytes), not registered memory; the
+                           * provider sets it only for its own InlineData, never a user's */
 
 /* Completion statuses (WCStatus) and opcodes (WCOpcode) */
 #define RS_WC_SUCCESS 0
@@ -108,6 +111,9 @@ typedef struct {
     char message[160];      /* what happened, for qp.error */
 } rs_error;
 
+/* rs_mem_free, rs_cq_free and rs_srq_free may come before rs_qp_free of the QPs using
+ * the object: it is freed with the last of them. */
+
 /* Memory: one table per device. Regions are named by their STag (lkey = rkey);
  * base is where the first byte is in this process, iova its tagged offset. */
 rs_mem *rs_mem_new(void);
@@ -125,6 +131,10 @@ void rs_cq_free(rs_cq *cq);
 uint32_t rs_cq_poll(rs_cq *cq, rs_wc *out, uint32_t n);
 uint32_t rs_cq_count(rs_cq *cq);
 int rs_cq_overrun(rs_cq *cq);
+/* Completions pushed ever, and the number of them that were notable (solicited, or not
+ * a success): a provider compares them with what it saw to know what arrived. */
+uint64_t rs_cq_pushed(rs_cq *cq);
+uint64_t rs_cq_notable(rs_cq *cq);
 
 rs_srq *rs_srq_new(uint32_t max_wr);
 void rs_srq_free(rs_srq *srq);
@@ -162,6 +172,12 @@ void rs_qp_set_error(rs_qp *qp, uint32_t kind, const char *message);
 int rs_qp_state(rs_qp *qp);
 void rs_qp_error(rs_qp *qp, rs_error *out);
 uint32_t rs_qp_sq_depth(rs_qp *qp);
+/* Whether the peer's RTR is still awaited (rs_qp_start's wait_rtr). */
+int rs_qp_rtr_pending(rs_qp *qp);
+/* Bytes received ever (rs_qp_rx and rs_qp_read_fd). */
+uint64_t rs_qp_rx_total(rs_qp *qp);
+/* Whether framed bytes wait to be sent (after framing what can be framed now). */
+int rs_qp_tx_pending(rs_qp *qp);
 /* cdef-end */
 
 #endif

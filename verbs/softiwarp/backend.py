@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 
 from rdmashim.cm.types import TransportOptions
 from rdmashim.verbs.backend import Backend
-from rdmashim.verbs.softiwarp import fastpath, provider
+from rdmashim.verbs.softiwarp import engines, fastpath, provider
 from rdmashim.verbs.softiwarp.cm_id import Connector
 
 if TYPE_CHECKING:
@@ -20,7 +20,10 @@ class SoftiwarpBackend:
     """One device per network interface; MPA over TCP by the engine itself."""
 
     name = provider.BACKEND_NAME
-    description = f"built-in iWARP engine over TCP (accelerated: {fastpath.describe()})"
+    description = (
+        f"built-in iWARP engine over TCP (engine: {engines.describe()}; "
+        f"compiled kernels: {fastpath.describe()})"
+    )
     transport_options = frozenset(f.name for f in fields(TransportOptions))
     """Every portable transport option: the engine negotiates MPA itself."""
 
@@ -30,7 +33,7 @@ class SoftiwarpBackend:
 
     def open_device(self, name: str | None = None) -> AbstractAsyncContextManager[abc.Context]:
         """Open a device (``siw_lo`` if ``name`` is None); its QPs run in its nursery."""
-        return provider.open_device(name)
+        return engines.open_device(name)
 
     def cm_connector(self, channel: ChannelHost) -> Connector:
         """The engine's rdma_cm for ``channel``."""

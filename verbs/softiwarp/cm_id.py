@@ -69,7 +69,7 @@ from rdmashim.verbs.softiwarp.connection import (
     reject,
 )
 from rdmashim.verbs.softiwarp.negotiation import MpaOptions, MpaRejected, MpaResult
-from rdmashim.verbs.softiwarp.provider import PD, QP, Context
+from rdmashim.verbs.softiwarp.provider import PD, Context, QPBase
 from rdmashim.verbs.softiwarp.terminate import ProtocolError
 
 if TYPE_CHECKING:
@@ -121,7 +121,7 @@ def _peer_of(stream: trio.SocketStream) -> addressing.SockAddr | None:
     return peer
 
 
-class CMId(CMIdBase[Context, QP]):
+class CMId(CMIdBase[Context, QPBase]):
     """A communication identifier (``struct rdma_cm_id``); see the module docstring.
 
     ``context`` is the device context chosen by address resolution (or by the
@@ -167,7 +167,7 @@ class CMId(CMIdBase[Context, QP]):
         )  # fmt: skip
 
     @property
-    def _the_qp(self) -> QP:
+    def _the_qp(self) -> QPBase:
         """The id's QP, which connecting and accepting require (``_begin`` checks)."""
         assert self.qp is not None, "connect and accept need the QP"
         return self.qp
@@ -273,7 +273,7 @@ class CMId(CMIdBase[Context, QP]):
         self._report(CMEventType.ROUTE_RESOLVED)
 
     # ------------------------------------------------------------------ QP
-    def _new_qp(self, pd: abc.PD, args: QPArgs) -> QP:
+    def _new_qp(self, pd: abc.PD, args: QPArgs) -> QPBase:
         return own(pd, PD, "create_qp").create_qp(**args._asdict())
 
     # ------------------------------------------------------------------ active side
@@ -493,7 +493,7 @@ class CMId(CMIdBase[Context, QP]):
     ) -> None:
         options = self._mpa_options(param)
         if options.p2p:
-            self._the_qp.engine.on_ready = lambda: self._established(b"")
+            self._the_qp.when_ready(lambda: self._established(b""))
         try:
             result = await accept_qp(
                 self._the_qp, stream, request, private_data=param.private_data, options=options

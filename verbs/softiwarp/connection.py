@@ -19,7 +19,6 @@ import trio
 
 from rdmashim.cm.types import RTR
 from rdmashim.verbs.softiwarp.ddp import Opcode
-from rdmashim.verbs.softiwarp.driver import Link
 from rdmashim.verbs.softiwarp.engine import EngineConfig
 from rdmashim.verbs.softiwarp.mpa import StartFrame, encode_start_frame, parse_start_frame
 from rdmashim.verbs.softiwarp.negotiation import (
@@ -31,7 +30,7 @@ from rdmashim.verbs.softiwarp.negotiation import (
     make_request,
     reject_reply,
 )
-from rdmashim.verbs.softiwarp.provider import QP
+from rdmashim.verbs.softiwarp.provider import QPBase
 from rdmashim.verbs.softiwarp.terminate import ProtocolError
 
 log = logging.getLogger(__name__)
@@ -89,7 +88,7 @@ def _tune(stream: trio.SocketStream) -> None:
 
 
 def _start(
-    qp: QP,
+    qp: QPBase,
     stream: trio.SocketStream,
     result: MpaResult,
     options: MpaOptions,
@@ -112,10 +111,7 @@ def _start(
         rtr_to_send=rtr_to_send,
         wait_for_rtr=not initiator and result.rtr is not RTR.NONE,
     )
-    qp.engine.start(config)
-    link = Link(qp.engine, stream.socket, leftover)
-    qp._attach(link)
-    qp.context.nursery.start_soon(link.run)
+    qp.connect(config, stream.socket, leftover)
     log.debug(
         "QP %d connected (%s): CRC %s, MPA rev %d, IRD %d, ORD %d, RTR %s",
         qp.qp_num, "initiator" if initiator else "responder", result.crc, result.revision,
@@ -124,7 +120,7 @@ def _start(
 
 
 async def connect_qp(
-    qp: QP,
+    qp: QPBase,
     stream: trio.SocketStream,
     *,
     private_data: bytes = b"",
@@ -166,7 +162,7 @@ async def read_request(
 
 
 async def accept_qp(
-    qp: QP,
+    qp: QPBase,
     stream: trio.SocketStream,
     request: ConnectRequest,
     *,

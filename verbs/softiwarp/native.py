@@ -15,7 +15,9 @@ Available when the compiled extension was built (:data:`AVAILABLE`, and
 from __future__ import annotations
 
 import errno
-from collections.abc import Sequence
+import itertools
+import weakref
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from rdmashim.verbs.enums import Access, WCFlags, WCOpcode, WCStatus
@@ -53,11 +55,22 @@ class NativeMemory:
         self._ptr = _need().rs_mem_new()
         if self._ptr == ffi.NULL:
             raise MemoryError("rs_mem_new")
-        self._pds: dict[int, int] = {}
+        self._pds: dict[int, tuple[Callable[[], object], int]] = {}
+        self._numbers = itertools.count(1)
 
     def pd_id(self, pd: object) -> int:
-        """The number the C side knows a protection domain by."""
-        return self._pds.setdefault(id(pd), len(self._pds) + 1)
+        """The number the C side knows a protection domain by (never another's: a PD
+        freed and a new one at its address get different numbers)."""
+        entry = self._pds.get(id(pd))
+        if entry is not None and entry[0]() is pd:
+            return entry[1]
+        try:
+            ref: Callable[[], object] = weakref.ref(pd)
+        except TypeError:  # (an object without weak references: kept)
+            ref = lambda: pd  # noqa: E731
+        number = next(self._numbers)
+        self._pds[id(pd)] = (ref, number)
+        return number
 
     def add(self, stag: int, addr: int, iova: int, length: int, access: Access, pd: object) -> None:
         """Register ``length`` bytes at process address ``addr`` as ``stag``."""
@@ -128,12 +141,13 @@ class NativeQP:
     def __init__(
         self, memory: NativeMemory, pd: object, qp_num: int, send_cq: NativeCQ, recv_cq: NativeCQ,
         *, max_send_wr: int = 1024, max_recv_wr: int = 1024, sq_sig_all: bool = False,
+        srq: Any = None,
     ) -> None:  # fmt: skip
         self.memory = memory
         self.qp_num = qp_num
         self._ptr = lib.rs_qp_new(
-            memory._ptr, memory.pd_id(pd), qp_num, send_cq._ptr, recv_cq._ptr, ffi.NULL,
-            max_send_wr, max_recv_wr, int(sq_sig_all),
+            memory._ptr, memory.pd_id(pd), qp_num, send_cq._ptr, recv_cq._ptr,
+            ffi.NULL if srq is None else srq, max_send_wr, max_recv_wr, int(sq_sig_all),
         )  # fmt: skip
         if self._ptr == ffi.NULL:
             raise MemoryError("rs_qp_new")
@@ -224,3 +238,6 @@ class NativeQP:
         if self._ptr is not None:
             lib.rs_qp_free(self._ptr)
             self._ptr = None
+
+
+__all__ = ["AVAILABLE", "MAX_SGE", "WHY_NOT", "NativeCQ", "NativeMemory", "NativeQP", "ffi", "lib"]

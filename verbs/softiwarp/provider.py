@@ -13,13 +13,13 @@ import itertools
 import logging
 import socket
 import weakref
+from abc import abstractmethod
 from array import array
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Iterable, Sequence
-from contextlib import asynccontextmanager
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from operator import attrgetter
-from typing import TYPE_CHECKING, Self, TypeVar
+from typing import TYPE_CHECKING, Protocol, Self, TypeVar
 
 import psutil
 import trio
@@ -56,6 +56,7 @@ from rdmashim.verbs.softiwarp import fastpath
 from rdmashim.verbs.softiwarp.engine import (
     Chunk,
     Engine,
+    EngineConfig,
     EngineState,
     RecvJob,
     RecvRun,
@@ -65,7 +66,6 @@ from rdmashim.verbs.softiwarp.engine import (
 from rdmashim.verbs.softiwarp.memory import AccessViolation, MemoryTable, Region
 from rdmashim.verbs.softiwarp.mpa import MAX_PRIVATE_DATA, V2_BLOCK_LEN
 from rdmashim.verbs.softiwarp.terminate import TermCode
-from rdmashim.verbs.tasks import service_nursery
 from rdmashim.verbs.wr import (
     SGE,
     WC,
@@ -163,7 +163,8 @@ def get_device_list() -> list[Device]:
     return [Device(f"siw_{name}", name) for name in names]
 
 
-def _find_device(name: str | None) -> Device:
+def find_device(name: str | None) -> Device:
+    """The device ``name`` (None: the loopback's, else the first); ENODEV if none is."""
     devices = get_device_list()
     if name is None:
         for dev in devices:
@@ -176,18 +177,6 @@ def _find_device(name: str | None) -> Device:
             return dev
     known = ", ".join(d.name for d in devices) or "none"
     raise VerbsError(errno.ENODEV, "open_device", f"no device {name!r} (have: {known})")
-
-
-@asynccontextmanager
-async def open_device(name: str | None = None) -> AsyncIterator[Context]:
-    """Open a device; its QPs make progress in a nursery that lives as long as it."""
-    device = _find_device(name)
-    async with service_nursery() as nursery:
-        ctx = Context(device, nursery)
-        try:
-            yield ctx
-        finally:
-            ctx.close()
 
 
 class _Resource:
@@ -354,10 +343,27 @@ class Context(_Parent):
         check_cq_target("create_cq", channel, handler)
         if not 1 <= cqe <= MAX_CQE:
             raise VerbsError(errno.EINVAL, "create_cq", f"cqe {cqe} outside 1..{MAX_CQE}")
-        cq = self._adopt(CQ(self, cqe, channel))
+        cq = self._adopt(self._new_cq(cqe, channel))
         if handler is not None:
             cq.set_handler(handler)
         return cq
+
+    @property
+    def engine(self) -> str:
+        """Which engine serves this context: ``python`` here (``native``: see
+        :mod:`.native_provider`; :mod:`.engines` chooses when a device is opened)."""
+        return "python"
+
+    def _new_cq(self, cqe: int, channel: CompChannel | None) -> CQ:
+        return CQ(self, cqe, channel)
+
+    def _new_qp(
+        self, pd: PD, send: CQ, recv: CQ, cap: QPCap, srq: SRQ | None, sq_sig_all: bool
+    ) -> QP:
+        return QP(pd, send, recv, cap, srq, sq_sig_all)
+
+    def _new_srq(self, pd: PD, max_wr: int, max_sge: int) -> SRQ:
+        return SRQ(pd, max_wr, max_sge)
 
     # ------------------------------------------------------------ completion handlers
     def _handler_due(self, cq: CQ) -> None:
@@ -405,7 +411,7 @@ class Context(_Parent):
         finally:
             self._dispatching = False
 
-    def _post_async(self, event_type: AsyncEventType, element: CQ | QP) -> None:
+    def _post_async(self, event_type: AsyncEventType, element: abc.CQ | abc.QP) -> None:
         if len(self._async_events) == MAX_ASYNC_EVENTS:
             log.warning("%s: async event queue full, oldest event dropped", self.device.name)
         self._async_events.append(AsyncEvent(event_type, element))
@@ -513,14 +519,14 @@ class PD(_Parent):
         for value, low, high, name in limits:
             if not low <= value <= high:
                 raise VerbsError(errno.EINVAL, "create_qp", f"{name}={value} outside {low}..{high}")
-        return self._adopt(QP(self, send, recv, cap, shared, sq_sig_all))
+        return self._adopt(self.context._new_qp(self, send, recv, cap, shared, sq_sig_all))
 
     def create_srq(self, max_wr: int = 128, max_sge: int = 1) -> SRQ:
         """A shared receive queue for QPs of this PD."""
         self._check_open("create_srq")
         if not (1 <= max_wr <= MAX_QP_WR and 0 <= max_sge <= MAX_SGE):
             raise VerbsError(errno.EINVAL, "create_srq", f"max_wr={max_wr} max_sge={max_sge}")
-        return self._adopt(SRQ(self, max_wr, max_sge))
+        return self._adopt(self.context._new_srq(self, max_wr, max_sge))
 
 
 class MR(PinnedRegion, _Resource):
@@ -616,7 +622,7 @@ class CQ(_Resource):
         self._waiter = trio.Event()
         self._reader: Link | None = None
         """The connection a task in :meth:`wait` reads in place of its receive task."""
-        self._qps: dict[int, QP] = {}
+        self._qps: dict[int, QPBase] = {}
         """The QPs completing into this CQ (they go to ERR if it overruns)."""
         self.events_acked = 0
         self.events_delivered = 0
@@ -683,10 +689,12 @@ class CQ(_Resource):
             not self._solicited_only or (run.solicited is not None and True in run.solicited)
         )
 
-    def _overflow(self, wc: WC) -> None:
+    def _overflow(self, lost: object) -> None:
+        """More than ``cqe`` completions: ``lost`` (the one that did not fit, or None when
+        the native engine's ring counted the loss) is reported, the QPs go to ERR."""
         if not self._overrun:
             self._overrun = True
-            log.error("CQ overrun: %d entries; completion %r lost", self.cqe, wc)
+            log.error("CQ overrun: %d entries; completion %r lost", self.cqe, lost)
             self.context._post_async(AsyncEventType.CQ_ERR, self)
             # Not from inside the engine that is completing: on the next tick.
             self.context.nursery.start_soon(self._fail_qps)
@@ -854,7 +862,7 @@ class CQ(_Resource):
             return None
         return qp._link
 
-    def _only_qp(self) -> QP | None:
+    def _only_qp(self) -> QPBase | None:
         """The QP completing here, when there is exactly one."""
         return next(iter(self._qps.values())) if len(self._qps) == 1 else None
 
@@ -1341,10 +1349,23 @@ class _SendTemplates(list[_SendTemplate]):
         return plan
 
 
-class QP(_Resource):
-    """A reliable-connected queue pair (``ibv_qp``)."""
+class EngineView(Protocol):
+    """What a QP's verbs object asks of its engine, the Python one or the native one."""
+
+    error: Exception | None
+    remote_terminate: TermCode | None
+    config: EngineConfig
+
+    def set_error(self, exc: Exception | None = None) -> None: ...
+
+
+class QPBase(_Resource):
+    """What both engines' queue pairs share (``ibv_qp``): the attributes, the state a
+    user sees, ``query``, ``modify`` and waiting for the connection's end."""
 
     _kind = "queue pair"
+    engine: EngineView
+    _link: Link | None
 
     def __init__(
         self, pd: PD, send_cq: CQ, recv_cq: CQ, cap: QPCap, srq: SRQ | None, sq_sig_all: bool
@@ -1357,28 +1378,7 @@ class QP(_Resource):
         self.srq = srq
         self.sq_sig_all = sq_sig_all
         self.qp_num = next(self.context._qp_numbers)
-        self._rq: deque[RecvJob] = deque()
-        self._link: Link | None = None
-        self._now_src: _InlineSGE | None = None
-        """The SGE :meth:`_send_now` last sent from, with its region."""
-        self._templates: dict[int, _SendTemplate] = {}
-        """By the id of the request posted: its template (:meth:`_template`)."""
-        self._now_max = -1
-        """The most bytes :meth:`_send_now` sends (set when connected; -1: none)."""
-        self._copy_max = -1
-        """The most bytes :meth:`_send_now` sends without INLINE (-1: none)."""
-        self.engine = Engine(
-            qp_num=self.qp_num,
-            pd=pd,
-            memory=self.context.memory,
-            recv_queue=srq._queue if srq is not None else self._rq,
-            on_send_wc=send_cq._push,
-            on_recv_wc=recv_cq._push,
-            on_recv_wcs=recv_cq._push_run,
-            on_send_wcs=send_cq._push_all,
-            sq_sig_all=sq_sig_all,
-            on_fatal=self._on_fatal,
-        )
+        self._link = None
         self._state = QPState.INIT
         send_cq._qps[id(self)] = recv_cq._qps[id(self)] = self
         self.error_listeners: list[Callable[[Exception], None]] = []
@@ -1403,6 +1403,100 @@ class QP(_Resource):
     def remote_terminate(self) -> TermCode | None:
         """The error code of a Terminate the peer sent, if it sent one."""
         return self.engine.remote_terminate
+
+    def query(self) -> QPAttr:
+        """Current attributes."""
+        cfg = self.engine.config
+        return QPAttr(
+            qp_state=self._state,
+            qp_type=QPType.RC,
+            qp_num=self.qp_num,
+            cap=self.cap,
+            max_rd_atomic=cfg.ord,
+            max_dest_rd_atomic=cfg.ird,
+            sq_sig_all=self.sq_sig_all,
+        )
+
+    def modify(self, *, qp_state: QPState, qkey: int | None = None) -> None:
+        """Change state; a user may only move a QP to ERR (the CM moves it to RTS).
+        ``qkey`` is for UD QPs, which iWARP lacks (EINVAL)."""
+        self._check_open("modify_qp")
+        if QPState(qp_state) is not QPState.ERR or qkey is not None:
+            raise VerbsError(
+                errno.EINVAL,
+                "modify_qp",
+                f"{QPState(qp_state).name}: iWARP QPs are connected by the CM",
+            )
+        self.engine.set_error()
+
+    async def wait_closed(self) -> None:
+        """Wait until the connection is gone (after ERR, once the socket is closed)."""
+        if self._link is not None:
+            await self._link.closed.wait()
+
+    @abstractmethod
+    def post_send(self, wr: SendWR | Iterable[SendWR]) -> None:
+        """Post one send work request or a list of them (never blocks)."""
+
+    @abstractmethod
+    def post_recv(self, wr: RecvWR | Iterable[RecvWR]) -> None:
+        """Post one receive work request or a list of them (never blocks)."""
+
+    @abstractmethod
+    def post_send_batch(
+        self, batch: SendBatch, count: int | None = None, *, indices: Sequence[int] | None = None
+    ) -> None:
+        """Post entries of a prepared send batch."""
+
+    @abstractmethod
+    def post_recv_batch(
+        self, batch: RecvBatch, count: int | None = None, *, indices: Sequence[int] | None = None
+    ) -> None:
+        """Post entries of a prepared receive batch."""
+
+    @abstractmethod
+    def connect(self, config: EngineConfig, sock: trio.socket.SocketType, leftover: bytes) -> None:
+        """MPA is done (``leftover``: the bytes read past its frames): enter RTS and run
+        the connection."""
+
+    @abstractmethod
+    def when_ready(self, callback: Callable[[], None]) -> None:
+        """P2P responder: ``callback`` runs when the initiator's RTR arrives."""
+
+    def _leave_cqs(self) -> None:
+        self.send_cq._qps.pop(id(self), None)
+        self.recv_cq._qps.pop(id(self), None)
+        self._leave_parent()
+
+
+class QP(QPBase):
+    """A reliable-connected queue pair on the Python engine."""
+
+    def __init__(
+        self, pd: PD, send_cq: CQ, recv_cq: CQ, cap: QPCap, srq: SRQ | None, sq_sig_all: bool
+    ) -> None:
+        super().__init__(pd, send_cq, recv_cq, cap, srq, sq_sig_all)
+        self._rq: deque[RecvJob] = deque()
+        self._now_src: _InlineSGE | None = None
+        """The SGE :meth:`_send_now` last sent from, with its region."""
+        self._templates: dict[int, _SendTemplate] = {}
+        """By the id of the request posted: its template (:meth:`_template`)."""
+        self._now_max = -1
+        """The most bytes :meth:`_send_now` sends (set when connected; -1: none)."""
+        self._copy_max = -1
+        """The most bytes :meth:`_send_now` sends without INLINE (-1: none)."""
+        self.engine: Engine = Engine(
+            qp_num=self.qp_num,
+            pd=pd,
+            memory=self.context.memory,
+            recv_queue=srq._queue if srq is not None else self._rq,
+            on_send_wc=send_cq._push,
+            on_recv_wc=recv_cq._push,
+            on_recv_wcs=recv_cq._push_run,
+            on_send_wcs=send_cq._push_all,
+            sq_sig_all=sq_sig_all,
+            on_fatal=self._on_fatal,
+        )
 
     def _on_fatal(self, exc: Exception) -> None:
         for listener in self.error_listeners:
@@ -1757,30 +1851,18 @@ class QP(_Resource):
         )  # fmt: skip
 
     # ---------------------------------------------------------------- state
-    def query(self) -> QPAttr:
-        """Current attributes."""
-        cfg = self.engine.config
-        return QPAttr(
-            qp_state=self._state,
-            qp_type=QPType.RC,
-            qp_num=self.qp_num,
-            cap=self.cap,
-            max_rd_atomic=cfg.ord,
-            max_dest_rd_atomic=cfg.ird,
-            sq_sig_all=self.sq_sig_all,
-        )
+    def when_ready(self, callback: Callable[[], None]) -> None:
+        """P2P responder: ``callback`` runs when the initiator's RTR arrives."""
+        self.engine.on_ready = callback
 
-    def modify(self, *, qp_state: QPState, qkey: int | None = None) -> None:
-        """Change state; a user may only move a QP to ERR (the CM moves it to RTS).
-        ``qkey`` is for UD QPs, which iWARP lacks (EINVAL)."""
-        self._check_open("modify_qp")
-        if QPState(qp_state) is not QPState.ERR or qkey is not None:
-            raise VerbsError(
-                errno.EINVAL,
-                "modify_qp",
-                f"{QPState(qp_state).name}: iWARP QPs are connected by the CM",
-            )
-        self.engine.set_error()
+    def connect(self, config: EngineConfig, sock: trio.socket.SocketType, leftover: bytes) -> None:
+        """MPA is done: the engine enters RTS and a :class:`~.driver.Link` runs the socket."""
+        from rdmashim.verbs.softiwarp.driver import Link
+
+        self.engine.start(config)
+        link = Link(self.engine, sock, leftover)
+        self._attach(link)
+        self.context.nursery.start_soon(link.run)
 
     def _attach(self, link: Link) -> None:
         self._link = link
@@ -1791,20 +1873,13 @@ class QP(_Resource):
         link.after_receive = self.context._after_receive
         self._state = QPState.RTS if self.engine.state is EngineState.RTS else self._state
 
-    async def wait_closed(self) -> None:
-        """Wait until the connection is gone (after ERR, once the socket is closed)."""
-        if self._link is not None:
-            await self._link.closed.wait()
-
     def close(self) -> None:
         """Destroy the QP: outstanding work is flushed and the connection dropped."""
         if self._closed:
             return
         if self.engine.state is not EngineState.ERROR:
             self.engine.set_error(ConnectionAbortedError("QP destroyed"))
-        self.send_cq._qps.pop(id(self), None)
-        self.recv_cq._qps.pop(id(self), None)
-        self._leave_parent()
+        self._leave_cqs()
 
 
 def check_sge(memory: MemoryTable, pd: PD, sge: SGE, access: Access) -> memoryview:
@@ -1826,5 +1901,4 @@ __all__ = [
     "Device",
     "WCOpcode",
     "get_device_list",
-    "open_device",
 ]
