@@ -11,6 +11,7 @@ import pytest
 from test_nfs3 import GID, ROOT, UID, Args, Client, make_program
 
 from rdmashim.ulps.nfsrdma import nfs3_types as t
+from rdmashim.ulps.nfsrdma.handles import ObjectId, RelPath
 from rdmashim.ulps.nfsrdma.nfs3 import Nfs3Program
 
 needs_root = pytest.mark.skipif(not ROOT, reason="ownership checks need the server to run as root")
@@ -97,6 +98,39 @@ async def test_a_moved_object_is_found_by_search(program: Nfs3Program, export_di
     os.rename(export_dir / "a", export_dir / "b" / "c" / "a")  # behind the server's back
     assert await client.write(fh, 0, b"moved") == t.NFS3_OK
     assert (export_dir / "b" / "c" / "a" / "f").read_bytes() == b"moved"
+
+
+async def test_looking_runs_on_the_event_loop_and_a_search_in_a_worker_thread(
+    program: Nfs3Program, export_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """GETATTR and the other procedures that only look run where the call came (a
+    thread hop costs several times their work); one whose handle's object moved, so
+    the export must be searched, starts again in a worker thread and still answers."""
+    resolver = program.exports[0].resolver
+    finds: list[tuple[str, bool]] = []  # (the search flag, on the event loop thread)
+    real_find = resolver.find
+
+    def find(oid: ObjectId, *, search: bool = True) -> tuple[int, os.stat_result, RelPath]:
+        finds.append((str(oid.ino), threading.current_thread() is threading.main_thread()))
+        return real_find(oid, search=search)
+
+    monkeypatch.setattr(resolver, "find", find)
+    client = Client(program)
+    sub = await client.mkdir(root_handle(program), "a")
+    fh = await client.create(sub, "f")
+    ino = str(os.stat(export_dir / "a" / "f").st_ino)
+    await client.write(fh, 0, b"12345")
+    finds.clear()
+    assert (await client.getattr(fh)).size == 5
+    assert finds == [(ino, True)]
+    (export_dir / "b").mkdir()
+    os.rename(export_dir / "a", export_dir / "b" / "a")  # behind the server's back
+    finds.clear()
+    assert (await client.getattr(fh)).size == 5  # the same call, started again
+    assert finds == [(ino, True), (ino, False)]
+    finds.clear()
+    assert await client.write(fh, 0, b"x") == t.NFS3_OK
+    assert finds == [(ino, False)]  # data moves in a worker thread
 
 
 async def test_the_search_is_bounded(tmp_path: Path, export_dir: Path) -> None:

@@ -212,9 +212,10 @@ class Export:
         st = node.st
         return self.codec.encode(ObjectId(st.st_dev, st.st_ino, generation(node.fd, st)))
 
-    def node(self, fh: bytes) -> Node:
-        """The object a handle names: BADHANDLE if not ours, STALE if it is gone."""
-        fd, st, path = self.resolver.find(self.codec.decode(fh))
+    def node(self, fh: bytes, *, search: bool = True) -> Node:
+        """The object a handle names: BADHANDLE if not ours, STALE if it is gone
+        (``search`` False: :class:`~.handles.SearchNeeded` where the export would be searched)."""
+        fd, st, path = self.resolver.find(self.codec.decode(fh), search=search)
         return Node(fd, st, path)
 
     def root(self) -> Node:

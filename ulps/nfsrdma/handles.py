@@ -13,7 +13,14 @@ component at a time (``O_NOFOLLOW``, relative to the export's root
 descriptor, so nothing outside the export is reachable), and when the path
 no longer leads to that inode searches the export breadth first, up to a
 bound. An object it cannot find, or whose generation changed (the inode was
-reused), is NFS3ERR_STALE.
+reused), is NFS3ERR_STALE. The export's root's generation is asked once: the
+resolver holds the root open, so its inode cannot be reused meanwhile. A caller that must
+not block for long (the event loop) asks :meth:`Resolver.find` not to
+search, and gets :class:`SearchNeeded` where a search would begin.
+
+:class:`HandleCodec` remembers the handles it has verified (a bounded
+cache keyed by the handle's bytes), so a client's handles cost one MAC each
+until the cache fills.
 """
 
 from __future__ import annotations
@@ -41,6 +48,8 @@ _BODY = struct.Struct(">BIQQI")
 _MAC_SIZE: Final = 16
 HANDLE_SIZE: Final = _BODY.size + _MAC_SIZE
 KEY_SIZE: Final = 32
+VERIFIED_CACHE: Final = 4096
+"""Handles :class:`HandleCodec` keeps as verified (all forgotten when it is full)."""
 _FS_IOC_GETVERSION: Final = 0x80087601
 
 PATH_FLAGS: Final = os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC
@@ -106,12 +115,17 @@ def generation(fd: int, st: os.stat_result) -> int:
     return int.from_bytes(raw[:4], "little") if raw else 0
 
 
+class SearchNeeded(Exception):
+    """:meth:`Resolver.find` without searching: the cached path no longer leads to the object."""
+
+
 class HandleCodec:
     """Makes and checks the handles of one export."""
 
     def __init__(self, export_id: int, key: bytes) -> None:
         self.export_id = export_id
         self._key = key
+        self._verified: dict[bytes, ObjectId] = {}
 
     def _mac(self, body: bytes) -> bytes:
         return hmac.new(self._key, body, hashlib.sha256).digest()[:_MAC_SIZE]
@@ -123,6 +137,9 @@ class HandleCodec:
 
     def decode(self, fh: bytes) -> ObjectId:
         """The object a handle names; NfsError(BADHANDLE) unless this export made it."""
+        oid = self._verified.get(fh)
+        if oid is not None:
+            return oid
         if len(fh) != HANDLE_SIZE:
             raise NfsError(NFS3ERR_BADHANDLE, f"{len(fh)}-byte handle")
         body, mac = fh[: _BODY.size], fh[_BODY.size :]
@@ -131,7 +148,11 @@ class HandleCodec:
             raise NfsError(NFS3ERR_BADHANDLE, "not this export's handle")
         if not hmac.compare_digest(mac, self._mac(body)):
             raise NfsError(NFS3ERR_BADHANDLE, "handle MAC mismatch")
-        return ObjectId(dev, ino, gen)
+        oid = ObjectId(dev, ino, gen)
+        if len(self._verified) >= VERIFIED_CACHE:
+            self._verified.clear()
+        self._verified[bytes(fh)] = oid
+        return oid
 
 
 def handle_export_id(fh: bytes) -> int | None:
@@ -152,6 +173,7 @@ class Resolver:
         self.root_fd = root_fd
         root = os.stat(root_fd)
         self.root_key = (root.st_dev, root.st_ino)
+        self.root_gen = generation(root_fd, root)
         self._cache: OrderedDict[tuple[int, int], RelPath] = OrderedDict()
         self._cache_size = cache_size
         self._search_limit = search_limit
@@ -198,15 +220,23 @@ class Resolver:
         os.close(fd)
         return None
 
-    def find(self, oid: ObjectId) -> tuple[int, os.stat_result, RelPath]:
-        """An ``O_PATH`` descriptor, the stat and the path of ``oid``; NfsError(STALE) if gone."""
-        if (oid.dev, oid.ino) == self.root_key:
-            path: RelPath | None = ()
-        else:
-            with self._lock:
-                path = self._cache.get((oid.dev, oid.ino))
+    def find(self, oid: ObjectId, *, search: bool = True) -> tuple[int, os.stat_result, RelPath]:
+        """An ``O_PATH`` descriptor, the stat and the path of ``oid``; NfsError(STALE) if gone.
+
+        With ``search`` False, :class:`SearchNeeded` where the export would be searched.
+        """
+        key = (oid.dev, oid.ino)
+        if key == self.root_key:  # held open by root_fd: its generation stays what it was
+            if oid.gen and self.root_gen not in (0, oid.gen):
+                raise NfsError(NFS3ERR_STALE, f"inode {oid.ino} reused")
+            fd = os.dup(self.root_fd)
+            return fd, os.stat(fd), ()
+        with self._lock:
+            path = self._cache.get(key)
         found = self._try(oid, path) if path is not None else None
         if found is None:
+            if not search:
+                raise SearchNeeded(oid)
             path = self._search(oid)
             found = self._try(oid, path) if path is not None else None
         if found is None or path is None:

@@ -1,11 +1,16 @@
 """The NFSv3 program (RFC 1813, program 100003 version 3) over local directories.
 
 :class:`Nfs3Program` serves one or more :class:`~.export.Export`\\ s. Each
-call runs in a worker thread (file system calls block, an fsync for long),
-in a :class:`~.nfs3_call.Call` that holds the objects it opened and its
-failure arm. This module has the data procedures (LOOKUP, READLINK, READ,
-WRITE, COMMIT); the others are in :mod:`.nfs3_attrs`, :mod:`.nfs3_dirs` and
-:mod:`.nfs3_readdir`, registered in :data:`~.nfs3_call.PROCEDURES`.
+call runs in a :class:`~.nfs3_call.Call` that holds the objects it opened and
+its failure arm. The procedures that only look (GETATTR, ACCESS, LOOKUP,
+READLINK, FSSTAT, FSINFO, PATHCONF) run on the event loop: a hop to a worker
+thread and back costs several times what they do. One whose handle's object
+is not where the handle cache says (a search of the export could take long)
+starts again in a worker thread, as every other procedure runs (file system
+calls that move data block, an fsync for long). This module has the data
+procedures (LOOKUP, READLINK, READ, WRITE, COMMIT); the others are in
+:mod:`.nfs3_attrs`, :mod:`.nfs3_dirs` and :mod:`.nfs3_readdir`, registered in
+:data:`~.nfs3_call.PROCEDURES`.
 
 WRITE's verifier is random per program instance: a restarted server's
 verifier differs, so clients resend UNSTABLE data it never committed.
@@ -22,6 +27,7 @@ import trio
 
 from rdmashim.ulps.nfsrdma import nfs3_attrs, nfs3_dirs, nfs3_readdir  # noqa: F401 (procedures)
 from rdmashim.ulps.nfsrdma.export import MAY_EXEC, MAY_READ, MAY_WRITE, Export, Node
+from rdmashim.ulps.nfsrdma.handles import SearchNeeded
 from rdmashim.ulps.nfsrdma.nfs3_call import (
     MAXFILESIZE,
     PROCEDURES,
@@ -65,14 +71,19 @@ log = logging.getLogger(__name__)
 
 
 class Nfs3Program:
-    """NFS version 3 over ``exports``; ``threads`` bounds the calls running at once."""
+    """NFS version 3 over ``exports``; ``threads`` bounds the calls running in worker threads
+    at once; ``inline`` False runs every procedure in a worker thread (for an export on a
+    file system whose metadata calls may hang, such as a network mount)."""
 
     number = NFS_PROGRAM
     versions = (NFS_V3, NFS_V3)
 
-    def __init__(self, exports: Export | Sequence[Export], *, threads: int = 8) -> None:
+    def __init__(
+        self, exports: Export | Sequence[Export], *, threads: int = 8, inline: bool = True
+    ) -> None:
         self.state = ServerState([exports] if isinstance(exports, Export) else list(exports))
         self._limiter = trio.CapacityLimiter(threads)
+        self.inline = inline
 
     @property
     def exports(self) -> Sequence[Export]:
@@ -80,17 +91,28 @@ class Nfs3Program:
         return self.state.exports
 
     async def dispatch(self, ctx: CallContext, args: Unpacker, reply: Reply) -> None:
-        """Run procedure ``ctx.proc`` in a worker thread (see :class:`~.service.Program`)."""
+        """Run procedure ``ctx.proc`` here or in a worker thread (see the module doc and
+        :class:`~.service.Program`)."""
         if ctx.proc == NULL:
             return
         entry = PROCEDURES.get(ctx.proc)
         if entry is None:
             raise ProcUnavailable(ctx.proc)
+        if entry.inline and self.inline:
+            start = args.pos
+            try:
+                self.run(entry, ctx, args, reply, search=False)
+                return
+            except SearchNeeded:  # nothing was encoded yet: the call starts again
+                args.pos = start
         await trio.to_thread.run_sync(self.run, entry, ctx, args, reply, limiter=self._limiter)
 
-    def run(self, entry: Entry, ctx: CallContext, args: Unpacker, reply: Reply) -> None:
-        """One call, synchronously: the status, then the result or the failure arm."""
-        with Call(self.state, ctx, entry.fresh_fail()) as call:
+    def run(
+        self, entry: Entry, ctx: CallContext, args: Unpacker, reply: Reply, *, search: bool = True
+    ) -> None:
+        """One call, synchronously: the status, then the result or the failure arm
+        (``search`` False: :class:`~.handles.SearchNeeded` where a handle needs a search)."""
+        with Call(self.state, ctx, entry.fresh_fail(), search=search) as call:
             try:
                 body = entry.run(call, args)
             except NfsError as exc:
@@ -107,7 +129,7 @@ class Nfs3Program:
             call.pack_fail(reply.packer)
 
 
-@procedure(LOOKUP, "a")
+@procedure(LOOKUP, "a", inline=True)
 def lookup(call: Call, args: Unpacker) -> Body:
     """LOOKUP: a name in a directory (``..`` at the export's root is the root)."""
     fh, name = unpack_diropargs(args)
@@ -127,7 +149,7 @@ def lookup(call: Call, args: Unpacker) -> Body:
     return body
 
 
-@procedure(READLINK, "a")
+@procedure(READLINK, "a", inline=True)
 def readlink(call: Call, args: Unpacker) -> Body:
     """READLINK: a symbolic link's target (DDP-eligible), never followed."""
     node = call.node(unpack_fh(args))

@@ -49,7 +49,7 @@ from rdmashim.ulps.nfsrdma.nfs3_types import (
     NfsError,
     Sattr3,
     TimeSet,
-    pack_fattr3,
+    fattr3_bytes,
     unpack_fh,
     unpack_sattr3,
     unpack_time,
@@ -114,12 +114,16 @@ def apply_sattr(call: Call, node: Node, s: Sattr3) -> None:
     node.restat()
 
 
-@procedure(GETATTR, "")
+@procedure(GETATTR, "", inline=True)
 def getattr_(call: Call, args: Unpacker) -> Body:
     """GETATTR: the attributes of an object."""
     node = call.node(unpack_fh(args))
-    attrs = call.fattr(node)
-    return lambda reply: pack_fattr3(reply.packer, attrs)
+    attrs = fattr3_bytes(node.st, call.ex.export_id)
+
+    def body(reply: Reply) -> None:
+        reply.packer.data += attrs
+
+    return body
 
 
 @procedure(SETATTR, "w")
@@ -147,7 +151,7 @@ def granted(caller: Caller, st: os.stat_result, read_only: bool) -> int:
     return bits & ~_MODIFYING if read_only else bits
 
 
-@procedure(ACCESS, "a")
+@procedure(ACCESS, "a", inline=True)
 def access(call: Call, args: Unpacker) -> Body:
     """ACCESS: which of the asked-for rights the caller has."""
     fh, wanted = unpack_fh(args), args.uint()
@@ -162,7 +166,7 @@ def access(call: Call, args: Unpacker) -> Body:
     return body
 
 
-@procedure(FSSTAT, "a")
+@procedure(FSSTAT, "a", inline=True)
 def fsstat(call: Call, args: Unpacker) -> Body:
     """FSSTAT: space and inodes of the file system holding the export."""
     node = call.node(unpack_fh(args))
@@ -180,7 +184,7 @@ def fsstat(call: Call, args: Unpacker) -> Body:
     return body
 
 
-@procedure(FSINFO, "a")
+@procedure(FSINFO, "a", inline=True)
 def fsinfo(call: Call, args: Unpacker) -> Body:
     """FSINFO: transfer sizes, the largest file, time resolution, properties."""
     node = call.node(unpack_fh(args))
@@ -199,7 +203,7 @@ def fsinfo(call: Call, args: Unpacker) -> Body:
     return body
 
 
-@procedure(PATHCONF, "a")
+@procedure(PATHCONF, "a", inline=True)
 def pathconf(call: Call, args: Unpacker) -> Body:
     """PATHCONF: link count and name limits, POSIX behaviours."""
     node = call.node(unpack_fh(args))

@@ -12,7 +12,6 @@ and their post-operation attributes are taken when they are encoded.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 from collections.abc import Callable, Sequence
@@ -99,21 +98,32 @@ class ServerState:
 
 
 class Call:
-    """One call in progress: its context, the nodes it holds open, its failure arm."""
+    """One call in progress: its context, the descriptors it holds open, its failure arm.
 
-    def __init__(self, state: ServerState, ctx: CallContext, fail: Sequence[Tail]) -> None:
+    ``search`` False (a call on the event loop): a handle whose object must be
+    searched for raises :class:`~.handles.SearchNeeded` instead.
+    """
+
+    __slots__ = ("_caller", "_fds", "ctx", "export", "fail", "search", "state")
+
+    def __init__(
+        self, state: ServerState, ctx: CallContext, fail: Sequence[Tail], *, search: bool = True
+    ) -> None:
         self.state = state
         self.ctx = ctx
         self.fail = list(fail)
+        self.search = search
         self.export: Export | None = None
         self._caller: Caller | None = None
-        self._stack = contextlib.ExitStack()
+        self._fds: list[int] = []
 
     def __enter__(self) -> Call:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self._stack.close()
+        fds, self._fds = self._fds, []
+        for fd in reversed(fds):
+            os.close(fd)
 
     @property
     def ex(self) -> Export:
@@ -130,12 +140,12 @@ class Call:
 
     def hold(self, node: Node) -> Node:
         """Keep ``node`` open until the call ends."""
-        self._stack.callback(os.close, node.fd)
+        self._fds.append(node.fd)
         return node
 
     def fd(self, fd: int) -> int:
         """Keep a descriptor open until the call ends."""
-        self._stack.callback(os.close, fd)
+        self._fds.append(fd)
         return fd
 
     def node(self, fh: bytes) -> Node:
@@ -147,7 +157,7 @@ class Call:
             self.export = export
         elif export is not self.export:
             raise NfsError(NFS3ERR_XDEV)
-        return self.hold(export.node(fh))
+        return self.hold(export.node(fh, search=self.search))
 
     def child(self, parent: Node, name: str) -> Node:
         """``name`` in ``parent`` (LOOKUP semantics)."""
@@ -176,10 +186,15 @@ Procedure = Callable[[Call, Unpacker], Body]
 
 @dataclass(frozen=True, slots=True)
 class Entry:
-    """A procedure and the shape of its failure arm (``"a"``: post_op_attr, ``"w"``: wcc_data)."""
+    """A procedure and the shape of its failure arm (``"a"``: post_op_attr, ``"w"``: wcc_data).
+
+    ``inline``: the procedure only looks (stat, open ``O_PATH``, read a
+    link or a file system's figures), so it may run on the event loop.
+    """
 
     run: Procedure
     fail: str
+    inline: bool = False
 
     def fresh_fail(self) -> list[Tail]:
         """The failure arm with every item absent."""
@@ -189,11 +204,12 @@ class Entry:
 PROCEDURES: dict[int, Entry] = {}
 
 
-def procedure(number: int, fail: str) -> Callable[[Procedure], Procedure]:
-    """Register an NFSv3 procedure and the shape of its failure arm."""
+def procedure(number: int, fail: str, *, inline: bool = False) -> Callable[[Procedure], Procedure]:
+    """Register an NFSv3 procedure, the shape of its failure arm, and whether it may run
+    on the event loop (see :class:`Entry`)."""
 
     def register(run: Procedure) -> Procedure:
-        PROCEDURES[number] = Entry(run, fail)
+        PROCEDURES[number] = Entry(run, fail, inline)
         return run
 
     return register

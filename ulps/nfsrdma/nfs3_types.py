@@ -14,6 +14,7 @@ from __future__ import annotations
 import errno
 import os
 import stat
+import struct
 from dataclasses import dataclass
 from enum import IntEnum
 from typing import Final, Literal
@@ -246,28 +247,40 @@ class Sattr3:
     mtime: TimeSet = None
 
 
-def _time_of(ns: int) -> Time:
-    seconds, nanos = divmod(max(ns, 0), 1_000_000_000)
-    return (min(seconds, 0xFFFFFFFF), nanos)
+_FATTR3: Final = struct.Struct(">5I2Q2I2Q6I")
+"""A ``fattr3`` on the wire, its 17 fields flat (rdev and the times two words each)."""
+FATTR3_SIZE: Final = _FATTR3.size
+"""Bytes of an encoded ``fattr3``."""
+
+
+def _stat_words(st: os.stat_result, fsid: int) -> tuple[int, ...]:
+    """The 17 flat fields of the ``fattr3`` of ``st``, in wire order."""
+    mode = st.st_mode
+    a_s, a_n = divmod(max(st.st_atime_ns, 0), 1_000_000_000)
+    m_s, m_n = divmod(max(st.st_mtime_ns, 0), 1_000_000_000)
+    c_s, c_n = divmod(max(st.st_ctime_ns, 0), 1_000_000_000)
+    rdev = st.st_rdev
+    return (
+        _FTYPE_OF_FMT.get(stat.S_IFMT(mode), NF3REG), stat.S_IMODE(mode), st.st_nlink,
+        st.st_uid, st.st_gid, st.st_size, st.st_blocks * 512, os.major(rdev), os.minor(rdev),
+        fsid, st.st_ino, min(a_s, 0xFFFFFFFF), a_n, min(m_s, 0xFFFFFFFF), m_n,
+        min(c_s, 0xFFFFFFFF), c_n,
+    )  # fmt: skip
 
 
 def fattr_of_stat(st: os.stat_result, fsid: int) -> Fattr3:
     """The ``fattr3`` of an ``os.stat_result``; ``fsid`` names the export."""
+    ftype, mode, nlink, uid, gid, size, used, major, minor, _, fileid, *t = _stat_words(st, fsid)
     return Fattr3(
-        ftype=_FTYPE_OF_FMT.get(stat.S_IFMT(st.st_mode), NF3REG),
-        mode=stat.S_IMODE(st.st_mode),
-        nlink=st.st_nlink,
-        uid=st.st_uid,
-        gid=st.st_gid,
-        size=st.st_size,
-        used=st.st_blocks * 512,
-        rdev=(os.major(st.st_rdev), os.minor(st.st_rdev)),
-        fsid=fsid,
-        fileid=st.st_ino,
-        atime=_time_of(st.st_atime_ns),
-        mtime=_time_of(st.st_mtime_ns),
-        ctime=_time_of(st.st_ctime_ns),
-    )
+        FType3(ftype), mode, nlink, uid, gid, size, used, (major, minor), fsid, fileid,
+        (t[0], t[1]), (t[2], t[3]), (t[4], t[5]),
+    )  # fmt: skip
+
+
+def fattr3_bytes(st: os.stat_result, fsid: int) -> bytes:
+    """The encoded ``fattr3`` of ``st`` (what :func:`pack_fattr3` of
+    :func:`fattr_of_stat` writes, without the :class:`Fattr3` between)."""
+    return _FATTR3.pack(*_stat_words(st, fsid))
 
 
 def pack_time(p: Packer, t: Time) -> None:
@@ -281,18 +294,17 @@ def unpack_time(u: Unpacker) -> Time:
     return (u.uint(), u.uint())
 
 
+def pack_fattr3_bytes(a: Fattr3) -> bytes:
+    """A ``fattr3``, encoded."""
+    return _FATTR3.pack(
+        a.ftype, a.mode, a.nlink, a.uid, a.gid, a.size, a.used, *a.rdev, a.fsid, a.fileid,
+        *a.atime, *a.mtime, *a.ctime,
+    )  # fmt: skip
+
+
 def pack_fattr3(p: Packer, a: Fattr3) -> None:
     """A ``fattr3``."""
-    for value in (a.ftype, a.mode, a.nlink, a.uid, a.gid):
-        p.uint(value)
-    p.uhyper(a.size)
-    p.uhyper(a.used)
-    p.uint(a.rdev[0])
-    p.uint(a.rdev[1])
-    p.uhyper(a.fsid)
-    p.uhyper(a.fileid)
-    for t in (a.atime, a.mtime, a.ctime):
-        pack_time(p, t)
+    p.data += pack_fattr3_bytes(a)
 
 
 def _ftype(value: int) -> FType3:
@@ -311,10 +323,6 @@ def unpack_fattr3(u: Unpacker) -> Fattr3:
     fsid, fileid = u.uhyper(), u.uhyper()
     times = [unpack_time(u) for _ in range(3)]
     return Fattr3(ftype, mode, nlink, uid, gid, size, used, rdev, fsid, fileid, *times)
-
-
-FATTR3_SIZE: Final = 84
-"""Bytes of an encoded ``fattr3``."""
 
 
 def pack_post_op_attr(p: Packer, a: Fattr3 | None) -> None:

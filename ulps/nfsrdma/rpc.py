@@ -18,6 +18,7 @@ dropped. The only messages without an answer are those that are not calls.
 from __future__ import annotations
 
 import logging
+import struct
 from collections.abc import Iterable
 from dataclasses import dataclass
 from enum import IntEnum
@@ -32,7 +33,7 @@ from rdmashim.ulps.nfsrdma.service import (
     Program,
     Reply,
 )
-from rdmashim.ulps.nfsrdma.xdr import Packer, Unpacker, XdrError
+from rdmashim.ulps.nfsrdma.xdr import Packer, Unpacker, XdrError, pad
 
 logger = logging.getLogger(__name__)
 E = TypeVar("E", bound=IntEnum)
@@ -280,11 +281,17 @@ def _reply_start(xid: int, stat: ReplyStat) -> Reply:
     return reply
 
 
+_ACCEPTED = struct.Struct(">6I")
+"""An accepted reply's header: xid, REPLY, MSG_ACCEPTED, the verifier (AUTH_NONE, no
+body), accept_stat."""
+
+
 def accepted_reply(xid: int, stat: AcceptStat = AcceptStat.SUCCESS) -> Reply:
     """An accepted reply's header with ``stat`` (results, if any, are appended after it)."""
-    reply = _reply_start(xid, ReplyStat.MSG_ACCEPTED)
-    pack_opaque_auth(reply.packer, NULL_AUTH)
-    reply.packer.uint(stat)
+    reply = Reply()
+    reply.packer.data += _ACCEPTED.pack(
+        xid, MsgType.REPLY, ReplyStat.MSG_ACCEPTED, AUTH_NONE, 0, stat
+    )
     return reply
 
 
@@ -357,8 +364,21 @@ def decode_reply(message: bytes | bytearray | memoryview) -> tuple[int, Unpacker
 # -- the server core --------------------------------------------------------------------------
 
 
+_U32 = struct.Struct(">I")
+_CALL_HEAD = struct.Struct(">6I")
+"""A call's first six words: xid, msg_type, rpcvers, prog, vers, proc."""
+_CALL_HEAD_LEN = _CALL_HEAD.size
+CREDENTIALS_CACHE = 256
+"""Credentials (with their verifiers) :class:`RpcServer` keeps decoded, by their bytes."""
+
+
 class RpcServer:
-    """Answers ONC RPC calls for a set of programs, over any transport."""
+    """Answers ONC RPC calls for a set of programs, over any transport.
+
+    A client sends the same credential with every call: the decoded
+    credential is kept by its bytes (up to :data:`CREDENTIALS_CACHE` of them),
+    so its next calls are not decoded again.
+    """
 
     def __init__(self, programs: Iterable[Program]) -> None:
         self.programs: dict[int, Program] = {}
@@ -366,6 +386,7 @@ class RpcServer:
             if program.number in self.programs:
                 raise ValueError(f"program {program.number} given twice")
             self.programs[program.number] = program
+        self._credentials: dict[bytes, AuthSys | None] = {}
 
     async def handle_call(
         self, message: memoryview, peer: tuple[str, int], transport: str, local: str = ""
@@ -377,28 +398,17 @@ class RpcServer:
         (its DDP offsets count from the message's first byte). None only for
         a message that is not a call (a reply, or too short to say).
         """
-        u = Unpacker(message)
-        try:
-            xid = u.uint()
-            msg_type = u.uint()
-        except XdrError:
-            logger.warning(
-                "%s %s: message of %d bytes without a header", transport, peer, len(message)
-            )
-            return None
+        if len(message) < _CALL_HEAD_LEN:
+            return _short_call(message, peer, transport)
+        xid, msg_type, rpcvers, prog, vers, proc = _CALL_HEAD.unpack_from(message)
         if msg_type != MsgType.CALL:
-            logger.warning(
-                "%s %s: xid %#x is not a call (msg_type %d)", transport, peer, xid, msg_type
-            )
+            _not_a_call(xid, msg_type, peer, transport)
             return None
+        if rpcvers != RPC_VERSION:
+            return rpc_mismatch(xid)
+        u = Unpacker(message, _CALL_HEAD_LEN)
         try:
-            if u.uint() != RPC_VERSION:
-                return rpc_mismatch(xid)
-            prog, vers, proc = u.uint(), u.uint(), u.uint()
-        except XdrError:
-            return accepted_error(xid, AcceptStat.GARBAGE_ARGS)
-        try:
-            cred = _authenticate(u)
+            cred = self._authenticate(u, message)
         except AuthError as exc:
             return auth_error(xid, exc.stat)
         program = self.programs.get(prog)
@@ -409,6 +419,55 @@ class RpcServer:
             return accepted_error(xid, AcceptStat.PROG_MISMATCH, low, high)
         ctx = CallContext(xid, prog, vers, proc, cred, peer, transport, local)
         return await _dispatch(program, ctx, u)
+
+    def _authenticate(self, u: Unpacker, message: memoryview) -> AuthSys | None:
+        """:func:`_authenticate`, kept by the bytes of the credential and verifier."""
+        start = u.pos
+        end = _auth_end(message, _auth_end(message, start))
+        if end < 0:
+            return _authenticate(u)  # short: the decoder says what is wrong
+        key = bytes(message[start:end])
+        try:
+            cred = self._credentials[key]
+        except KeyError:
+            cred = _authenticate(u)  # AuthError for a bad one, which is not kept
+            if len(self._credentials) >= CREDENTIALS_CACHE:
+                self._credentials.clear()
+            self._credentials[key] = cred
+            return cred
+        u.pos = end
+        return cred
+
+
+def _short_call(message: memoryview, peer: tuple[str, int], transport: str) -> Reply | None:
+    """The answer to a message too short for a call header (none if not even a call's)."""
+    u = Unpacker(message)
+    try:
+        xid = u.uint()
+        msg_type = u.uint()
+    except XdrError:
+        logger.warning("%s %s: message of %d bytes without a header", transport, peer, len(message))
+        return None
+    if msg_type != MsgType.CALL:
+        _not_a_call(xid, msg_type, peer, transport)
+        return None
+    if u.remaining() >= 4 and u.uint() != RPC_VERSION:
+        return rpc_mismatch(xid)
+    return accepted_error(xid, AcceptStat.GARBAGE_ARGS)
+
+
+def _not_a_call(xid: int, msg_type: int, peer: tuple[str, int], transport: str) -> None:
+    """A message that is not a call gets no answer, only a log line."""
+    logger.warning("%s %s: xid %#x is not a call (msg_type %d)", transport, peer, xid, msg_type)
+
+
+def _auth_end(message: memoryview, at: int) -> int:
+    """Where the ``opaque_auth`` at offset ``at`` ends; -1 if the message does not hold it."""
+    if at < 0 or at + 8 > len(message):
+        return -1
+    end = at + 8 + _U32.unpack_from(message, at + 4)[0]
+    end += pad(end)
+    return end if end <= len(message) else -1
 
 
 def _authenticate(u: Unpacker) -> AuthSys | None:
