@@ -46,8 +46,8 @@ from rds_stress import CLIENT_IP, SERVER_IP, Case, _free_port, ours, raw, raw_pa
 from rdmashim.rdstools.common import open_node
 from rdmashim.rdstools.defaults import STRESS_PORT
 from rdmashim.rdstools.stress import PassiveResult, stress_passive
-from rdmashim.ulps.rds.connection import Session
 from rdmashim.ulps.rds.node import RdsSocket
+from rdmashim.ulps.rds.rdma_session import Session
 from rdmashim.verbs.softiwarp.engine import Engine
 from rdmashim.verbs.softiwarp.provider import QP
 

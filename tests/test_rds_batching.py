@@ -12,8 +12,9 @@ import trio
 import trio.testing
 from api.busyloop import loop_sleeps
 
-from rdmashim.ulps.rds.connection import ACK_DELAY, BURST_MAX, OPENING_MAX, Session
 from rdmashim.ulps.rds.node import RdsError, RdsSocket
+from rdmashim.ulps.rds.rdma_flow import ACK_DELAY
+from rdmashim.ulps.rds.rdma_session import BURST_MAX, OPENING_MAX, Session
 from rdmashim.ulps.rds.settings import RdsSettings
 
 from rdsnodes import close, nodes, transports

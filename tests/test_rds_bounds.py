@@ -27,8 +27,10 @@ import pytest
 import trio
 
 from rdmashim.cm import ConnectionRejected, open_connection
-from rdmashim.ulps.rds.connection import RECV_SLOTS, RdsConnection, Session
+from rdmashim.ulps.rds.connection import RdsConnection
 from rdmashim.ulps.rds.node import RdsNode
+from rdmashim.ulps.rds.rdma_flow import RECV_SLOTS
+from rdmashim.ulps.rds.rdma_session import Session
 from rdmashim.ulps.rds.settings import RdsSettings
 from rdmashim.ulps.rds.wire import RDS_FRAG_SIZE, RDS_HEADER_LEN, ConnectPrivate, RdsHeader
 from rdmashim.verbs import Access, QPCap, RecvWR, SendFlags, SendWR, WROpcode

@@ -60,8 +60,8 @@ import trio.lowlevel
 from rds_agent import check, payload
 
 from rdmashim import QPState
-from rdmashim.ulps.rds.connection import Session
 from rdmashim.ulps.rds.node import RdsError, RdsNode, RdsSocket, Transport
+from rdmashim.ulps.rds.rdma_session import Session
 from rdmashim.ulps.rds.tcp import TcpSession
 
 import netns

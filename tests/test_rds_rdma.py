@@ -9,9 +9,9 @@ import os
 import pytest
 import trio
 
-from rdmashim.ulps.rds.connection import SIGNAL_EVERY, Session
 from rdmashim.ulps.rds.node import RdsError
 from rdmashim.ulps.rds.rdma import RdmaOp, RdmaStatus, cookie_offset, cookie_rkey
+from rdmashim.ulps.rds.rdma_session import SIGNAL_EVERY, Session
 from rdmashim.ulps.rds.wire import RdmaExt
 from rdmashim.verbs import WCStatus
 from rdmashim.verbs.buffers import address_of

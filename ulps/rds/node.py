@@ -44,16 +44,13 @@ from rdmashim.cm import (
     open_device_for,
     serve,
 )
-from rdmashim.ulps.rds.connection import (
-    RECV_SLOTS,
-    IPAddress,
-    RdsConnection,
-    Session,
-    SessionLost,
-)
+from rdmashim.ulps.rds.connection import IPAddress, RdsConnection
 from rdmashim.ulps.rds.rdma import RdmaOp, RdmaStatus, Registrations
+from rdmashim.ulps.rds.rdma_flow import RECV_SLOTS
+from rdmashim.ulps.rds.rdma_session import Session
 from rdmashim.ulps.rds.settings import TRANSPORTS, RdsSettings, Transport
 from rdmashim.ulps.rds.tcp import TcpSession, tune
+from rdmashim.ulps.rds.transport import SessionLost
 from rdmashim.ulps.rds.wire import (
     RDS_CM_PORT,
     RDS_FLAG_PROBE_PORT,
@@ -150,6 +147,21 @@ class _Peer:
     failures: int = 0
     uncongested: trio.Event = field(default_factory=trio.Event)
     """Set when a port of the peer stops being congested (senders wait on it)."""
+    room: trio.Event = field(default_factory=trio.Event)
+    """Set when the connection's queue may have room again (senders wait on it)."""
+
+    def room_opened(self) -> None:
+        """The connection's ``on_room``: wake the senders waiting for room."""
+        self.room.set()
+
+    async def wait_room(self) -> None:
+        """Wait until the connection's queue has room for another message."""
+        rds = self.rds
+        while not rds.has_room:
+            if self.room.is_set():  # shared by every waiter: replacing it strands the others
+                self.room = trio.Event()
+            rds.room_wanted = True
+            await self.room.wait()
 
 
 class ReceivedMessage(NamedTuple):
@@ -219,7 +231,7 @@ class RdsSocket:
             entry = node._connection(ip)
             rds = entry.rds
             if not rds.has_room:
-                await rds.wait_room()
+                await entry.wait_room()
             elif rds.peer_congestion.test(port):
                 if entry.uncongested.is_set():  # shared by every waiter, as wait_room's
                     entry.uncongested = trio.Event()
@@ -521,12 +533,13 @@ class RdsNode:
         entry.rds.queue(
             0, sport, b"", extensions=self._probe_extensions() if probe else (), own=True
         )
-        if entry.rds.session is None:
-            self._start_connector(entry)
+        self._pump(entry)
 
     def _probe(self, rds: RdsConnection) -> None:
         """Queue the RDS/TCP handshake probe (``send.c`` ``rds_send_probe``)."""
         rds.queue(RDS_FLAG_PROBE_PORT, 0, b"", extensions=self._probe_extensions(), own=True)
+        if rds.session is not None:
+            rds.session.pump_sends()
 
     def _probe_extensions(self) -> tuple[NpathsExt, GenNumExt]:
         """What the RDS/TCP handshake probe and its answer carry (``rds_send_probe``)."""
@@ -559,6 +572,8 @@ class RdsNode:
 
     def _send_map(self, rds: RdsConnection) -> None:
         rds.queue_map(self.congestion.encode())
+        if rds.session is not None:
+            rds.session.pump_sends()
 
     def _peer_congestion(self, rds: RdsConnection, ports: set[int]) -> None:
         entry = self._peers.get(rds.peer)
@@ -638,7 +653,9 @@ class RdsNode:
         session = next(iter(self._peers.values())).rds.session
         if session is None or session.lost:
             return None
-        return session.cq if isinstance(session, Session) else session
+        if isinstance(session, Session):
+            return session.cq
+        return session if isinstance(session, TcpSession) else None
 
     def _connection(self, peer: IPAddress) -> _Peer:
         recent = self._recent
@@ -686,8 +703,16 @@ class RdsNode:
             except ValueError as exc:
                 raise RdsError(errno.EINVAL, str(exc)) from exc
         entry.rds.queue(sport, dport, data, rdma=rdma)
-        if entry.rds.session is None:
+        self._pump(entry)
+
+    def _pump(self, entry: _Peer) -> None:
+        """Something was queued on the peer's connection: its session sends it, or a
+        session is started."""
+        session = entry.rds.session
+        if session is None:
             self._start_connector(entry)
+        else:
+            session.pump_sends()
 
     def _start_connector(self, entry: _Peer) -> None:
         """Start keeping a session to the peer up, unless that is already under way."""
@@ -706,9 +731,9 @@ class RdsNode:
         rds = RdsConnection(
             self.address, peer, self._deliver, on_congestion=self._peer_congestion,
             settings=self.settings, last_active=trio.current_time(),
-            on_burst=self._burst_held,
         )  # fmt: skip
         entry = self._peers[peer] = _Peer(rds)
+        rds.on_room = entry.room_opened
         return entry
 
     @staticmethod
@@ -726,7 +751,7 @@ class RdsNode:
         self._recent = None
         self.peers_expired += 1
         entry.uncongested.set()  # senders waiting on it look the peer up again
-        entry.rds._space.set()
+        entry.room.set()
         log.info("RDS %s forgets peer %s (%s)", self.address, peer, why)
 
     async def _expire_idle(self) -> None:
@@ -814,7 +839,7 @@ class RdsNode:
         def prepare(conn: Connection) -> None:
             if holder:  # an attempt open_connection gave up on (its QP is gone)
                 holder.pop().close()
-            holder.append(Session(rds, conn))
+            holder.append(Session(rds, conn, self._burst_held))
 
         entry.connecting = True
         try:
@@ -863,7 +888,7 @@ class RdsNode:
             return
         if entry.connector is not None and not entry.rds.canonical:
             entry.connector.cancel()
-        session = Session(entry.rds, request)
+        session = Session(entry.rds, request, self._burst_held)
         try:
             conn = await request.accept(private_data=self._private(entry.rds))
             session.conn = conn

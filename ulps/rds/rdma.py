@@ -28,11 +28,11 @@ from __future__ import annotations
 
 import mmap
 from dataclasses import dataclass, field
-from enum import IntEnum
 from typing import TYPE_CHECKING
 
 import trio
 
+from rdmashim.ulps.rds.cookie import RdmaStatus, cookie_offset, cookie_rkey, make_cookie
 from rdmashim.verbs import Access, WCStatus
 from rdmashim.verbs.buffers import address_of
 from rdmashim.verbs.errors import NotSupported
@@ -42,37 +42,21 @@ if TYPE_CHECKING:
 
     from rdmashim.verbs.abc import MR, PD
 
+__all__ = [
+    "COOKIE_ACCESS",
+    "RdmaOp",
+    "RdmaStatus",
+    "Registration",
+    "Registrations",
+    "cookie_offset",
+    "cookie_rkey",
+    "make_cookie",
+    "status_of",
+]
+
 COOKIE_ACCESS = Access.LOCAL_WRITE | Access.REMOTE_WRITE | Access.REMOTE_READ
 _SOURCE_ACCESS = Access(0)
 """An RDMA Write's local buffer is only read (made once: an Enum call costs a microsecond)."""
-
-
-class RdmaStatus(IntEnum):
-    """How an RDMA operation ended (``RDS_RDMA_*`` in Linux's uapi ``rds.h``)."""
-
-    SUCCESS = 0
-    REMOTE_ERROR = 1
-    """The peer refused the access: unknown cookie, out of bounds, no right."""
-    CANCELED = 2
-    """The node closed before the operation ran."""
-    DROPPED = 3
-    """The connection broke before the peer confirmed the operation."""
-    OTHER_ERROR = 4
-
-
-def make_cookie(rkey: int, offset: int = 0) -> int:
-    """R_Key and offset into one cookie (``rds_rdma_make_cookie``)."""
-    return (rkey & 0xFFFFFFFF) | (offset << 32)
-
-
-def cookie_rkey(cookie: int) -> int:
-    """The R_Key of a cookie."""
-    return cookie & 0xFFFFFFFF
-
-
-def cookie_offset(cookie: int) -> int:
-    """The offset of a cookie: where its region starts in the peer's address space."""
-    return cookie >> 32
 
 
 _REMOTE_FAULTS = {WCStatus.REM_ACCESS_ERR, WCStatus.REM_INV_REQ_ERR, WCStatus.REM_OP_ERR}

@@ -35,7 +35,8 @@ from collections.abc import Awaitable, Callable
 
 import trio
 
-from rdmashim.ulps.rds.connection import OutMessage, RdsConnection, SessionLost
+from rdmashim.ulps.rds.connection import OutMessage, RdsConnection
+from rdmashim.ulps.rds.transport import SessionLost
 from rdmashim.ulps.rds.wire import (
     RDS_HEADER_LEN,
     RdsFlag,

@@ -1,0 +1,307 @@
+"""One RDS-over-RDMA session's flow, sans-IO: credits, acknowledgements, fragments.
+
+A :class:`RdmaFlow` turns an :class:`~rdmashim.ulps.rds.connection.RdsConnection`'s
+queue into the bytes of Sends and the bytes of received Sends into whole messages,
+and keeps the session's credit-based flow control and cumulative acknowledgements.
+It reads no clock (time comes in as ``now``), posts nothing and knows no verbs: the
+session (:mod:`.rdma_session`) hands it a buffer to write a fragment into
+(:meth:`RdmaFlow.fill`, :meth:`RdmaFlow.fill_ack`) and the bytes of each completed
+receive (:meth:`RdmaFlow.receive`), and posts the Sends it makes.
+
+On the wire (Linux's ``rds_ib``): messages go as fragments of at most
+``RDS_FRAG_SIZE`` bytes, each with its own 48-byte header repeating the message's
+sequence number, length and ports; the first fragment alone carries the extension
+headers. Every header carries our cumulative ack (``h_ack``) and the credits we grant
+(``h_credit``, at most ``RDS_MAX_ADV_CREDIT`` a header). A Send goes only where the
+peer posted a receive (a credit), data never takes the last credit, and neither does
+a bare ack unless it grants some; a peer that grants none at connect time turns flow
+control off (:meth:`RdmaFlow.peer_credits`). Our congestion map goes between
+messages as sequence 0 with ``h_flags`` exactly ``CONG_BITMAP``.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import TYPE_CHECKING
+
+from rdmashim.ulps.rds.connection import OutMessage, RdsConnection
+from rdmashim.ulps.rds.wire import (
+    HEADER_STRUCT,
+    RDS_FRAG_SIZE,
+    RDS_HEADER_LEN,
+    RDS_MAX_ADV_CREDIT,
+    RdmaExt,
+    RdsFlag,
+    RdsHeader,
+    RdsProtocolError,
+    encode_extensions,
+)
+
+if TYPE_CHECKING:
+    from rdmashim.ulps.rds.rdma import RdmaOp
+
+log = logging.getLogger(__name__)
+
+RECV_SLOTS = 128
+"""Receives a session keeps posted, and the credits it grants at connect time."""
+ACK_REQUIRED_EVERY = 8
+"""A message asks the peer for an acknowledgement (``RDS_FLAG_ACK_REQUIRED``) at
+least once in this many, and the last one before the queue runs dry always does:
+Linux acknowledges only what asks (``ib_recv.c`` ``rds_ib_set_ack``) unless a message
+of its own carries the ack (its ``rds_sysctl_max_unacked_packets``, 8, in ``send.c``)."""
+ACK_DELAY = 0.002
+"""Seconds a session holds an acknowledgement back for a message of ours to carry it:
+a bare one goes only when none of ours went within this time of the first message it
+acknowledges."""
+ACK_NONE = 0
+""":meth:`RdmaFlow.ack_due`: no acknowledgement to send or to schedule."""
+ACK_NOW = 1
+""":meth:`RdmaFlow.ack_due`: send a bare ack now (many receives wait to be granted)."""
+ACK_LATER = 2
+""":meth:`RdmaFlow.ack_due`: hold the ack back (:meth:`RdmaFlow.hold_ack`)."""
+_ACK_REQUIRED = int(RdsFlag.ACK_REQUIRED)
+_pack_header = HEADER_STRUCT.pack_into
+_CONG_BITMAP = RdsFlag.CONG_BITMAP
+
+
+class RdmaFlow:
+    """Credits, acknowledgements and fragments of one RDMA session (sans-IO; see the
+    module docstring). ``rds`` is the connection the session carries."""
+
+    __slots__ = (
+        "ack_at",
+        "ack_countdown",
+        "acked_to_peer",
+        "advertise",
+        "assembly",
+        "current",
+        "extra_flags",
+        "fence",
+        "flow_control",
+        "last",
+        "next_fragment",
+        "rdma_op",
+        "rds",
+        "send_credits",
+        "talk",
+    )  # fmt: skip
+
+    def __init__(self, rds: RdsConnection) -> None:
+        self.rds = rds
+        self.send_credits = 0
+        """Receives the peer has posted for us that we have not used yet."""
+        self.flow_control = True
+        """Whether Sends wait for the peer's credits (see :meth:`peer_credits`)."""
+        self.advertise = 0
+        """Receives we posted again that the peer has not been granted yet."""
+        self.ack_countdown = 0
+        """Messages left before the next one asks for an acknowledgement."""
+        self.current: OutMessage | None = None
+        """The message whose fragments go next (None: take the next from the queue)."""
+        self.next_fragment = 0
+        self.extra_flags = 0
+        """Flags the current message's headers carry beside its own (ACK_REQUIRED)."""
+        self.acked_to_peer = rds.next_recv - 1
+        """The last sequence number a header of ours acknowledged."""
+        self.assembly: tuple[RdsHeader, bytearray] | None = None
+        """The first header and the bytes so far of a message arriving in fragments."""
+        self.talk = -1
+        """The ports (``sport << 16 | dport``) of the sockets' messages received since
+        the session last reset it to -1 (-2: more than one pair)."""
+        self.ack_at = math.inf
+        """When an acknowledgement held back must go on its own."""
+        self.last = True
+        """The last fragment :meth:`fill` wrote ends its message (its Send is solicited)."""
+        self.fence = False
+        """The last fragment :meth:`fill` wrote follows an RDMA Read (its Send is fenced)."""
+        self.rdma_op: RdmaOp | None = None
+        """The RDMA operation of the message :meth:`fill` just started: the session posts
+        it ahead of the fragment, and sets this back to None."""
+
+    def peer_credits(self, credits: int) -> None:
+        """The credits the peer's private data announced (``dp_credit``); 0: no flow
+        control on this session, either way (``ib_cm.c`` ``rds_ib_set_flow_control``)."""
+        self.flow_control = credits != 0
+        self.send_credits = credits
+
+    # ------------------------------------------------------------------ sending
+    def fill(self, buf: bytearray | memoryview, base: int, rdma_room: bool = True) -> int:
+        """Write the next fragment (header and payload) at ``buf[base:]`` and return its
+        length, or 0 when nothing may go now: the queue is empty, the credits are down
+        to the last one, or the next message carries an RDMA operation and there is no
+        ``rdma_room``. :attr:`last`, :attr:`fence` and :attr:`rdma_op` then describe
+        the fragment. Between messages our newest congestion map goes first."""
+        if self.flow_control and self.send_credits <= 1:
+            return 0
+        msg = self.current
+        fence = False
+        if msg is None:
+            rds = self.rds
+            if rds.map_out is not None:
+                msg = OutMessage(0, 0, 0, rds.map_out, _CONG_BITMAP, own=True)
+                rds.map_out = None
+                self._start(msg)
+            elif not rds.unsent or (rds.unsent[0].rdma is not None and not rdma_room):
+                return 0
+            else:
+                msg = rds.unsent.popleft()
+                rds.unacked.append(msg)
+                self._start(msg)
+                op = msg.rdma
+                if op is not None:
+                    self.rdma_op = op
+                    fence = not op.write  # the peer sees the message after the Read
+        self.fence = fence
+        fragment = self.next_fragment
+        data = msg.data
+        if fragment == 0 and len(data) <= RDS_FRAG_SIZE:  # the whole message: no view
+            self.current = None
+            self.last = True
+            return self._write(buf, base, msg, True, data)
+        start = fragment * RDS_FRAG_SIZE
+        self.next_fragment = fragment + 1
+        self.last = last = self.next_fragment >= msg.fragments
+        if last:
+            self.current = None
+        payload = memoryview(data)[start : start + RDS_FRAG_SIZE]
+        return self._write(buf, base, msg, fragment == 0, payload)
+
+    def stalled(self) -> None:
+        """The session stopped filling with messages still waiting (no credit, no slot
+        or no room for RDMA): counted in ``credit_waits``."""
+        if self.rds.unsent or self.current is not None:
+            self.rds.counters.credit_waits += 1
+
+    def _start(self, msg: OutMessage) -> None:
+        """Make ``msg`` the message whose fragments go next; a numbered one asks for an
+        acknowledgement now and then (:data:`ACK_REQUIRED_EVERY`)."""
+        self.current = msg
+        self.next_fragment = 0
+        self.extra_flags = 0
+        if msg.seq:
+            if self.ack_countdown == 0 or not self.rds.unsent:
+                self.extra_flags = _ACK_REQUIRED
+                self.ack_countdown = ACK_REQUIRED_EVERY
+            self.ack_countdown -= 1
+
+    def ack_allowed(self) -> bool:
+        """Whether a bare ack may go: the last credit only goes to one that grants the
+        peer some (spent on a bare ack, both sides could end up with none and wait for
+        each other for ever)."""
+        return (
+            not self.flow_control
+            or self.send_credits > 1
+            or bool(self.send_credits and self.advertise)
+        )
+
+    def fill_ack(self, buf: bytearray | memoryview, base: int) -> int:
+        """Write a bare ack (ports 0, no payload: our ack and credits) at ``buf[base:]``;
+        its length. The caller checks :meth:`ack_allowed` first."""
+        self.last = True
+        self.fence = False
+        return self._write(buf, base, None, True, b"")
+
+    def _write(
+        self,
+        buf: bytearray | memoryview,
+        base: int,
+        msg: OutMessage | None,
+        first: bool,
+        payload: bytes | memoryview,
+    ) -> int:
+        """Pack a header (and the payload after it) at ``buf[base:]``: ``msg``'s, or a bare
+        ack's for None. Every header carries our ack and what credits it can grant."""
+        credit = self.advertise
+        if credit > RDS_MAX_ADV_CREDIT:
+            credit = RDS_MAX_ADV_CREDIT
+        self.advertise -= credit
+        self.acked_to_peer = ack = self.rds.next_recv - 1
+        self.ack_at = math.inf  # this one carries it
+        size = len(payload)
+        if msg is None:
+            _pack_header(buf, base, 0, ack, 0, 0, 0, 0, credit, 0, b"")
+        else:
+            exthdr = b""
+            if first and (msg.extensions or msg.rdma is not None):
+                extensions = msg.extensions
+                if msg.rdma is not None:
+                    extensions += (RdmaExt(msg.rdma.rkey),)
+                exthdr = encode_extensions(extensions)
+            flags = int(msg.flags) | self.extra_flags
+            _pack_header(
+                buf, base, msg.seq, ack, len(msg.data), msg.sport, msg.dport, flags, credit,
+                0, exthdr,
+            )  # fmt: skip
+            if size:
+                buf[base + RDS_HEADER_LEN : base + RDS_HEADER_LEN + size] = payload
+        if self.flow_control:
+            self.send_credits -= 1
+        return RDS_HEADER_LEN + size
+
+    # ------------------------------------------------------------------ acknowledging
+    def ack_due(self) -> int:
+        """What to do about our acknowledgement after receiving: :data:`ACK_NOW` when many
+        receives wait to be granted, :data:`ACK_LATER` when a new message waits for one
+        and none is held yet (:meth:`hold_ack`), else :data:`ACK_NONE`."""
+        if self.advertise >= RECV_SLOTS // 2:
+            return ACK_NOW
+        if self.rds.next_recv - 1 <= self.acked_to_peer:
+            self.ack_at = math.inf  # a message of ours carried it
+            return ACK_NONE
+        return ACK_LATER if self.ack_at == math.inf else ACK_NONE
+
+    def hold_ack(self, now: float) -> float:
+        """Hold the ack back for :data:`ACK_DELAY` from ``now`` for a message of ours to
+        carry; when it must go on its own."""
+        self.ack_at = now + ACK_DELAY
+        return self.ack_at
+
+    def ack_expired(self, now: float) -> bool:
+        """Whether, at ``now``, a held-back ack must go on its own (no message of ours
+        carried it in time); the hold ends either way once it is due."""
+        if now < self.ack_at:
+            return False
+        self.ack_at = math.inf
+        return self.rds.next_recv - 1 > self.acked_to_peer
+
+    # ------------------------------------------------------------------ receiving
+    def reposted(self, receives: int) -> None:
+        """The session posted ``receives`` receive buffers again: credits to grant."""
+        if self.flow_control:
+            self.advertise += receives
+
+    def receive(self, view: memoryview) -> None:
+        """Take the bytes of one received Send (a fragment or a bare ack): its credits and
+        ack, and the message it completes, handed to the connection (copied: ``view``
+        may be reused once this returns). Raises :class:`RdsProtocolError` for bytes
+        that are no RDS fragment."""
+        header = RdsHeader.decode(view)
+        if header is None:
+            raise RdsProtocolError(f"{len(view)}-byte message shorter than an RDS header")
+        self.send_credits += header.credit
+        self.rds.acked(header.ack)
+        if header.sport or header.dport or header.length:  # else a bare ack, as ib_recv.c's
+            talk = header.sport << 16 | header.dport
+            if talk != self.talk and header.sport and header.dport:  # (not the node's own)
+                self.talk = talk if self.talk == -1 else -2
+            self._assemble(header, view[RDS_HEADER_LEN:])
+
+    def _assemble(self, header: RdsHeader, fragment: memoryview) -> None:
+        """Add a fragment (a view of the receive buffer: copied before it is reused)."""
+        if self.assembly is None:
+            if len(fragment) == header.length:  # a whole message: one copy
+                self.rds.received(header, bytes(fragment))
+                return
+            self.assembly = (header, bytearray())
+        first, data = self.assembly
+        if header.sequence != first.sequence:
+            raise RdsProtocolError(
+                f"fragment of message {header.sequence} inside message {first.sequence}"
+            )
+        data += fragment
+        if len(data) > first.length:
+            raise RdsProtocolError(f"message {first.sequence} longer than its {first.length} bytes")
+        if len(data) == first.length:
+            self.assembly = None
+            self.rds.received(first, bytes(data))

@@ -1,0 +1,472 @@
+"""One RDS-over-RDMA session: an RC connection carrying an RdsConnection's messages.
+
+:class:`Session` is the I/O half of a session: the QP, the CQ and its completion
+handler, the registered send and receive slots, the work requests and when they
+are posted. What goes into each Send, the credits and the acknowledgements are
+:class:`~rdmashim.ulps.rds.rdma_flow.RdmaFlow`'s (sans-IO); the numbering,
+retransmission and duplicates are the connection's
+(:mod:`~rdmashim.ulps.rds.connection`). The connection setup (rdma_cm, the private
+data) is :mod:`.rdma_transport`'s.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+from collections import deque
+from typing import TYPE_CHECKING
+
+import trio
+
+from rdmashim.ulps.rds.connection import RdsConnection
+from rdmashim.ulps.rds.rdma import RdmaOp, RdmaStatus, status_of
+from rdmashim.ulps.rds.rdma_flow import ACK_LATER, ACK_NOW, RECV_SLOTS, RdmaFlow
+from rdmashim.ulps.rds.transport import SessionLost
+from rdmashim.ulps.rds.wire import RDS_FRAG_SIZE, RDS_HEADER_LEN, RdsProtocolError
+from rdmashim.verbs import (
+    SGE,
+    Access,
+    QPState,
+    RecvBatch,
+    RecvWR,
+    SendFlags,
+    SendWR,
+    WCArray,
+    WCOpcode,
+    WCStatus,
+    WROpcode,
+)
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from rdmashim.cm import Connection, ConnectionRequest
+    from rdmashim.verbs.abc import CQ
+
+log = logging.getLogger(__name__)
+
+SLOT = RDS_HEADER_LEN + RDS_FRAG_SIZE
+SEND_SLOTS = 64
+REPOST_BATCH = 8
+"""Receive buffers go back to the QP (and their credits to the peer) in lists of at
+least this many: a post per message, where one message comes at a time, costs more
+than the few receives it keeps posted (at least 120 of 128 stay posted)."""
+SIGNAL_EVERY = 8
+"""A session asks for a completion every this many Sends (or each one when slots run
+low): one completion frees the slots of every Send posted before it."""
+BURST_MAX = 16
+"""Messages queued during a burst (see :meth:`Session.pump_sends`) after which they are
+posted at once rather than all together later: the peer starts on these while the
+rest are made, so the two ends work at the same time instead of taking turns."""
+OPENING_MAX = 8
+"""A burst of up to this many messages, or a larger one that all came from one socket
+to one socket, has its first answer posted at once (see :meth:`Session.pump_sends`).
+One conversation's two ends take turns unless the peer gets something to start on,
+and so do both ends when a few messages are in flight; a larger burst from several
+conversations comes while others are in flight, which keep both ends busy, and its
+first answer alone only costs a write, a read and a handler run more at each end.
+Measured (``rds stress``, 3 s runs, 2 each, against every first answer at once):
+``-q 64 -a 16`` t=4 d=8 50.9-52.3k -> 55.5-58.5k tx/s, t=8 d=4 48.0-49.0k -> 51.2-53.2k,
+t=2 d=16 54.1-54.5k -> 58.5-59.4k, ``-q 1024 -a 256`` t=4 d=8 47.8-48.7k -> 50.8-52.8k;
+the same for t=1 d=4, t=1 d=16, t=2 d=4, t=4 d=2, t=1 d=4 -D 64K and t=1 d=1.
+Holding every first answer instead made t=1 d=16 35-37k, against 44-48k."""
+RDMA_DEPTH = 16
+"""RDMA operations a session keeps in flight (beside its send slots on the send queue)."""
+_RDMA_WR = 1 << 32
+"""Work request ids at and above this are RDMA operations; below, send slots."""
+_SUCCESS = WCStatus.SUCCESS
+_RECV = WCOpcode.RECV
+_SEND = WROpcode.SEND
+_UNSIGNALED = SendFlags(0)
+_FLAGS = {
+    (fence, last, signaled, inline): (
+        (SendFlags.FENCE if fence else SendFlags.NONE)
+        | (SendFlags.SOLICITED if last else SendFlags.NONE)
+        | (SendFlags.SIGNALED if signaled else SendFlags.NONE)
+        | (SendFlags.INLINE if inline else SendFlags.NONE)
+    )
+    for fence in (False, True)
+    for last in (False, True)
+    for signaled in (False, True)
+    for inline in (False, True)
+}
+"""A Send's flags by (fence, last fragment, signaled, inline): made once, as Flag
+arithmetic costs a Python call each time."""
+
+
+class Session:
+    """One RC connection carrying an :class:`RdsConnection`'s messages.
+
+    ``conn`` is a :class:`rdmashim.cm.Connection` (PD, CQ, QP), not yet
+    connected: the session posts its receives first. :meth:`peer_credits` takes
+    the credits the peer announced in its private data; none turns flow control
+    off, as Linux's ``rds_ib_set_flow_control`` does (a Linux peer announces none
+    unless its ``flow_control`` sysctl is on, and it is off by default). Without
+    flow control the send slots bound what is in flight, and a receiver that has
+    no receive posted makes the sender's QP retry (RNR retry 7: for ever).
+
+    Completions are taken by the CQ's completion handler (as the kernel's RDS
+    does in its ``ib_create_cq`` handler): it delivers received messages to
+    their sockets, re-posts the receives, posts what the new credits allow and
+    re-arms, where the backend reports the completion (the built-in engine: in
+    the receive task that read the bytes). :meth:`run`'s task only sends a
+    held-back acknowledgement when its delay ends and ends the session when the
+    handler finds the connection broken.
+
+    Sends are posted as lists: what one pump makes goes in one ``post_send``
+    (the engine frames it into one write). When a handler run delivers several
+    messages (a burst), the first answer their receivers send goes at once, so
+    that the peer works on it meanwhile (unless the burst is larger than
+    :data:`OPENING_MAX` and came from several sockets: others in flight keep the
+    peer busy then); the next ones wait in the queue and go together, posted by
+    the receiver that goes back to waiting when no socket holds a message any more
+    (:meth:`answer_burst`), or else by :meth:`run`'s task a turn of the scheduler
+    later (a burst of requests costs two posts and two writes, and at the peer two
+    reads and two handler runs), up to :data:`BURST_MAX` of them: more are posted as
+    they come. The wire is the same either way: the same headers, flags and order.
+    """
+
+    def __init__(
+        self,
+        rds: RdsConnection,
+        conn: Connection | ConnectionRequest,
+        on_burst: Callable[[Session], None] = lambda session: None,
+    ) -> None:
+        self.rds = rds
+        self.flow = RdmaFlow(rds)
+        """Credits, acknowledgements and fragments (sans-IO)."""
+        self._on_burst = on_burst
+        """Called when the session first holds back the answers to a burst (see
+        :meth:`answer_burst`)."""
+        self.conn = conn
+        self.qp = conn.qp
+        self.cq = conn.send_cq
+        self.cq.busy_poll = rds.settings.busy_poll  # (a reader may drive it: RdsSocket.recvfrom)
+        self.recv_mr = conn.pd.reg_mr(bytearray(SLOT * RECV_SLOTS), Access.LOCAL_WRITE)
+        self.send_mr = conn.pd.reg_mr(bytearray(SLOT * SEND_SLOTS), Access.LOCAL_WRITE)
+        self._recv_buf = self.recv_mr.buf
+        self._send_buf = self.send_mr.buf
+        first = self.send_mr.sge(0, SLOT)
+        self._send_addr, self._send_lkey = first.addr, first.lkey
+        self._slot_wrs = [SendWR(slot, _SEND) for slot in range(SEND_SLOTS)]
+        """Each send slot's Send, filled in again for each fragment the slot carries
+        (a post copies what it needs of a work request)."""
+        self._slot_lengths = [-1] * SEND_SLOTS
+        """The length of each slot's Send's SGE, kept while fragments fill it alike."""
+        self._max_inline = conn.qp.cap.max_inline_data
+        """Sends up to this long go INLINE (copied when posted; the slot is free again at
+        once, though it is reused only after a later signaled Send completes)."""
+        self.free_slots = list(range(SEND_SLOTS))
+        self.posted: deque[int] = deque()
+        """Send slots in flight, in posting order (the send queue completes in order)."""
+        self.rdma: dict[int, RdmaOp] = {}
+        """RDMA operations in flight, by work request id."""
+        self._next_rdma = _RDMA_WR
+        self._writes: deque[int] = deque()
+        """The work request ids of the RDMA Writes in :attr:`rdma`, in posting order. A
+        Write is posted unsignaled (as Linux posts one without ``RDS_RDMA_NOTIFY_ME``): it
+        is done when a Send posted after it completes, and its operation when the peer
+        acknowledges the message (a failed one still completes, with its error)."""
+        self._rdma_marks = [_RDMA_WR] * SEND_SLOTS
+        """For each send slot, :attr:`_next_rdma` when it was last posted: the RDMA
+        operations below it went before the slot's Send."""
+        self.lost = False
+        self._wcs = WCArray(64)
+        self._room = len(self._wcs)
+        self._recvs = RecvBatch(
+            RecvWR(i, [self.recv_mr.sge(i * SLOT, SLOT)]) for i in range(RECV_SLOTS)
+        )
+        self._failure: SessionLost | None = None
+        """Why the session ended, once the completion handler found out."""
+        self._wake = trio.Event()
+        """Set for :meth:`run`'s task when the session ends or sends wait for it."""
+        self._burst = False
+        """The last completion handler run delivered several messages: what their
+        receivers send in answer waits for :meth:`run`'s task to post it together."""
+        self._flush_due = False
+        """:meth:`run`'s task is to post what waits."""
+        self._opening = False
+        """No answer to the burst went yet: the first goes at once (:data:`OPENING_MAX`)."""
+        self._timer: trio.CancelScope | None = None
+        self._pumping = False
+        self._repump = False
+        self._wrs: list[SendWR] = []
+        """Work requests made and not yet posted (:meth:`_submit` posts them)."""
+
+        self._reposts: list[int] = []
+        """Receive buffers taken and not yet posted again (see :data:`REPOST_BATCH`)."""
+
+        # Before the connection is up: the peer may send as soon as it is.
+        self.qp.post_recv_batch(self._recvs)
+
+    def peer_credits(self, credits: int) -> None:
+        """The credits the peer's private data announced (:meth:`RdmaFlow.peer_credits`)."""
+        self.flow.peer_credits(credits)
+
+    def close(self) -> None:
+        """Deregister the session's buffers (once its QP is destroyed)."""
+        self.recv_mr.close()
+        self.send_mr.close()
+
+    # ------------------------------------------------------------------ transmit
+    def _post_rdma(self, op: RdmaOp) -> None:
+        """Post the RDMA Write or Read a message carries, ahead of the message."""
+        wr_id = self._next_rdma
+        self._next_rdma += 1
+        self.rdma[wr_id] = op
+        assert op._mr is not None  # registered when the message was queued (_begin)
+        if op.write:
+            self._writes.append(wr_id)
+            opcode, flags = WROpcode.RDMA_WRITE, _UNSIGNALED
+        else:  # the data is here when the Read completes
+            opcode, flags = WROpcode.RDMA_READ, SendFlags.SIGNALED
+        self._wrs.append(SendWR(wr_id, opcode, [op._mr.sge()], flags, op.remote_addr, op.rkey))
+        counters = self.rds.counters
+        counters.rdma_bytes += op.length
+        if op.write:
+            counters.rdma_writes += 1
+        else:
+            counters.rdma_reads += 1
+
+    def _writes_done(self, slot: int) -> None:
+        """The Send of ``slot`` completed: so did the RDMA Writes posted before it."""
+        writes, mark, rdma = self._writes, self._rdma_marks[slot], self.rdma
+        while writes and writes[0] < mark:
+            rdma.pop(writes.popleft(), None)  # (None: a failed one was taken already)
+
+    def _rdma_done(self, wr_id: int, status: WCStatus) -> None:
+        op = self.rdma.pop(wr_id)
+        if status == WCStatus.SUCCESS:
+            if not op.write:  # the data is here; a Write is done when the peer acks
+                op._finish(RdmaStatus.SUCCESS)
+        elif status != WCStatus.WR_FLUSH_ERR:
+            self.rds.counters.rdma_failures += 1
+            op._finish(status_of(status), status.name)
+
+    def _post_slot(self, slot: int, length: int) -> None:
+        """Add the Send of ``slot``, which holds a fragment of ``length`` bytes that the flow
+        wrote, to the ones :meth:`_submit` posts.
+
+        The last fragment of a message (and an ack) is solicited: a Linux peer arms
+        its receive CQ for solicited completions only (``ib_cm.c``
+        ``rds_ib_setup_qp``; ``ib_send.c`` ``rds_ib_xmit`` solicits a message's last
+        fragment, ``ib_recv.c`` ``rds_ib_recv_init_ack`` every ack), so it would not
+        look at what came before until a solicited Send arrives."""
+        posted = self.posted
+        posted.append(slot)
+        self._rdma_marks[slot] = self._next_rdma
+        signaled = not len(posted) % SIGNAL_EVERY or len(self.free_slots) < SIGNAL_EVERY
+        wr = self._slot_wrs[slot]
+        if self._slot_lengths[slot] != length:  # else the slot's last list fits
+            self._slot_lengths[slot] = length
+            wr.sg_list = [SGE(self._send_addr + slot * SLOT, length, self._send_lkey)]
+        flow = self.flow
+        wr.send_flags = _FLAGS[flow.fence, flow.last, signaled, length <= self._max_inline]
+        self._wrs.append(wr)
+
+    def _submit(self) -> None:
+        """Post the Sends (and RDMA operations) made since the last call, as one list: the
+        engine frames them together and hands them to TCP in one write."""
+        wrs = self._wrs
+        if wrs:
+            self._wrs = []
+            self.qp.post_send(wrs[0] if len(wrs) == 1 else wrs)
+
+    def pump_sends(self) -> None:
+        """Post what waits to go out (never blocks): now, or, while the receivers of a
+        burst of delivered messages answer them (:attr:`_burst`), the first answer now
+        (:data:`OPENING_MAX`) and the others once they all have, in one list
+        (:meth:`answer_burst`, or :meth:`run`'s task), unless :data:`BURST_MAX` of them
+        wait."""
+        if self._burst and len(self.rds.unsent) < BURST_MAX:
+            if self._opening:  # the first answer goes at once: the peer starts on it
+                self._opening = False
+                self._pump_now()
+                return
+            if not self._flush_due:
+                self._flush_due = True
+                self._on_burst(self)
+                self._wake.set()
+            return
+        self._pump_now()
+
+    def answer_burst(self) -> None:
+        """Post the answers held back for a burst now, if they still wait: their
+        receivers are done (the node calls this when a receiver goes back to waiting and
+        no socket holds a message; else :meth:`run`'s task does, a turn or two later)."""
+        if self._flush_due:
+            self._flush_due = self._burst = False
+            self._pump_now()
+
+    def _pump_now(self) -> None:
+        """Post as many fragments as credits and send slots allow (never blocks).
+
+        Data never takes the last credit: that one is kept for a credit update.
+        Between messages our newest congestion map goes first, as a message
+        numbered 0 that is never resent. What one call makes is posted as one list.
+        A call from inside another (a completion handler run by a post) returns:
+        the running one pumps again for the slots and credits it freed.
+        """
+        rds = self.rds
+        if self.lost or (self.flow.current is None and not rds.unsent and rds.map_out is None):
+            return
+        if self._pumping:
+            self._repump = True
+            return
+        self._pumping = True
+        try:
+            self._repump = True
+            while self._repump:
+                self._repump = False
+                self._pump()
+                self._submit()
+        finally:
+            self._pumping = False
+
+    def _pump(self) -> None:
+        flow, free, buf = self.flow, self.free_slots, self._send_buf
+        while free:
+            slot = free[-1]
+            length = flow.fill(buf, slot * SLOT, len(self.rdma) < RDMA_DEPTH)
+            if not length:
+                break
+            op = flow.rdma_op
+            if op is not None:
+                flow.rdma_op = None
+                self._post_rdma(op)
+            self._post_slot(free.pop(), length)
+        flow.stalled()
+
+    def _send_ack(self) -> None:
+        if self.free_slots and self.flow.ack_allowed():
+            slot = self.free_slots.pop()
+            self._post_slot(slot, self.flow.fill_ack(self._send_buf, slot * SLOT))
+            self._submit()
+            self.rds.counters.acks_sent += 1
+
+    # ------------------------------------------------------------------ receive
+    def _completions(self, wcs: WCArray, n: int) -> None:
+        """Take entries ``0..n-1`` of ``wcs``; the receives among them are posted again
+        once :data:`REPOST_BATCH` wait (even when a broken one ends the session: the QP
+        flushes them then)."""
+        reposts = self._reposts
+        wr_ids, statuses, opcodes, lengths = wcs.wr_id, wcs.status, wcs.opcode, wcs.byte_len
+        rdma = self.rdma
+        receive, recv_buf = self.flow.receive, self._recv_buf
+        try:
+            for i in range(n):
+                wr_id = wr_ids[i]
+                status = statuses[i]
+                if rdma and wr_id in rdma:  # receives use slot numbers: no clash
+                    self._rdma_done(wr_id, status)
+                if status != _SUCCESS:
+                    raise SessionLost(
+                        f"{status.name} (work request {wr_id:#x}) with {self.rds.peer}"
+                    )
+                if opcodes[i] == _RECV:
+                    reposts.append(wr_id)
+                    base = wr_id * SLOT
+                    receive(recv_buf[base : base + lengths[i]])
+                elif wr_id < _RDMA_WR:  # this Send and every one posted before it are done
+                    while (slot := self.posted.popleft()) != wr_id:
+                        self.free_slots.append(slot)
+                    self.free_slots.append(slot)
+                    if self._writes:
+                        self._writes_done(slot)
+        finally:
+            if len(reposts) >= REPOST_BATCH and not self.lost:
+                self._reposts = []
+                self.qp.post_recv_batch(self._recvs, indices=reposts)
+                self.flow.reposted(len(reposts))
+
+    def _on_cq(self, cq: CQ) -> None:
+        """The CQ's completion handler: take everything, then re-arm (see the class)."""
+        if self.lost:
+            return
+        wcs = self._wcs
+        room = self._room
+        armed = False
+        counters = self.rds.counters
+        received = counters.recv_messages
+        self.flow.talk = -1
+        try:
+            while True:
+                n = cq.poll_into(wcs)
+                if not n:
+                    if armed:  # nothing came between the arming and this poll
+                        break
+                    cq.req_notify()
+                    armed = True
+                    continue
+                self._completions(wcs, n)
+                self._pump_now()
+                self._acknowledge()
+                # A short poll emptied the CQ: arm now, and the next poll takes what
+                # came meanwhile (one poll fewer than polling until empty first).
+                armed = n < room
+                if armed:
+                    cq.req_notify()
+            burst = counters.recv_messages - received
+            self._burst = burst > 1
+            self._opening = self._burst and (burst <= OPENING_MAX or self.flow.talk != -2)
+        except RdsProtocolError as exc:
+            log.warning("RDS protocol error from %s: %s", self.rds.peer, exc)
+            self._end(SessionLost(str(exc)))
+        except SessionLost as exc:
+            self._end(exc)
+
+    def _acknowledge(self) -> None:
+        """Send an acknowledgement now if many receives wait to be announced, else make
+        sure one goes within ``ACK_DELAY`` unless a message of ours carries it."""
+        due = self.flow.ack_due()
+        if due == ACK_NOW:
+            self._send_ack()
+            self.flow.ack_at = math.inf
+        elif due == ACK_LATER:
+            at = self.flow.hold_ack(trio.current_time())
+            timer = self._timer
+            # A timer set already wakes the run task sooner; it sets the next one then
+            # (moving a deadline costs more than that wake-up, once per ACK_DELAY).
+            if timer is not None and timer.deadline == math.inf:
+                timer.deadline = at
+
+    def _end(self, failure: SessionLost) -> None:
+        if self._failure is None:
+            self._failure = failure
+        self.lost = True
+        self._wake.set()
+
+    def cut(self) -> None:
+        """Break the connection underneath, as a failure would (for tests and the demo):
+        the QP goes to the error state and the session ends."""
+        if not self.lost:
+            self.qp.modify(qp_state=QPState.ERR)
+
+    async def run(self) -> None:
+        """Drive the session until its connection breaks (raises :class:`SessionLost`).
+
+        :meth:`peer_credits` has taken the peer's private data by then.
+        """
+        self.rds.counters.sessions += 1
+        self._pump_now()
+        try:
+            self.cq.set_handler(self._on_cq)
+            self._on_cq(self.cq)  # what came before, and arm
+            while self._failure is None:
+                with trio.CancelScope(deadline=self.flow.ack_at) as self._timer:
+                    await self._wake.wait()
+                self._timer = None
+                if self._wake.is_set():
+                    self._wake = trio.Event()
+                if self._failure is None and self._flush_due:
+                    # The receivers woken with this one may not have run yet: let them.
+                    await trio.lowlevel.cancel_shielded_checkpoint()
+                    self.answer_burst()  # (unless a receiver did meanwhile)
+                if self._failure is None and self.flow.ack_expired(trio.current_time()):
+                    self._send_ack()
+            raise self._failure
+        finally:
+            self.lost = True
+            with contextlib.suppress(OSError):  # the CQ may be closed already
+                self.cq.set_handler(None)
