@@ -17,6 +17,7 @@ NULL, ECHO, ECHO_DDP, SLEEP, FAIL, WEAK, WHOAMI = range(7)
 class Echo:
     """Program ``ECHO_PROG`` versions 1..2.
 
+    NULL is answered at once (``dispatch_now``), the others in a task of their own.
     ECHO returns its opaque argument, ECHO_DDP the same as a DDP-eligible item,
     SLEEP waits its argument in milliseconds and returns it, FAIL raises,
     WEAK refuses the credential, WHOAMI returns the transport and the uid
@@ -25,6 +26,13 @@ class Echo:
 
     number = ECHO_PROG
     versions = (1, 2)
+
+    def dispatch_now(self, ctx: CallContext, args: Unpacker, reply: Reply) -> bool:
+        """NULL at once (see :class:`~rdmashim.ulps.nfsrdma.service.InlineProgram`)."""
+        if ctx.proc != NULL:
+            return False
+        args.done()
+        return True
 
     async def dispatch(self, ctx: CallContext, args: Unpacker, reply: Reply) -> None:
         """Carry out ``ctx.proc``."""

@@ -14,6 +14,7 @@ from rdmashim.ulps.nfsrdma.rpc import (
     CallHeader,
     GarbageArgs,
     OpaqueAuth,
+    PendingCall,
     ProcUnavail,
     ProgMismatch,
     ProgUnavail,
@@ -186,3 +187,42 @@ async def test_the_client_helpers_read_every_reply_the_server_makes() -> None:
     with pytest.raises(RpcMismatch) as rpcvers:
         decode_reply(bytes(reply.packer.data))
     assert (rpcvers.value.low, rpcvers.value.high) == (2, 2)
+
+
+async def test_a_credential_seen_before_decodes_the_same() -> None:
+    """The server keeps decoded credentials by their bytes: a second call with the same
+    bytes is the same caller, other bytes another, a bad credential never kept."""
+    server = RpcServer([Echo()])
+    other = AuthSys(stamp=5, machinename="client", uid=1001, gid=100, gids=(100, 27))
+
+    async def uid(cred: OpaqueAuth) -> int:
+        reply = await server.handle_call(memoryview(call_bytes(WHOAMI, cred=cred)), PEER, "tcp")
+        assert reply is not None
+        results = decode_reply(b"".join(reply.inline()))[1]
+        results.string()
+        return results.uint()
+
+    for _ in range(2):
+        assert await uid(OpaqueAuth.sys(ME)) == 1000
+        assert await uid(OpaqueAuth.sys(other)) == 1001
+        assert await uid(NULL_AUTH) == 0xFFFFFFFF
+        with pytest.raises(AuthError) as bad:
+            await uid(OpaqueAuth(1, OpaqueAuth.sys(ME).body[:-4]))  # AUTH_SYS cut short
+        assert bad.value.stat == AuthStat.AUTH_BADCRED
+
+
+async def test_call_now_answers_at_once_what_needs_no_task() -> None:
+    """``call_now`` gives every error reply at once, a call its program cannot carry out
+    at once as a PendingCall, whose ``finish`` is the reply ``handle_call`` gives."""
+    server = RpcServer([Echo()])
+    unavailable = server.call_now(memoryview(call_bytes(NULL, prog=7)), PEER, "tcp")
+    assert isinstance(unavailable, Reply)
+    with pytest.raises(ProgUnavail):
+        decode_reply(b"".join(unavailable.inline()))
+    now = server.call_now(memoryview(call_bytes(NULL)), PEER, "tcp")  # Echo's dispatch_now
+    assert isinstance(now, Reply)
+    assert b"".join(now.inline()) == ACCEPTED + words(0)
+    echo = call_bytes(ECHO, opaque(b"later"))
+    pending = server.call_now(memoryview(echo), PEER, "tcp")
+    assert isinstance(pending, PendingCall)
+    assert b"".join((await pending.finish()).inline()) == await answer(echo)

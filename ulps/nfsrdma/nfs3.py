@@ -90,22 +90,31 @@ class Nfs3Program:
         """What is served."""
         return self.state.exports
 
-    async def dispatch(self, ctx: CallContext, args: Unpacker, reply: Reply) -> None:
-        """Run procedure ``ctx.proc`` here or in a worker thread (see the module doc and
-        :class:`~.service.Program`)."""
+    def dispatch_now(self, ctx: CallContext, args: Unpacker, reply: Reply) -> bool:
+        """NULL, and a procedure that only looks, carried out here (see
+        :class:`~.service.InlineProgram`); False for the others, and for one whose
+        handle needs a search of the export."""
         if ctx.proc == NULL:
-            return
+            return True
         entry = PROCEDURES.get(ctx.proc)
         if entry is None:
             raise ProcUnavailable(ctx.proc)
-        if entry.inline and self.inline:
-            start = args.pos
-            try:
-                self.run(entry, ctx, args, reply, search=False)
-                return
-            except SearchNeeded:  # nothing was encoded yet: the call starts again
-                args.pos = start
-        await trio.to_thread.run_sync(self.run, entry, ctx, args, reply, limiter=self._limiter)
+        if not (entry.inline and self.inline):
+            return False
+        start = args.pos
+        try:
+            self.run(entry, ctx, args, reply, search=False)
+        except SearchNeeded:  # nothing was encoded yet: the call starts again in a thread
+            args.pos = start
+            return False
+        return True
+
+    async def dispatch(self, ctx: CallContext, args: Unpacker, reply: Reply) -> None:
+        """Run procedure ``ctx.proc`` here or in a worker thread (see the module doc and
+        :class:`~.service.Program`)."""
+        if not self.dispatch_now(ctx, args, reply):
+            entry = PROCEDURES[ctx.proc]
+            await trio.to_thread.run_sync(self.run, entry, ctx, args, reply, limiter=self._limiter)
 
     def run(
         self, entry: Entry, ctx: CallContext, args: Unpacker, reply: Reply, *, search: bool = True

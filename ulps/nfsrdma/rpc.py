@@ -29,6 +29,7 @@ from rdmashim.ulps.nfsrdma.service import (
     AUTH_SYS,
     AuthSys,
     CallContext,
+    DispatchNow,
     ProcUnavailable,
     Program,
     Reply,
@@ -387,6 +388,11 @@ class RpcServer:
                 raise ValueError(f"program {program.number} given twice")
             self.programs[program.number] = program
         self._credentials: dict[bytes, AuthSys | None] = {}
+        self._now: dict[int, DispatchNow] = {}
+        for number, program in self.programs.items():
+            now = getattr(program, "dispatch_now", None)
+            if now is not None:
+                self._now[number] = now
 
     async def handle_call(
         self, message: memoryview, peer: tuple[str, int], transport: str, local: str = ""
@@ -397,6 +403,19 @@ class RpcServer:
         The returned :class:`~.service.Reply` holds the whole reply message
         (its DDP offsets count from the message's first byte). None only for
         a message that is not a call (a reply, or too short to say).
+        """
+        answer = self.call_now(message, peer, transport, local)
+        return await answer.finish() if isinstance(answer, PendingCall) else answer
+
+    def call_now(
+        self, message: memoryview, peer: tuple[str, int], transport: str, local: str = ""
+    ) -> Reply | PendingCall | None:
+        """:meth:`handle_call` without waiting: the reply (or None), or, for a call its
+        program cannot carry out at once, a :class:`PendingCall` to ``await finish()``.
+
+        A program answers at once where it has a ``dispatch_now`` (see
+        :class:`~.service.InlineProgram`) that says so; every error reply is
+        made at once.
         """
         if len(message) < _CALL_HEAD_LEN:
             return _short_call(message, peer, transport)
@@ -418,7 +437,15 @@ class RpcServer:
         if not low <= vers <= high:
             return accepted_error(xid, AcceptStat.PROG_MISMATCH, low, high)
         ctx = CallContext(xid, prog, vers, proc, cred, peer, transport, local)
-        return await _dispatch(program, ctx, u)
+        reply = accepted_reply(xid)
+        now = self._now.get(prog)
+        if now is not None:
+            try:
+                if now(ctx, u, reply):
+                    return reply
+            except Exception as exc:
+                return _failed(ctx, exc)
+        return PendingCall(program, ctx, u, reply)
 
     def _authenticate(self, u: Unpacker, message: memoryview) -> AuthSys | None:
         """:func:`_authenticate`, kept by the bytes of the credential and verifier."""
@@ -494,14 +521,30 @@ def _authenticate(u: Unpacker) -> AuthSys | None:
     return parsed
 
 
-async def _dispatch(program: Program, ctx: CallContext, args: Unpacker) -> Reply:
-    """Run ``program`` for the call; every exception becomes its reply."""
-    reply = accepted_reply(ctx.xid)
-    try:
-        await program.dispatch(ctx, args, reply)
-    except ProcUnavailable:
+@dataclass(slots=True)
+class PendingCall:
+    """A call its program carries out asynchronously (from :meth:`RpcServer.call_now`)."""
+
+    program: Program
+    ctx: CallContext
+    args: Unpacker
+    reply: Reply
+    """The accepted reply's header, which the results follow."""
+
+    async def finish(self) -> Reply:
+        """Run the program for the call; every exception becomes its reply."""
+        try:
+            await self.program.dispatch(self.ctx, self.args, self.reply)
+        except Exception as exc:
+            return _failed(self.ctx, exc)
+        return self.reply
+
+
+def _failed(ctx: CallContext, exc: Exception) -> Reply:
+    """The reply to a call its program raised ``exc`` for."""
+    if isinstance(exc, ProcUnavailable):
         return accepted_error(ctx.xid, AcceptStat.PROC_UNAVAIL)
-    except XdrError as exc:
+    if isinstance(exc, XdrError):
         logger.info(
             "%s %s: garbage arguments to %d.%d.%d: %s",
             ctx.transport,
@@ -512,11 +555,15 @@ async def _dispatch(program: Program, ctx: CallContext, args: Unpacker) -> Reply
             exc,
         )
         return accepted_error(ctx.xid, AcceptStat.GARBAGE_ARGS)
-    except AuthError as exc:
+    if isinstance(exc, AuthError):
         return auth_error(ctx.xid, exc.stat)
-    except Exception:
-        logger.exception(
-            "%s %s: %d.%d.%d failed", ctx.transport, ctx.peer, ctx.prog, ctx.vers, ctx.proc
-        )
-        return accepted_error(ctx.xid, AcceptStat.SYSTEM_ERR)
-    return reply
+    logger.error(
+        "%s %s: %d.%d.%d failed",
+        ctx.transport,
+        ctx.peer,
+        ctx.prog,
+        ctx.vers,
+        ctx.proc,
+        exc_info=exc,
+    )
+    return accepted_error(ctx.xid, AcceptStat.SYSTEM_ERR)

@@ -17,7 +17,7 @@ program decodes it.
 
 from __future__ import annotations
 
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -122,3 +122,21 @@ class Program(Protocol):
         anything the program itself refuses is a result (an NFS status), not
         an exception.
         """
+
+
+DispatchNow = Callable[[CallContext, Unpacker, Reply], bool]
+"""A program's ``dispatch_now`` (see :class:`InlineProgram`)."""
+
+
+class InlineProgram(Program, Protocol):
+    """A :class:`Program` that can carry out some calls at once, without a task of their own.
+
+    :class:`~.rpc.RpcServer` asks ``dispatch_now`` first, where the call came
+    (the transport's receiving task): True means the call is done and
+    ``reply`` holds its results; False leaves it (``args`` unread, ``reply``
+    untouched) to :meth:`~Program.dispatch` in a task of its own. It never
+    waits, and raises what ``dispatch`` would.
+    """
+
+    def dispatch_now(self, ctx: CallContext, args: Unpacker, reply: Reply) -> bool:
+        """Carry out the call now if that needs no waiting (True), else leave it (False)."""

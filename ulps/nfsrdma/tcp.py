@@ -1,9 +1,12 @@
 """ONC RPC over TCP (RFC 5531 §11): a server for an :class:`~.rpc.RpcServer` and a client.
 
 Each message travels as a record (:mod:`.record`). The server reads the calls
-of every connection in one task and answers each in a task of its own, up to
-``max_in_flight`` at once per connection (then it stops reading, so TCP pushes
-back), and sends the replies in the order they are ready. A connection whose
+of every connection in one task. A call its program answers at once (an NFS
+GETATTR, every error reply: :meth:`~.rpc.RpcServer.call_now`) is answered by
+that task, the replies to all such calls of one read sent together; any other
+call is answered in a task of its own, up to ``max_in_flight`` at once per
+connection (then it stops reading, so TCP pushes back). Replies go out in the
+order they are ready. A connection whose
 peer misbehaves (a record over ``max_record``, a record that takes longer
 than ``record_timeout`` to arrive, a broken stream) is closed; the others go
 on.
@@ -29,7 +32,13 @@ from rdmashim.ulps.nfsrdma.record import (
     RecordTooLarge,
     record_marks,
 )
-from rdmashim.ulps.nfsrdma.rpc import OpaqueAuth, RpcServer, decode_reply, encode_call
+from rdmashim.ulps.nfsrdma.rpc import (
+    OpaqueAuth,
+    PendingCall,
+    RpcServer,
+    decode_reply,
+    encode_call,
+)
 from rdmashim.ulps.nfsrdma.service import AuthSys, Reply
 from rdmashim.ulps.nfsrdma.xdr import Unpacker
 from rdmashim.verbs.tasks import service_nursery
@@ -107,17 +116,24 @@ class _Connection:
             records = self.decoder.feed(data)
             if self.decoder.pending and (records or not was_pending):
                 started = trio.current_time()
+            ready: list[bytes | bytearray | memoryview] = []
             for record in records:
-                await self.in_flight.acquire()
-                nursery.start_soon(self._answer, record)
+                answer = self.server.call_now(memoryview(record), self.peer, "tcp", self.local)
+                if isinstance(answer, PendingCall):
+                    await self.in_flight.acquire()
+                    nursery.start_soon(self._answer, answer)
+                elif answer is not None:
+                    ready += record_marks(answer.inline())
+            if ready:
+                await self._send(b"".join(ready))
 
-    async def _answer(self, record: bytearray) -> None:
+    async def _send(self, data: bytes) -> None:
+        async with self.send_lock:
+            await self.stream.send_all(data)
+
+    async def _answer(self, call: PendingCall) -> None:
         try:
-            reply = await self.server.handle_call(memoryview(record), self.peer, "tcp", self.local)
-            if reply is not None:
-                data = _framed(reply)
-                async with self.send_lock:
-                    await self.stream.send_all(data)
+            await self._send(_framed(await call.finish()))
         finally:
             self.in_flight.release()
 
