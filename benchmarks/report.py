@@ -17,19 +17,21 @@ import trio
 
 import rdmashim
 from rdmashim.registry import chosen_backend
-from rdmashim.verbs.softiwarp import fastpath
+from rdmashim.verbs.softiwarp import engines, fastpath
 
 
 def engine(backend: str | None = None) -> str:
     """The engine a run uses: the backend (``backend``, else ``RDMASHIM_BACKEND``'s, else
-    softiwarp) and, for the built-in soft-iWARP engine, its data-path kernels: compiled, or
-    pure Python and why, as ``fastpath.describe()`` says (``RDMASHIM_NO_EXTENSIONS=1``
-    forces pure Python)."""
+    softiwarp) and, for the built-in soft-iWARP transport, which engine runs it (native or
+    Python, and why: ``engines.describe()``; ``RDMASHIM_ENGINE`` chooses,
+    ``RDMASHIM_NO_EXTENSIONS=1`` forces Python) and the Python engine's data-path kernels."""
     name = chosen_backend(backend)
     if name != "softiwarp":
         return f"{name} backend"
-    kind = "compiled kernels" if fastpath.accelerated() else "pure-Python kernels"
-    return f"softiwarp backend, {kind}; accelerated: {fastpath.describe()}"
+    which = engines.describe()
+    if which.startswith("native"):
+        return f"softiwarp backend, {which} engine"
+    return f"softiwarp backend, {which} engine; its kernels: {fastpath.describe()}"
 
 
 def engine_line(backend: str | None = None, width: int = 16) -> str:

@@ -95,5 +95,8 @@ def test_bench_without_a_compiler_says_why_and_names_python_kernels() -> None:
     rows = _rows(done.stdout)
     for name in LAT_ROWS:
         assert " ".join(rows[name]).endswith(f"usec floor: n/a ({why})"), rows[name]
-    engine = "softiwarp backend, pure-Python kernels; accelerated: no (RDMASHIM_NO_EXTENSIONS"
+    engine = (
+        "softiwarp backend, python (RDMASHIM_NO_EXTENSIONS is set) engine; its kernels: no "
+        "(RDMASHIM_NO_EXTENSIONS"
+    )
     assert f" Engine          : {engine}" in done.stdout

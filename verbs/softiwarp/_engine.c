@@ -108,6 +108,7 @@ struct rs_mem {
     uint32_t count;
     rs_qp *qps;        /* every QP of the device, for deregistration */
     int dead;          /* rs_mem_free was called: freed when its last QP is */
+    uint64_t epoch;    /* regions removed or invalidated ever */
 };
 
 static uint32_t slot_of(const rs_mem *mem, uint32_t index)
@@ -212,6 +213,7 @@ int rs_mem_add(rs_mem *mem, uint32_t stag, uint8_t *base, uint64_t iova, uint64_
 }
 
 int rs_mem_valid(rs_mem *mem, uint32_t stag) { return mem_lookup(mem, stag) != NULL; }
+uint64_t rs_mem_epoch(rs_mem *mem) { return mem->epoch; }
 
 /* Check [addr, addr + len) of region r for access rights; *p its first byte. */
 static int region_locate(const rs_region *r, uint64_t pd, uint64_t addr, uint64_t len,
@@ -1388,6 +1390,7 @@ static void end_segment(rs_qp *qp)
                 return;
             }
             r->valid = 0;
+            qp->mem->epoch++;
             flags = RS_WC_WITH_INV;
             inv = qp->inv_stag;
         }
@@ -1617,6 +1620,7 @@ int rs_mem_remove(rs_mem *mem, uint32_t stag)
     if (mem->slots[s]->stag != stag)
         return -ENOENT;
     mem->slots[s]->valid = 0;
+    mem->epoch++;
     for (rs_qp *qp = mem->qps; qp; qp = qp->next_in_mem)
         qp_revoke(qp, stag);
     free(mem->slots[s]);

@@ -124,6 +124,8 @@ int rs_mem_add(rs_mem *mem, uint32_t stag, uint8_t *base, uint64_t iova, uint64_
  * (work started on it completes LOC_PROT_ERR and the QP goes to ERROR). */
 int rs_mem_remove(rs_mem *mem, uint32_t stag);
 int rs_mem_valid(rs_mem *mem, uint32_t stag);
+/* Regions removed or invalidated ever: what was checked valid stays so while it holds. */
+uint64_t rs_mem_epoch(rs_mem *mem);
 
 /* Completion queues: a ring of cqe entries. */
 rs_cq *rs_cq_new(uint32_t cqe);

@@ -35,7 +35,7 @@ from rdmashim.verbs.softiwarp.driver import Link
 from rdmashim.verbs.softiwarp.engine import EngineConfig, EngineState
 from rdmashim.verbs.softiwarp.memory import MemoryTable, Region
 from rdmashim.verbs.softiwarp.native import ffi, lib
-from rdmashim.verbs.softiwarp.native_wr import RecvPlan, SendPlan, plan_of
+from rdmashim.verbs.softiwarp.native_wr import PlanCache, RecvPlan, SendPlan, plan_of
 from rdmashim.verbs.softiwarp.provider import CQ, PD, SRQ, CompChannel, Context, QPBase
 from rdmashim.verbs.softiwarp.terminate import ProtocolError, TermCode
 from rdmashim.verbs.wr import WC, RecvBatch, RecvWR, SendBatch, SendWR, WCArray
@@ -53,6 +53,7 @@ _SUCCESS = WCStatus.SUCCESS
 _OPCODES = {int(o): o for o in WCOpcode}
 _STATUSES = {int(s): s for s in WCStatus}
 _WC = ffi.sizeof("rs_wc") if ffi is not None else 0
+_ONE = range(1)
 
 
 @dataclass(slots=True)
@@ -188,11 +189,9 @@ class NativeLink(Link):
         """Write what C framed until it has nothing more or the socket is full."""
         ptr, fd = self._ptr, self._fd
         self._pending = []
-        wrote = False
         while True:
             n = lib.rs_qp_write_fd(ptr, fd)
             if n > 0:
-                wrote = True
                 continue
             if n == _EAGAIN:
                 self._pending = [b""]  # (what the transmit task waits to write)
@@ -202,8 +201,7 @@ class NativeLink(Link):
             elif n == 0 and lib.rs_qp_state(ptr) == 3:
                 self._tx_wakeup.set()  # let the transmit task end the connection
             break
-        if wrote:
-            self._sync()
+        self._sync()
 
     def _read(self) -> bool | None:
         """Read once into C; whether the socket is (probably) empty now, None at its end."""
@@ -213,13 +211,14 @@ class NativeLink(Link):
             return True
         if n == _EINTR:
             return False
-        self._sync()
         if n <= 0:  # the peer's FIN or a socket error: C moved to ERROR
             self._rx_stopped = True
             self.flush()
             return None
-        if lib.rs_qp_tx_pending(self._ptr):  # Read Responses, a Terminate
-            self.flush()
+        if lib.rs_qp_tx_pending(self._ptr) and not self._pending:  # Read Responses, ...
+            self.flush()  # (it syncs)
+        else:
+            self._sync()
         self._drained = drained = int(n) < _RX_READ
         return drained
 
@@ -340,9 +339,11 @@ class NativeSRQ(SRQ):
         return int(lib.rs_srq_post(self._ptr, array, n))
 
     def _post(self, plan: RecvPlan, entries: Sequence[int]) -> None:
+        memory = self.pd.context.memory
+        assert isinstance(memory, NativeMemoryTable)
         refused = plan.post(
             "post_srq_recv", entries, self.max_sge, "SRQ", self.max_wr,
-            self.pd.context.memory, self._submit,
+            memory, lib.rs_mem_epoch(memory.native._ptr), self._submit,
         )  # fmt: skip
         if refused is not None:
             raise refused
@@ -384,11 +385,14 @@ class NativeQP(QPBase):
             srq=None if srq is None else srq._ptr,
         )  # fmt: skip
         self._ptr = core._ptr
+        self._mem = memory.native._ptr
         self.engine: NativeEngine = NativeEngine(self, core, memory)
         self._link: NativeLink | None = None
         self._fatal_seen = False
         self._awaiting_rtr = False
         self._cqs = (send_cq,) if send_cq is recv_cq else (send_cq, recv_cq)
+        self._send_plans = PlanCache(SendPlan)
+        self._recv_plans = PlanCache(RecvPlan)
         self.context._native_qps.add(self)  # type: ignore[attr-defined]
 
     # ---------------------------------------------------------------- the C side's news
@@ -428,22 +432,27 @@ class NativeQP(QPBase):
             return
         cap = self.cap
         room = cap.max_send_wr - self.engine.sq_depth if state is QPState.RTS else len(entries)
+        memory = self.context.memory
         refused = plan.post(
             wrs, entries, room, cap.max_send_wr, cap.max_send_sge, cap.max_inline_data,
-            self.context.memory, self._submit_send,
+            memory, lib.rs_mem_epoch(self._mem), self._submit_send,
         )  # fmt: skip
         link = self._link
-        if link is not None:
-            link.kick()
-        self._sync()
+        if link is not None and not link._pending:
+            link.flush()  # (it syncs)
+        else:
+            self._sync()
         if refused is not None:
             raise refused
 
     def post_send(self, wr: SendWR | Iterable[SendWR]) -> None:
         """Post one send work request or a list of them (never blocks); errors as the
-        Python engine's provider raises them."""
+        Python engine's provider raises them. A request posted again is packed once."""
         self._check_open("post_send")
-        wrs = [wr] if isinstance(wr, SendWR) else list(wr)
+        if isinstance(wr, SendWR):
+            self._post_sends((wr,), self._send_plans.of(wr), _ONE)
+            return
+        wrs = list(wr)
         self._post_sends(wrs, plan_of(SendPlan, wrs), range(len(wrs)))
 
     def post_send_batch(
@@ -460,16 +469,20 @@ class NativeQP(QPBase):
         cap = self.cap
         refused = plan.post(
             "post_recv", entries, cap.max_recv_sge, "receive queue", cap.max_recv_wr,
-            self.context.memory, self._submit_recv,
+            self.context.memory, lib.rs_mem_epoch(self._mem), self._submit_recv,
         )  # fmt: skip
-        self._sync()
+        if self._state is QPState.ERR:  # flushed at once
+            self._sync()
         if refused is not None:
             raise refused
 
     def post_recv(self, wr: RecvWR | Iterable[RecvWR]) -> None:
         """Post one receive work request or a list of them (never blocks)."""
         self._check_open("post_recv")
-        wrs = [wr] if isinstance(wr, RecvWR) else list(wr)
+        if isinstance(wr, RecvWR):
+            self._post_recvs(self._recv_plans.of(wr), _ONE)
+            return
+        wrs = list(wr)
         self._post_recvs(plan_of(RecvPlan, wrs), range(len(wrs)))
 
     def post_recv_batch(
