@@ -384,10 +384,10 @@ class RecvPlan(_Plan):
         return chosen, None
 
 
-_Plan = TypeVar("_Plan", SendPlan, RecvPlan)
+_P = TypeVar("_P", SendPlan, RecvPlan)
 
 
-def plan_of(kind: type[_Plan], wrs: Sequence[Any]) -> _Plan:
+def plan_of(kind: type[_P], wrs: Sequence[Any]) -> _P:
     """The packed form (``SendPlan`` or ``RecvPlan``) of one post's list."""
     plan = kind(len(wrs))
     for i, w in enumerate(wrs):
@@ -408,16 +408,16 @@ def _fields(w: SendWR | RecvWR) -> tuple[object, ...]:
     return (w.wr_id, tuple(w.sg_list))
 
 
-class PlanCache(Generic[_Plan]):
+class PlanCache(Generic[_P]):
     """The plans of single requests posted again and again (a ping-pong's reply, RDS's
     send slots, a receive reposted when it completed): one per request object, while
     its fields stay what they were (a changed field makes a new one)."""
 
-    def __init__(self, kind: type[_Plan]) -> None:
-        self.kind = kind
-        self.kept: dict[int, tuple[object, tuple[object, ...], _Plan]] = {}
+    def __init__(self, kind: type[_P]) -> None:
+        self.kind: type[_P] = kind
+        self.kept: dict[int, tuple[object, tuple[object, ...], _P]] = {}
 
-    def of(self, wr: SendWR | RecvWR) -> _Plan:
+    def of(self, wr: SendWR | RecvWR) -> _P:
         """The plan of ``wr`` alone."""
         fields = _fields(wr)
         found = self.kept.get(id(wr))
