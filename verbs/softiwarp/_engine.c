@@ -22,7 +22,9 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sched.h>
 #include <sys/socket.h>
+#include <time.h>
 
 #define HDR_TAGGED 16
 #define HDR_UNTAGGED 20
@@ -1660,6 +1662,23 @@ int64_t rs_qp_read_fd(rs_qp *qp, int fd)
     }
     rs_qp_rx(qp, qp->rxbuf, (size_t)n);
     return n;
+}
+
+int64_t rs_qp_spin_fd(rs_qp *qp, int fd, uint64_t ns)
+{
+    struct timespec t0, t;
+    clock_gettime(CLOCK_MONOTONIC, &t0);
+    for (;;) {
+        int64_t n = rs_qp_read_fd(qp, fd);
+        if (n != -EAGAIN && n != -EWOULDBLOCK)
+            return n;
+        clock_gettime(CLOCK_MONOTONIC, &t);
+        uint64_t spent = (uint64_t)(t.tv_sec - t0.tv_sec) * 1000000000u +
+                         (uint64_t)(t.tv_nsec - t0.tv_nsec);
+        if (spent >= ns)
+            return -EAGAIN;
+        sched_yield(); /* a peer polling on this CPU takes its turn */
+    }
 }
 
 int64_t rs_qp_write_fd(rs_qp *qp, int fd)

@@ -169,6 +169,9 @@ void rs_qp_tx_done(rs_qp *qp, size_t n);
  * socket has nothing, or no room). A failed socket moves the QP to ERROR. */
 int64_t rs_qp_read_fd(rs_qp *qp, int fd);
 int64_t rs_qp_write_fd(rs_qp *qp, int fd);
+/* Busy polling: rs_qp_read_fd again and again (yielding the CPU between tries) until it
+ * reads something, the connection ends, or ns nanoseconds pass (-EAGAIN then). */
+int64_t rs_qp_spin_fd(rs_qp *qp, int fd, uint64_t ns);
 /* Move to ERROR (the user, a destroy, or the connection lost): flush everything. */
 void rs_qp_set_error(rs_qp *qp, uint32_t kind, const char *message);
 int rs_qp_state(rs_qp *qp);

@@ -326,8 +326,11 @@ class Link:
                         if engine.bytes_received != seen:
                             seen, spin_end = engine.bytes_received, now + spin
                         if now < spin_end:  # busy polling: read again after the others ran
-                            await busypoll.pause()
-                            drained = False
+                            drained = await self._spin(spin_end - now)
+                            if after_read is not None:
+                                after_read()
+                            if drained is None or ready():
+                                break
                             continue
                     await self._wait.wait_readable()  # (or interrupt(), or the link ended)
                     drained = False
@@ -345,6 +348,12 @@ class Link:
                     self._lend()
                 else:
                     self.hand_back()
+
+    async def _spin(self, seconds: float) -> bool | None:
+        """One try of busy polling, up to ``seconds`` from now: let the others run, then
+        read again (:meth:`_read`'s answer)."""
+        await busypoll.pause()
+        return self._read()
 
     def _lend(self) -> None:
         """Leave the parked receive task parked after a wait that ended with what it
