@@ -699,6 +699,7 @@ def test_api_suite_on_the_python_kernels() -> None:
     once more in a child process where RDMASHIM_NO_EXTENSIONS=1 forces the fallback."""
     env = {**os.environ, "RDMASHIM_NO_EXTENSIONS": "1"}
     env.pop("RDMASHIM_BACKEND", None)  # the engine's suite: softiwarp
+    env.pop("RDMASHIM_ENGINE", None)  # the Python engine: the kernels' one
     proc = subprocess.run(
         [sys.executable, "-m", "pytest", "tests/api", "-q", "-x", "-p", "no:cacheprovider"],
         capture_output=True, text=True, timeout=600, cwd=REPO, env=env,

@@ -49,6 +49,7 @@ _EAGAIN = -errno.EAGAIN
 _EINTR = -errno.EINTR
 _ERR_REMOTE = 2
 _ERR_USER = 5
+_ERR_CQ_OVERRUN = 6
 _SUCCESS = WCStatus.SUCCESS
 _OPCODES = {int(o): o for o in WCOpcode}
 _STATUSES = {int(s): s for s in WCStatus}
@@ -158,9 +159,17 @@ class NativeEngine:
         lib.rs_qp_set_error(self.ptr, _ERR_USER, str(exc).encode()[:150])
         self._owner._sync()
 
+    @property
+    def kind(self) -> int:
+        """Why C moved the QP to ERROR (``RS_ERR_*``; 0 while it has not)."""
+        return int(self.core.error[0])
+
     def explain(self) -> Exception:
         """Why C moved the QP to ERROR, as the Python engine says it."""
         kind, code, message = self.core.error
+        if kind == _ERR_CQ_OVERRUN:
+            full = [cq for cq in self._owner._cqs if lib.rs_cq_overrun(cq._ptr)]
+            return full[0].overrun_error() if full else VerbsError(errno.EOVERFLOW, "cq", message)
         if kind == _ERR_REMOTE:
             self.remote_terminate = code
             meaning = code.meaning
@@ -262,6 +271,9 @@ class NativeCQ(CQ):
         if lib.rs_cq_overrun(ptr) and not self._overrun:
             self._overflow(None)
         self._arrived(notable != was)
+
+    def _failed_by_overrun(self, qp: QPBase) -> bool:
+        return isinstance(qp, NativeQP) and qp.engine.kind == _ERR_CQ_OVERRUN
 
     def _buffer(self, n: int) -> Any:
         if n > len(self._rows):

@@ -715,11 +715,20 @@ class CQ(_Resource):
 
     async def _fail_qps(self) -> None:
         """After an overrun: every QP completing here goes to ERR (QP_FATAL each)."""
-        cause = VerbsError(errno.EOVERFLOW, "cq", f"CQ overrun: more than {self.cqe} completions")
+        cause = self.overrun_error()
         for qp in list(self._qps.values()):
-            if qp.state is not QPState.ERR:
+            if qp.state is not QPState.ERR or self._failed_by_overrun(qp):
                 qp.engine.set_error(cause)
                 self.context._post_async(AsyncEventType.QP_FATAL, qp)
+
+    def overrun_error(self) -> VerbsError:
+        """What a QP failed by this CQ's overrun has as its ``error``."""
+        return VerbsError(errno.EOVERFLOW, "cq", f"CQ overrun: more than {self.cqe} completions")
+
+    def _failed_by_overrun(self, qp: QPBase) -> bool:
+        """Whether ``qp`` is in ERR because of this CQ's overrun already (the native
+        engine fails the QP whose completion did not fit at once)."""
+        return False
 
     def poll(self, num_entries: int = 16) -> list[WC]:
         """Take up to ``num_entries`` completions, oldest first (never blocks).
