@@ -10,6 +10,7 @@ from rdmashim.ulps.nfsrdma.rpcrdma import (
     MAX_CHUNK_SEGMENTS,
     MAX_READ_SEGMENTS,
     MAX_WRITE_CHUNKS,
+    PLAIN_LEN,
     ConnectPrivate,
     ErrCode,
     ErrorHeader,
@@ -21,7 +22,9 @@ from rdmashim.ulps.nfsrdma.rpcrdma import (
     VersionMismatch,
     decode,
     peek_fixed,
+    peek_plain,
     peer_sizes,
+    plain_header,
     read_chunks,
 )
 from rdmashim.ulps.nfsrdma.xdr import XdrError
@@ -197,3 +200,19 @@ def test_private_data_refusals_and_defaults() -> None:
 def test_private_data_round_trip(send: int, recv: int, inv: bool) -> None:
     cp = ConnectPrivate(send * 1024, recv * 1024, inv)
     assert ConnectPrivate.decode(cp.encode()) == cp
+
+
+@given(headers | errors)
+def test_a_plain_header_is_told_apart_and_encodes_as_the_codec_does(h: Message) -> None:
+    """``peek_plain`` says xid and credit exactly for an RDMA_MSG without chunks (the
+    responder's fast path), and ``plain_header`` is that header's encoding."""
+    data = h.encode()
+    plain = (
+        isinstance(h, Header)
+        and h.proc == Proc.RDMA_MSG
+        and not (h.read_list or h.write_list or h.reply_chunk is not None)
+    )
+    assert peek_plain(data + b"rpc") == ((h.xid, h.credit) if plain else None)
+    if plain:
+        assert plain_header(h.xid, h.credit) == data
+        assert len(data) == PLAIN_LEN

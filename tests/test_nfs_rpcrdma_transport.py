@@ -142,6 +142,35 @@ async def test_short_calls(port: int) -> None:
             assert client.granted == 32
 
 
+async def test_short_calls_register_nothing_and_wait_for_no_completion(
+    port: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A short call and its reply go through the Send slots registered with the
+    connection: no region is registered and no task waits for a Send's completion, on
+    either side (before, the responder registered every reply and waited for its Send)."""
+    registered: list[int] = []
+    waited: list[int] = []
+    real_register, real_post = Endpoint.register, Endpoint.post
+
+    def register(ep: Endpoint, buffer: memoryview, access: Access = Access.NONE) -> object:
+        registered.append(len(memoryview(buffer)))
+        return real_register(ep, buffer, access)
+
+    async def post(ep: Endpoint, wrs: list[SendWR]) -> None:
+        waited.append(len(wrs))
+        await real_post(ep, wrs)
+
+    with trio.fail_after(TIMEOUT):
+        async with RpcRdmaClient.connect(HOST, port) as client:
+            monkeypatch.setattr(Endpoint, "register", register)
+            monkeypatch.setattr(Endpoint, "post", post)
+            for i in range(200):
+                echo = Reply()
+                echo.packer.opaque(i.to_bytes(4, "big") * 100)
+                assert (await client.call(PROG, 1, ECHO, echo)).opaque() == echo.packer.data[4:]
+    assert (registered, waited) == ([], [])
+
+
 @pytest.mark.parametrize("size", [1, 4, 4095, 99_999, 1 << 20])
 async def test_write_data_goes_in_a_read_chunk(port: int, size: int) -> None:
     data = pattern(size, 3)

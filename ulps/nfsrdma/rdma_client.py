@@ -61,7 +61,6 @@ if TYPE_CHECKING:
     from rdmashim.cm import Connection
     from rdmashim.ulps.nfsrdma.service import AuthSys, Reply
     from rdmashim.verbs.abc import MR
-    from rdmashim.verbs.wr import WC
 
 log = logging.getLogger(__name__)
 
@@ -240,10 +239,10 @@ class RpcRdmaClient:
                 waiter.header = exc
                 waiter.done.set()
 
-    def _on_receive(self, slot: int, length: int, wc: WC) -> None:
+    def _on_receive(self, slot: int, length: int, flags: WCFlags) -> None:
         data = bytes(self.ep.slot_view(slot, length))
         self.ep.repost(slot)
-        if wc.wc_flags & WCFlags.WITH_INV:
+        if flags & WCFlags.WITH_INV:
             self.invalidated += 1
         try:
             header, start = decode(data)
@@ -318,7 +317,7 @@ class RpcRdmaClient:
                 write_list = (self._offer(placed.chunk(), regions),)
             reply_chunk = self._offer(memoryview(reply_buf), regions) if reply_buf else None
             header, inline = self._call_layout(xid, message, write_list, reply_chunk, regions)
-            await self.ep.send(header.encode() + inline)
+            await self.ep.send([header.encode(), inline])
             await waiter.done.wait()
         finally:
             del self._waiting[xid]

@@ -1,20 +1,24 @@
 """One RPC-over-RDMA connection's queue pair, as both the requester and the responder drive it.
 
 An :class:`Endpoint` owns the connection's Receive buffers (one slot of the
-inline receive size per posted Receive), hands each received message to the
-transport, and posts Sends, RDMA Reads and RDMA Writes whose completion a
-task can wait for. One task (:meth:`Endpoint.run`) polls the completion
-queue; a work completion with an error status ends the connection
-(:class:`ConnectionLost`) and wakes every waiter with it.
+inline receive size per posted Receive) and Send buffers, both registered
+once, and drives the queue pair with the batch verbs: the Receives are a
+:class:`~rdmashim.verbs.RecvBatch` (entry ``i`` is slot ``i``, re-posted by
+index), the Sends from the Send slots a :class:`~rdmashim.verbs.SendBatch`,
+and one task (:meth:`Endpoint.run`) takes completions into a
+:class:`~rdmashim.verbs.WCArray` and hands each received message to the
+transport, where it is answered, without a task of its own when it can be.
 
-:meth:`Endpoint.send` copies a small message into one of a set of Send
-slots registered once (as many as Receives, made at the first use), so a
-short call costs no registration; a slot is used again only after its Send
-completed.
-
-Work requests go out in batches of at most :data:`BATCH`, only the last of
-each signaled: a send queue completes in order, so the last completion says
-the whole batch is done (and, for RDMA Writes before a Send, placed).
+Within one batch of completions the Receives given back (:meth:`repost`)
+and the Sends from slots (:meth:`try_send`) are posted once each at its end,
+the Receives first, so a credit a reply grants always has its Receive. A
+Send never waits for its completion: its slot (and any region its RDMA
+Writes read from) is released when the completion comes. Every Send is
+signaled; other work requests are not, but the last of each :meth:`post`.
+The send queue is never asked to hold more than it has room for: a Send
+that finds no room waits (:meth:`send`) or is left to its caller
+(:meth:`try_send`). A work completion with an error status ends the
+connection (:class:`ConnectionLost`) and wakes every waiter with it.
 """
 
 from __future__ import annotations
@@ -25,34 +29,53 @@ from typing import TYPE_CHECKING
 
 import trio
 
-from rdmashim.verbs import Access, RecvWR, SendFlags, SendWR, WCOpcode, WCStatus, WROpcode
+from rdmashim.verbs import (
+    Access,
+    RecvBatch,
+    RecvWR,
+    SendBatch,
+    SendFlags,
+    SendWR,
+    WCArray,
+    WCFlags,
+    WCOpcode,
+    WCStatus,
+    WROpcode,
+)
 
 if TYPE_CHECKING:
     from typing_extensions import Buffer
 
     from rdmashim.cm import Connection, ConnectionRequest
     from rdmashim.verbs.abc import MR
-    from rdmashim.verbs.wr import WC
 
 log = logging.getLogger(__name__)
 
 BATCH = 16
-"""Work requests posted before waiting for their completion."""
-SEND_QUEUE_BATCHES = 6
-"""Batches in flight at once (send queue depth / :data:`BATCH`, with room to spare)."""
+"""Work requests of one :meth:`Endpoint.post` posted before waiting for their completion."""
+COMPLETIONS = 64
+"""Completions taken at once."""
 REMOTE = Access.LOCAL_WRITE | Access.REMOTE_WRITE
 """What a requester grants on a buffer the responder writes (Write and Reply chunks)."""
+
+OnReceive = Callable[[int, int, WCFlags], None]
+"""``on_receive(slot, length, wc_flags)``: a message arrived in a Receive slot."""
 
 
 class ConnectionLost(ConnectionError):
     """The connection's queue pair failed or was closed."""
 
 
-class _Pending:
-    __slots__ = ("done", "status")
+class _Posted:
+    """Work requests posted together, up to a signaled last one: how many, the regions
+    to close when they complete, and a waiter if a task waits for them."""
 
-    def __init__(self) -> None:
-        self.done = trio.Event()
+    __slots__ = ("count", "done", "regions", "status")
+
+    def __init__(self, count: int, regions: Sequence[MR], wait: bool) -> None:
+        self.count = count
+        self.regions = regions
+        self.done = trio.Event() if wait else None
         self.status = WCStatus.SUCCESS
 
 
@@ -67,50 +90,124 @@ class Endpoint:
         self.pd = conn.pd
         self.recv_size = recv_size
         self.recv_count = recv_count
-        self.recv_mr = self.pd.reg_mr(bytearray(recv_size * recv_count), Access.LOCAL_WRITE)
-        self._pending: dict[int, _Pending] = {}
-        self._next_wr = recv_count  # Receive wr_ids are slot numbers below this
-        self._batches = trio.Semaphore(SEND_QUEUE_BATCHES)
+        self.recv_buffer = bytearray(recv_size * recv_count)
+        self.recv_mr = self.pd.reg_mr(self.recv_buffer, Access.LOCAL_WRITE)
+        self._recvs = RecvBatch(
+            RecvWR(slot, [self.recv_mr.sge(slot * recv_size, recv_size)])
+            for slot in range(recv_count)
+        )
+        # Send slots: twice the Receives, as a Send's completion may come after the
+        # peer already used the credit its message granted.
+        slots = 2 * recv_count
+        self._send_base = recv_count  # the wr_id of Send slot i is _send_base + i
+        self._send_mr = self.pd.reg_mr(bytearray(recv_size * slots))
+        self._sends = SendBatch(
+            SendWR(self._send_base + i, WROpcode.SEND, [], SendFlags.SIGNALED) for i in range(slots)
+        )
+        self._send_free = list(range(slots))
+        self._slot_count = [0] * slots  # work requests the slot's Send completes
+        self._slot_shape = [(-1, 0)] * slots  # the length and R_Key its entry has now
+        self._slot_regions: list[Sequence[MR]] = [()] * slots  # closed when it completes
+        self._posted: dict[int, _Posted] = {}  # by the wr_id of the signaled last request
+        self._next_wr = self._send_base + slots
+        self._sq_room = self.qp.cap.max_send_wr
+        self._room = trio.Event()
+        self._bursting = False
+        self._reposts: list[int] = []
+        self._deferred: list[int] = []  # Send slots filled during a burst
         self.lost: ConnectionLost | None = None
-        self._send_mr: MR | None = None
-        self._send_free: list[int] = []
-        self.qp.post_recv([self._recv_wr(slot) for slot in range(recv_count)])
-
-    def _recv_wr(self, slot: int) -> RecvWR:
-        return RecvWR(slot, [self.recv_mr.sge(slot * self.recv_size, self.recv_size)])
+        self.qp.post_recv_batch(self._recvs)
 
     def slot_view(self, slot: int, length: int) -> memoryview:
         """The first ``length`` received bytes of a Receive slot."""
         base = slot * self.recv_size
         return self.recv_mr.buf[base : base + length]
 
+    def in_receive_buffer(self, view: memoryview) -> bool:
+        """Whether ``view`` lies in the Receive slots (reused once given back)."""
+        return view.obj is self.recv_buffer or view.obj is self.recv_mr.buf.obj
+
     def repost(self, slot: int) -> None:
-        """Post a Receive slot again (its bytes were copied or are done with)."""
-        if self.lost is None:
-            self.qp.post_recv(self._recv_wr(slot))
+        """Give a Receive slot back (its bytes are done with): at the end of the burst of
+        completions being handled, else now."""
+        if self.lost is not None:
+            return
+        if self._bursting:
+            self._reposts.append(slot)
+        else:
+            self.qp.post_recv_batch(self._recvs, indices=[slot])
 
     def register(self, buffer: Buffer, access: Access = Access.NONE) -> MR:
         """Register ``buffer`` on the connection's PD."""
         return self.pd.reg_mr(buffer, access)
 
-    async def send(self, data: bytes) -> None:
-        """Send ``data`` and wait until the Send completes (:class:`ConnectionLost` if not).
-
-        From a pre-registered slot when one is free and ``data`` fits the
-        inline size, else from a buffer registered for this Send alone.
+    # ------------------------------------------------------------------ sending
+    def try_send(
+        self,
+        parts: Sequence[Buffer],
+        before: Sequence[SendWR] = (),
+        invalidate: int = 0,
+        regions: Sequence[MR] = (),
+    ) -> bool:
+        """Send the message ``parts`` (copied now), after the RDMA Writes ``before``, with
+        Invalidate of ``invalidate`` when non-zero; ``regions`` are closed once the Send
+        completed. False (nothing done, ``regions`` still the caller's) when the send
+        queue has no room now. Raises :class:`ConnectionLost`.
         """
-        if self._send_mr is None:
-            self._send_mr = self.register(bytearray(self.recv_size * self.recv_count))
-            self._send_free = list(range(self.recv_count))
-        if len(data) > self.recv_size or not self._send_free:
-            with self.register(bytearray(data)) as mr:
-                await self.post([send_wr(mr, len(data))])
-            return
-        slot = self._send_free.pop()
-        base = slot * self.recv_size
-        self._send_mr.buf[base : base + len(data)] = data
-        await self.post([SendWR(0, sg_list=[self._send_mr.sge(base, len(data))])])
-        self._send_free.append(slot)  # not after a failure: the Send may still read it
+        self._check()
+        size = sum(len(memoryview(p)) for p in parts)
+        count = len(before) + 1
+        if count > self._sq_room:
+            return False
+        if size <= self.recv_size and self._send_free:
+            slot = self._send_free.pop()
+            base = slot * self.recv_size
+            buf = self._send_mr.buf
+            at = base
+            for part in parts:
+                n = len(memoryview(part))
+                buf[at : at + n] = part
+                at += n
+            if self._slot_shape[slot] != (size, invalidate):  # else the entry stays prepared
+                self._slot_shape[slot] = (size, invalidate)
+                opcode = WROpcode.SEND_WITH_INV if invalidate else WROpcode.SEND
+                self._sends.set(
+                    slot, opcode=opcode, sg_list=[self._send_mr.sge(base, size)],
+                    invalidate_rkey=invalidate,
+                )  # fmt: skip
+            self._sq_room -= count
+            self._slot_count[slot] = count
+            self._slot_regions[slot] = regions
+            if self._bursting and not before:
+                self._deferred.append(slot)
+                return True
+            self._flush_reposts()
+            try:
+                if before:
+                    self.qp.post_send([*self._unsignaled(before), self._sends[slot]])
+                else:
+                    self.qp.post_send_batch(self._sends, indices=[slot])
+            except OSError as exc:
+                raise self._lose(f"posting failed: {exc}") from exc
+            return True
+        # No slot (or too big for one): a region of its own, closed at its completion.
+        message = bytearray(b"".join(parts))
+        mr = self.register(message)
+        wr = send_wr(mr, size, invalidate)
+        self._flush_reposts()
+        self._post_signaled([*before, wr], [*regions, mr], wait=False)
+        return True
+
+    async def send(
+        self,
+        parts: Sequence[Buffer],
+        before: Sequence[SendWR] = (),
+        invalidate: int = 0,
+        regions: Sequence[MR] = (),
+    ) -> None:
+        """:meth:`try_send`, waiting for room in the send queue if there is none now."""
+        while not self.try_send(parts, before, invalidate, regions):
+            await self.wait_room()
 
     async def post(self, wrs: Sequence[SendWR]) -> None:
         """Post ``wrs`` (their wr_ids and flags are set here) and wait until all complete.
@@ -118,25 +215,69 @@ class Endpoint:
         Raises :class:`ConnectionLost` if any fails or the connection ends first.
         """
         for start in range(0, len(wrs), BATCH):
-            async with self._batches:
-                await self._post_batch(wrs[start : start + BATCH])
+            batch = wrs[start : start + BATCH]
+            while len(batch) > self._sq_room:
+                await self.wait_room()
+            self._flush_reposts()
+            posted = self._post_signaled(batch, (), wait=True)
+            assert posted.done is not None
+            await posted.done.wait()
+            if posted.status != WCStatus.SUCCESS:
+                raise self.lost or ConnectionLost(posted.status.name)
 
-    async def _post_batch(self, wrs: Sequence[SendWR]) -> None:
-        self._check()
+    def _unsignaled(self, wrs: Sequence[SendWR]) -> Sequence[SendWR]:
+        """``wrs`` with wr_ids of their own and unsignaled."""
         for wr in wrs:
             wr.wr_id = self._next_wr
             wr.send_flags &= ~SendFlags.SIGNALED
             self._next_wr += 1
+        return wrs
+
+    def _post_signaled(
+        self, wrs: Sequence[SendWR], regions: Sequence[MR], *, wait: bool
+    ) -> _Posted:
+        """Post ``wrs``, only the last signaled, remembered by its wr_id."""
+        self._unsignaled(wrs)
         wrs[-1].send_flags |= SendFlags.SIGNALED
-        pending = self._pending[wrs[-1].wr_id] = _Pending()
+        posted = self._posted[wrs[-1].wr_id] = _Posted(len(wrs), regions, wait)
+        self._sq_room -= len(wrs)
         try:
             self.qp.post_send(list(wrs))
         except OSError as exc:
-            del self._pending[wrs[-1].wr_id]
+            del self._posted[wrs[-1].wr_id]
             raise self._lose(f"posting failed: {exc}") from exc
-        await pending.done.wait()
-        if pending.status != WCStatus.SUCCESS:
-            raise self.lost or ConnectionLost(pending.status.name)
+        return posted
+
+    def _flush_reposts(self) -> None:
+        if self._reposts:
+            reposts, self._reposts = self._reposts, []
+            try:
+                self.qp.post_recv_batch(self._recvs, indices=reposts)
+            except OSError as exc:
+                raise self._lose(f"posting receives failed: {exc}") from exc
+
+    def _flush(self) -> None:
+        """The end of a burst: the Receives given back, then the Sends from slots."""
+        self._flush_reposts()
+        if self._deferred and self.lost is None:
+            deferred, self._deferred = self._deferred, []
+            try:
+                self.qp.post_send_batch(self._sends, indices=deferred)
+            except OSError as exc:
+                raise self._lose(f"posting failed: {exc}") from exc
+
+    def has_room(self, count: int) -> bool:
+        """Whether the send queue has room for ``count`` more work requests now."""
+        return count <= self._sq_room
+
+    async def wait_room(self) -> None:
+        """Wait until a work request in the send queue completed (:class:`ConnectionLost`
+        if the connection ends first)."""
+        self._check()
+        if self._room.is_set():
+            self._room = trio.Event()
+        await self._room.wait()
+        self._check()
 
     def _check(self) -> None:
         if self.lost is not None:
@@ -145,47 +286,78 @@ class Endpoint:
     def _lose(self, why: str) -> ConnectionLost:
         if self.lost is None:
             self.lost = ConnectionLost(why)
-            for pending in self._pending.values():
-                pending.status = WCStatus.WR_FLUSH_ERR
-                pending.done.set()
-            self._pending.clear()
+            for posted in self._posted.values():
+                posted.status = WCStatus.WR_FLUSH_ERR
+                if posted.done is not None:
+                    posted.done.set()
+            self._room.set()
         return self.lost
 
-    async def run(self, on_receive: Callable[[int, int, WC], None]) -> None:
-        """Poll completions until the connection fails; ``on_receive(slot, length, wc)``
-        for each received message (the slot stays the caller's until :meth:`repost`).
+    # ------------------------------------------------------------------ completions
+    async def run(self, on_receive: OnReceive) -> None:
+        """Take completions until the connection fails; ``on_receive(slot, length,
+        wc_flags)`` for each received message (the slot stays the caller's until
+        :meth:`repost`).
 
         Raises :class:`ConnectionLost`.
         """
         cq = self.conn.recv_cq
         if self.conn.send_cq is not cq:
             raise ValueError("an Endpoint needs one completion queue for sends and receives")
+        wcs = WCArray(COMPLETIONS)
         try:
             while True:
-                for wc in await cq.poll_wait(64):
-                    self._complete(wc, on_receive)
+                n = await cq.poll_wait_into(wcs)
+                self._bursting = True
+                try:
+                    for i in range(n):
+                        self._complete(wcs, i, on_receive)
+                finally:
+                    self._bursting = False
+                self._flush()
         finally:
             self._lose("the connection closed")
 
-    def _complete(self, wc: WC, on_receive: Callable[[int, int, WC], None]) -> None:
-        if wc.status != WCStatus.SUCCESS:
-            pending = self._pending.pop(wc.wr_id, None)
-            if pending is not None:
-                pending.status = wc.status
-                pending.done.set()
-            raise self._lose(f"work request {wc.wr_id} completed with {wc.status.name}")
-        if wc.opcode == WCOpcode.RECV:
-            on_receive(wc.wr_id, wc.byte_len, wc)
+    def _complete(self, wcs: WCArray, i: int, on_receive: OnReceive) -> None:
+        wr_id = wcs.wr_id[i]
+        if wcs.status[i] != WCStatus.SUCCESS:
+            posted = self._posted.pop(wr_id, None)
+            if posted is not None:
+                posted.status = wcs.status[i]
+                if posted.done is not None:
+                    posted.done.set()
+            raise self._lose(f"work request {wr_id} completed with {wcs.status[i].name}")
+        if wcs.opcode[i] == WCOpcode.RECV:
+            on_receive(wr_id, wcs.byte_len[i], wcs.wc_flags[i])
             return
-        pending = self._pending.pop(wc.wr_id, None)
-        if pending is not None:
-            pending.done.set()
+        slot = wr_id - self._send_base
+        if 0 <= slot < len(self._slot_count):
+            self._sq_room += self._slot_count[slot]
+            regions, self._slot_regions[slot] = self._slot_regions[slot], ()
+            self._send_free.append(slot)
+            done = None
+        else:
+            posted = self._posted.pop(wr_id, None)
+            if posted is None:
+                return
+            self._sq_room += posted.count
+            regions, done = posted.regions, posted.done
+        self._room.set()
+        for region in regions:
+            region.close()
+        if done is not None:
+            done.set()
 
     def close(self) -> None:
-        """Deregister the Receive and Send buffers (once the QP is gone or in error)."""
+        """Deregister the Receive and Send buffers and the regions of Sends not completed
+        (once the QP is gone or in error)."""
+        for regions in [*(p.regions for p in self._posted.values()), *self._slot_regions]:
+            for region in regions:
+                region.close()
+        self._posted.clear()
+        self._slot_regions = [()] * len(self._slot_regions)
         self.recv_mr.close()
-        if self._send_mr is not None:
-            self._send_mr.close()
+        self._send_mr.close()
 
 
 def send_wr(mr: MR, length: int, invalidate_rkey: int = 0) -> SendWR:

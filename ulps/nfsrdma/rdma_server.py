@@ -34,14 +34,17 @@ A connection's failure (a bad peer, a lost link) ends that connection only.
 from __future__ import annotations
 
 import logging
+from collections.abc import Coroutine
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import trio
 
 from rdmashim.cm import CMError, serve
-from rdmashim.ulps.nfsrdma.rdma_endpoint import ConnectionLost, Endpoint, rdma_wr, send_wr
+from rdmashim.ulps.nfsrdma.rdma_endpoint import ConnectionLost, Endpoint, rdma_wr
+from rdmashim.ulps.nfsrdma.rpc import PendingCall
 from rdmashim.ulps.nfsrdma.rpcrdma import (
+    PLAIN_LEN,
     Chunk,
     ConnectPrivate,
     ErrCode,
@@ -53,19 +56,19 @@ from rdmashim.ulps.nfsrdma.rpcrdma import (
     chunk_length,
     decode,
     peek_fixed,
+    peek_plain,
     peer_sizes,
+    plain_header,
     read_chunks,
 )
-from rdmashim.ulps.nfsrdma.service import CallHandler
+from rdmashim.ulps.nfsrdma.service import CallHandler, Reply
 from rdmashim.ulps.nfsrdma.xdr import XdrError, pad
-from rdmashim.verbs import Access, QPCap, SendWR, WROpcode
+from rdmashim.verbs import Access, QPCap, SendWR, WCFlags, WROpcode
 
 if TYPE_CHECKING:
     from rdmashim.cm import ConnectionRequest
     from rdmashim.cm.addressing import SockAddr
-    from rdmashim.ulps.nfsrdma.service import Reply
     from rdmashim.verbs.abc import MR
-    from rdmashim.verbs.wr import WC
 
 log = logging.getLogger(__name__)
 
@@ -86,6 +89,12 @@ class Settings:
 
 class ChunkError(XdrError):
     """A call's chunks cannot be used (answered with ERR_CHUNK)."""
+
+
+PLAIN_CALL = Header(0, 0, Proc.RDMA_MSG, (), (), None)
+"""The transport header of every plain call (an RDMA_MSG without chunks), but its xid."""
+Answer = Reply | PendingCall | ErrorHeader | None
+"""What a call gets: a reply, one its program is still making, an RDMA_ERROR, or nothing."""
 
 
 async def serve_rdma(
@@ -123,7 +132,14 @@ async def serve_rdma(
 
 
 class _Responder:
-    """One connection: receives calls, pulls their chunks, sends their replies."""
+    """One connection: receives calls, pulls their chunks, sends their replies.
+
+    A call without Read chunks is decoded where it lies in its Receive slot
+    and, when :meth:`~.rpc.RpcServer.call_now` can answer it at once, answered
+    in the completion task; a call with Read chunks, or one its program
+    carries out in a task, gets a task of its own. Either way its Receive
+    slot stays taken until the reply is about to be sent.
+    """
 
     def __init__(self, server: CallHandler, request: ConnectionRequest, s: Settings) -> None:
         self.server = server
@@ -150,53 +166,98 @@ class _Responder:
         finally:
             self.ep.close()
 
-    def _on_receive(self, slot: int, length: int, wc: WC) -> None:
-        data = bytes(self.ep.slot_view(slot, length))
-        assert self.nursery is not None
-        self.nursery.start_soon(self._serve_call, slot, data)
+    def _on_receive(self, slot: int, length: int, _flags: WCFlags) -> None:
+        data = self.ep.slot_view(slot, length)
+        plain = peek_plain(data)
+        if plain is not None:  # the common call: inline, no chunks
+            xid = plain[0]
+            answer = self.server.call_now(data[PLAIN_LEN:], self.peer, TRANSPORT)
+            self._answer(slot, xid, PLAIN_CALL, answer)
+            return
+        try:
+            xid = peek_fixed(data)[0]
+        except XdrError:
+            self._close(f"a {length}-byte message without a transport header")
+            return
+        try:
+            header, start = decode(data)
+            if isinstance(header, ErrorHeader):
+                raise ChunkError("RDMA_ERROR sent to a responder")
+        except VersionMismatch as exc:
+            log.info("RPC-over-RDMA from %s: %s", self.peer, exc)
+            error = ErrorHeader(xid, self.settings.credits, ErrCode.ERR_VERS)
+            self._answer(slot, xid, None, error)
+            return
+        except XdrError as exc:
+            self._answer(slot, xid, None, self._chunk_error(xid, exc))
+            return
+        if header.read_list or header.proc != Proc.RDMA_MSG:
+            self._spawn(self._serve_chunked(slot, header, data[start:]))
+        else:
+            answer = self.server.call_now(data[start:], self.peer, TRANSPORT)
+            self._answer(slot, xid, header, answer)
+
+    def _chunk_error(self, xid: int, exc: XdrError) -> ErrorHeader:
+        log.info("RPC-over-RDMA from %s, xid %#x: %s", self.peer, xid, exc)
+        return ErrorHeader(xid, self.settings.credits, ErrCode.ERR_CHUNK)
 
     def _close(self, why: str) -> None:
         log.warning("RPC-over-RDMA connection from %s closed: %s", self.peer, why)
         assert self.nursery is not None
         self.nursery.cancel_scope.cancel()
 
-    async def _serve_call(self, slot: int, data: bytes) -> None:
+    def _spawn(self, work: Coroutine[Any, Any, None]) -> None:
+        assert self.nursery is not None
+        self.nursery.start_soon(self._guarded, work)
+
+    async def _guarded(self, work: Coroutine[Any, Any, None]) -> None:
         try:
-            await self._serve(slot, data)
+            await work
         except ConnectionLost:
             pass  # run() reports it
         except Exception as exc:
             log.exception("RPC-over-RDMA call from %s failed", self.peer)
             self._close(f"{type(exc).__name__}: {exc}")
 
-    async def _serve(self, slot: int, data: bytes) -> None:
+    async def _serve_chunked(self, slot: int, header: Header, inline: memoryview) -> None:
+        """A call with Read chunks (or a Long Call): pulled in, then answered."""
+        xid = header.xid
         try:
-            xid = peek_fixed(data)[0]
-        except XdrError:
-            self._close(f"a {len(data)}-byte message without a transport header")
-            return
-        try:
-            header, start = decode(data)
-            if isinstance(header, ErrorHeader):
-                raise ChunkError("RDMA_ERROR sent to a responder")
-            message = await self._assemble(header, memoryview(data)[start:])
-        except VersionMismatch as exc:
-            log.info("RPC-over-RDMA from %s: %s", self.peer, exc)
-            await self._send_error(slot, ErrorHeader(xid, self.settings.credits, ErrCode.ERR_VERS))
-            return
+            message = await self._assemble(header, inline)
         except XdrError as exc:
-            log.info("RPC-over-RDMA from %s, xid %#x: %s", self.peer, xid, exc)
-            await self._send_error(slot, ErrorHeader(xid, self.settings.credits, ErrCode.ERR_CHUNK))
+            await self._finish(slot, xid, None, self._chunk_error(xid, exc))
             return
-        reply = await self.server.handle_call(memoryview(message), self.peer, TRANSPORT)
-        if reply is None:
+        answer = self.server.call_now(memoryview(message), self.peer, TRANSPORT)
+        await self._finish(slot, xid, header, answer)
+
+    def _answer(self, slot: int, xid: int, call: Header | None, answer: Answer) -> None:
+        """Answer now if that needs no waiting, else in a task of its own."""
+        if isinstance(answer, PendingCall) or not self._try_answer(slot, xid, call, answer):
+            self._spawn(self._finish(slot, xid, call, answer))
+
+    async def _finish(self, slot: int, xid: int, call: Header | None, answer: Answer) -> None:
+        """Answer, once the program is done and the send queue has room."""
+        if isinstance(answer, PendingCall):
+            answer = await answer.finish()
+        while not self._try_answer(slot, xid, call, answer):
+            await self.ep.wait_room()
+
+    def _try_answer(
+        self, slot: int, xid: int, call: Header | None, answer: Reply | ErrorHeader | None
+    ) -> bool:
+        """Send the reply to call ``xid`` (its transport header ``call``; None with an
+        RDMA_ERROR) and give the Receive back; False if the send queue has no room now
+        (nothing done)."""
+        if answer is None:  # not a call: no answer
             self.ep.repost(slot)
-            return
+            return True
+        if isinstance(answer, ErrorHeader) or call is None:
+            assert isinstance(answer, ErrorHeader)
+            return self._send(slot, [answer.encode()], [], 0, [])
         try:
-            await self._reply(slot, header, reply)
+            return self._reply(slot, xid, call, answer)
         except ChunkError as exc:
-            log.info("RPC-over-RDMA reply to %s, xid %#x: %s", self.peer, xid, exc)
-            await self._send_error(slot, ErrorHeader(xid, self.settings.credits, ErrCode.ERR_CHUNK))
+            return self._try_answer(slot, xid, None, self._chunk_error(xid, exc))
 
     # ------------------------------------------------------------------ calls
     async def _assemble(self, header: Header, inline: memoryview) -> bytearray:
@@ -244,7 +305,7 @@ class _Responder:
         return out
 
     # ------------------------------------------------------------------ replies
-    async def _reply(self, slot: int, call: Header, reply: Reply) -> None:
+    def _reply(self, slot: int, xid: int, call: Header, reply: Reply) -> bool:
         data = memoryview(reply.packer.data)
         inline: list[bytes | memoryview] = []
         writes: list[tuple[int, Chunk]] = []
@@ -266,31 +327,40 @@ class _Responder:
                 inline += [item, bytes(pad(len(item)))]
         inline.append(data[start:])
         returned += [_filled(c, 0) for c in call.write_list[len(returned) :]]
-        body = b"".join(inline)
         credits = self.settings.credits
-        header = Header(call.xid, credits, Proc.RDMA_MSG, (), tuple(returned), None)
-        wire = header.encode()
-        if len(wire) + len(body) > self.reply_inline:
-            if call.reply_chunk is None or len(body) > chunk_length(call.reply_chunk):
+        if returned:
+            wire = Header(xid, credits, Proc.RDMA_MSG, (), tuple(returned), None).encode()
+        else:
+            wire = plain_header(xid, credits)
+        size = sum(len(part) for part in inline)
+        if len(wire) + size > self.reply_inline:
+            if call.reply_chunk is None or size > chunk_length(call.reply_chunk):
                 raise ChunkError(
-                    f"a {len(body)}-byte reply fits neither inline ({self.reply_inline}) "
+                    f"a {size}-byte reply fits neither inline ({self.reply_inline}) "
                     f"nor a Reply chunk"
                 )
             writes.append((sum(len(s) for s in sources), call.reply_chunk))
-            sources.append(memoryview(body))
-            reply_chunk = _filled(call.reply_chunk, len(body))
-            header = Header(call.xid, credits, Proc.RDMA_NOMSG, (), tuple(returned), reply_chunk)
-            wire, body = header.encode(), b""
-        # One writable source (READ's data) is registered where it is; else one copy.
+            sources.append(memoryview(b"".join(inline)))
+            reply_chunk = _filled(call.reply_chunk, size)
+            header = Header(xid, credits, Proc.RDMA_NOMSG, (), tuple(returned), reply_chunk)
+            wire, inline = header.encode(), []
+        if not sources:
+            return self._send(slot, [wire, *inline], [], self._invalidate(call), [])
+        # One writable source of its own (READ's data) is registered where it is; else
+        # one copy (a source in a Receive slot is given back before the Writes read it).
         one = len(sources) == 1 and not sources[0].readonly
+        if one and self.ep.in_receive_buffer(sources[0]):
+            one = False
+        ops = _spread(writes, sum(len(s) for s in sources))
+        if not self.ep.has_room(len(ops) + 1):
+            return False
         source = sources[0] if one else bytearray(b"".join(sources))
-        ops = _spread(writes, len(source))
-        regions = [self.ep.register(source)] if source else []
+        regions = [self.ep.register(source)] if len(source) else []
         wrs = [
             rdma_wr(WROpcode.RDMA_WRITE, regions[0], at, seg.length, seg.offset, seg.handle)
             for at, seg in ops
         ]
-        await self._send(slot, wire + body, wrs, self._invalidate(call), regions)
+        return self._send(slot, [wire, *inline], wrs, self._invalidate(call), regions)
 
     def _invalidate(self, call: Header) -> int:
         """The R_Key a Send With Invalidate may invalidate (0: none)."""
@@ -301,21 +371,22 @@ class _Responder:
             handles.update(s.handle for s in chunk)
         return handles.pop() if len(handles) == 1 else 0
 
-    async def _send_error(self, slot: int, error: ErrorHeader) -> None:
-        await self._send(slot, error.encode(), [], 0, [])
-
-    async def _send(
-        self, slot: int, message: bytes, wrs: list[SendWR], invalidate: int, regions: list[MR]
-    ) -> None:
-        """RDMA Writes, then the reply's Send; the call's Receive is posted again first."""
-        buf = bytearray(message)
-        regions.append(self.ep.register(buf))
-        try:
-            self.ep.repost(slot)
-            await self.ep.post([*wrs, send_wr(regions[-1], len(buf), invalidate)])
-        finally:
-            for region in regions:
-                region.close()
+    def _send(
+        self,
+        slot: int,
+        parts: list[bytes | memoryview],
+        wrs: list[SendWR],
+        invalidate: int,
+        regions: list[MR],
+    ) -> bool:
+        """RDMA Writes, then the reply's Send; the call's Receive is given back first.
+        False if the send queue has no room now (nothing done)."""
+        if not self.ep.has_room(len(wrs) + 1):
+            return False
+        self.ep.repost(slot)
+        sent = self.ep.try_send(parts, wrs, invalidate, regions)
+        assert sent, "room was checked"
+        return True
 
 
 def _filled(chunk: Chunk, length: int) -> Chunk:

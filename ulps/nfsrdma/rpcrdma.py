@@ -20,6 +20,7 @@ from __future__ import annotations
 import struct
 from dataclasses import dataclass
 from enum import IntEnum
+from typing import Final
 
 from rdmashim.ulps.nfsrdma.xdr import Packer, Unpacker, XdrError
 
@@ -169,6 +170,27 @@ def _fixed(xid: int, vers: int, credit: int, proc: int) -> Packer:
     for word in (xid, vers, credit, proc):
         p.uint(word)
     return p
+
+
+_PLAIN = struct.Struct(">7I")
+PLAIN_LEN: Final = _PLAIN.size
+"""Bytes of a plain header: an RDMA_MSG whose three chunk lists are empty."""
+
+
+def plain_header(xid: int, credit: int) -> bytes:
+    """A plain header's bytes (what :meth:`Header.encode` gives for no chunks)."""
+    return _PLAIN.pack(xid, RPCRDMA_VERSION, credit, Proc.RDMA_MSG, 0, 0, 0)
+
+
+def peek_plain(data: bytes | bytearray | memoryview) -> tuple[int, int] | None:
+    """The xid and credit of a plain header at the start of ``data`` (the RPC message
+    follows at :data:`PLAIN_LEN`), None for any other start (:func:`decode` it)."""
+    if len(data) < PLAIN_LEN:
+        return None
+    xid, vers, credit, proc, reads, writes, reply = _PLAIN.unpack_from(data)
+    if vers != RPCRDMA_VERSION or proc != Proc.RDMA_MSG or reads or writes or reply:
+        return None
+    return xid, credit
 
 
 def peek_fixed(data: bytes | bytearray | memoryview) -> tuple[int, int, int, int]:

@@ -19,9 +19,12 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from rdmashim.ulps.nfsrdma.xdr import Packer, Unpacker, pad
+
+if TYPE_CHECKING:
+    from rdmashim.ulps.nfsrdma.rpc import PendingCall
 
 AUTH_NONE = 0
 AUTH_SYS = 1
@@ -95,12 +98,17 @@ class Reply:
 
 class CallHandler(Protocol):
     """What a transport hands each call to: :class:`~.rpc.RpcServer`, or anything with
-    its ``handle_call``."""
+    its ``handle_call`` and ``call_now``."""
 
     def handle_call(
         self, message: memoryview, peer: tuple[str, int], transport: str, local: str = ""
     ) -> Awaitable[Reply | None]:
         """The reply to a whole RPC call message (None: no answer)."""
+
+    def call_now(
+        self, message: memoryview, peer: tuple[str, int], transport: str, local: str = ""
+    ) -> Reply | PendingCall | None:
+        """The reply now, or a :class:`~.rpc.PendingCall` to finish in a task."""
 
 
 class Program(Protocol):
