@@ -40,6 +40,7 @@ from rdmashim.cm import open_connection
 from rdmashim.ulps.nfsrdma.rdma_endpoint import REMOTE, ConnectionLost, Endpoint
 from rdmashim.ulps.nfsrdma.rpc import OpaqueAuth, decode_reply, encode_call
 from rdmashim.ulps.nfsrdma.rpcrdma import (
+    PLAIN_LEN,
     Chunk,
     ConnectPrivate,
     ErrCode,
@@ -51,7 +52,9 @@ from rdmashim.ulps.nfsrdma.rpcrdma import (
     Segment,
     chunk_length,
     decode,
+    peek_plain,
     peer_sizes,
+    plain_header,
 )
 from rdmashim.ulps.nfsrdma.xdr import Unpacker, XdrError, pad
 from rdmashim.verbs import Access, QPCap, WCFlags
@@ -75,6 +78,10 @@ class TransportError(Exception):
     def __init__(self, message: str, code: ErrCode | None = None) -> None:
         super().__init__(message)
         self.code = code
+
+
+_PLAIN_REPLY = Header(0, 0, Proc.RDMA_MSG, (), (), None)
+"""What a plain reply's transport header says beyond its xid and credit (no chunks)."""
 
 
 class _Waiter:
@@ -244,8 +251,13 @@ class RpcRdmaClient:
         self.ep.repost(slot)
         if flags & WCFlags.WITH_INV:
             self.invalidated += 1
+        plain = peek_plain(data)
         try:
-            header, start = decode(data)
+            if plain is None:
+                header, start = decode(data)
+                xid, credit = header.xid, header.credit
+            else:  # the common reply: inline, no chunks
+                (xid, credit), header, start = plain, _PLAIN_REPLY, PLAIN_LEN
         except XdrError as exc:
             if len(data) >= 4 and (waiter := self._waiting.get(int.from_bytes(data[:4], "big"))):
                 waiter.header = exc
@@ -253,11 +265,11 @@ class RpcRdmaClient:
             else:
                 log.warning("unparsable reply from %s: %s", self.conn.peer_addr, exc)
             return
-        self.granted = max(1, min(header.credit, self.credits))
+        self.granted = max(1, min(credit, self.credits))
         self._credit_freed.set()
-        waiter = self._waiting.get(header.xid)
+        waiter = self._waiting.get(xid)
         if waiter is None:
-            log.warning("reply from %s to no call (xid %#x)", self.conn.peer_addr, header.xid)
+            log.warning("reply from %s to no call (xid %#x)", self.conn.peer_addr, xid)
             return
         waiter.header, waiter.inline = header, data[start:]
         waiter.done.set()
@@ -317,7 +329,7 @@ class RpcRdmaClient:
                 write_list = (self._offer(placed.chunk(), regions),)
             reply_chunk = self._offer(memoryview(reply_buf), regions) if reply_buf else None
             header, inline = self._call_layout(xid, message, write_list, reply_chunk, regions)
-            await self.ep.send([header.encode(), inline])
+            await self.ep.send([header, inline])
             await waiter.done.wait()
         finally:
             del self._waiting[xid]
@@ -348,8 +360,9 @@ class RpcRdmaClient:
         write_list: tuple[Chunk, ...],
         reply_chunk: Chunk | None,
         regions: list[MR],
-    ) -> tuple[Header, bytes]:
-        """The call's header and inline part: DDP items as Read chunks, or a Long Call."""
+    ) -> tuple[bytes, bytes]:
+        """The call's transport header and inline part, encoded: DDP items as Read chunks,
+        or a Long Call."""
         data = memoryview(message.packer.data)
         inline: list[bytes | memoryview] = []
         items: list[tuple[int, memoryview]] = []  # (position in the whole stream, bytes)
@@ -362,20 +375,22 @@ class RpcRdmaClient:
             shift += len(item) + pad(len(item))
         inline.append(data[start:])
         body = b"".join(inline)
+        if not (items or write_list or reply_chunk) and PLAIN_LEN + len(body) <= self.call_inline:
+            return plain_header(xid, self.credits), body
         reads = tuple(ReadSegment(pos, Segment(0, len(item), 0)) for pos, item in items)
         short = Header(xid, self.credits, Proc.RDMA_MSG, reads, write_list, reply_chunk)
         if len(short.encode()) + len(body) <= self.call_inline:
             read_list = tuple(ReadSegment(pos, self._expose(item, regions)) for pos, item in items)
-            return Header(
-                xid, self.credits, Proc.RDMA_MSG, read_list, write_list, reply_chunk
-            ), body
+            header = Header(xid, self.credits, Proc.RDMA_MSG, read_list, write_list, reply_chunk)
+            return header.encode(), body
         zero = (ReadSegment(0, Segment(0, 0, 0)),)
-        long = Header(xid, self.credits, Proc.RDMA_NOMSG, zero, write_list, reply_chunk)
-        if len(long.encode()) > self.call_inline:
-            raise TransportError(f"a call header of {len(long.encode())} bytes does not fit")
+        probe = Header(xid, self.credits, Proc.RDMA_NOMSG, zero, write_list, reply_chunk).encode()
+        if len(probe) > self.call_inline:
+            raise TransportError(f"a call header of {len(probe)} bytes does not fit")
         whole = memoryview(b"".join(message.inline()))
         read_list = (ReadSegment(0, self._expose(whole, regions)),)
-        return Header(xid, self.credits, Proc.RDMA_NOMSG, read_list, write_list, reply_chunk), b""
+        long = Header(xid, self.credits, Proc.RDMA_NOMSG, read_list, write_list, reply_chunk)
+        return long.encode(), b""
 
     def _expose(self, item: memoryview, regions: list[MR]) -> Segment:
         """Register ``item`` for the server to read: its segment."""
