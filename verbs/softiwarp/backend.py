@@ -20,10 +20,15 @@ class SoftiwarpBackend:
     """One device per network interface; MPA over TCP by the engine itself."""
 
     name = provider.BACKEND_NAME
-    description = (
-        f"built-in iWARP engine over TCP (engine: {engines.describe()}; "
-        f"compiled kernels: {fastpath.describe()})"
-    )
+
+    @property
+    def description(self) -> str:
+        """What runs: the engine a device opened now gets, and the Python engine's kernels."""
+        return (
+            f"built-in iWARP engine over TCP (engine: {engines.describe()}; "
+            f"compiled kernels: {fastpath.describe()})"
+        )
+
     transport_options = frozenset(f.name for f in fields(TransportOptions))
     """Every portable transport option: the engine negotiates MPA itself."""
 
