@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import random
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -51,6 +52,8 @@ DEFAULT_MAX_IN_FLIGHT = 32
 """Calls of one connection carried out at once by default."""
 DEFAULT_RECORD_TIMEOUT = 60.0
 """Seconds a record may take to arrive once its first byte has, by default."""
+BURST = 16
+"""Reads in a row a connection takes without a checkpoint (then it lets others run)."""
 
 
 class RpcConnectionError(ConnectionError):
@@ -85,6 +88,9 @@ class _Connection:
         self.in_flight = trio.Semaphore(max_in_flight)
         self.record_timeout = record_timeout
         self.send_lock = trio.Lock()
+        self.fd = stream.socket.fileno()
+        """Read and written directly (non-blocking): a call and its reply need no
+        checkpoint when the socket has the bytes and room (trio's stream takes two)."""
 
     async def serve(self) -> None:
         """Answer calls until the peer closes, breaks the rules or the stream breaks."""
@@ -100,16 +106,24 @@ class _Connection:
 
     async def _read_calls(self, nursery: trio.Nursery) -> None:
         started = 0.0  # when the record being received began to arrive
+        burst = 0  # reads in a row that found bytes at once
         while True:
-            deadline = started + self.record_timeout if self.decoder.pending else math.inf
-            with trio.move_on_at(deadline) as scope:
-                data = await self.stream.receive_some(RECEIVE_SIZE)
-            if scope.cancelled_caught:
-                logger.warning(
-                    "tcp %s: a record took over %.0f s; closing", self.peer, self.record_timeout
-                )
-                nursery.cancel_scope.cancel()
-                return
+            data = self._read_now() if burst < BURST else None
+            if data is None:  # nothing there: wait (a checkpoint) for some
+                burst = 0
+                deadline = started + self.record_timeout if self.decoder.pending else math.inf
+                with trio.move_on_at(deadline):
+                    await trio.lowlevel.wait_readable(self.fd)
+                    data = self._read_now()
+                if data is None:
+                    if trio.current_time() < deadline:
+                        continue
+                    logger.warning(
+                        "tcp %s: a record took over %.0f s; closing", self.peer, self.record_timeout
+                    )
+                    nursery.cancel_scope.cancel()
+                    return
+            burst += 1
             if not data:
                 return  # the calls in flight are still answered
             was_pending = self.decoder.pending
@@ -127,9 +141,33 @@ class _Connection:
             if ready:
                 await self._send(b"".join(ready))
 
+    def _read_now(self) -> bytes | None:
+        """What the socket holds now (b"" at the peer's end), None if nothing yet."""
+        try:
+            return os.read(self.fd, RECEIVE_SIZE)
+        except BlockingIOError:
+            return None
+        except OSError as exc:
+            raise trio.BrokenResourceError(f"receive failed: {exc}") from exc
+
     async def _send(self, data: bytes) -> None:
-        async with self.send_lock:
-            await self.stream.send_all(data)
+        """Send ``data`` whole, one reply after another: at once when the socket takes it."""
+        lock = self.send_lock
+        if lock.locked():
+            await lock.acquire()
+        else:
+            lock.acquire_nowait()  # no checkpoint: the socket may take it all now
+        try:
+            view = memoryview(data)
+            while view:
+                try:
+                    view = view[os.write(self.fd, view) :]
+                except BlockingIOError:
+                    await trio.lowlevel.wait_writable(self.fd)
+                except OSError as exc:
+                    raise trio.BrokenResourceError(f"send failed: {exc}") from exc
+        finally:
+            lock.release()
 
     async def _answer(self, call: PendingCall) -> None:
         try:
