@@ -27,7 +27,9 @@ Benchmarks (``--only`` takes these names):
     pulls each WRITE's data by RDMA Read from the client's Read chunk.
 ``getattr``
     ``--getattrs`` GETATTRs of the export's root, one at a time; the rate
-    (calls/s) and the latency of each call (median, 99th percentile).
+    (calls/s), the latency of each call (median, 99th percentile), and the
+    server process's CPU time per call (user and system, all threads, from
+    ``/proc``: our server's own cost of a metadata call, whatever the client).
 
 Every byte is checked after its window: the read buffer against the file,
 the written file on disk against the source.
@@ -45,6 +47,7 @@ import argparse
 import cProfile
 import io
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -240,7 +243,12 @@ async def bench_getattr(nfs: NfsClient, cfg: Config, window: Window) -> dict[str
         calls=cfg.getattrs,
         lat_median_us=statistics.median(us),
         lat_p99_us=us[min(len(us) - 1, int(len(us) * 0.99))],
+        server_cpu_us=window.server_cpu / cfg.getattrs * 1e6,
     )
+
+
+GETATTR_ROWS = {"lat_median_us": "  median", "lat_p99_us": "  p99", "server_cpu_us": "  server CPU"}
+"""The per-call figures of ``getattr`` (medians of the samples) and their rows."""
 
 
 @dataclass(frozen=True)
@@ -295,7 +303,7 @@ async def run_samples(
         for key in ("seconds", "client_cpu_s", "server_cpu_s"):
             result[key] = {proto: _median(details[proto], key) for proto in PROTOS}
         if bench.name == "getattr":
-            for key in ("lat_median_us", "lat_p99_us"):
+            for key in GETATTR_ROWS:
                 result[key] = {proto: _median(details[proto], key) for proto in PROTOS}
         results.append(result)
     status.clear()
@@ -303,7 +311,8 @@ async def run_samples(
 
 
 def _row(name: str, size: str, rdma: float, tcp: float, unit: str, prec: int = 1) -> str:
-    return f" {name:<13}{size:>10}{rdma:>13.{prec}f}{tcp:>13.{prec}f}{rdma / tcp:>11.3f}  {unit}"
+    ratio = rdma / tcp if tcp else math.nan  # a CPU time under one clock tick reads 0
+    return f" {name:<13}{size:>10}{rdma:>13.{prec}f}{tcp:>13.{prec}f}{ratio:>11.3f}  {unit}"
 
 
 def print_table(cfg: Config, results: list[dict[str, Any]]) -> None:
@@ -313,14 +322,15 @@ def print_table(cfg: Config, results: list[dict[str, Any]]) -> None:
         if r["name"] == "getattr":
             calls = f"{cfg.getattrs} x"
             print(_row("getattr", calls, r["rdma_median"], r["tcp_median"], "calls/s", 0))
-            for key, label in (("lat_median_us", "  median"), ("lat_p99_us", "  p99")):
-                lat = r[key]
-                print(_row(label, "1 call", lat["rdma"], lat["tcp"], "usec"))
+            for key, label in GETATTR_ROWS.items():
+                per_call = r[key]
+                print(_row(label, "1 call", per_call["rdma"], per_call["tcp"], "usec"))
         else:
             size = f"{cfg.size // MiB} MiB"
             print(_row(r["name"], size, r["rdma_median"], r["tcp_median"], r["unit"]))
     print(RESULT_LINE)
-    print(" ratio RDMA/TCP: above 1 is faster over RDMA, but for usec (latency) it is slower")
+    print(" ratio RDMA/TCP: above 1 is faster over RDMA, but for usec (latency, server CPU per")
+    print(" call) it is slower or costlier")
     print(f" {'seconds (median)':<23}{'RDMA: window':>13}{'client':>8}{'server':>8}"
           f"{'TCP: window':>13}{'client':>8}{'server':>8}")  # fmt: skip
     for r in results:

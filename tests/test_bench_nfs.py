@@ -28,6 +28,10 @@ def test_nfs_benchmark_prints_rdma_and_tcp(tmp_path: Path) -> None:
         rdma, tcp, ratio = (float(x) for x in row[-4:-1])
         assert row[-1] == unit and rdma > 0 and tcp > 0
         assert abs(ratio - rdma / tcp) < 0.01 * ratio + 0.002
+    cpu = next(line.split() for line in done.stdout.splitlines() if "server CPU" in line)
+    assert cpu[-1] == "usec" and float(cpu[-4]) >= 0 and float(cpu[-3]) >= 0  # (clock ticks)
+    getattr_doc = next(r for r in json.loads(out.read_text())["results"] if r["name"] == "getattr")
+    assert set(getattr_doc["server_cpu_us"]) == {"rdma", "tcp"}
     doc = json.loads(out.read_text())
     assert doc["meta"]["file_size"] == 4 << 20 and doc["meta"]["commit"]
     for result in doc["results"]:
