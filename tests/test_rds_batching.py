@@ -360,7 +360,7 @@ async def test_a_reader_driving_its_session_wakes_for_what_comes_another_way(
             await while_driving(sa, lambda: sc.sendto(b"third", ("127.0.0.1", 4000)))
         assert got == [(b"local", ("127.0.0.1", 4001)), (b"third", ("127.0.0.3", 6000))]
         assert errors == [errno.EBADF]
-        assert a._drivable() is None  # two peers now: a reader parks instead
+        assert a._table.drivable() is None  # two peers now: a reader parks instead
     finally:
         await close([a, b, c])
 
@@ -388,7 +388,7 @@ async def test_a_busy_polling_reader_keeps_the_loop_awake(
             for sender in senders:  # the sessions up
                 await sender.sendto(b"up", ("127.0.0.1", 4000))
                 await sa.recvfrom()
-            assert (a._drivable() is not None) == (peers == 1)
+            assert (a._table.drivable() is not None) == (peers == 1)
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(send_later)
                 with loop_sleeps() as watch:

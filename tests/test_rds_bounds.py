@@ -29,6 +29,7 @@ import trio
 from rdmashim.cm import ConnectionRejected, open_connection
 from rdmashim.ulps.rds.connection import RdsConnection
 from rdmashim.ulps.rds.node import RdsNode
+from rdmashim.ulps.rds.peers import droppable
 from rdmashim.ulps.rds.rdma_flow import RECV_SLOTS
 from rdmashim.ulps.rds.rdma_session import Session
 from rdmashim.ulps.rds.settings import RdsSettings
@@ -246,7 +247,7 @@ async def test_at_max_peers_with_none_idle_a_new_one_is_rejected() -> None:
                     sock = node.bind(4000)
                     with pytest.raises(OSError, match="max_peers"):
                         await sock.sendto(b"x", ("127.0.0.9", 4000))
-                await wait_until(lambda: node._droppable(node._peers[_ip(4)]), 5, "idle")
+                await wait_until(lambda: droppable(node._peers[_ip(4)]), 5, "idle")
                 async with stranger(node, "127.0.0.5"):  # the idle one makes room
                     await wait_until(lambda: _ip(5) in node._peers, 5, "the new entry")
                     assert _ip(4) not in node._peers and len(node._peers) == 3
@@ -258,7 +259,7 @@ async def test_a_peer_whose_rds_rejects_us_is_tried_until_it_takes_us(
     """A reject from the peer's RDS (its ``rdma_reject``: here it has no room, for a
     kernel it is busy with its own connect) is an answer: the node keeps trying past
     ``give_up_after`` and drops nothing; the message arrives once the peer takes it."""
-    caplog.set_level(logging.INFO, logger="rdmashim.ulps.rds.node")
+    caplog.set_level(logging.INFO, logger="rdmashim.ulps.rds")
     fast = RdsSettings(reconnect_min=0.02, reconnect_max=0.1, give_up_after=2)
     async with (
         node_with(RdsSettings(max_peers=1)) as full,
@@ -301,7 +302,7 @@ async def test_reconnects_to_a_dead_peer_back_off(caplog: pytest.LogCaptureFixtu
     each attempt in the upper half of a window that doubles from
     ``reconnect_min`` to ``reconnect_max``; the message arrives once it is back."""
     settings = RdsSettings(reconnect_min=0.05, reconnect_max=0.8)
-    caplog.set_level(logging.INFO, logger="rdmashim.ulps.rds.node")
+    caplog.set_level(logging.INFO, logger="rdmashim.ulps.rds")
     async with node_with(settings) as a:
         sock = a.bind(4000)
         b = RdsNode("127.0.0.2", a.port)

@@ -19,7 +19,7 @@ from rdmashim.ulps.rds.cookie import RdmaStatus
 from rdmashim.ulps.rds.rdma import RdmaOp
 from rdmashim.ulps.rds.rdma_flow import (
     ACK_DELAY,
-    ACK_LATER,
+    ACK_HELD,
     ACK_NONE,
     ACK_NOW,
     RECV_SLOTS,
@@ -93,8 +93,6 @@ def test_credits_data_never_takes_the_last_and_a_bare_ack_only_when_it_grants() 
         w.rds.queue(1, 2, b"")
     assert w.sends() == [hdr(100, 0, 0, 1, 2, ACK_REQ), hdr(101, 0, 0, 1, 2)]
     assert w.flow.send_credits == 1 and len(w.rds.unsent) == 1
-    w.flow.stalled()
-    assert w.rds.counters.credit_waits == 1
     assert not w.flow.ack_allowed()  # the last credit, and nothing to grant
     w.flow.reposted(5)
     assert w.flow.ack_allowed()
@@ -191,22 +189,22 @@ def test_received_messages_are_delivered_once_in_order_and_acked() -> None:
     w.flow.receive(memoryview(hdr(7, 100, 3, 2, 1, RETRANS) + b"ans"))
     assert len(w.delivered) == 1 and w.rds.counters.recv_drop_old_seq == 1
     # The ack is held back for a message of ours to carry...
-    assert w.flow.ack_due() == ACK_LATER
-    assert w.flow.hold_ack(5.0) == 5.0 + ACK_DELAY
-    assert w.flow.ack_due() == ACK_NONE  # held already
+    assert w.flow.acknowledge(lambda: 5.0) == ACK_HELD
+    assert w.flow.ack_at == 5.0 + ACK_DELAY
+    assert w.flow.acknowledge(lambda: 6.0) == ACK_NONE  # held already
     assert not w.flow.ack_expired(5.0 + ACK_DELAY / 2)
     # ... which does: h_ack 7, and no bare ack is due any more.
     w.rds.queue(1, 2, b"r")
     assert w.sends() == [hdr(101, 7, 1, 1, 2, ACK_REQ) + b"r"]
-    assert not w.flow.ack_expired(5.0 + ACK_DELAY) and w.flow.ack_due() == ACK_NONE
+    assert not w.flow.ack_expired(5.0 + ACK_DELAY)
+    assert w.flow.acknowledge(lambda: 7.0) == ACK_NONE
 
 
 def test_a_held_ack_goes_alone_when_nothing_of_ours_carries_it() -> None:
     w = Wire()
     w.flow.peer_credits(4)
     w.flow.receive(memoryview(hdr(1, 0, 1, 2, 1) + b"x"))
-    assert w.flow.ack_due() == ACK_LATER
-    w.flow.hold_ack(0.0)
+    assert w.flow.acknowledge(lambda: 0.0) == ACK_HELD
     assert w.flow.ack_expired(ACK_DELAY)
     buf = bytearray(48)
     w.flow.fill_ack(buf, 0)
@@ -218,7 +216,7 @@ def test_many_receives_to_grant_make_an_ack_due_now() -> None:
     w = Wire()
     w.flow.peer_credits(4)
     w.flow.reposted(RECV_SLOTS // 2)
-    assert w.flow.ack_due() == ACK_NOW
+    assert w.flow.acknowledge(lambda: 0.0) == ACK_NOW
 
 
 def test_fragments_are_assembled_and_a_stray_one_is_a_protocol_error() -> None:

@@ -636,7 +636,7 @@ async def test_connecting_again_after_a_drop_ends_when_the_peer_is_idle_too_long
 ) -> None:
     """A peer gone for good (nothing listens any more) is tried until it has been idle
     for ``peer_idle_expiry``; then the node stops and forgets it, as any idle peer."""
-    caplog.set_level(logging.INFO, logger="rdmashim.ulps.rds.node")
+    caplog.set_level(logging.INFO, logger="rdmashim.ulps.rds")
     settings = RdsSettings(peer_idle_expiry=0.5, reconnect_max=0.1)
     async with node_whose_peer_went(settings) as node:
         with trio.fail_after(5):

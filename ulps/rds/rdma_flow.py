@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from rdmashim.ulps.rds.connection import OutMessage, RdsConnection
@@ -55,11 +56,11 @@ ACK_DELAY = 0.002
 a bare one goes only when none of ours went within this time of the first message it
 acknowledges."""
 ACK_NONE = 0
-""":meth:`RdmaFlow.ack_due`: no acknowledgement to send or to schedule."""
+""":meth:`RdmaFlow.acknowledge`: nothing to do (no ack owed, or one held already)."""
 ACK_NOW = 1
-""":meth:`RdmaFlow.ack_due`: send a bare ack now (many receives wait to be granted)."""
-ACK_LATER = 2
-""":meth:`RdmaFlow.ack_due`: hold the ack back (:meth:`RdmaFlow.hold_ack`)."""
+""":meth:`RdmaFlow.acknowledge`: send a bare ack now (many receives wait to be granted)."""
+ACK_HELD = 2
+""":meth:`RdmaFlow.acknowledge`: the ack is held back now, until :attr:`RdmaFlow.ack_at`."""
 _ACK_REQUIRED = int(RdsFlag.ACK_REQUIRED)
 _pack_header = HEADER_STRUCT.pack_into
 _CONG_BITMAP = RdsFlag.CONG_BITMAP
@@ -167,12 +168,6 @@ class RdmaFlow:
         payload = memoryview(data)[start : start + RDS_FRAG_SIZE]
         return self._write(buf, base, msg, fragment == 0, payload)
 
-    def stalled(self) -> None:
-        """The session stopped filling with messages still waiting (no credit, no slot
-        or no room for RDMA): counted in ``credit_waits``."""
-        if self.rds.unsent or self.current is not None:
-            self.rds.counters.credit_waits += 1
-
     def _start(self, msg: OutMessage) -> None:
         """Make ``msg`` the message whose fragments go next; a numbered one asks for an
         acknowledgement now and then (:data:`ACK_REQUIRED_EVERY`)."""
@@ -240,22 +235,21 @@ class RdmaFlow:
         return RDS_HEADER_LEN + size
 
     # ------------------------------------------------------------------ acknowledging
-    def ack_due(self) -> int:
+    def acknowledge(self, clock: Callable[[], float]) -> int:
         """What to do about our acknowledgement after receiving: :data:`ACK_NOW` when many
-        receives wait to be granted, :data:`ACK_LATER` when a new message waits for one
-        and none is held yet (:meth:`hold_ack`), else :data:`ACK_NONE`."""
+        receives wait to be granted; :data:`ACK_HELD` when a new message waits for one
+        and none was held: it is held for :data:`ACK_DELAY` from ``clock()`` (read only
+        then) for a message of ours to carry, until :attr:`ack_at`; else
+        :data:`ACK_NONE`."""
         if self.advertise >= RECV_SLOTS // 2:
             return ACK_NOW
         if self.rds.next_recv - 1 <= self.acked_to_peer:
             self.ack_at = math.inf  # a message of ours carried it
             return ACK_NONE
-        return ACK_LATER if self.ack_at == math.inf else ACK_NONE
-
-    def hold_ack(self, now: float) -> float:
-        """Hold the ack back for :data:`ACK_DELAY` from ``now`` for a message of ours to
-        carry; when it must go on its own."""
-        self.ack_at = now + ACK_DELAY
-        return self.ack_at
+        if self.ack_at != math.inf:
+            return ACK_NONE
+        self.ack_at = clock() + ACK_DELAY
+        return ACK_HELD
 
     def ack_expired(self, now: float) -> bool:
         """Whether, at ``now``, a held-back ack must go on its own (no message of ours

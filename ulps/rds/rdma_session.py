@@ -21,7 +21,7 @@ import trio
 
 from rdmashim.ulps.rds.connection import RdsConnection
 from rdmashim.ulps.rds.rdma import RdmaOp, RdmaStatus, status_of
-from rdmashim.ulps.rds.rdma_flow import ACK_LATER, ACK_NOW, RECV_SLOTS, RdmaFlow
+from rdmashim.ulps.rds.rdma_flow import ACK_HELD, ACK_NOW, RECV_SLOTS, RdmaFlow
 from rdmashim.ulps.rds.transport import SessionLost
 from rdmashim.ulps.rds.wire import RDS_FRAG_SIZE, RDS_HEADER_LEN, RdsProtocolError
 from rdmashim.verbs import (
@@ -325,8 +325,10 @@ class Session:
             self._pumping = False
 
     def _pump(self) -> None:
-        flow, free, buf = self.flow, self.free_slots, self._send_buf
-        while free:
+        flow, rds, free, buf = self.flow, self.rds, self.free_slots, self._send_buf
+        while flow.current is not None or rds.unsent or rds.map_out is not None:
+            if not free:
+                break
             slot = free[-1]
             length = flow.fill(buf, slot * SLOT, len(self.rdma) < RDMA_DEPTH)
             if not length:
@@ -336,7 +338,10 @@ class Session:
                 flow.rdma_op = None
                 self._post_rdma(op)
             self._post_slot(free.pop(), length)
-        flow.stalled()
+        else:
+            return
+        if rds.unsent or flow.current is not None:  # no credit, slot or room for RDMA
+            rds.counters.credit_waits += 1
 
     def _send_ack(self) -> None:
         if self.free_slots and self.flow.ack_allowed():
@@ -419,17 +424,16 @@ class Session:
     def _acknowledge(self) -> None:
         """Send an acknowledgement now if many receives wait to be announced, else make
         sure one goes within ``ACK_DELAY`` unless a message of ours carries it."""
-        due = self.flow.ack_due()
+        due = self.flow.acknowledge(trio.current_time)
         if due == ACK_NOW:
             self._send_ack()
             self.flow.ack_at = math.inf
-        elif due == ACK_LATER:
-            at = self.flow.hold_ack(trio.current_time())
+        elif due == ACK_HELD:
             timer = self._timer
             # A timer set already wakes the run task sooner; it sets the next one then
             # (moving a deadline costs more than that wake-up, once per ACK_DELAY).
             if timer is not None and timer.deadline == math.inf:
-                timer.deadline = at
+                timer.deadline = self.flow.ack_at
 
     def _end(self, failure: SessionLost) -> None:
         if self._failure is None:
