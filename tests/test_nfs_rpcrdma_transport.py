@@ -186,6 +186,25 @@ async def test_write_data_goes_in_a_read_chunk(port: int, size: int) -> None:
     u.done()
 
 
+async def test_call_buffers_reused_on_one_connection_hold_each_calls_bytes(port: int) -> None:
+    """The responder reuses the buffer a call's Read chunks were pulled into: each call
+    sees its own bytes, and the roundup after a chunk is zero even where the call before
+    had data (a non-zero roundup would be GARBAGE_ARGS)."""
+    with trio.fail_after(TIMEOUT):
+        async with RpcRdmaClient.connect(HOST, port) as client:
+            for size in (4099, 5, 4098, 7, 65_537, 65_538, 1):
+                data = bytes([0xFF - size % 7]) * size
+                args = Reply()
+                args.opaque_ddp(data)
+                args.packer.uint(size)
+                u = await client.call(PROG, 1, WRITE, args)
+                assert (u.uint(), u.fopaque(32), u.uint()) == (
+                    size,
+                    hashlib.sha256(data).digest(),
+                    size,
+                )
+
+
 @pytest.mark.parametrize(("size", "room"), [(0, 16), (5, 8), (200_003, 256 * 1024), (3000, 0)])
 async def test_read_data_lands_in_the_write_chunk(port: int, size: int, room: int) -> None:
     with trio.fail_after(TIMEOUT):

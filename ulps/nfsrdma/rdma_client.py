@@ -26,10 +26,8 @@ Replies are matched to calls by xid; calls may run concurrently.
 
 from __future__ import annotations
 
-import functools
 import logging
 import secrets
-import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING
@@ -37,7 +35,13 @@ from typing import TYPE_CHECKING
 import trio
 
 from rdmashim.cm import open_connection
-from rdmashim.ulps.nfsrdma.rdma_endpoint import REMOTE, ConnectionLost, Endpoint
+from rdmashim.ulps.nfsrdma.rdma_endpoint import (
+    POOL_BUFFERS,
+    REMOTE,
+    ConnectionLost,
+    Endpoint,
+    ReceivePool,
+)
 from rdmashim.ulps.nfsrdma.rpc import OpaqueAuth, decode_reply, encode_call
 from rdmashim.ulps.nfsrdma.rpcrdma import (
     PLAIN_LEN,
@@ -68,8 +72,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 DEFAULT_CREDITS = 32
-POOL_BUFFERS = 8
-"""Write-chunk buffers a connection keeps for reuse (more may be out at once, unkept)."""
 
 
 class TransportError(Exception):
@@ -91,65 +93,6 @@ class _Waiter:
         self.done = trio.Event()
         self.header: Message | XdrError | ConnectionLost | None = None
         self.inline = b""
-
-
-class ReceivePool:
-    """Memory for Write chunks, reused only when nothing else refers to it.
-
-    A buffer holds ``head`` bytes of room for the reply's inline part, the
-    Write chunk, and three bytes for its XDR padding, so the reply is one
-    contiguous stream with the data where the server placed it.
-
-    Two rules keep reuse safe. The memory is handed to another call only when
-    the pool holds the only reference to it: the READ data a caller is still
-    holding (a view, an Unpacker, a sink that kept it) pins its buffer, and
-    the pool makes a new one instead. And the memory is never registered
-    across calls: each call registers its chunk afresh (a new R_Key) and
-    deregisters it before it looks at the reply, or when it fails, so a server
-    writing late (after its reply, or into a connection that failed
-    mid-Write) names a key that no longer exists and cannot reach a later
-    call's data. A reused buffer is zeroed first, so a server that claims to
-    have written more than it did shows zeros there, as with fresh memory,
-    never the bytes of an earlier reply.
-    """
-
-    def __init__(self, keep: int = POOL_BUFFERS) -> None:
-        self.keep = keep
-        self._buffers: list[bytearray] = []
-        self.made = 0
-        """Buffers allocated (kept or not): a measure of reuse."""
-
-    def take(self, head: int, size: int) -> bytearray:
-        """A buffer of at least ``head + size + 3`` bytes no one else refers to."""
-        need = head + size + 3
-        buffers, smaller = self._buffers, -1
-        for i in range(len(buffers)):
-            if sys.getrefcount(buffers[i]) == _ONLY_THE_POOL:
-                if len(buffers[i]) >= need:
-                    reused = buffers[i]
-                    with memoryview(reused) as view:
-                        view[:] = _zeros(len(reused))
-                    return reused
-                smaller = i
-        self.made += 1
-        fresh = bytearray(need)
-        if len(self._buffers) < self.keep:
-            self._buffers.append(fresh)
-        elif smaller >= 0:
-            self._buffers[smaller] = fresh
-        return fresh
-
-
-_ONLY_THE_POOL = 2
-
-
-@functools.lru_cache(maxsize=4)
-def _zeros(n: int) -> bytes:
-    """``n`` zero bytes, kept for the few buffer sizes a pool has."""
-    return bytes(n)
-
-
-"""``sys.getrefcount`` of a pooled buffer no one holds: the pool's list and the argument."""
 
 
 class _Placement:

@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING, Any
 import trio
 
 from rdmashim.cm import CMError, serve
-from rdmashim.ulps.nfsrdma.rdma_endpoint import ConnectionLost, Endpoint, rdma_wr
+from rdmashim.ulps.nfsrdma.rdma_endpoint import ConnectionLost, Endpoint, ReceivePool, rdma_wr
 from rdmashim.ulps.nfsrdma.rpc import PendingCall
 from rdmashim.ulps.nfsrdma.rpcrdma import (
     PLAIN_LEN,
@@ -76,6 +76,8 @@ DEFAULT_CREDITS = 32
 DEFAULT_MAX_CALL = (1 << 20) + 64 * 1024
 """Bytes of Read chunks one call may bring (an NFS WRITE of 1 MiB and its headers)."""
 TRANSPORT = "rdma"
+CALL_BUFFERS = 4
+"""Buffers a connection keeps for the streams of calls with Read chunks."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -150,6 +152,8 @@ class _Responder:
         self.reply_inline = min(s.inline_size, client.recv_size)
         self.remote_invalidate = client.remote_invalidate
         self.ep = Endpoint(request, s.inline_size, s.credits)
+        self.pool = ReceivePool(CALL_BUFFERS)
+        """The streams of calls with Read chunks (no allocation and zeroing per call)."""
         self.nursery: trio.Nursery | None = None
 
     async def run(self) -> None:
@@ -227,7 +231,7 @@ class _Responder:
         except XdrError as exc:
             await self._finish(slot, xid, None, self._chunk_error(xid, exc))
             return
-        answer = self.server.call_now(memoryview(message), self.peer, TRANSPORT)
+        answer = self.server.call_now(message, self.peer, TRANSPORT)
         await self._finish(slot, xid, header, answer)
 
     def _answer(self, slot: int, xid: int, call: Header | None, answer: Answer) -> None:
@@ -260,8 +264,9 @@ class _Responder:
             return self._try_answer(slot, xid, None, self._chunk_error(xid, exc))
 
     # ------------------------------------------------------------------ calls
-    async def _assemble(self, header: Header, inline: memoryview) -> bytearray:
-        """The call's XDR stream: the inline part with every Read chunk pulled in place."""
+    async def _assemble(self, header: Header, inline: memoryview) -> memoryview:
+        """The call's XDR stream: the inline part with every Read chunk pulled in place,
+        in a buffer of the connection's pool (reused once nothing refers to it)."""
         chunks = read_chunks(header.read_list)
         if header.proc == Proc.RDMA_NOMSG:
             if not chunks or chunks[0][0] != 0:
@@ -287,9 +292,13 @@ class _Responder:
             n = chunk_length(chunk)
             size += n + pad(n)
         runs.append((size, used, len(inline) - used))
-        out = bytearray(size + len(inline) - used)
+        total = size + len(inline) - used
+        out = memoryview(self.pool.take(0, total, zero=False))[:total]
         for at, start, n in runs:
             out[at : at + n] = inline[start : start + n]
+        for at, chunk in places:  # a reused buffer has old bytes where the roundups go
+            n = chunk_length(chunk)
+            out[at + n : at + n + pad(n)] = bytes(pad(n))
         if not places:
             return out
         mr = self.ep.register(out, Access.LOCAL_WRITE)
