@@ -10,12 +10,16 @@ All sockets of two nodes share one RC connection (or one TCP connection with
         await sock.sendto(b"hello", ("10.0.0.2", 4000))
         data, (ip, port) = await sock.recvfrom()
 
-``docs/rds.md`` describes the nodes, the wire, flow control and RDMA by cookie.
+``docs/rds.md`` describes the nodes, the wire, flow control and RDMA by cookie, and
+how the modules divide the work (the sans-IO connection state, the transport table).
 """
 
-from rdmashim.ulps.rds.node import RdsError, RdsNode, RdsSocket, ReceivedMessage, default_port
-from rdmashim.ulps.rds.rdma import RdmaOp, RdmaStatus, cookie_offset, cookie_rkey, make_cookie
+from rdmashim.ulps.rds.cookie import RdmaStatus, cookie_offset, cookie_rkey, make_cookie
+from rdmashim.ulps.rds.errors import RdsError
+from rdmashim.ulps.rds.node import RdsNode, default_port
+from rdmashim.ulps.rds.rdma import RdmaOp
 from rdmashim.ulps.rds.settings import RdsSettings
+from rdmashim.ulps.rds.sockets import RdsSocket, ReceivedMessage
 from rdmashim.ulps.rds.wire import (
     RDS_CM_PORT,
     RDS_MAX_MSG_SIZE,

@@ -53,6 +53,7 @@ class PeerTable:
         address: IPAddress,
         port: int,
         settings: RdsSettings,
+        entries: dict[IPAddress, Peer],
         *,
         deliver: Callable[[IPAddress, RdsHeader, bytes], None],
         on_congestion: Callable[[RdsConnection, set[int]], None],
@@ -65,7 +66,8 @@ class PeerTable:
         self.port = port
         """The port peers listen on (ours, once the node listens)."""
         self.settings = settings
-        self.entries: dict[IPAddress, Peer] = {}
+        self.entries = entries
+        """The entries by peer address (a dict the node's congestion maps share)."""
         self._recent: tuple[IPAddress, Peer] | None = None
         """The peer last looked up and its entry: senders name the same address object
         again, and hashing an address costs a Python call."""

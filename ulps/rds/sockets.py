@@ -1,0 +1,291 @@
+"""RDS sockets: what a program binds, sends from and receives on.
+
+An :class:`RdsSocket` is bound to (node address, port) by
+:meth:`RdsNode.bind <rdmashim.ulps.rds.node.RdsNode.bind>`. It sends to any
+(IP, port) over the connection its node keeps with that peer (:mod:`.peers`),
+waiting while the connection's queue is full or the destination port is congested,
+and receives the messages its node delivers to its port, in order per sender
+(:class:`ReceivedMessage`). A reader waiting on a node with one peer drives that
+peer's session itself (:meth:`RdsSocket.recvfrom`). Sockets know their node only as
+a :class:`SocketHost`.
+"""
+
+from __future__ import annotations
+
+import errno
+import functools
+import ipaddress
+from collections import deque
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, NamedTuple, Protocol
+
+import trio
+
+from rdmashim.ulps.rds.congestion import NodeCongestion
+from rdmashim.ulps.rds.connection import IPAddress, RdsConnection
+from rdmashim.ulps.rds.errors import RdsError
+from rdmashim.ulps.rds.peer import Peer
+from rdmashim.ulps.rds.peers import PeerTable
+from rdmashim.ulps.rds.rdma import RdmaOp, Registrations
+from rdmashim.ulps.rds.settings import RdsSettings
+from rdmashim.ulps.rds.transport import BurstHolder, Drivable
+from rdmashim.ulps.rds.wire import RDS_MAX_MSG_SIZE
+from rdmashim.verbs.busypoll import spin_until
+from rdmashim.verbs.errors import integer
+
+if TYPE_CHECKING:
+    from typing_extensions import Buffer
+
+    from rdmashim.verbs.abc import PD
+
+
+class SocketHost(Protocol):
+    """The node, as its sockets see it (:class:`~rdmashim.ulps.rds.node.RdsNode`; the
+    members with a leading underscore are the package's, not a program's)."""
+
+    address: IPAddress
+    settings: RdsSettings
+    _table: PeerTable
+    _congestion: NodeCongestion
+    _sockets: dict[int, RdsSocket]
+    _holding: int
+    """How many sockets hold received messages."""
+    _bursts: dict[BurstHolder, None]
+
+    def running_pd(self) -> PD:
+        """The PD of RDMA by cookie, or RdsError."""
+        ...
+
+    def connections(self) -> list[RdsConnection]:
+        """Every peer connection."""
+        ...
+
+    def _answer_bursts(self) -> None:
+        """Post the answers sessions hold back for their bursts."""
+
+    def _send_loopback(self, sport: int, dport: int, data: bytes, rdma: RdmaOp | None) -> None:
+        """Deliver a message to the node's own address."""
+
+
+@functools.lru_cache(maxsize=1024)
+def _parse_ip(text: str) -> IPAddress:
+    """``ipaddress.ip_address``, remembered: a sender names the same few peers."""
+    return ipaddress.ip_address(text)
+
+
+def port_number(port: object) -> int:
+    """``port`` as an int (:func:`~rdmashim.verbs.errors.integer`), or EINVAL."""
+    number = integer(port)
+    if number is None:
+        raise RdsError(errno.EINVAL, f"port {port!r} is not an integer")
+    return number
+
+
+class ReceivedMessage(NamedTuple):
+    """A message waiting in a socket's receive queue."""
+
+    data: bytes
+    sender: tuple[str, int]
+    seq: int
+    """The sender node's sequence number for it (rds-info's receive queue)."""
+
+
+@dataclass(eq=False)
+class RdsSocket:
+    """An RDS socket bound to (node address, port)."""
+
+    node: SocketHost
+    port: int
+    queued_bytes: int = 0
+    closed: bool = False
+    received: deque[ReceivedMessage] = field(default_factory=deque)
+    """Messages not yet taken by :meth:`recvfrom`, oldest first."""
+    _arrived: trio.lowlevel.ParkingLot = field(default_factory=trio.lowlevel.ParkingLot)
+    _driving: Drivable | None = None
+    """The CQ a reader drives while it waits (see :meth:`recvfrom`)."""
+    _registrations: Registrations = field(default_factory=Registrations)
+
+    @property
+    def address(self) -> tuple[str, int]:
+        """(IP, port) this socket is bound to."""
+        return (str(self.node.address), self.port)
+
+    def _check(self, data: bytes, dest: tuple[str, int]) -> tuple[IPAddress, int]:
+        if self.closed:
+            raise RdsError(errno.EBADF, "sendto on a closed RDS socket")
+        limit = min(RDS_MAX_MSG_SIZE, self.node.settings.sndbuf)  # Linux: both bound it
+        if len(data) > limit:
+            raise RdsError(errno.EMSGSIZE, f"{len(data)}-byte message exceeds RDS's {limit}")
+        try:
+            host, port = dest
+        except (ValueError, TypeError) as exc:
+            raise RdsError(errno.EINVAL, f"{dest!r} is not an (address, port) pair") from exc
+        try:
+            ip = _parse_ip(host)
+        except (ValueError, TypeError) as exc:
+            raise RdsError(errno.EINVAL, f"{host!r} is not an IP address") from exc
+        if port.__class__ is not int:
+            port = port_number(port)
+        if not 0 <= port < 65536:  # port 0: an RDS ping, answered by the node
+            raise RdsError(errno.EINVAL, f"port {port} outside 1..65535")
+        return ip, port
+
+    async def sendto(
+        self, data: bytes, dest: tuple[str, int], *, rdma: RdmaOp | None = None
+    ) -> None:
+        """Send one message to (IP, port), with an RDMA operation to run before it.
+
+        Waits while the connection's queue is full or the destination port is
+        congested (its receiver is full). ``await rdma.wait()`` tells how the
+        operation ended (see :mod:`rdmashim.ulps.rds.rdma`).
+        """
+        ip, port = self._check(data, dest)
+        node = self.node
+        if ip == node.address:
+            node._send_loopback(self.port, port, data, rdma)
+            return
+        while True:  # the peer entry may expire while we wait: look again
+            entry = node._table.lookup(ip)
+            rds = entry.rds
+            if not rds.has_room:
+                await entry.wait_room()
+            elif rds.peer_congestion.test(port):
+                await entry.wait_uncongested()
+            else:
+                break
+        self._queue(entry, port, data, rdma)
+
+    def sendto_nowait(
+        self, data: bytes, dest: tuple[str, int], *, rdma: RdmaOp | None = None
+    ) -> None:
+        """Send without waiting; raises ``trio.WouldBlock`` while the queue is full."""
+        ip, port = self._check(data, dest)
+        node = self.node
+        if ip == node.address:
+            node._send_loopback(self.port, port, data, rdma)
+            return
+        entry = node._table.lookup(ip)
+        if entry.rds.peer_congestion.test(port):
+            raise RdsError(errno.ENOBUFS, f"RDS port {port} on {ip} is congested")
+        if not entry.rds.has_room:
+            raise trio.WouldBlock
+        self._queue(entry, port, data, rdma)
+
+    async def recvfrom(self) -> tuple[bytes, tuple[str, int]]:
+        """The next message for this socket and its sender's (IP, port)."""
+        await trio.lowlevel.checkpoint_if_cancelled()
+        parked = False
+        while True:
+            if self.closed:
+                raise RdsError(errno.EBADF, "recvfrom on a closed RDS socket")
+            if self.received:
+                break
+            node = self.node
+            if not node._holding and node._bursts:  # every receiver has answered
+                node._answer_bursts()
+            drivable = node._table.drivable()
+            if drivable is not None:
+                self._driving = drivable
+                try:
+                    driven = await drivable.drive_until(self._readable)
+                finally:
+                    self._driving = None
+                if driven:
+                    parked = True
+                    continue
+            elif node.settings.busy_poll and await spin_until(
+                self._readable, node.settings.busy_poll
+            ):
+                parked = True  # (it yielded)
+                continue
+            await self._arrived.park()
+            parked = True
+        message = self._take()
+        if not parked:
+            await trio.lowlevel.cancel_shielded_checkpoint()
+        return message
+
+    def recvfrom_nowait(self) -> tuple[bytes, tuple[str, int]]:
+        """The next message if one is here, else ``trio.WouldBlock`` (Linux's recvmsg
+        with MSG_DONTWAIT). A server that drains its socket this way answers the
+        messages of a burst in one turn of the scheduler, so the node posts the
+        answers together."""
+        if self.closed:
+            raise RdsError(errno.EBADF, "recvfrom on a closed RDS socket")
+        if not self.received:
+            raise trio.WouldBlock
+        return self._take()
+
+    def _take(self) -> tuple[bytes, tuple[str, int]]:
+        msg = self.received.popleft()
+        if not self.received:
+            self.node._holding -= 1
+        self.queued_bytes -= len(msg.data)
+        if self.queued_bytes < self.node.settings.rcvbuf // 2:
+            self.node._congestion.mark(self.port, False)
+        return msg.data, msg.sender
+
+    def _readable(self) -> bool:
+        return bool(self.received) or self.closed
+
+    def _push(self, msg: ReceivedMessage) -> None:
+        if not self.received:
+            self.node._holding += 1
+        self.received.append(msg)
+        self.queued_bytes += len(msg.data)
+        if self._arrived:  # a reader waits (unpark costs even when none does)
+            self._arrived.unpark()
+        elif self._driving is not None:
+            self._driving.interrupt_wait()
+
+    def _queue(self, entry: Peer, dport: int, data: bytes, rdma: RdmaOp | None) -> None:
+        """Queue a message on the connection of ``entry`` (from :meth:`PeerTable.lookup`)."""
+        if rdma is not None:
+            try:
+                rdma._begin(self.node.running_pd())
+            except ValueError as exc:
+                raise RdsError(errno.EINVAL, str(exc)) from exc
+        rds = entry.rds
+        rds.queue(self.port, dport, data, rdma=rdma)
+        session = rds.session  # (PeerTable.pump, inline: a call per message less)
+        if session is None:
+            self.node._table.start_connector(entry)
+        else:
+            session.pump_sends()
+
+    # ------------------------------------------------------------------ RDMA by cookie
+    def get_mr(self, buffer: Buffer, *, use_once: bool = False) -> int:
+        """Register ``buffer`` (writable) for peers to RDMA into or out of; returns its
+        cookie (``RDS_GET_MR``). A ``use_once`` registration ends when the first
+        message chasing an RDMA operation on it arrives."""
+        if self.closed:
+            raise RdsError(errno.EBADF, "get_mr on a closed RDS socket")
+        return self._registrations.add(self.node.running_pd(), buffer, use_once=use_once)
+
+    def free_mr(self, cookie: int) -> None:
+        """End a registration (``RDS_FREE_MR``); peers' RDMA on it fails from now on."""
+        if not self._registrations.free(cookie):
+            shown = f"{cookie:#x}" if isinstance(cookie, int) else repr(cookie)
+            raise RdsError(errno.EINVAL, f"no RDMA registration with cookie {shown}")
+
+    def registered(self, cookie: int) -> bool:
+        """Whether ``cookie`` names one of this socket's live registrations."""
+        return cookie in self._registrations
+
+    def close(self) -> None:
+        """Unbind and deregister; messages for this port are dropped from now on, and so
+        are the ones it sent that no peer has acknowledged (Linux's ``rds_release``)."""
+        if not self.closed:
+            self.closed = True
+            for rds in self.node.connections():
+                rds.drop_port(self.port)
+            self.node._sockets.pop(self.port, None)
+            self.node._congestion.mark(self.port, False)
+            self._registrations.close()
+            if self.received:  # dropped, as Linux drops a closed socket's queue
+                self.received.clear()
+                self.queued_bytes = 0
+                self.node._holding -= 1
+            self._arrived.unpark_all()
+            if self._driving is not None:
+                self._driving.interrupt_wait()
