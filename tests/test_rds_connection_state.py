@@ -1,9 +1,10 @@
 """The sans-IO connection state, byte for byte and without trio: an
-:class:`RdsConnection` (numbering, acknowledgements, the retransmit queue, duplicates)
-and one RDMA session's :class:`RdmaFlow` (credits, acks, fragments) are fed events
-(messages queued, bytes received, acks, the time) and must ask to send exactly the
-bytes written out here by hand from Linux's ``struct rds_header`` and deliver exactly
-the messages expected. No test here runs a trio loop or opens a device or socket."""
+:class:`RdsConnection` (numbering, acknowledgements, the retransmit queue, duplicates),
+one RDMA session's :class:`RdmaFlow` (credits, acks, fragments) and one RDS/TCP
+stream's :class:`StreamSender` are fed events (messages queued, bytes received, acks,
+the time) and must ask to send exactly the bytes written out here by hand from
+Linux's ``struct rds_header`` and deliver exactly the messages expected. No test here
+runs a trio loop or opens a device or socket."""
 
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ from rdmashim.ulps.rds.rdma_flow import (
     RdmaFlow,
 )
 from rdmashim.ulps.rds.settings import RdsSettings
+from rdmashim.ulps.rds.tcp_stream import StreamDecoder, StreamSender
 from rdmashim.ulps.rds.wire import NpathsExt, RdsHeader, RdsProtocolError
 
 LOCAL, PEER = ip_address("10.0.0.1"), ip_address("10.0.0.2")
@@ -279,7 +281,39 @@ def test_a_peer_map_is_taken_outside_the_sequence_and_reports_changes() -> None:
     assert rds.next_recv == 1 and rds.counters.cong_updates_received == 1 and rds.busy
 
 
-PURE = ["connection.py", "rdma_flow.py", "cookie.py", "wire.py"]
+def test_rds_tcp_writes_whole_messages_with_no_ack_and_no_credit() -> None:
+    """Over TCP a message is its header (``h_ack``, ``h_credit`` 0) and its whole
+    payload; the newest map goes first; TCP's ack for a message's last byte acks it."""
+    w = Wire()
+    stream = StreamSender(w.rds)
+    big = bytes(range(256)) * 20  # 5120 bytes: no fragments on a stream
+    w.rds.queue(1, 2, b"a")
+    w.rds.queue(3, 4, big)
+    w.rds.queue_map(bytes(8192))
+    first = hdr(0, 0, 8192, 0, 0, CONG) + bytes(8192)
+    batch = stream.batch()
+    assert bytes(batch) == first + hdr(100, 0, 1, 1, 2) + b"a" + hdr(101, 0, 5120, 3, 4) + big
+    assert stream.batch() == bytearray()  # (written first: then the next batch)
+    stream.wrote(len(batch))
+    ends = [len(first) + 49, len(batch)]
+    assert list(stream.inflight) == [(ends[0], 100), (ends[1], 101)]
+    stream.acked_to(ends[0] - 1)  # not all of "a"
+    assert [m.seq for m in w.rds.unacked] == [100, 101]
+    stream.acked_to(ends[0])
+    assert [m.seq for m in w.rds.unacked] == [101] and stream.last_offset == ends[1]
+    # A new session sends what the peer lacks again, flagged, from offset 0 of its stream.
+    w.rds.resume(0)
+    again = StreamSender(w.rds)
+    assert bytes(again.batch()) == hdr(101, 0, 5120, 3, 4, RETRANS) + big
+    # And the peer's stream, cut anywhere, gives the messages whole.
+    decoder = StreamDecoder()
+    got = [m for i in range(0, len(batch), 1000) for m in decoder.feed(batch[i : i + 1000])]
+    assert [(h.sequence, h.flags, len(data)) for h, data in got] == [
+        (0, CONG, 8192), (100, 0, 1), (101, 0, 5120),
+    ]  # fmt: skip
+
+
+PURE = ["connection.py", "rdma_flow.py", "tcp_stream.py", "cookie.py", "wire.py"]
 
 
 @pytest.mark.parametrize("name", PURE)

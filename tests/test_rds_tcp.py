@@ -24,7 +24,8 @@ from rdmashim.ulps.rds.connection import RdsConnection
 from rdmashim.ulps.rds.node import RdsError, RdsNode, RdsSocket
 from rdmashim.ulps.rds.rdma import RdmaOp
 from rdmashim.ulps.rds.settings import RdsSettings
-from rdmashim.ulps.rds.tcp import StreamDecoder, TcpSession
+from rdmashim.ulps.rds.tcp import TcpSession
+from rdmashim.ulps.rds.tcp_stream import StreamDecoder
 from rdmashim.ulps.rds.wire import (
     RDS_CONG_MAP_BYTES,
     RDS_FLAG_PROBE_PORT,

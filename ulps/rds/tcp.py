@@ -7,8 +7,9 @@ then ``h_len`` bytes of payload, whole (no 4 KiB fragments as over RDMA), with
 counts as acknowledged once TCP has the peer's ack for its last byte (Linux's
 ``rds_tcp_is_acked`` against ``snd_una``; here the socket's ``SIOCOUTQ``).
 
-* :class:`StreamDecoder` (sans-IO) cuts the byte stream into (header, payload)
-  and refuses an ``h_len`` over ``RDS_MAX_MSG_SIZE`` before buffering any of it.
+* :mod:`.tcp_stream` (sans-IO) frames messages onto the stream
+  (:class:`~rdmashim.ulps.rds.tcp_stream.StreamSender`) and cuts them back out
+  (:class:`~rdmashim.ulps.rds.tcp_stream.StreamDecoder`).
 * :class:`TcpSession` drives one connected stream for an
   :class:`~rdmashim.ulps.rds.connection.RdsConnection`: the numbering,
   retransmission after a reconnect and the dropping of duplicates are the
@@ -30,25 +31,20 @@ import socket
 import struct
 import termios
 import time
-from collections import deque
 from collections.abc import Awaitable, Callable
 
 import trio
 
-from rdmashim.ulps.rds.connection import OutMessage, RdsConnection
+from rdmashim.ulps.rds.connection import RdsConnection
+from rdmashim.ulps.rds.tcp_stream import SEND_BATCH, StreamDecoder, StreamSender
 from rdmashim.ulps.rds.transport import SessionLost
 from rdmashim.ulps.rds.wire import (
-    RDS_HEADER_LEN,
-    RdsFlag,
-    RdsHeader,
     RdsProtocolError,
 )
 from rdmashim.verbs import busypoll, lending
 
 log = logging.getLogger(__name__)
 
-SEND_BATCH = 64 * 1024
-"""Bytes of messages gathered into one write (Linux corks the socket around a batch)."""
 ACK_POLL = 0.002
 """Seconds between looks at how much of what we wrote TCP has had acknowledged."""
 KEEPALIVE_IDLE = 5
@@ -87,72 +83,6 @@ def unacknowledged_bytes(sock: trio.socket.SocketType) -> int:
     return value
 
 
-class StreamDecoder:
-    """Cuts an RDS/TCP byte stream into messages (sans-IO).
-
-    :meth:`feed` takes bytes as they come, in pieces of any size, and returns
-    the messages they complete. A header is checked as soon as its 48 bytes are
-    in (:meth:`RdsHeader.decode`): a checksum that does not match, or an
-    ``h_len`` over ``RDS_MAX_MSG_SIZE``, raises :class:`RdsProtocolError`
-    before any of the payload is kept, so a peer cannot make us buffer more
-    than one message of at most 1 MiB.
-    """
-
-    def __init__(self) -> None:
-        self._buf = bytearray()
-        self._header: RdsHeader | None = None
-
-    @property
-    def buffered(self) -> int:
-        """Bytes held for a message not complete yet."""
-        return len(self._buf)
-
-    @property
-    def remaining(self) -> tuple[int, int]:
-        """(header bytes, payload bytes) still to come for the current message
-        (rds-info's ``hdr_rem`` and ``data_rem``)."""
-        if self._header is None:
-            return RDS_HEADER_LEN - len(self._buf), 0
-        return 0, self._header.length - len(self._buf)
-
-    def feed(self, data: bytes | bytearray | memoryview) -> list[tuple[RdsHeader, bytes]]:
-        """The messages ``data`` completes, in order, as (header, payload)."""
-        buf = self._buf
-        buf += data
-        out: list[tuple[RdsHeader, bytes]] = []
-        pos = 0
-        with memoryview(buf) as view:  # released before the consumed bytes are dropped
-            while True:
-                if self._header is None:
-                    header = RdsHeader.decode(view[pos:])
-                    if header is None:
-                        break
-                    self._header = header
-                    pos += RDS_HEADER_LEN
-                end = pos + self._header.length
-                if end > len(buf):
-                    break
-                out.append((self._header, bytes(view[pos:end])))  # the one copy
-                self._header = None
-                pos = end
-        del buf[:pos]
-        return out
-
-
-def message_header(msg: OutMessage) -> bytes:
-    """A numbered message's header as it goes on the stream before its payload
-    (``h_ack`` and ``h_credit`` zero, as ``rds_tcp_xmit`` sends it)."""
-    return RdsHeader(
-        msg.seq, 0, len(msg.data), msg.sport, msg.dport, msg.flags, extensions=msg.extensions
-    ).encode()
-
-
-def map_header(length: int) -> bytes:
-    """The header of a congestion map update of ``length`` bytes, as Linux's
-    ``rds_cong_update_alloc`` makes it."""
-    return RdsHeader(length=length, flags=RdsFlag.CONG_BITMAP).encode()
-
-
 class TcpSession:
     """One TCP connection carrying an :class:`RdsConnection`'s messages.
 
@@ -180,10 +110,8 @@ class TcpSession:
         self.stream = stream
         self.lost = False
         self.decoder = StreamDecoder()
-        self.written = 0
-        """Bytes written on this connection so far."""
-        self.inflight: deque[tuple[int, int]] = deque()
-        """(stream offset just past the message, its sequence number), oldest first."""
+        self.sender = StreamSender(rds)
+        """What goes on the stream, and what TCP's acks cover."""
         self._wake = trio.Event()
         self._written = trio.Event()
         self._writing = False
@@ -213,35 +141,18 @@ class TcpSession:
         if self._writing or self._rest is not None or self._burst or self.lost:
             self._wake.set()
             return
-        batch = self._batch()
+        batch = self.sender.batch()
         if not batch:
             return
         try:
             n = os.write(self.stream.socket.fileno(), batch)
         except OSError:  # full (EAGAIN), or broken: the writer's write says which
             n = 0
-        self.written += n
+        self.sender.wrote(n)
         if n < len(batch):
             self._rest = memoryview(batch)[n:]
             self._wake.set()
         self._written.set()
-
-    def _batch(self) -> bytearray:
-        """Take what is queued (the newest congestion map first) as the bytes to write,
-        up to about :data:`SEND_BATCH`; the messages move to ``unacked``."""
-        rds = self.rds
-        batch = bytearray()
-        if rds.map_out is not None:
-            batch += map_header(len(rds.map_out))
-            batch += rds.map_out
-            rds.map_out = None
-        while rds.unsent and len(batch) < SEND_BATCH:
-            msg = rds.unsent.popleft()
-            rds.unacked.append(msg)
-            batch += message_header(msg)
-            batch += msg.data
-            self.inflight.append((self.written + len(batch), msg.seq))
-        return batch
 
     def cut(self) -> None:
         """Break the connection underneath (for tests and the demo): we stop writing,
@@ -310,7 +221,7 @@ class TcpSession:
     async def _writer(self) -> None:
         while True:
             rest, self._rest = self._rest, None
-            batch = rest if rest is not None else self._batch()
+            batch = rest if rest is not None else self.sender.batch()
             if not batch:
                 self._wake = trio.Event()
                 await self._wake.wait()
@@ -320,7 +231,7 @@ class TcpSession:
                 await self.stream.send_all(batch)
             finally:
                 self._writing = False
-            self.written += len(batch)
+            self.sender.wrote(len(batch))
             self._written.set()
 
     async def _reader(self) -> None:
@@ -424,7 +335,7 @@ class TcpSession:
 
     async def _acks(self) -> None:
         while True:
-            if not self.inflight:
+            if not self.sender.inflight:
                 self._written = trio.Event()
                 await self._written.wait()
             await trio.sleep(ACK_POLL)
@@ -437,11 +348,11 @@ class TcpSession:
         sock = self.stream.socket
         try:
             local, peer = sock.getsockname()[:2], sock.getpeername()[:2]
-            acked = self.written - unacknowledged_bytes(sock)
+            acked = self.sender.written - unacknowledged_bytes(sock)
         except OSError:  # gone already
             local, peer, acked = ("-", 0), ("-", 0), 0
-        last = self.inflight[-1][0] if self.inflight else self.written
-        return (*local, *peer, *self.decoder.remaining, self.written, last, acked)
+        sender = self.sender
+        return (*local, *peer, *self.decoder.remaining, sender.written, sender.last_offset, acked)
 
     def check_acks(self) -> None:
         """Tell the connection which messages TCP has delivered in full, once the peer
@@ -451,9 +362,4 @@ class TcpSession:
         on the next connection; a peer that had them drops them by number."""
         if not self.heard:
             return
-        acked_to = self.written - unacknowledged_bytes(self.stream.socket)
-        last = None
-        while self.inflight and self.inflight[0][0] <= acked_to:
-            last = self.inflight.popleft()[1]
-        if last is not None:
-            self.rds.acked(last)
+        self.sender.acked_to(self.sender.written - unacknowledged_bytes(self.stream.socket))

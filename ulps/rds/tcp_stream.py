@@ -1,0 +1,142 @@
+"""RDS/TCP's byte stream, sans-IO: messages framed out, and cut back out of the bytes.
+
+On the stream every message is its 48-byte :class:`~rdmashim.ulps.rds.wire.RdsHeader`
+and then ``h_len`` bytes of payload, whole (no 4 KiB fragments as over RDMA), with
+``h_ack`` and ``h_credit`` zero: TCP does the flow control, and a message counts as
+acknowledged once TCP has the peer's ack for its last byte (Linux's
+``rds_tcp_is_acked`` against ``snd_una``).
+
+* :class:`StreamSender` takes an
+  :class:`~rdmashim.ulps.rds.connection.RdsConnection`'s queue as the bytes to
+  write (the newest congestion map first) and, told how far TCP has acknowledged
+  the stream, which messages the peer has.
+* :class:`StreamDecoder` cuts the byte stream into (header, payload) and refuses an
+  ``h_len`` over ``RDS_MAX_MSG_SIZE`` before buffering any of it.
+
+No trio and no sockets: :class:`~rdmashim.ulps.rds.tcp.TcpSession` does the I/O.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from rdmashim.ulps.rds.connection import OutMessage, RdsConnection
+from rdmashim.ulps.rds.wire import RDS_HEADER_LEN, RdsFlag, RdsHeader
+
+SEND_BATCH = 64 * 1024
+"""Bytes of messages gathered into one write (Linux corks the socket around a batch)."""
+
+
+class StreamSender:
+    """The sending half of one RDS/TCP connection's stream (sans-IO; see the module
+    docstring). ``rds`` is the connection the stream carries."""
+
+    def __init__(self, rds: RdsConnection) -> None:
+        self.rds = rds
+        self.written = 0
+        """Bytes written on this connection so far (:meth:`wrote` counts them)."""
+        self.inflight: deque[tuple[int, int]] = deque()
+        """(stream offset just past the message, its sequence number), oldest first."""
+
+    def batch(self) -> bytearray:
+        """Take what is queued (the newest congestion map first) as the bytes to write
+        next, up to about :data:`SEND_BATCH`; the messages move to ``unacked``. The
+        caller writes them before it asks for another batch."""
+        rds = self.rds
+        batch = bytearray()
+        if rds.map_out is not None:
+            batch += map_header(len(rds.map_out))
+            batch += rds.map_out
+            rds.map_out = None
+        while rds.unsent and len(batch) < SEND_BATCH:
+            msg = rds.unsent.popleft()
+            rds.unacked.append(msg)
+            batch += message_header(msg)
+            batch += msg.data
+            self.inflight.append((self.written + len(batch), msg.seq))
+        return batch
+
+    def wrote(self, count: int) -> None:
+        """``count`` more bytes of the batches went on the stream."""
+        self.written += count
+
+    @property
+    def last_offset(self) -> int:
+        """The stream offset just past the last message written (or all written)."""
+        return self.inflight[-1][0] if self.inflight else self.written
+
+    def acked_to(self, offset: int) -> None:
+        """TCP has the peer's ack for the stream up to ``offset``: the messages that end
+        there or before are the peer's (:meth:`RdsConnection.acked`)."""
+        inflight = self.inflight
+        last = None
+        while inflight and inflight[0][0] <= offset:
+            last = inflight.popleft()[1]
+        if last is not None:
+            self.rds.acked(last)
+
+
+class StreamDecoder:
+    """Cuts an RDS/TCP byte stream into messages (sans-IO).
+
+    :meth:`feed` takes bytes as they come, in pieces of any size, and returns
+    the messages they complete. A header is checked as soon as its 48 bytes are
+    in (:meth:`RdsHeader.decode`): a checksum that does not match, or an
+    ``h_len`` over ``RDS_MAX_MSG_SIZE``, raises :class:`RdsProtocolError`
+    before any of the payload is kept, so a peer cannot make us buffer more
+    than one message of at most 1 MiB.
+    """
+
+    def __init__(self) -> None:
+        self._buf = bytearray()
+        self._header: RdsHeader | None = None
+
+    @property
+    def buffered(self) -> int:
+        """Bytes held for a message not complete yet."""
+        return len(self._buf)
+
+    @property
+    def remaining(self) -> tuple[int, int]:
+        """(header bytes, payload bytes) still to come for the current message
+        (rds-info's ``hdr_rem`` and ``data_rem``)."""
+        if self._header is None:
+            return RDS_HEADER_LEN - len(self._buf), 0
+        return 0, self._header.length - len(self._buf)
+
+    def feed(self, data: bytes | bytearray | memoryview) -> list[tuple[RdsHeader, bytes]]:
+        """The messages ``data`` completes, in order, as (header, payload)."""
+        buf = self._buf
+        buf += data
+        out: list[tuple[RdsHeader, bytes]] = []
+        pos = 0
+        with memoryview(buf) as view:  # released before the consumed bytes are dropped
+            while True:
+                if self._header is None:
+                    header = RdsHeader.decode(view[pos:])
+                    if header is None:
+                        break
+                    self._header = header
+                    pos += RDS_HEADER_LEN
+                end = pos + self._header.length
+                if end > len(buf):
+                    break
+                out.append((self._header, bytes(view[pos:end])))  # the one copy
+                self._header = None
+                pos = end
+        del buf[:pos]
+        return out
+
+
+def message_header(msg: OutMessage) -> bytes:
+    """A numbered message's header as it goes on the stream before its payload
+    (``h_ack`` and ``h_credit`` zero, as ``rds_tcp_xmit`` sends it)."""
+    return RdsHeader(
+        msg.seq, 0, len(msg.data), msg.sport, msg.dport, msg.flags, extensions=msg.extensions
+    ).encode()
+
+
+def map_header(length: int) -> bytes:
+    """The header of a congestion map update of ``length`` bytes, as Linux's
+    ``rds_cong_update_alloc`` makes it."""
+    return RdsHeader(length=length, flags=RdsFlag.CONG_BITMAP).encode()
