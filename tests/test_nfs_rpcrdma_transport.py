@@ -580,3 +580,22 @@ async def test_a_late_write_cannot_reach_a_later_calls_data() -> None:
                     await client.call(PROG, 1, READ, args_of(5000, 2), ddp_reply_size=5000)
                 assert client.pool.made == 1  # the second call had the first one's memory
             nursery.cancel_scope.cancel()
+
+
+async def test_a_write_chunk_of_more_segments_than_the_send_queue_holds(port: int) -> None:
+    """A result spread over 200 segments needs 200 RDMA Writes, more than the send queue
+    holds (128): they go a batch at a time, then the reply."""
+    segments, each = 200, 16
+    with trio.fail_after(TIMEOUT):
+        async with raw(port) as r:
+            target = bytearray(segments * each)
+            mr = r.conn.pd.reg_mr(target, Access.LOCAL_WRITE | Access.REMOTE_WRITE)
+            chunk = tuple(Segment(mr.rkey, each, mr.iova + i * each) for i in range(segments))
+            header = Header(5, 32, Proc.RDMA_MSG, (), (chunk,), None)
+            r.send(header.encode() + call_message(5, READ, words(segments * each, 8)))
+            reply = await r.receive()
+            assert reply is not None, r.conn.qp.error
+            returned = decode(reply)[0]
+            assert isinstance(returned, Header) and returned.write_list == (chunk,)
+            assert bytes(target) == pattern(segments * each, 8)
+            mr.close()

@@ -178,7 +178,9 @@ class Endpoint:
         self._slot_regions: list[Sequence[MR]] = [()] * slots  # closed when it completes
         self._posted: dict[int, _Posted] = {}  # by the wr_id of the signaled last request
         self._next_wr = self._send_base + slots
-        self._sq_room = self.qp.cap.max_send_wr
+        self.sq_depth = self.qp.cap.max_send_wr
+        """Work requests the send queue holds."""
+        self._sq_room = self.sq_depth
         self._room = trio.Event()
         self._bursting = False
         self._reposts: list[int] = []

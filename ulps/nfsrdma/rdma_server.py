@@ -361,8 +361,8 @@ class _Responder:
         if one and self.ep.in_receive_buffer(sources[0]):
             one = False
         ops = _spread(writes, sum(len(s) for s in sources))
-        if not self.ep.has_room(len(ops) + 1):
-            return False
+        if len(ops) < self.ep.sq_depth and not self.ep.has_room(len(ops) + 1):
+            return False  # (more than it holds at all: _send takes them in steps)
         source = sources[0] if one else bytearray(b"".join(sources))
         regions = [self.ep.register(source)] if len(source) else []
         wrs = [
@@ -390,12 +390,34 @@ class _Responder:
     ) -> bool:
         """RDMA Writes, then the reply's Send; the call's Receive is given back first.
         False if the send queue has no room now (nothing done)."""
+        if len(wrs) + 1 > self.ep.sq_depth:  # more Writes than it holds: a few at a time
+            self._spawn(self._send_in_steps(slot, parts, wrs, invalidate, regions))
+            return True
         if not self.ep.has_room(len(wrs) + 1):
             return False
         self.ep.repost(slot)
         sent = self.ep.try_send(parts, wrs, invalidate, regions)
         assert sent, "room was checked"
         return True
+
+    async def _send_in_steps(
+        self,
+        slot: int,
+        parts: list[bytes | memoryview],
+        wrs: list[SendWR],
+        invalidate: int,
+        regions: list[MR],
+    ) -> None:
+        """:meth:`_send` of more RDMA Writes than the send queue holds: the Writes in
+        batches, each waited for, then the Send."""
+        try:
+            await self.ep.post(wrs)
+            self.ep.repost(slot)
+            await self.ep.send(parts, (), invalidate, regions)
+        except BaseException:
+            for region in regions:
+                region.close()
+            raise
 
 
 def _filled(chunk: Chunk, length: int) -> Chunk:
