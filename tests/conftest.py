@@ -4,6 +4,7 @@ of a skip inside a trio test kept (pytest-trio 0.8 re-raises it without one)."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
@@ -12,7 +13,7 @@ import siwvm
 from _pytest.outcomes import Skipped
 
 import rdmashim
-from rdmashim.verbs.softiwarp import fastpath
+from rdmashim.verbs.softiwarp import engines, fastpath
 
 import netns
 from pairs import Side, make_pair
@@ -41,10 +42,22 @@ def engine_kernels(request: pytest.FixtureRequest) -> Iterator[str]:
     if request.param == "compiled" and fastpath.COMPILED is None:
         pytest.skip(f"compiled kernels unavailable: {fastpath.WHY_NOT}")
     before = fastpath.use(request.param == "compiled")
+    engine = os.environ.get(engines.ENV_ENGINE)
+    os.environ[engines.ENV_ENGINE] = "python"  # the kernels are the Python engine's
     try:
         yield request.param
     finally:
         fastpath.restore(before)
+        if engine is None:
+            os.environ.pop(engines.ENV_ENGINE, None)
+        else:
+            os.environ[engines.ENV_ENGINE] = engine
+
+
+@pytest.fixture
+def python_engine(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The test looks into the Python engine's provider: devices open with that engine."""
+    monkeypatch.setenv(engines.ENV_ENGINE, "python")
 
 
 @pytest.fixture

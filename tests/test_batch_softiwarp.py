@@ -50,6 +50,7 @@ async def test_poll_into_after_an_overrun_is_eoverflow() -> None:
             assert info.value.errno == errno.EOVERFLOW
 
 
+@pytest.mark.usefixtures("python_engine")  # the Python provider's plans
 async def test_a_batch_of_inline_sends_by_its_plan_is_post_send() -> None:
     cap = QPCap(max_send_wr=4, max_inline_data=16)
     async with connected(prepare=post_receives(24), cap=cap) as pair:
@@ -166,6 +167,7 @@ async def test_a_receive_checked_before_is_checked_again_once_a_region_goes() ->
         ]  # fmt: skip
 
 
+@pytest.mark.usefixtures("python_engine")  # the Python provider's plans
 async def test_a_request_posted_again_keeps_its_template_while_unchanged(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

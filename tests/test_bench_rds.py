@@ -35,6 +35,7 @@ def test_rds_stress_benchmark_prints_ours_beside_raw(tmp_path: Path, transport: 
     assert ("RDS/TCP" in done.stdout) == (transport == "tcp")
 
 
+@pytest.mark.usefixtures("python_engine")  # its hooks are the Python engine's
 def test_rds_breakdown_times_every_phase_at_both_ends(tmp_path: Path) -> None:
     """Every hook of ``rds_breakdown.py`` still fires in order (a renamed or bypassed
     point leaves no cycle, and its phases without a median), and raw TCP ran beside."""

@@ -12,7 +12,7 @@ import time
 import psutil
 import pytest
 
-from rdmashim.verbs.softiwarp import ddp, fastpath
+from rdmashim.verbs.softiwarp import ddp, engines, fastpath, native
 from rdmashim.verbs.softiwarp.terminate import DdpTaggedCode, ddp_tagged
 
 from tooling import tool
@@ -22,13 +22,16 @@ fuzz_wire = tool("fuzz_wire")
 TABLE = fuzz_wire.nominal_table()
 
 
-@pytest.mark.parametrize("kernels", ["compiled", "python"])
-def test_ci_slice_finds_no_crash_hang_or_stray_write(kernels: str) -> None:
-    """The responder runs the compiled kernels, or the Python ones (the environment
-    variable forces them in the child)."""
+@pytest.mark.parametrize("engine", ["native", "python-compiled", "python"])
+def test_ci_slice_finds_no_crash_hang_or_stray_write(engine: str) -> None:
+    """The responder runs the native engine, the Python one with the compiled kernels, or
+    the Python one with the Python kernels (the environment chooses in the child)."""
     env = dict(os.environ)
-    if kernels == "python":
+    env[engines.ENV_ENGINE] = "native" if engine == "native" else "python"
+    if engine == "python":
         env[fastpath.ENV_NO_EXTENSIONS] = "1"
+    elif engine == "native" and not native.AVAILABLE:
+        pytest.skip(f"native engine unavailable: {native.WHY_NOT}")
     elif fastpath.COMPILED is None:
         pytest.skip(f"compiled kernels unavailable: {fastpath.WHY_NOT}")
     proc = subprocess.run(

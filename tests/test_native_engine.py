@@ -450,3 +450,35 @@ def test_two_native_engines_over_a_real_socket() -> None:
         right.close()
         for host in hosts:
             host.close()
+
+
+@pytest.mark.parametrize("cqe", [1, 4, 7])
+def test_a_cq_overrun_fails_the_qp_after_the_call_and_keeps_the_queues_whole(cqe: int) -> None:
+    """Eight signaled Sends into a send CQ of ``cqe``: the completion that does not fit
+    moves the QP to ERROR (kind RS_ERR_CQ_OVERRUN) when the call that made it ends, and
+    the send queue is empty and consistent. The first version entered ERROR from inside
+    the loop completing the queue: that loop then took one entry too many and the queue
+    depth wrapped to 2**32 - 1 (freeing the QP walked four billion entries)."""
+    memory = native.NativeMemory()
+    pd = object()
+    scq, rcq = native.NativeCQ(cqe), native.NativeCQ(16)
+    qp = native.NativeQP(memory, pd, 9, scq, rcq)
+    try:
+        qp.start(EngineConfig(crc=True))
+        buf = bytearray(b"overrun!")
+        pinned = pin(buf, writable=True)
+        memory.add(0x4200, pinned.addr, pinned.addr, len(buf), Access.LOCAL_WRITE, pd)
+        sig = SendFlags.SIGNALED
+        sge = SGE(pinned.addr, 8, 0x4200)
+        qp.post_send([SendWR(i, WROpcode.SEND, [sge], sig) for i in range(8)])
+        while chunk := qp.take():
+            qp.taken(len(chunk))
+        assert qp.state is EngineState.ERROR
+        assert qp.error[0] == 6  # RS_ERR_CQ_OVERRUN
+        assert qp.sq_depth == 0
+        assert [wc.wr_id for wc in scq.poll(16)] == list(range(cqe))
+    finally:
+        qp.close()
+        scq.close()
+        rcq.close()
+        memory.close()

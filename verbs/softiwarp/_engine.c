@@ -465,6 +465,7 @@ struct rs_qp {
     uint32_t term_have;
     uint8_t *rxbuf;               /* what rs_qp_read_fd reads into (made at the first read) */
     uint64_t rx_total;            /* bytes received ever */
+    int overrun;                  /* a completion did not fit its CQ (settle() acts) */
 };
 
 static void enter_error(rs_qp *qp, uint32_t kind, const char *message, int remote_quoted_read,
@@ -606,8 +607,19 @@ static void complete(rs_qp *qp, rs_cq *cq, uint64_t wr_id, uint32_t status, uint
                      uint32_t byte_len, uint32_t flags, uint32_t inv, uint32_t solicited)
 {
     rs_wc wc = {wr_id, status, opcode, byte_len, qp->qp_num, flags, inv, solicited};
+    /* Not ERROR at once: a completion comes from inside loops over the queues (drain_sq)
+     * that entering ERROR would change under them. settle() does it at the end of the
+     * call, as the Python engine fails the QPs of an overrun CQ after the event. */
     if (cq_push(cq, &wc) && qp->state == RS_QP_RTS)
+        qp->overrun = 1;
+}
+
+/* The end of every public call on a QP: a completion that did not fit moves it to ERROR. */
+static void settle(rs_qp *qp)
+{
+    if (qp->overrun && qp->state == RS_QP_RTS)
         enter_error(qp, RS_ERR_CQ_OVERRUN, "completion queue overrun", 0, 0, 0);
+    qp->overrun = 0;
 }
 
 static uint32_t wc_opcode(uint32_t wr_opcode)
@@ -830,7 +842,7 @@ int rs_qp_start(rs_qp *qp, int crc, uint32_t ird, uint32_t ord, uint32_t max_fpd
 }
 
 /* ------------------------------------------------------------------ posting */
-uint32_t rs_qp_post_send(rs_qp *qp, const rs_send_wr *wrs, uint32_t n, int *why)
+static uint32_t post_send(rs_qp *qp, const rs_send_wr *wrs, uint32_t n, int *why)
 {
     *why = 0;
     for (uint32_t k = 0; k < n; k++) {
@@ -908,7 +920,14 @@ uint32_t rs_qp_post_send(rs_qp *qp, const rs_send_wr *wrs, uint32_t n, int *why)
     return n;
 }
 
-uint32_t rs_qp_post_recv(rs_qp *qp, const rs_recv_wr *wrs, uint32_t n)
+uint32_t rs_qp_post_send(rs_qp *qp, const rs_send_wr *wrs, uint32_t n, int *why)
+{
+    uint32_t r = post_send(qp, wrs, n, why);
+    settle(qp);
+    return r;
+}
+
+static uint32_t post_recv(rs_qp *qp, const rs_recv_wr *wrs, uint32_t n)
 {
     if (qp->srq)
         return 0;
@@ -916,6 +935,13 @@ uint32_t rs_qp_post_recv(rs_qp *qp, const rs_recv_wr *wrs, uint32_t n)
     if (qp->state == RS_QP_ERROR || qp->state == RS_QP_TERMINATE)
         flush_rq(qp);
     return k;
+}
+
+uint32_t rs_qp_post_recv(rs_qp *qp, const rs_recv_wr *wrs, uint32_t n)
+{
+    uint32_t r = post_recv(qp, wrs, n);
+    settle(qp);
+    return r;
 }
 
 /* ------------------------------------------------------------------ transmit */
@@ -1118,6 +1144,7 @@ static void produce(rs_qp *qp)
 const uint8_t *rs_qp_tx(rs_qp *qp, size_t *len)
 {
     produce(qp);
+    settle(qp);
     *len = qp->tx_len - qp->tx_off;
     return *len ? qp->tx + qp->tx_off : NULL;
 }
@@ -1125,10 +1152,11 @@ const uint8_t *rs_qp_tx(rs_qp *qp, size_t *len)
 int rs_qp_tx_pending(rs_qp *qp)
 {
     produce(qp);
+    settle(qp);
     return qp->tx_len > qp->tx_off;
 }
 
-void rs_qp_tx_done(rs_qp *qp, size_t n)
+static void tx_done(rs_qp *qp, size_t n)
 {
     size_t have = qp->tx_len - qp->tx_off;
     if (n > have)
@@ -1138,6 +1166,12 @@ void rs_qp_tx_done(rs_qp *qp, size_t n)
     if (qp->state == RS_QP_TERMINATE && qp->tx_off == qp->tx_len)
         qp->state = RS_QP_ERROR;
     drain_sq(qp);
+}
+
+void rs_qp_tx_done(rs_qp *qp, size_t n)
+{
+    tx_done(qp, n);
+    settle(qp);
 }
 
 /* ------------------------------------------------------------------ receive */
@@ -1496,7 +1530,7 @@ static int check_control(rs_qp *qp)
     return 0;
 }
 
-void rs_qp_rx(rs_qp *qp, const uint8_t *data, size_t len)
+static void rx(rs_qp *qp, const uint8_t *data, size_t len)
 {
     qp->rx_total += len;
     while (len && qp->rx != RX_DISCARD) {
@@ -1563,6 +1597,12 @@ void rs_qp_rx(rs_qp *qp, const uint8_t *data, size_t len)
     }
 }
 
+void rs_qp_rx(rs_qp *qp, const uint8_t *data, size_t len)
+{
+    rx(qp, data, len);
+    settle(qp);
+}
+
 /* ------------------------------------------------------------------ deregistration */
 static void qp_revoke(rs_qp *qp, uint32_t stag)
 {
@@ -1623,8 +1663,10 @@ int rs_mem_remove(rs_mem *mem, uint32_t stag)
         return -ENOENT;
     mem->slots[s]->valid = 0;
     mem->epoch++;
-    for (rs_qp *qp = mem->qps; qp; qp = qp->next_in_mem)
+    for (rs_qp *qp = mem->qps; qp; qp = qp->next_in_mem) {
         qp_revoke(qp, stag);
+        settle(qp);
+    }
     free(mem->slots[s]);
     mem->slots[s] = NULL;
     mem->count--;
@@ -1645,6 +1687,14 @@ int rs_mem_remove(rs_mem *mem, uint32_t stag)
 /* ------------------------------------------------------------------ the socket */
 #define RX_READ (256 * 1024)
 
+/* The socket failed: ERROR, with what Python's OSError would say of err. */
+static void socket_failed(rs_qp *qp, int err)
+{
+    char message[128];
+    snprintf(message, sizeof message, "[Errno %d] %s", err, strerror(err));
+    enter_error(qp, RS_ERR_USER, message, 0, 0, 0);
+}
+
 int64_t rs_qp_read_fd(rs_qp *qp, int fd)
 {
     if (!qp->rxbuf && !(qp->rxbuf = malloc(RX_READ)))
@@ -1653,11 +1703,11 @@ int64_t rs_qp_read_fd(rs_qp *qp, int fd)
     if (n < 0) {
         int err = errno;
         if (err != EAGAIN && err != EWOULDBLOCK && err != EINTR)
-            enter_error(qp, RS_ERR_USER, "the connection failed", 0, 0, 0);
+            socket_failed(qp, err);
         return -err;
     }
-    if (n == 0) {
-        enter_error(qp, RS_ERR_USER, "the peer closed the connection", 0, 0, 0);
+    if (n == 0) { /* the words of the Python engine's connection_lost() */
+        enter_error(qp, RS_ERR_USER, "connection closed by peer", 0, 0, 0);
         return 0;
     }
     rs_qp_rx(qp, qp->rxbuf, (size_t)n);
@@ -1691,7 +1741,7 @@ int64_t rs_qp_write_fd(rs_qp *qp, int fd)
     if (n < 0) {
         int err = errno;
         if (err != EAGAIN && err != EWOULDBLOCK && err != EINTR)
-            enter_error(qp, RS_ERR_USER, "the connection failed", 0, 0, 0);
+            socket_failed(qp, err);
         return -err;
     }
     rs_qp_tx_done(qp, (size_t)n);

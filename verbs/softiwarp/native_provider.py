@@ -53,6 +53,9 @@ _ERR_CQ_OVERRUN = 6
 _SUCCESS = WCStatus.SUCCESS
 _OPCODES = {int(o): o for o in WCOpcode}
 _STATUSES = {int(s): s for s in WCStatus}
+_NONE = WCFlags.NONE
+_FLAGS = {0: _NONE, int(WCFlags.WITH_INV): WCFlags.WITH_INV}
+"""The flags a native completion carries (the C side sets none other)."""
 _WC = ffi.sizeof("rs_wc") if ffi is not None else 0
 _ONE = range(1)
 SPIN_SLICE = 200e-6
@@ -290,7 +293,7 @@ class NativeCQ(CQ):
         return [
             WC(
                 w.wr_id, _STATUSES[w.status], _OPCODES[w.opcode], w.byte_len, w.qp_num,
-                WCFlags(w.wc_flags), w.invalidated_rkey, 0, bool(w.solicited),
+                _FLAGS[w.wc_flags], w.invalidated_rkey, 0, bool(w.solicited),
             )
             for w in rows[0:got]
         ]  # fmt: skip
@@ -344,7 +347,7 @@ class _Rows:
         wcs.byte_len[0:n] = u32[4 : 4 + step * n : step].tolist()
         wcs.qp_num[0:n] = u32[5 : 5 + step * n : step].tolist()
         flags = u32[6 : 6 + step * n : step].tolist()
-        wcs.wc_flags[0:n] = list(map(WCFlags, flags)) if any(flags) else [WCFlags.NONE] * n
+        wcs.wc_flags[0:n] = list(map(_FLAGS.__getitem__, flags)) if any(flags) else [_NONE] * n
         wcs.invalidated_rkey[0:n] = u32[7 : 7 + step * n : step].tolist()
         wcs.solicited[0:n] = [bool(s) for s in u32[8 : 8 + step * n : step].tolist()]
         zeros = [0] * n
