@@ -349,7 +349,8 @@ async def ours_main(round_: str, me: str, peer: str) -> None:
                       "cong_updates_sent", "acks_sent", "rdma_failures", "rdma_dropped")
         }  # fmt: skip
         session = conn.session
-        result["flow_control"] = getattr(session, "flow_control", None)
+        # The session's credits are its flow's (rdma_flow.RdmaFlow).
+        result["flow_control"] = getattr(getattr(session, "flow", None), "flow_control", None)
         await trio.sleep(0.5)  # our last acks go before the node closes its connection
         emit(side="ours", round=round_, **result)
 
