@@ -30,8 +30,8 @@ from rdmashim.ulps.rds.transport import (
     Drivable,
     PeerBusy,
     RdsTransport,
-    Session,
     SessionLost,
+    TransportSession,
 )
 from rdmashim.ulps.rds.wire import RdsHeader
 
@@ -259,7 +259,7 @@ class PeerTable:
             entry.redial = now - entry.rds.active_at(now) < self.settings.peer_idle_expiry
         return entry.redial
 
-    async def carry(self, entry: Peer, session: Session, peer_ack: int) -> None:
+    async def carry(self, entry: Peer, session: TransportSession, peer_ack: int) -> None:
         """Carry the connection on a new session until it ends. ``peer_ack``: the last
         message the peer says it has (RDMA private data; 0 over TCP, where what
         TCP acknowledged is known already)."""

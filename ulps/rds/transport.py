@@ -51,7 +51,7 @@ class Capabilities:
     peer is not idle (Linux's higher ``rds_tcp`` address never does)."""
 
 
-class Session(Carrier, Protocol):
+class TransportSession(Carrier, Protocol):
     """A transport's session: one connection carrying an :class:`RdsConnection`."""
 
     async def run(self) -> None:
@@ -92,7 +92,7 @@ class TransportHost(Protocol):
     def start_connector(self, entry: Peer) -> None:
         """Start keeping a session to the peer up, unless that is under way already."""
 
-    async def carry(self, entry: Peer, session: Session, peer_ack: int) -> None:
+    async def carry(self, entry: Peer, session: TransportSession, peer_ack: int) -> None:
         """Carry the peer's connection on ``session`` until it ends; ``peer_ack`` is the
         last message the peer says it has."""
 
