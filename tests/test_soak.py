@@ -22,6 +22,7 @@ import trio
 from rdmashim import Access, RecvWR, SendFlags, SendWR, WCStatus, WROpcode
 from rdmashim.cm import ConnectionRequest, open_connection, serve
 from rdmashim.verbs.softiwarp.engine import Engine
+from rdmashim.verbs.softiwarp.native_provider import NativeEngine
 
 from residency import resident_bytes
 
@@ -33,8 +34,10 @@ ROUND_TRIP_EVERY = 10
 
 
 def live_engines() -> int:
+    """Engines alive: the Python engine's, or the native engine's Python side (whose C
+    state lives exactly as long: ``NativeQP._release`` frees it)."""
     gc.collect()
-    return sum(1 for obj in gc.get_objects() if isinstance(obj, Engine))
+    return sum(1 for obj in gc.get_objects() if isinstance(obj, Engine | NativeEngine))
 
 
 async def echo_once(qps: weakref.WeakSet, request: ConnectionRequest) -> None:
