@@ -48,7 +48,9 @@ from rdmashim.rdstools.defaults import STRESS_PORT
 from rdmashim.rdstools.stress import PassiveResult, stress_passive
 from rdmashim.ulps.rds.node import RdsSocket
 from rdmashim.ulps.rds.rdma_session import Session
+from rdmashim.verbs.softiwarp import engines
 from rdmashim.verbs.softiwarp.engine import Engine
+from rdmashim.verbs.softiwarp.native_provider import NativeLink, NativeQP
 from rdmashim.verbs.softiwarp.provider import QP
 
 from report import engine_line, run_meta
@@ -100,10 +102,15 @@ class Tracer(trio.abc.Instrument):
         """trio's wait for I/O ended."""
         self.log.append(("wake" if timeout > 0 else "looked", time.perf_counter_ns()))
 
-    def _hook(self, owner: Any, name: str, before: str, after: str | None) -> None:
+    def _hook(
+        self, owner: Any, name: str, before: str, after: str | tuple[str, ...] | None
+    ) -> None:
+        """Log ``before`` when ``owner.name`` is called and ``after`` (each of them, at
+        one time) when it returns."""
         original = getattr(owner, name)
         log, now = self.log, time.perf_counter_ns
-        if after is None:  # (an async function: the call makes the coroutine it runs)
+        afters = (after,) if isinstance(after, str) else after
+        if afters is None:  # (an async function: the call makes the coroutine it runs)
 
             def hooked(*args: Any, **kwargs: Any) -> Any:
                 log.append((before, now()))
@@ -115,21 +122,30 @@ class Tracer(trio.abc.Instrument):
                 try:
                     return original(*args, **kwargs)
                 finally:
-                    log.append((after, now()))
+                    t = now()
+                    log.extend((point, t) for point in afters)
 
         setattr(owner, name, hooked)
         self._undo.append(partial(setattr, owner, name, original))
 
     def install(self) -> None:
-        """Hook the points (in a trio run: the instrument is the run's)."""
-        self._hook(os, "readv", "read", "read_end")
-        self._hook(os, "write", "write", "write_end")
-        self._hook(os, "writev", "write", "write_end")
-        self._hook(Engine, "received", "engine", "engine_end")
+        """Hook the points (in a trio run: the instrument is the run's). On the native
+        engine one C call reads the socket and processes what came (``NativeLink._read``:
+        the readv phase holds both, the engine's is empty), and one writes
+        (``NativeLink.flush``)."""
+        if engines.chosen()[0] == "native":
+            self._hook(NativeLink, "_read", "read", ("read_end", "engine_end"))
+            self._hook(NativeLink, "flush", "write", "write_end")
+            self._hook(NativeQP, "post_send", "post", "post_end")
+        else:
+            self._hook(os, "readv", "read", "read_end")
+            self._hook(os, "write", "write", "write_end")
+            self._hook(os, "writev", "write", "write_end")
+            self._hook(Engine, "received", "engine", "engine_end")
+            self._hook(QP, "post_send", "post", "post_end")
         self._hook(Session, "_on_cq", "handler", "handler_end")
         self._hook(RdsSocket, "_take", "take", None)
         self._hook(RdsSocket, "sendto", "sendto", None)
-        self._hook(QP, "post_send", "post", "post_end")
         trio.lowlevel.add_instrument(self)
         self._undo.append(partial(trio.lowlevel.remove_instrument, self))
 
