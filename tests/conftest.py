@@ -13,7 +13,7 @@ import siwvm
 from _pytest.outcomes import Skipped
 
 import rdmashim
-from rdmashim.verbs.softiwarp import engines, fastpath
+from rdmashim.verbs.softiwarp import engines, fastpath, native
 
 import netns
 from pairs import Side, make_pair
@@ -52,6 +52,16 @@ def engine_kernels(request: pytest.FixtureRequest) -> Iterator[str]:
             os.environ.pop(engines.ENV_ENGINE, None)
         else:
             os.environ[engines.ENV_ENGINE] = engine
+
+
+@pytest.fixture(params=["native", "python"])
+def each_engine(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Run the test on the native engine and on the Python one (its kernels compiled when
+    built): devices opened during it, in this process or a child, get that engine."""
+    if request.param == "native" and not native.AVAILABLE:
+        pytest.skip(f"native engine unavailable: {native.WHY_NOT}")
+    monkeypatch.setenv(engines.ENV_ENGINE, request.param)
+    return str(request.param)
 
 
 @pytest.fixture

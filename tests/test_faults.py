@@ -52,6 +52,8 @@ from rdmashim.verbs import Access, QPCap, SendFlags, SendWR, WROpcode
 
 import netns
 
+pytestmark = pytest.mark.usefixtures("each_engine")  # native and Python
+
 AGENT = Path(__file__).with_name("fault_agent.py")
 BOUND = 10.0
 """Seconds from the fault to DISCONNECTED and to the last completion."""

@@ -22,6 +22,8 @@ from rdmashim import Access, QPState, RecvWR, SendFlags, SendWR, VerbsError, WCS
 
 from pairs import Side, make_pair, settle
 
+pytestmark = pytest.mark.usefixtures("each_engine")  # native and Python
+
 SIZE = 4096
 GUARD = 64
 PATTERN = bytes((i * 131 + 7) & 0xFF for i in range(SIZE + 2 * GUARD))

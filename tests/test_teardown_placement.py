@@ -28,15 +28,23 @@ SLOT = 48 * 1024
 FILL = 0x5A
 TIMEOUT = 10
 
-pytestmark = pytest.mark.parametrize("kernels", ["compiled", "python"], indirect=True)
+pytestmark = pytest.mark.parametrize("kernels", ["native", "compiled", "python"], indirect=True)
 
 
 @pytest.fixture
-def kernels(request: pytest.FixtureRequest) -> Any:
-    from rdmashim.verbs.softiwarp import fastpath
+def kernels(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Any:
+    """The native engine, or the Python one with its compiled or its Python kernels."""
+    from rdmashim.verbs.softiwarp import engines, fastpath, native
 
+    if request.param == "native":
+        if not native.AVAILABLE:
+            pytest.skip(f"native engine unavailable: {native.WHY_NOT}")
+        monkeypatch.setenv(engines.ENV_ENGINE, "native")
+        yield
+        return
     if request.param == "compiled" and fastpath.COMPILED is None:
         pytest.skip(f"compiled kernels unavailable: {fastpath.WHY_NOT}")
+    monkeypatch.setenv(engines.ENV_ENGINE, "python")
     before = fastpath.use(request.param == "compiled")
     yield
     fastpath.restore(before)
