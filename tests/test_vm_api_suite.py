@@ -22,6 +22,8 @@ import json
 import os
 import subprocess
 import sys
+import time
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -47,14 +49,14 @@ LIMIT = 2400.0
 """Seconds for the whole run: pip (first time), boot, each backend's suite under TCG."""
 
 
-@pytest.fixture(scope="module")
-def vm_results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    siwvm.require_guest()
-    # The run has its own bound (LIMIT); pytest's faulthandler_timeout (pyproject.toml)
-    # would dump every thread's stack into the log two minutes into it, though nothing
-    # hangs. pytest arms the dump again for the next test.
-    faulthandler.cancel_dump_traceback_later()
-    out = tmp_path_factory.mktemp("vm-api") / "results.json"
+STARTED = "RDMASHIM_VM_API_RUN"
+"""A directory where a run of ``tools/vm_api_suite.py`` started before pytest writes
+``results.json``, its output in ``out.log`` and its exit status in ``exit`` when done
+(``.ci/run`` starts it as soon as the guest is built, so its 15 minutes in the guest
+overlap the rest of the suite on the other core). Unset: the run starts here."""
+
+
+def _run_here(out: Path) -> tuple[int, str]:
     run = subprocess.run(
         [sys.executable, vm_api_suite.__file__, "--name", "api-pytest", "--json", str(out)],
         capture_output=True,
@@ -62,14 +64,41 @@ def vm_results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         timeout=LIMIT,
         check=False,
     )
+    return run.returncode, f"{run.stdout}\n{run.stderr}"
+
+
+def _run_started(where: Path) -> tuple[int, str]:
+    """Wait for the run started before pytest (at most :data:`LIMIT` from now)."""
+    done = where / "exit"
+    deadline = time.monotonic() + LIMIT
+    while not done.exists():
+        if time.monotonic() > deadline:
+            pytest.fail(f"the vm_api_suite run started in {where} did not end within {LIMIT} s")
+        time.sleep(5)
+    log = where / "out.log"
+    output = log.read_text(errors="replace") if log.exists() else ""
+    return int(done.read_text().strip() or "1"), output
+
+
+@pytest.fixture(scope="module")
+def vm_results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    siwvm.require_guest()
+    # The run has its own bound (LIMIT); pytest's faulthandler_timeout (pyproject.toml)
+    # would dump every thread's stack into the log two minutes into it, though nothing
+    # hangs. pytest arms the dump again for the next test.
+    faulthandler.cancel_dump_traceback_later()
+    started = os.environ.get(STARTED)
+    if started:
+        out = Path(started) / "results.json"
+        returncode, output = _run_started(Path(started))
+    else:
+        out = tmp_path_factory.mktemp("vm-api") / "results.json"
+        returncode, output = _run_here(out)
     if not out.exists():
-        pytest.fail(
-            f"{vm_api_suite.__name__} wrote no results (exit {run.returncode}):\n"
-            f"{run.stdout}\n{run.stderr}"
-        )
+        pytest.fail(f"{vm_api_suite.__name__} wrote no results (exit {returncode}):\n{output}")
     results = json.loads(out.read_text())
-    if run.returncode == 2:
-        pytest.fail(f"the guest did not run the suite:\n{run.stdout[-6000:]}")
+    if returncode == 2:
+        pytest.fail(f"the guest did not run the suite:\n{output[-6000:]}")
     print(f"\n{results.get('guest_report')}; pip deps in {results.get('deps_seconds')} s")
     return results
 
