@@ -155,6 +155,17 @@ def guest_python_deps(log: Callable[[str], Any] = print) -> Path:
     target = cache_dir() / "pydeps" / f"{tag}-{key}"
     if (target / ".complete").is_file():
         return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # One maker at a time: CI's background guest suite and an interop test may both
+    # come here first; the second waits, then finds the directory complete.
+    with open(target.parent / f"{target.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if (target / ".complete").is_file():
+            return target
+        return _install_deps(target, pins, log)
+
+
+def _install_deps(target: Path, pins: list[str], log: Callable[[str], Any]) -> Path:
     tmp = target.with_name(target.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     log(f"siwvm: pip install --target {target} {' '.join(pins)}")
