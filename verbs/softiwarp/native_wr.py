@@ -26,6 +26,7 @@ from rdmashim.verbs.enums import SendFlags, WROpcode
 from rdmashim.verbs.errors import NotSupported, VerbsError, refused_wr
 from rdmashim.verbs.softiwarp.memory import MemoryTable
 from rdmashim.verbs.softiwarp.native import MAX_SGE, ffi, lib
+from rdmashim.verbs.softiwarp.provider import unregistered
 from rdmashim.verbs.wr import SGE, RecvWR, SendWR, recv_problem, send_problem, wr_id_problem
 
 _HEAD = struct.Struct("<QIIQIII4x")
@@ -52,14 +53,6 @@ _WIRE_LIMITS = (
     "length, rkey, invalidate_rkey or remote_addr + length do not fit the wire "
     "(32, 32, 32 and 64 bits)"
 )
-
-
-def unregistered(sges: Sequence[SGE], memory: MemoryTable) -> str | None:
-    """Why a request cannot be posted when one of its SGEs names no registered region."""
-    for s in sges:
-        if s.length and memory.lookup(s.lkey) is None:
-            return f"{s}: lkey {s.lkey:#x} names no registered memory region (was its MR closed?)"
-    return None
 
 
 class _Packed:
