@@ -6,13 +6,17 @@ A backend's :class:`Connector` makes the ids of one
 :class:`~rdmashim.cm.channel.EventChannel` and may run background work in
 the channel's nursery (librdmacm's event pump); it reaches the channel only
 through :class:`ChannelHost`, what an event channel offers its backend.
+:class:`CMBackend` is a backend with its rdma_cm: the verbs' ``Backend``
+(:mod:`rdmashim.verbs.backend`) plus its connector and the transport options it
+honours.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from rdmashim.cm.types import PortSpace
+from rdmashim.verbs.backend import Backend
 
 if TYPE_CHECKING:
     import trio
@@ -173,4 +177,18 @@ class Connector(Protocol):
         """Release what the connector holds, after the channel's ids are destroyed."""
 
 
-__all__ = ["CMId", "ChannelHost", "Connector"]
+@runtime_checkable
+class CMBackend(Backend, Protocol):
+    """A backend with its rdma_cm; every registered backend is one (the event channel checks)."""
+
+    @property
+    def transport_options(self) -> frozenset[str]:
+        """The :class:`~rdmashim.cm.types.TransportOptions` fields it honours; it refuses
+        other non-default values with ``NotSupported``."""
+
+    def cm_connector(self, channel: ChannelHost) -> Connector:
+        """Its rdma_cm for the event channel ``channel`` (raises BackendUnavailable if it
+        cannot offer one here)."""
+
+
+__all__ = ["CMBackend", "CMId", "ChannelHost", "Connector"]

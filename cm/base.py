@@ -68,7 +68,7 @@ class CMIdBase(ABC, Generic[_Ctx, _QP]):
 
     transport_options: ClassVar[frozenset[str]] = frozenset()
     """The :class:`TransportOptions` fields the backend honours; other non-default
-    values are refused (``Backend.transport_options``)."""
+    values are refused (``CMBackend.transport_options``)."""
     options_refused_because: ClassVar[str] = "this backend has no transport settings"
     """Why the backend refuses the others, in words."""
 

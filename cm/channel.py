@@ -15,11 +15,11 @@ from types import TracebackType
 
 import trio
 
-from rdmashim.cm.abc import CMId, Connector
+from rdmashim.cm.abc import CMBackend, CMId, Connector
 from rdmashim.cm.types import CMEvent, CMEventType, ConnParam, PortSpace
-from rdmashim.registry import chosen_backend, load_backend
 from rdmashim.verbs.abc import Context
-from rdmashim.verbs.backend import Backend
+from rdmashim.verbs.backend import chosen_backend, load_backend
+from rdmashim.verbs.errors import BackendUnavailable
 from rdmashim.verbs.tasks import leaves, service_nursery
 
 log = logging.getLogger(__name__)
@@ -31,8 +31,8 @@ class EventChannel:
     ``contexts`` are already opened device contexts (``rdmashim.open_device``)
     the channel's ids use instead of opening their own. The backend
     (``backend=``, else the contexts', else ``RDMASHIM_BACKEND``) makes the ids
-    through its connector (:meth:`Backend.cm_connector
-    <rdmashim.verbs.backend.Backend.cm_connector>`), whose background work (the
+    through its connector (:meth:`CMBackend.cm_connector
+    <rdmashim.cm.abc.CMBackend.cm_connector>`), whose background work (the
     rdma-core backend reads librdmacm's events) runs in the channel's nursery.
     """
 
@@ -47,12 +47,15 @@ class EventChannel:
         self.unacked = 0
         self._ids: list[CMId] = []
         self._closed = False
-        self._backend: Backend | None = None
+        self._backend: CMBackend | None = None
         self._connector: Connector | None = None
 
     async def __aenter__(self) -> EventChannel:
-        self._backend = load_backend(self.backend)
-        connector = self._connector = self._backend.cm_connector(self)
+        backend = load_backend(self.backend)
+        if not isinstance(backend, CMBackend):
+            raise BackendUnavailable(f"backend {self.backend!r} offers no rdma_cm")
+        self._backend = backend
+        connector = self._connector = backend.cm_connector(self)
         self._nursery_manager = service_nursery()
         self._nursery = await self._nursery_manager.__aenter__()
         self._nursery.start_soon(connector.run)

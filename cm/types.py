@@ -93,7 +93,7 @@ class TransportOptions:
     this side sends, in bytes (not negotiated). IRD/ORD come from
     :class:`ConnParam`.
 
-    A backend honours the fields its ``Backend.transport_options`` names and
+    A backend honours the fields its ``CMBackend.transport_options`` names and
     refuses other non-default values with ``NotSupported`` (rdma-core leaves MPA
     to the kernel's iw_cm). A CM id's ``negotiated`` is one of these too: what
     setup settled (``p2p`` and the ``rtr`` chosen, ``crc``, ``revision``).

@@ -1,31 +1,29 @@
-"""The backend contract: every backend's Backend object, the registry, and the seams.
+"""The backend contract: every backend's Backend object and the registry.
 
-The registry hands out :class:`rdmashim.verbs.backend.Backend` objects; each
-available backend lists devices that open, says why it is (un)available, and
-gives the event channel a connector whose ids take the portable transport
-options it names. The architectural tests read the sources (``ast``) and hold
-the layers apart: ``cm/`` names no backend and not the facade, no backend
-imports another, and the facade reaches backends only through the registry.
+The registry (:mod:`rdmashim.verbs.backend`, re-exported as
+:mod:`rdmashim.registry`) hands out :class:`~rdmashim.verbs.backend.Backend`
+objects; each available backend lists devices that open, says why it is
+(un)available, and gives the event channel a connector
+(:class:`~rdmashim.cm.abc.CMBackend`) whose ids take the portable transport
+options it names. That no layer imports what it must not, in every folder, is
+``test_layers.py``'s.
 """
 
 from __future__ import annotations
 
-import ast
-from pathlib import Path
+import sys
+import types
 
 import pytest
 import trio
 
 import rdmashim
+from rdmashim import registry
 from rdmashim.cm import EventChannel, TransportOptions
-from rdmashim.registry import BACKENDS, backend_status, load_backend
+from rdmashim.cm.abc import CMBackend
+from rdmashim.registry import BACKENDS, BackendInfo, backend_status, load_backend
+from rdmashim.verbs import backend as verbs_backend
 from rdmashim.verbs.errors import BackendUnavailable, NotSupported, VerbsError
-
-REPO = Path(__file__).resolve().parents[1]
-BACKEND_PACKAGES = sorted(
-    p.name for p in (REPO / "verbs").iterdir() if (p / "__init__.py").exists()
-)
-"""Every backend package under verbs/ (a package there is a backend)."""
 
 
 def _available() -> list[str]:
@@ -137,59 +135,38 @@ def test_transport_options_of_the_wrong_type_are_refused(fault: dict) -> None:
         TransportOptions(**fault)
 
 
-# ---------------------------------------------------------------- the seams
+# ---------------------------------------------------------------- where the registry lives
 
 
-def _imports(path: Path) -> list[str]:
-    """Every module ``path`` imports (absolute names; relative ones resolved)."""
-    tree = ast.parse(path.read_text(), str(path))
-    found: list[str] = []
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Import):
-            found += [alias.name for alias in node.names]
-        elif isinstance(node, ast.ImportFrom):
-            assert node.level == 0, f"{path}: relative import"
-            assert node.module is not None
-            found.append(node.module)
-            found += [f"{node.module}.{alias.name}" for alias in node.names]
-    return found
+def test_the_facade_registry_is_the_verbs_registry() -> None:
+    """``rdmashim.registry`` re-exports the registry of :mod:`rdmashim.verbs.backend`, so
+    a name users import from either is one object (the CM and IBAL use the latter)."""
+    for name in registry.__all__:
+        assert getattr(registry, name) is getattr(verbs_backend, name), name
+    assert rdmashim.chosen_backend is verbs_backend.chosen_backend
 
 
-def _sources(folder: str) -> list[Path]:
-    return sorted((REPO / folder).rglob("*.py"))
+async def test_a_backend_without_rdma_cm_is_refused_by_the_event_channel(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The event channel asks for the CM part of a backend (``CMBackend``) by what the
+    object offers, not by its name: a verbs-only backend is unavailable to it, and says so."""
+    softiwarp = load_backend("softiwarp")
 
+    class VerbsOnly:
+        """The verbs part of the built-in backend, without its connector."""
 
-def _backend_of(module: str) -> str | None:
-    parts = module.split(".")
-    if parts[:2] == ["rdmashim", "verbs"] and len(parts) > 2 and parts[2] in BACKEND_PACKAGES:
-        return parts[2]
-    return None
+        name = "verbsonly"
+        description = "the built-in engine's verbs, no rdma_cm"
+        get_device_list = softiwarp.get_device_list
+        open_device = softiwarp.open_device
+        unavailable_reason = softiwarp.unavailable_reason
 
-
-def test_the_seam_checker_sees_backend_imports() -> None:
-    assert {"softiwarp", "rdmacore"} <= set(BACKEND_PACKAGES)
-    assert _backend_of("rdmashim.verbs.softiwarp.provider") == "softiwarp"
-    assert _backend_of("rdmashim.verbs.abc") is None
-    assert "rdmashim.verbs.softiwarp.cm_id" in _imports(REPO / "verbs/softiwarp/backend.py")
-
-
-def test_cm_names_no_backend_and_not_the_facade() -> None:
-    for path in _sources("cm"):
-        for module in _imports(path):
-            assert module != "rdmashim", f"{path.relative_to(REPO)} imports the facade"
-            assert _backend_of(module) is None, f"{path.relative_to(REPO)} imports {module}"
-
-
-def test_no_backend_imports_another() -> None:
-    for name in BACKEND_PACKAGES:
-        for path in _sources(f"verbs/{name}"):
-            for module in _imports(path):
-                other = _backend_of(module)
-                assert other in (None, name), f"{path.relative_to(REPO)} imports {module}"
-                assert module != "rdmashim", f"{path.relative_to(REPO)} imports the facade"
-
-
-def test_facade_reaches_backends_only_through_the_registry() -> None:
-    for path in sorted((REPO / "rdmashim").glob("*.py")):
-        for module in _imports(path):
-            assert _backend_of(module) is None, f"{path.relative_to(REPO)} imports {module}"
+    package = types.ModuleType("verbsonly")
+    package.BACKEND = VerbsOnly()  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "verbsonly", package)
+    monkeypatch.setitem(BACKENDS, "verbsonly", BackendInfo("verbsonly", "verbsonly"))
+    assert isinstance(softiwarp, CMBackend) and not isinstance(package.BACKEND, CMBackend)
+    with pytest.raises(BackendUnavailable, match="backend 'verbsonly' offers no rdma_cm"):
+        async with EventChannel(backend="verbsonly"):
+            pass

@@ -1,26 +1,34 @@
-"""What a backend is: the one object each backend package exports as ``BACKEND``.
+"""What a backend is, and which one a call uses: the ``Backend`` protocol and the registry.
 
-The registry (:mod:`rdmashim.registry`) imports a backend's package by name
-and hands out its :class:`Backend`; :func:`rdmashim.open_device` and the CM's
-event channels use nothing else of the backend. Adding a backend is a package
-that exports ``BACKEND`` and one line in the registry.
+Each backend package exports one :class:`Backend` as ``BACKEND``. The registry
+(:data:`BACKENDS`) names the packages and imports one on first use, by name, so
+this module, at the bottom of the layers, names no backend module it imports:
+both :func:`rdmashim.open_device` and the CM's event channels pick their
+backend here (``backend=``, else ``RDMASHIM_BACKEND``, else softiwarp). The CM
+part of a backend (its connector, the transport options it honours) is
+:class:`rdmashim.cm.abc.CMBackend`, since the verbs know nothing of connection
+management. :mod:`rdmashim.registry` re-exports the registry for users. Adding
+a backend is a package that exports ``BACKEND`` and one line in
+:data:`BACKENDS`.
 """
 
 from __future__ import annotations
 
 import errno
+import importlib
+import os
 from contextlib import AbstractAsyncContextManager
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol, TypeVar
 
-from rdmashim.verbs.errors import VerbsError
+from rdmashim.verbs.errors import BackendUnavailable, VerbsError
 
 if TYPE_CHECKING:
-    from rdmashim.cm.abc import ChannelHost, Connector
     from rdmashim.verbs.abc import Context, Device
 
 
 class Backend(Protocol):
-    """A backend: its devices, opening them, its rdma_cm, and whether it works here."""
+    """A backend: its devices, opening them, and whether it works here."""
 
     @property
     def name(self) -> str:
@@ -30,23 +38,65 @@ class Backend(Protocol):
     def description(self) -> str:
         """What it is, in a few words (``rdmashim devices`` shows it)."""
 
-    @property
-    def transport_options(self) -> frozenset[str]:
-        """The :class:`~rdmashim.cm.types.TransportOptions` fields it honours; it refuses
-        other non-default values with ``NotSupported``."""
-
     def get_device_list(self) -> list[Device]:
         """Its devices on this machine ([] if none)."""
 
     def open_device(self, name: str | None = None) -> AbstractAsyncContextManager[Context]:
         """Open device ``name`` (its default if None) for the ``async with`` block."""
 
-    def cm_connector(self, channel: ChannelHost) -> Connector:
-        """Its rdma_cm for the event channel ``channel`` (raises BackendUnavailable if it
-        cannot offer one here)."""
-
     def unavailable_reason(self) -> str | None:
         """None if a device can be opened here, else why not (libraries, devices)."""
+
+
+DEFAULT_BACKEND = "softiwarp"
+ENV_VAR = "RDMASHIM_BACKEND"
+
+
+@dataclass(frozen=True, slots=True)
+class BackendInfo:
+    """A registered backend: its name and the package that implements it."""
+
+    name: str
+    module: str
+
+
+BACKENDS: dict[str, BackendInfo] = {
+    info.name: info
+    for info in (
+        BackendInfo("softiwarp", "rdmashim.verbs.softiwarp"),
+        BackendInfo("rdmacore", "rdmashim.verbs.rdmacore"),
+        BackendInfo("ibal", "rdmashim.verbs.ibal"),
+    )
+}
+"""Every backend by name: the package imported when it is first loaded."""
+
+
+def chosen_backend(backend: str | None = None) -> str:
+    """The backend name a call uses: the argument, else ``RDMASHIM_BACKEND``, else softiwarp."""
+    return backend or os.environ.get(ENV_VAR) or DEFAULT_BACKEND
+
+
+def load_backend(backend: str | None = None) -> Backend:
+    """The chosen backend, its package imported; :class:`BackendUnavailable` says why not."""
+    name = chosen_backend(backend)
+    info = BACKENDS.get(name)
+    if info is None:
+        known = ", ".join(sorted(BACKENDS))
+        raise BackendUnavailable(f"unknown rdmashim backend {name!r} (known: {known})")
+    found: Backend = importlib.import_module(info.module).BACKEND
+    return found
+
+
+def backend_status() -> list[tuple[BackendInfo, str | None]]:
+    """Every backend with None if usable here, else the reason it is not; never raises."""
+    out: list[tuple[BackendInfo, str | None]] = []
+    for info in BACKENDS.values():
+        try:
+            reason = load_backend(info.name).unavailable_reason()
+        except Exception as exc:
+            reason = str(exc) or type(exc).__name__
+        out.append((info, reason))
+    return out
 
 
 _T = TypeVar("_T")
@@ -67,4 +117,14 @@ def own(obj: object, kind: type[_T], operation: str) -> _T:
     return obj
 
 
-__all__ = ["Backend", "own"]
+__all__ = [
+    "BACKENDS",
+    "DEFAULT_BACKEND",
+    "ENV_VAR",
+    "Backend",
+    "BackendInfo",
+    "backend_status",
+    "chosen_backend",
+    "load_backend",
+    "own",
+]

@@ -1,4 +1,4 @@
-"""IBAL as a :class:`~rdmashim.verbs.backend.Backend` (``BACKEND``): the portable API over
+"""IBAL as a :class:`~rdmashim.cm.abc.CMBackend` (``BACKEND``): the portable API over
 the IBAL facade, as WinOF's libibverbs and librdmacm ran over IBAL.
 
 Its devices are the CAs of the HCA backend it sits on (``RDMASHIM_IBAL_HCA``,
@@ -11,13 +11,12 @@ from __future__ import annotations
 from contextlib import AbstractAsyncContextManager
 from typing import TYPE_CHECKING
 
-from rdmashim.registry import load_backend
-from rdmashim.verbs.backend import Backend
+from rdmashim.verbs.backend import load_backend
 from rdmashim.verbs.ibal import port_device
 from rdmashim.verbs.ibal.port_cm import Connector
 
 if TYPE_CHECKING:
-    from rdmashim.cm.abc import ChannelHost
+    from rdmashim.cm.abc import ChannelHost, CMBackend
     from rdmashim.verbs import abc
 
 
@@ -50,4 +49,4 @@ class IbalBackend:
             return str(exc) or type(exc).__name__
 
 
-BACKEND: Backend = IbalBackend()
+BACKEND: CMBackend = IbalBackend()

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import trio
 
-from rdmashim.registry import load_backend
+from rdmashim.verbs.backend import load_backend
 from rdmashim.verbs.enums import AtomicCap, Transport
 from rdmashim.verbs.errors import BackendUnavailable
 from rdmashim.verbs.ibal.al import DestroyCallback, Handle, IbAl

@@ -49,7 +49,7 @@ from typing import Any
 import psutil
 
 from rdmashim.cm import addressing
-from rdmashim.registry import load_backend
+from rdmashim.verbs.backend import load_backend
 from rdmashim.verbs.enums import Mtu
 from rdmashim.verbs.ibal.status import IbError, IbStatus
 

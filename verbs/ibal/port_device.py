@@ -23,9 +23,8 @@ from typing import TYPE_CHECKING, Any, NoReturn, Self
 
 import trio
 
-from rdmashim.registry import load_backend
 from rdmashim.verbs.attrs import AHAttr, DeviceAttr, PortAttr
-from rdmashim.verbs.backend import own
+from rdmashim.verbs.backend import load_backend, own
 from rdmashim.verbs.enums import Access, Mtu, NodeType, PortState, QPType, Transport
 from rdmashim.verbs.errors import NotSupported, VerbsError, check_access
 from rdmashim.verbs.events import AsyncEvent, AsyncEventType

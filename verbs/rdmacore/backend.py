@@ -1,16 +1,15 @@
-"""rdma-core as a :class:`~rdmashim.verbs.backend.Backend` (``BACKEND``)."""
+"""rdma-core as a :class:`~rdmashim.cm.abc.CMBackend` (``BACKEND``)."""
 
 from __future__ import annotations
 
 from contextlib import AbstractAsyncContextManager
 from typing import TYPE_CHECKING
 
-from rdmashim.verbs.backend import Backend
 from rdmashim.verbs.rdmacore import device
 from rdmashim.verbs.rdmacore.cm_id import TRANSPORT_OPTIONS, NativeChannel
 
 if TYPE_CHECKING:
-    from rdmashim.cm.abc import ChannelHost
+    from rdmashim.cm.abc import ChannelHost, CMBackend
     from rdmashim.verbs import abc
 
 
@@ -38,4 +37,4 @@ class RdmaCoreBackend:
         return device.unavailable_reason()
 
 
-BACKEND: Backend = RdmaCoreBackend()
+BACKEND: CMBackend = RdmaCoreBackend()

@@ -1,4 +1,4 @@
-"""The built-in engine as a :class:`~rdmashim.verbs.backend.Backend` (``BACKEND``)."""
+"""The built-in engine as a :class:`~rdmashim.cm.abc.CMBackend` (``BACKEND``)."""
 
 from __future__ import annotations
 
@@ -7,12 +7,11 @@ from dataclasses import fields
 from typing import TYPE_CHECKING
 
 from rdmashim.cm.types import TransportOptions
-from rdmashim.verbs.backend import Backend
 from rdmashim.verbs.softiwarp import engines, fastpath, provider
 from rdmashim.verbs.softiwarp.cm_id import Connector
 
 if TYPE_CHECKING:
-    from rdmashim.cm.abc import ChannelHost
+    from rdmashim.cm.abc import ChannelHost, CMBackend
     from rdmashim.verbs import abc
 
 
@@ -49,4 +48,4 @@ class SoftiwarpBackend:
         return None
 
 
-BACKEND: Backend = SoftiwarpBackend()
+BACKEND: CMBackend = SoftiwarpBackend()
