@@ -20,6 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from rdmashim.verbs.backend import BACKENDS
+
 REPO = Path(__file__).resolve().parents[1]
 
 LAYERS: dict[str, tuple[str, ...]] = {
@@ -226,6 +228,18 @@ def test_only_the_registry_imports_by_name() -> None:
         in ("import_module", "__import__")
     )
     assert set(callers) == {"rdmashim/verbs/backend.py"}, callers
+
+
+def test_the_registry_loads_the_backend_layers_and_nothing_else() -> None:
+    """What the registry imports by name is one backend layer each, and every backend
+    layer is registered: the one import the checker cannot read stays a backend's."""
+    files = installed_sources()
+    registered = []
+    for info in BACKENDS.values():
+        package = module_file(info.module, files)
+        assert package == f"{info.module.replace('.', '/')}/__init__.py", info
+        registered += layers_of(package)
+    assert sorted(registered) == sorted(_BACKENDS)
 
 
 def test_the_tables_name_real_layers() -> None:
