@@ -383,49 +383,36 @@ def test_place_in_matches_the_reference(
 @settings(max_examples=100, deadline=None)
 @given(
     pieces=st.lists(
-        st.tuples(
-            st.integers(0, 2), st.integers(0, 64), st.integers(0, 64),
-            st.sampled_from(sorted(SEND_CTRLS)), _U32,
-        ),
-        max_size=70,
+        st.tuples(st.integers(0, 2), st.integers(0, 64), st.integers(0, 64)), max_size=70
     ),
-    msn=_U32,
-    crc=st.booleans(),
-)  # fmt: skip
-def test_send_plan_gathers_and_frames_as_the_reference(
-    c: Kernels, pieces: list[tuple[int, int, int, int, int]], msn: int, crc: bool
+)
+def test_send_plan_gathers_as_the_reference(
+    c: Kernels, pieces: list[tuple[int, int, int]]
 ) -> None:
-    """A plan's gather joins its pieces; its framing is frame_sends of that join. Both
-    read the regions when used, not when planned."""
+    """A plan's gather joins its pieces, read from the regions when used, not when
+    planned."""
     rng = random.Random(len(pieces))
     views = [memoryview(bytearray(rng.randbytes(128))) for _ in range(3)]
     regions = [
         Region(i + 1, 0x1000 * (i + 1), 128, Access.LOCAL_WRITE, None, v)
         for i, v in enumerate(views)
     ]
-    chosen = [regions[r] for r, _, _, _, _ in pieces]
-    starts = [start for _, start, _, _, _ in pieces]
-    lens = array("I", [n for _, _, n, _, _ in pieces])
-    ctrls = bytes(ctrl for *_, ctrl, _ in pieces)
-    invs = array("I", [inv for *_, inv in pieces])
-    plans = [(impl, impl.send_plan(chosen, starts, lens, ctrls, invs)) for impl in (c, PY)]
+    chosen = [regions[r] for r, _, _ in pieces]
+    starts = [start for _, start, _ in pieces]
+    lens = array("I", [n for _, _, n in pieces])
+    plans = [(impl, impl.send_plan(chosen, starts, lens)) for impl in (c, PY)]
     for _ in range(2):
-        expected = b"".join(regions[r].view[a : a + n] for r, a, n, _, _ in pieces)
-        framed = bytes(PY.frame_sends(expected, lens, ctrls, invs, msn, crc)) if pieces else b""
+        expected = b"".join(regions[r].view[a : a + n] for r, a, n in pieces)
         for impl, plan in plans:
             assert bytes(impl.gather(plan)) == expected
-            assert bytes(impl.frame_plan(plan, msn, crc)) == framed
         for view in views:  # the next round reads what the regions hold then
             view[:] = rng.randbytes(128)
 
 
-def test_send_plan_refuses_what_is_not_a_one_fpdu_send(c: Kernels) -> None:
+def test_send_plan_refuses_arrays_of_different_lengths(c: Kernels) -> None:
     (region,) = _regions(1, 64)
-    plan = c.send_plan([region], [0], array("I", [8]), b"\x40", array("I", [0]))  # a Write
-    with pytest.raises(ValueError, match="not a one-FPDU Send"):
-        c.frame_plan(plan, 1, True)
     with pytest.raises(ValueError, match="differ in length"):
-        c.send_plan([region], [0], array("I", [8, 8]), b"\x43", array("I", [0]))
+        c.send_plan([region], [0], array("I", [8, 8]))
 
 
 def test_place_in_refuses_msgs_outside_the_buffer(c: Kernels) -> None:

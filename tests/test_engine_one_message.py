@@ -1,21 +1,16 @@
-"""The one-message paths of the built-in engine: ``post_send`` of one inline Send
-when nothing is queued frames it and writes it at once (``QP._send_now``), and
-``post_recv`` of one request queues it without the list's general checks.
+"""The one transmit path of the Python engine: whatever is posted (one Send, a list
+of one, a list, a batch, an RDMA Write with its Send), the bytes on the wire are
+exactly those ``Engine.produce()`` returned, and the Sends leave inside
+``post_send`` (the driver writes at once what the engine framed).
 
-Checked: the FPDU it makes is byte for byte the one the queued path makes (plain,
-with SE, with Invalidate's field, CRC on and off); over real loopback TCP to a peer
-that does not read, Sends posted while the socket is full are queued behind the
-partly written one and reach the peer whole and in order, their signaled
-completions in order; a small Send without INLINE is copied when posted and takes
-the same path (one past :data:`COPY_SEND_MAX` does not; one from a region of another
-PD fails as the general path says); requests the path does not take (FENCE, raw
-bytes, two SGEs) still go the general way; one receive posted alone meets the same
-refusals as in a list (queue full, too many SGEs, an SRQ) and is flushed in ERR.
-An RDMA Write at the head of a post (RDS's RDMA by cookie: a Write and its Send) is
-framed and written at once with the Sends after it: byte for byte what the queued
-path sends; one it cannot frame so is left to that path; posted while the socket is
-full, Writes and Sends wait behind the partly written one and arrive whole and in
-order. With the compiled and the Python kernels.
+Also checked: over real loopback TCP to a peer that does not read, Sends and
+Writes posted while the socket is full wait behind the partly written one and
+reach the peer whole and in order, their signaled completions in order; a small
+Send without INLINE is copied when posted (one past :data:`COPY_SEND_MAX` is not;
+one from a region of another PD fails with LOC_PROT_ERR); other Sends (FENCE, raw
+bytes, two SGEs) arrive too; one receive posted alone meets the same refusals as in
+a list (queue full, too many SGEs, an SRQ) and is flushed in ERR. With the compiled
+and the Python kernels.
 """
 
 from __future__ import annotations
@@ -38,13 +33,12 @@ from rdmashim import (
     SendFlags,
     SendWR,
     VerbsError,
-    WCOpcode,
     WCStatus,
     WROpcode,
 )
 from rdmashim.verbs.softiwarp.connection import connect_qp, read_request
 from rdmashim.verbs.softiwarp.ddp import UNTAGGED_HDR_LEN
-from rdmashim.verbs.softiwarp.engine import WRITE_NOW_MAX, EngineState, RecvJob, SendJob, SendRun
+from rdmashim.verbs.softiwarp.engine import EngineState, RecvJob, SendJob, SendRun
 from rdmashim.verbs.softiwarp.kernels import PyKernels
 from rdmashim.verbs.softiwarp.mpa import encode_start_frame
 from rdmashim.verbs.softiwarp.negotiation import MpaOptions, answer_request
@@ -60,26 +54,6 @@ BOUND = 10.0
 """Seconds any wait here may take (they take milliseconds)."""
 
 
-@pytest.mark.parametrize("crc", [True, False])
-@pytest.mark.parametrize(
-    ("flags", "inv", "size"),
-    [(0, 0, 8), (int(SendFlags.SOLICITED), 0, 1), (0, 0x1234, 0), (0, 7, 63)],
-)
-def test_frame_send_matches_the_queued_path(crc: bool, flags: int, inv: int, size: int) -> None:
-    payload = bytes(range(size))
-    queued, now = Host(crc).engine, Host(crc).engine
-    opcode = WROpcode.SEND_WITH_INV if inv else WROpcode.SEND
-    for k in range(3):  # the MSN advances the same way on both
-        queued.post_send(SendJob(k, opcode, flags, (), payload, size, 0, 0, inv))
-        want = b"".join(bytes(c) for c in queued.produce())
-        queued.sent(len(want))
-        assert now.tx_idle
-        got = bytes(now.frame_send(payload, SendRun.ctrl(flags, bool(inv)), inv))
-        now.took_send(k, flags, payload, len(got), True)
-        assert got == want
-    assert now.bytes_sent == queued.bytes_sent
-
-
 @pytest.mark.parametrize("inline", [True, False])
 def test_a_plain_send_leaves_the_invalidate_stag_field_zero(inline: bool) -> None:
     """RFC 5040 reserves the field in a Send without Invalidate: an invalidate_rkey set
@@ -92,64 +66,6 @@ def test_a_plain_send_leaves_the_invalidate_stag_field_zero(inline: bool) -> Non
     host.engine.post_send(job)
     wire = b"".join(bytes(c) for c in host.engine.produce())
     assert wire[3] & 0x0F == 3 and wire[4:8] == bytes(4), wire[:20].hex()
-
-
-@pytest.mark.parametrize("crc", [True, False])
-@pytest.mark.parametrize("size", [0, 5, 4096, 65536])
-def test_frame_write_matches_the_queued_path(crc: bool, size: int) -> None:
-    """An RDMA Write framed at once, and a run of Sends after it, are byte for byte
-    what the queued path sends, and complete as it does."""
-    queued, now = Host(crc), Host(crc)
-    data = bytes(i % 251 for i in range(size))
-    for host in (queued, now):
-        src = host.region(data or b"\0")
-        job = SendJob(
-            7, WROpcode.RDMA_WRITE, int(SIG), (SGE(src.addr, size, src.stag),), None, size,
-            0x1000, 0x55,
-        )  # fmt: skip
-        run = SendRun()
-        run.add(8, SendRun.ctrl(0, False), 0, b"after", 0)
-        if host is queued:
-            host.engine.post_send(job)
-            host.engine.post_send(run)
-            want = b"".join(bytes(c) for c in host.engine.produce())
-            host.engine.sent(len(want))
-        else:
-            assert host.engine.tx_idle
-            framed = host.engine.frame_write(job)
-            assert framed is not None
-            fpdus, nbytes = framed
-            wrote = b"".join(bytes(c) for c in fpdus)
-            assert nbytes == len(wrote)
-            got = wrote + bytes(host.engine.frame_run(run))
-            host.engine.took_write(job, len(got), True)
-            host.engine.took_run(run, 0, True)
-    assert got == want
-    assert now.engine.bytes_sent == queued.engine.bytes_sent
-    assert (
-        [(w.wr_id, w.opcode) for w in now.send_wcs]
-        == [(w.wr_id, w.opcode) for w in queued.send_wcs]
-        == [(7, WCOpcode.RDMA_WRITE)]
-    )
-
-
-def test_frame_write_leaves_what_the_general_path_reports() -> None:
-    """A Write whose local memory does not resolve, or whose fields do not fit the
-    wire, is left to the queued path (which reports it); so is one past WRITE_NOW_MAX."""
-    host = Host(True)
-    src = host.region(64)
-    bad_key = SendJob(1, WROpcode.RDMA_WRITE, 0, (SGE(src.addr, 8, src.stag + 1),), None, 8, 0, 5)
-    too_far = SendJob(
-        2, WROpcode.RDMA_WRITE, 0, (SGE(src.addr, 8, src.stag),), None, 8, 2**64 - 4, 5
-    )
-    big = host.region(WRITE_NOW_MAX + 1)
-    too_big = SendJob(
-        3, WROpcode.RDMA_WRITE, 0, (SGE(big.addr, WRITE_NOW_MAX + 1, big.stag),), None,
-        WRITE_NOW_MAX + 1, 0, 5,
-    )  # fmt: skip
-    for job in (bad_key, too_far, too_big):
-        assert host.engine.frame_write(job) is None
-    assert host.engine.tx_idle and host.engine.bytes_sent == 0
 
 
 async def _qp_to_mute_peer(ctx: Any, sq_depth: int) -> tuple[Any, Any, Any, trio.SocketStream]:
@@ -227,8 +143,9 @@ async def test_sends_while_the_socket_is_full_stay_whole_and_in_order(ctx: Any) 
 
 
 async def test_writes_while_the_socket_is_full_stay_whole_and_in_order(ctx: Any) -> None:
-    """RDMA Writes each posted with a Send after them go out at once while the socket
-    takes them; posted while it is full, they wait behind the partly written one.
+    """RDMA Writes each posted with a Send after them go out from ``post_send`` while
+    the socket takes them; posted while it is full, they wait behind the partly
+    written one.
     A receiving engine (sans-IO, fed what the peer's socket got) finds every Write in
     place and every Send, in order, with no error; completions come in order."""
     pd, cq, qp, peer = await _qp_to_mute_peer(ctx, 8192)
@@ -240,10 +157,6 @@ async def test_writes_while_the_socket_is_full_stay_whole_and_in_order(ctx: Any)
         host.rq.append(RecvJob(k, (SGE(rbuf.addr + 64 * k, 64, rbuf.stag),), 64))
     src = pd.reg_mr(bytearray(size * most), Access.LOCAL_WRITE)
     note = pd.reg_mr(bytearray(8 * most), Access.LOCAL_WRITE)
-    took: list[int] = []
-    engine = qp.engine
-    real_took = engine.took_write
-    engine.took_write = lambda job, n, whole: (took.append(job.wr_id), real_took(job, n, whole))  # type: ignore[method-assign]
     posted = extra = 0
     partial_seen = False
     while extra < 20:
@@ -263,8 +176,6 @@ async def test_writes_while_the_socket_is_full_stay_whole_and_in_order(ctx: Any)
             extra += 1
         assert posted < most, "the socket never filled"
     assert partial_seen
-    assert 1000 in took  # the first went out at once
-    assert 1000 + posted - 1 not in took  # the last waited behind the partly written one
     with trio.fail_after(BOUND):
         while len(host.recv_wcs) < posted:
             host.engine.receive_data(await peer.receive_some(65536))
@@ -307,7 +218,6 @@ async def test_other_sends_take_the_general_path(
     sges = [p if isinstance(p, bytes) else src.sge(*p) for p in parts]
     wr = SendWR(5, WROpcode.SEND, sges, flags)
     server.qp.post_recv(RecvWR(9, [dst.sge(0, 64)]))
-    assert not client.qp._send_now(wr)
     client.qp.post_send(wr)
     with trio.fail_after(BOUND):
         (wc,) = await server.recv_cq.poll_wait(1)
@@ -327,42 +237,13 @@ async def test_a_small_send_without_inline_is_copied_and_written_at_once(
     src = client.reg(data)
     dst = server.reg(size)
     server.qp.post_recv(RecvWR(9, [dst.sge(0, size)]))
-    assert client.qp._send_now(SendWR(5, WROpcode.SEND, [src.sge(0, size)], SIG))
+    client.qp.post_send(SendWR(5, WROpcode.SEND, [src.sge(0, size)], SIG))
     src.buf[:] = bytes(size)  # the copy was taken when posted
     with trio.fail_after(BOUND):
         (wc,) = await server.recv_cq.poll_wait(1)
         (swc,) = await client.send_cq.poll_wait(1)
     assert wc.status == swc.status == WCStatus.SUCCESS and swc.wr_id == 5
     assert bytes(dst.buf) == data
-
-
-@pytest.mark.parametrize("as_list", [False, True], ids=["request", "list-of-one"])
-async def test_one_send_in_a_list_takes_the_latency_path(
-    ctx: Any, as_list: bool, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """A list holding one Send is framed by ``frame_send`` and written at once, as the
-    request alone is (the general path would queue a job and frame it in ``produce``)."""
-    client, server = await make_pair(ctx)
-    src = client.reg(b"one of a list")
-    dst = server.reg(64)
-    engine = client.qp.engine
-    framed: list[int] = []
-    original = engine.frame_send
-
-    def frame_send(payload: bytes, *args: Any) -> Any:
-        framed.append(len(payload))
-        return original(payload, *args)
-
-    monkeypatch.setattr(engine, "frame_send", frame_send)
-    server.qp.post_recv(RecvWR(9, [dst.sge(0, 64)]))
-    wr = SendWR(5, WROpcode.SEND, [src.sge()], SIG)
-    client.qp.post_send([wr] if as_list else wr)
-    assert framed == [13] and engine.tx_idle
-    with trio.fail_after(BOUND):
-        (wc,) = await server.recv_cq.poll_wait(1)
-        (swc,) = await client.send_cq.poll_wait(1)
-    assert wc.status == swc.status == WCStatus.SUCCESS and swc.wr_id == 5
-    assert bytes(dst.buf[: wc.byte_len]) == b"one of a list"
 
 
 async def test_a_batch_of_small_sends_without_inline_goes_as_one_run(ctx: Any) -> None:
@@ -373,11 +254,10 @@ async def test_a_batch_of_small_sends_without_inline_goes_as_one_run(ctx: Any) -
     batch = SendBatch([SendWR(i, WROpcode.SEND, [src.sge(i, 64 - i)], SIG) for i in range(8)])
     posted: list[Any] = []
     engine = client.qp.engine
-    real_post, real_took = engine.post_send, engine.took_run
+    real_post = engine.post_send
     engine.post_send = lambda job: (posted.append(job), real_post(job))  # type: ignore[method-assign]
-    engine.took_run = lambda run, n, whole: (posted.append(run), real_took(run, n, whole))  # type: ignore[method-assign]
     client.qp.post_send_batch(batch)
-    assert [type(job) for job in posted] == [SendRun]  # queued, or written at once
+    assert [type(job) for job in posted] == [SendRun]
     got: list[Any] = []
     with trio.fail_after(BOUND):
         while len(got) < 8:
@@ -394,7 +274,6 @@ async def test_a_send_without_inline_past_the_copy_limit_is_not_copied(ctx: Any)
     src, dst = client.reg(size), server.reg(size)
     server.qp.post_recv(RecvWR(9, [dst.sge(0, size)]))
     wr = SendWR(5, WROpcode.SEND, [src.sge(0, size)], SIG)
-    assert not client.qp._send_now(wr)
     assert not _SendTemplate(wr).copied
     server.qp.post_recv(RecvWR(10, [dst.sge(0, size)]))
     client.qp.post_send([wr, wr])
@@ -414,7 +293,6 @@ async def test_a_copied_send_from_another_pd_fails_as_the_general_path_says(
     dst = server.reg(64)
     server.qp.post_recv(RecvWR(9, [dst.sge(0, 64)]))
     wr = SendWR(5, WROpcode.SEND, [other.sge(0, 8)], SIG)
-    assert not client.qp._send_now(wr)
     if post == "batch":  # the batch's plan sees the PD differ and leaves it to the general path
         client.qp.post_send_batch(SendBatch([wr, wr]))
     else:
@@ -448,3 +326,44 @@ async def test_one_receive_meets_the_refusals_of_a_list(ctx: Any) -> None:
     with pytest.raises(VerbsError) as info:
         srq_server.qp.post_recv(RecvWR(6, [buf.sge(0, 32)]))
     assert info.value.errno == errno.EINVAL
+
+
+@pytest.mark.parametrize("post", ["one", "list-of-one", "list", "batch", "write-and-send"])
+async def test_every_byte_on_the_wire_comes_from_produce(
+    ctx: Any, post: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No route around the engine: what the peer's socket receives is byte for byte
+    what ``produce()`` returned, and it was produced inside ``post_send``."""
+    pd, _, qp, peer = await _qp_to_mute_peer(ctx, 64)
+    engine = qp.engine
+    produced = bytearray()
+    real_produce = engine.produce
+
+    def produce(*args: Any) -> Any:
+        out = real_produce(*args)
+        produced.extend(b"".join(bytes(c) for c in out))
+        return out
+
+    monkeypatch.setattr(engine, "produce", produce)
+    src = pd.reg_mr(bytearray(b"0123456789abcdef" * 4), Access.LOCAL_WRITE)
+    send = SendWR(1, WROpcode.SEND, [src.sge(0, 16)], INLINE | SIG)
+    copied = SendWR(2, WROpcode.SEND, [src.sge(16, 16)], SIG)
+    write = SendWR(3, WROpcode.RDMA_WRITE, [src.sge(0, 64)], SIG, 0x1000, 0x55)
+    if post == "one":
+        qp.post_send(send)
+    elif post == "list-of-one":
+        qp.post_send([send])
+    elif post == "list":
+        qp.post_send([send, copied, send])
+    elif post == "batch":
+        qp.post_send_batch(SendBatch([send, copied]))
+    else:
+        qp.post_send([write, send])
+    assert produced and not qp._link._pending  # framed by the engine, written in the call
+    received = bytearray()
+    with trio.fail_after(BOUND):
+        while len(received) < len(produced):
+            received += await peer.receive_some(65536)
+    assert received == produced
+    qp.close()
+    await peer.aclose()

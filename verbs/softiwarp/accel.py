@@ -163,45 +163,25 @@ class CKernels:
         return handle
 
     def send_plan(
-        self, regions: Sequence[Region], starts: Sequence[int], lens: array[int], ctrls: bytes,
-        invs: array[int],
-    ) -> object:  # fmt: skip
+        self, regions: Sequence[Region], starts: Sequence[int], lens: array[int]
+    ) -> object:
         """See :class:`Kernels`: a pointer to each piece (into the regions' handles,
-        which live as long as the regions stay registered) and the other arrays as C
-        sees them, converted once."""
-        if not len(starts) == len(lens) == len(ctrls) == len(invs):
-            raise ValueError("send_plan: starts, lens, ctrls and invs differ in length")
+        which live as long as the regions stay registered) and the lengths as C sees
+        them, converted once."""
+        if not len(regions) == len(starts) == len(lens):
+            raise ValueError("send_plan: regions, starts and lens differ in length")
         handle: Callable[[Region], Any] = self.handle
         pointers = ffi.new(
             "uint8_t *[]", [handle(r) + a for r, a in zip(regions, starts, strict=True)]
         )
         # (each cdata keeps its array alive)
-        n = len(lens)
-        total = sum(lens)
-        return (
-            pointers, _u32(lens), n, total, _bytes(ctrls), _u32(invs),
-            total + n * _FRAME_OVERHEAD,
-        )  # fmt: skip
+        return pointers, _u32(lens), len(lens), sum(lens)
 
     def gather(self, plan: object) -> Buffer:
         """See :class:`Kernels`."""
-        pointers, sizes, n, total = cast("tuple[Any, Any, int, int]", plan)[:4]
+        pointers, sizes, n, total = cast("tuple[Any, Any, int, int]", plan)
         out = bytearray(total)
         lib.rs_gather(ffi.from_buffer("uint8_t[]", out), pointers, sizes, n)
-        return out
-
-    def frame_plan(self, plan: object, msn: int, crc: bool) -> Buffer:
-        """See :class:`Kernels`."""
-        pointers, sizes, n, _, ctrls, invs, most = cast(
-            "tuple[Any, Any, int, int, Any, Any, int]", plan
-        )
-        out = bytearray(most)
-        written = lib.rs_frame_gather(
-            ffi.from_buffer("uint8_t[]", out), most, pointers, sizes, ctrls, invs, n, msn, crc
-        )
-        if written < 0:
-            raise ValueError("frame_plan: a message is not a one-FPDU Send")
-        del out[written:]
         return out
 
     def frame_tagged(

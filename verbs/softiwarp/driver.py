@@ -17,9 +17,8 @@ task, when a Read Request asks for a response) calls it directly: it gathers
 the FPDUs the engine produces (headers, memory slices, CRC trailers) into
 ``writev`` calls until the engine has nothing more or the socket is full. Only
 then does a transmit task wait for writability and continue. So a small Send
-leaves inside ``post_send``, with no task switch; when nothing is queued, one
-inline Send is framed and written by :meth:`Link.write_now` (one ``write``),
-without the engine's queues.
+leaves inside ``post_send``, with no task switch. Every byte written is one the
+engine returned from ``produce()``: there is no other way to the socket.
 """
 
 from __future__ import annotations
@@ -95,38 +94,6 @@ class Link:
         """New work was posted or arrived: send what can be sent now."""
         if not self._pending:
             self.flush()
-
-    @property
-    def tx_idle(self) -> bool:
-        """Whether nothing waits to be written: bytes written now go out next."""
-        return not self._pending
-
-    def writev_now(self, frames: list[Chunk]) -> int:
-        """:meth:`write_now` of several buffers, with one ``writev``."""
-        try:
-            n = os.writev(self._fd, frames[:_IOV_MAX])
-        except BlockingIOError:
-            n = 0
-        rest = _advance(frames, n)
-        if rest:
-            self._pending = rest
-            self._pending_total = n
-            self._tx_wakeup.set()
-        return n
-
-    def write_now(self, frame: Chunk) -> int:
-        """Write ``frame`` at once (only when :attr:`tx_idle`); the bytes written. What did
-        not fit is left for the transmit task, which reports it to the engine with
-        ``sent``. A socket error raises OSError with nothing written."""
-        try:
-            n = os.write(self._fd, frame)
-        except BlockingIOError:
-            n = 0
-        if n < len(frame):
-            self._pending = [memoryview(frame)[n:]]
-            self._pending_total = n
-            self._tx_wakeup.set()
-        return n
 
     def flush(self) -> None:
         """Send until the engine has nothing more or the socket is full (never blocks)."""

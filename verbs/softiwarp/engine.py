@@ -40,7 +40,7 @@ from rdmashim.verbs.softiwarp.kernels import SEND_MIN as _SEND_MIN
 from rdmashim.verbs.softiwarp.kernels import SPAN as _SPAN
 from rdmashim.verbs.softiwarp.kernels import TAGGED_CTRLS as _TAGGED_CTRLS
 from rdmashim.verbs.softiwarp.kernels import TAGGED_MIN as _TAGGED_MIN
-from rdmashim.verbs.softiwarp.kernels import Buffer, Targets, frame_send, send_fpdu
+from rdmashim.verbs.softiwarp.kernels import Targets, send_fpdu
 from rdmashim.verbs.softiwarp.memory import AccessViolation, MemoryTable, Region, Violation
 from rdmashim.verbs.softiwarp.terminate import (
     DDP_CATASTROPHIC,
@@ -72,10 +72,6 @@ RTR_STAG = 1
 STAGING_SIZE = 256 * 1024
 DIRECT_MIN = 16 * 1024
 """Payload left to receive above which bytes go straight into the target region."""
-WRITE_NOW_MAX = 64 * 1024
-"""Largest RDMA Write :meth:`Engine.frame_write` frames for a write from ``post_send``:
-a bulk Write is bound by its copy and TCP, not by the queue's per-job work (1 MiB
-Writes: write-bw 0.962-0.974 of raw TCP written so, 0.970-0.980 queued)."""
 PRODUCE_MAX = 1024 * 1024
 """Bytes of FPDUs one :meth:`Engine.produce` returns at most (one more step of a message
 may pass it). Measured: the compiled tagged framing's buffers of 4 MiB in flight cost
@@ -95,8 +91,6 @@ _FENCE = int(SendFlags.FENCE)
 _SIGNALED = int(SendFlags.SIGNALED)
 _SOLICITED = int(SendFlags.SOLICITED)
 _UNTAGGED = ddp.UNTAGGED
-_CRC_FIELD = ddp.CRC_FIELD
-_NO_CRC = bytes(_CRC_BYTES)
 _LOCAL_WRITE = int(Access.LOCAL_WRITE)
 _REMOTE_WRITE = int(Access.REMOTE_WRITE)
 _DDP_LAST_SEGMENT = ddp.DDP_LAST | ddp.DDP_VERSION
@@ -121,7 +115,6 @@ _UNTAGGED_ULPDU_MIN = _UNTAGGED_HDR_LEN - 2
 """ULPDU length of an untagged segment without payload."""
 _RUN_CTRLS = (_CTRL_SEND_PLAIN, _CTRL_SEND_SE)
 """Control bytes of the Sends a run of the fast path holds."""
-_TAGGED = ddp.TAGGED
 _ZERO_PAD = ddp.ZERO_PAD
 _CTRL_SEND = {
     (False, False): Opcode.SEND,
@@ -131,11 +124,9 @@ _CTRL_SEND = {
 }
 _SUCCESS = WCStatus.SUCCESS
 _WC_RECV = WCOpcode.RECV
-_WC_SEND = WCOpcode.SEND
 _NO_FLAGS = WCFlags.NONE
 """The fields of a successful completion, looked up once (an Enum member through its
 class costs 50 ns, three of them a third of a completion's making)."""
-_WC_WRITE = WCOpcode.RDMA_WRITE
 _WC_OPCODE = {
     WROpcode.SEND: WCOpcode.SEND,
     WROpcode.SEND_WITH_INV: WCOpcode.SEND,
@@ -538,106 +529,6 @@ class Engine:
         if self._current is not None or self._irq:
             return True
         return bool(self._sq) and self._sq_head_may_start()
-
-    @property
-    def tx_idle(self) -> bool:
-        """Whether nothing is queued, in progress or awaiting its completion on the send
-        side, in RTS: a Send framed by :meth:`frame_send` may go out before anything else."""
-        return (
-            self.state is _RTS
-            and not self._sq
-            and not self._sq_order
-            and self._current is None
-            and not self._irq
-            and not self._control
-            and self._terminate is None
-            and not self._rtr_pending
-        )
-
-    def frame_send(self, payload: Buffer, ctrl: int, invalidate_rkey: int) -> Buffer:
-        """The FPDU of one Send (control byte ``ctrl``) carrying ``payload`` (at most
-        :attr:`small_send_max` bytes) with the next send MSN, when :attr:`tx_idle`.
-
-        The one-message path of ``post_send``: the driver writes it at once and
-        reports with :meth:`took_send`; nothing changes until then (a failed write
-        leaves the Send to the general path)."""
-        return frame_send(payload, ctrl, invalidate_rkey, self.next_send_msn, self.config.crc)
-
-    def took_send(self, wr_id: int, flags: int, payload: bytes, written: int, whole: bool) -> None:
-        """The FPDU :meth:`frame_send` made went to TCP (``whole``), or its first
-        ``written`` bytes did and the driver sends the rest (then reports with
-        :meth:`sent`). Completes the Send as the general path would."""
-        msns = self._tx_msn
-        msns[_QN_SEND] = (msns[_QN_SEND] + 1) & U32_MAX
-        if whole:
-            self.bytes_sent += written
-            if self.sq_sig_all or flags & _SIGNALED:
-                self.on_send_wc(WC(wr_id, _SUCCESS, _WC_SEND, 0, self.qp_num))
-            return
-        self._taken_in_part(SendJob(wr_id, WROpcode.SEND, flags, (), payload, len(payload)))
-
-    def frame_run(self, run: SendRun) -> Buffer:
-        """The FPDUs of ``run`` with the next send MSNs, when :attr:`tx_idle`: what
-        :meth:`produce` would make of it at the head of the queue. The driver writes
-        them at once and reports with :meth:`took_run`; nothing changes until then."""
-        chunks = run.chunks
-        data = chunks[0] if len(chunks) == 1 else b"".join(chunks)
-        return self._kernels.frame_sends(
-            data, run.lens, run.ctrls, run.invs, self.next_send_msn, self.config.crc
-        )
-
-    @property
-    def next_send_msn(self) -> int:
-        """The MSN the next Send carries (on the wire: counted from 1, modulo 2**32)."""
-        return (self._tx_msn[_QN_SEND] + 1) & U32_MAX
-
-    def took_run(self, run: SendRun, written: int, whole: bool) -> None:
-        """What :meth:`took_send` is to one Send, for the FPDUs :meth:`frame_run` made."""
-        msns = self._tx_msn
-        msns[_QN_SEND] = (msns[_QN_SEND] + len(run)) & U32_MAX
-        if whole:
-            self.bytes_sent += written
-            self._complete_send(run, WCStatus.SUCCESS)
-            return
-        self._run_extra += len(run) - 1
-        self._taken_in_part(run)
-
-    def frame_write(self, job: SendJob) -> tuple[list[Chunk], int] | None:
-        """The FPDUs of an RDMA Write of at most :data:`WRITE_NOW_MAX` bytes and their size,
-        when :attr:`tx_idle`: what :meth:`produce` would make of it at the head of the
-        queue. The driver writes them at once (with the Sends posted after it, framed
-        by :meth:`frame_run`) and reports with :meth:`took_write`; nothing changes
-        until then. None when the general path must take it: its fields do not fit
-        the wire or its local memory does not resolve (that path reports the error)."""
-        if job.length > WRITE_NOW_MAX:
-            return None
-        try:
-            _check_wire_fields(job)
-            segments = self._local_segments(job)
-        except AccessViolation:
-            return None
-        # Framed here, not by a step of _tagged_fpdus: its generator cost 2 us more a post
-        # (a 4 KiB Write and a Send: 17.8-18.0 us against 15.7-16.2).
-        src = segments[0] if len(segments) == 1 else b"".join(segments)
-        fpdus = self._kernels.frame_tagged(
-            src, _CTRL_WRITE, job.rkey, job.remote_addr, self._tagged_max, True, self.config.crc
-        )
-        return fpdus, sum(map(len, fpdus))
-
-    def took_write(self, job: SendJob, written: int, whole: bool) -> None:
-        """What :meth:`took_send` is to one Send, for the FPDUs :meth:`frame_write` made
-        (a run written with them reports next, with :meth:`took_run`)."""
-        if whole:
-            self.bytes_sent += written
-            if self.sq_sig_all or job.flags & _SIGNALED:
-                self.on_send_wc(WC(job.wr_id, _SUCCESS, _WC_WRITE, 0, self.qp_num))
-            return
-        self._taken_in_part(job)
-
-    def _taken_in_part(self, job: SendJob | SendRun) -> None:
-        """A job the driver took partly written: it completes when the rest is sent."""
-        self._sq_order.append(job)
-        self._burst_done.append(job)
 
     def _sq_head_may_start(self) -> bool:
         head = self._sq[0]

@@ -135,25 +135,17 @@ class Kernels(Protocol):
         ...
 
     def send_plan(
-        self, regions: Sequence[Region], starts: Sequence[int], lens: array[int], ctrls: bytes,
-        invs: array[int],
-    ) -> object:  # fmt: skip
-        """A run of one-FPDU Sends worked out once, for :meth:`gather` and
-        :meth:`frame_plan`: message ``i`` carries the ``lens[i]`` bytes at
-        ``starts[i]`` of ``regions[i]``'s memory, RDMAP control byte ``ctrls[i]`` and
-        invalidate STag ``invs[i]``. The caller checked that each piece lies inside
-        its region and keeps the arrays unchanged; the plan holds while every region
-        stays registered."""
+        self, regions: Sequence[Region], starts: Sequence[int], lens: array[int]
+    ) -> object:
+        """The data of a run of Sends worked out once, for :meth:`gather`: message ``i``
+        carries the ``lens[i]`` bytes at ``starts[i]`` of ``regions[i]``'s memory. The
+        caller checked that each piece lies inside its region and keeps the arrays
+        unchanged; the plan holds while every region stays registered."""
         ...
 
     def gather(self, plan: object) -> Buffer:
         """A copy of the pieces ``plan`` (from :meth:`send_plan`) names, joined; only
         while the plan's regions are registered."""
-        ...
-
-    def frame_plan(self, plan: object, msn: int, crc: bool) -> Buffer:
-        """:meth:`frame_sends` of the messages ``plan`` (from :meth:`send_plan`) names,
-        their payloads read from the regions now, MSNs from ``msn`` on."""
         ...
 
     def frame_tagged(
@@ -290,23 +282,16 @@ class PyKernels:
         return region.view
 
     def send_plan(
-        self, regions: Sequence[Region], starts: Sequence[int], lens: array[int], ctrls: bytes,
-        invs: array[int],
-    ) -> object:  # fmt: skip
-        """See :class:`Kernels`: the regions' views, the slices to take of them, and the
-        framing fields."""
+        self, regions: Sequence[Region], starts: Sequence[int], lens: array[int]
+    ) -> object:
+        """See :class:`Kernels`: the regions' views and the slices to take of them."""
         slices = [slice(a, a + n) for a, n in zip(starts, lens, strict=True)]
-        return [r.view for r in regions], slices, lens, ctrls, invs
+        return [r.view for r in regions], slices
 
     def gather(self, plan: object) -> Buffer:
         """See :class:`Kernels`."""
-        views, slices = cast(tuple[list[Any], list[slice]], plan)[:2]
+        views, slices = cast(tuple[list[Any], list[slice]], plan)
         return b"".join(map(getitem, views, slices))
-
-    def frame_plan(self, plan: object, msn: int, crc: bool) -> Buffer:
-        """See :class:`Kernels`."""
-        _, _, lens, ctrls, invs = cast(tuple[Any, Any, Any, bytes, Any], plan)
-        return self.frame_sends(self.gather(plan), lens, ctrls, invs, msn, crc)
 
     def frame_tagged(
         self, src: Buffer, ctrl: int, stag: int, to: int, chunk: int, last: bool, crc: bool

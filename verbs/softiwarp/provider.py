@@ -54,7 +54,6 @@ from rdmashim.verbs.errors import (
 from rdmashim.verbs.events import AsyncEvent, AsyncEventType
 from rdmashim.verbs.softiwarp import fastpath
 from rdmashim.verbs.softiwarp.engine import (
-    Chunk,
     Engine,
     EngineConfig,
     EngineState,
@@ -1079,15 +1078,8 @@ _SIGNALED = int(SendFlags.SIGNALED)
 _WR_ID = attrgetter("wr_id")
 # Enum members bound once: an attribute lookup on an enum class costs per work request.
 _RDMA_READ = WROpcode.RDMA_READ
-_RDMA_WRITE = WROpcode.RDMA_WRITE
 _SEND_INV = WROpcode.SEND_WITH_INV
 _FENCE = int(SendFlags.FENCE)
-_NOT_NOW_FLAGS = ~int(SendFlags.SIGNALED | SendFlags.SOLICITED | SendFlags.INLINE)
-"""Flags a Send written from ``post_send`` at once lacks: FENCE, and what no SendFlags is."""
-_SOLICITED = int(SendFlags.SOLICITED)
-_SEND = WROpcode.SEND
-_CTRL_SEND = SendRun.ctrl(0, False)
-_CTRL_SE = SendRun.ctrl(_SOLICITED, False)
 _RUN_BYTES = 256 * 1024
 """A :class:`SendRun` takes no more entries once its FPDUs reach this many bytes."""
 _RTS = QPState.RTS
@@ -1269,10 +1261,8 @@ class _RunPlan:
         regions: list[Region] = [s.region for s in sources]  # type: ignore[misc]
         self.lens = array("I", [s.length for s in sources])
         self.kernels = kernels = fastpath.kernels()
-        self.data = kernels.send_plan(
-            regions, [s.offset for s in sources], self.lens, self.ctrls, self.invs
-        )
-        """What the kernels copy and frame the entries' data by."""
+        self.data = kernels.send_plan(regions, [s.offset for s in sources], self.lens)
+        """What the kernels copy the entries' data by."""
         self.regions = list({id(r): r for r in regions}.values())
         """The regions the data come from (each still registered, or the plan is void)."""
         self.longest = max(self.lens)
@@ -1308,20 +1298,14 @@ class _RunPlan:
             return False  # copied entries of two PDs: a QP has one, the general path reports
         return True if found else None
 
-    def run(self, wrs: Sequence[SendWR], data: Chunk | None = None) -> SendRun:
-        """The run of ``wrs`` (the entries the plan was made of), their data copied now
-        (or ``data``, what stands for it: the FPDUs :meth:`frame` made of them)."""
+    def run(self, wrs: Sequence[SendWR]) -> SendRun:
+        """The run of ``wrs`` (the entries the plan was made of), their data copied now."""
         ids = self.ids
         if ids is None:  # a batch's entries change only through it, which voids the plan
             wr_ids = list(map(_WR_ID, wrs))
             ids = self.ids = (wr_ids, [wr_ids[i] for i in self.signaled])
-        if data is None:
-            data = self.kernels.gather(self.data)
+        data = self.kernels.gather(self.data)
         return SendRun.of(data, self.lens, self.ctrls, self.invs, *ids, self.size)
-
-    def frame(self, msn: int, crc: bool) -> Chunk:
-        """The entries' FPDUs, MSNs from ``msn`` on, their data read now."""
-        return self.kernels.frame_plan(self.data, msn, crc)
 
 
 class _SendTemplates(list[_SendTemplate]):
@@ -1486,14 +1470,8 @@ class QP(QPBase):
     ) -> None:
         super().__init__(pd, send_cq, recv_cq, cap, srq, sq_sig_all)
         self._rq: deque[RecvJob] = deque()
-        self._now_src: _InlineSGE | None = None
-        """The SGE :meth:`_send_now` last sent from, with its region."""
         self._templates: dict[int, _SendTemplate] = {}
         """By the id of the request posted: its template (:meth:`_template`)."""
-        self._now_max = -1
-        """The most bytes :meth:`_send_now` sends (set when connected; -1: none)."""
-        self._copy_max = -1
-        """The most bytes :meth:`_send_now` sends without INLINE (-1: none)."""
         self.engine: Engine = Engine(
             qp_num=self.qp_num,
             pd=pd,
@@ -1526,14 +1504,8 @@ class QP(QPBase):
         come back as completions.
         """
         self._check_open("post_send")
-        if wr.__class__ is not SendWR:
-            wrs = _as_list(wr)
-            if len(wrs) != 1 or wrs[0].__class__ is not SendWR:
-                self._post_sends(wrs, list(map(self._template, wrs)))
-                return
-            wr = wrs[0]  # a list of one is that request: the latency path too
-        if not self._send_now(wr):
-            self._post_sends((wr,), (self._template(wr),))
+        wrs = (wr,) if wr.__class__ is SendWR else _as_list(wr)
+        self._post_sends(wrs, list(map(self._template, wrs)))
 
     def _template(self, w: SendWR) -> _SendTemplate:
         """The template of ``w``: one made when this object was posted before, while the
@@ -1562,56 +1534,6 @@ class QP(QPBase):
                 kept.clear()
             kept[id(w)] = new
         return new
-
-    def _send_now(self, wr: SendWR) -> bool:
-        """Frame and write one inline (or copied: :data:`COPY_SEND_MAX`) Send of
-        registered memory at once when nothing is queued before it (the latency path:
-        one ``write``, no queue, no task switch); False (nothing done) when it is
-        anything else or the send side is busy.
-
-        Only a request every check of :meth:`_post_sends` passes comes here: a plain
-        Send without FENCE, one SGE inside a region (of the QP's PD without INLINE),
-        fitting one FPDU and the wire's fields."""
-        link = self._link
-        flags = int(wr.send_flags)
-        sges = wr.sg_list
-        if (
-            link is None
-            or wr.opcode is not _SEND
-            or flags & _NOT_NOW_FLAGS  # FENCE, or bits that are no SendFlags
-            or not 0 <= wr.wr_id <= _U64
-            or len(sges) != 1
-            or self._state is not _RTS
-            or not link.tx_idle
-        ):
-            return False
-        engine = self.engine
-        sge = sges[0]
-        if type(sge) is not SGE:
-            return False
-        length = sge.length
-        inv = wr.invalidate_rkey
-        if (
-            not 0 <= length <= (self._now_max if flags & _INLINE else self._copy_max)
-            or not engine.tx_idle
-            or not (0 <= wr.rkey <= _U32 and 0 <= inv <= _U32)
-            or not 0 <= wr.remote_addr <= _U64 + 1 - length
-        ):
-            return False
-        src = self._now_src
-        if src is None or src.sge is not sge:
-            src = self._now_src = _InlineSGE(sge)
-        payload = src.read(self.context.memory, None if flags & _INLINE else self.pd)
-        if payload is None:
-            return False
-        # (A plain Send: the header's Invalidate STag field is reserved, zero.)
-        frame = engine.frame_send(payload, _CTRL_SE if flags & _SOLICITED else _CTRL_SEND, 0)
-        try:
-            n = link.write_now(frame)
-        except OSError:
-            return False  # the general path meets the error again and flushes the Send
-        engine.took_send(wr.wr_id, flags, payload, n, n == len(frame))
-        return True
 
     def post_send_batch(
         self, batch: SendBatch, count: int | None = None, *, indices: Sequence[int] | None = None
@@ -1652,33 +1574,8 @@ class QP(QPBase):
             or (plan.pd is not None and plan.pd is not self.pd)
         ):
             return False
-        link = self._link
-        if link is not None and link.tx_idle and engine.tx_idle:
-            frame = plan.frame(engine.next_send_msn, engine.config.crc)
-            if self._write_run(plan.run(wrs, frame), frame):
-                return True
         engine.post_send(plan.run(wrs))
-        if link is not None:
-            link.kick()
-        return True
-
-    def _write_run(self, run: SendRun, frame: Chunk | None = None) -> bool:
-        """Write a run of Sends at once when nothing is queued before it (what
-        :meth:`_send_now` does for one Send: no queue, no completion pass), as
-        ``frame``, its FPDUs, or framed now; False (nothing done) when the send side
-        is busy or the write fails (the general path then meets the error and
-        flushes the run)."""
-        link = self._link
-        engine = self.engine
-        if link is None or not link.tx_idle or not engine.tx_idle:
-            return False
-        if frame is None:
-            frame = engine.frame_run(run)
-        try:
-            n = link.write_now(frame)
-        except OSError:
-            return False
-        engine.took_run(run, n, n == len(frame))
+        self._kick()
         return True
 
     def _post_sends(self, wrs: Sequence[SendWR], templates: Sequence[_SendTemplate]) -> None:
@@ -1701,7 +1598,6 @@ class QP(QPBase):
         fast_max = min(most, max_inline)
         pd = self.pd
         run: SendRun | None = None
-        lead: SendJob | None = None  # a first RDMA Write, written with the run after it
         try:
             # A post of one request makes a plain job: a run of one costs more.
             several = len(templates) > 1
@@ -1766,12 +1662,6 @@ class QP(QPBase):
                             wrs[i].wr_id, t.opcode, t.flags, t.local, inline, length,
                             t.remote_addr, t.rkey, t.invalidate_rkey,
                         )  # fmt: skip
-                        if i == 0 and t.opcode is _RDMA_WRITE:
-                            lead = job  # (RDS's RDMA by cookie: a Write, then its Send)
-                            continue
-                        if lead is not None:
-                            post(lead)
-                            lead = None
                         if run is not None:
                             post(run)
                             run = None
@@ -1779,47 +1669,18 @@ class QP(QPBase):
                         continue
                 if run is None or run.size >= _RUN_BYTES:
                     if run is not None:
-                        if lead is not None:
-                            post(lead)
-                            lead = None
                         post(run)
                     run = SendRun()
                 run.add(wrs[i].wr_id, ctrl, t.flags, inline, t.invalidate_rkey)  # type: ignore[arg-type]
         finally:  # the requests before a refused one are posted: they go out now
-            if lead is None or not self._write_lead(lead, run):
-                if lead is not None:
-                    post(lead)
-                if run is None or not self._write_run(run):
-                    if run is not None:
-                        post(run)
-                    if self._link is not None:
-                        self._link.kick()
+            if run is not None:
+                post(run)
+            self._kick()
 
-    def _write_lead(self, job: SendJob, run: SendRun | None) -> bool:
-        """Write an RDMA Write (and the run of Sends posted after it) at once when nothing
-        is queued before it, as :meth:`_write_run` does a run: one ``writev``, no
-        queue, no completion pass; False (nothing done) when the send side is busy, the
-        engine leaves the Write to the general path or the write fails."""
-        link = self._link
-        engine = self.engine
-        if link is None or not link.tx_idle or not engine.tx_idle:
-            return False
-        framed = engine.frame_write(job)
-        if framed is None:
-            return False
-        frames, size = framed
-        if run is not None:
-            last = engine.frame_run(run)
-            frames.append(last)
-            size += len(last)
-        try:
-            n = link.writev_now(frames)
-        except OSError:
-            return False
-        engine.took_write(job, n, n == size)
-        if run is not None:
-            engine.took_run(run, 0, n == size)
-        return True
+    def _kick(self) -> None:
+        """Work was posted: the driver writes what the engine frames of it now."""
+        if self._link is not None:
+            self._link.kick()
 
     def post_recv(self, wr: RecvWR | Iterable[RecvWR]) -> None:
         """Post one receive work request or a list of them (never blocks)."""
@@ -1875,10 +1736,6 @@ class QP(QPBase):
 
     def _attach(self, link: Link) -> None:
         self._link = link
-        cap = self.cap
-        room = cap.max_send_wr >= 1 and cap.max_send_sge >= 1
-        self._now_max = min(self.engine.small_send_max, cap.max_inline_data) if room else -1
-        self._copy_max = min(self.engine.small_send_max, COPY_SEND_MAX) if room else -1
         link.after_receive = self.context._after_receive
         self._state = QPState.RTS if self.engine.state is EngineState.RTS else self._state
 
