@@ -482,3 +482,35 @@ def test_a_cq_overrun_fails_the_qp_after_the_call_and_keeps_the_queues_whole(cqe
         scq.close()
         rcq.close()
         memory.close()
+
+
+def test_a_post_at_indices_checks_every_index_before_it_posts() -> None:
+    """``rs_qp_post_recv_at`` and ``rs_srq_post_at`` read ``table[at[k]]``: one index
+    past the table posts nothing (``RS_BAD_INDEX``; the provider refuses such a post
+    before C sees it, so this is C's own guard of the memory it reads); good indices
+    post those entries in the order given (a QP in ERROR flushes them in that order)."""
+    ffi, lib = native.ffi, native.lib
+    memory = native.NativeMemory()
+    pd = object()
+    scq, rcq = native.NativeCQ(16), native.NativeCQ(16)
+    qp = native.NativeQP(memory, pd, 9, scq, rcq)
+    srq = lib.rs_srq_new(4)
+    try:
+        table = ffi.new("rs_recv_wr[]", 3)
+        for i in range(3):
+            table[i].wr_id = 100 + i
+        bad = ffi.new("uint32_t[]", [0, 3])
+        assert lib.rs_qp_post_recv_at(qp._ptr, table, 3, bad, 2) == 0xFFFFFFFF
+        assert lib.rs_srq_post_at(srq, table, 3, bad, 2) == 0xFFFFFFFF
+        good = ffi.new("uint32_t[]", [2, 0, 2])
+        assert lib.rs_qp_post_recv_at(qp._ptr, table, 3, good, 3) == 3
+        assert lib.rs_srq_post_at(srq, table, 3, good, 3) == 3
+        assert lib.rs_srq_post_at(srq, table, 3, good, 3) == 1  # (4 fit)
+        lib.rs_qp_set_error(qp._ptr, 5, b"test")
+        assert [wc.wr_id for wc in rcq.poll(16)] == [102, 100, 102]
+    finally:
+        lib.rs_srq_free(srq)
+        qp.close()
+        scq.close()
+        rcq.close()
+        memory.close()

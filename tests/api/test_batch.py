@@ -283,6 +283,21 @@ async def _outcome(cm: Cm, post: str, inline: bool) -> tuple[object, ...]:
     return ("completed", wc.wr_id, wc.status)
 
 
+async def test_an_entry_changed_after_a_post_at_indices_is_posted_as_changed(pair: Pair) -> None:
+    """A receive batch posted at indices, then changed in one entry: the next post at
+    indices takes the new entry (a backend keeping the batch packed packs it again)."""
+    client, server = pair.client, pair.server
+    src = client.reg(b"abcd")
+    rbuf = server.reg(8)
+    recvs = RecvBatch(RecvWR(20 + i, [rbuf.sge(i, 1)]) for i in range(4))
+    server.qp.post_recv_batch(recvs, indices=[2, 0])
+    recvs[0] = RecvWR(30, [rbuf.sge(6, 1)])
+    server.qp.post_recv_batch(recvs, indices=[0, 3])
+    client.qp.post_send([SendWR(i, WROpcode.SEND, [src.sge(i, 1)], SIG) for i in range(4)])
+    assert [w.wr_id for w in ok(await drain(server.recv_cq, 4))] == [22, 20, 30, 23]
+    assert bytes(rbuf.buf) == b"b\0ad\0\0c\0"
+
+
 @pytest.mark.parametrize("inline", [False, True], ids=["sge", "inline"])
 async def test_deregistered_region_between_posts(cm: Cm, inline: bool) -> None:
     batched = await _outcome(cm, "batch", inline)

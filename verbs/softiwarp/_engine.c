@@ -319,6 +319,23 @@ uint32_t rs_cq_poll(rs_cq *cq, rs_wc *out, uint32_t n)
     return k;
 }
 
+uint32_t rs_cq_poll_sum(rs_cq *cq, rs_wc *out, uint32_t n, rs_wc_sum *sum)
+{
+    uint32_t k = rs_cq_poll(cq, out, n);
+    uint32_t odd = 0, opcode = k ? out[0].opcode : 0, qp_num = k ? out[0].qp_num : 0;
+    for (uint32_t i = 0; i < k; i++) {
+        const rs_wc *w = &out[i];
+        odd |= (w->status ? RS_SUM_STATUS : 0) | (w->wc_flags ? RS_SUM_FLAGS : 0) |
+               (w->solicited ? RS_SUM_SOLICITED : 0) | (w->invalidated_rkey ? RS_SUM_INV : 0) |
+               (w->opcode != opcode ? RS_SUM_OPCODES : 0) |
+               (w->qp_num != qp_num ? RS_SUM_QPS : 0) | (w->byte_len ? RS_SUM_LENGTHS : 0);
+    }
+    sum->odd = odd;
+    sum->opcode = opcode;
+    sum->qp_num = qp_num;
+    return k;
+}
+
 uint32_t rs_cq_count(rs_cq *cq) { return cq->count; }
 int rs_cq_overrun(rs_cq *cq) { return cq->overrun; }
 uint64_t rs_cq_pushed(rs_cq *cq) { return cq->pushed; }
@@ -390,9 +407,11 @@ uint32_t rs_srq_post(rs_srq *srq, const rs_recv_wr *wrs, uint32_t n)
 }
 
 /* ------------------------------------------------------------------ the QP */
+#define SMALL_INLINE 128 /* inline bytes kept in the entry itself (no malloc) */
+
 typedef struct {
     rs_send_wr wr;
-    uint8_t *data;       /* the inline copy, or NULL */
+    uint8_t *data;       /* the inline copy (small, or malloc'd), or NULL */
     uint64_t length;     /* payload bytes (a Read: bytes to read) */
     uint64_t done_at;    /* tx_total once its last byte was framed */
     uint32_t msn;        /* a Read's Request MSN */
@@ -400,7 +419,16 @@ typedef struct {
     int framed;          /* its last FPDU was framed (a Read: its Request) */
     int done;
     uint32_t status;
+    uint8_t small[SMALL_INLINE];
 } sq_entry;
+
+/* Let go of an entry's inline copy. */
+static void entry_release(sq_entry *e)
+{
+    if (e->data != e->small)
+        free(e->data);
+    e->data = NULL;
+}
 
 typedef struct {
     uint32_t sink_stag, src_stag;
@@ -466,6 +494,7 @@ struct rs_qp {
     uint8_t *rxbuf;               /* what rs_qp_read_fd reads into (made at the first read) */
     uint64_t rx_total;            /* bytes received ever */
     int overrun;                  /* a completion did not fit its CQ (settle() acts) */
+    uint32_t news;                /* RS_NEWS_* since rs_qp_news last took them */
 };
 
 static void enter_error(rs_qp *qp, uint32_t kind, const char *message, int remote_quoted_read,
@@ -535,7 +564,7 @@ void rs_qp_free(rs_qp *qp)
     if (qp->next_in_mem)
         qp->next_in_mem->prev_in_mem = qp->prev_in_mem;
     for (uint32_t i = 0; i < qp->sq_count; i++)
-        free(qp->sq[(qp->sq_head + i) % qp->sq_cap].data);
+        entry_release(&qp->sq[(qp->sq_head + i) % qp->sq_cap]);
     free(qp->sq);
     free(qp->tx);
     free(qp->rq.ring);
@@ -607,6 +636,7 @@ static void complete(rs_qp *qp, rs_cq *cq, uint64_t wr_id, uint32_t status, uint
                      uint32_t byte_len, uint32_t flags, uint32_t inv, uint32_t solicited)
 {
     rs_wc wc = {wr_id, status, opcode, byte_len, qp->qp_num, flags, inv, solicited};
+    qp->news |= RS_NEWS_CQ;
     /* Not ERROR at once: a completion comes from inside loops over the queues (drain_sq)
      * that entering ERROR would change under them. settle() does it at the end of the
      * call, as the Python engine fails the QPs of an overrun CQ after the event. */
@@ -641,8 +671,7 @@ static void drain_sq(rs_qp *qp)
         if (e->status != RS_WC_SUCCESS || qp->sq_sig_all || (e->wr.flags & RS_SIGNALED))
             complete(qp, qp->scq, e->wr.wr_id, e->status, wc_opcode(e->wr.opcode),
                      e->wr.opcode == RS_WR_RDMA_READ ? (uint32_t)e->length : 0, 0, 0, 0);
-        free(e->data);
-        e->data = NULL;
+        entry_release(e);
         qp->sq_head = (qp->sq_head + 1) % qp->sq_cap;
         qp->sq_count--;
         qp->sq_started--;
@@ -749,6 +778,7 @@ static void enter_error(rs_qp *qp, uint32_t kind, const char *message, int remot
     set_error_info(qp, kind, 0, 0, 0, message);
     qp->rx = RX_DISCARD;
     qp->state = qp->terminate_queued ? RS_QP_TERMINATE : RS_QP_ERROR;
+    qp->news |= RS_NEWS_STATE;
     if (remote_quoted_read) {
         for (uint32_t i = 0; i < qp->orq_count; i++) {
             uint64_t seq = qp->orq_seq[(qp->orq_head + i) % MAX_ORD_IRD];
@@ -787,8 +817,7 @@ static void enter_error(rs_qp *qp, uint32_t kind, const char *message, int remot
         sq_entry *e = &qp->sq[qp->sq_head];
         complete(qp, qp->scq, e->wr.wr_id, RS_WC_WR_FLUSH_ERR, wc_opcode(e->wr.opcode),
                  e->wr.opcode == RS_WR_RDMA_READ ? (uint32_t)e->length : 0, 0, 0, 0);
-        free(e->data);
-        e->data = NULL;
+        entry_release(e);
         qp->sq_head = (qp->sq_head + 1) % qp->sq_cap;
         qp->sq_count--;
         qp->sq_seq0++;
@@ -864,13 +893,17 @@ static uint32_t post_send(rs_qp *qp, const rs_send_wr *wrs, uint32_t n, int *why
             *why = EINVAL;
             return k;
         }
+        /* The next free entry (free even when the queue is full: the ring has one more). */
+        sq_entry *e = &qp->sq[(qp->sq_head + qp->sq_count) % qp->sq_cap];
+        e->data = NULL;
         uint8_t *data = NULL;
         if ((w->flags & RS_INLINE) && w->opcode != RS_WR_RDMA_READ) {
             if (length > RS_MAX_INLINE) {
                 *why = EINVAL;
                 return k;
             }
-            data = malloc(length ? length : 1);
+            data = length <= SMALL_INLINE ? e->small : malloc(length);
+            e->data = data;
             if (!data) {
                 *why = ENOMEM;
                 return k;
@@ -887,7 +920,7 @@ static uint32_t post_send(rs_qp *qp, const rs_send_wr *wrs, uint32_t n, int *why
                 rs_region *r = mem_lookup(qp->mem, s->lkey);
                 if (!r || s->addr < r->iova || s->length > r->length ||
                     s->addr - r->iova > r->length - s->length) {
-                    free(data);
+                    entry_release(e);
                     *why = EINVAL;
                     return k;
                 }
@@ -896,7 +929,7 @@ static uint32_t post_send(rs_qp *qp, const rs_send_wr *wrs, uint32_t n, int *why
             }
         }
         if (qp->state != RS_QP_RTS) {
-            free(data);
+            entry_release(e);
             if (qp->state == RS_QP_IDLE) {
                 *why = ENOTCONN;
                 return k;
@@ -906,15 +939,15 @@ static uint32_t post_send(rs_qp *qp, const rs_send_wr *wrs, uint32_t n, int *why
             continue;
         }
         if (qp->sq_count >= qp->max_send_wr) {
-            free(data);
+            entry_release(e);
             *why = ENOMEM;
             return k;
         }
-        sq_entry *e = &qp->sq[(qp->sq_head + qp->sq_count) % qp->sq_cap];
-        memset(e, 0, sizeof *e);
         e->wr = *w;
-        e->data = data;
         e->length = length;
+        e->done_at = e->received = 0;
+        e->msn = e->status = 0;
+        e->framed = e->done = 0;
         qp->sq_count++;
     }
     return n;
@@ -942,6 +975,38 @@ uint32_t rs_qp_post_recv(rs_qp *qp, const rs_recv_wr *wrs, uint32_t n)
     uint32_t r = post_recv(qp, wrs, n);
     settle(qp);
     return r;
+}
+
+/* Post entries at[0..count) of table[0..n), in order, to qp's receive queue or (qp NULL)
+ * to srq; all of the indices are checked first. */
+static uint32_t post_at(rs_qp *qp, rs_srq *srq, const rs_recv_wr *table, uint32_t n,
+                        const uint32_t *at, uint32_t count)
+{
+    for (uint32_t k = 0; k < count; k++)
+        if (at[k] >= n)
+            return RS_BAD_INDEX;
+    uint32_t k = 0;
+    while (k < count) {
+        const rs_recv_wr *w = &table[at[k]];
+        if ((qp ? post_recv(qp, w, 1) : rs_srq_post(srq, w, 1)) != 1)
+            break;
+        k++;
+    }
+    return k;
+}
+
+uint32_t rs_qp_post_recv_at(rs_qp *qp, const rs_recv_wr *table, uint32_t n, const uint32_t *at,
+                            uint32_t count)
+{
+    uint32_t r = post_at(qp, NULL, table, n, at, count);
+    settle(qp);
+    return r;
+}
+
+uint32_t rs_srq_post_at(rs_srq *srq, const rs_recv_wr *table, uint32_t n, const uint32_t *at,
+                        uint32_t count)
+{
+    return post_at(NULL, srq, table, n, at, count);
 }
 
 /* ------------------------------------------------------------------ transmit */
@@ -1163,8 +1228,10 @@ static void tx_done(rs_qp *qp, size_t n)
         n = have;
     qp->tx_off += n;
     qp->tx_taken += n;
-    if (qp->state == RS_QP_TERMINATE && qp->tx_off == qp->tx_len)
+    if (qp->state == RS_QP_TERMINATE && qp->tx_off == qp->tx_len) {
         qp->state = RS_QP_ERROR;
+        qp->news |= RS_NEWS_STATE;
+    }
     drain_sq(qp);
 }
 
@@ -1188,7 +1255,11 @@ static void read_done(rs_qp *qp)
     drain_sq(qp);
 }
 
-static void rtr_received(rs_qp *qp) { qp->rtr_pending = 0; }
+static void rtr_received(rs_qp *qp)
+{
+    qp->rtr_pending = 0;
+    qp->news |= RS_NEWS_RTR;
+}
 
 static void ddp_violation(rs_qp *qp, int v, const char *what)
 {
@@ -1729,6 +1800,30 @@ int64_t rs_qp_spin_fd(rs_qp *qp, int fd, uint64_t ns)
             return -EAGAIN;
         sched_yield(); /* a peer polling on this CPU takes its turn */
     }
+}
+
+uint32_t rs_qp_news(rs_qp *qp)
+{
+    uint32_t news = qp->news;
+    qp->news = 0;
+    return news;
+}
+
+uint32_t rs_qp_post_send_fd(rs_qp *qp, const rs_send_wr *wrs, uint32_t n, int *why, int fd,
+                            int64_t *wrote)
+{
+    uint32_t taken = post_send(qp, wrs, n, why);
+    settle(qp);
+    *wrote = rs_qp_flush_fd(qp, fd);
+    return taken;
+}
+
+int64_t rs_qp_flush_fd(rs_qp *qp, int fd)
+{
+    int64_t w;
+    while ((w = rs_qp_write_fd(qp, fd)) > 0 || w == -EINTR)
+        ;
+    return w;
 }
 
 int64_t rs_qp_write_fd(rs_qp *qp, int fd)

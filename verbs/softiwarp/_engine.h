@@ -103,6 +103,22 @@ typedef struct {
     uint32_t solicited;
 } rs_wc;
 
+/* What rs_cq_poll_sum found in the completions it took: bits of odd say a column is
+ * not the usual (a status not success, a flag, ...); opcode and qp_num are the first
+ * completion's, the same in all when RS_SUM_OPCODES / RS_SUM_QPS are clear. */
+#define RS_SUM_STATUS 1
+#define RS_SUM_FLAGS 2
+#define RS_SUM_SOLICITED 4
+#define RS_SUM_INV 8
+#define RS_SUM_OPCODES 16
+#define RS_SUM_QPS 32
+#define RS_SUM_LENGTHS 64      /* a byte_len is not 0 */
+typedef struct {
+    uint32_t odd;
+    uint32_t opcode;
+    uint32_t qp_num;
+} rs_wc_sum;
+
 typedef struct {
     uint32_t kind;          /* RS_ERR_* */
     uint32_t layer;         /* the Terminate code sent or received */
@@ -137,11 +153,20 @@ int rs_cq_overrun(rs_cq *cq);
  * a success): a provider compares them with what it saw to know what arrived. */
 uint64_t rs_cq_pushed(rs_cq *cq);
 uint64_t rs_cq_notable(rs_cq *cq);
+/* rs_cq_poll, and what the completions taken have in common (*sum). */
+uint32_t rs_cq_poll_sum(rs_cq *cq, rs_wc *out, uint32_t n, rs_wc_sum *sum);
 
 rs_srq *rs_srq_new(uint32_t max_wr);
 void rs_srq_free(rs_srq *srq);
 /* Post n receives; returns how many were taken (the rest: the queue is full). */
 uint32_t rs_srq_post(rs_srq *srq, const rs_recv_wr *wrs, uint32_t n);
+
+/* What happened in a QP's calls since rs_qp_news last took it (bits). */
+#define RS_NEWS_CQ 1           /* it pushed a completion (to either CQ) */
+#define RS_NEWS_STATE 2        /* it left RTS */
+#define RS_NEWS_RTR 4          /* the peer's RTR arrived */
+/* A post at indices that names an entry outside its table: nothing posted. */
+#define RS_BAD_INDEX 4294967295u
 
 /* A queue pair; srq may be NULL (its own receive queue of max_recv_wr). */
 rs_qp *rs_qp_new(rs_mem *mem, uint64_t pd, uint32_t qp_num, rs_cq *send_cq, rs_cq *recv_cq,
@@ -156,6 +181,18 @@ int rs_qp_start(rs_qp *qp, int crc, uint32_t ird, uint32_t ord, uint32_t max_fpd
  * taken; *why says why the next was not (0: all taken; else an errno). */
 uint32_t rs_qp_post_send(rs_qp *qp, const rs_send_wr *wrs, uint32_t n, int *why);
 uint32_t rs_qp_post_recv(rs_qp *qp, const rs_recv_wr *wrs, uint32_t n);
+/* Post entries at[0..count) of table[0..n) (a prepared batch, posted at indices), in
+ * order; how many were taken, or RS_BAD_INDEX (nothing posted) for an index >= n. */
+uint32_t rs_qp_post_recv_at(rs_qp *qp, const rs_recv_wr *table, uint32_t n, const uint32_t *at,
+                            uint32_t count);
+uint32_t rs_srq_post_at(rs_srq *srq, const rs_recv_wr *table, uint32_t n, const uint32_t *at,
+                        uint32_t count);
+/* rs_qp_post_send, then rs_qp_flush_fd: a post and the way of its bytes to TCP in one
+ * call (*wrote: what rs_qp_flush_fd returned). */
+uint32_t rs_qp_post_send_fd(rs_qp *qp, const rs_send_wr *wrs, uint32_t n, int *why, int fd,
+                            int64_t *wrote);
+/* Take the RS_NEWS_* bits gathered since the last call (a provider syncs when set). */
+uint32_t rs_qp_news(rs_qp *qp);
 /* Received bytes: all of data[0:len] is taken (after an error it is discarded). */
 void rs_qp_rx(rs_qp *qp, const uint8_t *data, size_t len);
 /* The bytes to send now: *len bytes at the returned pointer (NULL, 0 when none);
@@ -169,6 +206,9 @@ void rs_qp_tx_done(rs_qp *qp, size_t n);
  * socket has nothing, or no room). A failed socket moves the QP to ERROR. */
 int64_t rs_qp_read_fd(rs_qp *qp, int fd);
 int64_t rs_qp_write_fd(rs_qp *qp, int fd);
+/* rs_qp_write_fd until C has nothing more to send (0) or the socket is full or failed
+ * (-errno: -EAGAIN, or the error that moved the QP to ERROR). */
+int64_t rs_qp_flush_fd(rs_qp *qp, int fd);
 /* Busy polling: rs_qp_read_fd again and again (yielding the CPU between tries) until it
  * reads something, the connection ends, or ns nanoseconds pass (-EAGAIN then). */
 int64_t rs_qp_spin_fd(rs_qp *qp, int fd, uint64_t ns);

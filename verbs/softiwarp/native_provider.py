@@ -7,13 +7,15 @@ the completions, in C rings. What stays in Python is what a verbs user sees (the
 objects, their checks and errors) and the I/O driver (:class:`~.driver.Link`: trio
 waits for the socket; a CQ waiter reads it in place of the receive task), which
 here asks C to read and write the socket (one call each, ``rs_qp_read_fd`` and
-``rs_qp_write_fd``).
+``rs_qp_flush_fd``). A post on a QP whose socket has room is one call too
+(``rs_qp_post_send_fd``): C takes the requests, frames them and writes the bytes.
 
 After every call into C that may complete work (a post, a read, a write, a
-deregistration), :meth:`NativeQP._sync` compares each CQ's counters of completions
-pushed with what it saw, and wakes, notifies and hands on exactly as the Python
-engine's callbacks do; so CQ waiting, arming, channels and handlers are the
-provider's own (:class:`~.provider.CQ`).
+deregistration), :meth:`NativeQP._sync` takes what C says happened since
+(``rs_qp_news``: completions, a move to ERROR, the peer's RTR) and, for
+completions, compares each CQ's counters with what it saw, and wakes, notifies and
+hands on exactly as the Python engine's callbacks do; so CQ waiting, arming,
+channels and handlers are the provider's own (:class:`~.provider.CQ`).
 """
 
 from __future__ import annotations
@@ -57,6 +59,10 @@ _NONE = WCFlags.NONE
 _FLAGS = {0: _NONE, int(WCFlags.WITH_INV): WCFlags.WITH_INV}
 """The flags a native completion carries (the C side sets none other)."""
 _WC = ffi.sizeof("rs_wc") if ffi is not None else 0
+_NEWS_CQ, _NEWS_STATE, _NEWS_RTR = 1, 2, 4
+_SUM_STATUS, _SUM_FLAGS, _SUM_SOLICITED, _SUM_INV, _SUM_OPCODES, _SUM_QPS, _SUM_LENGTHS = (
+    1, 2, 4, 8, 16, 32, 64
+)  # fmt: skip
 _ONE = range(1)
 SPIN_SLICE = 200e-6
 """Seconds a busy-polling waiter spins in C before the other tasks get a turn."""
@@ -201,21 +207,21 @@ class NativeLink(Link):
 
     def flush(self) -> None:
         """Write what C framed until it has nothing more or the socket is full."""
-        ptr, fd = self._ptr, self._fd
         self._pending = []
-        while True:
-            n = lib.rs_qp_write_fd(ptr, fd)
-            if n > 0:
-                continue
-            if n == _EAGAIN:
-                self._pending = [b""]  # (what the transmit task waits to write)
-                self._tx_wakeup.set()
-            elif n < 0 and n != _EINTR:
-                self._tx_wakeup.set()  # the socket failed: C is in ERROR
-            elif n == 0 and lib.rs_qp_state(ptr) == 3:
-                self._tx_wakeup.set()  # let the transmit task end the connection
-            break
+        n = lib.rs_qp_flush_fd(self._ptr, self._fd)
+        if n:
+            self.stopped_by(n)
+        elif lib.rs_qp_state(self._ptr) == 3:
+            self._tx_wakeup.set()  # let the transmit task end the connection
         self._sync()
+
+    def stopped_by(self, n: int) -> None:
+        """A write into the socket ended with ``-errno`` ``n``: the socket is full
+        (``-EAGAIN``: the transmit task waits for room and goes on) or failed (C is in
+        ERROR: the transmit task ends the connection)."""
+        if n == _EAGAIN:
+            self._pending = [b""]  # (what the transmit task waits to write)
+        self._tx_wakeup.set()
 
     def _read(self) -> bool | None:
         """Read once into C; whether the socket is (probably) empty now, None at its end."""
@@ -311,7 +317,7 @@ class NativeCQ(CQ):
         rows = wcs.native
         if rows is None or not isinstance(rows, _Rows) or len(rows) < len(wcs):
             rows = wcs.native = _Rows(len(wcs))
-        got = lib.rs_cq_poll(self._ptr, rows.c, n)
+        got = lib.rs_cq_poll_sum(self._ptr, rows.c, n, rows.sum)
         self._count = lib.rs_cq_count(self._ptr)
         rows.decode_into(wcs, got)
         return int(got)
@@ -324,33 +330,61 @@ class NativeCQ(CQ):
 
 
 class _Rows:
-    """A ``WCArray``'s scratch for the native engine: ``rs_wc[n]`` and its columns."""
+    """A ``WCArray``'s scratch for the native engine: ``rs_wc[n]``, what C found the
+    completions of a poll to have in common (``rs_wc_sum``), and the columns."""
 
     def __init__(self, n: int) -> None:
         self.c = ffi.new("rs_wc[]", n)
+        self.sum = ffi.new("rs_wc_sum *")
         raw = ffi.buffer(self.c)
         self.u32 = memoryview(raw).cast("I")
         self.u64 = memoryview(raw).cast("Q")
         self.n = n
+        self._same: dict[tuple[type, object, int], list[Any]] = {}
 
     def __len__(self) -> int:
         return self.n
 
-    def decode_into(self, wcs: WCArray, n: int) -> None:
+    def _column(self, k: int, n: int) -> list[int]:
         step = _WC // 4
-        u32 = self.u32
+        return self.u32[k : k + step * n : step].tolist()
+
+    def same(self, value: object, n: int) -> list[Any]:
+        """``[value] * n``, made once (a column all of whose entries are alike)."""
+        key = (type(value), value, n)  # (0, False and WCStatus.SUCCESS are equal)
+        found = self._same.get(key)
+        if found is None:
+            if len(self._same) > 64:
+                self._same.clear()
+            found = self._same[key] = [value] * n
+        return found
+
+    def decode_into(self, wcs: WCArray, n: int) -> None:
+        """Store the first ``n`` rows in ``wcs``'s columns; a column C found alike in
+        all of them (the usual: success, no flags, one opcode, one QP) is stored
+        whole, not converted entry by entry."""
+        odd, same = self.sum.odd, self.same
         wcs.wr_id[0:n] = self.u64[0 : n * (_WC // 8) : _WC // 8].tolist()
-        status = u32[2 : 2 + step * n : step].tolist()
-        opcode = u32[3 : 3 + step * n : step].tolist()
-        wcs.status[0:n] = [_STATUSES[s] for s in status] if any(status) else [_SUCCESS] * n
-        wcs.opcode[0:n] = list(map(_OPCODES.__getitem__, opcode))
-        wcs.byte_len[0:n] = u32[4 : 4 + step * n : step].tolist()
-        wcs.qp_num[0:n] = u32[5 : 5 + step * n : step].tolist()
-        flags = u32[6 : 6 + step * n : step].tolist()
-        wcs.wc_flags[0:n] = list(map(_FLAGS.__getitem__, flags)) if any(flags) else [_NONE] * n
-        wcs.invalidated_rkey[0:n] = u32[7 : 7 + step * n : step].tolist()
-        wcs.solicited[0:n] = [bool(s) for s in u32[8 : 8 + step * n : step].tolist()]
-        zeros = [0] * n
+        if odd & _SUM_STATUS:
+            wcs.status[0:n] = list(map(_STATUSES.__getitem__, self._column(2, n)))
+        else:
+            wcs.status[0:n] = same(_SUCCESS, n)
+        if odd & _SUM_OPCODES:
+            wcs.opcode[0:n] = list(map(_OPCODES.__getitem__, self._column(3, n)))
+        else:
+            wcs.opcode[0:n] = same(_OPCODES[self.sum.opcode], n)
+        wcs.byte_len[0:n] = self._column(4, n) if odd & _SUM_LENGTHS else same(0, n)
+        wcs.qp_num[0:n] = self._column(5, n) if odd & _SUM_QPS else same(self.sum.qp_num, n)
+        if odd & _SUM_FLAGS:
+            wcs.wc_flags[0:n] = list(map(_FLAGS.__getitem__, self._column(6, n)))
+        else:
+            wcs.wc_flags[0:n] = same(_NONE, n)
+        wcs.invalidated_rkey[0:n] = self._column(7, n) if odd & _SUM_INV else same(0, n)
+        if odd & _SUM_SOLICITED:
+            wcs.solicited[0:n] = list(map(bool, self._column(8, n)))
+        else:
+            wcs.solicited[0:n] = same(False, n)
+        zeros = same(0, n)
         wcs.vendor_err[0:n] = zeros
         wcs.imm_data[0:n] = zeros
         wcs.src_qp[0:n] = zeros
@@ -365,8 +399,10 @@ class NativeSRQ(SRQ):
         if self._ptr == ffi.NULL:
             raise VerbsError(errno.ENOMEM, "create_srq", f"max_wr={max_wr}")
 
-    def _submit(self, array: Any, n: int) -> int:
-        return int(lib.rs_srq_post(self._ptr, array, n))
+    def _submit(self, table: Any, n: int, at: Any) -> int:
+        if at is None:
+            return int(lib.rs_srq_post(self._ptr, table, n))
+        return int(lib.rs_srq_post_at(self._ptr, table, len(table), at, n))
 
     def _post(self, plan: RecvPlan, entries: Sequence[int]) -> None:
         memory = self.pd.context.memory
@@ -421,6 +457,8 @@ class NativeQP(QPBase):
         self._fatal_seen = False
         self._awaiting_rtr = False
         self._cqs = (send_cq,) if send_cq is recv_cq else (send_cq, recv_cq)
+        self._wrote = ffi.new("int64_t *")
+        """Where ``rs_qp_post_send_fd`` says how its writes ended."""
         self._send_plans = PlanCache(SendPlan)
         self._recv_plans = PlanCache(RecvPlan)
         self.context._native_qps.add(self)  # type: ignore[attr-defined]
@@ -428,12 +466,16 @@ class NativeQP(QPBase):
     # ---------------------------------------------------------------- the C side's news
     def _sync(self) -> None:
         """After a call into C: hand on new completions, RTR, and a move to ERROR."""
-        for cq in self._cqs:
-            cq._sync()
-        if self._awaiting_rtr and not lib.rs_qp_rtr_pending(self._ptr):
+        news = lib.rs_qp_news(self._ptr)
+        if not news:
+            return
+        if news & _NEWS_CQ:
+            for cq in self._cqs:
+                cq._sync()
+        if news & _NEWS_RTR and self._awaiting_rtr and not lib.rs_qp_rtr_pending(self._ptr):
             self._awaiting_rtr = False
             self.engine.on_ready()
-        if not self._fatal_seen and lib.rs_qp_state(self._ptr) >= 2:
+        if news & _NEWS_STATE and not self._fatal_seen and lib.rs_qp_state(self._ptr) >= 2:
             self._fatal_seen = True
             engine = self.engine
             if engine.error is None:
@@ -446,11 +488,21 @@ class NativeQP(QPBase):
 
     # ---------------------------------------------------------------- posting
     def _submit_send(self, array: Any, n: int) -> int:
-        why = self.engine.core._why
-        return int(lib.rs_qp_post_send(self._ptr, array, n, why))
+        """Give C ``n`` packed requests; when the socket has room, C writes their
+        bytes in the same call. How many C took."""
+        why, link = self.engine.core._why, self._link
+        if link is None or link._pending:  # not connected, or the transmit task waits
+            return int(lib.rs_qp_post_send(self._ptr, array, n, why))
+        wrote = self._wrote
+        taken = lib.rs_qp_post_send_fd(self._ptr, array, n, why, link._fd, wrote)
+        if wrote[0]:
+            link.stopped_by(wrote[0])
+        return int(taken)
 
-    def _submit_recv(self, array: Any, n: int) -> int:
-        return int(lib.rs_qp_post_recv(self._ptr, array, n))
+    def _submit_recv(self, table: Any, n: int, at: Any) -> int:
+        if at is None:
+            return int(lib.rs_qp_post_recv(self._ptr, table, n))
+        return int(lib.rs_qp_post_recv_at(self._ptr, table, len(table), at, n))
 
     def _post_sends(self, wrs: Sequence[SendWR], plan: SendPlan, entries: Sequence[int]) -> None:
         state = self._state
@@ -467,11 +519,7 @@ class NativeQP(QPBase):
             wrs, entries, room, cap.max_send_wr, cap.max_send_sge, cap.max_inline_data,
             memory, lib.rs_mem_epoch(self._mem), self._submit_send,
         )  # fmt: skip
-        link = self._link
-        if link is not None and not link._pending:
-            link.flush()  # (it syncs)
-        else:
-            self._sync()
+        self._sync()
         if refused is not None:
             raise refused
 

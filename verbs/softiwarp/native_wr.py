@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import errno
 import struct
+from array import array
 from collections.abc import Callable, Sequence
 from typing import Any, Generic, TypeVar
 
@@ -309,6 +310,12 @@ class RecvPlan(_Plan):
         self.data: list[bytes] = [b""] * n
         self.sges: list[tuple[SGE, ...]] = [()] * n
         self.refused: dict[int, str] = {}
+        self._table: Any = None
+        """Every entry packed in one C array (posts at indices take from it)."""
+
+    def _changed(self) -> None:
+        super()._changed()
+        self._table = None
 
     def set(self, i: int, wr: RecvWR) -> None:
         """Pack entry ``i`` from ``wr``."""
@@ -337,26 +344,39 @@ class RecvPlan(_Plan):
 
     def post(
         self, operation: str, entries: Sequence[int], max_sge: int, name: str, max_wr: int,
-        memory: MemoryTable, epoch: int, submit: Callable[[Any, int], int],
+        memory: MemoryTable, epoch: int, submit: Callable[[Any, int, Any], int],
     ) -> VerbsError | None:  # fmt: skip
-        """Post ``entries`` through ``submit(array, n)`` (how many C took: the rest found
-        the queue full); the error of the first refused, if any. The fast path as
-        :meth:`SendPlan.post`'s."""
+        """Post ``entries`` through ``submit(table, n, at)``: the first ``n`` entries of
+        the C array ``table`` when ``at`` is None, else its entries at the ``n`` indices
+        of ``at`` (``uint32_t[]``); it returns how many C took (the rest found the queue
+        full). The error of the first refused, if any. The fast path as
+        :meth:`SendPlan.post`'s; entries that are not the batch's first ``n`` go to C as
+        indices into the whole batch, packed once."""
         summary = self._summary or self._summarize()
+        count = len(entries)
+        refused: VerbsError | None = None
         if (
             summary.clean and summary.max_nsge <= max_sge
             and self._keys_ok(summary.keys, memory, epoch)
         ):  # fmt: skip
-            chosen = [self._blob(self.data, entries)]
-            refused: VerbsError | None = None
-            count = len(entries)
+            if not count:
+                return None
+            if isinstance(entries, range) and entries.start == 0 and entries.step == 1:
+                taken = submit(ffi.from_buffer("rs_recv_wr[]", self._blob(self.data, entries)),
+                               count, None)  # fmt: skip
+            else:
+                if self._table is None:
+                    self._table = ffi.from_buffer("rs_recv_wr[]", b"".join(self.data))
+                at = ffi.from_buffer("uint32_t[]", array("I", entries))
+                taken = submit(self._table, count, at)
         else:
             chosen, refused = self._checked_entries(operation, entries, max_sge, memory)
             count = len(chosen)
-        if count:
-            taken = submit(ffi.from_buffer("rs_recv_wr[]", b"".join(chosen)), count)
-            if taken < count:
-                return refused_wr(errno.ENOMEM, operation, taken, f"{name} full ({max_wr})")
+            if not count:
+                return refused
+            taken = submit(ffi.from_buffer("rs_recv_wr[]", b"".join(chosen)), count, None)
+        if taken < count:
+            return refused_wr(errno.ENOMEM, operation, taken, f"{name} full ({max_wr})")
         return refused
 
     def _checked_entries(
