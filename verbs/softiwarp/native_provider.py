@@ -60,6 +60,8 @@ _FLAGS = {0: _NONE, int(WCFlags.WITH_INV): WCFlags.WITH_INV}
 """The flags a native completion carries (the C side sets none other)."""
 _WC = ffi.sizeof("rs_wc") if ffi is not None else 0
 _NEWS_CQ, _NEWS_STATE, _NEWS_RTR = 1, 2, 4
+_FEW = 4
+"""Polls of at most this many completions are decoded row by row (cheaper than columns)."""
 _SUM_STATUS, _SUM_FLAGS, _SUM_SOLICITED, _SUM_INV, _SUM_OPCODES, _SUM_QPS, _SUM_LENGTHS = (
     1, 2, 4, 8, 16, 32, 64
 )  # fmt: skip
@@ -363,6 +365,10 @@ class _Rows:
         """Store the first ``n`` rows in ``wcs``'s columns; a column C found alike in
         all of them (the usual: success, no flags, one opcode, one QP) is stored
         whole, not converted entry by entry."""
+        if n <= _FEW:  # (a ping-pong's, a request's): field by field, no columns made
+            for k in range(n):
+                self._decode_row(wcs, k)
+            return
         odd, same = self.sum.odd, self.same
         wcs.wr_id[0:n] = self.u64[0 : n * (_WC // 8) : _WC // 8].tolist()
         if odd & _SUM_STATUS:
@@ -388,6 +394,18 @@ class _Rows:
         wcs.vendor_err[0:n] = zeros
         wcs.imm_data[0:n] = zeros
         wcs.src_qp[0:n] = zeros
+
+    def _decode_row(self, wcs: WCArray, k: int) -> None:
+        u32, at = self.u32, k * (_WC // 4)
+        wcs.wr_id[k] = self.u64[k * (_WC // 8)]
+        wcs.status[k] = _STATUSES[u32[at + 2]]
+        wcs.opcode[k] = _OPCODES[u32[at + 3]]
+        wcs.byte_len[k] = u32[at + 4]
+        wcs.qp_num[k] = u32[at + 5]
+        wcs.wc_flags[k] = _FLAGS[u32[at + 6]]
+        wcs.invalidated_rkey[k] = u32[at + 7]
+        wcs.solicited[k] = bool(u32[at + 8])
+        wcs.vendor_err[k] = wcs.imm_data[k] = wcs.src_qp[k] = 0
 
 
 class NativeSRQ(SRQ):
