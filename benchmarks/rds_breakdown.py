@@ -131,11 +131,12 @@ class Tracer(trio.abc.Instrument):
     def install(self) -> None:
         """Hook the points (in a trio run: the instrument is the run's). On the native
         engine one C call reads the socket and processes what came (``NativeLink._read``:
-        the readv phase holds both, the engine's is empty), and one writes
-        (``NativeLink.flush``)."""
+        the readv phase holds both, the engine's is empty), and one frames a post's
+        Sends and writes them (``NativeQP._submit_send``: the write phase holds both;
+        framing is the Python around it)."""
         if engines.chosen()[0] == "native":
             self._hook(NativeLink, "_read", "read", ("read_end", "engine_end"))
-            self._hook(NativeLink, "flush", "write", "write_end")
+            self._hook(NativeQP, "_submit_send", "write", "write_end")
             self._hook(NativeQP, "post_send", "post", "post_end")
         else:
             self._hook(os, "readv", "read", "read_end")

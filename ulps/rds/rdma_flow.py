@@ -23,11 +23,13 @@ from __future__ import annotations
 
 import logging
 import math
+import struct
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from rdmashim.ulps.rds.connection import OutMessage, RdsConnection
 from rdmashim.ulps.rds.wire import (
+    FLAGS_BY_VALUE,
     HEADER_STRUCT,
     RDS_FRAG_SIZE,
     RDS_HEADER_LEN,
@@ -64,6 +66,10 @@ ACK_HELD = 2
 _ACK_REQUIRED = int(RdsFlag.ACK_REQUIRED)
 _pack_header = HEADER_STRUCT.pack_into
 _CONG_BITMAP = RdsFlag.CONG_BITMAP
+_CONG_BITS = int(RdsFlag.CONG_BITMAP)
+_FRONT = struct.Struct(HEADER_STRUCT.format[:-3] + "B")
+"""The header up to the first extension header's type byte (0: none): what
+:meth:`RdmaFlow.receive_at` reads of every received Send."""
 
 
 class RdmaFlow:
@@ -270,23 +276,40 @@ class RdmaFlow:
         ack, and the message it completes, handed to the connection (copied: ``view``
         may be reused once this returns). Raises :class:`RdsProtocolError` for bytes
         that are no RDS fragment."""
-        header = RdsHeader.decode(view)
-        if header is None:
-            raise RdsProtocolError(f"{len(view)}-byte message shorter than an RDS header")
-        self.send_credits += header.credit
-        self.rds.acked(header.ack)
-        if header.sport or header.dport or header.length:  # else a bare ack, as ib_recv.c's
-            talk = header.sport << 16 | header.dport
-            if talk != self.talk and header.sport and header.dport:  # (not the node's own)
+        self.receive_at(view, 0, len(view))
+
+    def receive_at(self, buf: memoryview, base: int, nbytes: int) -> None:
+        """:meth:`receive` of the ``nbytes`` at ``buf[base:]`` (a receive buffer: the
+        session hands its registered buffer over as it is, no view made per Send).
+
+        The header is read with one unpack where it is buffer; a message in one
+        fragment with no checksum, no extension headers and no congestion map (what
+        every Send of a steady exchange is) is taken from there, and the rest goes
+        through :meth:`RdsHeader.decode`, which checks and parses them."""
+        if nbytes < RDS_HEADER_LEN:
+            raise RdsProtocolError(f"{nbytes}-byte message shorter than an RDS header")
+        seq, ack, length, sport, dport, flags, credit, csum, ext = _FRONT.unpack_from(buf, base)
+        header = None
+        if csum or ext or length > RDS_FRAG_SIZE or flags & _CONG_BITS:
+            header = RdsHeader.decode(buf[base : base + nbytes])
+        self.send_credits += credit
+        self.rds.acked(ack)
+        if sport or dport or length:  # else a bare ack, as ib_recv.c's
+            talk = sport << 16 | dport
+            if talk != self.talk and sport and dport:  # (not the node's own)
                 self.talk = talk if self.talk == -1 else -2
-            self._assemble(header, view[RDS_HEADER_LEN:])
+            if header is None:
+                header = RdsHeader(seq, ack, length, sport, dport, FLAGS_BY_VALUE[flags], credit)
+            start = base + RDS_HEADER_LEN
+            if self.assembly is None and length == nbytes - RDS_HEADER_LEN:  # one copy
+                self.rds.received(header, bytes(buf[start : base + nbytes]))
+            else:
+                self._assemble(header, buf[start : base + nbytes])
 
     def _assemble(self, header: RdsHeader, fragment: memoryview) -> None:
-        """Add a fragment (a view of the receive buffer: copied before it is reused)."""
+        """Add a fragment of a message in several (a view of the receive buffer: copied
+        before it is reused)."""
         if self.assembly is None:
-            if len(fragment) == header.length:  # a whole message: one copy
-                self.rds.received(header, bytes(fragment))
-                return
             self.assembly = (header, bytearray())
         first, data = self.assembly
         if header.sequence != first.sequence:

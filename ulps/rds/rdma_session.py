@@ -79,20 +79,16 @@ _SUCCESS = WCStatus.SUCCESS
 _RECV = WCOpcode.RECV
 _SEND = WROpcode.SEND
 _UNSIGNALED = SendFlags(0)
-_FLAGS = {
-    (fence, last, signaled, inline): (
-        (SendFlags.FENCE if fence else SendFlags.NONE)
-        | (SendFlags.SOLICITED if last else SendFlags.NONE)
-        | (SendFlags.SIGNALED if signaled else SendFlags.NONE)
-        | (SendFlags.INLINE if inline else SendFlags.NONE)
-    )
-    for fence in (False, True)
-    for last in (False, True)
-    for signaled in (False, True)
-    for inline in (False, True)
-}
-"""A Send's flags by (fence, last fragment, signaled, inline): made once, as Flag
-arithmetic costs a Python call each time."""
+_FLAGS = [
+    (SendFlags.FENCE if variant & 8 else SendFlags.NONE)
+    | (SendFlags.SOLICITED if variant & 4 else SendFlags.NONE)
+    | (SendFlags.SIGNALED if variant & 2 else SendFlags.NONE)
+    | (SendFlags.INLINE if variant & 1 else SendFlags.NONE)
+    for variant in range(16)
+]
+"""A Send's flags by variant, ``fence << 3 | last fragment << 2 | signaled << 1 | inline``:
+made once, as Flag arithmetic costs a Python call each time."""
+_VARIANTS = len(_FLAGS)
 
 
 class Session:
@@ -149,11 +145,13 @@ class Session:
         self._send_buf = self.send_mr.buf
         first = self.send_mr.sge(0, SLOT)
         self._send_addr, self._send_lkey = first.addr, first.lkey
-        self._slot_wrs = [SendWR(slot, _SEND) for slot in range(SEND_SLOTS)]
-        """Each send slot's Send, filled in again for each fragment the slot carries
-        (a post copies what it needs of a work request)."""
-        self._slot_lengths = [-1] * SEND_SLOTS
-        """The length of each slot's Send's SGE, kept while fragments fill it alike."""
+        self._slot_wrs: list[SendWR | None] = [None] * (SEND_SLOTS * _VARIANTS)
+        """Each send slot's Sends, one per flags variant (``slot * 16 + variant``, see
+        :data:`_FLAGS`), made when first used: a request posted again with the fields it
+        had is one the engine packed already (a slot whose one request changed flags
+        from post to post, signaled now and not the next time, was packed anew)."""
+        self._slot_lengths = [-1] * (SEND_SLOTS * _VARIANTS)
+        """The length of each of those Sends' SGE, kept while fragments fill it alike."""
         self._max_inline = conn.qp.cap.max_inline_data
         """Sends up to this long go INLINE (copied when posted; the slot is free again at
         once, though it is reused only after a later signaled Send completes)."""
@@ -256,13 +254,19 @@ class Session:
         posted = self.posted
         posted.append(slot)
         self._rdma_marks[slot] = self._next_rdma
-        signaled = not len(posted) % SIGNAL_EVERY or len(self.free_slots) < SIGNAL_EVERY
-        wr = self._slot_wrs[slot]
-        if self._slot_lengths[slot] != length:  # else the slot's last list fits
-            self._slot_lengths[slot] = length
-            wr.sg_list = [SGE(self._send_addr + slot * SLOT, length, self._send_lkey)]
         flow = self.flow
-        wr.send_flags = _FLAGS[flow.fence, flow.last, signaled, length <= self._max_inline]
+        key = slot * _VARIANTS + (
+            flow.fence << 3
+            | flow.last << 2
+            | (not len(posted) % SIGNAL_EVERY or len(self.free_slots) < SIGNAL_EVERY) << 1
+            | (length <= self._max_inline)
+        )
+        wr = self._slot_wrs[key]
+        if wr is None:
+            wr = self._slot_wrs[key] = SendWR(slot, _SEND, send_flags=_FLAGS[key % _VARIANTS])
+        if self._slot_lengths[key] != length:  # else the slot's last list fits
+            self._slot_lengths[key] = length
+            wr.sg_list = [SGE(self._send_addr + slot * SLOT, length, self._send_lkey)]
         self._wrs.append(wr)
 
     def _submit(self) -> None:
@@ -358,7 +362,7 @@ class Session:
         reposts = self._reposts
         wr_ids, statuses, opcodes, lengths = wcs.wr_id, wcs.status, wcs.opcode, wcs.byte_len
         rdma = self.rdma
-        receive, recv_buf = self.flow.receive, self._recv_buf
+        receive, recv_buf = self.flow.receive_at, self._recv_buf
         try:
             for i in range(n):
                 wr_id = wr_ids[i]
@@ -371,8 +375,7 @@ class Session:
                     )
                 if opcodes[i] == _RECV:
                     reposts.append(wr_id)
-                    base = wr_id * SLOT
-                    receive(recv_buf[base : base + lengths[i]])
+                    receive(recv_buf, wr_id * SLOT, lengths[i])
                 elif wr_id < _RDMA_WR:  # this Send and every one posted before it are done
                     while (slot := self.posted.popleft()) != wr_id:
                         self.free_slots.append(slot)

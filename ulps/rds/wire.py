@@ -376,7 +376,7 @@ with NONE bytes). The send path packs its headers straight into its buffers with
 ``HEADER_STRUCT.pack_into``, fields it knows to fit and no :class:`RdsHeader`
 (``struct.error`` if they do not)."""
 assert _HDR.size == RDS_HEADER_LEN
-_FLAG_VALUES = tuple(RdsFlag(value) for value in range(256))
+FLAGS_BY_VALUE = tuple(RdsFlag(value) for value in range(256))
 """``h_flags`` by value: an index is cheaper than an enum call per header."""
 _CONG_BITMAP = int(RdsFlag.CONG_BITMAP)
 
@@ -458,7 +458,7 @@ class RdsHeader:
                 f"RDS congestion map update of {length} bytes, not {RDS_CONG_MAP_BYTES}"
             )
         extensions = parse_extensions(area) if area[0] else ()  # (the common case: none)
-        return cls(seq, ack, length, sport, dport, _FLAG_VALUES[flags], credit, csum, extensions)
+        return cls(seq, ack, length, sport, dport, FLAGS_BY_VALUE[flags], credit, csum, extensions)
 
 
 # ---------------------------------------------------------------------------------------
