@@ -67,6 +67,10 @@ class SocketHost(Protocol):
         """Deliver a message to the node's own address."""
 
 
+_ROUTES_KEPT = 64
+"""Destinations a socket keeps parsed (:attr:`RdsSocket._routes`); then it starts afresh."""
+
+
 @functools.lru_cache(maxsize=1024)
 def _parse_ip(text: str) -> IPAddress:
     """``ipaddress.ip_address``, remembered: a sender names the same few peers."""
@@ -104,18 +108,32 @@ class RdsSocket:
     _driving: Drivable | None = None
     """The CQ a reader drives while it waits (see :meth:`recvfrom`)."""
     _registrations: Registrations = field(default_factory=Registrations)
+    _routes: dict[tuple[str, int], tuple[IPAddress, int, bool]] = field(default_factory=dict)
+    """Destinations this socket sent to, as :meth:`_route` found them: (IP, port, whether
+    it is the node's own address). A sender names the same few, and parsing and comparing
+    an address cost Python calls per message."""
 
     @property
     def address(self) -> tuple[str, int]:
         """(IP, port) this socket is bound to."""
         return (str(self.node.address), self.port)
 
-    def _check(self, data: bytes, dest: tuple[str, int]) -> tuple[IPAddress, int]:
+    def _check(self, data: bytes, dest: tuple[str, int]) -> tuple[IPAddress, int, bool]:
+        """Whether this socket may send ``data`` to ``dest``: (IP, port, whether it is the
+        node's own address), or RdsError saying why not."""
         if self.closed:
             raise RdsError(errno.EBADF, "sendto on a closed RDS socket")
         limit = min(RDS_MAX_MSG_SIZE, self.node.settings.sndbuf)  # Linux: both bound it
         if len(data) > limit:
             raise RdsError(errno.EMSGSIZE, f"{len(data)}-byte message exceeds RDS's {limit}")
+        route = self._routes.get(dest) if dest.__class__ is tuple else None
+        if route is None or dest[1].__class__ is not int:  # (True == 1: not the same port)
+            route = self._route(dest)
+        return route
+
+    def _route(self, dest: tuple[str, int]) -> tuple[IPAddress, int, bool]:
+        """:meth:`_check`'s look at ``dest``, kept in :attr:`_routes` when it is a tuple
+        of a string and an int."""
         try:
             host, port = dest
         except (ValueError, TypeError) as exc:
@@ -128,7 +146,12 @@ class RdsSocket:
             port = port_number(port)
         if not 0 <= port < 65536:  # port 0: an RDS ping, answered by the node
             raise RdsError(errno.EINVAL, f"port {port} outside 1..65535")
-        return ip, port
+        route = (ip, port, ip == self.node.address)
+        if dest.__class__ is tuple and host.__class__ is str and dest[1].__class__ is int:
+            if len(self._routes) >= _ROUTES_KEPT:
+                self._routes.clear()
+            self._routes[dest] = route
+        return route
 
     async def sendto(
         self, data: bytes, dest: tuple[str, int], *, rdma: RdmaOp | None = None
@@ -139,9 +162,9 @@ class RdsSocket:
         congested (its receiver is full). ``await rdma.wait()`` tells how the
         operation ended (see :mod:`rdmashim.ulps.rds.rdma`).
         """
-        ip, port = self._check(data, dest)
+        ip, port, own = self._check(data, dest)
         node = self.node
-        if ip == node.address:
+        if own:
             node._send_loopback(self.port, port, data, rdma)
             return
         while True:  # the peer entry may expire while we wait: look again
@@ -159,9 +182,9 @@ class RdsSocket:
         self, data: bytes, dest: tuple[str, int], *, rdma: RdmaOp | None = None
     ) -> None:
         """Send without waiting; raises ``trio.WouldBlock`` while the queue is full."""
-        ip, port = self._check(data, dest)
+        ip, port, own = self._check(data, dest)
         node = self.node
-        if ip == node.address:
+        if own:
             node._send_loopback(self.port, port, data, rdma)
             return
         entry = node._table.lookup(ip)
