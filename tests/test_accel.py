@@ -21,10 +21,8 @@ from test_engine_small_sends import _run as run_small_sends
 
 from rdmashim.verbs.enums import Access
 from rdmashim.verbs.softiwarp import ddp, fastpath
-from rdmashim.verbs.softiwarp.ddp import QN, Opcode
+from rdmashim.verbs.softiwarp.ddp import CTRL_READ_RESPONSE, CTRL_WRITE, QN, Opcode
 from rdmashim.verbs.softiwarp.kernels import (
-    CTRL_READ_RESPONSE,
-    CTRL_WRITE,
     MAX_SEND_PAYLOAD,
     MAX_TAGGED_PAYLOAD,
     MSG_WORDS,
@@ -386,9 +384,7 @@ def test_place_in_matches_the_reference(
         st.tuples(st.integers(0, 2), st.integers(0, 64), st.integers(0, 64)), max_size=70
     ),
 )
-def test_send_plan_gathers_as_the_reference(
-    c: Kernels, pieces: list[tuple[int, int, int]]
-) -> None:
+def test_send_plan_gathers_as_the_reference(c: Kernels, pieces: list[tuple[int, int, int]]) -> None:
     """A plan's gather joins its pieces, read from the regions when used, not when
     planned."""
     rng = random.Random(len(pieces))

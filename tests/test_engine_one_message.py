@@ -38,7 +38,7 @@ from rdmashim import (
 )
 from rdmashim.verbs.softiwarp.connection import connect_qp, read_request
 from rdmashim.verbs.softiwarp.ddp import UNTAGGED_HDR_LEN
-from rdmashim.verbs.softiwarp.engine import EngineState, RecvJob, SendJob, SendRun
+from rdmashim.verbs.softiwarp.jobs import EngineState, RecvJob, SendJob, SendRun
 from rdmashim.verbs.softiwarp.kernels import PyKernels
 from rdmashim.verbs.softiwarp.mpa import encode_start_frame
 from rdmashim.verbs.softiwarp.negotiation import MpaOptions, answer_request

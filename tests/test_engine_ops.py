@@ -21,7 +21,7 @@ from rdmashim import (
     WROpcode,
 )
 from rdmashim.verbs.softiwarp.connection import MpaOptions
-from rdmashim.verbs.softiwarp.engine import MAX_FPDU
+from rdmashim.verbs.softiwarp.jobs import MAX_FPDU
 
 from pairs import Side, make_pair, settle
 

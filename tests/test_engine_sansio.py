@@ -16,15 +16,10 @@ from rdmashim import SGE, Access, SendFlags, WCOpcode, WCStatus, WROpcode
 from rdmashim.verbs.buffers import pin
 from rdmashim.verbs.softiwarp import ddp
 from rdmashim.verbs.softiwarp.ddp import QN, Opcode
-from rdmashim.verbs.softiwarp.engine import (
-    STAGING_SIZE,
-    Engine,
-    EngineConfig,
-    EngineState,
-    RecvJob,
-    SendJob,
-)
+from rdmashim.verbs.softiwarp.engine import Engine
+from rdmashim.verbs.softiwarp.jobs import EngineConfig, EngineState, RecvJob, SendJob
 from rdmashim.verbs.softiwarp.memory import MemoryTable
+from rdmashim.verbs.softiwarp.rx import STAGING_SIZE
 from rdmashim.verbs.softiwarp.terminate import (
     DdpTaggedCode,
     DdpType,

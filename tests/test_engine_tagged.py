@@ -13,7 +13,7 @@ from test_engine_sansio import RW, Host, tagged, untagged, wire
 from rdmashim import SGE, Access, SendFlags, WCStatus, WROpcode
 from rdmashim.verbs.softiwarp import ddp
 from rdmashim.verbs.softiwarp.ddp import QN, Opcode
-from rdmashim.verbs.softiwarp.engine import EngineState, RecvJob, SendJob
+from rdmashim.verbs.softiwarp.jobs import EngineState, RecvJob, SendJob
 from rdmashim.verbs.softiwarp.memory import Region
 
 _SIG = int(SendFlags.SIGNALED)

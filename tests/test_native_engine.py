@@ -24,7 +24,8 @@ import pytest
 from rdmashim import SGE, Access, SendFlags, WROpcode
 from rdmashim.verbs.buffers import pin
 from rdmashim.verbs.softiwarp import native
-from rdmashim.verbs.softiwarp.engine import Engine, EngineConfig, EngineState, RecvJob, SendJob
+from rdmashim.verbs.softiwarp.engine import Engine
+from rdmashim.verbs.softiwarp.jobs import EngineConfig, EngineState, RecvJob, SendJob
 from rdmashim.verbs.softiwarp.memory import MemoryTable
 from rdmashim.verbs.wr import RecvWR, SendWR
 

@@ -15,14 +15,13 @@ from typing import Any, cast
 
 from rdmashim.verbs.softiwarp import ddp
 from rdmashim.verbs.softiwarp._accel import ffi, lib
+from rdmashim.verbs.softiwarp.ddp import TAGGED_HDR_LEN
 from rdmashim.verbs.softiwarp.kernels import (
     MSG_WORDS,
     SEND_MIN,
     SPAN,
-    TAGGED_HDR_LEN,
     TAGGED_MIN,
     Buffer,
-    PyKernels,
     Targets,
     check_tagged_frame,
     check_tagged_target,
@@ -32,16 +31,11 @@ from rdmashim.verbs.softiwarp.memory import Region
 _FRAME_OVERHEAD = SEND_MIN + 3
 """Most bytes an FPDU adds to its payload: header, PAD, CRC."""
 _TAGGED_OVERHEAD = TAGGED_MIN + 3
-_TRAILER = tuple(ddp.pad_len(TAGGED_HDR_LEN - 2 + n) + ddp.TRAILER_CRC_LEN for n in range(4))
+_TRAILER = tuple(ddp.trailer_len(TAGGED_HDR_LEN - 2 + n) for n in range(4))
 """PAD and CRC bytes after a tagged payload of ``n`` bytes, by ``n % 4``."""
 COPY_MAX = 8192
 """Largest FPDU payload the compiled framing copies (measured: 1428 bytes copy at 137 us
 per MiB against 579 for slices; 65516 bytes cost 138 us copied, 62 as slices)."""
-
-_PY = PyKernels()
-"""For runs of one message, where cffi's conversions cost more than the work (measured,
-8-byte Sends: framing 1.55 us in C against 0.79, scanning 1.12 against 0.73, placing
-2.48 against 0.91)."""
 
 lib.rs_init()
 
@@ -66,8 +60,7 @@ def _u32(values: Sequence[int]) -> Any:
 
 def _fpdu_len(buf: Buffer, pos: int) -> int:
     """Bytes of the FPDU whose length field is at ``buf[pos:pos + 2]``."""
-    ulpdu_len = buf[pos] << 8 | buf[pos + 1]
-    return ulpdu_len + 6 + (-(ulpdu_len + 2) & 3)
+    return ddp.fpdu_len(buf[pos] << 8 | buf[pos + 1])
 
 
 class CKernels:
@@ -89,8 +82,6 @@ class CKernels:
     ) -> Buffer:  # fmt: skip
         """See :class:`Kernels`."""
         n = len(lens)
-        if n == 1:
-            return _PY.frame_sends(data, lens, ctrls, invs, msn, crc)
         if not n == len(ctrls) == len(invs):
             raise ValueError("frame_sends: lens, ctrls and invs differ in length")
         src = _bytes(data)
@@ -110,8 +101,6 @@ class CKernels:
         """See :class:`Kernels`."""
         if not 0 <= start <= end <= len(buf):
             return start, []
-        if end - start < 2 * SEND_MIN or end - start - _fpdu_len(buf, start) < SEND_MIN:
-            return _PY.scan_sends(buf, start, end, msn, crc)  # room for one FPDU at most
         words = (end - start) // SEND_MIN * MSG_WORDS
         out = _ZERO_WORD * words
         stop = ffi.new("size_t *")
@@ -124,9 +113,6 @@ class CKernels:
         """See :class:`Kernels`."""
         nsegs = targets.nsegs
         segments = targets.segments
-        if len(nsegs) == 1:
-            _PY.place(buf, msgs, targets)  # slice assignment works on the handles too
-            return
         handles, caps, offs, lens = zip(*segments, strict=True) if segments else ((), (), (), ())
         view = _bytes(buf)
         failed = lib.rs_place(
@@ -143,9 +129,6 @@ class CKernels:
         n, odd = divmod(memoryview(spans).nbytes, SPAN.size)
         if odd:
             raise ValueError("place_in: spans are not whole (offset, length) pairs")
-        if n == 1:
-            _PY.place_in(buf, msgs, target, spans)  # slice assignment works on handles
-            return
         dst = target if isinstance(target, ffi.CData) else _bytes(target)  # type: ignore[arg-type]
         view = _bytes(buf)
         failed = lib.rs_place_in(

@@ -19,7 +19,7 @@ import trio
 
 from rdmashim.cm.types import RTR
 from rdmashim.verbs.softiwarp.ddp import Opcode
-from rdmashim.verbs.softiwarp.engine import EngineConfig
+from rdmashim.verbs.softiwarp.jobs import EngineConfig
 from rdmashim.verbs.softiwarp.mpa import StartFrame, encode_start_frame, parse_start_frame
 from rdmashim.verbs.softiwarp.negotiation import (
     MpaOptions,

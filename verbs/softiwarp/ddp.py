@@ -104,9 +104,35 @@ CRC_FIELD = struct.Struct("<I")
 ZERO_PAD = (b"", b"\0", b"\0\0", b"\0\0\0")
 
 
+CTRL_SEND = RDMAP_VERSION | Opcode.SEND
+"""RDMAP control byte of a Send (and, below, of the other opcodes the data path tests)."""
+CTRL_SEND_SE = RDMAP_VERSION | Opcode.SEND_SE
+CTRL_WRITE = RDMAP_VERSION | Opcode.WRITE
+CTRL_READ_RESPONSE = RDMAP_VERSION | Opcode.READ_RESPONSE
+DDP_UNTAGGED_LAST = DDP_LAST | DDP_VERSION
+"""DDP control byte of an untagged last segment (reserved bits zero)."""
+
+
 def pad_len(ulpdu_len: int) -> int:
     """PAD bytes after a ULPDU so that the FPDU (length field included) ends 4-aligned."""
     return -(ulpdu_len + 2) & 3
+
+
+def trailer_len(ulpdu_len: int) -> int:
+    """Bytes after a ULPDU of ``ulpdu_len`` bytes: PAD and the CRC field."""
+    return pad_len(ulpdu_len) + TRAILER_CRC_LEN
+
+
+def fpdu_len(ulpdu_len: int) -> int:
+    """Bytes of the FPDU carrying a ULPDU of ``ulpdu_len`` bytes: length field, ULPDU,
+    PAD and CRC field."""
+    return 2 + ulpdu_len + trailer_len(ulpdu_len)
+
+
+def max_payload(max_fpdu: int, header_len: int) -> int:
+    """The most payload bytes an FPDU of at most ``max_fpdu`` bytes carries after a
+    header of ``header_len`` bytes (length field included), a multiple of 4."""
+    return (max_fpdu - header_len - TRAILER_CRC_LEN) & ~3
 
 
 class Header(NamedTuple):

@@ -34,7 +34,8 @@ from collections.abc import Callable
 import trio
 
 from rdmashim.verbs import busypoll, lending
-from rdmashim.verbs.softiwarp.engine import Chunk, Engine, EngineState
+from rdmashim.verbs.softiwarp.engine import Engine
+from rdmashim.verbs.softiwarp.jobs import Chunk, EngineState
 from rdmashim.verbs.softiwarp.memory import Region
 
 log = logging.getLogger(__name__)

@@ -26,31 +26,33 @@ from typing import Any, Protocol, cast
 from crc32c import crc32c
 
 from rdmashim.verbs.softiwarp import ddp
-from rdmashim.verbs.softiwarp.ddp import Opcode
+from rdmashim.verbs.softiwarp.ddp import (
+    CTRL_READ_RESPONSE,
+    CTRL_SEND,
+    CTRL_SEND_SE,
+    CTRL_WRITE,
+    DDP_UNTAGGED_LAST,
+    TAGGED_HDR_LEN,
+    UNTAGGED_HDR_LEN,
+    Opcode,
+)
 from rdmashim.verbs.softiwarp.memory import Region
 
 Buffer = bytes | bytearray | memoryview
 
-UNTAGGED_HDR_LEN = ddp.UNTAGGED_HDR_LEN
 SEND_MIN = ddp.UNTAGGED_HDR_LEN + ddp.TRAILER_CRC_LEN
 """Fewest bytes that hold a whole Send FPDU (header and CRC field, no payload)."""
 MAX_SEND_PAYLOAD = ddp.MAX_ULPDU - (ddp.UNTAGGED_HDR_LEN - 2)
 """Most payload one untagged FPDU carries."""
 MSG_WORDS = 3
 """Words per scanned message: payload offset, payload length, solicited (0 or 1)."""
-DDP_UNTAGGED_LAST = ddp.DDP_LAST | ddp.DDP_VERSION
 SEND_CTRLS = frozenset(
     ddp.RDMAP_VERSION | op
     for op in (Opcode.SEND, Opcode.SEND_INV, Opcode.SEND_SE, Opcode.SEND_SE_INV)
 )
 """RDMAP control bytes :meth:`Kernels.frame_sends` writes."""
-CTRL_SEND = ddp.RDMAP_VERSION | Opcode.SEND
-CTRL_SEND_SE = ddp.RDMAP_VERSION | Opcode.SEND_SE
-CTRL_WRITE = ddp.RDMAP_VERSION | Opcode.WRITE
-CTRL_READ_RESPONSE = ddp.RDMAP_VERSION | Opcode.READ_RESPONSE
 TAGGED_CTRLS = frozenset((CTRL_WRITE, CTRL_READ_RESPONSE))
 """RDMAP control bytes of the tagged kernels (:meth:`Kernels.place_tagged`, ``frame_tagged``)."""
-TAGGED_HDR_LEN = ddp.TAGGED_HDR_LEN
 TAGGED_MIN = ddp.TAGGED_HDR_LEN + ddp.TRAILER_CRC_LEN
 """Fewest bytes that hold a whole tagged FPDU (header and CRC field, no payload)."""
 MAX_TAGGED_PAYLOAD = ddp.MAX_ULPDU - (ddp.TAGGED_HDR_LEN - 2)
@@ -372,14 +374,13 @@ class PyKernels:
 def frame_send(payload: Buffer, ctrl: int, inv: int, msn: int, crc: bool) -> bytes:
     """The FPDU of one one-FPDU Send: ``payload``, RDMAP control byte ``ctrl`` (one of
     :data:`SEND_CTRLS`), invalidate STag ``inv``, MSN ``msn``, QN 0, MO 0, last; zero
-    PAD and the CRC (zero field when ``crc`` is false). Both kernels frame a single
-    Send with it (cffi's conversions cost more than this work)."""
+    PAD and the CRC (zero field when ``crc`` is false)."""
     n = len(payload)
     if ctrl not in SEND_CTRLS or not 0 <= n <= MAX_SEND_PAYLOAD:
         raise ValueError("frame_sends: a message is not a one-FPDU Send")
     ulpdu_len = UNTAGGED_HDR_LEN - 2 + n
     body = _PACK_UNTAGGED(ulpdu_len, DDP_UNTAGGED_LAST, ctrl, inv, 0, msn, 0) + payload
-    pad = -(ulpdu_len + 2) & 3
+    pad = ddp.pad_len(ulpdu_len)
     if pad:
         body += ddp.ZERO_PAD[pad]
     return body + (_PACK_CRC(crc32c(body)) if crc else _ZERO_CRC)
@@ -388,8 +389,7 @@ def frame_send(payload: Buffer, ctrl: int, inv: int, msn: int, crc: bool) -> byt
 def send_fpdu(buf: Buffer, pos: int, end: int, msn: int, crc: bool) -> int:
     """The bytes of the FPDU at ``buf[pos:end]`` (at least an untagged header) when it is
     a whole one-segment Send or Send with SE on QN 0 at MO 0, with MSN ``msn`` and
-    (``crc`` set) a matching CRC, else 0: each message :meth:`Kernels.scan_sends` takes.
-    The engine checks a lone Send with it too."""
+    (``crc`` set) a matching CRC, else 0: each message :meth:`Kernels.scan_sends` takes."""
     ulpdu_len, ddp_ctrl, ctrl, _inv, qn, got_msn, mo = _UNTAGGED.unpack_from(buf, pos)
     if (
         ddp_ctrl != DDP_UNTAGGED_LAST
@@ -406,12 +406,13 @@ def send_fpdu(buf: Buffer, pos: int, end: int, msn: int, crc: bool) -> int:
 def _whole_fpdu(buf: Buffer, pos: int, end: int, ulpdu_len: int, crc: bool) -> int:
     """The bytes of the FPDU at ``buf[pos:end]`` when it is all there and (``crc`` set)
     its CRC matches, else 0."""
-    body = (ulpdu_len + 5) & ~3  # length field, ULPDU and PAD (ddp.pad_len, inlined)
-    if body + ddp.TRAILER_CRC_LEN > end - pos:
+    size = ddp.fpdu_len(ulpdu_len)
+    body = size - ddp.TRAILER_CRC_LEN  # length field, ULPDU and PAD
+    if size > end - pos:
         return 0
     if crc and crc32c(buf[pos : pos + body]) != _CRC_FIELD.unpack_from(buf, pos + body)[0]:
         return 0
-    return body + ddp.TRAILER_CRC_LEN
+    return size
 
 
 def _tagged_range(ctrl: int, stag: int, to: int, length: int) -> bool:

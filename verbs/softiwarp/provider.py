@@ -53,8 +53,8 @@ from rdmashim.verbs.errors import (
 )
 from rdmashim.verbs.events import AsyncEvent, AsyncEventType
 from rdmashim.verbs.softiwarp import fastpath
-from rdmashim.verbs.softiwarp.engine import (
-    Engine,
+from rdmashim.verbs.softiwarp.engine import Engine
+from rdmashim.verbs.softiwarp.jobs import (
     EngineConfig,
     EngineState,
     RecvJob,
