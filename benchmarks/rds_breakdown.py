@@ -50,8 +50,8 @@ from rdmashim.ulps.rds.node import RdsSocket
 from rdmashim.ulps.rds.rdma_session import Session
 from rdmashim.verbs.softiwarp import engines
 from rdmashim.verbs.softiwarp.engine import Engine
-from rdmashim.verbs.softiwarp.native_provider import NativeLink, NativeQP
-from rdmashim.verbs.softiwarp.provider import QP
+from rdmashim.verbs.softiwarp.native_provider import NativeCQ, NativeLink, NativeQP
+from rdmashim.verbs.softiwarp.provider import CQ, QP
 
 from report import engine_line, run_meta
 from streams import stop_process
@@ -79,6 +79,10 @@ PHASES = (
 )
 """What happens between consecutive points of :data:`CYCLE`."""
 
+HANDLER = PHASES.index("RDS receive (completion handler)")
+SEND = PHASES.index("RDS send")
+ENGINE_INSIDE = "  of which the engine's calls"
+
 BUSY = len(PHASES) - 1
 """The phases before this one are the end's own work (awake)."""
 
@@ -93,6 +97,10 @@ class Tracer(trio.abc.Instrument):
     def __init__(self) -> None:
         self.log: list[tuple[str, int]] = []
         self._undo: list[Callable[[], None]] = []
+        self.inside: dict[int, int] = {}
+        """For each completion handler run (the index of its ``handler_end`` point in
+        :attr:`log`): ns of the engine's calls it made (:data:`ENGINE_CALLS`)."""
+        self._engine_ns = 0
 
     def before_io_wait(self, timeout: float) -> None:
         """trio is about to wait for I/O (``timeout`` 0: a look, tasks are ready)."""
@@ -128,13 +136,53 @@ class Tracer(trio.abc.Instrument):
         setattr(owner, name, hooked)
         self._undo.append(partial(setattr, owner, name, original))
 
+    def _hook_handler(self) -> None:
+        """Log ``handler`` and ``handler_end`` around the session's completion handler,
+        and how long the engine's calls inside it took (:attr:`inside`)."""
+        original = Session._on_cq
+        log, now, inside = self.log, time.perf_counter_ns, self.inside
+
+        def hooked(session: Session, cq: Any) -> None:
+            self._engine_ns = 0
+            log.append(("handler", now()))
+            try:
+                original(session, cq)
+            finally:
+                inside[len(log)] = self._engine_ns
+                log.append(("handler_end", now()))
+
+        Session._on_cq = hooked  # type: ignore[method-assign]
+        self._undo.append(partial(setattr, Session, "_on_cq", original))
+
+    def _hook_engine(self, owner: Any, name: str) -> None:
+        """Add the time of each call of ``owner.name`` to the handler run under way."""
+        original = getattr(owner, name)
+        now = time.perf_counter_ns
+
+        def hooked(*args: Any, **kwargs: Any) -> Any:
+            t = now()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                self._engine_ns += now() - t
+
+        setattr(owner, name, hooked)
+        self._undo.append(partial(setattr, owner, name, original))
+
     def install(self) -> None:
         """Hook the points (in a trio run: the instrument is the run's). On the native
         engine one C call reads the socket and processes what came (``NativeLink._read``:
         the readv phase holds both, the engine's is empty), and one frames a post's
         Sends and writes them (``NativeQP._submit_send``: the write phase holds both;
         framing is the Python around it)."""
-        if engines.chosen()[0] == "native":
+        native_engine = engines.chosen()[0] == "native"
+        cq_class, qp_class = (NativeCQ, NativeQP) if native_engine else (CQ, QP)
+        for owner, name in (
+            (cq_class, "poll_into"), (CQ, "req_notify"), (qp_class, "post_recv_batch"),
+            (qp_class, "post_send_batch"), (qp_class, "post_send"),
+        ):  # fmt: skip
+            self._hook_engine(owner, name)  # (before the post's points: those go outside)
+        if native_engine:
             self._hook(NativeLink, "_read", "read", ("read_end", "engine_end"))
             self._hook(NativeQP, "_submit_send", "write", "write_end")
             self._hook(NativeQP, "post_send", "post", "post_end")
@@ -144,7 +192,7 @@ class Tracer(trio.abc.Instrument):
             self._hook(os, "writev", "write", "write_end")
             self._hook(Engine, "received", "engine", "engine_end")
             self._hook(QP, "post_send", "post", "post_end")
-        self._hook(Session, "_on_cq", "handler", "handler_end")
+        self._hook_handler()
         self._hook(RdsSocket, "_take", "take", None)
         self._hook(RdsSocket, "sendto", "sendto", None)
         trio.lowlevel.add_instrument(self)
@@ -158,15 +206,19 @@ class Tracer(trio.abc.Instrument):
     def summary(self) -> dict[str, Any]:
         """Each phase's median (us) over the cycles whose points came in order, how many
         did, and how often each point came."""
-        log = [(name, t) for name, t in self.log if name != "engine"]  # (right after readv)
+        kept = [k for k, (name, _) in enumerate(self.log) if name != "engine"]  # (after readv)
+        log = [self.log[k] for k in kept]
         names = [name for name, _ in log]
         phases: list[list[int]] = [[] for _ in PHASES]
+        engine_inside: list[int] = []
         span = len(CYCLE)
+        end = CYCLE.index("handler_end")
         i = 0
         while i + span <= len(log):
             if names[i] == "wake" and names[i : i + span] == list(CYCLE):
                 for k in range(len(PHASES)):
                     phases[k].append(log[i + k + 1][1] - log[i + k][1])
+                engine_inside.append(self.inside.get(kept[i + end], 0))
                 i += span - 1  # its last wake starts the next cycle
             else:
                 i += 1
@@ -174,6 +226,17 @@ class Tracer(trio.abc.Instrument):
             "cycles": len(phases[0]),
             "counts": {name: names.count(name) for name in sorted(set(CYCLE))},
             "median_us": [statistics.median(p) / 1000 if p else math.nan for p in phases],
+            "handler_engine_us": (
+                statistics.median(engine_inside) / 1000 if engine_inside else math.nan
+            ),
+            "handler_own_us": (
+                statistics.median(
+                    [h - e for h, e in zip(phases[HANDLER], engine_inside, strict=True)]
+                )
+                / 1000
+                if engine_inside
+                else math.nan
+            ),
         }
 
 
@@ -257,7 +320,15 @@ def print_table(doc: dict[str, Any]) -> None:
         if k == BUSY:
             print(f" {'awake (the sum above)':<40}{busy[0]:>10.1f}{busy[1]:>10.1f}")
         print(f" {name:<40}{act['median_us'][k]:>10.1f}{pas['median_us'][k]:>10.1f}")
+        if k == HANDLER:
+            print(f" {ENGINE_INSIDE:<40}{act['handler_engine_us']:>10.1f}"
+                  f"{pas['handler_engine_us']:>10.1f}")  # fmt: skip
     print(RESULT_LINE)
+    own = [side["handler_own_us"] + side["median_us"][SEND] for side in (act, pas)]
+    print(
+        f" RDS's own per message (handler less the engine's calls, and send): "
+        f"{own[0]:.1f} and {own[1]:.1f} us"
+    )
     o, r = doc["median"]["ours"], doc["median"]["raw"]
     print(
         f" round trip: ours {o['rtt_us']:.0f} us ({o['tx_per_s']:.0f} tx/s), raw TCP "

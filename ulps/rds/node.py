@@ -248,6 +248,7 @@ class RdsNode:
             recent = self._recent_text = (peer, _ip_text(peer))
         sock._push(ReceivedMessage(data, (recent[1], sport), header.sequence))
         if sock.queued_bytes > self.settings.rcvbuf:
+            sock.congested = True
             self._congestion.mark(dport, True)
 
     def _pong(self, peer: IPAddress, sport: int) -> None:

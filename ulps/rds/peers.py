@@ -159,7 +159,8 @@ class PeerTable:
         several connections)."""
         if len(self.entries) != 1:
             return None
-        session = next(iter(self.entries.values())).rds.session
+        for entry in self.entries.values():  # (the one: cheaper than next(iter(...)))
+            session = entry.rds.session
         if session is None or session.lost:
             return None
         return self.transport.drivable(session)

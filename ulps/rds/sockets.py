@@ -102,6 +102,9 @@ class RdsSocket:
     port: int
     queued_bytes: int = 0
     closed: bool = False
+    congested: bool = False
+    """The node marked this socket's port congested (it held more than ``rcvbuf`` bytes
+    unread); :meth:`recvfrom` clears the mark once it holds less than half that."""
     received: deque[ReceivedMessage] = field(default_factory=deque)
     """Messages not yet taken by :meth:`recvfrom`, oldest first."""
     _arrived: trio.lowlevel.ParkingLot = field(default_factory=trio.lowlevel.ParkingLot)
@@ -244,7 +247,8 @@ class RdsSocket:
         if not self.received:
             self.node._holding -= 1
         self.queued_bytes -= len(msg.data)
-        if self.queued_bytes < self.node.settings.rcvbuf // 2:
+        if self.congested and self.queued_bytes < self.node.settings.rcvbuf // 2:
+            self.congested = False
             self.node._congestion.mark(self.port, False)
         return msg.data, msg.sender
 
