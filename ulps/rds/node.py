@@ -73,6 +73,9 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
+_message = tuple.__new__
+"""``ReceivedMessage``'s tuple made without its ``__new__``, a Python call per message."""
+
 TRANSPORT_TABLE: dict[Transport, type[RdsTransport]] = {
     "rdma": RdmaTransport,
     "tcp": TcpTransport,
@@ -246,7 +249,7 @@ class RdsNode:
         recent = self._recent_text
         if recent[0] is not peer:
             recent = self._recent_text = (peer, _ip_text(peer))
-        sock._push(ReceivedMessage(data, (recent[1], sport), header.sequence))
+        sock._push(_message(ReceivedMessage, (data, (recent[1], sport), header.sequence)))
         if sock.queued_bytes > self.settings.rcvbuf:
             sock.congested = True
             self._congestion.mark(dport, True)
