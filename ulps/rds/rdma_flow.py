@@ -145,16 +145,24 @@ class RdmaFlow:
         fence = False
         if msg is None:
             rds = self.rds
-            if rds.map_out is not None:
-                msg = OutMessage(0, 0, 0, rds.map_out, _CONG_BITMAP, own=True)
+            if rds.map_out is not None:  # not numbered: it asks for no acknowledgement
+                msg = self.current = OutMessage(0, 0, 0, rds.map_out, _CONG_BITMAP, own=True)
                 rds.map_out = None
-                self._start(msg)
+                self.next_fragment = self.extra_flags = 0
             elif not rds.unsent or (rds.unsent[0].rdma is not None and not rdma_room):
                 return 0
             else:
-                msg = rds.unsent.popleft()
+                msg = self.current = rds.unsent.popleft()
                 rds.unacked.append(msg)
-                self._start(msg)
+                self.next_fragment = 0
+                # It asks for an acknowledgement now and then (ACK_REQUIRED_EVERY), and
+                # when it is the last one queued.
+                if self.ack_countdown == 0 or not rds.unsent:
+                    self.extra_flags = _ACK_REQUIRED
+                    self.ack_countdown = ACK_REQUIRED_EVERY - 1
+                else:
+                    self.extra_flags = 0
+                    self.ack_countdown -= 1
                 op = msg.rdma
                 if op is not None:
                     self.rdma_op = op
@@ -173,18 +181,6 @@ class RdmaFlow:
             self.current = None
         payload = memoryview(data)[start : start + RDS_FRAG_SIZE]
         return self._write(buf, base, msg, fragment == 0, payload)
-
-    def _start(self, msg: OutMessage) -> None:
-        """Make ``msg`` the message whose fragments go next; a numbered one asks for an
-        acknowledgement now and then (:data:`ACK_REQUIRED_EVERY`)."""
-        self.current = msg
-        self.next_fragment = 0
-        self.extra_flags = 0
-        if msg.seq:
-            if self.ack_countdown == 0 or not self.rds.unsent:
-                self.extra_flags = _ACK_REQUIRED
-                self.ack_countdown = ACK_REQUIRED_EVERY
-            self.ack_countdown -= 1
 
     def ack_allowed(self) -> bool:
         """Whether a bare ack may go: the last credit only goes to one that grants the

@@ -192,6 +192,8 @@ class Session:
         self._opening = False
         """No answer to the burst went yet: the first goes at once (:data:`OPENING_MAX`)."""
         self._timer: trio.CancelScope | None = None
+        self._timer_at = math.inf
+        """:attr:`_timer`'s deadline, kept here: reading a cancel scope's costs a call."""
         self._clock = trio.lowlevel.current_clock().current_time
         """``trio.current_time`` without its look-up of the run (a call per message less)."""
         self._pumping = False
@@ -284,56 +286,43 @@ class Session:
             self._wrs = []
             self.qp.post_send(wrs[0] if len(wrs) == 1 else wrs)
 
-    def pump_sends(self) -> None:
-        """Post what waits to go out (never blocks): now, or, while the receivers of a
-        burst of delivered messages answer them (:attr:`_burst`), the first answer now
+    def pump_sends(self, now: bool = False) -> None:
+        """Post what waits to go out (never blocks): ``now``, or, while the receivers of
+        a burst of delivered messages answer them (:attr:`_burst`), the first answer now
         (:data:`OPENING_MAX`) and the others once they all have, in one list
         (:meth:`answer_burst`, or :meth:`run`'s task), unless :data:`BURST_MAX` of them
-        wait."""
-        if self._burst and len(self.rds.unsent) < BURST_MAX:
-            if self._opening:  # the first answer goes at once: the peer starts on it
-                self._opening = False
-                self._pump_now()
-                return
-            if not self._flush_due:
-                self._flush_due = True
-                self._on_burst(self)
-                self._wake.set()
-            return
-        self._pump_now()
+        wait.
 
-    def answer_burst(self) -> None:
-        """Post the answers held back for a burst now, if they still wait: their
-        receivers are done (the node calls this when a receiver goes back to waiting and
-        no socket holds a message; else :meth:`run`'s task does, a turn or two later)."""
-        if self._flush_due:
-            self._flush_due = self._burst = False
-            self._pump_now()
-
-    def _pump_now(self) -> None:
-        """Post as many fragments as credits and send slots allow (never blocks).
-
-        Data never takes the last credit: that one is kept for a credit update.
-        Between messages our newest congestion map goes first, as a message
-        numbered 0 that is never resent. What one call makes is posted as one list.
-        A call from inside another (a completion handler run by a post) returns:
-        the running one pumps again for the slots and credits it freed.
+        Posting: as many fragments as credits and send slots allow. Data never takes
+        the last credit: that one is kept for a credit update. Between messages our
+        newest congestion map goes first, as a message numbered 0 that is never
+        resent. What one call makes is posted as one list. A call from inside another
+        (a completion handler run by a post) returns: the running one pumps again for
+        the slots and credits it freed.
         """
         rds = self.rds
-        if self.lost or (self.flow.current is None and not rds.unsent and rds.map_out is None):
+        if not now and self._burst and len(rds.unsent) < BURST_MAX:
+            if self._opening:  # the first answer goes at once: the peer starts on it
+                self._opening = False
+            else:
+                if not self._flush_due:
+                    self._flush_due = True
+                    self._on_burst(self)
+                    self._wake.set()
+                return
+        flow = self.flow
+        if self.lost or (flow.current is None and not rds.unsent and rds.map_out is None):
             return
         if self._pumping:
             self._repump = True
             return
         self._pumping = True
         try:
-            flow, free, buf = self.flow, self.free_slots, self._send_buf
+            free, buf = self.free_slots, self._send_buf
             self._repump = True
             while self._repump:
                 self._repump = False
-                while flow.current is not None or rds.unsent or rds.map_out is not None:
-                    if not free:
-                        break
+                while (flow.current is not None or rds.unsent or rds.map_out is not None) and free:
                     slot = free[-1]
                     length = flow.fill(buf, slot * SLOT, len(self.rdma) < RDMA_DEPTH)
                     if not length:
@@ -343,14 +332,22 @@ class Session:
                         flow.rdma_op = None
                         self._post_rdma(op)
                     self._post_slot(free.pop(), length)
-                else:
-                    self._submit()
-                    continue
                 if rds.unsent or flow.current is not None:  # no credit, slot or RDMA room
                     rds.counters.credit_waits += 1
-                self._submit()
+                wrs = self._wrs  # (_submit, inline: a call per message less)
+                if wrs:
+                    self._wrs = []
+                    self.qp.post_send(wrs[0] if len(wrs) == 1 else wrs)
         finally:
             self._pumping = False
+
+    def answer_burst(self) -> None:
+        """Post the answers held back for a burst now, if they still wait: their
+        receivers are done (the node calls this when a receiver goes back to waiting and
+        no socket holds a message; else :meth:`run`'s task does, a turn or two later)."""
+        if self._flush_due:
+            self._flush_due = self._burst = False
+            self.pump_sends(True)
 
     def _send_ack(self) -> None:
         if self.free_slots and self.flow.ack_allowed():
@@ -415,17 +412,16 @@ class Session:
                     continue
                 self._completions(wcs, n)
                 if flow.current is not None or rds.unsent or rds.map_out is not None:
-                    self._pump_now()  # (what the new credits and slots let go)
+                    self.pump_sends(True)  # (what the new credits and slots let go)
                 # Our acknowledgement: at once if many receives wait to be granted, else
                 # within ACK_DELAY unless a message of ours carries it.
                 due = flow.acknowledge(self._clock)
                 if due == ACK_HELD:
-                    timer = self._timer
                     # A timer set already wakes the run task sooner; it sets the next one
                     # then (moving a deadline costs more than that wake-up, once per
                     # ACK_DELAY).
-                    if timer is not None and timer.deadline == math.inf:
-                        timer.deadline = flow.ack_at
+                    if self._timer_at == math.inf and (timer := self._timer) is not None:
+                        timer.deadline = self._timer_at = flow.ack_at
                 elif due == ACK_NOW:
                     self._send_ack()
                     flow.ack_at = math.inf
@@ -461,14 +457,16 @@ class Session:
         :meth:`peer_credits` has taken the peer's private data by then.
         """
         self.rds.counters.sessions += 1
-        self._pump_now()
+        self.pump_sends(True)
         try:
             self.cq.set_handler(self._on_cq)
             self._on_cq(self.cq)  # what came before, and arm
             while self._failure is None:
-                with trio.CancelScope(deadline=self.flow.ack_at) as self._timer:
+                self._timer_at = self.flow.ack_at
+                with trio.CancelScope(deadline=self._timer_at) as self._timer:
                     await self._wake.wait()
                 self._timer = None
+                self._timer_at = math.inf
                 if self._wake.is_set():
                     self._wake = trio.Event()
                 if self._failure is None and self._flush_due:
