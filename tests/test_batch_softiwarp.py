@@ -29,7 +29,7 @@ from rdmashim import (
     WCStatus,
     WROpcode,
 )
-from rdmashim.verbs.softiwarp import provider
+from rdmashim.verbs.softiwarp import posting
 
 
 async def test_poll_into_after_an_overrun_is_eoverflow() -> None:
@@ -176,13 +176,13 @@ async def test_a_request_posted_again_keeps_its_template_while_unchanged(
     ``sg_list`` edited in place); a request with raw inline bytes is worked out at every
     post. What goes out is always what the request says at the post."""
     made: list[int] = []
-    make = provider._SendTemplate.__init__
+    make = posting.SendTemplate.__init__
 
-    def counted(self: provider._SendTemplate, w: SendWR, *made_of: tuple[object, ...]) -> None:
+    def counted(self: posting.SendTemplate, w: SendWR, *made_of: tuple[object, ...]) -> None:
         made.append(w.wr_id)
         make(self, w, *made_of)
 
-    monkeypatch.setattr(provider._SendTemplate, "__init__", counted)
+    monkeypatch.setattr(posting.SendTemplate, "__init__", counted)
     async with connected(prepare=post_receives(24), cap=QPCap(max_inline_data=16)) as pair:
         client, server = pair.client, pair.server
         src = client.pd.reg_mr(bytearray(b"first...second.."), Access.LOCAL_WRITE)
@@ -223,4 +223,4 @@ async def test_a_request_posted_again_keeps_its_template_while_unchanged(
         many = [SendWR(i, WROpcode.RDMA_READ, [src.sge(0, 1)] * 2) for i in range(1100)]
         with pytest.raises(VerbsError):  # two SGEs in a Read: refused after the templates
             client.qp.post_send(many)
-        assert 0 < len(client.qp._templates) <= provider._TEMPLATES_KEPT
+        assert 0 < len(client.qp._templates) <= posting.TEMPLATES_KEPT

@@ -42,7 +42,7 @@ from rdmashim.verbs.softiwarp.jobs import EngineState, RecvJob, SendJob, SendRun
 from rdmashim.verbs.softiwarp.kernels import PyKernels
 from rdmashim.verbs.softiwarp.mpa import encode_start_frame
 from rdmashim.verbs.softiwarp.negotiation import MpaOptions, answer_request
-from rdmashim.verbs.softiwarp.provider import COPY_SEND_MAX, _SendTemplate
+from rdmashim.verbs.softiwarp.posting import COPY_SEND_MAX, SendTemplate
 
 from pairs import make_pair
 
@@ -274,7 +274,7 @@ async def test_a_send_without_inline_past_the_copy_limit_is_not_copied(ctx: Any)
     src, dst = client.reg(size), server.reg(size)
     server.qp.post_recv(RecvWR(9, [dst.sge(0, size)]))
     wr = SendWR(5, WROpcode.SEND, [src.sge(0, size)], SIG)
-    assert not _SendTemplate(wr).copied
+    assert not SendTemplate(wr).copied
     server.qp.post_recv(RecvWR(10, [dst.sge(0, size)]))
     client.qp.post_send([wr, wr])
     got: list[Any] = []

@@ -30,7 +30,7 @@ from rdmashim.verbs.softiwarp.negotiation import (
     make_request,
     reject_reply,
 )
-from rdmashim.verbs.softiwarp.provider import QPBase
+from rdmashim.verbs.softiwarp.qp import QPBase
 from rdmashim.verbs.softiwarp.terminate import ProtocolError
 
 log = logging.getLogger(__name__)
