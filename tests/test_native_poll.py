@@ -17,7 +17,7 @@ from rdmashim.verbs.buffers import pin
 from rdmashim.verbs.enums import WCFlags, WCOpcode, WCStatus
 from rdmashim.verbs.softiwarp import native
 from rdmashim.verbs.softiwarp.engine import EngineConfig
-from rdmashim.verbs.softiwarp.native_provider import _Rows
+from rdmashim.verbs.softiwarp.native_cq import _Rows
 from rdmashim.verbs.wr import WC, RecvWR, SendWR, WCArray
 
 pytestmark = pytest.mark.skipif(native.lib is None, reason="the native engine is not built here")
