@@ -1,10 +1,16 @@
 /* This machine's latency floor for bench.py: an 8-byte TCP ping-pong over 127.0.0.1 in C.
- * Usage: floor poll|block ROUND_TRIPS WARMUP. The parent pings, a forked child echoes;
+ * Usage: floor poll|block|hop ROUND_TRIPS WARMUP. The parent pings, a forked child echoes;
  * "poll": both ends spin on non-blocking reads, yielding the CPU every 64 tries (so two
- * spinners on one CPU take turns, not time slices); "block": both ends block in read.
+ * spinners on one CPU take turns, not time slices); "block": both ends block in read;
+ * "hop": at each end a progress thread blocks in read and hands each message to the
+ * waiting main thread through an eventfd (what a progress thread per device costs a
+ * message, against "block": run to completion in the waiter).
  * Prints: mode=M round_trips=N median_half_rtt_ns=T (half the median round trip). */
-#define _POSIX_C_SOURCE 200809L
+#define _GNU_SOURCE
 #include <errno.h>
+#include <pthread.h>
+#include <stdint.h>
+#include <sys/eventfd.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
 #include <sched.h>
@@ -44,6 +50,34 @@ static void move8(int fd, char *buf, int sending, int poll) {
 	}
 }
 
+/* "hop": the progress thread of one end. It reads each 8-byte message and tells the main
+ * thread through the eventfd; it ends quietly at the peer's FIN. */
+struct hop {
+	int fd, efd;
+};
+
+static void *progress(void *arg) {
+	const struct hop *h = arg;
+	char buf[8];
+	for (;;) {
+		for (size_t done = 0; done < 8;) {
+			ssize_t n = recv(h->fd, buf + done, 8 - done, 0);
+			if (n == 0) return NULL;
+			if (n < 0 && errno != EINTR) die("floor: recv (progress thread)");
+			if (n > 0) done += (size_t)n;
+		}
+		uint64_t one = 1;
+		if (write(h->efd, &one, sizeof one) != sizeof one) die("floor: eventfd write");
+	}
+}
+
+/* "hop": wait until the progress thread has a message. */
+static void hop_wait(int efd) {
+	uint64_t k;
+	while (read(efd, &k, sizeof k) != sizeof k)
+		if (errno != EINTR) die("floor: eventfd read");
+}
+
 /* A count 0..1e7 from the command line, or -1. */
 static long count(const char *s) {
 	char *end;
@@ -60,8 +94,9 @@ static int cmp(const void *a, const void *b) {
 int main(int argc, char **argv) {
 	long n = argc == 4 ? count(argv[2]) : 0, warm = argc == 4 ? count(argv[3]) : -1;
 	int poll = argc == 4 && strcmp(argv[1], "poll") == 0, one = 1, fd;
-	if (argc != 4 || (!poll && strcmp(argv[1], "block") != 0) || n < 1 || warm < 0) {
-		fputs("usage: floor poll|block ROUND_TRIPS(1..1e7) WARMUP(0..1e7)\n", stderr);
+	int hop = argc == 4 && strcmp(argv[1], "hop") == 0;
+	if (argc != 4 || (!poll && !hop && strcmp(argv[1], "block") != 0) || n < 1 || warm < 0) {
+		fputs("usage: floor poll|block|hop ROUND_TRIPS(1..1e7) WARMUP(0..1e7)\n", stderr);
 		return 2;
 	}
 	struct sockaddr_in a = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
@@ -79,10 +114,20 @@ int main(int argc, char **argv) {
 	long long *rtt = malloc((size_t)n * sizeof *rtt);
 	char buf[8] = {0};
 	if (rtt == NULL) die("floor: malloc");
+	struct hop h = {fd, hop ? eventfd(0, 0) : -1};
+	pthread_t thread;
+	if (hop && (h.efd < 0 || pthread_create(&thread, NULL, progress, &h) != 0))
+		die("floor: the progress thread");
 	for (long i = 0; i < warm + n; i++) {
 		long long t = now_ns();
-		move8(fd, buf, child != 0, poll);  /* the parent pings first, the child echoes */
-		move8(fd, buf, child == 0, poll);
+		if (hop) { /* the parent pings first, the child echoes; each receives in its thread */
+			if (child != 0) move8(fd, buf, 1, 0);
+			hop_wait(h.efd);
+			if (child == 0) move8(fd, buf, 1, 0);
+		} else {
+			move8(fd, buf, child != 0, poll);
+			move8(fd, buf, child == 0, poll);
+		}
 		if (child != 0 && i >= warm) rtt[i - warm] = now_ns() - t;
 	}
 	if (child == 0) return 0;

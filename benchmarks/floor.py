@@ -11,20 +11,25 @@ directory of that run; without a compiler, :func:`build` says why not.
 
 from __future__ import annotations
 
+import argparse
 import os
 import shlex
 import shutil
+import statistics
 import subprocess
 import sysconfig
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import trio
 
 SOURCE = Path(__file__).resolve().parent / "floor.c"
-MODES = ("block", "poll")
-"""floor.c's modes: both ends block in ``recv``; both spin on non-blocking ``recv``."""
-CFLAGS = ("-O2", "-Wall", "-Wextra")
+MODES = ("block", "poll", "hop")
+"""floor.c's modes: both ends block in ``recv``; both spin on non-blocking ``recv``; at
+both ends a progress thread blocks in ``recv`` and hands each message to the waiting
+thread through an eventfd (the cost of a progress thread's hand-over, against ``block``)."""
+CFLAGS = ("-O2", "-Wall", "-Wextra", "-pthread")
 
 
 class FloorUnavailable(RuntimeError):
@@ -88,3 +93,37 @@ async def measure(binary: FloorBinary, mode: str, round_trips: int, warmup: int)
         return int(fields["median_half_rtt_ns"]) / 1000
     except (KeyError, ValueError):
         raise FloorUnavailable(f"floor {mode} said {done.stdout.decode()!r}") from None
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python benchmarks/floor.py``: every mode's median half round trip, the modes
+    alternating ``--repeat`` times, and what a progress thread's hand-over adds."""
+    p = argparse.ArgumentParser(description=main.__doc__)
+    p.add_argument("--round-trips", type=int, default=20000)
+    p.add_argument("--repeat", type=int, default=3)
+    args = p.parse_args(argv)
+
+    async def run(binary: FloorBinary) -> dict[str, list[float]]:
+        got: dict[str, list[float]] = {mode: [] for mode in MODES}
+        for _ in range(args.repeat):
+            for mode in MODES:
+                got[mode].append(await measure(binary, mode, args.round_trips, 1000))
+        return got
+
+    with tempfile.TemporaryDirectory() as tmp:
+        try:
+            got = trio.run(run, build(Path(tmp)))
+        except FloorUnavailable as exc:
+            print(f"floor: n/a ({exc})")
+            return 1
+    med = {mode: statistics.median(v) for mode, v in got.items()}
+    for mode in MODES:
+        samples = ", ".join(f"{x:.1f}" for x in got[mode])
+        print(f"{mode:6s} {med[mode]:7.1f} us half round trip (median of {samples})")
+    print(f"a progress thread's hand-over adds {med['hop'] - med['block']:.1f} us a message "
+          f"({med['hop'] / med['block']:.2f}x block)")  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
