@@ -357,47 +357,19 @@ class Session:
             self.rds.counters.acks_sent += 1
 
     # ------------------------------------------------------------------ receive
-    def _completions(self, wcs: WCArray, n: int) -> None:
-        """Take entries ``0..n-1`` of ``wcs``; the receives among them are posted again
-        once :data:`REPOST_BATCH` wait (even when a broken one ends the session: the QP
-        flushes them then)."""
-        reposts = self._reposts
-        wr_ids, statuses, opcodes, lengths = wcs.wr_id, wcs.status, wcs.opcode, wcs.byte_len
-        rdma = self.rdma
-        receive, recv_buf = self.flow.receive_at, self._recv_buf
-        try:
-            for i in range(n):
-                wr_id = wr_ids[i]
-                status = statuses[i]
-                if rdma and wr_id in rdma:  # receives use slot numbers: no clash
-                    self._rdma_done(wr_id, status)
-                if status != _SUCCESS:
-                    raise SessionLost(
-                        f"{status.name} (work request {wr_id:#x}) with {self.rds.peer}"
-                    )
-                if opcodes[i] == _RECV:
-                    reposts.append(wr_id)
-                    receive(recv_buf, wr_id * SLOT, lengths[i])
-                elif wr_id < _RDMA_WR:  # this Send and every one posted before it are done
-                    while (slot := self.posted.popleft()) != wr_id:
-                        self.free_slots.append(slot)
-                    self.free_slots.append(slot)
-                    if self._writes:
-                        self._writes_done(slot)
-        finally:
-            if len(reposts) >= REPOST_BATCH and not self.lost:
-                self._reposts = []
-                self.qp.post_recv_batch(self._recvs, indices=reposts)
-                self.flow.reposted(len(reposts))
-
     def _on_cq(self, cq: CQ) -> None:
-        """The CQ's completion handler: take everything, then re-arm (see the class)."""
+        """The CQ's completion handler: take everything, then re-arm (see the class).
+
+        The receives among the completions are posted again once :data:`REPOST_BATCH`
+        wait (even when a broken one ends the session: the QP flushes them then)."""
         if self.lost:
             return
         wcs = self._wcs
+        wr_ids, statuses, opcodes, lengths = wcs.wr_id, wcs.status, wcs.opcode, wcs.byte_len
         room = self._room
         armed = False
         rds, flow = self.rds, self.flow
+        receive, recv_buf = flow.receive_at, self._recv_buf
         counters = rds.counters
         received = counters.recv_messages
         flow.talk = -1
@@ -410,7 +382,31 @@ class Session:
                     cq.req_notify()
                     armed = True
                     continue
-                self._completions(wcs, n)
+                reposts, rdma = self._reposts, self.rdma
+                try:
+                    for i in range(n):
+                        wr_id = wr_ids[i]
+                        status = statuses[i]
+                        if rdma and wr_id in rdma:  # receives use slot numbers: no clash
+                            self._rdma_done(wr_id, status)
+                        if status != _SUCCESS:
+                            raise SessionLost(
+                                f"{status.name} (work request {wr_id:#x}) with {rds.peer}"
+                            )
+                        if opcodes[i] == _RECV:
+                            reposts.append(wr_id)
+                            receive(recv_buf, wr_id * SLOT, lengths[i])
+                        elif wr_id < _RDMA_WR:  # this Send and every one before it are done
+                            while (slot := self.posted.popleft()) != wr_id:
+                                self.free_slots.append(slot)
+                            self.free_slots.append(slot)
+                            if self._writes:
+                                self._writes_done(slot)
+                finally:
+                    if len(reposts) >= REPOST_BATCH and not self.lost:
+                        self._reposts = []
+                        self.qp.post_recv_batch(self._recvs, indices=reposts)
+                        flow.reposted(len(reposts))
                 if flow.current is not None or rds.unsent or rds.map_out is not None:
                     self.pump_sends(True)  # (what the new credits and slots let go)
                 # Our acknowledgement: at once if many receives wait to be granted, else
