@@ -47,7 +47,7 @@ from typing import Any
 
 import trio
 
-from report import Status, engine_line, process_cpu, run_meta
+from report import Status, engine_line, process_cpu, run_meta, top_functions
 from streams import stop_process
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
@@ -102,11 +102,14 @@ def guest_lock() -> Iterator[None]:
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
-def start_server(export: Path, state: Path) -> subprocess.Popen[bytes]:
-    """``benchmarks/nfs.py --serve`` inside the namespace, on the bridge's address."""
+def start_server(export: Path, state: Path, profile: Path | None) -> subprocess.Popen[bytes]:
+    """``benchmarks/nfs.py --serve`` inside the namespace, on the bridge's address (with
+    ``profile``: ready to write cProfile files there, :func:`one_run` says when)."""
     nfs = Path(__file__).resolve().parent / "nfs.py"
     at = [siwvm.HOST_IP, str(TCP_PORT), str(RDMA_PORT)]
     cmd = [sys.executable, str(nfs), "--serve", str(export), str(state), "--serve-at", *at]
+    if profile:
+        cmd += ["--profile-dir", str(profile)]
     server = subprocess.Popen(siwvm.netns_cmd(*cmd), stdin=subprocess.PIPE, stdout=subprocess.PIPE)
     assert server.stdout is not None
     line = server.stdout.readline().decode().split()
@@ -116,19 +119,36 @@ def start_server(export: Path, state: Path) -> subprocess.Popen[bytes]:
     return server
 
 
+def _tell(server: subprocess.Popen[bytes], command: str) -> None:
+    """A line to the server's control (``profile``, ``dump NAME``: nfs.py's ``_control``)."""
+    assert server.stdin is not None and server.stdout is not None
+    server.stdin.write(command.encode() + b"\n")
+    server.stdin.flush()
+    if command.startswith("dump "):
+        answer = server.stdout.readline().decode().strip()
+        if answer != "DUMPED":
+            raise RuntimeError(f"the server did not write its profile (said {answer!r})")
+
+
 async def one_run(
-    guest: siwvm.Guest, server: subprocess.Popen[bytes], export: Path, proto: str, mib: int
-) -> dict[str, float]:
+    guest: siwvm.Guest, server: subprocess.Popen[bytes], export: Path, proto: str, mib: int,
+    profiled: bool = False,
+) -> dict[str, float]:  # fmt: skip
     """Mount over ``proto``, write then read ``mib`` MiB with dd, unmount; seconds of each,
-    and of the whole job the wall-clock time and the server's CPU time."""
+    and of the whole job the wall-clock time and the server's CPU time (``profiled``: the
+    server profiles the job into ``server-kernel-PROTO.pstats``)."""
     port = RDMA_PORT if proto == "rdma" else TCP_PORT
     script = GUEST_SCRIPT.format(
         proto=proto, port=port, tcp_port=TCP_PORT, host=siwvm.HOST_IP, export=export,
         mib=mib, read_file=READ_FILE,
     )  # fmt: skip
+    if profiled:
+        _tell(server, "profile")
     cpu, start = process_cpu(server.pid), time.monotonic()
     result = await guest.run(script, limit=60.0 + 10.0 * mib)
     job = {"job": time.monotonic() - start, "server_cpu": process_cpu(server.pid) - cpu}
+    if profiled:
+        _tell(server, f"dump kernel-{proto}")
     if result.returncode != 0:
         raise RuntimeError(f"guest job ({proto}) failed:\n{result.output}")
     seconds = {}
@@ -144,8 +164,9 @@ async def one_run(
 
 
 async def run_all(
-    guest: siwvm.Guest, server: subprocess.Popen[bytes], export: Path, mib: int, repeat: int
-) -> dict[str, dict[str, list[float]]]:
+    guest: siwvm.Guest, server: subprocess.Popen[bytes], export: Path, mib: int, repeat: int,
+    profiled: bool = False,
+) -> dict[str, dict[str, list[float]]]:  # fmt: skip
     status = Status()
     seconds: dict[str, dict[str, list[float]]] = {
         key: {p: [] for p in PROTOS} for key in ("write", "read", "job", "server_cpu")
@@ -153,7 +174,8 @@ async def run_all(
     for i in range(repeat):
         for proto in PROTOS:
             status.show(f"guest dd: sample {i + 1}/{repeat} ({proto})")
-            for key, s in (await one_run(guest, server, export, proto, mib)).items():
+            last = profiled and i == repeat - 1  # (the last sample: the others unprofiled)
+            for key, s in (await one_run(guest, server, export, proto, mib, last)).items():
                 seconds[key][proto].append(s)
     status.clear()
     return seconds
@@ -178,6 +200,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--size", type=int, default=64, metavar="MIB", help="MiB per dd (default 64)")
     p.add_argument("--repeat", type=int, default=3, help="samples per transport (default 3)")
     p.add_argument("--json", metavar="FILE", help="write every sample to FILE")
+    p.add_argument(
+        "--profile", metavar="DIR",
+        help="cProfile our server in the last sample of each transport; print its top functions",
+    )  # fmt: skip
     args = p.parse_args(argv)
     if args.size < 1 or args.repeat < 1:
         p.error("--size and --repeat must be at least 1")
@@ -201,12 +227,17 @@ def main(argv: list[str] | None = None) -> int:
         export.mkdir()
         (export / READ_FILE).write_bytes(os.urandom(args.size * MiB))
         siwvm.netns_up(taps=TAP + 1)
-        server = start_server(export, state)
+        profile = Path(args.profile).resolve() if args.profile else None
+        if profile:
+            profile.mkdir(parents=True, exist_ok=True)
+        server = start_server(export, state, profile)
         guest = siwvm.Guest(GUEST_NAME, ip=GUEST_IP, tap=siwvm.tap(TAP))
         try:
             guest.start()
             meta["boot_seconds"] = guest.boot_seconds
-            seconds = trio.run(run_all, guest, server, export, args.size, args.repeat)
+            seconds = trio.run(
+                run_all, guest, server, export, args.size, args.repeat, profile is not None
+            )
         finally:
             guest.stop()
             stop_process(server)
@@ -228,6 +259,10 @@ def main(argv: list[str] | None = None) -> int:
     for proto in PROTOS:
         job, cpu = (statistics.median(seconds[k][proto]) for k in ("job", "server_cpu"))
         print(f" {proto} job (mount, write, read, umount): {job:.1f} s, server CPU {cpu:.2f} s")
+    if profile:
+        for proto in PROTOS:
+            print(f"-- our server, {proto} job (last sample, profiled), top 20 by tottime")
+            print(top_functions(profile / f"server-kernel-{proto}.pstats", 20))
     if args.json:
         doc = {"meta": meta, "seconds": seconds, "results": results}
         Path(args.json).write_text(json.dumps(doc, indent=2) + "\n")
