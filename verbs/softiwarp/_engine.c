@@ -1802,6 +1802,24 @@ int64_t rs_qp_spin_fd(rs_qp *qp, int fd, uint64_t ns)
     }
 }
 
+uint64_t rs_qp_rx_owed(rs_qp *qp)
+{
+    if (qp->state != RS_QP_RTS)
+        return 0;
+    uint64_t owed = 0;
+    if (qp->rx == RX_PAYLOAD && qp->op != OP_READ_RESPONSE)
+        owed = qp->remaining; /* (a Read Response's is counted with its Read below) */
+    for (uint32_t i = 0; i < qp->orq_count; i++) {
+        uint64_t seq = qp->orq_seq[(qp->orq_head + i) % MAX_ORD_IRD];
+        if (seq == UINT64_MAX)
+            continue; /* the RTR's zero-length Read */
+        const sq_entry *e = sq_at(qp, seq);
+        if (e->length > e->received)
+            owed += e->length - e->received;
+    }
+    return owed;
+}
+
 uint32_t rs_qp_news(rs_qp *qp)
 {
     uint32_t news = qp->news;

@@ -191,6 +191,10 @@ uint32_t rs_srq_post_at(rs_srq *srq, const rs_recv_wr *table, uint32_t n, const 
  * call (*wrote: what rs_qp_flush_fd returned). */
 uint32_t rs_qp_post_send_fd(rs_qp *qp, const rs_send_wr *wrs, uint32_t n, int *why, int fd,
                             int64_t *wrote);
+/* Payload bytes the peer owes this QP now: the rest of the FPDU being received and of
+ * the responses to its outstanding Reads (a lower bound of what will arrive: a reader
+ * may wait for that much before it looks, SO_RCVLOWAT). */
+uint64_t rs_qp_rx_owed(rs_qp *qp);
 /* Take the RS_NEWS_* bits gathered since the last call (a provider syncs when set). */
 uint32_t rs_qp_news(rs_qp *qp);
 /* Received bytes: all of data[0:len] is taken (after an error it is discarded). */

@@ -55,6 +55,8 @@ _ERR_USER = 5
 _ERR_CQ_OVERRUN = 6
 _NEWS_CQ, _NEWS_STATE, _NEWS_RTR = 1, 2, 4
 _ONE = range(1)
+LOWAT_MIN, LOWAT_MAX = 16 * 1024, 64 * 1024
+"""Owed bytes from which a reader waits for them before it looks, and at most how many."""
 SPIN_SLICE = 200e-6
 """Seconds a busy-polling waiter spins in C before the other tasks get a turn."""
 
@@ -191,7 +193,8 @@ class NativeLink(Link):
         super().__init__(engine, sock, leftover)  # type: ignore[arg-type]
         self._ptr = engine.ptr
         self._sync = engine._owner._sync
-        self._blocked = False
+        self._lowat = 1
+        """The socket's SO_RCVLOWAT (:meth:`_expect`)."""
 
     def revoke(self, region: Region) -> None:
         """C holds what waits to be written: nothing here views a region."""
@@ -243,8 +246,21 @@ class NativeLink(Link):
             self.flush()  # (it syncs)
         else:
             self._sync()
+        self._expect(lib.rs_qp_rx_owed(self._ptr))
         self._drained = drained = int(n) < _RX_READ
         return drained
+
+    def _expect(self, owed: int) -> None:
+        """Let the socket say it is readable only once ``owed`` bytes (what the peer
+        owes: the rest of an FPDU, of the responses to our Reads; at most
+        :data:`LOWAT_MAX`) are there, not at every segment: a peer that sends a large
+        response in small pieces (Linux siw: one FPDU a TCP segment) wakes its reader a
+        few times, not once a segment. Only bytes that must come are waited for, and a
+        FIN or an error wakes the reader whatever the mark."""
+        mark = min(owed, LOWAT_MAX) if owed >= LOWAT_MIN else 1
+        if mark != self._lowat:
+            self._lowat = mark
+            self.sock.setsockopt(_stdlib_socket.SOL_SOCKET, _stdlib_socket.SO_RCVLOWAT, mark)
 
 
 class NativeSRQ(SRQ):

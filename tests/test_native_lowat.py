@@ -1,0 +1,95 @@
+"""What the peer owes a native QP, and the socket's low-water mark that follows it.
+
+``rs_qp_rx_owed`` counts the payload bytes that must still arrive (the rest of the
+FPDU being received, the responses to our outstanding Reads); the native link sets
+the socket's SO_RCVLOWAT to it (between 16 and 64 KiB, else 1) so that a peer which
+sends a large response in small pieces does not wake the reader once a piece.
+"""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+import trio
+
+import rdmashim
+from rdmashim import SGE, Access, SendFlags, WROpcode
+from rdmashim.verbs.buffers import pin
+from rdmashim.verbs.softiwarp import native
+from rdmashim.verbs.softiwarp.engine import EngineConfig
+from rdmashim.verbs.wr import SendWR
+
+from pairs import make_pair
+
+pytestmark = pytest.mark.skipif(native.lib is None, reason="the native engine is not built here")
+SIZE = 100_000
+
+
+def test_owed_is_what_the_responses_to_our_reads_still_bring() -> None:
+    """A Read of 100,000 bytes: owed from when it is framed, less what each piece of the
+    response placed, 0 at its end (and 0 for a QP that owes nothing)."""
+    lib = native.lib
+    memory = native.NativeMemory()
+    pd = object()
+    cqs = [native.NativeCQ(64) for _ in range(4)]
+    a = native.NativeQP(memory, pd, 1, cqs[0], cqs[1])
+    b = native.NativeQP(memory, pd, 2, cqs[2], cqs[3])
+    src, dst = bytearray(b"r" * SIZE), bytearray(SIZE)
+    psrc, pdst = pin(src, writable=True), pin(dst, writable=True)
+    memory.add(0x1100, psrc.addr, psrc.addr, SIZE, Access.REMOTE_READ | Access.LOCAL_WRITE, pd)
+    memory.add(0x1200, pdst.addr, pdst.addr, SIZE, Access.LOCAL_WRITE, pd)
+    try:
+        for q in (a, b):
+            q.start(EngineConfig(crc=True, max_fpdu=4096))
+        assert lib.rs_qp_rx_owed(a._ptr) == 0
+        read = SendWR(5, WROpcode.RDMA_READ, [SGE(pdst.addr, SIZE, 0x1200)], SendFlags.SIGNALED,
+                      remote_addr=psrc.addr, rkey=0x1100)  # fmt: skip
+        a.post_send([read])
+        request = a.take()
+        a.taken(len(request))
+        assert lib.rs_qp_rx_owed(a._ptr) == SIZE
+        b.receive(request)
+        response = b""
+        while chunk := b.take():
+            response += chunk
+            b.taken(len(chunk))
+        owed = [lib.rs_qp_rx_owed(a._ptr)]
+        for i in range(0, len(response), 7000):  # pieces that cut FPDUs anywhere
+            a.receive(response[i : i + 7000])
+            owed.append(lib.rs_qp_rx_owed(a._ptr))
+        assert owed[-1] == 0 and dst == src
+        assert owed == sorted(owed, reverse=True) and len(set(owed)) > 10
+        assert all(0 <= SIZE - o <= min(len(response), 7000 * k) for k, o in enumerate(owed))
+    finally:
+        for q in (a, b):
+            q.close()
+        for cq in cqs:
+            cq.close()
+        memory.close()
+
+
+@pytest.mark.parametrize(
+    ("owed", "mark"),
+    [
+        (0, 1),
+        (16 * 1024 - 1, 1),
+        (16 * 1024, 16 * 1024),
+        (40_000, 40_000),
+        (10**9, 64 * 1024),
+    ],
+)
+async def test_the_socket_waits_for_what_is_owed(owed: int, mark: int) -> None:
+    """The native link's mark on a real connected socket (SO_RCVLOWAT as the kernel
+    reports it), and back to 1 when nothing is owed."""
+    async with rdmashim.open_device() as ctx:
+        if getattr(ctx, "engine", None) != "native":
+            pytest.skip("the device runs the Python engine here (RDMASHIM_ENGINE)")
+        client, _server = await make_pair(ctx)
+        link = client.qp._link
+        link._expect(owed)
+        got = link.sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT)
+        assert got == mark
+        link._expect(0)
+        assert link.sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT) == 1
+        await trio.lowlevel.checkpoint()
