@@ -20,6 +20,7 @@ from rdmashim.verbs.softiwarp import native
 from rdmashim.verbs.softiwarp.engine import EngineConfig
 from rdmashim.verbs.wr import SendWR
 
+from nativecore import two_qps
 from pairs import make_pair
 
 pytestmark = pytest.mark.skipif(native.lib is None, reason="the native engine is not built here")
@@ -30,18 +31,13 @@ def test_owed_is_what_the_responses_to_our_reads_still_bring() -> None:
     """A Read of 100,000 bytes: owed from when it is framed, less what each piece of the
     response placed, 0 at its end (and 0 for a QP that owes nothing)."""
     lib = native.lib
-    memory = native.NativeMemory()
-    pd = object()
-    cqs = [native.NativeCQ(64) for _ in range(4)]
-    a = native.NativeQP(memory, pd, 1, cqs[0], cqs[1])
-    b = native.NativeQP(memory, pd, 2, cqs[2], cqs[3])
     src, dst = bytearray(b"r" * SIZE), bytearray(SIZE)
     psrc, pdst = pin(src, writable=True), pin(dst, writable=True)
-    memory.add(0x1100, psrc.addr, psrc.addr, SIZE, Access.REMOTE_READ | Access.LOCAL_WRITE, pd)
-    memory.add(0x1200, pdst.addr, pdst.addr, SIZE, Access.LOCAL_WRITE, pd)
-    try:
-        for q in (a, b):
-            q.start(EngineConfig(crc=True, max_fpdu=4096))
+    with two_qps(EngineConfig(crc=True, max_fpdu=4096)) as core:
+        a, b, pd = core.a, core.b, core.pd
+        access = Access.REMOTE_READ | Access.LOCAL_WRITE
+        core.memory.add(0x1100, psrc.addr, psrc.addr, SIZE, access, pd)
+        core.memory.add(0x1200, pdst.addr, pdst.addr, SIZE, Access.LOCAL_WRITE, pd)
         assert lib.rs_qp_rx_owed(a._ptr) == 0
         read = SendWR(5, WROpcode.RDMA_READ, [SGE(pdst.addr, SIZE, 0x1200)], SendFlags.SIGNALED,
                       remote_addr=psrc.addr, rkey=0x1100)  # fmt: skip
@@ -61,12 +57,6 @@ def test_owed_is_what_the_responses_to_our_reads_still_bring() -> None:
         assert owed[-1] == 0 and dst == src
         assert owed == sorted(owed, reverse=True) and len(set(owed)) > 10
         assert all(0 <= SIZE - o <= min(len(response), 7000 * k) for k, o in enumerate(owed))
-    finally:
-        for q in (a, b):
-            q.close()
-        for cq in cqs:
-            cq.close()
-        memory.close()
 
 
 @pytest.mark.parametrize(

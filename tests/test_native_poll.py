@@ -20,6 +20,8 @@ from rdmashim.verbs.softiwarp.engine import EngineConfig
 from rdmashim.verbs.softiwarp.native_cq import _Rows
 from rdmashim.verbs.wr import WC, RecvWR, SendWR, WCArray
 
+from nativecore import two_qps
+
 pytestmark = pytest.mark.skipif(native.lib is None, reason="the native engine is not built here")
 
 _FIELDS = ("wr_id", "status", "opcode", "byte_len", "qp_num", "wc_flags", "invalidated_rkey",
@@ -88,18 +90,12 @@ def test_c_sums_up_what_it_polled() -> None:
     then everything flushed), polled in chunks of random size: C's summary is the
     oracle's, and the decode is each row's own."""
     rnd = random.Random(5)
-    memory = native.NativeMemory()
-    pd = object()
-    cqs = [native.NativeCQ(4096) for _ in range(4)]
-    a = native.NativeQP(memory, pd, 11, cqs[0], cqs[1])
-    b = native.NativeQP(memory, pd, 12, cqs[2], cqs[3])
     buf = bytearray(4096)
     pinned = pin(buf, writable=True)
     every = Access.LOCAL_WRITE | Access.REMOTE_WRITE | Access.REMOTE_READ
-    memory.add(0x100, pinned.addr, pinned.addr, len(buf), every, pd)
-    try:
-        for q in (a, b):
-            q.start(EngineConfig(crc=True))
+    with two_qps(EngineConfig(crc=True), cqe=4096) as core:
+        a, b, cqs = core.a, core.b, core.cqs
+        core.memory.add(0x100, pinned.addr, pinned.addr, len(buf), every, core.pd)
         b.post_recv([RecvWR(1000 + i, [SGE(pinned.addr + 8 * i, 8, 0x100)]) for i in range(200)])
         ops = []
         for i in range(300):
@@ -134,9 +130,3 @@ def test_c_sums_up_what_it_polled() -> None:
                 _check(rows, n)
                 polled += n
         assert polled > 300
-    finally:
-        for q in (a, b):
-            q.close()
-        for cq in cqs:
-            cq.close()
-        memory.close()
