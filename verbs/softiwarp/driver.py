@@ -43,7 +43,6 @@ log = logging.getLogger(__name__)
 _IOV_MAX = 1024
 LINGER = 2.0
 """Seconds to wait for the peer's FIN after ours before closing the socket."""
-_ERROR = EngineState.ERROR
 _RX_BATCH = 16
 """Reads in a row without waiting before the receive task yields to others."""
 
@@ -104,7 +103,7 @@ class Link:
         while True:
             if not pending:
                 if not engine.tx_ready:
-                    if engine.state is _ERROR:
+                    if engine.state is EngineState.ERROR:
                         self._tx_wakeup.set()  # let the transmit task end the connection
                     return
                 pending = engine.produce()
@@ -136,7 +135,7 @@ class Link:
             while self._pending:
                 await trio.lowlevel.wait_writable(self.sock)
                 self.flush()
-            if engine.state is _ERROR and not engine.tx_ready:
+            if engine.state is EngineState.ERROR and not engine.tx_ready:
                 break
         # ERROR: the Terminate (if any) is out; end our half, let the peer end its own.
         with contextlib.suppress(OSError):
@@ -229,7 +228,7 @@ class Link:
         return drained
 
     def _flush_after_rx(self) -> None:
-        if not self._pending and (self.engine.tx_ready or self.engine.state is _ERROR):
+        if not self._pending and (self.engine.tx_ready or self.engine.state is EngineState.ERROR):
             self.flush()
 
     def _after_rx(self) -> None:

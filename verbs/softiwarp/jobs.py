@@ -29,6 +29,12 @@ TO_LIMIT = 1 << 64
 """Tagged offsets are 64 bits: a segment or Read whose TO + length passes this wraps."""
 U32_MAX = 0xFFFFFFFF
 """Largest value of a 32-bit wire field (STag, MO); MSNs count modulo 2^32 (RFC 5041)."""
+SIGNALED = int(SendFlags.SIGNALED)
+"""The bits of :attr:`SendJob.flags` the engine tests, plain ints as the field is (an
+int tested against an ``IntFlag`` member runs the enum's Python code: measured 1.1 us
+against 0.035, several times a message)."""
+SOLICITED = int(SendFlags.SOLICITED)
+FENCE = int(SendFlags.FENCE)
 _INV_STEP = Opcode.SEND_INV - Opcode.SEND
 """From SEND / SEND_SE to SEND_INV / SEND_SE_INV (each follows its plain opcode)."""
 
@@ -154,7 +160,7 @@ class SendRun:
     def ctrl(flags: int, invalidate: bool) -> int:
         """The RDMAP control byte of an entry with ``flags`` (Send with Invalidate if
         ``invalidate``)."""
-        ctrl = ddp.CTRL_SEND_SE if flags & SendFlags.SOLICITED else ddp.CTRL_SEND
+        ctrl = ddp.CTRL_SEND_SE if flags & SOLICITED else ddp.CTRL_SEND
         return ctrl + _INV_STEP if invalidate else ctrl
 
     def add(self, wr_id: int, ctrl: int, flags: int, inline: bytes, inv: int) -> None:
@@ -165,9 +171,9 @@ class SendRun:
         self.lens.append(len(inline))
         self.invs.append(inv)
         self.wr_ids.append(wr_id)
-        if flags & SendFlags.SIGNALED:
+        if flags & SIGNALED:
             self.signaled.append(wr_id)
-            self.flags = SendFlags.SIGNALED
+            self.flags = SIGNALED
         self.size += self.fpdu_bytes(len(inline))
 
     @classmethod
@@ -183,7 +189,7 @@ class SendRun:
             [data], lens, invs, wr_ids, signaled, size,
         )  # fmt: skip
         run.ctrls = ctrls  # type: ignore[assignment]
-        run.flags = SendFlags.SIGNALED if signaled else 0
+        run.flags = SIGNALED if signaled else 0
         run.done = False
         run.status = WCStatus.SUCCESS
         return run

@@ -64,12 +64,7 @@ SPAN = struct.Struct("=QQ")
 """One receive as :meth:`Kernels.place_in` takes it: its offset in the target and its
 length, native 64-bit words (the compiled kernel reads them in place)."""
 _U32 = 0xFFFFFFFF
-_TAGGED = ddp.TAGGED
-_UNTAGGED = ddp.UNTAGGED
-_CRC_FIELD = ddp.CRC_FIELD
 _ZERO_CRC = bytes(ddp.TRAILER_CRC_LEN)
-_PACK_UNTAGGED = _UNTAGGED.pack
-_PACK_CRC = _CRC_FIELD.pack
 
 
 @dataclass(eq=False, slots=True)
@@ -302,8 +297,8 @@ class PyKernels:
         view = memoryview(src)
         total = view.nbytes
         check_tagged_frame(ctrl, stag, to, total, chunk)
-        pack = _TAGGED.pack
-        crc_field = _CRC_FIELD.pack
+        pack = ddp.TAGGED.pack
+        crc_field = ddp.CRC_FIELD.pack
         out: list[Buffer] = []
         off = 0
         while True:
@@ -334,7 +329,7 @@ class PyKernels:
         span = check_tagged_target(ctrl, stag, to, dst.nbytes, off)
         if not 0 <= start <= end <= len(buf):
             return start, to, False
-        unpack = _TAGGED.unpack_from
+        unpack = ddp.TAGGED.unpack_from
         pos = start
         done = 0  # in order: payload bytes placed
         last = False
@@ -379,18 +374,18 @@ def frame_send(payload: Buffer, ctrl: int, inv: int, msn: int, crc: bool) -> byt
     if ctrl not in SEND_CTRLS or not 0 <= n <= MAX_SEND_PAYLOAD:
         raise ValueError("frame_sends: a message is not a one-FPDU Send")
     ulpdu_len = UNTAGGED_HDR_LEN - 2 + n
-    body = _PACK_UNTAGGED(ulpdu_len, DDP_UNTAGGED_LAST, ctrl, inv, 0, msn, 0) + payload
+    body = ddp.UNTAGGED.pack(ulpdu_len, DDP_UNTAGGED_LAST, ctrl, inv, 0, msn, 0) + payload
     pad = ddp.pad_len(ulpdu_len)
     if pad:
         body += ddp.ZERO_PAD[pad]
-    return body + (_PACK_CRC(crc32c(body)) if crc else _ZERO_CRC)
+    return body + (ddp.CRC_FIELD.pack(crc32c(body)) if crc else _ZERO_CRC)
 
 
 def send_fpdu(buf: Buffer, pos: int, end: int, msn: int, crc: bool) -> int:
     """The bytes of the FPDU at ``buf[pos:end]`` (at least an untagged header) when it is
     a whole one-segment Send or Send with SE on QN 0 at MO 0, with MSN ``msn`` and
     (``crc`` set) a matching CRC, else 0: each message :meth:`Kernels.scan_sends` takes."""
-    ulpdu_len, ddp_ctrl, ctrl, _inv, qn, got_msn, mo = _UNTAGGED.unpack_from(buf, pos)
+    ulpdu_len, ddp_ctrl, ctrl, _inv, qn, got_msn, mo = ddp.UNTAGGED.unpack_from(buf, pos)
     if (
         ddp_ctrl != DDP_UNTAGGED_LAST
         or (ctrl != CTRL_SEND and ctrl != CTRL_SEND_SE)
@@ -410,7 +405,7 @@ def _whole_fpdu(buf: Buffer, pos: int, end: int, ulpdu_len: int, crc: bool) -> i
     body = size - ddp.TRAILER_CRC_LEN  # length field, ULPDU and PAD
     if size > end - pos:
         return 0
-    if crc and crc32c(buf[pos : pos + body]) != _CRC_FIELD.unpack_from(buf, pos + body)[0]:
+    if crc and crc32c(buf[pos : pos + body]) != ddp.CRC_FIELD.unpack_from(buf, pos + body)[0]:
         return 0
     return size
 

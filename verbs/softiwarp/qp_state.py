@@ -25,6 +25,7 @@ from rdmashim.verbs.softiwarp.ddp import QN, Opcode
 from rdmashim.verbs.softiwarp.fastpath import kernels
 from rdmashim.verbs.softiwarp.jobs import (
     MAX_FPDU,
+    SIGNALED,
     Chunk,
     EngineConfig,
     EngineState,
@@ -334,7 +335,7 @@ class QPEngineState:
             job = order.popleft()
             if isinstance(job, SendRun):
                 self._run_extra -= len(job) - 1
-            if quiet and job.status is success and not job.flags & SendFlags.SIGNALED:
+            if quiet and job.status is success and not job.flags & SIGNALED:
                 continue  # what _complete_send would do, without the call
             self._complete_send(job, job.status)
 
@@ -346,7 +347,7 @@ class QPEngineState:
                 send, qp_num = WCOpcode.SEND, self.qp_num
                 self._send_wcs([WC(wr_id, status, send, 0, qp_num) for wr_id in ids])
             return
-        if status is WCStatus.SUCCESS and not (self.sq_sig_all or job.flags & SendFlags.SIGNALED):
+        if status is WCStatus.SUCCESS and not (self.sq_sig_all or job.flags & SIGNALED):
             return
         byte_len = job.length if job.opcode is WROpcode.RDMA_READ else 0
         self.on_send_wc(WC(job.wr_id, status, _WC_OPCODE[job.opcode], byte_len, self.qp_num))

@@ -14,10 +14,12 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 
-from rdmashim.verbs.enums import Access, SendFlags, WCStatus, WROpcode
+from rdmashim.verbs.enums import Access, WCStatus, WROpcode
 from rdmashim.verbs.softiwarp import ddp
 from rdmashim.verbs.softiwarp.ddp import QN, Opcode
 from rdmashim.verbs.softiwarp.jobs import (
+    FENCE,
+    SOLICITED,
     U32_MAX,
     Chunk,
     EngineState,
@@ -90,7 +92,7 @@ class Transmitter(QPEngineState):
 
     def _sq_head_may_start(self) -> bool:
         head = self._sq[0]
-        if head.flags & SendFlags.FENCE and self._orq:
+        if head.flags & FENCE and self._orq:
             return False
         return not (head.opcode is WROpcode.RDMA_READ and len(self._orq) >= self.config.ord)
 
@@ -188,7 +190,7 @@ class Transmitter(QPEngineState):
                 or (op is not send and op is not send_inv)
                 or len(inline) != job.length
                 or job.length > most
-                or (job.flags & SendFlags.FENCE and orq)
+                or (job.flags & FENCE and orq)
             ):
                 break
             try:
@@ -279,7 +281,7 @@ class Transmitter(QPEngineState):
         if op is WROpcode.RDMA_WRITE:
             yield from self._tagged_fpdus(Opcode.WRITE, job.rkey, job.remote_addr, segments)
             return
-        opcode = _CTRL_SEND[(bool(job.flags & SendFlags.SOLICITED), op is WROpcode.SEND_WITH_INV)]
+        opcode = _CTRL_SEND[(bool(job.flags & SOLICITED), op is WROpcode.SEND_WITH_INV)]
         msn = self._tx_msn[QN.SEND] = (self._tx_msn[QN.SEND] + 1) & U32_MAX
         chunk = self.small_send_max
         total = job.length
