@@ -27,7 +27,8 @@ from collections.abc import Callable
 from rdmashim import SGE, Access, SendFlags, WROpcode
 from rdmashim.verbs.buffers import pin
 from rdmashim.verbs.softiwarp import native
-from rdmashim.verbs.softiwarp.engine import Engine, EngineConfig, RecvJob, SendJob
+from rdmashim.verbs.softiwarp.engine import Engine
+from rdmashim.verbs.softiwarp.jobs import EngineConfig, RecvJob, SendJob
 from rdmashim.verbs.softiwarp.memory import MemoryTable
 
 from report import engine_line

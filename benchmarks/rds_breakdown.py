@@ -49,9 +49,10 @@ from rdmashim.rdstools.stress import PassiveResult, stress_passive
 from rdmashim.ulps.rds.node import RdsSocket
 from rdmashim.ulps.rds.rdma_session import Session
 from rdmashim.verbs.softiwarp import engines
+from rdmashim.verbs.softiwarp.cq import CQ
 from rdmashim.verbs.softiwarp.engine import Engine
 from rdmashim.verbs.softiwarp.native_provider import NativeCQ, NativeLink, NativeQP
-from rdmashim.verbs.softiwarp.provider import CQ, QP
+from rdmashim.verbs.softiwarp.qp import QP
 
 from report import engine_line, run_meta
 from streams import stop_process

@@ -8,7 +8,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from rdmashim.verbs.softiwarp import native
-from rdmashim.verbs.softiwarp.engine import EngineConfig
+from rdmashim.verbs.softiwarp.jobs import EngineConfig
 
 
 @dataclass

@@ -17,7 +17,7 @@ import rdmashim
 from rdmashim import SGE, Access, SendFlags, WROpcode
 from rdmashim.verbs.buffers import pin
 from rdmashim.verbs.softiwarp import native
-from rdmashim.verbs.softiwarp.engine import EngineConfig
+from rdmashim.verbs.softiwarp.jobs import EngineConfig
 from rdmashim.verbs.wr import SendWR
 
 from nativecore import two_qps

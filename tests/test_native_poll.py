@@ -16,7 +16,7 @@ from rdmashim import SGE, Access, SendFlags, WROpcode
 from rdmashim.verbs.buffers import pin
 from rdmashim.verbs.enums import WCFlags, WCOpcode, WCStatus
 from rdmashim.verbs.softiwarp import native
-from rdmashim.verbs.softiwarp.engine import EngineConfig
+from rdmashim.verbs.softiwarp.jobs import EngineConfig
 from rdmashim.verbs.softiwarp.native_cq import _Rows
 from rdmashim.verbs.wr import WC, RecvWR, SendWR, WCArray
 

@@ -413,21 +413,6 @@ int64_t rs_frame_sends(uint8_t *out, size_t out_cap, const uint8_t *data, size_t
     return (int64_t)o;
 }
 
-int64_t rs_frame_gather(uint8_t *out, size_t out_cap, uint8_t *const *srcs,
-                        const uint32_t *lens, const uint8_t *ctrls, const uint32_t *invs,
-                        size_t n, uint32_t msn, int crc)
-{
-    size_t o = 0;
-    for (size_t i = 0; i < n; i++) {
-        size_t w = frame_one_send(out + o, out_cap - o, ctrls[i], invs[i], msn + (uint32_t)i,
-                                  srcs[i], lens[i], crc);
-        if (!w)
-            return -1;
-        o += w;
-    }
-    return (int64_t)o;
-}
-
 size_t rs_scan_sends(const uint8_t *buf, size_t buf_len, size_t start, size_t end,
                      uint32_t msn, int crc, uint32_t *out, size_t out_cap, size_t *stop)
 {

@@ -114,14 +114,6 @@ int64_t rs_place_tagged(const uint8_t *buf, size_t buf_len, size_t start, size_t
  * a buffer it holds (a registered region's). */
 void rs_gather(uint8_t *out, uint8_t *const *srcs, const uint32_t *lens, size_t n);
 
-/* rs_frame_sends of the pieces rs_gather would join: message i carries the lens[i]
- * bytes at srcs[i] (local memory the caller checked, as for rs_gather). Returns the
- * bytes written, or -1 (out unspecified) when a control byte is not a Send's, a
- * payload does not fit one FPDU or out is too small. */
-int64_t rs_frame_gather(uint8_t *out, size_t out_cap, uint8_t *const *srcs,
-                        const uint32_t *lens, const uint8_t *ctrls, const uint32_t *invs,
-                        size_t n, uint32_t msn, int crc);
-
 /* cdef-end */
 
 #endif

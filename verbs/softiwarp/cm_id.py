@@ -69,7 +69,8 @@ from rdmashim.verbs.softiwarp.connection import (
     reject,
 )
 from rdmashim.verbs.softiwarp.negotiation import MpaOptions, MpaRejected, MpaResult
-from rdmashim.verbs.softiwarp.provider import PD, Context, QPBase
+from rdmashim.verbs.softiwarp.provider import PD, Context
+from rdmashim.verbs.softiwarp.qp import QPBase
 from rdmashim.verbs.softiwarp.terminate import ProtocolError
 
 if TYPE_CHECKING:

@@ -30,15 +30,9 @@ IRQ); :mod:`.jobs` holds the work they carry. :class:`Engine` puts them together
 
 from __future__ import annotations
 
-# Re-exported until native.py, native_provider.py and benchmarks/engine_core.py import
-# them from .jobs, where they live now.
-from rdmashim.verbs.softiwarp.jobs import EngineConfig, EngineState, RecvJob, SendJob
 from rdmashim.verbs.softiwarp.rx import Receiver
 from rdmashim.verbs.softiwarp.tx import Transmitter
 
 
 class Engine(Receiver, Transmitter):
     """The protocol engine of one RC queue pair (see the module docstring)."""
-
-
-__all__ = ["Engine", "EngineConfig", "EngineState", "RecvJob", "SendJob"]

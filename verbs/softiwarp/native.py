@@ -23,7 +23,7 @@ from typing import Any
 from rdmashim.verbs.enums import Access, WCFlags, WCOpcode, WCStatus
 from rdmashim.verbs.errors import VerbsError
 from rdmashim.verbs.softiwarp.ddp import Opcode
-from rdmashim.verbs.softiwarp.engine import EngineConfig, EngineState
+from rdmashim.verbs.softiwarp.jobs import EngineConfig, EngineState
 from rdmashim.verbs.softiwarp.terminate import TermCode
 from rdmashim.verbs.wr import WC, RecvWR, SendWR
 

@@ -13,8 +13,10 @@ from typing import Any
 from rdmashim.verbs.enums import WCFlags, WCOpcode, WCStatus
 from rdmashim.verbs.errors import VerbsError
 from rdmashim.verbs.softiwarp import native
+from rdmashim.verbs.softiwarp.cq import CQ, CompChannel
 from rdmashim.verbs.softiwarp.native import ffi, lib
-from rdmashim.verbs.softiwarp.provider import CQ, CompChannel, Context, QPBase
+from rdmashim.verbs.softiwarp.provider import Context
+from rdmashim.verbs.softiwarp.qp import QPBase
 from rdmashim.verbs.wr import WC, WCArray
 
 _ERR_CQ_OVERRUN = 6

@@ -15,7 +15,7 @@ deregistration), :meth:`NativeQP._sync` takes what C says happened since
 (``rs_qp_news``: completions, a move to ERROR, the peer's RTR) and, for
 completions, compares each CQ's counters with what it saw, and wakes, notifies and
 hands on exactly as the Python engine's callbacks do; so CQ waiting, arming,
-channels and handlers are the provider's own (:class:`~.provider.CQ`).
+channels and handlers are the provider's own (:class:`~.cq.CQ`).
 """
 
 from __future__ import annotations
@@ -33,13 +33,15 @@ from rdmashim.verbs.attrs import QPCap
 from rdmashim.verbs.enums import Access, QPState
 from rdmashim.verbs.errors import VerbsError, refused_wr
 from rdmashim.verbs.softiwarp import native
+from rdmashim.verbs.softiwarp.cq import CQ, CompChannel
 from rdmashim.verbs.softiwarp.driver import Link
-from rdmashim.verbs.softiwarp.engine import EngineConfig, EngineState
+from rdmashim.verbs.softiwarp.jobs import EngineConfig, EngineState
 from rdmashim.verbs.softiwarp.memory import MemoryTable, Region
 from rdmashim.verbs.softiwarp.native import ffi, lib
 from rdmashim.verbs.softiwarp.native_cq import NativeCQ
 from rdmashim.verbs.softiwarp.native_wr import PlanCache, RecvPlan, SendPlan, plan_of
-from rdmashim.verbs.softiwarp.provider import CQ, PD, SRQ, CompChannel, Context, QPBase
+from rdmashim.verbs.softiwarp.provider import PD, Context
+from rdmashim.verbs.softiwarp.qp import SRQ, QPBase
 from rdmashim.verbs.softiwarp.terminate import ProtocolError, TermCode
 from rdmashim.verbs.wr import RecvBatch, RecvWR, SendBatch, SendWR
 

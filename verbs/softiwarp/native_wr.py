@@ -27,7 +27,7 @@ from rdmashim.verbs.enums import SendFlags, WROpcode
 from rdmashim.verbs.errors import NotSupported, VerbsError, refused_wr
 from rdmashim.verbs.softiwarp.memory import MemoryTable
 from rdmashim.verbs.softiwarp.native import MAX_SGE, ffi, lib
-from rdmashim.verbs.softiwarp.provider import unregistered
+from rdmashim.verbs.softiwarp.posting import unregistered
 from rdmashim.verbs.wr import SGE, RecvWR, SendWR, recv_problem, send_problem, wr_id_problem
 
 _HEAD = struct.Struct("<QIIQIII4x")

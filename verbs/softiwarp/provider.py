@@ -35,7 +35,6 @@ from rdmashim.verbs.enums import (
     PortState,
     QPType,
     Transport,
-    WCOpcode,
 )
 from rdmashim.verbs.errors import (
     NotSupported,
@@ -47,8 +46,7 @@ from rdmashim.verbs.events import AsyncEvent, AsyncEventType
 from rdmashim.verbs.softiwarp.cq import CQ, CompChannel
 from rdmashim.verbs.softiwarp.memory import MemoryTable, Region
 from rdmashim.verbs.softiwarp.mpa import MAX_PRIVATE_DATA, V2_BLOCK_LEN
-from rdmashim.verbs.softiwarp.posting import unregistered
-from rdmashim.verbs.softiwarp.qp import QP, SRQ, QPBase
+from rdmashim.verbs.softiwarp.qp import QP, SRQ
 from rdmashim.verbs.softiwarp.resource import Parent, Resource
 
 if TYPE_CHECKING:
@@ -481,21 +479,3 @@ class MR(PinnedRegion, Resource):
         self._pinned.release()
 
     dereg = close
-
-
-# CQ, CompChannel, SRQ, QPBase and unregistered are re-exported until native_provider.py,
-# native_wr.py and cm_id.py import them from .cq, .qp and .posting, where they live now.
-__all__ = [
-    "CQ",
-    "MR",
-    "PD",
-    "QP",
-    "SRQ",
-    "CompChannel",
-    "Context",
-    "Device",
-    "QPBase",
-    "WCOpcode",
-    "get_device_list",
-    "unregistered",
-]
