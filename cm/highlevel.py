@@ -366,6 +366,10 @@ async def open_connection(
                 cm_id.destroy()
                 conn._release()
         event = await _expect(router, cm_id, E.ESTABLISHED, (host, port))
+        # Cancelled while ESTABLISHED came (a task beside ours failed): the channel's
+        # device tasks are closing the context under us; raise Cancelled here rather
+        # than hand out a connection whose PD is already gone.
+        await trio.lowlevel.checkpoint_if_cancelled()
         conn.private_data = event.private_data
         channel.nursery.start_soon(conn._follow)
         try:
