@@ -1,8 +1,8 @@
 """Build script for the optional compiled accelerator; the metadata is in pyproject.toml.
 
 The soft-iWARP engine runs in pure Python. When a C compiler and the Python
-headers are there, this also builds ``rdmashim.verbs.softiwarp._accel`` (cffi
-API mode, ``verbs/softiwarp/accel_build.py``), which takes the per-FPDU work
+headers are there, this also builds ``rdmashim.providers.softiwarp._accel`` (cffi
+API mode, ``providers/softiwarp/accel_build.py``), which takes the per-FPDU work
 of small Sends. The extension is optional: when it cannot be built (no
 compiler, no headers, any error) the build warns and the pure-Python install
 goes on. ``RDMASHIM_NO_EXTENSIONS=1`` skips it.
@@ -49,5 +49,5 @@ class OptionalBuildExt(build_ext):
 
 setup(
     cmdclass={"build_ext": OptionalBuildExt},
-    cffi_modules=[] if _no_extensions() else ["verbs/softiwarp/accel_build.py:ffibuilder"],
+    cffi_modules=[] if _no_extensions() else ["providers/softiwarp/accel_build.py:ffibuilder"],
 )

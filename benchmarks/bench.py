@@ -105,7 +105,7 @@ from rdmashim import (
     WCStatus,
     WROpcode,
 )
-from rdmashim.verbs.softiwarp.connection import MpaOptions, accept_qp, connect_qp, read_request
+from rdmashim.providers.softiwarp.connection import MpaOptions, accept_qp, connect_qp, read_request
 
 import floor
 import vethpath

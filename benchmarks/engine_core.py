@@ -25,11 +25,11 @@ from collections import deque
 from collections.abc import Callable
 
 from rdmashim import SGE, Access, SendFlags, WROpcode
+from rdmashim.providers.softiwarp import native
+from rdmashim.providers.softiwarp.engine import Engine
+from rdmashim.providers.softiwarp.jobs import EngineConfig, RecvJob, SendJob
+from rdmashim.providers.softiwarp.memory import MemoryTable
 from rdmashim.verbs.buffers import pin
-from rdmashim.verbs.softiwarp import native
-from rdmashim.verbs.softiwarp.engine import Engine
-from rdmashim.verbs.softiwarp.jobs import EngineConfig, RecvJob, SendJob
-from rdmashim.verbs.softiwarp.memory import MemoryTable
 
 from report import engine_line
 

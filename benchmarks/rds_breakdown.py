@@ -43,16 +43,16 @@ from typing import Any
 import trio
 from rds_stress import CLIENT_IP, SERVER_IP, Case, _free_port, ours, raw, raw_passive
 
+from rdmashim.providers.softiwarp import engines
+from rdmashim.providers.softiwarp.cq import CQ
+from rdmashim.providers.softiwarp.engine import Engine
+from rdmashim.providers.softiwarp.native_provider import NativeCQ, NativeLink, NativeQP
+from rdmashim.providers.softiwarp.qp import QP
 from rdmashim.rdstools.common import open_node
 from rdmashim.rdstools.defaults import STRESS_PORT
 from rdmashim.rdstools.stress import PassiveResult, stress_passive
 from rdmashim.ulps.rds.node import RdsSocket
 from rdmashim.ulps.rds.rdma_session import Session
-from rdmashim.verbs.softiwarp import engines
-from rdmashim.verbs.softiwarp.cq import CQ
-from rdmashim.verbs.softiwarp.engine import Engine
-from rdmashim.verbs.softiwarp.native_provider import NativeCQ, NativeLink, NativeQP
-from rdmashim.verbs.softiwarp.qp import QP
 
 from report import engine_line, run_meta
 from streams import stop_process

@@ -16,8 +16,8 @@ from typing import Any
 import trio
 
 import rdmashim
+from rdmashim.providers.softiwarp import engines, fastpath
 from rdmashim.registry import chosen_backend
-from rdmashim.verbs.softiwarp import engines, fastpath
 
 
 def engine(backend: str | None = None) -> str:

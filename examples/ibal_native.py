@@ -46,7 +46,7 @@ import trio
 from rdmashim import Access, RecvWR, SendWR, WCOpcode, WROpcode
 from rdmashim.cliargs import Parser, host, integer, port, run_command, size
 from rdmashim.cm import open_connection, serve
-from rdmashim.verbs.ibal import (
+from rdmashim.providers.ibal import (
     IbAl,
     IbCq,
     IbStatus,

@@ -17,6 +17,7 @@ soft-iWARP engine, which needs nothing but TCP::
 from collections.abc import AsyncIterator as _AsyncIterator
 from contextlib import asynccontextmanager as _asynccontextmanager
 
+from rdmashim import moved as _moved
 from rdmashim.registry import chosen_backend
 from rdmashim.registry import load_backend as _load_backend
 from rdmashim.verbs import *  # noqa: F403
@@ -25,6 +26,8 @@ from rdmashim.verbs.abc import Context as _Context
 from rdmashim.verbs.abc import Device as _Device
 
 __version__ = "0.1.0"
+
+_moved.install()  # the backends' old names (rdmashim.verbs.softiwarp, ...) still import
 
 
 def get_device_list(*, backend: str | None = None) -> list[_Device]:

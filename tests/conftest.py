@@ -13,7 +13,7 @@ import siwvm
 from _pytest.outcomes import Skipped
 
 import rdmashim
-from rdmashim.verbs.softiwarp import engines, fastpath, native
+from rdmashim.providers.softiwarp import engines, fastpath, native
 
 import netns
 from pairs import Side, make_pair

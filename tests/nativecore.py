@@ -7,8 +7,8 @@ import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from rdmashim.verbs.softiwarp import native
-from rdmashim.verbs.softiwarp.jobs import EngineConfig
+from rdmashim.providers.softiwarp import native
+from rdmashim.providers.softiwarp.jobs import EngineConfig
 
 
 @dataclass

@@ -8,7 +8,7 @@ from typing import Any
 import trio
 
 import rdmashim
-from rdmashim.verbs.softiwarp.connection import (
+from rdmashim.providers.softiwarp.connection import (
     MpaOptions,
     accept_qp,
     connect_qp,

@@ -19,10 +19,9 @@ from hypothesis import strategies as st
 from test_engine_small_sends import FLAWED_RUNS
 from test_engine_small_sends import _run as run_small_sends
 
-from rdmashim.verbs.enums import Access
-from rdmashim.verbs.softiwarp import ddp, fastpath
-from rdmashim.verbs.softiwarp.ddp import CTRL_READ_RESPONSE, CTRL_WRITE, QN, Opcode
-from rdmashim.verbs.softiwarp.kernels import (
+from rdmashim.providers.softiwarp import ddp, fastpath
+from rdmashim.providers.softiwarp.ddp import CTRL_READ_RESPONSE, CTRL_WRITE, QN, Opcode
+from rdmashim.providers.softiwarp.kernels import (
     MAX_SEND_PAYLOAD,
     MAX_TAGGED_PAYLOAD,
     MSG_WORDS,
@@ -32,7 +31,8 @@ from rdmashim.verbs.softiwarp.kernels import (
     PyKernels,
     Targets,
 )
-from rdmashim.verbs.softiwarp.memory import Region
+from rdmashim.providers.softiwarp.memory import Region
+from rdmashim.verbs.enums import Access
 
 REPO = Path(__file__).resolve().parents[1]
 PY: Kernels = PyKernels()
@@ -50,7 +50,7 @@ def c() -> Kernels:
 @settings(max_examples=200, deadline=None)
 @given(data=st.binary(max_size=300), value=_U32, skip=st.integers(0, 7))
 def test_crc32c_matches_the_package(c: Kernels, data: bytes, value: int, skip: int) -> None:
-    from rdmashim.verbs.softiwarp._accel import ffi, lib
+    from rdmashim.providers.softiwarp._accel import ffi, lib
 
     view = memoryview(data)[skip:]  # every alignment
     expected = crc32c(view, value)
@@ -432,7 +432,7 @@ def _spans(offs: list[int], lens: list[int]) -> bytes:
 def test_deregistration_releases_the_compiled_handle(c: Kernels) -> None:
     """The compiled handle holds the region's buffer; deregistering drops it, so the
     buffer can be released (an MR's close does that)."""
-    from rdmashim.verbs.softiwarp.memory import MemoryTable
+    from rdmashim.providers.softiwarp.memory import MemoryTable
 
     table = MemoryTable()
     view = memoryview(bytearray(32))
@@ -657,7 +657,7 @@ def _child(code: str, **env: str) -> str:
 
 
 def test_environment_variable_forces_the_fallback(c: Kernels) -> None:
-    code = "from rdmashim.verbs.softiwarp import fastpath; print(fastpath.describe())"
+    code = "from rdmashim.providers.softiwarp import fastpath; print(fastpath.describe())"
     assert _child(code, RDMASHIM_NO_EXTENSIONS="0").startswith("yes (C")
     assert _child(code, RDMASHIM_NO_EXTENSIONS="1") == "no (RDMASHIM_NO_EXTENSIONS is set)"
 

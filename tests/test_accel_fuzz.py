@@ -1,6 +1,6 @@
 """A bounded fuzz run of the compiled kernels under AddressSanitizer and UBSan.
 
-``tools/accel_fuzz.c`` is compiled with ``verbs/softiwarp/_accel.c`` (the same
+``tools/accel_fuzz.c`` is compiled with ``providers/softiwarp/_accel.c`` (the same
 source the extension builds) under ``-fsanitize=address,undefined`` and run for
 ``RDMASHIM_ACCEL_FUZZ_SECONDS`` (default 30) seconds of CPU time: any sanitizer
 report or broken invariant fails the test. A second build with a deliberate
@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-KERNELS = REPO / "verbs" / "softiwarp"
+KERNELS = REPO / "providers" / "softiwarp"
 DRIVER = REPO / "tools" / "accel_fuzz.c"
 FLAGS = [
     "-g", "-O1", "-std=c11", "-Wall", "-Wextra", "-Werror",

@@ -24,7 +24,7 @@ import pytest
 import trio
 
 from rdmashim.cm import addressing
-from rdmashim.verbs.softiwarp import engines
+from rdmashim.providers.softiwarp import engines
 
 import netns
 
@@ -85,7 +85,7 @@ PROBE = textwrap.dedent(
     """
     import json, socket, subprocess, trio
     from rdmashim.cm import addressing
-    from rdmashim.verbs.softiwarp import engines, provider
+    from rdmashim.providers.softiwarp import engines, provider
 
     async def port():
         async with engines.open_device("siw_d0") as ctx:

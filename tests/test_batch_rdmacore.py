@@ -9,8 +9,8 @@ from typing import Any
 import pytest
 
 from rdmashim import SGE, RecvBatch, RecvWR, SendBatch, SendFlags, SendWR, VerbsError, WROpcode
-from rdmashim.verbs.rdmacore.cdefs import ffi
-from rdmashim.verbs.rdmacore.queue_pair import WRChain, _post_batch, _recv_chain, _send_chain
+from rdmashim.providers.rdmacore.cdefs import ffi
+from rdmashim.providers.rdmacore.queue_pair import WRChain, _post_batch, _recv_chain, _send_chain
 
 
 class Provider:

@@ -29,7 +29,7 @@ from rdmashim import (
     WCStatus,
     WROpcode,
 )
-from rdmashim.verbs.softiwarp import posting
+from rdmashim.providers.softiwarp import posting
 
 
 async def test_poll_into_after_an_overrun_is_eoverflow() -> None:

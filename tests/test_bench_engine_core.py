@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from benchrun import run_benchmark
 
-from rdmashim.verbs.softiwarp import native
+from rdmashim.providers.softiwarp import native
 
 
 def test_engine_core_rows() -> None:

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from benchrun import run_benchmark
 
-from rdmashim.verbs.softiwarp import engines, native
+from rdmashim.providers.softiwarp import engines, native
 
 RDMA_CASE = "q=64 a=16 t=1 d=4 D=64K"
 

@@ -21,7 +21,7 @@ from benchrun import BENCHMARKS, run_benchmark
 
 import rdmashim
 from rdmashim import Access, QPCap, RecvWR, SendWR, WCStatus, WROpcode
-from rdmashim.verbs.softiwarp.connection import connect_qp
+from rdmashim.providers.softiwarp.connection import connect_qp
 
 sys.path.insert(0, str(BENCHMARKS))  # bench.py's wire formats, and the modules it imports
 from bench import HOST, PRIV_REQ, RAW_REQ_HDR, REQ_HDR, REQ_SLOT

@@ -13,7 +13,7 @@ import trio
 import rdmashim
 from rdmashim import Access, QPState, RecvWR, SendFlags, SendWR, VerbsError, WCStatus, WROpcode
 from rdmashim.cm import CMEventType, ConnParam, EventChannel, PortSpace, TransportOptions
-from rdmashim.verbs.softiwarp import mpa
+from rdmashim.providers.softiwarp import mpa
 
 E = CMEventType
 SIG = SendFlags.SIGNALED

@@ -25,10 +25,10 @@ import trio
 
 from rdmashim import Access, QPState
 from rdmashim.cm import CMError, ConnectionRequest, open_connection, serve
-from rdmashim.verbs.softiwarp import ddp, mpa
-from rdmashim.verbs.softiwarp.cm_id import CMId
-from rdmashim.verbs.softiwarp.connection import MPA_REPLY_TIMEOUT
-from rdmashim.verbs.softiwarp.engine import Engine
+from rdmashim.providers.softiwarp import ddp, mpa
+from rdmashim.providers.softiwarp.cm_id import CMId
+from rdmashim.providers.softiwarp.connection import MPA_REPLY_TIMEOUT
+from rdmashim.providers.softiwarp.engine import Engine
 
 LOOPBACK = "127.0.0.1"
 GOOD_CLIENT_BOUND = 20.0
@@ -105,7 +105,7 @@ async def _closed_by_server(sock: trio.socket.SocketType) -> bool:
 async def test_pending_bound_drops_the_oldest_stalled_connection(caplog: Any) -> None:
     """Past ``max_pending``, the oldest connection still owing its MPA Request goes, with
     one warning (not one per connection), and a good client still gets in."""
-    caplog.set_level(logging.WARNING, logger="rdmashim.verbs.softiwarp.cm_id")
+    caplog.set_level(logging.WARNING, logger="rdmashim.providers.softiwarp.cm_id")
     async with trio.open_nursery() as nursery:
         port = await start_server(nursery, max_pending=4)
         stalled = []
@@ -198,7 +198,7 @@ async def test_good_client_connects_while_a_thousand_strangers_abuse_the_listene
     """A thousand connections cut the MPA Request at every byte (reset or FIN), stall
     with half a Request, or send garbage; good clients that connect meanwhile get in
     within GOOD_CLIENT_BOUND, and afterwards nothing of the strangers is left."""
-    caplog.set_level(logging.INFO, logger="rdmashim.verbs.softiwarp.cm_id")
+    caplog.set_level(logging.INFO, logger="rdmashim.providers.softiwarp.cm_id")
     took: list[float] = []
     async with trio.open_nursery() as nursery:
         port = await start_server(nursery)

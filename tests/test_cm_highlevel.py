@@ -24,7 +24,7 @@ from rdmashim.cm import (
     open_device_for,
     serve,
 )
-from rdmashim.verbs.softiwarp import mpa
+from rdmashim.providers.softiwarp import mpa
 
 SIG = SendFlags.SIGNALED
 

@@ -87,7 +87,7 @@ def test_a_refusal_names_the_call_the_state_and_what_the_call_needs() -> None:
 def _cm_id_modules() -> list[Path]:
     """The backends' modules whose CM ids build on ``rdmashim.cm.base``."""
     found = []
-    for path in sorted((REPO / "verbs").glob("*/*.py")):
+    for path in sorted((REPO / "providers").glob("*/*.py")):
         tree = ast.parse(path.read_text(), str(path))
         if any(
             isinstance(node, ast.ImportFrom) and node.module == "rdmashim.cm.base"

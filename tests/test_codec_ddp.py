@@ -12,8 +12,8 @@ from crc32c import crc32c
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rdmashim.verbs.softiwarp import ddp
-from rdmashim.verbs.softiwarp.ddp import (
+from rdmashim.providers.softiwarp import ddp
+from rdmashim.providers.softiwarp.ddp import (
     QN,
     Header,
     Opcode,
@@ -30,7 +30,7 @@ from rdmashim.verbs.softiwarp.ddp import (
     parse_terminate,
     trailer,
 )
-from rdmashim.verbs.softiwarp.terminate import (
+from rdmashim.providers.softiwarp.terminate import (
     DDP_CATASTROPHIC,
     RDMAP_LOCAL_CATASTROPHIC,
     DdpTaggedCode,

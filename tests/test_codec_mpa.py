@@ -7,9 +7,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rdmashim.verbs.softiwarp import mpa
-from rdmashim.verbs.softiwarp.mpa import RTR, StartFrame, encode_start_frame, parse_start_frame
-from rdmashim.verbs.softiwarp.terminate import LlpCode, ProtocolError, llp
+from rdmashim.providers.softiwarp import mpa
+from rdmashim.providers.softiwarp.mpa import RTR, StartFrame, encode_start_frame, parse_start_frame
+from rdmashim.providers.softiwarp.terminate import LlpCode, ProtocolError, llp
 
 from bytewise import tr
 

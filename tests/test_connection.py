@@ -6,8 +6,8 @@ import pytest
 import trio
 
 from rdmashim import QPState
-from rdmashim.verbs.softiwarp import mpa
-from rdmashim.verbs.softiwarp.connection import (
+from rdmashim.providers.softiwarp import mpa
+from rdmashim.providers.softiwarp.connection import (
     MPA_REPLY_TIMEOUT,
     MPA_REQUEST_TIMEOUT,
     MpaOptions,
@@ -18,7 +18,7 @@ from rdmashim.verbs.softiwarp.connection import (
     read_request,
     reject,
 )
-from rdmashim.verbs.softiwarp.terminate import LlpCode, ProtocolError
+from rdmashim.providers.softiwarp.terminate import LlpCode, ProtocolError
 
 from pairs import make_pair
 

@@ -19,8 +19,8 @@ from rdmashim import (
     WCStatus,
     WROpcode,
 )
-from rdmashim.verbs.softiwarp import ddp
-from rdmashim.verbs.softiwarp.terminate import (
+from rdmashim.providers.softiwarp import ddp
+from rdmashim.providers.softiwarp.terminate import (
     DdpTaggedCode,
     DdpUntaggedCode,
     Layer,
@@ -340,8 +340,8 @@ async def test_read_whose_sink_wraps_terminates_and_the_process_goes_on(ctx) -> 
     """Issue 10: one Read Request whose sink TO + size passes 2^64, from a raw TCP peer,
     used to kill the responder (struct.error building the second Read Response FPDU).
     Now it gets RDMAP / remote protection / TO wrap, and a new connection still works."""
-    from rdmashim.verbs.softiwarp import mpa
-    from rdmashim.verbs.softiwarp.connection import accept_qp, read_request
+    from rdmashim.providers.softiwarp import mpa
+    from rdmashim.providers.softiwarp.connection import accept_qp, read_request
 
     pd = ctx.alloc_pd()
     cq = ctx.create_cq(16)

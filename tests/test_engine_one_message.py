@@ -36,13 +36,13 @@ from rdmashim import (
     WCStatus,
     WROpcode,
 )
-from rdmashim.verbs.softiwarp.connection import connect_qp, read_request
-from rdmashim.verbs.softiwarp.ddp import UNTAGGED_HDR_LEN
-from rdmashim.verbs.softiwarp.jobs import EngineState, RecvJob, SendJob, SendRun
-from rdmashim.verbs.softiwarp.kernels import PyKernels
-from rdmashim.verbs.softiwarp.mpa import encode_start_frame
-from rdmashim.verbs.softiwarp.negotiation import MpaOptions, answer_request
-from rdmashim.verbs.softiwarp.posting import COPY_SEND_MAX, SendTemplate
+from rdmashim.providers.softiwarp.connection import connect_qp, read_request
+from rdmashim.providers.softiwarp.ddp import UNTAGGED_HDR_LEN
+from rdmashim.providers.softiwarp.jobs import EngineState, RecvJob, SendJob, SendRun
+from rdmashim.providers.softiwarp.kernels import PyKernels
+from rdmashim.providers.softiwarp.mpa import encode_start_frame
+from rdmashim.providers.softiwarp.negotiation import MpaOptions, answer_request
+from rdmashim.providers.softiwarp.posting import COPY_SEND_MAX, SendTemplate
 
 from pairs import make_pair
 

@@ -20,8 +20,8 @@ from rdmashim import (
     WCStatus,
     WROpcode,
 )
-from rdmashim.verbs.softiwarp.connection import MpaOptions
-from rdmashim.verbs.softiwarp.jobs import MAX_FPDU
+from rdmashim.providers.softiwarp.connection import MpaOptions
+from rdmashim.providers.softiwarp.jobs import MAX_FPDU
 
 from pairs import Side, make_pair, settle
 
@@ -320,7 +320,7 @@ async def test_crc_negotiated_when_either_side_asks(ctx, crc: bool) -> None:
         (MpaOptions(revision=1), MpaOptions()),
         (MpaOptions(p2p=True), MpaOptions(p2p=True)),
         (
-            MpaOptions(p2p=True, rtr=__import__("rdmashim").verbs.softiwarp.mpa.RTR.READ),
+            MpaOptions(p2p=True, rtr=__import__("rdmashim").providers.softiwarp.mpa.RTR.READ),
             MpaOptions(p2p=True),
         ),
         (MpaOptions(p2p=True), MpaOptions(p2p=False)),

@@ -13,14 +13,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from rdmashim import SGE, Access, SendFlags, WCOpcode, WCStatus, WROpcode
-from rdmashim.verbs.buffers import pin
-from rdmashim.verbs.softiwarp import ddp
-from rdmashim.verbs.softiwarp.ddp import QN, Opcode
-from rdmashim.verbs.softiwarp.engine import Engine
-from rdmashim.verbs.softiwarp.jobs import EngineConfig, EngineState, RecvJob, SendJob
-from rdmashim.verbs.softiwarp.memory import MemoryTable
-from rdmashim.verbs.softiwarp.rx import STAGING_SIZE
-from rdmashim.verbs.softiwarp.terminate import (
+from rdmashim.providers.softiwarp import ddp
+from rdmashim.providers.softiwarp.ddp import QN, Opcode
+from rdmashim.providers.softiwarp.engine import Engine
+from rdmashim.providers.softiwarp.jobs import EngineConfig, EngineState, RecvJob, SendJob
+from rdmashim.providers.softiwarp.memory import MemoryTable
+from rdmashim.providers.softiwarp.rx import STAGING_SIZE
+from rdmashim.providers.softiwarp.terminate import (
     DdpTaggedCode,
     DdpType,
     DdpUntaggedCode,
@@ -35,6 +34,7 @@ from rdmashim.verbs.softiwarp.terminate import (
     llp,
     rdmap,
 )
+from rdmashim.verbs.buffers import pin
 
 pytestmark = pytest.mark.usefixtures("engine_kernels")  # compiled and Python kernels
 
@@ -197,7 +197,7 @@ def test_linux_siw_pad_bytes_are_ignored() -> None:
     """Linux siw sends non-zero PAD; a receiver ignores PAD contents (CRC still covers them)."""
     from crc32c import crc32c
 
-    from rdmashim.verbs.softiwarp import ddp
+    from rdmashim.providers.softiwarp import ddp
 
     b = Host(True)
     rbuf = b.region(8)

@@ -13,10 +13,10 @@ from hypothesis import strategies as st
 from test_engine_sansio import Host, pump, untagged, wire
 
 from rdmashim import SGE, RecvWR, SendFlags, SendWR, VerbsError, WCStatus, WROpcode
-from rdmashim.verbs.softiwarp.ddp import QN, Opcode
-from rdmashim.verbs.softiwarp.engine import Engine
-from rdmashim.verbs.softiwarp.jobs import EngineState, RecvJob, SendJob
-from rdmashim.verbs.softiwarp.memory import Region
+from rdmashim.providers.softiwarp.ddp import QN, Opcode
+from rdmashim.providers.softiwarp.engine import Engine
+from rdmashim.providers.softiwarp.jobs import EngineState, RecvJob, SendJob
+from rdmashim.providers.softiwarp.memory import Region
 
 from pairs import Side
 

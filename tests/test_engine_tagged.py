@@ -11,10 +11,10 @@ from hypothesis import strategies as st
 from test_engine_sansio import RW, Host, tagged, untagged, wire
 
 from rdmashim import SGE, Access, SendFlags, WCStatus, WROpcode
-from rdmashim.verbs.softiwarp import ddp
-from rdmashim.verbs.softiwarp.ddp import QN, Opcode
-from rdmashim.verbs.softiwarp.jobs import EngineState, RecvJob, SendJob
-from rdmashim.verbs.softiwarp.memory import Region
+from rdmashim.providers.softiwarp import ddp
+from rdmashim.providers.softiwarp.ddp import QN, Opcode
+from rdmashim.providers.softiwarp.jobs import EngineState, RecvJob, SendJob
+from rdmashim.providers.softiwarp.memory import Region
 
 _SIG = int(SendFlags.SIGNALED)
 pytestmark = pytest.mark.usefixtures("engine_kernels")  # compiled and Python kernels

@@ -12,8 +12,8 @@ import time
 import psutil
 import pytest
 
-from rdmashim.verbs.softiwarp import ddp, engines, fastpath, native
-from rdmashim.verbs.softiwarp.terminate import DdpTaggedCode, ddp_tagged
+from rdmashim.providers.softiwarp import ddp, engines, fastpath, native
+from rdmashim.providers.softiwarp.terminate import DdpTaggedCode, ddp_tagged
 
 from tooling import tool
 

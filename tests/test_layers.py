@@ -25,21 +25,16 @@ from rdmashim.verbs.backend import BACKENDS
 REPO = Path(__file__).resolve().parents[1]
 
 LAYERS: dict[str, tuple[str, ...]] = {
-    "Verbs": tuple(
-        f"rdmashim/verbs/{name}.py"
-        for name in (
-            "__init__", "abc", "attrs", "backend", "buffers", "busypoll", "enums", "errors",
-            "events", "lending", "tasks", "wr",
-        )
-    ),
+    "Verbs": ("rdmashim/verbs/",),
     "CM": ("rdmashim/cm/",),
-    "Engine": ("rdmashim/verbs/softiwarp/",),
-    "RdmaCore": ("rdmashim/verbs/rdmacore/",),
-    "Ibal": ("rdmashim/verbs/ibal/",),
+    "Engine": ("rdmashim/providers/softiwarp/",),
+    "RdmaCore": ("rdmashim/providers/rdmacore/",),
+    "Ibal": ("rdmashim/providers/ibal/",),
     "ULPs": ("rdmashim/ulps/__init__.py",),
     "RDS": ("rdmashim/ulps/rds/",),
     "NFS": ("rdmashim/ulps/nfsrdma/",),
-    "Facade": ("rdmashim/__init__.py", "rdmashim/registry.py"),
+    "Providers": ("rdmashim/providers/__init__.py",),
+    "Facade": ("rdmashim/__init__.py", "rdmashim/moved.py", "rdmashim/registry.py"),
     "Tools": (
         "rdmashim/__main__.py", "rdmashim/cli.py", "rdmashim/cliargs.py",
         "rdmashim/clisignals.py", "rdmashim/demo.py", "rdmashim/devinfo.py", "rdmashim/ping.py",
@@ -49,8 +44,7 @@ LAYERS: dict[str, tuple[str, ...]] = {
 }  # fmt: skip
 """Every module of the installed package, by path, in its layer: a file by name, or a
 folder (``/`` at the end) with everything under it. A file in none fails the test, so a
-new module is placed here on purpose; the portable verbs are named file by file because
-the backends live in folders beneath them."""
+new module is placed here on purpose."""
 
 _BACKENDS = ("Engine", "RdmaCore", "Ibal")
 _ULPS = ("RDS", "NFS")
@@ -206,7 +200,7 @@ def test_every_package_installed_is_read() -> None:
     for package in setuptools_config()["packages"]:
         assert f"{package.replace('.', '/')}/__init__.py" in files, package
     assert files["rdmashim/ulps/rds/node.py"] == REPO / "ulps/rds/node.py"
-    assert files["rdmashim/verbs/ibal/ca.py"] == REPO / "verbs/ibal/ca.py"
+    assert files["rdmashim/providers/ibal/ca.py"] == REPO / "providers/ibal/ca.py"
 
 
 def test_every_module_is_in_one_layer_and_every_import_runs_along_an_arrow() -> None:
@@ -218,7 +212,8 @@ def test_every_module_is_in_one_layer_and_every_import_runs_along_an_arrow() -> 
 
 def test_only_the_registry_imports_by_name() -> None:
     """``importlib`` and ``__import__`` load what no ``import`` names, past the checker:
-    only the registry does so, to load the backend a caller chose."""
+    only the registry does so, to load the backend a caller chose, and the facade's
+    ``moved``, to give an old backend name the module of its new one (test_moved)."""
     callers = sorted(
         file
         for file, path in installed_sources().items()
@@ -227,7 +222,7 @@ def test_only_the_registry_imports_by_name() -> None:
         and (node.attr if isinstance(node, ast.Attribute) else node.id)
         in ("import_module", "__import__")
     )
-    assert set(callers) == {"rdmashim/verbs/backend.py"}, callers
+    assert set(callers) == {"rdmashim/verbs/backend.py", "rdmashim/moved.py"}, callers
 
 
 def test_the_registry_loads_the_backend_layers_and_nothing_else() -> None:
@@ -261,11 +256,11 @@ FILES = [
     "rdmashim/cm/__init__.py",
     "rdmashim/cm/abc.py",
     "rdmashim/cm/channel.py",
-    "rdmashim/verbs/softiwarp/__init__.py",
-    "rdmashim/verbs/softiwarp/engine.py",
-    "rdmashim/verbs/rdmacore/__init__.py",
-    "rdmashim/verbs/ibal/__init__.py",
-    "rdmashim/verbs/ibal/ca.py",
+    "rdmashim/providers/softiwarp/__init__.py",
+    "rdmashim/providers/softiwarp/engine.py",
+    "rdmashim/providers/rdmacore/__init__.py",
+    "rdmashim/providers/ibal/__init__.py",
+    "rdmashim/providers/ibal/ca.py",
     "rdmashim/ulps/__init__.py",
     "rdmashim/ulps/rds/__init__.py",
     "rdmashim/ulps/rds/node.py",
@@ -283,17 +278,17 @@ def test_the_checker_reads_imports_wherever_they_stand() -> None:
         "def lazy():\n"
         "    from ..softiwarp import engine\n"
     )
-    found = list(imports_in(source, "rdmashim/verbs/ibal/ca.py", FILES))
+    found = list(imports_in(source, "rdmashim/providers/ibal/ca.py", FILES))
     assert [(i.line, i.target) for i in found] == [
         (2, "rdmashim.verbs.abc"),
         (3, "rdmashim.verbs.backend"),
         (3, "rdmashim.verbs"),
-        (4, "rdmashim.verbs.ibal"),
+        (4, "rdmashim.providers.ibal"),
         (6, "rdmashim.cm.abc"),
-        (8, "rdmashim.verbs.softiwarp.engine"),
+        (8, "rdmashim.providers.softiwarp.engine"),
     ]
-    assert module_file("rdmashim.verbs.softiwarp._accel", FILES) == (
-        "rdmashim/verbs/softiwarp/__init__.py"
+    assert module_file("rdmashim.providers.softiwarp._accel", FILES) == (
+        "rdmashim/providers/softiwarp/__init__.py"
     )
 
 
@@ -301,11 +296,11 @@ def test_the_checker_names_file_import_and_rule() -> None:
     found = [
         Import("rdmashim/verbs/backend.py", 3, "rdmashim.cm.abc"),
         Import("rdmashim/cm/channel.py", 5, "rdmashim.registry"),
-        Import("rdmashim/verbs/ibal/ca.py", 7, "rdmashim.verbs.softiwarp.engine"),
-        Import("rdmashim/ulps/rds/node.py", 9, "rdmashim.verbs.rdmacore"),
-        Import("rdmashim/verbs/softiwarp/engine.py", 11, "rdmashim.ulps.rds.node"),
-        Import("rdmashim/verbs/rdmacore/__init__.py", 13, "rdmashim.cli"),
-        Import("rdmashim/cli.py", 15, "rdmashim.verbs.softiwarp"),
+        Import("rdmashim/providers/ibal/ca.py", 7, "rdmashim.providers.softiwarp.engine"),
+        Import("rdmashim/ulps/rds/node.py", 9, "rdmashim.providers.rdmacore"),
+        Import("rdmashim/providers/softiwarp/engine.py", 11, "rdmashim.ulps.rds.node"),
+        Import("rdmashim/providers/rdmacore/__init__.py", 13, "rdmashim.cli"),
+        Import("rdmashim/cli.py", 15, "rdmashim.providers.softiwarp"),
         Import("rdmashim/cm/channel.py", 17, "rdmashim.verbs.abc"),  # allowed
         Import("rdmashim/ulps/rds/node.py", 19, "trio"),  # not of the package
     ]
@@ -313,22 +308,23 @@ def test_the_checker_names_file_import_and_rule() -> None:
         "rdmashim/verbs/backend.py:3 imports rdmashim.cm.abc (Verbs -> CM): "
         "verbs know nothing of connection management",
         "rdmashim/cm/channel.py:5 imports rdmashim.registry (CM -> Facade): no reaching up",
-        "rdmashim/verbs/ibal/ca.py:7 imports rdmashim.verbs.softiwarp.engine (Ibal -> Engine): "
+        "rdmashim/providers/ibal/ca.py:7 imports rdmashim.providers.softiwarp.engine "
+        "(Ibal -> Engine): "
         "IBAL runs over any HCA through the contract",
-        "rdmashim/ulps/rds/node.py:9 imports rdmashim.verbs.rdmacore (RDS -> RdmaCore): "
+        "rdmashim/ulps/rds/node.py:9 imports rdmashim.providers.rdmacore (RDS -> RdmaCore): "
         "ULPs use only the portable API",
-        "rdmashim/verbs/softiwarp/engine.py:11 imports rdmashim.ulps.rds.node (Engine -> RDS): "
+        "rdmashim/providers/softiwarp/engine.py:11 imports rdmashim.ulps.rds.node (Engine -> RDS): "
         "lower layers know no ULP",
-        "rdmashim/verbs/rdmacore/__init__.py:13 imports rdmashim.cli (RdmaCore -> Tools): "
+        "rdmashim/providers/rdmacore/__init__.py:13 imports rdmashim.cli (RdmaCore -> Tools): "
         "no reaching up",
-        "rdmashim/cli.py:15 imports rdmashim.verbs.softiwarp (Tools -> Engine): "
+        "rdmashim/cli.py:15 imports rdmashim.providers.softiwarp (Tools -> Engine): "
         "Tools may import only CM, Facade, NFS, RDS, Verbs",
     ]
 
 
 def test_a_module_in_no_layer_or_in_two_is_refused() -> None:
-    assert refusals([], [*FILES, "rdmashim/verbs/newthing.py"]) == [
-        "rdmashim/verbs/newthing.py is in 0 layers []: put it in exactly one of LAYERS"
+    assert refusals([], [*FILES, "rdmashim/newthing.py"]) == [
+        "rdmashim/newthing.py is in 0 layers []: put it in exactly one of LAYERS"
     ]
-    assert layers_of("rdmashim/verbs/softiwarp/engine.py") == ["Engine"]
+    assert layers_of("rdmashim/providers/softiwarp/engine.py") == ["Engine"]
     assert layers_of("rdmashim/ulps/__init__.py") == ["ULPs"]

@@ -22,11 +22,11 @@ from typing import Any
 import pytest
 
 from rdmashim import SGE, Access, SendFlags, WROpcode
+from rdmashim.providers.softiwarp import native
+from rdmashim.providers.softiwarp.engine import Engine
+from rdmashim.providers.softiwarp.jobs import EngineConfig, EngineState, RecvJob, SendJob
+from rdmashim.providers.softiwarp.memory import MemoryTable
 from rdmashim.verbs.buffers import pin
-from rdmashim.verbs.softiwarp import native
-from rdmashim.verbs.softiwarp.engine import Engine
-from rdmashim.verbs.softiwarp.jobs import EngineConfig, EngineState, RecvJob, SendJob
-from rdmashim.verbs.softiwarp.memory import MemoryTable
 from rdmashim.verbs.wr import RecvWR, SendWR
 
 from tooling import tool

@@ -27,7 +27,7 @@ import pytest
 from tooling import TOOLS, tool
 
 ROOT = TOOLS.parent
-SOURCES = ROOT / "verbs" / "softiwarp"
+SOURCES = ROOT / "providers" / "softiwarp"
 FLAGS = ["-g", "-O1", "-fsanitize=fuzzer,address,undefined", "-fno-sanitize-recover=all"]
 SECONDS = int(os.environ.get("RDMASHIM_NATIVE_FUZZ_SECONDS", "45"))
 """How long the bounded run fuzzes (CI's slice)."""

@@ -15,9 +15,9 @@ import trio
 
 import rdmashim
 from rdmashim import SGE, Access, SendFlags, WROpcode
+from rdmashim.providers.softiwarp import native
+from rdmashim.providers.softiwarp.jobs import EngineConfig
 from rdmashim.verbs.buffers import pin
-from rdmashim.verbs.softiwarp import native
-from rdmashim.verbs.softiwarp.jobs import EngineConfig
 from rdmashim.verbs.wr import SendWR
 
 from nativecore import two_qps

@@ -13,11 +13,11 @@ import random
 import pytest
 
 from rdmashim import SGE, Access, SendFlags, WROpcode
+from rdmashim.providers.softiwarp import native
+from rdmashim.providers.softiwarp.jobs import EngineConfig
+from rdmashim.providers.softiwarp.native_cq import _Rows
 from rdmashim.verbs.buffers import pin
 from rdmashim.verbs.enums import WCFlags, WCOpcode, WCStatus
-from rdmashim.verbs.softiwarp import native
-from rdmashim.verbs.softiwarp.jobs import EngineConfig
-from rdmashim.verbs.softiwarp.native_cq import _Rows
 from rdmashim.verbs.wr import WC, RecvWR, SendWR, WCArray
 
 from nativecore import two_qps

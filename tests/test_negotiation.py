@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rdmashim.verbs.softiwarp.mpa import (
+from rdmashim.providers.softiwarp.mpa import (
     IRD_ORD_MASK,
     MAX_PRIVATE_DATA,
     RTR,
@@ -18,7 +18,7 @@ from rdmashim.verbs.softiwarp.mpa import (
     encode_start_frame,
     parse_start_frame,
 )
-from rdmashim.verbs.softiwarp.negotiation import (
+from rdmashim.providers.softiwarp.negotiation import (
     MpaOptions,
     MpaRejected,
     MpaResult,
@@ -27,7 +27,7 @@ from rdmashim.verbs.softiwarp.negotiation import (
     make_request,
     reject_reply,
 )
-from rdmashim.verbs.softiwarp.terminate import LlpCode, ProtocolError, TermCode, llp
+from rdmashim.providers.softiwarp.terminate import LlpCode, ProtocolError, TermCode, llp
 
 SIW_REQUEST = b"MPA ID Req Frame" + bytes([0x10, 0x02, 0x00, 0x04]) + bytes([0, 1, 0, 1])
 INVALID = llp(LlpCode.INVALID_REQ_REP)

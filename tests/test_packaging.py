@@ -27,7 +27,7 @@ def test_sdist_and_wheel(tmp_path: Path) -> None:
     (wheel,) = tmp_path.glob("rdmashim-*.whl")
     with tarfile.open(sdist) as archive:
         names = {name.split("/", 1)[1] for name in archive.getnames() if "/" in name}
-    assert {"LICENSE", "README.md", "pyproject.toml", "verbs/softiwarp/engine.py"} <= names
+    assert {"LICENSE", "README.md", "pyproject.toml", "providers/softiwarp/engine.py"} <= names
     with zipfile.ZipFile(wheel) as archive:
         names = set(archive.namelist())
         (dist_info,) = {name.split("/")[0] for name in names if ".dist-info/" in name}
@@ -36,9 +36,9 @@ def test_sdist_and_wheel(tmp_path: Path) -> None:
     assert {
         "rdmashim/py.typed",
         "rdmashim/cli.py",
-        "rdmashim/verbs/softiwarp/engine.py",
-        "rdmashim/verbs/rdmacore/cdefs.py",
-        "rdmashim/verbs/softiwarp/cm_id.py",
+        "rdmashim/providers/softiwarp/engine.py",
+        "rdmashim/providers/rdmacore/cdefs.py",
+        "rdmashim/providers/softiwarp/cm_id.py",
         "rdmashim/verbs/abc.py",
         "rdmashim/cm/abc.py",
         "rdmashim/ulps/rds/node.py",

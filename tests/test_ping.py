@@ -31,7 +31,7 @@ from rdmashim.ping import (
     run_client,
     run_server,
 )
-from rdmashim.verbs.softiwarp.connection import MpaOptions, accept_qp, connect_qp, read_request
+from rdmashim.providers.softiwarp.connection import MpaOptions, accept_qp, connect_qp, read_request
 
 LOCAL = "127.0.0.1"
 TIMEOUT = 30.0

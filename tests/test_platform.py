@@ -54,7 +54,7 @@ def test_base_modules_open_a_softiwarp_device() -> None:
     out = python(
         """
         import trio
-        import rdmashim, rdmashim.cm, rdmashim.verbs.softiwarp, rdmashim.ulps.rds
+        import rdmashim, rdmashim.cm, rdmashim.providers.softiwarp, rdmashim.ulps.rds
 
         async def main():
             async with rdmashim.open_device("siw_lo") as ctx:
@@ -62,7 +62,7 @@ def test_base_modules_open_a_softiwarp_device() -> None:
                 print(ctx.query_port(1).state.name, mr.length, mr.addr != 0)
 
         trio.run(main)
-        print(sorted(m for m in sys.modules if m.startswith("rdmashim.verbs.rdmacore")))
+        print(sorted(m for m in sys.modules if m.startswith("rdmashim.providers.rdmacore")))
         """
     )
     assert out.returncode == 0, out.stderr

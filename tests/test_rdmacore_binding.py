@@ -18,9 +18,9 @@ import pytest
 
 import rdmashim
 from rdmashim.cm import EventChannel
+from rdmashim.providers.rdmacore import get_device_list, lib, unavailable_reason
 from rdmashim.registry import backend_status
 from rdmashim.verbs.errors import BackendUnavailable
-from rdmashim.verbs.rdmacore import get_device_list, lib, unavailable_reason
 
 MISSING = "libnonexistent-rdmashim-test.so.1"
 HAS_RDMA_CM = Path("/dev/infiniband/rdma_cm").exists()
@@ -44,8 +44,8 @@ def no_devices(libibverbs: None) -> None:
 
 def test_import_loads_no_library() -> None:
     code = (
-        "import rdmashim, rdmashim.cm, rdmashim.verbs.rdmacore as rc;"
-        "from rdmashim.verbs.rdmacore import lib;"
+        "import rdmashim, rdmashim.cm, rdmashim.providers.rdmacore as rc;"
+        "from rdmashim.providers.rdmacore import lib;"
         "assert lib._loaded == {}, lib._loaded"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)

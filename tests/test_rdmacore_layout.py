@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from rdmashim.verbs.rdmacore.cdefs import ffi
+from rdmashim.providers.rdmacore.cdefs import ffi
 
 HEADERS = ("infiniband/verbs.h", "rdma/rdma_cma.h")
 

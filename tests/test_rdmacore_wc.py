@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from rdmashim import WCArray, WCFlags, WCOpcode, WCStatus
-from rdmashim.verbs.rdmacore.cdefs import ffi
-from rdmashim.verbs.rdmacore.completion import WCBuffer, decode_into, decode_wc
+from rdmashim.providers.rdmacore.cdefs import ffi
+from rdmashim.providers.rdmacore.completion import WCBuffer, decode_into, decode_wc
 
 
 def _wc(**fields: int) -> object:

@@ -14,9 +14,9 @@ from typing import Any
 import pytest
 import trio
 
+from rdmashim.providers.softiwarp import ddp, mpa
 from rdmashim.ulps.rds.rdma import RdmaOp, RdmaStatus
 from rdmashim.ulps.rds.wire import RDS_HEADER_LEN, RdmaExt, RdsHeader
-from rdmashim.verbs.softiwarp import ddp, mpa
 
 import wirecap
 from pcapstreams import tcp_streams

@@ -87,7 +87,7 @@ def test_constants_match_linux() -> None:
 
 
 def test_private_data_fits_iwarp() -> None:
-    from rdmashim.verbs.softiwarp import mpa
+    from rdmashim.providers.softiwarp import mpa
 
     limit = mpa.MAX_PRIVATE_DATA - mpa.V2_BLOCK_LEN
     assert wire.IWARP_MAX_PRIVATE_DATA == limit == 252

@@ -34,7 +34,7 @@ from rdmashim.cm import (
     open_connection,
     serve,
 )
-from rdmashim.verbs.softiwarp.terminate import (
+from rdmashim.providers.softiwarp.terminate import (
     DdpUntaggedCode,
     RdmapCode,
     RdmapType,

@@ -26,7 +26,7 @@ from rdmashim import (
     WCStatus,
     WROpcode,
 )
-from rdmashim.verbs.softiwarp.jobs import RecvJob, SendJob, SendRun
+from rdmashim.providers.softiwarp.jobs import RecvJob, SendJob, SendRun
 from rdmashim.verbs.wr import SGE
 
 INLINE = SendFlags.INLINE

@@ -20,8 +20,8 @@ from pathlib import Path
 import pytest
 from crc32c import crc32c
 
-from rdmashim.verbs.softiwarp import ddp, mpa
-from rdmashim.verbs.softiwarp.negotiation import MpaOptions, answer_request, check_reply
+from rdmashim.providers.softiwarp import ddp, mpa
+from rdmashim.providers.softiwarp.negotiation import MpaOptions, answer_request, check_reply
 
 from pcapstreams import tcp_streams
 

@@ -60,10 +60,10 @@ import trio
 from rdmashim import QPCap
 from rdmashim.cm import CMEventType, ConnParam, EventChannel
 from rdmashim.ping import PingConfig, PingResult, c_string, ping_data, run_client, run_server
-from rdmashim.verbs.softiwarp import ddp
-from rdmashim.verbs.softiwarp.mpa import StartFrame, encode_start_frame, parse_start_frame
-from rdmashim.verbs.softiwarp.negotiation import MpaOptions, MpaRejected, check_reply
-from rdmashim.verbs.softiwarp.terminate import LlpCode, TermCode, llp
+from rdmashim.providers.softiwarp import ddp
+from rdmashim.providers.softiwarp.mpa import StartFrame, encode_start_frame, parse_start_frame
+from rdmashim.providers.softiwarp.negotiation import MpaOptions, MpaRejected, check_reply
+from rdmashim.providers.softiwarp.terminate import LlpCode, TermCode, llp
 
 import wirecap
 

@@ -21,8 +21,8 @@ import trio
 
 from rdmashim import Access, RecvWR, SendFlags, SendWR, WCStatus, WROpcode
 from rdmashim.cm import open_connection, serve
-from rdmashim.verbs.softiwarp import ddp, mpa
-from rdmashim.verbs.softiwarp.ddp import QN, Opcode
+from rdmashim.providers.softiwarp import ddp, mpa
+from rdmashim.providers.softiwarp.ddp import QN, Opcode
 
 SLOT = 48 * 1024
 FILL = 0x5A
@@ -34,7 +34,7 @@ pytestmark = pytest.mark.parametrize("kernels", ["native", "compiled", "python"]
 @pytest.fixture
 def kernels(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Any:
     """The native engine, or the Python one with its compiled or its Python kernels."""
-    from rdmashim.verbs.softiwarp import engines, fastpath, native
+    from rdmashim.providers.softiwarp import engines, fastpath, native
 
     if request.param == "native":
         if not native.AVAILABLE:

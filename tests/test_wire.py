@@ -18,9 +18,9 @@ import pytest
 import trio
 
 from rdmashim import RecvWR, SendWR, WCStatus, WROpcode
+from rdmashim.providers.softiwarp.connection import MpaOptions
+from rdmashim.providers.softiwarp.mpa import RTR
 from rdmashim.verbs.enums import QPState, SendFlags, WCFlags
-from rdmashim.verbs.softiwarp.connection import MpaOptions
-from rdmashim.verbs.softiwarp.mpa import RTR
 
 import wirecap
 from pairs import make_pair

@@ -1,9 +1,9 @@
-/* Fuzz driver for the soft-iWARP engine's compiled kernels (verbs/softiwarp/_accel.c).
+/* Fuzz driver for the soft-iWARP engine's compiled kernels (providers/softiwarp/_accel.c).
  *
  * Build it with the kernels under AddressSanitizer and UndefinedBehaviorSanitizer:
  *
  *   gcc -g -O1 -fsanitize=address,undefined -fno-sanitize-recover=all \
- *       -I verbs/softiwarp tools/accel_fuzz.c verbs/softiwarp/_accel.c -o accel_fuzz
+ *       -I providers/softiwarp tools/accel_fuzz.c providers/softiwarp/_accel.c -o accel_fuzz
  *   ./accel_fuzz SECONDS [SEED]
  *
  * Each round frames a valid run of Sends with rs_frame_sends (checked by a scan

@@ -58,9 +58,9 @@ from typing import Any
 import trio
 from crc32c import crc32c
 
-from rdmashim.verbs.softiwarp import ddp, mpa
-from rdmashim.verbs.softiwarp.ddp import QN, Opcode
-from rdmashim.verbs.softiwarp.terminate import TermCode
+from rdmashim.providers.softiwarp import ddp, mpa
+from rdmashim.providers.softiwarp.ddp import QN, Opcode
+from rdmashim.providers.softiwarp.terminate import TermCode
 
 REPLY_TIMEOUT = 2.0
 """Seconds for the MPA Reply, and for the close or Terminate after our input."""
@@ -182,9 +182,9 @@ class _Responder:
                 nursery.start_soon(self.connection, stream)
 
     async def connection(self, stream: trio.SocketStream) -> None:
-        from rdmashim.verbs.softiwarp.connection import MpaTimeout, accept_qp, read_request
-        from rdmashim.verbs.softiwarp.negotiation import MpaOptions
-        from rdmashim.verbs.softiwarp.terminate import ProtocolError
+        from rdmashim.providers.softiwarp.connection import MpaTimeout, accept_qp, read_request
+        from rdmashim.providers.softiwarp.negotiation import MpaOptions
+        from rdmashim.providers.softiwarp.terminate import ProtocolError
 
         rdmashim = self.rdmashim
         teardown = TEARDOWNS[self.connections % len(TEARDOWNS)]

@@ -1,10 +1,10 @@
-/* libFuzzer harness for the native engine's receive path (verbs/softiwarp/_engine.c).
+/* libFuzzer harness for the native engine's receive path (providers/softiwarp/_engine.c).
  *
  * Build it with the engine under the fuzzer, AddressSanitizer and UBSan (clang):
  *
  *   clang -g -O1 -fsanitize=fuzzer,address,undefined -fno-sanitize-recover=all \
- *       -I verbs/softiwarp tools/native_fuzz.c verbs/softiwarp/_engine.c \
- *       verbs/softiwarp/_accel.c -o native_fuzz
+ *       -I providers/softiwarp tools/native_fuzz.c providers/softiwarp/_engine.c \
+ *       providers/softiwarp/_accel.c -o native_fuzz
  *   ./native_fuzz -max_total_time=60 CORPUS_DIR
  *
  * One input is one connection: byte 0 chooses CRC, how the stream is cut (the same

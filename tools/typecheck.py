@@ -1,6 +1,6 @@
 """Run ``mypy --strict`` on the installed package layout, naming the repository's files.
 
-setuptools' ``package-dir`` installs the folders ``verbs/``, ``cm/`` and
+setuptools' ``package-dir`` installs the folders ``verbs/``, ``providers/``, ``cm/`` and
 ``ulps/`` as ``rdmashim.verbs``, ``rdmashim.cm`` and ``rdmashim.ulps``, which
 mypy cannot follow in an editable install. This tool builds that layout from
 symbolic links in a temporary directory (``rdmashim/*`` linked file by file,
@@ -23,7 +23,7 @@ import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-SUBPACKAGES = ("verbs", "cm", "ulps")
+SUBPACKAGES = ("verbs", "providers", "cm", "ulps")
 """Folders installed under the ``rdmashim`` namespace (pyproject's package-dir)."""
 
 

@@ -16,7 +16,7 @@ What it does:
    rdma-core but no pip packages; the host's Python is 3.11 too, so the wheels
    fit. cffi is left to the guest's python3-cffi.
 2. Stages a copy of the working tree as the installed package layout
-   (``rdmashim/`` with ``verbs``, ``cm`` and ``ulps`` inside, per pyproject's
+   (``rdmashim/`` with ``verbs``, ``providers``, ``cm`` and ``ulps`` inside, per pyproject's
    ``package-dir``), plus ``tests/`` and ``pyproject.toml``.
 3. Boots one guest (``tools/guest/boot.py --smp 1 --net user``; the
    dependencies are its ``/sync`` share, the staged tree is ``/host/src``), loads

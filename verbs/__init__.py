@@ -1,6 +1,6 @@
 """The portable verbs API: enums, work requests, completions, attributes and errors.
 
-Backends (``rdmashim.verbs.softiwarp``, ...) provide the objects (context, PD,
+Backends (``rdmashim.providers.softiwarp``, ...) provide the objects (context, PD,
 MR, CQ, QP, SRQ) that :mod:`rdmashim.verbs.abc` describes; applications reach
 them through :func:`rdmashim.open_device`, the registry through each backend's
 :class:`~rdmashim.verbs.backend.Backend`.

@@ -63,9 +63,9 @@ class BackendInfo:
 BACKENDS: dict[str, BackendInfo] = {
     info.name: info
     for info in (
-        BackendInfo("softiwarp", "rdmashim.verbs.softiwarp"),
-        BackendInfo("rdmacore", "rdmashim.verbs.rdmacore"),
-        BackendInfo("ibal", "rdmashim.verbs.ibal"),
+        BackendInfo("softiwarp", "rdmashim.providers.softiwarp"),
+        BackendInfo("rdmacore", "rdmashim.providers.rdmacore"),
+        BackendInfo("ibal", "rdmashim.providers.ibal"),
     )
 }
 """Every backend by name: the package imported when it is first loaded."""

@@ -7,7 +7,7 @@ before the run loop next waits for I/O (a ping-pong) and takes the socket on;
 the reader task, parked meanwhile, need not wake in between. The socket is
 *lent*: :class:`Lender`, one per trio run, gives every socket still lent back
 to its reader (:meth:`Lent.hand_back`) when the run loop is about to wait for
-I/O. The built-in engine's :class:`~rdmashim.verbs.softiwarp.driver.Link` and
+I/O. The built-in engine's :class:`~rdmashim.providers.softiwarp.driver.Link` and
 RDS/TCP's session lend so, each through a :class:`Loan`; the task a socket is lent
 to waits for it on a :class:`WaitPoint`.
 """

@@ -10,9 +10,9 @@ from typing import Any
 
 from ibal.support import WAIT
 
-from rdmashim.verbs.ibal import IbCq, IbStatus
-from rdmashim.verbs.ibal.cm_types import RDMA_CM_SERVICE_ID
-from rdmashim.verbs.ibal.cq import ib_poll_cq, ib_wc_t, wc_list
+from rdmashim.providers.ibal import IbCq, IbStatus
+from rdmashim.providers.ibal.cm_types import RDMA_CM_SERVICE_ID
+from rdmashim.providers.ibal.cq import ib_poll_cq, ib_wc_t, wc_list
 
 TCP_PS = 0x0106
 

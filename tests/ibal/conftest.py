@@ -7,7 +7,15 @@ from collections.abc import Iterator
 import pytest
 from ibal.support import loopback_guid
 
-from rdmashim.verbs.ibal import IbAl, IbCa, IbPd, ib_alloc_pd, ib_close_al, ib_open_al, ib_open_ca
+from rdmashim.providers.ibal import (
+    IbAl,
+    IbCa,
+    IbPd,
+    ib_alloc_pd,
+    ib_close_al,
+    ib_open_al,
+    ib_open_ca,
+)
 
 
 @pytest.fixture

@@ -21,8 +21,7 @@ import trio
 from api.support import Events
 
 from rdmashim.cm import CMEventType, ConnParam, EventChannel
-from rdmashim.registry import load_backend
-from rdmashim.verbs.ibal import (
+from rdmashim.providers.ibal import (
     IbAl,
     IbCa,
     IbCq,
@@ -48,6 +47,7 @@ from rdmashim.verbs.ibal import (
     link,
     wc_list,
 )
+from rdmashim.registry import load_backend
 
 E = CMEventType
 HOST = "127.0.0.1"

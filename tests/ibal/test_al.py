@@ -6,7 +6,7 @@ import threading
 
 import pytest
 
-from rdmashim.verbs.ibal import IbError, IbStatus, ib_close_al, ib_open_al
+from rdmashim.providers.ibal import IbError, IbStatus, ib_close_al, ib_open_al
 
 
 def test_calls_run_on_the_progress_thread_and_callbacks_on_theirs() -> None:

@@ -12,10 +12,10 @@ import rdmashim
 from rdmashim import Access, RecvWR, SendWR, WROpcode
 from rdmashim.cm import open_connection, serve
 from rdmashim.cm.types import PortSpace
+from rdmashim.providers.ibal import cma_header
+from rdmashim.providers.ibal.port_cm import service_id
+from rdmashim.providers.ibal.port_device import Context
 from rdmashim.registry import load_backend
-from rdmashim.verbs.ibal import cma_header
-from rdmashim.verbs.ibal.port_cm import service_id
-from rdmashim.verbs.ibal.port_device import Context
 
 RW = Access.LOCAL_WRITE | Access.REMOTE_WRITE | Access.REMOTE_READ
 

@@ -12,7 +12,7 @@ import pytest
 from ibal.cmsupport import Recorder, free_port, poll_one, service_id
 from ibal.support import End, loopback_guid, make_end
 
-from rdmashim.verbs.ibal import (
+from rdmashim.providers.ibal import (
     IbAl,
     IbCa,
     IbError,
@@ -23,7 +23,7 @@ from rdmashim.verbs.ibal import (
     ib_post_recv,
     ib_post_send,
 )
-from rdmashim.verbs.ibal.cm import (
+from rdmashim.providers.ibal.cm import (
     CaCm,
     ib_cm_cancel,
     ib_cm_drep,
@@ -35,8 +35,8 @@ from rdmashim.verbs.ibal.cm import (
     ib_cm_req,
     ib_cm_rtu,
 )
-from rdmashim.verbs.ibal.cm_state import PDATA_SIZE, CmMsg, ib_rej_status_t
-from rdmashim.verbs.ibal.cm_types import (
+from rdmashim.providers.ibal.cm_state import PDATA_SIZE, CmMsg, ib_rej_status_t
+from rdmashim.providers.ibal.cm_types import (
     ib_cm_drep_t,
     ib_cm_dreq_t,
     ib_cm_listen_t,
@@ -46,10 +46,10 @@ from rdmashim.verbs.ibal.cm_types import (
     ib_cm_req_t,
     ib_cm_rtu_t,
 )
-from rdmashim.verbs.ibal.cq import ib_wc_status_t
-from rdmashim.verbs.ibal.ibat import ibat_query_path
-from rdmashim.verbs.ibal.wr import ib_local_ds_t, ib_recv_wr_t, ib_send_wr_t
-from rdmashim.verbs.softiwarp.engine import Engine
+from rdmashim.providers.ibal.cq import ib_wc_status_t
+from rdmashim.providers.ibal.ibat import ibat_query_path
+from rdmashim.providers.ibal.wr import ib_local_ds_t, ib_recv_wr_t, ib_send_wr_t
+from rdmashim.providers.softiwarp.engine import Engine
 
 R = ib_rej_status_t
 HOST = "127.0.0.1"

@@ -7,8 +7,8 @@ from collections.abc import Callable
 
 import pytest
 
-from rdmashim.verbs.ibal import IbError, IbStatus
-from rdmashim.verbs.ibal.cm_state import (
+from rdmashim.providers.ibal import IbError, IbStatus
+from rdmashim.providers.ibal.cm_state import (
     IWARP_CARRIES,
     PDATA_SIZE,
     CmMachine,

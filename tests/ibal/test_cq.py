@@ -18,7 +18,7 @@ from ibal.support import (
     status_of,
 )
 
-from rdmashim.verbs.ibal import (
+from rdmashim.providers.ibal import (
     IbCa,
     IbCq,
     IbStatus,

@@ -7,7 +7,7 @@ import threading
 
 from ibal.support import WAIT, connect, connected_pair, ds, make_end, poll_n, recv, send, status_of
 
-from rdmashim.verbs.ibal import (
+from rdmashim.providers.ibal import (
     IbCa,
     IbStatus,
     ib_async_event_t,

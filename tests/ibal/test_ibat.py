@@ -10,9 +10,9 @@ from typing import Any
 import psutil
 import pytest
 
-from rdmashim.verbs.ibal import IbError, IbStatus
-from rdmashim.verbs.ibal.ibat import GID_LEN, ibat_query_path, iwarp_gid
-from rdmashim.verbs.softiwarp import get_device_list
+from rdmashim.providers.ibal import IbError, IbStatus
+from rdmashim.providers.ibal.ibat import GID_LEN, ibat_query_path, iwarp_gid
+from rdmashim.providers.softiwarp import get_device_list
 
 import netns
 
@@ -75,8 +75,8 @@ def _owner(address: str) -> str | None:
 # ---------------------------------------------------------------------------- two hosts
 _QUERY = """
 import json, sys
-from rdmashim.verbs.ibal import IbError
-from rdmashim.verbs.ibal.ibat import ibat_query_path
+from rdmashim.providers.ibal import IbError
+from rdmashim.providers.ibal.ibat import ibat_query_path
 src, dst, timeout = json.loads(sys.argv[1])
 try:
     p = ibat_query_path(src, dst, timeout=timeout)

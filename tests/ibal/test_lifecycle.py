@@ -7,7 +7,7 @@ import threading
 
 from ibal.support import WAIT, End, connected_pair, ds, loopback_guid, make_end, send, status_of
 
-from rdmashim.verbs.ibal import (
+from rdmashim.providers.ibal import (
     IbAl,
     IbCa,
     IbStatus,
@@ -31,7 +31,7 @@ from rdmashim.verbs.ibal import (
     ib_rearm_cq,
     ib_sync_destroy,
 )
-from rdmashim.verbs.ibal.ibat import iwarp_gid
+from rdmashim.providers.ibal.ibat import iwarp_gid
 
 
 def test_ca_guids_open_and_query(al: IbAl) -> None:

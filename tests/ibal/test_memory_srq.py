@@ -5,8 +5,7 @@ from __future__ import annotations
 import pytest
 from ibal.support import connect, ds, make_end, poll_n, recv, send, status_of
 
-from rdmashim.verbs.enums import Access
-from rdmashim.verbs.ibal import (
+from rdmashim.providers.ibal import (
     IbCa,
     IbError,
     IbPd,
@@ -32,7 +31,8 @@ from rdmashim.verbs.ibal import (
     ib_srq_attr_t,
     link,
 )
-from rdmashim.verbs.ibal.memory import from_access, to_access
+from rdmashim.providers.ibal.memory import from_access, to_access
+from rdmashim.verbs.enums import Access
 
 AC = ib_access_t
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from ibal.support import connect, connected_pair, ds, error_of, make_end, poll_n, recv, send
 
-from rdmashim.verbs.ibal import (
+from rdmashim.providers.ibal import (
     IbCa,
     IbError,
     IbPd,

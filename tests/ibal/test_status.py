@@ -6,8 +6,7 @@ import errno
 
 import pytest
 
-from rdmashim.verbs.enums import WCFlags, WCOpcode, WCStatus
-from rdmashim.verbs.ibal import (
+from rdmashim.providers.ibal import (
     IbError,
     IbStatus,
     errno_from_status,
@@ -15,7 +14,8 @@ from rdmashim.verbs.ibal import (
     ib_wc_status_t,
     status_from_errno,
 )
-from rdmashim.verbs.ibal.cq import ib_wc_t
+from rdmashim.providers.ibal.cq import ib_wc_t
+from rdmashim.verbs.enums import WCFlags, WCOpcode, WCStatus
 from rdmashim.verbs.wr import WC
 
 

@@ -1,0 +1,185 @@
+"""The native engine's completion queue: entries in a C ring, polled into a caller's
+``WCArray`` (``docs/native-engine.md``, "Polling").
+
+C says what the completions of one poll have in common (``rs_cq_poll_sum``); a column
+alike in all of them is stored whole, and a poll of a few is decoded row by row.
+"""
+
+from __future__ import annotations
+
+import errno
+from typing import Any
+
+from rdmashim.providers.softiwarp import native
+from rdmashim.providers.softiwarp.cq import CQ, CompChannel
+from rdmashim.providers.softiwarp.native import ffi, lib
+from rdmashim.providers.softiwarp.provider import Context
+from rdmashim.providers.softiwarp.qp import QPBase
+from rdmashim.verbs.enums import WCFlags, WCOpcode, WCStatus
+from rdmashim.verbs.errors import VerbsError
+from rdmashim.verbs.wr import WC, WCArray
+
+_ERR_CQ_OVERRUN = 6
+_SUCCESS = WCStatus.SUCCESS
+_OPCODES = {int(o): o for o in WCOpcode}
+_STATUSES = {int(s): s for s in WCStatus}
+_NONE = WCFlags.NONE
+_FLAGS = {0: _NONE, int(WCFlags.WITH_INV): WCFlags.WITH_INV}
+"""The flags a native completion carries (the C side sets none other)."""
+_WC = ffi.sizeof("rs_wc") if ffi is not None else 0
+_SUM_STATUS, _SUM_FLAGS, _SUM_SOLICITED, _SUM_INV, _SUM_OPCODES, _SUM_QPS, _SUM_LENGTHS = (
+    1, 2, 4, 8, 16, 32, 64
+)  # fmt: skip
+_FEW = 4
+"""Polls of at most this many completions are decoded row by row (cheaper than columns)."""
+
+
+class NativeCQ(CQ):
+    """A completion queue whose entries are in a C ring (``rs_cq``)."""
+
+    def __init__(self, context: Context, cqe: int, channel: CompChannel | None) -> None:
+        super().__init__(context, cqe, channel)
+        self.ring = native.NativeCQ(cqe)
+        self._ptr = self.ring._ptr
+        self._pushed = 0
+        self._notable = 0
+        self._rows = ffi.new("rs_wc[]", 64)
+
+    def _sync(self) -> None:
+        """Completions C pushed since the last look: wake, notify, hand on."""
+        ptr = self._ptr
+        pushed = lib.rs_cq_pushed(ptr)
+        if pushed == self._pushed:
+            return
+        self._pushed = pushed
+        notable = lib.rs_cq_notable(ptr)
+        was, self._notable = self._notable, notable
+        self._count = lib.rs_cq_count(ptr)
+        if lib.rs_cq_overrun(ptr) and not self._overrun:
+            self._overflow(None)
+        self._arrived(notable != was)
+
+    def _failed_by_overrun(self, qp: QPBase) -> bool:
+        engine = getattr(qp, "engine", None)  # (a native QP: a CQ serves its own engine's)
+        return getattr(engine, "kind", 0) == _ERR_CQ_OVERRUN
+
+    def _buffer(self, n: int) -> Any:
+        if n > len(self._rows):
+            self._rows = ffi.new("rs_wc[]", n)
+        return self._rows
+
+    def _take(self, num_entries: int) -> list[WC]:
+        n = max(0, min(num_entries, self._count))
+        if not n:
+            return []
+        rows = self._buffer(n)
+        got = lib.rs_cq_poll(self._ptr, rows, n)
+        self._count = lib.rs_cq_count(self._ptr)
+        return [
+            WC(
+                w.wr_id, _STATUSES[w.status], _OPCODES[w.opcode], w.byte_len, w.qp_num,
+                _FLAGS[w.wc_flags], w.invalidated_rkey, 0, bool(w.solicited),
+            )
+            for w in rows[0:got]
+        ]  # fmt: skip
+
+    def poll_into(self, wcs: WCArray, num_entries: int | None = None) -> int:
+        """Take up to ``num_entries`` (default ``len(wcs)``) completions into ``wcs``
+        (C copies them into the array's scratch, then a column at a time)."""
+        self._check_open("poll_cq")
+        if self._overrun:
+            raise VerbsError(errno.EOVERFLOW, "poll_cq", f"more than {self.cqe} completions queued")
+        limit = len(wcs) if num_entries is None else min(num_entries, len(wcs))
+        n = min(limit, self._count)
+        if n <= 0:
+            return 0
+        rows = wcs.native
+        if rows is None or not isinstance(rows, _Rows) or len(rows) < len(wcs):
+            rows = wcs.native = _Rows(len(wcs))
+        got = lib.rs_cq_poll_sum(self._ptr, rows.c, n, rows.sum)
+        self._count = lib.rs_cq_count(self._ptr)
+        rows.decode_into(wcs, got)
+        return int(got)
+
+    def close(self) -> None:
+        """Destroy the CQ (its ring lives while a QP still completes into it)."""
+        if not self._closed:
+            super().close()
+            self.ring.close()
+
+
+class _Rows:
+    """A ``WCArray``'s scratch for the native engine: ``rs_wc[n]``, what C found the
+    completions of a poll to have in common (``rs_wc_sum``), and the columns."""
+
+    def __init__(self, n: int) -> None:
+        self.c = ffi.new("rs_wc[]", n)
+        self.sum = ffi.new("rs_wc_sum *")
+        raw = ffi.buffer(self.c)
+        self.u32 = memoryview(raw).cast("I")
+        self.u64 = memoryview(raw).cast("Q")
+        self.n = n
+        self._same: dict[tuple[type, object, int], list[Any]] = {}
+
+    def __len__(self) -> int:
+        return self.n
+
+    def _column(self, k: int, n: int) -> list[int]:
+        step = _WC // 4
+        return self.u32[k : k + step * n : step].tolist()
+
+    def same(self, value: object, n: int) -> list[Any]:
+        """``[value] * n``, made once (a column all of whose entries are alike)."""
+        key = (type(value), value, n)  # (0, False and WCStatus.SUCCESS are equal)
+        found = self._same.get(key)
+        if found is None:
+            if len(self._same) > 64:
+                self._same.clear()
+            found = self._same[key] = [value] * n
+        return found
+
+    def decode_into(self, wcs: WCArray, n: int) -> None:
+        """Store the first ``n`` rows in ``wcs``'s columns; a column C found alike in
+        all of them (the usual: success, no flags, one opcode, one QP) is stored
+        whole, not converted entry by entry."""
+        if n <= _FEW:  # (a ping-pong's, a request's): field by field, no columns made
+            for k in range(n):
+                self._decode_row(wcs, k)
+            return
+        odd, same = self.sum.odd, self.same
+        wcs.wr_id[0:n] = self.u64[0 : n * (_WC // 8) : _WC // 8].tolist()
+        if odd & _SUM_STATUS:
+            wcs.status[0:n] = list(map(_STATUSES.__getitem__, self._column(2, n)))
+        else:
+            wcs.status[0:n] = same(_SUCCESS, n)
+        if odd & _SUM_OPCODES:
+            wcs.opcode[0:n] = list(map(_OPCODES.__getitem__, self._column(3, n)))
+        else:
+            wcs.opcode[0:n] = same(_OPCODES[self.sum.opcode], n)
+        wcs.byte_len[0:n] = self._column(4, n) if odd & _SUM_LENGTHS else same(0, n)
+        wcs.qp_num[0:n] = self._column(5, n) if odd & _SUM_QPS else same(self.sum.qp_num, n)
+        if odd & _SUM_FLAGS:
+            wcs.wc_flags[0:n] = list(map(_FLAGS.__getitem__, self._column(6, n)))
+        else:
+            wcs.wc_flags[0:n] = same(_NONE, n)
+        wcs.invalidated_rkey[0:n] = self._column(7, n) if odd & _SUM_INV else same(0, n)
+        if odd & _SUM_SOLICITED:
+            wcs.solicited[0:n] = list(map(bool, self._column(8, n)))
+        else:
+            wcs.solicited[0:n] = same(False, n)
+        zeros = same(0, n)
+        wcs.vendor_err[0:n] = zeros
+        wcs.imm_data[0:n] = zeros
+        wcs.src_qp[0:n] = zeros
+
+    def _decode_row(self, wcs: WCArray, k: int) -> None:
+        u32, at = self.u32, k * (_WC // 4)
+        wcs.wr_id[k] = self.u64[k * (_WC // 8)]
+        wcs.status[k] = _STATUSES[u32[at + 2]]
+        wcs.opcode[k] = _OPCODES[u32[at + 3]]
+        wcs.byte_len[k] = u32[at + 4]
+        wcs.qp_num[k] = u32[at + 5]
+        wcs.wc_flags[k] = _FLAGS[u32[at + 6]]
+        wcs.invalidated_rkey[k] = u32[at + 7]
+        wcs.solicited[k] = bool(u32[at + 8])
+        wcs.vendor_err[k] = wcs.imm_data[k] = wcs.src_qp[k] = 0

@@ -1,0 +1,528 @@
+"""The built-in transport's verbs objects over the native engine (``docs/native-engine.md``).
+
+A device opened with the native engine (:func:`~.provider.open_device` chooses, see
+:mod:`.engines`) keeps every connected QP's protocol state in C (``_engine.c``): the
+posted work, the received bytes' parsing, checks and placement, the Terminates and
+the completions, in C rings. What stays in Python is what a verbs user sees (the
+objects, their checks and errors) and the I/O driver (:class:`~.driver.Link`: trio
+waits for the socket; a CQ waiter reads it in place of the receive task), which
+here asks C to read and write the socket (one call each, ``rs_qp_read_fd`` and
+``rs_qp_flush_fd``). A post on a QP whose socket has room is one call too
+(``rs_qp_post_send_fd``): C takes the requests, frames them and writes the bytes.
+
+After every call into C that may complete work (a post, a read, a write, a
+deregistration), :meth:`NativeQP._sync` takes what C says happened since
+(``rs_qp_news``: completions, a move to ERROR, the peer's RTR) and, for
+completions, compares each CQ's counters with what it saw, and wakes, notifies and
+hands on exactly as the Python engine's callbacks do; so CQ waiting, arming,
+channels and handlers are the provider's own (:class:`~.cq.CQ`).
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import socket as _stdlib_socket
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import trio
+
+from rdmashim.providers.softiwarp import native
+from rdmashim.providers.softiwarp.cq import CQ, CompChannel
+from rdmashim.providers.softiwarp.driver import Link
+from rdmashim.providers.softiwarp.jobs import EngineConfig, EngineState
+from rdmashim.providers.softiwarp.memory import MemoryTable, Region
+from rdmashim.providers.softiwarp.native import ffi, lib
+from rdmashim.providers.softiwarp.native_cq import NativeCQ
+from rdmashim.providers.softiwarp.native_wr import PlanCache, RecvPlan, SendPlan, plan_of
+from rdmashim.providers.softiwarp.provider import PD, Context
+from rdmashim.providers.softiwarp.qp import SRQ, QPBase
+from rdmashim.providers.softiwarp.terminate import ProtocolError, TermCode
+from rdmashim.verbs.attrs import QPCap
+from rdmashim.verbs.enums import Access, QPState
+from rdmashim.verbs.errors import VerbsError, refused_wr
+from rdmashim.verbs.wr import RecvBatch, RecvWR, SendBatch, SendWR
+
+log = logging.getLogger(__name__)
+
+_STATES = (EngineState.IDLE, EngineState.RTS, EngineState.TERMINATE, EngineState.ERROR)
+_RX_READ = 256 * 1024
+"""What one ``rs_qp_read_fd`` reads at most (``RX_READ`` in ``_engine.c``)."""
+_EAGAIN = -errno.EAGAIN
+_EINTR = -errno.EINTR
+_ERR_REMOTE = 2
+_ERR_USER = 5
+_ERR_CQ_OVERRUN = 6
+_NEWS_CQ, _NEWS_STATE, _NEWS_RTR = 1, 2, 4
+_ONE = range(1)
+LOWAT_MIN, LOWAT_MAX = 16 * 1024, 64 * 1024
+"""Owed bytes from which a reader waits for them before it looks, and at most how many."""
+SPIN_SLICE = 200e-6
+"""Seconds a busy-polling waiter spins in C before the other tasks get a turn."""
+
+
+@dataclass(slots=True)
+class NativeMemoryTable(MemoryTable):
+    """The device's memory table, mirrored into the C table the engine checks: a region
+    is added to both, and deregistered from C first (which stops every QP using it,
+    ``rs_mem_remove``), then from Python."""
+
+    native: native.NativeMemory = field(default_factory=native.NativeMemory)
+    after_removal: Callable[[], None] = lambda: None
+    """Called after each deregistration (the context syncs its QPs)."""
+
+    def register(self, pd: object, view: memoryview, addr: int, access: Access) -> Region:
+        """Add a region to both tables."""
+        region = MemoryTable.register(self, pd, view, addr, access)
+        where = ffi.from_buffer(view)  # (view is pinned by the MR: the address holds)
+        base = int(ffi.cast("uintptr_t", where))
+        ffi.release(where)
+        try:
+            self.native.add(region.stag, base, addr, view.nbytes, access, pd)
+        except BaseException:
+            MemoryTable.deregister(self, region)
+            raise
+        return region
+
+    def deregister(self, region: Region) -> None:
+        """Remove a region from C (no QP uses it after this), then from Python."""
+        self.native.remove(region.stag)
+        MemoryTable.deregister(self, region)
+        self.after_removal()
+
+    def lookup(self, stag: int) -> Region | None:
+        """The valid region ``stag`` names (a Send with Invalidate invalidates in C)."""
+        region = MemoryTable.lookup(self, stag)
+        if region is not None and not self.native.valid(stag):
+            region.valid = False
+            return None
+        return region
+
+
+class NativeEngine:
+    """One QP's C state, seen as the Python engine is by the connection setup, the CM
+    and the :class:`~.driver.Link` (state, start, errors, bytes in)."""
+
+    def __init__(self, owner: NativeQP, core: native.NativeQP, memory: MemoryTable) -> None:
+        self._owner = owner
+        self.core = core
+        self.ptr = core._ptr
+        self.qp_num = core.qp_num
+        self.memory = memory
+        self.config = EngineConfig()
+        self.on_ready: Callable[[], None] = lambda: None
+        """P2P responder: called when the initiator's RTR arrives (the CM's ESTABLISHED)."""
+        self.error: Exception | None = None
+        self.remote_terminate: TermCode | None = None
+
+    @property
+    def state(self) -> EngineState:
+        """The protocol state."""
+        return _STATES[lib.rs_qp_state(self.ptr)]
+
+    @property
+    def tx_ready(self) -> bool:
+        """Whether bytes wait to be sent."""
+        return bool(lib.rs_qp_tx_pending(self.ptr))
+
+    @property
+    def bytes_received(self) -> int:
+        """Bytes received ever (busy polling watches it)."""
+        return int(lib.rs_qp_rx_total(self.ptr))
+
+    @property
+    def sq_depth(self) -> int:
+        """Send work requests posted and not completed."""
+        return int(lib.rs_qp_sq_depth(self.ptr))
+
+    def start(self, config: EngineConfig) -> None:
+        """Enter RTS with what MPA negotiated."""
+        self.core.start(config)
+        self.config = config
+        self._owner._awaiting_rtr = config.wait_for_rtr
+
+    def receive_data(self, data: bytes | bytearray | memoryview) -> None:
+        """Bytes from the peer (those read with the MPA exchange)."""
+        self.core.receive(data)
+        self._owner._sync()
+
+    def set_error(self, exc: Exception | None = None) -> None:
+        """Move to ERROR (the user, the CM, a failed handler): flush everything."""
+        self._fail(exc or ConnectionAbortedError("QP moved to ERROR"))
+
+    def connection_lost(self, exc: Exception | None = None) -> None:
+        """The TCP connection closed or failed."""
+        self._fail(exc or ConnectionResetError("connection closed by peer"))
+
+    def _fail(self, exc: Exception) -> None:
+        if lib.rs_qp_state(self.ptr) == 3:  # ERROR already
+            return
+        self.error = self.error or exc
+        lib.rs_qp_set_error(self.ptr, _ERR_USER, str(exc).encode()[:150])
+        self._owner._sync()
+
+    @property
+    def kind(self) -> int:
+        """Why C moved the QP to ERROR (``RS_ERR_*``; 0 while it has not)."""
+        return int(self.core.error[0])
+
+    def explain(self) -> Exception:
+        """Why C moved the QP to ERROR, as the Python engine says it."""
+        kind, code, message = self.core.error
+        if kind == _ERR_CQ_OVERRUN:
+            full = [cq for cq in self._owner._cqs if lib.rs_cq_overrun(cq._ptr)]
+            return full[0].overrun_error() if full else VerbsError(errno.EOVERFLOW, "cq", message)
+        if kind == _ERR_REMOTE:
+            self.remote_terminate = code
+            meaning = code.meaning
+            text = (
+                f"the peer ended the connection: {meaning}"
+                if meaning
+                else "the peer ended the connection with a Terminate"
+            )
+            return ProtocolError(text, code)
+        if kind == _ERR_USER:
+            return ConnectionResetError(message)
+        return ProtocolError(message, code)
+
+
+class NativeLink(Link):
+    """The trio I/O of one native QP: the socket's bytes go to C and back in one call."""
+
+    def __init__(self, engine: NativeEngine, sock: trio.socket.SocketType, leftover: bytes) -> None:
+        super().__init__(engine, sock, leftover)  # type: ignore[arg-type]
+        self._ptr = engine.ptr
+        self._sync = engine._owner._sync
+        self._lowat = 1
+        """The socket's SO_RCVLOWAT (:meth:`_expect`)."""
+
+    def revoke(self, region: Region) -> None:
+        """C holds what waits to be written: nothing here views a region."""
+
+    def flush(self) -> None:
+        """Write what C framed until it has nothing more or the socket is full."""
+        self._pending = []
+        n = lib.rs_qp_flush_fd(self._ptr, self._fd)
+        if n:
+            self.stopped_by(n)
+        elif lib.rs_qp_state(self._ptr) == 3:
+            self._tx_wakeup.set()  # let the transmit task end the connection
+        self._sync()
+
+    def stopped_by(self, n: int) -> None:
+        """A write into the socket ended with ``-errno`` ``n``: the socket is full
+        (``-EAGAIN``: the transmit task waits for room and goes on) or failed (C is in
+        ERROR: the transmit task ends the connection)."""
+        if n == _EAGAIN:
+            self._pending = [b""]  # (what the transmit task waits to write)
+        self._tx_wakeup.set()
+
+    def _read(self) -> bool | None:
+        """Read once into C; whether the socket is (probably) empty now, None at its end."""
+        return self._took(lib.rs_qp_read_fd(self._ptr, self._fd))
+
+    async def _spin(self, seconds: float) -> bool | None:
+        """Busy polling in C, without the GIL: read until bytes come, for at most
+        ``seconds`` (and :data:`SPIN_SLICE`, then the other tasks run)."""
+        ns = int(min(seconds, SPIN_SLICE) * 1e9)
+        n = lib.rs_qp_spin_fd(self._ptr, self._fd, ns)
+        if n == _EAGAIN:
+            await trio.lowlevel.checkpoint()
+        return self._took(n)
+
+    def _took(self, n: int) -> bool | None:
+        """What a read into C of ``n`` bytes (or -errno) means: whether the socket is
+        (probably) empty now, None at its end."""
+        if n == _EAGAIN:
+            self._drained = True
+            return True
+        if n == _EINTR:
+            return False
+        if n <= 0:  # the peer's FIN or a socket error: C moved to ERROR
+            self._rx_stopped = True
+            self.flush()
+            return None
+        if lib.rs_qp_tx_pending(self._ptr) and not self._pending:  # Read Responses, ...
+            self.flush()  # (it syncs)
+        else:
+            self._sync()
+        self._expect(lib.rs_qp_rx_owed(self._ptr))
+        self._drained = drained = int(n) < _RX_READ
+        return drained
+
+    def _expect(self, owed: int) -> None:
+        """Let the socket say it is readable only once ``owed`` bytes (what the peer
+        owes: the rest of an FPDU, of the responses to our Reads; at most
+        :data:`LOWAT_MAX`) are there, not at every segment: a peer that sends a large
+        response in small pieces (Linux siw: one FPDU a TCP segment) wakes its reader a
+        few times, not once a segment. Only bytes that must come are waited for, and a
+        FIN or an error wakes the reader whatever the mark."""
+        mark = min(owed, LOWAT_MAX) if owed >= LOWAT_MIN else 1
+        if mark != self._lowat:
+            self._lowat = mark
+            self.sock.setsockopt(_stdlib_socket.SOL_SOCKET, _stdlib_socket.SO_RCVLOWAT, mark)
+
+
+class NativeSRQ(SRQ):
+    """A shared receive queue in C (``rs_srq``)."""
+
+    def __init__(self, pd: PD, max_wr: int, max_sge: int) -> None:
+        super().__init__(pd, max_wr, max_sge)
+        self._ptr = lib.rs_srq_new(max_wr)
+        if self._ptr == ffi.NULL:
+            raise VerbsError(errno.ENOMEM, "create_srq", f"max_wr={max_wr}")
+
+    def _submit(self, table: Any, n: int, at: Any) -> int:
+        if at is None:
+            return int(lib.rs_srq_post(self._ptr, table, n))
+        return int(lib.rs_srq_post_at(self._ptr, table, len(table), at, n))
+
+    def _post(self, plan: RecvPlan, entries: Sequence[int]) -> None:
+        memory = self.pd.context.memory
+        assert isinstance(memory, NativeMemoryTable)
+        refused = plan.post(
+            "post_srq_recv", entries, self.max_sge, "SRQ", self.max_wr,
+            memory, lib.rs_mem_epoch(memory.native._ptr), self._submit,
+        )  # fmt: skip
+        if refused is not None:
+            raise refused
+
+    def post_recv(self, wr: RecvWR | Iterable[RecvWR]) -> None:
+        """Post one receive work request or a list of them."""
+        self._check_open("post_srq_recv")
+        wrs = [wr] if isinstance(wr, RecvWR) else list(wr)
+        self._post(plan_of(RecvPlan, wrs), range(len(wrs)))
+
+    def post_recv_batch(
+        self, batch: RecvBatch, count: int | None = None, *, indices: Sequence[int] | None = None
+    ) -> None:
+        """Post entries of a prepared batch (see :meth:`NativeQP.post_recv_batch`)."""
+        self._check_open("post_srq_recv")
+        entries = batch.select("post_srq_recv", count, indices)
+        self._post(batch.prepared(RecvPlan, RecvPlan), entries)
+
+    def close(self) -> None:
+        """Destroy the SRQ (C frees it with the last QP using it)."""
+        if not self._closed:
+            self._leave_parent()
+            lib.rs_srq_free(self._ptr)
+
+
+class NativeQP(QPBase):
+    """A reliable-connected queue pair whose protocol state is in C (``rs_qp``)."""
+
+    def __init__(
+        self, pd: PD, send_cq: NativeCQ, recv_cq: NativeCQ, cap: QPCap, srq: NativeSRQ | None,
+        sq_sig_all: bool,
+    ) -> None:  # fmt: skip
+        super().__init__(pd, send_cq, recv_cq, cap, srq, sq_sig_all)
+        memory = self.context.memory
+        assert isinstance(memory, NativeMemoryTable)
+        core = native.NativeQP(
+            memory.native, pd, self.qp_num, send_cq.ring, recv_cq.ring,
+            max_send_wr=cap.max_send_wr, max_recv_wr=cap.max_recv_wr, sq_sig_all=sq_sig_all,
+            srq=None if srq is None else srq._ptr,
+        )  # fmt: skip
+        self._ptr = core._ptr
+        self._mem = memory.native._ptr
+        self.engine: NativeEngine = NativeEngine(self, core, memory)
+        self._link: NativeLink | None = None
+        self._fatal_seen = False
+        self._awaiting_rtr = False
+        self._cqs = (send_cq,) if send_cq is recv_cq else (send_cq, recv_cq)
+        self._wrote = ffi.new("int64_t *")
+        """Where ``rs_qp_post_send_fd`` says how its writes ended."""
+        self._send_plans = PlanCache(SendPlan)
+        self._recv_plans = PlanCache(RecvPlan)
+        self.context._native_qps.add(self)  # type: ignore[attr-defined]
+
+    # ---------------------------------------------------------------- the C side's news
+    def _sync(self) -> None:
+        """After a call into C: hand on new completions, RTR, and a move to ERROR."""
+        news = lib.rs_qp_news(self._ptr)
+        if not news:
+            return
+        if news & _NEWS_CQ:
+            for cq in self._cqs:
+                cq._sync()
+        if news & _NEWS_RTR and self._awaiting_rtr and not lib.rs_qp_rtr_pending(self._ptr):
+            self._awaiting_rtr = False
+            self.engine.on_ready()
+        if news & _NEWS_STATE and not self._fatal_seen and lib.rs_qp_state(self._ptr) >= 2:
+            self._fatal_seen = True
+            engine = self.engine
+            if engine.error is None:
+                engine.error = engine.explain()
+            self._state = QPState.ERR
+            for listener in self.error_listeners:
+                listener(engine.error)
+            if self._link is not None:
+                self._link.kick()
+
+    # ---------------------------------------------------------------- posting
+    def _submit_send(self, array: Any, n: int) -> int:
+        """Give C ``n`` packed requests; when the socket has room, C writes their
+        bytes in the same call. How many C took."""
+        why, link = self.engine.core._why, self._link
+        if link is None or link._pending:  # not connected, or the transmit task waits
+            return int(lib.rs_qp_post_send(self._ptr, array, n, why))
+        wrote = self._wrote
+        taken = lib.rs_qp_post_send_fd(self._ptr, array, n, why, link._fd, wrote)
+        if wrote[0]:
+            link.stopped_by(wrote[0])
+        return int(taken)
+
+    def _submit_recv(self, table: Any, n: int, at: Any) -> int:
+        if at is None:
+            return int(lib.rs_qp_post_recv(self._ptr, table, n))
+        return int(lib.rs_qp_post_recv_at(self._ptr, table, len(table), at, n))
+
+    def _post_sends(self, wrs: Sequence[SendWR], plan: SendPlan, entries: Sequence[int]) -> None:
+        state = self._state
+        if state is not QPState.RTS and state is not QPState.ERR:
+            if len(entries):
+                raise refused_wr(
+                    errno.ENOTCONN, "post_send", 0, f"QP {self.qp_num} is {state.name}"
+                )
+            return
+        cap = self.cap
+        room = cap.max_send_wr - self.engine.sq_depth if state is QPState.RTS else len(entries)
+        memory = self.context.memory
+        refused = plan.post(
+            wrs, entries, room, cap.max_send_wr, cap.max_send_sge, cap.max_inline_data,
+            memory, lib.rs_mem_epoch(self._mem), self._submit_send,
+        )  # fmt: skip
+        self._sync()
+        if refused is not None:
+            raise refused
+
+    def post_send(self, wr: SendWR | Iterable[SendWR]) -> None:
+        """Post one send work request or a list of them (never blocks); errors as the
+        Python engine's provider raises them. A request posted again is packed once."""
+        self._check_open("post_send")
+        if isinstance(wr, SendWR):
+            self._post_sends((wr,), self._send_plans.of(wr), _ONE)
+            return
+        wrs = list(wr)
+        self._post_sends(wrs, plan_of(SendPlan, wrs), range(len(wrs)))
+
+    def post_send_batch(
+        self, batch: SendBatch, count: int | None = None, *, indices: Sequence[int] | None = None
+    ) -> None:
+        """Post entries of a prepared batch: each is packed once, posted by copy."""
+        self._check_open("post_send")
+        entries = batch.select("post_send", count, indices)
+        self._post_sends(batch.wrs(entries), batch.prepared(SendPlan, SendPlan), entries)
+
+    def _post_recvs(self, plan: RecvPlan, entries: Sequence[int]) -> None:
+        if self.srq is not None:
+            raise VerbsError(errno.EINVAL, "post_recv", "QP uses an SRQ; post to the SRQ")
+        cap = self.cap
+        refused = plan.post(
+            "post_recv", entries, cap.max_recv_sge, "receive queue", cap.max_recv_wr,
+            self.context.memory, lib.rs_mem_epoch(self._mem), self._submit_recv,
+        )  # fmt: skip
+        if self._state is QPState.ERR:  # flushed at once
+            self._sync()
+        if refused is not None:
+            raise refused
+
+    def post_recv(self, wr: RecvWR | Iterable[RecvWR]) -> None:
+        """Post one receive work request or a list of them (never blocks)."""
+        self._check_open("post_recv")
+        if isinstance(wr, RecvWR):
+            self._post_recvs(self._recv_plans.of(wr), _ONE)
+            return
+        wrs = list(wr)
+        self._post_recvs(plan_of(RecvPlan, wrs), range(len(wrs)))
+
+    def post_recv_batch(
+        self, batch: RecvBatch, count: int | None = None, *, indices: Sequence[int] | None = None
+    ) -> None:
+        """Post entries of a prepared batch (packed once, posted by copy)."""
+        self._check_open("post_recv")
+        entries = batch.select("post_recv", count, indices)
+        self._post_recvs(batch.prepared(RecvPlan, RecvPlan), entries)
+
+    # ---------------------------------------------------------------- connection
+    def when_ready(self, callback: Callable[[], None]) -> None:
+        """P2P responder: ``callback`` runs when the initiator's RTR arrives."""
+        self.engine.on_ready = callback
+
+    def connect(self, config: EngineConfig, sock: trio.socket.SocketType, leftover: bytes) -> None:
+        """MPA is done: C takes the connection, a :class:`NativeLink` its socket."""
+        self.engine.start(config)
+        sock.setsockopt(_stdlib_socket.IPPROTO_TCP, _stdlib_socket.TCP_NODELAY, True)
+        link = self._link = NativeLink(self.engine, sock, leftover)
+        link.after_receive = self.context._after_receive
+        self._state = QPState.RTS
+        self.context.nursery.start_soon(self._run_link, link)
+
+    async def _run_link(self, link: NativeLink) -> None:
+        try:
+            await link.run()
+        finally:
+            self._release()
+
+    def close(self) -> None:
+        """Destroy the QP: outstanding work is flushed and the connection dropped."""
+        if self._closed:
+            return
+        if lib.rs_qp_state(self._ptr) != 3:
+            self.engine.set_error(ConnectionAbortedError("QP destroyed"))
+        self._leave_cqs()
+        self._release()
+
+    def _release(self) -> None:
+        """Free the C state once the QP is closed and its connection is gone."""
+        link = self._link
+        if self._closed and (link is None or link.closed.is_set()) and self._ptr is not None:
+            self.context._native_qps.discard(self)  # type: ignore[attr-defined]
+            self.engine.core.close()
+            self._ptr = self.engine.ptr = None
+
+
+class NativeContext(Context):
+    """A device opened with the native engine."""
+
+    def __init__(self, device: Any, nursery: trio.Nursery) -> None:
+        super().__init__(device, nursery)
+        self.memory = NativeMemoryTable(after_removal=self._sync_qps)
+        self._native_qps: set[NativeQP] = set()
+
+    @property
+    def engine(self) -> str:
+        """Which engine serves this context."""
+        return "native"
+
+    def _sync_qps(self) -> None:
+        for qp in list(self._native_qps):
+            if qp._ptr is not None:
+                qp._sync()
+                if qp._link is not None:
+                    qp._link.kick()
+
+    def _new_cq(self, cqe: int, channel: CompChannel | None) -> CQ:
+        return NativeCQ(self, cqe, channel)
+
+    def _new_qp(
+        self, pd: PD, send: CQ, recv: CQ, cap: QPCap, srq: SRQ | None, sq_sig_all: bool
+    ) -> Any:
+        if not isinstance(send, NativeCQ) or not isinstance(recv, NativeCQ):
+            raise VerbsError(errno.EINVAL, "create_qp", "a CQ of another engine")
+        if srq is not None and not isinstance(srq, NativeSRQ):
+            raise VerbsError(errno.EINVAL, "create_qp", "an SRQ of another engine")
+        return NativeQP(pd, send, recv, cap, srq, sq_sig_all)
+
+    def _new_srq(self, pd: PD, max_wr: int, max_sge: int) -> SRQ:
+        return NativeSRQ(pd, max_wr, max_sge)
+
+    def close(self) -> None:
+        """Close the context and everything in it, then its C memory table."""
+        if not self._closed:
+            super().close()
+            memory = self.memory
+            assert isinstance(memory, NativeMemoryTable)
+            memory.native.close()
