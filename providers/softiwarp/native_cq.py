@@ -19,7 +19,6 @@ from rdmashim.verbs.enums import WCFlags, WCOpcode, WCStatus
 from rdmashim.verbs.errors import VerbsError
 from rdmashim.verbs.wr import WC, WCArray
 
-_ERR_CQ_OVERRUN = 6
 _SUCCESS = WCStatus.SUCCESS
 _OPCODES = {int(o): o for o in WCOpcode}
 _STATUSES = {int(s): s for s in WCStatus}
@@ -27,9 +26,10 @@ _NONE = WCFlags.NONE
 _FLAGS = {0: _NONE, int(WCFlags.WITH_INV): WCFlags.WITH_INV}
 """The flags a native completion carries (the C side sets none other)."""
 _WC = ffi.sizeof("rs_wc") if ffi is not None else 0
+_SUM = ("STATUS", "FLAGS", "SOLICITED", "INV", "OPCODES", "QPS", "LENGTHS")
 _SUM_STATUS, _SUM_FLAGS, _SUM_SOLICITED, _SUM_INV, _SUM_OPCODES, _SUM_QPS, _SUM_LENGTHS = (
-    1, 2, 4, 8, 16, 32, 64
-)  # fmt: skip
+    [getattr(lib, "RS_SUM_" + name) for name in _SUM] if lib is not None else [0] * len(_SUM)
+)  # (C's own bits, _engine.h)
 _FEW = 4
 """Polls of at most this many completions are decoded row by row (cheaper than columns)."""
 
@@ -61,7 +61,7 @@ class NativeCQ(CQ):
 
     def _failed_by_overrun(self, qp: QPBase) -> bool:
         engine = getattr(qp, "engine", None)  # (a native QP: a CQ serves its own engine's)
-        return getattr(engine, "kind", 0) == _ERR_CQ_OVERRUN
+        return bool(getattr(engine, "kind", 0) == lib.RS_ERR_CQ_OVERRUN)
 
     def _buffer(self, n: int) -> Any:
         if n > len(self._rows):

@@ -54,8 +54,11 @@ _EAGAIN = -errno.EAGAIN
 _EINTR = -errno.EINTR
 _ERR_REMOTE = 2
 _ERR_USER = 5
-_ERR_CQ_OVERRUN = 6
-_NEWS_CQ, _NEWS_STATE, _NEWS_RTR = 1, 2, 4
+# C's own numbers (_engine.h), bound once
+_ERR_CQ_OVERRUN = lib.RS_ERR_CQ_OVERRUN if lib is not None else 0
+_NEWS_CQ, _NEWS_STATE, _NEWS_RTR = (
+    (lib.RS_NEWS_CQ, lib.RS_NEWS_STATE, lib.RS_NEWS_RTR) if lib is not None else (0, 0, 0)
+)
 _ONE = range(1)
 LOWAT_MIN, LOWAT_MAX = 16 * 1024, 64 * 1024
 """Owed bytes from which a reader waits for them before it looks, and at most how many."""
