@@ -47,6 +47,7 @@ class EventChannel:
         self.unacked = 0
         self._ids: list[CMId] = []
         self._closed = False
+        self._closing = trio.Event()
         self._backend: CMBackend | None = None
         self._connector: Connector | None = None
 
@@ -71,6 +72,7 @@ class EventChannel:
         for cm_id in list(self._ids):
             cm_id.destroy()
         self._send.close()
+        self._closing.set()
         assert self._nursery_manager is not None and self._connector is not None
         try:
             return await self._nursery_manager.__aexit__(exc_type, exc, tb)
@@ -120,14 +122,22 @@ class EventChannel:
     async def _keep_device(
         self, name: str, *, task_status: trio.TaskStatus[Context] = trio.TASK_STATUS_IGNORED
     ) -> None:
+        """Hold device ``name`` open until the channel closes.
+
+        Shielded: a cancellation of the block the channel serves reaches this task
+        and the block's own tasks at once, and those may still be tearing down
+        connections on the device (a CQ polled before the task sees its
+        cancellation); the device closes when the channel does, after the block.
+        """
         assert self._backend is not None
-        async with self._backend.open_device(name) as ctx:
-            self._contexts[name] = ctx
-            task_status.started(ctx)
-            try:
-                await trio.sleep_forever()
-            finally:
-                self._contexts.pop(name, None)
+        with trio.CancelScope(shield=True):
+            async with self._backend.open_device(name) as ctx:
+                self._contexts[name] = ctx
+                task_status.started(ctx)
+                try:
+                    await self._closing.wait()
+                finally:
+                    self._contexts.pop(name, None)
 
     # ------------------------------------------------------------------ events
     def post(

@@ -289,6 +289,32 @@ async def test_open_connection_to_a_closed_port() -> None:
     assert info.value.errno == errno.ECONNREFUSED
 
 
+async def test_a_cancelled_handlers_cleanup_still_has_its_device() -> None:
+    """Cancelling ``serve`` reaches its handlers and the tasks that hold its devices open
+    at once; a handler's cleanup that still uses its connection (a last poll) must find
+    the device open: it closes when the listener's channel does, after the handlers."""
+    accepted = trio.Event()
+    polled: list[int] = []
+
+    async def handler(request: ConnectionRequest) -> None:
+        conn = await request.accept()
+        accepted.set()
+        try:
+            await trio.sleep_forever()
+        finally:
+            with trio.CancelScope(shield=True):
+                await trio.sleep(0.05)  # the tasks holding devices run meanwhile
+            polled.append(len(conn.recv_cq.poll()))
+
+    async with trio.open_nursery() as nursery:
+        addr = await nursery.start(serve, handler, 0)
+        async with open_connection(HOST, addr[1]):
+            with trio.fail_after(TIMEOUT):
+                await accepted.wait()
+            nursery.cancel_scope.cancel()
+    assert polled == [0]
+
+
 async def test_handler_sees_the_peer_disconnect() -> None:
     done = trio.Event()
 
