@@ -23,7 +23,13 @@ from rdmashim.ulps.nfsrdma.rdma_client import (
     RpcRdmaClient,
     TransportError,
 )
-from rdmashim.ulps.nfsrdma.rdma_endpoint import ConnectionLost, Endpoint, rdma_wr, send_wr
+from rdmashim.ulps.nfsrdma.rdma_endpoint import (
+    ConnectionLost,
+    Endpoint,
+    rdma_wr,
+    receives_for,
+    send_wr,
+)
 from rdmashim.ulps.nfsrdma.rdma_server import serve_rdma
 from rdmashim.ulps.nfsrdma.rpc import (
     NULL_AUTH,
@@ -565,7 +571,7 @@ async def test_a_late_write_cannot_reach_a_later_calls_data() -> None:
     """The memory is reused, but under a new R_Key: the old one ends the connection."""
     with trio.fail_after(TIMEOUT):
         async with trio.open_nursery() as nursery:
-            cap = QPCap(max_send_wr=128, max_recv_wr=4)
+            cap = QPCap(max_send_wr=128, max_recv_wr=receives_for(4))
             addr = await nursery.start(
                 lambda task_status: serve(
                     _late_writer, 0, host=HOST, cap=cap, task_status=task_status

@@ -41,6 +41,7 @@ from rdmashim.ulps.nfsrdma.rdma_endpoint import (
     ConnectionLost,
     Endpoint,
     ReceivePool,
+    receives_for,
 )
 from rdmashim.ulps.nfsrdma.rpc import OpaqueAuth, decode_reply, encode_call
 from rdmashim.ulps.nfsrdma.rpcrdma import (
@@ -167,7 +168,7 @@ class RpcRdmaClient:
                 stale.close()
             endpoints[:] = [Endpoint(conn, inline_size, credits)]
 
-        cap = QPCap(max_send_wr=128, max_recv_wr=credits)
+        cap = QPCap(max_send_wr=128, max_recv_wr=receives_for(credits))
         try:
             async with open_connection(
                 host, port, private_data=private, cap=cap, prepare=prepare, backend=backend

@@ -9,11 +9,14 @@ and one task (:meth:`Endpoint.run`) takes completions into a
 :class:`~rdmashim.verbs.WCArray` and hands each received message to the
 transport, where it is answered, without a task of its own when it can be.
 
-Within one batch of completions the Receives given back (:meth:`repost`)
-and the Sends from slots (:meth:`try_send`) are posted once each at its end,
-the Receives first, so a credit a reply grants always has its Receive. A
-Send never waits for its completion: its slot (and any region its RDMA
-Writes read from) is released when the completion comes. Every Send is
+Receives given back (:meth:`repost`) are posted :data:`REPOST_EVERY` at a
+time, in one post: an endpoint of ``credits`` keeps ``REPOST_EVERY - 1``
+Receives more than that posted (:func:`receives_for`), so the ones waiting
+to be posted never leave a credit its peer was granted without a Receive.
+The Sends from slots (:meth:`try_send`) filled within one batch of
+completions are posted once, at its end. A Send never waits for its
+completion: its slot (and any region its RDMA Writes read from) is released
+when the completion comes. Every Send is
 signaled; other work requests are not, but the last of each :meth:`post`.
 The send queue is never asked to hold more than it has room for: a Send
 that finds no room waits (:meth:`send`) or is left to its caller
@@ -62,6 +65,17 @@ REMOTE = Access.LOCAL_WRITE | Access.REMOTE_WRITE
 
 OnReceive = Callable[[int, int, WCFlags], None]
 """``on_receive(slot, length, wc_flags)``: a message arrived in a Receive slot."""
+
+
+REPOST_EVERY = 8
+"""Receives given back before they are posted again, in one post."""
+
+
+def receives_for(credits: int) -> int:
+    """The Receives an endpoint of ``credits`` keeps posted (its QP's ``max_recv_wr``):
+    room for the calls (or replies) its peer may have outstanding while up to
+    ``REPOST_EVERY - 1`` Receives wait to be posted again."""
+    return credits + REPOST_EVERY - 1
 
 
 POOL_BUFFERS = 8
@@ -150,14 +164,12 @@ class _Posted:
 class Endpoint:
     """Receives, Sends and RDMA operations of one connection (see the module doc)."""
 
-    def __init__(
-        self, conn: Connection | ConnectionRequest, recv_size: int, recv_count: int
-    ) -> None:
+    def __init__(self, conn: Connection | ConnectionRequest, recv_size: int, credits: int) -> None:
         self.conn = conn
         self.qp = conn.qp
         self.pd = conn.pd
         self.recv_size = recv_size
-        self.recv_count = recv_count
+        self.recv_count = recv_count = receives_for(credits)
         self.recv_buffer = bytearray(recv_size * recv_count)
         self.recv_mr = self.pd.reg_mr(self.recv_buffer, Access.LOCAL_WRITE)
         self._recvs = RecvBatch(
@@ -183,7 +195,7 @@ class Endpoint:
         self._sq_room = self.sq_depth
         self._room = trio.Event()
         self._bursting = False
-        self._reposts: list[int] = []
+        self._reposts: list[int] = []  # Receive slots given back, not posted yet
         self._deferred: list[int] = []  # Send slots filled during a burst
         self.lost: ConnectionLost | None = None
         self.qp.post_recv_batch(self._recvs)
@@ -198,14 +210,17 @@ class Endpoint:
         return view.obj is self.recv_buffer or view.obj is self.recv_mr.buf.obj
 
     def repost(self, slot: int) -> None:
-        """Give a Receive slot back (its bytes are done with): at the end of the burst of
-        completions being handled, else now."""
+        """Give a Receive slot back (its bytes are done with); posted with the next
+        ``REPOST_EVERY - 1`` given back."""
         if self.lost is not None:
             return
-        if self._bursting:
-            self._reposts.append(slot)
-        else:
-            self.qp.post_recv_batch(self._recvs, indices=[slot])
+        self._reposts.append(slot)
+        if len(self._reposts) >= REPOST_EVERY:
+            reposts, self._reposts = self._reposts, []
+            try:
+                self.qp.post_recv_batch(self._recvs, indices=reposts)
+            except OSError as exc:
+                raise self._lose(f"posting receives failed: {exc}") from exc
 
     def register(self, buffer: Buffer, access: Access = Access.NONE) -> MR:
         """Register ``buffer`` on the connection's PD."""
@@ -251,7 +266,6 @@ class Endpoint:
             if self._bursting and not before:
                 self._deferred.append(slot)
                 return True
-            self._flush_reposts()
             try:
                 if before:
                     self.qp.post_send([*self._unsignaled(before), self._sends[slot]])
@@ -264,7 +278,6 @@ class Endpoint:
         message = bytearray(b"".join(parts))
         mr = self.register(message)
         wr = send_wr(mr, size, invalidate)
-        self._flush_reposts()
         self._post_signaled([*before, wr], [*regions, mr], wait=False)
         return True
 
@@ -288,7 +301,6 @@ class Endpoint:
             batch = wrs[start : start + BATCH]
             while len(batch) > self._sq_room:
                 await self.wait_room()
-            self._flush_reposts()
             posted = self._post_signaled(batch, (), wait=True)
             assert posted.done is not None
             await posted.done.wait()
@@ -318,17 +330,8 @@ class Endpoint:
             raise self._lose(f"posting failed: {exc}") from exc
         return posted
 
-    def _flush_reposts(self) -> None:
-        if self._reposts:
-            reposts, self._reposts = self._reposts, []
-            try:
-                self.qp.post_recv_batch(self._recvs, indices=reposts)
-            except OSError as exc:
-                raise self._lose(f"posting receives failed: {exc}") from exc
-
     def _flush(self) -> None:
-        """The end of a burst: the Receives given back, then the Sends from slots."""
-        self._flush_reposts()
+        """The end of a burst: the Sends from slots filled in it."""
         if self._deferred and self.lost is None:
             deferred, self._deferred = self._deferred, []
             try:

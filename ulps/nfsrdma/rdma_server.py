@@ -41,7 +41,13 @@ from typing import TYPE_CHECKING, Any
 import trio
 
 from rdmashim.cm import CMError, serve
-from rdmashim.ulps.nfsrdma.rdma_endpoint import ConnectionLost, Endpoint, ReceivePool, rdma_wr
+from rdmashim.ulps.nfsrdma.rdma_endpoint import (
+    ConnectionLost,
+    Endpoint,
+    ReceivePool,
+    rdma_wr,
+    receives_for,
+)
 from rdmashim.ulps.nfsrdma.rpc import PendingCall
 from rdmashim.ulps.nfsrdma.rpcrdma import (
     PLAIN_LEN,
@@ -129,7 +135,7 @@ async def serve_rdma(
         except Exception:  # one connection's failure must not stop the listener
             log.exception("RPC-over-RDMA connection from %s failed", request.peer_addr)
 
-    cap = QPCap(max_send_wr=128, max_recv_wr=credits)
+    cap = QPCap(max_send_wr=128, max_recv_wr=receives_for(credits))
     await serve(handler, port, host=host, cap=cap, backend=backend, task_status=task_status)
 
 
