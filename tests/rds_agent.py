@@ -50,7 +50,6 @@ import trio
 
 from rdmashim.ulps.rds.node import RdsNode, RdsSocket
 from rdmashim.ulps.rds.settings import Transport
-from rdmashim.ulps.rds.wire import RdsHeader
 
 AGENT = Path(__file__)
 STAMP = struct.Struct("!HHI")
@@ -122,10 +121,12 @@ class LoggingNode(RdsNode):
     arrived has been reported, even if this process is killed the next moment.
     """
 
-    def _deliver(self, peer: Any, header: RdsHeader, data: bytes) -> None:
-        (tag, incarnation, seq), ok = check(data)
-        emit(d=[str(peer), header.sport, header.dport, tag, incarnation, seq, ok])
-        super()._deliver(peer, header, data)
+    def _deliver(
+        self, peer: Any, seq: int, sport: int, dport: int, extensions: Any, data: bytes
+    ) -> None:
+        (tag, incarnation, number), ok = check(data)
+        emit(d=[str(peer), sport, dport, tag, incarnation, number, ok])
+        super()._deliver(peer, seq, sport, dport, extensions, data)
 
 
 async def drain(sock: RdsSocket) -> None:

@@ -28,7 +28,7 @@ from rdmashim.ulps.rds.rdma_flow import (
 )
 from rdmashim.ulps.rds.settings import RdsSettings
 from rdmashim.ulps.rds.tcp_stream import StreamDecoder, StreamSender
-from rdmashim.ulps.rds.wire import NpathsExt, RdsHeader, RdsProtocolError
+from rdmashim.ulps.rds.wire import NpathsExt, RdsProtocolError
 
 LOCAL, PEER = ip_address("10.0.0.1"), ip_address("10.0.0.2")
 CONG, ACK_REQ, RETRANS = 0x01, 0x02, 0x04
@@ -58,8 +58,10 @@ class Wire:
         )  # fmt: skip
         self.flow = RdmaFlow(self.rds)
 
-    def _deliver(self, peer: object, header: RdsHeader, data: bytes) -> None:
-        self.delivered.append((peer, header.sequence, header.sport, header.dport, data))
+    def _deliver(
+        self, peer: object, seq: int, sport: int, dport: int, extensions: object, data: bytes
+    ) -> None:
+        self.delivered.append((peer, seq, sport, dport, data))
 
     def _room(self) -> None:
         self.rooms += 1

@@ -45,6 +45,10 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 IPAddress = IPv4Address | IPv6Address
+Deliver = Callable[[IPAddress, int, int, int, "tuple[Extension, ...]", bytes], None]
+"""What a connection hands each new message to: (peer, its sequence number, source
+port, destination port, extension headers, data). Fields, not an :class:`RdsHeader`:
+the RDMA session reads a plain message's header in place and makes none."""
 
 
 class Carrier(Protocol):
@@ -118,8 +122,8 @@ class RdsConnection:
 
     local: IPAddress
     peer: IPAddress
-    deliver: Callable[[IPAddress, RdsHeader, bytes], None]
-    """Called with (peer, first header, data) for each new message, in order."""
+    deliver: Deliver
+    """Called for each new message, in order (see :data:`Deliver`)."""
     unsent: deque[OutMessage] = field(default_factory=deque)
     unacked: deque[OutMessage] = field(default_factory=deque)
     next_seq: int = field(default_factory=time.time_ns)
@@ -340,18 +344,28 @@ class RdsConnection:
         if header.flags == RdsFlag.CONG_BITMAP:
             self.peer_map(data)
             return
-        seq = header.sequence
+        self.take(
+            header.sequence, header.sport, header.dport, header.flags, data, header.extensions
+        )
+
+    def take(
+        self, seq: int, sport: int, dport: int, flags: int, data: bytes,
+        extensions: tuple[Extension, ...] = (),
+    ) -> None:  # fmt: skip
+        """:meth:`received` of a numbered message (no congestion map) from its header's
+        fields: what a session that read the header in place calls, making no header."""
         self.busy = True
-        if seq != self.next_recv and not self._new_out_of_turn(seq, header.flags):
+        if seq != self.next_recv and not self._new_out_of_turn(seq, flags):
             self.counters.recv_drop_old_seq += 1
             return
         self.next_recv = seq + 1
         self.heard = True
-        self.counters.recv_messages += 1
-        self.counters.recv_bytes += len(data)
-        self.deliver(self.peer, header, data)
+        counters = self.counters
+        counters.recv_messages += 1
+        counters.recv_bytes += len(data)
+        self.deliver(self.peer, seq, sport, dport, extensions, data)
 
-    def _new_out_of_turn(self, seq: int, flags: RdsFlag) -> bool:
+    def _new_out_of_turn(self, seq: int, flags: int) -> bool:
         """Whether a message numbered other than :attr:`next_recv` is new (see
         :meth:`received`); a new one below it starts the peer's numbering afresh."""
         due = self.next_recv

@@ -50,10 +50,10 @@ from rdmashim.ulps.rds.transport import BurstHolder, RdsTransport
 from rdmashim.ulps.rds.wire import (
     RDS_FLAG_PROBE_PORT,
     CongestionMap,
+    Extension,
     GenNumExt,
     NpathsExt,
     RdmaExt,
-    RdsHeader,
 )
 from rdmashim.verbs.tasks import service_nursery
 
@@ -221,22 +221,24 @@ class RdsNode:
         self._sockets[port] = sock
         return sock
 
-    def _deliver(self, peer: IPAddress, header: RdsHeader, data: bytes) -> None:
-        sport, dport = header.sport, header.dport
+    def _deliver(
+        self, peer: IPAddress, seq: int, sport: int, dport: int,
+        extensions: tuple[Extension, ...], data: bytes,
+    ) -> None:  # fmt: skip
         if dport == 0 and sport != 0:  # an RDS ping: answer it, as Linux's rds_send_pong
             if sport == RDS_FLAG_PROBE_PORT:  # the handshake probe
-                self._handshake(peer, header)
+                self._handshake(peer, extensions)
             self._pong(peer, sport)
             return
         if dport == RDS_FLAG_PROBE_PORT and sport == 0:  # the answer to our probe
-            self._handshake(peer, header)
+            self._handshake(peer, extensions)
             return
         sock = self._sockets.get(dport)
         if sock is None:
             self.drops_no_socket += 1
             log.info("message from %s:%d for unbound port %d dropped", peer, sport, dport)
             return
-        for ext in header.extensions:
+        for ext in extensions:
             if isinstance(ext, RdmaExt):  # it chases an RDMA operation on one of ours
                 sock._registrations.used(ext.rkey)
         if sock.queued_bytes + len(data) > self.settings.rcvbuf_limit:
@@ -249,7 +251,7 @@ class RdsNode:
         recent = self._recent_text
         if recent[0] is not peer:
             recent = self._recent_text = (peer, _ip_text(peer))
-        sock._push(_message(ReceivedMessage, (data, (recent[1], sport), header.sequence)))
+        sock._push(_message(ReceivedMessage, (data, (recent[1], sport), seq)))
         if sock.queued_bytes > self.settings.rcvbuf:
             sock.congested = True
             self._congestion.mark(dport, True)
@@ -279,11 +281,12 @@ class RdsNode:
         """What the RDS/TCP handshake probe and its answer carry (``rds_send_probe``)."""
         return (NpathsExt(RDS_TCP_NPATHS), GenNumExt(self.generation))
 
-    def _handshake(self, peer: IPAddress, header: RdsHeader) -> None:
-        """A handshake probe or its answer: note the peer's generation number
-        (``recv.c`` ``rds_recv_hs_exthdrs``). We use one path whatever it offers."""
+    def _handshake(self, peer: IPAddress, extensions: tuple[Extension, ...]) -> None:
+        """A handshake probe or its answer (its extension headers): note the peer's
+        generation number (``recv.c`` ``rds_recv_hs_exthdrs``). We use one path whatever
+        it offers."""
         entry = self._peers.get(peer)
-        generation = next((e.gen_num for e in header.extensions if isinstance(e, GenNumExt)), 0)
+        generation = next((e.gen_num for e in extensions if isinstance(e, GenNumExt)), 0)
         if entry is None or not generation:
             return
         rds = entry.rds
@@ -358,5 +361,4 @@ class RdsNode:
         if rdma is not None:
             raise RdsError(errno.EOPNOTSUPP, "RDMA to the node's own address (as Linux)")
         self.loopback_messages += 1
-        header = RdsHeader(self.loopback_messages, 0, len(data), sport, dport)
-        self._deliver(self.address, header, bytes(data))
+        self._deliver(self.address, self.loopback_messages, sport, dport, (), bytes(data))

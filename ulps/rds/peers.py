@@ -20,7 +20,7 @@ from collections.abc import Callable
 
 import trio
 
-from rdmashim.ulps.rds.connection import Carrier, IPAddress, RdsConnection
+from rdmashim.ulps.rds.connection import Carrier, Deliver, IPAddress, RdsConnection
 from rdmashim.ulps.rds.cookie import RdmaStatus
 from rdmashim.ulps.rds.errors import RdsError
 from rdmashim.ulps.rds.peer import Peer
@@ -33,7 +33,6 @@ from rdmashim.ulps.rds.transport import (
     SessionLost,
     TransportSession,
 )
-from rdmashim.ulps.rds.wire import RdsHeader
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +54,7 @@ class PeerTable:
         settings: RdsSettings,
         entries: dict[IPAddress, Peer],
         *,
-        deliver: Callable[[IPAddress, RdsHeader, bytes], None],
+        deliver: Deliver,
         on_congestion: Callable[[RdsConnection, set[int]], None],
         session_starting: Callable[[RdsConnection], None],
         session_ended: Callable[[Carrier], None],

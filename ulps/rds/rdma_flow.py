@@ -289,17 +289,24 @@ class RdmaFlow:
         if csum or ext or length > RDS_FRAG_SIZE or flags & _CONG_BITS:
             header = RdsHeader.decode(buf[base : base + nbytes])
         self.send_credits += credit
-        self.rds.acked(ack)
+        rds = self.rds
+        unacked = rds.unacked
+        if unacked and unacked[0].seq <= ack:  # (acked's own test: a call less when not)
+            rds.acked(ack)
         if sport or dport or length:  # else a bare ack, as ib_recv.c's
             talk = sport << 16 | dport
             if talk != self.talk and sport and dport:  # (not the node's own)
                 self.talk = talk if self.talk == -1 else -2
-            if header is None:
-                header = RdsHeader(seq, ack, length, sport, dport, FLAGS_BY_VALUE[flags], credit)
             start = base + RDS_HEADER_LEN
             if self.assembly is None and length == nbytes - RDS_HEADER_LEN:  # one copy
-                self.rds.received(header, bytes(buf[start : base + nbytes]))
+                if header is None:  # (a plain message: no header made)
+                    rds.take(seq, sport, dport, flags, bytes(buf[start : base + nbytes]))
+                else:
+                    rds.received(header, bytes(buf[start : base + nbytes]))
             else:
+                if header is None:
+                    flag = FLAGS_BY_VALUE[flags]
+                    header = RdsHeader(seq, ack, length, sport, dport, flag, credit)
                 self._assemble(header, buf[start : base + nbytes])
 
     def _assemble(self, header: RdsHeader, fragment: memoryview) -> None:

@@ -367,7 +367,6 @@ class Session:
         wcs = self._wcs
         wr_ids, statuses, opcodes, lengths = wcs.wr_id, wcs.status, wcs.opcode, wcs.byte_len
         room = self._room
-        armed = False
         rds, flow = self.rds, self.flow
         receive, recv_buf = flow.receive_at, self._recv_buf
         counters = rds.counters
@@ -376,11 +375,10 @@ class Session:
         try:
             while True:
                 n = cq.poll_into(wcs)
-                if not n:
-                    if armed:  # nothing came between the arming and this poll
-                        break
+                if not n:  # (a run for completions taken already)
                     cq.req_notify()
-                    armed = True
+                    if not len(cq):
+                        break
                     continue
                 reposts, rdma = self._reposts, self.rdma
                 try:
@@ -421,11 +419,12 @@ class Session:
                 elif due == ACK_NOW:
                     self._send_ack()
                     flow.ack_at = math.inf
-                # A short poll emptied the CQ: arm now, and the next poll takes what
-                # came meanwhile (one poll fewer than polling until empty first).
-                armed = n < room
-                if armed:
+                # A short poll emptied the CQ: arm now, and poll again only if something
+                # came meanwhile (the CQ's length says; a poll finding none costs more).
+                if n < room:
                     cq.req_notify()
+                    if not len(cq):
+                        break
             burst = counters.recv_messages - received
             self._burst = burst > 1
             self._opening = self._burst and (burst <= OPENING_MAX or self.flow.talk != -2)
