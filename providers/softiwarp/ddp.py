@@ -102,6 +102,8 @@ READ_REQUEST = struct.Struct("!HBBIIIIIQIIQ")
 _TERM_CTRL = struct.Struct("!I")
 CRC_FIELD = struct.Struct("<I")
 ZERO_PAD = (b"", b"\0", b"\0\0", b"\0\0\0")
+ZERO_CRC = bytes(TRAILER_CRC_LEN)
+"""The CRC field of an FPDU sent without CRC."""
 
 
 CTRL_SEND = RDMAP_VERSION | Opcode.SEND
@@ -191,6 +193,18 @@ def encode_untagged(
     return UNTAGGED.pack(UNTAGGED_HDR_LEN - 2 + payload_len, ddp, rdmap_ctrl, inv_stag, qn, msn, mo)
 
 
+def encode_send(
+    payload: bytes | bytearray | memoryview, ctrl: int, inv_stag: int, msn: int, crc: bool
+) -> bytes:
+    """A whole one-segment Send FPDU in one buffer: RDMAP control byte ``ctrl`` (a Send
+    variant's), ``inv_stag``, QN 0, MSN ``msn``, MO 0, last; ``payload``, PAD and the
+    CRC field (zero when ``crc`` is false). The caller keeps ``payload`` within one FPDU."""
+    ulpdu_len = UNTAGGED_HDR_LEN - 2 + len(payload)
+    header = UNTAGGED.pack(ulpdu_len, DDP_UNTAGGED_LAST, ctrl, inv_stag, QN.SEND, msn, 0)
+    body = header + payload + ZERO_PAD[pad_len(ulpdu_len)]
+    return body + (CRC_FIELD.pack(crc32c(body)) if crc else ZERO_CRC)
+
+
 def encode_read_request(
     msn: int, sink_stag: int, sink_to: int, size: int, src_stag: int, src_to: int
 ) -> bytes:
@@ -260,7 +274,7 @@ def parse_header(
 
 def trailer(ulpdu_len: int, crc: int | None) -> bytes:
     """PAD and CRC field closing an FPDU; ``crc`` None writes the zero CRC field."""
-    return ZERO_PAD[pad_len(ulpdu_len)] + (CRC_FIELD.pack(crc) if crc is not None else b"\0\0\0\0")
+    return ZERO_PAD[pad_len(ulpdu_len)] + (CRC_FIELD.pack(crc) if crc is not None else ZERO_CRC)
 
 
 def fpdu_crc(parts: Sequence[bytes | bytearray | memoryview]) -> int:

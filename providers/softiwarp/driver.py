@@ -102,12 +102,10 @@ class Link:
         pending = self._pending
         while True:
             if not pending:
-                if not engine.tx_ready:
-                    if engine.state is EngineState.ERROR:
-                        self._tx_wakeup.set()  # let the transmit task end the connection
-                    return
                 pending = engine.produce()
                 if not pending:
+                    if engine.state is EngineState.ERROR:
+                        self._tx_wakeup.set()  # let the transmit task end the connection
                     return
             try:
                 n = os.writev(fd, pending[:_IOV_MAX])

@@ -64,7 +64,6 @@ SPAN = struct.Struct("=QQ")
 """One receive as :meth:`Kernels.place_in` takes it: its offset in the target and its
 length, native 64-bit words (the compiled kernel reads them in place)."""
 _U32 = 0xFFFFFFFF
-_ZERO_CRC = bytes(ddp.TRAILER_CRC_LEN)
 
 
 @dataclass(eq=False, slots=True)
@@ -315,7 +314,7 @@ class PyKernels:
                 value = crc32c(pad, crc32c(payload, crc32c(header))) if crc else 0
             else:
                 value = crc32c(pad, crc32c(header)) if crc else 0
-            out.append(pad + crc_field(value) if crc else pad + _ZERO_CRC)
+            out.append(pad + crc_field(value) if crc else pad + ddp.ZERO_CRC)
             off += n
             if final:
                 return out
@@ -367,18 +366,11 @@ class PyKernels:
 
 
 def frame_send(payload: Buffer, ctrl: int, inv: int, msn: int, crc: bool) -> bytes:
-    """The FPDU of one one-FPDU Send: ``payload``, RDMAP control byte ``ctrl`` (one of
-    :data:`SEND_CTRLS`), invalidate STag ``inv``, MSN ``msn``, QN 0, MO 0, last; zero
-    PAD and the CRC (zero field when ``crc`` is false)."""
-    n = len(payload)
-    if ctrl not in SEND_CTRLS or not 0 <= n <= MAX_SEND_PAYLOAD:
+    """The FPDU of one one-FPDU Send (:func:`~.ddp.encode_send`), its arguments checked:
+    ``ctrl`` one of :data:`SEND_CTRLS`, ``payload`` within one FPDU."""
+    if ctrl not in SEND_CTRLS or not 0 <= len(payload) <= MAX_SEND_PAYLOAD:
         raise ValueError("frame_sends: a message is not a one-FPDU Send")
-    ulpdu_len = UNTAGGED_HDR_LEN - 2 + n
-    body = ddp.UNTAGGED.pack(ulpdu_len, DDP_UNTAGGED_LAST, ctrl, inv, 0, msn, 0) + payload
-    pad = ddp.pad_len(ulpdu_len)
-    if pad:
-        body += ddp.ZERO_PAD[pad]
-    return body + (ddp.CRC_FIELD.pack(crc32c(body)) if crc else _ZERO_CRC)
+    return ddp.encode_send(payload, ctrl, inv, msn, crc)
 
 
 def send_fpdu(buf: Buffer, pos: int, end: int, msn: int, crc: bool) -> int:

@@ -331,14 +331,13 @@ class QP(QPBase):
         pd = self.pd
         run: SendRun | None = None
         try:
-            # A post of one request makes a plain job: a run of one costs more.
             several = len(templates) > 1
             for i, t in enumerate(templates):
                 if not 0 <= wrs[i].wr_id <= U64:
                     raise refused_wr(
                         errno.EINVAL, "post_send", i, wr_id_problem(wrs[i].wr_id) or ""
                     )
-                ctrl = t.run_ctrl if several else 0
+                ctrl = t.run_ctrl
                 src = t.source
                 if (
                     ctrl
@@ -351,8 +350,9 @@ class QP(QPBase):
                     and t.remote_addr <= U64 + 1 - src.length
                     and (not t.copied or region.pd is pd)
                 ):
-                    # The common case: every check below passes, the copy joins the run.
+                    # The common case: every check below passes.
                     inline: bytes | None = region.view[src.offset : src.end].tobytes()
+                    length = src.length
                 else:
                     if t.unsupported:
                         raise NotSupported("post_send", f"work request {i}: {t.unsupported}")
@@ -389,21 +389,23 @@ class QP(QPBase):
                             )  # fmt: skip
                         if not (t.keys_fit and t.remote_addr <= U64 + 1 - length):
                             raise refused_wr(errno.EINVAL, "post_send", i, WIRE_LIMITS)
-                    if not ctrl or inline is None or length > most:  # a job of its own
-                        job = SendJob(
-                            wrs[i].wr_id, t.opcode, t.flags, t.local, inline, length,
-                            t.remote_addr, t.rkey, t.invalidate_rkey,
-                        )  # fmt: skip
-                        if run is not None:
-                            post(run)
-                            run = None
-                        post(job)
-                        continue
+                # A job of its own (a post of one: a run of one costs more), or one more
+                # entry of a run.
+                if not several or not ctrl or inline is None or length > most:
+                    job = SendJob(
+                        wrs[i].wr_id, t.opcode, t.flags, t.local, inline, length,
+                        t.remote_addr, t.rkey, t.invalidate_rkey,
+                    )  # fmt: skip
+                    if run is not None:
+                        post(run)
+                        run = None
+                    post(job)
+                    continue
                 if run is None or run.size >= RUN_BYTES:
                     if run is not None:
                         post(run)
                     run = SendRun()
-                run.add(wrs[i].wr_id, ctrl, t.flags, inline, t.invalidate_rkey)  # type: ignore[arg-type]
+                run.add(wrs[i].wr_id, ctrl, t.flags, inline, t.invalidate_rkey)
         finally:  # the requests before a refused one are posted: they go out now
             if run is not None:
                 post(run)

@@ -103,6 +103,11 @@ class Transmitter(QPEngineState):
         out, self._control = self._control, []
         if self.state is not EngineState.RTS or self._rtr_pending:
             return out
+        sq = self._sq
+        if len(sq) == 1 and not out and self._current is None and not self._irq:
+            fpdu = self._frame_lone_send(sq[0])
+            if fpdu is not None:
+                return [fpdu]
         size = 0
         while size < max_bytes and len(out) < max_buffers:
             if self._current is None and self._sq and not self._irq:
@@ -129,6 +134,37 @@ class Transmitter(QPEngineState):
             out.extend(fpdus)
             size += nbytes
         return out
+
+    def _frame_lone_send(self, job: SendJob | SendRun) -> bytes | None:
+        """The FPDU of ``job``, the only work to send, when it is a Send (or Send with
+        Invalidate) of inline data that fits one FPDU: framed by the codec into one
+        buffer, with none of a run's lists or a kernel call (a ping-pong's post). None,
+        nothing changed, for anything else (:meth:`produce`'s loop takes it)."""
+        if isinstance(job, SendRun):
+            return None
+        inline = job.inline
+        op = job.opcode
+        if (
+            inline is None
+            or (op is not WROpcode.SEND and op is not WROpcode.SEND_WITH_INV)
+            or len(inline) != job.length
+            or job.length > self.small_send_max
+            or (job.flags & FENCE and self._orq)
+        ):
+            return None
+        try:
+            check_wire_fields(job)
+        except AccessViolation:
+            return None  # the loop reports it
+        self._sq.popleft()
+        self._sq_order.append(job)
+        self._burst_done.append(job)
+        msns = self._tx_msn
+        msn = msns[QN.SEND] = (msns[QN.SEND] + 1) & U32_MAX
+        invalidate = op is WROpcode.SEND_WITH_INV
+        ctrl = SendRun.ctrl(job.flags, invalidate)
+        inv = job.invalidate_rkey if invalidate else 0
+        return ddp.encode_send(inline, ctrl, inv, msn, self.config.crc)
 
     def _seal(self, fpdu: list[Chunk]) -> int:
         """Append PAD and CRC field to an FPDU's header and payload pieces; its bytes."""
