@@ -857,7 +857,7 @@ def _tx(done: int, seconds: float, depth: int) -> dict[str, float]:
     }
 
 
-async def ours_req(ctx: Any, cfg: Config, case: ReqCase) -> dict[str, float]:
+async def ours_req(ctx: Any, cfg: Config, case: ReqCase, prof: _Prof) -> dict[str, float]:
     recv_wrs = RecvBatch(())
 
     def pre(conn: Conn) -> None:
@@ -884,6 +884,7 @@ async def ours_req(ctx: Any, cfg: Config, case: ReqCase) -> dict[str, float]:
         quiet = SendWR(0, WROpcode.SEND, [sge], SendFlags(0))
         signaled = SendWR(0, WROpcode.SEND, [sge], SendFlags.SIGNALED)
         wcs = WCArray(REQ_RECVS)
+        prof.start()
         t0 = time.perf_counter()
         deadline = t0 + cfg.duration
         sent = done = 0
@@ -903,6 +904,7 @@ async def ours_req(ctx: Any, cfg: Config, case: ReqCase) -> dict[str, float]:
                     sent += 1
                     qp.post_send(signaled if sent % REQ_SIGNAL == 0 else quiet)
         elapsed = time.perf_counter() - t0
+        prof.stop()
         if case.rdma and sink.buf != _req_pattern(case.rdma):
             raise BenchError("the server's RDMA Writes did not land in the client's MR")
     finally:
@@ -934,7 +936,7 @@ async def raw_req(cfg: Config, case: ReqCase) -> dict[str, float]:
 
 
 async def ours_req_ack(ctx: Any, cfg: Config, prof: _Prof) -> dict[str, float]:
-    return await ours_req(ctx, cfg, REQ_ACK)
+    return await ours_req(ctx, cfg, REQ_ACK, prof)
 
 
 async def raw_req_ack(ctx: Any, cfg: Config, prof: _Prof) -> dict[str, float]:
@@ -942,7 +944,7 @@ async def raw_req_ack(ctx: Any, cfg: Config, prof: _Prof) -> dict[str, float]:
 
 
 async def ours_req_write(ctx: Any, cfg: Config, prof: _Prof) -> dict[str, float]:
-    return await ours_req(ctx, cfg, REQ_WRITE)
+    return await ours_req(ctx, cfg, REQ_WRITE, prof)
 
 
 async def raw_req_write(ctx: Any, cfg: Config, prof: _Prof) -> dict[str, float]:
