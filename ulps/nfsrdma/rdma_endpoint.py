@@ -16,8 +16,11 @@ to be posted never leave a credit its peer was granted without a Receive.
 The Sends from slots (:meth:`try_send`) filled within one batch of
 completions are posted once, at its end. A Send never waits for its
 completion: its slot (and any region its RDMA Writes read from) is released
-when the completion comes. Every Send is
-signaled; other work requests are not, but the last of each :meth:`post`.
+when the completion comes. A Send from a slot is signaled only every
+:data:`SIGNAL_EVERY` Sends, or when it carries regions or follows RDMA
+Writes: its completion releases the slots of the Sends posted before it too
+(a send queue completes in order). Other work requests are not signaled but
+the last of each :meth:`post`.
 The send queue is never asked to hold more than it has room for: a Send
 that finds no room waits (:meth:`send`) or is left to its caller
 (:meth:`try_send`). A work completion with an error status ends the
@@ -29,6 +32,7 @@ from __future__ import annotations
 import functools
 import logging
 import sys
+from collections import deque
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
@@ -67,6 +71,8 @@ OnReceive = Callable[[int, int, WCFlags], None]
 """``on_receive(slot, length, wc_flags)``: a message arrived in a Receive slot."""
 
 
+SIGNAL_EVERY = 8
+"""Sends from slots per signaled one (whose completion releases the others' slots)."""
 REPOST_EVERY = 8
 """Receives given back before they are posted again, in one post."""
 
@@ -184,9 +190,11 @@ class Endpoint:
         self._sends = SendBatch(
             SendWR(self._send_base + i, WROpcode.SEND, [], SendFlags.SIGNALED) for i in range(slots)
         )
-        self._send_free = list(range(slots))
+        self._send_free = list(range(slots))  # a stack: the slot released last is taken first
         self._slot_count = [0] * slots  # work requests the slot's Send completes
-        self._slot_shape = [(-1, 0)] * slots  # the length and R_Key its entry has now
+        self._slot_shape = [(-1, 0, True)] * slots  # the length, R_Key and signaling it has now
+        self._unacked: deque[int] = deque()  # slots of the Sends posted, not known complete
+        self._unsignaled_run = 0  # slot Sends since the last signaled one
         self._slot_regions: list[Sequence[MR]] = [()] * slots  # closed when it completes
         self._posted: dict[int, _Posted] = {}  # by the wr_id of the signaled last request
         self._next_wr = self._send_base + slots
@@ -239,8 +247,11 @@ class Endpoint:
         completed. False (nothing done, ``regions`` still the caller's) when the send
         queue has no room now. Raises :class:`ConnectionLost`.
         """
-        self._check()
-        size = sum(len(memoryview(p)) for p in parts)
+        if self.lost is not None:
+            raise self.lost
+        size = 0
+        for part in parts:
+            size += len(memoryview(part))
         count = len(before) + 1
         if count > self._sq_room:
             return False
@@ -253,12 +264,16 @@ class Endpoint:
                 n = len(memoryview(part))
                 buf[at : at + n] = part
                 at += n
-            if self._slot_shape[slot] != (size, invalidate):  # else the entry stays prepared
-                self._slot_shape[slot] = (size, invalidate)
+            signaled = bool(before or regions) or self._unsignaled_run >= SIGNAL_EVERY - 1
+            self._unsignaled_run = 0 if signaled else self._unsignaled_run + 1
+            shape = (size, invalidate, signaled)
+            if self._slot_shape[slot] != shape:  # else the entry stays prepared
+                self._slot_shape[slot] = shape
                 opcode = WROpcode.SEND_WITH_INV if invalidate else WROpcode.SEND
                 self._sends.set(
                     slot, opcode=opcode, sg_list=[self._send_mr.sge(base, size)],
                     invalidate_rkey=invalidate,
+                    send_flags=SendFlags.SIGNALED if signaled else SendFlags.NONE,
                 )  # fmt: skip
             self._sq_room -= count
             self._slot_count[slot] = count
@@ -273,6 +288,7 @@ class Endpoint:
                     self.qp.post_send_batch(self._sends, indices=[slot])
             except OSError as exc:
                 raise self._lose(f"posting failed: {exc}") from exc
+            self._unacked.append(slot)
             return True
         # No slot (or too big for one): a region of its own, closed at its completion.
         message = bytearray(b"".join(parts))
@@ -338,6 +354,7 @@ class Endpoint:
                 self.qp.post_send_batch(self._sends, indices=deferred)
             except OSError as exc:
                 raise self._lose(f"posting failed: {exc}") from exc
+            self._unacked.extend(deferred)
 
     def has_room(self, count: int) -> bool:
         """Whether the send queue has room for ``count`` more work requests now."""
@@ -405,21 +422,36 @@ class Endpoint:
             return
         slot = wr_id - self._send_base
         if 0 <= slot < len(self._slot_count):
-            self._sq_room += self._slot_count[slot]
-            regions, self._slot_regions[slot] = self._slot_regions[slot], ()
-            self._send_free.append(slot)
-            done = None
-        else:
-            posted = self._posted.pop(wr_id, None)
-            if posted is None:
-                return
-            self._sq_room += posted.count
-            regions, done = posted.regions, posted.done
+            self._release_through(slot)
+            return
+        posted = self._posted.pop(wr_id, None)
+        if posted is None:
+            return
+        self._sq_room += posted.count
         self._room.set()
-        for region in regions:
+        for region in posted.regions:
             region.close()
-        if done is not None:
-            done.set()
+        if posted.done is not None:
+            posted.done.set()
+
+    def _release_through(self, slot: int) -> None:
+        """The signaled Send of ``slot`` completed, and with it every Send posted before
+        it: their slots, room and regions are free. The slots go back so that they are
+        taken again in the order they were posted (each keeps its place among the
+        signaled and the unsignaled, and its entry stays prepared)."""
+        done: list[int] = []
+        unacked = self._unacked
+        while unacked:
+            done.append(unacked.popleft())
+            if done[-1] == slot:
+                break
+        for each in reversed(done):
+            self._sq_room += self._slot_count[each]
+            regions, self._slot_regions[each] = self._slot_regions[each], ()
+            self._send_free.append(each)
+            for region in regions:
+                region.close()
+        self._room.set()
 
     def close(self) -> None:
         """Deregister the Receive and Send buffers and the regions of Sends not completed

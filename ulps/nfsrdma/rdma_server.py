@@ -7,11 +7,13 @@
 
 Each connection is accepted with our RFC 8797 private data (our inline send
 and receive sizes; the client's are honoured, 1024 bytes each way without
-any) and gets one posted Receive per credit. A Receive stays taken until the
-call's reply is about to be sent, so a client has at most ``credits`` calls
-in progress and granting ``credits`` in every reply never promises a Receive
-that is not there; a client that sends more than it was granted meets an
-empty receive queue and loses its connection (the transport's Terminate).
+any) and gets one posted Receive per credit, and the few spare ones of
+:func:`~.rdma_endpoint.receives_for` (Receives given back are posted again
+several at a time). A Receive stays taken until the call's reply is about to
+be sent, so granting ``credits`` in every reply never promises a Receive that
+is not there; a client that sends more than it was granted meets an empty
+receive queue once it has used the spare ones too, and loses its connection
+(the transport's Terminate).
 
 A call arrives as RDMA_MSG (inline) or RDMA_NOMSG (a Long Call in the
 position-zero Read chunk). Read chunks are pulled by RDMA Read into the
@@ -182,7 +184,8 @@ class _Responder:
         if plain is not None:  # the common call: inline, no chunks
             xid = plain[0]
             answer = self.server.call_now(data[PLAIN_LEN:], self.peer, TRANSPORT)
-            self._answer(slot, xid, PLAIN_CALL, answer)
+            if type(answer) is not Reply or not self._send_plain(slot, xid, answer):
+                self._answer(slot, xid, PLAIN_CALL, answer)
             return
         try:
             xid = peek_fixed(data)[0]
@@ -206,6 +209,15 @@ class _Responder:
         else:
             answer = self.server.call_now(data[start:], self.peer, TRANSPORT)
             self._answer(slot, xid, header, answer)
+
+    def _send_plain(self, slot: int, xid: int, reply: Reply) -> bool:
+        """The reply to a plain call, when it is plain too (no DDP-eligible item, inline)
+        and the send queue has room now: sent, True; else nothing done."""
+        body = reply.packer.data
+        if reply.ddp or PLAIN_LEN + len(body) > self.reply_inline or not self.ep.has_room(1):
+            return False
+        self.ep.repost(slot)
+        return self.ep.try_send((plain_header(xid, self.settings.credits), body))
 
     def _chunk_error(self, xid: int, exc: XdrError) -> ErrorHeader:
         log.info("RPC-over-RDMA from %s, xid %#x: %s", self.peer, xid, exc)

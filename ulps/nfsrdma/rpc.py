@@ -282,6 +282,7 @@ def _reply_start(xid: int, stat: ReplyStat) -> Reply:
     return reply
 
 
+_REPLY, _MSG_ACCEPTED = int(MsgType.REPLY), int(ReplyStat.MSG_ACCEPTED)
 _ACCEPTED = struct.Struct(">6I")
 """An accepted reply's header: xid, REPLY, MSG_ACCEPTED, the verifier (AUTH_NONE, no
 body), accept_stat."""
@@ -289,11 +290,7 @@ body), accept_stat."""
 
 def accepted_reply(xid: int, stat: AcceptStat = AcceptStat.SUCCESS) -> Reply:
     """An accepted reply's header with ``stat`` (results, if any, are appended after it)."""
-    reply = Reply()
-    reply.packer.data += _ACCEPTED.pack(
-        xid, MsgType.REPLY, ReplyStat.MSG_ACCEPTED, AUTH_NONE, 0, stat
-    )
-    return reply
+    return Reply(_ACCEPTED.pack(xid, _REPLY, _MSG_ACCEPTED, AUTH_NONE, 0, stat))
 
 
 def accepted_error(xid: int, stat: AcceptStat, low: int = 0, high: int = 0) -> Reply:

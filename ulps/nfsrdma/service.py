@@ -18,8 +18,8 @@ program decodes it.
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 from rdmashim.ulps.nfsrdma.xdr import Packer, Unpacker, pad
 
@@ -41,9 +41,9 @@ class AuthSys:
     gids: tuple[int, ...] = ()
 
 
-@dataclass(frozen=True, slots=True)
-class CallContext:
-    """One call as a program sees it: its header fields, credential and transport."""
+class CallContext(NamedTuple):
+    """One call as a program sees it: its header fields, credential and transport (a
+    tuple: one is made for every call)."""
 
     xid: int
     prog: int
@@ -63,17 +63,20 @@ class ProcUnavailable(Exception):
     """The program has no such procedure (the transport answers PROC_UNAVAIL)."""
 
 
-@dataclass(slots=True)
 class Reply:
     """A program's encoded results, with its DDP-eligible items marked.
 
-    ``packer`` holds the XDR stream without the bytes of DDP-eligible items;
-    ``ddp`` lists, for each such item, the offset in ``packer.data`` where its
-    bytes (and padding) belong, and the bytes.
+    ``packer`` holds the XDR stream without the bytes of DDP-eligible items
+    (``Reply(head)`` starts it with the bytes ``head``); ``ddp`` lists, for
+    each such item, the offset in ``packer.data`` where its bytes (and
+    padding) belong, and the bytes.
     """
 
-    packer: Packer = field(default_factory=Packer)
-    ddp: list[tuple[int, memoryview]] = field(default_factory=list)
+    __slots__ = ("ddp", "packer")
+
+    def __init__(self, head: bytes = b"") -> None:
+        self.packer = Packer(head)
+        self.ddp: list[tuple[int, memoryview]] = []
 
     def opaque_ddp(self, data: bytes | bytearray | memoryview) -> None:
         """A DDP-eligible variable-length opaque: its length now, its bytes where placed."""

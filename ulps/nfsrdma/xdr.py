@@ -36,12 +36,12 @@ def pad(n: int) -> int:
 
 
 class Packer:
-    """Appends XDR items to a ``bytearray`` (``data``)."""
+    """Appends XDR items to a ``bytearray`` (``data``, which may start with ``head``)."""
 
     __slots__ = ("data",)
 
-    def __init__(self) -> None:
-        self.data = bytearray()
+    def __init__(self, head: bytes = b"") -> None:
+        self.data = bytearray(head)
 
     def uint(self, value: int) -> None:
         """An unsigned 32-bit integer."""
