@@ -17,7 +17,7 @@ from rdmashim.ulps.rds.rdma_flow import ACK_DELAY
 from rdmashim.ulps.rds.rdma_session import BURST_MAX, OPENING_MAX, Session
 from rdmashim.ulps.rds.settings import RdsSettings
 
-from rdsnodes import close, nodes, transports
+from rdsnodes import close, nodes, transports, wait_until
 
 BURST = 24
 SMALL_BURST = BURST_MAX // 2
@@ -303,17 +303,23 @@ async def test_a_steady_exchange_sends_no_bare_acks() -> None:
         await close([a, b])
 
 
-async def test_messages_nobody_answers_are_acknowledged_on_their_own() -> None:
+@pytest.mark.parametrize("reader", [True, False], ids=["read", "unread"])
+async def test_messages_nobody_answers_are_acknowledged_on_their_own(reader: bool) -> None:
     """No message of the receiver's carries the acknowledgement: a bare one goes
-    ACK_DELAY after the first message (well within a hundred times that here)."""
+    ACK_DELAY after the first message once a reader goes back to waiting, and at the
+    latest ACK_BACKSTOP after that when none does (a socket nobody reads): well within
+    a hundred times ACK_DELAY here."""
     a, b = await nodes(["127.0.0.1", "127.0.0.2"])
     try:
         sa, sb = a.bind(4000), b.bind(5000)
         with trio.fail_after(30):
             for i in range(5):
                 await sa.sendto(b"%d" % i, ("127.0.0.2", 5000))
-            for _ in range(5):
-                await sb.recvfrom()
+            if reader:
+                for _ in range(5):
+                    await sb.recvfrom()
+            else:
+                await wait_until(lambda: len(sb.received) == 5, 10, "five messages at b")
         await trio.sleep(ACK_DELAY * 100)
         assert not a.connections()[0].unacked
         assert b.connections()[0].counters.acks_sent >= 1

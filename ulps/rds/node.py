@@ -128,7 +128,7 @@ class RdsNode:
             self.address, 0, self.settings, peers, deliver=self._deliver,
             on_congestion=self._congestion.peer_changed,
             session_starting=self._session_starting, session_ended=self._session_ended,
-            burst_held=self._burst_held, probe=self._probe,
+            burst_held=self._burst_held, ack_held=self._ack_held, probe=self._probe,
         )  # fmt: skip
         self._transport = TRANSPORT_TABLE[transport](self._table)
         self._table.transport = self._transport
@@ -142,6 +142,9 @@ class RdsNode:
         self._bursts: dict[BurstHolder, None] = {}
         """Sessions that held back the answers to a burst (:meth:`_answer_bursts`), each
         once."""
+        self._acks: dict[BurstHolder, None] = {}
+        """Sessions that held back an acknowledgement since a reader last went back to
+        waiting (:meth:`_acks_needed`)."""
         self.drops_no_socket = 0
         self.drops_rcvbuf_full = 0
         """Messages dropped because their socket held ``settings.rcvbuf_limit`` unread."""
@@ -306,6 +309,7 @@ class RdsNode:
         """Nothing is to be answered for a session that ended."""
         if session in self._bursts:
             self._bursts = {held: None for held in self._bursts if held is not session}
+        self._acks.pop(session, None)  # type: ignore[call-overload]
 
     # ------------------------------------------------------------------ congestion
     def monitor_congestion(
@@ -346,6 +350,17 @@ class RdsNode:
 
     def _burst_held(self, session: BurstHolder) -> None:
         self._bursts[session] = None
+
+    def _ack_held(self, session: BurstHolder) -> None:
+        self._acks[session] = None
+
+    def _acks_needed(self) -> None:
+        """A reader goes back to waiting: the acknowledgements sessions hold back go on
+        their own unless a message carries them in time (see
+        :meth:`~rdmashim.ulps.rds.rdma_session.Session.ack_needed`)."""
+        acks, self._acks = self._acks, {}
+        for session in acks:
+            session.ack_needed()
 
     def _answer_bursts(self) -> None:
         """Post the answers sessions hold back for their bursts (see

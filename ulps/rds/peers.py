@@ -59,6 +59,7 @@ class PeerTable:
         session_starting: Callable[[RdsConnection], None],
         session_ended: Callable[[Carrier], None],
         burst_held: Callable[[BurstHolder], None],
+        ack_held: Callable[[BurstHolder], None],
         probe: Callable[[RdsConnection], None],
     ) -> None:
         self.address = address
@@ -79,6 +80,8 @@ class PeerTable:
         self._session_starting = session_starting
         self._session_ended = session_ended
         self._burst_held = burst_held
+        self.ack_held = ack_held
+        """A session holds back an acknowledgement (the node's readers look at it)."""
         self._probe = probe
 
     # ------------------------------------------------------------------ the host

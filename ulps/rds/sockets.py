@@ -51,6 +51,7 @@ class SocketHost(Protocol):
     _holding: int
     """How many sockets hold received messages."""
     _bursts: dict[BurstHolder, None]
+    _acks: dict[BurstHolder, None]
 
     def running_pd(self) -> PD:
         """The PD of RDMA by cookie, or RdsError."""
@@ -62,6 +63,9 @@ class SocketHost(Protocol):
 
     def _answer_bursts(self) -> None:
         """Post the answers sessions hold back for their bursts."""
+
+    def _acks_needed(self) -> None:
+        """Send the acknowledgements sessions hold back unless a message carries them."""
 
     def _send_loopback(self, sport: int, dport: int, data: bytes, rdma: RdmaOp | None) -> None:
         """Deliver a message to the node's own address."""
@@ -209,6 +213,8 @@ class RdsSocket:
             node = self.node
             if not node._holding and node._bursts:  # every receiver has answered
                 node._answer_bursts()
+            if node._acks:  # (after the answers: they carry acknowledgements)
+                node._acks_needed()
             drivable = node._table.drivable()
             if drivable is not None:
                 self._driving = drivable

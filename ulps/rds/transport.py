@@ -65,6 +65,11 @@ class BurstHolder(Carrier, Protocol):
     def answer_burst(self) -> None:
         """Send the answers held back, if they still wait."""
 
+    def ack_needed(self) -> None:
+        """A reader goes back to waiting: an acknowledgement the session holds back for a
+        message of ours to carry goes on its own if none carried it in time
+        (:meth:`TransportHost.ack_held`)."""
+
 
 class Drivable(Protocol):
     """What a waiting reader may drive in place of the session's own task (a CQ, a TCP
@@ -101,6 +106,10 @@ class TransportHost(Protocol):
 
     def burst_held(self, session: BurstHolder) -> None:
         """``session`` holds back the answers to a burst until its receivers are done."""
+
+    def ack_held(self, session: BurstHolder) -> None:
+        """``session`` holds back an acknowledgement: the next reader to go back to
+        waiting calls its :meth:`~BurstHolder.ack_needed`."""
 
 
 class RdsTransport(Protocol):
