@@ -409,7 +409,7 @@ class NativeQP(QPBase):
             self._post_sends((wr,), self._send_plans.of(wr), _ONE)
             return
         wrs = list(wr)
-        self._post_sends(wrs, plan_of(SendPlan, wrs), range(len(wrs)))
+        self._post_sends(wrs, self._send_plans.of_list(wrs), range(len(wrs)))
 
     def post_send_batch(
         self, batch: SendBatch, count: int | None = None, *, indices: Sequence[int] | None = None
@@ -439,7 +439,7 @@ class NativeQP(QPBase):
             self._post_recvs(self._recv_plans.of(wr), _ONE)
             return
         wrs = list(wr)
-        self._post_recvs(plan_of(RecvPlan, wrs), range(len(wrs)))
+        self._post_recvs(self._recv_plans.of_list(wrs), range(len(wrs)))
 
     def post_recv_batch(
         self, batch: RecvBatch, count: int | None = None, *, indices: Sequence[int] | None = None

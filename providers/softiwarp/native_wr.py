@@ -409,7 +409,9 @@ def plan_of(kind: type[_P], wrs: Sequence[Any]) -> _P:
 
 
 _KEPT = 1024
-"""Single requests whose plans a :class:`PlanCache` keeps (then it starts afresh)."""
+"""Requests and lists whose plans a :class:`PlanCache` keeps (then it starts afresh)."""
+_LIST_MAX = 16
+"""Lists of at most this many requests are kept too (longer ones: a prepared batch)."""
 
 
 def _fields(w: SendWR | RecvWR) -> tuple[object, ...]:
@@ -422,13 +424,15 @@ def _fields(w: SendWR | RecvWR) -> tuple[object, ...]:
 
 
 class PlanCache(Generic[_P]):
-    """The plans of single requests posted again and again (a ping-pong's reply, RDS's
-    send slots, a receive reposted when it completed): one per request object, while
-    its fields stay what they were (a changed field makes a new one)."""
+    """The plans of requests posted again and again (a ping-pong's reply, RDS's send
+    slots, a receive reposted when it completed, a short list of them posted
+    together): one per request object or list of them, while their fields stay what
+    they were (a changed field makes a new one). The cache holds the objects, so an
+    ``id`` it keys by is never another object's."""
 
     def __init__(self, kind: type[_P]) -> None:
         self.kind: type[_P] = kind
-        self.kept: dict[int, tuple[object, tuple[object, ...], _P]] = {}
+        self.kept: dict[object, tuple[object, tuple[object, ...], _P]] = {}
 
     def of(self, wr: SendWR | RecvWR) -> _P:
         """The plan of ``wr`` alone."""
@@ -436,8 +440,27 @@ class PlanCache(Generic[_P]):
         found = self.kept.get(id(wr))
         if found is not None and found[0] is wr and found[1] == fields:
             return found[2]
-        plan = plan_of(self.kind, (wr,))
+        return self._keep(id(wr), wr, fields, (wr,))
+
+    def of_list(self, wrs: Sequence[SendWR] | Sequence[RecvWR]) -> _P:
+        """The plan of the requests ``wrs`` posted together, in this order."""
+        if len(wrs) == 1:
+            return self.of(wrs[0])
+        if len(wrs) > _LIST_MAX:
+            return plan_of(self.kind, wrs)
+        kept: tuple[SendWR | RecvWR, ...] = tuple(wrs)
+        fields = tuple(map(_fields, kept))
+        key = tuple(map(id, kept))
+        found = self.kept.get(key)
+        if found is not None and found[1] == fields:
+            return found[2]
+        return self._keep(key, kept, fields, kept)
+
+    def _keep(
+        self, key: object, held: object, fields: tuple[object, ...], wrs: Sequence[Any]
+    ) -> _P:
+        plan = plan_of(self.kind, wrs)
         if len(self.kept) >= _KEPT:
             self.kept.clear()
-        self.kept[id(wr)] = (wr, fields, plan)
+        self.kept[key] = (held, fields, plan)
         return plan

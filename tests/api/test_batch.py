@@ -298,6 +298,26 @@ async def test_an_entry_changed_after_a_post_at_indices_is_posted_as_changed(pai
     assert bytes(rbuf.buf) == b"b\0ad\0\0c\0"
 
 
+async def test_a_list_posted_again_sends_what_its_requests_say_now(pair: Pair) -> None:
+    """The same list of the same request objects posted three times, one request
+    changed in place between posts: each post sends what the requests say then (a
+    backend keeping a list's packed form packs it again when a request changed)."""
+    client, server = pair.client, pair.server
+    src = client.reg(b"abcdefgh")
+    rbuf = server.reg(6 * 8)
+    server.post_recvs(rbuf, 6, 8)
+    first = SendWR(1, WROpcode.SEND, [src.sge(0, 2)], SIG)
+    wrs = [first, SendWR(2, WROpcode.SEND, [src.sge(2, 2)], SIG)]
+    client.qp.post_send(wrs)
+    client.qp.post_send(wrs)
+    first.wr_id, first.sg_list = 3, [src.sge(4, 3)]
+    client.qp.post_send(wrs)
+    assert [w.wr_id for w in ok(await drain(client.send_cq, 6))] == [1, 2, 1, 2, 3, 2]
+    got = ok(await drain(server.recv_cq, 6))
+    sent = [bytes(rbuf.buf[i * 8 : i * 8 + w.byte_len]) for i, w in enumerate(got)]
+    assert sent == [b"ab", b"cd", b"ab", b"cd", b"efg", b"cd"]
+
+
 @pytest.mark.parametrize("inline", [False, True], ids=["sge", "inline"])
 async def test_deregistered_region_between_posts(cm: Cm, inline: bool) -> None:
     batched = await _outcome(cm, "batch", inline)
