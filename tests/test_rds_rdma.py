@@ -10,7 +10,7 @@ import pytest
 import trio
 
 from rdmashim.ulps.rds.node import RdsError
-from rdmashim.ulps.rds.rdma import RdmaOp, RdmaStatus, cookie_offset, cookie_rkey
+from rdmashim.ulps.rds.rdma import SOURCES_KEPT, RdmaOp, RdmaStatus, cookie_offset, cookie_rkey
 from rdmashim.ulps.rds.rdma_session import SIGNAL_EVERY, Session
 from rdmashim.ulps.rds.wire import RdmaExt
 from rdmashim.verbs import WCStatus
@@ -58,6 +58,40 @@ async def test_write_and_read_by_cookie() -> None:
         counters = a.connections()[0].counters
         assert (counters.rdma_writes, counters.rdma_reads) == (1, 2)
         assert counters.rdma_bytes == 3 * len(payload) + 5 - len(payload)
+    finally:
+        await close([a, b])
+
+
+async def test_a_bytes_source_is_registered_once() -> None:
+    """Writes from one ``bytes`` share one registration, kept while the node runs (a
+    pool of at most SOURCES_KEPT, idle ones making room); a bytearray's is its own."""
+    a, b = await nodes([A, B])
+    try:
+        sa, sb = a.bind(4000), b.bind(5000)
+        board = bytearray(64 * 40)
+        cookie = sb.get_mr(board)
+        source = b"%064d" % 7
+        with trio.fail_after(20):
+            ops = [RdmaOp.write_to(cookie, source, offset=64 * i) for i in range(40)]
+            for i, op in enumerate(ops):
+                await sa.sendto(b"%d" % i, (B, 5000), rdma=op)
+            for _ in ops:
+                await sb.recvfrom()
+            assert [await op.wait() for op in ops] == [RdmaStatus.SUCCESS] * 40
+            assert bytes(board) == source * 40
+            assert a._sources is not None and len(a._sources) == 1
+            mutable = RdmaOp.write_to(cookie, bytearray(b"m" * 64))
+            await sa.sendto(b"m", (B, 5000), rdma=mutable)
+            await sb.recvfrom()
+            assert await mutable.wait() == RdmaStatus.SUCCESS and board[:64] == b"m" * 64
+            assert len(a._sources) == 1
+            for i in range(SOURCES_KEPT + 4):  # others come and go: at most so many kept
+                op = RdmaOp.write_to(cookie, b"%064d" % (100 + i))
+                await sa.sendto(b"n", (B, 5000), rdma=op)
+                await sb.recvfrom()
+                assert await op.wait() == RdmaStatus.SUCCESS
+                assert board[:64] == b"%064d" % (100 + i)
+            assert len(a._sources) <= SOURCES_KEPT
     finally:
         await close([a, b])
 

@@ -41,7 +41,7 @@ from rdmashim.ulps.rds.connection import Carrier, IPAddress, RdsConnection
 from rdmashim.ulps.rds.errors import RdsError
 from rdmashim.ulps.rds.peer import Peer
 from rdmashim.ulps.rds.peers import PeerTable
-from rdmashim.ulps.rds.rdma import RdmaOp
+from rdmashim.ulps.rds.rdma import RdmaOp, Sources
 from rdmashim.ulps.rds.rdma_transport import RdmaTransport
 from rdmashim.ulps.rds.settings import TRANSPORTS, RdsSettings, Transport
 from rdmashim.ulps.rds.sockets import RdsSocket, ReceivedMessage, port_number
@@ -149,6 +149,8 @@ class RdsNode:
         self.drops_rcvbuf_full = 0
         """Messages dropped because their socket held ``settings.rcvbuf_limit`` unread."""
         self.loopback_messages = 0
+        self._sources: Sources | None = None
+        """The RDMA Write sources kept registered on the running PD (made on first use)."""
 
     @property
     def port(self) -> int:
@@ -173,16 +175,22 @@ class RdsNode:
     # ------------------------------------------------------------------ lifetime
     @asynccontextmanager
     async def _run(self) -> AsyncIterator[RdsNode]:
-        async with self._transport.opened(), service_nursery() as nursery:
-            self._table.nursery = nursery
-            self._table.port = await self._transport.listen(nursery)
-            nursery.start_soon(self._table.expire_idle)
+        async with self._transport.opened():
             try:
-                yield self
+                async with service_nursery() as nursery:
+                    self._table.nursery = nursery
+                    self._table.port = await self._transport.listen(nursery)
+                    nursery.start_soon(self._table.expire_idle)
+                    try:
+                        yield self
+                    finally:
+                        self._table.close()
+                        for sock in list(self._sockets.values()):
+                            sock.close()
             finally:
-                self._table.close()
-                for sock in list(self._sockets.values()):
-                    sock.close()
+                if self._sources is not None:  # (before the PD goes)
+                    self._sources.close()
+                    self._sources = None
 
     async def __aenter__(self) -> RdsNode:
         self._cm = self._run()
@@ -209,6 +217,13 @@ class RdsNode:
         if pd is None:
             raise RdsError(errno.ENOTCONN, "the RDS node is not running")
         return pd
+
+    def _rdma_sources(self) -> Sources:
+        """The RDMA Write sources kept on :meth:`running_pd`'s PD (errors as it)."""
+        pd = self.running_pd()
+        if self._sources is None:
+            self._sources = Sources(pd)
+        return self._sources
 
     # ------------------------------------------------------------------ sockets
     def bind(self, port: int) -> RdsSocket:

@@ -26,7 +26,7 @@ from rdmashim.ulps.rds.connection import IPAddress, RdsConnection
 from rdmashim.ulps.rds.errors import RdsError
 from rdmashim.ulps.rds.peer import Peer
 from rdmashim.ulps.rds.peers import PeerTable
-from rdmashim.ulps.rds.rdma import RdmaOp, Registrations
+from rdmashim.ulps.rds.rdma import RdmaOp, Registrations, Sources
 from rdmashim.ulps.rds.settings import RdsSettings
 from rdmashim.ulps.rds.transport import BurstHolder, Drivable
 from rdmashim.ulps.rds.wire import RDS_MAX_MSG_SIZE
@@ -55,6 +55,10 @@ class SocketHost(Protocol):
 
     def running_pd(self) -> PD:
         """The PD of RDMA by cookie, or RdsError."""
+        ...
+
+    def _rdma_sources(self) -> Sources:
+        """The RDMA Write sources kept on the running PD, or RdsError."""
         ...
 
     def connections(self) -> list[RdsConnection]:
@@ -275,7 +279,7 @@ class RdsSocket:
         """Queue a message on the connection of ``entry`` (from :meth:`PeerTable.lookup`)."""
         if rdma is not None:
             try:
-                rdma._begin(self.node.running_pd())
+                rdma._begin(self.node._rdma_sources())
             except ValueError as exc:
                 raise RdsError(errno.EINVAL, str(exc)) from exc
         rds = entry.rds
