@@ -16,7 +16,15 @@ from rdmashim import SGE, Access, SendFlags, WCOpcode, WCStatus, WROpcode
 from rdmashim.providers.softiwarp import ddp
 from rdmashim.providers.softiwarp.ddp import QN, Opcode
 from rdmashim.providers.softiwarp.engine import Engine
-from rdmashim.providers.softiwarp.jobs import EngineConfig, EngineState, RecvJob, SendJob
+from rdmashim.providers.softiwarp.jobs import (
+    EngineConfig,
+    EngineState,
+    Failed,
+    Ready,
+    RecvJob,
+    RecvRun,
+    SendJob,
+)
 from rdmashim.providers.softiwarp.memory import MemoryTable
 from rdmashim.providers.softiwarp.rx import STAGING_SIZE
 from rdmashim.providers.softiwarp.terminate import (
@@ -35,6 +43,7 @@ from rdmashim.providers.softiwarp.terminate import (
     rdmap,
 )
 from rdmashim.verbs.buffers import pin
+from rdmashim.verbs.wr import WC
 
 pytestmark = pytest.mark.usefixtures("engine_kernels")  # compiled and Python kernels
 
@@ -42,24 +51,49 @@ RW = Access.LOCAL_WRITE | Access.REMOTE_WRITE | Access.REMOTE_READ
 
 
 class Host:
-    """One engine with its memory, receive queue and completion lists."""
+    """One engine with its memory, receive queue and completion lists (read from the
+    engine's outbox whenever they are looked at)."""
 
-    def __init__(self, crc: bool, ird: int = 4, ord: int = 4) -> None:
+    def __init__(
+        self, crc: bool, ird: int = 4, ord: int = 4, rtr_to_send: Opcode | None = None,
+        wait_for_rtr: bool = False,
+    ) -> None:  # fmt: skip
         self.memory = MemoryTable()
         self.pd = object()
         self.rq: deque[RecvJob] = deque()
-        self.send_wcs: list = []
-        self.recv_wcs: list = []
-        self.engine = Engine(
-            qp_num=1,
-            pd=self.pd,
-            memory=self.memory,
-            recv_queue=self.rq,
-            on_send_wc=self.send_wcs.append,
-            on_recv_wc=self.recv_wcs.append,
+        self._send_wcs: list = []
+        self._recv_wcs: list = []
+        self.events: list = []
+        """The outbox's events (Ready, Failed), in order."""
+        self.engine = Engine(qp_num=1, pd=self.pd, memory=self.memory, recv_queue=self.rq)
+        self.engine.start(
+            EngineConfig(crc, ird, ord, rtr_to_send=rtr_to_send, wait_for_rtr=wait_for_rtr)
         )
-        self.engine.start(EngineConfig(crc=crc, ird=ird, ord=ord))
         self._keep: list = []
+
+    def take_outbox(self) -> None:
+        """Move what the engine put out into the lists: send and receive completions
+        (a run's one by one), events."""
+        for item in self.engine.outbox:
+            if isinstance(item, RecvRun):
+                self._recv_wcs += item.take(len(item))
+            elif isinstance(item, list):
+                self._send_wcs += item
+            elif isinstance(item, WC):
+                (self._recv_wcs if item.opcode is WCOpcode.RECV else self._send_wcs).append(item)
+            else:
+                self.events.append(item)
+        self.engine.outbox.clear()
+
+    @property
+    def send_wcs(self) -> list:
+        self.take_outbox()
+        return self._send_wcs
+
+    @property
+    def recv_wcs(self) -> list:
+        self.take_outbox()
+        return self._recv_wcs
 
     def region(self, data: bytes | int):
         pinned = pin(bytearray(data), writable=True)
@@ -87,6 +121,32 @@ def pump(a: Host, b: Host, cuts: list[int]) -> None:
         if not moved:
             return
     raise AssertionError("engines did not go quiet")
+
+
+@pytest.mark.parametrize("rtr", [Opcode.WRITE, Opcode.READ_REQUEST])
+def test_events_and_completions_come_out_of_the_outbox_in_order(rtr: Opcode) -> None:
+    """The engine calls nothing back: the peer-to-peer responder finds Ready in its
+    outbox once the initiator's RTR arrived (and only then may send); when its
+    connection is lost, the flush completion of the Send it held comes out before the
+    Failed event that names the cause."""
+    a, b = Host(True, rtr_to_send=rtr), Host(True, wait_for_rtr=True)
+    b.engine.post_send(SendJob(5, WROpcode.SEND, 0, (), b"held", 4))
+    assert not b.engine.produce() and not b.engine.outbox
+    a.engine.outbox.clear()
+    wire = b"".join(bytes(x) for x in a.engine.produce())
+    a.engine.sent(len(wire))
+    b.engine.receive_data(wire)
+    assert b.engine.outbox == [Ready()]
+    b.engine.outbox.clear()
+    lost = ConnectionResetError("cable cut")
+    b.engine.connection_lost(lost)
+    flushed, failed = b.engine.outbox
+    assert (flushed.wr_id, flushed.status, flushed.opcode) == (
+        5,
+        WCStatus.WR_FLUSH_ERR,
+        WCOpcode.SEND,
+    )
+    assert failed == Failed(lost)
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])

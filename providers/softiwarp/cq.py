@@ -136,7 +136,7 @@ class CQ(Resource):
             return
         self._entries.append(wc)
         self._count += 1
-        self._arrived(wc.solicited or wc.status != WCStatus.SUCCESS)
+        self._arrived(self._armed and (wc.solicited or wc.status != WCStatus.SUCCESS))
 
     def _push_all(self, wcs: list[WC]) -> None:
         """Queue completions in order as :meth:`_push` of each, with one wakeup and at
@@ -148,8 +148,11 @@ class CQ(Resource):
         self._entries.extend(wcs)
         self._count += len(wcs)
         self._arrived(
-            not self._solicited_only
-            or any(wc.solicited or wc.status != WCStatus.SUCCESS for wc in wcs)
+            self._armed
+            and (
+                not self._solicited_only
+                or any(wc.solicited or wc.status != WCStatus.SUCCESS for wc in wcs)
+            )
         )
 
     def _push_run(self, run: RecvRun) -> None:
@@ -162,7 +165,8 @@ class CQ(Resource):
         self._entries.append(run)
         self._count += len(run)
         self._arrived(
-            not self._solicited_only or (run.solicited is not None and True in run.solicited)
+            self._armed
+            and (not self._solicited_only or (run.solicited is not None and True in run.solicited))
         )
 
     def _overflow(self, lost: object) -> None:
@@ -177,7 +181,8 @@ class CQ(Resource):
 
     def _arrived(self, notable: bool) -> None:
         """Completions were queued: wake waiters; an armed CQ reports them if one of them
-        is ``notable`` (solicited or an error) or it was armed for any."""
+        is ``notable`` (solicited or an error) or it was armed for any (callers work out
+        ``notable`` only for an armed CQ)."""
         self._waiter.set()
         if self._reader is not None:
             self._reader.interrupt()

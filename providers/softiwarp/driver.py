@@ -80,6 +80,9 @@ class Link:
         """Whether the socket is lent (:meth:`_lend`)."""
         self.after_receive: Callable[[], None] = lambda: None
         """Called in the receive task after each batch of received bytes is processed."""
+        self.deliver: Callable[[], None] = lambda: None
+        """Takes the engine's outbox (completions, events) after a call into the engine
+        that filled it: the QP's :meth:`~.qp.QP._deliver`."""
         engine.memory.watch(self)
 
     def revoke(self, region: Region) -> None:
@@ -96,7 +99,13 @@ class Link:
             self.flush()
 
     def flush(self) -> None:
-        """Send until the engine has nothing more or the socket is full (never blocks)."""
+        """Send until the engine has nothing more or the socket is full (never blocks),
+        then hand on what the engine completed meanwhile."""
+        self._write()
+        if self.engine.outbox:
+            self.deliver()
+
+    def _write(self) -> None:
         engine = self.engine
         fd = self._fd
         pending = self._pending
@@ -196,6 +205,7 @@ class Link:
         if self._leftover:
             data, self._leftover = self._leftover, b""
             self.engine.receive_data(data)
+            self.deliver()
             self._flush_after_rx()
 
     def _read(self) -> bool | None:
@@ -213,17 +223,24 @@ class Link:
         except OSError as exc:
             if exc.errno == errno.EINTR:
                 return False
-            self._rx_stopped = True
-            engine.connection_lost(exc)
+            self._lost(exc)
             return None
         if not n:
-            self._rx_stopped = True
-            engine.connection_lost()
+            self._lost(None)
             return None
         engine.received(n)
+        if engine.outbox:
+            self.deliver()
         self._flush_after_rx()
         self._drained = drained = n < len(buf)
         return drained
+
+    def _lost(self, exc: Exception | None) -> None:
+        """The connection ended (FIN, or a socket error ``exc``): nothing more to read."""
+        self._rx_stopped = True
+        self.engine.connection_lost(exc)
+        if self.engine.outbox:
+            self.deliver()
 
     def _flush_after_rx(self) -> None:
         if not self._pending and (self.engine.tx_ready or self.engine.state is EngineState.ERROR):
@@ -357,6 +374,7 @@ class Link:
             self._pending = []
             try:
                 self.engine.connection_lost(exc)
+                self.deliver()
             except Exception:
                 log.exception("QP %d: flushing after the error failed", self.engine.qp_num)
         finally:

@@ -15,12 +15,17 @@ this is all it and the verbs objects call:
   of a large payload) or into the staging buffer; after ``recv_into`` the driver
   calls :meth:`Engine.received` with the byte count.
 * the connection: :meth:`Engine.start` (RTS, with what MPA settled),
-  :meth:`Engine.connection_lost`, :meth:`Engine.set_error`.
+  :meth:`Engine.connection_lost`, :meth:`Engine.set_error`; and registered memory
+  going away (:meth:`Engine.revoke`, through the memory table).
+* out: each of these calls appends what it produced to :attr:`Engine.outbox`
+  (:data:`~.jobs.Outcome`): completions in order, the completions of a run of
+  small Sends or receives together, the P2P initiator's RTR arriving
+  (:class:`~.jobs.Ready`), the QP failing (:class:`~.jobs.Failed`). The caller
+  takes the outbox after the call; the engine calls nothing back.
 
-Completions are handed to the ``on_send_wc`` / ``on_recv_wc`` callables given
-at construction. A protocol violation by the peer, or a local error, queues a
-Terminate (RFC 5040 §5.3), moves the QP to ERROR and flushes all outstanding
-work; so does a Terminate from the peer or the loss of the connection.
+A protocol violation by the peer, or a local error, queues a Terminate (RFC 5040
+§5.3), moves the QP to ERROR and flushes all outstanding work; so does a
+Terminate from the peer or the loss of the connection.
 
 The engine is split along the seams of Linux siw: :mod:`.qp_state` (the QP's
 state, Terminate, flushes: ``siw_qp.c``), :mod:`.tx` (``siw_qp_tx.c``),

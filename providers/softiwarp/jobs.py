@@ -298,6 +298,27 @@ class RxMessage:
     status: WCStatus = WCStatus.SUCCESS
 
 
+@dataclass(frozen=True, slots=True)
+class Ready:
+    """In the outbox: the peer-to-peer initiator's RTR arrived, so this responder may
+    transmit from now on (the CM reports the connection established)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Failed:
+    """In the outbox: the QP went to ERROR, for ``error``; the flush completions of its
+    send work come before it, those of its receive queue are the provider's to make
+    (:meth:`~.qp_state.QPEngineState.flush_recv`)."""
+
+    error: Exception
+
+
+Outcome = WC | list[WC] | RecvRun | Ready | Failed
+"""What the engine puts in its outbox, in order: a completion (a send's or a receive's,
+by its opcode), the send completions of a :class:`SendRun` together, the receive
+completions of a run of small Sends, or an event."""
+
+
 def check_wire_fields(job: SendJob) -> None:
     """Refuse a work request whose fields do not fit their wire fields (32-bit STags and
     MO, 64-bit TO) or whose remote range wraps: a local protection error."""

@@ -22,11 +22,13 @@ from rdmashim.providers.softiwarp.engine import Engine
 from rdmashim.providers.softiwarp.jobs import (
     EngineConfig,
     EngineState,
+    Ready,
     RecvJob,
+    RecvRun,
     SendJob,
     SendRun,
 )
-from rdmashim.providers.softiwarp.memory import AccessViolation, MemoryTable
+from rdmashim.providers.softiwarp.memory import AccessViolation, MemoryTable, Region
 from rdmashim.providers.softiwarp.posting import (
     RUN_BYTES,
     TEMPLATES_KEPT,
@@ -51,6 +53,7 @@ from rdmashim.verbs.enums import (
     Access,
     QPState,
     QPType,
+    WCOpcode,
     WROpcode,
 )
 from rdmashim.verbs.errors import (
@@ -60,6 +63,7 @@ from rdmashim.verbs.errors import (
 )
 from rdmashim.verbs.wr import (
     SGE,
+    WC,
     RecvBatch,
     RecvWR,
     SendBatch,
@@ -204,20 +208,43 @@ class QP(QPBase):
         self._rq: deque[RecvJob] = deque()
         self._templates: dict[int, SendTemplate] = {}
         """By the id of the request posted: its template (:meth:`_template`)."""
-        self.engine: Engine = Engine(
+        self.engine: QPEngine = QPEngine(
             qp_num=self.qp_num,
             pd=pd,
             memory=self.context.memory,
             recv_queue=srq._queue if srq is not None else self._rq,
-            on_send_wc=send_cq._push,
-            on_recv_wc=recv_cq._push,
-            on_recv_wcs=recv_cq._push_run,
-            on_send_wcs=send_cq._push_all,
             sq_sig_all=sq_sig_all,
-            on_fatal=self._on_fatal,
         )
+        self.engine.qp = self
+        self._on_ready: Callable[[], None] = lambda: None
+        """What :meth:`when_ready` was given."""
 
-    def _on_fatal(self, exc: Exception) -> None:
+    def _deliver(self) -> None:
+        """Take the engine's outbox: each completion into its CQ, in order (a receive's
+        into the receive CQ, the rest into the send CQ); the initiator's RTR runs the
+        :meth:`when_ready` callback; the QP's failure moves it to ERR, tells its error
+        listeners, flushes its receive queue and has the link send the Terminate."""
+        engine = self.engine
+        send_cq, recv_cq = self.send_cq, self.recv_cq
+        one_cq = send_cq is recv_cq  # (then no completion's opcode need be looked at)
+        while engine.outbox:  # (a failure's flushes add more)
+            out, engine.outbox = engine.outbox, []
+            for item in out:
+                if isinstance(item, WC):
+                    if one_cq or item.opcode is not WCOpcode.RECV:
+                        send_cq._push(item)
+                    else:
+                        recv_cq._push(item)
+                elif isinstance(item, RecvRun):
+                    recv_cq._push_run(item)
+                elif isinstance(item, list):
+                    send_cq._push_all(item)
+                elif isinstance(item, Ready):
+                    self._on_ready()
+                else:
+                    self._failed(item.error)
+
+    def _failed(self, exc: Exception) -> None:
         for listener in self.error_listeners:
             listener(exc)
         self._state = QPState.ERR
@@ -412,9 +439,12 @@ class QP(QPBase):
             self._kick()
 
     def _kick(self) -> None:
-        """Work was posted: the driver writes what the engine frames of it now."""
+        """Work was posted: the driver writes what the engine frames of it now (and the
+        completions of a post to a QP in ERR are handed on)."""
         if self._link is not None:
             self._link.kick()
+        if self.engine.outbox:
+            self._deliver()
 
     def post_recv(self, wr: RecvWR | Iterable[RecvWR]) -> None:
         """Post one receive work request or a list of them (never blocks)."""
@@ -448,16 +478,20 @@ class QP(QPBase):
         if self.srq is not None:
             raise VerbsError(errno.EINVAL, "post_recv", "QP uses an SRQ; post to the SRQ")
         cap = self.cap
-        queue_recvs(
-            "post_recv", self._rq, jobs, cap.max_recv_wr, cap.max_recv_sge,
-            "receive queue", max_nsge,
-            self.engine.flush_recv if self._state is QPState.ERR else None,
-        )  # fmt: skip
+        try:
+            queue_recvs(
+                "post_recv", self._rq, jobs, cap.max_recv_wr, cap.max_recv_sge,
+                "receive queue", max_nsge,
+                self.engine.flush_recv if self._state is QPState.ERR else None,
+            )  # fmt: skip
+        finally:
+            if self.engine.outbox:  # (flushed: a QP in ERR)
+                self._deliver()
 
     # ---------------------------------------------------------------- state
     def when_ready(self, callback: Callable[[], None]) -> None:
         """P2P responder: ``callback`` runs when the initiator's RTR arrives."""
-        self.engine.on_ready = callback
+        self._on_ready = callback
 
     def connect(self, config: EngineConfig, sock: trio.socket.SocketType, leftover: bytes) -> None:
         """MPA is done: the engine enters RTS and a :class:`~.driver.Link` runs the socket."""
@@ -471,6 +505,7 @@ class QP(QPBase):
     def _attach(self, link: Link) -> None:
         self._link = link
         link.after_receive = self.context._after_receive
+        link.deliver = self._deliver
         self._state = QPState.RTS if self.engine.state is EngineState.RTS else self._state
 
     def close(self) -> None:
@@ -480,6 +515,25 @@ class QP(QPBase):
         if self.engine.state is not EngineState.ERROR:
             self.engine.set_error(ConnectionAbortedError("QP destroyed"))
         self._leave_cqs()
+
+
+class QPEngine(Engine):
+    """The engine of a :class:`QP`: the QP and its link take the outbox after each call
+    they make into it; the two inputs that reach it from elsewhere, ``set_error`` (a
+    user's ``modify`` to ERR, the CM's disconnect, a CQ's overrun or failed handler)
+    and ``revoke`` (a region deregistered), hand theirs to the QP before they return."""
+
+    qp: QP
+
+    def set_error(self, exc: Exception | None = None) -> None:
+        """See :meth:`~.qp_state.QPEngineState.set_error`."""
+        super().set_error(exc)
+        self.qp._deliver()
+
+    def revoke(self, region: Region) -> None:
+        """See :meth:`~.qp_state.QPEngineState.revoke`."""
+        super().revoke(region)
+        self.qp._deliver()
 
 
 class SRQ(Resource):

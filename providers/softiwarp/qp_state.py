@@ -7,7 +7,8 @@ RTR), and on a protocol violation by the peer, a local error, the peer's
 Terminate, the loss of the connection or the user's request it queues a
 Terminate (RFC 5040 §5.3), moves to ERROR and flushes the outstanding work. It
 completes send work in posting order, and is told when registered memory it uses
-is deregistered. The Read (:mod:`.reads`), receive (:mod:`.rx_runs`,
+is deregistered. Completions and events go to its outbox, which the caller takes
+after each call (nothing is called back). The Read (:mod:`.reads`), receive (:mod:`.rx_runs`,
 :mod:`.rx`) and transmit (:mod:`.tx`) parts build on it.
 """
 
@@ -16,7 +17,7 @@ from __future__ import annotations
 import logging
 import traceback
 from collections import deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 from rdmashim.providers.softiwarp import ddp
@@ -28,9 +29,11 @@ from rdmashim.providers.softiwarp.jobs import (
     Chunk,
     EngineConfig,
     EngineState,
+    Failed,
+    Outcome,
     ReadResponse,
+    Ready,
     RecvJob,
-    RecvRun,
     RxMessage,
     RxStep,
     SendJob,
@@ -65,27 +68,14 @@ class QPEngineState:
     MSNs, the receive position; and what changes it as a whole: entering RTS, errors,
     Terminate, flushes, completions and deregistration of memory in use."""
 
-    """The protocol state of one RC queue pair (see the module docstring)."""
-
     qp_num: int
     pd: object
     memory: MemoryTable
     recv_queue: deque[RecvJob]
     """The receives posted to the QP (or its SRQ), oldest first: the engine takes them
     from the left, a run of them at a time, and puts back the ones a run did not use."""
-    on_send_wc: Callable[[WC], None]
-    on_recv_wc: Callable[[WC], None]
     sq_sig_all: bool = False
     config: EngineConfig = field(default_factory=EngineConfig)
-    on_fatal: Callable[[Exception], None] = lambda exc: None
-    on_ready: Callable[[], None] = lambda: None
-    """Called when a P2P responder receives the initiator's RTR (it may transmit from now)."""
-    on_recv_wcs: Callable[[RecvRun], None] | None = None
-    """Takes the successful receive completions of a run of small Sends at once, in
-    order (default: ``on_recv_wc`` for each). No completion callable may end the QP."""
-    on_send_wcs: Callable[[list[WC]], None] | None = None
-    """Takes the completions of a :class:`SendRun` at once (default: ``on_send_wc``
-    for each)."""
 
     state: EngineState = EngineState.IDLE
     error: Exception | None = None
@@ -131,8 +121,10 @@ class QPEngineState:
         self._rtr_pending = self.config.wait_for_rtr
         self._kernels = kernels()
         """The data-path kernels, compiled or Python (``fastpath``), fixed for this QP."""
-        self._recv_wcs = self.on_recv_wcs or _each_of_run(self.on_recv_wc)
-        self._send_wcs = self.on_send_wcs or _each(self.on_send_wc)
+        self.outbox: list[Outcome] = []
+        """What the engine's calls put out, oldest first (:data:`~.jobs.Outcome`): the
+        caller takes it after each call (a post, ``produce``/``sent``, ``received``,
+        ``connection_lost``, ``set_error``, ``flush_recv``, a deregistration)."""
         self._run_extra = 0
         """Entries of the runs in the SQ beyond one each (``sq_depth`` counts entries)."""
         self.bytes_sent = 0
@@ -179,7 +171,7 @@ class QPEngineState:
         msg = self._rx_send
         if msg is not None and msg.status is not WCStatus.SUCCESS:
             self._rx_send = None
-            self.on_recv_wc(WC(msg.job.wr_id, msg.status, WCOpcode.RECV, 0, self.qp_num))
+            self.outbox.append(WC(msg.job.wr_id, msg.status, WCOpcode.RECV, 0, self.qp_num))
         self._send_terminate(ddp.Terminate(exc.code, ddp_flag, rdmap_flag, copied))
         self._enter_error(exc)
 
@@ -213,7 +205,7 @@ class QPEngineState:
     def _rtr_received(self) -> None:
         """The peer-to-peer initiator's RTR arrived: a responder may transmit now."""
         self._rtr_pending = False
-        self.on_ready()
+        self.outbox.append(Ready())
 
     def _discarding(self) -> bool:
         """Whether received bytes are dropped (the QP is in ERROR)."""
@@ -276,8 +268,9 @@ class QPEngineState:
         msg = self._rx_send
         if msg is not None:
             self._rx_send = None
-            self.on_recv_wc(WC(msg.job.wr_id, WCStatus.WR_FLUSH_ERR, WCOpcode.RECV, 0, self.qp_num))
-        self.on_fatal(exc)
+            flushed = WC(msg.job.wr_id, WCStatus.WR_FLUSH_ERR, WCOpcode.RECV, 0, self.qp_num)
+            self.outbox.append(flushed)
+        self.outbox.append(Failed(exc))
 
     def revoke(self, region: Region) -> None:
         """``region`` is being deregistered (the engine is a :class:`~.memory.Holder`).
@@ -314,7 +307,9 @@ class QPEngineState:
             self._current_job.status, self._current_job.done = WCStatus.LOC_PROT_ERR, True
         if receiving and msg is not None:
             self._rx_send = None
-            self.on_recv_wc(WC(msg.job.wr_id, WCStatus.LOC_PROT_ERR, WCOpcode.RECV, 0, self.qp_num))
+            self.outbox.append(
+                WC(msg.job.wr_id, WCStatus.LOC_PROT_ERR, WCOpcode.RECV, 0, self.qp_num)
+            )
         error = ProtocolError(
             f"local protection error: memory region {stag:#010x} deregistered while in use",
             RDMAP_LOCAL_CATASTROPHIC,
@@ -323,9 +318,9 @@ class QPEngineState:
         self._enter_error(error)
 
     def flush_recv(self, jobs: Sequence[RecvJob]) -> None:
-        """Complete receives of a QP in ERROR with WR_FLUSH_ERR."""
-        for job in jobs:
-            self.on_recv_wc(WC(job.wr_id, WCStatus.WR_FLUSH_ERR, WCOpcode.RECV, 0, self.qp_num))
+        """Complete receives of a QP in ERROR with WR_FLUSH_ERR (into the outbox)."""
+        flushed, qp_num = WCStatus.WR_FLUSH_ERR, self.qp_num
+        self.outbox += [WC(job.wr_id, flushed, WCOpcode.RECV, 0, qp_num) for job in jobs]
 
     def _drain_sq_order(self) -> None:
         order = self._sq_order
@@ -345,12 +340,12 @@ class QPEngineState:
             ids = job.signaled if quiet else job.wr_ids
             if ids:
                 send, qp_num = WCOpcode.SEND, self.qp_num
-                self._send_wcs([WC(wr_id, status, send, 0, qp_num) for wr_id in ids])
+                self.outbox.append([WC(wr_id, status, send, 0, qp_num) for wr_id in ids])
             return
         if status is WCStatus.SUCCESS and not (self.sq_sig_all or job.flags & SIGNALED):
             return
         byte_len = job.length if job.opcode is WROpcode.RDMA_READ else 0
-        self.on_send_wc(WC(job.wr_id, status, _WC_OPCODE[job.opcode], byte_len, self.qp_num))
+        self.outbox.append(WC(job.wr_id, status, _WC_OPCODE[job.opcode], byte_len, self.qp_num))
 
 
 def _clear_frames(exc: BaseException) -> None:
@@ -367,27 +362,6 @@ def _clear_frames(exc: BaseException) -> None:
         if e.__traceback__ is not None:
             traceback.clear_frames(e.__traceback__)
         pending += (e.__cause__, e.__context__)
-
-
-def _each(callback: Callable[[WC], None]) -> Callable[[list[WC]], None]:
-    """A callable taking a list of completions that hands each to ``callback``."""
-
-    def each(wcs: list[WC]) -> None:
-        for wc in wcs:
-            callback(wc)
-
-    return each
-
-
-def _each_of_run(callback: Callable[[WC], None]) -> Callable[[RecvRun], None]:
-    """A callable taking a :class:`RecvRun` that hands each of its completions to
-    ``callback``."""
-
-    def each(run: RecvRun) -> None:
-        for wc in run.take(len(run)):
-            callback(wc)
-
-    return each
 
 
 def _quoted_read_request(term: ddp.Terminate) -> ddp.Header | None:

@@ -309,7 +309,7 @@ class Receiver(RunReceiver):
             if op in (Opcode.SEND_INV, Opcode.SEND_SE_INV):
                 violation = self.memory.invalidate(hdr.inv_stag, self.pd)
                 if violation is not None:
-                    self.on_recv_wc(
+                    self.outbox.append(
                         WC(
                             msg.job.wr_id,
                             WCStatus.REM_INV_REQ_ERR,
@@ -330,7 +330,7 @@ class Receiver(RunReceiver):
                     )
                 flags = WCFlags.WITH_INV
                 inv = hdr.inv_stag
-            self.on_recv_wc(
+            self.outbox.append(
                 WC(
                     msg.job.wr_id, WCStatus.SUCCESS, WCOpcode.RECV, msg.received, self.qp_num,
                     flags, inv, solicited=op in (Opcode.SEND_SE, Opcode.SEND_SE_INV),

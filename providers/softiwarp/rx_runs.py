@@ -223,7 +223,7 @@ class RunReceiver(ReadQueues):
         rx_msn[QN.SEND] = (rx_msn[QN.SEND] + len(jobs)) & U32_MAX
         words = len(jobs) * MSG_WORDS
         solicited = msgs[2:words:MSG_WORDS]
-        self._recv_wcs(
+        self.outbox.append(
             RecvRun(
                 [job.wr_id for job in jobs], msgs[1:words:MSG_WORDS],
                 [word == 1 for word in solicited] if any(solicited) else None, self.qp_num,
@@ -234,7 +234,7 @@ class RunReceiver(ReadQueues):
         """Complete one receive with the next Send (``length`` bytes) of the fast paths."""
         rx_msn = self._rx_msn
         rx_msn[QN.SEND] = (rx_msn[QN.SEND] + 1) & U32_MAX
-        self.on_recv_wc(
+        self.outbox.append(
             WC(
                 wr_id,
                 WCStatus.SUCCESS,
