@@ -39,6 +39,11 @@ Usage::
     python benchmarks/nfs.py [--quick] [--repeat N] [--size MIB] [--getattrs N]
                              [--only NAME] [--json FILE]
     python benchmarks/nfs.py --profile DIR --only read   # cProfile both processes
+
+cProfile sees the thread it runs in only: the server's profile of a TCP
+sample is its event loop's, without the connection's own thread, where our
+server reads, answers and writes the calls (``rdmashim.ulps.nfsrdma.tcp``);
+the calls that go to a task (READ, WRITE, ...) are there.
 """
 
 from __future__ import annotations
@@ -414,7 +419,9 @@ def report_profiles(
         print(f"== {name}: {detail['value']:.4g} {bench.unit} (profiled, slower)")
         for label in ("client", "server"):
             path = profile_dir / f"{label}-{name}.pstats"
-            print(f"-- {label} process, top 20 by tottime ({path})")
+            tcp_server = label == "server" and proto == "tcp"
+            unseen = " (not its connection's thread)" if tcp_server else ""
+            print(f"-- {label} process{unseen}, top 20 by tottime ({path})")
             print(top_functions(path, 20) if path.exists() else "   (no profile written)")
 
 

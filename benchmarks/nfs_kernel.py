@@ -261,7 +261,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f" {proto} job (mount, write, read, umount): {job:.1f} s, server CPU {cpu:.2f} s")
     if profile:
         for proto in PROTOS:
-            print(f"-- our server, {proto} job (last sample, profiled), top 20 by tottime")
+            unseen = ", not its connection's thread" if proto == "tcp" else ""
+            print(f"-- our server, {proto} job (last sample, profiled{unseen}), top 20 by tottime")
             print(top_functions(profile / f"server-kernel-{proto}.pstats", 20))
     if args.json:
         doc = {"meta": meta, "seconds": seconds, "results": results}
