@@ -1,9 +1,10 @@
 """What the peer owes a native QP, and the socket's low-water mark that follows it.
 
-``rs_qp_rx_owed`` counts the payload bytes that must still arrive (the rest of the
-FPDU being received, the responses to our outstanding Reads); the native link sets
-the socket's SO_RCVLOWAT to it (between 16 and 64 KiB, else 1) so that a peer which
-sends a large response in small pieces does not wake the reader once a piece.
+The QP view's ``rx_owed`` (``rs_qp_view``) counts the payload bytes that must still
+arrive (the rest of the FPDU being received, the responses to our outstanding Reads);
+the native link sets the socket's SO_RCVLOWAT to it (between 16 and 64 KiB, else 1) so
+that a peer which sends a large response in small pieces does not wake the reader once
+a piece.
 """
 
 from __future__ import annotations
@@ -30,7 +31,6 @@ SIZE = 100_000
 def test_owed_is_what_the_responses_to_our_reads_still_bring() -> None:
     """A Read of 100,000 bytes: owed from when it is framed, less what each piece of the
     response placed, 0 at its end (and 0 for a QP that owes nothing)."""
-    lib = native.lib
     src, dst = bytearray(b"r" * SIZE), bytearray(SIZE)
     psrc, pdst = pin(src, writable=True), pin(dst, writable=True)
     with two_qps(EngineConfig(crc=True, max_fpdu=4096)) as core:
@@ -38,22 +38,22 @@ def test_owed_is_what_the_responses_to_our_reads_still_bring() -> None:
         access = Access.REMOTE_READ | Access.LOCAL_WRITE
         core.memory.add(0x1100, psrc.addr, psrc.addr, SIZE, access, pd)
         core.memory.add(0x1200, pdst.addr, pdst.addr, SIZE, Access.LOCAL_WRITE, pd)
-        assert lib.rs_qp_rx_owed(a._ptr) == 0
+        assert a.view.rx_owed == 0
         read = SendWR(5, WROpcode.RDMA_READ, [SGE(pdst.addr, SIZE, 0x1200)], SendFlags.SIGNALED,
                       remote_addr=psrc.addr, rkey=0x1100)  # fmt: skip
         a.post_send([read])
         request = a.take()
         a.taken(len(request))
-        assert lib.rs_qp_rx_owed(a._ptr) == SIZE
+        assert a.view.rx_owed == SIZE
         b.receive(request)
         response = b""
         while chunk := b.take():
             response += chunk
             b.taken(len(chunk))
-        owed = [lib.rs_qp_rx_owed(a._ptr)]
+        owed = [a.view.rx_owed]
         for i in range(0, len(response), 7000):  # pieces that cut FPDUs anywhere
             a.receive(response[i : i + 7000])
-            owed.append(lib.rs_qp_rx_owed(a._ptr))
+            owed.append(a.view.rx_owed)
         assert owed[-1] == 0 and dst == src
         assert owed == sorted(owed, reverse=True) and len(set(owed)) > 10
         assert all(0 <= SIZE - o <= min(len(response), 7000 * k) for k, o in enumerate(owed))

@@ -110,7 +110,7 @@ struct rs_mem {
     uint32_t count;
     rs_qp *qps;        /* every QP of the device, for deregistration */
     int dead;          /* rs_mem_free was called: freed when its last QP is */
-    uint64_t epoch;    /* regions removed or invalidated ever */
+    rs_mem_view v;     /* epoch: regions removed or invalidated ever */
 };
 
 static uint32_t slot_of(const rs_mem *mem, uint32_t index)
@@ -215,7 +215,7 @@ int rs_mem_add(rs_mem *mem, uint32_t stag, uint8_t *base, uint64_t iova, uint64_
 }
 
 int rs_mem_valid(rs_mem *mem, uint32_t stag) { return mem_lookup(mem, stag) != NULL; }
-uint64_t rs_mem_epoch(rs_mem *mem) { return mem->epoch; }
+rs_mem_view *rs_mem_view_of(rs_mem *mem) { return &mem->v; }
 
 /* Check [addr, addr + len) of region r for access rights; *p its first byte. */
 static int region_locate(const rs_region *r, uint64_t pd, uint64_t addr, uint64_t len,
@@ -253,10 +253,9 @@ static int mem_locate_started(const rs_mem *mem, uint32_t stag, uint64_t pd, uin
 
 /* ------------------------------------------------------------------ queues */
 struct rs_cq {
+    rs_cq_view v; /* pushed, notable, count, overrun */
     rs_wc *ring;
-    uint32_t cap, head, count;
-    int overrun;
-    uint64_t pushed, notable;
+    uint32_t cap, head;
     uint32_t refs; /* QPs completing here */
     int dead;
 };
@@ -296,25 +295,25 @@ static void cq_unref(rs_cq *cq)
 
 static int cq_push(rs_cq *cq, const rs_wc *wc)
 {
-    cq->pushed++;
+    cq->v.pushed++;
     if (wc->solicited || wc->status != RS_WC_SUCCESS)
-        cq->notable++;
-    if (cq->count == cq->cap) {
-        cq->overrun = 1;
+        cq->v.notable++;
+    if (cq->v.count == cq->cap) {
+        cq->v.overrun = 1;
         return -1;
     }
-    cq->ring[(cq->head + cq->count) % cq->cap] = *wc;
-    cq->count++;
+    cq->ring[(cq->head + cq->v.count) % cq->cap] = *wc;
+    cq->v.count++;
     return 0;
 }
 
 uint32_t rs_cq_poll(rs_cq *cq, rs_wc *out, uint32_t n)
 {
     uint32_t k = 0;
-    while (k < n && cq->count) {
+    while (k < n && cq->v.count) {
         out[k++] = cq->ring[cq->head];
         cq->head = (cq->head + 1) % cq->cap;
-        cq->count--;
+        cq->v.count--;
     }
     return k;
 }
@@ -336,10 +335,7 @@ uint32_t rs_cq_poll_sum(rs_cq *cq, rs_wc *out, uint32_t n, rs_wc_sum *sum)
     return k;
 }
 
-uint32_t rs_cq_count(rs_cq *cq) { return cq->count; }
-int rs_cq_overrun(rs_cq *cq) { return cq->overrun; }
-uint64_t rs_cq_pushed(rs_cq *cq) { return cq->pushed; }
-uint64_t rs_cq_notable(rs_cq *cq) { return cq->notable; }
+rs_cq_view *rs_cq_view_of(rs_cq *cq) { return &cq->v; }
 
 typedef struct {
     rs_recv_wr *ring;
@@ -440,6 +436,7 @@ enum { RX_HDR, RX_PAYLOAD, RX_TRAILER, RX_DISCARD };
 enum { CUR_NONE, CUR_SQ, CUR_IRQ };
 
 struct rs_qp {
+    rs_qp_view v; /* news, sq_depth (live); rx_owed, tx_ready (publish()) */
     rs_mem *mem;
     rs_qp *next_in_mem, *prev_in_mem;
     uint64_t pd;
@@ -455,7 +452,7 @@ struct rs_qp {
     int rtr_pending;
     /* send side */
     sq_entry *sq;                 /* posted, not completed: [sq_head, sq_head + sq_count) */
-    uint32_t sq_cap, sq_head, sq_count, sq_started; /* sq_started: entries framed or begun */
+    uint32_t sq_cap, sq_head, sq_started; /* v.sq_depth: posted; sq_started: framed or begun */
     uint32_t max_send_wr;
     uint32_t orq[MAX_ORD_IRD];    /* SQ positions (offsets from sq_head are unstable: absolute) */
     uint64_t orq_seq[MAX_ORD_IRD];
@@ -494,7 +491,6 @@ struct rs_qp {
     uint8_t *rxbuf;               /* what rs_qp_read_fd reads into (made at the first read) */
     uint64_t rx_total;            /* bytes received ever */
     int overrun;                  /* a completion did not fit its CQ (settle() acts) */
-    uint32_t news;                /* RS_NEWS_* since rs_qp_news last took them */
 };
 
 static void enter_error(rs_qp *qp, uint32_t kind, const char *message, int remote_quoted_read,
@@ -563,7 +559,7 @@ void rs_qp_free(rs_qp *qp)
         qp->mem->qps = qp->next_in_mem;
     if (qp->next_in_mem)
         qp->next_in_mem->prev_in_mem = qp->prev_in_mem;
-    for (uint32_t i = 0; i < qp->sq_count; i++)
+    for (uint32_t i = 0; i < qp->v.sq_depth; i++)
         entry_release(&qp->sq[(qp->sq_head + i) % qp->sq_cap]);
     free(qp->sq);
     free(qp->tx);
@@ -580,7 +576,7 @@ void rs_qp_free(rs_qp *qp)
 
 int rs_qp_state(rs_qp *qp) { return qp->state; }
 void rs_qp_error(rs_qp *qp, rs_error *out) { *out = qp->err; }
-uint32_t rs_qp_sq_depth(rs_qp *qp) { return qp->sq_count; }
+rs_qp_view *rs_qp_view_of(rs_qp *qp) { return &qp->v; }
 int rs_qp_rtr_pending(rs_qp *qp) { return qp->rtr_pending; }
 uint64_t rs_qp_rx_total(rs_qp *qp) { return qp->rx_total; }
 
@@ -636,7 +632,7 @@ static void complete(rs_qp *qp, rs_cq *cq, uint64_t wr_id, uint32_t status, uint
                      uint32_t byte_len, uint32_t flags, uint32_t inv, uint32_t solicited)
 {
     rs_wc wc = {wr_id, status, opcode, byte_len, qp->qp_num, flags, inv, solicited};
-    qp->news |= RS_NEWS_CQ;
+    qp->v.news |= RS_NEWS_CQ;
     /* Not ERROR at once: a completion comes from inside loops over the queues (drain_sq)
      * that entering ERROR would change under them. settle() does it at the end of the
      * call, as the Python engine fails the QPs of an overrun CQ after the event. */
@@ -644,12 +640,26 @@ static void complete(rs_qp *qp, rs_cq *cq, uint64_t wr_id, uint32_t status, uint
         qp->overrun = 1;
 }
 
-/* The end of every public call on a QP: a completion that did not fit moves it to ERROR. */
+static int head_may_start(rs_qp *qp);
+static uint64_t rx_owed(rs_qp *qp);
+
+/* Bring the view's computed fields up to date (rs_qp_view in _engine.h). */
+static void publish(rs_qp *qp)
+{
+    qp->v.rx_owed = rx_owed(qp);
+    qp->v.tx_ready = qp->tx_len > qp->tx_off ||
+                     (qp->state == RS_QP_RTS && !qp->rtr_pending &&
+                      (qp->cur != CUR_NONE || qp->irq_count || head_may_start(qp)));
+}
+
+/* The end of every public call on a QP: a completion that did not fit moves it to ERROR,
+ * and the view says what is now. */
 static void settle(rs_qp *qp)
 {
     if (qp->overrun && qp->state == RS_QP_RTS)
         enter_error(qp, RS_ERR_CQ_OVERRUN, "completion queue overrun", 0, 0, 0);
     qp->overrun = 0;
+    publish(qp);
 }
 
 static uint32_t wc_opcode(uint32_t wr_opcode)
@@ -662,7 +672,7 @@ static uint32_t wc_opcode(uint32_t wr_opcode)
 /* Complete the SQ entries at the head that are done, in posting order. */
 static void drain_sq(rs_qp *qp)
 {
-    while (qp->sq_count) {
+    while (qp->v.sq_depth) {
         sq_entry *e = &qp->sq[qp->sq_head];
         int done = e->done || (e->framed && e->wr.opcode != RS_WR_RDMA_READ &&
                                e->status == RS_WC_SUCCESS && qp->tx_taken >= e->done_at);
@@ -673,7 +683,7 @@ static void drain_sq(rs_qp *qp)
                      e->wr.opcode == RS_WR_RDMA_READ ? (uint32_t)e->length : 0, 0, 0, 0);
         entry_release(e);
         qp->sq_head = (qp->sq_head + 1) % qp->sq_cap;
-        qp->sq_count--;
+        qp->v.sq_depth--;
         qp->sq_started--;
         qp->sq_seq0++;
     }
@@ -778,7 +788,7 @@ static void enter_error(rs_qp *qp, uint32_t kind, const char *message, int remot
     set_error_info(qp, kind, 0, 0, 0, message);
     qp->rx = RX_DISCARD;
     qp->state = qp->terminate_queued ? RS_QP_TERMINATE : RS_QP_ERROR;
-    qp->news |= RS_NEWS_STATE;
+    qp->v.news |= RS_NEWS_STATE;
     if (remote_quoted_read) {
         for (uint32_t i = 0; i < qp->orq_count; i++) {
             uint64_t seq = qp->orq_seq[(qp->orq_head + i) % MAX_ORD_IRD];
@@ -813,13 +823,13 @@ static void enter_error(rs_qp *qp, uint32_t kind, const char *message, int remot
     qp->orq_rtr = 0;
     qp->irq_head = qp->irq_count = qp->responding = 0;
     drain_sq(qp);
-    while (qp->sq_count) { /* not started: flushed */
+    while (qp->v.sq_depth) { /* not started: flushed */
         sq_entry *e = &qp->sq[qp->sq_head];
         complete(qp, qp->scq, e->wr.wr_id, RS_WC_WR_FLUSH_ERR, wc_opcode(e->wr.opcode),
                  e->wr.opcode == RS_WR_RDMA_READ ? (uint32_t)e->length : 0, 0, 0, 0);
         entry_release(e);
         qp->sq_head = (qp->sq_head + 1) % qp->sq_cap;
-        qp->sq_count--;
+        qp->v.sq_depth--;
         qp->sq_seq0++;
     }
     qp->sq_started = 0;
@@ -828,6 +838,7 @@ static void enter_error(rs_qp *qp, uint32_t kind, const char *message, int remot
         complete(qp, qp->rcq, qp->send_wr.wr_id, RS_WC_WR_FLUSH_ERR, RS_WC_RECV, 0, 0, 0, 0);
     }
     flush_rq(qp);
+    publish(qp); /* (also when a deregistration stops it, outside its own calls) */
 }
 
 void rs_qp_set_error(rs_qp *qp, uint32_t kind, const char *message)
@@ -867,6 +878,7 @@ int rs_qp_start(rs_qp *qp, int crc, uint32_t ird, uint32_t ord, uint32_t max_fpd
         qp->orq_seq[qp->orq_head] = UINT64_MAX;
         qp->orq_count = 1;
     }
+    publish(qp);
     return 0;
 }
 
@@ -894,7 +906,7 @@ static uint32_t post_send(rs_qp *qp, const rs_send_wr *wrs, uint32_t n, int *why
             return k;
         }
         /* The next free entry (free even when the queue is full: the ring has one more). */
-        sq_entry *e = &qp->sq[(qp->sq_head + qp->sq_count) % qp->sq_cap];
+        sq_entry *e = &qp->sq[(qp->sq_head + qp->v.sq_depth) % qp->sq_cap];
         e->data = NULL;
         uint8_t *data = NULL;
         if ((w->flags & RS_INLINE) && w->opcode != RS_WR_RDMA_READ) {
@@ -938,7 +950,7 @@ static uint32_t post_send(rs_qp *qp, const rs_send_wr *wrs, uint32_t n, int *why
                      w->opcode == RS_WR_RDMA_READ ? (uint32_t)length : 0, 0, 0, 0);
             continue;
         }
-        if (qp->sq_count >= qp->max_send_wr) {
+        if (qp->v.sq_depth >= qp->max_send_wr) {
             entry_release(e);
             *why = ENOMEM;
             return k;
@@ -948,7 +960,7 @@ static uint32_t post_send(rs_qp *qp, const rs_send_wr *wrs, uint32_t n, int *why
         e->done_at = e->received = 0;
         e->msn = e->status = 0;
         e->framed = e->done = 0;
-        qp->sq_count++;
+        qp->v.sq_depth++;
     }
     return n;
 }
@@ -1053,7 +1065,7 @@ static int check_sges(rs_qp *qp, const sq_entry *e, uint32_t access)
 
 static int head_may_start(rs_qp *qp)
 {
-    if (qp->sq_started >= qp->sq_count)
+    if (qp->sq_started >= qp->v.sq_depth)
         return 0;
     const sq_entry *e = &qp->sq[(qp->sq_head + qp->sq_started) % qp->sq_cap];
     if ((e->wr.flags & RS_FENCE) && qp->orq_count)
@@ -1214,13 +1226,6 @@ const uint8_t *rs_qp_tx(rs_qp *qp, size_t *len)
     return *len ? qp->tx + qp->tx_off : NULL;
 }
 
-int rs_qp_tx_pending(rs_qp *qp)
-{
-    produce(qp);
-    settle(qp);
-    return qp->tx_len > qp->tx_off;
-}
-
 static void tx_done(rs_qp *qp, size_t n)
 {
     size_t have = qp->tx_len - qp->tx_off;
@@ -1230,7 +1235,7 @@ static void tx_done(rs_qp *qp, size_t n)
     qp->tx_taken += n;
     if (qp->state == RS_QP_TERMINATE && qp->tx_off == qp->tx_len) {
         qp->state = RS_QP_ERROR;
-        qp->news |= RS_NEWS_STATE;
+        qp->v.news |= RS_NEWS_STATE;
     }
     drain_sq(qp);
 }
@@ -1258,7 +1263,7 @@ static void read_done(rs_qp *qp)
 static void rtr_received(rs_qp *qp)
 {
     qp->rtr_pending = 0;
-    qp->news |= RS_NEWS_RTR;
+    qp->v.news |= RS_NEWS_RTR;
 }
 
 static void ddp_violation(rs_qp *qp, int v, const char *what)
@@ -1497,7 +1502,7 @@ static void end_segment(rs_qp *qp)
                 return;
             }
             r->valid = 0;
-            qp->mem->epoch++;
+            qp->mem->v.epoch++;
             flags = RS_WC_WITH_INV;
             inv = qp->inv_stag;
         }
@@ -1733,7 +1738,7 @@ int rs_mem_remove(rs_mem *mem, uint32_t stag)
     if (mem->slots[s]->stag != stag)
         return -ENOENT;
     mem->slots[s]->valid = 0;
-    mem->epoch++;
+    mem->v.epoch++;
     for (rs_qp *qp = mem->qps; qp; qp = qp->next_in_mem) {
         qp_revoke(qp, stag);
         settle(qp);
@@ -1802,7 +1807,7 @@ int64_t rs_qp_spin_fd(rs_qp *qp, int fd, uint64_t ns)
     }
 }
 
-uint64_t rs_qp_rx_owed(rs_qp *qp)
+static uint64_t rx_owed(rs_qp *qp)
 {
     if (qp->state != RS_QP_RTS)
         return 0;
@@ -1818,13 +1823,6 @@ uint64_t rs_qp_rx_owed(rs_qp *qp)
             owed += e->length - e->received;
     }
     return owed;
-}
-
-uint32_t rs_qp_news(rs_qp *qp)
-{
-    uint32_t news = qp->news;
-    qp->news = 0;
-    return news;
 }
 
 uint32_t rs_qp_post_send_fd(rs_qp *qp, const rs_send_wr *wrs, uint32_t n, int *why, int fd,

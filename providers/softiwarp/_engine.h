@@ -127,6 +127,34 @@ typedef struct {
     char message[160];      /* what happened, for qp.error */
 } rs_error;
 
+/* What a provider reads of the memory table, a CQ and a QP without a call (a call into
+ * C costs several times a read of its memory): each *_view_of pointer stays valid while
+ * its object lives, and C keeps the view current; a QP's computed fields (rx_owed,
+ * tx_ready) are brought up to date at the end of every call on it, and when a
+ * deregistration stops it. The provider may clear news; it writes nothing else. */
+typedef struct {
+    uint64_t epoch;         /* regions removed or invalidated ever: what was checked valid
+                             * stays so while it holds */
+} rs_mem_view;
+
+typedef struct {
+    uint64_t pushed;        /* completions pushed ever */
+    uint64_t notable;       /* of them, solicited or not a success (a provider compares
+                             * both with what it saw to know what arrived) */
+    uint32_t count;         /* queued now */
+    int32_t overrun;        /* a completion did not fit */
+} rs_cq_view;
+
+typedef struct {
+    uint32_t news;          /* RS_NEWS_* gathered since the provider cleared it */
+    uint32_t sq_depth;      /* send WRs posted and not completed */
+    uint64_t rx_owed;       /* payload bytes the peer owes now: the rest of the FPDU being
+                             * received and of the responses to the outstanding Reads (a
+                             * lower bound of what will arrive: a reader may wait for that
+                             * much before it looks, SO_RCVLOWAT) */
+    int32_t tx_ready;       /* bytes framed wait to be sent, or work to be framed */
+} rs_qp_view;
+
 /* rs_mem_free, rs_cq_free and rs_srq_free may come before rs_qp_free of the QPs using
  * the object: it is freed with the last of them. */
 
@@ -140,19 +168,13 @@ int rs_mem_add(rs_mem *mem, uint32_t stag, uint8_t *base, uint64_t iova, uint64_
  * (work started on it completes LOC_PROT_ERR and the QP goes to ERROR). */
 int rs_mem_remove(rs_mem *mem, uint32_t stag);
 int rs_mem_valid(rs_mem *mem, uint32_t stag);
-/* Regions removed or invalidated ever: what was checked valid stays so while it holds. */
-uint64_t rs_mem_epoch(rs_mem *mem);
+rs_mem_view *rs_mem_view_of(rs_mem *mem);
 
 /* Completion queues: a ring of cqe entries. */
 rs_cq *rs_cq_new(uint32_t cqe);
 void rs_cq_free(rs_cq *cq);
 uint32_t rs_cq_poll(rs_cq *cq, rs_wc *out, uint32_t n);
-uint32_t rs_cq_count(rs_cq *cq);
-int rs_cq_overrun(rs_cq *cq);
-/* Completions pushed ever, and the number of them that were notable (solicited, or not
- * a success): a provider compares them with what it saw to know what arrived. */
-uint64_t rs_cq_pushed(rs_cq *cq);
-uint64_t rs_cq_notable(rs_cq *cq);
+rs_cq_view *rs_cq_view_of(rs_cq *cq);
 /* rs_cq_poll, and what the completions taken have in common (*sum). */
 uint32_t rs_cq_poll_sum(rs_cq *cq, rs_wc *out, uint32_t n, rs_wc_sum *sum);
 
@@ -161,7 +183,7 @@ void rs_srq_free(rs_srq *srq);
 /* Post n receives; returns how many were taken (the rest: the queue is full). */
 uint32_t rs_srq_post(rs_srq *srq, const rs_recv_wr *wrs, uint32_t n);
 
-/* What happened in a QP's calls since rs_qp_news last took it (bits). */
+/* What happened in a QP's calls since the provider last cleared its view's news (bits). */
 #define RS_NEWS_CQ 1           /* it pushed a completion (to either CQ) */
 #define RS_NEWS_STATE 2        /* it left RTS */
 #define RS_NEWS_RTR 4          /* the peer's RTR arrived */
@@ -191,12 +213,6 @@ uint32_t rs_srq_post_at(rs_srq *srq, const rs_recv_wr *table, uint32_t n, const 
  * call (*wrote: what rs_qp_flush_fd returned). */
 uint32_t rs_qp_post_send_fd(rs_qp *qp, const rs_send_wr *wrs, uint32_t n, int *why, int fd,
                             int64_t *wrote);
-/* Payload bytes the peer owes this QP now: the rest of the FPDU being received and of
- * the responses to its outstanding Reads (a lower bound of what will arrive: a reader
- * may wait for that much before it looks, SO_RCVLOWAT). */
-uint64_t rs_qp_rx_owed(rs_qp *qp);
-/* Take the RS_NEWS_* bits gathered since the last call (a provider syncs when set). */
-uint32_t rs_qp_news(rs_qp *qp);
 /* Received bytes: all of data[0:len] is taken (after an error it is discarded). */
 void rs_qp_rx(rs_qp *qp, const uint8_t *data, size_t len);
 /* The bytes to send now: *len bytes at the returned pointer (NULL, 0 when none);
@@ -220,13 +236,11 @@ int64_t rs_qp_spin_fd(rs_qp *qp, int fd, uint64_t ns);
 void rs_qp_set_error(rs_qp *qp, uint32_t kind, const char *message);
 int rs_qp_state(rs_qp *qp);
 void rs_qp_error(rs_qp *qp, rs_error *out);
-uint32_t rs_qp_sq_depth(rs_qp *qp);
+rs_qp_view *rs_qp_view_of(rs_qp *qp);
 /* Whether the peer's RTR is still awaited (rs_qp_start's wait_rtr). */
 int rs_qp_rtr_pending(rs_qp *qp);
 /* Bytes received ever (rs_qp_rx and rs_qp_read_fd). */
 uint64_t rs_qp_rx_total(rs_qp *qp);
-/* Whether framed bytes wait to be sent (after framing what can be framed now). */
-int rs_qp_tx_pending(rs_qp *qp);
 /* cdef-end */
 
 #endif

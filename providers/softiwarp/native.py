@@ -55,6 +55,8 @@ class NativeMemory:
         self._ptr = _need().rs_mem_new()
         if self._ptr == ffi.NULL:
             raise MemoryError("rs_mem_new")
+        self.view = lib.rs_mem_view_of(self._ptr)
+        """``epoch``: regions removed or invalidated ever (``rs_mem_view``, read, no call)."""
         self._pds: dict[int, tuple[Callable[[], object], int]] = {}
         self._numbers = itertools.count(1)
 
@@ -101,6 +103,8 @@ class NativeCQ:
         self._ptr = _need().rs_cq_new(cqe)
         if self._ptr == ffi.NULL:
             raise VerbsError(errno.EINVAL, "create_cq", f"cqe={cqe}")
+        self.view = lib.rs_cq_view_of(self._ptr)
+        """Completions pushed, notable, queued, and whether one did not fit (``rs_cq_view``)."""
         self._buf = ffi.new("rs_wc[]", 256)
 
     def poll(self, n: int = 256) -> list[WC]:
@@ -151,6 +155,8 @@ class NativeQP:
         )  # fmt: skip
         if self._ptr == ffi.NULL:
             raise MemoryError("rs_qp_new")
+        self.view = lib.rs_qp_view_of(self._ptr)
+        """News, send queue depth, bytes owed, work to send (``rs_qp_view``, read, no call)."""
         self._len = ffi.new("size_t *")
         self._why = ffi.new("int *")
 
@@ -214,7 +220,7 @@ class NativeQP:
     @property
     def sq_depth(self) -> int:
         """Send work requests posted and not yet completed."""
-        return int(lib.rs_qp_sq_depth(self._ptr))
+        return int(self.view.sq_depth)
 
     @property
     def state(self) -> EngineState:

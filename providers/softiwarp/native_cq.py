@@ -41,21 +41,22 @@ class NativeCQ(CQ):
         super().__init__(context, cqe, channel)
         self.ring = native.NativeCQ(cqe)
         self._ptr = self.ring._ptr
+        self._view = self.ring.view
         self._pushed = 0
         self._notable = 0
         self._rows = ffi.new("rs_wc[]", 64)
 
     def _sync(self) -> None:
         """Completions C pushed since the last look: wake, notify, hand on."""
-        ptr = self._ptr
-        pushed = lib.rs_cq_pushed(ptr)
+        view = self._view
+        pushed = view.pushed
         if pushed == self._pushed:
             return
         self._pushed = pushed
-        notable = lib.rs_cq_notable(ptr)
+        notable = view.notable
         was, self._notable = self._notable, notable
-        self._count = lib.rs_cq_count(ptr)
-        if lib.rs_cq_overrun(ptr) and not self._overrun:
+        self._count = view.count
+        if view.overrun and not self._overrun:
             self._overflow(None)
         self._arrived(notable != was)
 
@@ -74,7 +75,7 @@ class NativeCQ(CQ):
             return []
         rows = self._buffer(n)
         got = lib.rs_cq_poll(self._ptr, rows, n)
-        self._count = lib.rs_cq_count(self._ptr)
+        self._count = self._view.count
         return [
             WC(
                 w.wr_id, _STATUSES[w.status], _OPCODES[w.opcode], w.byte_len, w.qp_num,
@@ -97,7 +98,7 @@ class NativeCQ(CQ):
         if rows is None or not isinstance(rows, _Rows) or len(rows) < len(wcs):
             rows = wcs.native = _Rows(len(wcs))
         got = lib.rs_cq_poll_sum(self._ptr, rows.c, n, rows.sum)
-        self._count = lib.rs_cq_count(self._ptr)
+        self._count = self._view.count
         rows.decode_into(wcs, got)
         return int(got)
 

@@ -11,11 +11,13 @@ here asks C to read and write the socket (one call each, ``rs_qp_read_fd`` and
 (``rs_qp_post_send_fd``): C takes the requests, frames them and writes the bytes.
 
 After every call into C that may complete work (a post, a read, a write, a
-deregistration), :meth:`NativeQP._sync` takes what C says happened since
-(``rs_qp_news``: completions, a move to ERROR, the peer's RTR) and, for
+deregistration), :meth:`NativeQP._sync` looks at what C says happened since (the
+news in the QP's view: completions, a move to ERROR, the peer's RTR) and, for
 completions, compares each CQ's counters with what it saw, and wakes, notifies and
 hands on exactly as the Python engine's callbacks do; so CQ waiting, arming,
-channels and handlers are the provider's own (:class:`~.cq.CQ`).
+channels and handlers are the provider's own (:class:`~.cq.CQ`). What it looks at
+is read from C's memory, not asked for by a call (``rs_qp_view``, ``rs_cq_view``,
+``rs_mem_view`` in ``_engine.h``): a crossing into C costs several times a read.
 """
 
 from __future__ import annotations
@@ -112,6 +114,7 @@ class NativeEngine:
         self._owner = owner
         self.core = core
         self.ptr = core._ptr
+        self.view = core.view
         self.qp_num = core.qp_num
         self.memory = memory
         self.config = EngineConfig()
@@ -128,7 +131,7 @@ class NativeEngine:
     @property
     def tx_ready(self) -> bool:
         """Whether bytes wait to be sent."""
-        return bool(lib.rs_qp_tx_pending(self.ptr))
+        return bool(self.view.tx_ready)
 
     @property
     def bytes_received(self) -> int:
@@ -138,7 +141,7 @@ class NativeEngine:
     @property
     def sq_depth(self) -> int:
         """Send work requests posted and not completed."""
-        return int(lib.rs_qp_sq_depth(self.ptr))
+        return int(self.view.sq_depth)
 
     def start(self, config: EngineConfig) -> None:
         """Enter RTS with what MPA negotiated."""
@@ -175,7 +178,7 @@ class NativeEngine:
         """Why C moved the QP to ERROR, as the Python engine says it."""
         kind, code, message = self.core.error
         if kind == _ERR_CQ_OVERRUN:
-            full = [cq for cq in self._owner._cqs if lib.rs_cq_overrun(cq._ptr)]
+            full = [cq for cq in self._owner._cqs if cq._view.overrun]
             return full[0].overrun_error() if full else VerbsError(errno.EOVERFLOW, "cq", message)
         if kind == _ERR_REMOTE:
             self.remote_terminate = code
@@ -197,6 +200,7 @@ class NativeLink(Link):
     def __init__(self, engine: NativeEngine, sock: trio.socket.SocketType, leftover: bytes) -> None:
         super().__init__(engine, sock, leftover)  # type: ignore[arg-type]
         self._ptr = engine.ptr
+        self._view = engine.view
         self._sync = engine._owner._sync
         self._lowat = 1
         """The socket's SO_RCVLOWAT (:meth:`_expect`)."""
@@ -247,11 +251,12 @@ class NativeLink(Link):
             self._rx_stopped = True
             self.flush()
             return None
-        if lib.rs_qp_tx_pending(self._ptr) and not self._pending:  # Read Responses, ...
+        view = self._view
+        if view.tx_ready and not self._pending:  # Read Responses, ...
             self.flush()  # (it syncs)
         else:
             self._sync()
-        self._expect(lib.rs_qp_rx_owed(self._ptr))
+        self._expect(view.rx_owed)
         self._drained = drained = int(n) < _RX_READ
         return drained
 
@@ -287,7 +292,7 @@ class NativeSRQ(SRQ):
         assert isinstance(memory, NativeMemoryTable)
         refused = plan.post(
             "post_srq_recv", entries, self.max_sge, "SRQ", self.max_wr,
-            memory, lib.rs_mem_epoch(memory.native._ptr), self._submit,
+            memory, memory.native.view.epoch, self._submit,
         )  # fmt: skip
         if refused is not None:
             raise refused
@@ -329,8 +334,9 @@ class NativeQP(QPBase):
             srq=None if srq is None else srq._ptr,
         )  # fmt: skip
         self._ptr = core._ptr
-        self._mem = memory.native._ptr
+        self._memview = memory.native.view
         self.engine: NativeEngine = NativeEngine(self, core, memory)
+        self._view = core.view
         self._link: NativeLink | None = None
         self._fatal_seen = False
         self._awaiting_rtr = False
@@ -344,9 +350,11 @@ class NativeQP(QPBase):
     # ---------------------------------------------------------------- the C side's news
     def _sync(self) -> None:
         """After a call into C: hand on new completions, RTR, and a move to ERROR."""
-        news = lib.rs_qp_news(self._ptr)
+        view = self._view
+        news = view.news
         if not news:
             return
+        view.news = 0
         if news & _NEWS_CQ:
             for cq in self._cqs:
                 cq._sync()
@@ -395,7 +403,7 @@ class NativeQP(QPBase):
         memory = self.context.memory
         refused = plan.post(
             wrs, entries, room, cap.max_send_wr, cap.max_send_sge, cap.max_inline_data,
-            memory, lib.rs_mem_epoch(self._mem), self._submit_send,
+            memory, self._memview.epoch, self._submit_send,
         )  # fmt: skip
         self._sync()
         if refused is not None:
@@ -425,7 +433,7 @@ class NativeQP(QPBase):
         cap = self.cap
         refused = plan.post(
             "post_recv", entries, cap.max_recv_sge, "receive queue", cap.max_recv_wr,
-            self.context.memory, lib.rs_mem_epoch(self._mem), self._submit_recv,
+            self.context.memory, self._memview.epoch, self._submit_recv,
         )  # fmt: skip
         if self._state is QPState.ERR:  # flushed at once
             self._sync()

@@ -194,13 +194,13 @@ class _Plan:
         self._summary: _Summary | None = None
         self._checked: tuple[int, int] | None = None
         """(memory table, epoch) at which every key was last found registered."""
-        self._blobs: dict[int, bytes] = {}
-        """The first ``n`` entries packed together, by ``n``."""
+        self._arrays: dict[int, Any] = {}
+        """The first ``n`` entries packed together as a C array, by ``n``."""
 
     def _changed(self) -> None:
         self._summary = None
         self._checked = None
-        self._blobs.clear()
+        self._arrays.clear()
 
     def _keys_ok(self, keys: set[int], memory: MemoryTable, epoch: int) -> bool:
         """Whether every key names a registered region (cached while no region is
@@ -213,14 +213,16 @@ class _Plan:
             return True
         return False
 
-    def _blob(self, data: Sequence[bytes], entries: Sequence[int]) -> bytes:
+    def _array(self, ctype: str, data: Sequence[bytes], entries: Sequence[int]) -> Any:
+        """The C array (of ``ctype``) of ``entries`` packed together; kept for the
+        first ``n`` entries, which a post of a whole list or batch takes each time."""
         if isinstance(entries, range) and entries.start == 0 and entries.step == 1:
             n = entries.stop
-            blob = self._blobs.get(n)
-            if blob is None:
-                blob = self._blobs[n] = b"".join(data[:n])
-            return blob
-        return b"".join(map(data.__getitem__, entries))
+            array = self._arrays.get(n)
+            if array is None:
+                array = self._arrays[n] = ffi.from_buffer(ctype, b"".join(data[:n]))
+            return array
+        return ffi.from_buffer(ctype, b"".join(map(data.__getitem__, entries)))
 
 
 class SendPlan(_Plan):
@@ -278,7 +280,7 @@ class SendPlan(_Plan):
         ):  # fmt: skip
             if not n:
                 return None
-            start = submit(ffi.from_buffer("rs_send_wr[]", self._blob(self._data, entries)), n)
+            start = submit(self._array("rs_send_wr[]", self._data, entries), n)
             if start == n:
                 return None
         chosen: list[bytes] = []
@@ -362,8 +364,7 @@ class RecvPlan(_Plan):
             if not count:
                 return None
             if isinstance(entries, range) and entries.start == 0 and entries.step == 1:
-                taken = submit(ffi.from_buffer("rs_recv_wr[]", self._blob(self.data, entries)),
-                               count, None)  # fmt: skip
+                taken = submit(self._array("rs_recv_wr[]", self.data, entries), count, None)
             else:
                 if self._table is None:
                     self._table = ffi.from_buffer("rs_recv_wr[]", b"".join(self.data))
