@@ -22,7 +22,6 @@ from rdmashim.providers.softiwarp.jobs import (
     Failed,
     Ready,
     RecvJob,
-    RecvRun,
     SendJob,
 )
 from rdmashim.providers.softiwarp.memory import MemoryTable
@@ -43,7 +42,8 @@ from rdmashim.providers.softiwarp.terminate import (
     rdmap,
 )
 from rdmashim.verbs.buffers import pin
-from rdmashim.verbs.wr import WC
+
+from outbox import sort_outbox
 
 pytestmark = pytest.mark.usefixtures("engine_kernels")  # compiled and Python kernels
 
@@ -74,16 +74,7 @@ class Host:
     def take_outbox(self) -> None:
         """Move what the engine put out into the lists: send and receive completions
         (a run's one by one), events."""
-        for item in self.engine.outbox:
-            if isinstance(item, RecvRun):
-                self._recv_wcs += item.take(len(item))
-            elif isinstance(item, list):
-                self._send_wcs += item
-            elif isinstance(item, WC):
-                (self._recv_wcs if item.opcode is WCOpcode.RECV else self._send_wcs).append(item)
-            else:
-                self.events.append(item)
-        self.engine.outbox.clear()
+        self.events += sort_outbox(self.engine.outbox, self._send_wcs, self._recv_wcs)
 
     @property
     def send_wcs(self) -> list:

@@ -24,11 +24,18 @@ import pytest
 from rdmashim import SGE, Access, SendFlags, WROpcode
 from rdmashim.providers.softiwarp import native
 from rdmashim.providers.softiwarp.engine import Engine
-from rdmashim.providers.softiwarp.jobs import EngineConfig, EngineState, RecvJob, SendJob
+from rdmashim.providers.softiwarp.jobs import (
+    EngineConfig,
+    EngineState,
+    Failed,
+    RecvJob,
+    SendJob,
+)
 from rdmashim.providers.softiwarp.memory import MemoryTable
 from rdmashim.verbs.buffers import pin
 from rdmashim.verbs.wr import RecvWR, SendWR
 
+from outbox import sort_outbox
 from tooling import tool
 
 if not native.AVAILABLE:
@@ -50,20 +57,23 @@ class PyHost:
         self.rq: deque[RecvJob] = deque()
         self.send_wcs: list[Any] = []
         self.recv_wcs: list[Any] = []
-        self.engine = Engine(
-            qp_num=qp_num, pd=self.pds[0], memory=self.memory, recv_queue=self.rq,
-            on_send_wc=self.send_wcs.append, on_recv_wc=self.recv_wcs.append,
-            on_fatal=self._fatal,
-        )  # fmt: skip
+        self.engine = Engine(qp_num=qp_num, pd=self.pds[0], memory=self.memory, recv_queue=self.rq)
         self.engine.start(config)
+        self._take()
         self.buffers: dict[int, bytearray] = {}
         self._pins: list[Any] = []
         self.wire = bytearray()
 
-    def _fatal(self, exc: Exception) -> None:
-        jobs = list(self.rq)
-        self.rq.clear()
-        self.engine.flush_recv(jobs)
+    def _take(self) -> None:
+        """After each call into the engine, what it put out, as a provider takes it:
+        completions, and on Failed the queued receives flushed."""
+        outbox = self.engine.outbox
+        while outbox:
+            for event in sort_outbox(outbox, self.send_wcs, self.recv_wcs):
+                if isinstance(event, Failed):
+                    jobs = list(self.rq)
+                    self.rq.clear()
+                    self.engine.flush_recv(jobs)
 
     def register(self, length: int, access: Access, pd: int, iova: int | None) -> tuple[int, int]:
         buf = bytearray([PATTERN]) * length
@@ -101,15 +111,18 @@ class PyHost:
                     w.invalidate_rkey,
                 )
             )
+            self._take()
 
     def receive(self, data: bytes) -> None:
         self.engine.receive_data(data)
+        self._take()
 
     def flush_tx(self) -> bytes:
         out = bytearray()
         while bufs := self.engine.produce():
             chunk = b"".join(bytes(b) for b in bufs)
             self.engine.sent(len(chunk))
+            self._take()
             out += chunk
         self.wire += out
         return bytes(out)
