@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 import struct
 from collections.abc import AsyncIterator
 
@@ -221,3 +222,28 @@ async def test_a_reply_for_no_call_is_ignored(nursery: trio.Nursery) -> None:
     nursery.start_soon(client.run)
     assert (await client.call(ECHO_PROG, 1, NULL)).remaining() == 0
     await stream.aclose()
+
+
+async def test_stopping_the_server_ends_threads_blocked_in_read_and_in_write() -> None:
+    """A connection's thread waits in the kernel: one idle (in ``read``), one in ``write``
+    of replies its peer does not read. Cancelling ``serve_tcp`` shuts both sockets down,
+    which ends both threads at once."""
+    call = Packer()
+    pack_call_header(call, CallHeader(1, ECHO_PROG, 1, ECHO))
+    call.opaque(bytes(32 << 10))
+    calls = b"".join(record_marks([call.data])) * 200  # 6.4 MB of replies
+    with trio.fail_after(10):
+        async with trio.open_nursery() as nursery:
+            listeners = await nursery.start(serve_tcp, RpcServer([Echo()]), 0, "127.0.0.1")
+            port = listeners[0].socket.getsockname()[1]
+            idle = await trio.open_tcp_stream("127.0.0.1", port)
+            sock = trio.socket.socket()
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            await sock.connect(("127.0.0.1", port))
+            stuck = trio.SocketStream(sock)
+            with trio.move_on_after(1):  # the server stops reading once its write blocks
+                await stuck.send_all(calls)
+            await trio.sleep(0.2)
+            nursery.cancel_scope.cancel()
+        async with idle, stuck:
+            assert await idle.receive_some() == b""  # closed by the server
