@@ -179,8 +179,8 @@ class Tracer(trio.abc.Instrument):
         native_engine = engines.chosen()[0] == "native"
         cq_class, qp_class = (NativeCQ, NativeQP) if native_engine else (CQ, QP)
         for owner, name in (
-            (cq_class, "poll_into"), (CQ, "req_notify"), (qp_class, "post_recv_batch"),
-            (qp_class, "post_send_batch"), (qp_class, "post_send"),
+            (cq_class, "poll_into"), (CQ, "req_notify"), (CQ, "__len__"),
+            (qp_class, "post_recv_batch"), (qp_class, "post_send_batch"), (qp_class, "post_send"),
         ):  # fmt: skip
             self._hook_engine(owner, name)  # (before the post's points: those go outside)
         if native_engine:

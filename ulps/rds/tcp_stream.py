@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections import deque
 
 from rdmashim.ulps.rds.connection import OutMessage, RdsConnection
-from rdmashim.ulps.rds.wire import RDS_HEADER_LEN, RdsFlag, RdsHeader
+from rdmashim.ulps.rds.wire import HEADER_STRUCT, RDS_HEADER_LEN, RdsFlag, RdsHeader
 
 SEND_BATCH = 64 * 1024
 """Bytes of messages gathered into one write (Linux corks the socket around a batch)."""
@@ -113,9 +113,10 @@ class StreamDecoder:
         with memoryview(buf) as view:  # released before the consumed bytes are dropped
             while True:
                 if self._header is None:
-                    header = RdsHeader.decode(view[pos:])
-                    if header is None:
+                    if len(buf) - pos < RDS_HEADER_LEN:  # (decode's own test: a call less)
                         break
+                    header = RdsHeader.decode(view[pos:])
+                    assert header is not None
                     self._header = header
                     pos += RDS_HEADER_LEN
                 end = pos + self._header.length
@@ -130,10 +131,17 @@ class StreamDecoder:
 
 def message_header(msg: OutMessage) -> bytes:
     """A numbered message's header as it goes on the stream before its payload
-    (``h_ack`` and ``h_credit`` zero, as ``rds_tcp_xmit`` sends it)."""
+    (``h_ack`` and ``h_credit`` zero, as ``rds_tcp_xmit`` sends it). Without extension
+    headers (every message but a probe and its answer) it is packed with no
+    :class:`RdsHeader` made: the fields are the queue's, checked when it took them."""
+    if not msg.extensions:
+        return _pack(msg.seq, 0, len(msg.data), msg.sport, msg.dport, msg.flags, 0, 0, b"")
     return RdsHeader(
         msg.seq, 0, len(msg.data), msg.sport, msg.dport, msg.flags, extensions=msg.extensions
     ).encode()
+
+
+_pack = HEADER_STRUCT.pack
 
 
 def map_header(length: int) -> bytes:
