@@ -21,7 +21,7 @@ from rdmashim import (
     WROpcode,
 )
 from rdmashim.providers.softiwarp.connection import MpaOptions
-from rdmashim.providers.softiwarp.jobs import MAX_FPDU
+from rdmashim.providers.softiwarp.ddp import MAX_FPDU
 
 from pairs import Side, make_pair, settle
 

@@ -86,14 +86,6 @@ _OPCODES = tuple(Opcode)
 HEADER_LEN_BY_OPCODE: tuple[int, ...] = tuple(HEADER_LEN[Opcode(i)] for i in range(8))
 TAGGED_OPCODES = frozenset({Opcode.WRITE, Opcode.READ_RESPONSE})
 SEND_OPCODES = frozenset({Opcode.SEND, Opcode.SEND_INV, Opcode.SEND_SE, Opcode.SEND_SE_INV})
-QN_FOR_OPCODE = {
-    Opcode.SEND: QN.SEND,
-    Opcode.SEND_INV: QN.SEND,
-    Opcode.SEND_SE: QN.SEND,
-    Opcode.SEND_SE_INV: QN.SEND,
-    Opcode.READ_REQUEST: QN.READ_REQUEST,
-    Opcode.TERMINATE: QN.TERMINATE,
-}
 
 CTRL = struct.Struct("!HBB")
 TAGGED = struct.Struct("!HBBIQ")
@@ -113,6 +105,31 @@ CTRL_WRITE = RDMAP_VERSION | Opcode.WRITE
 CTRL_READ_RESPONSE = RDMAP_VERSION | Opcode.READ_RESPONSE
 DDP_UNTAGGED_LAST = DDP_LAST | DDP_VERSION
 """DDP control byte of an untagged last segment (reserved bits zero)."""
+DDP_TAGGED_MIDDLE = DDP_TAGGED | DDP_VERSION
+"""DDP control byte of a tagged segment that does not end its message."""
+DDP_TAGGED_LAST = DDP_TAGGED | DDP_LAST | DDP_VERSION
+
+SEND_MIN = UNTAGGED_HDR_LEN + TRAILER_CRC_LEN
+"""Fewest bytes that hold a whole Send FPDU (header and CRC field, no payload)."""
+TAGGED_MIN = TAGGED_HDR_LEN + TRAILER_CRC_LEN
+"""Fewest bytes that hold a whole tagged FPDU (header and CRC field, no payload)."""
+MAX_SEND_PAYLOAD = MAX_ULPDU - (UNTAGGED_HDR_LEN - 2)
+"""Most payload one untagged FPDU carries."""
+MAX_TAGGED_PAYLOAD = MAX_ULPDU - (TAGGED_HDR_LEN - 2)
+"""Most payload one tagged FPDU carries."""
+MAX_FPDU = 65536
+"""Largest FPDU we send: the 16-bit ULPDU length allows 65535 + 2 + pad + CRC bytes."""
+U32_MAX = 0xFFFFFFFF
+"""Largest value of a 32-bit wire field (STag, MO, length); MSNs count modulo 2^32."""
+TO_LIMIT = 1 << 64
+"""Tagged offsets are 64 bits: a segment or Read whose TO + length passes this wraps."""
+
+
+def send_ctrl(solicited: bool, invalidate: bool) -> int:
+    """The RDMAP control byte of a Send: with SE when ``solicited``, with Invalidate
+    when ``invalidate``."""
+    opcode = Opcode.SEND_SE if solicited else Opcode.SEND
+    return RDMAP_VERSION | (opcode + (Opcode.SEND_INV - Opcode.SEND) * invalidate)
 
 
 def pad_len(ulpdu_len: int) -> int:

@@ -31,19 +31,23 @@ from rdmashim.providers.softiwarp.ddp import (
     CTRL_SEND,
     CTRL_SEND_SE,
     CTRL_WRITE,
+    DDP_TAGGED_LAST,
+    DDP_TAGGED_MIDDLE,
     DDP_UNTAGGED_LAST,
+    MAX_SEND_PAYLOAD,
+    MAX_TAGGED_PAYLOAD,
     TAGGED_HDR_LEN,
+    TO_LIMIT,
+    U32_MAX,
     UNTAGGED_HDR_LEN,
     Opcode,
 )
+from rdmashim.providers.softiwarp.ddp import SEND_MIN as SEND_MIN  # (accel.py takes them
+from rdmashim.providers.softiwarp.ddp import TAGGED_MIN as TAGGED_MIN  # from here too)
 from rdmashim.providers.softiwarp.memory import Region
 
 Buffer = bytes | bytearray | memoryview
 
-SEND_MIN = ddp.UNTAGGED_HDR_LEN + ddp.TRAILER_CRC_LEN
-"""Fewest bytes that hold a whole Send FPDU (header and CRC field, no payload)."""
-MAX_SEND_PAYLOAD = ddp.MAX_ULPDU - (ddp.UNTAGGED_HDR_LEN - 2)
-"""Most payload one untagged FPDU carries."""
 MSG_WORDS = 3
 """Words per scanned message: payload offset, payload length, solicited (0 or 1)."""
 SEND_CTRLS = frozenset(
@@ -53,17 +57,9 @@ SEND_CTRLS = frozenset(
 """RDMAP control bytes :meth:`Kernels.frame_sends` writes."""
 TAGGED_CTRLS = frozenset((CTRL_WRITE, CTRL_READ_RESPONSE))
 """RDMAP control bytes of the tagged kernels (:meth:`Kernels.place_tagged`, ``frame_tagged``)."""
-TAGGED_MIN = ddp.TAGGED_HDR_LEN + ddp.TRAILER_CRC_LEN
-"""Fewest bytes that hold a whole tagged FPDU (header and CRC field, no payload)."""
-MAX_TAGGED_PAYLOAD = ddp.MAX_ULPDU - (ddp.TAGGED_HDR_LEN - 2)
-"""Most payload one tagged FPDU carries."""
-DDP_TAGGED_MIDDLE = ddp.DDP_TAGGED | ddp.DDP_VERSION
-DDP_TAGGED_LAST = ddp.DDP_TAGGED | ddp.DDP_LAST | ddp.DDP_VERSION
-TO_LIMIT = 1 << 64
 SPAN = struct.Struct("=QQ")
 """One receive as :meth:`Kernels.place_in` takes it: its offset in the target and its
 length, native 64-bit words (the compiled kernel reads them in place)."""
-_U32 = 0xFFFFFFFF
 
 
 @dataclass(eq=False, slots=True)
@@ -200,7 +196,9 @@ class PyKernels:
         parts: list[bytes] = []
         end = 0
         for i, n in enumerate(lens):
-            parts.append(frame_send(view[end : end + n], ctrls[i], invs[i], (msn + i) & _U32, crc))
+            parts.append(
+                frame_send(view[end : end + n], ctrls[i], invs[i], (msn + i) & U32_MAX, crc)
+            )
             end += n
         return b"".join(parts)
 
@@ -209,7 +207,7 @@ class PyKernels:
     ) -> tuple[int, list[int]]:
         """See :class:`Kernels`."""
         out: list[int] = []
-        if not 0 <= start <= end <= len(buf) or len(buf) > _U32:
+        if not 0 <= start <= end <= len(buf) or len(buf) > U32_MAX:
             return start, out
         pos = start
         while end - pos >= SEND_MIN:
@@ -221,7 +219,7 @@ class PyKernels:
                 (buf[pos] << 8 | buf[pos + 1]) - (UNTAGGED_HDR_LEN - 2),
                 buf[pos + 3] == CTRL_SEND_SE,
             )
-            msn = (msn + 1) & _U32
+            msn = (msn + 1) & U32_MAX
             pos += size
         return pos, out
 
@@ -405,7 +403,7 @@ def _whole_fpdu(buf: Buffer, pos: int, end: int, ulpdu_len: int, crc: bool) -> i
 def _tagged_range(ctrl: int, stag: int, to: int, length: int) -> bool:
     """Whether ``ctrl`` is a tagged opcode's, ``stag`` fits 32 bits and ``[to, to + length)``
     stays below 2^64."""
-    return ctrl in TAGGED_CTRLS and 0 <= stag <= _U32 and 0 <= to <= TO_LIMIT - length
+    return ctrl in TAGGED_CTRLS and 0 <= stag <= U32_MAX and 0 <= to <= TO_LIMIT - length
 
 
 def check_tagged_frame(ctrl: int, stag: int, to: int, total: int, chunk: int) -> None:

@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import TypeVar
 
 from rdmashim.providers.softiwarp import fastpath
+from rdmashim.providers.softiwarp.ddp import U32_MAX
 from rdmashim.providers.softiwarp.jobs import (
     RecvJob,
     SendRun,
@@ -67,8 +68,8 @@ def recv_job(w: RecvWR) -> RecvJob | None:
         s = sges[0]
         if (
             s.__class__ is SGE
-            and 0 <= s.length <= U32
-            and 0 <= s.lkey <= U32
+            and 0 <= s.length <= U32_MAX
+            and 0 <= s.lkey <= U32_MAX
             and 0 <= s.addr <= U64
             and 0 <= w.wr_id <= U64
         ):
@@ -170,9 +171,6 @@ def batch_jobs(
     if isinstance(entries, range):
         return jobs[: entries.stop], jobs.max_nsge, None
     return list(map(jobs.__getitem__, entries)), jobs.max_nsge, None
-
-
-U32 = 0xFFFFFFFF
 
 
 U64 = 0xFFFFFFFFFFFFFFFF
@@ -297,7 +295,7 @@ class SendTemplate:
         remote_addr, rkey, inv = self.remote_addr, self.rkey, _ = (
             w.remote_addr, w.rkey, w.invalidate_rkey,
         )  # fmt: skip
-        self.keys_fit = keys_fit = 0 <= rkey <= U32 and 0 <= inv <= U32 and remote_addr >= 0
+        self.keys_fit = keys_fit = 0 <= rkey <= U32_MAX and 0 <= inv <= U32_MAX and remote_addr >= 0
         self.invalidate_rkey = inv if opcode is WROpcode.SEND_WITH_INV else 0
         """What goes in the header's Invalidate STag field (zero but for a Send with
         Invalidate: RFC 5040 reserves it in other messages)."""
@@ -334,7 +332,7 @@ class SendTemplate:
             return
         self.local = local
         self.length = length = sum(s.length for s in local)
-        if not (length <= U32 and keys_fit and remote_addr <= U64 + 1 - length):
+        if not (length <= U32_MAX and keys_fit and remote_addr <= U64 + 1 - length):
             self.invalid = WIRE_LIMITS
         elif runnable and len(local) == 1 and 0 < length <= COPY_SEND_MAX:
             self.source = InlineSGE(local[0])

@@ -28,7 +28,7 @@ from rdmashim.providers.softiwarp.jobs import (
     SendJob,
     SendRun,
 )
-from rdmashim.providers.softiwarp.memory import AccessViolation, MemoryTable, Region
+from rdmashim.providers.softiwarp.memory import Region
 from rdmashim.providers.softiwarp.posting import (
     RUN_BYTES,
     TEMPLATES_KEPT,
@@ -50,7 +50,6 @@ from rdmashim.providers.softiwarp.resource import Resource
 from rdmashim.providers.softiwarp.terminate import TermCode
 from rdmashim.verbs.attrs import QPAttr, QPCap
 from rdmashim.verbs.enums import (
-    Access,
     QPState,
     QPType,
     WCOpcode,
@@ -62,7 +61,6 @@ from rdmashim.verbs.errors import (
     refused_wr,
 )
 from rdmashim.verbs.wr import (
-    SGE,
     WC,
     RecvBatch,
     RecvWR,
@@ -571,11 +569,3 @@ class SRQ(Resource):
     def close(self) -> None:
         """Destroy the SRQ."""
         self._leave_parent()
-
-
-def check_sge(memory: MemoryTable, pd: PD, sge: SGE, access: Access) -> memoryview:
-    """Resolve a local SGE (for tools that read or fill registered memory)."""
-    try:
-        return memory.resolve(sge.lkey, pd, sge.addr, sge.length, access)
-    except AccessViolation as exc:
-        raise VerbsError(errno.EACCES, "sge", str(exc)) from exc

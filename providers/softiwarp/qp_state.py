@@ -21,10 +21,9 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 from rdmashim.providers.softiwarp import ddp
-from rdmashim.providers.softiwarp.ddp import QN, Opcode
+from rdmashim.providers.softiwarp.ddp import MAX_FPDU, QN, Opcode
 from rdmashim.providers.softiwarp.fastpath import kernels
 from rdmashim.providers.softiwarp.jobs import (
-    MAX_FPDU,
     SIGNALED,
     Chunk,
     EngineConfig,

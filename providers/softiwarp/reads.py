@@ -11,10 +11,8 @@ with the send queue's other work. Sending our Read Requests is :mod:`.tx`'s.
 from __future__ import annotations
 
 from rdmashim.providers.softiwarp import ddp
-from rdmashim.providers.softiwarp.ddp import QN
+from rdmashim.providers.softiwarp.ddp import QN, TO_LIMIT, U32_MAX
 from rdmashim.providers.softiwarp.jobs import (
-    TO_LIMIT,
-    U32_MAX,
     ReadResponse,
 )
 from rdmashim.providers.softiwarp.memory import AccessViolation

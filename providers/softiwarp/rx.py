@@ -15,19 +15,20 @@ from __future__ import annotations
 import logging
 
 from rdmashim.providers.softiwarp import ddp
-from rdmashim.providers.softiwarp.ddp import QN, Opcode
-from rdmashim.providers.softiwarp.jobs import (
+from rdmashim.providers.softiwarp.ddp import (
+    QN,
+    SEND_MIN,
+    TAGGED_MIN,
     TO_LIMIT,
     U32_MAX,
+    Opcode,
+)
+from rdmashim.providers.softiwarp.jobs import (
     EngineState,
     RxStep,
     slice_segments,
 )
-from rdmashim.providers.softiwarp.kernels import (
-    SEND_MIN,
-    TAGGED_CTRLS,
-    TAGGED_MIN,
-)
+from rdmashim.providers.softiwarp.kernels import TAGGED_CTRLS
 from rdmashim.providers.softiwarp.memory import AccessViolation, Violation
 from rdmashim.providers.softiwarp.rx_runs import RunReceiver
 from rdmashim.providers.softiwarp.terminate import (

@@ -16,10 +16,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from rdmashim.providers.softiwarp import ddp
-from rdmashim.providers.softiwarp.ddp import QN
+from rdmashim.providers.softiwarp.ddp import QN, TO_LIMIT, U32_MAX
 from rdmashim.providers.softiwarp.jobs import (
-    TO_LIMIT,
-    U32_MAX,
     EngineState,
     RecvJob,
     RecvRun,

@@ -15,11 +15,9 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 
 from rdmashim.providers.softiwarp import ddp
-from rdmashim.providers.softiwarp.ddp import QN, Opcode
+from rdmashim.providers.softiwarp.ddp import QN, U32_MAX, Opcode
 from rdmashim.providers.softiwarp.jobs import (
     FENCE,
-    SOLICITED,
-    U32_MAX,
     Chunk,
     EngineState,
     SendJob,
@@ -41,12 +39,6 @@ TAGGED_STEP = 1024 * 1024
 """Payload bytes of tagged FPDUs framed per kernel call (at least one FPDU's). Measured
 (write-bw, 1 MiB Writes): 64 KiB steps, one 64 KB FPDU per call, left the sender bound
 by Python per FPDU (0.84 of raw TCP); 1 MiB steps 0.91-1.0."""
-_CTRL_SEND = {
-    (False, False): Opcode.SEND,
-    (False, True): Opcode.SEND_INV,
-    (True, False): Opcode.SEND_SE,
-    (True, True): Opcode.SEND_SE_INV,
-}
 
 
 class Transmitter(QPEngineState):
@@ -317,12 +309,11 @@ class Transmitter(QPEngineState):
         if op is WROpcode.RDMA_WRITE:
             yield from self._tagged_fpdus(Opcode.WRITE, job.rkey, job.remote_addr, segments)
             return
-        opcode = _CTRL_SEND[(bool(job.flags & SOLICITED), op is WROpcode.SEND_WITH_INV)]
         msn = self._tx_msn[QN.SEND] = (self._tx_msn[QN.SEND] + 1) & U32_MAX
         chunk = self.small_send_max
         total = job.length
         mo = 0
-        ctrl = opcode | ddp.RDMAP_VERSION
+        ctrl = SendRun.ctrl(job.flags, op is WROpcode.SEND_WITH_INV)
         inv = job.invalidate_rkey if op is WROpcode.SEND_WITH_INV else 0  # else reserved: 0
         while True:
             n = min(chunk, total - mo)
