@@ -125,11 +125,15 @@ TO_LIMIT = 1 << 64
 """Tagged offsets are 64 bits: a segment or Read whose TO + length passes this wraps."""
 
 
+_SEND_CTRLS = tuple(
+    RDMAP_VERSION | op for op in (Opcode.SEND, Opcode.SEND_INV, Opcode.SEND_SE, Opcode.SEND_SE_INV)
+)
+
+
 def send_ctrl(solicited: bool, invalidate: bool) -> int:
     """The RDMAP control byte of a Send: with SE when ``solicited``, with Invalidate
     when ``invalidate``."""
-    opcode = Opcode.SEND_SE if solicited else Opcode.SEND
-    return RDMAP_VERSION | (opcode + (Opcode.SEND_INV - Opcode.SEND) * invalidate)
+    return _SEND_CTRLS[2 * solicited + invalidate]
 
 
 def pad_len(ulpdu_len: int) -> int:
@@ -145,7 +149,7 @@ def trailer_len(ulpdu_len: int) -> int:
 def fpdu_len(ulpdu_len: int) -> int:
     """Bytes of the FPDU carrying a ULPDU of ``ulpdu_len`` bytes: length field, ULPDU,
     PAD and CRC field."""
-    return 2 + ulpdu_len + trailer_len(ulpdu_len)
+    return 2 + ulpdu_len + pad_len(ulpdu_len) + TRAILER_CRC_LEN
 
 
 def max_payload(max_fpdu: int, header_len: int) -> int:
