@@ -486,7 +486,8 @@ class Session:
             self.cq.set_handler(self._on_cq)
             self._on_cq(self.cq)  # what came before, and arm
             while self._failure is None:
-                self._timer_at = self.flow.ack_at
+                # (the backstop while no reader came back since the hold: ack_needed)
+                self._timer_at = self.flow.ack_at + (ACK_BACKSTOP if self._ack_listed else 0.0)
                 with trio.CancelScope(deadline=self._timer_at) as self._timer:
                     await self._wake.wait()
                 self._timer = None
