@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
+import resource
 import socket
 import struct
 from collections.abc import AsyncIterator
@@ -247,3 +250,31 @@ async def test_stopping_the_server_ends_threads_blocked_in_read_and_in_write() -
             nursery.cancel_scope.cancel()
         async with idle, stuck:
             assert await idle.receive_some() == b""  # closed by the server
+
+
+async def test_a_connection_without_a_descriptor_for_its_thread_costs_only_itself(
+    port: int,
+) -> None:
+    """The server accepts a connection but has no descriptor left for its thread's
+    eventfd (RLIMIT_NOFILE): that connection is closed, the server goes on."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    sock = trio.socket.socket()
+    highest = max(int(fd) for fd in os.listdir("/proc/self/fd"))
+    resource.setrlimit(resource.RLIMIT_NOFILE, (highest + 2, hard))
+    fillers: list[int] = []
+    try:
+        with contextlib.suppress(OSError):  # every descriptor taken ...
+            while True:
+                fillers.append(os.open("/dev/null", os.O_RDONLY))
+        os.close(fillers.pop())  # ... but the one accept takes
+        await sock.connect(("127.0.0.1", port))
+        refused = trio.SocketStream(sock)
+        with trio.fail_after(5):
+            assert await refused.receive_some() == b""  # closed by the server
+    finally:
+        for fd in fillers:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    await refused.aclose()
+    async with connect_tcp("127.0.0.1", port) as good:
+        assert (await good.call(ECHO_PROG, 1, NULL)).remaining() == 0

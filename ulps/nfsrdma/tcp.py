@@ -111,6 +111,8 @@ class _Connection:
                 nursery.start_soon(self._stop_when_cancelled)
                 await trio.to_thread.run_sync(self._run, limiter=trio.CapacityLimiter(1))
                 nursery.cancel_scope.cancel()
+        except* Exception:  # (no thread to be had, ...): this connection only
+            logger.exception("tcp %s: connection failed", self.peer)
         finally:
             os.close(self._wake)
 
@@ -258,7 +260,13 @@ async def serve_tcp_listeners(
     logger.info("ONC RPC over TCP on %s", [listener.socket.getsockname() for listener in listeners])
 
     async def handle(stream: trio.SocketStream) -> None:
-        await _Connection(server, stream, max_record, max_in_flight, record_timeout).serve()
+        try:
+            connection = _Connection(server, stream, max_record, max_in_flight, record_timeout)
+        except OSError as exc:  # gone already, or no descriptor left for its eventfd
+            logger.info("tcp: a connection not served: %s", exc)
+            await stream.aclose()
+            return
+        await connection.serve()
 
     await trio.serve_listeners(handle, listeners)
 
