@@ -20,10 +20,15 @@ from test_engine_small_sends import FLAWED_RUNS
 from test_engine_small_sends import _run as run_small_sends
 
 from rdmashim.providers.softiwarp import ddp, fastpath
-from rdmashim.providers.softiwarp.ddp import CTRL_READ_RESPONSE, CTRL_WRITE, QN, Opcode
-from rdmashim.providers.softiwarp.kernels import (
+from rdmashim.providers.softiwarp.ddp import (
+    CTRL_READ_RESPONSE,
+    CTRL_WRITE,
     MAX_SEND_PAYLOAD,
     MAX_TAGGED_PAYLOAD,
+    QN,
+    Opcode,
+)
+from rdmashim.providers.softiwarp.kernels import (
     MSG_WORDS,
     SEND_CTRLS,
     SPAN,

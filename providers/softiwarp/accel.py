@@ -15,12 +15,10 @@ from typing import Any, cast
 
 from rdmashim.providers.softiwarp import ddp
 from rdmashim.providers.softiwarp._accel import ffi, lib
-from rdmashim.providers.softiwarp.ddp import TAGGED_HDR_LEN
+from rdmashim.providers.softiwarp.ddp import SEND_MIN, TAGGED_HDR_LEN, TAGGED_MIN
 from rdmashim.providers.softiwarp.kernels import (
     MSG_WORDS,
-    SEND_MIN,
     SPAN,
-    TAGGED_MIN,
     Buffer,
     Targets,
     check_tagged_frame,

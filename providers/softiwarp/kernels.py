@@ -36,14 +36,14 @@ from rdmashim.providers.softiwarp.ddp import (
     DDP_UNTAGGED_LAST,
     MAX_SEND_PAYLOAD,
     MAX_TAGGED_PAYLOAD,
+    SEND_MIN,
     TAGGED_HDR_LEN,
+    TAGGED_MIN,
     TO_LIMIT,
     U32_MAX,
     UNTAGGED_HDR_LEN,
     Opcode,
 )
-from rdmashim.providers.softiwarp.ddp import SEND_MIN as SEND_MIN  # (accel.py takes them
-from rdmashim.providers.softiwarp.ddp import TAGGED_MIN as TAGGED_MIN  # from here too)
 from rdmashim.providers.softiwarp.memory import Region
 
 Buffer = bytes | bytearray | memoryview
