@@ -17,7 +17,9 @@ socket calls), the engine's ``received``, the RDS session's completion handler
 (``RdsSocket._take``), ``RdsSocket.sendto`` and the QP's ``post_send``. Each
 hook costs about 0.3 us; a phase is counted only in cycles whose points came in
 the usual order (a timer's wake-up or an acknowledgement in the middle leaves
-the cycle out: the counts say how many were kept).
+the cycle out: the counts say how many were kept). Each end's CPU time per message
+(``os.times`` over the traced samples, hooks included) is printed too: unlike the
+wall-clock phases it does not count the time other processes on the machine take.
 
 Usage::
 
@@ -41,7 +43,7 @@ from pathlib import Path
 from typing import Any
 
 import trio
-from rds_stress import CLIENT_IP, SERVER_IP, Case, _free_port, ours, raw, raw_passive
+from rds_stress import CLIENT_IP, SERVER_IP, Case, _cpu, _free_port, ours, raw, raw_passive
 
 from rdmashim.providers.softiwarp import engines
 from rdmashim.providers.softiwarp.cq import CQ
@@ -256,10 +258,12 @@ async def serve_rds(cm_port: int) -> dict[str, Any]:
         ))  # fmt: skip
         tracer.install()
         print("READY", flush=True)
+        cpu, requests = _cpu(), result.requests
         await trio.to_thread.run_sync(sys.stdin.read, abandon_on_cancel=True)
+        cpu, requests = _cpu() - cpu, result.requests - requests
         tracer.uninstall()
         nursery.cancel_scope.cancel()
-    return tracer.summary()
+    return {**tracer.summary(), "cpu_us_per_message": cpu * 1e6 / max(1, requests)}
 
 
 async def serve_raw() -> None:
@@ -282,21 +286,26 @@ async def client_main(cm_port: int, raw_port: int, args: argparse.Namespace) -> 
     case = Case(args.q, args.a, 1, 1)
     tracer = Tracer()
     samples: dict[str, list[Any]] = {"ours": [], "raw": []}
+    cpu = 0.0
     async with open_node(CLIENT_IP, cm_port) as node:
         for i in range(args.repeat):
             if sys.stderr.isatty():
                 sys.stderr.write(f"\r{case.label}: sample {i + 1}/{args.repeat}".ljust(60))
             tracer.install()
+            start = _cpu()
             try:
                 with trio.fail_after(10 * args.duration + 60):
                     samples["ours"].append(await ours(node, case, args.duration))
             finally:
+                cpu += _cpu() - start
                 tracer.uninstall()
             with trio.fail_after(10 * args.duration + 60):
                 samples["raw"].append(await raw(raw_port, case, args.duration, 0.0))
     if sys.stderr.isatty():
         sys.stderr.write("\r" + " " * 60 + "\r")
-    return {"case": case, "samples": samples, "active": tracer.summary()}
+    requests = max(1, sum(s.requests for s in samples["ours"]))
+    active = {**tracer.summary(), "cpu_us_per_message": cpu * 1e6 / requests}
+    return {"case": case, "samples": samples, "active": active}
 
 
 def _start(cmd: list[str]) -> tuple[subprocess.Popen[bytes], list[str]]:
@@ -329,6 +338,10 @@ def print_table(doc: dict[str, Any]) -> None:
     print(
         f" RDS's own per message (handler less the engine's calls, and send): "
         f"{own[0]:.1f} and {own[1]:.1f} us"
+    )
+    print(
+        f" CPU per message (os.times, traced; the wall figures above depend on what else "
+        f"runs): {act['cpu_us_per_message']:.1f} and {pas['cpu_us_per_message']:.1f} us"
     )
     o, r = doc["median"]["ours"], doc["median"]["raw"]
     print(

@@ -57,6 +57,7 @@ def test_rds_breakdown_times_every_phase_at_both_ends(tmp_path: Path, engine: st
     assert len(doc["phases"]) == 13
     for side in ("active", "passive"):
         assert doc[side]["cycles"] > 100, doc[side]
+        assert doc[side]["cpu_us_per_message"] > 0, doc[side]
         medians = list(doc[side]["median_us"])
         if engine == "native":
             assert medians.pop(2) == 0, doc[side]  # (the engine's receive: inside readv)
