@@ -8,6 +8,7 @@ import resource
 import socket
 import struct
 from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 
 import pytest
 import trio
@@ -278,3 +279,67 @@ async def test_a_connection_without_a_descriptor_for_its_thread_costs_only_itsel
     await refused.aclose()
     async with connect_tcp("127.0.0.1", port) as good:
         assert (await good.call(ECHO_PROG, 1, NULL)).remaining() == 0
+
+
+def sleep_call(xid: int, ms: int) -> bytes:
+    p = Packer()
+    pack_call_header(p, CallHeader(xid, ECHO_PROG, 1, SLEEP))
+    p.uint(ms)
+    return b"".join(record_marks([p.data]))
+
+
+@asynccontextmanager
+async def capped(max_connections: int) -> AsyncIterator[int]:
+    """A server of at most ``max_connections`` connections; its port."""
+    async with trio.open_nursery() as nursery:
+        listeners = await nursery.start(
+            lambda task_status: serve_tcp(
+                RpcServer([Echo()]), 0, "127.0.0.1", max_connections=max_connections,
+                task_status=task_status,
+            )
+        )  # fmt: skip
+        yield listeners[0].socket.getsockname()[1]
+        nursery.cancel_scope.cancel()
+
+
+async def answered(stream: trio.SocketStream, call: bytes) -> bool:
+    """Whether ``call`` on ``stream`` gets a reply (False: the server closed it)."""
+    with trio.fail_after(5):
+        with contextlib.suppress(trio.BrokenResourceError):
+            await stream.send_all(call)
+        return bool(await stream.receive_some())
+
+
+async def test_a_connection_past_the_limit_closes_the_one_idle_the_longest() -> None:
+    """At most two connections: a third is served, and the one that has been idle the
+    longest is closed for it (the other idle one goes on)."""
+    async with capped(2) as port:
+        first = await trio.open_tcp_stream("127.0.0.1", port)
+        second = await trio.open_tcp_stream("127.0.0.1", port)
+        async with first, second:
+            assert await answered(first, null_call(1))
+            await trio.sleep(0.05)
+            assert await answered(second, null_call(2))
+            async with await trio.open_tcp_stream("127.0.0.1", port) as third:
+                assert await answered(third, null_call(3))
+                with trio.fail_after(5):
+                    assert await first.receive_some() == b""  # closed for the third
+                assert await answered(second, null_call(4))
+                assert await answered(third, null_call(5))
+
+
+async def test_a_connection_past_the_limit_is_closed_when_none_is_idle() -> None:
+    """At most two connections, each with a call being carried out: a third is closed at
+    once, and the two calls are answered."""
+    async with capped(2) as port:
+        busy = [await trio.open_tcp_stream("127.0.0.1", port) for _ in range(2)]
+        for n, stream in enumerate(busy):
+            await stream.send_all(sleep_call(n, 700))
+        await trio.sleep(0.2)  # (both calls taken up)
+        async with await trio.open_tcp_stream("127.0.0.1", port) as third:
+            with trio.fail_after(0.4):  # before either call is answered
+                assert await third.receive_some() == b""
+        for stream in busy:
+            async with stream:
+                with trio.fail_after(5):
+                    assert await stream.receive_some()

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 
 from rdmashim.cliargs import Parser, UsageError, backend, host, integer
 from rdmashim.nfstools.client_cli import add_client
+from rdmashim.ulps.nfsrdma.tcp import DEFAULT_MAX_CONNECTIONS
 
 if TYPE_CHECKING:
     from rdmashim.ulps.nfsrdma.server import Serving
@@ -70,6 +71,11 @@ def add_nfs(sub: argparse._SubParsersAction[Parser]) -> None:
         )  # fmt: skip
     p.add_argument("--no-rdma", action="store_true", help="serve TCP only")
     p.add_argument(
+        "--max-tcp-connections", type=integer(1, 65536), default=DEFAULT_MAX_CONNECTIONS,
+        help="TCP connections served at once (each has a thread); one more closes the one "
+        "idle the longest (default: %(default)s)",
+    )  # fmt: skip
+    p.add_argument(
         "--state-dir",
         type=Path,
         default=None,
@@ -107,6 +113,7 @@ def _serve(args: argparse.Namespace) -> int:
         args.dir, read_only=args.ro, root_squash=not args.no_root_squash, host=args.host,
         tcp_port=args.tcp_port, rdma_port=None if args.no_rdma else args.rdma_port,
         rpcbind_port=args.rpcbind_port, backend=args.backend,
+        max_tcp_connections=args.max_tcp_connections,
     )  # fmt: skip
     if args.state_dir is not None:
         config.state_dir = args.state_dir

@@ -18,6 +18,7 @@ import logging
 import os
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -41,7 +42,7 @@ from rdmashim.ulps.nfsrdma.rpcbind import (
     Rpcbind,
     register_with_rpcbind,
 )
-from rdmashim.ulps.nfsrdma.tcp import serve_tcp, serve_tcp_listeners
+from rdmashim.ulps.nfsrdma.tcp import DEFAULT_MAX_CONNECTIONS, serve_tcp, serve_tcp_listeners
 from rdmashim.ulps.nfsrdma.udp import open_udp, serve_udp
 
 if TYPE_CHECKING:
@@ -72,6 +73,9 @@ class ServerConfig:
     state_dir: Path = field(default_factory=lambda: DEFAULT_STATE_DIR / "rdmashim" / "nfs")
     nlm_grace: float = 0.0
     """Seconds after the start in which NLM takes only reclaimed locks (see :mod:`.nlm`)."""
+    max_tcp_connections: int = DEFAULT_MAX_CONNECTIONS
+    """TCP connections served at once (one more closes the one idle the longest: see
+    :mod:`.tcp`)."""
 
 
 @dataclass
@@ -127,7 +131,8 @@ async def serve_nfs(
             if config.rpcbind_port is not None:
                 rpcbind_port = await _serve_rpcbind(nursery, server, rpcbind, config)
             if config.tcp_port is not None:
-                listeners = await nursery.start(serve_tcp, server, config.tcp_port, config.host)
+                serve = partial(serve_tcp, max_connections=config.max_tcp_connections)
+                listeners = await nursery.start(serve, server, config.tcp_port, config.host)
                 tcp_port = listeners[0].socket.getsockname()[1]
                 served = [*NFS_PROGRAMS, *((NLM_PROG, v) for v in SERVED_VERSIONS)]
                 for listener in listeners:

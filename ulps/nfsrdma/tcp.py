@@ -16,6 +16,12 @@ record that takes longer than ``record_timeout`` to arrive, a broken
 stream) is closed; the others go on. Cancelling :func:`serve_tcp` shuts
 every connection's socket down, which ends its thread.
 
+A thread is dearer than a task, so at most ``max_connections`` connections are
+served at once: one more makes room by closing the connection idle the longest
+(no call being received or carried out), as the kernel's NFS server does; when
+none is idle, the new one is closed. A client whose connection was closed so
+connects again (NFS clients do).
+
 :class:`RpcTcpClient` runs any number of calls on one connection at once and
 matches the replies by xid; :func:`connect_tcp` opens one (:func:`rpc_client_on`
 runs one on a stream opened otherwise, such as a local socket).
@@ -61,6 +67,8 @@ DEFAULT_MAX_IN_FLIGHT = 32
 """Calls of one connection carried out at once by default."""
 DEFAULT_RECORD_TIMEOUT = 60.0
 """Seconds a record may take to arrive once its first byte has, by default."""
+DEFAULT_MAX_CONNECTIONS = 128
+"""Connections (each with a thread) served at once by default (see the module doc)."""
 
 
 class RpcConnectionError(ConnectionError):
@@ -102,6 +110,22 @@ class _Connection:
         self._stopping = False
         self._token = trio.lowlevel.current_trio_token()
         self._nursery: trio.Nursery | None = None
+        self.last_read = time.monotonic()
+        """When bytes last came (the thread sets it; :meth:`idle_since` reads it)."""
+
+    def idle_since(self) -> float | None:
+        """When the connection last did anything, if it is idle now (no call being
+        received or carried out, its thread waiting for the peer); None if it is not."""
+        if self._outstanding or self.decoder.pending or self._stopping:
+            return None
+        return self.last_read
+
+    def close_for_room(self) -> None:
+        """Close the connection for a new one (its thread ends; see the module doc)."""
+        logger.info("tcp %s: closed, idle the longest, to make room for a new one", self.peer)
+        self._stopping = True
+        with contextlib.suppress(OSError):  # wakes the thread's read
+            self.stream.socket.shutdown(socket.SHUT_RDWR)
 
     async def serve(self) -> None:
         """Answer calls until the peer closes, breaks the rules or the stream breaks."""
@@ -176,6 +200,7 @@ class _Connection:
             if not data:
                 reading = False  # the calls in flight are still answered
                 continue
+            self.last_read = time.monotonic()
             was_pending = self.decoder.pending
             records = self.decoder.feed(data)
             if self.decoder.pending and (records or not was_pending):
@@ -232,6 +257,7 @@ async def serve_tcp(
     max_record: int = DEFAULT_MAX_RECORD,
     max_in_flight: int = DEFAULT_MAX_IN_FLIGHT,
     record_timeout: float = DEFAULT_RECORD_TIMEOUT,
+    max_connections: int = DEFAULT_MAX_CONNECTIONS,
     task_status: trio.TaskStatus[list[trio.SocketListener]] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve ``server`` on TCP ``port`` of ``host`` (None: every address) until cancelled.
@@ -244,7 +270,7 @@ async def serve_tcp(
     task_status.started(listeners)
     await serve_tcp_listeners(
         server, listeners, max_record=max_record, max_in_flight=max_in_flight,
-        record_timeout=record_timeout,
+        record_timeout=record_timeout, max_connections=max_connections,
     )  # fmt: skip
 
 
@@ -255,20 +281,46 @@ async def serve_tcp_listeners(
     max_record: int = DEFAULT_MAX_RECORD,
     max_in_flight: int = DEFAULT_MAX_IN_FLIGHT,
     record_timeout: float = DEFAULT_RECORD_TIMEOUT,
+    max_connections: int = DEFAULT_MAX_CONNECTIONS,
 ) -> None:
     """:func:`serve_tcp` on ``listeners`` opened already (closed when it ends)."""
+    if max_connections < 1:
+        raise ValueError(f"max_connections={max_connections}: at least one is served")
     logger.info("ONC RPC over TCP on %s", [listener.socket.getsockname() for listener in listeners])
+    served: set[_Connection] = set()
 
     async def handle(stream: trio.SocketStream) -> None:
+        if len(served) >= max_connections and not _make_room(served):
+            logger.warning(
+                "tcp: %d connections served, none of them idle (max_connections): "
+                "a new one closed", len(served),
+            )  # fmt: skip
+            await stream.aclose()
+            return
         try:
             connection = _Connection(server, stream, max_record, max_in_flight, record_timeout)
         except OSError as exc:  # gone already, or no descriptor left for its eventfd
             logger.info("tcp: a connection not served: %s", exc)
             await stream.aclose()
             return
-        await connection.serve()
+        served.add(connection)
+        try:
+            await connection.serve()
+        finally:
+            served.discard(connection)
 
     await trio.serve_listeners(handle, listeners)
+
+
+def _make_room(served: set[_Connection]) -> bool:
+    """Close the connection of ``served`` idle the longest; False when none is idle."""
+    idle = [(since, id(c), c) for c in served if (since := c.idle_since()) is not None]
+    if not idle:
+        return False
+    victim = min(idle)[2]
+    served.discard(victim)
+    victim.close_for_room()
+    return True
 
 
 class RpcTcpClient:
