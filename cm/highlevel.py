@@ -515,7 +515,10 @@ def _start_handler(
         resources = plan.make(event.id)
     except VerbsError as exc:  # e.g. the request came in on another device
         log.warning("connection from %s refused: %s", event.id.peer_addr, exc)
-        event.id.reject(b"")
+        try:
+            event.id.reject(b"")
+        except VerbsError as failed:  # (destroying the id drops the request all the same)
+            log.info("rejecting the connection from %s failed: %s", event.id.peer_addr, failed)
         event.id.destroy()
         router.forget(event.id)
         return

@@ -16,6 +16,7 @@ import rdmashim
 from rdmashim import (
     WC,
     DeviceAttr,
+    QPCap,
     QPState,
     RecvWR,
     SendWR,
@@ -313,6 +314,30 @@ async def test_a_cancelled_handlers_cleanup_still_has_its_device() -> None:
                 await accepted.wait()
             nursery.cancel_scope.cancel()
     assert polled == [0]
+
+
+async def test_a_connection_whose_queue_pair_cannot_be_made_is_refused(cm: Cm) -> None:
+    """serve() makes each connection's QP before its handler runs: a QP the device
+    cannot have (more work requests than it allows) refuses that connection, and the
+    listener goes on serving the next."""
+    attr = await cm.device_attr()
+    handled: list[bytes] = []
+
+    async def handler(request: ConnectionRequest) -> None:
+        handled.append(request.private_data)
+        await request.reject()
+
+    too_deep = QPCap(max_send_wr=attr.max_qp_wr + 1, max_recv_wr=1)
+    async with trio.open_nursery() as nursery:
+        addr = await nursery.start(lambda task_status: serve(
+            handler, 0, host=HOST, cap=too_deep, task_status=task_status
+        ))  # fmt: skip
+        for n in range(2):
+            with trio.fail_after(TIMEOUT), pytest.raises(ConnectionRejected):
+                async with open_connection(HOST, addr[1], private_data=b"%d" % n):
+                    pytest.fail("connected")
+        nursery.cancel_scope.cancel()
+    assert handled == []
 
 
 async def test_handler_sees_the_peer_disconnect() -> None:
