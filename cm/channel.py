@@ -46,8 +46,8 @@ class EventChannel:
         self._nursery: trio.Nursery | None = None
         self.unacked = 0
         self._ids: list[CMId] = []
-        self._closed = False
-        self._closing = trio.Event()
+        self._closed = trio.Event()
+        """Set when the channel closes (its devices close then: :meth:`_keep_device`)."""
         self._backend: CMBackend | None = None
         self._connector: Connector | None = None
 
@@ -68,11 +68,10 @@ class EventChannel:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> bool | None:
-        self._closed = True
+        self._closed.set()
         for cm_id in list(self._ids):
             cm_id.destroy()
         self._send.close()
-        self._closing.set()
         assert self._nursery_manager is not None and self._connector is not None
         try:
             return await self._nursery_manager.__aexit__(exc_type, exc, tb)
@@ -135,7 +134,7 @@ class EventChannel:
                 self._contexts[name] = ctx
                 task_status.started(ctx)
                 try:
-                    await self._closing.wait()
+                    await self._closed.wait()
                 finally:
                     self._contexts.pop(name, None)
 
@@ -152,7 +151,7 @@ class EventChannel:
         detail: str = "",
     ) -> None:
         """Queue an event for the application (its backend calls this); none after close."""
-        if self._closed:
+        if self._closed.is_set():
             return
         event = CMEvent(kind, cm_id, status, private_data, param, listen_id, detail, channel=self)
         log.debug("cm event %s", event)
@@ -183,7 +182,7 @@ class EventChannel:
                 return
 
     def _check_open(self) -> None:
-        if self._closed or self._nursery is None:
+        if self._closed.is_set() or self._nursery is None:
             raise trio.ClosedResourceError("event channel is not open (use `async with`)")
 
 
