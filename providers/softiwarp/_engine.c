@@ -1769,6 +1769,15 @@ static void socket_failed(rs_qp *qp, int err)
     char message[128];
     snprintf(message, sizeof message, "[Errno %d] %s", err, strerror(err));
     enter_error(qp, RS_ERR_USER, message, 0, 0, 0);
+    /* Nothing framed can be written any more: what waited is dropped (never counted as
+     * sent), a Terminate too, so the transmit side has nothing left and the connection
+     * closes now instead of waiting for a peer's FIN that may never come. */
+    qp->tx_off = qp->tx_len;
+    if (qp->state == RS_QP_TERMINATE) {
+        qp->state = RS_QP_ERROR;
+        qp->v.news |= RS_NEWS_STATE;
+    }
+    publish(qp);
 }
 
 int64_t rs_qp_read_fd(rs_qp *qp, int fd)
