@@ -8,6 +8,7 @@ alike in all of them is stored whole, and a poll of a few is decoded row by row.
 from __future__ import annotations
 
 import errno
+import struct
 from typing import Any
 
 from rdmashim.providers.softiwarp import native
@@ -26,6 +27,11 @@ _NONE = WCFlags.NONE
 _FLAGS = {0: _NONE, int(WCFlags.WITH_INV): WCFlags.WITH_INV}
 """The flags a native completion carries (the C side sets none other)."""
 _WC = ffi.sizeof("rs_wc") if ffi is not None else 0
+_ROW = struct.Struct("<QIIIIIII4x")
+"""An ``rs_wc``: wr_id, status, opcode, byte_len, qp_num, wc_flags, invalidated_rkey,
+solicited."""
+assert ffi is None or _ROW.size == _WC
+_new = tuple.__new__
 _SUM = ("STATUS", "FLAGS", "SOLICITED", "INV", "OPCODES", "QPS", "LENGTHS")
 _SUM_STATUS, _SUM_FLAGS, _SUM_SOLICITED, _SUM_INV, _SUM_OPCODES, _SUM_QPS, _SUM_LENGTHS = (
     [getattr(lib, "RS_SUM_" + name) for name in _SUM] if lib is not None else [0] * len(_SUM)
@@ -45,6 +51,7 @@ class NativeCQ(CQ):
         self._pushed = 0
         self._notable = 0
         self._rows = ffi.new("rs_wc[]", 64)
+        self._raw = memoryview(ffi.buffer(self._rows))
 
     def _sync(self) -> None:
         """Completions C pushed since the last look: wake, notify, hand on."""
@@ -64,24 +71,23 @@ class NativeCQ(CQ):
         engine = getattr(qp, "engine", None)  # (a native QP: a CQ serves its own engine's)
         return bool(getattr(engine, "kind", 0) == lib.RS_ERR_CQ_OVERRUN)
 
-    def _buffer(self, n: int) -> Any:
+    def _take(self, num_entries: int) -> list[WC]:
+        n = min(num_entries, self._count)
+        if n <= 0:
+            return []
         if n > len(self._rows):
             self._rows = ffi.new("rs_wc[]", n)
-        return self._rows
-
-    def _take(self, num_entries: int) -> list[WC]:
-        n = max(0, min(num_entries, self._count))
-        if not n:
-            return []
-        rows = self._buffer(n)
-        got = lib.rs_cq_poll(self._ptr, rows, n)
+            self._raw = memoryview(ffi.buffer(self._rows))
+        got = lib.rs_cq_poll(self._ptr, self._rows, n)
         self._count = self._view.count
+        # Rows unpacked whole and WCs made as tuples (``WC._make``'s way): a third of
+        # the time of reading each field from cffi and calling WC().
         return [
-            WC(
-                w.wr_id, _STATUSES[w.status], _OPCODES[w.opcode], w.byte_len, w.qp_num,
-                _FLAGS[w.wc_flags], w.invalidated_rkey, 0, bool(w.solicited),
+            _new(WC, (wr_id, _STATUSES[st], _OPCODES[op], length, qp, _FLAGS[flags], inv,
+                      0, sol != 0, 0, 0))
+            for wr_id, st, op, length, qp, flags, inv, sol in _ROW.iter_unpack(
+                self._raw[: got * _WC]
             )
-            for w in rows[0:got]
         ]  # fmt: skip
 
     def poll_into(self, wcs: WCArray, num_entries: int | None = None) -> int:
