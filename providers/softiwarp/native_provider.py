@@ -412,9 +412,19 @@ class NativeQP(QPBase):
     def post_send(self, wr: SendWR | Iterable[SendWR]) -> None:
         """Post one send work request or a list of them (never blocks); errors as the
         Python engine's provider raises them. A request posted again is packed once."""
-        self._check_open("post_send")
+        if self._closed:
+            self._check_open("post_send")
         if isinstance(wr, SendWR):
-            self._post_sends((wr,), self._send_plans.of(wr), _ONE)
+            plan = self._send_plans.of(wr)
+            quick = plan.quick
+            if (
+                quick is not None and quick[0] == self._memview.epoch
+                and self._state is QPState.RTS and self._view.sq_depth < self.cap.max_send_wr
+                and self._submit_send(quick[1], 1)
+            ):  # fmt: skip
+                self._sync()  # (posted again, checked before: straight to C)
+                return
+            self._post_sends((wr,), plan, _ONE)
             return
         wrs = list(wr)
         self._post_sends(wrs, self._send_plans.of_list(wrs), range(len(wrs)))
@@ -442,9 +452,17 @@ class NativeQP(QPBase):
 
     def post_recv(self, wr: RecvWR | Iterable[RecvWR]) -> None:
         """Post one receive work request or a list of them (never blocks)."""
-        self._check_open("post_recv")
+        if self._closed:
+            self._check_open("post_recv")
         if isinstance(wr, RecvWR):
-            self._post_recvs(self._recv_plans.of(wr), _ONE)
+            plan = self._recv_plans.of(wr)
+            quick = plan.quick
+            if (
+                quick is not None and quick[0] == self._memview.epoch and self.srq is None
+                and self._state is QPState.RTS and lib.rs_qp_post_recv(self._ptr, quick[1], 1)
+            ):  # fmt: skip
+                return  # (posted again, checked before: straight to C)
+            self._post_recvs(plan, _ONE)
             return
         wrs = list(wr)
         self._post_recvs(self._recv_plans.of_list(wrs), range(len(wrs)))

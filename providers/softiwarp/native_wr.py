@@ -30,6 +30,8 @@ from rdmashim.verbs.enums import SendFlags, WROpcode
 from rdmashim.verbs.errors import NotSupported, VerbsError, refused_wr
 from rdmashim.verbs.wr import SGE, RecvWR, SendWR, recv_problem, send_problem, wr_id_problem
 
+_FIRST = range(1)
+"""The entries of a post of one request."""
 _HEAD = struct.Struct("<QIIQIII4x")
 """``rs_send_wr`` up to its ``sg_list``: wr_id, opcode, flags, remote_addr, rkey,
 invalidate_rkey, num_sge."""
@@ -196,11 +198,26 @@ class _Plan:
         """(memory table, epoch) at which every key was last found registered."""
         self._arrays: dict[int, Any] = {}
         """The first ``n`` entries packed together as a C array, by ``n``."""
+        self.quick: tuple[int, Any] | None = None
+        """(memory epoch, C array of the first entry): a post of that entry alone passed
+        every check but the queue's room at that epoch, so the QP whose plan this is
+        may hand the array to C itself while the epoch holds (a request posted again)."""
 
     def _changed(self) -> None:
         self._summary = None
         self._checked = None
         self._arrays.clear()
+        self.quick = None
+
+    def _fast_array(
+        self, ctype: str, data: Sequence[bytes], entries: Sequence[int], epoch: int
+    ) -> Any:
+        """:meth:`_array` for a post on the fast path, noting :attr:`quick` for a post
+        of the first entry alone."""
+        array = self._array(ctype, data, entries)
+        if entries == _FIRST:
+            self.quick = (epoch, array)
+        return array
 
     def _keys_ok(self, keys: set[int], memory: MemoryTable, epoch: int) -> bool:
         """Whether every key names a registered region (cached while no region is
@@ -280,7 +297,7 @@ class SendPlan(_Plan):
         ):  # fmt: skip
             if not n:
                 return None
-            start = submit(self._array("rs_send_wr[]", self._data, entries), n)
+            start = submit(self._fast_array("rs_send_wr[]", self._data, entries, epoch), n)
             if start == n:
                 return None
         chosen: list[bytes] = []
@@ -364,7 +381,8 @@ class RecvPlan(_Plan):
             if not count:
                 return None
             if isinstance(entries, range) and entries.start == 0 and entries.step == 1:
-                taken = submit(self._array("rs_recv_wr[]", self.data, entries), count, None)
+                first = self._fast_array("rs_recv_wr[]", self.data, entries, epoch)
+                taken = submit(first, count, None)
             else:
                 if self._table is None:
                     self._table = ffi.from_buffer("rs_recv_wr[]", b"".join(self.data))

@@ -1,0 +1,87 @@
+"""One work request object posted again and again (a ping-pong's reply, a receive
+reposted as it completes): every post means what a first post of that request would
+mean now. A backend may keep what it checked and packed at the first post (the native
+engine hands a request posted again straight to C); a region closed since, a queue
+full now or a QP in ERR must still be seen."""
+
+from __future__ import annotations
+
+import errno
+from typing import Any
+
+import pytest
+from api.support import SIG, Cm, Pair, drain, ok
+
+from rdmashim import QPCap, QPState, RecvWR, SendWR, VerbsError, WCStatus, WROpcode
+
+
+async def _sent_once(pair: Pair, wr_id: int) -> tuple[SendWR, Any]:
+    """A signaled Send of a region of the client's, posted and completed once (the
+    server has two receives posted): the request and its region."""
+    pair.server.post_recvs(pair.server.reg(64), 2, 32)
+    region = pair.client.reg(b"payload!")
+    wr = SendWR(wr_id, WROpcode.SEND, [region.sge()], SIG)
+    pair.client.qp.post_send(wr)
+    ok(await drain(pair.client.send_cq, 1))
+    return wr, region
+
+
+async def _send_after_close(pair: Pair, repost: bool) -> tuple[object, ...]:
+    """Post a Send from a region, close the region, post it again (``repost``: the same
+    object; else an equal new one): the exception, or the completion."""
+    client = pair.client
+    wr, gone = await _sent_once(pair, 7)
+    gone.close()
+    again = wr if repost else SendWR(7, WROpcode.SEND, [gone.sge()], SIG)
+    try:
+        client.qp.post_send(again)
+    except VerbsError as exc:
+        return ("refused", exc.errno, exc.bad_wr)
+    (wc,) = await drain(client.send_cq, 1)
+    return ("completed", wc.wr_id, wc.status)
+
+
+async def test_a_send_posted_again_after_its_region_closed_is_refused_as_a_new_one(
+    cm: Cm,
+) -> None:
+    reposted = await _send_after_close(await cm.pair(), repost=True)
+    assert reposted == await _send_after_close(await cm.pair(), repost=False)
+    assert reposted[0] == "refused" or reposted[2] != WCStatus.SUCCESS, reposted
+
+
+async def test_a_receive_posted_again_after_its_region_closed_is_refused(pair: Pair) -> None:
+    client, server = pair.client, pair.server
+    src, dst = client.reg(b"one"), server.reg(8)
+    recv = RecvWR(5, [dst.sge()])
+    for _ in range(2):  # received into, then posted again: the repost is the known one
+        server.qp.post_recv(recv)
+        client.qp.post_send(SendWR(1, WROpcode.SEND, [src.sge()], SIG))
+        ok(await drain(server.recv_cq, 1))
+        ok(await drain(client.send_cq, 1))
+    dst.close()
+    with pytest.raises(VerbsError) as caught:
+        server.qp.post_recv(recv)
+    assert caught.value.errno == errno.EINVAL
+
+
+async def test_a_receive_posted_again_into_a_full_queue_is_refused(cm: Cm) -> None:
+    pair = await cm.pair(cap=QPCap(max_send_wr=8, max_recv_wr=2))
+    dst = pair.server.reg(8)
+    recv = RecvWR(5, [dst.sge()])
+    pair.server.qp.post_recv(recv)
+    pair.server.qp.post_recv(recv)
+    with pytest.raises(VerbsError) as caught:
+        pair.server.qp.post_recv(recv)
+    assert caught.value.errno == errno.ENOMEM
+
+
+async def test_a_send_posted_again_after_err_is_flushed(pair: Pair) -> None:
+    client = pair.client
+    wr, _ = await _sent_once(pair, 9)
+    client.qp.modify(qp_state=QPState.ERR)
+    try:
+        client.qp.post_send(wr)
+    except VerbsError:
+        return  # (a backend may refuse a post in ERR instead of flushing it)
+    (wc,) = await drain(client.send_cq, 1)
+    assert (wc.wr_id, wc.status) == (9, WCStatus.WR_FLUSH_ERR)
