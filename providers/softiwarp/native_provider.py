@@ -26,7 +26,6 @@ import errno
 import logging
 import socket as _stdlib_socket
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import trio
@@ -35,15 +34,16 @@ from rdmashim.providers.softiwarp import native
 from rdmashim.providers.softiwarp.cq import CQ, CompChannel
 from rdmashim.providers.softiwarp.driver import Link
 from rdmashim.providers.softiwarp.jobs import EngineConfig, EngineState
-from rdmashim.providers.softiwarp.memory import MemoryTable, Region
+from rdmashim.providers.softiwarp.memory import Region
 from rdmashim.providers.softiwarp.native import ffi, lib
 from rdmashim.providers.softiwarp.native_cq import NativeCQ
+from rdmashim.providers.softiwarp.native_memory import NativeMemoryTable
 from rdmashim.providers.softiwarp.native_wr import PlanCache, RecvPlan, SendPlan, plan_of
 from rdmashim.providers.softiwarp.provider import PD, Context
 from rdmashim.providers.softiwarp.qp import SRQ, QPBase
 from rdmashim.providers.softiwarp.terminate import ProtocolError, TermCode
 from rdmashim.verbs.attrs import QPCap
-from rdmashim.verbs.enums import Access, QPState
+from rdmashim.verbs.enums import QPState
 from rdmashim.verbs.errors import VerbsError, refused_wr
 from rdmashim.verbs.wr import RecvBatch, RecvWR, SendBatch, SendWR
 
@@ -68,49 +68,11 @@ SPIN_SLICE = 200e-6
 """Seconds a busy-polling waiter spins in C before the other tasks get a turn."""
 
 
-@dataclass(slots=True)
-class NativeMemoryTable(MemoryTable):
-    """The device's memory table, mirrored into the C table the engine checks: a region
-    is added to both, and deregistered from C first (which stops every QP using it,
-    ``rs_mem_remove``), then from Python."""
-
-    native: native.NativeMemory = field(default_factory=native.NativeMemory)
-    after_removal: Callable[[], None] = lambda: None
-    """Called after each deregistration (the context syncs its QPs)."""
-
-    def register(self, pd: object, view: memoryview, addr: int, access: Access) -> Region:
-        """Add a region to both tables."""
-        region = MemoryTable.register(self, pd, view, addr, access)
-        where = ffi.from_buffer(view)  # (view is pinned by the MR: the address holds)
-        base = int(ffi.cast("uintptr_t", where))
-        ffi.release(where)
-        try:
-            self.native.add(region.stag, base, addr, view.nbytes, access, pd)
-        except BaseException:
-            MemoryTable.deregister(self, region)
-            raise
-        return region
-
-    def deregister(self, region: Region) -> None:
-        """Remove a region from C (no QP uses it after this), then from Python."""
-        self.native.remove(region.stag)
-        MemoryTable.deregister(self, region)
-        self.after_removal()
-
-    def lookup(self, stag: int) -> Region | None:
-        """The valid region ``stag`` names (a Send with Invalidate invalidates in C)."""
-        region = MemoryTable.lookup(self, stag)
-        if region is not None and not self.native.valid(stag):
-            region.valid = False
-            return None
-        return region
-
-
 class NativeEngine:
     """One QP's C state, seen as the Python engine is by the connection setup, the CM
     and the :class:`~.driver.Link` (state, start, errors, bytes in)."""
 
-    def __init__(self, owner: NativeQP, core: native.NativeQP, memory: MemoryTable) -> None:
+    def __init__(self, owner: NativeQP, core: native.NativeQP, memory: NativeMemoryTable) -> None:
         self._owner = owner
         self.core = core
         self.ptr = core._ptr
