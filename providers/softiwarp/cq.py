@@ -216,7 +216,8 @@ class CQ(Resource):
 
         After an overrun (more completions than ``cqe``; the context reported CQ_ERR)
         it raises EOVERFLOW."""
-        self._check_open("poll_cq")
+        if self._closed:
+            self._check_open("poll_cq")
         if self._overrun:
             raise VerbsError(errno.EOVERFLOW, "poll_cq", f"more than {self.cqe} completions queued")
         return self._take(num_entries)
@@ -313,7 +314,8 @@ class CQ(Resource):
             elif not await spin_until(self._ready, self.busy_poll):
                 self._waiter = trio.Event()
                 await self._waiter.wait()
-            self._check_open("wait")
+            if self._closed:
+                self._check_open("wait")
 
     async def drive_until(self, ready: Callable[[], object]) -> bool:
         """Wait until ``ready()`` is true, reading the connection of the only QP completing

@@ -218,8 +218,10 @@ class NativeLink(Link):
             self.flush()  # (it syncs)
         else:
             self._sync()
-        self._expect(view.rx_owed)
-        self._drained = drained = int(n) < _RX_READ
+        owed = view.rx_owed
+        if owed >= LOWAT_MIN or self._lowat != 1:  # (else the mark stays 1: nothing to do)
+            self._expect(owed)
+        self._drained = drained = n < _RX_READ
         return drained
 
     def _expect(self, owed: int) -> None:
