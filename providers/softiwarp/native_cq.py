@@ -93,7 +93,8 @@ class NativeCQ(CQ):
     def poll_into(self, wcs: WCArray, num_entries: int | None = None) -> int:
         """Take up to ``num_entries`` (default ``len(wcs)``) completions into ``wcs``
         (C copies them into the array's scratch, then a column at a time)."""
-        self._check_open("poll_cq")
+        if self._closed:
+            self._check_open("poll_cq")
         if self._overrun:
             raise VerbsError(errno.EOVERFLOW, "poll_cq", f"more than {self.cqe} completions queued")
         limit = len(wcs) if num_entries is None else min(num_entries, len(wcs))

@@ -370,7 +370,8 @@ class RecvPlan(_Plan):
         of ``at`` (``uint32_t[]``); it returns how many C took (the rest found the queue
         full). The error of the first refused, if any. The fast path as
         :meth:`SendPlan.post`'s; entries that are not the batch's first ``n`` go to C as
-        indices into the whole batch, packed once."""
+        indices into the whole batch, packed once (one such entry: as the address of
+        its own, with ``at`` None)."""
         summary = self._summary or self._summarize()
         count = len(entries)
         refused: VerbsError | None = None
@@ -386,8 +387,11 @@ class RecvPlan(_Plan):
             else:
                 if self._table is None:
                     self._table = ffi.from_buffer("rs_recv_wr[]", b"".join(self.data))
-                at = ffi.from_buffer("uint32_t[]", array("I", entries))
-                taken = submit(self._table, count, at)
+                if count == 1:  # (a receive reposted as it completed): its own entry
+                    taken = submit(self._table + entries[0], 1, None)
+                else:
+                    at = ffi.from_buffer("uint32_t[]", array("I", entries))
+                    taken = submit(self._table, count, at)
         else:
             chosen, refused = self._checked_entries(operation, entries, max_sge, memory)
             count = len(chosen)

@@ -298,6 +298,20 @@ async def test_an_entry_changed_after_a_post_at_indices_is_posted_as_changed(pai
     assert bytes(rbuf.buf) == b"b\0ad\0\0c\0"
 
 
+async def test_a_receive_batch_posted_one_index_at_a_time(pair: Pair) -> None:
+    """Entries posted one at a time by index, as a server reposts each receive as it
+    completes: each message lands in the entry posted, and completes with its wr_id."""
+    client, server = pair.client, pair.server
+    src = client.reg(b"wxyz")
+    rbuf = server.reg(8)
+    recvs = RecvBatch(RecvWR(40 + i, [rbuf.sge(2 * i, 2)]) for i in range(4))
+    for i in (3, 1, 2):
+        server.qp.post_recv_batch(recvs, indices=[i])
+    client.qp.post_send([SendWR(i, WROpcode.SEND, [src.sge(i, 1)], SIG) for i in range(3)])
+    assert [w.wr_id for w in ok(await drain(server.recv_cq, 3))] == [43, 41, 42]
+    assert bytes(rbuf.buf) == b"\0\0x\0y\0w\0"
+
+
 async def test_a_list_posted_again_sends_what_its_requests_say_now(pair: Pair) -> None:
     """The same list of the same request objects posted three times, one request
     changed in place between posts: each post sends what the requests say then (a
