@@ -27,6 +27,12 @@ A protocol violation by the peer, or a local error, queues a Terminate (RFC 5040
 §5.3), moves the QP to ERROR and flushes all outstanding work; so does a
 Terminate from the peer or the loss of the connection.
 
+No time is passed in: once MPA has set the connection up, RDMAP and DDP over TCP
+have no timers (TCP retransmits; Linux siw's only timers guard MPA setup). The two
+timeouts there are belong to the I/O around the engine: MPA setup's
+(:mod:`.connection`) and how long the driver waits for the peer's FIN after an
+error (:data:`.driver.LINGER`).
+
 The engine is split along the seams of Linux siw: :mod:`.qp_state` (the QP's
 state, Terminate, flushes: ``siw_qp.c``), :mod:`.tx` (``siw_qp_tx.c``),
 :mod:`.rx` and :mod:`.rx_runs` (``siw_qp_rx.c``), :mod:`.reads` (the ORQ and
