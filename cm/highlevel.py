@@ -319,6 +319,7 @@ async def open_connection(
     pd: PD | None = None,
     separate_cqs: bool = False,
     backend: str | None = None,
+    source: str | None = None,
 ) -> AsyncIterator[Connection]:
     """Connect to ``host``:``port`` and yield the :class:`Connection`.
 
@@ -333,7 +334,9 @@ async def open_connection(
     backend lets the application choose (else NotSupported). The connection's
     completions go to one CQ of ``cqe`` entries (``conn.cq``, which ``send_cq`` and
     ``recv_cq`` both are), or with ``separate_cqs`` to a send CQ and a receive CQ of
-    ``cqe`` entries each. Raises :class:`ConnectionRejected`,
+    ``cqe`` entries each. ``source`` (an IP address of this host) connects from that
+    address and its device; by default the routing table picks them, as it does
+    for TCP. Raises :class:`ConnectionRejected`,
     :class:`ConnectionUnreachable` or :class:`CMError`.
     """
     plan = _Plan(cap, cqe, pd, separate_cqs)
@@ -343,7 +346,7 @@ async def open_connection(
         for attempt in range(1, PORT_CLASH_ATTEMPTS + 1):
             cm_id = channel.create_id()
             router.watch(cm_id)
-            cm_id.resolve_addr(None, (host, port))
+            cm_id.resolve_addr(None if source is None else (source, 0), (host, port))
             await _expect(router, cm_id, E.ADDR_RESOLVED, (host, port))
             cm_id.resolve_route()
             await _expect(router, cm_id, E.ROUTE_RESOLVED, (host, port))

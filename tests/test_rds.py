@@ -40,6 +40,25 @@ async def test_messages_both_ways_in_order(transport: str) -> None:
         await close([a, b])
 
 
+async def test_rdma_sessions_run_between_the_nodes_own_addresses() -> None:
+    """Whichever node connects, it connects from its own address, as Linux RDS does
+    (``rdma_resolve_addr`` from the connection's local address), not from the one
+    the routing table would pick: the higher address speaks first here, so it
+    connects, to the lower one, which on loopback routing would source."""
+    a, b = await nodes(["127.0.0.1", "127.0.0.2"], "rdma")
+    try:
+        sa, sb = a.bind(4000), b.bind(5000)
+        with trio.fail_after(20):
+            await sb.sendto(b"from the higher address", ("127.0.0.1", 4000))
+            assert (await sa.recvfrom())[0] == b"from the higher address"
+        for node, here, there in ((a, "127.0.0.1", "127.0.0.2"), (b, "127.0.0.2", "127.0.0.1")):
+            (rds,) = node.connections()
+            conn = rds.session.conn
+            assert (conn.local_addr[0], conn.peer_addr[0]) == (here, there)
+    finally:
+        await close([a, b])
+
+
 @transports
 async def test_a_sender_waiting_for_room_wakes_as_acks_come(transport: str) -> None:
     """With room for 4 messages, 300 sends wait for the peer's acknowledgements again

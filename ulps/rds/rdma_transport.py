@@ -123,7 +123,7 @@ class RdmaTransport:
         try:
             async with open_connection(
                 str(rds.peer), host.port, private_data=self._private(rds), cap=self.qp_cap,
-                cqe=CQE, pd=self._pd, prepare=prepare,
+                cqe=CQE, pd=self._pd, prepare=prepare, source=str(rds.local),
             ) as conn:  # fmt: skip
                 entry.connecting = False
                 theirs = ConnectPrivate.decode(conn.private_data, ipv6=rds.peer.version == 6)
