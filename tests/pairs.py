@@ -8,6 +8,7 @@ from typing import Any
 import trio
 
 import rdmashim
+from rdmashim.providers.softiwarp import mpa
 from rdmashim.providers.softiwarp.connection import (
     MpaOptions,
     accept_qp,
@@ -111,3 +112,26 @@ async def settle(side: Side, remote_mr: Any) -> None:
                 if wc.wr_id == 0xFFFF:
                     wc.raise_for_status()
                     return
+
+
+async def raw_initiator(qp: Any) -> tuple[trio.SocketStream, mpa.StartFrame, bytes]:
+    """Connect a raw TCP peer to ``qp`` (accepted as the MPA responder): the peer sends
+    an MPA Request and reads the Reply. Returns the peer's stream, the Reply and the
+    bytes that came after it."""
+    (listener,) = await trio.open_tcp_listeners(0, host="127.0.0.1")
+    port = listener.socket.getsockname()[1]
+    async with trio.open_nursery() as nursery:
+
+        async def serve() -> None:
+            stream = await listener.accept()
+            await accept_qp(qp, stream, await read_request(stream))
+
+        nursery.start_soon(serve)
+        peer = await trio.open_tcp_stream("127.0.0.1", port)
+        await peer.send_all(mpa.encode_start_frame(mpa.StartFrame(reply=False, ird=4, ord=4)))
+        reply = b""
+        while (parsed := mpa.parse_start_frame(reply, reply=True)) is None:
+            reply += await peer.receive_some(4096)
+    await listener.aclose()
+    frame, used = parsed
+    return peer, frame, reply[used:]

@@ -32,7 +32,7 @@ from rdmashim.providers.softiwarp.terminate import (
     rdmap,
 )
 
-from pairs import Side, make_pair, settle
+from pairs import Side, make_pair, raw_initiator, settle
 
 pytestmark = pytest.mark.usefixtures("engine_kernels")  # compiled and Python kernels
 
@@ -340,40 +340,22 @@ async def test_read_whose_sink_wraps_terminates_and_the_process_goes_on(ctx) -> 
     """Issue 10: one Read Request whose sink TO + size passes 2^64, from a raw TCP peer,
     used to kill the responder (struct.error building the second Read Response FPDU).
     Now it gets RDMAP / remote protection / TO wrap, and a new connection still works."""
-    from rdmashim.providers.softiwarp import mpa
-    from rdmashim.providers.softiwarp.connection import accept_qp, read_request
-
     pd = ctx.alloc_pd()
     cq = ctx.create_cq(16)
     qp = pd.create_qp(send_cq=cq, recv_cq=cq)
     source = pd.reg_mr(bytearray(128 * 1024), RW)
-    (listener,) = await trio.open_tcp_listeners(0, host="127.0.0.1")
-    port = listener.socket.getsockname()[1]
-    async with trio.open_nursery() as nursery:
-
-        async def serve() -> None:
-            stream = await listener.accept()
-            await accept_qp(qp, stream, await read_request(stream))
-
-        nursery.start_soon(serve)
-        peer = await trio.open_tcp_stream("127.0.0.1", port)
-        await peer.send_all(mpa.encode_start_frame(mpa.StartFrame(reply=False, ird=4, ord=4)))
-        reply = b""
-        while mpa.parse_start_frame(reply, reply=True) is None:
-            reply += await peer.receive_some(4096)
-        frame, used = mpa.parse_start_frame(reply, reply=True)
-        hdr = ddp.encode_read_request(1, 0x1234, (1 << 64) - 100, source.length, source.rkey,
-                                      source.addr)  # fmt: skip
-        await peer.send_all(b"".join(bytes(b) for b in ddp.encode_fpdu(hdr, crc=frame.crc)))
-        got = reply[used:]
-        with trio.fail_after(10):
-            while len(got) < 24:
-                got += await peer.receive_some(4096)
-        term = ddp.parse_header(got)
-        assert term is not None and term.opcode is ddp.Opcode.TERMINATE
-        code = rdmap(RdmapType.REMOTE_PROTECTION, RdmapCode.TO_WRAP)
-        assert ddp.parse_terminate(got[20 : 2 + term.ulpdu_len]).code == code
-        await peer.aclose()
+    peer, frame, got = await raw_initiator(qp)
+    hdr = ddp.encode_read_request(1, 0x1234, (1 << 64) - 100, source.length, source.rkey,
+                                  source.addr)  # fmt: skip
+    await peer.send_all(b"".join(bytes(b) for b in ddp.encode_fpdu(hdr, crc=frame.crc)))
+    with trio.fail_after(10):
+        while len(got) < 24:
+            got += await peer.receive_some(4096)
+    term = ddp.parse_header(got)
+    assert term is not None and term.opcode is ddp.Opcode.TERMINATE
+    code = rdmap(RdmapType.REMOTE_PROTECTION, RdmapCode.TO_WRAP)
+    assert ddp.parse_terminate(got[20 : 2 + term.ulpdu_len]).code == code
+    await peer.aclose()
     with trio.fail_after(10):
         await qp.wait_closed()
     assert qp.state == QPState.ERR and qp.error.code == code

@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import logging
+import math
 import os
 import socket as _stdlib_socket
 import time
@@ -42,7 +43,8 @@ log = logging.getLogger(__name__)
 
 _IOV_MAX = 1024
 LINGER = 2.0
-"""Seconds to wait for the peer's FIN after ours before closing the socket."""
+"""Seconds a failed connection has, from the failure, to send what is still to go (a
+Terminate) and get the peer's FIN after ours, before the socket is closed."""
 _RX_BATCH = 16
 """Reads in a row without waiting before the receive task yields to others."""
 
@@ -59,6 +61,8 @@ class Link:
         self._pending_total = 0
         self._tx_wakeup = trio.Event()
         self._rx_done = trio.Event()
+        self._ending = trio.CancelScope()
+        """The transmit task's scope: its deadline bounds the end of a failed connection."""
         self.closed = trio.Event()
         self._rx_stopped = False
         """The connection ended (FIN, a socket error, a failure, the link's end): nothing
@@ -136,20 +140,29 @@ class Link:
 
     async def _tx_loop(self, scope: trio.CancelScope) -> None:
         engine = self.engine
-        while True:
-            await self._tx_wakeup.wait()
-            self._tx_wakeup = trio.Event()
-            while self._pending:
-                await trio.lowlevel.wait_writable(self.sock)
-                self.flush()
-            if engine.state is EngineState.ERROR and not engine.tx_ready:
-                break
-        # ERROR: the Terminate (if any) is out; end our half, let the peer end its own.
-        with contextlib.suppress(OSError):
-            self.sock.shutdown(_stdlib_socket.SHUT_WR)
-        with trio.move_on_after(LINGER):
+        with self._ending:  # (its deadline: LINGER from the failure, see failed())
+            while True:
+                await self._tx_wakeup.wait()
+                self._tx_wakeup = trio.Event()
+                while self._pending:
+                    await trio.lowlevel.wait_writable(self.sock)
+                    self.flush()
+                if engine.state is EngineState.ERROR and not engine.tx_ready:
+                    break
+            # ERROR: the Terminate (if any) is out; end our half, let the peer end its own.
+            with contextlib.suppress(OSError):
+                self.sock.shutdown(_stdlib_socket.SHUT_WR)
+            self._ending.deadline = min(self._ending.deadline, trio.current_time() + LINGER)
             await self._rx_done.wait()
         scope.cancel()
+
+    def failed(self) -> None:
+        """The engine moved to ERROR: what it still sends (its Terminate) and the peer's
+        FIN get :data:`LINGER` seconds from now, however the peer reads; a peer that
+        stopped reading cannot hold the connection, and the QP's memory, for ever."""
+        if self._ending.deadline == math.inf:
+            self._ending.deadline = trio.current_time() + LINGER
+        self.kick()
 
     # ------------------------------------------------------------------ receive
     # One task at a time reads the socket, so bytes are processed once and in order:

@@ -334,7 +334,7 @@ class NativeQP(QPBase):
             for listener in self.error_listeners:
                 listener(engine.error)
             if self._link is not None:
-                self._link.kick()
+                self._link.failed()
 
     # ---------------------------------------------------------------- posting
     def _submit_send(self, array: Any, n: int) -> int:

@@ -250,7 +250,7 @@ class QP(QPBase):
         self._rq.clear()
         self.engine.flush_recv(jobs)
         if self._link is not None:
-            self._link.kick()
+            self._link.failed()
 
     # ---------------------------------------------------------------- posting
     def post_send(self, wr: SendWR | Iterable[SendWR]) -> None:
