@@ -46,7 +46,7 @@ class Host:
 
     def __init__(
         self, crc: bool, ird: int = 4, ord: int = 4, rtr_to_send: Opcode | None = None,
-        wait_for_rtr: bool = False,
+        wait_for_rtr: bool = False, max_fpdu: int = ddp.MAX_FPDU,
     ) -> None:  # fmt: skip
         self.memory = MemoryTable()
         self.pd = object()
@@ -57,7 +57,9 @@ class Host:
         """The outbox's events (Ready, Failed), in order."""
         self.engine = Engine(qp_num=1, pd=self.pd, memory=self.memory, recv_queue=self.rq)
         self.engine.start(
-            EngineConfig(crc, ird, ord, rtr_to_send=rtr_to_send, wait_for_rtr=wait_for_rtr)
+            EngineConfig(
+                crc, ird, ord, max_fpdu, rtr_to_send=rtr_to_send, wait_for_rtr=wait_for_rtr
+            )
         )
         self._keep: list = []
 

@@ -267,8 +267,7 @@ def test_writes_and_sends_taking_turns_never_reach_the_general_path(first: str) 
 def test_tagged_framing_matches_the_codec(size: int, max_fpdu: int, split: int, crc: bool) -> None:
     """A Write from one SGE or two is framed (by whichever kernels run) into the FPDUs the
     codec gives, ``max_fpdu`` bytes at most each."""
-    host = Host(crc)
-    host.engine.config.max_fpdu = max_fpdu
+    host = Host(crc, max_fpdu=max_fpdu)
     data = _payload(3, size)
     cut = min(split, size)
     first, second = host.region(data[:cut] or b"\0"), host.region(data[cut:] or b"\0")

@@ -148,8 +148,8 @@ def trailer_len(ulpdu_len: int) -> int:
 
 def fpdu_len(ulpdu_len: int) -> int:
     """Bytes of the FPDU carrying a ULPDU of ``ulpdu_len`` bytes: length field, ULPDU,
-    PAD and CRC field."""
-    return 2 + ulpdu_len + pad_len(ulpdu_len) + TRAILER_CRC_LEN
+    PAD and CRC field (the first three end 4-aligned)."""
+    return ((2 + ulpdu_len + 3) & ~3) + TRAILER_CRC_LEN
 
 
 def max_payload(max_fpdu: int, header_len: int) -> int:

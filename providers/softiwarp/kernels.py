@@ -207,7 +207,7 @@ class PyKernels:
     ) -> tuple[int, list[int]]:
         """See :class:`Kernels`."""
         out: list[int] = []
-        if not 0 <= start <= end <= len(buf) or len(buf) > U32_MAX:
+        if not 0 <= start <= end <= len(buf) <= U32_MAX:
             return start, out
         pos = start
         while end - pos >= SEND_MIN:

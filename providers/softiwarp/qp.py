@@ -206,6 +206,9 @@ class QP(QPBase):
         self._rq: deque[RecvJob] = deque()
         self._templates: dict[int, SendTemplate] = {}
         """By the id of the request posted: its template (:meth:`_template`)."""
+        self._recvs: dict[int, tuple[RecvWR, RecvJob, object]] = {}
+        """By the id of a receive request posted alone (without an SRQ): the request, its
+        job and the memory token its check was made under (:meth:`post_recv`)."""
         self.engine: QPEngine = QPEngine(
             qp_num=self.qp_num,
             pd=pd,
@@ -260,7 +263,8 @@ class QP(QPBase):
         (``bad_wr``); those before it stay posted. Errors found while processing
         come back as completions.
         """
-        self._check_open("post_send")
+        if self._closed:
+            self._check_open("post_send")
         wrs = (wr,) if wr.__class__ is SendWR else as_list(wr)
         self._post_sends(wrs, list(map(self._template, wrs)))
 
@@ -445,15 +449,37 @@ class QP(QPBase):
             self._deliver()
 
     def post_recv(self, wr: RecvWR | Iterable[RecvWR]) -> None:
-        """Post one receive work request or a list of them (never blocks)."""
-        self._check_open("post_recv")
+        """Post one receive work request or a list of them (never blocks).
+
+        A request posted alone again (a receive reposted as it completes) takes the
+        job of its last post while its fields are the same and no region was
+        deregistered since (its lkeys still name registered memory), the QP is not in
+        ERR and its queue has room: what a first post would do, without the checks.
+        """
+        if self._closed:
+            self._check_open("post_recv")
         memory = self.context.memory
         if wr.__class__ is RecvWR:  # one request: no list to make
+            kept = self._recvs.get(id(wr))
+            if (
+                kept is not None
+                and kept[2] is memory.token(self.pd)
+                and kept[1].wr_id == wr.wr_id
+                and kept[1].sges == tuple(wr.sg_list)
+                and self._state is not QPState.ERR
+                and len(self._rq) < self.cap.max_recv_wr
+            ):
+                self._rq.append(kept[1])
+                return
+            token = memory.token(self.pd)  # (before the check: what it found holds under it)
             job = recv_job(wr)
             problem = recv_problem(wr) if job is None else unregistered(job.sges, memory)
             if job is None or problem:
                 raise refused_wr(errno.EINVAL, "post_recv", 0, problem or "")
             self._post_recvs((job,), len(job.sges))
+            if len(self._recvs) >= TEMPLATES_KEPT:
+                self._recvs.clear()
+            self._recvs[id(wr)] = (wr, job, token)
             return
         jobs, refused = recv_jobs("post_recv", as_list(wr), memory)
         self._post_recvs(jobs)

@@ -124,8 +124,14 @@ class QPEngineState:
         """What the engine's calls put out, oldest first (:data:`~.jobs.Outcome`): the
         caller takes it after each call (a post, ``produce``/``sent``, ``received``,
         ``connection_lost``, ``set_error``, ``flush_recv``, a deregistration)."""
-        self._run_extra = 0
-        """Entries of the runs in the SQ beyond one each (``sq_depth`` counts entries)."""
+        self.sq_depth = 0
+        """Send work requests posted and not yet completed (each entry of a run counts)."""
+        self.small_send_max = 0
+        """The most payload bytes of a Send framed in one FPDU (a :class:`SendRun`'s
+        entries carry no more): fixed by the config (:meth:`_settle`)."""
+        self._tagged_max = 0
+        """The most payload bytes of one tagged FPDU (fixed by the config)."""
+        self._settle(self.config)
         self.bytes_sent = 0
         self.bytes_received = 0
         self.memory.watch(self)
@@ -134,7 +140,7 @@ class QPEngineState:
         """Enter RTS with the parameters MPA negotiated."""
         if not 64 <= config.max_fpdu <= MAX_FPDU:
             raise ValueError(f"max_fpdu {config.max_fpdu} outside 64..{MAX_FPDU}")
-        self.config = config
+        self._settle(config)
         self._rtr_pending = config.wait_for_rtr
         if config.rtr_to_send is Opcode.WRITE:
             hdr = ddp.encode_tagged(Opcode.WRITE, True, RTR_STAG, 0, 0)
@@ -149,6 +155,13 @@ class QPEngineState:
             )
             self._queue_control(hdr)
         self.state = EngineState.RTS
+
+    def _settle(self, config: EngineConfig) -> None:
+        """Take ``config`` and what follows from it for every message: the payload one
+        FPDU of ``config.max_fpdu`` bytes carries."""
+        self.config = config
+        self.small_send_max = ddp.max_payload(config.max_fpdu, ddp.UNTAGGED_HDR_LEN)
+        self._tagged_max = ddp.max_payload(config.max_fpdu, ddp.TAGGED_HDR_LEN)
 
     def _queue_control(self, ulpdu: bytes) -> None:
         self._control += ddp.encode_fpdu(ulpdu, crc=self.config.crc)
@@ -261,8 +274,7 @@ class QPEngineState:
         self._drain_sq_order()
         while self._sq:
             queued = self._sq.popleft()
-            if isinstance(queued, SendRun):
-                self._run_extra -= len(queued) - 1
+            self.sq_depth -= len(queued) if isinstance(queued, SendRun) else 1
             self._complete_send(queued, WCStatus.WR_FLUSH_ERR)
         msg = self._rx_send
         if msg is not None:
@@ -327,8 +339,7 @@ class QPEngineState:
         success = WCStatus.SUCCESS
         while order and order[0].done:
             job = order.popleft()
-            if isinstance(job, SendRun):
-                self._run_extra -= len(job) - 1
+            self.sq_depth -= len(job) if isinstance(job, SendRun) else 1
             if quiet and job.status is success and not job.flags & SIGNALED:
                 continue  # what _complete_send would do, without the call
             self._complete_send(job, job.status)

@@ -84,7 +84,7 @@ class Receiver(RunReceiver):
     def received(self, nbytes: int) -> None:
         """``nbytes`` arrived in the buffer :meth:`recv_buffer` returned."""
         self.bytes_received += nbytes
-        if self._discarding():
+        if self._rx is RxStep.DISCARD:
             self._start = self._end = 0
             return
         direct = self._direct

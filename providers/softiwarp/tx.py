@@ -51,25 +51,8 @@ class Transmitter(QPEngineState):
         if state is EngineState.ERROR or state is EngineState.TERMINATE:
             self._complete_send(job, WCStatus.WR_FLUSH_ERR)
             return
-        if isinstance(job, SendRun):
-            self._run_extra += len(job) - 1
+        self.sq_depth += len(job) if isinstance(job, SendRun) else 1
         self._sq.append(job)
-
-    @property
-    def sq_depth(self) -> int:
-        """Send work requests posted and not yet completed."""
-        return len(self._sq) + len(self._sq_order) + self._run_extra
-
-    @property
-    def small_send_max(self) -> int:
-        """The most payload bytes of a Send framed in one FPDU (a :class:`SendRun`'s
-        entries carry no more)."""
-        return ddp.max_payload(self.config.max_fpdu, ddp.UNTAGGED_HDR_LEN)
-
-    @property
-    def _tagged_max(self) -> int:
-        """The most payload bytes of one tagged FPDU."""
-        return ddp.max_payload(self.config.max_fpdu, ddp.TAGGED_HDR_LEN)
 
     @property
     def tx_ready(self) -> bool:
