@@ -125,15 +125,11 @@ TO_LIMIT = 1 << 64
 """Tagged offsets are 64 bits: a segment or Read whose TO + length passes this wraps."""
 
 
-_SEND_CTRLS = tuple(
+SEND_CTRL_OF = tuple(
     RDMAP_VERSION | op for op in (Opcode.SEND, Opcode.SEND_INV, Opcode.SEND_SE, Opcode.SEND_SE_INV)
 )
-
-
-def send_ctrl(solicited: bool, invalidate: bool) -> int:
-    """The RDMAP control byte of a Send: with SE when ``solicited``, with Invalidate
-    when ``invalidate``."""
-    return _SEND_CTRLS[2 * solicited + invalidate]
+"""The RDMAP control byte of a Send at index ``2 * solicited + invalidate``: with SE
+when solicited, with Invalidate when invalidate."""
 
 
 def pad_len(ulpdu_len: int) -> int:
@@ -220,9 +216,10 @@ def encode_send(
     """A whole one-segment Send FPDU in one buffer: RDMAP control byte ``ctrl`` (a Send
     variant's), ``inv_stag``, QN 0, MSN ``msn``, MO 0, last; ``payload``, PAD and the
     CRC field (zero when ``crc`` is false). The caller keeps ``payload`` within one FPDU."""
-    ulpdu_len = UNTAGGED_HDR_LEN - 2 + len(payload)
+    n = len(payload)
+    ulpdu_len = UNTAGGED_HDR_LEN - 2 + n
     header = UNTAGGED.pack(ulpdu_len, DDP_UNTAGGED_LAST, ctrl, inv_stag, QN.SEND, msn, 0)
-    body = header + payload + ZERO_PAD[pad_len(ulpdu_len)]
+    body = header + payload + ZERO_PAD[-n & 3]  # (the header's 20 bytes end 4-aligned)
     return body + (CRC_FIELD.pack(crc32c(body)) if crc else ZERO_CRC)
 
 

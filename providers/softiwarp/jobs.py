@@ -152,7 +152,7 @@ class SendRun:
     def ctrl(flags: int, invalidate: bool) -> int:
         """The RDMAP control byte of an entry with ``flags`` (Send with Invalidate if
         ``invalidate``)."""
-        return ddp.send_ctrl(bool(flags & SOLICITED), invalidate)
+        return ddp.SEND_CTRL_OF[2 * bool(flags & SOLICITED) + invalidate]
 
     def add(self, wr_id: int, ctrl: int, flags: int, inline: bytes, inv: int) -> None:
         """Append an entry: control byte ``ctrl`` (from :meth:`ctrl`), its ``flags``, its

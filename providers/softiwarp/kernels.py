@@ -209,16 +209,26 @@ class PyKernels:
         out: list[int] = []
         if not 0 <= start <= end <= len(buf) <= U32_MAX:
             return start, out
+        unpack = ddp.UNTAGGED.unpack_from
         pos = start
         while end - pos >= SEND_MIN:
-            size = send_fpdu(buf, pos, end, msn, crc)
+            # The run takes a whole one-segment Send or Send with SE on QN 0 at MO 0 with
+            # the next MSN and (``crc`` set) a matching CRC.
+            ulpdu_len, ddp_ctrl, ctrl, _inv, qn, got_msn, mo = unpack(buf, pos)
+            if (
+                ddp_ctrl != DDP_UNTAGGED_LAST
+                or (ctrl != CTRL_SEND and ctrl != CTRL_SEND_SE)
+                or qn
+                or mo
+                or got_msn != msn
+                or ulpdu_len < UNTAGGED_HDR_LEN - 2
+            ):
+                break
+            size = _whole_fpdu(buf, pos, end, ulpdu_len, crc)
             if not size:
                 break
-            out += (
-                pos + UNTAGGED_HDR_LEN,
-                (buf[pos] << 8 | buf[pos + 1]) - (UNTAGGED_HDR_LEN - 2),
-                buf[pos + 3] == CTRL_SEND_SE,
-            )
+            payload = ulpdu_len - (UNTAGGED_HDR_LEN - 2)
+            out += (pos + UNTAGGED_HDR_LEN, payload, ctrl == CTRL_SEND_SE)
             msn = (msn + 1) & U32_MAX
             pos += size
         return pos, out
@@ -369,23 +379,6 @@ def frame_send(payload: Buffer, ctrl: int, inv: int, msn: int, crc: bool) -> byt
     if ctrl not in SEND_CTRLS or not 0 <= len(payload) <= MAX_SEND_PAYLOAD:
         raise ValueError("frame_sends: a message is not a one-FPDU Send")
     return ddp.encode_send(payload, ctrl, inv, msn, crc)
-
-
-def send_fpdu(buf: Buffer, pos: int, end: int, msn: int, crc: bool) -> int:
-    """The bytes of the FPDU at ``buf[pos:end]`` (at least an untagged header) when it is
-    a whole one-segment Send or Send with SE on QN 0 at MO 0, with MSN ``msn`` and
-    (``crc`` set) a matching CRC, else 0: each message :meth:`Kernels.scan_sends` takes."""
-    ulpdu_len, ddp_ctrl, ctrl, _inv, qn, got_msn, mo = ddp.UNTAGGED.unpack_from(buf, pos)
-    if (
-        ddp_ctrl != DDP_UNTAGGED_LAST
-        or (ctrl != CTRL_SEND and ctrl != CTRL_SEND_SE)
-        or qn
-        or mo
-        or got_msn != msn
-        or ulpdu_len < UNTAGGED_HDR_LEN - 2
-    ):
-        return 0
-    return _whole_fpdu(buf, pos, end, ulpdu_len, crc)
 
 
 def _whole_fpdu(buf: Buffer, pos: int, end: int, ulpdu_len: int, crc: bool) -> int:

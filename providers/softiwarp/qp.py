@@ -356,7 +356,6 @@ class QP(QPBase):
         post = self.engine.post_send
         memory = self.context.memory
         most = self.engine.small_send_max
-        fast_max = min(most, max_inline)
         pd = self.pd
         run: SendRun | None = None
         try:
@@ -375,7 +374,8 @@ class QP(QPBase):
                     and src is not None
                     and (region := src.region) is not None
                     and region.valid
-                    and src.length <= (most if t.copied else fast_max)
+                    and src.length <= most
+                    and (t.copied or src.length <= max_inline)
                     and t.remote_addr <= U64 + 1 - src.length
                     and (not t.copied or region.pd is pd)
                 ):
