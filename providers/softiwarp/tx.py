@@ -79,10 +79,13 @@ class Transmitter(QPEngineState):
         if self.state is not EngineState.RTS or self._rtr_pending:
             return out
         sq = self._sq
-        if len(sq) == 1 and not out and self._current is None and not self._irq:
-            fpdu = self._frame_lone_send(sq[0])
-            if fpdu is not None:
-                return [fpdu]
+        if self._current is None and not self._irq:
+            if not sq:
+                return out  # (the call after a burst went out, usually)
+            if len(sq) == 1 and not out:
+                fpdu = self._frame_lone_send(sq[0])
+                if fpdu is not None:
+                    return [fpdu]
         size = 0
         while size < max_bytes and len(out) < max_buffers:
             if self._current is None and self._sq and not self._irq:
