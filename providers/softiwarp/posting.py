@@ -15,7 +15,7 @@ import errno
 from array import array
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
-from typing import TypeVar
+from typing import NamedTuple, TypeVar
 
 from rdmashim.providers.softiwarp import fastpath
 from rdmashim.providers.softiwarp.ddp import U32_MAX
@@ -245,7 +245,21 @@ def fields_of(w: SendWR) -> tuple[object, ...] | None:
 
 
 TEMPLATES_KEPT = 1024
-"""The most send templates a QP keeps for requests posted again (then it starts over)."""
+"""The most send templates, and receive jobs, a QP keeps for requests posted again (then
+it starts over)."""
+
+
+class KeptRecv(NamedTuple):
+    """What a QP keeps of a receive request it posted alone, for a post of it again."""
+
+    wr: RecvWR
+    """The request (held: its id, the key, is no other object's while kept)."""
+    job: RecvJob
+    """Its job, posted again while the request's wr_id and SGEs are what it was made of."""
+    token: object
+    """The memory table's token for the QP's PD when its lkeys were found registered
+    (:meth:`~.memory.MemoryTable.token`: it changes when a region is deregistered or
+    invalidated)."""
 
 
 class SendTemplate:

@@ -34,6 +34,7 @@ from rdmashim.providers.softiwarp.posting import (
     TEMPLATES_KEPT,
     U64,
     WIRE_LIMITS,
+    KeptRecv,
     RunPlan,
     SendTemplate,
     SendTemplates,
@@ -206,9 +207,9 @@ class QP(QPBase):
         self._rq: deque[RecvJob] = deque()
         self._templates: dict[int, SendTemplate] = {}
         """By the id of the request posted: its template (:meth:`_template`)."""
-        self._recvs: dict[int, tuple[RecvWR, RecvJob, object]] = {}
-        """By the id of a receive request posted alone (without an SRQ): the request, its
-        job and the memory token its check was made under (:meth:`post_recv`)."""
+        self._recvs: dict[int, KeptRecv] = {}
+        """By the id of a receive request posted alone (without an SRQ): what its last
+        post checked (:meth:`post_recv`)."""
         self.engine: QPEngine = QPEngine(
             qp_num=self.qp_num,
             pd=pd,
@@ -463,13 +464,13 @@ class QP(QPBase):
             kept = self._recvs.get(id(wr))
             if (
                 kept is not None
-                and kept[2] is memory.token(self.pd)
-                and kept[1].wr_id == wr.wr_id
-                and kept[1].sges == tuple(wr.sg_list)
+                and kept.token is memory.token(self.pd)
+                and kept.job.wr_id == wr.wr_id
+                and kept.job.sges == tuple(wr.sg_list)
                 and self._state is not QPState.ERR
                 and len(self._rq) < self.cap.max_recv_wr
             ):
-                self._rq.append(kept[1])
+                self._rq.append(kept.job)
                 return
             token = memory.token(self.pd)  # (before the check: what it found holds under it)
             job = recv_job(wr)
@@ -479,7 +480,7 @@ class QP(QPBase):
             self._post_recvs((job,), len(job.sges))
             if len(self._recvs) >= TEMPLATES_KEPT:
                 self._recvs.clear()
-            self._recvs[id(wr)] = (wr, job, token)
+            self._recvs[id(wr)] = KeptRecv(wr, job, token)
             return
         jobs, refused = recv_jobs("post_recv", as_list(wr), memory)
         self._post_recvs(jobs)
