@@ -5,6 +5,7 @@ of a skip inside a trio test kept (pytest-trio 0.8 re-raises it without one)."""
 from __future__ import annotations
 
 import os
+import signal
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
@@ -17,6 +18,15 @@ from rdmashim.providers.softiwarp import engines, fastpath, native
 
 import netns
 from pairs import Side, make_pair
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """A suite started in the background of a non-interactive shell (``cmd &``) has
+    SIGINT ignored, and every process it starts would ignore it too: the tests that
+    press Ctrl-C on a command (tests/test_cli_errors.py) would see it go unheard.
+    Handled here, it is reset to the default in each child at exec."""
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 @pytest.hookimpl(wrapper=True)
