@@ -145,7 +145,7 @@ def trailer_len(ulpdu_len: int) -> int:
 def fpdu_len(ulpdu_len: int) -> int:
     """Bytes of the FPDU carrying a ULPDU of ``ulpdu_len`` bytes: length field, ULPDU,
     PAD and CRC field (the first three end 4-aligned)."""
-    return ((2 + ulpdu_len + 3) & ~3) + TRAILER_CRC_LEN
+    return 2 + ulpdu_len + pad_len(ulpdu_len) + TRAILER_CRC_LEN
 
 
 def max_payload(max_fpdu: int, header_len: int) -> int:
@@ -216,10 +216,9 @@ def encode_send(
     """A whole one-segment Send FPDU in one buffer: RDMAP control byte ``ctrl`` (a Send
     variant's), ``inv_stag``, QN 0, MSN ``msn``, MO 0, last; ``payload``, PAD and the
     CRC field (zero when ``crc`` is false). The caller keeps ``payload`` within one FPDU."""
-    n = len(payload)
-    ulpdu_len = UNTAGGED_HDR_LEN - 2 + n
+    ulpdu_len = UNTAGGED_HDR_LEN - 2 + len(payload)
     header = UNTAGGED.pack(ulpdu_len, DDP_UNTAGGED_LAST, ctrl, inv_stag, QN.SEND, msn, 0)
-    body = header + payload + ZERO_PAD[-n & 3]  # (the header's 20 bytes end 4-aligned)
+    body = header + payload + ZERO_PAD[pad_len(ulpdu_len)]
     return body + (CRC_FIELD.pack(crc32c(body)) if crc else ZERO_CRC)
 
 
