@@ -1,10 +1,11 @@
 """``benchmarks/calls.py``: what a ping-pong message costs at each end in calls.
 
 Call counts do not depend on the machine's load, so one design property is held
-here: with the native engine, a message makes at most four calls into C at each
-end (the read, the receive's repost, the post that writes, the poll), the rest of
-what the provider needs being read from C's memory (``rs_qp_view``,
-``rs_cq_view``, ``rs_mem_view``). The CPU figures are only printed.
+here: with the native engine, a message makes at most five calls into C at each
+end (the read, the receive's repost, the post that writes, the poll, and here, both
+ends in one process, an idle wait that finds trio busy), the rest of what the
+provider needs being read from C's memory (``rs_qp_view``, ``rs_cq_view``,
+``rs_mem_view``). The CPU figures are only printed.
 """
 
 from __future__ import annotations
@@ -38,9 +39,12 @@ def test_calls_prints_both_sides_per_message() -> None:
 
 
 @pytest.mark.skipif(not native.AVAILABLE, reason=f"the native engine: {native.WHY_NOT}")
-def test_a_native_message_makes_at_most_four_calls_into_c_at_each_end() -> None:
+def test_a_native_message_makes_at_most_five_calls_into_c_at_each_end() -> None:
+    """The read, the repost, the post that writes, the poll; and, both ends being in
+    one process, an idle wait that finds trio with work (the other end's) and returns
+    (``verbs/idle.py``: across processes that wait and the read are one call)."""
     env = {k: v for k, v in os.environ.items() if k != "RDMASHIM_ENGINE"}
     done = run_benchmark("calls.py", "--iters", "300", env=env | {"RDMASHIM_ENGINE": "native"})
     assert done.returncode == 0, done.stderr
     crossings = _rows(done.stdout)["compiled: the engine (_accel)"][0]
-    assert 3.5 <= crossings <= 4.5, done.stdout
+    assert 4.5 <= crossings <= 5.5, done.stdout

@@ -15,9 +15,12 @@ to waits for it on a :class:`WaitPoint`.
 from __future__ import annotations
 
 import os
+import select
 from typing import Protocol
 
 import trio
+
+from rdmashim.verbs import idle
 
 
 class Lent(Protocol):
@@ -108,11 +111,16 @@ class WaitPoint:
     other, with ``notify_closing``; a cancel scope per wait costs more than the task
     switch the wait saves."""
 
-    __slots__ = ("_blocked", "_fd")
+    __slots__ = ("_blocked", "_fd", "_lender", "_looked", "_loop", "_poller")
 
     def __init__(self) -> None:
         self._fd = -1
         self._blocked = False
+        self._loop: idle.IdleLoop | None = None
+        """This run's loop for idle waits (None: not possible here)."""
+        self._looked = False
+        self._lender: Lender | None = None
+        self._poller: select.poll | None = None
 
     def open(self, fd: int) -> None:
         """Start serving the socket ``fd`` (:meth:`close` ends it)."""
@@ -127,6 +135,36 @@ class WaitPoint:
             pass  # interrupt(), or the connection ended
         finally:
             self._blocked = False
+
+    def idle(self) -> tuple[int, int] | None:
+        """``(trio's epoll descriptor, milliseconds)`` when the task may wait for the
+        socket in a system call of its own now (:mod:`~rdmashim.verbs.idle`): no other
+        task is ready and no other socket is lent (its reader is parked, so trio does not
+        watch it); None when it must wait through trio."""
+        if not self._looked:  # (a socket lives in one run)
+            self._looked = True
+            self._loop, self._lender = idle.current(), _lender_of_run()
+        loop = self._loop
+        if loop is None or self._lender is None or self._lender.lent:
+            return None
+        ms = loop.budget_ms()
+        return (loop.epoll_fd, ms) if ms > 0 else None
+
+    def block(self) -> bool:
+        """Wait for the socket in a system call of its own (see :meth:`idle`); whether
+        it is readable now. False at once when the task must wait through trio, and as
+        soon as anything trio watches is ready (trio's turn first, then)."""
+        found = self.idle()
+        if found is None:
+            return False
+        epoll_fd, ms = found
+        poller = self._poller
+        if poller is None:
+            poller = self._poller = select.poll()
+            poller.register(self._fd, select.POLLIN)
+            poller.register(epoll_fd, select.POLLIN)
+        events = poller.poll(ms)
+        return len(events) == 1 and events[0][0] == self._fd
 
     def interrupt(self) -> None:
         """End a wait in progress now (what it waits for came another way)."""

@@ -232,6 +232,11 @@ int64_t rs_qp_flush_fd(rs_qp *qp, int fd);
 /* Busy polling: rs_qp_read_fd again and again (yielding the CPU between tries) until it
  * reads something, the connection ends, or ns nanoseconds pass (-EAGAIN then). */
 int64_t rs_qp_spin_fd(rs_qp *qp, int fd, uint64_t ns);
+/* The caller's event loop has nothing else to do: wait (cffi calls without the GIL)
+ * until fd or the loop's own descriptor others is readable, or timeout_ms passes; then
+ * rs_qp_read_fd when fd is readable and others is not. -EBUSY when nothing was read
+ * (others is readable: the loop goes first; or the time is up). */
+int64_t rs_qp_wait_read_fd(rs_qp *qp, int fd, int others, int timeout_ms);
 /* Move to ERROR (the user, a destroy, or the connection lost): flush everything. */
 void rs_qp_set_error(rs_qp *qp, uint32_t kind, const char *message);
 int rs_qp_state(rs_qp *qp);

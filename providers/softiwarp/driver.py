@@ -24,6 +24,7 @@ engine returned from ``produce()``: there is no other way to the socket.
 from __future__ import annotations
 
 import contextlib
+import enum
 import errno
 import logging
 import math
@@ -31,6 +32,7 @@ import os
 import socket as _stdlib_socket
 import time
 from collections.abc import Callable
+from typing import Literal
 
 import trio
 
@@ -47,6 +49,17 @@ LINGER = 2.0
 Terminate) and get the peer's FIN after ours, before the socket is closed."""
 _RX_BATCH = 16
 """Reads in a row without waiting before the receive task yields to others."""
+
+
+class Busy(enum.Enum):
+    """What :meth:`Link._read_idle` says when it read nothing."""
+
+    BUSY = "busy"
+
+
+BUSY = Busy.BUSY
+"""Nothing read: trio has other work, or the wait's time is up (the task waits through
+trio)."""
 
 
 class Link:
@@ -80,6 +93,8 @@ class Link:
         after, while the socket is lent)."""
         self._drained = False
         """The last read found the socket empty (or did not fill its buffer)."""
+        self._streak = 0
+        """Reads by :meth:`read_until` since its task last waited through trio."""
         self._loan = lending.Loan(self)
         """Whether the socket is lent (:meth:`_lend`)."""
         self.after_receive: Callable[[], None] = lambda: None
@@ -305,33 +320,47 @@ class Link:
                 self._take_leftover()
             if after_read is not None:
                 after_read()
-            streak = 0
             while not ready() and not self._rx_stopped:
                 if not drained:  # (the socket lent here was empty at its last read: wait)
                     drained = self._read()
+                    self._streak += 1
                     if after_read is not None:
                         after_read()
                     if drained is None or ready():
                         break
-                    streak += 1
                 if drained:
-                    streak = 0
                     if spin:
                         now = time.perf_counter()
                         if engine.bytes_received != seen:
                             seen, spin_end = engine.bytes_received, now + spin
                         if now < spin_end:  # busy polling: read again after the others ran
+                            self._streak = 0
                             drained = await self._spin(spin_end - now)
                             if after_read is not None:
                                 after_read()
                             if drained is None or ready():
                                 break
                             continue
-                    await self._wait.wait_readable()  # (or interrupt(), or the link ended)
-                    drained = False
-                elif streak >= _RX_BATCH:  # a long stream of bytes: let others run
-                    streak = 0
+                    got = self._read_idle()
+                    if got is BUSY:
+                        self._streak = 0
+                        await self._wait.wait_readable()  # (or interrupt(), or the link ended)
+                        drained = False
+                        continue
+                    self._streak += 1
+                    drained = got
+                    if after_read is not None:
+                        after_read()
+                    if drained is None or ready():
+                        break
+                elif self._streak >= _RX_BATCH:  # a long stream of bytes: let others run
+                    self._streak = 0
                     await trio.lowlevel.checkpoint()
+            if self._streak >= _RX_BATCH and not self._rx_stopped:
+                # Waits that each ended with a read, none through trio (a stream, or
+                # idle waits): the other tasks' turn, as a wait through trio gives it.
+                self._streak = 0
+                await trio.lowlevel.checkpoint()
             lend = not self._rx_stopped
         except Exception as exc:
             self._rx_stopped = True
@@ -343,6 +372,14 @@ class Link:
                     self._lend()
                 else:
                     self.hand_back()
+
+    def _read_idle(self) -> bool | Literal[Busy.BUSY] | None:
+        """When trio has nothing else to do, wait for the socket in a system call of
+        this task's own and read it (:mod:`~rdmashim.verbs.idle`): :meth:`_read`'s
+        answer; :data:`BUSY` when nothing was read (the task waits through trio)."""
+        if not self._wait.block():
+            return BUSY
+        return self._read()
 
     async def _spin(self, seconds: float) -> bool | None:
         """One try of busy polling, up to ``seconds`` from now: let the others run, then

@@ -26,13 +26,13 @@ import errno
 import logging
 import socket as _stdlib_socket
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from typing import Any, Literal
 
 import trio
 
 from rdmashim.providers.softiwarp import native
 from rdmashim.providers.softiwarp.cq import CQ, CompChannel
-from rdmashim.providers.softiwarp.driver import Link
+from rdmashim.providers.softiwarp.driver import BUSY, Busy, Link
 from rdmashim.providers.softiwarp.jobs import EngineConfig, EngineState
 from rdmashim.providers.softiwarp.memory import Region
 from rdmashim.providers.softiwarp.native import ffi, lib
@@ -54,6 +54,7 @@ _RX_READ = 256 * 1024
 """What one ``rs_qp_read_fd`` reads at most (``RX_READ`` in ``_engine.c``)."""
 _EAGAIN = -errno.EAGAIN
 _EINTR = -errno.EINTR
+_EBUSY = -errno.EBUSY
 _ERR_REMOTE = 2
 _ERR_USER = 5
 # C's own numbers (_engine.h), bound once
@@ -191,6 +192,17 @@ class NativeLink(Link):
     def _read(self) -> bool | None:
         """Read once into C; whether the socket is (probably) empty now, None at its end."""
         return self._took(lib.rs_qp_read_fd(self._ptr, self._fd))
+
+    def _read_idle(self) -> bool | Literal[Busy.BUSY] | None:
+        """The wait and the read in one call into C, without the GIL (see
+        :meth:`.driver.Link._read_idle`)."""
+        found = self._wait.idle()
+        if found is None:
+            return BUSY
+        n = lib.rs_qp_wait_read_fd(self._ptr, self._fd, *found)
+        if n == _EBUSY:
+            return BUSY
+        return self._took(n)
 
     async def _spin(self, seconds: float) -> bool | None:
         """Busy polling in C, without the GIL: read until bytes come, for at most

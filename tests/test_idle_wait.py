@@ -1,0 +1,384 @@
+"""A CQ waiter that waits for its connection in a system call of its own while trio has
+nothing else to do (``rdmashim.verbs.idle``), on both engines.
+
+The wait watches trio's own epoll descriptor beside the socket and ends at the run's
+next deadline, so nothing else in the run waits for it: a timer, another socket, a
+callback from a thread and Ctrl-C each get their turn at once. Each liveness bound
+below is a fraction of ``idle.MAX_WAIT``, the wait's safety net: a wait that did not
+watch what it must would hold the run for that long and fail the test.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import queue
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import threading
+from collections.abc import Awaitable, Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import trio
+import trio.testing
+
+import rdmashim
+from rdmashim import Access, QPCap, SendFlags, SendWR, WCStatus, WROpcode
+from rdmashim.providers.softiwarp import driver, native_provider
+from rdmashim.providers.softiwarp.connection import accept_qp, connect_qp, read_request
+from rdmashim.verbs import idle, lending
+from rdmashim.verbs.wr import RecvWR
+
+from pairs import Side, make_pair
+
+BOUND = idle.MAX_WAIT / 3
+"""Seconds within which what the run must do happens, however the waiter waits."""
+
+
+# ---------------------------------------------------------------- the loop probe
+async def test_the_run_loop_is_known_on_this_trio() -> None:
+    """The pinned trio's run loop is what the idle wait reads (a trio upgrade that
+    changes its private state fails here, not silently in the benchmarks)."""
+    if not hasattr(__import__("select"), "epoll"):
+        pytest.skip("no epoll on this platform: tasks wait through trio")
+    loop = idle.current()
+    assert loop is not None
+    assert idle.current() is loop  # (one per run)
+    assert loop.budget_ms() == int(idle.MAX_WAIT * 1000)
+
+
+async def test_no_budget_while_another_task_is_ready_or_a_deadline_is_near() -> None:
+    loop = idle.current()
+    if loop is None:
+        pytest.skip("no idle waits on this platform")
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(trio.sleep, 0)
+        assert loop.budget_ms() == 0  # (the new task is ready and has not run)
+    # (each scope only sets the run's next deadline: no await in it)
+    with trio.move_on_after(0.25):  # noqa: ASYNC100
+        assert 0 < loop.budget_ms() <= 250
+    with trio.move_on_after(0.0005):  # noqa: ASYNC100
+        assert loop.budget_ms() == 0  # (under a millisecond: trio keeps the time)
+
+
+def test_no_idle_wait_under_a_mock_clock() -> None:
+    async def main() -> idle.IdleLoop | None:
+        return idle.current()
+
+    assert trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0)) is None
+
+
+# ---------------------------------------------------------------- the waits, both engines
+BOTH_ENGINES = pytest.mark.usefixtures("each_engine")  # native and Python
+
+
+def _recv(side: Side, n: int = 8) -> None:
+    mr = side.reg(64 * n)
+    side.qp.post_recv([RecvWR(i, [mr.sge(64 * i, 64)]) for i in range(n)])
+
+
+def _send(side: Side) -> None:
+    src = side.reg(b"ping")
+    side.qp.post_send(SendWR(1, WROpcode.SEND, [src.sge()], SendFlags.SIGNALED))
+
+
+@pytest.fixture
+def idle_waits(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int]]:
+    """Every idle wait the test's waiters began: (trio's epoll descriptor, ms)."""
+    seen: list[tuple[int, int]] = []
+    real = lending.WaitPoint.idle
+
+    def spy(self: lending.WaitPoint) -> tuple[int, int] | None:
+        found = real(self)
+        if found is not None:
+            seen.append(found)
+        return found
+
+    monkeypatch.setattr(lending.WaitPoint, "idle", spy)
+    return seen
+
+
+async def _lend(
+    nursery: trio.Nursery, client: Side, server: Side, idle_waits: list[tuple[int, int]]
+) -> None:
+    """A few messages, each sent by a task once the client's waiter waits: its receive
+    task parks and the socket stays lent to the waiter, whose next wait (with no wait
+    through trio in between) may be idle."""
+
+    async def send() -> None:
+        _send(server)
+
+    for _ in range(3):
+        nursery.start_soon(send)
+        (wc,) = await client.recv_cq.poll_wait(1)
+        assert wc.status == WCStatus.SUCCESS
+    idle_waits.clear()
+
+
+@contextlib.contextmanager
+def _from_a_thread(
+    source: str, then: Callable[[], object]
+) -> Iterator[tuple[threading.Timer, Callable[[], Awaitable[None]]]]:
+    """Work that comes from another thread 50 ms after the timer starts, and runs
+    ``then``: a byte to a socket trio watches (read by the task given), or a callback
+    handed to the run (the task given does nothing)."""
+    mine, theirs = socket.socketpair()
+    sock = trio.socket.from_stdlib_socket(mine)
+
+    async def reader() -> None:
+        if source == "socket":
+            assert await sock.recv(1) == b"x"
+            then()
+
+    if source == "socket":
+        timer = threading.Timer(0.05, theirs.send, (b"x",))
+    else:
+        token = trio.lowlevel.current_trio_token()
+        timer = threading.Timer(0.05, token.run_sync_soon, (then,))
+    try:
+        yield timer, reader
+    finally:
+        timer.cancel()
+        sock.close()
+        theirs.close()
+
+
+@pytest.fixture
+def idle_reads(monkeypatch: pytest.MonkeyPatch) -> list[object]:
+    """What every idle wait of the test returned (``driver.BUSY``: nothing read)."""
+    seen: list[object] = []
+    for cls in (driver.Link, native_provider.NativeLink):
+        real = vars(cls)["_read_idle"]
+
+        def spy(self: Any, _real: Any = real) -> object:
+            got = _real(self)
+            seen.append(got)
+            return got
+
+        monkeypatch.setattr(cls, "_read_idle", spy)
+    return seen
+
+
+def _answer(rounds: int, ports: queue.Queue[int | BaseException]) -> None:
+    """A peer in a run of its own (in a thread: its messages come while the other run
+    has nothing to do): answers ``rounds`` Sends with a Send each."""
+
+    async def main() -> None:
+        async with rdmashim.open_device("siw_lo") as ctx:
+            pd = ctx.alloc_pd()
+            cq = ctx.create_cq(64)
+            qp = pd.create_qp(send_cq=cq, recv_cq=cq, cap=QPCap(max_inline_data=64))
+            mr = pd.reg_mr(bytearray(64 * 16), Access.LOCAL_WRITE)
+            recvs = [RecvWR(i, [mr.sge(64 * i, 64)]) for i in range(16)]
+            qp.post_recv(recvs)
+            pong = SendWR(0, WROpcode.SEND, [mr.sge(0, 8)], SendFlags.INLINE)
+            (listener,) = await trio.open_tcp_listeners(0, host="127.0.0.1")
+            ports.put(listener.socket.getsockname()[1])
+            stream = await listener.accept()
+            await accept_qp(qp, stream, await read_request(stream))
+            for _ in range(rounds):
+                wc = (await cq.poll_wait(1))[0]
+                assert wc.status == WCStatus.SUCCESS, wc
+                qp.post_recv(recvs[wc.wr_id])
+                qp.post_send(pong)
+            await qp.wait_closed()
+
+    try:
+        trio.run(main)
+    except BaseException as exc:  # (the test raises it)
+        ports.put(exc)
+
+
+@BOTH_ENGINES
+async def test_a_ping_pong_reads_its_messages_in_idle_waits(
+    ctx: Any, idle_reads: list[object]
+) -> None:
+    if idle.current() is None:
+        pytest.skip("no idle waits on this platform")
+    rounds = 50
+    ports: queue.Queue[int | BaseException] = queue.Queue()
+    peer = threading.Thread(target=_answer, args=(rounds, ports))
+    peer.start()
+    try:
+        port = await trio.to_thread.run_sync(ports.get)
+        assert isinstance(port, int), port
+        client, _ = await make_pair(ctx)  # (for its PD and CQs; its own QP is left)
+        qp = client.pd.create_qp(
+            send_cq=client.send_cq, recv_cq=client.recv_cq, cap=QPCap(max_inline_data=64)
+        )
+        _recv(Side(ctx, client.pd, client.send_cq, client.recv_cq, qp), 16)
+        src = client.reg(b"p" * 8)
+        await connect_qp(qp, await trio.open_tcp_stream("127.0.0.1", port))
+        with trio.fail_after(BOUND * 3):
+            for _ in range(rounds):
+                qp.post_send(SendWR(0, WROpcode.SEND, [src.sge()], SendFlags.INLINE))
+                wc = (await client.recv_cq.poll_wait(1))[0]
+                assert wc.status == WCStatus.SUCCESS
+                qp.post_recv(RecvWR(wc.wr_id, [client.reg(64).sge()]))
+        qp.close()
+    finally:
+        await trio.to_thread.run_sync(peer.join)
+    assert ports.empty(), ports.get()
+    read = [got for got in idle_reads if got is not driver.BUSY]
+    # (the peer answers from its own run: the answer comes while this run is idle)
+    assert len(read) >= rounds // 2, idle_reads
+
+
+@BOTH_ENGINES
+async def test_a_timer_fires_while_a_cq_waiter_waits_idle(
+    ctx: Any, idle_waits: list[tuple[int, int]]
+) -> None:
+    client, server = await make_pair(ctx)
+    _recv(client, 16)
+    fired = trio.Event()
+
+    async def later() -> None:
+        await trio.sleep(0.05)
+        fired.set()
+        _send(server)  # (what ends the waiter's wait)
+
+    with trio.fail_after(BOUND):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(later)
+            await _lend(nursery, client, server, idle_waits)
+            wcs = await client.recv_cq.poll_wait(1)
+    assert fired.is_set()
+    assert wcs[0].status == WCStatus.SUCCESS
+    assert idle_waits
+
+
+@BOTH_ENGINES
+async def test_a_task_woken_with_the_waiter_runs_while_it_waits_idle(ctx: Any) -> None:
+    """A 4 MiB Send between two QPs of one run: the receiver's waiter and the sender's
+    transmit task (waiting for room in its socket) are woken by the same wait for I/O,
+    and trio runs that batch in a random order: a task of it that has not run yet is in
+    no run queue. The waiter must not wait idle while it is about to run."""
+    client, server = await make_pair(ctx)
+    size = 4 << 20
+    src = client.reg(b"s" * size)
+    dst = server.reg(size)
+    for round_ in range(3):
+        server.qp.post_recv(RecvWR(round_, [dst.sge()]))
+        client.qp.post_send(SendWR(round_, WROpcode.SEND, [src.sge()], SendFlags(0)))
+        with trio.fail_after(BOUND):
+            (wc,) = await server.recv_cq.poll_wait(1)
+        assert wc.status == WCStatus.SUCCESS and wc.byte_len == size
+
+
+@BOTH_ENGINES
+@pytest.mark.parametrize("source", ["socket", "callback"])
+async def test_work_from_another_thread_runs_while_a_cq_waiter_waits_idle(
+    ctx: Any, idle_waits: list[tuple[int, int]], source: str
+) -> None:
+    """Another socket that trio watches becomes readable, or a thread hands the run a
+    callback: its task, or the callback, runs (and sends what ends the wait)."""
+    client, server = await make_pair(ctx)
+    _recv(client, 16)
+    with _from_a_thread(source, lambda: _send(server)) as (timer, reader), trio.fail_after(BOUND):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(reader)
+            await _lend(nursery, client, server, idle_waits)
+            timer.start()
+            wcs = await client.recv_cq.poll_wait(1)
+    assert wcs[0].status == WCStatus.SUCCESS
+    assert idle_waits
+
+
+@BOTH_ENGINES
+async def test_a_cancelled_cq_waiter_waiting_idle_leaves_at_its_deadline(
+    ctx: Any, idle_waits: list[tuple[int, int]]
+) -> None:
+    client, server = await make_pair(ctx)
+    _recv(client, 16)
+    async with trio.open_nursery() as nursery:
+        await _lend(nursery, client, server, idle_waits)
+        start = trio.current_time()
+        with trio.move_on_after(0.1) as scope:
+            await client.recv_cq.poll_wait(1)
+    assert scope.cancelled_caught
+    assert trio.current_time() - start < BOUND
+    assert not client.recv_cq.poll(1)
+    assert idle_waits and idle_waits[0][1] <= 100
+
+
+@BOTH_ENGINES
+async def test_a_stream_read_in_idle_waits_leaves_other_tasks_their_turn(
+    ctx: Any, idle_waits: list[tuple[int, int]]
+) -> None:
+    """A peer that sends without pause: the waiter's socket is readable at every wait,
+    and its wait never yields to trio unless it sees that trio has something else to
+    do; another task's socket then goes first."""
+    client, server = await make_pair(ctx)
+    _recv(client, 64)
+    src = server.reg(b"m" * 32)
+    other_read = trio.Event()
+    with _from_a_thread("socket", other_read.set) as (timer, reader), trio.fail_after(BOUND):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(reader)
+            await trio.sleep(0.01)  # (it waits for its socket now)
+            timer.start()
+            sent = got = 0
+            while not other_read.is_set():
+                while sent - got < 48:  # (the client's 64 receives are never short)
+                    server.qp.post_send(SendWR(0, WROpcode.SEND, [src.sge()], SendFlags(0)))
+                    sent += 1
+                for wc in client.recv_cq.poll(64):
+                    assert wc.status == WCStatus.SUCCESS
+                    client.qp.post_recv(RecvWR(wc.wr_id, [client.reg(64).sge()]))
+                    got += 1
+                if not len(client.recv_cq):
+                    await client.recv_cq.wait()
+    assert got > 0
+    assert idle_waits
+
+
+# ---------------------------------------------------------------- Ctrl-C
+_WAIT_FOREVER = textwrap.dedent(
+    """
+    import sys, trio, rdmashim
+    sys.path.insert(0, sys.argv[1])
+    from pairs import make_pair
+    from rdmashim import SendFlags, SendWR, WROpcode
+    from rdmashim.verbs.wr import RecvWR
+
+    async def main():
+        async with rdmashim.open_device("siw_lo") as ctx:
+            client, server = await make_pair(ctx)
+            mr, src = client.reg(128), server.reg(b"lend")
+            client.qp.post_recv([RecvWR(i, [mr.sge(64 * i, 64)]) for i in range(2)])
+            server.qp.post_send(SendWR(0, WROpcode.SEND, [src.sge()], SendFlags(0)))
+            await client.recv_cq.poll_wait(1)  # (the socket stays lent: the next wait is idle)
+            print("waiting", flush=True)
+            await client.recv_cq.poll_wait(1)
+
+    trio.run(main)
+    """
+)
+
+
+@BOTH_ENGINES
+def test_ctrl_c_ends_a_cq_waiter_waiting_idle(tmp_path: Path) -> None:
+    script = tmp_path / "wait_forever.py"
+    script.write_text(_WAIT_FOREVER)
+    tests = str(Path(__file__).parent)
+    proc = subprocess.Popen(
+        [sys.executable, str(script), tests],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=os.environ.copy(),
+    )
+    try:
+        assert proc.stdout is not None
+        assert proc.stdout.readline().strip() == "waiting"
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=BOUND)
+    finally:
+        proc.kill()
+    assert proc.returncode != 0
+    assert "KeyboardInterrupt" in err, err
