@@ -11,6 +11,7 @@ watch what it must would hold the run for that long and fail the test.
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import queue
 import signal
@@ -29,12 +30,14 @@ import trio.testing
 
 import rdmashim
 from rdmashim import Access, QPCap, SendFlags, SendWR, WCStatus, WROpcode
-from rdmashim.providers.softiwarp import driver, native_provider
+from rdmashim.providers.softiwarp import driver, native, native_provider
 from rdmashim.providers.softiwarp.connection import accept_qp, connect_qp, read_request
+from rdmashim.ulps.rds.node import RdsNode
 from rdmashim.verbs import idle, lending
 from rdmashim.verbs.wr import RecvWR
 
 from pairs import Side, make_pair
+from rdsnodes import close, nodes, transports
 
 BOUND = idle.MAX_WAIT / 3
 """Seconds within which what the run must do happens, however the waiter waits."""
@@ -71,6 +74,35 @@ def test_no_idle_wait_under_a_mock_clock() -> None:
         return idle.current()
 
     assert trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0)) is None
+
+
+async def test_an_idle_wait_gives_trio_the_first_turn() -> None:
+    """Both the waiter's socket and one that trio watches are readable: the idle wait
+    reads nothing (trio goes first), on either engine's wait."""
+    loop = idle.current()
+    if loop is None:
+        pytest.skip("no idle waits on this platform")
+    ours, ours_peer = socket.socketpair()
+    other, other_peer = socket.socketpair()
+    wait = lending.WaitPoint()
+    wait.open(ours.fileno())
+    try:
+        ours_peer.send(b"x")
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(trio.lowlevel.wait_readable, other)
+            await trio.sleep(0.01)  # (it waits now: trio watches that socket)
+            assert wait.block()  # (only ours is readable)
+            other_peer.send(b"y")
+            assert not wait.block()
+            if native.AVAILABLE:  # (C reads only when ours alone is readable: no QP here)
+                found = wait.idle()
+                assert found is not None
+                n = native.lib.rs_qp_wait_read_fd(native.ffi.NULL, ours.fileno(), *found)
+                assert n == -errno.EBUSY
+    finally:
+        wait.close()
+        for sock in (ours, ours_peer, other, other_peer):
+            sock.close()
 
 
 # ---------------------------------------------------------------- the waits, both engines
@@ -311,8 +343,8 @@ async def test_a_stream_read_in_idle_waits_leaves_other_tasks_their_turn(
     ctx: Any, idle_waits: list[tuple[int, int]]
 ) -> None:
     """A peer that sends without pause: the waiter's socket is readable at every wait,
-    and its wait never yields to trio unless it sees that trio has something else to
-    do; another task's socket then goes first."""
+    so its waits end with a read, idle or not, and do not yield to trio by themselves;
+    another task whose socket becomes readable still gets its turn."""
     client, server = await make_pair(ctx)
     _recv(client, 64)
     src = server.reg(b"m" * 32)
@@ -334,7 +366,6 @@ async def test_a_stream_read_in_idle_waits_leaves_other_tasks_their_turn(
                 if not len(client.recv_cq):
                     await client.recv_cq.wait()
     assert got > 0
-    assert idle_waits
 
 
 # ---------------------------------------------------------------- Ctrl-C
@@ -382,3 +413,53 @@ def test_ctrl_c_ends_a_cq_waiter_waiting_idle(tmp_path: Path) -> None:
         proc.kill()
     assert proc.returncode != 0
     assert "KeyboardInterrupt" in err, err
+
+
+# ---------------------------------------------------------------- RDS
+def _rds_echo(transport: str, rounds: int, ports: queue.Queue[int | BaseException]) -> None:
+    """An RDS node in a run of its own (a thread): echoes ``rounds`` messages."""
+
+    async def main() -> None:
+        (node,) = await nodes(["127.0.0.2"], transport)  # type: ignore[arg-type]
+        try:
+            sock = node.bind(5000)
+            ports.put(node.port)
+            for _ in range(rounds):
+                data, source = await sock.recvfrom()
+                await sock.sendto(data, source)
+        finally:
+            await close([node])
+
+    try:
+        trio.run(main)
+    except BaseException as exc:  # (the test raises it)
+        ports.put(exc)
+
+
+@transports
+async def test_an_rds_ping_pong_reads_in_idle_waits(
+    transport: str, idle_waits: list[tuple[int, int]]
+) -> None:
+    """RDS over either transport, the peer node in its own run: the answers come while
+    this run waits idle (RDS/TCP's session waits in a poll of its own, RDMA's CQ waiter
+    through the engine's link)."""
+    if idle.current() is None:
+        pytest.skip("no idle waits on this platform")
+    rounds = 50
+    ports: queue.Queue[int | BaseException] = queue.Queue()
+    peer = threading.Thread(target=_rds_echo, args=(transport, rounds, ports))
+    peer.start()
+    try:
+        port = await trio.to_thread.run_sync(ports.get)
+        assert isinstance(port, int), port
+        node = RdsNode("127.0.0.1", port, transport=transport)  # type: ignore[arg-type]
+        async with node:
+            sock = node.bind(4000)
+            with trio.fail_after(BOUND * 3):
+                for i in range(rounds):
+                    await sock.sendto(b"m%d" % i, ("127.0.0.2", 5000))
+                    assert (await sock.recvfrom())[0] == b"m%d" % i
+    finally:
+        await trio.to_thread.run_sync(peer.join)
+    assert ports.empty(), ports.get()
+    assert len(idle_waits) >= rounds // 2, idle_waits

@@ -22,6 +22,10 @@ import trio
 
 from rdmashim.verbs import idle
 
+READS_BEFORE_YIELD = 16
+"""Reads in a row, none after a wait through trio, after which a reader yields to the
+other tasks (a long stream, or waits that end in :meth:`WaitPoint.block`)."""
+
 
 class Lent(Protocol):
     """What lends its socket: :meth:`hand_back` wakes its parked reader task."""

@@ -47,8 +47,6 @@ _IOV_MAX = 1024
 LINGER = 2.0
 """Seconds a failed connection has, from the failure, to send what is still to go (a
 Terminate) and get the peer's FIN after ours, before the socket is closed."""
-_RX_BATCH = 16
-"""Reads in a row without waiting before the receive task yields to others."""
 
 
 class Busy(enum.Enum):
@@ -224,7 +222,7 @@ class Link:
                 # wait instead of a read that would fail (a reply goes out sooner).
                 streak = 0
                 await trio.lowlevel.wait_readable(self.sock)
-            elif streak >= _RX_BATCH:
+            elif streak >= lending.READS_BEFORE_YIELD:
                 streak = 0
                 await trio.lowlevel.checkpoint()
 
@@ -353,10 +351,10 @@ class Link:
                         after_read()
                     if drained is None or ready():
                         break
-                elif self._streak >= _RX_BATCH:  # a long stream of bytes: let others run
+                elif self._streak >= lending.READS_BEFORE_YIELD:  # (a long stream: others now)
                     self._streak = 0
                     await trio.lowlevel.checkpoint()
-            if self._streak >= _RX_BATCH and not self._rx_stopped:
+            if self._streak >= lending.READS_BEFORE_YIELD and not self._rx_stopped:
                 # Waits that each ended with a read, none through trio (a stream, or
                 # idle waits): the other tasks' turn, as a wait through trio gives it.
                 self._streak = 0

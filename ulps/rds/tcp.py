@@ -141,6 +141,8 @@ class TcpSession:
         """Whether the socket is lent: the reader stays parked meanwhile."""
         self._empty = False
         """The last read found the socket empty, or did not fill its buffer."""
+        self._streak = 0
+        """Reads by :meth:`drive_until` since its task last waited through trio."""
         self.bytes_read = 0
         """Bytes read from the connection so far."""
         self._failure: BaseException | None = None
@@ -288,7 +290,8 @@ class TcpSession:
         task reads already or the session is lost (wait some other way). With the
         node's ``busy_poll`` it reads the empty socket again, between trio checkpoints,
         for that long after the last bytes came before it waits
-        (:mod:`rdmashim.verbs.busypoll`)."""
+        (:mod:`rdmashim.verbs.busypoll`). While trio has nothing else to do it waits
+        for the socket in a poll of its own (:mod:`rdmashim.verbs.idle`)."""
         if self._driving or self.lost or self._scope is None:  # (None: not running yet)
             return False
         self._driving = True
@@ -307,15 +310,23 @@ class TcpSession:
                     if self.bytes_read != seen:
                         seen, spin_end = self.bytes_read, now + spin
                     if now < spin_end:  # busy polling: read again after the others ran
+                        self._streak = 0
                         await busypoll.pause()
                         empty = self._read()
                         continue
                 if empty:
-                    await self._wait.wait_readable()  # (or interrupt_wait(), or the end)
+                    if not self._wait.block():  # (an idle wait: rdmashim.verbs.idle)
+                        self._streak = 0
+                        await self._wait.wait_readable()  # (or interrupt_wait(), or the end)
                     if not ready() and not self.lost:
                         empty = self._read()
+                        self._streak += 1
                 else:
                     empty = self._read()
+                    self._streak += 1
+            if self._streak >= lending.READS_BEFORE_YIELD and not self.lost:
+                self._streak = 0
+                await trio.lowlevel.checkpoint()  # (reads that never waited through trio)
             lend = not self.lost
         except RdsProtocolError as exc:
             log.warning("RDS/TCP protocol error from %s: %s", self.rds.peer, exc)
