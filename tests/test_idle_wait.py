@@ -20,7 +20,7 @@ import subprocess
 import sys
 import textwrap
 import threading
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -196,11 +196,36 @@ def idle_reads(monkeypatch: pytest.MonkeyPatch) -> list[object]:
     return seen
 
 
-def _answer(rounds: int, ports: queue.Queue[int | BaseException]) -> None:
-    """A peer in a run of its own (in a thread: its messages come while the other run
-    has nothing to do): answers ``rounds`` Sends with a Send each."""
+@contextlib.asynccontextmanager
+async def _peer_in_its_own_run(
+    main: Callable[[Callable[[int], None]], Awaitable[None]],
+) -> AsyncIterator[int]:
+    """Run ``main(say_port)`` in a run of its own, in a thread (what it sends comes while
+    this run has nothing to do); yields the port it says; at the end, waits for it and
+    raises what it raised."""
+    ports: queue.Queue[int | BaseException] = queue.Queue()
 
-    async def main() -> None:
+    def run() -> None:
+        try:
+            trio.run(main, ports.put)
+        except BaseException as exc:  # (raised below, in the test)
+            ports.put(exc)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    try:
+        port = await trio.to_thread.run_sync(ports.get)
+        assert isinstance(port, int), port
+        yield port
+    finally:
+        await trio.to_thread.run_sync(thread.join)
+    assert ports.empty(), ports.get()
+
+
+def _answer(rounds: int) -> Callable[[Callable[[int], None]], Awaitable[None]]:
+    """A peer that answers ``rounds`` Sends with a Send each."""
+
+    async def main(say_port: Callable[[int], None]) -> None:
         async with rdmashim.open_device("siw_lo") as ctx:
             pd = ctx.alloc_pd()
             cq = ctx.create_cq(64)
@@ -210,7 +235,7 @@ def _answer(rounds: int, ports: queue.Queue[int | BaseException]) -> None:
             qp.post_recv(recvs)
             pong = SendWR(0, WROpcode.SEND, [mr.sge(0, 8)], SendFlags.INLINE)
             (listener,) = await trio.open_tcp_listeners(0, host="127.0.0.1")
-            ports.put(listener.socket.getsockname()[1])
+            say_port(listener.socket.getsockname()[1])
             stream = await listener.accept()
             await accept_qp(qp, stream, await read_request(stream))
             for _ in range(rounds):
@@ -220,10 +245,7 @@ def _answer(rounds: int, ports: queue.Queue[int | BaseException]) -> None:
                 qp.post_send(pong)
             await qp.wait_closed()
 
-    try:
-        trio.run(main)
-    except BaseException as exc:  # (the test raises it)
-        ports.put(exc)
+    return main
 
 
 @BOTH_ENGINES
@@ -233,12 +255,7 @@ async def test_a_ping_pong_reads_its_messages_in_idle_waits(
     if idle.current() is None:
         pytest.skip("no idle waits on this platform")
     rounds = 50
-    ports: queue.Queue[int | BaseException] = queue.Queue()
-    peer = threading.Thread(target=_answer, args=(rounds, ports))
-    peer.start()
-    try:
-        port = await trio.to_thread.run_sync(ports.get)
-        assert isinstance(port, int), port
+    async with _peer_in_its_own_run(_answer(rounds)) as port:
         client, _ = await make_pair(ctx)  # (for its PD and CQs; its own QP is left)
         qp = client.pd.create_qp(
             send_cq=client.send_cq, recv_cq=client.recv_cq, cap=QPCap(max_inline_data=64)
@@ -253,9 +270,6 @@ async def test_a_ping_pong_reads_its_messages_in_idle_waits(
                 assert wc.status == WCStatus.SUCCESS
                 qp.post_recv(RecvWR(wc.wr_id, [client.reg(64).sge()]))
         qp.close()
-    finally:
-        await trio.to_thread.run_sync(peer.join)
-    assert ports.empty(), ports.get()
     read = [got for got in idle_reads if got is not driver.BUSY]
     # (the peer answers from its own run: the answer comes while this run is idle)
     assert len(read) >= rounds // 2, idle_reads
@@ -416,24 +430,21 @@ def test_ctrl_c_ends_a_cq_waiter_waiting_idle(tmp_path: Path) -> None:
 
 
 # ---------------------------------------------------------------- RDS
-def _rds_echo(transport: str, rounds: int, ports: queue.Queue[int | BaseException]) -> None:
-    """An RDS node in a run of its own (a thread): echoes ``rounds`` messages."""
+def _rds_echo(transport: str, rounds: int) -> Callable[[Callable[[int], None]], Awaitable[None]]:
+    """An RDS node that echoes ``rounds`` messages."""
 
-    async def main() -> None:
+    async def main(say_port: Callable[[int], None]) -> None:
         (node,) = await nodes(["127.0.0.2"], transport)  # type: ignore[arg-type]
         try:
             sock = node.bind(5000)
-            ports.put(node.port)
+            say_port(node.port)
             for _ in range(rounds):
                 data, source = await sock.recvfrom()
                 await sock.sendto(data, source)
         finally:
             await close([node])
 
-    try:
-        trio.run(main)
-    except BaseException as exc:  # (the test raises it)
-        ports.put(exc)
+    return main
 
 
 @transports
@@ -446,12 +457,7 @@ async def test_an_rds_ping_pong_reads_in_idle_waits(
     if idle.current() is None:
         pytest.skip("no idle waits on this platform")
     rounds = 50
-    ports: queue.Queue[int | BaseException] = queue.Queue()
-    peer = threading.Thread(target=_rds_echo, args=(transport, rounds, ports))
-    peer.start()
-    try:
-        port = await trio.to_thread.run_sync(ports.get)
-        assert isinstance(port, int), port
+    async with _peer_in_its_own_run(_rds_echo(transport, rounds)) as port:
         node = RdsNode("127.0.0.1", port, transport=transport)  # type: ignore[arg-type]
         async with node:
             sock = node.bind(4000)
@@ -459,7 +465,4 @@ async def test_an_rds_ping_pong_reads_in_idle_waits(
                 for i in range(rounds):
                     await sock.sendto(b"m%d" % i, ("127.0.0.2", 5000))
                     assert (await sock.recvfrom())[0] == b"m%d" % i
-    finally:
-        await trio.to_thread.run_sync(peer.join)
-    assert ports.empty(), ports.get()
     assert len(idle_waits) >= rounds // 2, idle_waits
