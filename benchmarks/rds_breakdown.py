@@ -11,10 +11,13 @@ alternate ours, raw, ours, ...; raw TCP runs untraced, in a process of its
 own).
 
 The points: trio's I/O wait (an instrument's ``before_io_wait`` and
-``after_io_wait``), ``os.readv`` and ``os.write``/``os.writev`` (the engine's
-socket calls), the engine's ``received``, the RDS session's completion handler
-(``Session._on_cq``), the socket handing a message to its reader
-(``RdsSocket._take``), ``RdsSocket.sendto`` and the QP's ``post_send``. Each
+``after_io_wait``) or an idle wait in its place (``rdmashim.verbs.idle``: its call
+and return; on the native engine the read is in the same call, so its phases
+"trio resumes the reader" and "readv" are empty and the wait holds the read),
+``os.readv`` and ``os.write``/``os.writev`` (the engine's socket calls), the
+engine's ``received``, the RDS session's completion handler (``Session._on_cq``),
+the socket handing a message to its reader (``RdsSocket._take``),
+``RdsSocket.sendto`` and the QP's ``post_send``. Each
 hook costs about 0.3 us; a phase is counted only in cycles whose points came in
 the usual order (a timer's wake-up or an acknowledgement in the middle leaves
 the cycle out: the counts say how many were kept). Each end's CPU time per message
@@ -45,7 +48,7 @@ from typing import Any
 import trio
 from rds_stress import CLIENT_IP, SERVER_IP, Case, _cpu, _free_port, ours, raw, raw_passive
 
-from rdmashim.providers.softiwarp import engines
+from rdmashim.providers.softiwarp import driver, engines
 from rdmashim.providers.softiwarp.cq import CQ
 from rdmashim.providers.softiwarp.engine import Engine
 from rdmashim.providers.softiwarp.native_provider import NativeCQ, NativeLink, NativeQP
@@ -55,6 +58,7 @@ from rdmashim.rdstools.defaults import STRESS_PORT
 from rdmashim.rdstools.stress import PassiveResult, stress_passive
 from rdmashim.ulps.rds.node import RdsSocket
 from rdmashim.ulps.rds.rdma_session import Session
+from rdmashim.verbs.lending import WaitPoint
 
 from report import engine_line, run_meta
 from streams import stop_process
@@ -139,6 +143,25 @@ class Tracer(trio.abc.Instrument):
         setattr(owner, name, hooked)
         self._undo.append(partial(setattr, owner, name, original))
 
+    def _hook_idle_wait(self, owner: Any, name: str, after: tuple[str, ...]) -> None:
+        """An idle wait (``rdmashim.verbs.idle``: the reader waits in a poll of its own in
+        place of trio's wait): ``sleep`` at its call and ``after`` at its return, when it
+        waited (it returns false, or ``driver.BUSY``, when it did not)."""
+        original = getattr(owner, name)
+        log, now = self.log, time.perf_counter_ns
+
+        def hooked(*args: Any, **kwargs: Any) -> Any:
+            t = now()
+            got = original(*args, **kwargs)
+            if got is not False and got is not driver.BUSY:
+                done = now()
+                log.append(("sleep", t))
+                log.extend((point, done) for point in after)
+            return got
+
+        setattr(owner, name, hooked)
+        self._undo.append(partial(setattr, owner, name, original))
+
     def _hook_handler(self) -> None:
         """Log ``handler`` and ``handler_end`` around the session's completion handler,
         and how long the engine's calls inside it took (:attr:`inside`)."""
@@ -186,10 +209,15 @@ class Tracer(trio.abc.Instrument):
         ):  # fmt: skip
             self._hook_engine(owner, name)  # (before the post's points: those go outside)
         if native_engine:
+            # (an idle wait reads in the same call into C: wake and read are one point)
+            self._hook_idle_wait(
+                NativeLink, "_read_idle", ("wake", "read", "read_end", "engine_end")
+            )
             self._hook(NativeLink, "_read", "read", ("read_end", "engine_end"))
             self._hook(NativeQP, "_submit_send", "write", "write_end")
             self._hook(NativeQP, "post_send", "post", "post_end")
         else:
+            self._hook_idle_wait(WaitPoint, "block", ("wake",))
             self._hook(os, "readv", "read", "read_end")
             self._hook(os, "write", "write", "write_end")
             self._hook(os, "writev", "write", "write_end")

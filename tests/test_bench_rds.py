@@ -43,7 +43,8 @@ def test_rds_breakdown_times_every_phase_at_both_ends(tmp_path: Path, engine: st
     """Every hook of ``rds_breakdown.py`` still fires in order (a renamed or bypassed
     point leaves no cycle, and its phases without a median), on either engine, and raw
     TCP ran beside. On the native engine one C call reads and processes: the engine's
-    own receive phase is empty (0)."""
+    own receive phase is empty (0), and so are trio's resuming and the read when the
+    reader waited idle (the wait and the read are one call into C)."""
     if engine == "native" and not native.AVAILABLE:
         pytest.skip(f"native engine unavailable: {native.WHY_NOT}")
     out = tmp_path / "breakdown.json"
@@ -61,6 +62,8 @@ def test_rds_breakdown_times_every_phase_at_both_ends(tmp_path: Path, engine: st
         medians = list(doc[side]["median_us"])
         if engine == "native":
             assert medians.pop(2) == 0, doc[side]  # (the engine's receive: inside readv)
+            resumed, read = medians.pop(0), medians.pop(0)  # (0 after idle waits)
+            assert 0 <= resumed < 100_000 and 0 <= read < 100_000, doc[side]
         assert all(0 < us < 100_000 for us in medians), doc[side]
     assert doc["median"]["raw"]["tx_per_s"] > 0
     assert (
