@@ -160,6 +160,25 @@ _W_contra = TypeVar("_W_contra", SendWR, RecvWR, contravariant=True)
 _P = TypeVar("_P", bound="Prepared[Any]")
 
 
+def requests_of(wr: _W | Iterable[_W], kind: type[_W], operation: str) -> list[_W]:
+    """The requests a post was given: ``wr`` alone, or the list of them, each checked to
+    be a ``kind`` (a TypeError naming the first that is not)."""
+    if isinstance(wr, kind):
+        return [wr]
+    try:
+        wrs = list(wr)  # type: ignore[arg-type]  # (not a kind: an iterable, or refused)
+    except TypeError:
+        raise TypeError(
+            f"{operation}: expected a {kind.__name__} or a list of them, not a {type(wr).__name__}"
+        ) from None
+    for i, w in enumerate(wrs):
+        if not isinstance(w, kind):
+            raise TypeError(
+                f"{operation}: work request {i} is a {type(w).__name__}, not a {kind.__name__}"
+            )
+    return wrs
+
+
 class Prepared(Protocol[_W_contra]):
     """What a backend derives from a batch's entries (see :meth:`SendBatch.prepared`)."""
 

@@ -86,6 +86,7 @@ from rdmashim.verbs.wr import (
     SendWR,
     WCArray,
     request_problem,
+    requests_of,
 )
 
 if TYPE_CHECKING:
@@ -93,7 +94,6 @@ if TYPE_CHECKING:
 
 _QP_NUMBERS = itertools.count(1)
 """QP numbers of this backend: IBAL's QP exists before the HCA's, so it numbers its own."""
-_T = TypeVar("_T")
 
 # ---------------------------------------------------------------------------- completions
 _WC_STATUS: dict[int, WCStatus] = {}
@@ -420,10 +420,6 @@ def _bad(exc: VerbsError, i: int) -> VerbsError:
     return exc
 
 
-def _as_list(wr: _T | Iterable[_T], kind: type[_T]) -> list[_T]:
-    return [wr] if isinstance(wr, kind) else list(wr)  # type: ignore[arg-type]
-
-
 _L = TypeVar("_L", ib_wc_t, ib_send_wr_t, ib_recv_wr_t)
 
 
@@ -602,13 +598,13 @@ class QP:
 
     def post_send(self, wr: SendWR | Iterable[SendWR]) -> None:
         """``ib_post_send`` of the requests as one chain."""
-        post("post_send", send_chain(_as_list(wr, SendWR)), ib_post_send, self.h_qp)
+        post("post_send", send_chain(requests_of(wr, SendWR, "post_send")), ib_post_send, self.h_qp)
 
     def post_recv(self, wr: RecvWR | Iterable[RecvWR]) -> None:
         """``ib_post_recv`` of the requests as one chain."""
         if self.srq is not None:
             raise VerbsError(errno.EINVAL, "post_recv", "QP uses an SRQ; post to the SRQ")
-        post("post_recv", recv_chain(_as_list(wr, RecvWR)), ib_post_recv, self.h_qp)
+        post("post_recv", recv_chain(requests_of(wr, RecvWR, "post_recv")), ib_post_recv, self.h_qp)
 
     def post_send_batch(
         self, batch: SendBatch, count: int | None = None, *, indices: Sequence[int] | None = None
@@ -685,7 +681,12 @@ class SRQ:
 
     def post_recv(self, wr: RecvWR | Iterable[RecvWR]) -> None:
         """``ib_post_srq_recv`` of the requests as one chain."""
-        post("post_srq_recv", recv_chain(_as_list(wr, RecvWR)), ib_post_srq_recv, self.h_srq)
+        post(
+            "post_srq_recv",
+            recv_chain(requests_of(wr, RecvWR, "post_srq_recv")),
+            ib_post_srq_recv,
+            self.h_srq,
+        )
 
     def post_recv_batch(
         self, batch: RecvBatch, count: int | None = None, *, indices: Sequence[int] | None = None

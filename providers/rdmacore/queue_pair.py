@@ -35,6 +35,7 @@ from rdmashim.verbs.wr import (
     SendBatch,
     SendWR,
     request_problem,
+    requests_of,
 )
 
 if TYPE_CHECKING:
@@ -64,12 +65,6 @@ _INLINE = int(SendFlags.INLINE)
 _WITH_IMM = frozenset({WROpcode.RDMA_WRITE_WITH_IMM, WROpcode.SEND_WITH_IMM})
 _ATOMIC = frozenset({WROpcode.ATOMIC_CMP_AND_SWP, WROpcode.ATOMIC_FETCH_AND_ADD})
 _STATES = {s.value: s for s in QPState}
-
-
-def _as_list(wr: Any) -> list[Any]:
-    if isinstance(wr, SendWR | RecvWR):
-        return [wr]
-    return list(wr)
 
 
 def _posting_error(rc: int, operation: str, bad: Any, first: Any, size: int) -> VerbsError:
@@ -318,7 +313,7 @@ class SRQ(Resource):
     def post_recv(self, wr: RecvWR | Iterable[RecvWR]) -> None:
         """Post one receive work request or a list of them."""
         self._check_open("post_srq_recv")
-        wrs = _as_list(wr)
+        wrs = requests_of(wr, RecvWR, "post_srq_recv")
         if not wrs:
             return
         chain, _keep = encode_recv(wrs)
@@ -415,7 +410,7 @@ class QP(Resource):
         are posted, as a provider refusing it would leave them.
         """
         self._check_open("post_send")
-        wrs = _as_list(wr)
+        wrs = requests_of(wr, SendWR, "post_send")
         if not wrs:
             return
         refused = None
@@ -471,7 +466,7 @@ class QP(Resource):
         self._check_open("post_recv")
         if self.srq is not None:
             raise VerbsError(errno.EINVAL, "post_recv", "QP uses an SRQ; post to the SRQ")
-        wrs = _as_list(wr)
+        wrs = requests_of(wr, RecvWR, "post_recv")
         if not wrs:
             return
         chain, _keep = encode_recv(wrs)

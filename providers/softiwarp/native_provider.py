@@ -45,7 +45,7 @@ from rdmashim.providers.softiwarp.terminate import ProtocolError, TermCode
 from rdmashim.verbs.attrs import QPCap
 from rdmashim.verbs.enums import QPState
 from rdmashim.verbs.errors import VerbsError, refused_wr
-from rdmashim.verbs.wr import RecvBatch, RecvWR, SendBatch, SendWR
+from rdmashim.verbs.wr import RecvBatch, RecvWR, SendBatch, SendWR, requests_of
 
 log = logging.getLogger(__name__)
 
@@ -276,7 +276,7 @@ class NativeSRQ(SRQ):
     def post_recv(self, wr: RecvWR | Iterable[RecvWR]) -> None:
         """Post one receive work request or a list of them."""
         self._check_open("post_srq_recv")
-        wrs = [wr] if isinstance(wr, RecvWR) else list(wr)
+        wrs = requests_of(wr, RecvWR, "post_srq_recv")
         self._post(plan_of(RecvPlan, wrs), range(len(wrs)))
 
     def post_recv_batch(
@@ -390,20 +390,22 @@ class NativeQP(QPBase):
         Python engine's provider raises them. A request posted again is packed once."""
         if self._closed:
             self._check_open("post_send")
-        if isinstance(wr, SendWR):
-            plan = self._send_plans.of(wr)
-            quick = plan.quick
-            if (
-                quick is not None and quick[0] == self._memview.epoch
-                and self._state is QPState.RTS and self._view.sq_depth < self.cap.max_send_wr
-                and self._submit_send(quick[1], 1)
-            ):  # fmt: skip
-                self._sync()  # (posted again, checked before: straight to C)
+        if not isinstance(wr, SendWR):
+            wrs = requests_of(wr, SendWR, "post_send")
+            if len(wrs) != 1:
+                self._post_sends(wrs, self._send_plans.of_list(wrs), range(len(wrs)))
                 return
-            self._post_sends((wr,), plan, _ONE)
+            wr = wrs[0]  # (a list of one: as the request alone)
+        plan = self._send_plans.of(wr)
+        quick = plan.quick
+        if (
+            quick is not None and quick[0] == self._memview.epoch
+            and self._state is QPState.RTS and self._view.sq_depth < self.cap.max_send_wr
+            and self._submit_send(quick[1], 1)
+        ):  # fmt: skip
+            self._sync()  # (posted again, checked before: straight to C)
             return
-        wrs = list(wr)
-        self._post_sends(wrs, self._send_plans.of_list(wrs), range(len(wrs)))
+        self._post_sends((wr,), plan, _ONE)
 
     def post_send_batch(
         self, batch: SendBatch, count: int | None = None, *, indices: Sequence[int] | None = None
@@ -430,18 +432,20 @@ class NativeQP(QPBase):
         """Post one receive work request or a list of them (never blocks)."""
         if self._closed:
             self._check_open("post_recv")
-        if isinstance(wr, RecvWR):
-            plan = self._recv_plans.of(wr)
-            quick = plan.quick
-            if (
-                quick is not None and quick[0] == self._memview.epoch and self.srq is None
-                and self._state is QPState.RTS and lib.rs_qp_post_recv(self._ptr, quick[1], 1)
-            ):  # fmt: skip
-                return  # (posted again, checked before: straight to C)
-            self._post_recvs(plan, _ONE)
-            return
-        wrs = list(wr)
-        self._post_recvs(self._recv_plans.of_list(wrs), range(len(wrs)))
+        if not isinstance(wr, RecvWR):
+            wrs = requests_of(wr, RecvWR, "post_recv")
+            if len(wrs) != 1:
+                self._post_recvs(self._recv_plans.of_list(wrs), range(len(wrs)))
+                return
+            wr = wrs[0]  # (a list of one: as the request alone)
+        plan = self._recv_plans.of(wr)
+        quick = plan.quick
+        if (
+            quick is not None and quick[0] == self._memview.epoch and self.srq is None
+            and self._state is QPState.RTS and lib.rs_qp_post_recv(self._ptr, quick[1], 1)
+        ):  # fmt: skip
+            return  # (posted again, checked before: straight to C)
+        self._post_recvs(plan, _ONE)
 
     def post_recv_batch(
         self, batch: RecvBatch, count: int | None = None, *, indices: Sequence[int] | None = None

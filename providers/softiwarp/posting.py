@@ -54,12 +54,6 @@ else it takes the general path, which reports the error."""
 _W = TypeVar("_W", SendWR, RecvWR)
 
 
-def as_list(wr: _W | Iterable[_W]) -> list[_W]:
-    if isinstance(wr, SendWR | RecvWR):
-        return [wr]
-    return list(wr)
-
-
 def recv_job(w: RecvWR) -> RecvJob | None:
     """The engine's form of a receive (it only reads it: a batch posts one many times),
     or None when it cannot be posted (:func:`recv_problem` says why)."""

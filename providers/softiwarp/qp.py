@@ -38,7 +38,6 @@ from rdmashim.providers.softiwarp.posting import (
     RunPlan,
     SendTemplate,
     SendTemplates,
-    as_list,
     batch_jobs,
     fields_of,
     inline_bytes,
@@ -68,6 +67,7 @@ from rdmashim.verbs.wr import (
     SendBatch,
     SendWR,
     recv_problem,
+    requests_of,
     wr_id_problem,
 )
 
@@ -266,7 +266,7 @@ class QP(QPBase):
         """
         if self._closed:
             self._check_open("post_send")
-        wrs = (wr,) if wr.__class__ is SendWR else as_list(wr)
+        wrs = (wr,) if wr.__class__ is SendWR else requests_of(wr, SendWR, "post_send")
         self._post_sends(wrs, list(map(self._template, wrs)))
 
     def _template(self, w: SendWR) -> SendTemplate:
@@ -482,7 +482,7 @@ class QP(QPBase):
                 self._recvs.clear()
             self._recvs[id(wr)] = KeptRecv(wr, job, token)
             return
-        jobs, refused = recv_jobs("post_recv", as_list(wr), memory)
+        jobs, refused = recv_jobs("post_recv", requests_of(wr, RecvWR, "post_recv"), memory)
         self._post_recvs(jobs)
         if refused is not None:
             raise refused
@@ -575,7 +575,9 @@ class SRQ(Resource):
     def post_recv(self, wr: RecvWR | Iterable[RecvWR]) -> None:
         """Post one receive work request or a list of them."""
         self._check_open("post_srq_recv")
-        jobs, refused = recv_jobs("post_srq_recv", as_list(wr), self.pd.context.memory)
+        jobs, refused = recv_jobs(
+            "post_srq_recv", requests_of(wr, RecvWR, "post_srq_recv"), self.pd.context.memory
+        )
         self._post_jobs(jobs)
         if refused is not None:
             raise refused
