@@ -10,14 +10,15 @@ thread (trio's wake-up socket is in that epoll set) ends its wait at once, and s
 does the run's next deadline (the call's timeout), and trio then takes over as
 usual. A message that arrives is read by the waiting task right after the kernel
 wakes it. Measured on the native engine (``benchmarks/bench.py --only send-lat``,
-``docs/native-engine.md``), this took a half round trip from 1.4-1.5 times raw
-trio TCP's to about 1.0.
+alternated before and after, ``docs/native-engine.md``), this took a half round
+trip from 1.41 times raw trio TCP's to 0.86.
 
 This reads trio's run loop's private state (its run queue, deadlines, clock and epoll
 descriptor). Where that state is not what this module knows (another trio version,
 another I/O backend such as kqueue or IOCP, guest mode, a clock other than trio's
-own), :func:`current` says None and tasks wait through trio as before;
-``tests/test_idle_wait.py`` fails when the trio this project pins no longer matches.
+own, or any attribute it reads missing), :func:`current` says None and tasks wait
+through trio as before; ``tests/test_idle_wait.py`` fails when the installed trio no
+longer matches (the project asks for trio >= 0.25; this was written against 0.35).
 """
 
 from __future__ import annotations
