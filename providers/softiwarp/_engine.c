@@ -642,17 +642,6 @@ static void complete(rs_qp *qp, rs_cq *cq, uint64_t wr_id, uint32_t status, uint
 }
 
 static int head_may_start(rs_qp *qp);
-int64_t rs_qp_wait_read_fd(rs_qp *qp, int fd, int others, int timeout_ms)
-{
-    struct pollfd fds[2] = {{fd, POLLIN, 0}, {others, POLLIN, 0}};
-    int n = poll(fds, 2, timeout_ms);
-    if (n < 0)
-        return -errno;
-    if (!fds[0].revents || fds[1].revents)
-        return -EBUSY; /* the time is up, or the others go first */
-    return rs_qp_read_fd(qp, fd);
-}
-
 static uint64_t rx_owed(rs_qp *qp);
 
 /* Bring the view's computed fields up to date (rs_qp_view in _engine.h). */
@@ -1809,6 +1798,17 @@ int64_t rs_qp_read_fd(rs_qp *qp, int fd)
     }
     rs_qp_rx(qp, qp->rxbuf, (size_t)n);
     return n;
+}
+
+int64_t rs_qp_wait_read_fd(rs_qp *qp, int fd, int others, int timeout_ms)
+{
+    struct pollfd fds[2] = {{fd, POLLIN, 0}, {others, POLLIN, 0}};
+    int n = poll(fds, 2, timeout_ms);
+    if (n < 0)
+        return -errno;
+    if (!fds[0].revents || fds[1].revents)
+        return -EBUSY; /* the time is up, or the others go first */
+    return rs_qp_read_fd(qp, fd);
 }
 
 int64_t rs_qp_spin_fd(rs_qp *qp, int fd, uint64_t ns)

@@ -322,37 +322,28 @@ class Link:
                 if not drained:  # (the socket lent here was empty at its last read: wait)
                     drained = self._read()
                     self._streak += 1
-                    if after_read is not None:
-                        after_read()
-                    if drained is None or ready():
-                        break
-                if drained:
-                    if spin:
-                        now = time.perf_counter()
-                        if engine.bytes_received != seen:
-                            seen, spin_end = engine.bytes_received, now + spin
-                        if now < spin_end:  # busy polling: read again after the others ran
-                            self._streak = 0
-                            drained = await self._spin(spin_end - now)
-                            if after_read is not None:
-                                after_read()
-                            if drained is None or ready():
-                                break
-                            continue
-                    got = self._read_idle()
-                    if got is BUSY:
+                else:
+                    now = time.perf_counter() if spin else 0.0
+                    if spin and engine.bytes_received != seen:
+                        seen, spin_end = engine.bytes_received, now + spin
+                    if now < spin_end:  # busy polling: read again after the others ran
                         self._streak = 0
-                        await self._wait.wait_readable()  # (or interrupt(), or the link ended)
-                        drained = False
-                        continue
-                    self._streak += 1
-                    drained = got
-                    if after_read is not None:
-                        after_read()
-                    if drained is None or ready():
-                        break
-                elif self._streak >= lending.READS_BEFORE_YIELD:  # (a long stream: others now)
-                    self._streak = 0
+                        drained = await self._spin(spin_end - now)
+                    else:
+                        got = self._read_idle()
+                        if got is BUSY:
+                            self._streak = 0
+                            await self._wait.wait_readable()  # (or interrupt(), or the end)
+                            drained = False
+                            continue
+                        drained = got
+                        self._streak += 1
+                if after_read is not None:
+                    after_read()
+                if drained is None or ready():
+                    break
+                if not drained and self._streak >= lending.READS_BEFORE_YIELD:
+                    self._streak = 0  # (a long stream of bytes: the others' turn now)
                     await trio.lowlevel.checkpoint()
             if self._streak >= lending.READS_BEFORE_YIELD and not self._rx_stopped:
                 # Waits that each ended with a read, none through trio (a stream, or
