@@ -175,6 +175,39 @@ def refusals(found: Iterable[Import], files: Iterable[str]) -> list[str]:
     return out
 
 
+def loops(found: Iterable[Import], files: Iterable[str], folder: str) -> list[list[str]]:
+    """The modules of ``folder`` (an installed path ending in ``/``; its package faces,
+    ``__init__.py``, left out) that import one another in a loop, directly or through
+    others of the folder: each loop's modules, sorted."""
+    known = sorted(set(files))
+    edges: dict[str, set[str]] = {f: set() for f in known if _in_folder(f, folder)}
+    for imp in found:
+        target = module_file(imp.target, known)
+        if imp.file in edges and target in edges and target != imp.file:
+            edges[imp.file].add(target)
+    reach = {file: _reach(edges, file) for file in edges}
+    out: list[list[str]] = []
+    for start, reached in reach.items():
+        if start in reached and not any(start in loop for loop in out):
+            out.append(sorted(n for n in reached if start in reach[n]))
+    return out
+
+
+def _in_folder(file: str, folder: str) -> bool:
+    return file.startswith(folder) and not file.endswith("/__init__.py")
+
+
+def _reach(edges: dict[str, set[str]], start: str) -> set[str]:
+    reached: set[str] = set()
+    todo = list(edges[start])
+    while todo:
+        node = todo.pop()
+        if node not in reached:
+            reached.add(node)
+            todo.extend(edges[node])
+    return reached
+
+
 def _layer(file: str) -> str:
     return "/".join(layers_of(file)) or "no layer"
 
@@ -208,6 +241,15 @@ def test_every_module_is_in_one_layer_and_every_import_runs_along_an_arrow() -> 
     assert len(found) > 500, "the checker reads too few imports to be reading the package"
     broken = refusals(found, files)
     assert not broken, "the layers are broken:\n" + "\n".join(broken)
+
+
+def test_the_engine_modules_import_one_another_in_no_loop() -> None:
+    """The built-in engine's modules stand one above another (the native engine's issue):
+    no two import each other, not even for annotations; where one names a type of a
+    module above it, it says what it asks of it with a protocol of its own (a CQ of its
+    QPs and context, a QP of its PD and context)."""
+    found, files = _package_imports()
+    assert not loops(found, files, "rdmashim/providers/softiwarp/")
 
 
 def test_only_the_registry_imports_by_name() -> None:
@@ -320,6 +362,21 @@ def test_the_checker_names_file_import_and_rule() -> None:
         "rdmashim/cli.py:15 imports rdmashim.providers.softiwarp (Tools -> Engine): "
         "Tools may import only CM, Facade, NFS, RDS, Verbs",
     ]
+
+
+def test_the_loop_finder_finds_a_loop_through_others_and_only_it() -> None:
+    files = [f"rdmashim/providers/softiwarp/{name}.py" for name in ("a", "b", "c", "d")]
+    files.append("rdmashim/providers/softiwarp/__init__.py")
+    found = [
+        Import(files[0], 1, "rdmashim.providers.softiwarp.b"),
+        Import(files[1], 1, "rdmashim.providers.softiwarp.c"),
+        Import(files[2], 1, "rdmashim.providers.softiwarp.a"),  # a -> b -> c -> a
+        Import(files[3], 1, "rdmashim.providers.softiwarp.a"),  # d above the loop
+        Import(files[0], 2, "rdmashim.providers.softiwarp"),  # the face: not a loop
+        Import(files[4], 1, "rdmashim.providers.softiwarp.a"),
+    ]
+    assert loops(found, files, "rdmashim/providers/softiwarp/") == [files[:3]]
+    assert loops(found[3:], files, "rdmashim/providers/softiwarp/") == []
 
 
 def test_a_module_in_no_layer_or_in_two_is_refused() -> None:

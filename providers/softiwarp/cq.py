@@ -14,7 +14,7 @@ import errno
 import logging
 from collections import deque
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import trio
 
@@ -42,10 +42,52 @@ from rdmashim.verbs.wr import (
 
 if TYPE_CHECKING:
     from rdmashim.providers.softiwarp.driver import Link
-    from rdmashim.providers.softiwarp.provider import Context
-    from rdmashim.providers.softiwarp.qp import QPBase
+    from rdmashim.verbs.enums import QPState
 
 log = logging.getLogger(__name__)
+
+
+class CQContext(abc.Context, Protocol):
+    """What a CQ asks of its device context (the provider's ``Context``, which imports
+    this module: a CQ names it only so)."""
+
+    @property
+    def nursery(self) -> trio.Nursery: ...
+
+    @property
+    def _drivers(self) -> set[trio.lowlevel.Task]: ...
+
+    def _post_async(self, event_type: AsyncEventType, element: abc.CQ | abc.QP) -> None: ...
+
+    def _handler_due(self, cq: CQ) -> None: ...
+
+    def _dispatch_due(self) -> None: ...
+
+
+class EngineErrors(Protocol):
+    """What a CQ asks of a QP's engine: to fail it."""
+
+    def set_error(self, exc: Exception | None = None) -> None: ...
+
+
+class CompletingQP(abc.QP, Protocol):
+    """What a CQ asks of a QP completing into it (``qp.QPBase``, which imports this
+    module: a CQ names it only so)."""
+
+    @property
+    def state(self) -> QPState: ...
+
+    @property
+    def engine(self) -> EngineErrors: ...
+
+    @property
+    def _link(self) -> Link | None: ...
+
+    @property
+    def send_cq(self) -> CQ: ...
+
+    @property
+    def recv_cq(self) -> CQ: ...
 
 
 class CompChannel(Resource):
@@ -83,7 +125,7 @@ class CQ(Resource):
     _kind = "completion queue"
     busy_poll = BusyPoll()
 
-    def __init__(self, context: Context, cqe: int, channel: CompChannel | None) -> None:
+    def __init__(self, context: CQContext, cqe: int, channel: CompChannel | None) -> None:
         self.context = context
         self.cqe = cqe
         self.channel = channel
@@ -98,7 +140,7 @@ class CQ(Resource):
         self._waiter = trio.Event()
         self._reader: Link | None = None
         """The connection a task in :meth:`wait` reads in place of its receive task."""
-        self._qps: dict[int, QPBase] = {}
+        self._qps: dict[int, CompletingQP] = {}
         """The QPs completing into this CQ (they go to ERR if it overruns)."""
         self.events_acked = 0
         self.events_delivered = 0
@@ -206,7 +248,7 @@ class CQ(Resource):
         """What a QP failed by this CQ's overrun has as its ``error``."""
         return VerbsError(errno.EOVERFLOW, "cq", f"CQ overrun: more than {self.cqe} completions")
 
-    def _failed_by_overrun(self, qp: QPBase) -> bool:
+    def _failed_by_overrun(self, qp: CompletingQP) -> bool:
         """Whether ``qp`` is in ERR because of this CQ's overrun already (the native
         engine fails the QP whose completion did not fit at once)."""
         return False
@@ -354,7 +396,7 @@ class CQ(Resource):
             return None
         return qp._link
 
-    def _only_qp(self) -> QPBase | None:
+    def _only_qp(self) -> CompletingQP | None:
         """The QP completing here, when there is exactly one."""
         return next(iter(self._qps.values())) if len(self._qps) == 1 else None
 

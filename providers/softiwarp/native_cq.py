@@ -12,10 +12,9 @@ import struct
 from typing import Any
 
 from rdmashim.providers.softiwarp import native
-from rdmashim.providers.softiwarp.cq import CQ, CompChannel
+from rdmashim.providers.softiwarp.cq import CQ, CompChannel, CompletingQP
 from rdmashim.providers.softiwarp.native import ffi, lib
 from rdmashim.providers.softiwarp.provider import Context
-from rdmashim.providers.softiwarp.qp import QPBase
 from rdmashim.verbs.enums import WCFlags, WCOpcode, WCStatus
 from rdmashim.verbs.errors import VerbsError
 from rdmashim.verbs.wr import WC, WCArray
@@ -67,7 +66,7 @@ class NativeCQ(CQ):
             self._overflow(None)
         self._arrived(notable != was)
 
-    def _failed_by_overrun(self, qp: QPBase) -> bool:
+    def _failed_by_overrun(self, qp: CompletingQP) -> bool:
         engine = getattr(qp, "engine", None)  # (a native QP: a CQ serves its own engine's)
         return bool(getattr(engine, "kind", 0) == lib.RS_ERR_CQ_OVERRUN)
 

@@ -48,6 +48,7 @@ from rdmashim.providers.softiwarp.posting import (
 )
 from rdmashim.providers.softiwarp.resource import Resource
 from rdmashim.providers.softiwarp.terminate import TermCode
+from rdmashim.verbs import abc
 from rdmashim.verbs.attrs import QPAttr, QPCap
 from rdmashim.verbs.enums import (
     QPState,
@@ -72,9 +73,37 @@ from rdmashim.verbs.wr import (
 )
 
 if TYPE_CHECKING:
+    from collections.abc import Iterator
+
     from rdmashim.providers.softiwarp.cq import CQ
     from rdmashim.providers.softiwarp.driver import Link
-    from rdmashim.providers.softiwarp.provider import PD
+    from rdmashim.providers.softiwarp.memory import MemoryTable
+
+
+class QPContext(abc.Context, Protocol):
+    """What a QP asks of its device context (the provider's ``Context``, which imports
+    this module: a QP names it only so)."""
+
+    @property
+    def _closed(self) -> bool: ...
+
+    @property
+    def memory(self) -> MemoryTable: ...
+
+    @property
+    def nursery(self) -> trio.Nursery: ...
+
+    @property
+    def _qp_numbers(self) -> Iterator[int]: ...
+
+    def _after_receive(self) -> None: ...
+
+
+class QPDomain(abc.PD, Protocol):
+    """What a QP asks of its protection domain (the provider's ``PD``)."""
+
+    @property
+    def context(self) -> QPContext: ...
 
 
 class EngineView(Protocol):
@@ -96,7 +125,7 @@ class QPBase(Resource):
     _link: Link | None
 
     def __init__(
-        self, pd: PD, send_cq: CQ, recv_cq: CQ, cap: QPCap, srq: SRQ | None, sq_sig_all: bool
+        self, pd: QPDomain, send_cq: CQ, recv_cq: CQ, cap: QPCap, srq: SRQ | None, sq_sig_all: bool
     ) -> None:
         self.pd = pd
         self.context = pd.context
@@ -201,7 +230,7 @@ class QP(QPBase):
     """A reliable-connected queue pair on the Python engine."""
 
     def __init__(
-        self, pd: PD, send_cq: CQ, recv_cq: CQ, cap: QPCap, srq: SRQ | None, sq_sig_all: bool
+        self, pd: QPDomain, send_cq: CQ, recv_cq: CQ, cap: QPCap, srq: SRQ | None, sq_sig_all: bool
     ) -> None:
         super().__init__(pd, send_cq, recv_cq, cap, srq, sq_sig_all)
         self._rq: deque[RecvJob] = deque()
@@ -566,7 +595,7 @@ class SRQ(Resource):
 
     _kind = "shared receive queue"
 
-    def __init__(self, pd: PD, max_wr: int, max_sge: int) -> None:
+    def __init__(self, pd: QPDomain, max_wr: int, max_sge: int) -> None:
         self.pd = pd
         self.max_wr = max_wr
         self.max_sge = max_sge
