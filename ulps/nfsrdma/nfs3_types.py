@@ -316,13 +316,11 @@ def _ftype(value: int) -> FType3:
 
 def unpack_fattr3(u: Unpacker) -> Fattr3:
     """A ``fattr3``."""
-    ftype = _ftype(u.uint())
-    mode, nlink, uid, gid = (u.uint() for _ in range(4))
-    size, used = u.uhyper(), u.uhyper()
-    rdev = (u.uint(), u.uint())
-    fsid, fileid = u.uhyper(), u.uhyper()
-    times = [unpack_time(u) for _ in range(3)]
-    return Fattr3(ftype, mode, nlink, uid, gid, size, used, rdev, fsid, fileid, *times)
+    w = u.fields(_FATTR3)
+    return Fattr3(
+        _ftype(w[0]), w[1], w[2], w[3], w[4], w[5], w[6], (w[7], w[8]), w[9], w[10],
+        (w[11], w[12]), (w[13], w[14]), (w[15], w[16]),
+    )  # fmt: skip
 
 
 def pack_post_op_attr(p: Packer, a: Fattr3 | None) -> None:

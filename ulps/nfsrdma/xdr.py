@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import struct
 from collections.abc import Callable, Sequence
-from typing import TypeVar
+from typing import Any, TypeVar
 
 T = TypeVar("T")
 
@@ -122,6 +122,10 @@ class Unpacker:
     def uint(self) -> int:
         """An unsigned 32-bit integer."""
         return int(_U32.unpack(self._take(4))[0])
+
+    def fields(self, layout: struct.Struct) -> tuple[Any, ...]:
+        """Fixed-size items read at once, as ``layout`` (big-endian) lays them out."""
+        return layout.unpack(self._take(layout.size))
 
     def int32(self) -> int:
         """A signed 32-bit integer."""
