@@ -14,7 +14,7 @@ import errno
 from abc import abstractmethod
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
 import trio
 
@@ -48,7 +48,6 @@ from rdmashim.providers.softiwarp.posting import (
 )
 from rdmashim.providers.softiwarp.resource import Resource
 from rdmashim.providers.softiwarp.terminate import TermCode
-from rdmashim.verbs import abc
 from rdmashim.verbs.attrs import QPAttr, QPCap
 from rdmashim.verbs.enums import (
     QPState,
@@ -73,47 +72,9 @@ from rdmashim.verbs.wr import (
 )
 
 if TYPE_CHECKING:
-    from collections.abc import Iterator
-
     from rdmashim.providers.softiwarp.cq import CQ
     from rdmashim.providers.softiwarp.driver import Link
-    from rdmashim.providers.softiwarp.memory import MemoryTable
-
-
-class QPContext(abc.Context, Protocol):
-    """What a QP asks of its device context (the provider's ``Context``, which imports
-    this module: a QP names it only so)."""
-
-    @property
-    def _closed(self) -> bool: ...
-
-    @property
-    def memory(self) -> MemoryTable: ...
-
-    @property
-    def nursery(self) -> trio.Nursery: ...
-
-    @property
-    def _qp_numbers(self) -> Iterator[int]: ...
-
-    def _after_receive(self) -> None: ...
-
-
-class QPDomain(abc.PD, Protocol):
-    """What a QP asks of its protection domain (the provider's ``PD``)."""
-
-    @property
-    def context(self) -> QPContext: ...
-
-
-class EngineView(Protocol):
-    """What a QP's verbs object asks of its engine, the Python one or the native one."""
-
-    error: Exception | None
-    remote_terminate: TermCode | None
-    config: EngineConfig
-
-    def set_error(self, exc: Exception | None = None) -> None: ...
+    from rdmashim.providers.softiwarp.qp_needs import EngineView, QPDomain
 
 
 class QPBase(Resource):
