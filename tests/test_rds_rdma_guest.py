@@ -181,9 +181,6 @@ async def test_exchange_kernel_lower_and_first(pair: Pair) -> None:
     stats = pcap.with_suffix(".tcpdump").read_text()
     print(f"\ntcpdump in guest K: {stats.strip()}")
     assert re.search(r"^0 packets dropped by kernel$", stats, re.M), f"incomplete capture: {stats}"
-    captured = re.search(r"^(\d+) packets captured$", stats, re.M)
-    matched = re.search(r"^(\d+) packets received by filter$", stats, re.M)
-    assert captured and matched and captured[1] == matched[1], f"capture cut short: {stats}"
     judge_capture(pcap, {K_IP, O_IP})
 
 
