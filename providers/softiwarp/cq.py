@@ -42,6 +42,7 @@ from rdmashim.verbs.wr import (
 
 if TYPE_CHECKING:
     from rdmashim.providers.softiwarp.driver import Link
+    from rdmashim.providers.softiwarp.qp_needs import EngineView
     from rdmashim.verbs.enums import QPState
 
 log = logging.getLogger(__name__)
@@ -64,12 +65,6 @@ class CQContext(abc.Context, Protocol):
     def _dispatch_due(self) -> None: ...
 
 
-class EngineErrors(Protocol):
-    """What a CQ asks of a QP's engine: to fail it."""
-
-    def set_error(self, exc: Exception | None = None) -> None: ...
-
-
 class CompletingQP(abc.QP, Protocol):
     """What a CQ asks of a QP completing into it (``qp.QPBase``, which imports this
     module: a CQ names it only so)."""
@@ -78,7 +73,7 @@ class CompletingQP(abc.QP, Protocol):
     def state(self) -> QPState: ...
 
     @property
-    def engine(self) -> EngineErrors: ...
+    def engine(self) -> EngineView: ...
 
     @property
     def _link(self) -> Link | None: ...
