@@ -252,6 +252,19 @@ class CQ(Resource, Protocol):
     def interrupt_wait(self) -> None:
         """Make a :meth:`drive_until` in progress look at its ``ready`` again now."""
 
+    async def serve_in_thread(
+        self, wcs: WCArray, on_completions: Callable[[WCArray, int], bool]
+    ) -> bool:
+        """Take completions into ``wcs`` in a thread of the backend's own and call
+        ``on_completions(wcs, n)`` there for each batch, until it returns False, the QP
+        leaves RTS or this task is cancelled: True then (completions may be left to
+        poll). ``on_completions`` may post on the QP; nothing else may use the QP or
+        this CQ meanwhile, and it must not touch trio. False at once where the backend
+        cannot (then wait with :meth:`poll_wait_into`). The built-in engine's native
+        engine can when one connected QP without an SRQ completes here and the CQ has
+        no channel or handler: a server answering each message at once costs no task
+        switch and no event loop pass a message (``docs/verbs.md``)."""
+
     async def poll_wait(self, num_entries: int = 16) -> list[WC]:
         """Wait for completions and take up to ``num_entries`` of them (at least one)."""
 

@@ -277,6 +277,12 @@ class CQ:
     def interrupt_wait(self) -> None:
         """Nothing waits in :meth:`drive_until` here."""
 
+    async def serve_in_thread(
+        self, wcs: WCArray, on_completions: Callable[[WCArray, int], bool]
+    ) -> bool:
+        """Not here (False): IBAL's callbacks deliver the completions."""
+        return False
+
     async def wait(self) -> None:
         """Wait until the CQ holds a completion (polls it for :attr:`busy_poll` seconds,
         then arms IBAL's notification if needed)."""

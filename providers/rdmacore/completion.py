@@ -399,6 +399,12 @@ class CQ(Resource):
     def interrupt_wait(self) -> None:
         """Nothing waits in :meth:`drive_until` here."""
 
+    async def serve_in_thread(
+        self, wcs: WCArray, on_completions: Callable[[WCArray, int], bool]
+    ) -> bool:
+        """Not here (False): a thread of ours would wait in ``ibv_get_cq_event``; not built."""
+        return False
+
     async def wait(self) -> None:
         """Wait until the CQ holds at least one completion (arm, poll again, then wait)."""
         self._check_open("wait")

@@ -23,6 +23,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <poll.h>
+#include <pthread.h>
 #include <sched.h>
 #include <sys/socket.h>
 #include <time.h>
@@ -112,6 +113,7 @@ struct rs_mem {
     rs_qp *qps;        /* every QP of the device, for deregistration */
     int dead;          /* rs_mem_free was called: freed when its last QP is */
     rs_mem_view v;     /* epoch: regions removed or invalidated ever */
+    pthread_mutex_t lock; /* the device's lock: see "One caller at a time" below */
 };
 
 static uint32_t slot_of(const rs_mem *mem, uint32_t index)
@@ -126,7 +128,13 @@ rs_mem *rs_mem_new(void)
         return NULL;
     mem->cap = 64;
     mem->slots = calloc(mem->cap, sizeof *mem->slots);
-    if (!mem->slots) {
+    pthread_mutexattr_t recursive;
+    pthread_mutexattr_init(&recursive);
+    pthread_mutexattr_settype(&recursive, PTHREAD_MUTEX_RECURSIVE);
+    int failed = !mem->slots || pthread_mutex_init(&mem->lock, &recursive);
+    pthread_mutexattr_destroy(&recursive);
+    if (failed) {
+        free(mem->slots);
         free(mem);
         return NULL;
     }
@@ -140,9 +148,13 @@ void rs_mem_free(rs_mem *mem)
 {
     if (!mem)
         return;
+    pthread_mutex_lock(&mem->lock);
     mem->dead = 1;
-    if (mem->qps)
+    int used = mem->qps != NULL;
+    pthread_mutex_unlock(&mem->lock);
+    if (used)
         return;
+    pthread_mutex_destroy(&mem->lock);
     for (uint32_t i = 0; i < mem->cap; i++)
         free(mem->slots[i]);
     free(mem->slots);
@@ -189,8 +201,8 @@ static int mem_grow(rs_mem *mem)
     return 0;
 }
 
-int rs_mem_add(rs_mem *mem, uint32_t stag, uint8_t *base, uint64_t iova, uint64_t length,
-               uint32_t access, uint64_t pd)
+static int rs_mem_add_in_lock(rs_mem *mem, uint32_t stag, uint8_t *base, uint64_t iova, uint64_t length,
+                               uint32_t access, uint64_t pd)
 {
     if (stag >> 8 == 0 || (length && iova > UINT64_MAX - (length - 1)))
         return -EINVAL;
@@ -215,7 +227,7 @@ int rs_mem_add(rs_mem *mem, uint32_t stag, uint8_t *base, uint64_t iova, uint64_
     return 0;
 }
 
-int rs_mem_valid(rs_mem *mem, uint32_t stag) { return mem_lookup(mem, stag) != NULL; }
+static int rs_mem_valid_in_lock(rs_mem *mem, uint32_t stag) { return mem_lookup(mem, stag) != NULL; }
 rs_mem_view *rs_mem_view_of(rs_mem *mem) { return &mem->v; }
 
 /* Check [addr, addr + len) of region r for access rights; *p its first byte. */
@@ -259,6 +271,7 @@ struct rs_cq {
     uint32_t cap, head;
     uint32_t refs; /* QPs completing here */
     int dead;
+    pthread_mutex_t *lock; /* its QPs' device lock (set by the first QP) */
 };
 
 rs_cq *rs_cq_new(uint32_t cqe)
@@ -308,7 +321,7 @@ static int cq_push(rs_cq *cq, const rs_wc *wc)
     return 0;
 }
 
-uint32_t rs_cq_poll(rs_cq *cq, rs_wc *out, uint32_t n)
+static uint32_t rs_cq_poll_in_lock(rs_cq *cq, rs_wc *out, uint32_t n)
 {
     uint32_t k = 0;
     while (k < n && cq->v.count) {
@@ -319,7 +332,7 @@ uint32_t rs_cq_poll(rs_cq *cq, rs_wc *out, uint32_t n)
     return k;
 }
 
-uint32_t rs_cq_poll_sum(rs_cq *cq, rs_wc *out, uint32_t n, rs_wc_sum *sum)
+static uint32_t rs_cq_poll_sum_in_lock(rs_cq *cq, rs_wc *out, uint32_t n, rs_wc_sum *sum)
 {
     uint32_t k = rs_cq_poll(cq, out, n);
     uint32_t odd = 0, opcode = k ? out[0].opcode : 0, qp_num = k ? out[0].qp_num : 0;
@@ -375,6 +388,7 @@ struct rs_srq {
     rs_rq q;
     uint32_t refs;
     int dead;
+    pthread_mutex_t *lock; /* its QPs' device lock (set by the first QP) */
 };
 
 rs_srq *rs_srq_new(uint32_t max_wr)
@@ -398,7 +412,7 @@ void rs_srq_free(rs_srq *srq)
     }
 }
 
-uint32_t rs_srq_post(rs_srq *srq, const rs_recv_wr *wrs, uint32_t n)
+static uint32_t rs_srq_post_in_lock(rs_srq *srq, const rs_recv_wr *wrs, uint32_t n)
 {
     return rq_post(&srq->q, wrs, n);
 }
@@ -539,14 +553,19 @@ rs_qp *rs_qp_new(rs_mem *mem, uint64_t pd, uint32_t qp_num, rs_cq *send_cq, rs_c
     qp->max_fpdu = 65536;
     qp->rx_msn[0] = qp->rx_msn[1] = qp->rx_msn[2] = 1;
     qp->state = RS_QP_IDLE;
+    pthread_mutex_lock(&mem->lock);
     send_cq->refs++;
     recv_cq->refs++;
-    if (srq)
+    send_cq->lock = recv_cq->lock = &mem->lock;
+    if (srq) {
         srq->refs++;
+        srq->lock = &mem->lock;
+    }
     qp->next_in_mem = mem->qps;
     if (mem->qps)
         mem->qps->prev_in_mem = qp;
     mem->qps = qp;
+    pthread_mutex_unlock(&mem->lock);
     return qp;
 }
 
@@ -554,6 +573,8 @@ void rs_qp_free(rs_qp *qp)
 {
     if (!qp)
         return;
+    rs_mem *mem = qp->mem;
+    pthread_mutex_lock(&mem->lock);
     if (qp->prev_in_mem)
         qp->prev_in_mem->next_in_mem = qp->next_in_mem;
     else
@@ -570,9 +591,11 @@ void rs_qp_free(rs_qp *qp)
     cq_unref(qp->rcq);
     if (qp->srq && --qp->srq->refs == 0 && qp->srq->dead)
         rs_srq_free(qp->srq);
-    if (!qp->mem->qps && qp->mem->dead)
-        rs_mem_free(qp->mem);
+    int last = !mem->qps && mem->dead;
     free(qp);
+    pthread_mutex_unlock(&mem->lock);
+    if (last)
+        rs_mem_free(mem);
 }
 
 int rs_qp_state(rs_qp *qp) { return qp->state; }
@@ -842,14 +865,14 @@ static void enter_error(rs_qp *qp, uint32_t kind, const char *message, int remot
     publish(qp); /* (also when a deregistration stops it, outside its own calls) */
 }
 
-void rs_qp_set_error(rs_qp *qp, uint32_t kind, const char *message)
+static void rs_qp_set_error_in_lock(rs_qp *qp, uint32_t kind, const char *message)
 {
     enter_error(qp, kind, message, 0, 0, 0);
 }
 
 /* ------------------------------------------------------------------ setup */
-int rs_qp_start(rs_qp *qp, int crc, uint32_t ird, uint32_t ord, uint32_t max_fpdu, int rtr,
-                int wait_rtr)
+static int rs_qp_start_in_lock(rs_qp *qp, int crc, uint32_t ird, uint32_t ord, uint32_t max_fpdu, int rtr,
+                                int wait_rtr)
 {
     if (max_fpdu < 64 || max_fpdu > 65536 || ird > MAX_ORD_IRD || ord > MAX_ORD_IRD)
         return -1;
@@ -966,7 +989,7 @@ static uint32_t post_send(rs_qp *qp, const rs_send_wr *wrs, uint32_t n, int *why
     return n;
 }
 
-uint32_t rs_qp_post_send(rs_qp *qp, const rs_send_wr *wrs, uint32_t n, int *why)
+static uint32_t rs_qp_post_send_in_lock(rs_qp *qp, const rs_send_wr *wrs, uint32_t n, int *why)
 {
     uint32_t r = post_send(qp, wrs, n, why);
     settle(qp);
@@ -983,7 +1006,7 @@ static uint32_t post_recv(rs_qp *qp, const rs_recv_wr *wrs, uint32_t n)
     return k;
 }
 
-uint32_t rs_qp_post_recv(rs_qp *qp, const rs_recv_wr *wrs, uint32_t n)
+static uint32_t rs_qp_post_recv_in_lock(rs_qp *qp, const rs_recv_wr *wrs, uint32_t n)
 {
     uint32_t r = post_recv(qp, wrs, n);
     settle(qp);
@@ -1008,16 +1031,16 @@ static uint32_t post_at(rs_qp *qp, rs_srq *srq, const rs_recv_wr *table, uint32_
     return k;
 }
 
-uint32_t rs_qp_post_recv_at(rs_qp *qp, const rs_recv_wr *table, uint32_t n, const uint32_t *at,
-                            uint32_t count)
+static uint32_t rs_qp_post_recv_at_in_lock(rs_qp *qp, const rs_recv_wr *table, uint32_t n, const uint32_t *at,
+                                            uint32_t count)
 {
     uint32_t r = post_at(qp, NULL, table, n, at, count);
     settle(qp);
     return r;
 }
 
-uint32_t rs_srq_post_at(rs_srq *srq, const rs_recv_wr *table, uint32_t n, const uint32_t *at,
-                        uint32_t count)
+static uint32_t rs_srq_post_at_in_lock(rs_srq *srq, const rs_recv_wr *table, uint32_t n, const uint32_t *at,
+                                        uint32_t count)
 {
     return post_at(NULL, srq, table, n, at, count);
 }
@@ -1219,7 +1242,7 @@ static void produce(rs_qp *qp)
     }
 }
 
-const uint8_t *rs_qp_tx(rs_qp *qp, size_t *len)
+static const uint8_t *rs_qp_tx_in_lock(rs_qp *qp, size_t *len)
 {
     produce(qp);
     settle(qp);
@@ -1241,7 +1264,7 @@ static void tx_done(rs_qp *qp, size_t n)
     drain_sq(qp);
 }
 
-void rs_qp_tx_done(rs_qp *qp, size_t n)
+static void rs_qp_tx_done_in_lock(rs_qp *qp, size_t n)
 {
     tx_done(qp, n);
     settle(qp);
@@ -1674,7 +1697,7 @@ static void rx(rs_qp *qp, const uint8_t *data, size_t len)
     }
 }
 
-void rs_qp_rx(rs_qp *qp, const uint8_t *data, size_t len)
+static void rs_qp_rx_in_lock(rs_qp *qp, const uint8_t *data, size_t len)
 {
     rx(qp, data, len);
     settle(qp);
@@ -1726,7 +1749,7 @@ static void qp_revoke(rs_qp *qp, uint32_t stag)
     local_error(qp, RS_ERR_REVOKED, message);
 }
 
-int rs_mem_remove(rs_mem *mem, uint32_t stag)
+static int rs_mem_remove_in_lock(rs_mem *mem, uint32_t stag)
 {
     uint32_t index = stag >> 8;
     uint32_t s = slot_of(mem, index);
@@ -1781,7 +1804,7 @@ static void socket_failed(rs_qp *qp, int err)
     publish(qp);
 }
 
-int64_t rs_qp_read_fd(rs_qp *qp, int fd)
+static int64_t rs_qp_read_fd_in_lock(rs_qp *qp, int fd)
 {
     if (!qp->rxbuf && !(qp->rxbuf = malloc(RX_READ)))
         return -ENOMEM;
@@ -1809,6 +1832,32 @@ int64_t rs_qp_wait_read_fd(rs_qp *qp, int fd, int others, int timeout_ms)
     if (!fds[0].revents || fds[1].revents)
         return -EBUSY; /* the time is up, or the others go first */
     return rs_qp_read_fd(qp, fd);
+}
+
+int64_t rs_qp_serve_wait(rs_qp *qp, int fd, int wake)
+{
+    pthread_mutex_t *lock = &qp->mem->lock;
+    for (;;) {
+        pthread_mutex_lock(lock);
+        if (qp->tx_len > qp->tx_off) /* the socket was full: what waits goes on */
+            rs_qp_flush_fd(qp, fd);
+        int ready = qp->rcq->v.count || qp->scq->v.count || qp->state != RS_QP_RTS ||
+                    (qp->v.news & ~RS_NEWS_CQ);
+        short events = POLLIN | (qp->tx_len > qp->tx_off ? POLLOUT : 0);
+        pthread_mutex_unlock(lock);
+        if (ready)
+            return 1;
+        struct pollfd fds[2] = {{fd, events, 0}, {wake, POLLIN, 0}};
+        if (poll(fds, 2, -1) < 0) {
+            if (errno == EINTR)
+                continue;
+            return -errno;
+        }
+        if (fds[1].revents)
+            return -EINTR;
+        if (fds[0].revents & ~POLLOUT) /* bytes, the peer's FIN or an error */
+            rs_qp_read_fd(qp, fd);
+    }
 }
 
 int64_t rs_qp_spin_fd(rs_qp *qp, int fd, uint64_t ns)
@@ -1846,8 +1895,8 @@ static uint64_t rx_owed(rs_qp *qp)
     return owed;
 }
 
-uint32_t rs_qp_post_send_fd(rs_qp *qp, const rs_send_wr *wrs, uint32_t n, int *why, int fd,
-                            int64_t *wrote)
+static uint32_t rs_qp_post_send_fd_in_lock(rs_qp *qp, const rs_send_wr *wrs, uint32_t n, int *why, int fd,
+                                            int64_t *wrote)
 {
     uint32_t taken = post_send(qp, wrs, n, why);
     settle(qp);
@@ -1855,7 +1904,7 @@ uint32_t rs_qp_post_send_fd(rs_qp *qp, const rs_send_wr *wrs, uint32_t n, int *w
     return taken;
 }
 
-int64_t rs_qp_flush_fd(rs_qp *qp, int fd)
+static int64_t rs_qp_flush_fd_in_lock(rs_qp *qp, int fd)
 {
     int64_t w;
     while ((w = rs_qp_write_fd(qp, fd)) > 0 || w == -EINTR)
@@ -1863,7 +1912,7 @@ int64_t rs_qp_flush_fd(rs_qp *qp, int fd)
     return w;
 }
 
-int64_t rs_qp_write_fd(rs_qp *qp, int fd)
+static int64_t rs_qp_write_fd_in_lock(rs_qp *qp, int fd)
 {
     size_t len;
     const uint8_t *p = rs_qp_tx(qp, &len);
@@ -1879,3 +1928,48 @@ int64_t rs_qp_write_fd(rs_qp *qp, int fd)
     rs_qp_tx_done(qp, (size_t)n);
     return n;
 }
+
+/* ------------------------------------------------------------------ one caller at a time
+ * Each call above that reads or changes a QP, a CQ's ring, an SRQ or the memory table
+ * runs under its device's lock (the table's; a CQ or SRQ takes its QPs'): cffi calls C
+ * without the GIL, and a QP served from a thread of its own (rs_qp_serve_wait) runs
+ * beside the event loop's calls on the device's other QPs, its registrations and
+ * deregistrations. Recursive: a call may make another (rs_qp_post_send_fd writes). */
+#define LOCKED(type, name, lock, params, args)                                            \
+    type name params                                                                       \
+    {                                                                                      \
+        pthread_mutex_t *held = (lock);                                                    \
+        if (held)                                                                          \
+            pthread_mutex_lock(held);                                                      \
+        type r = name##_in_lock args;                                                      \
+        if (held)                                                                          \
+            pthread_mutex_unlock(held);                                                    \
+        return r;                                                                          \
+    }
+#define LOCKED_VOID(name, lock, params, args)                                              \
+    void name params                                                                       \
+    {                                                                                      \
+        pthread_mutex_t *held = (lock);                                                    \
+        pthread_mutex_lock(held);                                                          \
+        name##_in_lock args;                                                               \
+        pthread_mutex_unlock(held);                                                        \
+    }
+LOCKED(int, rs_mem_add, &mem->lock, (rs_mem *mem, uint32_t stag, uint8_t *base, uint64_t iova, uint64_t length, uint32_t access, uint64_t pd), (mem, stag, base, iova, length, access, pd))
+LOCKED(int, rs_mem_valid, &mem->lock, (rs_mem *mem, uint32_t stag), (mem, stag))
+LOCKED(int, rs_mem_remove, &mem->lock, (rs_mem *mem, uint32_t stag), (mem, stag))
+LOCKED(uint32_t, rs_cq_poll, cq->lock, (rs_cq *cq, rs_wc *out, uint32_t n), (cq, out, n))
+LOCKED(uint32_t, rs_cq_poll_sum, cq->lock, (rs_cq *cq, rs_wc *out, uint32_t n, rs_wc_sum *sum), (cq, out, n, sum))
+LOCKED(uint32_t, rs_srq_post, srq->lock, (rs_srq *srq, const rs_recv_wr *wrs, uint32_t n), (srq, wrs, n))
+LOCKED(uint32_t, rs_srq_post_at, srq->lock, (rs_srq *srq, const rs_recv_wr *table, uint32_t n, const uint32_t *at, uint32_t count), (srq, table, n, at, count))
+LOCKED_VOID(rs_qp_set_error, &qp->mem->lock, (rs_qp *qp, uint32_t kind, const char *message), (qp, kind, message))
+LOCKED(int, rs_qp_start, &qp->mem->lock, (rs_qp *qp, int crc, uint32_t ird, uint32_t ord, uint32_t max_fpdu, int rtr, int wait_rtr), (qp, crc, ird, ord, max_fpdu, rtr, wait_rtr))
+LOCKED(uint32_t, rs_qp_post_send, &qp->mem->lock, (rs_qp *qp, const rs_send_wr *wrs, uint32_t n, int *why), (qp, wrs, n, why))
+LOCKED(uint32_t, rs_qp_post_recv, &qp->mem->lock, (rs_qp *qp, const rs_recv_wr *wrs, uint32_t n), (qp, wrs, n))
+LOCKED(uint32_t, rs_qp_post_recv_at, &qp->mem->lock, (rs_qp *qp, const rs_recv_wr *table, uint32_t n, const uint32_t *at, uint32_t count), (qp, table, n, at, count))
+LOCKED(const uint8_t *, rs_qp_tx, &qp->mem->lock, (rs_qp *qp, size_t *len), (qp, len))
+LOCKED_VOID(rs_qp_tx_done, &qp->mem->lock, (rs_qp *qp, size_t n), (qp, n))
+LOCKED_VOID(rs_qp_rx, &qp->mem->lock, (rs_qp *qp, const uint8_t *data, size_t len), (qp, data, len))
+LOCKED(int64_t, rs_qp_read_fd, &qp->mem->lock, (rs_qp *qp, int fd), (qp, fd))
+LOCKED(uint32_t, rs_qp_post_send_fd, &qp->mem->lock, (rs_qp *qp, const rs_send_wr *wrs, uint32_t n, int *why, int fd, int64_t *wrote), (qp, wrs, n, why, fd, wrote))
+LOCKED(int64_t, rs_qp_flush_fd, &qp->mem->lock, (rs_qp *qp, int fd), (qp, fd))
+LOCKED(int64_t, rs_qp_write_fd, &qp->mem->lock, (rs_qp *qp, int fd), (qp, fd))

@@ -237,6 +237,13 @@ int64_t rs_qp_spin_fd(rs_qp *qp, int fd, uint64_t ns);
  * rs_qp_read_fd when fd is readable and others is not. -EBUSY when nothing was read
  * (others is readable: the loop goes first; or the time is up). */
 int64_t rs_qp_wait_read_fd(rs_qp *qp, int fd, int others, int timeout_ms);
+/* A thread of its own serves the QP (cffi calls without the GIL): wait until either of
+ * its CQs holds a completion, it left RTS or has other news than completions (1: look),
+ * or wake is readable (-EINTR: its owner takes it back), or poll fails (-errno);
+ * meanwhile read fd as it is readable, and write what waits to be sent as it has room.
+ * Every call on a QP, CQ, SRQ or memory table runs under its device's lock, so such a
+ * thread and the event loop's calls on the device do not meet. */
+int64_t rs_qp_serve_wait(rs_qp *qp, int fd, int wake);
 /* Move to ERROR (the user, a destroy, or the connection lost): flush everything. */
 void rs_qp_set_error(rs_qp *qp, uint32_t kind, const char *message);
 int rs_qp_state(rs_qp *qp);

@@ -383,6 +383,13 @@ class CQ(Resource):
         if self._reader is not None:
             self._reader.interrupt()
 
+    async def serve_in_thread(
+        self, wcs: WCArray, on_completions: Callable[[WCArray, int], bool]
+    ) -> bool:
+        """Not with the Python engine (False): its engine runs in the event loop's
+        thread. The native engine's CQ can (:class:`~.native_cq.NativeCQ`)."""
+        return False
+
     def _sole_link(self) -> Link | None:
         """The connection of the only QP completing here, unless a CQ of it has a handler
         (a handler runs in the receive task, after the batch it read)."""

@@ -11,6 +11,8 @@ while the task waits again before the run loop next waits for I/O (a ping-pong:
 no task switch per message), and reads again from that loop pass on otherwise.
 A waiter whose CQ has ``busy_poll`` set reads the empty socket again, between
 trio checkpoints, for that long after the last bytes came before it waits.
+A thread may take the socket in the receive task's place too
+(:meth:`Link.lend_to_thread`: a connection served by a thread of its own).
 
 Transmit: :meth:`Link.flush` is synchronous. ``post_send`` (and the receive
 task, when a Read Request asks for a response) calls it directly: it gathers
@@ -32,8 +34,9 @@ import os
 import socket as _stdlib_socket
 import time
 from collections.abc import Callable
-from typing import Literal
+from typing import Literal, TypeVar
 
+import outcome
 import trio
 
 from rdmashim.providers.softiwarp.engine import Engine
@@ -42,6 +45,7 @@ from rdmashim.providers.softiwarp.memory import Region
 from rdmashim.verbs import busypoll, lending
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 _IOV_MAX = 1024
 LINGER = 2.0
@@ -95,6 +99,8 @@ class Link:
         """Reads by :meth:`read_until` since its task last waited through trio."""
         self._loan = lending.Loan(self)
         """Whether the socket is lent (:meth:`_lend`)."""
+        self.threaded = False
+        """A thread of its own serves the connection (:meth:`lend_to_thread`)."""
         self.after_receive: Callable[[], None] = lambda: None
         """Called in the receive task after each batch of received bytes is processed."""
         self.deliver: Callable[[], None] = lambda: None
@@ -362,6 +368,28 @@ class Link:
                 else:
                     self.hand_back()
 
+    async def lend_to_thread(self, body: Callable[[], T], interrupt: Callable[[], None]) -> T:
+        """Run ``body()`` in a thread that serves the connection in place of the receive
+        task (only when :attr:`can_read`): the receive task parks, and the bytes read
+        with the MPA exchange are processed first. Cancelled, it calls ``interrupt()``
+        (which must make ``body`` return soon) and waits for ``body``. Afterwards the
+        receive task reads the socket again and what ``body`` left to write is written."""
+        assert self.can_read
+        self._waiter_reads = True
+        self._loan.end()  # (lent to a waiter before: the thread takes it on)
+        if self._rx_scope is not None:
+            self._rx_scope.cancel()
+        self._take_leftover()
+        self.threaded = True
+        try:
+            return await in_thread(body, interrupt)
+        finally:
+            self.threaded = False
+            self._waiter_reads = False
+            self.flush()
+            if self._rx_parked is not None:
+                self.hand_back()
+
     def _read_idle(self) -> bool | Literal[Busy.BUSY] | None:
         """When trio has nothing else to do, wait for the socket in a system call of
         this task's own and read it (:mod:`~rdmashim.verbs.idle`): :meth:`_read`'s
@@ -424,6 +452,26 @@ class Link:
             self._wait.close()  # a waiter in read_until returns
             self.sock.close()
             self.closed.set()
+
+
+async def in_thread(body: Callable[[], T], interrupt: Callable[[], None]) -> T:
+    """``body()`` in a thread of trio's cache, its result or exception here. A cancelled
+    caller calls ``interrupt()`` and still waits for ``body`` to return, then raises
+    the cancellation: nothing ``body`` uses is released under it."""
+    token = trio.lowlevel.current_trio_token()
+    task = trio.lowlevel.current_task()
+
+    def deliver(result: outcome.Outcome[T]) -> None:
+        token.run_sync_soon(trio.lowlevel.reschedule, task, result)
+
+    def abort(_: object) -> trio.lowlevel.Abort:
+        interrupt()
+        return trio.lowlevel.Abort.FAILED
+
+    trio.lowlevel.start_thread_soon(body, deliver)
+    result: T = await trio.lowlevel.wait_task_rescheduled(abort)
+    await trio.lowlevel.checkpoint_if_cancelled()  # (a cancelled caller: Cancelled now)
+    return result
 
 
 def _advance(bufs: list[Chunk], n: int) -> list[Chunk]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import errno
 import struct
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from rdmashim.providers.softiwarp import native
@@ -35,6 +36,8 @@ _SUM = ("STATUS", "FLAGS", "SOLICITED", "INV", "OPCODES", "QPS", "LENGTHS")
 _SUM_STATUS, _SUM_FLAGS, _SUM_SOLICITED, _SUM_INV, _SUM_OPCODES, _SUM_QPS, _SUM_LENGTHS = (
     [getattr(lib, "RS_SUM_" + name) for name in _SUM] if lib is not None else [0] * len(_SUM)
 )  # (C's own bits, _engine.h)
+Serve = Callable[["NativeCQ", WCArray, Callable[[WCArray, int], bool]], Awaitable[bool]]
+"""``NativeQP.serve_in_thread``."""
 _FEW = 4
 """Polls of at most this many completions are decoded row by row (cheaper than columns)."""
 
@@ -107,6 +110,16 @@ class NativeCQ(CQ):
         self._count = self._view.count
         rows.decode_into(wcs, got)
         return int(got)
+
+    async def serve_in_thread(
+        self, wcs: WCArray, on_completions: Callable[[WCArray, int], bool]
+    ) -> bool:
+        """Take completions in a thread of its own (:mod:`.native_serve`) when one
+        connected QP completes here; False at once otherwise."""
+        self._check_open("serve_in_thread")
+        # (a NativeQP's, which imports this module: asked for by name)
+        serve: Serve | None = getattr(self._only_qp(), "serve_in_thread", None)
+        return False if serve is None else await serve(self, wcs, on_completions)
 
     def close(self) -> None:
         """Destroy the CQ (its ring lives while a QP still completes into it)."""

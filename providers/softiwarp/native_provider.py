@@ -23,14 +23,17 @@ is read from C's memory, not asked for by a call (``rs_qp_view``, ``rs_cq_view``
 from __future__ import annotations
 
 import errno
+import functools
 import logging
+import os
 import socket as _stdlib_socket
+import threading
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Literal
 
 import trio
 
-from rdmashim.providers.softiwarp import native
+from rdmashim.providers.softiwarp import native, native_serve
 from rdmashim.providers.softiwarp.cq import CQ, CompChannel
 from rdmashim.providers.softiwarp.driver import BUSY, Busy, Link
 from rdmashim.providers.softiwarp.jobs import EngineConfig, EngineState
@@ -45,7 +48,7 @@ from rdmashim.providers.softiwarp.terminate import ProtocolError, TermCode
 from rdmashim.verbs.attrs import QPCap
 from rdmashim.verbs.enums import QPState
 from rdmashim.verbs.errors import VerbsError, refused_wr
-from rdmashim.verbs.wr import RecvBatch, RecvWR, SendBatch, SendWR, requests_of
+from rdmashim.verbs.wr import RecvBatch, RecvWR, SendBatch, SendWR, WCArray, requests_of
 
 log = logging.getLogger(__name__)
 
@@ -185,6 +188,8 @@ class NativeLink(Link):
         """A write into the socket ended with ``-errno`` ``n``: the socket is full
         (``-EAGAIN``: the transmit task waits for room and goes on) or failed (C is in
         ERROR: the transmit task ends the connection)."""
+        if self.threaded:  # (C keeps it: the serving thread's wait writes it, or sees ERROR)
+            return
         if n == _EAGAIN:
             self._pending = [b""]  # (what the transmit task waits to write)
         self._tx_wakeup.set()
@@ -321,6 +326,8 @@ class NativeQP(QPBase):
         """Where ``rs_qp_post_send_fd`` says how its writes ended."""
         self._send_plans = PlanCache(SendPlan)
         self._recv_plans = PlanCache(RecvPlan)
+        self._served_by: int | None = None
+        """The thread serving the QP (:meth:`serve_in_thread`), by its ident."""
         self.context._native_qps.add(self)  # type: ignore[attr-defined]
 
     # ---------------------------------------------------------------- the C side's news
@@ -329,6 +336,9 @@ class NativeQP(QPBase):
         view = self._view
         news = view.news
         if not news:
+            return
+        if self._served_by is not None:
+            self._sync_served(news)
             return
         view.news = 0
         if news & _NEWS_CQ:
@@ -347,6 +357,44 @@ class NativeQP(QPBase):
                 listener(engine.error)
             if self._link is not None:
                 self._link.failed()
+
+    def _sync_served(self, news: int) -> None:
+        """:meth:`_sync` while a thread serves the QP: that thread hands on new
+        completions; any other news (and a CQ overrun) waits for the event loop, to
+        which the thread gives the QP back when it sees them."""
+        if news != _NEWS_CQ or threading.get_ident() != self._served_by:
+            return
+        cq = self._cqs[0]  # (a served QP has one)
+        if not cq._view.overrun:
+            self._view.news = 0
+            cq._sync()
+
+    async def serve_in_thread(
+        self, cq: NativeCQ, wcs: WCArray, on_completions: Callable[[WCArray, int], bool]
+    ) -> bool:
+        """:meth:`.NativeCQ.serve_in_thread` of this QP's only CQ (see
+        :mod:`.native_serve`); False at once unless the QP is connected, no task reads
+        it, it has no SRQ, ``cq`` is its send and receive CQ and has no channel or
+        handler."""
+        link = self._link
+        if (
+            link is None or not link.can_read or self.srq is not None or self._cqs != (cq,)
+            or self._state is not QPState.RTS or cq.channel is not None or cq.handler is not None
+        ):  # fmt: skip
+            return False
+        link._expect(0)  # (the thread waits for any byte: a mark set for a large one goes)
+        wake = os.eventfd(0, os.EFD_CLOEXEC | os.EFD_NONBLOCK)
+        thread = native_serve.Service(
+            self._ptr, link._fd, wake, self._view, cq, wcs, on_completions
+        )
+        self._served_by = -1  # (the thread's own ident once it runs: the event loop's is not)
+        try:
+            await link.lend_to_thread(functools.partial(thread.run, self), thread.interrupt)
+        finally:
+            self._served_by = None
+            os.close(wake)
+            self._sync()  # what the thread left for the event loop
+        return True
 
     # ---------------------------------------------------------------- posting
     def _submit_send(self, array: Any, n: int) -> int:

@@ -34,7 +34,7 @@ import logging
 import sys
 from collections import deque
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import trio
 
@@ -56,7 +56,7 @@ if TYPE_CHECKING:
     from typing_extensions import Buffer
 
     from rdmashim.cm import Connection, ConnectionRequest
-    from rdmashim.verbs.abc import MR
+    from rdmashim.verbs.abc import CQ, MR
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +69,27 @@ REMOTE = Access.LOCAL_WRITE | Access.REMOTE_WRITE
 
 OnReceive = Callable[[int, int, WCFlags], None]
 """``on_receive(slot, length, wc_flags)``: a message arrived in a Receive slot."""
+
+
+class Served(Protocol):
+    """How :meth:`Endpoint.run` lets a thread of the backend's own serve the connection
+    (``CQ.serve_in_thread``), for a transport that answers most messages at once.
+
+    ``receive`` runs in that thread for each received message: True when it dealt
+    with it there (it may post Sends from slots and :meth:`Endpoint.repost`, and
+    nothing that touches trio), False to leave it to the event loop's ``on_receive``
+    (the thread then gives the QP back). ``quiet`` says whether the thread may serve:
+    no task of the connection is at work and nothing waits for the event loop; asked
+    in the event loop before each turn and in the thread after each message. Once
+    the thread gave the QP back, ``resume`` runs in the event loop (what ``receive``
+    left for it), then ``on_receive`` takes the rest of the batch.
+    """
+
+    def receive(self, slot: int, length: int, flags: WCFlags) -> bool: ...
+
+    def quiet(self) -> bool: ...
+
+    def resume(self) -> None: ...
 
 
 SIGNAL_EVERY = 8
@@ -205,6 +226,8 @@ class Endpoint:
         self._bursting = False
         self._reposts: list[int] = []  # Receive slots given back, not posted yet
         self._deferred: list[int] = []  # Send slots filled during a burst
+        self._threaded = False  # a thread serves the QP (run's served)
+        self._closing: list[MR] = []  # regions to close once it gave the QP back
         self.lost: ConnectionLost | None = None
         self.qp.post_recv_batch(self._recvs)
 
@@ -356,6 +379,10 @@ class Endpoint:
                 raise self._lose(f"posting failed: {exc}") from exc
             self._unacked.extend(deferred)
 
+    def has_slot(self) -> bool:
+        """Whether a Send slot is free (a message that fits one is sent from it)."""
+        return bool(self._send_free)
+
     def has_room(self, count: int) -> bool:
         """Whether the send queue has room for ``count`` more work requests now."""
         return count <= self._sq_room
@@ -384,10 +411,14 @@ class Endpoint:
         return self.lost
 
     # ------------------------------------------------------------------ completions
-    async def run(self, on_receive: OnReceive) -> None:
+    async def run(self, on_receive: OnReceive, served: Served | None = None) -> None:
         """Take completions until the connection fails; ``on_receive(slot, length,
         wc_flags)`` for each received message (the slot stays the caller's until
         :meth:`repost`).
+
+        With ``served``, whenever ``served.quiet()`` the completions are taken in a
+        thread of the backend's own where it can (``CQ.serve_in_thread``), and each
+        received message goes to ``served.receive`` there first; see :class:`Served`.
 
         Raises :class:`ConnectionLost`.
         """
@@ -397,16 +428,63 @@ class Endpoint:
         wcs = WCArray(COMPLETIONS)
         try:
             while True:
+                if served is not None and served.quiet():
+                    if not await self._serve_in_thread(cq, wcs, on_receive, served):
+                        served = None  # (the backend cannot: the event loop's way only)
+                    continue
                 n = await cq.poll_wait_into(wcs)
-                self._bursting = True
-                try:
-                    for i in range(n):
-                        self._complete(wcs, i, on_receive)
-                finally:
-                    self._bursting = False
-                self._flush()
+                self._batch(wcs, 0, n, on_receive)
         finally:
             self._lose("the connection closed")
+
+    def _batch(self, wcs: WCArray, start: int, n: int, on_receive: OnReceive) -> None:
+        self._bursting = True
+        try:
+            for i in range(start, n):
+                self._complete(wcs, i, on_receive)
+        finally:
+            self._bursting = False
+        self._flush()
+
+    async def _serve_in_thread(
+        self, cq: CQ, wcs: WCArray, on_receive: OnReceive, served: Served
+    ) -> bool:
+        """One turn of :meth:`run` in a thread; False if the backend cannot."""
+        rest: list[int] = []
+
+        def on_completions(wcs: WCArray, n: int) -> bool:
+            self._bursting = True
+            try:
+                for i in range(n):
+                    if wcs.status[i] != WCStatus.SUCCESS:
+                        rest[:] = (i, n)
+                        return False
+                    if wcs.opcode[i] != WCOpcode.RECV:
+                        self._complete(wcs, i, on_receive)
+                    elif not served.receive(wcs.wr_id[i], wcs.byte_len[i], wcs.wc_flags[i]):
+                        rest[:] = (i, n)  # (the event loop's on_receive takes it)
+                        return False
+                    elif not served.quiet():
+                        rest[:] = (i + 1, n)
+                        return False
+                return True
+            finally:
+                self._bursting = False
+                self._flush()
+
+        self._threaded = True
+        try:
+            ran = await cq.serve_in_thread(wcs, on_completions)
+        finally:
+            self._threaded = False
+            closing, self._closing = self._closing, []
+            for region in closing:
+                region.close()
+        if ran:
+            served.resume()
+            if rest:
+                self._batch(wcs, rest[0], rest[1], on_receive)
+        return ran
 
     def _complete(self, wcs: WCArray, i: int, on_receive: OnReceive) -> None:
         wr_id = wcs.wr_id[i]
@@ -428,9 +506,8 @@ class Endpoint:
         if posted is None:
             return
         self._sq_room += posted.count
-        self._room.set()
-        for region in posted.regions:
-            region.close()
+        self._room.set()  # (no task waits while a thread serves: Served.quiet)
+        self._close(posted.regions)
         if posted.done is not None:
             posted.done.set()
 
@@ -449,9 +526,17 @@ class Endpoint:
             self._sq_room += self._slot_count[each]
             regions, self._slot_regions[each] = self._slot_regions[each], ()
             self._send_free.append(each)
-            for region in regions:
-                region.close()
+            self._close(regions)
         self._room.set()
+
+    def _close(self, regions: Sequence[MR]) -> None:
+        """Deregister ``regions`` now, or once a thread serving the QP gave it back (a
+        deregistration is the event loop's: it looks at every QP of the device)."""
+        if self._threaded:
+            self._closing.extend(regions)
+            return
+        for region in regions:
+            region.close()
 
     def close(self) -> None:
         """Deregister the Receive and Send buffers and the regions of Sends not completed

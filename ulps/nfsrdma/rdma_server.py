@@ -163,6 +163,10 @@ class _Responder:
         self.pool = ReceivePool(CALL_BUFFERS)
         """The streams of calls with Read chunks (no allocation and zeroing per call)."""
         self.nursery: trio.Nursery | None = None
+        self._plain = True
+        """The last call the event loop took was plain (inline, no chunks)."""
+        self._later: list[tuple[int, int, Answer]] = []
+        """Answers the serving thread left for the event loop: (slot, xid, answer)."""
 
     async def run(self) -> None:
         try:
@@ -171,16 +175,47 @@ class _Responder:
             async with trio.open_nursery() as nursery:
                 self.nursery = nursery
                 try:
-                    await self.ep.run(self._on_receive)
+                    await self.ep.run(self._on_receive, served=self)
                 except ConnectionLost as exc:
                     log.info("RPC-over-RDMA connection from %s ended: %s", self.peer, exc)
                 nursery.cancel_scope.cancel()
         finally:
             self.ep.close()
 
+    # -------------------------------------------- served from a thread (rdma_endpoint.Served)
+    def receive(self, slot: int, length: int, _flags: WCFlags) -> bool:
+        """In the thread serving the connection: a plain call answered at once with a
+        plain reply is answered here; another answer waits for :meth:`resume`; a call
+        with chunks goes to the event loop (False)."""
+        data = self.ep.slot_view(slot, length)
+        plain = peek_plain(data)
+        if plain is None or not self.ep.has_slot():  # (a slot: no registration here)
+            return False
+        xid = plain[0]
+        answer = self.server.call_now(data[PLAIN_LEN:], self.peer, TRANSPORT)
+        if type(answer) is not Reply or not self._send_plain(slot, xid, answer):
+            self._later.append((slot, xid, answer))
+        return True
+
+    def quiet(self) -> bool:
+        """Whether a thread may serve: no task of the connection at work, no answer
+        waiting for the event loop, and the last call the event loop took was plain
+        (a stream of calls with chunks stays in the event loop)."""
+        assert self.nursery is not None
+        return self._plain and not self._later and not self.nursery.child_tasks
+
+    def resume(self) -> None:
+        """The thread gave the connection back: the answers it left are sent (or their
+        calls finished in tasks)."""
+        later, self._later = self._later, []
+        for slot, xid, answer in later:
+            self._answer(slot, xid, PLAIN_CALL, answer)
+
+    # ------------------------------------------------------------------ the event loop's
     def _on_receive(self, slot: int, length: int, _flags: WCFlags) -> None:
         data = self.ep.slot_view(slot, length)
         plain = peek_plain(data)
+        self._plain = plain is not None
         if plain is not None:  # the common call: inline, no chunks
             xid = plain[0]
             answer = self.server.call_now(data[PLAIN_LEN:], self.peer, TRANSPORT)
