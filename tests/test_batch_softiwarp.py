@@ -30,6 +30,7 @@ from rdmashim import (
     WROpcode,
 )
 from rdmashim.providers.softiwarp import posting
+from rdmashim.providers.softiwarp.native_wr import SendPlan
 
 
 async def test_poll_into_after_an_overrun_is_eoverflow() -> None:
@@ -224,3 +225,41 @@ async def test_a_request_posted_again_keeps_its_template_while_unchanged(
         with pytest.raises(VerbsError):  # two SGEs in a Read: refused after the templates
             client.qp.post_send(many)
         assert 0 < len(client.qp._templates) <= posting.TEMPLATES_KEPT
+
+
+async def test_an_entry_posted_alone_again_goes_out_as_it_is_now() -> None:
+    """A batch's entry posted alone again, unchanged, goes straight to C (the native
+    engine's ``SendPlan.singles``); one changed since goes out changed, one naming a
+    region deregistered since is refused; what it was checked against is noted with it."""
+    cap = QPCap(max_send_wr=8, max_inline_data=16)
+    async with connected(prepare=post_receives(8), cap=cap) as pair:
+        client, server = pair.client, pair.server
+        src = client.pd.reg_mr(bytearray(b"one.two.three..."), Access.LOCAL_WRITE)
+        batch = SendBatch(
+            SendWR(i, WROpcode.SEND, [src.sge(4 * i, 4)], SendFlags.SIGNALED) for i in range(2)
+        )
+        for _ in range(2):  # (the second time by the shortcut, where the engine has it)
+            client.qp.post_send_batch(batch, indices=[1])
+        batch.set(1, sg_list=[src.sge(8, 8)])
+        client.qp.post_send_batch(batch, indices=[1])
+        got = await drain(server.recv_cq, 3)
+        placed = bytes(pair.server_mr.buf)
+        assert [placed[64 * w.wr_id : 64 * w.wr_id + w.byte_len] for w in got] == [
+            b"two.", b"two.", b"three..."
+        ]  # fmt: skip
+        await drain(client.send_cq, 3)
+        other = client.pd.reg_mr(bytearray(b"spare..."), Access.LOCAL_WRITE)
+        batch.set(0, sg_list=[other.sge()])
+        client.qp.post_send_batch(batch, indices=[0])
+        await drain(client.send_cq, 1)
+        other.close()
+        with pytest.raises(VerbsError) as info:
+            client.qp.post_send_batch(batch, indices=[0])
+        assert info.value.errno == errno.EINVAL
+        inline = SendBatch([SendWR(5, WROpcode.SEND, [src.sge(0, 16)], SendFlags.INLINE)])
+        client.qp.post_send_batch(inline, indices=[0])
+        client.qp.post_send_batch(inline, indices=[0])
+        await drain(server.recv_cq, 2)
+        if hasattr(client.qp, "_plan_key"):  # the native engine: noted for these limits
+            ((_, key), _array) = inline.prepared(SendPlan, SendPlan).singles[0]
+            assert key == client.qp._plan_key and 16 in key  # (another max_inline: not it)

@@ -326,6 +326,9 @@ class NativeQP(QPBase):
         """Where ``rs_qp_post_send_fd`` says how its writes ended."""
         self._send_plans = PlanCache(SendPlan)
         self._recv_plans = PlanCache(RecvPlan)
+        self._plan_key = (id(memory), cap.max_send_sge, cap.max_inline_data)
+        """What a batch's entry posted here was checked against, but the epoch
+        (``SendPlan.singles``)."""
         self._served_by: int | None = None
         """The thread serving the QP (:meth:`serve_in_thread`), by its ident."""
         self.context._native_qps.add(self)  # type: ignore[attr-defined]
@@ -427,7 +430,7 @@ class NativeQP(QPBase):
         memory = self.context.memory
         refused = plan.post(
             wrs, entries, room, cap.max_send_wr, cap.max_send_sge, cap.max_inline_data,
-            memory, self._memview.epoch, self._submit_send,
+            memory, self._memview.epoch, self._submit_send, self._plan_key,
         )  # fmt: skip
         self._sync()
         if refused is not None:
@@ -458,10 +461,22 @@ class NativeQP(QPBase):
     def post_send_batch(
         self, batch: SendBatch, count: int | None = None, *, indices: Sequence[int] | None = None
     ) -> None:
-        """Post entries of a prepared batch: each is packed once, posted by copy."""
+        """Post entries of a prepared batch: each is packed once, posted by copy. An
+        entry posted alone again, unchanged, goes straight to C (its checks passed
+        at this memory epoch)."""
         self._check_open("post_send")
+        plan = batch.prepared(SendPlan, SendPlan)
+        if indices is not None and len(indices) == 1 and count is None:
+            found = plan.singles.get(indices[0])
+            if (
+                found is not None and found[0] == (self._memview.epoch, self._plan_key)
+                and self._state is QPState.RTS and self._view.sq_depth < self.cap.max_send_wr
+                and self._submit_send(found[1], 1)
+            ):  # fmt: skip
+                self._sync()
+                return
         entries = batch.select("post_send", count, indices)
-        self._post_sends(batch.wrs(entries), batch.prepared(SendPlan, SendPlan), entries)
+        self._post_sends(batch.wrs(entries), plan, entries)
 
     def _post_recvs(self, plan: RecvPlan, entries: Sequence[int]) -> None:
         if self.srq is not None:

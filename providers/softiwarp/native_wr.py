@@ -202,12 +202,17 @@ class _Plan:
         """(memory epoch, C array of the first entry): a post of that entry alone passed
         every check but the queue's room at that epoch, so the QP whose plan this is
         may hand the array to C itself while the epoch holds (a request posted again)."""
+        self.singles: dict[int, tuple[tuple[int, object], Any]] = {}
+        """A batch's :attr:`quick` for each entry posted alone: ((memory epoch, the QP's
+        :meth:`SendPlan.post` ``key``), the entry's C array). A batch is posted to any
+        QP, so the key says whose checks it passed (its memory table and limits)."""
 
     def _changed(self) -> None:
         self._summary = None
         self._checked = None
         self._arrays.clear()
         self.quick = None
+        self.singles = {}
 
     def _fast_array(
         self, ctype: str, data: Sequence[bytes], entries: Sequence[int], epoch: int
@@ -278,7 +283,7 @@ class SendPlan(_Plan):
     def post(
         self, wrs: Sequence[SendWR], entries: Sequence[int], room: int, max_wr: int,
         limit: int, max_inline: int, memory: MemoryTable, epoch: int,
-        submit: Callable[[Any, int], int],
+        submit: Callable[[Any, int], int], key: object = None,
     ) -> VerbsError | None:  # fmt: skip
         """Post ``entries`` (``wrs[k]`` is entry ``entries[k]``'s request) through
         ``submit(array, n)``, which returns how many C took. The error of the first
@@ -286,7 +291,9 @@ class SendPlan(_Plan):
 
         The fast path: when the plan's summary passes the QP's limits, the post fits
         the queue and the keys are registered (checked once per memory epoch), the
-        entries' packed bytes go to C with no per-request Python."""
+        entries' packed bytes go to C with no per-request Python. One entry posted so
+        is noted in :attr:`singles` under ``key`` (what the checks depended on, other
+        than the epoch and the room; None: not noted)."""
         n = len(entries)
         summary = self._summary or self._summarize()
         start = 0
@@ -297,8 +304,11 @@ class SendPlan(_Plan):
         ):  # fmt: skip
             if not n:
                 return None
-            start = submit(self._fast_array("rs_send_wr[]", self._data, entries, epoch), n)
+            array = self._fast_array("rs_send_wr[]", self._data, entries, epoch)
+            start = submit(array, n)
             if start == n:
+                if n == 1 and key is not None:
+                    self.singles[entries[0]] = ((epoch, key), array)
                 return None
         chosen: list[bytes] = []
         keep: list[Any] = []
