@@ -7,7 +7,10 @@ from __future__ import annotations
 
 import os
 import struct
+import subprocess
+import sys
 import threading
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -237,3 +240,17 @@ async def test_a_reply_larger_than_the_socket_takes_goes_out_whole(ctx: Any) -> 
                         assert wcs.status[i] == WCStatus.SUCCESS
                         got = wcs.byte_len[i]
     assert got == len(big) and bytes(sink.buf) == big and sends == 1
+
+
+def test_the_example_serves_from_a_thread_where_it_can(each_engine: str) -> None:
+    """``examples/thread_server.py``, as a user runs it, on each engine."""
+    example = Path(__file__).resolve().parents[1] / "examples" / "thread_server.py"
+    out = subprocess.run(
+        [sys.executable, str(example)], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert out.returncode == 0, out.stderr
+    where = "a thread of its own" if each_engine == "native" else "trio"
+    assert sorted(out.stdout.splitlines()) == [
+        "client: 2000 replies, each its request upper-cased",
+        f"server: answered 2000 requests in {where}",
+    ]
