@@ -307,6 +307,40 @@ async def test_credits_bound_outstanding_calls() -> None:
                 assert client.outstanding == 0
 
 
+async def test_a_call_that_leads_and_is_cancelled_hands_the_lead_on(port: int) -> None:
+    """The waiting call that takes the connection's completions (the leader: here the
+    first to wait) is cancelled while five others wait: one of them leads then, and
+    every reply comes. Then the connection serves calls as before."""
+    with trio.fail_after(TIMEOUT):
+        async with RpcRdmaClient.connect(HOST, port) as client:
+            await client.call(PROG, 1, NULL, Reply())  # (the server's credits: 32)
+            results: dict[int, int] = {}
+
+            async def one(i: int, ms: int) -> None:
+                results[i] = (await client.call(PROG, 1, SLEEP, args_of(ms))).uint()
+
+            async with trio.open_nursery() as nursery:
+                first = trio.CancelScope()
+
+                async def leader() -> None:
+                    with first:
+                        await one(-1, 500)
+
+                nursery.start_soon(leader)
+                await trio.sleep(0.02)
+                led_by = client._leader
+                assert led_by is not None
+                for i in range(5):
+                    nursery.start_soon(one, i, 50 + 20 * i)
+                await trio.sleep(0.02)
+                assert client._leader is led_by and len(client._waiting) == 6
+                first.cancel()
+            assert first.cancelled_caught and -1 not in results
+            assert sorted(results) == list(range(5))
+            assert client._leader is None and not client._waiting
+            assert (await client.call(PROG, 1, NULL, Reply())).remaining() == 0
+
+
 async def test_concurrent_mixed_calls(port: int) -> None:
     with trio.fail_after(TIMEOUT):
         async with RpcRdmaClient.connect(HOST, port) as client:

@@ -36,6 +36,7 @@ import trio
 
 from rdmashim.cm import open_connection
 from rdmashim.ulps.nfsrdma.rdma_endpoint import (
+    COMPLETIONS,
     POOL_BUFFERS,
     REMOTE,
     ConnectionLost,
@@ -62,8 +63,7 @@ from rdmashim.ulps.nfsrdma.rpcrdma import (
     plain_header,
 )
 from rdmashim.ulps.nfsrdma.xdr import Unpacker, XdrError, pad
-from rdmashim.verbs import Access, QPCap, WCFlags
-from rdmashim.verbs.tasks import service_nursery
+from rdmashim.verbs import Access, QPCap, WCArray, WCFlags
 
 if TYPE_CHECKING:
     from rdmashim.cm import Connection
@@ -88,12 +88,20 @@ _PLAIN_REPLY = Header(0, 0, Proc.RDMA_MSG, (), (), None)
 
 
 class _Waiter:
-    __slots__ = ("done", "header", "inline")
+    """A call waiting for its reply: woken when it came, or to take the lead."""
+
+    __slots__ = ("done", "header", "inline", "replied")
 
     def __init__(self) -> None:
         self.done = trio.Event()
+        self.replied = False
         self.header: Message | XdrError | ConnectionLost | None = None
         self.inline = b""
+
+    def answer(self, header: Message | XdrError | ConnectionLost, inline: bytes = b"") -> None:
+        """The call's reply (or why there is none) came."""
+        self.header, self.inline, self.replied = header, inline, True
+        self.done.set()
 
 
 class _Placement:
@@ -140,6 +148,9 @@ class RpcRdmaClient:
         self.pool = ReceivePool()
         """The memory READ data lands in."""
         self._waiting: dict[int, _Waiter] = {}
+        self._leader: _Waiter | None = None
+        """The call taking the connection's completions (:meth:`_await_reply`)."""
+        self._wcs = WCArray(COMPLETIONS)
         self._xid = secrets.randbits(32)
 
     @classmethod
@@ -173,22 +184,47 @@ class RpcRdmaClient:
             async with open_connection(
                 host, port, private_data=private, cap=cap, prepare=prepare, backend=backend
             ) as conn:
-                client = cls(conn, endpoints[0], inline_size, credits)
-                async with service_nursery() as nursery:  # the caller's errors as themselves
-                    nursery.start_soon(client._run)
-                    yield client
+                yield cls(conn, endpoints[0], inline_size, credits)
         finally:
             for ep in endpoints:
                 ep.close()
 
-    async def _run(self) -> None:
+    async def _await_reply(self, waiter: _Waiter) -> None:
+        """Wait for ``waiter``'s reply. One waiting call at a time, the leader, takes the
+        connection's completions itself: the reply to its own call wakes no other task,
+        and the replies to the others wake each its own. When the leader's reply came
+        (or it is cancelled) it wakes another waiting call to lead. No task takes
+        completions while no call waits (the send queue holds more than ``credits``
+        calls and the Sends not yet known complete, so no Send waits for room then)."""
+        while not waiter.replied:
+            if self._leader is not None:
+                await waiter.done.wait()
+                if not waiter.replied:  # (woken to lead)
+                    waiter.done = trio.Event()
+                continue
+            self._leader = waiter
+            try:
+                await self._lead(waiter)
+            finally:
+                self._leader = None
+                self._hand_on(waiter)
+
+    async def _lead(self, waiter: _Waiter) -> None:
+        cq, wcs, ep = self.conn.recv_cq, self._wcs, self.ep
         try:
-            await self.ep.run(self._on_receive)
+            while not waiter.replied:
+                ep.handle(wcs, 0, await cq.poll_wait_into(wcs), self._on_receive)
         except ConnectionLost as exc:
             log.info("RPC-over-RDMA connection to %s ended: %s", self.conn.peer_addr, exc)
-            for waiter in self._waiting.values():
-                waiter.header = exc
-                waiter.done.set()
+            for each in self._waiting.values():
+                each.answer(exc)
+
+    def _hand_on(self, leader: _Waiter) -> None:
+        """Wake a call still waiting for its reply, not ``leader``'s own, to lead."""
+        for each in self._waiting.values():
+            if not each.replied and each is not leader:
+                each.done.set()
+                return
 
     def _on_receive(self, slot: int, length: int, flags: WCFlags) -> None:
         data = bytes(self.ep.slot_view(slot, length))
@@ -204,8 +240,7 @@ class RpcRdmaClient:
                 (xid, credit), header, start = plain, _PLAIN_REPLY, PLAIN_LEN
         except XdrError as exc:
             if len(data) >= 4 and (waiter := self._waiting.get(int.from_bytes(data[:4], "big"))):
-                waiter.header = exc
-                waiter.done.set()
+                waiter.answer(exc)
             else:
                 log.warning("unparsable reply from %s: %s", self.conn.peer_addr, exc)
             return
@@ -215,8 +250,7 @@ class RpcRdmaClient:
         if waiter is None:
             log.warning("reply from %s to no call (xid %#x)", self.conn.peer_addr, xid)
             return
-        waiter.header, waiter.inline = header, data[start:]
-        waiter.done.set()
+        waiter.answer(header, data[start:])
 
     def _next_xid(self) -> int:
         self._xid = (self._xid + 1) & 0xFFFFFFFF
@@ -274,7 +308,7 @@ class RpcRdmaClient:
             reply_chunk = self._offer(memoryview(reply_buf), regions) if reply_buf else None
             header, inline = self._call_layout(xid, message, write_list, reply_chunk, regions)
             await self.ep.send([header, inline])
-            await waiter.done.wait()
+            await self._await_reply(waiter)
         finally:
             del self._waiting[xid]
             for region in regions:  # the server can write into none of it from here on

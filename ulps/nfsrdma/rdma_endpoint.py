@@ -5,9 +5,11 @@ inline receive size per posted Receive) and Send buffers, both registered
 once, and drives the queue pair with the batch verbs: the Receives are a
 :class:`~rdmashim.verbs.RecvBatch` (entry ``i`` is slot ``i``, re-posted by
 index), the Sends from the Send slots a :class:`~rdmashim.verbs.SendBatch`,
-and one task (:meth:`Endpoint.run`) takes completions into a
-:class:`~rdmashim.verbs.WCArray` and hands each received message to the
-transport, where it is answered, without a task of its own when it can be.
+and one task (:meth:`Endpoint.run`; a thread where the backend serves one, see
+:class:`Served`; or a requester's waiting call, :meth:`Endpoint.handle`) takes
+completions into a :class:`~rdmashim.verbs.WCArray` and hands each received
+message to the transport, where it is answered, without a task of its own when
+it can be.
 
 Receives given back (:meth:`repost`) are posted :data:`REPOST_EVERY` at a
 time, in one post: an endpoint of ``credits`` keeps ``REPOST_EVERY - 1``
@@ -433,11 +435,15 @@ class Endpoint:
                         served = None  # (the backend cannot: the event loop's way only)
                     continue
                 n = await cq.poll_wait_into(wcs)
-                self._batch(wcs, 0, n, on_receive)
+                self.handle(wcs, 0, n, on_receive)
         finally:
             self._lose("the connection closed")
 
-    def _batch(self, wcs: WCArray, start: int, n: int, on_receive: OnReceive) -> None:
+    def handle(self, wcs: WCArray, start: int, n: int, on_receive: OnReceive) -> None:
+        """Completions ``start:n`` of ``wcs`` (polled by whoever takes them: :meth:`run`,
+        or a requester's waiting call), each received message to ``on_receive``; the
+        Sends from slots filled meanwhile are posted once, at the end. Raises
+        :class:`ConnectionLost`."""
         self._bursting = True
         try:
             for i in range(start, n):
@@ -483,7 +489,7 @@ class Endpoint:
         if ran:
             served.resume()
             if rest:
-                self._batch(wcs, rest[0], rest[1], on_receive)
+                self.handle(wcs, rest[0], rest[1], on_receive)
         return ran
 
     def _complete(self, wcs: WCArray, i: int, on_receive: OnReceive) -> None:
