@@ -17,31 +17,35 @@ class Stream:
     Segments are kept by their offset from the stream's start (the SYN's sequence
     number + 1, else the first segment's), modulo 2**32, so a stream whose
     sequence numbers wrap stays in order. ``gap`` is where the capture lost
-    bytes (tcpdump dropped packets): :meth:`data` ends there.
+    bytes (tcpdump dropped packets): :meth:`data` ends there, and ``gap_frame``
+    is the capture's frame number (1-based, as tshark counts) of the first
+    segment after the loss.
     """
 
     src: tuple[str, int]
     dst: tuple[str, int]
     first: float
     base: int | None = None
-    _segments: dict[int, bytes] = field(default_factory=dict)
+    _segments: dict[int, tuple[bytes, int]] = field(default_factory=dict)
     gap: int | None = None
+    gap_frame: int | None = None
 
-    def add(self, seq: int, payload: bytes) -> None:
-        """A segment with sequence number ``seq``."""
+    def add(self, seq: int, payload: bytes, frame: int = 0) -> None:
+        """A segment with sequence number ``seq``, in the capture's frame ``frame``."""
         if self.base is None:
             self.base = seq
         offset = (seq - self.base) & 0xFFFFFFFF
         if offset < 1 << 31:  # not data from before the start (a reordered retransmission)
-            self._segments.setdefault(offset, payload)
+            self._segments.setdefault(offset, (payload, frame))
 
     def data(self) -> bytes:
         out = bytearray()
-        self.gap = None
+        self.gap = self.gap_frame = None
         for off in sorted(self._segments):
-            chunk = self._segments[off]
+            chunk, _ = self._segments[off]
             if off > len(out):
                 self.gap = len(out)
+                self.gap_frame = min(f for o, (_, f) in self._segments.items() if o >= off)
                 break
             if off + len(chunk) > len(out):
                 out[off:] = chunk
@@ -56,7 +60,9 @@ def tcp_streams(path: Path) -> list[Stream]:
         raise ValueError(f"{path}: not a little-endian Ethernet pcap")
     pos = _GLOBAL.size
     streams: dict[tuple, Stream] = {}
+    number = 0
     while pos + _RECORD.size <= len(raw):
+        number += 1
         sec, usec, caplen, _ = _RECORD.unpack_from(raw, pos)
         frame = raw[pos + _RECORD.size : pos + _RECORD.size + caplen]
         pos += _RECORD.size + caplen
@@ -89,5 +95,5 @@ def tcp_streams(path: Path) -> list[Stream]:
         if syn:
             stream.base = (seq + 1) & 0xFFFFFFFF
         elif payload:
-            stream.add(seq, payload)
+            stream.add(seq, payload, number)
     return sorted(streams.values(), key=lambda s: s.first)

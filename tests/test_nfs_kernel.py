@@ -322,13 +322,14 @@ MPA_KEY_LEN = 16
 MPA_FLAG_C = 0x40
 
 
-def fpdu_framing(pcap: Path, port: int) -> tuple[dict[str, int], list[str]]:
+def fpdu_framing(pcap: Path, port: int) -> tuple[dict[str, int], list[str], int | None]:
     """Frame both directions of the MPA connection on ``port`` in ``pcap`` ourselves.
 
-    Returns the FPDU count per direction and the problems: a stream that does not
-    end on an FPDU boundary, a bad CRC32c (when CRCs were negotiated). Where the
-    capture lost bytes (tcpdump dropped packets under load) a stream is framed up
-    to the loss, which is printed, not counted as a problem of ours.
+    Returns the FPDU count per direction, the problems (a stream that does not
+    end on an FPDU boundary, a bad CRC32c when CRCs were negotiated) and the
+    first frame after which the capture lost bytes, if it did. Where the capture
+    lost bytes (tcpdump dropped packets under load) a stream is framed up to the
+    loss, which is printed, not counted as a problem of ours.
     """
     streams = [s for s in tcp_streams(pcap) if port in (s.src[1], s.dst[1])]
     data = {f"{s.src[0]}:{s.src[1]}": s.data() for s in streams}
@@ -357,12 +358,15 @@ def fpdu_framing(pcap: Path, port: int) -> tuple[dict[str, int], list[str]]:
                 problems.append(f"{src}: FPDU {n} at stream offset {off}: bad CRC32c")
             off, n = crc_at + 4, n + 1
         counts[src] = n
-    return counts, problems
+    gaps = [s.gap_frame for s in streams if s.gap_frame is not None]
+    return counts, problems, min(gaps, default=None)
 
 
-def findings_after_tshark_lost_framing(wire: dict[str, Any]) -> int | None:
-    """The frame where tshark lost MPA framing if every judge finding lies at or after it."""
+def findings_after_lost_framing(wire: dict[str, Any], capture_lost: int | None) -> int | None:
+    """The frame where framing was lost, by tshark or by the capture itself (``capture_lost``,
+    the first frame after bytes tcpdump dropped), if every judge finding lies at or after it."""
     lost = [m["frame"] for m in wire.get("malformed", []) if "Unreassembled" in m["what"]]
+    lost += [capture_lost] if capture_lost is not None else []
     if not lost:
         return None
     first = min(lost)
@@ -383,7 +387,7 @@ async def test_kernel_mounts_over_rdma(guest: siwvm.Guest, tmp_path: Path) -> No
     await mount_and_exercise(guest, tmp_path, "rdma", RDMA_PORT, pcap)
     if pcap is None:
         return
-    counts, framing = fpdu_framing(pcap, RDMA_PORT)
+    counts, framing, capture_lost = fpdu_framing(pcap, RDMA_PORT)
     print(f"\nour own framing of the capture: {counts} FPDUs, problems: {framing}")
     assert not framing
     wire = await siwvm.judge(pcap, RDMA_PORT, GUEST_IP)
@@ -391,10 +395,10 @@ async def test_kernel_mounts_over_rdma(guest: siwvm.Guest, tmp_path: Path) -> No
     assert wire["rdmap_opcodes"].get("Read Request") and wire["rdmap_opcodes"].get("Write")
     assert any("READ" in k for k in wire.get("nfs", {})), "no NFS dissected"
     if wire["our_problems"]:
-        lost = findings_after_tshark_lost_framing(wire)
+        lost = findings_after_lost_framing(wire, capture_lost)
         assert lost is not None, f"the wire judge found problems:\n{text}"
         print(
-            f"\nwire judge: clean up to frame {lost}, where tshark lost MPA framing "
+            f"\nwire judge: clean up to frame {lost}, where MPA framing was lost "
             f"({len(wire['crc_errors'])} bad CRCs and {len(wire['lint'])} lint findings "
             f"after it); our own framing of every FPDU is clean"
         )

@@ -69,7 +69,7 @@ from typing import Any, TypeVar
 import pytest
 import siwvm
 import trio
-from test_nfs_kernel import findings_after_tshark_lost_framing, fpdu_framing, sums
+from test_nfs_kernel import findings_after_lost_framing, fpdu_framing, sums
 
 from rdmashim.ulps.nfsrdma import nfs3_types as t
 from rdmashim.ulps.nfsrdma.client import NfsClient, NfsError, Proto
@@ -314,7 +314,7 @@ async def test_client_against_knfsd_over_rdma(
     assert facts["invalidated"] > 0, "no reply came as Send With Invalidate"
     if pcap is None:
         return
-    counts, framing = fpdu_framing(pcap, RDMA_PORT)
+    counts, framing, capture_lost = fpdu_framing(pcap, RDMA_PORT)
     print(f"\nour own framing of the capture: {counts} FPDUs, problems: {framing}")
     assert not framing
     wire = await siwvm.judge(pcap, RDMA_PORT, GUEST_IP)
@@ -324,9 +324,9 @@ async def test_client_against_knfsd_over_rdma(
     assert opcodes.get("Read Request") and opcodes.get("Write"), opcodes
     assert opcodes.get("Send with Invalidate") == facts["invalidated"], opcodes
     if wire["our_problems"]:
-        lost = findings_after_tshark_lost_framing(wire)
+        lost = findings_after_lost_framing(wire, capture_lost)
         assert lost is not None, f"the wire judge found problems:\n{text}"
-        print(f"wire judge: clean up to frame {lost}, where tshark lost MPA framing")
+        print(f"wire judge: clean up to frame {lost}, where MPA framing was lost")
     else:
         print(f"wire judge: clean, {wire['fpdus']} FPDUs")
 

@@ -37,3 +37,4 @@ def test_lost_bytes_end_the_stream_where_they_were_lost(tmp_path: Path) -> None:
     frames = [frame(100, b"x" * 5), frame(105, b"y" * 5), frame(120, b"z" * 5)]  # 110..119 lost
     (stream,) = tcp_streams(pcap(tmp_path / "gap.pcap", frames))
     assert stream.data() == b"x" * 5 + b"y" * 5 and stream.gap == 10
+    assert stream.gap_frame == 3  # the frame after the loss, counted as tshark counts
