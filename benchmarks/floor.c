@@ -5,7 +5,10 @@
  * "hop": at each end a progress thread blocks in read and hands each message to the
  * waiting main thread through an eventfd (what a progress thread per device costs a
  * message, against "block": run to completion in the waiter).
- * Prints: mode=M round_trips=N median_half_rtt_ns=T (half the median round trip). */
+ * Prints: mode=M round_trips=N median_half_rtt_ns=T (half the median round trip)
+ * cpu_ns_per_message=C (the CPU time, user and system, of both ends over the whole run,
+ * warm-up included, per message one end took in and answered: what a process that only
+ * waits, receives and answers costs a message here, with no work of its own). */
 #define _GNU_SOURCE
 #include <errno.h>
 #include <pthread.h>
@@ -17,6 +20,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
 #include <time.h>
@@ -136,6 +140,14 @@ int main(int argc, char **argv) {
 	if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) { fputs("floor: the echo failed\n", stderr); return 1; }
 	qsort(rtt, (size_t)n, sizeof *rtt, cmp);
 	long long median = n % 2 ? rtt[n / 2] : (rtt[n / 2 - 1] + rtt[n / 2]) / 2;
-	printf("mode=%s round_trips=%ld median_half_rtt_ns=%lld\n", argv[1], n, median / 2);
+	long long cpu = 0;
+	struct rusage ru;
+	for (int who = 0; who < 2; who++) {
+		if (getrusage(who ? RUSAGE_CHILDREN : RUSAGE_SELF, &ru) != 0) die("floor: getrusage");
+		cpu += (ru.ru_utime.tv_sec + ru.ru_stime.tv_sec) * 1000000000LL +
+		       (ru.ru_utime.tv_usec + ru.ru_stime.tv_usec) * 1000LL;
+	}
+	printf("mode=%s round_trips=%ld median_half_rtt_ns=%lld cpu_ns_per_message=%lld\n", argv[1],
+	       n, median / 2, cpu / (2 * (warm + n)));
 	return 0;
 }

@@ -4,7 +4,10 @@ bench.py's latency rows are judged against it as well as against raw Python
 TCP: what the kernel's loopback TCP costs with no Python on either end, in the
 two ways our rows wait (``block``: both ends block in ``recv``, the floor of
 send-lat; ``poll``: both ends spin on non-blocking ``recv``, the floor of
-send-lat-poll). It is compiled when a run starts, with ``$CC`` or the compiler
+send-lat-poll). ``block`` also gives the floor of a server's CPU per call
+(:func:`cpu_per_message`, which ``nfs.py`` prints beside its server's): on a
+virtual machine, a wake-up from a blocking wait costs far more CPU than the
+system calls around it. It is compiled when a run starts, with ``$CC`` or the compiler
 Python was built with (``sysconfig``'s ``CC``), else ``cc``, into a temporary
 directory of that run; without a compiler, :func:`build` says why not.
 """
@@ -76,10 +79,10 @@ def parse(line: str) -> dict[str, str]:
     return dict(word.split("=", 1) for word in line.split() if "=" in word)
 
 
-async def measure(binary: FloorBinary, mode: str, round_trips: int, warmup: int) -> float:
-    """The median half round trip in microseconds over ``round_trips`` ping-pongs after
-    ``warmup``, ``mode`` one of :data:`MODES`; :class:`FloorUnavailable` if the helper
-    failed or took more than a minute and 100 us a round trip."""
+async def run(binary: FloorBinary, mode: str, round_trips: int, warmup: int) -> dict[str, str]:
+    """One run of the helper: its output's fields (:func:`parse`); ``mode`` one of
+    :data:`MODES`. :class:`FloorUnavailable` if it failed or took more than a minute
+    and 100 us a round trip."""
     cmd = [str(binary.path), mode, str(round_trips), str(warmup)]
     limit = 60 + (round_trips + warmup) * 1e-4
     with trio.move_on_after(limit) as scope:
@@ -88,11 +91,29 @@ async def measure(binary: FloorBinary, mode: str, round_trips: int, warmup: int)
         raise FloorUnavailable(f"floor {mode}: no result in {limit:.0f} s")
     if done.returncode != 0:
         raise FloorUnavailable(f"floor {mode} failed: {done.stderr.decode().strip()}")
-    fields = parse(done.stdout.decode())
+    return parse(done.stdout.decode())
+
+
+def field_us(fields: dict[str, str], key: str, mode: str) -> float:
+    """The nanosecond figure ``key`` of a run's ``fields``, in microseconds."""
     try:
-        return int(fields["median_half_rtt_ns"]) / 1000
+        return int(fields[key]) / 1000
     except (KeyError, ValueError):
-        raise FloorUnavailable(f"floor {mode} said {done.stdout.decode()!r}") from None
+        raise FloorUnavailable(f"floor {mode} said {fields!r}, no {key}") from None
+
+
+async def measure(binary: FloorBinary, mode: str, round_trips: int, warmup: int) -> float:
+    """The median half round trip in microseconds over ``round_trips`` ping-pongs after
+    ``warmup`` (see :func:`run`)."""
+    return field_us(await run(binary, mode, round_trips, warmup), "median_half_rtt_ns", mode)
+
+
+async def cpu_per_message(binary: FloorBinary, round_trips: int, warmup: int) -> float:
+    """Microseconds of CPU (user and system, both ends) per message one end took in
+    and answered, both ends blocking in ``recv``: what a server that only waits,
+    receives and answers costs a call on this machine, the floor of a server's CPU
+    per call (``benchmarks/nfs.py``)."""
+    return field_us(await run(binary, "block", round_trips, warmup), "cpu_ns_per_message", "block")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -103,16 +124,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeat", type=int, default=3)
     args = p.parse_args(argv)
 
-    async def run(binary: FloorBinary) -> dict[str, list[float]]:
-        got: dict[str, list[float]] = {mode: [] for mode in MODES}
+    async def sample(binary: FloorBinary) -> dict[str, list[float]]:
+        got: dict[str, list[float]] = {mode: [] for mode in (*MODES, "cpu")}
         for _ in range(args.repeat):
             for mode in MODES:
-                got[mode].append(await measure(binary, mode, args.round_trips, 1000))
+                fields = await run(binary, mode, args.round_trips, 1000)
+                got[mode].append(field_us(fields, "median_half_rtt_ns", mode))
+                if mode == "block":
+                    got["cpu"].append(field_us(fields, "cpu_ns_per_message", mode))
         return got
 
     with tempfile.TemporaryDirectory() as tmp:
         try:
-            got = trio.run(run, build(Path(tmp)))
+            got = trio.run(sample, build(Path(tmp)))
         except FloorUnavailable as exc:
             print(f"floor: n/a ({exc})")
             return 1
@@ -122,6 +146,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{mode:6s} {med[mode]:7.1f} us half round trip (median of {samples})")
     print(f"a progress thread's hand-over adds {med['hop'] - med['block']:.1f} us a message "
           f"({med['hop'] / med['block']:.2f}x block)")  # fmt: skip
+    print(
+        f"block: {med['cpu']:.1f} us of CPU a message at each end (both ends' CPU time; "
+        f"median of {', '.join(f'{x:.1f}' for x in got['cpu'])})"
+    )
     return 0
 
 

@@ -29,7 +29,11 @@ Benchmarks (``--only`` takes these names):
     ``--getattrs`` GETATTRs of the export's root, one at a time; the rate
     (calls/s), the latency of each call (median, 99th percentile), and the
     server process's CPU time per call (user and system, all threads, from
-    ``/proc``: our server's own cost of a metadata call, whatever the client).
+    ``/proc``: our server's own cost of a metadata call, whatever the client),
+    beside the floor of any server's CPU per call on this machine, measured in
+    the same run (``floor.c``'s blocking ping-pong: both ends' CPU per message;
+    on a virtual machine a wake-up from a blocking wait costs more CPU than the
+    system calls around it; without a C compiler the line says why not).
 
 Every byte is checked after its window: the read buffer against the file,
 the written file on disk against the source.
@@ -69,6 +73,7 @@ import trio
 from rdmashim.ulps.nfsrdma.client import COMMIT_EVERY, IN_FLIGHT, NfsClient, Proto
 from rdmashim.ulps.nfsrdma.server import ServerConfig, serve_nfs
 
+import floor
 from report import Status, engine_line, process_cpu, run_meta, top_functions
 from streams import stop_process
 
@@ -147,6 +152,9 @@ class Config:
     data: bytes
     server: subprocess.Popen[bytes]
     profile_dir: Path | None = None
+    floor_binary: floor.FloorBinary | None = None
+    """The compiled floor.c, or None: ``floor_why`` says why not."""
+    floor_why: str = ""
 
 
 class Window:
@@ -288,11 +296,16 @@ async def run_samples(
     results = []
     for bench in benches:
         details: dict[str, list[dict[str, float]]] = {proto: [] for proto in PROTOS}
+        floor_cpu: list[float] = []
+        floor_why = cfg.floor_why
         for i in range(repeat):
             for proto in PROTOS:
                 status.show(f"{bench.name}: sample {i + 1}/{repeat} ({proto})")
                 with trio.fail_after(600):
                     details[proto].append(await one_sample(cfg, bench, proto))
+            if bench.name == "getattr" and not floor_why:
+                status.show(f"getattr: sample {i + 1}/{repeat} (the server CPU floor)")
+                floor_why = await _floor_cpu(cfg, floor_cpu)
         rdma, tcp = _median(details["rdma"]), _median(details["tcp"])
         result: dict[str, Any] = {
             "name": bench.name,
@@ -310,9 +323,27 @@ async def run_samples(
         if bench.name == "getattr":
             for key in GETATTR_ROWS:
                 result[key] = {proto: _median(details[proto], key) for proto in PROTOS}
+            result["floor_cpu_us"], result["floor_why"] = floor_cpu, floor_why
         results.append(result)
     status.clear()
     return results
+
+
+FLOOR_ROUND_TRIPS = 5000
+"""Round trips of each floor.c sample the server CPU floor is taken from."""
+
+
+async def _floor_cpu(cfg: Config, samples: list[float]) -> str:
+    """One sample of the server CPU floor (:func:`floor.cpu_per_message`) added to
+    ``samples``, taken between the GETATTR samples (the figure moves with the
+    machine's state); "" or why it could not be taken."""
+    if cfg.floor_binary is None:
+        return cfg.floor_why or "floor.c was not built"
+    try:
+        samples.append(await floor.cpu_per_message(cfg.floor_binary, FLOOR_ROUND_TRIPS, 500))
+    except floor.FloorUnavailable as exc:
+        return str(exc)
+    return ""
 
 
 def _row(name: str, size: str, rdma: float, tcp: float, unit: str, prec: int = 1) -> str:
@@ -346,7 +377,22 @@ def print_table(cfg: Config, results: list[dict[str, Any]]) -> None:
         )
         print(f" {r['name']:<23}{cells}")
     print(" client, server: CPU time (user+system, all threads) of each process in the window")
+    for r in results:
+        if r["name"] == "getattr":
+            print(_floor_line(r["floor_cpu_us"], r["floor_why"]))
     print(RESULT_LINE)
+
+
+def _floor_line(samples: list[float], why: str) -> str:
+    """The server CPU floor as the table's footnote says it."""
+    if why or not samples:
+        return f" server CPU floor: n/a ({why or 'not measured'})"
+    each = ", ".join(f"{x:.1f}" for x in samples)
+    return (
+        f" server CPU floor: {statistics.median(samples):.1f} usec a message at each end of a C\n"
+        f"   TCP ping-pong that only waits, receives and answers (floor.c block, after each\n"
+        f"   pair of GETATTR samples: {each}): no server here costs less a call"
+    )
 
 
 def _filesystem(path: Path) -> str:
@@ -476,6 +522,10 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="rdmashim-nfs-bench-", dir=args.dir) as tmp:
         export, state = Path(tmp) / "export", Path(tmp) / "state"
         export.mkdir()
+        try:
+            binary, why = floor.build(Path(tmp)), ""
+        except floor.FloorUnavailable as exc:
+            binary, why = None, str(exc)
         data = os.urandom(size)
         (export / READ_FILE).write_bytes(data)
         cmd = [sys.executable, str(Path(__file__).resolve()), "--serve", str(export), str(state)]
@@ -488,8 +538,9 @@ def main(argv: list[str] | None = None) -> int:
             if len(line) != 3 or line[0] != "READY":
                 raise BenchError(f"server did not start (said {line!r})")
             cfg = Config(
-                size, args.getattrs, int(line[1]), line[2], export, data, server, profile_dir
-            )
+                size, args.getattrs, int(line[1]), line[2], export, data, server, profile_dir,
+                binary, why,
+            )  # fmt: skip
             meta, results = trio.run(client_main, args, cfg, benches)
         finally:
             stop_process(server)

@@ -42,6 +42,7 @@ def test_floor_helper_prints_a_sane_half_round_trip(tmp_path: Path, mode: str) -
     fields = floor.parse(done.stdout)
     assert fields["mode"] == mode and fields["round_trips"] == "300", done.stdout
     assert 0 < int(fields["median_half_rtt_ns"]) < 10_000_000, done.stdout
+    assert 0 < int(fields["cpu_ns_per_message"]) < 10_000_000, done.stdout
 
 
 @pytest.mark.parametrize("args", [["poll", "300"], ["spin", "300", "30"], ["block", "0", "30"],
