@@ -322,7 +322,11 @@ async def test_client_against_knfsd_over_rdma(
     print(f"rdmap opcodes: {wire['rdmap_opcodes']}, nfs: {wire.get('nfs')}")
     opcodes = wire["rdmap_opcodes"]
     assert opcodes.get("Read Request") and opcodes.get("Write"), opcodes
-    assert opcodes.get("Send with Invalidate") == facts["invalidated"], opcodes
+    seen = opcodes.get("Send with Invalidate", 0)
+    if capture_lost is None:
+        assert seen == facts["invalidated"], opcodes
+    else:  # tcpdump dropped packets: the judge sees only what the capture kept
+        assert 0 < seen <= facts["invalidated"], opcodes
     if wire["our_problems"]:
         lost = findings_after_lost_framing(wire, capture_lost)
         assert lost is not None, f"the wire judge found problems:\n{text}"
