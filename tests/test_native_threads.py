@@ -1,5 +1,5 @@
 """The native engine's device lock under ThreadSanitizer: ``tools/native_threads.c`` has
-a thread serve one QP (``rs_qp_serve_wait``, as ``CQ.serve_in_thread`` does), the main
+a thread serve one QP (``rs_qp_serve_poll``, as ``CQ.serve_in_thread`` does), the main
 thread drive its peer and a third register and deregister regions in the same memory
 table; built with ``-fsanitize=thread``, it must answer every message right with no
 race reported. The same program with the lock compiled out must be reported (the test

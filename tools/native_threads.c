@@ -1,8 +1,8 @@
 /* Three threads on one device's native engine, for ThreadSanitizer
  * (tests/test_native_threads.py builds it with -fsanitize=thread and runs it).
  *
- * A thread serves QP A as CQ.serve_in_thread does: it waits in rs_qp_serve_wait,
- * polls A's CQ and answers each message (its bytes reversed) with a Send, reposting
+ * A thread serves QP A as CQ.serve_in_thread does: it waits and polls A's CQ in
+ * rs_qp_serve_poll and answers each message (its bytes reversed) with a Send, reposting
  * the Receive. The main thread drives QP B, the peer, over the other end of a socket
  * pair: it sends messages, reads and polls for the answers and checks each one. A
  * third thread registers and deregisters regions in the same memory table all along
@@ -83,14 +83,14 @@ static void *serve(void *unused)
 {
     (void)unused;
     rs_wc wcs[16];
+    rs_wc_sum sum;
     for (;;) {
-        int64_t r = rs_qp_serve_wait(qp_a, fds[0], wake);
-        if (r == -EINTR)
+        int64_t n = rs_qp_serve_poll(qp_a, fds[0], wake, wcs, 16, &sum);
+        if (n == -EINTR)
             return NULL; /* woken: the main thread takes the QP back */
-        if (r < 0 || rs_qp_state(qp_a) != RS_QP_RTS)
+        if (n <= 0 || rs_qp_state(qp_a) != RS_QP_RTS)
             fail("the served QP left RTS");
-        uint32_t n = rs_cq_poll(cq_a, wcs, 16);
-        for (uint32_t i = 0; i < n; i++) {
+        for (int64_t i = 0; i < n; i++) {
             if (wcs[i].status != RS_WC_SUCCESS)
                 fail("a completion of A failed");
             if (wcs[i].opcode != RS_WC_RECV)

@@ -1860,6 +1860,31 @@ int64_t rs_qp_serve_wait(rs_qp *qp, int fd, int wake)
     }
 }
 
+int64_t rs_qp_serve_poll(rs_qp *qp, int fd, int wake, rs_wc *out, uint32_t n, rs_wc_sum *sum)
+{
+    pthread_mutex_t *lock = &qp->mem->lock;
+    if (qp->scq != qp->rcq)
+        return -EINVAL; /* (a served QP has one CQ: its caller checked) */
+    for (;;) {
+        int64_t waited = rs_qp_serve_wait(qp, fd, wake);
+        if (waited < 0)
+            return waited;
+        pthread_mutex_lock(lock);
+        rs_cq *cq = qp->rcq;
+        uint32_t k = 0;
+        if (qp->state == RS_QP_RTS && !(qp->v.news & ~RS_NEWS_CQ) && !cq->v.overrun) {
+            qp->v.news = 0; /* (the completions it speaks of are in the rows) */
+            k = rs_cq_poll_sum(cq, out, n, sum);
+        }
+        int others = qp->state != RS_QP_RTS || (qp->v.news & ~RS_NEWS_CQ) || cq->v.overrun;
+        pthread_mutex_unlock(lock);
+        if (k)
+            return k;
+        if (others)
+            return 0;
+    }
+}
+
 int64_t rs_qp_spin_fd(rs_qp *qp, int fd, uint64_t ns)
 {
     struct timespec t0, t;

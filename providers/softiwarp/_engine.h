@@ -244,6 +244,13 @@ int64_t rs_qp_wait_read_fd(rs_qp *qp, int fd, int others, int timeout_ms);
  * Every call on a QP, CQ, SRQ or memory table runs under its device's lock, so such a
  * thread and the event loop's calls on the device do not meet. */
 int64_t rs_qp_serve_wait(rs_qp *qp, int fd, int wake);
+/* One turn of a thread serving the QP, in one call: rs_qp_serve_wait, then a poll of
+ * its CQ (the QP's only one: send and receive) into out, up to n rows, with what they
+ * have in common in sum (rs_cq_poll_sum). The rows taken (at least one); 0 when the QP
+ * has news only its owner's event loop acts on (it left RTS, the peer's RTR, a CQ
+ * overrun), which are left for it; -errno as rs_qp_serve_wait (-EINTR: woken). The
+ * completion news it hands on in its rows are cleared. */
+int64_t rs_qp_serve_poll(rs_qp *qp, int fd, int wake, rs_wc *out, uint32_t n, rs_wc_sum *sum);
 /* Move to ERROR (the user, a destroy, or the connection lost): flush everything. */
 void rs_qp_set_error(rs_qp *qp, uint32_t kind, const char *message);
 int rs_qp_state(rs_qp *qp);

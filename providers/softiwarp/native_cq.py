@@ -111,6 +111,20 @@ class NativeCQ(CQ):
         rows.decode_into(wcs, got)
         return int(got)
 
+    def serve_poll(self, qp: Any, fd: int, wake: int, wcs: WCArray) -> int:
+        """One turn of a thread serving ``qp`` (an ``rs_qp`` whose only CQ this is; its
+        socket ``fd``): wait and poll in one call into C (``rs_qp_serve_poll``), the
+        completions taken into ``wcs``. Their count; 0 when the QP has news for the
+        event loop, below 0 when woken through ``wake``. :meth:`_sync` afterwards: the
+        Python side's count is not kept meanwhile."""
+        rows = wcs.native
+        if rows is None or not isinstance(rows, _Rows) or len(rows) < len(wcs):
+            rows = wcs.native = _Rows(len(wcs))
+        got = int(lib.rs_qp_serve_poll(qp, fd, wake, rows.c, len(wcs), rows.sum))
+        if got > 0:
+            rows.decode_into(wcs, got)
+        return got
+
     async def serve_in_thread(
         self, wcs: WCArray, on_completions: Callable[[WCArray, int], bool]
     ) -> bool:

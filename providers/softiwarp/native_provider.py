@@ -387,15 +387,14 @@ class NativeQP(QPBase):
             return False
         link._expect(0)  # (the thread waits for any byte: a mark set for a large one goes)
         wake = os.eventfd(0, os.EFD_CLOEXEC | os.EFD_NONBLOCK)
-        thread = native_serve.Service(
-            self._ptr, link._fd, wake, self._view, cq, wcs, on_completions
-        )
+        thread = native_serve.Service(self._ptr, link._fd, wake, cq, wcs, on_completions)
         self._served_by = -1  # (the thread's own ident once it runs: the event loop's is not)
         try:
             await link.lend_to_thread(functools.partial(thread.run, self), thread.interrupt)
         finally:
             self._served_by = None
             os.close(wake)
+            cq._sync()  # (the thread's polls left the CQ's count to C)
             self._sync()  # what the thread left for the event loop
         return True
 
