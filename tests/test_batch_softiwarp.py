@@ -263,3 +263,43 @@ async def test_an_entry_posted_alone_again_goes_out_as_it_is_now() -> None:
         if hasattr(client.qp, "_plan_key"):  # the native engine: noted for these limits
             ((_, key), _array) = inline.prepared(SendPlan, SendPlan).singles[0]
             assert key == client.qp._plan_key and 16 in key  # (another max_inline: not it)
+
+
+async def test_an_entry_changed_at_every_post_leaves_the_others_as_they_were() -> None:
+    """A batch one entry of which changes before each post (RDS's RDMA Write, NFS's reply
+    length): the others keep their shortcut and the checks stay right. The native plan's
+    summary follows the changed entry; one it overstates (a key no entry names any more,
+    of a region deregistered since) is made anew at the next post, not refused."""
+    async with connected(prepare=post_receives(8)) as pair:
+        client, server = pair.client, pair.server
+        a = client.pd.reg_mr(bytearray(b"aaaa"), Access.LOCAL_WRITE)
+        b = client.pd.reg_mr(bytearray(b"bbbb"), Access.LOCAL_WRITE)
+        batch = SendBatch(
+            [SendWR(0, WROpcode.SEND, [a.sge()]), SendWR(1, WROpcode.SEND, [b.sge()])]
+        )
+        batch.set(0, send_flags=SendFlags.SIGNALED)
+        batch.set(1, send_flags=SendFlags.SIGNALED)
+        client.qp.post_send_batch(batch, indices=[0])
+        client.qp.post_send_batch(batch, indices=[0])
+        native = hasattr(client.qp, "_plan_key")
+        plan = batch.prepared(SendPlan, SendPlan) if native else None
+        kept = plan.singles.get(0) if plan is not None else None
+        batch.set(1, sg_list=[a.sge(0, 2)])  # entry 1 now names region a only
+        if plan is not None:
+            assert batch.prepared(SendPlan, SendPlan) is plan and plan.singles.get(0) is kept
+        gone = b.sge()
+        b.close()
+        client.qp.post_send_batch(batch)  # both: b is named by none, so none is refused
+        if plan is not None:
+            assert plan._summary is not None and not plan._summary.loose
+            assert plan._summary.keys == {a.sge().lkey}
+        got = await drain(server.recv_cq, 4)
+        placed = bytes(pair.server_mr.buf)
+        assert [placed[64 * w.wr_id : 64 * w.wr_id + w.byte_len] for w in got] == [
+            b"aaaa", b"aaaa", b"aaaa", b"aa"
+        ]  # fmt: skip
+        batch.set(1, sg_list=[gone])
+        with pytest.raises(VerbsError) as info:  # a region gone since: refused, not sent
+            client.qp.post_send_batch(batch, indices=[1])
+        assert info.value.errno == errno.EINVAL
+        await drain(client.send_cq, 4)

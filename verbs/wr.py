@@ -198,18 +198,20 @@ def _copy_recv(w: RecvWR) -> RecvWR:
 
 
 class _Batch(Generic[_W]):
-    """The batch mechanics both kinds share: entries, change stamps, prepared forms."""
+    """The batch mechanics both kinds share: entries, their change log, prepared forms."""
 
-    __slots__ = ("_prepared", "_stamps", "_version", "_wrs")
+    __slots__ = ("_changed", "_prepared", "_wrs")
     _copy: Callable[[_W], _W]
 
     def __init__(self, wrs: Iterable[_W]) -> None:
         copy = self._copy
         self._wrs: list[_W] = [copy(w) for w in wrs]
-        self._stamps = [0] * len(self._wrs)
-        """The ``_version`` at which each entry was last set."""
-        self._version = 0
+        self._changed: list[int] = []
+        """The entries set since the prepared forms last all caught up, in order (a
+        post derives only these again, however long the batch)."""
         self._prepared: dict[object, tuple[list[int], Any]] = {}
+        """Each form and how far into :attr:`_changed` it has caught up (-1: not at all,
+        the log having started afresh)."""
 
     def __len__(self) -> int:
         return len(self._wrs)
@@ -224,8 +226,12 @@ class _Batch(Generic[_W]):
         self._touch(i)
 
     def _touch(self, i: int) -> None:
-        self._version += 1
-        self._stamps[i] = self._version
+        changed = self._changed
+        changed.append(i)
+        if len(changed) > len(self._wrs) + 16:  # a form left behind: it derives all again
+            for seen, _ in self._prepared.values():
+                seen[0] = 0 if seen[0] == len(changed) else -1
+            changed.clear()
 
     def prepared(self, key: object, factory: Callable[[int], _P]) -> _P:
         """The backend's derived form of this batch, ``factory(len(batch))`` filled by its
@@ -233,20 +239,24 @@ class _Batch(Generic[_W]):
         since are derived again. For backends: ``key`` names what the form depends on
         (the backend, a context's memory table)."""
         found = self._prepared.get(key)
-        wrs = self._wrs
+        wrs, changed = self._wrs, self._changed
         if found is None:
             form = factory(len(wrs))
+            seen = [-1]
+            self._prepared[key] = (seen, form)
+        else:
+            seen, form = found
+            if seen[0] == len(changed):
+                return form
+        if seen[0] < 0:
             for i, w in enumerate(wrs):
                 form.set(i, w)
-            self._prepared[key] = ([self._version], form)
-            return form
-        seen, form = found[0], found[1]
-        if seen[0] != self._version:
-            since = seen[0]
-            for i, stamp in enumerate(self._stamps):
-                if stamp > since:
-                    form.set(i, wrs[i])
-            seen[0] = self._version
+        else:
+            for i in changed[seen[0] :]:
+                form.set(i, wrs[i])
+        if len(self._prepared) == 1:  # (the usual case: the log starts afresh)
+            changed.clear()
+        seen[0] = len(changed)
         return form
 
     def select(

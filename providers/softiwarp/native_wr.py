@@ -179,7 +179,7 @@ class _Summary:
     """What a plan's entries add up to, for the fast path of a post: one check of the
     whole plan against the QP's limits and the memory table, not one per request."""
 
-    __slots__ = ("clean", "keys", "max_inline", "max_nsge", "max_read_nsge")
+    __slots__ = ("clean", "keys", "loose", "max_inline", "max_nsge", "max_read_nsge")
 
     def __init__(self) -> None:
         self.clean = True
@@ -187,6 +187,31 @@ class _Summary:
         self.keys: set[int] = set()
         """The lkeys a post must find registered."""
         self.max_nsge = self.max_read_nsge = self.max_inline = 0
+        self.loose = False
+        """Entries changed since it was made and it followed them without a look at the
+        others: it may still count what they replaced (more keys, larger maxima, an
+        entry refused), so a post it fails makes it anew before it gives up."""
+
+
+def _count(summary: _Summary, p: _Packed) -> bool:
+    """Add request ``p`` to ``summary``; whether its keys were there already."""
+    if p.unsupported or p.invalid or p.raw is not None or not p.wr_id_ok:
+        summary.clean = False
+        return True
+    if p.opcode is WROpcode.RDMA_READ:
+        summary.max_read_nsge = max(summary.max_read_nsge, p.nsge)
+    else:
+        summary.max_nsge = max(summary.max_nsge, p.nsge)
+    if p.inline:
+        summary.max_inline = max(summary.max_inline, p.length)
+        return True
+    keys = summary.keys
+    known = True
+    for s in p.sges:
+        if s.length and s.lkey not in keys:
+            keys.add(s.lkey)
+            known = False
+    return known
 
 
 class _Plan:
@@ -257,28 +282,43 @@ class SendPlan(_Plan):
         self._data: list[bytes] = [b""] * n
 
     def set(self, i: int, wr: SendWR) -> None:
-        """Pack entry ``i`` from ``wr`` (again, after it changed)."""
+        """Pack entry ``i`` from ``wr`` (again, after it changed). What the other
+        entries' posts found stays known: a batch one entry of which changes from post
+        to post (an RDMA Write's address) costs that entry, not a look at them all."""
         p = self.packed[i] = _Packed(wr)
         self._data[i] = p.data
-        self._changed()
+        summary = self._summary
+        if summary is None:
+            self._changed()
+            return
+        self._arrays.clear()
+        self.singles.pop(i, None)
+        if i == 0:
+            self.quick = None
+        summary.loose = True
+        if not _count(summary, p):
+            self._checked = None  # (a key not checked yet)
 
     def _summarize(self) -> _Summary:
         out = _Summary()
         for p in self.packed:
             assert p is not None
-            if p.unsupported or p.invalid or p.raw is not None or not p.wr_id_ok:
-                out.clean = False
+            _count(out, p)
+            if not out.clean:
                 break
-            if p.opcode is WROpcode.RDMA_READ:
-                out.max_read_nsge = max(out.max_read_nsge, p.nsge)
-            else:
-                out.max_nsge = max(out.max_nsge, p.nsge)
-            if p.inline:
-                out.max_inline = max(out.max_inline, p.length)
-            else:
-                out.keys.update(s.lkey for s in p.sges if s.length)
         self._summary = out
         return out
+
+    def _fits(
+        self, summary: _Summary, n: int, room: int, limit: int, max_inline: int,
+        memory: MemoryTable, epoch: int,
+    ) -> bool:  # fmt: skip
+        """Whether a post of ``n`` entries takes the fast path (the summary's checks)."""
+        return (
+            summary.clean and n <= room and summary.max_nsge <= limit
+            and summary.max_read_nsge <= 1 and summary.max_inline <= max_inline
+            and self._keys_ok(summary.keys, memory, epoch)
+        )  # fmt: skip
 
     def post(
         self, wrs: Sequence[SendWR], entries: Sequence[int], room: int, max_wr: int,
@@ -297,11 +337,10 @@ class SendPlan(_Plan):
         n = len(entries)
         summary = self._summary or self._summarize()
         start = 0
-        if (
-            summary.clean and n <= room and summary.max_nsge <= limit
-            and summary.max_read_nsge <= 1 and summary.max_inline <= max_inline
-            and self._keys_ok(summary.keys, memory, epoch)
-        ):  # fmt: skip
+        fits = self._fits
+        if fits(summary, n, room, limit, max_inline, memory, epoch) or (
+            summary.loose and fits(self._summarize(), n, room, limit, max_inline, memory, epoch)
+        ):
             if not n:
                 return None
             array = self._fast_array("rs_send_wr[]", self._data, entries, epoch)

@@ -30,6 +30,7 @@ from rdmashim.verbs import (
     QPState,
     RecvBatch,
     RecvWR,
+    SendBatch,
     SendFlags,
     SendWR,
     WCArray,
@@ -102,7 +103,9 @@ _FLAGS = [
 ]
 """A Send's flags by variant, ``fence << 3 | last fragment << 2 | signaled << 1 | inline``:
 made once, as Flag arithmetic costs a Python call each time."""
-_VARIANTS = len(_FLAGS)
+_RDMA_ENTRY = SEND_SLOTS
+"""The first of a session's :data:`RDMA_DEPTH` batch entries for RDMA operations (the
+entries below it are the send slots' Sends)."""
 
 
 class Session:
@@ -124,17 +127,18 @@ class Session:
     held-back acknowledgement when its delay ends and ends the session when the
     handler finds the connection broken.
 
-    Sends are posted as lists: what one pump makes goes in one ``post_send``
-    (the engine frames it into one write). When a handler run delivers several
-    messages (a burst), the first answer their receivers send goes at once, so
-    that the peer works on it meanwhile (unless the burst is larger than
-    :data:`OPENING_MAX` and came from several sockets: others in flight keep the
-    peer busy then); the next ones wait in the queue and go together, posted by
-    the receiver that goes back to waiting when no socket holds a message any more
-    (:meth:`answer_burst`), or else by :meth:`run`'s task a turn of the scheduler
-    later (a burst of requests costs two posts and two writes, and at the peer two
-    reads and two handler runs), up to :data:`BURST_MAX` of them: more are posted as
-    they come. The wire is the same either way: the same headers, flags and order.
+    Sends are posted from one prepared :class:`~rdmashim.verbs.SendBatch`, by its
+    entries: what one pump makes goes in one ``post_send_batch`` (the engine frames it
+    into one write), and an entry is packed again only when its fields change. When a
+    handler run delivers several messages (a burst), the first answer their receivers
+    send goes at once, so that the peer works on it meanwhile (unless the burst is
+    larger than :data:`OPENING_MAX` and came from several sockets: others in flight keep
+    the peer busy then); the next ones wait in the queue and go together, posted by the
+    receiver that goes back to waiting when no socket holds a message any more
+    (:meth:`answer_burst`), or else by :meth:`run`'s task a turn of the scheduler later
+    (a burst of requests costs two posts and two writes, and at the peer two reads and
+    two handler runs), up to :data:`BURST_MAX` of them: more are posted as they come.
+    The wire is the same either way: the same headers, flags and order.
     """
 
     def __init__(
@@ -165,13 +169,16 @@ class Session:
         self._send_buf = self.send_mr.buf
         first = self.send_mr.sge(0, SLOT)
         self._send_addr, self._send_lkey = first.addr, first.lkey
-        self._slot_wrs: list[SendWR | None] = [None] * (SEND_SLOTS * _VARIANTS)
-        """Each send slot's Sends, one per flags variant (``slot * 16 + variant``, see
-        :data:`_FLAGS`), made when first used: a request posted again with the fields it
-        had is one the engine packed already (a slot whose one request changed flags
-        from post to post, signaled now and not the next time, was packed anew)."""
-        self._slot_lengths = [-1] * (SEND_SLOTS * _VARIANTS)
-        """The length of each of those Sends' SGE, kept while fragments fill it alike."""
+        self._sends = SendBatch(
+            [SendWR(slot, _SEND) for slot in range(SEND_SLOTS)]
+            + [SendWR(_RDMA_WR, WROpcode.RDMA_WRITE) for _ in range(RDMA_DEPTH)]
+        )
+        """Each send slot's Send (entry ``slot``), then :data:`RDMA_DEPTH` entries for the
+        RDMA operations of one post: an entry posted again with the fields it had is one
+        the engine packed already."""
+        self._slot_shapes = [-1] * SEND_SLOTS
+        """Each slot Send's length and flags variant (``length << 4 | variant``, see
+        :data:`_FLAGS`) as its entry holds them: set again only when they change."""
         self._max_inline = conn.qp.cap.max_inline_data
         """Sends up to this long go INLINE (copied when posted; the slot is free again at
         once, though it is reused only after a later signaled Send completes)."""
@@ -213,8 +220,10 @@ class Session:
         """``trio.current_time`` without its look-up of the run (a call per message less)."""
         self._pumping = False
         self._repump = False
-        self._wrs: list[SendWR] = []
-        """Work requests made and not yet posted (:meth:`_submit` posts them)."""
+        self._entries: list[int] = []
+        """The batch entries filled and not yet posted (:meth:`_submit` posts them)."""
+        self._rdma_entry = _RDMA_ENTRY
+        """The entry the next RDMA operation of this post fills."""
 
         self._reposts: list[int] = []
         """Receive buffers taken and not yet posted again (see :data:`REPOST_BATCH`)."""
@@ -243,7 +252,13 @@ class Session:
             opcode, flags = WROpcode.RDMA_WRITE, _UNSIGNALED
         else:  # the data is here when the Read completes
             opcode, flags = WROpcode.RDMA_READ, SendFlags.SIGNALED
-        self._wrs.append(SendWR(wr_id, opcode, [op._mr.sge()], flags, op.remote_addr, op.rkey))
+        entry = self._rdma_entry
+        self._rdma_entry = entry + 1
+        self._sends.set(
+            entry, wr_id=wr_id, opcode=opcode, sg_list=[op._mr.sge()], send_flags=flags,
+            remote_addr=op.remote_addr, rkey=op.rkey,
+        )  # fmt: skip
+        self._entries.append(entry)
         counters = self.rds.counters
         counters.rdma_bytes += op.length
         if op.write:
@@ -279,27 +294,29 @@ class Session:
         posted.append(slot)
         self._rdma_marks[slot] = self._next_rdma
         flow = self.flow
-        key = slot * _VARIANTS + (
+        variant = (
             flow.fence << 3
             | flow.last << 2
             | (not len(posted) % SIGNAL_EVERY or len(self.free_slots) < SIGNAL_EVERY) << 1
             | (length <= self._max_inline)
         )
-        wr = self._slot_wrs[key]
-        if wr is None:
-            wr = self._slot_wrs[key] = SendWR(slot, _SEND, send_flags=_FLAGS[key % _VARIANTS])
-        if self._slot_lengths[key] != length:  # else the slot's last list fits
-            self._slot_lengths[key] = length
-            wr.sg_list = [SGE(self._send_addr + slot * SLOT, length, self._send_lkey)]
-        self._wrs.append(wr)
+        shape = length << 4 | variant
+        if self._slot_shapes[slot] != shape:  # else the entry stays as packed
+            self._slot_shapes[slot] = shape
+            self._sends.set(
+                slot, send_flags=_FLAGS[variant],
+                sg_list=[SGE(self._send_addr + slot * SLOT, length, self._send_lkey)],
+            )  # fmt: skip
+        self._entries.append(slot)
 
     def _submit(self) -> None:
-        """Post the Sends (and RDMA operations) made since the last call, as one list: the
-        engine frames them together and hands them to TCP in one write."""
-        wrs = self._wrs
-        if wrs:
-            self._wrs = []
-            self.qp.post_send(wrs[0] if len(wrs) == 1 else wrs)
+        """Post the Sends (and RDMA operations) filled since the last call, as one list:
+        the engine frames them together and hands them to TCP in one write."""
+        entries = self._entries
+        if entries:
+            self._entries = []
+            self._rdma_entry = _RDMA_ENTRY
+            self.qp.post_send_batch(self._sends, indices=entries)
 
     def pump_sends(self, now: bool = False) -> None:
         """Post what waits to go out (never blocks): ``now``, or, while the receivers of
@@ -349,10 +366,11 @@ class Session:
                     self._post_slot(free.pop(), length)
                 if rds.unsent or flow.current is not None:  # no credit, slot or RDMA room
                     rds.counters.credit_waits += 1
-                wrs = self._wrs  # (_submit, inline: a call per message less)
-                if wrs:
-                    self._wrs = []
-                    self.qp.post_send(wrs[0] if len(wrs) == 1 else wrs)
+                entries = self._entries  # (_submit, inline: a call per message less)
+                if entries:
+                    self._entries = []
+                    self._rdma_entry = _RDMA_ENTRY
+                    self.qp.post_send_batch(self._sends, indices=entries)
         finally:
             self._pumping = False
 
