@@ -17,7 +17,7 @@ and return; on the native engine the read is in the same call, so its phases
 ``os.readv`` and ``os.write``/``os.writev`` (the engine's socket calls), the
 engine's ``received``, the RDS session's completion handler (``Session._on_cq``),
 the socket handing a message to its reader (``RdsSocket._take``),
-``RdsSocket.sendto`` and the QP's ``post_send``. Each
+``RdsSocket.sendto`` and the QP's ``post_send`` or ``post_send_batch``. Each
 hook costs about 0.3 us; a phase is counted only in cycles whose points came in
 the usual order (a timer's wake-up or an acknowledgement in the middle leaves
 the cycle out: the counts say how many were kept). Each end's CPU time per message
@@ -216,6 +216,7 @@ class Tracer(trio.abc.Instrument):
             self._hook(NativeLink, "_read", "read", ("read_end", "engine_end"))
             self._hook(NativeQP, "_submit_send", "write", "write_end")
             self._hook(NativeQP, "post_send", "post", "post_end")
+            self._hook(NativeQP, "post_send_batch", "post", "post_end")
         else:
             self._hook_idle_wait(WaitPoint, "block", ("wake",))
             self._hook(os, "readv", "read", "read_end")
@@ -223,6 +224,7 @@ class Tracer(trio.abc.Instrument):
             self._hook(os, "writev", "write", "write_end")
             self._hook(Engine, "received", "engine", "engine_end")
             self._hook(QP, "post_send", "post", "post_end")
+            self._hook(QP, "post_send_batch", "post", "post_end")
         self._hook_handler()
         self._hook(RdsSocket, "_take", "take", None)
         self._hook(RdsSocket, "sendto", "sendto", None)
