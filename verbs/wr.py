@@ -228,9 +228,9 @@ class _Batch(Generic[_W]):
     def _touch(self, i: int) -> None:
         changed = self._changed
         changed.append(i)
-        if len(changed) > len(self._wrs) + 16:  # a form left behind: it derives all again
+        if len(changed) > len(self._wrs) + 16:  # more than a form's rebuild: each rebuilds
             for seen, _ in self._prepared.values():
-                seen[0] = 0 if seen[0] == len(changed) else -1
+                seen[0] = -1
             changed.clear()
 
     def prepared(self, key: object, factory: Callable[[int], _P]) -> _P:
