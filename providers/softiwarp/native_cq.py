@@ -42,6 +42,14 @@ _FEW = 4
 """Polls of at most this many completions are decoded row by row (cheaper than columns)."""
 
 
+def _rows_of(wcs: WCArray) -> _Rows:
+    """The C rows ``wcs`` is filled from (made, or made larger, when first needed)."""
+    rows = wcs.native
+    if rows is None or not isinstance(rows, _Rows) or len(rows) < len(wcs):
+        rows = wcs.native = _Rows(len(wcs))
+    return rows
+
+
 class NativeCQ(CQ):
     """A completion queue whose entries are in a C ring (``rs_cq``)."""
 
@@ -103,9 +111,7 @@ class NativeCQ(CQ):
         n = min(limit, self._count)
         if n <= 0:
             return 0
-        rows = wcs.native
-        if rows is None or not isinstance(rows, _Rows) or len(rows) < len(wcs):
-            rows = wcs.native = _Rows(len(wcs))
+        rows = _rows_of(wcs)
         got = lib.rs_cq_poll_sum(self._ptr, rows.c, n, rows.sum)
         self._count = self._view.count
         rows.decode_into(wcs, got)
@@ -117,9 +123,7 @@ class NativeCQ(CQ):
         completions taken into ``wcs``. Their count; 0 when the QP has news for the
         event loop, below 0 when woken through ``wake``. :meth:`_sync` afterwards: the
         Python side's count is not kept meanwhile."""
-        rows = wcs.native
-        if rows is None or not isinstance(rows, _Rows) or len(rows) < len(wcs):
-            rows = wcs.native = _Rows(len(wcs))
+        rows = _rows_of(wcs)
         got = int(lib.rs_qp_serve_poll(qp, fd, wake, rows.c, len(wcs), rows.sum))
         if got > 0:
             rows.decode_into(wcs, got)

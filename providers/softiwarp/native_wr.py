@@ -337,9 +337,9 @@ class SendPlan(_Plan):
         n = len(entries)
         summary = self._summary or self._summarize()
         start = 0
-        fits = self._fits
-        if fits(summary, n, room, limit, max_inline, memory, epoch) or (
-            summary.loose and fits(self._summarize(), n, room, limit, max_inline, memory, epoch)
+        if self._fits(summary, n, room, limit, max_inline, memory, epoch) or (
+            summary.loose
+            and self._fits(self._summarize(), n, room, limit, max_inline, memory, epoch)
         ):
             if not n:
                 return None

@@ -222,8 +222,6 @@ class Session:
         self._repump = False
         self._entries: list[int] = []
         """The batch entries filled and not yet posted (:meth:`_submit` posts them)."""
-        self._rdma_entry = _RDMA_ENTRY
-        """The entry the next RDMA operation of this post fills."""
 
         self._reposts: list[int] = []
         """Receive buffers taken and not yet posted again (see :data:`REPOST_BATCH`)."""
@@ -252,8 +250,8 @@ class Session:
             opcode, flags = WROpcode.RDMA_WRITE, _UNSIGNALED
         else:  # the data is here when the Read completes
             opcode, flags = WROpcode.RDMA_READ, SendFlags.SIGNALED
-        entry = self._rdma_entry
-        self._rdma_entry = entry + 1
+        # (a post holds at most RDMA_DEPTH operations, numbered in a row: no two share one)
+        entry = _RDMA_ENTRY + wr_id % RDMA_DEPTH
         self._sends.set(
             entry, wr_id=wr_id, opcode=opcode, sg_list=[op._mr.sge()], send_flags=flags,
             remote_addr=op.remote_addr, rkey=op.rkey,
@@ -315,7 +313,6 @@ class Session:
         entries = self._entries
         if entries:
             self._entries = []
-            self._rdma_entry = _RDMA_ENTRY
             self.qp.post_send_batch(self._sends, indices=entries)
 
     def pump_sends(self, now: bool = False) -> None:
@@ -369,7 +366,6 @@ class Session:
                 entries = self._entries  # (_submit, inline: a call per message less)
                 if entries:
                     self._entries = []
-                    self._rdma_entry = _RDMA_ENTRY
                     self.qp.post_send_batch(self._sends, indices=entries)
         finally:
             self._pumping = False
