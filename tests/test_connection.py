@@ -1,6 +1,9 @@
-"""MPA setup on a real TCP stream: reject with private data, markers, limits, timeouts."""
+"""MPA setup on a real TCP stream: reject with private data, markers, limits, timeouts; the
+socket settings the engine keeps (how far its writes run ahead of the peer)."""
 
 from __future__ import annotations
+
+import socket
 
 import pytest
 import trio
@@ -18,6 +21,7 @@ from rdmashim.providers.softiwarp.connection import (
     read_request,
     reject,
 )
+from rdmashim.providers.softiwarp.driver import SEND_MARK_MAX, SEND_MARK_MIN, SLOW_WAIT
 from rdmashim.providers.softiwarp.terminate import LlpCode, ProtocolError
 
 from pairs import make_pair
@@ -32,6 +36,30 @@ def _qp(ctx):
     pd = ctx.alloc_pd()
     cq = ctx.create_cq(16)
     return pd.create_qp(send_cq=cq, recv_cq=cq)
+
+
+@pytest.mark.skipif(not hasattr(socket, "TCP_NOTSENT_LOWAT"), reason="no TCP_NOTSENT_LOWAT here")
+async def test_unsent_bytes_follow_how_long_the_peer_takes(ctx) -> None:
+    """The socket's TCP_NOTSENT_LOWAT on a real connection: 16 KiB at first, doubled by
+    each long wait for room up to 1 MiB, halved by each short one back to 16 KiB."""
+    client, _server = await make_pair(ctx)
+    link = client.qp._link
+
+    def mark() -> int:
+        return int(link.sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NOTSENT_LOWAT))
+
+    assert mark() == SEND_MARK_MIN
+    seen = []
+    for _ in range(8):
+        link._pace(SLOW_WAIT)
+        seen.append(mark())
+    assert seen == [min(SEND_MARK_MIN << k, SEND_MARK_MAX) for k in range(1, 9)]
+    assert seen[-1] == SEND_MARK_MAX
+    link._pace(SLOW_WAIT / 10)
+    assert mark() == SEND_MARK_MAX // 2
+    for _ in range(8):
+        link._pace(0.0)
+    assert mark() == SEND_MARK_MIN
 
 
 async def test_private_data_both_ways(ctx) -> None:

@@ -2,7 +2,7 @@
 
 The QP view's ``rx_owed`` (``rs_qp_view``) counts the payload bytes that must still
 arrive (the rest of the FPDU being received, the responses to our outstanding Reads);
-the native link sets the socket's SO_RCVLOWAT to it (between 16 and 64 KiB, else 1) so
+the native link sets the socket's SO_RCVLOWAT to it (between 16 KiB and 1 MiB, else 1) so
 that a peer which sends a large response in small pieces does not wake the reader once
 a piece.
 """
@@ -66,7 +66,7 @@ def test_owed_is_what_the_responses_to_our_reads_still_bring() -> None:
         (16 * 1024 - 1, 1),
         (16 * 1024, 16 * 1024),
         (40_000, 40_000),
-        (10**9, 64 * 1024),
+        (10**9, 1024 * 1024),
     ],
 )
 async def test_the_socket_waits_for_what_is_owed(owed: int, mark: int) -> None:

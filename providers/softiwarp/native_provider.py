@@ -66,7 +66,7 @@ _NEWS_CQ, _NEWS_STATE, _NEWS_RTR = (
     (lib.RS_NEWS_CQ, lib.RS_NEWS_STATE, lib.RS_NEWS_RTR) if lib is not None else (0, 0, 0)
 )
 _ONE = range(1)
-LOWAT_MIN, LOWAT_MAX = 16 * 1024, 64 * 1024
+LOWAT_MIN, LOWAT_MAX = 16 * 1024, 1024 * 1024
 """Owed bytes from which a reader waits for them before it looks, and at most how many."""
 SPIN_SLICE = 200e-6
 """Seconds a busy-polling waiter spins in C before the other tasks get a turn."""
