@@ -25,7 +25,7 @@ engine returned from ``produce()``: there is no other way to the socket.
 How far writes run ahead of the peer is the socket's ``TCP_NOTSENT_LOWAT``
 (:meth:`Link._pace`): 16 KiB while the peer takes what is written quickly (the
 bytes are still in the caches when the kernel moves them: loopback and veth
-write-bw 1.1-2.0 of raw TCP with it, 0.7-1.3 with no limit), growing to 1 MiB
+write-bw 1.09-2.29 of raw TCP with it, 0.73-1.28 with no limit), growing to 1 MiB
 while each wait for room is long (a slow reader woke the transmit task once per
 16 KiB of its window: about 1,800 times for 64 MiB to the kernel guest's NFS
 client).
