@@ -58,13 +58,13 @@ T = TypeVar("T")
 _IOV_MAX = 1024
 _NOTSENT_LOWAT: int | None = getattr(_stdlib_socket, "TCP_NOTSENT_LOWAT", None)
 LINGER = 2.0
+"""Seconds a failed connection has, from the failure, to send what is still to go (a
+Terminate) and get the peer's FIN after ours, before the socket is closed."""
 SEND_MARK_MIN, SEND_MARK_MAX = 16 * 1024, 1024 * 1024
 """The range of the socket's ``TCP_NOTSENT_LOWAT``: how many written bytes may wait for
 the peer's window before the socket is full (:meth:`Link._pace`)."""
 SLOW_WAIT = 0.5e-3
 """Seconds of waiting for room in the socket from which the peer counts as slow."""
-"""Seconds a failed connection has, from the failure, to send what is still to go (a
-Terminate) and get the peer's FIN after ours, before the socket is closed."""
 
 
 class Busy(enum.Enum):
