@@ -30,7 +30,7 @@ from rdmashim import (
     WROpcode,
 )
 from rdmashim.providers.softiwarp import posting
-from rdmashim.providers.softiwarp.native_wr import SendPlan
+from rdmashim.providers.softiwarp.native_wr import RecvPlan, SendPlan
 
 
 async def test_poll_into_after_an_overrun_is_eoverflow() -> None:
@@ -263,6 +263,49 @@ async def test_an_entry_posted_alone_again_goes_out_as_it_is_now() -> None:
         if hasattr(client.qp, "_plan_key"):  # the native engine: noted for these limits
             ((_, key), _array) = inline.prepared(SendPlan, SendPlan).singles[0]
             assert key == client.qp._plan_key and 16 in key  # (another max_inline: not it)
+
+
+async def test_a_receive_reposted_alone_again_takes_its_entry_as_it_is_now() -> None:
+    """A receive batch's entry reposted alone as it completes (every ULP's receive ring):
+    unchanged, it goes straight to C (the native engine's ``RecvPlan.singles``) and the
+    next Send lands where it says; changed since, it lands where it says now; naming a
+    region deregistered since, it is refused; what it was checked against is noted
+    with it."""
+    async with connected(prepare=post_receives(1)) as pair:
+        client, server = pair.client, pair.server
+        ring = client.pd.reg_mr(bytearray(64), Access.LOCAL_WRITE)
+        src = server.pd.reg_mr(bytearray(b"one.two.three..."), Access(0))
+        batch = RecvBatch([RecvWR(7, [ring.sge(0, 8)]), RecvWR(8, [ring.sge(8, 8)])])
+        landed: list[tuple[int, bytes]] = []
+
+        async def send_and_take(offset: int, length: int) -> None:
+            server.qp.post_send(SendWR(0, WROpcode.SEND, [src.sge(offset, length)]))
+            (wc,) = await drain(client.recv_cq, 1)
+            wc.raise_for_status()
+            at = 8 * (wc.wr_id - 7) if wc.wr_id in (7, 8) else 32
+            landed.append((wc.wr_id, bytes(ring.buf[at : at + wc.byte_len])))
+
+        for word in range(2):  # (the second time by the shortcut, where the engine has it)
+            client.qp.post_recv_batch(batch, indices=[0])
+            await send_and_take(4 * word, 4)
+        native = hasattr(client.qp, "_recv_key")
+        if native:
+            ((_, key), _entry) = batch.prepared(RecvPlan, RecvPlan).singles[0]
+            assert key == client.qp._recv_key
+        batch.set(0, wr_id=9, sg_list=[ring.sge(32, 8)])
+        client.qp.post_recv_batch(batch, indices=[0])
+        await send_and_take(8, 8)
+        assert landed == [(7, b"one."), (7, b"two."), (9, b"three...")]
+        spare = client.pd.reg_mr(bytearray(8), Access.LOCAL_WRITE)
+        batch.set(1, sg_list=[spare.sge()])
+        client.qp.post_recv_batch(batch, indices=[1])
+        server.qp.post_send(SendWR(0, WROpcode.SEND, [src.sge(0, 3)]))
+        (wc,) = await drain(client.recv_cq, 1)
+        assert (wc.wr_id, wc.byte_len, bytes(spare.buf[:3])) == (8, 3, b"one")
+        spare.close()
+        with pytest.raises(VerbsError) as info:
+            client.qp.post_recv_batch(batch, indices=[1])
+        assert info.value.errno == errno.EINVAL
 
 
 async def test_an_entry_changed_at_every_post_leaves_the_others_as_they_were() -> None:

@@ -17,6 +17,7 @@ import os
 import queue
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import textwrap
@@ -30,8 +31,18 @@ import trio
 import trio.testing
 
 import rdmashim
-from rdmashim import Access, QPCap, SendFlags, SendWR, WCStatus, WROpcode
-from rdmashim.providers.softiwarp import driver, native, native_provider
+from rdmashim import (
+    Access,
+    QPCap,
+    QPState,
+    SendFlags,
+    SendWR,
+    WCArray,
+    WCOpcode,
+    WCStatus,
+    WROpcode,
+)
+from rdmashim.providers.softiwarp import driver, engines, native, native_provider
 from rdmashim.providers.softiwarp.connection import accept_qp, connect_qp, read_request
 from rdmashim.ulps.rds.node import RdsNode
 from rdmashim.verbs import idle, lending
@@ -110,9 +121,11 @@ async def test_an_idle_wait_gives_trio_the_first_turn() -> None:
 BOTH_ENGINES = pytest.mark.usefixtures("each_engine")  # native and Python
 
 
-def _recv(side: Side, n: int = 8) -> None:
+def _recv(side: Side, n: int = 8) -> Any:
+    """Post ``n`` receives of 64 bytes, slot ``i`` of the region returned for wr_id ``i``."""
     mr = side.reg(64 * n)
     side.qp.post_recv([RecvWR(i, [mr.sge(64 * i, 64)]) for i in range(n)])
+    return mr
 
 
 def _send(side: Side) -> None:
@@ -189,7 +202,8 @@ class Waits:
     own, :func:`_peer_in_its_own_run`)."""
 
     idle: list[object] = dataclasses.field(default_factory=list)
-    """What each idle wait returned (``driver.BUSY``: nothing read)."""
+    """What each idle wait returned (``driver.BUSY``: nothing read; the native engine's
+    waits that also polled, :meth:`.NativeLink.wait_poll`: the completions taken)."""
     through_trio: int = 0
     """Waits through trio (``WaitPoint.wait_readable``)."""
 
@@ -213,6 +227,15 @@ def waits(monkeypatch: pytest.MonkeyPatch) -> Waits:
             return got
 
         monkeypatch.setattr(cls, "_read_idle", spy)
+    real_one_call = native_provider.NativeLink.wait_poll
+
+    def one_call(self: Any, *args: Any) -> int:
+        got = real_one_call(self, *args)
+        if got and threading.get_ident() == ours:
+            seen.idle.append(got)  # (an idle wait, a read and a poll in one call into C)
+        return got
+
+    monkeypatch.setattr(native_provider.NativeLink, "wait_poll", one_call)
     real_wait = lending.WaitPoint.wait_readable
 
     async def wait_readable(self: lending.WaitPoint) -> None:
@@ -250,8 +273,13 @@ async def _peer_in_its_own_run(
     assert ports.empty(), ports.get()
 
 
-def _answer(rounds: int) -> Callable[[Callable[[int], None]], Awaitable[None]]:
-    """A peer that answers ``rounds`` Sends with a Send each."""
+Peer = Callable[[Callable[[int], None]], Awaitable[None]]
+"""A peer's run: ``main(say_port)`` (:func:`_peer_in_its_own_run`)."""
+
+
+def _echo(rounds: int, *, then_close: bool = False) -> Peer:
+    """A peer that sends each of ``rounds`` Sends' 8 bytes back; with ``then_close`` it
+    destroys its QP when the next one comes, without answering."""
 
     async def main(say_port: Callable[[int], None]) -> None:
         async with rdmashim.open_device("siw_lo") as ctx:
@@ -261,31 +289,35 @@ def _answer(rounds: int) -> Callable[[Callable[[int], None]], Awaitable[None]]:
             mr = pd.reg_mr(bytearray(64 * 16), Access.LOCAL_WRITE)
             recvs = [RecvWR(i, [mr.sge(64 * i, 64)]) for i in range(16)]
             qp.post_recv(recvs)
-            pong = SendWR(0, WROpcode.SEND, [mr.sge(0, 8)], SendFlags.INLINE)
             (listener,) = await trio.open_tcp_listeners(0, host="127.0.0.1")
             say_port(listener.socket.getsockname()[1])
             stream = await listener.accept()
             await accept_qp(qp, stream, await read_request(stream))
             for _ in range(rounds):
-                wc = (await cq.poll_wait(1))[0]
+                (wc,) = await cq.poll_wait(1)
                 assert wc.status == WCStatus.SUCCESS, wc
+                echo = SendWR(0, WROpcode.SEND, [mr.sge(64 * wc.wr_id, 8)], SendFlags.INLINE)
+                qp.post_send(echo)  # (inline: copied now, so the slot may take the next)
                 qp.post_recv(recvs[wc.wr_id])
-                qp.post_send(pong)
+            if then_close:
+                await cq.poll_wait(1)
+                qp.close()
             await qp.wait_closed()
 
     return main
 
 
-async def _client_of(ctx: Any, port: int) -> Side:
-    """A QP of its own PD, completing on one CQ of its own (so its CQ waiter reads its
-    connection), with 16 receives posted, connected to ``port``."""
+async def _client_of(ctx: Any, port: int, channel: Any = None) -> tuple[Side, Any]:
+    """A QP of its own PD, completing on one CQ of its own (on ``channel`` when given; so
+    its CQ waiter reads its connection), connected to ``port``, and the region its 16
+    receives, posted before, take messages into (64 bytes a slot)."""
     pd = ctx.alloc_pd()
-    cq = ctx.create_cq(64)
+    cq = ctx.create_cq(64, channel)
     qp = pd.create_qp(send_cq=cq, recv_cq=cq, cap=QPCap(max_inline_data=64))
-    side = Side(ctx, pd, cq, cq, qp)
-    _recv(side, 16)
+    side = Side(ctx, pd, cq, cq, qp, channel)
+    slots = _recv(side, 16)
     await connect_qp(qp, await trio.open_tcp_stream("127.0.0.1", port))
-    return side
+    return side, slots
 
 
 @BOTH_ENGINES
@@ -294,8 +326,8 @@ async def test_a_ping_pong_reads_its_messages_in_idle_waits(ctx: Any, waits: Wai
     if idle.current() is None:
         pytest.skip("no idle waits on this platform")
     rounds = 50
-    async with _peer_in_its_own_run(_answer(rounds)) as port:
-        client = await _client_of(ctx, port)
+    async with _peer_in_its_own_run(_echo(rounds)) as port:
+        client, _ = await _client_of(ctx, port)
         qp, cq, src = client.qp, client.recv_cq, client.reg(b"p" * 8)
         with trio.fail_after(BOUND * 3):
             for _ in range(rounds):
@@ -414,6 +446,120 @@ async def test_a_stream_read_in_idle_waits_leaves_other_tasks_their_turn(
                 if sent > got and not len(client.recv_cq):  # (else: all came, send more)
                     await client.recv_cq.wait()
     assert got > 0
+
+
+# ---------------------------------------------------------------- one call into C (native)
+@pytest.fixture
+def native_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Devices opened during the test get the native engine (what these tests look at)."""
+    if not native.AVAILABLE:
+        pytest.skip(f"native engine unavailable: {native.WHY_NOT}")
+    monkeypatch.setenv(engines.ENV_ENGINE, "native")
+
+
+@pytest.fixture
+def one_call(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The completions each of the test's own waits took in one call into C
+    (:meth:`.NativeLink.wait_poll`; 0: it waited the other way)."""
+    seen: list[int] = []
+    real = native_provider.NativeLink.wait_poll
+    ours = threading.get_ident()
+
+    def spy(self: Any, *args: Any) -> int:
+        got = real(self, *args)
+        if threading.get_ident() == ours:
+            seen.append(got)
+        return got
+
+    monkeypatch.setattr(native_provider.NativeLink, "wait_poll", spy)
+    return seen
+
+
+@contextlib.contextmanager
+def _closing(side: Side) -> Iterator[None]:
+    """Destroy the QP at the end, whatever happened (so the peer's run ends too)."""
+    try:
+        yield
+    finally:
+        side.qp.close()
+
+
+async def _ping(side: Side, slots: Any, i: int, api: str) -> None:
+    """Send ``i`` and take its echo through ``api``: in its slot, in order."""
+    out = side.reg(struct.pack("<Q", i))
+    side.qp.post_send(SendWR(i, WROpcode.SEND, [out.sge()], SendFlags.INLINE))
+    if api == "poll_wait":
+        (wc,) = await side.recv_cq.poll_wait(4)
+        status, opcode, wr_id, length = wc.status, wc.opcode, wc.wr_id, wc.byte_len
+    else:
+        wcs = WCArray(4)
+        assert await side.recv_cq.poll_wait_into(wcs) == 1
+        status, opcode, wr_id, length = wcs.status[0], wcs.opcode[0], wcs.wr_id[0], wcs.byte_len[0]
+    assert (status, opcode, length) == (WCStatus.SUCCESS, WCOpcode.RECV, 8)
+    assert struct.unpack_from("<Q", slots.buf, 64 * wr_id)[0] == i
+    side.qp.post_recv(RecvWR(wr_id, [slots.sge(64 * wr_id, 64)]))
+
+
+@pytest.mark.usefixtures("native_only")
+@pytest.mark.parametrize("busy_poll", [0.0, 50e-6])
+@pytest.mark.parametrize("api", ["poll_wait", "poll_wait_into"])
+async def test_a_ping_pong_waits_reads_and_polls_in_one_call_into_c(
+    ctx: Any, one_call: list[int], api: str, busy_poll: float
+) -> None:
+    """The peer echoes from its own run: once the socket is lent to the waiter, its waits
+    (busy polling first, when asked) wait, read and poll in one call into C, and every
+    echo comes back whole, in order, in the slot its completion names."""
+    rounds = 200
+    async with _peer_in_its_own_run(_echo(rounds)) as port:
+        client, slots = await _client_of(ctx, port)
+        client.recv_cq.busy_poll = busy_poll
+        with _closing(client), trio.fail_after(BOUND * 3):
+            for i in range(rounds):
+                await _ping(client, slots, i, api)
+    # (every 16th wait in a row goes through trio's turn, and the first ones lend)
+    assert sum(1 for got in one_call if got == 1) >= rounds // 2, one_call
+
+
+@pytest.mark.usefixtures("native_only")
+async def test_an_armed_cq_gets_its_event_for_a_completion_taken_in_one_call(
+    ctx: Any, one_call: list[int]
+) -> None:
+    async with _peer_in_its_own_run(_echo(8)) as port:
+        channel = ctx.create_comp_channel()
+        client, slots = await _client_of(ctx, port, channel)
+        with _closing(client), trio.fail_after(BOUND):
+            for i in range(7):
+                await _ping(client, slots, i, "poll_wait_into")
+            client.recv_cq.req_notify()
+            await _ping(client, slots, 7, "poll_wait_into")
+            assert one_call[-1] == 1  # (this completion was taken in the one call)
+            assert await channel.get_cq_event() is client.recv_cq
+
+
+@pytest.mark.usefixtures("native_only")
+@pytest.mark.parametrize("api", ["poll_wait", "poll_wait_into"])
+async def test_the_peer_closing_during_a_one_call_wait_flushes_the_receives(
+    ctx: Any, one_call: list[int], api: str
+) -> None:
+    """The peer destroys its QP while the client waits in one call into C: the wait ends
+    with the client's receives flushed, nothing hangs, and the QP is in ERR."""
+    rounds = 20
+    async with _peer_in_its_own_run(_echo(rounds, then_close=True)) as port:
+        client, slots = await _client_of(ctx, port)
+        with _closing(client), trio.fail_after(BOUND):
+            for i in range(rounds):
+                await _ping(client, slots, i, api)
+            assert any(one_call)
+            calls = len(one_call)
+            out = client.reg(8)
+            client.qp.post_send(SendWR(0, WROpcode.SEND, [out.sge()], SendFlags.INLINE))
+            flushed: list[WCStatus] = []
+            while len(flushed) < 16:
+                flushed += [wc.status for wc in await client.recv_cq.poll_wait(16)]
+            await client.qp.wait_closed()
+            assert len(one_call) > calls  # (the wait that met the end began as one call)
+            assert flushed == [WCStatus.WR_FLUSH_ERR] * 16
+            assert client.qp.state == QPState.ERR
 
 
 # ---------------------------------------------------------------- Ctrl-C

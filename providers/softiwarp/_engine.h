@@ -237,6 +237,13 @@ int64_t rs_qp_spin_fd(rs_qp *qp, int fd, uint64_t ns);
  * rs_qp_read_fd when fd is readable and others is not. -EBUSY when nothing was read
  * (others is readable: the loop goes first; or the time is up). */
 int64_t rs_qp_wait_read_fd(rs_qp *qp, int fd, int others, int timeout_ms);
+/* A task waiting for completions of cq, the QP's only CQ, in one call: rs_qp_spin_fd
+ * for spin_ns (none when 0), then, when that read nothing, rs_qp_wait_read_fd; what the
+ * read returned in *got; then, when it read something and the QP has no news but
+ * completions and cq no overrun, a poll of cq into out as rs_cq_poll_sum. The rows
+ * taken (0: none; the caller looks at the news first). */
+uint32_t rs_qp_wait_poll_fd(rs_qp *qp, int fd, uint64_t spin_ns, int others, int timeout_ms, rs_cq *cq,
+                           rs_wc *out, uint32_t n, rs_wc_sum *sum, int64_t *got);
 /* A thread of its own serves the QP (cffi calls without the GIL): wait until either of
  * its CQs holds a completion, it left RTS or has other news than completions (1: look),
  * or wake is readable (-EINTR: its owner takes it back), or poll fails (-errno);

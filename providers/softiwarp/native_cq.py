@@ -62,6 +62,8 @@ class NativeCQ(CQ):
         self._notable = 0
         self._rows = ffi.new("rs_wc[]", 64)
         self._raw = memoryview(ffi.buffer(self._rows))
+        self._sum = ffi.new("rs_wc_sum *")
+        """What a :meth:`poll_wait`'s rows have in common (C says; unused here)."""
 
     def _sync(self) -> None:
         """Completions C pushed since the last look: wake, notify, hand on."""
@@ -85,18 +87,26 @@ class NativeCQ(CQ):
         n = min(num_entries, self._count)
         if n <= 0:
             return []
+        self._room(n)
+        got = lib.rs_cq_poll(self._ptr, self._rows, n)
+        self._count = self._view.count
+        return self._made(got)
+
+    def _room(self, n: int) -> None:
+        """Make :attr:`_rows` hold at least ``n`` rows."""
         if n > len(self._rows):
             self._rows = ffi.new("rs_wc[]", n)
             self._raw = memoryview(ffi.buffer(self._rows))
-        got = lib.rs_cq_poll(self._ptr, self._rows, n)
-        self._count = self._view.count
+
+    def _made(self, n: int) -> list[WC]:
+        """The first ``n`` of :attr:`_rows` as WCs."""
         # Rows unpacked whole and WCs made as tuples (``WC._make``'s way): a third of
         # the time of reading each field from cffi and calling WC().
         return [
             _new(WC, (wr_id, _STATUSES[st], _OPCODES[op], length, qp, _FLAGS[flags], inv,
                       0, sol != 0, 0, 0))
             for wr_id, st, op, length, qp, flags, inv, sol in _ROW.iter_unpack(
-                self._raw[: got * _WC]
+                self._raw[: n * _WC]
             )
         ]  # fmt: skip
 
@@ -116,6 +126,42 @@ class NativeCQ(CQ):
         self._count = self._view.count
         rows.decode_into(wcs, got)
         return int(got)
+
+    def _wait_poll(self, out: Any, summary: Any, n: int) -> int:
+        """In a ping-pong (the only QP's socket lent to the task that waited here last,
+        and trio with nothing else to do), the wait, the read and the poll of up to ``n``
+        rows into ``out`` in one call into C (:meth:`.NativeLink.wait_poll`): the rows
+        taken; 0 when nothing was (wait as any CQ does)."""
+        if self._count or self._closed or n <= 0:
+            return 0
+        link = self._sole_link()
+        if link is None or link._waiter_reads or link._rx_stopped:
+            return 0
+        return int(link.wait_poll(self, out, summary, n, self.busy_poll))  # type: ignore[attr-defined]
+
+    async def poll_wait_into(self, wcs: WCArray, num_entries: int | None = None) -> int:
+        """Wait for completions and take up to ``num_entries`` of them into ``wcs`` (in
+        a ping-pong, one call into C: :meth:`_wait_poll`)."""
+        rows = _rows_of(wcs)
+        got = self._wait_poll(
+            rows.c, rows.sum, len(wcs) if num_entries is None else min(num_entries, len(wcs))
+        )
+        if got:
+            rows.decode_into(wcs, got)
+            return got
+        await self.wait()
+        return self.poll_into(wcs, num_entries)
+
+    async def poll_wait(self, num_entries: int = 16) -> list[WC]:
+        """Wait for completions and take up to ``num_entries`` of them (at least one; in
+        a ping-pong, one call into C: :meth:`_wait_poll`)."""
+        n = min(num_entries, self.cqe)  # (never more: an overrun fails the QPs)
+        self._room(n)
+        got = self._wait_poll(self._rows, self._sum, n)
+        if got:
+            return self._made(got)
+        await self.wait()
+        return self.poll(num_entries)
 
     def serve_poll(self, qp: Any, fd: int, wake: int, wcs: WCArray) -> int:
         """One turn of a thread serving ``qp`` (an ``rs_qp`` whose only CQ this is; its

@@ -45,6 +45,7 @@ from rdmashim.providers.softiwarp.native_wr import PlanCache, RecvPlan, SendPlan
 from rdmashim.providers.softiwarp.provider import PD, Context
 from rdmashim.providers.softiwarp.qp import SRQ, QPBase
 from rdmashim.providers.softiwarp.terminate import ProtocolError, TermCode
+from rdmashim.verbs import lending
 from rdmashim.verbs.attrs import QPCap
 from rdmashim.verbs.enums import QPState
 from rdmashim.verbs.errors import VerbsError, refused_wr
@@ -170,6 +171,8 @@ class NativeLink(Link):
         self._sync = engine._owner._sync
         self._lowat = 1
         """The socket's SO_RCVLOWAT (:meth:`_expect`)."""
+        self._got = ffi.new("int64_t *")
+        """What ``rs_qp_wait_poll_fd``'s read returned."""
 
     def revoke(self, region: Region) -> None:
         """C holds what waits to be written: nothing here views a region."""
@@ -208,6 +211,42 @@ class NativeLink(Link):
         if n == _EBUSY:
             return BUSY
         return self._took(n)
+
+    def wait_poll(self, cq: NativeCQ, out: Any, summary: Any, n: int, spin: float) -> int:
+        """A waiter's next wait when it takes the socket on again (a ping-pong): the
+        busy polling for ``spin`` seconds, the idle wait, the read and the poll of up to
+        ``n`` completions of ``cq`` (this QP's only CQ) into the C rows ``out`` (what
+        they have in common in ``summary``) in one call into C
+        (``rs_qp_wait_poll_fd``). The rows taken; 0 when nothing was, or when this wait
+        must go through :meth:`read_until`: the socket was not lent to the waiter or its
+        last read did not empty it, the other tasks are due a turn
+        (:data:`~rdmashim.verbs.lending.READS_BEFORE_YIELD`), trio has other work, or
+        ``spin`` is longer than one slice (:data:`SPIN_SLICE`). What was read is
+        processed as :meth:`read_until`'s reads are, and the socket lent again.
+        """
+        loan = self._loan
+        if (
+            not loan.active or not self._drained or spin > SPIN_SLICE
+            or self._streak >= lending.READS_BEFORE_YIELD
+        ):  # fmt: skip
+            return 0
+        loan.end()
+        found = self._wait.idle()
+        taken = 0
+        if found is not None:
+            got = self._got
+            taken = lib.rs_qp_wait_poll_fd(
+                self._ptr, self._fd, int(spin * 1e9), found[0], found[1], cq._ptr,
+                out, n, summary, got,
+            )  # fmt: skip
+            if got[0] != _EBUSY:
+                self._streak += 1
+                self._took(got[0])
+        if self._rx_stopped:
+            self.hand_back()  # (the receive task ends the connection)
+        else:
+            loan.lend()
+        return int(taken)
 
     async def _spin(self, seconds: float) -> bool | None:
         """Busy polling in C, without the GIL: read until bytes come, for at most
@@ -329,6 +368,8 @@ class NativeQP(QPBase):
         self._plan_key = (id(memory), cap.max_send_sge, cap.max_inline_data)
         """What a batch's entry posted here was checked against, but the epoch
         (``SendPlan.singles``)."""
+        self._recv_key = (id(memory), cap.max_recv_sge)
+        """The same for a receive batch's entry (``RecvPlan.singles``)."""
         self._served_by: int | None = None
         """The thread serving the QP (:meth:`serve_in_thread`), by its ident."""
         self.context._native_qps.add(self)  # type: ignore[attr-defined]
@@ -512,10 +553,20 @@ class NativeQP(QPBase):
     def post_recv_batch(
         self, batch: RecvBatch, count: int | None = None, *, indices: Sequence[int] | None = None
     ) -> None:
-        """Post entries of a prepared batch (packed once, posted by copy)."""
+        """Post entries of a prepared batch (packed once, posted by copy). An entry
+        reposted alone, unchanged, goes straight to C (its checks passed at this memory
+        epoch)."""
         self._check_open("post_recv")
-        entries = batch.select("post_recv", count, indices)
-        self._post_recvs(batch.prepared(RecvPlan, RecvPlan), entries)
+        plan = batch.prepared(RecvPlan, RecvPlan)
+        if indices is not None and len(indices) == 1 and count is None:
+            found = plan.singles.get(indices[0])
+            if (
+                found is not None and found[0] == (self._memview.epoch, self._recv_key)
+                and self.srq is None and self._state is QPState.RTS
+                and lib.rs_qp_post_recv(self._ptr, found[1], 1)
+            ):  # fmt: skip
+                return
+        self._post_recvs(plan, batch.select("post_recv", count, indices))
 
     # ---------------------------------------------------------------- connection
     def when_ready(self, callback: Callable[[], None]) -> None:

@@ -420,7 +420,8 @@ class RecvPlan(_Plan):
         full). The error of the first refused, if any. The fast path as
         :meth:`SendPlan.post`'s; entries that are not the batch's first ``n`` go to C as
         indices into the whole batch, packed once (one such entry: as the address of
-        its own, with ``at`` None)."""
+        its own, with ``at`` None, noted in :attr:`singles` under ``(id(memory),
+        max_sge)``)."""
         summary = self._summary or self._summarize()
         count = len(entries)
         refused: VerbsError | None = None
@@ -437,7 +438,9 @@ class RecvPlan(_Plan):
                 if self._table is None:
                     self._table = ffi.from_buffer("rs_recv_wr[]", b"".join(self.data))
                 if count == 1:  # (a receive reposted as it completed): its own entry
-                    taken = submit(self._table + entries[0], 1, None)
+                    single = self._table + entries[0]
+                    taken = submit(single, 1, None)
+                    self.singles[entries[0]] = ((epoch, (id(memory), max_sge)), single)
                 else:
                     at = ffi.from_buffer("uint32_t[]", array("I", entries))
                     taken = submit(self._table, count, at)
