@@ -609,6 +609,38 @@ def test_ctrl_c_ends_a_cq_waiter_waiting_idle(tmp_path: Path) -> None:
     assert "KeyboardInterrupt" in err, err
 
 
+@BOTH_ENGINES
+async def test_a_links_tasks_are_protected_from_ctrl_c(
+    ctx: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Ctrl-C reaches the main task, never a link's task halfway through its work (as
+    trio's own tasks): a CQ handler, which the receive task runs, and the transmit
+    task's waits for room run with trio's KeyboardInterrupt protection on."""
+    protected: dict[str, list[bool]] = {"receive": [], "transmit": []}
+    pace = driver.Link._pace
+
+    def watched_pace(self: driver.Link, waited: float) -> None:
+        if trio.lowlevel.current_task().coro.cr_code.co_name == "_tx_loop":  # (not the start)
+            protected["transmit"].append(trio.lowlevel.currently_ki_protected())
+        pace(self, waited)
+
+    monkeypatch.setattr(driver.Link, "_pace", watched_pace)
+    client, server = await make_pair(ctx)
+    server.recv_cq.set_handler(
+        lambda cq: protected["receive"].append(trio.lowlevel.currently_ki_protected())
+    )
+    server.recv_cq.req_notify()
+    size = 4 << 20  # (more than the socket holds: the transmit task waits for room)
+    src, dst = client.reg(b"s" * size), server.reg(size)
+    server.qp.post_recv(RecvWR(0, [dst.sge()]))
+    client.qp.post_send(SendWR(0, WROpcode.SEND, [src.sge()], SendFlags.SIGNALED))
+    with trio.fail_after(BOUND):
+        while not protected["receive"]:  # noqa: ASYNC110 (the handler runs in another task)
+            await trio.sleep(0.001)
+    assert protected["receive"] and all(protected["receive"]), protected
+    assert protected["transmit"] and all(protected["transmit"]), protected
+
+
 # ---------------------------------------------------------------- RDS
 def _rds_echo(transport: str, rounds: int) -> Callable[[Callable[[int], None]], Awaitable[None]]:
     """An RDS node that echoes ``rounds`` messages."""

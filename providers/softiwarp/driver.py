@@ -187,6 +187,7 @@ class Link:
             with contextlib.suppress(OSError):  # (the socket ended)
                 self.sock.setsockopt(_stdlib_socket.IPPROTO_TCP, _NOTSENT_LOWAT, mark)
 
+    @trio.lowlevel.enable_ki_protection  # (see _rx_loop)
     async def _tx_loop(self, scope: trio.CancelScope) -> None:
         engine = self.engine
         with self._ending:  # (its deadline: LINGER from the failure, see failed())
@@ -221,9 +222,15 @@ class Link:
     # That waiter is then woken by the socket itself and processes the message that
     # completes its wait, with no task switch in between; the receive task, moved
     # off the socket, parks until the waiter gives the socket back.
+    @trio.lowlevel.enable_ki_protection
     async def _rx_loop(self) -> None:
         # Runs until the peer's FIN: after an error the engine discards what arrives,
         # so that closing the socket never resets a Terminate still in flight.
+        # Both of a link's tasks are protected from Ctrl-C, as trio's own are: the
+        # KeyboardInterrupt goes to the main task at its next checkpoint, never into the
+        # engine's work half done, nor between a task noting itself as waiting and its
+        # wait (trio 0.35's Event.wait, or the park below: a task that ended noted as
+        # waiting is woken later, and trio fails with an internal error).
         self._take_leftover()
         self.after_receive()
         while not self._rx_stopped:
@@ -456,6 +463,7 @@ class Link:
         self._wait.interrupt()
 
     # ------------------------------------------------------------------ lifetime
+    @trio.lowlevel.enable_ki_protection  # (see _rx_loop)
     async def run(self) -> None:
         """Run both directions until the connection ends, then close the socket.
 
@@ -486,10 +494,13 @@ class Link:
             self.closed.set()
 
 
+@trio.lowlevel.enable_ki_protection
 async def in_thread(body: Callable[[], T], interrupt: Callable[[], None]) -> T:
     """``body()`` in a thread of trio's cache, its result or exception here. A cancelled
     caller calls ``interrupt()`` and still waits for ``body`` to return, then raises
-    the cancellation: nothing ``body`` uses is released under it."""
+    the cancellation: nothing ``body`` uses is released under it. Protected from Ctrl-C
+    between starting the thread and waiting for it (the thread reschedules this task
+    whatever happened)."""
     token = trio.lowlevel.current_trio_token()
     task = trio.lowlevel.current_task()
 
