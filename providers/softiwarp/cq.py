@@ -393,8 +393,11 @@ class CQ(Resource):
     def _sole_link(self) -> Link | None:
         """The connection of the only QP completing here, unless a CQ of it has a handler
         (a handler runs in the receive task, after the batch it read)."""
-        qp = self._only_qp()
-        if qp is None or qp.send_cq.handler is not None or qp.recv_cq.handler is not None:
+        qps = self._qps
+        if len(qps) != 1:
+            return None
+        (qp,) = qps.values()  # (inline, not _only_qp: every wait asks)
+        if qp.send_cq.handler is not None or qp.recv_cq.handler is not None:
             return None
         return qp._link
 

@@ -131,13 +131,15 @@ class NativeCQ(CQ):
         """In a ping-pong (the only QP's socket lent to the task that waited here last,
         and trio with nothing else to do), the wait, the read and the poll of up to ``n``
         rows into ``out`` in one call into C (:meth:`.NativeLink.wait_poll`): the rows
-        taken; 0 when nothing was (wait as any CQ does)."""
+        taken; 0 when nothing was (wait as any CQ does). Not tried while the link's last
+        idle wait found trio with work: a wait that cannot be one call costs a few
+        attribute reads more, not a second try of it."""
         if self._count or self._closed or n <= 0:
             return 0
-        link = self._sole_link()
-        if link is None or link._waiter_reads or link._rx_stopped:
+        link: Any = self._sole_link()
+        if link is None or not link.idle_ok or link._waiter_reads or link._rx_stopped:
             return 0
-        return int(link.wait_poll(self, out, summary, n, self.busy_poll))  # type: ignore[attr-defined]
+        return int(link.wait_poll(self, out, summary, n, self.busy_poll))
 
     async def poll_wait_into(self, wcs: WCArray, num_entries: int | None = None) -> int:
         """Wait for completions and take up to ``num_entries`` of them into ``wcs`` (in
@@ -156,7 +158,8 @@ class NativeCQ(CQ):
         """Wait for completions and take up to ``num_entries`` of them (at least one; in
         a ping-pong, one call into C: :meth:`_wait_poll`)."""
         n = min(num_entries, self.cqe)  # (never more: an overrun fails the QPs)
-        self._room(n)
+        if n > len(self._rows):
+            self._room(n)
         got = self._wait_poll(self._rows, self._sum, n)
         if got:
             return self._made(got)

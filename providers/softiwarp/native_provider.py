@@ -173,6 +173,12 @@ class NativeLink(Link):
         """The socket's SO_RCVLOWAT (:meth:`_expect`)."""
         self._got = ffi.new("int64_t *")
         """What ``rs_qp_wait_poll_fd``'s read returned."""
+        self._trio_first = False
+        """:meth:`wait_poll` found trio with work (or its time up): the wait that follows
+        goes through trio at once, not through another idle ``poll``."""
+        self.idle_ok = True
+        """Whether the last idle wait read (or was never tried): :meth:`wait_poll` is
+        tried only then (both ends of a ping-pong in one run never wait idle)."""
 
     def revoke(self, region: Region) -> None:
         """C holds what waits to be written: nothing here views a region."""
@@ -204,10 +210,12 @@ class NativeLink(Link):
     def _read_idle(self) -> bool | Literal[Busy.BUSY] | None:
         """The wait and the read in one call into C, without the GIL (see
         :meth:`.driver.Link._read_idle`)."""
-        found = self._wait.idle()
-        if found is None:
+        if self._trio_first:
+            self._trio_first = False
             return BUSY
-        n = lib.rs_qp_wait_read_fd(self._ptr, self._fd, *found)
+        found = self._wait.idle()
+        n = _EBUSY if found is None else lib.rs_qp_wait_read_fd(self._ptr, self._fd, *found)
+        self.idle_ok = n != _EBUSY
         if n == _EBUSY:
             return BUSY
         return self._took(n)
@@ -233,13 +241,18 @@ class NativeLink(Link):
         loan.end()
         found = self._wait.idle()
         taken = 0
-        if found is not None:
+        if found is None:
+            self.idle_ok = False
+        else:
             got = self._got
             taken = lib.rs_qp_wait_poll_fd(
                 self._ptr, self._fd, int(spin * 1e9), found[0], found[1], cq._ptr,
                 out, n, summary, got,
             )  # fmt: skip
-            if got[0] != _EBUSY:
+            if got[0] == _EBUSY:
+                self.idle_ok = False
+                self._trio_first = True
+            else:
                 self._streak += 1
                 self._took(got[0])
         if self._rx_stopped:
