@@ -133,12 +133,17 @@ CREDIT_STEP = 512
 CLIENT_CREDIT_RECVS = 64
 LAT_SIZE = 8
 LAT_RECVS = 16
+"""Receives each side of send-lat keeps posted; the server posts the answer before it
+posts the ping's receive again (as :data:`REQ_RECVS` says)."""
 BUSY_POLL_US = 50.0
 """send-lat-poll's busy polling, microseconds (the value Linux's documentation suggests
 for ``net.core.busy_read``)."""
 RAW_STAGING = 256 * 1024
 REQ_RECVS = 16
-"""Receives each side of req-ack / req-write keeps posted (above any depth used)."""
+"""Receives each side of req-ack / req-write keeps posted (above any depth used). A
+receive is posted again after the answer (or the next request) it brought: with this
+many posted the peer never finds none, and only what an end does between a message's
+arrival and its post is on the round trip's path (``docs/verbs.md``, "Answer first")."""
 REQ_SLOT = 1024
 """Bytes of each of those receives."""
 REQ_SIGNAL = 8
@@ -321,8 +326,8 @@ class Server:
                 for wc in await cq.poll_wait(LAT_RECVS):
                     if wc.status != WCStatus.SUCCESS:
                         return
+                    qp.post_send(pong)  # (the answer first: see LAT_RECVS)
                     qp.post_recv(recv_wrs[wc.wr_id])
-                    qp.post_send(pong)
 
         await self._run_until_closed(qp, loop)
 
@@ -371,7 +376,6 @@ class Server:
                     if wcs.byte_len[i] < REQ_HDR.size:
                         raise BenchError(f"a {wcs.byte_len[i]} B request: no room for its head")
                     head = REQ_HDR.unpack_from(buf, slot * REQ_SLOT)
-                    qp.post_recv_batch(recvs, indices=(slot,))
                     answered += 1
                     key = (*head, answered % REQ_SIGNAL == 0)
                     wrs = posts.get(key)
@@ -380,6 +384,7 @@ class Server:
                             posts.clear()
                         wrs = posts[key] = answer(head, key[-1])
                     qp.post_send(wrs)
+                    qp.post_recv_batch(recvs, indices=(slot,))  # (after it: see REQ_RECVS)
 
         await self._run_until_closed(qp, loop)
 
@@ -898,11 +903,11 @@ async def ours_req(ctx: Any, cfg: Config, case: ReqCase, prof: _Prof) -> dict[st
                     _check(wcs[i], qp)
                 if wcs.opcode[i] != WCOpcode.RECV:
                     continue
-                qp.post_recv_batch(recv_wrs, indices=(wcs.wr_id[i],))
                 done += 1
                 if time.perf_counter() < deadline:
                     sent += 1
                     qp.post_send(signaled if sent % REQ_SIGNAL == 0 else quiet)
+                qp.post_recv_batch(recv_wrs, indices=(wcs.wr_id[i],))
         elapsed = time.perf_counter() - t0
         prof.stop()
         if case.rdma and sink.buf != _req_pattern(case.rdma):

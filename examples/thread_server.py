@@ -53,8 +53,11 @@ class Server:
             slot = wcs.wr_id[i]
             start = slot * SIZE
             reply = bytes(self.slots.buf[start : start + wcs.byte_len[i]]).upper()
-            self.qp.post_recv_batch(self.recvs, indices=[slot])  # before the reply: a credit
             self.qp.post_send(SendWR(slot, WROpcode.SEND, [reply], SendFlags.INLINE))
+            # The receive again after the reply: off the round trip's path; the client
+            # has one request in flight and SLOTS receives stay posted (docs/verbs.md,
+            # "Answer first").
+            self.qp.post_recv_batch(self.recvs, indices=[slot])
             self.answered += 1
         return self.answered < REQUESTS
 
