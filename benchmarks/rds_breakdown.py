@@ -51,7 +51,9 @@ from rds_stress import CLIENT_IP, SERVER_IP, Case, _cpu, _free_port, ours, raw, 
 from rdmashim.providers.softiwarp import driver, engines
 from rdmashim.providers.softiwarp.cq import CQ
 from rdmashim.providers.softiwarp.engine import Engine
-from rdmashim.providers.softiwarp.native_provider import NativeCQ, NativeLink, NativeQP
+from rdmashim.providers.softiwarp.native_cq import NativeCQ
+from rdmashim.providers.softiwarp.native_link import NativeLink
+from rdmashim.providers.softiwarp.native_provider import NativeQP
 from rdmashim.providers.softiwarp.qp import QP
 from rdmashim.rdstools.common import open_node
 from rdmashim.rdstools.defaults import STRESS_PORT

@@ -22,7 +22,7 @@ import trio
 from rdmashim import Access, RecvWR, SendFlags, SendWR, WCStatus, WROpcode
 from rdmashim.cm import ConnectionRequest, open_connection, serve
 from rdmashim.providers.softiwarp.engine import Engine
-from rdmashim.providers.softiwarp.native_provider import NativeEngine
+from rdmashim.providers.softiwarp.native_link import NativeEngine
 
 from residency import resident_bytes
 

@@ -132,7 +132,9 @@ class CQ(Resource):
         self._armed = False
         self._solicited_only = False
         self._overrun = False
-        self._waiter = trio.Event()
+        self._waiter: trio.Event | None = None
+        """What tasks in :meth:`wait` with no connection to read wait on (None: none
+        waits; a completion that comes then sets nothing: a call less on its path)."""
         self._reader: Link | None = None
         """The connection a task in :meth:`wait` reads in place of its receive task."""
         self._qps: dict[int, CompletingQP] = {}
@@ -220,7 +222,9 @@ class CQ(Resource):
         """Completions were queued: wake waiters; an armed CQ reports them if one of them
         is ``notable`` (solicited or an error) or it was armed for any (callers work out
         ``notable`` only for an armed CQ)."""
-        self._waiter.set()
+        if (waiter := self._waiter) is not None:
+            self._waiter = None
+            waiter.set()
         if self._reader is not None:
             self._reader.interrupt()
         if self._armed and (not self._solicited_only or notable):
@@ -349,8 +353,9 @@ class CQ(Resource):
                 finally:
                     self._reader = None
             elif not await spin_until(self._ready, self.busy_poll):
-                self._waiter = trio.Event()
-                await self._waiter.wait()
+                if (waiter := self._waiter) is None:
+                    waiter = self._waiter = trio.Event()
+                await waiter.wait()
             if self._closed:
                 self._check_open("wait")
 
@@ -420,7 +425,9 @@ class CQ(Resource):
         """Destroy the CQ."""
         if not self._closed:
             self._leave_parent()
-            self._waiter.set()
+            if (waiter := self._waiter) is not None:
+                self._waiter = None
+                waiter.set()
             if self._reader is not None:
                 self._reader.interrupt()
 
