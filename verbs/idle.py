@@ -23,6 +23,7 @@ longer matches (the project asks for trio >= 0.25; this was written against 0.35
 
 from __future__ import annotations
 
+import math
 import select
 from typing import Any
 
@@ -52,7 +53,7 @@ class IdleLoop:
         """Milliseconds the calling task may wait in a system call of its own: 0 when
         another task is ready (queued, or in the batch the loop is running), someone
         waits for the run to go idle, the run has more than :data:`MAX_TASKS` tasks, or
-        its next deadline is less than a millisecond away (trio keeps the time then)."""
+        its next deadline is due (trio keeps the time then)."""
         runner = self._runner
         if runner.runq or runner.waiting_for_idle:
             return 0
@@ -64,8 +65,14 @@ class IdleLoop:
         for task in tasks:
             if task._next_send_fn is not None:
                 return 0
-        left = runner.deadlines.next_deadline() - runner.clock.current_time()
-        return int(min(left, MAX_WAIT) * 1000)  # (rounded down: never past a deadline)
+        left: float = runner.deadlines.next_deadline() - runner.clock.current_time()
+        if left <= 0:
+            return 0
+        # Rounded up, as trio's own wait is (``epoll.poll`` rounds its timeout up to
+        # whole milliseconds): a deadline less than one away is waited for a whole one
+        # either way, and waiting here for it keeps a ping-pong's waits idle when a
+        # timer is near (an RDS session's acknowledgement timer).
+        return math.ceil(min(left, MAX_WAIT) * 1000)
 
 
 _LOOP: trio.lowlevel.RunVar[IdleLoop | None] = trio.lowlevel.RunVar("rdmashim_idle_loop")
