@@ -38,6 +38,11 @@ class Stream:
         if offset < 1 << 31:  # not data from before the start (a reordered retransmission)
             self._segments.setdefault(offset, (payload, frame))
 
+    def frame_at(self, offset: int) -> int:
+        """The frame that carried the stream's byte at ``offset`` (captured: before
+        :attr:`gap`)."""
+        return max((o, f) for o, (_, f) in self._segments.items() if o <= offset)[1]
+
     def data(self) -> bytes:
         out = bytearray()
         self.gap = self.gap_frame = None

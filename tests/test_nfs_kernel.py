@@ -327,9 +327,10 @@ def fpdu_framing(pcap: Path, port: int) -> tuple[dict[str, int], list[str], int 
 
     Returns the FPDU count per direction, the problems (a stream that does not
     end on an FPDU boundary, a bad CRC32c when CRCs were negotiated) and the
-    first frame after which the capture lost bytes, if it did. Where the capture
-    lost bytes (tcpdump dropped packets under load) a stream is framed up to the
-    loss, which is printed, not counted as a problem of ours.
+    first frame from which the capture lost bytes, if it did: the first frame of the
+    FPDU the loss cuts (tshark cannot dissect that FPDU's captured part either). Where
+    the capture lost bytes (tcpdump dropped packets under load) a stream is framed up
+    to the loss, which is printed, not counted as a problem of ours.
     """
     streams = [s for s in tcp_streams(pcap) if port in (s.src[1], s.dst[1])]
     data = {f"{s.src[0]}:{s.src[1]}": s.data() for s in streams}
@@ -339,6 +340,8 @@ def fpdu_framing(pcap: Path, port: int) -> tuple[dict[str, int], list[str], int 
             print(f"capture of {s.src[0]}:{s.src[1]} lost bytes at stream offset {s.gap}")
     crc_on = any(d[MPA_KEY_LEN] & MPA_FLAG_C for d in data.values() if len(d) > MPA_KEY_LEN)
     counts, problems = {}, []
+    gaps = []
+    by_src = {f"{s.src[0]}:{s.src[1]}": s for s in streams}
     for src, d in data.items():
         (pd_len,) = struct.unpack_from(">H", d, MPA_KEY_LEN + 2)
         off, n = MPA_KEY_LEN + 4 + pd_len, 0
@@ -346,19 +349,23 @@ def fpdu_framing(pcap: Path, port: int) -> tuple[dict[str, int], list[str], int 
             if off + 2 > len(d):
                 if src not in cut:
                     problems.append(f"{src}: {len(d) - off} byte(s) after the last FPDU")
+                elif off < len(d):
+                    gaps.append(by_src[src].frame_at(off))
                 break
             (ulpdu,) = struct.unpack_from(">H", d, off)
             crc_at = off + 2 + ulpdu + (-(2 + ulpdu)) % 4
             if crc_at + 4 > len(d):
                 if src not in cut:
                     problems.append(f"{src}: FPDU {n} at {off} runs past the end ({ulpdu} bytes)")
+                else:
+                    gaps.append(by_src[src].frame_at(off))
                 break
             want = crc32c.crc32c(d[off:crc_at]).to_bytes(4, "little")
             if crc_on and d[crc_at : crc_at + 4] != want:
                 problems.append(f"{src}: FPDU {n} at stream offset {off}: bad CRC32c")
             off, n = crc_at + 4, n + 1
         counts[src] = n
-    gaps = [s.gap_frame for s in streams if s.gap_frame is not None]
+    gaps += [s.gap_frame for s in streams if s.gap_frame is not None]
     return counts, problems, min(gaps, default=None)
 
 

@@ -38,3 +38,4 @@ def test_lost_bytes_end_the_stream_where_they_were_lost(tmp_path: Path) -> None:
     (stream,) = tcp_streams(pcap(tmp_path / "gap.pcap", frames))
     assert stream.data() == b"x" * 5 + b"y" * 5 and stream.gap == 10
     assert stream.gap_frame == 3  # the frame after the loss, counted as tshark counts
+    assert stream.frame_at(7) == 2 and stream.frame_at(0) == 1  # (what carried a byte)
