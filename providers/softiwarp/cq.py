@@ -218,13 +218,18 @@ class CQ(Resource):
             # Not from inside the engine that is completing: on the next tick.
             self.context.nursery.start_soon(self._fail_qps)
 
+    def _wake_waiters(self) -> None:
+        """Wake the tasks in :meth:`wait` that read no connection."""
+        waiter, self._waiter = self._waiter, None
+        if waiter is not None:
+            waiter.set()
+
     def _arrived(self, notable: bool) -> None:
         """Completions were queued: wake waiters; an armed CQ reports them if one of them
         is ``notable`` (solicited or an error) or it was armed for any (callers work out
         ``notable`` only for an armed CQ)."""
-        if (waiter := self._waiter) is not None:
-            self._waiter = None
-            waiter.set()
+        if self._waiter is not None:  # (else no call: this runs for every completion)
+            self._wake_waiters()
         if self._reader is not None:
             self._reader.interrupt()
         if self._armed and (not self._solicited_only or notable):
@@ -425,9 +430,7 @@ class CQ(Resource):
         """Destroy the CQ."""
         if not self._closed:
             self._leave_parent()
-            if (waiter := self._waiter) is not None:
-                self._waiter = None
-                waiter.set()
+            self._wake_waiters()
             if self._reader is not None:
                 self._reader.interrupt()
 
