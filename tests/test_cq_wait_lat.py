@@ -38,7 +38,7 @@ SLOT = 64
 
 def reading(cq: Any, side: Side) -> bool:
     """Whether a task waiting on ``cq`` reads ``side``'s connection itself."""
-    return cq._reader is not None and cq._reader is side.qp._link
+    return cq._reader is not None and cq._reader is side.qp._link.wait_point
 
 
 def post_slots(side: Side, mr: Any, n: int, first: int = 0) -> None:

@@ -22,7 +22,7 @@ from rdmashim.providers.softiwarp.jobs import (
     RecvRun,
 )
 from rdmashim.providers.softiwarp.resource import Resource
-from rdmashim.verbs import abc
+from rdmashim.verbs import abc, lending
 from rdmashim.verbs.busypoll import BusyPoll, spin_until
 from rdmashim.verbs.enums import (
     QPState,
@@ -135,8 +135,9 @@ class CQ(Resource):
         self._waiter: trio.Event | None = None
         """What tasks in :meth:`wait` with no connection to read wait on (None: none
         waits; a completion that comes then sets nothing: a call less on its path)."""
-        self._reader: Link | None = None
-        """The connection a task in :meth:`wait` reads in place of its receive task."""
+        self._reader: lending.WaitPoint | None = None
+        """Where a task in :meth:`wait` that reads a connection in place of its receive task
+        waits (its :attr:`~.driver.Link.wait_point`: interrupted, it looks again)."""
         self._qps: dict[int, CompletingQP] = {}
         """The QPs completing into this CQ (they go to ERR if it overruns)."""
         self.events_acked = 0
@@ -352,7 +353,7 @@ class CQ(Resource):
         while not self._count:
             link = self._sole_link()
             if link is not None and link.can_read:
-                self._reader = link
+                self._reader = link.wait_point
                 try:
                     await link.read_until(self._ready, spin=self.busy_poll)
                 finally:
@@ -379,7 +380,7 @@ class CQ(Resource):
         context = self.context
         task = trio.lowlevel.current_task()
         context._drivers.add(task)
-        self._reader = link
+        self._reader = link.wait_point
         try:
             await link.read_until(ready, after_read=context._dispatch_due, spin=self.busy_poll)
         finally:

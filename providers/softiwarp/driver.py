@@ -103,9 +103,10 @@ class Link:
         self._waiter_reads = False
         """A task in :meth:`read_until` reads the socket in place of the receive task."""
         self._rx_scope: trio.CancelScope | None = None
-        self._wait = lending.WaitPoint()
-        """What :meth:`read_until` waits on (:meth:`interrupt` ends that wait)."""
-        self._wait.open(self._fd)
+        self.wait_point = lending.WaitPoint()
+        """What :meth:`read_until` waits on (its ``interrupt()`` ends that wait: what the
+        waiter waits for came another way)."""
+        self.wait_point.open(self._fd)
         self._rx_parked: trio.lowlevel.Task | None = None
         """The receive task while it waits for a task in :meth:`read_until` to end (or
         after, while the socket is lent)."""
@@ -133,9 +134,11 @@ class Link:
 
     # ------------------------------------------------------------------ transmit
     def kick(self) -> None:
-        """New work was posted or arrived: send what can be sent now."""
+        """New work was posted or arrived: send what can be sent now (never blocks). What
+        the engine completed meanwhile is the caller's to hand on (the QP, after a post):
+        a work request's route to the socket enters no module twice."""
         if not self._pending:
-            self.flush()
+            self._write()
 
     def flush(self) -> None:
         """Send until the engine has nothing more or the socket is full (never blocks),
@@ -378,7 +381,7 @@ class Link:
                         got = self._read_idle()
                         if got is BUSY:
                             self._streak = 0
-                            await self._wait.wait_readable()  # (or interrupt(), or the end)
+                            await self.wait_point.wait_readable()  # (or interrupt(), or the end)
                             drained = False
                             continue
                         drained = got
@@ -433,7 +436,7 @@ class Link:
         """When trio has nothing else to do, wait for the socket in a system call of
         this task's own and read it (:mod:`~rdmashim.verbs.idle`): :meth:`_read`'s
         answer; :data:`BUSY` when nothing was read (the task waits through trio)."""
-        if not self._wait.block():
+        if not self.wait_point.block():
             return BUSY
         return self._read()
 
@@ -457,10 +460,6 @@ class Link:
         task, self._rx_parked = self._rx_parked, None
         if task is not None:
             trio.lowlevel.reschedule(task)
-
-    def interrupt(self) -> None:
-        """Wake the task in :meth:`read_until`: what it waits for came another way."""
-        self._wait.interrupt()
 
     # ------------------------------------------------------------------ lifetime
     @trio.lowlevel.enable_ki_protection  # (see _rx_loop)
@@ -489,7 +488,7 @@ class Link:
             self._pending = []  # never written now: no view of a region stays here
             self.engine.memory.unwatch(self)
             self._loan.end()
-            self._wait.close()  # a waiter in read_until returns
+            self.wait_point.close()  # a waiter in read_until returns
             self.sock.close()
             self.closed.set()
 

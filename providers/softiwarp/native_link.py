@@ -72,6 +72,10 @@ class NativeEngine:
         """P2P responder: called when the initiator's RTR arrives (the CM's ESTABLISHED)."""
         self.error: Exception | None = None
         self.remote_terminate: TermCode | None = None
+        self.link: NativeLink | None = None
+        """The QP's socket's driver, once MPA is done (:meth:`submit_send` writes into it)."""
+        self._wrote = ffi.new("int64_t *")
+        """Where ``rs_qp_post_send_fd`` says how its writes ended."""
 
     @property
     def state(self) -> EngineState:
@@ -118,6 +122,18 @@ class NativeEngine:
         self.error = self.error or exc
         lib.rs_qp_set_error(self.ptr, _ERR_USER, str(exc).encode()[:150])
         self._owner._sync()
+
+    def submit_send(self, array: Any, n: int) -> int:
+        """Give C ``n`` packed send requests (``rs_send_wr[]``); when the socket has room,
+        C writes their bytes in the same call. How many C took."""
+        link = self.link
+        if link is None or link._pending:  # not connected, or the transmit task waits
+            return int(lib.rs_qp_post_send(self.ptr, array, n, self.core._why))
+        wrote = self._wrote
+        taken = lib.rs_qp_post_send_fd(self.ptr, array, n, self.core._why, link._fd, wrote)
+        if wrote[0]:
+            link.stopped_by(wrote[0])
+        return int(taken)
 
     @property
     def kind(self) -> int:
@@ -166,7 +182,7 @@ class NativeLink(Link):
     def revoke(self, region: Region) -> None:
         """C holds what waits to be written: nothing here views a region."""
 
-    def flush(self) -> None:
+    def _write(self) -> None:
         """Write what C framed until it has nothing more or the socket is full."""
         self._pending = []
         n = lib.rs_qp_flush_fd(self._ptr, self._fd)
@@ -174,6 +190,10 @@ class NativeLink(Link):
             self.stopped_by(n)
         elif lib.rs_qp_state(self._ptr) == 3:
             self._tx_wakeup.set()  # let the transmit task end the connection
+
+    def flush(self) -> None:
+        """:meth:`_write`, then hand on what C did meanwhile."""
+        self._write()
         self._sync()
 
     def stopped_by(self, n: int) -> None:
@@ -196,7 +216,7 @@ class NativeLink(Link):
         if self._trio_first:
             self._trio_first = False
             return BUSY
-        found = self._wait.idle()
+        found = self.wait_point.idle()
         n = _EBUSY if found is None else lib.rs_qp_wait_read_fd(self._ptr, self._fd, *found)
         self.idle_ok = n != _EBUSY
         if n == _EBUSY:
@@ -222,7 +242,7 @@ class NativeLink(Link):
         ):  # fmt: skip
             return 0
         loan.end()
-        found = self._wait.idle()
+        found = self.wait_point.idle()
         taken = 0
         if found is None:
             self.idle_ok = False

@@ -66,17 +66,12 @@ class NativeSRQ(SRQ):
         if self._ptr == ffi.NULL:
             raise VerbsError(errno.ENOMEM, "create_srq", f"max_wr={max_wr}")
 
-    def _submit(self, table: Any, n: int, at: Any) -> int:
-        if at is None:
-            return int(lib.rs_srq_post(self._ptr, table, n))
-        return int(lib.rs_srq_post_at(self._ptr, table, len(table), at, n))
-
     def _post(self, plan: RecvPlan, entries: Sequence[int]) -> None:
         memory = self.pd.context.memory
         assert isinstance(memory, NativeMemoryTable)
         refused = plan.post(
             "post_srq_recv", entries, self.max_sge, "SRQ", self.max_wr,
-            memory, memory.native.view.epoch, self._submit,
+            memory, memory.native.view.epoch, self._ptr, srq=True,
         )  # fmt: skip
         if refused is not None:
             raise refused
@@ -125,8 +120,7 @@ class NativeQP(QPBase):
         self._fatal_seen = False
         self._awaiting_rtr = False
         self._cqs = (send_cq,) if send_cq is recv_cq else (send_cq, recv_cq)
-        self._wrote = ffi.new("int64_t *")
-        """Where ``rs_qp_post_send_fd`` says how its writes ended."""
+        self._submit_send = self.engine.submit_send
         self._send_plans = PlanCache(SendPlan)
         self._recv_plans = PlanCache(RecvPlan)
         self._plan_key = (id(memory), cap.max_send_sge, cap.max_inline_data)
@@ -165,6 +159,7 @@ class NativeQP(QPBase):
                 listener(engine.error)
             if self._link is not None:
                 self._link.failed()
+                self._sync()  # (what its write did)
 
     def _sync_served(self, news: int) -> None:
         """:meth:`_sync` while a thread serves the QP: that thread hands on new
@@ -204,23 +199,6 @@ class NativeQP(QPBase):
         return True
 
     # ---------------------------------------------------------------- posting
-    def _submit_send(self, array: Any, n: int) -> int:
-        """Give C ``n`` packed requests; when the socket has room, C writes their
-        bytes in the same call. How many C took."""
-        why, link = self.engine.core._why, self._link
-        if link is None or link._pending:  # not connected, or the transmit task waits
-            return int(lib.rs_qp_post_send(self._ptr, array, n, why))
-        wrote = self._wrote
-        taken = lib.rs_qp_post_send_fd(self._ptr, array, n, why, link._fd, wrote)
-        if wrote[0]:
-            link.stopped_by(wrote[0])
-        return int(taken)
-
-    def _submit_recv(self, table: Any, n: int, at: Any) -> int:
-        if at is None:
-            return int(lib.rs_qp_post_recv(self._ptr, table, n))
-        return int(lib.rs_qp_post_recv_at(self._ptr, table, len(table), at, n))
-
     def _post_sends(self, wrs: Sequence[SendWR], plan: SendPlan, entries: Sequence[int]) -> None:
         state = self._state
         if state is not QPState.RTS and state is not QPState.ERR:
@@ -290,7 +268,7 @@ class NativeQP(QPBase):
         cap = self.cap
         refused = plan.post(
             "post_recv", entries, cap.max_recv_sge, "receive queue", cap.max_recv_wr,
-            self.context.memory, self._memview.epoch, self._submit_recv,
+            self.context.memory, self._memview.epoch, self._ptr,
         )  # fmt: skip
         if self._state is QPState.ERR:  # flushed at once
             self._sync()
@@ -343,7 +321,7 @@ class NativeQP(QPBase):
         """MPA is done: C takes the connection, a :class:`NativeLink` its socket."""
         self.engine.start(config)
         sock.setsockopt(_stdlib_socket.IPPROTO_TCP, _stdlib_socket.TCP_NODELAY, True)
-        link = self._link = NativeLink(self.engine, sock, leftover)
+        link = self._link = self.engine.link = NativeLink(self.engine, sock, leftover)
         link.after_receive = self.context._after_receive
         self._state = QPState.RTS
         self.context.nursery.start_soon(self._run_link, link)
@@ -388,9 +366,9 @@ class NativeContext(Context):
     def _sync_qps(self) -> None:
         for qp in list(self._native_qps):
             if qp._ptr is not None:
-                qp._sync()
                 if qp._link is not None:
                     qp._link.kick()
+                qp._sync()
 
     def _new_cq(self, cqe: int, channel: CompChannel | None) -> CQ:
         return NativeCQ(self, cqe, channel)

@@ -47,6 +47,10 @@ if lib is not None:  # the layout cffi compiled must be the one packed here
 _U32 = 0xFFFFFFFF
 _U64 = 0xFFFFFFFFFFFFFFFF
 _INLINE = int(SendFlags.INLINE)
+_QP_RECV: tuple[Any, Any] = (
+    (lib.rs_qp_post_recv, lib.rs_qp_post_recv_at) if lib is not None else (None, None)
+)
+"""C's receive posts to a QP (all entries, at indices), bound once."""
 _RAW = 16  # RS_INLINE_RAW
 _FLAGS = int(SendFlags.FENCE | SendFlags.SIGNALED | SendFlags.SOLICITED | SendFlags.INLINE)
 _SUPPORTED = frozenset(
@@ -412,16 +416,17 @@ class RecvPlan(_Plan):
 
     def post(
         self, operation: str, entries: Sequence[int], max_sge: int, name: str, max_wr: int,
-        memory: MemoryTable, epoch: int, submit: Callable[[Any, int, Any], int],
+        memory: MemoryTable, epoch: int, ptr: Any, srq: bool = False,
     ) -> VerbsError | None:  # fmt: skip
-        """Post ``entries`` through ``submit(table, n, at)``: the first ``n`` entries of
-        the C array ``table`` when ``at`` is None, else its entries at the ``n`` indices
-        of ``at`` (``uint32_t[]``); it returns how many C took (the rest found the queue
-        full). The error of the first refused, if any. The fast path as
+        """Post ``entries`` to the receive queue of the C QP ``ptr`` (or to the C SRQ
+        ``ptr``): the first ``n`` entries of a C array, or its entries at ``n`` indices
+        (``uint32_t[]``); C says how many it took (the rest found the queue full). The
+        error of the first refused, if any. The fast path as
         :meth:`SendPlan.post`'s; entries that are not the batch's first ``n`` go to C as
         indices into the whole batch, packed once (one such entry: as the address of
         its own, with ``at`` None, noted in :attr:`singles` under ``(id(memory),
         max_sge)``)."""
+        post, post_at = (lib.rs_srq_post, lib.rs_srq_post_at) if srq else _QP_RECV
         summary = self._summary or self._summarize()
         count = len(entries)
         refused: VerbsError | None = None
@@ -433,23 +438,23 @@ class RecvPlan(_Plan):
                 return None
             if isinstance(entries, range) and entries.start == 0 and entries.step == 1:
                 first = self._fast_array("rs_recv_wr[]", self.data, entries, epoch)
-                taken = submit(first, count, None)
+                taken = post(ptr, first, count)
             else:
                 if self._table is None:
                     self._table = ffi.from_buffer("rs_recv_wr[]", b"".join(self.data))
                 if count == 1:  # (a receive reposted as it completed): its own entry
                     single = self._table + entries[0]
-                    taken = submit(single, 1, None)
+                    taken = post(ptr, single, 1)
                     self.singles[entries[0]] = ((epoch, (id(memory), max_sge)), single)
                 else:
                     at = ffi.from_buffer("uint32_t[]", array("I", entries))
-                    taken = submit(self._table, count, at)
+                    taken = post_at(ptr, self._table, len(self._table), at, count)
         else:
             chosen, refused = self._checked_entries(operation, entries, max_sge, memory)
             count = len(chosen)
             if not count:
                 return refused
-            taken = submit(ffi.from_buffer("rs_recv_wr[]", b"".join(chosen)), count, None)
+            taken = post(ptr, ffi.from_buffer("rs_recv_wr[]", b"".join(chosen)), count)
         if taken < count:
             return refused_wr(errno.ENOMEM, operation, taken, f"{name} full ({max_wr})")
         return refused
