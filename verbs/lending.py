@@ -23,8 +23,12 @@ import trio
 from rdmashim.verbs import idle
 
 READS_BEFORE_YIELD = 16
-"""Reads in a row, none after a wait through trio, after which a reader yields to the
-other tasks (a long stream, or waits that end in :meth:`WaitPoint.block`)."""
+"""Reads in a row that found bytes waiting (a long stream), with no wait between them,
+after which a reader yields to the other tasks. A wait through trio, or an idle one
+(:meth:`WaitPoint.block`, which begins only while trio has nothing to do and ends when
+it has), starts the count again: a yield after such a wait would only delay the
+answer to the message it brought. A busy poll's reads count: a due turn is taken at
+the start of the next wait, while the peer works on our last message."""
 
 
 class Lent(Protocol):

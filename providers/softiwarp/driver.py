@@ -366,6 +366,13 @@ class Link:
                 self._take_leftover()
             if after_read is not None:
                 after_read()
+            if self._streak >= lending.READS_BEFORE_YIELD:
+                # The other tasks' turn, due after reads none of which waited through
+                # trio or idle (a stream, busy polling): now, at the start of a wait (in
+                # a ping-pong, while the peer works on our last message), not between
+                # the message that ends it and the answer.
+                self._streak = 0
+                await trio.lowlevel.checkpoint()
             while not ready() and not self._rx_stopped:
                 if not drained:  # (the socket lent here was empty at its last read: wait)
                     drained = self._read()
@@ -385,7 +392,11 @@ class Link:
                             drained = False
                             continue
                         drained = got
-                        self._streak += 1
+                        # trio was idle when this wait began (else BUSY) and any of its
+                        # I/O would have ended it: no task's turn was taken, as after a
+                        # wait through trio (a yield here would sit between the message
+                        # and its answer).
+                        self._streak = 0
                 if after_read is not None:
                     after_read()
                 if drained is None or ready():
@@ -393,11 +404,6 @@ class Link:
                 if not drained and self._streak >= lending.READS_BEFORE_YIELD:
                     self._streak = 0  # (a long stream of bytes: the others' turn now)
                     await trio.lowlevel.checkpoint()
-            if self._streak >= lending.READS_BEFORE_YIELD and not self._rx_stopped:
-                # Waits that each ended with a read, none through trio (a stream, or
-                # idle waits): the other tasks' turn, as a wait through trio gives it.
-                self._streak = 0
-                await trio.lowlevel.checkpoint()
             lend = not self._rx_stopped
         except Exception as exc:
             self._rx_stopped = True

@@ -256,7 +256,10 @@ class NativeLink(Link):
                 self.idle_ok = False
                 self._trio_first = True
             else:
-                self._streak += 1
+                # The idle wait ended a wait that began while trio had nothing to do and
+                # would have ended had it any: no task's turn was taken. A spin looks at
+                # nothing else: a turn is due after READS_BEFORE_YIELD of them.
+                self._streak = self._streak + 1 if spin else 0
                 self._took(got[0])
         if self._rx_stopped:
             self.hand_back()  # (the receive task ends the connection)

@@ -315,12 +315,13 @@ class TcpSession:
                         empty = self._read()
                         continue
                 if empty:
-                    if not self._wait.block():  # (an idle wait: rdmashim.verbs.idle)
-                        self._streak = 0
+                    # An idle wait (rdmashim.verbs.idle) begins only while trio has
+                    # nothing to do and ends when it has: no task's turn is taken by it.
+                    self._streak = 0
+                    if not self._wait.block():
                         await self._wait.wait_readable()  # (or interrupt_wait(), or the end)
                     if not ready() and not self.lost:
                         empty = self._read()
-                        self._streak += 1
                 else:
                     empty = self._read()
                     self._streak += 1
