@@ -52,7 +52,7 @@ from rdmashim.providers.softiwarp import driver, engines
 from rdmashim.providers.softiwarp.cq import CQ
 from rdmashim.providers.softiwarp.engine import Engine
 from rdmashim.providers.softiwarp.native_cq import NativeCQ
-from rdmashim.providers.softiwarp.native_link import NativeLink
+from rdmashim.providers.softiwarp.native_link import NativeEngine, NativeLink
 from rdmashim.providers.softiwarp.native_provider import NativeQP
 from rdmashim.providers.softiwarp.qp import QP
 from rdmashim.rdstools.common import open_node
@@ -201,7 +201,7 @@ class Tracer(trio.abc.Instrument):
         """Hook the points (in a trio run: the instrument is the run's). On the native
         engine one C call reads the socket and processes what came (``NativeLink._read``:
         the readv phase holds both, the engine's is empty), and one frames a post's
-        Sends and writes them (``NativeQP._submit_send``: the write phase holds both;
+        Sends and writes them (``NativeEngine.submit_send``: the write phase holds both;
         framing is the Python around it)."""
         native_engine = engines.chosen()[0] == "native"
         cq_class, qp_class = (NativeCQ, NativeQP) if native_engine else (CQ, QP)
@@ -216,7 +216,7 @@ class Tracer(trio.abc.Instrument):
                 NativeLink, "_read_idle", ("wake", "read", "read_end", "engine_end")
             )
             self._hook(NativeLink, "_read", "read", ("read_end", "engine_end"))
-            self._hook(NativeQP, "_submit_send", "write", "write_end")
+            self._hook(NativeEngine, "submit_send", "write", "write_end")
             self._hook(NativeQP, "post_send", "post", "post_end")
             self._hook(NativeQP, "post_send_batch", "post", "post_end")
         else:

@@ -120,7 +120,6 @@ class NativeQP(QPBase):
         self._fatal_seen = False
         self._awaiting_rtr = False
         self._cqs = (send_cq,) if send_cq is recv_cq else (send_cq, recv_cq)
-        self._submit_send = self.engine.submit_send
         self._send_plans = PlanCache(SendPlan)
         self._recv_plans = PlanCache(RecvPlan)
         self._plan_key = (id(memory), cap.max_send_sge, cap.max_inline_data)
@@ -212,7 +211,7 @@ class NativeQP(QPBase):
         memory = self.context.memory
         refused = plan.post(
             wrs, entries, room, cap.max_send_wr, cap.max_send_sge, cap.max_inline_data,
-            memory, self._memview.epoch, self._submit_send, self._plan_key,
+            memory, self._memview.epoch, self.engine.submit_send, self._plan_key,
         )  # fmt: skip
         self._sync()
         if refused is not None:
@@ -236,7 +235,7 @@ class NativeQP(QPBase):
         if (
             quick is not None and quick[0] == self._memview.epoch
             and self._state is QPState.RTS and self._view.sq_depth < self.cap.max_send_wr
-            and self._submit_send(quick[1], 1)
+            and self.engine.submit_send(quick[1], 1)
         ):  # fmt: skip
             self._sync()  # (posted again, checked before: straight to C)
             return
@@ -255,7 +254,7 @@ class NativeQP(QPBase):
             if (
                 found is not None and found[0] == (self._memview.epoch, self._plan_key)
                 and self._state is QPState.RTS and self._view.sq_depth < self.cap.max_send_wr
-                and self._submit_send(found[1], 1)
+                and self.engine.submit_send(found[1], 1)
             ):  # fmt: skip
                 self._sync()
                 return
