@@ -530,6 +530,34 @@ async def test_a_ping_pong_waits_reads_and_polls_in_one_call_into_c(
     assert sum(1 for got in one_call if got == 1) >= rounds // 2, one_call
 
 
+@BOTH_ENGINES
+async def test_a_busy_polled_ping_pong_lets_a_task_that_became_ready_run(ctx: Any) -> None:
+    """Busy polling reads each answer before the spin ends, so no wait goes through trio;
+    a task that became ready meanwhile still runs within READS_BEFORE_YIELD waits (once,
+    every busy-polled wait of a new connection kept its own task from ever running, and
+    with it the waits from being one call)."""
+    every = lending.READS_BEFORE_YIELD
+    rounds = 4 * every
+    async with _peer_in_its_own_run(_echo(rounds)) as port:
+        client, slots = await _client_of(ctx, port)
+        client.recv_cq.busy_poll = 200e-6  # (one slice: the answer comes within it)
+        at = [0]
+        ran_at: list[int] = []
+
+        async def note() -> None:
+            ran_at.append(at[0])
+
+        with _closing(client), trio.fail_after(BOUND * 3):
+            async with trio.open_nursery() as nursery:
+                for i in range(rounds):
+                    at[0] = i
+                    if i == every:
+                        nursery.start_soon(note)
+                    await _ping(client, slots, i, "poll_wait")
+                done = list(ran_at)
+    assert len(done) == 1 and done[0] <= 3 * every, done
+
+
 @pytest.mark.usefixtures("native_only")
 async def test_an_armed_cq_gets_its_event_for_a_completion_taken_in_one_call(
     ctx: Any, one_call: list[int]

@@ -237,9 +237,10 @@ class Link:
         self._take_leftover()
         self.after_receive()
         while not self._rx_stopped:
-            if self._waiter_reads:
-                # Parked until read_until ends and reschedules it: trio's bare primitive,
-                # as a parking lot measured about 2 us more per message in send-lat.
+            if self._waiter_reads or self._loan.active:
+                # Parked until read_until ends and reschedules it, or the socket lent to
+                # the waiter comes back (hand_back): trio's bare primitive, as a parking
+                # lot measured about 2 us more per message in send-lat.
                 self._rx_parked = trio.lowlevel.current_task()
                 await trio.lowlevel.wait_task_rescheduled(self._abort_park)
                 continue
@@ -381,8 +382,7 @@ class Link:
                     now = time.perf_counter() if spin else 0.0
                     if spin and engine.bytes_received != seen:
                         seen, spin_end = engine.bytes_received, now + spin
-                    if now < spin_end:  # busy polling: read again after the others ran
-                        self._streak = 0
+                    if now < spin_end:  # busy polling (it keeps the count of reads)
                         drained = await self._spin(spin_end - now)
                     else:
                         got = self._read_idle()
@@ -410,11 +410,14 @@ class Link:
             self._rx_failure = exc  # the receive task raises it, and the link ends
         finally:
             self._waiter_reads = False
-            if self._rx_parked is not None:
-                if lend:
-                    self._lend()
-                else:
-                    self.hand_back()
+            # Lent even when the receive task has not parked yet (a waiter that never let
+            # trio run since it cancelled that task's read): the task parks when it runs
+            # while the loan lasts, instead of taking the socket back before the waiter's
+            # next wait, which would then never be one call.
+            if lend:
+                self._lend()
+            elif self._rx_parked is not None:
+                self.hand_back()
 
     async def lend_to_thread(self, body: Callable[[], T], interrupt: Callable[[], None]) -> T:
         """Run ``body()`` in a thread that serves the connection in place of the receive
@@ -450,6 +453,7 @@ class Link:
         """One try of busy polling, up to ``seconds`` from now: let the others run, then
         read again (:meth:`_read`'s answer)."""
         await busypoll.pause()
+        self._streak = 0  # (the others ran)
         return self._read()
 
     def _lend(self) -> None:

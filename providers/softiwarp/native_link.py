@@ -274,6 +274,15 @@ class NativeLink(Link):
         n = lib.rs_qp_spin_fd(self._ptr, self._fd, ns)
         if n == _EAGAIN:
             await trio.lowlevel.checkpoint()
+            self._streak = 0  # (the others ran)
+        elif n > 0:
+            # Read without letting the others run: a turn is due after
+            # READS_BEFORE_YIELD of these (read_until takes it at the next wait's start;
+            # busy polling must not starve a task that became ready meanwhile, such as
+            # a new connection's own). The next wait may be one call again (else, busy
+            # polling, no idle wait would come to say so).
+            self._streak += 1
+            self.idle_ok = True
         return self._took(n)
 
     def _took(self, n: int) -> bool | None:
