@@ -287,9 +287,10 @@ Peer = Callable[[Callable[[int], None]], Awaitable[None]]
 """A peer's run: ``main(say_port)`` (:func:`_peer_in_its_own_run`)."""
 
 
-def _echo(rounds: int, *, then_close: bool = False) -> Peer:
-    """A peer that sends each of ``rounds`` Sends' 8 bytes back; with ``then_close`` it
-    destroys its QP when the next one comes, without answering."""
+def _echo(rounds: int, *, then_close: bool = False, solicited: int = 0) -> Peer:
+    """A peer that sends each of ``rounds`` Sends' 8 bytes back (the first ``solicited``
+    of them with SE); with ``then_close`` it destroys its QP when the next one comes,
+    without answering."""
 
     async def main(say_port: Callable[[int], None]) -> None:
         async with rdmashim.open_device("siw_lo") as ctx:
@@ -303,10 +304,11 @@ def _echo(rounds: int, *, then_close: bool = False) -> Peer:
             say_port(listener.socket.getsockname()[1])
             stream = await listener.accept()
             await accept_qp(qp, stream, await read_request(stream))
-            for _ in range(rounds):
+            for i in range(rounds):
                 (wc,) = await cq.poll_wait(1)
                 assert wc.status == WCStatus.SUCCESS, wc
-                echo = SendWR(0, WROpcode.SEND, [mr.sge(64 * wc.wr_id, 8)], SendFlags.INLINE)
+                flags = SendFlags.INLINE | (SendFlags.SOLICITED if i < solicited else 0)
+                echo = SendWR(0, WROpcode.SEND, [mr.sge(64 * wc.wr_id, 8)], flags)
                 qp.post_send(echo)  # (inline: copied now, so the slot may take the next)
                 qp.post_recv(recvs[wc.wr_id])
             if then_close:
@@ -581,6 +583,44 @@ async def test_an_armed_cq_gets_its_event_for_a_completion_taken_in_one_call(
             for _ in range(rounds):
                 assert await channel.get_cq_event() is cq
     assert any(armed_in_one_call), one_call
+
+
+@pytest.mark.usefixtures("native_only")
+async def test_a_one_call_wait_that_took_every_completion_leaves_nothing_to_hand_on(
+    ctx: Any, one_call: list[int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """When the one call's rows are all the CQ had and no one waits to be told, C clears
+    the news and Python hands nothing on (no ``_took``); what it did not hand on is not
+    reported later either: the solicited echoes taken so are not the next solicited
+    completion of a CQ armed afterwards, and its next completion is."""
+    took: list[int] = []
+    real_took = native_link.NativeLink._took
+
+    def spy(self: Any, n: int) -> bool | None:
+        took.append(n)
+        return real_took(self, n)
+
+    monkeypatch.setattr(native_link.NativeLink, "_took", spy)
+    rounds = 64
+    quiet = 0
+    async with _peer_in_its_own_run(_echo(rounds + 2, solicited=rounds)) as port:
+        channel = ctx.create_comp_channel()
+        client, slots = await _client_of(ctx, port, channel)
+        cq = client.recv_cq
+        with _closing(client), trio.fail_after(BOUND):
+            for i in range(rounds):
+                calls, reads = len(one_call), len(took)
+                await _ping(client, slots, i, "poll_wait_into")
+                quiet += len(one_call) > calls and one_call[-1] == 1 and len(took) == reads
+            assert len(cq) == 0 and cq.poll() == []
+            cq.req_notify(solicited_only=True)
+            await _ping(client, slots, rounds, "poll_wait_into")  # (no SE)
+            assert cq.events_delivered == 0
+            cq.req_notify()
+            await _ping(client, slots, rounds + 1, "poll_wait_into")
+            assert cq.events_delivered == 1
+            assert await channel.get_cq_event() is cq
+    assert quiet >= rounds // 2, (quiet, one_call)
 
 
 @pytest.mark.usefixtures("native_only")

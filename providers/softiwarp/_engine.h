@@ -239,11 +239,16 @@ int64_t rs_qp_spin_fd(rs_qp *qp, int fd, uint64_t ns);
 int64_t rs_qp_wait_read_fd(rs_qp *qp, int fd, int others, int timeout_ms);
 /* A task waiting for completions of cq, the QP's only CQ, in one call: rs_qp_spin_fd
  * for spin_ns (none when 0), then, when that read nothing, rs_qp_wait_read_fd; what the
- * read returned in *got; then, when it read something and the QP has no news but
+ * read returned in got[0]; then, when it read something and the QP has no news but
  * completions and cq no overrun, a poll of cq into out as rs_cq_poll_sum. The rows
- * taken (0: none; the caller looks at the news first). */
+ * taken (0: none; the caller looks at the news first). got[1] is 1 when nothing but
+ * the rows is left for the caller to hand on, and the QP's news are cleared: quiet_owed
+ * is not 0 (the caller has no one to wake or notify), the poll took every completion
+ * of cq, cq is both the QP's send and receive CQ, nothing waits to be sent, and the
+ * peer owes fewer than quiet_owed bytes (the caller's mark for waiting for them). */
 uint32_t rs_qp_wait_poll_fd(rs_qp *qp, int fd, uint64_t spin_ns, int others, int timeout_ms, rs_cq *cq,
-                           rs_wc *out, uint32_t n, rs_wc_sum *sum, int64_t *got);
+                           rs_wc *out, uint32_t n, rs_wc_sum *sum, uint64_t quiet_owed,
+                           int64_t *got);
 /* A thread of its own serves the QP (cffi calls without the GIL): wait until either of
  * its CQs holds a completion, it left RTS or has other news than completions (1: look),
  * or wake is readable (-EINTR: its owner takes it back), or poll fails (-errno);

@@ -170,8 +170,9 @@ class NativeLink(Link):
         self._sync = engine._owner._sync
         self._lowat = 1
         """The socket's SO_RCVLOWAT (:meth:`_expect`)."""
-        self._got = ffi.new("int64_t *")
-        """What ``rs_qp_wait_poll_fd``'s read returned."""
+        self._got = ffi.new("int64_t[2]")
+        """What ``rs_qp_wait_poll_fd``'s read returned, and whether its rows are all the
+        caller has to hand on."""
         self._trio_first = False
         """:meth:`wait_poll` found trio with work (or its time up): the wait that follows
         goes through trio at once, not through another idle ``poll``."""
@@ -248,11 +249,20 @@ class NativeLink(Link):
             self.idle_ok = False
         else:
             got = self._got
+            # Nothing but the rows to hand on (got[1]) is possible only while the CQ has
+            # no one to wake or notify and the socket's mark is the plain one.
+            quiet = (
+                LOWAT_MIN
+                if self._lowat == 1 and cq._waiter is None and cq._reader is None
+                and not cq._armed
+                else 0
+            )  # fmt: skip
             taken = lib.rs_qp_wait_poll_fd(
                 self._ptr, self._fd, int(spin * 1e9), found[0], found[1], cq._ptr,
-                out, n, summary, got,
+                out, n, summary, quiet, got,
             )  # fmt: skip
-            if got[0] == _EBUSY:
+            read = got[0]
+            if read == _EBUSY:
                 self.idle_ok = False
                 self._trio_first = True
             else:
@@ -260,7 +270,12 @@ class NativeLink(Link):
                 # would have ended had it any: no task's turn was taken. A spin looks at
                 # nothing else: a turn is due after READS_BEFORE_YIELD of them.
                 self._streak = self._streak + 1 if spin else 0
-                self._took(got[0])
+                if got[1]:  # (C cleared the news; the CQ's count stays 0: NativeCQ._sync)
+                    view = cq._view
+                    cq._pushed, cq._notable = view.pushed, view.notable
+                    self._drained = read < _RX_READ
+                else:
+                    self._took(read)
         if self._rx_stopped:
             self.hand_back()  # (the receive task ends the connection)
         else:

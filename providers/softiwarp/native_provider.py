@@ -237,7 +237,8 @@ class NativeQP(QPBase):
             and self._state is QPState.RTS and self._view.sq_depth < self.cap.max_send_wr
             and self.engine.submit_send(quick[1], 1)
         ):  # fmt: skip
-            self._sync()  # (posted again, checked before: straight to C)
+            if self._view.news:  # (posted again, checked before: straight to C)
+                self._sync()
             return
         self._post_sends((wr,), plan, _ONE)
 
@@ -256,7 +257,8 @@ class NativeQP(QPBase):
                 and self._state is QPState.RTS and self._view.sq_depth < self.cap.max_send_wr
                 and self.engine.submit_send(found[1], 1)
             ):  # fmt: skip
-                self._sync()
+                if self._view.news:
+                    self._sync()
                 return
         entries = batch.select("post_send", count, indices)
         self._post_sends(batch.wrs(entries), plan, entries)
