@@ -107,7 +107,7 @@ class Tracer(trio.abc.Instrument):
         self.log: list[tuple[str, int]] = []
         self._undo: list[Callable[[], None]] = []
         self.inside: dict[int, int] = {}
-        """For each completion handler run (the index of its ``handler_end`` point in
+        """For each completion handler run (the time of its ``handler_end`` point in
         :attr:`log`): ns of the engine's calls it made (:data:`ENGINE_CALLS`)."""
         self._engine_ns = 0
 
@@ -164,6 +164,47 @@ class Tracer(trio.abc.Instrument):
         setattr(owner, name, hooked)
         self._undo.append(partial(setattr, owner, name, original))
 
+    def _hook_native_reads(self) -> None:
+        """The native engine's reads: C reads and processes in one call, and what came is
+        handed on (to the driving reader's completion handler, in one hop) in
+        ``NativeLink._took``, which the read's call makes before it returns. So the
+        read's end is logged when ``_took`` is called: ``read_end`` and ``engine_end``,
+        after an idle wait also ``wake`` and ``read`` (the wait and the read are one
+        call into C); the idle wait's ``sleep`` at its call, logged once it is known
+        to have waited (the log is put in time order before it is summed up)."""
+        log, now = self.log, time.perf_counter_ns
+        idle = [False]
+        read, read_idle, took = NativeLink._read, NativeLink._read_idle, NativeLink._took
+
+        def hooked_read(link: NativeLink) -> Any:
+            log.append(("read", now()))
+            return read(link)
+
+        def hooked_read_idle(link: NativeLink) -> Any:
+            t = now()
+            idle[0] = True
+            try:
+                got = read_idle(link)
+            finally:
+                idle[0] = False
+            if got is not driver.BUSY:
+                log.append(("sleep", t))
+            return got
+
+        def hooked_took(link: NativeLink, n: int) -> Any:
+            t = now()
+            points = ("wake", "read", "read_end", "engine_end") if idle[0] else CYCLE[2:4]
+            log.extend((point, t) for point in points)
+            idle[0] = False
+            return took(link, n)
+
+        for name, hooked in (
+            ("_read", hooked_read), ("_read_idle", hooked_read_idle), ("_took", hooked_took),
+        ):  # fmt: skip
+            original = getattr(NativeLink, name)
+            setattr(NativeLink, name, hooked)
+            self._undo.append(partial(setattr, NativeLink, name, original))
+
     def _hook_handler(self) -> None:
         """Log ``handler`` and ``handler_end`` around the session's completion handler,
         and how long the engine's calls inside it took (:attr:`inside`)."""
@@ -176,8 +217,9 @@ class Tracer(trio.abc.Instrument):
             try:
                 original(session, cq)
             finally:
-                inside[len(log)] = self._engine_ns
-                log.append(("handler_end", now()))
+                t = now()
+                inside[t] = self._engine_ns
+                log.append(("handler_end", t))
 
         Session._on_cq = hooked  # type: ignore[method-assign]
         self._undo.append(partial(setattr, Session, "_on_cq", original))
@@ -211,11 +253,7 @@ class Tracer(trio.abc.Instrument):
         ):  # fmt: skip
             self._hook_engine(owner, name)  # (before the post's points: those go outside)
         if native_engine:
-            # (an idle wait reads in the same call into C: wake and read are one point)
-            self._hook_idle_wait(
-                NativeLink, "_read_idle", ("wake", "read", "read_end", "engine_end")
-            )
-            self._hook(NativeLink, "_read", "read", ("read_end", "engine_end"))
+            self._hook_native_reads()
             self._hook(NativeEngine, "submit_send", "write", "write_end")
             self._hook(NativeQP, "post_send", "post", "post_end")
             self._hook(NativeQP, "post_send_batch", "post", "post_end")
@@ -241,8 +279,8 @@ class Tracer(trio.abc.Instrument):
     def summary(self) -> dict[str, Any]:
         """Each phase's median (us) over the cycles whose points came in order, how many
         did, and how often each point came."""
-        kept = [k for k, (name, _) in enumerate(self.log) if name != "engine"]  # (after readv)
-        log = [self.log[k] for k in kept]
+        self.log.sort(key=lambda point: point[1])  # (stable: a time's points keep their order)
+        log = [point for point in self.log if point[0] != "engine"]  # (after readv)
         names = [name for name, _ in log]
         phases: list[list[int]] = [[] for _ in PHASES]
         engine_inside: list[int] = []
@@ -253,7 +291,7 @@ class Tracer(trio.abc.Instrument):
             if names[i] == "wake" and names[i : i + span] == list(CYCLE):
                 for k in range(len(PHASES)):
                     phases[k].append(log[i + k + 1][1] - log[i + k][1])
-                engine_inside.append(self.inside.get(kept[i + end], 0))
+                engine_inside.append(self.inside.get(log[i + end][1], 0))
                 i += span - 1  # its last wake starts the next cycle
             else:
                 i += 1

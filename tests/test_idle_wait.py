@@ -23,6 +23,7 @@ import sys
 import textwrap
 import threading
 import time
+import traceback
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -621,6 +622,41 @@ async def test_a_one_call_wait_that_took_every_completion_leaves_nothing_to_hand
             assert cq.events_delivered == 1
             assert await channel.get_cq_event() is cq
     assert quiet >= rounds // 2, (quiet, one_call)
+
+
+@pytest.mark.usefixtures("native_only")
+async def test_a_task_driving_a_cq_runs_its_handler_in_one_hop(ctx: Any) -> None:
+    """The native engine hands a read's completions to the handler of the CQ (the QP's
+    only one) that the reading task drives (``CQ.drive_until``) from inside the read's
+    processing (``NativeLink._handed_to_driver``), not through the context's queue of
+    due handlers; each echo still calls it once, armed again by the handler, and every
+    echo is taken whole."""
+    rounds = 16
+    routes: list[set[str]] = []
+    got: list[int] = []
+    async with _peer_in_its_own_run(_echo(rounds)) as port:
+        client, slots = await _client_of(ctx, port)
+        cq = client.recv_cq
+
+        def handler(cq: Any) -> None:
+            routes.append({frame.name for frame in traceback.extract_stack()})
+            for wc in cq.poll(rounds):
+                assert wc.status == WCStatus.SUCCESS
+                got.append(struct.unpack_from("<Q", slots.buf, 64 * wc.wr_id)[0])
+                client.qp.post_recv(RecvWR(wc.wr_id, [slots.sge(64 * wc.wr_id, 64)]))
+            cq.req_notify()
+
+        cq.set_handler(handler)
+        cq.req_notify()
+        with _closing(client), trio.fail_after(BOUND):
+            for i in range(rounds):
+                out = client.reg(struct.pack("<Q", i))
+                client.qp.post_send(SendWR(i, WROpcode.SEND, [out.sge()], SendFlags.INLINE))
+                assert await cq.drive_until(lambda i=i: len(got) > i)  # type: ignore[misc]
+            cq.set_handler(None)
+    assert got == list(range(rounds))
+    one_hop = [r for r in routes if "_handed_to_driver" in r and "_dispatch" not in r]
+    assert len(one_hop) >= rounds // 2, routes
 
 
 @pytest.mark.usefixtures("native_only")

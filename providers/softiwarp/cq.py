@@ -52,6 +52,10 @@ class CQContext(abc.Context, Protocol):
     """What a CQ asks of its device context (the provider's ``Context``, which imports
     this module: a CQ names it only so)."""
 
+    _dispatching: bool
+    """A handler runs (the context's dispatch, or a driver's one hop:
+    :meth:`.NativeLink._handed_to_driver`)."""
+
     @property
     def nursery(self) -> trio.Nursery: ...
 

@@ -38,6 +38,7 @@ _ERR_REMOTE = 2
 _ERR_USER = 5
 # C's own numbers (_engine.h), bound once
 _ERR_CQ_OVERRUN = lib.RS_ERR_CQ_OVERRUN if lib is not None else 0
+_NEWS_CQ = lib.RS_NEWS_CQ if lib is not None else 0
 LOWAT_MIN, LOWAT_MAX = 16 * 1024, 1024 * 1024
 """Owed bytes from which a reader waits for them before it looks, and at most how many."""
 SPIN_SLICE = 200e-6
@@ -168,6 +169,7 @@ class NativeLink(Link):
         self._ptr = engine.ptr
         self._view = engine.view
         self._sync = engine._owner._sync
+        self._cqs = engine._owner._cqs
         self._lowat = 1
         """The socket's SO_RCVLOWAT (:meth:`_expect`)."""
         self._got = ffi.new("int64_t[2]")
@@ -315,13 +317,43 @@ class NativeLink(Link):
         view = self._view
         if view.tx_ready and not self._pending:  # Read Responses, ...
             self.flush()  # (it syncs)
-        else:
+        elif view.news != _NEWS_CQ or not self._handed_to_driver():
             self._sync()
         owed = view.rx_owed
         if owed >= LOWAT_MIN or self._lowat != 1:  # (else the mark stays 1: nothing to do)
             self._expect(owed)
         self._drained = drained = n < _RX_READ
         return drained
+
+    def _handed_to_driver(self) -> bool:
+        """Completions alone came to the QP's only CQ, which this task drives
+        (:meth:`.CQ.drive_until`: its reader is this link's) for its handler, armed for
+        any completion, with no other waiter: run the handler now, in one hop, and
+        whether it was (else :meth:`_sync` hands the completions on, through the
+        context's queue of due handlers)."""
+        cqs = self._cqs
+        if len(cqs) != 1:
+            return False
+        cq = cqs[0]
+        context = cq.context
+        if (
+            cq._reader is not self.wait_point or not cq._armed or cq._solicited_only
+            or cq._waiter is not None or cq.channel is not None or cq.handler is None
+            or context._dispatching
+        ):  # fmt: skip
+            return False
+        found = cq._view
+        if found.overrun:
+            return False
+        self._view.news = 0
+        cq._pushed, cq._notable, cq._count = found.pushed, found.notable, found.count
+        cq._armed = False
+        context._dispatching = True  # (as the context's dispatch runs a handler)
+        try:
+            cq._handler_run()
+        finally:
+            context._dispatching = False
+        return True
 
     def _expect(self, owed: int) -> None:
         """Let the socket say it is readable only once ``owed`` bytes (what the peer
