@@ -20,6 +20,7 @@ import trio
 import trio.lowlevel
 import trio.testing
 
+from rdmashim.ulps.rds import tcp
 from rdmashim.ulps.rds.connection import RdsConnection
 from rdmashim.ulps.rds.node import RdsError, RdsNode, RdsSocket
 from rdmashim.ulps.rds.rdma import RdmaOp
@@ -278,6 +279,39 @@ async def test_a_waiting_receiver_reads_the_socket_itself_and_lends_it_back() ->
                 await other.sendto(b"from 4001", (HIGH, 4000))  # not over the socket
             assert got == [b"direct", b"from 4001"]
         await peer.stream.aclose()
+
+
+async def test_a_ping_pong_looks_at_tcps_acks_when_the_reader_waits_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """In a ping-pong each end's reader looks at TCP's acknowledgements (a system call)
+    when it goes back to waiting, not between the message it read and the answer: when
+    an answer reaches the app, its request is still held as unacknowledged, and it is
+    let go by the app's next wait (the watching task, slowed down here, never looks)."""
+    monkeypatch.setattr(tcp, "ACK_BACKSTOP", 60.0)
+    a, b = await nodes([LOW, HIGH], "tcp")
+    try:
+        sa, sb = a.bind(4000), b.bind(5000)
+        held: list[list[int]] = []
+        with trio.fail_after(10):
+            async with trio.open_nursery() as nursery:
+
+                async def echo() -> None:
+                    while True:
+                        data, _ = await sb.recvfrom()
+                        await sb.sendto(data, (LOW, 4000))
+
+                nursery.start_soon(echo)
+                for i in range(50):
+                    await sa.sendto(b"%d" % i, (HIGH, 5000))
+                    assert await sa.recvfrom() == (b"%d" % i, (HIGH, 5000))
+                    held.append([m.seq for m in a.connections()[0].unacked])
+                nursery.cancel_scope.cancel()
+        # (the first round brings the connection up: what it held is the start's)
+        assert all(len(seqs) == 1 for seqs in held[1:]), held
+        assert [seqs[0] for seqs in held[1:]] == list(range(held[1][0], held[1][0] + 49))
+    finally:
+        await close([a, b])
 
 
 @pytest.mark.parametrize("ending", ["idle", "garbage"])

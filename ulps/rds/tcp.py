@@ -143,6 +143,10 @@ class TcpSession:
         """The last read found the socket empty, or did not fill its buffer."""
         self._streak = 0
         """Reads by :meth:`drive_until` since its task last waited through trio."""
+        self._acks_due = False
+        """A read brought bytes while ours were in flight: TCP's acknowledgements are
+        looked at (:meth:`check_acks`) before the reader next waits, not between the
+        message and its answer."""
         self.bytes_read = 0
         """Bytes read from the connection so far."""
         self._failure: BaseException | None = None
@@ -275,14 +279,23 @@ class TcpSession:
             data = os.read(self.stream.socket.fileno(), SEND_BATCH)
         except BlockingIOError:
             self._empty = True
+            self._before_waiting()
             return True
         if not data:
             raise SessionLost(f"{self.rds.peer} closed the connection")
         self._take(data)
         if self.sender.inflight:  # (see ACK_BACKSTOP)
-            self.check_acks()
+            self._acks_due = True
         self._empty = empty = len(data) < SEND_BATCH
         return empty
+
+    def _before_waiting(self) -> None:
+        """The reader is about to wait: the look at TCP's acknowledgements that a read
+        made due (the answers to what it brought went meanwhile, in a ping-pong)."""
+        if self._acks_due:
+            self._acks_due = False
+            if self.sender.inflight:
+                self.check_acks()
 
     async def drive_until(self, ready: Callable[[], object]) -> bool:
         """Read and take messages in place of the reader task until ``ready()`` is true,
@@ -318,6 +331,7 @@ class TcpSession:
                     # An idle wait (rdmashim.verbs.idle) begins only while trio has
                     # nothing to do and ends when it has: no task's turn is taken by it.
                     self._streak = 0
+                    self._before_waiting()
                     if not self._wait.block():
                         await self._wait.wait_readable()  # (or interrupt_wait(), or the end)
                     if not ready() and not self.lost:
