@@ -317,7 +317,10 @@ class NativeLink(Link):
         view = self._view
         if view.tx_ready and not self._pending:  # Read Responses, ...
             self.flush()  # (it syncs)
-        elif view.news != _NEWS_CQ or not self._handed_to_driver():
+        elif (
+            view.news != _NEWS_CQ or self._cqs[0]._reader is not self.wait_point
+            or not self._handed_to_driver()
+        ):  # fmt: skip
             self._sync()
         owed = view.rx_owed
         if owed >= LOWAT_MIN or self._lowat != 1:  # (else the mark stays 1: nothing to do)
