@@ -11,9 +11,9 @@ import trio
 
 from rdmashim.ulps.rds.node import RdsError
 from rdmashim.ulps.rds.rdma import SOURCES_KEPT, RdmaOp, RdmaStatus, cookie_offset, cookie_rkey
-from rdmashim.ulps.rds.rdma_session import SIGNAL_EVERY, Session
+from rdmashim.ulps.rds.rdma_session import RDMA_DEPTH, SEND_SLOTS, SIGNAL_EVERY, Session
 from rdmashim.ulps.rds.wire import RdmaExt
-from rdmashim.verbs import WCStatus
+from rdmashim.verbs import SendBatch, WCStatus
 from rdmashim.verbs.buffers import address_of
 
 from rdsnodes import close, nodes, wait_until
@@ -58,6 +58,52 @@ async def test_write_and_read_by_cookie() -> None:
         counters = a.connections()[0].counters
         assert (counters.rdma_writes, counters.rdma_reads) == (1, 2)
         assert counters.rdma_bytes == 3 * len(payload) + 5 - len(payload)
+    finally:
+        await close([a, b])
+
+
+async def test_rdma_entries_posted_again_unchanged_are_not_set_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Writes into the same few buffers from one source, as rds stress ``-D`` makes:
+    operation ``n`` takes batch entry ``n % RDMA_DEPTH`` and that entry's work request
+    id, so once each entry has held its buffer's write it is posted as packed (no
+    ``SendBatch.set``); a Read among them takes its entry as any operation, and every
+    Write lands and every Read brings the buffer's bytes."""
+    sets: list[int] = []
+    real_set = SendBatch.set
+
+    def spy(self: SendBatch, i: int, **fields: object) -> None:
+        if i >= SEND_SLOTS:
+            sets.append(i)
+        real_set(self, i, **fields)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(SendBatch, "set", spy)
+    a, b = await nodes([A, B])
+    try:
+        sa, sb = a.bind(4000), b.bind(5000)
+        targets = [bytearray(256) for _ in range(4)]
+        cookies = [sb.get_mr(t) for t in targets]
+        source = bytes(range(256))
+        rounds = 8 * RDMA_DEPTH
+        with trio.fail_after(30):
+            for i in range(rounds):
+                target = targets[i % 4]
+                target[:] = bytes(range(255, -1, -1))
+                read = i % 37 == 36  # (a Read now and then: its entry changes, and back)
+                back = bytearray(256)
+                op = (
+                    RdmaOp.read_into(cookies[i % 4], back)
+                    if read
+                    else RdmaOp.write_to(cookies[i % 4], source)
+                )
+                await sa.sendto(b"%d" % i, (B, 5000), rdma=op)
+                assert await sb.recvfrom() == (b"%d" % i, (A, 4000))
+                assert await op.wait() == RdmaStatus.SUCCESS
+                assert (back if read else target) == (bytes(range(255, -1, -1)) if read else source)
+        # Each entry set once for its buffer's Write, and again around each Read.
+        reads = sum(1 for i in range(rounds) if i % 37 == 36)
+        assert len(sets) <= RDMA_DEPTH + 2 * reads, sets
     finally:
         await close([a, b])
 

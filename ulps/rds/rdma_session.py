@@ -186,16 +186,23 @@ class Session:
         self.posted: deque[int] = deque()
         """Send slots in flight, in posting order (the send queue completes in order)."""
         self.rdma: dict[int, RdmaOp] = {}
-        """RDMA operations in flight, by work request id."""
+        """RDMA operations in flight, by work request id: the id of operation number
+        ``n`` (:attr:`_next_rdma`) is its batch entry's, ``_RDMA_WR + n % RDMA_DEPTH``,
+        so an entry posted again with the fields it had is one the engine packed
+        already (rds stress ``-D`` writes into the same few buffers again and again)."""
         self._next_rdma = _RDMA_WR
-        self._writes: deque[int] = deque()
-        """The work request ids of the RDMA Writes in :attr:`rdma`, in posting order. A
-        Write is posted unsignaled (as Linux posts one without ``RDS_RDMA_NOTIFY_ME``): it
-        is done when a Send posted after it completes, and its operation when the peer
+        """The number of the next RDMA operation (they are numbered in posting order)."""
+        self._rdma_shapes: list[tuple[object, ...] | None] = [None] * RDMA_DEPTH
+        """What each RDMA entry holds (region, cookie, offset, write): set again only
+        when that changes."""
+        self._writes: deque[tuple[int, RdmaOp]] = deque()
+        """The RDMA Writes in :attr:`rdma` and their numbers, in posting order. A Write is
+        posted unsignaled (as Linux posts one without ``RDS_RDMA_NOTIFY_ME``): it is done
+        when a Send posted after it completes, and its operation when the peer
         acknowledges the message (a failed one still completes, with its error)."""
         self._rdma_marks = [_RDMA_WR] * SEND_SLOTS
         """For each send slot, :attr:`_next_rdma` when it was last posted: the RDMA
-        operations below it went before the slot's Send."""
+        operations numbered below it went before the slot's Send."""
         self.lost = False
         self._wcs = WCArray(64)
         self._room = len(self._wcs)
@@ -240,26 +247,33 @@ class Session:
 
     # ------------------------------------------------------------------ transmit
     def _post_rdma(self, op: RdmaOp) -> None:
-        """Post the RDMA Write or Read a message carries, ahead of the message."""
-        wr_id = self._next_rdma
-        self._next_rdma += 1
+        """Post the RDMA Write or Read a message carries, ahead of the message (the flow
+        gives one only while there is room: see :meth:`pump_sends`)."""
+        n = self._next_rdma
+        self._next_rdma = n + 1
+        k = n % RDMA_DEPTH
+        wr_id = _RDMA_WR + k
         self.rdma[wr_id] = op
-        assert op._mr is not None  # registered when the message was queued (_begin)
-        if op.write:
-            self._writes.append(wr_id)
-            opcode, flags = WROpcode.RDMA_WRITE, _UNSIGNALED
-        else:  # the data is here when the Read completes
-            opcode, flags = WROpcode.RDMA_READ, SendFlags.SIGNALED
-        # (a post holds at most RDMA_DEPTH operations, numbered in a row: no two share one)
-        entry = _RDMA_ENTRY + wr_id % RDMA_DEPTH
-        self._sends.set(
-            entry, wr_id=wr_id, opcode=opcode, sg_list=[op._mr.sge()], send_flags=flags,
-            remote_addr=op.remote_addr, rkey=op.rkey,
-        )  # fmt: skip
-        self._entries.append(entry)
+        mr = op._mr
+        assert mr is not None  # registered when the message was queued (_begin)
+        write = op.write
+        if write:
+            self._writes.append((n, op))
+        shape = (mr, op.cookie, op.remote_offset, write)
+        if self._rdma_shapes[k] != shape:  # else the entry stays as packed
+            self._rdma_shapes[k] = shape
+            if write:
+                opcode, flags = WROpcode.RDMA_WRITE, _UNSIGNALED
+            else:  # the data is here when the Read completes
+                opcode, flags = WROpcode.RDMA_READ, SendFlags.SIGNALED
+            self._sends.set(
+                _RDMA_ENTRY + k, wr_id=wr_id, opcode=opcode, sg_list=[mr.sge()],
+                send_flags=flags, remote_addr=op.remote_addr, rkey=op.rkey,
+            )  # fmt: skip
+        self._entries.append(_RDMA_ENTRY + k)
         counters = self.rds.counters
         counters.rdma_bytes += op.length
-        if op.write:
+        if write:
             counters.rdma_writes += 1
         else:
             counters.rdma_reads += 1
@@ -267,8 +281,11 @@ class Session:
     def _writes_done(self, slot: int) -> None:
         """The Send of ``slot`` completed: so did the RDMA Writes posted before it."""
         writes, mark, rdma = self._writes, self._rdma_marks[slot], self.rdma
-        while writes and writes[0] < mark:
-            rdma.pop(writes.popleft(), None)  # (None: a failed one was taken already)
+        while writes and writes[0][0] < mark:
+            n, op = writes.popleft()
+            wr_id = _RDMA_WR + n % RDMA_DEPTH
+            if rdma.get(wr_id) is op:  # (else a failed one was taken already)
+                del rdma[wr_id]
 
     def _rdma_done(self, wr_id: int, status: WCStatus) -> None:
         op = self.rdma.pop(wr_id)
@@ -347,13 +364,20 @@ class Session:
             return
         self._pumping = True
         try:
-            free, buf = self.free_slots, self._send_buf
+            free, buf, rdma = self.free_slots, self._send_buf, self.rdma
             self._repump = True
             while self._repump:
                 self._repump = False
                 while (flow.current is not None or rds.unsent or rds.map_out is not None) and free:
                     slot = free[-1]
-                    length = flow.fill(buf, slot * SLOT, len(self.rdma) < RDMA_DEPTH)
+                    # RDMA room: fewer than RDMA_DEPTH in flight, and the next one's
+                    # entry among them free (they end in order, but for a Read whose
+                    # response has not come while later Writes are done).
+                    room = (
+                        len(rdma) < RDMA_DEPTH
+                        and _RDMA_WR + self._next_rdma % RDMA_DEPTH not in rdma
+                    )
+                    length = flow.fill(buf, slot * SLOT, room)
                     if not length:
                         break
                     op = flow.rdma_op
