@@ -265,6 +265,50 @@ async def test_an_entry_posted_alone_again_goes_out_as_it_is_now() -> None:
             assert key == client.qp._plan_key and 16 in key  # (another max_inline: not it)
 
 
+async def test_a_few_entries_posted_together_again_go_out_as_they_are_now() -> None:
+    """A short list of a batch's entries posted together again, unchanged (an RDMA
+    operation and the Send behind it), goes straight to C as one entry alone does
+    (``SendPlan.singles``, under the indices' tuple); a change to one of them drops that
+    note and the next post carries the change, a change to another entry keeps it, and
+    a region deregistered since is refused."""
+    cap = QPCap(max_send_wr=8, max_inline_data=16)
+    async with connected(prepare=post_receives(8), cap=cap) as pair:
+        client, server = pair.client, pair.server
+        src = client.pd.reg_mr(bytearray(b"one.two.three..."), Access.LOCAL_WRITE)
+        batch = SendBatch(
+            SendWR(i, WROpcode.SEND, [src.sge(4 * i, 4)], SendFlags.SIGNALED) for i in range(3)
+        )
+        native = hasattr(client.qp, "_plan_key")
+        plan = batch.prepared(SendPlan, SendPlan)
+        for _ in range(2):  # (the second time by the shortcut, where the engine has it)
+            client.qp.post_send_batch(batch, indices=[2, 0])
+        if native:
+            assert (2, 0) in plan.singles
+        batch.set(1, sg_list=[src.sge(0, 8)])
+        client.qp.post_send_batch(batch, indices=[1])
+        if native:
+            assert (2, 0) in batch.prepared(SendPlan, SendPlan).singles  # (1 is not in it)
+        batch.set(0, sg_list=[src.sge(8, 8)])
+        if native:
+            assert (2, 0) not in batch.prepared(SendPlan, SendPlan).singles
+        client.qp.post_send_batch(batch, indices=[2, 0])
+        got = await drain(server.recv_cq, 7)
+        placed = bytes(pair.server_mr.buf)
+        assert [placed[64 * w.wr_id : 64 * w.wr_id + w.byte_len] for w in got] == [
+            b"thre", b"one.", b"thre", b"one.", b"one.two.", b"thre", b"three..."
+        ]  # fmt: skip
+        await drain(client.send_cq, 7)
+        other = client.pd.reg_mr(bytearray(b"spare..."), Access.LOCAL_WRITE)
+        batch.set(2, sg_list=[other.sge()])
+        client.qp.post_send_batch(batch, indices=[2, 0])
+        client.qp.post_send_batch(batch, indices=[2, 0])
+        await drain(client.send_cq, 4)
+        other.close()
+        with pytest.raises(VerbsError) as info:
+            client.qp.post_send_batch(batch, indices=[2, 0])
+        assert info.value.errno == errno.EINVAL
+
+
 async def test_a_receive_reposted_alone_again_takes_its_entry_as_it_is_now() -> None:
     """A receive batch's entry reposted alone as it completes (every ULP's receive ring):
     unchanged, it goes straight to C (the native engine's ``RecvPlan.singles``) and the

@@ -40,7 +40,7 @@ from rdmashim.providers.softiwarp.native import ffi, lib
 from rdmashim.providers.softiwarp.native_cq import NativeCQ
 from rdmashim.providers.softiwarp.native_link import NativeEngine, NativeLink
 from rdmashim.providers.softiwarp.native_memory import NativeMemoryTable
-from rdmashim.providers.softiwarp.native_wr import PlanCache, RecvPlan, SendPlan, plan_of
+from rdmashim.providers.softiwarp.native_wr import SHORT, PlanCache, RecvPlan, SendPlan, plan_of
 from rdmashim.providers.softiwarp.provider import PD, Context
 from rdmashim.providers.softiwarp.qp import SRQ, QPBase
 from rdmashim.verbs.attrs import QPCap
@@ -247,19 +247,24 @@ class NativeQP(QPBase):
     ) -> None:
         """Post entries of a prepared batch: each is packed once, posted by copy. An
         entry posted alone again, unchanged, goes straight to C (its checks passed
-        at this memory epoch)."""
+        at this memory epoch), and so do a few posted together again (``SHORT``)."""
         self._check_open("post_send")
         plan = batch.prepared(SendPlan, SendPlan)
-        if indices is not None and len(indices) == 1 and count is None:
-            found = plan.singles.get(indices[0])
+        if indices is not None and count is None and 0 < (n := len(indices)) <= SHORT:
+            found = plan.singles.get(indices[0] if n == 1 else tuple(indices))
             if (
                 found is not None and found[0] == (self._memview.epoch, self._plan_key)
-                and self._state is QPState.RTS and self._view.sq_depth < self.cap.max_send_wr
-                and self.engine.submit_send(found[1], 1)
+                and self._state is QPState.RTS
+                and self._view.sq_depth + n <= self.cap.max_send_wr
             ):  # fmt: skip
+                taken = self.engine.submit_send(found[1], n)
                 if self._view.news:
                     self._sync()
-                return
+                if taken == n:
+                    return
+                if taken:  # (C refused one the checks passed when noted)
+                    raise refused_wr(errno.EINVAL, "post_send", taken, "refused by the engine")
+                # (none taken: the post below finds out why and says so)
         entries = batch.select("post_send", count, indices)
         self._post_sends(batch.wrs(entries), plan, entries)
 

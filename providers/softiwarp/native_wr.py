@@ -31,6 +31,9 @@ from rdmashim.verbs.errors import NotSupported, VerbsError, refused_wr
 from rdmashim.verbs.wr import SGE, RecvWR, SendWR, recv_problem, send_problem, wr_id_problem
 
 _FIRST = range(1)
+SHORT = 4
+"""Lists of at most this many entries posted together are noted as one entry alone is
+(:attr:`_Plan.singles`)."""
 """The entries of a post of one request."""
 _HEAD = struct.Struct("<QIIQIII4x")
 """``rs_send_wr`` up to its ``sg_list``: wr_id, opcode, flags, remote_addr, rkey,
@@ -231,10 +234,13 @@ class _Plan:
         """(memory epoch, C array of the first entry): a post of that entry alone passed
         every check but the queue's room at that epoch, so the QP whose plan this is
         may hand the array to C itself while the epoch holds (a request posted again)."""
-        self.singles: dict[int, tuple[tuple[int, object], Any]] = {}
-        """A batch's :attr:`quick` for each entry posted alone: ((memory epoch, the QP's
-        :meth:`SendPlan.post` ``key``), the entry's C array). A batch is posted to any
-        QP, so the key says whose checks it passed (its memory table and limits)."""
+        self.singles: dict[object, tuple[tuple[int, object], Any]] = {}
+        """A batch's :attr:`quick` for each entry posted alone (by its index), and for
+        each short list of entries posted together (by their indices' tuple, up to
+        :data:`SHORT` of them: an RDMA operation and the Send behind it): ((memory
+        epoch, the QP's :meth:`SendPlan.post` ``key``), the entries' C array). A batch
+        is posted to any QP, so the key says whose checks it passed (its memory table
+        and limits)."""
 
     def _changed(self) -> None:
         self._summary = None
@@ -296,7 +302,11 @@ class SendPlan(_Plan):
             self._changed()
             return
         self._arrays.clear()
-        self.singles.pop(i, None)
+        singles = self.singles
+        singles.pop(i, None)
+        if len(singles) > 1:  # (lists noted with this entry in them)
+            for listed in [k for k in singles if type(k) is tuple and i in k]:
+                del singles[listed]
         if i == 0:
             self.quick = None
         summary.loose = True
@@ -350,8 +360,8 @@ class SendPlan(_Plan):
             array = self._fast_array("rs_send_wr[]", self._data, entries, epoch)
             start = submit(array, n)
             if start == n:
-                if n == 1 and key is not None:
-                    self.singles[entries[0]] = ((epoch, key), array)
+                if n <= SHORT and key is not None:
+                    self.singles[entries[0] if n == 1 else tuple(entries)] = ((epoch, key), array)
                 return None
         chosen: list[bytes] = []
         keep: list[Any] = []
