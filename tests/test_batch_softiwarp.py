@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import errno
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 import trio
@@ -227,17 +228,24 @@ async def test_a_request_posted_again_keeps_its_template_while_unchanged(
         assert 0 < len(client.qp._templates) <= posting.TEMPLATES_KEPT
 
 
+_SHORTCUT_CAP = QPCap(max_send_wr=8, max_inline_data=16)
+
+
+def _four_byte_sends(client: Any, n: int) -> tuple[Any, SendBatch]:
+    """A region of 16 bytes and a batch of ``n`` signaled Sends of its 4-byte pieces."""
+    src = client.pd.reg_mr(bytearray(b"one.two.three..."), Access.LOCAL_WRITE)
+    return src, SendBatch(
+        SendWR(i, WROpcode.SEND, [src.sge(4 * i, 4)], SendFlags.SIGNALED) for i in range(n)
+    )
+
+
 async def test_an_entry_posted_alone_again_goes_out_as_it_is_now() -> None:
     """A batch's entry posted alone again, unchanged, goes straight to C (the native
     engine's ``SendPlan.singles``); one changed since goes out changed, one naming a
     region deregistered since is refused; what it was checked against is noted with it."""
-    cap = QPCap(max_send_wr=8, max_inline_data=16)
-    async with connected(prepare=post_receives(8), cap=cap) as pair:
+    async with connected(prepare=post_receives(8), cap=_SHORTCUT_CAP) as pair:
         client, server = pair.client, pair.server
-        src = client.pd.reg_mr(bytearray(b"one.two.three..."), Access.LOCAL_WRITE)
-        batch = SendBatch(
-            SendWR(i, WROpcode.SEND, [src.sge(4 * i, 4)], SendFlags.SIGNALED) for i in range(2)
-        )
+        src, batch = _four_byte_sends(client, 2)
         for _ in range(2):  # (the second time by the shortcut, where the engine has it)
             client.qp.post_send_batch(batch, indices=[1])
         batch.set(1, sg_list=[src.sge(8, 8)])
@@ -271,13 +279,9 @@ async def test_a_few_entries_posted_together_again_go_out_as_they_are_now() -> N
     (``SendPlan.singles``, under the indices' tuple); a change to one of them drops that
     note and the next post carries the change, a change to another entry keeps it, and
     a region deregistered since is refused."""
-    cap = QPCap(max_send_wr=8, max_inline_data=16)
-    async with connected(prepare=post_receives(8), cap=cap) as pair:
+    async with connected(prepare=post_receives(8), cap=_SHORTCUT_CAP) as pair:
         client, server = pair.client, pair.server
-        src = client.pd.reg_mr(bytearray(b"one.two.three..."), Access.LOCAL_WRITE)
-        batch = SendBatch(
-            SendWR(i, WROpcode.SEND, [src.sge(4 * i, 4)], SendFlags.SIGNALED) for i in range(3)
-        )
+        src, batch = _four_byte_sends(client, 3)
         native = hasattr(client.qp, "_plan_key")
         plan = batch.prepared(SendPlan, SendPlan)
         for _ in range(2):  # (the second time by the shortcut, where the engine has it)
