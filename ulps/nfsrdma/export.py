@@ -43,12 +43,15 @@ from rdmashim.ulps.nfsrdma.nfs3_types import (
     NFS3ERR_ROFS,
     Fattr3,
     NfsError,
+    fattr3_bytes,
     fattr_of_stat,
 )
 from rdmashim.ulps.nfsrdma.service import AuthSys
 
 NOBODY = 65534
 MAY_READ, MAY_WRITE, MAY_EXEC = 4, 2, 1
+ENCODED_ATTRS = 1024
+"""Encoded ``fattr3``\\ s an :class:`Export` keeps (all are dropped when it is full)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -172,6 +175,8 @@ class Export:
         self.codec = HandleCodec(self.export_id, load_key(Path(state_dir), self.export_id))
         root_fd = os.open(self.path, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
         self.resolver = Resolver(root_fd, search_limit=search_limit)
+        self._encoded: dict[tuple[int, ...], bytes] = {}
+        """Encoded ``fattr3``\\ s by the stat fields they are made of (:meth:`fattr3_bytes`)."""
 
     def close(self) -> None:
         """Release the root descriptor."""
@@ -207,10 +212,30 @@ class Export:
         """The NFS attributes of an object of this export."""
         return fattr_of_stat(st, self.export_id)
 
+    def fattr3_bytes(self, st: os.stat_result) -> bytes:
+        """The encoded ``fattr3`` of ``st``, kept by every field of ``st`` it is made of:
+        an object whose stat is unchanged in all of them is not encoded again, and any
+        change (a time to the nanosecond, the size, blocks, mode, owner, links) is."""
+        key = (
+            st.st_ino, st.st_mode, st.st_nlink, st.st_uid, st.st_gid, st.st_size, st.st_blocks,
+            st.st_rdev, st.st_atime_ns, st.st_mtime_ns, st.st_ctime_ns,
+        )  # fmt: skip
+        encoded = self._encoded.get(key)
+        if encoded is None:
+            if len(self._encoded) >= ENCODED_ATTRS:
+                self._encoded.clear()
+            encoded = self._encoded[key] = fattr3_bytes(st, self.export_id)
+        return encoded
+
     def handle(self, node: Node) -> bytes:
         """The handle of ``node``."""
         st = node.st
         return self.codec.encode(ObjectId(st.st_dev, st.st_ino, generation(node.fd, st)))
+
+    def stat(self, fh: bytes, *, search: bool = True) -> os.stat_result:
+        """The attributes of the object a handle names now, holding nothing open (errors
+        as :meth:`node`)."""
+        return self.resolver.stat(self.codec.decode(fh), search=search)
 
     def node(self, fh: bytes, *, search: bool = True) -> Node:
         """The object a handle names: BADHANDLE if not ours, STALE if it is gone

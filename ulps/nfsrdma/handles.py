@@ -226,9 +226,8 @@ class Resolver:
         With ``search`` False, :class:`SearchNeeded` where the export would be searched.
         """
         key = (oid.dev, oid.ino)
-        if key == self.root_key:  # held open by root_fd: its generation stays what it was
-            if oid.gen and self.root_gen not in (0, oid.gen):
-                raise NfsError(NFS3ERR_STALE, f"inode {oid.ino} reused")
+        if key == self.root_key:
+            self._check_root(oid)
             fd = os.dup(self.root_fd)
             return fd, os.stat(fd), ()
         with self._lock:
@@ -247,6 +246,22 @@ class Resolver:
             raise NfsError(NFS3ERR_STALE, f"inode {oid.ino} reused")
         self.remember(st, path)
         return fd, st, path
+
+    def stat(self, oid: ObjectId, *, search: bool = True) -> os.stat_result:
+        """The attributes of ``oid`` now, as :meth:`find` finds it, holding nothing open
+        (the root's are asked of the descriptor the resolver holds)."""
+        if (oid.dev, oid.ino) == self.root_key:
+            self._check_root(oid)
+            return os.stat(self.root_fd)
+        fd, st, _ = self.find(oid, search=search)
+        os.close(fd)
+        return st
+
+    def _check_root(self, oid: ObjectId) -> None:
+        """NfsError(STALE) if ``oid`` names the root's inode of another generation (the
+        root is held open by ``root_fd``: its generation stays what it was)."""
+        if oid.gen and self.root_gen not in (0, oid.gen):
+            raise NfsError(NFS3ERR_STALE, f"inode {oid.ino} reused")
 
     def _search(self, oid: ObjectId) -> RelPath | None:
         """Breadth first through the export (not across devices), at most the bound."""

@@ -69,6 +69,9 @@ from rdmashim.ulps.nfsrdma.xdr import Unpacker
 
 log = logging.getLogger(__name__)
 
+_OK = NFS3_OK.to_bytes(4, "big")
+"""The status of a call that succeeded, encoded."""
+
 
 class Nfs3Program:
     """NFS version 3 over ``exports``; ``threads`` bounds the calls running in worker threads
@@ -121,7 +124,8 @@ class Nfs3Program:
     ) -> None:
         """One call, synchronously: the status, then the result or the failure arm
         (``search`` False: :class:`~.handles.SearchNeeded` where a handle needs a search)."""
-        with Call(self.state, ctx, entry.fresh_fail(), search=search) as call:
+        call = Call(self.state, ctx, entry.fresh_fail() if entry.fail else [], search=search)
+        try:
             try:
                 body = entry.run(call, args)
             except NfsError as exc:
@@ -131,11 +135,13 @@ class Nfs3Program:
                 status = status_of_errno(exc.errno)
                 log.debug("proc %d: %s", ctx.proc, exc)
             else:
-                reply.packer.uint(NFS3_OK)
+                reply.packer.data += _OK
                 body(reply)
                 return
             reply.packer.uint(status)
             call.pack_fail(reply.packer)
+        finally:
+            call.close()
 
 
 @procedure(LOOKUP, "a", inline=True)

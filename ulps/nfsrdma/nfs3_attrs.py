@@ -49,7 +49,6 @@ from rdmashim.ulps.nfsrdma.nfs3_types import (
     NfsError,
     Sattr3,
     TimeSet,
-    fattr3_bytes,
     unpack_fh,
     unpack_sattr3,
     unpack_time,
@@ -117,8 +116,8 @@ def apply_sattr(call: Call, node: Node, s: Sattr3) -> None:
 @procedure(GETATTR, "", inline=True)
 def getattr_(call: Call, args: Unpacker) -> Body:
     """GETATTR: the attributes of an object."""
-    node = call.node(unpack_fh(args))
-    attrs = fattr3_bytes(node.st, call.ex.export_id)
+    st = call.stat(unpack_fh(args))
+    attrs = call.ex.fattr3_bytes(st)
 
     def body(reply: Reply) -> None:
         reply.packer.data += attrs

@@ -107,20 +107,19 @@ class Call:
     __slots__ = ("_caller", "_fds", "ctx", "export", "fail", "search", "state")
 
     def __init__(
-        self, state: ServerState, ctx: CallContext, fail: Sequence[Tail], *, search: bool = True
+        self, state: ServerState, ctx: CallContext, fail: list[Tail], *, search: bool = True
     ) -> None:
         self.state = state
         self.ctx = ctx
-        self.fail = list(fail)
+        self.fail = fail
+        """The failure arm (the call's own list: procedures fill it in)."""
         self.search = search
         self.export: Export | None = None
         self._caller: Caller | None = None
         self._fds: list[int] = []
 
-    def __enter__(self) -> Call:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
+    def close(self) -> None:
+        """The call ended: close what it held open."""
         fds, self._fds = self._fds, []
         for fd in reversed(fds):
             os.close(fd)
@@ -150,6 +149,15 @@ class Call:
 
     def node(self, fh: bytes) -> Node:
         """The object of a handle; its export becomes the call's (all must share it: XDEV)."""
+        return self.hold(self._export_of(fh).node(fh, search=self.search))
+
+    def stat(self, fh: bytes) -> os.stat_result:
+        """The attributes now of the object of a handle, as :meth:`node` finds it, holding
+        nothing open."""
+        return self._export_of(fh).stat(fh, search=self.search)
+
+    def _export_of(self, fh: bytes) -> Export:
+        """A handle's export, which becomes the call's (all must share it: XDEV)."""
         export = self.state.export_of(fh)
         if self.export is None:
             if not export.allows(self.ctx.peer[0]):
@@ -157,7 +165,7 @@ class Call:
             self.export = export
         elif export is not self.export:
             raise NfsError(NFS3ERR_XDEV)
-        return self.hold(export.node(fh, search=self.search))
+        return export
 
     def child(self, parent: Node, name: str) -> Node:
         """``name`` in ``parent`` (LOOKUP semantics)."""

@@ -69,6 +69,8 @@ COMPLETIONS = 64
 REMOTE = Access.LOCAL_WRITE | Access.REMOTE_WRITE
 """What a requester grants on a buffer the responder writes (Write and Reply chunks)."""
 
+Bytes = bytes | bytearray | memoryview
+"""A part of a message to send: bytes (a memoryview of format ``B``)."""
 OnReceive = Callable[[int, int, WCFlags], None]
 """``on_receive(slot, length, wc_flags)``: a message arrived in a Receive slot."""
 
@@ -201,6 +203,7 @@ class Endpoint:
         self.recv_count = recv_count = receives_for(credits)
         self.recv_buffer = bytearray(recv_size * recv_count)
         self.recv_mr = self.pd.reg_mr(self.recv_buffer, Access.LOCAL_WRITE)
+        self._recv_view = self.recv_mr.buf
         self._recvs = RecvBatch(
             RecvWR(slot, [self.recv_mr.sge(slot * recv_size, recv_size)])
             for slot in range(recv_count)
@@ -210,6 +213,7 @@ class Endpoint:
         slots = 2 * recv_count
         self._send_base = recv_count  # the wr_id of Send slot i is _send_base + i
         self._send_mr = self.pd.reg_mr(bytearray(recv_size * slots))
+        self._send_view = self._send_mr.buf
         self._sends = SendBatch(
             SendWR(self._send_base + i, WROpcode.SEND, [], SendFlags.SIGNALED) for i in range(slots)
         )
@@ -236,11 +240,11 @@ class Endpoint:
     def slot_view(self, slot: int, length: int) -> memoryview:
         """The first ``length`` received bytes of a Receive slot."""
         base = slot * self.recv_size
-        return self.recv_mr.buf[base : base + length]
+        return self._recv_view[base : base + length]
 
     def in_receive_buffer(self, view: memoryview) -> bool:
         """Whether ``view`` lies in the Receive slots (reused once given back)."""
-        return view.obj is self.recv_buffer or view.obj is self.recv_mr.buf.obj
+        return view.obj is self.recv_buffer or view.obj is self._recv_view.obj
 
     def repost(self, slot: int) -> None:
         """Give a Receive slot back (its bytes are done with); posted with the next
@@ -262,58 +266,26 @@ class Endpoint:
     # ------------------------------------------------------------------ sending
     def try_send(
         self,
-        parts: Sequence[Buffer],
+        parts: Sequence[Bytes],
         before: Sequence[SendWR] = (),
         invalidate: int = 0,
         regions: Sequence[MR] = (),
     ) -> bool:
-        """Send the message ``parts`` (copied now), after the RDMA Writes ``before``, with
-        Invalidate of ``invalidate`` when non-zero; ``regions`` are closed once the Send
-        completed. False (nothing done, ``regions`` still the caller's) when the send
-        queue has no room now. Raises :class:`ConnectionLost`.
+        """Send the message ``parts`` (byte buffers, copied now), after the RDMA Writes
+        ``before``, with Invalidate of ``invalidate`` when non-zero; ``regions`` are closed
+        once the Send completed. False (nothing done, ``regions`` still the caller's) when
+        the send queue has no room now. Raises :class:`ConnectionLost`.
         """
         if self.lost is not None:
             raise self.lost
         size = 0
         for part in parts:
-            size += len(memoryview(part))
+            size += len(part)
         count = len(before) + 1
         if count > self._sq_room:
             return False
         if size <= self.recv_size and self._send_free:
-            slot = self._send_free.pop()
-            base = slot * self.recv_size
-            buf = self._send_mr.buf
-            at = base
-            for part in parts:
-                n = len(memoryview(part))
-                buf[at : at + n] = part
-                at += n
-            signaled = bool(before or regions) or self._unsignaled_run >= SIGNAL_EVERY - 1
-            self._unsignaled_run = 0 if signaled else self._unsignaled_run + 1
-            shape = (size, invalidate, signaled)
-            if self._slot_shape[slot] != shape:  # else the entry stays prepared
-                self._slot_shape[slot] = shape
-                opcode = WROpcode.SEND_WITH_INV if invalidate else WROpcode.SEND
-                self._sends.set(
-                    slot, opcode=opcode, sg_list=[self._send_mr.sge(base, size)],
-                    invalidate_rkey=invalidate,
-                    send_flags=SendFlags.SIGNALED if signaled else SendFlags.NONE,
-                )  # fmt: skip
-            self._sq_room -= count
-            self._slot_count[slot] = count
-            self._slot_regions[slot] = regions
-            if self._bursting and not before:
-                self._deferred.append(slot)
-                return True
-            try:
-                if before:
-                    self.qp.post_send([*self._unsignaled(before), self._sends[slot]])
-                else:
-                    self.qp.post_send_batch(self._sends, indices=[slot])
-            except OSError as exc:
-                raise self._lose(f"posting failed: {exc}") from exc
-            self._unacked.append(slot)
+            self._send_slot(parts, size, before, invalidate, regions)
             return True
         # No slot (or too big for one): a region of its own, closed at its completion.
         message = bytearray(b"".join(parts))
@@ -322,9 +294,71 @@ class Endpoint:
         self._post_signaled([*before, wr], [*regions, mr], wait=False)
         return True
 
+    def try_answer(self, slot: int, parts: Sequence[Bytes]) -> bool:
+        """Give Receive ``slot`` back and send the message ``parts`` (byte buffers, copied
+        now) from a Send slot, if one is free, it fits and the send queue has room now;
+        else False, nothing done. It never registers memory (a thread serving the QP may
+        call it). Raises :class:`ConnectionLost`."""
+        if self.lost is not None:
+            raise self.lost
+        if not self._send_free or self._sq_room < 1:
+            return False
+        size = 0
+        for part in parts:
+            size += len(part)
+        if size > self.recv_size:
+            return False
+        self.repost(slot)
+        self._send_slot(parts, size, (), 0, ())
+        return True
+
+    def _send_slot(
+        self,
+        parts: Sequence[Bytes],
+        size: int,
+        before: Sequence[SendWR],
+        invalidate: int,
+        regions: Sequence[MR],
+    ) -> None:
+        """:meth:`try_send` of a message of ``size`` bytes from a free Send slot, for which
+        the send queue has room."""
+        slot = self._send_free.pop()
+        at = base = slot * self.recv_size
+        buf = self._send_view
+        for part in parts:
+            end = at + len(part)
+            buf[at:end] = part
+            at = end
+        signaled = bool(before or regions) or self._unsignaled_run >= SIGNAL_EVERY - 1
+        self._unsignaled_run = 0 if signaled else self._unsignaled_run + 1
+        shape = (size, invalidate, signaled)
+        if self._slot_shape[slot] != shape:  # else the entry stays prepared
+            self._slot_shape[slot] = shape
+            opcode = WROpcode.SEND_WITH_INV if invalidate else WROpcode.SEND
+            self._sends.set(
+                slot, opcode=opcode, sg_list=[self._send_mr.sge(base, size)],
+                invalidate_rkey=invalidate,
+                send_flags=SendFlags.SIGNALED if signaled else SendFlags.NONE,
+            )  # fmt: skip
+        count = len(before) + 1
+        self._sq_room -= count
+        self._slot_count[slot] = count
+        self._slot_regions[slot] = regions
+        if self._bursting and not before:
+            self._deferred.append(slot)
+            return
+        try:
+            if before:
+                self.qp.post_send([*self._unsignaled(before), self._sends[slot]])
+            else:
+                self.qp.post_send_batch(self._sends, indices=[slot])
+        except OSError as exc:
+            raise self._lose(f"posting failed: {exc}") from exc
+        self._unacked.append(slot)
+
     async def send(
         self,
-        parts: Sequence[Buffer],
+        parts: Sequence[Bytes],
         before: Sequence[SendWR] = (),
         invalidate: int = 0,
         regions: Sequence[MR] = (),
@@ -380,10 +414,6 @@ class Endpoint:
             except OSError as exc:
                 raise self._lose(f"posting failed: {exc}") from exc
             self._unacked.extend(deferred)
-
-    def has_slot(self) -> bool:
-        """Whether a Send slot is free (a message that fits one is sent from it)."""
-        return bool(self._send_free)
 
     def has_room(self, count: int) -> bool:
         """Whether the send queue has room for ``count`` more work requests now."""

@@ -167,6 +167,8 @@ class _Responder:
         """The last call the event loop took was plain (inline, no chunks)."""
         self._later: list[tuple[int, int, Answer]] = []
         """Answers the serving thread left for the event loop: (slot, xid, answer)."""
+        self._tasks = 0
+        """The connection's tasks at work (:meth:`_spawn`; the nursery has no others)."""
 
     async def run(self) -> None:
         try:
@@ -185,11 +187,12 @@ class _Responder:
     # -------------------------------------------- served from a thread (rdma_endpoint.Served)
     def receive(self, slot: int, length: int, _flags: WCFlags) -> bool:
         """In the thread serving the connection: a plain call answered at once with a
-        plain reply is answered here; another answer waits for :meth:`resume`; a call
-        with chunks goes to the event loop (False)."""
+        plain reply from a Send slot is answered here; another answer waits for
+        :meth:`resume` (no registration here); a call with chunks goes to the event
+        loop (False)."""
         data = self.ep.slot_view(slot, length)
         plain = peek_plain(data)
-        if plain is None or not self.ep.has_slot():  # (a slot: no registration here)
+        if plain is None:
             return False
         xid = plain[0]
         answer = self.server.call_now(data[PLAIN_LEN:], self.peer, TRANSPORT)
@@ -201,8 +204,7 @@ class _Responder:
         """Whether a thread may serve: no task of the connection at work, no answer
         waiting for the event loop, and the last call the event loop took was plain
         (a stream of calls with chunks stays in the event loop)."""
-        assert self.nursery is not None
-        return self._plain and not self._later and not self.nursery.child_tasks
+        return self._plain and not self._later and not self._tasks
 
     def resume(self) -> None:
         """The thread gave the connection back: the answers it left are sent (or their
@@ -247,12 +249,12 @@ class _Responder:
 
     def _send_plain(self, slot: int, xid: int, reply: Reply) -> bool:
         """The reply to a plain call, when it is plain too (no DDP-eligible item, inline)
-        and the send queue has room now: sent, True; else nothing done."""
+        and a Send slot and room in the send queue are there now: sent, True; else
+        nothing done."""
         body = reply.packer.data
-        if reply.ddp or PLAIN_LEN + len(body) > self.reply_inline or not self.ep.has_room(1):
+        if reply.ddp or PLAIN_LEN + len(body) > self.reply_inline:
             return False
-        self.ep.repost(slot)
-        return self.ep.try_send((plain_header(xid, self.settings.credits), body))
+        return self.ep.try_answer(slot, (plain_header(xid, self.settings.credits), body))
 
     def _chunk_error(self, xid: int, exc: XdrError) -> ErrorHeader:
         log.info("RPC-over-RDMA from %s, xid %#x: %s", self.peer, xid, exc)
@@ -266,6 +268,7 @@ class _Responder:
     def _spawn(self, work: Coroutine[Any, Any, None]) -> None:
         assert self.nursery is not None
         self.nursery.start_soon(self._guarded, work)
+        self._tasks += 1
 
     async def _guarded(self, work: Coroutine[Any, Any, None]) -> None:
         try:
@@ -275,6 +278,8 @@ class _Responder:
         except Exception as exc:
             log.exception("RPC-over-RDMA call from %s failed", self.peer)
             self._close(f"{type(exc).__name__}: {exc}")
+        finally:
+            self._tasks -= 1
 
     async def _serve_chunked(self, slot: int, header: Header, inline: memoryview) -> None:
         """A call with Read chunks (or a Long Call): pulled in, then answered."""

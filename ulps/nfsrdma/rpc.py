@@ -368,6 +368,11 @@ _CALL_HEAD = struct.Struct(">6I")
 _CALL_HEAD_LEN = _CALL_HEAD.size
 CREDENTIALS_CACHE = 256
 """Credentials (with their verifiers) :class:`RpcServer` keeps decoded, by their bytes."""
+_new_context = tuple.__new__
+"""Makes a :class:`~.service.CallContext` from a tuple of all its fields (no Python call)."""
+Route = tuple[Program, int, int, DispatchNow | None]
+"""How :class:`RpcServer` serves a program: it, its lowest and highest version, its
+``dispatch_now`` (None if it has none)."""
 
 
 class RpcServer:
@@ -385,11 +390,10 @@ class RpcServer:
                 raise ValueError(f"program {program.number} given twice")
             self.programs[program.number] = program
         self._credentials: dict[bytes, AuthSys | None] = {}
-        self._now: dict[int, DispatchNow] = {}
-        for number, program in self.programs.items():
-            now = getattr(program, "dispatch_now", None)
-            if now is not None:
-                self._now[number] = now
+        self._routes: dict[int, Route] = {
+            number: (program, *program.versions, getattr(program, "dispatch_now", None))
+            for number, program in self.programs.items()
+        }
 
     async def handle_call(
         self, message: memoryview, peer: tuple[str, int], transport: str, local: str = ""
@@ -412,7 +416,8 @@ class RpcServer:
 
         A program answers at once where it has a ``dispatch_now`` (see
         :class:`~.service.InlineProgram`) that says so; every error reply is
-        made at once.
+        made at once. A credential and verifier seen before are found by their
+        bytes, where the message says they end (else they are decoded).
         """
         if len(message) < _CALL_HEAD_LEN:
             return _short_call(message, peer, transport)
@@ -423,19 +428,29 @@ class RpcServer:
         if rpcvers != RPC_VERSION:
             return rpc_mismatch(xid)
         u = Unpacker(message, _CALL_HEAD_LEN)
-        try:
-            cred = self._authenticate(u, message)
-        except AuthError as exc:
-            return auth_error(xid, exc.stat)
-        program = self.programs.get(prog)
-        if program is None:
+        cred: AuthSys | None
+        try:  # where the verifier ends: both bodies' lengths rounded up to words
+            end = _CALL_HEAD_LEN + 8 + (_U32.unpack_from(message, _CALL_HEAD_LEN + 4)[0] + 3 & ~3)
+            end += 8 + (_U32.unpack_from(message, end + 4)[0] + 3 & ~3)
+            # (A message cut short of ``end`` matches no key kept: a key's own length
+            # words say where it ends, and it ends there.)
+            cred = self._credentials[bytes(message[_CALL_HEAD_LEN:end])]
+            u.pos = end
+        except (struct.error, KeyError):
+            try:
+                cred = self._authenticate(u, message)
+            except AuthError as exc:
+                return auth_error(xid, exc.stat)
+        route = self._routes.get(prog)
+        if route is None:
             return accepted_error(xid, AcceptStat.PROG_UNAVAIL)
-        low, high = program.versions
+        program, low, high, now = route
         if not low <= vers <= high:
             return accepted_error(xid, AcceptStat.PROG_MISMATCH, low, high)
-        ctx = CallContext(xid, prog, vers, proc, cred, peer, transport, local)
-        reply = accepted_reply(xid)
-        now = self._now.get(prog)
+        ctx: CallContext = _new_context(
+            CallContext, (xid, prog, vers, proc, cred, peer, transport, local)
+        )
+        reply = Reply(_ACCEPTED.pack(xid, _REPLY, _MSG_ACCEPTED, AUTH_NONE, 0, AcceptStat.SUCCESS))
         if now is not None:
             try:
                 if now(ctx, u, reply):
@@ -450,16 +465,10 @@ class RpcServer:
         end = _auth_end(message, _auth_end(message, start))
         if end < 0:
             return _authenticate(u)  # short: the decoder says what is wrong
-        key = bytes(message[start:end])
-        try:
-            cred = self._credentials[key]
-        except KeyError:
-            cred = _authenticate(u)  # AuthError for a bad one, which is not kept
-            if len(self._credentials) >= CREDENTIALS_CACHE:
-                self._credentials.clear()
-            self._credentials[key] = cred
-            return cred
-        u.pos = end
+        cred = _authenticate(u)  # AuthError for a bad one, which is not kept
+        if len(self._credentials) >= CREDENTIALS_CACHE:
+            self._credentials.clear()
+        self._credentials[bytes(message[start:end])] = cred
         return cred
 
 

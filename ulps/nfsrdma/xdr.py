@@ -121,7 +121,12 @@ class Unpacker:
 
     def uint(self) -> int:
         """An unsigned 32-bit integer."""
-        return int(_U32.unpack(self._take(4))[0])
+        pos = self.pos
+        if pos + 4 > len(self._view):
+            self._take(4)  # (raises)
+        self.pos = pos + 4
+        value: int = _U32.unpack_from(self._view, pos)[0]
+        return value
 
     def fields(self, layout: struct.Struct) -> tuple[Any, ...]:
         """Fixed-size items read at once, as ``layout`` (big-endian) lays them out."""
@@ -152,9 +157,17 @@ class Unpacker:
 
     def fopaque_view(self, size: int) -> memoryview:
         """Fixed-length opaque data as a view into the input (no copy)."""
-        data = self._take(size)
-        self._padding(size)
-        return data
+        view, start = self._view, self.pos
+        end = start + size
+        padded = end + (-size & 3)
+        if size < 0 or padded > len(view):  # short: _take says how
+            data = self._take(size)
+            self._padding(size)
+            return data
+        if padded != end and any(view[end:padded]):
+            raise XdrError("non-zero XDR padding")
+        self.pos = padded
+        return view[start:end]
 
     def fopaque(self, size: int) -> bytes:
         """Fixed-length opaque data of ``size`` bytes."""
