@@ -28,7 +28,7 @@ from rdmashim.ulps.rds.rdma_flow import (
 )
 from rdmashim.ulps.rds.settings import RdsSettings
 from rdmashim.ulps.rds.tcp_stream import StreamDecoder, StreamSender
-from rdmashim.ulps.rds.wire import NpathsExt, RdsProtocolError
+from rdmashim.ulps.rds.wire import NpathsExt, RdmaExt, RdsHeader, RdsProtocolError
 
 LOCAL, PEER = ip_address("10.0.0.1"), ip_address("10.0.0.2")
 CONG, ACK_REQ, RETRANS = 0x01, 0x02, 0x04
@@ -51,6 +51,8 @@ class Wire:
 
     def __init__(self, next_seq: int = 100, settings: RdsSettings | None = None) -> None:
         self.delivered: list[tuple[object, int, int, int, bytes]] = []
+        self.extensions: list[object] = []
+        """The extension headers of each message delivered."""
         self.rooms = 0
         self.rds = RdsConnection(
             LOCAL, PEER, self._deliver, next_seq=next_seq, settings=settings or RdsSettings(),
@@ -62,6 +64,7 @@ class Wire:
         self, peer: object, seq: int, sport: int, dport: int, extensions: object, data: bytes
     ) -> None:
         self.delivered.append((peer, seq, sport, dport, data))
+        self.extensions.append(extensions)
 
     def _room(self) -> None:
         self.rooms += 1
@@ -234,6 +237,31 @@ def test_fragments_are_assembled_and_a_stray_one_is_a_protocol_error() -> None:
         w.flow.receive(memoryview(hdr(3, 0, 5000, 3, 4) + bytes(904)))
     with pytest.raises(RdsProtocolError, match="47-byte message shorter"):
         Wire().flow.receive(memoryview(bytes(47)))
+
+
+def test_a_message_chasing_an_rdma_operation_is_taken_as_its_decoded_header_says() -> None:
+    """A received message whose only extension is RDS_EXTHDR_RDMA is taken from the
+    header in place (no header decoded); it delivers what the decoded header says, and
+    one with more extensions, or in fragments, goes through the decoding as before."""
+    rdma = bytes([2]) + (0xABCD).to_bytes(4, "big")
+    dest = bytes([3]) + (7).to_bytes(4, "big") + (64).to_bytes(4, "big")
+    data = bytes(range(256)) * 20  # 5120 bytes: two fragments
+    sends = [
+        hdr(1, 0, 3, 2, 1, ext=rdma) + b"one",
+        hdr(2, 0, 3, 2, 1, ext=rdma + dest) + b"two",
+        hdr(3, 0, 5120, 2, 1, ext=rdma) + data[:4096],
+        hdr(3, 0, 5120, 2, 1) + data[4096:],
+        hdr(4, 0, 4, 2, 1, ext=rdma + bytes([0, 9, 9])) + b"four",  # (stops at NONE)
+    ]
+    w = Wire()
+    for send in sends:
+        w.flow.receive(memoryview(send))
+    assert [d[1:] for d in w.delivered] == [
+        (1, 2, 1, b"one"), (2, 2, 1, b"two"), (3, 2, 1, data), (4, 2, 1, b"four"),
+    ]  # fmt: skip
+    firsts = [RdsHeader.decode(sends[i]) for i in (0, 1, 2, 4)]  # (3 is a second fragment)
+    assert w.extensions == [h.extensions for h in firsts if h is not None]
+    assert w.extensions[0] == (RdmaExt(0xABCD),) and len(w.extensions[1]) == 2
 
 
 def test_a_new_session_resends_what_the_peer_lacks_flagged_and_drops_rdma() -> None:

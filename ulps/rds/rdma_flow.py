@@ -21,6 +21,7 @@ messages as sequence 0 with ``h_flags`` exactly ``CONG_BITMAP``.
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import struct
@@ -28,6 +29,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from rdmashim.ulps.rds.connection import OutMessage, RdsConnection
+from rdmashim.ulps.rds.cookie import cookie_rkey
 from rdmashim.ulps.rds.wire import (
     FLAGS_BY_VALUE,
     HEADER_STRUCT,
@@ -35,6 +37,7 @@ from rdmashim.ulps.rds.wire import (
     RDS_HEADER_LEN,
     RDS_MAX_ADV_CREDIT,
     RdmaExt,
+    RdsExtType,
     RdsFlag,
     RdsHeader,
     RdsProtocolError,
@@ -70,6 +73,25 @@ _CONG_BITS = int(RdsFlag.CONG_BITMAP)
 _FRONT = struct.Struct(HEADER_STRUCT.format[:-3] + "B")
 """The header up to the first extension header's type byte (0: none): what
 :meth:`RdmaFlow.receive_at` reads of every received Send."""
+_RDMA_EXT = int(RdsExtType.RDMA)
+_RKEY = struct.Struct("!I")
+_RKEY_AT = _FRONT.size
+"""Where an RDMA extension header's R_Key is (after its type byte)."""
+_AFTER_RDMA = _RKEY_AT + _RKEY.size
+"""The type byte after an RDMA extension header (0: it is the only one)."""
+
+
+@functools.lru_cache(maxsize=64)
+def _rdma_area(cookie: int) -> bytes:
+    """The extension area of a message chasing an RDMA operation on ``cookie`` and
+    carrying no other extension (made once per cookie: rds stress ``-D`` names a few)."""
+    return encode_extensions((RdmaExt(cookie_rkey(cookie)),))
+
+
+@functools.lru_cache(maxsize=64)
+def _chasing(rkey: int) -> tuple[RdmaExt]:
+    """The extensions of a received message whose only one names ``rkey`` (as above)."""
+    return (RdmaExt(rkey),)
 
 
 class RdmaFlow:
@@ -220,11 +242,13 @@ class RdmaFlow:
             _pack_header(buf, base, 0, ack, 0, 0, 0, 0, credit, 0, b"")
         else:
             exthdr = b""
-            if first and (msg.extensions or msg.rdma is not None):
+            if first and msg.extensions:
                 extensions = msg.extensions
                 if msg.rdma is not None:
                     extensions += (RdmaExt(msg.rdma.rkey),)
                 exthdr = encode_extensions(extensions)
+            elif first and msg.rdma is not None:
+                exthdr = _rdma_area(msg.rdma.cookie)
             flags = int(msg.flags) | self.extra_flags
             _pack_header(
                 buf, base, msg.seq, ack, len(msg.data), msg.sport, msg.dport, flags, credit,
@@ -279,13 +303,18 @@ class RdmaFlow:
         session hands its registered buffer over as it is, no view made per Send).
 
         The header is read with one unpack where it is buffer; a message in one
-        fragment with no checksum, no extension headers and no congestion map (what
-        every Send of a steady exchange is) is taken from there, and the rest goes
-        through :meth:`RdsHeader.decode`, which checks and parses them."""
+        fragment with no checksum, no extension headers (or only the RDMA one of a
+        message chasing an RDMA operation) and no congestion map (what every Send of a
+        steady exchange is) is taken from there, and the rest goes through
+        :meth:`RdsHeader.decode`, which checks and parses them."""
         if nbytes < RDS_HEADER_LEN:
             raise RdsProtocolError(f"{nbytes}-byte message shorter than an RDS header")
         seq, ack, length, sport, dport, flags, credit, csum, ext = _FRONT.unpack_from(buf, base)
         header = None
+        extensions: tuple[RdmaExt, ...] = ()
+        if ext == _RDMA_EXT and not buf[base + _AFTER_RDMA] and length == nbytes - RDS_HEADER_LEN:
+            # A message in one fragment chasing an RDMA operation (its only extension).
+            extensions, ext = _chasing(_RKEY.unpack_from(buf, base + _RKEY_AT)[0]), 0
         if csum or ext or length > RDS_FRAG_SIZE or flags & _CONG_BITS:
             header = RdsHeader.decode(buf[base : base + nbytes])
         self.send_credits += credit
@@ -299,14 +328,16 @@ class RdmaFlow:
                 self.talk = talk if self.talk == -1 else -2
             start = base + RDS_HEADER_LEN
             if self.assembly is None and length == nbytes - RDS_HEADER_LEN:  # one copy
-                if header is None:  # (a plain message: no header made)
-                    rds.take(seq, sport, dport, flags, bytes(buf[start : base + nbytes]))
+                if header is None:  # (a plain message, or a chaser: no header made)
+                    rds.take(
+                        seq, sport, dport, flags, bytes(buf[start : base + nbytes]), extensions
+                    )
                 else:
                     rds.received(header, bytes(buf[start : base + nbytes]))
             else:
                 if header is None:
                     flag = FLAGS_BY_VALUE[flags]
-                    header = RdsHeader(seq, ack, length, sport, dport, flag, credit)
+                    header = RdsHeader(seq, ack, length, sport, dport, flag, credit, 0, extensions)
                 self._assemble(header, buf[start : base + nbytes])
 
     def _assemble(self, header: RdsHeader, fragment: memoryview) -> None:
