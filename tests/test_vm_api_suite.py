@@ -119,3 +119,28 @@ def test_api_suite_in_the_siw_vm(vm_results: dict[str, Any], backend: str) -> No
             f"the rerun:\n{result['rerun_output'][-6000:]}"
         )
     assert result["status"] == "passed", f"in-guest pytest of {backend}:\n{result['output']}"
+
+
+@pytest.mark.parametrize(
+    ("exit_status", "output", "counted"),
+    [
+        (0, "server DISCONNECT EVENT...", 0),
+        (255, f"server DISCONNECT EVENT...\n{siwvm.RPING_EXIT_RACE}", 0),
+        (255, "rping: data mismatch", 1),
+        (1, siwvm.RPING_EXIT_RACE, 1),
+    ],
+)
+def test_the_guest_counts_rpings_exit_race_as_success_and_nothing_else(
+    tmp_path: Path, exit_status: int, output: str, counted: int
+) -> None:
+    """The rping run of the guest's script, run by bash as the guest runs it: the kernel
+    rping's exit 255 with its exit race (after a good run, rdma-core 44) counts as 0; any
+    other failure still fails the run."""
+    script = vm_api_suite.guest_script(["rping:ibal+rdmacore"], [], 60)
+    start = script.index("        wait $P; s=$?")
+    end = script.index("[ $s = 0 ] || r=1", start) + len("[ $s = 0 ] || r=1")
+    (tmp_path / "rping-server.txt").write_text(output)
+    snippet = script[start:end].replace("/host/", f"{tmp_path}/").replace("$b", "run")
+    shell = f'r=0\n(exit {exit_status}) & P=$!\n{snippet}\necho "r=$r"\n'
+    done = subprocess.run(["bash", "-c", shell], capture_output=True, text=True, check=True)
+    assert done.stdout.strip().endswith(f"r={counted}"), done.stdout

@@ -132,6 +132,11 @@ EOF
         r=${PIPESTATUS[0]}
         wait $P; s=$?
         echo "kernel rping -s exit $s: $(cat /host/rping-server.txt)" | tee -a /host/pytest.$b.txt
+        # rdma-core 44's rping exits 255 after a good run now and then (siwvm.RPING_EXIT_RACE);
+        # our side checked every ping's data (-V), and so did rping's.
+        if [ $s = 255 ] && grep -qF __RPING_EXIT_RACE__ /host/rping-server.txt; then
+            echo "kernel rping's exit race: counted as 0" | tee -a /host/pytest.$b.txt; s=0
+        fi
         [ $s = 0 ] || r=1
     else
         once=""
@@ -224,6 +229,7 @@ def guest_script(
         .replace("__TIMEOUT__", str(timeout))
         .replace("__SUITE_LIMIT__", str(suite_limit))
         .replace("__CM_PAIRS_ONCE__", " ".join(shlex.quote(b) for b in CM_PAIRS_ONCE))
+        .replace("__RPING_EXIT_RACE__", shlex.quote(siwvm.RPING_EXIT_RACE))
     )
 
 
