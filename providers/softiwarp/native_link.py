@@ -329,20 +329,19 @@ class NativeLink(Link):
         return drained
 
     def _handed_to_driver(self) -> bool:
-        """Completions alone came to the QP's only CQ, which this task drives
-        (:meth:`.CQ.drive_until`: its reader is this link's) for its handler, armed for
-        any completion, with no other waiter: run the handler now, in one hop, and
-        whether it was (else :meth:`_sync` hands the completions on, through the
-        context's queue of due handlers)."""
+        """Completions alone came to the CQ this task drives (:meth:`.CQ.drive_until`:
+        the caller found its reader to be this link's): when it is the QP's only CQ,
+        has a handler, is armed for any completion and has no other waiter, run the
+        handler now, in one hop, and say so (else :meth:`_sync` hands the completions
+        on, through the context's queue of due handlers)."""
         cqs = self._cqs
         if len(cqs) != 1:
             return False
         cq = cqs[0]
         context = cq.context
         if (
-            cq._reader is not self.wait_point or not cq._armed or cq._solicited_only
-            or cq._waiter is not None or cq.channel is not None or cq.handler is None
-            or context._dispatching
+            not cq._armed or cq._solicited_only or cq._waiter is not None
+            or cq.channel is not None or cq.handler is None or context._dispatching
         ):  # fmt: skip
             return False
         found = cq._view

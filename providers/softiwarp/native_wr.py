@@ -31,10 +31,10 @@ from rdmashim.verbs.errors import NotSupported, VerbsError, refused_wr
 from rdmashim.verbs.wr import SGE, RecvWR, SendWR, recv_problem, send_problem, wr_id_problem
 
 _FIRST = range(1)
+"""The entries of a post of one request."""
 SHORT = 4
 """Lists of at most this many entries posted together are noted as one entry alone is
 (:attr:`_Plan.singles`)."""
-"""The entries of a post of one request."""
 _HEAD = struct.Struct("<QIIQIII4x")
 """``rs_send_wr`` up to its ``sg_list``: wr_id, opcode, flags, remote_addr, rkey,
 invalidate_rkey, num_sge."""

@@ -22,7 +22,7 @@ import struct
 from collections.abc import Iterable
 from dataclasses import dataclass
 from enum import IntEnum
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from rdmashim.ulps.nfsrdma.service import (
     AUTH_NONE,
@@ -368,6 +368,8 @@ _CALL_HEAD = struct.Struct(">6I")
 _CALL_HEAD_LEN = _CALL_HEAD.size
 CREDENTIALS_CACHE = 256
 """Credentials (with their verifiers) :class:`RpcServer` keeps decoded, by their bytes."""
+_UNKNOWN: Any = object()
+"""What :class:`RpcServer` finds for a credential it has not kept (None is AUTH_NONE's)."""
 _new_context = tuple.__new__
 """Makes a :class:`~.service.CallContext` from a tuple of all its fields (no Python call)."""
 Route = tuple[Program, int, int, DispatchNow | None]
@@ -428,19 +430,16 @@ class RpcServer:
         if rpcvers != RPC_VERSION:
             return rpc_mismatch(xid)
         u = Unpacker(message, _CALL_HEAD_LEN)
-        cred: AuthSys | None
-        try:  # where the verifier ends: both bodies' lengths rounded up to words
-            end = _CALL_HEAD_LEN + 8 + (_U32.unpack_from(message, _CALL_HEAD_LEN + 4)[0] + 3 & ~3)
-            end += 8 + (_U32.unpack_from(message, end + 4)[0] + 3 & ~3)
-            # (A message cut short of ``end`` matches no key kept: a key's own length
-            # words say where it ends, and it ends there.)
-            cred = self._credentials[bytes(message[_CALL_HEAD_LEN:end])]
-            u.pos = end
-        except (struct.error, KeyError):
+        end = _auth_end(message, _auth_end(message, _CALL_HEAD_LEN))  # (the verifier's)
+        key = bytes(message[_CALL_HEAD_LEN:end]) if end >= 0 else b""
+        cred = self._credentials.get(key, _UNKNOWN)
+        if cred is _UNKNOWN:
             try:
-                cred = self._authenticate(u, message)
+                cred = self._authenticate(u, key)
             except AuthError as exc:
                 return auth_error(xid, exc.stat)
+        else:
+            u.pos = end
         route = self._routes.get(prog)
         if route is None:
             return accepted_error(xid, AcceptStat.PROG_UNAVAIL)
@@ -459,16 +458,15 @@ class RpcServer:
                 return _failed(ctx, exc)
         return PendingCall(program, ctx, u, reply)
 
-    def _authenticate(self, u: Unpacker, message: memoryview) -> AuthSys | None:
-        """:func:`_authenticate`, kept by the bytes of the credential and verifier."""
-        start = u.pos
-        end = _auth_end(message, _auth_end(message, start))
-        if end < 0:
-            return _authenticate(u)  # short: the decoder says what is wrong
+    def _authenticate(self, u: Unpacker, key: bytes) -> AuthSys | None:
+        """:func:`_authenticate`, kept by ``key``: the bytes of the credential and the
+        verifier (empty when the message does not hold them: the decoder says what is
+        wrong, and nothing is kept)."""
         cred = _authenticate(u)  # AuthError for a bad one, which is not kept
-        if len(self._credentials) >= CREDENTIALS_CACHE:
-            self._credentials.clear()
-        self._credentials[bytes(message[start:end])] = cred
+        if key:
+            if len(self._credentials) >= CREDENTIALS_CACHE:
+                self._credentials.clear()
+            self._credentials[key] = cred
         return cred
 
 

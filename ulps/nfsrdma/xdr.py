@@ -159,13 +159,11 @@ class Unpacker:
         """Fixed-length opaque data as a view into the input (no copy)."""
         view, start = self._view, self.pos
         end = start + size
-        padded = end + (-size & 3)
-        if size < 0 or padded > len(view):  # short: _take says how
-            data = self._take(size)
+        padded = end + pad(size)
+        if size < 0 or padded > len(view) or any(view[end:padded]):  # (_take and _padding
+            data = self._take(size)  # say what is wrong)
             self._padding(size)
             return data
-        if padded != end and any(view[end:padded]):
-            raise XdrError("non-zero XDR padding")
         self.pos = padded
         return view[start:end]
 
