@@ -9,6 +9,7 @@ import importlib
 import inspect
 import pydoc
 import re
+import struct
 import types
 
 import pytest
@@ -57,7 +58,8 @@ def test_dir_shows_the_public_api_and_submodules_only(package: str) -> None:
 def test_exports_are_ours_and_documented(package: str) -> None:
     """Each exported class or function is defined in rdmashim (no typing or standard
     library helper re-exported) and carries a docstring of its own (not the signature
-    a dataclass writes when there is none); a constant is a plain value."""
+    a dataclass writes when there is none); a constant is a plain value or a layout
+    (``WC_ROW``, a ``struct.Struct``)."""
     for name, obj in _exported(package):
         if name == "__version__":
             continue
@@ -66,7 +68,8 @@ def test_exports_are_ours_and_documented(package: str) -> None:
             doc = obj.__dict__.get("__doc__") if inspect.isclass(obj) else obj.__doc__
             assert doc and not doc.startswith(f"{obj.__name__}("), f"{package}.{name}: no docstring"
         else:
-            assert isinstance(obj, int | str | bytes), f"{package}.{name} is {type(obj)}"
+            constant = int | str | bytes | struct.Struct
+            assert isinstance(obj, constant), f"{package}.{name} is {type(obj)}"
 
 
 PUBLIC_FIELDS = {

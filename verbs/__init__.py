@@ -30,11 +30,12 @@ from rdmashim.verbs.errors import (
     VerbsError,
 )
 from rdmashim.verbs.events import AsyncEvent, AsyncEventType
-from rdmashim.verbs.wr import SGE, WC, RecvBatch, RecvWR, SendBatch, SendWR, WCArray
+from rdmashim.verbs.wr import SGE, WC, WC_ROW, RecvBatch, RecvWR, SendBatch, SendWR, WCArray
 
 __all__ = [
     "SGE",
     "WC",
+    "WC_ROW",
     "Access",
     "AsyncEvent",
     "AsyncEventType",

@@ -273,6 +273,16 @@ class CQ(Resource, Protocol):
         entries ``0..n-1`` of ``wcs``; returns ``n`` (never blocks, no object per completion).
         Mixes with :meth:`poll`: each completion is taken once, in order."""
 
+    def poll_rows(self, rows: Buffer, num_entries: int | None = None) -> int:
+        """Take up to ``num_entries`` (default: as many as fit, its size in bytes //
+        ``WC_ROW.size``) completions, oldest first, into the writable buffer ``rows`` as
+        :data:`~rdmashim.verbs.wr.WC_ROW` rows ``0..n-1``; returns ``n`` (never blocks,
+        no object per completion: for C code that reads the rows). Otherwise as
+        :meth:`poll_into`: mixes with :meth:`poll` and :meth:`poll_into` (each completion
+        taken once, in order), a closed CQ or an overrun raises as they do. EINVAL
+        (:class:`~rdmashim.verbs.errors.VerbsError`) for ``rows`` that is not a writable
+        C-contiguous buffer of at least one row."""
+
     async def poll_wait_into(self, wcs: WCArray, num_entries: int | None = None) -> int:
         """Wait for completions and take up to ``num_entries`` (default ``len(wcs)``) of them
         into ``wcs`` (at least one); returns how many."""

@@ -8,12 +8,14 @@ filled once and posted again and again with one call
 a preallocated array that ``cq.poll_into`` fills, one list per field, with no
 object per completion. Backends keep what they derive from a batch entry (a
 checked template, a C struct) with the batch and redo it only for entries set
-since (:meth:`SendBatch.prepared`).
+since (:meth:`SendBatch.prepared`). :data:`WC_ROW` is the layout of the fixed binary
+rows ``cq.poll_rows`` writes completions as, for C code that reads them.
 """
 
 from __future__ import annotations
 
 import errno
+import struct
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Generic, NamedTuple, Protocol, TypeAlias, TypeVar
@@ -22,6 +24,8 @@ from rdmashim.verbs.enums import SendFlags, WCFlags, WCOpcode, WCStatus, WROpcod
 from rdmashim.verbs.errors import CompletionError, VerbsError
 
 if TYPE_CHECKING:
+    from typing_extensions import Buffer
+
     from rdmashim.verbs.abc import AH
 
 
@@ -420,3 +424,58 @@ class WCArray:
             end = start + k
             for column, values in zip(columns, zip(*rows, strict=True), strict=True):
                 column[start:end] = values
+
+
+WC_ROW: struct.Struct = struct.Struct("@QIIIIIII4x")
+"""One completion as ``cq.poll_rows`` writes it: the native engine's C ``rs_wc`` row, in
+native byte order and alignment, 40 bytes::
+
+    uint64_t wr_id;
+    uint32_t status, opcode, byte_len, qp_num, wc_flags, invalidated_rkey, solicited;
+    uint32_t (padding; its value is unspecified)
+
+``status``, ``opcode`` and ``wc_flags`` are the ints of :class:`WCStatus`,
+:class:`WCOpcode` and :class:`WCFlags` (libibverbs' values); ``solicited`` is 0 or 1.
+A row has no ``imm_data``, ``src_qp`` or ``vendor_err``: ``poll_into`` and ``poll`` give
+them. ``WC_ROW.unpack_from(rows, i * WC_ROW.size)`` reads row ``i`` in Python."""
+
+
+def row_view(rows: Buffer, operation: str = "poll_rows") -> memoryview:
+    """``rows`` as a flat byte view to write :data:`WC_ROW` rows into (for backends).
+
+    EINVAL (:class:`VerbsError`, naming the problem) when ``rows`` is not a buffer, is
+    read-only, is not C-contiguous or holds less than one row; a contiguous buffer of
+    any item type or shape (an ``array``, a 2-D ``numpy`` array) is taken as its bytes.
+    """
+    try:
+        view = memoryview(rows)
+    except TypeError:
+        problem = f"rows must be a writable buffer, not {type(rows).__name__}"
+        raise VerbsError(errno.EINVAL, operation, problem) from None
+    if view.readonly:
+        raise VerbsError(errno.EINVAL, operation, "rows is a read-only buffer")
+    if not view.c_contiguous:
+        raise VerbsError(errno.EINVAL, operation, "rows is not a C-contiguous buffer")
+    if view.format != "B" or view.ndim != 1:
+        try:
+            view = view.cast("B")
+        except TypeError:
+            problem = f"rows of item format {view.format!r} cannot be taken as bytes"
+            raise VerbsError(errno.EINVAL, operation, problem) from None
+    if view.nbytes < WC_ROW.size:
+        problem = f"rows holds {view.nbytes} bytes, less than one {WC_ROW.size}-byte row"
+        raise VerbsError(errno.EINVAL, operation, problem)
+    return view
+
+
+def pack_rows(rows: memoryview, wcs: Iterable[Sequence[Any]], start: int = 0) -> int:
+    """Write ``wcs`` (:class:`WC` or tuples of its fields, in its order) as :data:`WC_ROW`
+    rows ``start, start + 1, ...`` of ``rows`` (a :func:`row_view`; they fit); how many
+    (for backends whose completions are not rows already)."""
+    pack = WC_ROW.pack_into
+    size = WC_ROW.size
+    at = start * size
+    for w in wcs:
+        pack(rows, at, w[0], w[1], w[2], w[3], w[4], w[5], w[6], w[8])
+        at += size
+    return at // size - start

@@ -14,7 +14,8 @@ requests to one linked ``ib_send_wr_t``/``ib_recv_wr_t`` chain; a refusal's
 A batch (``post_send_batch``/``post_recv_batch``) keeps its entries converted
 to ``ib_*_wr_t`` (entries set since are converted again) and posts the chosen
 ones linked into one chain; ``poll_into`` is ``ib_poll_cq`` over the same free
-list as ``poll``, each entry's fields written to the array.
+list as ``poll``, each entry's fields written to the array; ``poll_rows`` packs them
+as ``WC_ROW`` rows.
 """
 
 from __future__ import annotations
@@ -80,16 +81,21 @@ from rdmashim.verbs.errors import NotSupported, VerbsError, check_cq_target, ref
 from rdmashim.verbs.wr import (
     SGE,
     WC,
+    WC_ROW,
     RecvBatch,
     RecvWR,
     SendBatch,
     SendWR,
     WCArray,
+    pack_rows,
     request_problem,
     requests_of,
+    row_view,
 )
 
 if TYPE_CHECKING:
+    from typing_extensions import Buffer
+
     from rdmashim.verbs import abc
 
 _QP_NUMBERS = itertools.count(1)
@@ -328,6 +334,15 @@ class CQ:
         entries = self._poll(limit)
         wcs.fill([wc_fields(entry, numbers) for entry in entries])
         return len(entries)
+
+    def poll_rows(self, rows: Buffer, num_entries: int | None = None) -> int:
+        """``ib_poll_cq`` over the CQ's free list, the entries packed into ``rows`` as
+        :data:`~rdmashim.verbs.wr.WC_ROW` rows."""
+        view = row_view(rows)
+        fit = view.nbytes // WC_ROW.size
+        numbers = self.context.qp_numbers
+        entries = self._poll(fit if num_entries is None else min(num_entries, fit))
+        return pack_rows(view, [wc_fields(entry, numbers) for entry in entries])
 
     def _poll(self, num_entries: int) -> list[ib_wc_t]:
         """The entries of the free list ``ib_poll_cq`` filled, in order."""

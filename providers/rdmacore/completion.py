@@ -20,7 +20,9 @@ kernel's event. The task ends with the CQ or when the handler is removed.
 :meth:`CQ.poll_into` polls straight into a ``struct ibv_wc[n]`` the
 :class:`~rdmashim.verbs.wr.WCArray` keeps (:class:`WCBuffer`) and copies each
 field to the array's list with one strided slice of the buffer: no object per
-completion.
+completion. :meth:`CQ.poll_rows` polls into one the CQ keeps and copies each field
+into the caller's :data:`~rdmashim.verbs.wr.WC_ROW` rows the same way, memory to
+memory (:func:`rows_from`).
 """
 
 from __future__ import annotations
@@ -44,9 +46,11 @@ from rdmashim.providers.rdmacore.cdefs import ffi
 from rdmashim.verbs.busypoll import BusyPoll, spin_until
 from rdmashim.verbs.enums import WCFlags, WCOpcode, WCStatus
 from rdmashim.verbs.errors import VerbsError, check_cq_target
-from rdmashim.verbs.wr import WC, WCArray
+from rdmashim.verbs.wr import WC, WC_ROW, WCArray, pack_rows, row_view
 
 if TYPE_CHECKING:
+    from typing_extensions import Buffer
+
     from rdmashim.providers.rdmacore.device import Context
     from rdmashim.verbs import abc
 
@@ -135,6 +139,63 @@ def decode_into(wcs: WCArray, buf: WCBuffer, start: int, n: int) -> None:
         wcs.wc_flags[start:end] = [WCFlags.NONE] * n
         wcs.invalidated_rkey[start:end] = wcs.imm_data[start:end] = [0] * n
     wcs.solicited[start:end] = [False] * n  # struct ibv_wc does not say
+
+
+_ROW_U32 = WC_ROW.size // 4
+"""A row's length in 4-byte words: wr_id (0, 1), status 2, opcode 3, byte_len 4, qp_num
+5, wc_flags 6, invalidated_rkey 7, solicited 8, padding 9."""
+_AT = {
+    field: ffi.offsetof("struct ibv_wc", field) // 4
+    for field in ("status", "opcode", "byte_len", "qp_num", "wc_flags", "invalidated_rkey")
+}
+"""Where each field of a ``struct ibv_wc`` is, in 4-byte words."""
+_WR_ID_AT = ffi.offsetof("struct ibv_wc", "wr_id") // 8
+_KNOWN_OPCODES = frozenset(_OPCODE)
+assert WC_ROW.size % 8 == 0
+
+
+def rows_from(buf: WCBuffer, n: int, rows: memoryview, start: int) -> list[int]:
+    """Entries ``0..n-1`` of ``buf`` into :data:`~rdmashim.verbs.wr.WC_ROW` rows
+    ``start..start+n-1`` of ``rows`` (a byte view that holds them), converted as
+    :func:`decode_wc` converts each: a field a strided copy from memory to memory, per
+    entry only for errors, unknown opcodes and flags. The entries with an error status."""
+    if n <= 0:
+        return []
+    size, step, r = WC_ROW.size, _WC_SIZE // 4, _ROW_U32
+    out = rows[start * size : (start + n) * size]
+    u32 = out.cast("I")
+
+    def column(field: str) -> memoryview:
+        at = _AT[field]
+        return buf.u32[at : at + step * n : step]
+
+    out.cast("Q")[:: size // 8] = buf.u64[_WR_ID_AT : _WR_ID_AT + (step // 2) * n : step // 2]
+    u32[2::r], u32[3::r] = column("status"), column("opcode")
+    u32[4::r], u32[5::r] = column("byte_len"), column("qp_num")
+    zeros = memoryview(bytes(4 * n)).cast("I")
+    u32[8::r] = u32[9::r] = zeros
+    flags = column("wc_flags")
+    if any(flags):
+        shared = column("invalidated_rkey")
+        for k, f in enumerate(flags):
+            u32[6 + r * k] = f & 0xF
+            u32[7 + r * k] = shared[k] if f & _WITH_INV else 0
+    else:
+        u32[6::r] = u32[7::r] = zeros
+    failed: list[int] = []
+    statuses, opcodes = u32[2::r], u32[3::r]
+    if any(statuses):
+        signed = buf.i32[_AT["opcode"] :: step]
+        for k, st in enumerate(statuses):
+            if st:
+                failed.append(k)
+                u32[2 + r * k] = _status(st)
+                u32[3 + r * k] = _opcode(signed[k])
+    if not _KNOWN_OPCODES.issuperset(opcodes.tolist()):  # (a success of another kind)
+        for k, op in enumerate(opcodes):
+            if op not in _OPCODE:
+                u32[3 + r * k] = _opcode(op)
+    return failed
 
 
 def notify_closing(fd: int) -> None:
@@ -263,6 +324,8 @@ class CQ(Resource):
         self._poll_cq = ops.poll_cq
         self._req_notify_cq = ops.req_notify_cq
         self._wc = ffi.new("struct ibv_wc[]", 16)
+        self._row_wcs: WCBuffer | None = None
+        """What :meth:`poll_rows` polls into before the rows (grown as needed)."""
         self._buffer: deque[WC] = deque()
         self._unacked = 0
         self._waiters = 0
@@ -358,6 +421,30 @@ class CQ(Resource):
                 for i in range(n, n + got):
                     if status[i] is not _SUCCESS:
                         self._failed(wcs.qp_num[i], wcs.wr_id[i], status[i])
+            n += got
+        return n
+
+    def poll_rows(self, rows: Buffer, num_entries: int | None = None) -> int:
+        """``ibv_poll_cq`` into the CQ's ``struct ibv_wc[n]``, each field then copied into
+        ``rows`` as :data:`~rdmashim.verbs.wr.WC_ROW` rows (:func:`rows_from`); how many.
+
+        Completions an earlier :meth:`wait` or ``len()`` took from the CQ come first."""
+        self._check_open("poll_cq")
+        view = row_view(rows)
+        fit = view.nbytes // WC_ROW.size
+        limit = fit if num_entries is None else max(0, min(num_entries, fit))
+        n = 0
+        buffered = self._buffer
+        if buffered and limit:
+            n = pack_rows(view, [buffered.popleft() for _ in range(min(limit, len(buffered)))])
+        if n < limit:
+            buf = self._row_wcs
+            if buf is None or len(buf) < limit - n:
+                buf = self._row_wcs = WCBuffer(limit - n)
+            got = self._poll_cq_into(limit - n, buf.c)
+            for k in rows_from(buf, got, view, n):
+                wc = decode_wc(buf.c[k])
+                self._failed(wc.qp_num, wc.wr_id, wc.status)
             n += got
         return n
 

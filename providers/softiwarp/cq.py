@@ -37,10 +37,15 @@ from rdmashim.verbs.errors import (
 from rdmashim.verbs.events import AsyncEventType
 from rdmashim.verbs.wr import (
     WC,
+    WC_ROW,
     WCArray,
+    pack_rows,
+    row_view,
 )
 
 if TYPE_CHECKING:
+    from typing_extensions import Buffer
+
     from rdmashim.providers.softiwarp.driver import Link
     from rdmashim.providers.softiwarp.qp_needs import EngineView
     from rdmashim.verbs.enums import QPState
@@ -328,6 +333,17 @@ class CQ(Resource):
         if rows:
             wcs.fill(rows, pos)
         return total
+
+    def poll_rows(self, rows: Buffer, num_entries: int | None = None) -> int:
+        """Take up to ``num_entries`` (default: as many as fit) completions into ``rows`` as
+        :data:`~rdmashim.verbs.wr.WC_ROW` rows; how many (each packed from its ``WC``, a
+        run's taken as ``poll`` takes them)."""
+        self._check_open("poll_cq")
+        if self._overrun:
+            raise VerbsError(errno.EOVERFLOW, "poll_cq", f"more than {self.cqe} completions queued")
+        view = row_view(rows)
+        fit = view.nbytes // WC_ROW.size
+        return pack_rows(view, self._take(fit if num_entries is None else min(num_entries, fit)))
 
     async def poll_wait_into(self, wcs: WCArray, num_entries: int | None = None) -> int:
         """Wait for completions and take up to ``num_entries`` of them into ``wcs``."""

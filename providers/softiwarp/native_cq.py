@@ -3,14 +3,15 @@
 
 C says what the completions of one poll have in common (``rs_cq_poll_sum``); a column
 alike in all of them is stored whole, and a poll of a few is decoded row by row.
+``poll_rows`` needs no decoding: an ``rs_wc`` is a ``WC_ROW`` row, so C polls straight
+into the caller's buffer.
 """
 
 from __future__ import annotations
 
 import errno
-import struct
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rdmashim.providers.softiwarp import native
 from rdmashim.providers.softiwarp.cq import CQ, CompChannel, CompletingQP
@@ -18,7 +19,10 @@ from rdmashim.providers.softiwarp.native import ffi, lib
 from rdmashim.providers.softiwarp.provider import Context
 from rdmashim.verbs.enums import WCFlags, WCOpcode, WCStatus
 from rdmashim.verbs.errors import VerbsError
-from rdmashim.verbs.wr import WC, WCArray
+from rdmashim.verbs.wr import WC, WC_ROW, WCArray, row_view
+
+if TYPE_CHECKING:
+    from typing_extensions import Buffer
 
 _SUCCESS = WCStatus.SUCCESS
 _OPCODES = {int(o): o for o in WCOpcode}
@@ -27,10 +31,7 @@ _NONE = WCFlags.NONE
 _FLAGS = {0: _NONE, int(WCFlags.WITH_INV): WCFlags.WITH_INV}
 """The flags a native completion carries (the C side sets none other)."""
 _WC = ffi.sizeof("rs_wc") if ffi is not None else 0
-_ROW = struct.Struct("<QIIIIIII4x")
-"""An ``rs_wc``: wr_id, status, opcode, byte_len, qp_num, wc_flags, invalidated_rkey,
-solicited."""
-assert ffi is None or _ROW.size == _WC
+assert ffi is None or WC_ROW.size == _WC  # (an rs_wc is a portable row: wr.WC_ROW)
 _new = tuple.__new__
 _SUM = ("STATUS", "FLAGS", "SOLICITED", "INV", "OPCODES", "QPS", "LENGTHS")
 _SUM_STATUS, _SUM_FLAGS, _SUM_SOLICITED, _SUM_INV, _SUM_OPCODES, _SUM_QPS, _SUM_LENGTHS = (
@@ -64,6 +65,16 @@ class NativeCQ(CQ):
         self._raw = memoryview(ffi.buffer(self._rows))
         self._sum = ffi.new("rs_wc_sum *")
         """What a :meth:`poll_wait`'s rows have in common (C says; unused here)."""
+        self._row_buffer: object = None
+        """The buffer the last :meth:`poll_rows` wrote into (held: its pointer below
+        stays valid while it is; a bytearray cannot be resized meanwhile)."""
+        self._row_view: memoryview | None = None
+        self._row_ptr: Any = None
+        """``rs_wc *`` into :attr:`_row_buffer` (``ffi.from_buffer``, made once for it)."""
+        self._row_fit = 0
+        """Rows :attr:`_row_buffer` holds."""
+        self._row_direct = True
+        """Whether C may poll into :attr:`_row_ptr` itself (it is aligned as ``rs_wc``)."""
 
     def _sync(self) -> None:
         """Completions C pushed since the last look: wake, notify, hand on."""
@@ -105,7 +116,7 @@ class NativeCQ(CQ):
         return [
             _new(WC, (wr_id, _STATUSES[st], _OPCODES[op], length, qp, _FLAGS[flags], inv,
                       0, sol != 0, 0, 0))
-            for wr_id, st, op, length, qp, flags, inv, sol in _ROW.iter_unpack(
+            for wr_id, st, op, length, qp, flags, inv, sol in WC_ROW.iter_unpack(
                 self._raw[: n * _WC]
             )
         ]  # fmt: skip
@@ -126,6 +137,48 @@ class NativeCQ(CQ):
         self._count = self._view.count
         rows.decode_into(wcs, got)
         return int(got)
+
+    def poll_rows(self, rows: Buffer, num_entries: int | None = None) -> int:
+        """Take up to ``num_entries`` (default: as many as fit) completions into ``rows``
+        as :data:`~rdmashim.verbs.wr.WC_ROW` rows: one ``rs_cq_poll`` straight into the
+        buffer (its pointer made once and kept while the same buffer comes again)."""
+        if self._closed:
+            self._check_open("poll_cq")
+        if self._overrun:
+            raise VerbsError(errno.EOVERFLOW, "poll_cq", f"more than {self.cqe} completions queued")
+        if rows is not self._row_buffer:
+            self._hold_rows(rows)
+        fit = self._row_fit
+        n = min(fit if num_entries is None else min(num_entries, fit), self._count)
+        if n <= 0:
+            return 0
+        if self._row_direct:
+            got = lib.rs_cq_poll(self._ptr, self._row_ptr, n)
+        else:  # (an rs_wc * must be aligned: C polls into the scratch, then a copy)
+            self._room(n)
+            got = lib.rs_cq_poll(self._ptr, self._rows, n)
+            ffi.memmove(self._row_ptr, self._rows, got * _WC)
+        self._count = self._view.count
+        return int(got)
+
+    def _hold_rows(self, rows: Buffer) -> None:
+        """Check ``rows`` and keep it with its ``rs_wc *`` (the one held before let go)."""
+        view = row_view(rows)
+        ptr = ffi.from_buffer("rs_wc[]", view, require_writable=True)
+        self._release_rows()
+        self._row_buffer, self._row_view, self._row_ptr = rows, view, ptr
+        self._row_fit = view.nbytes // _WC
+        self._row_direct = int(ffi.cast("uintptr_t", ptr)) % ffi.alignof("rs_wc") == 0
+
+    def _release_rows(self) -> None:
+        """Let the buffer :meth:`poll_rows` holds go (it may be resized again)."""
+        ptr, view = self._row_ptr, self._row_view
+        self._row_buffer = self._row_view = self._row_ptr = None
+        self._row_fit = 0
+        if ptr is not None:
+            ffi.release(ptr)
+        if view is not None:
+            view.release()
 
     def _wait_poll(self, out: Any, summary: Any, n: int) -> int:
         """In a ping-pong (the only QP's socket lent to the task that waited here last,
@@ -193,6 +246,7 @@ class NativeCQ(CQ):
         if not self._closed:
             super().close()
             self.ring.close()
+            self._release_rows()
 
 
 class _Rows:
