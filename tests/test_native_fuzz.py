@@ -18,41 +18,21 @@ from __future__ import annotations
 
 import os
 import random
-import shutil
-import subprocess
 from pathlib import Path
 
-import pytest
+import libfuzzer
 
 from tooling import TOOLS, tool
 
 ROOT = TOOLS.parent
 SOURCES = ROOT / "providers" / "softiwarp"
-FLAGS = ["-g", "-O1", "-fsanitize=fuzzer,address,undefined", "-fno-sanitize-recover=all"]
 SECONDS = int(os.environ.get("RDMASHIM_NATIVE_FUZZ_SECONDS", "45"))
 """How long the bounded run fuzzes (CI's slice)."""
 
 
-def _unavailable(why: str) -> None:
-    if os.environ.get("RDMASHIM_REQUIRE_FUZZER", "") not in ("", "0"):
-        pytest.fail(f"RDMASHIM_REQUIRE_FUZZER is set, but {why}")
-    pytest.skip(why)
-
-
 def build(out: Path, *defines: str) -> Path:
-    clang = shutil.which("clang")
-    if clang is None:
-        _unavailable("clang is not installed (the harness is built with its libFuzzer)")
-    done = subprocess.run(
-        [
-            clang, *FLAGS, *defines, "-I", str(SOURCES), str(TOOLS / "native_fuzz.c"),
-            str(SOURCES / "_engine.c"), str(SOURCES / "_accel.c"), "-o", str(out),
-        ],
-        capture_output=True, text=True, timeout=300, check=False,
-    )  # fmt: skip
-    if done.returncode:
-        _unavailable(f"clang cannot build a libFuzzer binary (libclang-rt missing?): {done.stderr}")
-    return out
+    sources = [TOOLS / "native_fuzz.c", SOURCES / "_engine.c", SOURCES / "_accel.c"]
+    return libfuzzer.build(out, sources, SOURCES, *defines)
 
 
 def harness_table() -> dict[str, list[int]]:
@@ -84,33 +64,12 @@ def seed_corpus(directory: Path, count: int = 300) -> int:
     return written
 
 
-def fuzz(binary: Path, corpus: Path, seconds: int) -> subprocess.CompletedProcess[str]:
-    limits = [f"-max_total_time={seconds}", "-timeout=10", "-rss_limit_mb=2048"]
-    artifacts = f"-artifact_prefix={binary.parent}/"  # a crash's input, not in the cwd
-    return subprocess.run(
-        [str(binary), *limits, artifacts, str(corpus)],
-        capture_output=True, text=True, timeout=seconds + 300, check=False,
-    )  # fmt: skip
-
-
 def test_the_receive_path_survives_coverage_guided_fuzzing(tmp_path: Path) -> None:
-    binary = build(tmp_path / "native_fuzz")
-    corpus = tmp_path / "corpus"
-    corpus.mkdir()
-    assert seed_corpus(corpus) > 200
-    done = fuzz(binary, corpus, SECONDS)
-    report = done.stdout + done.stderr
-    assert done.returncode == 0, report[-4000:]
-    assert "ORACLE" not in report and "Sanitizer" not in report, report[-4000:]
-    assert "Done" in report, report[-2000:]
+    corpus = libfuzzer.corpus_of(tmp_path, seed_corpus)
+    assert len(list(corpus.iterdir())) > 200
+    libfuzzer.survives(build(tmp_path / "native_fuzz"), corpus, SECONDS)
 
 
 def test_the_harness_catches_a_missing_bounds_check(tmp_path: Path) -> None:
     binary = build(tmp_path / "native_fuzz_selftest", "-DRS_FUZZ_SELFTEST")
-    corpus = tmp_path / "corpus"
-    corpus.mkdir()
-    seed_corpus(corpus)
-    done = fuzz(binary, corpus, 120)
-    report = done.stdout + done.stderr
-    assert done.returncode != 0, "a Write past its region went unnoticed:\n" + report[-2000:]
-    assert "ORACLE" in report or "Sanitizer" in report, report[-4000:]
+    libfuzzer.catches(binary, libfuzzer.corpus_of(tmp_path, seed_corpus), "a Write past its region")

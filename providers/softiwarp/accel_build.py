@@ -17,19 +17,17 @@ import re
 from cffi import FFI
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
-_SOURCE_DIR = os.path.relpath(_HERE) if not os.path.relpath(_HERE).startswith("..") else _HERE
-"""Relative to the project root when built from there (setuptools wants relative sources)."""
 
 
 HEADERS = ("_accel.h", "_engine.h")
 """The kernels' and the native engine's headers (their sources: the same names in .c)."""
 
 
-def declarations() -> str:
-    """The cffi declarations: the marked part of each header."""
+def declarations(directory: str, headers: tuple[str, ...]) -> str:
+    """The cffi declarations: the marked part of each header in ``directory``."""
     parts = []
-    for name in HEADERS:
-        with open(os.path.join(_HERE, name), encoding="ascii") as header:
+    for name in headers:
+        with open(os.path.join(directory, name), encoding="ascii") as header:
             text = header.read()
         found = re.search(r"/\* cdef-begin \*/(.*)/\* cdef-end \*/", text, re.DOTALL)
         if found is None:
@@ -38,12 +36,23 @@ def declarations() -> str:
     return "\n".join(parts)
 
 
-ffibuilder = FFI()
-ffibuilder.cdef(declarations())
-ffibuilder.set_source(
-    "rdmashim.providers.softiwarp._accel",
-    "".join(f'#include "{name}"\n' for name in HEADERS),
-    sources=[os.path.join(_SOURCE_DIR, name.replace(".h", ".c")) for name in HEADERS],
-    include_dirs=[_SOURCE_DIR],
-    depends=[os.path.join(_SOURCE_DIR, name) for name in HEADERS],
-)
+def builder(module: str, directory: str, headers: tuple[str, ...]) -> FFI:
+    """The cffi builder of extension ``module`` from ``headers`` in ``directory`` and
+    their sources (the same names in .c): the engine's here, RDS's plain-message path's
+    in ``ulps/rds/plain_build.py``."""
+    # Relative to the project root when built from there (setuptools wants relative sources).
+    relative = os.path.relpath(directory)
+    source_dir = relative if not relative.startswith("..") else directory
+    ffi = FFI()
+    ffi.cdef(declarations(directory, headers))
+    ffi.set_source(
+        module,
+        "".join(f'#include "{name}"\n' for name in headers),
+        sources=[os.path.join(source_dir, name.replace(".h", ".c")) for name in headers],
+        include_dirs=[source_dir],
+        depends=[os.path.join(source_dir, name) for name in headers],
+    )
+    return ffi
+
+
+ffibuilder = builder("rdmashim.providers.softiwarp._accel", _HERE, HEADERS)
