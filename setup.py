@@ -1,11 +1,12 @@
 """Build script for the optional compiled accelerator; the metadata is in pyproject.toml.
 
-The soft-iWARP engine runs in pure Python. When a C compiler and the Python
-headers are there, this also builds ``rdmashim.providers.softiwarp._accel`` (cffi
-API mode, ``providers/softiwarp/accel_build.py``), which takes the per-FPDU work
-of small Sends. The extension is optional: when it cannot be built (no
-compiler, no headers, any error) the build warns and the pure-Python install
-goes on. ``RDMASHIM_NO_EXTENSIONS=1`` skips it.
+The soft-iWARP engine and RDS run in pure Python. When a C compiler and the
+Python headers are there, this also builds ``rdmashim.providers.softiwarp._accel``
+(cffi API mode, ``providers/softiwarp/accel_build.py``: the native engine and the
+Python engine's kernels) and ``rdmashim.ulps.rds._plain`` (``ulps/rds/plain_build.py``:
+RDS's plain-message receive path). The extensions are optional: when one cannot be
+built (no compiler, no headers, any error) the build warns and the pure-Python install
+goes on. ``RDMASHIM_NO_EXTENSIONS=1`` skips them.
 """
 
 from __future__ import annotations
@@ -24,13 +25,13 @@ def _no_extensions() -> bool:
 def _warn(what: str, exc: BaseException) -> None:
     print(
         f"WARNING: {what} failed ({type(exc).__name__}: {exc}); rdmashim installs without "
-        "its compiled accelerator and runs the pure-Python engine",
+        "it and runs its pure-Python code instead",
         file=sys.stderr,
     )
 
 
 class OptionalBuildExt(build_ext):
-    """``build_ext`` whose failures are warnings: the accelerator is optional."""
+    """``build_ext`` whose failures are warnings: the extensions are optional."""
 
     def run(self) -> None:
         try:
@@ -49,5 +50,7 @@ class OptionalBuildExt(build_ext):
 
 setup(
     cmdclass={"build_ext": OptionalBuildExt},
-    cffi_modules=[] if _no_extensions() else ["providers/softiwarp/accel_build.py:ffibuilder"],
+    cffi_modules=[]
+    if _no_extensions()
+    else ["providers/softiwarp/accel_build.py:ffibuilder", "ulps/rds/plain_build.py:ffibuilder"],
 )

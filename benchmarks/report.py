@@ -18,6 +18,7 @@ import trio
 import rdmashim
 from rdmashim.providers.softiwarp import engines, fastpath
 from rdmashim.registry import chosen_backend
+from rdmashim.ulps.rds import plain
 
 
 def engine(backend: str | None = None) -> str:
@@ -37,6 +38,12 @@ def engine(backend: str | None = None) -> str:
 def engine_line(backend: str | None = None, width: int = 16) -> str:
     """Every benchmark header's engine line, its label padded to ``width`` (:func:`engine`)."""
     return f" {'Engine':<{width}}: {engine(backend)}"
+
+
+def rds_path_line(width: int = 16) -> str:
+    """The RDS benchmarks' header line: where RDS takes its plain messages (C or Python,
+    and why: ``plain.describe()``)."""
+    return f" {'RDS plain path':<{width}}: {plain.describe()}"
 
 
 def run_meta(backend: str | None = None) -> dict[str, Any]:
@@ -64,6 +71,7 @@ def run_meta(backend: str | None = None) -> dict[str, Any]:
         "trio": trio.__version__,
         "backend": chosen_backend(backend),
         "engine": engine(backend),
+        "rds_plain_path": plain.describe(),
     }
 
 

@@ -15,6 +15,7 @@ from _pytest.outcomes import Skipped
 
 import rdmashim
 from rdmashim.providers.softiwarp import engines, fastpath, native
+from rdmashim.ulps.rds import plain
 
 import netns
 from pairs import Side, make_pair
@@ -72,6 +73,21 @@ def each_engine(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch)
         pytest.skip(f"native engine unavailable: {native.WHY_NOT}")
     monkeypatch.setenv(engines.ENV_ENGINE, request.param)
     return str(request.param)
+
+
+@pytest.fixture(params=["c", "python"])
+def rds_paths(request: pytest.FixtureRequest) -> Iterator[str]:
+    """Run the test with RDS's plain-message path in C and with the Python one
+    (``plain.use``: nodes made meanwhile take it); the C run skips, saying why, when it
+    was not built."""
+    if request.param == "c" and plain.COMPILED is None:
+        pytest.skip(f"RDS's plain-message path in C unavailable: {plain.WHY_NOT}")
+    before = plain.compiled()
+    plain.use(request.param == "c")
+    try:
+        yield str(request.param)
+    finally:
+        plain.use(before)
 
 
 @pytest.fixture

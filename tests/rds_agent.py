@@ -48,6 +48,7 @@ from typing import Any
 
 import trio
 
+from rdmashim.ulps.rds import plain
 from rdmashim.ulps.rds.node import RdsNode, RdsSocket
 from rdmashim.ulps.rds.settings import Transport
 
@@ -120,6 +121,10 @@ class LoggingNode(RdsNode):
     written to the pipe before it returns: whatever the sender was told has
     arrived has been reported, even if this process is killed the next moment.
     """
+
+    def __init__(self, address: str, port: int) -> None:
+        plain.use(False)  # every message through _deliver (C queues plain ones itself)
+        super().__init__(address, port)
 
     def _deliver(
         self, peer: Any, seq: int, sport: int, dport: int, extensions: Any, data: bytes

@@ -19,6 +19,8 @@ from rdmashim.ulps.rds.wire import RDS_MAX_MSG_SIZE, RdsFlag, RdsHeader
 
 from rdsnodes import close, nodes, transports
 
+pytestmark = pytest.mark.usefixtures("rds_paths")  # C and Python plain paths
+
 
 @transports
 async def test_messages_both_ways_in_order(transport: str) -> None:

@@ -19,6 +19,8 @@ from rdmashim.ulps.rds.settings import RdsSettings
 
 from rdsnodes import close, nodes, transports, wait_until
 
+pytestmark = pytest.mark.usefixtures("rds_paths")  # C and Python plain paths
+
 BURST = 24
 SMALL_BURST = BURST_MAX // 2
 """A burst whose answers all fit the hold (BURST_MAX)."""
@@ -214,10 +216,10 @@ async def test_closing_a_socket_that_holds_messages_keeps_the_bursts_going() -> 
             with pytest.raises(RdsError) as err:
                 doomed.recvfrom_nowait()
             assert err.value.errno == errno.EBADF
-            assert b._holding == 0
+            assert b._inboxes.counts.holding == 0
             await sa.sendto(b"ping", ("127.0.0.2", 5000))
             assert (await sb.recvfrom())[0] == b"ping"
-            assert b._holding == 0
+            assert b._inboxes.counts.holding == 0
     finally:
         await close([a, b])
 

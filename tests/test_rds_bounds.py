@@ -39,6 +39,8 @@ from rdmashim.verbs import Access, QPCap, RecvWR, SendFlags, SendWR, WROpcode
 from rdsnodes import wait_until
 from residency import resident_bytes
 
+pytestmark = pytest.mark.usefixtures("rds_paths")  # C and Python plain paths
+
 LOW = "127.0.0.1"
 SLOT = RDS_HEADER_LEN + 64
 FULL = RDS_HEADER_LEN + RDS_FRAG_SIZE

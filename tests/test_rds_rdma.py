@@ -18,6 +18,8 @@ from rdmashim.verbs.buffers import address_of
 
 from rdsnodes import close, nodes, wait_until
 
+pytestmark = pytest.mark.usefixtures("rds_paths")  # C and Python plain paths
+
 A, B = "127.0.0.1", "127.0.0.2"
 
 
@@ -245,7 +247,7 @@ async def test_bad_cookie_breaks_only_that_message() -> None:
             await sa.sendto(b"after", (B, 5000))
             assert (await sb.recvfrom())[0] == b"after"
         assert buf == bytearray(100)
-        assert sb.received == type(sb.received)()  # nothing else arrived
+        assert not sb.received  # nothing else arrived
         counters = a.connections()[0].counters
         assert counters.rdma_failures == 1 and counters.rdma_dropped == 1
         assert counters.sessions >= 3

@@ -16,10 +16,11 @@ how the modules divide the work (the sans-IO connection state, the transport tab
 
 from rdmashim.ulps.rds.cookie import RdmaStatus, cookie_offset, cookie_rkey, make_cookie
 from rdmashim.ulps.rds.errors import RdsError
+from rdmashim.ulps.rds.inbox import ReceivedMessage
 from rdmashim.ulps.rds.node import RdsNode, default_port
 from rdmashim.ulps.rds.rdma import RdmaOp
 from rdmashim.ulps.rds.settings import RdsSettings
-from rdmashim.ulps.rds.sockets import RdsSocket, ReceivedMessage
+from rdmashim.ulps.rds.sockets import RdsSocket
 from rdmashim.ulps.rds.wire import (
     RDS_CM_PORT,
     RDS_MAX_MSG_SIZE,

@@ -25,7 +25,6 @@ Over RDMA everything here uses only the portable verbs and rdma_cm API.
 from __future__ import annotations
 
 import errno
-import functools
 import ipaddress
 import logging
 import random
@@ -36,15 +35,17 @@ from typing import TYPE_CHECKING
 
 import trio
 
+from rdmashim.ulps.rds import plain
 from rdmashim.ulps.rds.congestion import NodeCongestion
 from rdmashim.ulps.rds.connection import Carrier, IPAddress, RdsConnection
 from rdmashim.ulps.rds.errors import RdsError
+from rdmashim.ulps.rds.inbox import ReceivedMessage
 from rdmashim.ulps.rds.peer import Peer
 from rdmashim.ulps.rds.peers import PeerTable
 from rdmashim.ulps.rds.rdma import RdmaOp, Sources
 from rdmashim.ulps.rds.rdma_transport import RdmaTransport
 from rdmashim.ulps.rds.settings import TRANSPORTS, RdsSettings, Transport
-from rdmashim.ulps.rds.sockets import RdsSocket, ReceivedMessage, port_number
+from rdmashim.ulps.rds.sockets import RdsSocket, port_number
 from rdmashim.ulps.rds.tcp_transport import TcpTransport
 from rdmashim.ulps.rds.transport import BurstHolder, RdsTransport
 from rdmashim.ulps.rds.wire import (
@@ -73,9 +74,6 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-_message = tuple.__new__
-"""``ReceivedMessage``'s tuple made without its ``__new__``, a Python call per message."""
-
 TRANSPORT_TABLE: dict[Transport, type[RdsTransport]] = {
     "rdma": RdmaTransport,
     "tcp": TcpTransport,
@@ -91,12 +89,6 @@ def default_port(address: IPAddress, transport: Transport) -> int:
     over RDMA, ``RDS_CM_PORT`` (16385) for IPv6 over RDMA and for TCP (each
     transport's ``default_port``)."""
     return TRANSPORT_TABLE[transport].default_port(address)
-
-
-@functools.lru_cache(maxsize=1024)
-def _ip_text(ip: IPAddress) -> str:
-    """The text of an address (a received message's sender), remembered."""
-    return str(ip)
 
 
 class RdsNode:
@@ -121,6 +113,9 @@ class RdsNode:
         self.settings = settings or RdsSettings()
         """The node's bounds and timers (:class:`RdsSettings`)."""
         peers: dict[IPAddress, Peer] = {}
+        self._sockets: dict[int, RdsSocket] = {}
+        self._inboxes = plain.inboxes()
+        """The sockets' receive queues (in C with the compiled plain-message path)."""
         self._congestion = NodeCongestion(self.address, peers)
         self.congestion = self._congestion.ours
         """This node's ports whose sockets hold more than ``settings.rcvbuf`` bytes unread."""
@@ -129,16 +124,11 @@ class RdsNode:
             on_congestion=self._congestion.peer_changed,
             session_starting=self._session_starting, session_ended=self._session_ended,
             burst_held=self._burst_held, ack_held=self._ack_held, probe=self._probe,
+            plain=plain.path(self._inboxes, self.settings, self._sockets),
         )  # fmt: skip
         self._transport = TRANSPORT_TABLE[transport](self._table)
         self._table.transport = self._transport
         self._table.port = self._transport.default_port(self.address) if port is None else port
-        self._recent_text: tuple[IPAddress | None, str] = (None, "")
-        """The sender address last delivered from, and its text (a sender names the
-        same few peers, and formatting an address costs a Python call)."""
-        self._sockets: dict[int, RdsSocket] = {}
-        self._holding = 0
-        """How many sockets hold received messages."""
         self._bursts: dict[BurstHolder, None] = {}
         """Sessions that held back the answers to a burst (:meth:`_answer_bursts`), each
         once."""
@@ -235,7 +225,7 @@ class RdsNode:
             raise RdsError(errno.EINVAL, f"port {port} outside 1..65535")
         if port in self._sockets:
             raise RdsError(errno.EADDRINUSE, f"RDS port {port} is in use on {self.address}")
-        sock = RdsSocket(self, port)
+        sock = RdsSocket(self, port, self._inboxes.open(port))
         self._sockets[port] = sock
         return sock
 
@@ -259,18 +249,17 @@ class RdsNode:
         for ext in extensions:
             if isinstance(ext, RdmaExt):  # it chases an RDMA operation on one of ours
                 sock._registrations.used(ext.rkey)
-        if sock.queued_bytes + len(data) > self.settings.rcvbuf_limit:
+        inbox = sock.received
+        if inbox.counts.nbytes + len(data) > self.settings.rcvbuf_limit:
             self.drops_rcvbuf_full += 1
             log.info(
                 "message from %s:%d dropped: port %d holds %d bytes unread (rcvbuf_limit)",
                 peer, sport, dport, sock.queued_bytes,
             )  # fmt: skip
             return
-        recent = self._recent_text
-        if recent[0] is not peer:
-            recent = self._recent_text = (peer, _ip_text(peer))
-        sock._push(_message(ReceivedMessage, (data, (recent[1], sport), seq)))
-        if sock.queued_bytes > self.settings.rcvbuf:
+        inbox.push(data, peer, sport, seq)
+        sock._wake()
+        if inbox.counts.nbytes > self.settings.rcvbuf:
             sock.congested = True
             self._congestion.mark(dport, True)
 

@@ -17,6 +17,7 @@ import errno
 import logging
 import random
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import trio
 
@@ -34,6 +35,9 @@ from rdmashim.ulps.rds.transport import (
     TransportSession,
 )
 
+if TYPE_CHECKING:
+    from rdmashim.ulps.rds.plain import PlainPath
+
 log = logging.getLogger(__name__)
 
 
@@ -41,8 +45,8 @@ class PeerTable:
     """The peers of one node and the tasks keeping their sessions up (see the module
     docstring). The node gives it what happens around a session: ``deliver`` and
     ``on_congestion`` for every connection, ``session_starting`` (the node's map and
-    probe go first), ``session_ended``, ``burst_held`` and ``probe``; and, once made
-    for this table, the transport."""
+    probe go first), ``session_ended``, ``burst_held``, ``probe`` and its ``plain``
+    path; and, once made for this table, the transport."""
 
     transport: RdsTransport
     """The node's transport (set by the node right after it made one for this table)."""
@@ -61,8 +65,11 @@ class PeerTable:
         burst_held: Callable[[BurstHolder], None],
         ack_held: Callable[[BurstHolder], None],
         probe: Callable[[RdsConnection], None],
+        plain: PlainPath | None = None,
     ) -> None:
         self.address = address
+        self.plain = plain
+        """The node's plain-message path in C, for the sessions (None: Python's)."""
         self.port = port
         """The port peers listen on (ours, once the node listens)."""
         self.settings = settings

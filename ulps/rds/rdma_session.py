@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 import trio
 
 from rdmashim.ulps.rds.connection import RdsConnection
+from rdmashim.ulps.rds.plain import ROWS
 from rdmashim.ulps.rds.rdma import RdmaOp, RdmaStatus, status_of
 from rdmashim.ulps.rds.rdma_flow import ACK_DELAY, ACK_HELD, ACK_NOW, RECV_SLOTS, RdmaFlow
 from rdmashim.ulps.rds.transport import SessionLost
@@ -43,6 +44,7 @@ if TYPE_CHECKING:
     from collections.abc import Callable
 
     from rdmashim.cm import Connection, ConnectionRequest
+    from rdmashim.ulps.rds.plain import PlainPath
     from rdmashim.verbs.abc import CQ
 
 log = logging.getLogger(__name__)
@@ -147,6 +149,7 @@ class Session:
         conn: Connection | ConnectionRequest,
         on_burst: Callable[[Session], None] = lambda session: None,
         on_ack: Callable[[Session], None] = lambda session: None,
+        plain: PlainPath | None = None,
     ) -> None:
         self.rds = rds
         self.flow = RdmaFlow(rds)
@@ -163,7 +166,8 @@ class Session:
         self.qp = conn.qp
         self.cq = conn.send_cq
         self.cq.busy_poll = rds.settings.busy_poll  # (a reader may drive it: RdsSocket.recvfrom)
-        self.recv_mr = conn.pd.reg_mr(bytearray(SLOT * RECV_SLOTS), Access.LOCAL_WRITE)
+        received = bytearray(SLOT * RECV_SLOTS)
+        self.recv_mr = conn.pd.reg_mr(received, Access.LOCAL_WRITE)
         self.send_mr = conn.pd.reg_mr(bytearray(SLOT * SEND_SLOTS), Access.LOCAL_WRITE)
         self._recv_buf = self.recv_mr.buf
         self._send_buf = self.send_mr.buf
@@ -204,8 +208,11 @@ class Session:
         """For each send slot, :attr:`_next_rdma` when it was last posted: the RDMA
         operations numbered below it went before the slot's Send."""
         self.lost = False
-        self._wcs = WCArray(64)
-        self._room = len(self._wcs)
+        self._wcs = WCArray(ROWS)
+        self._room = ROWS
+        self._plain = None if plain is None else plain.receiver(rds, self.flow, received, SLOT)
+        """The C scan of plain messages (:mod:`.plain`), or None: the Python path."""
+        self._take = self._take_columns if self._plain is None else self._take_rows
         self._recvs = RecvBatch(
             RecvWR(i, [self.recv_mr.sge(i * SLOT, SLOT)]) for i in range(RECV_SLOTS)
         )
@@ -427,47 +434,27 @@ class Session:
         wait (even when a broken one ends the session: the QP flushes them then)."""
         if self.lost:
             return
-        wcs = self._wcs
-        wr_ids, statuses, opcodes, lengths = wcs.wr_id, wcs.status, wcs.opcode, wcs.byte_len
         room = self._room
         rds, flow = self.rds, self.flow
-        receive, recv_buf = flow.receive_at, self._recv_buf
         counters = rds.counters
         received = counters.recv_messages
+        take = self._take
         flow.talk = -1
         try:
             while True:
-                n = cq.poll_into(wcs)
+                try:
+                    n = take(cq)
+                finally:
+                    reposts = self._reposts
+                    if len(reposts) >= REPOST_BATCH and not self.lost:
+                        self._reposts = []
+                        self.qp.post_recv_batch(self._recvs, indices=reposts)
+                        flow.reposted(len(reposts))
                 if not n:  # (a run for completions taken already)
                     cq.req_notify()
                     if not len(cq):
                         break
                     continue
-                reposts, rdma = self._reposts, self.rdma
-                try:
-                    for i in range(n):
-                        wr_id = wr_ids[i]
-                        status = statuses[i]
-                        if rdma and wr_id in rdma:  # receives use slot numbers: no clash
-                            self._rdma_done(wr_id, status)
-                        if status != _SUCCESS:
-                            raise SessionLost(
-                                f"{status.name} (work request {wr_id:#x}) with {rds.peer}"
-                            )
-                        if opcodes[i] == _RECV:
-                            reposts.append(wr_id)
-                            receive(recv_buf, wr_id * SLOT, lengths[i])
-                        elif wr_id < _RDMA_WR:  # this Send and every one before it are done
-                            while (slot := self.posted.popleft()) != wr_id:
-                                self.free_slots.append(slot)
-                            self.free_slots.append(slot)
-                            if self._writes:
-                                self._writes_done(slot)
-                finally:
-                    if len(reposts) >= REPOST_BATCH and not self.lost:
-                        self._reposts = []
-                        self.qp.post_recv_batch(self._recvs, indices=reposts)
-                        flow.reposted(len(reposts))
                 if flow.current is not None or rds.unsent or rds.map_out is not None:
                     self.pump_sends(True)  # (what the new credits and slots let go)
                 # Our acknowledgement: at once if many receives wait to be granted, else
@@ -500,6 +487,44 @@ class Session:
             self._end(SessionLost(str(exc)))
         except SessionLost as exc:
             self._end(exc)
+
+    def _take_columns(self, cq: CQ) -> int:
+        """Poll into the session's :class:`WCArray` and take each completion (the Python
+        path); how many there were."""
+        n = cq.poll_into(self._wcs)
+        wcs = self._wcs
+        completion = self._completion
+        for i in range(n):
+            completion(wcs.wr_id[i], wcs.status[i], wcs.opcode[i], wcs.byte_len[i])
+        return n
+
+    def _take_rows(self, cq: CQ) -> int:
+        """Poll rows (``cq.poll_rows``) and take them: runs of plain messages in C
+        (:mod:`.plain`), any other row as the Python path takes it; how many there were."""
+        plain = self._plain
+        assert plain is not None  # (chosen with it)
+        n = cq.poll_rows(plain.rows)
+        plain.take(n, self._completion, self._reposts)
+        return n
+
+    def _completion(self, wr_id: int, status: WCStatus, opcode: int, length: int) -> None:
+        """Take one completion: a received message (its buffer to be posted again), a
+        Send (its slot and every earlier one free), an RDMA operation (done), or a
+        failure (:class:`SessionLost`)."""
+        rdma = self.rdma
+        if rdma and wr_id in rdma:  # receives use slot numbers: no clash
+            self._rdma_done(wr_id, status)
+        if status != _SUCCESS:
+            raise SessionLost(f"{status.name} (work request {wr_id:#x}) with {self.rds.peer}")
+        if opcode == _RECV:
+            self._reposts.append(wr_id)
+            self.flow.receive_at(self._recv_buf, wr_id * SLOT, length)
+        elif wr_id < _RDMA_WR:  # this Send and every one before it are done
+            while (slot := self.posted.popleft()) != wr_id:
+                self.free_slots.append(slot)
+            self.free_slots.append(slot)
+            if self._writes:
+                self._writes_done(slot)
 
     def _end(self, failure: SessionLost) -> None:
         if self._failure is None:

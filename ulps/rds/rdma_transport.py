@@ -117,7 +117,7 @@ class RdmaTransport:
         def prepare(conn: Connection) -> None:
             if holder:  # an attempt open_connection gave up on (its QP is gone)
                 holder.pop().close()
-            holder.append(Session(rds, conn, host.burst_held, host.ack_held))
+            holder.append(Session(rds, conn, host.burst_held, host.ack_held, host.plain))
 
         entry.connecting = True
         try:
@@ -167,7 +167,7 @@ class RdmaTransport:
             return
         if entry.connector is not None and not rds.canonical:
             entry.connector.cancel()
-        session = Session(rds, request, host.burst_held, host.ack_held)
+        session = Session(rds, request, host.burst_held, host.ack_held, host.plain)
         try:
             conn = await request.accept(private_data=self._private(rds))
             session.conn = conn

@@ -5,9 +5,9 @@ An :class:`RdsSocket` is bound to (node address, port) by
 (IP, port) over the connection its node keeps with that peer (:mod:`.peers`),
 waiting while the connection's queue is full or the destination port is congested,
 and receives the messages its node delivers to its port, in order per sender
-(:class:`ReceivedMessage`). A reader waiting on a node with one peer drives that
-peer's session itself (:meth:`RdsSocket.recvfrom`). Sockets know their node only as
-a :class:`SocketHost`.
+(:class:`~rdmashim.ulps.rds.inbox.ReceivedMessage`, from its :mod:`.inbox`). A reader
+waiting on a node with one peer drives that peer's session itself
+(:meth:`RdsSocket.recvfrom`). Sockets know their node only as a :class:`SocketHost`.
 """
 
 from __future__ import annotations
@@ -15,15 +15,15 @@ from __future__ import annotations
 import errno
 import functools
 import ipaddress
-from collections import deque
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, NamedTuple, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import trio
 
 from rdmashim.ulps.rds.congestion import NodeCongestion
 from rdmashim.ulps.rds.connection import IPAddress, RdsConnection
 from rdmashim.ulps.rds.errors import RdsError
+from rdmashim.ulps.rds.inbox import Inbox, Inboxes
 from rdmashim.ulps.rds.peer import Peer
 from rdmashim.ulps.rds.peers import PeerTable
 from rdmashim.ulps.rds.rdma import RdmaOp, Registrations, Sources
@@ -48,8 +48,8 @@ class SocketHost(Protocol):
     _table: PeerTable
     _congestion: NodeCongestion
     _sockets: dict[int, RdsSocket]
-    _holding: int
-    """How many sockets hold received messages."""
+    _inboxes: Inboxes
+    """The sockets' receive queues (``counts.holding``: how many hold messages)."""
     _bursts: dict[BurstHolder, None]
     _acks: dict[BurstHolder, None]
 
@@ -93,28 +93,18 @@ def port_number(port: object) -> int:
     return number
 
 
-class ReceivedMessage(NamedTuple):
-    """A message waiting in a socket's receive queue."""
-
-    data: bytes
-    sender: tuple[str, int]
-    seq: int
-    """The sender node's sequence number for it (rds-info's receive queue)."""
-
-
 @dataclass(eq=False)
 class RdsSocket:
     """An RDS socket bound to (node address, port)."""
 
     node: SocketHost
     port: int
-    queued_bytes: int = 0
+    received: Inbox
+    """Messages not yet taken by :meth:`recvfrom`, oldest first (``len`` counts them)."""
     closed: bool = False
     congested: bool = False
     """The node marked this socket's port congested (it held more than ``rcvbuf`` bytes
     unread); :meth:`recvfrom` clears the mark once it holds less than half that."""
-    received: deque[ReceivedMessage] = field(default_factory=deque)
-    """Messages not yet taken by :meth:`recvfrom`, oldest first."""
     _arrived: trio.lowlevel.ParkingLot = field(default_factory=trio.lowlevel.ParkingLot)
     _driving: Drivable | None = None
     """The CQ a reader drives while it waits (see :meth:`recvfrom`)."""
@@ -123,6 +113,11 @@ class RdsSocket:
     """Destinations this socket sent to, as :meth:`_route` found them: (IP, port, whether
     it is the node's own address). A sender names the same few, and parsing and comparing
     an address cost Python calls per message."""
+
+    @property
+    def queued_bytes(self) -> int:
+        """Bytes of the messages not yet taken."""
+        return int(self.received.counts.nbytes)
 
     @property
     def address(self) -> tuple[str, int]:
@@ -212,10 +207,10 @@ class RdsSocket:
         while True:
             if self.closed:
                 raise RdsError(errno.EBADF, "recvfrom on a closed RDS socket")
-            if self.received:
+            if self.received.counts.count:
                 break
             node = self.node
-            if not node._holding and node._bursts:  # every receiver has answered
+            if not node._inboxes.counts.holding and node._bursts:  # every receiver has answered
                 node._answer_bursts()
             if node._acks:  # (after the answers: they carry acknowledgements)
                 node._acks_needed()
@@ -248,28 +243,22 @@ class RdsSocket:
         answers together."""
         if self.closed:
             raise RdsError(errno.EBADF, "recvfrom on a closed RDS socket")
-        if not self.received:
+        if not self.received.counts.count:
             raise trio.WouldBlock
         return self._take()
 
     def _take(self) -> tuple[bytes, tuple[str, int]]:
-        msg = self.received.popleft()
-        if not self.received:
-            self.node._holding -= 1
-        self.queued_bytes -= len(msg.data)
-        if self.congested and self.queued_bytes < self.node.settings.rcvbuf // 2:
+        msg = self.received.take()
+        if self.congested and self.received.counts.nbytes < self.node.settings.rcvbuf // 2:
             self.congested = False
             self.node._congestion.mark(self.port, False)
         return msg.data, msg.sender
 
     def _readable(self) -> bool:
-        return bool(self.received) or self.closed
+        return self.closed or bool(self.received.counts.count)
 
-    def _push(self, msg: ReceivedMessage) -> None:
-        if not self.received:
-            self.node._holding += 1
-        self.received.append(msg)
-        self.queued_bytes += len(msg.data)
+    def _wake(self) -> None:
+        """A message was queued: wake a reader (the one parked, or the one driving)."""
         if self._arrived:  # a reader waits (unpark costs even when none does)
             self._arrived.unpark()
         elif self._driving is not None:
@@ -319,10 +308,7 @@ class RdsSocket:
             self.node._sockets.pop(self.port, None)
             self.node._congestion.mark(self.port, False)
             self._registrations.close()
-            if self.received:  # dropped, as Linux drops a closed socket's queue
-                self.received.clear()
-                self.queued_bytes = 0
-                self.node._holding -= 1
+            self.node._inboxes.close(self.port, self.received)  # (dropped, as Linux does)
             self._arrived.unpark_all()
             if self._driving is not None:
                 self._driving.interrupt_wait()

@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     import trio
 
     from rdmashim.ulps.rds.peer import Peer
+    from rdmashim.ulps.rds.plain import PlainPath
     from rdmashim.verbs.abc import PD
 
 
@@ -89,6 +90,8 @@ class TransportHost(Protocol):
     address: IPAddress
     port: int
     settings: RdsSettings
+    plain: PlainPath | None
+    """The node's plain-message path in C (None: messages reach the sockets in Python)."""
 
     def entry_for(self, peer: IPAddress, what: str) -> Peer | None:
         """The entry of ``peer``, made if need be; None when there is no room (logged,

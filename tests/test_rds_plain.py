@@ -1,0 +1,251 @@
+"""RDS's plain-message path in C (``ulps/rds/_plain.c``) against the Python path it is
+held to.
+
+The same completions over the same receive buffers go to two worlds, each a real node
+(its deliver, its sockets and their inboxes), an :class:`RdsConnection` and an
+:class:`RdmaFlow`: one takes every row the Python way (``RdmaFlow.receive_at``), the
+other through :meth:`PlainReceiver.take` (runs of plain messages in C, the rest the
+Python way). Everything either leaves must be the same: the sockets' messages, drops
+and congestion, the sequence numbers, credits, acknowledgements and counters, the
+buffers to post again, and the protocol error that ends the session, at the same row.
+Hostile headers (numbers out of turn, lengths that lie, flags, checksums, extension
+headers, unbound ports, pings, sockets over their bounds) come from hypothesis.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import ipaddress
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from rdmashim.ulps.rds import plain
+from rdmashim.ulps.rds.connection import RdsConnection
+from rdmashim.ulps.rds.node import RdsNode
+from rdmashim.ulps.rds.rdma_flow import RECV_SLOTS, RdmaFlow
+from rdmashim.ulps.rds.rdma_session import SLOT
+from rdmashim.ulps.rds.settings import RdsSettings
+from rdmashim.ulps.rds.wire import HEADER_STRUCT, RDS_HEADER_LEN, RdsProtocolError
+from rdmashim.verbs import WC_ROW, WCOpcode, WCStatus
+
+needs_c = pytest.mark.skipif(
+    plain.COMPILED is None, reason=f"RDS's plain-message path in C is not built: {plain.WHY_NOT}"
+)
+
+LOCAL = ipaddress.ip_address("10.0.0.1")
+PEER = ipaddress.ip_address("10.0.0.2")
+BOUND = (4000, 4001)
+FIRST = 1000
+"""The number the peer's messages start at (the connection has heard it before)."""
+RCVBUF = 256
+LIMIT = 512
+
+
+@pytest.fixture(autouse=True)
+def _restore_choice() -> Iterator[None]:
+    before = plain.compiled()
+    yield
+    plain.use(before)
+
+
+@dataclasses.dataclass
+class Row:
+    """One completion and, for a receive, the bytes in its buffer."""
+
+    status: int = 0
+    opcode: int = int(WCOpcode.RECV)
+    header: tuple[Any, ...] = ()
+    payload: bytes = b""
+    byte_len: int | None = None
+    """The completion's length when it differs from header and payload's."""
+
+
+class World:
+    """A node with two bound sockets and a connection to one peer, taking rows."""
+
+    def __init__(self, compiled: bool) -> None:
+        plain.use(compiled)
+        self.node = RdsNode(str(LOCAL), settings=RdsSettings(rcvbuf=RCVBUF, rcvbuf_limit=LIMIT))
+        self.socks = [self.node.bind(port) for port in BOUND]
+        self.rds = RdsConnection(
+            LOCAL, PEER, self.node._deliver, next_seq=1, next_recv=FIRST, heard=True
+        )
+        for n in range(4):  # our messages the peer has not acknowledged yet
+            self.rds.queue(BOUND[0], 7, b"ours %d" % n)
+            self.rds.unacked.append(self.rds.unsent.popleft())
+        self.flow = RdmaFlow(self.rds)
+        self.recv = bytearray(SLOT * RECV_SLOTS)
+        self.reposts: list[int] = []
+        self.others: list[int] = []
+        """The work request ids of the rows that were not receives."""
+        self.error = ""
+        self.receiver = None
+        if compiled:
+            path = self.node._table.plain
+            assert path is not None
+            self.receiver = path.receiver(self.rds, self.flow, self.recv, SLOT)
+
+    def completion(self, wr_id: int, status: WCStatus, opcode: int, length: int) -> None:
+        """What a session does with a row that is not plain (its receive part)."""
+        if status != WCStatus.SUCCESS or opcode != WCOpcode.RECV:
+            self.others.append(wr_id)
+            return
+        self.reposts.append(wr_id)
+        self.flow.receive_at(memoryview(self.recv), wr_id * SLOT, length)
+
+    def take(self, rows: list[Row]) -> None:
+        packed = bytearray()
+        for slot, row in enumerate(rows):
+            length = 0
+            if row.header:
+                HEADER_STRUCT.pack_into(self.recv, slot * SLOT, *row.header)
+                start = slot * SLOT + RDS_HEADER_LEN
+                self.recv[start : start + len(row.payload)] = row.payload
+                length = RDS_HEADER_LEN + len(row.payload)
+            if row.byte_len is not None:
+                length = row.byte_len
+            packed += WC_ROW.pack(slot, row.status, row.opcode, length, 1, 0, 0, 0)
+        try:
+            if self.receiver is None:
+                for slot, row in enumerate(rows):
+                    length = WC_ROW.unpack_from(packed, slot * WC_ROW.size)[3]
+                    self.completion(slot, WCStatus(row.status), row.opcode, length)
+            else:
+                self.receiver.rows[: len(packed)] = packed
+                self.receiver.take(len(rows), self.completion, self.reposts)
+        except RdsProtocolError as exc:
+            self.error = str(exc)
+
+    def state(self) -> dict[str, object]:
+        """Everything the rows may have changed."""
+        return {
+            "messages": [list(sock.received) for sock in self.socks],
+            "queued": [sock.queued_bytes for sock in self.socks],
+            "holding": self.node._inboxes.counts.holding,
+            "congested": [p for p in BOUND if self.node.congestion.test(p)],
+            "drops": (self.node.drops_no_socket, self.node.drops_rcvbuf_full),
+            "next_recv": self.rds.next_recv,
+            "heard": self.rds.heard,
+            "unacked": [m.seq for m in self.rds.unacked],
+            "counters": dataclasses.asdict(self.rds.counters),
+            "credits": self.flow.send_credits,
+            "talk": self.flow.talk,
+            "assembly": self.flow.assembly is not None,
+            "reposts": self.reposts,
+            "others": self.others,
+            "error": self.error,
+        }
+
+
+def both(rows: list[Row]) -> tuple[dict[str, object], dict[str, object]]:
+    worlds = World(False), World(True)
+    for world in worlds:
+        world.take(rows)
+    return worlds[0].state(), worlds[1].state()
+
+
+def header(seq: int, sport: int, dport: int, payload: bytes, **fields: Any) -> tuple[Any, ...]:
+    values = {
+        "ack": 0, "length": len(payload), "flags": 0, "credit": 0, "csum": 0, "ext": b"",
+    } | fields  # fmt: skip
+    return (
+        seq, values["ack"], values["length"], sport, dport, values["flags"], values["credit"],
+        values["csum"], values["ext"],
+    )  # fmt: skip
+
+
+def plain_row(seq: int, dport: int = BOUND[0], payload: bytes = b"hello", **fields: Any) -> Row:
+    return Row(header=header(seq, 9, dport, payload, **fields), payload=payload)
+
+
+@needs_c
+def test_a_steady_exchange_is_taken_in_c_as_python_takes_it() -> None:
+    rows = [plain_row(FIRST + i, BOUND[i % 2], b"m%d" % i, ack=0, credit=2) for i in range(40)]
+    rows.insert(5, Row(opcode=int(WCOpcode.SEND)))  # a Send's completion among them
+    python, c = both(rows)
+    assert python == c
+    assert len(c["messages"][0]) == 20 and c["next_recv"] == FIRST + 40  # type: ignore[index]
+    assert c["reposts"] == [i for i in range(41) if i != 5]
+
+
+@needs_c
+def test_what_c_leaves_to_python_comes_out_the_same() -> None:
+    rows = [
+        plain_row(FIRST),
+        plain_row(FIRST + 1, dport=5000),  # no socket: dropped (Python logs it)
+        plain_row(FIRST + 2, dport=0),  # a ping
+        plain_row(FIRST + 5),  # out of turn
+        plain_row(FIRST + 6, flags=0x04),  # retransmitted
+        plain_row(FIRST + 8, payload=b"x" * 300),  # over rcvbuf: congested
+        plain_row(FIRST + 9, payload=b"y" * 300),  # over rcvbuf_limit: dropped
+        Row(header=header(0, 0, 0, b"", ack=FIRST + 3, credit=5)),  # a bare ack
+        plain_row(FIRST + 10, dport=BOUND[1], ack=99_999_999_999, credit=255),
+        plain_row(FIRST + 11, csum=1),  # a checksum (that does not match: the end)
+    ]
+    python, c = both(rows)
+    assert python == c
+    assert c["drops"] == (1, 1) and c["congested"] == [BOUND[0]]
+    assert "checksum" in c["error"]  # type: ignore[operator]
+
+
+@needs_c
+def test_a_broken_header_ends_the_session_at_the_same_row() -> None:
+    rows = [
+        plain_row(FIRST),
+        Row(header=header(FIRST + 1, 9, BOUND[0], b"abc", length=2), payload=b"abc"),
+        plain_row(FIRST + 2),
+    ]
+    python, c = both(rows)
+    assert python == c
+    assert c["error"] and c["next_recv"] == FIRST + 1
+
+
+_ports = st.sampled_from([0, 1, 9, BOUND[0], BOUND[1], 5000, 65535])
+
+
+@st.composite
+def _rows(draw: st.DrawFn) -> Row:
+    """A row of any kind: mostly a received message, some Sends, failures, short ones,
+    and headers whose length lies."""
+    kind = draw(st.sampled_from(["message"] * 6 + ["send", "flushed", "short", "lying"]))
+    if kind == "send":
+        return Row(opcode=int(WCOpcode.SEND))
+    if kind == "flushed":
+        return Row(status=int(WCStatus.WR_FLUSH_ERR))
+    if kind == "short":
+        return Row(byte_len=draw(st.integers(0, RDS_HEADER_LEN - 1)))
+    payload = draw(st.binary(max_size=320))
+    length = len(payload) + (draw(st.integers(1, 5000)) if kind == "lying" else 0)
+    fields = {
+        "ack": FIRST + draw(st.integers(-6, 8)),
+        "flags": draw(st.sampled_from([0, 0, 0, 1, 2, 4, 0x20, 0xFF])),
+        "credit": draw(st.integers(0, 255)),
+        "csum": draw(st.sampled_from([0, 0, 0, 1])),
+        "ext": draw(
+            st.sampled_from([b"", b"", b"", b"\x01\x00\x00\x00\x07", b"\x02\x00", b"\xff"])
+        ),
+        "length": length,
+    }
+    seq = FIRST + draw(st.integers(-2, 12))
+    return Row(header=header(seq, draw(_ports), draw(_ports), payload, **fields), payload=payload)
+
+
+@needs_c
+@settings(max_examples=300, deadline=None)
+@given(st.lists(_rows(), max_size=24))
+def test_any_rows_leave_both_paths_in_the_same_state(rows: list[Row]) -> None:
+    python, c = both(rows)
+    assert python == c
+
+
+def test_ci_builds_the_plain_path() -> None:
+    """CI sets RDMASHIM_REQUIRE_EXTENSIONS=1 where gcc and the headers are installed: the
+    C path must have been built there, so its tests above do not skip."""
+    if os.environ.get("RDMASHIM_REQUIRE_EXTENSIONS", "") in ("", "0"):
+        pytest.skip("RDMASHIM_REQUIRE_EXTENSIONS is not set")
+    assert plain.COMPILED is not None, plain.WHY_NOT

@@ -1,0 +1,236 @@
+/* RDS's plain-message receive path in C: the sockets' receive queues, and one call that
+ * takes a poll's plain messages into them.
+ *
+ * Python's RdmaFlow.receive_at and RdsNode._deliver are the reference: a message is
+ * plain when it is a received Send of one fragment with no checksum, no extension
+ * header and no congestion map, numbered next, for a bound port whose socket has room
+ * under rcvbuf. rp_scan takes such rows in order (and bare acks), adds their credits
+ * and acks to the session's state, queues their payloads on their sockets and lists
+ * their receive buffers for reposting; at the first row that is anything else it
+ * stops and says why, and Python takes that row as it takes every row without this
+ * module. Every read of the receive buffer is checked against its length first.
+ */
+#include "_plain.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+#define RP_RECV 128 /* WCOpcode.RECV */
+
+static uint64_t be64(const unsigned char *p)
+{
+    uint64_t v = 0;
+    for (int i = 0; i < 8; i++)
+        v = v << 8 | p[i];
+    return v;
+}
+
+static uint32_t be32(const unsigned char *p)
+{
+    return (uint32_t)p[0] << 24 | (uint32_t)p[1] << 16 | (uint32_t)p[2] << 8 | p[3];
+}
+
+static uint16_t be16(const unsigned char *p) { return (uint16_t)(p[0] << 8 | p[1]); }
+
+rp_ports *rp_ports_new(void) { return calloc(1, sizeof(rp_ports)); }
+
+static rp_inbox **place(rp_ports *ports, uint16_t port, int make)
+{
+    rp_inbox **page = ports->pages[port >> 8];
+    if (page == NULL) {
+        if (!make)
+            return NULL;
+        page = ports->pages[port >> 8] = calloc(256, sizeof(rp_inbox *));
+        if (page == NULL)
+            return NULL;
+    }
+    return &page[port & 0xff];
+}
+
+static rp_inbox *lookup(const rp_ports *ports, uint16_t port)
+{
+    rp_inbox **page = ports->pages[port >> 8];
+    return page == NULL ? NULL : page[port & 0xff];
+}
+
+/* A new inbox bound to port (NULL: no memory, or the port has one). */
+rp_inbox *rp_open(rp_ports *ports, uint16_t port)
+{
+    rp_inbox **at = place(ports, port, 1);
+    if (at == NULL || *at != NULL)
+        return NULL;
+    rp_inbox *box = calloc(1, sizeof(rp_inbox));
+    if (box == NULL)
+        return NULL;
+    box->holding = &ports->holding;
+    box->port = port;
+    *at = box;
+    return box;
+}
+
+/* Unbind box, drop its messages and free it. */
+void rp_close(rp_ports *ports, rp_inbox *box)
+{
+    rp_inbox **at = place(ports, box->port, 0);
+    if (at != NULL && *at == box)
+        *at = NULL;
+    rp_clear(box);
+    free(box);
+}
+
+void rp_ports_free(rp_ports *ports)
+{
+    if (ports == NULL)
+        return;
+    for (int i = 0; i < 256; i++) {
+        if (ports->pages[i] == NULL)
+            continue;
+        for (int j = 0; j < 256; j++) {
+            if (ports->pages[i][j] != NULL) {
+                rp_clear(ports->pages[i][j]);
+                free(ports->pages[i][j]);
+            }
+        }
+        free(ports->pages[i]);
+    }
+    free(ports);
+}
+
+/* Queue a message made already (not NULL) on box. */
+static void append(rp_inbox *box, rp_msg *msg)
+{
+    msg->next = NULL;
+    if (box->tail == NULL) {
+        box->head = msg;
+        (*box->holding)++;
+    } else {
+        box->tail->next = msg;
+    }
+    box->tail = msg;
+    box->count++;
+    box->nbytes += msg->len;
+}
+
+static rp_msg *make(uint64_t seq, uint16_t sport, uint16_t family, const char *peer,
+                    const char *data, uint32_t len)
+{
+    rp_msg *msg = malloc(sizeof(rp_msg) + (len ? len : 1));
+    if (msg == NULL)
+        return NULL;
+    msg->seq = seq;
+    msg->len = len;
+    msg->sport = sport;
+    msg->family = family;
+    memcpy(msg->peer, peer, sizeof(msg->peer));
+    if (len)
+        memcpy(msg->data, data, len);
+    return msg;
+}
+
+int rp_push(rp_inbox *box, uint64_t seq, uint16_t sport, uint16_t family, const char *peer,
+            const char *data, uint32_t len)
+{
+    rp_msg *msg = make(seq, sport, family, peer, data, len);
+    if (msg == NULL)
+        return -1;
+    append(box, msg);
+    return 0;
+}
+
+rp_msg *rp_take(rp_inbox *box)
+{
+    rp_msg *msg = box->head;
+    if (msg == NULL)
+        return NULL;
+    box->head = msg->next;
+    if (box->head == NULL) {
+        box->tail = NULL;
+        (*box->holding)--;
+    }
+    box->count--;
+    box->nbytes -= msg->len;
+    msg->next = NULL;
+    return msg;
+}
+
+void rp_clear(rp_inbox *box)
+{
+    rp_msg *msg;
+    while ((msg = rp_take(box)) != NULL)
+        free(msg);
+}
+
+void rp_free(rp_msg *msg) { free(msg); }
+
+uint32_t rp_scan(rp_rx *rx, rp_ports *ports, const rp_row *rows, uint32_t n,
+                 const char *recv, uint64_t recv_len, uint32_t *reposts, uint32_t room,
+                 uint16_t *woken, uint32_t woken_room)
+{
+    uint32_t i;
+    rx->stop = RP_DONE;
+    for (i = 0; i < n; i++) {
+        const rp_row *row = &rows[i];
+        if (rx->nreposts >= room || rx->nwoken >= woken_room) {
+            rx->stop = RP_FOR_PYTHON; /* (no room for what it would list) */
+            return i;
+        }
+        if (row->status != 0 || row->opcode != RP_RECV || row->byte_len < RP_HEADER_LEN
+            || row->byte_len > rx->slot
+#ifndef RP_FUZZ_SELFTEST /* (the fuzz harness's own test: a missing bounds check is found) */
+            || row->wr_id >= recv_len / rx->slot
+#endif
+        ) {
+            rx->stop = RP_NOT_PLAIN;
+            return i;
+        }
+        const unsigned char *h = (const unsigned char *)recv + row->wr_id * rx->slot;
+        uint64_t seq = be64(h);
+        uint64_t ack = be64(h + 8);
+        uint32_t len = be32(h + 16);
+        uint16_t sport = be16(h + 20), dport = be16(h + 22);
+        uint8_t flags = h[24], credit = h[25];
+        uint16_t csum = be16(h + 30);
+        if (csum != 0 || h[32] != 0 || len != row->byte_len - RP_HEADER_LEN || len > RP_FRAG_SIZE
+            || (flags & RP_CONG_BITMAP)) {
+            rx->stop = RP_NOT_PLAIN;
+            return i;
+        }
+        rp_inbox *box = NULL;
+        if (sport || dport || len) { /* else a bare ack */
+            if (dport == 0 || (dport == RP_PROBE_PORT && sport == 0) || seq != rx->next_recv) {
+                rx->stop = RP_FOR_PYTHON;
+                return i;
+            }
+            box = lookup(ports, dport);
+            if (box == NULL || box->nbytes + len > rx->rcvbuf_limit
+                || box->nbytes + len > rx->rcvbuf) {
+                rx->stop = RP_FOR_PYTHON;
+                return i;
+            }
+        }
+        rp_msg *msg = NULL;
+        if (box != NULL) {
+            msg = make(seq, sport, rx->family, rx->peer, (const char *)h + RP_HEADER_LEN, len);
+            if (msg == NULL) {
+                rx->stop = RP_FOR_PYTHON; /* Python's copy fails as it fails */
+                return i;
+            }
+        }
+        rx->credits += credit;
+        if (!rx->acks || ack > rx->ack)
+            rx->ack = ack;
+        rx->acks++;
+        reposts[rx->nreposts++] = (uint32_t)row->wr_id;
+        if (box != NULL) {
+            int64_t talk = (int64_t)sport << 16 | dport;
+            if (talk != rx->talk && sport && dport)
+                rx->talk = rx->talk == -1 ? talk : -2;
+            rx->next_recv = seq + 1;
+            append(box, msg);
+            rx->messages++;
+            rx->bytes += len;
+            woken[rx->nwoken++] = dport;
+        }
+    }
+    return i;
+}

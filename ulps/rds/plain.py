@@ -1,0 +1,201 @@
+"""RDS's plain-message path: where a session's plain messages go from a poll's rows to
+their sockets, in C when it was built, else in Python. Chosen here, once.
+
+The pattern of the engine's accelerator (``providers/softiwarp/fastpath.py``), one layer
+up: ``_plain`` (C through cffi, ``_plain.c``, built when a compiler was there at install
+time) keeps the sockets' receive queues (:class:`~.inbox.CInboxes`) and takes a poll's
+plain messages into them in one call (:class:`PlainReceiver`), and the Python path
+(:class:`~.inbox.PyInboxes`, :meth:`.RdmaFlow.receive_at`, :meth:`.RdsNode._deliver`) is
+the reference and the fallback. A message is plain when it is a received Send of one
+fragment with no checksum, no extension header and no congestion map, numbered next,
+for a bound port whose socket holds less than ``rcvbuf``: what every message of a
+steady exchange is. The C path knows no verbs backend (it reads the portable rows of
+``cq.poll_rows``), so RDS stays above the portable API on every backend.
+
+The compiled path is used when it was built, unless the environment variable
+``RDMASHIM_NO_EXTENSIONS`` is set (to anything but ``0``) when this module is first
+imported; :func:`use` changes the choice for nodes made later (the tests run the RDS
+suites on both).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any, Protocol
+
+from rdmashim.ulps.rds.inbox import CInboxes, Inboxes, PyInboxes
+from rdmashim.verbs import WC_ROW, WCStatus
+
+if TYPE_CHECKING:
+    from rdmashim.ulps.rds.connection import RdsConnection
+    from rdmashim.ulps.rds.rdma_flow import RdmaFlow
+    from rdmashim.ulps.rds.settings import RdsSettings
+
+log = logging.getLogger(__name__)
+
+ENV_NO_EXTENSIONS = "RDMASHIM_NO_EXTENSIONS"
+ROWS = 64
+"""Rows a session polls at a time (and room for their reposts and wake-ups)."""
+
+
+def _load() -> tuple[Any, str]:
+    if os.environ.get(ENV_NO_EXTENSIONS, "") not in ("", "0"):
+        return None, f"{ENV_NO_EXTENSIONS} is set"
+    try:
+        from rdmashim.ulps.rds import _plain  # type: ignore[attr-defined]
+    except ImportError as exc:
+        return None, f"not built or not loadable ({exc})"
+    return _plain, ""
+
+
+COMPILED, WHY_NOT = _load()
+"""The compiled module (``ffi``, ``lib``), or None and the reason why not."""
+if COMPILED is None:
+    log.debug("RDS's compiled plain-message path unavailable: %s", WHY_NOT)
+
+_current: Any = COMPILED
+
+
+def use(compiled: bool) -> None:
+    """Make nodes created from now on use the compiled path (when it was built) or the
+    Python one."""
+    global _current
+    if compiled and COMPILED is None:
+        raise RuntimeError(f"RDS's compiled plain-message path is unavailable: {WHY_NOT}")
+    _current = COMPILED if compiled else None
+
+
+def compiled() -> bool:
+    """Whether nodes created now take plain messages in C."""
+    return _current is not None
+
+
+def describe() -> str:
+    """One line for info output: ``yes (C)`` or ``no (why)``."""
+    if _current is not None:
+        return "yes (C)"
+    return f"no ({WHY_NOT or 'the Python path was chosen'})"
+
+
+def inboxes() -> Inboxes:
+    """The receive queues of a new node: in C when the compiled path is used."""
+    if _current is None:
+        return PyInboxes()
+    return CInboxes(_current.ffi, _current.lib)
+
+
+class Wakeable(Protocol):
+    """A socket, as the plain-message path sees it."""
+
+    def _wake(self) -> None:
+        """A message was queued: wake a reader."""
+
+
+class PlainPath:
+    """A node's plain-message path: its C inboxes, its bounds, and its sockets by port
+    (whose readers it wakes: ``sock._wake()``)."""
+
+    def __init__(
+        self, inboxes: CInboxes, settings: RdsSettings, sockets: Mapping[int, Wakeable]
+    ) -> None:
+        self.inboxes = inboxes
+        self.settings = settings
+        self.sockets = sockets
+
+    def receiver(
+        self, rds: RdsConnection, flow: RdmaFlow, recv: bytearray, slot: int
+    ) -> PlainReceiver:
+        """The scan of one session, which receives into ``recv`` in buffers of ``slot``
+        bytes (it polls its completions into the receiver's :attr:`PlainReceiver.rows`).
+        ``recv`` is the registered bytearray itself, not a view of it: C keeps a pointer
+        to it (a view's export, released by the garbage collector in a cycle's arbitrary
+        order, can be gone first)."""
+        return PlainReceiver(self, rds, flow, recv, slot)
+
+
+def path(
+    inboxes: Inboxes, settings: RdsSettings, sockets: Mapping[int, Wakeable]
+) -> PlainPath | None:
+    """The plain-message path of a node with ``inboxes`` (None: its inboxes are Python's,
+    and so is every message's way to them)."""
+    if isinstance(inboxes, CInboxes):
+        return PlainPath(inboxes, settings, sockets)
+    return None
+
+
+class PlainReceiver:
+    """One session's plain messages, taken from a poll's rows in C (``rp_scan``)."""
+
+    __slots__ = (
+        "_flow", "_lib", "_ports", "_rds", "_recv", "_recv_len", "_reposts", "_rows_c",
+        "_rx", "_sockets", "_unpack", "_woken", "rows",
+    )  # fmt: skip
+
+    def __init__(
+        self, plain: PlainPath, rds: RdsConnection, flow: RdmaFlow, recv: bytearray, slot: int
+    ) -> None:
+        inboxes = plain.inboxes
+        ffi, self._lib = inboxes.ffi, inboxes.lib
+        self._ports = inboxes.counts
+        self._sockets = plain.sockets
+        self._rds, self._flow = rds, flow
+        self.rows = bytearray(ROWS * WC_ROW.size)
+        """Where the session polls its completions (``cq.poll_rows``: rows of ``WC_ROW``)."""
+        self._rows_c = ffi.from_buffer("rp_row[]", self.rows)
+        self._recv = ffi.from_buffer(recv)
+        self._recv_len = len(self._recv)
+        rx = self._rx = ffi.new("rp_rx *")
+        rx.slot = slot
+        rx.rcvbuf = plain.settings.rcvbuf
+        rx.rcvbuf_limit = plain.settings.rcvbuf_limit
+        rx.family, packed = rds.peer.version, rds.peer.packed
+        ffi.memmove(rx.peer, packed, len(packed))
+        rows_held = len(self._rows_c)
+        self._reposts = ffi.new("uint32_t[]", rows_held)
+        self._woken = ffi.new("uint16_t[]", rows_held)
+        self._unpack = ffi.unpack
+
+    def take(
+        self, n: int, completion: Callable[[int, WCStatus, int, int], None], reposts: list[int]
+    ) -> None:
+        """Take rows ``0..n-1`` of :attr:`rows` in order: each run of plain messages in C
+        (their credits, acks and numbers into the session's state, their payloads onto
+        their sockets, whose readers are woken, their receive buffers onto ``reposts``),
+        and any other row by ``completion(wr_id, status, opcode, byte_len)`` (the Python
+        path's)."""
+        rx, rds, flow, unpack = self._rx, self._rds, self._flow, self._unpack
+        start = 0
+        while start < n:
+            rx.next_recv = rds.next_recv
+            rx.talk = flow.talk
+            rx.acks = rx.messages = rx.nreposts = rx.nwoken = 0
+            rx.credits = rx.bytes = 0
+            took = self._lib.rp_scan(
+                rx, self._ports, self._rows_c + start, n - start, self._recv, self._recv_len,
+                self._reposts, len(self._reposts), self._woken, len(self._woken),
+            )  # fmt: skip
+            if took:  # (each row taken is a header: its credits and ack count)
+                reposts += unpack(self._reposts, rx.nreposts)
+                flow.send_credits += rx.credits
+                unacked = rds.unacked
+                if unacked and unacked[0].seq <= rx.ack:
+                    rds.acked(rx.ack)
+                if rx.messages:
+                    rds.next_recv = rx.next_recv
+                    rds.heard = rds.busy = True
+                    counters = rds.counters
+                    counters.recv_messages += rx.messages
+                    counters.recv_bytes += rx.bytes
+                    flow.talk = rx.talk
+                    sockets = self._sockets
+                    for port in unpack(self._woken, rx.nwoken):
+                        sock = sockets.get(port)
+                        if sock is not None:
+                            sock._wake()
+                start += took
+            if start < n:  # a row that is not plain: the Python path's
+                row = WC_ROW.unpack_from(self.rows, start * WC_ROW.size)
+                completion(row[0], WCStatus(row[1]), row[2], row[3])
+                start += 1
