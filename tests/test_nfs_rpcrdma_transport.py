@@ -17,6 +17,7 @@ import pytest
 import trio
 
 from rdmashim.cm import Connection, ConnectionRequest, open_connection, serve
+from rdmashim.ulps.nfsrdma import rdma_server
 from rdmashim.ulps.nfsrdma.rdma_client import (
     POOL_BUFFERS,
     ReceivePool,
@@ -209,6 +210,38 @@ async def test_call_buffers_reused_on_one_connection_hold_each_calls_bytes(port:
                     hashlib.sha256(data).digest(),
                     size,
                 )
+
+
+async def test_call_buffers_are_the_listeners_reused_by_its_next_connection(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The buffers calls with Read chunks are pulled into belong to the listener, not to
+    a connection: a client that connects again (or another client) finds them there
+    (before, each connection made its own, and a kernel client with more WRITEs out
+    than a connection kept made one per call)."""
+    pools: list[ReceivePool] = []
+
+    class Counted(ReceivePool):
+        def __init__(self, keep: int = POOL_BUFFERS) -> None:
+            super().__init__(keep)
+            pools.append(self)
+
+    monkeypatch.setattr(rdma_server, "ReceivePool", Counted)
+    data = pattern(70_000, 9)
+    with trio.fail_after(TIMEOUT):
+        async with server() as (port, _):
+            for _ in range(3):
+                async with RpcRdmaClient.connect(HOST, port) as client:
+                    for _ in range(2):
+                        args = Reply()
+                        args.opaque_ddp(data)
+                        args.packer.uint(0)
+                        u = await client.call(PROG, 1, WRITE, args)
+                        assert (u.uint(), u.fopaque(32)) == (
+                            len(data),
+                            hashlib.sha256(data).digest(),
+                        )
+    assert [pool.made for pool in pools] == [1]
 
 
 @pytest.mark.parametrize(("size", "room"), [(0, 16), (5, 8), (200_003, 256 * 1024), (3000, 0)])

@@ -84,8 +84,11 @@ DEFAULT_CREDITS = 32
 DEFAULT_MAX_CALL = (1 << 20) + 64 * 1024
 """Bytes of Read chunks one call may bring (an NFS WRITE of 1 MiB and its headers)."""
 TRANSPORT = "rdma"
-CALL_BUFFERS = 4
-"""Buffers a connection keeps for the streams of calls with Read chunks."""
+CALL_BUFFERS = DEFAULT_CREDITS
+"""Buffers the listener keeps for the streams of calls with Read chunks, shared by its
+connections: as many as one client's calls in flight (a kernel client keeps its credits'
+worth of 1 MiB WRITEs out), so a stream of WRITEs pulls each into memory that is already
+there, not into a fresh buffer zeroed and faulted in per call."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,10 +131,11 @@ async def serve_rdma(
     if credits < 1:
         raise ValueError(f"credits {credits} < 1")
     settings = Settings(inline_size, credits, max_call_size)
+    pool = ReceivePool(CALL_BUFFERS)
 
     async def handler(request: ConnectionRequest) -> None:
         try:
-            await _Responder(server, request, settings).run()
+            await _Responder(server, request, settings, pool).run()
         except CMError as exc:
             log.info("RPC-over-RDMA connection from %s not set up: %s", request.peer_addr, exc)
         except Exception:  # one connection's failure must not stop the listener
@@ -151,7 +155,9 @@ class _Responder:
     slot stays taken until the reply is about to be sent.
     """
 
-    def __init__(self, server: CallHandler, request: ConnectionRequest, s: Settings) -> None:
+    def __init__(
+        self, server: CallHandler, request: ConnectionRequest, s: Settings, pool: ReceivePool
+    ) -> None:
         self.server = server
         self.request = request
         self.settings = s
@@ -160,8 +166,9 @@ class _Responder:
         self.reply_inline = min(s.inline_size, client.recv_size)
         self.remote_invalidate = client.remote_invalidate
         self.ep = Endpoint(request, s.inline_size, s.credits)
-        self.pool = ReceivePool(CALL_BUFFERS)
-        """The streams of calls with Read chunks (no allocation and zeroing per call)."""
+        self.pool = pool
+        """The streams of calls with Read chunks (the listener's: no allocation and
+        zeroing per call)."""
         self.nursery: trio.Nursery | None = None
         self._plain = True
         """The last call the event loop took was plain (inline, no chunks)."""
