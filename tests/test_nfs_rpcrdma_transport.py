@@ -212,6 +212,32 @@ async def test_call_buffers_reused_on_one_connection_hold_each_calls_bytes(port:
                 )
 
 
+async def test_read_chunks_are_pulled_with_no_task_waiting(
+    port: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A call's RDMA Reads are posted where the call arrived and the call is taken on
+    from their completion: nothing waits for them in a task of its own (before, each
+    call with Read chunks got a task that waited for its Reads)."""
+    waited: list[int] = []
+    real_post = Endpoint.post
+
+    async def post(ep: Endpoint, wrs: list[SendWR]) -> None:
+        waited.append(len(wrs))
+        await real_post(ep, wrs)
+
+    monkeypatch.setattr(Endpoint, "post", post)
+    with trio.fail_after(TIMEOUT):
+        async with RpcRdmaClient.connect(HOST, port) as client:
+            for size in (1, 4099, 1 << 20):
+                data = pattern(size, 5)
+                args = Reply()
+                args.opaque_ddp(data)
+                args.packer.uint(size)
+                u = await client.call(PROG, 1, WRITE, args)
+                assert (u.uint(), u.fopaque(32)) == (size, hashlib.sha256(data).digest())
+    assert waited == []
+
+
 async def test_call_buffers_are_the_listeners_reused_by_its_next_connection(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

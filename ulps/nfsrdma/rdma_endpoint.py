@@ -181,14 +181,18 @@ class ConnectionLost(ConnectionError):
 
 class _Posted:
     """Work requests posted together, up to a signaled last one: how many, the regions
-    to close when they complete, and a waiter if a task waits for them."""
+    to close when they complete, a waiter if a task waits for them, and what to call
+    once they all completed (not when they failed)."""
 
-    __slots__ = ("count", "done", "regions", "status")
+    __slots__ = ("count", "done", "regions", "status", "then")
 
-    def __init__(self, count: int, regions: Sequence[MR], wait: bool) -> None:
+    def __init__(
+        self, count: int, regions: Sequence[MR], wait: bool, then: Callable[[], None] | None
+    ) -> None:
         self.count = count
         self.regions = regions
         self.done = trio.Event() if wait else None
+        self.then = then
         self.status = WCStatus.SUCCESS
 
 
@@ -382,6 +386,20 @@ class Endpoint:
             if posted.status != WCStatus.SUCCESS:
                 raise self.lost or ConnectionLost(posted.status.name)
 
+    def try_post(
+        self, wrs: Sequence[SendWR], regions: Sequence[MR], then: Callable[[], None]
+    ) -> bool:
+        """Post ``wrs`` (their wr_ids and flags are set here) if the send queue has room
+        for all of them now, and call ``then()`` from the completion handling once they
+        all completed, after closing ``regions``; False, nothing done, when there is no
+        room (:meth:`post` waits for it). Nothing is called if they fail: the connection
+        is lost, and :meth:`close` closes ``regions``. Raises :class:`ConnectionLost`."""
+        self._check()
+        if len(wrs) > self._sq_room:
+            return False
+        self._post_signaled(wrs, regions, wait=False, then=then)
+        return True
+
     def _unsignaled(self, wrs: Sequence[SendWR]) -> Sequence[SendWR]:
         """``wrs`` with wr_ids of their own and unsignaled."""
         for wr in wrs:
@@ -391,12 +409,17 @@ class Endpoint:
         return wrs
 
     def _post_signaled(
-        self, wrs: Sequence[SendWR], regions: Sequence[MR], *, wait: bool
+        self,
+        wrs: Sequence[SendWR],
+        regions: Sequence[MR],
+        *,
+        wait: bool,
+        then: Callable[[], None] | None = None,
     ) -> _Posted:
         """Post ``wrs``, only the last signaled, remembered by its wr_id."""
         self._unsignaled(wrs)
         wrs[-1].send_flags |= SendFlags.SIGNALED
-        posted = self._posted[wrs[-1].wr_id] = _Posted(len(wrs), regions, wait)
+        posted = self._posted[wrs[-1].wr_id] = _Posted(len(wrs), regions, wait, then)
         self._sq_room -= len(wrs)
         try:
             self.qp.post_send(list(wrs))
@@ -528,6 +551,7 @@ class Endpoint:
             posted = self._posted.pop(wr_id, None)
             if posted is not None:
                 posted.status = wcs.status[i]
+                self._close(posted.regions)
                 if posted.done is not None:
                     posted.done.set()
             raise self._lose(f"work request {wr_id} completed with {wcs.status[i].name}")
@@ -546,6 +570,8 @@ class Endpoint:
         self._close(posted.regions)
         if posted.done is not None:
             posted.done.set()
+        if posted.then is not None:
+            posted.then()
 
     def _release_through(self, slot: int) -> None:
         """The signaled Send of ``slot`` completed, and with it every Send posted before

@@ -44,6 +44,7 @@ import trio
 
 from rdmashim.cm import CMError, serve
 from rdmashim.ulps.nfsrdma.rdma_endpoint import (
+    BATCH,
     ConnectionLost,
     Endpoint,
     ReceivePool,
@@ -150,9 +151,10 @@ class _Responder:
 
     A call without Read chunks is decoded where it lies in its Receive slot
     and, when :meth:`~.rpc.RpcServer.call_now` can answer it at once, answered
-    in the completion task; a call with Read chunks, or one its program
-    carries out in a task, gets a task of its own. Either way its Receive
-    slot stays taken until the reply is about to be sent.
+    in the completion task; a call with Read chunks has their RDMA Reads posted
+    there and is taken on from their completion, as if it had just arrived; a
+    call its program carries out in a task gets a task of its own. Either way
+    its Receive slot stays taken until the reply is about to be sent.
     """
 
     def __init__(
@@ -174,8 +176,9 @@ class _Responder:
         """The last call the event loop took was plain (inline, no chunks)."""
         self._later: list[tuple[int, int, Answer]] = []
         """Answers the serving thread left for the event loop: (slot, xid, answer)."""
-        self._tasks = 0
-        """The connection's tasks at work (:meth:`_spawn`; the nursery has no others)."""
+        self._busy = 0
+        """The connection's tasks at work (:meth:`_spawn`; the nursery has no others) and
+        calls whose Read chunks are being pulled (:meth:`_pull`)."""
 
     async def run(self) -> None:
         try:
@@ -211,7 +214,7 @@ class _Responder:
         """Whether a thread may serve: no task of the connection at work, no answer
         waiting for the event loop, and the last call the event loop took was plain
         (a stream of calls with chunks stays in the event loop)."""
-        return self._plain and not self._later and not self._tasks
+        return self._plain and not self._later and not self._busy
 
     def resume(self) -> None:
         """The thread gave the connection back: the answers it left are sent (or their
@@ -249,7 +252,7 @@ class _Responder:
             self._answer(slot, xid, None, self._chunk_error(xid, exc))
             return
         if header.read_list or header.proc != Proc.RDMA_MSG:
-            self._spawn(self._serve_chunked(slot, header, data[start:]))
+            self._pull(slot, header, data[start:])
         else:
             answer = self.server.call_now(data[start:], self.peer, TRANSPORT)
             self._answer(slot, xid, header, answer)
@@ -275,7 +278,7 @@ class _Responder:
     def _spawn(self, work: Coroutine[Any, Any, None]) -> None:
         assert self.nursery is not None
         self.nursery.start_soon(self._guarded, work)
-        self._tasks += 1
+        self._busy += 1
 
     async def _guarded(self, work: Coroutine[Any, Any, None]) -> None:
         try:
@@ -286,18 +289,7 @@ class _Responder:
             log.exception("RPC-over-RDMA call from %s failed", self.peer)
             self._close(f"{type(exc).__name__}: {exc}")
         finally:
-            self._tasks -= 1
-
-    async def _serve_chunked(self, slot: int, header: Header, inline: memoryview) -> None:
-        """A call with Read chunks (or a Long Call): pulled in, then answered."""
-        xid = header.xid
-        try:
-            message = await self._assemble(header, inline)
-        except XdrError as exc:
-            await self._finish(slot, xid, None, self._chunk_error(xid, exc))
-            return
-        answer = self.server.call_now(message, self.peer, TRANSPORT)
-        await self._finish(slot, xid, header, answer)
+            self._busy -= 1
 
     def _answer(self, slot: int, xid: int, call: Header | None, answer: Answer) -> None:
         """Answer now if that needs no waiting, else in a task of its own."""
@@ -329,9 +321,59 @@ class _Responder:
             return self._try_answer(slot, xid, None, self._chunk_error(xid, exc))
 
     # ------------------------------------------------------------------ calls
-    async def _assemble(self, header: Header, inline: memoryview) -> memoryview:
-        """The call's XDR stream: the inline part with every Read chunk pulled in place,
-        in a buffer of the connection's pool (reused once nothing refers to it)."""
+    def _pull(self, slot: int, header: Header, inline: memoryview) -> None:
+        """A call with Read chunks (or a Long Call): its stream laid out and its chunks'
+        RDMA Reads posted now, by the completion task, and the call answered from the
+        completion of the last (:meth:`_pulled`): no task waits for them, unless the send
+        queue has no room for them now."""
+        xid = header.xid
+        try:
+            stream, places = self._lay_out(header, inline)
+            reads = _spread(places)
+        except XdrError as exc:
+            self._answer(slot, xid, None, self._chunk_error(xid, exc))
+            return
+        if not reads:
+            self._answer(slot, xid, header, self.server.call_now(stream, self.peer, TRANSPORT))
+            return
+        mr = self.ep.register(stream, Access.LOCAL_WRITE)
+        wrs = [
+            rdma_wr(WROpcode.RDMA_READ, mr, at, seg.length, seg.offset, seg.handle)
+            for at, seg in reads
+        ]
+        self._busy += 1
+        try:
+            posted = len(wrs) <= BATCH and self.ep.try_post(
+                wrs, [mr], lambda: self._pulled(slot, header, stream)
+            )
+        except ConnectionLost:
+            mr.close()
+            raise
+        if not posted:
+            self._spawn(self._pull_in_steps(slot, header, stream, wrs, mr))
+
+    async def _pull_in_steps(
+        self, slot: int, header: Header, stream: memoryview, wrs: list[SendWR], mr: MR
+    ) -> None:
+        """:meth:`_pull`'s Reads when the send queue had no room for them: posted as it
+        makes room, then the call answered."""
+        try:
+            await self.ep.post(wrs)
+        finally:
+            mr.close()
+        self._pulled(slot, header, stream)
+
+    def _pulled(self, slot: int, header: Header, stream: memoryview) -> None:
+        """The call's Read chunks are in its stream: it is answered."""
+        self._busy -= 1
+        self._answer(slot, header.xid, header, self.server.call_now(stream, self.peer, TRANSPORT))
+
+    def _lay_out(
+        self, header: Header, inline: memoryview
+    ) -> tuple[memoryview, list[tuple[int, Chunk]]]:
+        """The call's XDR stream with the inline part in place and room for every Read
+        chunk (in a buffer of the listener's pool, reused once nothing refers to it), and
+        where each chunk goes in it. Raises :class:`ChunkError`."""
         chunks = read_chunks(header.read_list)
         if header.proc == Proc.RDMA_NOMSG:
             if not chunks or chunks[0][0] != 0:
@@ -364,19 +406,7 @@ class _Responder:
         for at, chunk in places:  # a reused buffer has old bytes where the roundups go
             n = chunk_length(chunk)
             out[at + n : at + n + pad(n)] = bytes(pad(n))
-        if not places:
-            return out
-        mr = self.ep.register(out, Access.LOCAL_WRITE)
-        try:
-            await self.ep.post(
-                [
-                    rdma_wr(WROpcode.RDMA_READ, mr, at, seg.length, seg.offset, seg.handle)
-                    for at, seg in _spread(places)
-                ]
-            )
-        finally:
-            mr.close()
-        return out
+        return out, places
 
     # ------------------------------------------------------------------ replies
     def _reply(self, slot: int, xid: int, call: Header, reply: Reply) -> bool:
