@@ -27,6 +27,7 @@ from hypothesis import strategies as st
 from rdmashim.ulps.rds import plain
 from rdmashim.ulps.rds.connection import RdsConnection
 from rdmashim.ulps.rds.node import RdsNode
+from rdmashim.ulps.rds.rdma import Registrations
 from rdmashim.ulps.rds.rdma_flow import RECV_SLOTS, RdmaFlow
 from rdmashim.ulps.rds.rdma_session import SLOT
 from rdmashim.ulps.rds.settings import RdsSettings
@@ -65,6 +66,18 @@ class Row:
     """The completion's length when it differs from header and payload's."""
 
 
+class Used(Registrations):
+    """A socket's registrations (none here) that note each R_Key a message chases."""
+
+    def __init__(self, port: int, log: list[tuple[int, int]]) -> None:
+        super().__init__()
+        self.port, self.log = port, log
+
+    def used(self, rkey: int) -> None:
+        self.log.append((self.port, rkey))
+        super().used(rkey)
+
+
 class World:
     """A node with two bound sockets and a connection to one peer, taking rows."""
 
@@ -72,6 +85,10 @@ class World:
         plain.use(compiled)
         self.node = RdsNode(str(LOCAL), settings=RdsSettings(rcvbuf=RCVBUF, rcvbuf_limit=LIMIT))
         self.socks = [self.node.bind(port) for port in BOUND]
+        self.used: list[tuple[int, int]] = []
+        """(port, R_Key) of each registration marked used by a message chasing it."""
+        for sock in self.socks:
+            sock._registrations = Used(sock.port, self.used)
         self.rds = RdsConnection(
             LOCAL, PEER, self.node._deliver, next_seq=1, next_recv=FIRST, heard=True
         )
@@ -138,6 +155,7 @@ class World:
             "assembly": self.flow.assembly is not None,
             "reposts": self.reposts,
             "others": self.others,
+            "used": self.used,
             "error": self.error,
         }
 
@@ -185,11 +203,13 @@ def test_what_c_leaves_to_python_comes_out_the_same() -> None:
         plain_row(FIRST + 9, payload=b"y" * 300),  # over rcvbuf_limit: dropped
         Row(header=header(0, 0, 0, b"", ack=FIRST + 3, credit=5)),  # a bare ack
         plain_row(FIRST + 10, dport=BOUND[1], ack=99_999_999_999, credit=255),
-        plain_row(FIRST + 11, csum=1),  # a checksum (that does not match: the end)
+        plain_row(FIRST + 11, ext=b"\x02\x00\x00\x12\x34"),  # chasing R_Key 0x1234
+        plain_row(FIRST + 12, csum=1),  # a checksum (that does not match: the end)
     ]
     python, c = both(rows)
     assert python == c
     assert c["drops"] == (1, 1) and c["congested"] == [BOUND[0]]
+    assert c["used"] == [(BOUND[0], 0x1234)]
     assert "checksum" in c["error"]  # type: ignore[operator]
 
 
@@ -205,13 +225,20 @@ def test_a_broken_header_ends_the_session_at_the_same_row() -> None:
     assert c["error"] and c["next_recv"] == FIRST + 1
 
 
-_ports = st.sampled_from([0, 1, 9, BOUND[0], BOUND[1], 5000, 65535])
+_EXTENSIONS = [
+    b"", b"", b"", b"\x02\x00\x00\x00\x07", b"\x02\x00\x00\x00\x07\x01\x00\x00\x00\x01",
+    b"\x01\x00\x00\x00\x07", b"\x03\x00", b"\xff",
+]  # fmt: skip
+"""Extension areas: none, the RDMA one (R_Key 7) alone or before another, a version one,
+an RDMA destination cut short, a type unknown."""
+_ports = st.sampled_from([BOUND[0], BOUND[1]] * 4 + [0, 1, 9, 5000, 65535])
+"""Mostly the bound ports, sometimes a ping's, the probe's or ports with no socket."""
 
 
 @st.composite
-def _rows(draw: st.DrawFn) -> Row:
-    """A row of any kind: mostly a received message, some Sends, failures, short ones,
-    and headers whose length lies."""
+def _rows(draw: st.DrawFn, seq: int) -> Row:
+    """A row of any kind: mostly a received message numbered ``seq``, some Sends,
+    failures, short ones, and headers whose length lies."""
     kind = draw(st.sampled_from(["message"] * 6 + ["send", "flushed", "short", "lying"]))
     if kind == "send":
         return Row(opcode=int(WCOpcode.SEND))
@@ -225,19 +252,30 @@ def _rows(draw: st.DrawFn) -> Row:
         "ack": FIRST + draw(st.integers(-6, 8)),
         "flags": draw(st.sampled_from([0, 0, 0, 1, 2, 4, 0x20, 0xFF])),
         "credit": draw(st.integers(0, 255)),
-        "csum": draw(st.sampled_from([0, 0, 0, 1])),
-        "ext": draw(
-            st.sampled_from([b"", b"", b"", b"\x01\x00\x00\x00\x07", b"\x02\x00", b"\xff"])
-        ),
+        "csum": draw(st.sampled_from([0] * 6 + [1])),
+        "ext": draw(st.sampled_from(_EXTENSIONS)),
         "length": length,
     }
-    seq = FIRST + draw(st.integers(-2, 12))
-    return Row(header=header(seq, draw(_ports), draw(_ports), payload, **fields), payload=payload)
+    sport = draw(st.sampled_from([9, 9, 9, 0, 1]))
+    return Row(header=header(seq, sport, draw(_ports), payload, **fields), payload=payload)
+
+
+@st.composite
+def _polls(draw: st.DrawFn) -> list[Row]:
+    """A poll's rows, the messages mostly numbered on from the last (a step back or
+    ahead now and then)."""
+    rows, seq = [], FIRST
+    for _ in range(draw(st.integers(0, 24))):
+        seq += draw(st.sampled_from([0] * 8 + [-3, -1, 1, 6]))
+        row = draw(_rows(seq))
+        rows.append(row)
+        seq += bool(row.header)
+    return rows
 
 
 @needs_c
 @settings(max_examples=300, deadline=None)
-@given(st.lists(_rows(), max_size=24))
+@given(_polls())
 def test_any_rows_leave_both_paths_in_the_same_state(rows: list[Row]) -> None:
     python, c = both(rows)
     assert python == c

@@ -86,14 +86,15 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
         rx.next_recv = rx.next_recv << 8 | (unsigned char)recv[k];
     uint32_t reposts[ROWS_MAX];
     uint16_t woken[ROWS_MAX];
+    int64_t chased[ROWS_MAX];
     uint32_t i = 0;
     while (i < n) {
         uint64_t before = 0;
         for (size_t b = 0; b < sizeof(bound) / sizeof(bound[0]); b++)
             before += boxes[b]->count;
-        rx.messages = rx.bytes = rx.acks = rx.nreposts = rx.nwoken = 0;
+        rx.messages = rx.bytes = rx.acks = rx.nreposts = rx.nwoken = rx.chasers = 0;
         uint32_t took = rp_scan(&rx, ports, rows + i, n - i, recv, recv_len, reposts, ROWS_MAX,
-                                woken, ROWS_MAX);
+                                woken, chased, ROWS_MAX);
         CHECK(took <= n - i);
         CHECK(rx.nreposts == rx.acks && rx.acks == took && rx.nwoken == rx.messages);
         uint64_t after = 0;
@@ -102,6 +103,10 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
         CHECK(after - before == rx.messages);
         for (uint32_t k = 0; k < rx.nreposts; k++)
             CHECK(reposts[k] < SLOTS);
+        uint32_t chasers = 0;
+        for (uint32_t k = 0; k < rx.nwoken; k++)
+            chasers += chased[k] >= 0 && chased[k] <= 0xffffffffLL;
+        CHECK(chasers == rx.chasers);
         for (uint32_t k = 0; k < rx.nwoken; k++) {
             int found = 0;
             for (size_t b = 0; b < sizeof(bound) / sizeof(bound[0]); b++)

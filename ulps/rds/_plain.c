@@ -3,8 +3,8 @@
  *
  * Python's RdmaFlow.receive_at and RdsNode._deliver are the reference: a message is
  * plain when it is a received Send of one fragment with no checksum, no extension
- * header and no congestion map, numbered next, for a bound port whose socket has room
- * under rcvbuf. rp_scan takes such rows in order (and bare acks), adds their credits
+ * header but the RDMA one of a message chasing an RDMA operation, and no congestion
+ * map, numbered next, for a bound port whose socket has room under rcvbuf. rp_scan takes such rows in order (and bare acks), adds their credits
  * and acks to the session's state, queues their payloads on their sockets and lists
  * their receive buffers for reposting; at the first row that is anything else it
  * stops and says why, and Python takes that row as it takes every row without this
@@ -162,9 +162,11 @@ void rp_clear(rp_inbox *box)
 
 void rp_free(rp_msg *msg) { free(msg); }
 
+/* chased[k] is the R_Key the k-th message queued chases (-1: none), for Python to mark
+ * its socket's registration used (Linux's use-once cookies end there). */
 uint32_t rp_scan(rp_rx *rx, rp_ports *ports, const rp_row *rows, uint32_t n,
                  const char *recv, uint64_t recv_len, uint32_t *reposts, uint32_t room,
-                 uint16_t *woken, uint32_t woken_room)
+                 uint16_t *woken, int64_t *chased, uint32_t woken_room)
 {
     uint32_t i;
     rx->stop = RP_DONE;
@@ -190,8 +192,11 @@ uint32_t rp_scan(rp_rx *rx, rp_ports *ports, const rp_row *rows, uint32_t n,
         uint16_t sport = be16(h + 20), dport = be16(h + 22);
         uint8_t flags = h[24], credit = h[25];
         uint16_t csum = be16(h + 30);
-        if (csum != 0 || h[32] != 0 || len != row->byte_len - RP_HEADER_LEN || len > RP_FRAG_SIZE
-            || (flags & RP_CONG_BITMAP)) {
+        int64_t rkey = -1;
+        if (h[32] == RP_EXT_RDMA && h[37] == 0) /* the only extension: an RDMA one */
+            rkey = be32(h + 33);
+        if (csum != 0 || (h[32] != 0 && rkey < 0) || len != row->byte_len - RP_HEADER_LEN
+            || len > RP_FRAG_SIZE || (flags & RP_CONG_BITMAP)) {
             rx->stop = RP_NOT_PLAIN;
             return i;
         }
@@ -229,6 +234,8 @@ uint32_t rp_scan(rp_rx *rx, rp_ports *ports, const rp_row *rows, uint32_t n,
             append(box, msg);
             rx->messages++;
             rx->bytes += len;
+            chased[rx->nwoken] = rkey;
+            rx->chasers += rkey >= 0;
             woken[rx->nwoken++] = dport;
         }
     }

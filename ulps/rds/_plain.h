@@ -16,6 +16,7 @@
 #define RP_FRAG_SIZE 4096
 #define RP_PROBE_PORT 1
 #define RP_CONG_BITMAP 1
+#define RP_EXT_RDMA 2      /* the extension header of a message chasing an RDMA operation */
 
 /* Why rp_scan stopped (rp_rx.stop) */
 #define RP_DONE 0          /* every row taken */
@@ -71,10 +72,11 @@ typedef struct {
     uint64_t messages;      /* out: messages delivered */
     uint64_t bytes;         /* out: their payload bytes */
     uint32_t acks;          /* out: headers seen (their h_ack is in ack) */
+    uint32_t chasers;       /* out: messages queued that chase an RDMA operation */
     int64_t talk;           /* in/out: as RdmaFlow.talk */
     uint32_t stop;          /* out: RP_* */
     uint32_t nreposts;      /* in/out: entries of reposts filled */
-    uint32_t nwoken;        /* in/out: entries of woken filled */
+    uint32_t nwoken;        /* in/out: entries of woken filled (and of chased) */
     uint32_t slot;          /* in: bytes per receive buffer */
     uint64_t rcvbuf;        /* in: a socket over this is congested (Python marks it) */
     uint64_t rcvbuf_limit;  /* in: a message over this is dropped (Python drops it) */
@@ -93,7 +95,7 @@ void rp_clear(rp_inbox *box);
 void rp_free(rp_msg *msg);
 uint32_t rp_scan(rp_rx *rx, rp_ports *ports, const rp_row *rows, uint32_t n,
                  const char *recv, uint64_t recv_len, uint32_t *reposts, uint32_t room,
-                 uint16_t *woken, uint32_t woken_room);
+                 uint16_t *woken, int64_t *chased, uint32_t woken_room);
 /* cdef-end */
 
 #endif

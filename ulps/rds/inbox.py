@@ -138,8 +138,17 @@ class PyInboxes:
         inbox.clear()
 
 
+_last_peer: list[Any] = [None, (0, b"")]
+"""The address :func:`_family_and_bytes` last gave, and what it gave: a node delivers
+from the same few peers, each one address object (hashing one costs a Python call)."""
+
+
 def _family_and_bytes(ip: IPAddress) -> tuple[int, bytes]:
-    return ip.version, ip.packed.ljust(16, b"\0")
+    """How a C message names ``ip``: its family (4 or 6) and 16 bytes."""
+    if ip is not _last_peer[0]:
+        _last_peer[:] = [ip, (ip.version, ip.packed.ljust(16, b"\0"))]
+    found: tuple[int, bytes] = _last_peer[1]
+    return found
 
 
 @functools.lru_cache(maxsize=1024)
@@ -167,7 +176,8 @@ class CInbox:
 
     def push(self, data: bytes, peer: IPAddress, sport: int, seq: int) -> None:
         """:meth:`Inbox.push`."""
-        family, packed = _family_and_bytes(peer)
+        last = _last_peer
+        family, packed = last[1] if peer is last[0] else _family_and_bytes(peer)
         if self._inboxes.lib.rp_push(self.counts, seq, sport, family, packed, data, len(data)):
             raise MemoryError(f"no memory to queue a {len(data)}-byte RDS message")
 

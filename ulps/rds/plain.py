@@ -30,6 +30,7 @@ from rdmashim.verbs import WC_ROW, WCStatus
 
 if TYPE_CHECKING:
     from rdmashim.ulps.rds.connection import RdsConnection
+    from rdmashim.ulps.rds.rdma import Registrations
     from rdmashim.ulps.rds.rdma_flow import RdmaFlow
     from rdmashim.ulps.rds.settings import RdsSettings
 
@@ -38,6 +39,8 @@ log = logging.getLogger(__name__)
 ENV_NO_EXTENSIONS = "RDMASHIM_NO_EXTENSIONS"
 ROWS = 64
 """Rows a session polls at a time (and room for their reposts and wake-ups)."""
+_STATUS = {int(status): status for status in WCStatus}
+"""A row's status as its enum member, found without ``WCStatus()``'s two Python calls."""
 
 
 def _load() -> tuple[Any, str]:
@@ -89,6 +92,8 @@ def inboxes() -> Inboxes:
 class Wakeable(Protocol):
     """A socket, as the plain-message path sees it."""
 
+    _registrations: Registrations
+
     def _wake(self) -> None:
         """A message was queued: wake a reader."""
 
@@ -129,8 +134,8 @@ class PlainReceiver:
     """One session's plain messages, taken from a poll's rows in C (``rp_scan``)."""
 
     __slots__ = (
-        "_flow", "_lib", "_ports", "_rds", "_recv", "_recv_len", "_reposts", "_rows_c",
-        "_rx", "_sockets", "_unpack", "_woken", "rows",
+        "_chased", "_flow", "_lib", "_ports", "_rds", "_recv", "_recv_len", "_reposts",
+        "_rows_c", "_rx", "_sockets", "_unpack", "_woken", "rows",
     )  # fmt: skip
 
     def __init__(
@@ -155,6 +160,7 @@ class PlainReceiver:
         rows_held = len(self._rows_c)
         self._reposts = ffi.new("uint32_t[]", rows_held)
         self._woken = ffi.new("uint16_t[]", rows_held)
+        self._chased = ffi.new("int64_t[]", rows_held)
         self._unpack = ffi.unpack
 
     def take(
@@ -170,11 +176,11 @@ class PlainReceiver:
         while start < n:
             rx.next_recv = rds.next_recv
             rx.talk = flow.talk
-            rx.acks = rx.messages = rx.nreposts = rx.nwoken = 0
+            rx.acks = rx.messages = rx.nreposts = rx.nwoken = rx.chasers = 0
             rx.credits = rx.bytes = 0
             took = self._lib.rp_scan(
                 rx, self._ports, self._rows_c + start, n - start, self._recv, self._recv_len,
-                self._reposts, len(self._reposts), self._woken, len(self._woken),
+                self._reposts, len(self._reposts), self._woken, self._chased, len(self._woken),
             )  # fmt: skip
             if took:  # (each row taken is a header: its credits and ack count)
                 reposts += unpack(self._reposts, rx.nreposts)
@@ -189,13 +195,18 @@ class PlainReceiver:
                     counters.recv_messages += rx.messages
                     counters.recv_bytes += rx.bytes
                     flow.talk = rx.talk
-                    sockets = self._sockets
-                    for port in unpack(self._woken, rx.nwoken):
+                    sockets, woken = self._sockets, unpack(self._woken, rx.nwoken)
+                    for port in woken:
                         sock = sockets.get(port)
                         if sock is not None:
                             sock._wake()
+                    if rx.chasers:  # (their sockets' use-once registrations end)
+                        for port, rkey in zip(woken, unpack(self._chased, rx.nwoken), strict=True):
+                            if rkey >= 0 and (sock := sockets.get(port)) is not None:
+                                sock._registrations.used(rkey)
                 start += took
             if start < n:  # a row that is not plain: the Python path's
                 row = WC_ROW.unpack_from(self.rows, start * WC_ROW.size)
-                completion(row[0], WCStatus(row[1]), row[2], row[3])
+                status = _STATUS.get(row[1])
+                completion(row[0], WCStatus(row[1]) if status is None else status, row[2], row[3])
                 start += 1
