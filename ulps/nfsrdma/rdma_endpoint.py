@@ -22,7 +22,8 @@ when the completion comes. A Send from a slot is signaled only every
 :data:`SIGNAL_EVERY` Sends, or when it carries regions or follows RDMA
 Writes: its completion releases the slots of the Sends posted before it too
 (a send queue completes in order). Other work requests are not signaled but
-the last of each :meth:`post`.
+the last of each :meth:`post` (or :meth:`try_post`, whose completion calls back
+instead of waking a task).
 The send queue is never asked to hold more than it has room for: a Send
 that finds no room waits (:meth:`send`) or is left to its caller
 (:meth:`try_send`). A work completion with an error status ends the
