@@ -11,7 +11,8 @@ import shutil
 import subprocess
 from pathlib import Path
 
-from test_native_fuzz import SOURCES, TOOLS, _unavailable
+from libfuzzer import unavailable
+from test_native_fuzz import SOURCES, TOOLS
 
 FLAGS = ["-g", "-O1", "-fsanitize=thread"]
 NO_LOCK = """#include <pthread.h>
@@ -23,7 +24,7 @@ NO_LOCK = """#include <pthread.h>
 def build(out: Path, *, locked: bool = True) -> Path:
     clang = shutil.which("clang")
     if clang is None:
-        _unavailable("clang is not installed (the program is built with ThreadSanitizer)")
+        unavailable("clang is not installed (the program is built with ThreadSanitizer)")
     engine: list[str] = [str(SOURCES / "_engine.c")]
     steps = []
     if not locked:  # the engine alone without its lock, the rest as it is
@@ -41,7 +42,7 @@ def build(out: Path, *, locked: bool = True) -> Path:
     for step in steps:
         done = subprocess.run(step, capture_output=True, text=True, timeout=300, check=False)
         if done.returncode:
-            _unavailable(f"clang cannot build with ThreadSanitizer: {done.stderr}")
+            unavailable(f"clang cannot build with ThreadSanitizer: {done.stderr}")
     return out
 
 
