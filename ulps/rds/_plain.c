@@ -4,9 +4,10 @@
  * Python's RdmaFlow.receive_at and RdsNode._deliver are the reference: a message is
  * plain when it is a received Send of one fragment with no checksum, no extension
  * header but the RDMA one of a message chasing an RDMA operation, and no congestion
- * map, numbered next, for a bound port whose socket has room under rcvbuf. rp_scan takes such rows in order (and bare acks), adds their credits
- * and acks to the session's state, queues their payloads on their sockets and lists
- * their receive buffers for reposting; at the first row that is anything else it
+ * map, numbered next, for a bound port whose socket has room under rcvbuf. rp_scan
+ * takes such rows in order (and bare acks), adds their credits and acks to the
+ * session's state, queues their payloads on their sockets and lists their receive
+ * buffers for reposting; at the first row that is anything else it
  * stops and says why, and Python takes that row as it takes every row without this
  * module. Every read of the receive buffer is checked against its length first.
  */
@@ -222,9 +223,8 @@ uint32_t rp_scan(rp_rx *rx, rp_ports *ports, const rp_row *rows, uint32_t n,
             }
         }
         rx->credits += credit;
-        if (!rx->acks || ack > rx->ack)
+        if (rx->nreposts == 0 || ack > rx->ack) /* (every row taken is a header) */
             rx->ack = ack;
-        rx->acks++;
         reposts[rx->nreposts++] = (uint32_t)row->wr_id;
         if (box != NULL) {
             int64_t talk = (int64_t)sport << 16 | dport;

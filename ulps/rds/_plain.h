@@ -67,15 +67,14 @@ typedef struct {
 /* One session's receive state, for one scan: what it reads and what it leaves */
 typedef struct {
     uint64_t next_recv;     /* in/out: the sequence number due next */
-    uint64_t ack;           /* out: the highest h_ack seen (valid when acks) */
+    uint64_t ack;           /* out: the highest h_ack seen (valid when rows were taken) */
     uint64_t credits;       /* out: credits the peer granted */
     uint64_t messages;      /* out: messages delivered */
     uint64_t bytes;         /* out: their payload bytes */
-    uint32_t acks;          /* out: headers seen (their h_ack is in ack) */
     uint32_t chasers;       /* out: messages queued that chase an RDMA operation */
     int64_t talk;           /* in/out: as RdmaFlow.talk */
     uint32_t stop;          /* out: RP_* */
-    uint32_t nreposts;      /* in/out: entries of reposts filled */
+    uint32_t nreposts;      /* in/out: entries of reposts filled: the rows taken */
     uint32_t nwoken;        /* in/out: entries of woken filled (and of chased) */
     uint32_t slot;          /* in: bytes per receive buffer */
     uint64_t rcvbuf;        /* in: a socket over this is congested (Python marks it) */

@@ -71,10 +71,20 @@ class Inboxes(Protocol):
         """``port``'s socket closed: its inbox is emptied and no longer found by port."""
 
 
-@functools.lru_cache(maxsize=1024)
-def sender_text(ip: IPAddress) -> str:
-    """The text of an address (a received message's sender), remembered."""
-    return str(ip)
+_message = tuple.__new__
+"""``ReceivedMessage``'s tuple made without its ``__new__`` (a Python call)."""
+_last_peer: list[Any] = [None, ("", 0, b"")]
+"""The address :func:`_forms` last gave, and what it gave: a node delivers from the
+same few peers, each one address object (hashing one costs a Python call)."""
+
+
+def _forms(ip: IPAddress) -> tuple[str, int, bytes]:
+    """How an inbox names a sender ``ip``: its text, its family (4 or 6) and its
+    address in 16 bytes (C's ``rp_msg.peer``), made once for a run of messages from it."""
+    if ip is not _last_peer[0]:
+        _last_peer[:] = [ip, (str(ip), ip.version, ip.packed.ljust(16, b"\0"))]
+    found: tuple[str, int, bytes] = _last_peer[1]
+    return found
 
 
 class PyInbox:
@@ -93,7 +103,9 @@ class PyInbox:
         """:meth:`Inbox.push`."""
         if not self.count:
             self._counts.holding += 1
-        self._messages.append(ReceivedMessage(data, (sender_text(peer), sport), seq))
+        last = _last_peer
+        text = (last[1] if peer is last[0] else _forms(peer))[0]
+        self._messages.append(_message(ReceivedMessage, (data, (text, sport), seq)))
         self.count += 1
         self.nbytes += len(data)
 
@@ -138,19 +150,6 @@ class PyInboxes:
         inbox.clear()
 
 
-_last_peer: list[Any] = [None, (0, b"")]
-"""The address :func:`_family_and_bytes` last gave, and what it gave: a node delivers
-from the same few peers, each one address object (hashing one costs a Python call)."""
-
-
-def _family_and_bytes(ip: IPAddress) -> tuple[int, bytes]:
-    """How a C message names ``ip``: its family (4 or 6) and 16 bytes."""
-    if ip is not _last_peer[0]:
-        _last_peer[:] = [ip, (ip.version, ip.packed.ljust(16, b"\0"))]
-    found: tuple[int, bytes] = _last_peer[1]
-    return found
-
-
 @functools.lru_cache(maxsize=1024)
 def _c_sender_text(family: int, packed: bytes) -> str:
     """The text of an address a C message names (4 or 16 bytes of ``packed``)."""
@@ -177,7 +176,7 @@ class CInbox:
     def push(self, data: bytes, peer: IPAddress, sport: int, seq: int) -> None:
         """:meth:`Inbox.push`."""
         last = _last_peer
-        family, packed = last[1] if peer is last[0] else _family_and_bytes(peer)
+        _, family, packed = last[1] if peer is last[0] else _forms(peer)
         if self._inboxes.lib.rp_push(self.counts, seq, sport, family, packed, data, len(data)):
             raise MemoryError(f"no memory to queue a {len(data)}-byte RDS message")
 
@@ -210,10 +209,6 @@ class CInbox:
 
     def __len__(self) -> int:
         return int(self.counts.count)
-
-
-_message = tuple.__new__
-"""``ReceivedMessage``'s tuple made without its ``__new__`` (a Python call)."""
 
 
 def _message_of(ffi: Any, msg: Any) -> ReceivedMessage:

@@ -176,7 +176,7 @@ class PlainReceiver:
         while start < n:
             rx.next_recv = rds.next_recv
             rx.talk = flow.talk
-            rx.acks = rx.messages = rx.nreposts = rx.nwoken = rx.chasers = 0
+            rx.messages = rx.nreposts = rx.nwoken = rx.chasers = 0
             rx.credits = rx.bytes = 0
             took = self._lib.rp_scan(
                 rx, self._ports, self._rows_c + start, n - start, self._recv, self._recv_len,
