@@ -214,6 +214,21 @@ def test_what_c_leaves_to_python_comes_out_the_same() -> None:
 
 
 @needs_c
+def test_rows_while_a_message_is_assembled_stay_pythons() -> None:
+    """A header whose length says more than its Send holds starts an assembly of
+    fragments: the next rows are its fragments, not messages, even when one looks plain
+    (hypothesis found the C path taking it as one)."""
+    rows = [
+        Row(header=header(FIRST, 9, BOUND[0], b"", length=1)),
+        Row(header=header(FIRST, 9, BOUND[0], b"")),
+        plain_row(FIRST + 1),
+    ]
+    python, c = both(rows)
+    assert python == c
+    assert c["assembly"] and c["next_recv"] == FIRST and c["messages"] == [[], []]
+
+
+@needs_c
 def test_a_broken_header_ends_the_session_at_the_same_row() -> None:
     rows = [
         plain_row(FIRST),

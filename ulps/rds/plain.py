@@ -170,43 +170,50 @@ class PlainReceiver:
         (their credits, acks and numbers into the session's state, their payloads onto
         their sockets, whose readers are woken, their receive buffers onto ``reposts``),
         and any other row by ``completion(wr_id, status, opcode, byte_len)`` (the Python
-        path's)."""
-        rx, rds, flow, unpack = self._rx, self._rds, self._flow, self._unpack
+        path's), as is every row while a message in fragments is being assembled."""
+        flow, rows = self._flow, self.rows
         start = 0
         while start < n:
-            rx.next_recv = rds.next_recv
-            rx.talk = flow.talk
-            rx.messages = rx.nreposts = rx.nwoken = rx.chasers = 0
-            rx.credits = rx.bytes = 0
-            took = self._lib.rp_scan(
-                rx, self._ports, self._rows_c + start, n - start, self._recv, self._recv_len,
-                self._reposts, len(self._reposts), self._woken, self._chased, len(self._woken),
-            )  # fmt: skip
-            if took:  # (each row taken is a header: its credits and ack count)
-                reposts += unpack(self._reposts, rx.nreposts)
-                flow.send_credits += rx.credits
-                unacked = rds.unacked
-                if unacked and unacked[0].seq <= rx.ack:
-                    rds.acked(rx.ack)
-                if rx.messages:
-                    rds.next_recv = rx.next_recv
-                    rds.heard = rds.busy = True
-                    counters = rds.counters
-                    counters.recv_messages += rx.messages
-                    counters.recv_bytes += rx.bytes
-                    flow.talk = rx.talk
-                    sockets, woken = self._sockets, unpack(self._woken, rx.nwoken)
-                    for port in woken:
-                        sock = sockets.get(port)
-                        if sock is not None:
-                            sock._wake()
-                    if rx.chasers:  # (their sockets' use-once registrations end)
-                        for port, rkey in zip(woken, unpack(self._chased, rx.nwoken), strict=True):
-                            if rkey >= 0 and (sock := sockets.get(port)) is not None:
-                                sock._registrations.used(rkey)
-                start += took
+            if flow.assembly is None:  # (else every row is the assembly's: Python's)
+                start = self._scan(start, n, reposts)
             if start < n:  # a row that is not plain: the Python path's
-                row = WC_ROW.unpack_from(self.rows, start * WC_ROW.size)
+                row = WC_ROW.unpack_from(rows, start * WC_ROW.size)
                 status = _STATUS.get(row[1])
                 completion(row[0], WCStatus(row[1]) if status is None else status, row[2], row[3])
                 start += 1
+
+    def _scan(self, start: int, n: int, reposts: list[int]) -> int:
+        """Take the run of plain messages from row ``start`` on in C, and write what they
+        changed back into the session's state; the first row not taken."""
+        rx, rds, flow, unpack = self._rx, self._rds, self._flow, self._unpack
+        rx.next_recv = rds.next_recv
+        rx.talk = flow.talk
+        rx.messages = rx.nreposts = rx.nwoken = rx.chasers = 0
+        rx.credits = rx.bytes = 0
+        took: int = self._lib.rp_scan(
+            rx, self._ports, self._rows_c + start, n - start, self._recv, self._recv_len,
+            self._reposts, len(self._reposts), self._woken, self._chased, len(self._woken),
+        )  # fmt: skip
+        if not took:
+            return start
+        reposts += unpack(self._reposts, rx.nreposts)
+        flow.send_credits += rx.credits
+        unacked = rds.unacked
+        if unacked and unacked[0].seq <= rx.ack:  # (every row taken is a header: ack is set)
+            rds.acked(rx.ack)
+        if rx.messages:
+            rds.next_recv = rx.next_recv
+            rds.heard = rds.busy = True
+            counters = rds.counters
+            counters.recv_messages += rx.messages
+            counters.recv_bytes += rx.bytes
+            flow.talk = rx.talk
+            sockets, ports = self._sockets, unpack(self._woken, rx.nwoken)
+            for port in ports:  # (one entry a message: readers woken as _deliver wakes them)
+                if (sock := sockets.get(port)) is not None:
+                    sock._wake()
+            if rx.chasers:  # (their sockets' use-once registrations end)
+                for port, rkey in zip(ports, unpack(self._chased, rx.nwoken), strict=True):
+                    if rkey >= 0 and (sock := sockets.get(port)) is not None:
+                        sock._registrations.used(rkey)
+        return start + took
