@@ -265,6 +265,18 @@ class CQ(Resource, Protocol):
         no channel or handler: a server answering each message at once costs no task
         switch and no event loop pass a message (``docs/verbs.md``)."""
 
+    def set_native_handler(self, function: int, context: int, owner: object = None) -> bool:
+        """Have the backend call a C function with this CQ's completions, without Python:
+        ``function`` is the address of a C function of the ABI in ``docs/verbs.md``
+        ("Native completion handlers"), called with ``context`` (an address) when
+        completions arrive; it polls and re-posts receives through the table of verbs it
+        is given, and asks for the CQ to be handed on (to :meth:`set_handler`'s handler,
+        as for a reported completion) by returning non-zero. ``owner`` is kept alive while
+        the handler is set (what ``context`` points into). ``function`` 0 removes it.
+        True when set; False where the backend calls no native handler (then use
+        :meth:`set_handler`). The built-in engine's native engine calls one; the others
+        do not yet."""
+
     async def poll_wait(self, num_entries: int = 16) -> list[WC]:
         """Wait for completions and take up to ``num_entries`` of them (at least one)."""
 

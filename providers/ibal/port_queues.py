@@ -289,6 +289,11 @@ class CQ:
         """Not here (False): IBAL's callbacks deliver the completions."""
         return False
 
+    def set_native_handler(self, function: int, context: int, owner: object = None) -> bool:
+        """Not here (False): IBAL's callbacks deliver the completions; use
+        :meth:`set_handler`."""
+        return False
+
     async def wait(self) -> None:
         """Wait until the CQ holds a completion (polls it for :attr:`busy_poll` seconds,
         then arms IBAL's notification if needed)."""

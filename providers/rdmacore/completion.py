@@ -492,6 +492,10 @@ class CQ(Resource):
         """Not here (False): a thread of ours would wait in ``ibv_get_cq_event``; not built."""
         return False
 
+    def set_native_handler(self, function: int, context: int, owner: object = None) -> bool:
+        """Not here (False): libibverbs calls no handler of ours; use :meth:`set_handler`."""
+        return False
+
     async def wait(self) -> None:
         """Wait until the CQ holds at least one completion (arm, poll again, then wait)."""
         self._check_open("wait")

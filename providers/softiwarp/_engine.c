@@ -28,6 +28,10 @@
 #include <sys/socket.h>
 #include <time.h>
 
+/* A native completion handler (rs_cq_set_hook in _engine.h) */
+typedef uint32_t (*rs_hook_fn)(void *context, const rs_hook_verbs *verbs, rs_cq *cq, rs_qp *qp,
+                               uint32_t qp_num);
+
 #define HDR_TAGGED 16
 #define HDR_UNTAGGED 20
 #define HDR_READ_REQUEST 48
@@ -272,6 +276,9 @@ struct rs_cq {
     uint32_t refs; /* QPs completing here */
     int dead;
     pthread_mutex_t *lock; /* its QPs' device lock (set by the first QP) */
+    rs_hook_fn hook;       /* its native handler (rs_cq_set_hook), or NULL */
+    void *hook_context;
+    int hooking;           /* the handler runs now (it is not called again from inside) */
 };
 
 rs_cq *rs_cq_new(uint32_t cqe)
@@ -350,6 +357,18 @@ static uint32_t rs_cq_poll_sum_in_lock(rs_cq *cq, rs_wc *out, uint32_t n, rs_wc_
 }
 
 rs_cq_view *rs_cq_view_of(rs_cq *cq) { return &cq->v; }
+
+void rs_cq_set_hook(rs_cq *cq, void *fn, void *context)
+{
+    pthread_mutex_t *lock = cq->lock; /* (none before its first QP: no call runs it yet) */
+    if (lock)
+        pthread_mutex_lock(lock);
+    cq->hook = (rs_hook_fn)fn;
+    cq->hook_context = fn ? context : NULL;
+    cq->v.wanted = 0;
+    if (lock)
+        pthread_mutex_unlock(lock);
+}
 
 typedef struct {
     rs_recv_wr *ring;
@@ -676,13 +695,59 @@ static void publish(rs_qp *qp)
                       (qp->cur != CUR_NONE || qp->irq_count || head_may_start(qp)));
 }
 
+/* What a native handler may call: the in-lock poll, and receives of one buffer each. */
+static uint32_t post_recv(rs_qp *qp, const rs_recv_wr *wrs, uint32_t n);
+
+static uint32_t hook_post_recv(rs_qp *qp, const rs_hook_recv *wrs, uint32_t n)
+{
+    uint32_t k;
+    for (k = 0; k < n; k++) {
+        rs_recv_wr w;
+        memset(&w, 0, sizeof w);
+        w.wr_id = wrs[k].wr_id;
+        w.num_sge = 1;
+        w.sg_list[0].addr = wrs[k].addr;
+        w.sg_list[0].length = wrs[k].length;
+        w.sg_list[0].lkey = wrs[k].lkey;
+        if (post_recv(qp, &w, 1) != 1)
+            break;
+    }
+    return k;
+}
+
+static const rs_hook_verbs hook_verbs = {rs_cq_poll_in_lock, hook_post_recv};
+
+/* Run cq's native handler, if it has one and completions wait (not from inside it). */
+static void run_hook(rs_qp *qp, rs_cq *cq)
+{
+    if (!cq->hook || cq->hooking || !cq->v.count)
+        return;
+    cq->hooking = 1;
+    uint32_t want = cq->hook(cq->hook_context, &hook_verbs, cq, qp, qp->qp_num);
+    cq->hooking = 0;
+    if (want)
+        cq->v.wanted = 1;
+}
+
 /* The end of every public call on a QP: a completion that did not fit moves it to ERROR,
- * and the view says what is now. */
+ * the native handlers of its CQs take what waits there, and the view says what is now.
+ * A QP whose one CQ's handler took every completion and asked for nothing has no news
+ * of completions left (the provider has nothing to hand on). */
 static void settle(rs_qp *qp)
 {
     if (qp->overrun && qp->state == RS_QP_RTS)
         enter_error(qp, RS_ERR_CQ_OVERRUN, "completion queue overrun", 0, 0, 0);
     qp->overrun = 0;
+    rs_cq *cq = qp->rcq;
+    if (cq->hook) {
+        run_hook(qp, cq);
+        if (qp->scq != cq)
+            run_hook(qp, qp->scq);
+        else if (!cq->v.count && !cq->v.wanted && !cq->v.overrun)
+            qp->v.news &= ~(uint32_t)RS_NEWS_CQ;
+    } else if (qp->scq->hook) {
+        run_hook(qp, qp->scq);
+    }
     publish(qp);
 }
 

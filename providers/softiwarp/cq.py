@@ -421,6 +421,12 @@ class CQ(Resource):
         thread. The native engine's CQ can (:class:`~.native_cq.NativeCQ`)."""
         return False
 
+    def set_native_handler(self, function: int, context: int, owner: object = None) -> bool:
+        """Not with the Python engine (False): its completions are Python's; use
+        :meth:`set_handler`. The native engine's CQ calls one (:class:`~.native_cq.NativeCQ`)."""
+        self._check_open("set_native_handler")
+        return False
+
     def _sole_link(self) -> Link | None:
         """The connection of the only QP completing here, unless a CQ of it has a handler
         (a handler runs in the receive task, after the batch it read)."""

@@ -75,9 +75,14 @@ class NativeCQ(CQ):
         """Rows :attr:`_row_buffer` holds."""
         self._row_direct = True
         """Whether C may poll into :attr:`_row_ptr` itself (it is aligned as ``rs_wc``)."""
+        self._hook_owner: object = None
+        """What the native handler's context lives in (:meth:`set_native_handler`), kept
+        alive while C may call the handler."""
+        self._hooked = False
 
     def _sync(self) -> None:
-        """Completions C pushed since the last look: wake, notify, hand on."""
+        """Completions C pushed since the last look: wake, notify, hand on. With a native
+        handler, only what it asked to be handed on (it took the rest)."""
         view = self._view
         pushed = view.pushed
         if pushed == self._pushed:
@@ -88,7 +93,27 @@ class NativeCQ(CQ):
         self._count = view.count
         if view.overrun and not self._overrun:
             self._overflow(None)
+        if self._hooked:
+            if not view.wanted and not self._count:
+                return
+            view.wanted = 0
+            notable = was + 1  # (as a solicited completion: an armed handler runs)
         self._arrived(notable != was)
+
+    def set_native_handler(self, function: int, context: int, owner: object = None) -> bool:
+        """Have C call ``function`` (the address of a C function of the ABI in
+        ``docs/verbs.md``, "Native completion handlers") with ``context`` at the end of every
+        call into the engine that leaves completions here; ``owner``, which holds the
+        memory ``context`` points to, is kept alive meanwhile. 0 removes it. True."""
+        self._check_open("set_native_handler")
+        if function < 0 or context < 0:
+            raise VerbsError(errno.EINVAL, "set_native_handler", "addresses are not negative")
+        lib.rs_cq_set_hook(
+            self._ptr, ffi.cast("void *", function), ffi.cast("void *", context if function else 0)
+        )
+        self._hooked = bool(function)
+        self._hook_owner = owner if function else None
+        return True
 
     def _failed_by_overrun(self, qp: CompletingQP) -> bool:
         engine = getattr(qp, "engine", None)  # (a native QP: a CQ serves its own engine's)
@@ -242,8 +267,11 @@ class NativeCQ(CQ):
         return False if serve is None else await serve(self, wcs, on_completions)
 
     def close(self) -> None:
-        """Destroy the CQ (its ring lives while a QP still completes into it)."""
+        """Destroy the CQ (its ring lives while a QP still completes into it; its native
+        handler is not called again)."""
         if not self._closed:
+            if self._hooked:
+                self.set_native_handler(0, 0)
             super().close()
             self.ring.close()
             self._release_rows()

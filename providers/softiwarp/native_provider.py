@@ -182,6 +182,7 @@ class NativeQP(QPBase):
         if (
             link is None or not link.can_read or self.srq is not None or self._cqs != (cq,)
             or self._state is not QPState.RTS or cq.channel is not None or cq.handler is not None
+            or cq._hooked
         ):  # fmt: skip
             return False
         link._expect(0)  # (the thread waits for any byte: a mark set for a large one goes)

@@ -1,0 +1,276 @@
+"""``cq.set_native_handler``: a C function takes a CQ's completions inside the engine's
+own calls, without Python (``docs/verbs.md``, "Native completion handlers").
+
+A small handler is compiled here through cffi (the ABI as a C user declares it, not
+from the engine's header) and set on the server's CQ of a real connection of the native
+engine: it logs every completion, re-posts each receive through the verbs table it is
+given, and asks for the CQ to be handed on when told to or when a completion failed.
+The backends that call no native handler say so (False).
+"""
+
+from __future__ import annotations
+
+import errno
+import importlib
+import sys
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+import trio
+from test_resources import BOUND, SIG, Pair, connected
+
+from rdmashim import (
+    Access,
+    QPCap,
+    QPState,
+    RecvWR,
+    SendWR,
+    VerbsError,
+    WCOpcode,
+    WCStatus,
+    WROpcode,
+)
+from rdmashim.cm import ConnectionRequest
+from rdmashim.providers.softiwarp import native
+
+pytestmark = pytest.mark.skipif(
+    not native.AVAILABLE, reason=f"native engine unavailable: {native.WHY_NOT}"
+)
+
+DECLARATIONS = """
+typedef struct { uint64_t wr_id; uint32_t status, opcode, byte_len, qp_num, wc_flags,
+                 invalidated_rkey, solicited; } row;
+typedef struct { uint64_t wr_id; uint64_t addr; uint32_t length; uint32_t lkey; } recv;
+typedef struct {
+    row log[1024];
+    uint32_t logged;
+    recv table[16];
+    uint32_t repost;        /* re-post each receive from table[wr_id] */
+    uint32_t want_always;
+    uint32_t calls;
+    uint32_t reposted;
+    uint32_t qp_num;
+} ctx;
+uintptr_t handler_address(void);
+"""
+SOURCE = """
+#include <stdint.h>
+typedef struct { uint64_t wr_id; uint32_t status, opcode, byte_len, qp_num, wc_flags,
+                 invalidated_rkey, solicited; } row;
+typedef struct { uint64_t wr_id; uint64_t addr; uint32_t length; uint32_t lkey; } recv;
+typedef struct {
+    uint32_t (*poll)(void *cq, row *rows, uint32_t n);
+    uint32_t (*post_recv)(void *qp, const recv *wrs, uint32_t n);
+} verbs;
+typedef struct {
+    row log[1024];
+    uint32_t logged;
+    recv table[16];
+    uint32_t repost;
+    uint32_t want_always;
+    uint32_t calls;
+    uint32_t reposted;
+    uint32_t qp_num;
+} ctx;
+
+static uint32_t handler(void *context, const verbs *v, void *cq, void *qp, uint32_t qp_num)
+{
+    ctx *c = context;
+    row rows[8];
+    uint32_t n, want = c->want_always;
+    c->calls++;
+    c->qp_num = qp_num;
+    while ((n = v->poll(cq, rows, 8)) != 0) {
+        for (uint32_t i = 0; i < n; i++) {
+            if (c->logged < 1024)
+                c->log[c->logged++] = rows[i];
+            if (rows[i].status != 0)
+                want = 1;
+            else if (c->repost && rows[i].opcode == 128 && rows[i].wr_id < 16
+                     && v->post_recv(qp, &c->table[rows[i].wr_id], 1) == 1)
+                c->reposted++;
+        }
+    }
+    return want;
+}
+
+uintptr_t handler_address(void) { return (uintptr_t)handler; }
+"""
+RECVS = 4
+SLOT = 64
+
+
+@pytest.fixture(scope="module")
+def handler_module(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """The compiled handler (cffi, API mode; the engine's own build needs a compiler
+    too, so where it is built, this is)."""
+    from cffi import FFI
+
+    directory = tmp_path_factory.mktemp("native_handler")
+    ffi = FFI()
+    ffi.cdef(DECLARATIONS)
+    ffi.set_source("_test_native_handler", SOURCE)
+    ffi.compile(tmpdir=str(directory), verbose=False)
+    sys.path.insert(0, str(directory))
+    try:
+        yield importlib.import_module("_test_native_handler")
+    finally:
+        sys.path.remove(str(directory))
+
+
+@pytest.fixture(autouse=True)
+def native_engine(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("RDMASHIM_ENGINE", "native")
+
+
+class Hooked:
+    """The server's side: its receive buffers, the handler's context, what Python saw."""
+
+    def __init__(
+        self, module: Any, request: ConnectionRequest, *, repost: bool, solicited: bool
+    ) -> None:
+        self.ffi, self.lib = module.ffi, module.lib
+        self.ctx = self.ffi.new("ctx *")
+        self.mr = request.pd.reg_mr(bytearray(SLOT * RECVS), Access.LOCAL_WRITE)
+        for i in range(RECVS):
+            sge = self.mr.sge(i * SLOT, SLOT)
+            self.ctx.table[i] = (i, sge.addr, sge.length, sge.lkey)
+        self.ctx.repost = repost
+        self.solicited = solicited
+        self.handled: list[int] = []
+        self.cq = request.qp.recv_cq
+        assert request.qp.send_cq is self.cq
+        self.cq.set_handler(self._python)
+        self.cq.req_notify(solicited)
+        request.qp.post_recv([RecvWR(i, [self.mr.sge(i * SLOT, SLOT)]) for i in range(RECVS)])
+        address = int(self.lib.handler_address())
+        assert self.cq.set_native_handler(address, int(self.ffi.cast("uintptr_t", self.ctx)), self)
+
+    def _python(self, cq: Any) -> None:
+        self.handled.append(len(cq.poll(64)))
+        cq.req_notify(self.solicited)
+
+    def log(self) -> list[tuple[int, int, int, int]]:
+        c = self.ctx
+        return [
+            (c.log[i].wr_id, c.log[i].status, c.log[i].opcode, c.log[i].byte_len)
+            for i in range(c.logged)
+        ]
+
+
+@asynccontextmanager
+async def hooked_pair(
+    module: Any, *, repost: bool = True, solicited: bool = False
+) -> AsyncIterator[tuple[Pair, Hooked]]:
+    made: list[Hooked] = []
+
+    def prepare(request: ConnectionRequest) -> Hooked:
+        made.append(Hooked(module, request, repost=repost, solicited=solicited))
+        return made[0]
+
+    async with connected(prepare=prepare, cap=QPCap(max_send_wr=64, max_recv_wr=RECVS)) as pair:
+        yield pair, made[0]
+
+
+async def send(pair: Pair, payloads: list[bytes]) -> None:
+    """Send each payload from the client, signaled, and wait for their completions."""
+    client = pair.client
+    for i, payload in enumerate(payloads):
+        mr = client.pd.reg_mr(payload, Access(0))
+        client.qp.post_send(SendWR(i, WROpcode.SEND, [mr.sge()], SIG))
+        with trio.fail_after(BOUND):
+            (wc,) = await client.cq.poll_wait(1)
+        assert wc.status == WCStatus.SUCCESS, wc
+        mr.close()
+
+
+async def until(check: Any) -> None:
+    with trio.fail_after(BOUND):
+        while not check():  # noqa: ASYNC110 - C fills the context; no event tells this
+            await trio.sleep(0.001)
+
+
+async def test_the_handler_takes_every_completion_and_reposts_without_python(
+    handler_module: Any,
+) -> None:
+    """More messages than receives posted: the handler re-posts each through its table,
+    so all arrive in order (the bytes in the buffer it named), and Python's handler never
+    runs nor finds a completion to poll."""
+    async with hooked_pair(handler_module) as (pair, hooked):
+        payloads = [bytes([i]) * (i + 1) for i in range(3 * RECVS)]
+        for k, payload in enumerate(payloads):
+            await send(pair, [payload])
+            await until(lambda k=k: hooked.ctx.logged == k + 1)
+            slot = k % RECVS
+            assert hooked.mr.buf[slot * SLOT : slot * SLOT + len(payload)] == payload
+        assert hooked.log() == [
+            (k % RECVS, 0, int(WCOpcode.RECV), len(p)) for k, p in enumerate(payloads)
+        ]
+        assert hooked.ctx.reposted == len(payloads)
+        assert hooked.ctx.qp_num == pair.server.qp.qp_num
+        assert hooked.handled == [] and len(hooked.cq) == 0 and hooked.cq.poll(8) == []
+
+
+async def test_asking_hands_the_cq_to_the_python_handler(handler_module: Any) -> None:
+    """A handler that asks (non-zero) has the CQ handed on as a reported completion: the
+    Python handler, armed even for solicited completions only, runs (and finds nothing:
+    the rows, of an unsolicited Send, were the native handler's)."""
+    async with hooked_pair(handler_module, solicited=True) as (pair, hooked):
+        hooked.ctx.want_always = 1
+        await send(pair, [b"ask"])
+        await until(lambda: hooked.handled)
+        assert hooked.handled == [0] and hooked.ctx.logged == 1
+
+
+async def test_failed_completions_reach_python_through_the_ask(handler_module: Any) -> None:
+    """The connection ends: the flushed receives are the handler's rows, which fail, so it
+    asks; Python's handler runs."""
+    async with hooked_pair(handler_module, repost=False) as (pair, hooked):
+        pair.server.qp.modify(qp_state=QPState.ERR)
+        await until(lambda: hooked.handled)
+        statuses = {row[1] for row in hooked.log()}
+        assert statuses == {int(WCStatus.WR_FLUSH_ERR)}
+        assert hooked.ctx.logged == RECVS
+
+
+async def test_removed_or_closed_it_is_not_called_again(handler_module: Any) -> None:
+    """Removed (0), completions go to Python again; on a closed CQ it is never called."""
+    async with hooked_pair(handler_module) as (pair, hooked):
+        await send(pair, [b"one"])
+        await until(lambda: hooked.ctx.logged == 1)
+        assert hooked.cq.set_native_handler(0, 0)
+        await send(pair, [b"two"])
+        await until(lambda: hooked.handled)
+        assert hooked.handled == [1] and hooked.ctx.calls == 1
+    async with hooked_pair(handler_module) as (pair, hooked):
+        calls = hooked.ctx.calls
+        hooked.cq.close()
+        pair.server.qp.modify(qp_state=QPState.ERR)  # (flushes into the closed CQ's ring)
+        await trio.sleep(0.05)
+        assert hooked.ctx.calls == calls
+
+
+async def test_misuse_is_einval_and_other_engines_have_none(
+    handler_module: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    async with hooked_pair(handler_module) as (_pair, hooked):
+        with pytest.raises(VerbsError) as info:
+            hooked.cq.set_native_handler(-1, 0)
+        assert info.value.errno == errno.EINVAL
+    monkeypatch.setenv("RDMASHIM_ENGINE", "python")
+    async with connected() as pair:
+        assert pair.client.cq.set_native_handler(1, 1) is False
+
+
+def test_the_engine_header_keeps_the_documented_abi() -> None:
+    """The engine's rs_hook_recv and rs_hook_verbs are the layouts the docs give a C
+    user (the handler above declares its own)."""
+    ffi = native.ffi
+    assert ffi.sizeof("rs_hook_recv") == 24
+    assert ffi.offsetof("rs_hook_recv", "addr") == 8
+    assert ffi.offsetof("rs_hook_recv", "lkey") == 20
+    assert ffi.offsetof("rs_hook_verbs", "post_recv") == ffi.sizeof("void *")
+    assert Path(native.__file__).is_file()
