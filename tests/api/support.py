@@ -22,7 +22,17 @@ from typing import Any
 
 import trio
 
-from rdmashim import Access, DeviceAttr, QPCap, RecvWR, SendFlags, SendWR, WCStatus, WROpcode
+from rdmashim import (
+    WC_ROW,
+    Access,
+    DeviceAttr,
+    QPCap,
+    RecvWR,
+    SendFlags,
+    SendWR,
+    WCStatus,
+    WROpcode,
+)
 from rdmashim.cm import CMEvent, CMEventType, ConnParam, EventChannel
 
 E = CMEventType
@@ -332,3 +342,34 @@ async def settle(end: End, remote_mr: Any) -> None:
                 if wc.wr_id == 0xFFFF_FFFF:
                     assert wc.status == WCStatus.SUCCESS, wc
                     return
+
+
+Row = tuple[Any, ...]
+"""A :data:`~rdmashim.WC_ROW` row decoded: wr_id, status, opcode, byte_len, qp_num,
+wc_flags, invalidated_rkey, solicited (the enums and the bool as ints)."""
+
+
+def rows_of(rows: Any, n: int) -> list[Row]:
+    """Rows ``0..n-1`` of a buffer ``cq.poll_rows`` wrote, decoded."""
+    return [WC_ROW.unpack_from(rows, i * WC_ROW.size) for i in range(n)]
+
+
+def row_of(wc: Any) -> Row:
+    """What a row of ``wc`` holds (the enums and the bool as ints)."""
+    return (wc.wr_id, int(wc.status), int(wc.opcode), wc.byte_len, wc.qp_num,
+            int(wc.wc_flags), wc.invalidated_rkey, int(wc.solicited))  # fmt: skip
+
+
+async def queued_receives(pair: Pair, n: int) -> Any:
+    """The server's receive CQ once it holds the completions of ``n`` Sends, Send ``i``
+    ``i`` bytes into receive ``i`` (none taken yet)."""
+    client, server = pair.client, pair.server
+    server.post_recvs(server.reg(16 * n), n, 16)
+    src = client.reg(pattern(16, 5))
+    client.qp.post_send([SendWR(i, WROpcode.SEND, [src.sge(0, i)], SIG) for i in range(n)])
+    ok(await drain(client.send_cq, n))
+    cq = server.recv_cq
+    with trio.fail_after(TIMEOUT):
+        while len(cq) < n:  # noqa: ASYNC110 (polled: nothing may be taken yet)
+            await trio.sleep(0.005)
+    return cq
