@@ -32,7 +32,7 @@ from rdmashim.ulps.rds.rdma_flow import RECV_SLOTS, RdmaFlow
 from rdmashim.ulps.rds.rdma_session import SLOT
 from rdmashim.ulps.rds.settings import RdsSettings
 from rdmashim.ulps.rds.wire import HEADER_STRUCT, RDS_HEADER_LEN, RdsProtocolError
-from rdmashim.verbs import WC_ROW, WCOpcode, WCStatus
+from rdmashim.verbs import SGE, WC_ROW, WCOpcode, WCStatus
 
 needs_c = pytest.mark.skipif(
     plain.COMPILED is None, reason=f"RDS's plain-message path in C is not built: {plain.WHY_NOT}"
@@ -105,7 +105,9 @@ class World:
         if compiled:
             path = self.node._table.plain
             assert path is not None
-            self.receiver = path.receiver(self.rds, self.flow, self.recv, SLOT)
+            # (no native handler here: the rows come to take(); the SGE goes unused)
+            sge = SGE(0, SLOT, 0)
+            self.receiver = path.receiver(self.rds, self.flow, self.recv, SLOT, sge, 16)
 
     def completion(self, wr_id: int, status: WCStatus, opcode: int, length: int) -> None:
         """What a session does with a row that is not plain (its receive part)."""

@@ -11,6 +11,7 @@ import trio
 
 from rdmashim.ulps.rds.node import RdsError
 from rdmashim.ulps.rds.rdma import SOURCES_KEPT, RdmaOp, RdmaStatus, cookie_offset, cookie_rkey
+from rdmashim.ulps.rds.rdma_ops import RdmaPosts
 from rdmashim.ulps.rds.rdma_session import RDMA_DEPTH, SEND_SLOTS, SIGNAL_EVERY, Session
 from rdmashim.ulps.rds.wire import RdmaExt
 from rdmashim.verbs import SendBatch, WCStatus
@@ -171,13 +172,13 @@ async def test_writes_go_unsignaled_and_leave_with_the_next_send(
     forgets it once a Send posted after it completes, so none stays counted against
     the RDMA operations it keeps in flight. A Read still completes on its own."""
     seen: list[tuple[int, WCStatus]] = []
-    original = Session._rdma_done
+    original = RdmaPosts.done
 
-    def spy(self: Session, wr_id: int, status: WCStatus) -> None:
+    def spy(self: RdmaPosts, wr_id: int, status: WCStatus) -> None:
         seen.append((wr_id, status))
         original(self, wr_id, status)
 
-    monkeypatch.setattr(Session, "_rdma_done", spy)
+    monkeypatch.setattr(RdmaPosts, "done", spy)
     a, b = await nodes([A, B])
     try:
         sa, sb = a.bind(4000), b.bind(5000)
@@ -191,7 +192,7 @@ async def test_writes_go_unsignaled_and_leave_with_the_next_send(
                 assert await op.wait() == RdmaStatus.SUCCESS
             session = a.connections()[0].session
             assert isinstance(session, Session)
-            assert 0 < len(session.rdma) < SIGNAL_EVERY  # the newest wait for a signal
+            assert 0 < len(session.rdma.inflight) < SIGNAL_EVERY  # the newest wait for a signal
             read = RdmaOp.read_into(cookie, bytearray(64), offset=64 * 39)
             await sa.sendto(b"read", (B, 5000), rdma=read)
             assert (await sb.recvfrom())[0] == b"read"
@@ -199,7 +200,7 @@ async def test_writes_go_unsignaled_and_leave_with_the_next_send(
             for _ in range(SIGNAL_EVERY):  # a signaled Send after every Write
                 await sa.sendto(b"plain", (B, 5000))
                 await sb.recvfrom()
-            await wait_until(lambda: not session.rdma, 10, "the Writes forgotten")
+            await wait_until(lambda: not session.rdma.inflight, 10, "the Writes forgotten")
         assert bytes(read.buffer) == b"%064d" % 39
         assert bytes(board) == b"".join(b"%064d" % i for i in range(40))
         assert [status for _, status in seen] == [WCStatus.SUCCESS]  # the Read's alone

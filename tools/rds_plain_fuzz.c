@@ -15,6 +15,11 @@
  * the harness checks what the scan says against the inboxes: the messages it queued,
  * their bytes and lengths, the buffers to post again and the ports woken, and at the
  * end every inbox's count and bytes against its list and the node's holding count.
+ * Then the same rows go to the CQ's native handler (rp_handle) through a stand-in verbs
+ * table that hands them over in chunks the input chooses, as a session's CQ does, with
+ * the harness doing what Python does when it asks (the row it left is Python's; it
+ * folds and releases): every receive it posts must name a buffer of the session, and
+ * it must poll nothing while held.
  * A broken check aborts (a crash for libFuzzer). -DRP_FUZZ_SELFTEST builds _plain.c
  * without its receive-buffer bounds check, which tests/test_rds_plain_fuzz.py
  * requires the harness to catch.
@@ -31,6 +36,31 @@
 
 static const uint16_t bound[] = {9, 4000, 4001, 65535};
 
+#define BASE 0x10000000u
+#define LKEY 77
+
+/* The stand-in CQ: the input's rows, chunk at a time */
+typedef struct {
+    const rp_row *rows;
+    uint32_t n, at, chunk;
+    int held; /* the handler said it holds: it must not poll */
+} fake_cq;
+
+static uint32_t fake_poll(void *cq, rp_row *out, uint32_t room)
+{
+    fake_cq *c = cq;
+    if (c->held)
+        abort(); /* (CHECK is defined below) */
+    uint32_t k = c->n - c->at;
+    k = k < room ? k : room;
+    k = k < c->chunk ? k : c->chunk;
+    memcpy(out, c->rows + c->at, k * sizeof *out);
+    c->at += k;
+    return k;
+}
+
+static uint32_t posted_total;
+
 #define CHECK(cond)                                                                        \
     do {                                                                                   \
         if (!(cond)) {                                                                     \
@@ -38,6 +68,84 @@ static const uint16_t bound[] = {9, 4000, 4001, 65535};
             abort();                                                                       \
         }                                                                                  \
     } while (0)
+
+static uint32_t fake_post(void *qp, const rp_recv *wrs, uint32_t n)
+{
+    (void)qp;
+    for (uint32_t k = 0; k < n; k++) {
+        CHECK(wrs[k].wr_id < SLOTS && wrs[k].length == SLOT && wrs[k].lkey == LKEY);
+        CHECK(wrs[k].addr == BASE + wrs[k].wr_id * SLOT);
+    }
+    posted_total += n;
+    return n;
+}
+
+static const rp_verbs fake_verbs = {fake_poll, fake_post};
+
+/* The rows again, through the native handler; what Python does when it asks. */
+static void handle(rp_ports *ports, rp_rx *rx, const rp_row *rows, uint32_t n, const char *recv,
+                   size_t recv_len, uint32_t chunk, uint16_t quiet)
+{
+    rp_row polled[ROWS_MAX];
+    uint32_t reposts[ROWS_MAX];
+    uint16_t woken[ROWS_MAX];
+    int64_t chased[ROWS_MAX];
+    rp_hook h;
+    memset(&h, 0, sizeof h);
+    h.rx = rx;
+    h.ports = ports;
+    h.rows = polled;
+    h.room = ROWS_MAX;
+    h.recv = recv;
+    h.recv_len = recv_len;
+    h.reposts = reposts;
+    h.woken = woken;
+    h.chased = chased;
+    h.recv_addr = BASE;
+    h.recv_lkey = LKEY;
+    h.repost_batch = 4;
+    h.quiet_port = quiet;
+    fake_cq cq = {rows, n, 0, chunk, 0};
+    posted_total = 0;
+    uint32_t turns = 0;
+    while (cq.at < n && turns++ <= n) {
+        uint32_t ask = rp_handle(&h, &fake_verbs, &cq, NULL, 0);
+        CHECK(h.posted == posted_total && h.left <= h.polled && h.polled <= ROWS_MAX);
+        CHECK(rx->nreposts < ROWS_MAX && rx->nwoken <= ROWS_MAX);
+        for (uint32_t k = 0; k < rx->nwoken; k++)
+            CHECK(woken[k] != quiet || chased[k] >= 0 || quiet == 0);
+        if (!ask) {
+            CHECK(!h.held && cq.at == n); /* it took all there was */
+            break;
+        }
+        CHECK(h.held);
+        cq.held = 1; /* (while Python looks: the handler must not poll) */
+        CHECK(rp_handle(&h, &fake_verbs, &cq, NULL, 0) == 1);
+        cq.held = 0;
+        /* Python: the rows left (the first is Python's, the others it scans again: here,
+         * skipped), what it took folded in, the handler released */
+        h.left = h.polled = 0;
+        rx->has_ack = 0;
+        rx->messages = rx->bytes = rx->nreposts = rx->nwoken = rx->chasers = 0;
+        rx->credits = 0;
+        h.posted = posted_total = 0;
+        h.held = 0;
+    }
+}
+
+/* A session's scan state at its start: the message in the first buffer is due. */
+static void init_rx(rp_rx *rx, const char *recv)
+{
+    memset(rx, 0, sizeof(*rx));
+    rx->slot = SLOT;
+    rx->rcvbuf = 600;
+    rx->rcvbuf_limit = 900;
+    rx->talk = -1;
+    rx->family = 4;
+    memcpy(rx->peer, "\x0a\x00\x00\x02", 4);
+    for (int k = 0; k < 8; k++)
+        rx->next_recv = rx->next_recv << 8 | (unsigned char)recv[k];
+}
 
 static void check_inbox(const rp_inbox *box, uint64_t *nonempty)
 {
@@ -75,15 +183,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     CHECK(rp_open(ports, bound[0]) == NULL); /* one inbox a port */
 
     rp_rx rx;
-    memset(&rx, 0, sizeof(rx));
-    rx.slot = SLOT;
-    rx.rcvbuf = 600;
-    rx.rcvbuf_limit = 900;
-    rx.talk = -1;
-    rx.family = 4;
-    memcpy(rx.peer, "\x0a\x00\x00\x02", 4);
-    for (int k = 0; k < 8; k++) /* the message in the first buffer is due */
-        rx.next_recv = rx.next_recv << 8 | (unsigned char)recv[k];
+    init_rx(&rx, recv);
     uint32_t reposts[ROWS_MAX];
     uint16_t woken[ROWS_MAX];
     int64_t chased[ROWS_MAX];
@@ -117,6 +217,14 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
         i += took + (took < n - i); /* the row it left is Python's */
     }
     uint64_t nonempty = 0;
+    for (size_t b = 0; b < sizeof(bound) / sizeof(bound[0]); b++)
+        check_inbox(boxes[b], &nonempty);
+    CHECK(nonempty == ports->holding);
+
+    init_rx(&rx, recv);
+    handle(ports, &rx, rows, n, recv, recv_len, data[0] / ROWS_MAX % 8 + 1,
+           data[0] & 1 ? bound[1] : 0);
+    nonempty = 0;
     for (size_t b = 0; b < sizeof(bound) / sizeof(bound[0]); b++)
         check_inbox(boxes[b], &nonempty);
     CHECK(nonempty == ports->holding);

@@ -317,7 +317,7 @@ class NativeLink(Link):
         view = self._view
         if view.tx_ready and not self._pending:  # Read Responses, ...
             self.flush()  # (it syncs)
-        elif (
+        elif view.news and (  # (none: a CQ's native handler took what came)
             view.news != _NEWS_CQ or self._cqs[0]._reader is not self.wait_point
             or not self._handed_to_driver()
         ):  # fmt: skip

@@ -223,8 +223,10 @@ uint32_t rp_scan(rp_rx *rx, rp_ports *ports, const rp_row *rows, uint32_t n,
             }
         }
         rx->credits += credit;
-        if (rx->nreposts == 0 || ack > rx->ack) /* (every row taken is a header) */
+        if (!rx->has_ack || ack > rx->ack) {
             rx->ack = ack;
+            rx->has_ack = 1;
+        }
         reposts[rx->nreposts++] = (uint32_t)row->wr_id;
         if (box != NULL) {
             int64_t talk = (int64_t)sport << 16 | dport;
@@ -241,3 +243,78 @@ uint32_t rp_scan(rp_rx *rx, rp_ports *ports, const rp_row *rows, uint32_t n,
     }
     return i;
 }
+
+/* Post the receives listed (all, or none when the QP refuses the first: it is leaving
+ * RTS, and Python's fold posts them again, which the QP then flushes) */
+static void repost(rp_hook *h, const rp_verbs *verbs, void *qp)
+{
+    rp_rx *rx = h->rx;
+    rp_recv wrs[64];
+    uint32_t done = 0;
+    while (done < rx->nreposts) {
+        uint32_t n = rx->nreposts - done < 64 ? rx->nreposts - done : 64;
+        for (uint32_t k = 0; k < n; k++) {
+            uint32_t i = h->reposts[done + k];
+            wrs[k].wr_id = i;
+            wrs[k].addr = h->recv_addr + (uint64_t)i * rx->slot;
+            wrs[k].length = rx->slot;
+            wrs[k].lkey = h->recv_lkey;
+        }
+        uint32_t posted = verbs->post_recv(qp, wrs, n);
+        done += posted;
+        if (posted < n)
+            break;
+    }
+    if (done) {
+        memmove(h->reposts, h->reposts + done, (rx->nreposts - done) * sizeof *h->reposts);
+        rx->nreposts -= done;
+        h->posted += done;
+    }
+}
+
+uint32_t rp_handle(void *hook, const rp_verbs *verbs, void *cq, void *qp, uint32_t qp_num)
+{
+    rp_hook *h = hook;
+    rp_rx *rx = h->rx;
+    (void)qp_num; /* (a session's CQ serves its one QP) */
+    if (h->held)
+        return 1;
+    uint64_t messages = rx->messages;
+    uint32_t ask = 0, taken = 0;
+    for (;;) {
+        uint32_t n = verbs->poll(cq, h->rows, h->room);
+        if (n == 0)
+            break;
+        uint32_t woken_before = rx->nwoken;
+        uint32_t took = rp_scan(rx, h->ports, h->rows, n, h->recv, h->recv_len, h->reposts,
+                                h->room, h->woken, h->chased, h->room);
+        /* A message for the port whose reader drives the session wakes no one: it
+         * looks once the read that brought it returns. */
+        uint32_t kept = woken_before;
+        for (uint32_t k = woken_before; k < rx->nwoken; k++) {
+            if (h->woken[k] == h->quiet_port && h->chased[k] < 0 && h->quiet_port)
+                continue;
+            h->woken[kept] = h->woken[k];
+            h->chased[kept++] = h->chased[k];
+        }
+        rx->nwoken = kept;
+        taken += took;
+        if (rx->nreposts >= h->repost_batch)
+            repost(h, verbs, qp);
+        if (took < n) {
+            h->left = took;
+            h->polled = n;
+            ask = 1;
+            break;
+        }
+    }
+    if (rx->nwoken || rx->messages > messages + 1 || (h->sends_waiting && taken)
+        || (h->grant_at && h->posted >= h->grant_at)
+        || (h->ack_watch && rx->has_ack && rx->ack >= h->ack_watch))
+        ask = 1;
+    if (ask)
+        h->held = 1;
+    return ask;
+}
+
+uintptr_t rp_handle_address(void) { return (uintptr_t)rp_handle; }

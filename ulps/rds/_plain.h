@@ -81,7 +81,53 @@ typedef struct {
     uint64_t rcvbuf_limit;  /* in: a message over this is dropped (Python drops it) */
     uint16_t family;        /* in: the peer's address */
     char peer[16];
+    uint32_t has_ack;       /* out: a header was taken (ack is set) */
 } rp_rx;
+
+/* verbs' native completion handler ABI (docs/verbs.md, "Native completion handlers"):
+ * declared here as RDS knows no backend */
+typedef struct {
+    uint64_t wr_id;
+    uint64_t addr;
+    uint32_t length;
+    uint32_t lkey;
+} rp_recv;
+typedef struct {
+    uint32_t (*poll)(void *cq, rp_row *rows, uint32_t n);
+    uint32_t (*post_recv)(void *qp, const rp_recv *wrs, uint32_t n);
+} rp_verbs;
+
+/* One session's completions taken by its CQ's native handler (rp_handle): the scan's
+ * state and outs (which add up until Python folds them into the session), and what the
+ * handler left to Python */
+typedef struct {
+    rp_rx *rx;
+    rp_ports *ports;
+    rp_row *rows;           /* where it polls, room rows */
+    uint32_t room;
+    const char *recv;       /* the session's receive buffers, recv_len bytes */
+    uint64_t recv_len;
+    uint32_t *reposts;      /* the scan's lists (room entries each) */
+    uint16_t *woken;
+    int64_t *chased;
+    uint64_t recv_addr;     /* receive buffer i is recv_addr + i * rx->slot (lkey recv_lkey) */
+    uint32_t recv_lkey;
+    uint32_t repost_batch;  /* receives go back in lists of at least this many */
+    uint32_t posted;        /* out: receives it posted again (credits for the peer) */
+    uint32_t left;          /* out: rows[left..polled) are Python's, in order */
+    uint32_t polled;
+    uint32_t held;          /* it asked (or Python holds it): it takes nothing until
+                             * Python, having taken what waits, clears this */
+    uint32_t sends_waiting; /* in: Python's sends wait for credits or room: it asks at
+                             * every row it takes (their credits and acks) */
+    uint32_t quiet_port;    /* in: the port whose reader drives the session (0: none):
+                             * a plain message for it wakes no one */
+    uint32_t grant_at;      /* in: it asks once it posted this many receives again (0:
+                             * never): their credits are due to the peer */
+    uint64_t ack_watch;     /* in: it asks once an acknowledgement reaches this sequence
+                             * number (0: none): a message whose RDMA operation ends then */
+} rp_hook;
+
 
 rp_ports *rp_ports_new(void);
 void rp_ports_free(rp_ports *ports);
@@ -95,6 +141,13 @@ void rp_free(rp_msg *msg);
 uint32_t rp_scan(rp_rx *rx, rp_ports *ports, const rp_row *rows, uint32_t n,
                  const char *recv, uint64_t recv_len, uint32_t *reposts, uint32_t room,
                  uint16_t *woken, int64_t *chased, uint32_t woken_room);
+/* The native handler (set on the session's CQ with hook as its context): polls, takes
+ * runs of plain messages as rp_scan, posts their receives again in lists of
+ * repost_batch; non-zero (and held) when Python must look: a row it did not take, a
+ * reader to wake, a burst, credits and acks while sends wait, credits to grant, an
+ * RDMA operation's end */
+uint32_t rp_handle(void *hook, const rp_verbs *verbs, void *cq, void *qp, uint32_t qp_num);
+uintptr_t rp_handle_address(void);
 /* cdef-end */
 
 #endif

@@ -60,6 +60,10 @@ class Carrier(Protocol):
     def pump_sends(self) -> None:
         """Something was queued: send what the session can now (never blocks)."""
 
+    def want_acks(self) -> None:
+        """A sender waits for room: acknowledgements the session took without Python
+        reach the connection now, and the next ones as they come (:meth:`RdsConnection.acked`)."""
+
     def cut(self) -> None:
         """Break the connection underneath, as a failure would (tests, the demo)."""
 

@@ -63,6 +63,8 @@ class Peer:
             if self.room.is_set():  # shared by every waiter: replacing it strands the others
                 self.room = trio.Event()
             rds.room_wanted = True
+            if (session := rds.session) is not None:
+                session.want_acks()  # (may make the room: the wait then returns at once)
             await self.room.wait()
 
     async def wait_uncongested(self) -> None:

@@ -33,6 +33,7 @@ if TYPE_CHECKING:
     from rdmashim.ulps.rds.rdma import Registrations
     from rdmashim.ulps.rds.rdma_flow import RdmaFlow
     from rdmashim.ulps.rds.settings import RdsSettings
+    from rdmashim.verbs import SGE
 
 log = logging.getLogger(__name__)
 
@@ -110,14 +111,21 @@ class PlainPath:
         self.sockets = sockets
 
     def receiver(
-        self, rds: RdsConnection, flow: RdmaFlow, recv: bytearray, slot: int
+        self,
+        rds: RdsConnection,
+        flow: RdmaFlow,
+        recv: bytearray,
+        slot: int,
+        sge: SGE,
+        batch: int,
     ) -> PlainReceiver:
         """The scan of one session, which receives into ``recv`` in buffers of ``slot``
-        bytes (it polls its completions into the receiver's :attr:`PlainReceiver.rows`).
-        ``recv`` is the registered bytearray itself, not a view of it: C keeps a pointer
-        to it (a view's export, released by the garbage collector in a cycle's arbitrary
-        order, can be gone first)."""
-        return PlainReceiver(self, rds, flow, recv, slot)
+        bytes (it polls its completions into the receiver's :attr:`PlainReceiver.rows`);
+        ``sge`` is the first buffer's, as registered; receives go back in lists of at
+        least ``batch``. ``recv`` is the registered bytearray
+        itself, not a view of it: C keeps a pointer to it (a view's export, released by
+        the garbage collector in a cycle's arbitrary order, can be gone first)."""
+        return PlainReceiver(self, rds, flow, recv, slot, sge, batch)
 
 
 def path(
@@ -131,18 +139,29 @@ def path(
 
 
 class PlainReceiver:
-    """One session's plain messages, taken from a poll's rows in C (``rp_scan``)."""
+    """One session's plain messages, taken from a poll's rows in C: by the CQ's native
+    handler (``rp_handle``, :meth:`hook`) where the backend calls one, else by the
+    session's handler through :meth:`take` (``rp_scan``). What C took goes into the
+    session's state when Python next looks (:meth:`fold`)."""
 
     __slots__ = (
-        "_chased", "_flow", "_lib", "_ports", "_rds", "_recv", "_recv_len", "_reposts",
-        "_rows_c", "_rx", "_sockets", "_unpack", "_woken", "rows",
+        "_chased", "_ffi", "_flow", "_lib", "_ports", "_rds", "_recv", "_reposts",
+        "_rows_c", "_sockets", "_unpack", "_woken", "hook", "rows", "state",
     )  # fmt: skip
 
     def __init__(
-        self, plain: PlainPath, rds: RdsConnection, flow: RdmaFlow, recv: bytearray, slot: int
+        self,
+        plain: PlainPath,
+        rds: RdsConnection,
+        flow: RdmaFlow,
+        recv: bytearray,
+        slot: int,
+        sge: SGE,
+        batch: int,
     ) -> None:
         inboxes = plain.inboxes
-        ffi, self._lib = inboxes.ffi, inboxes.lib
+        ffi = self._ffi = inboxes.ffi
+        self._lib = inboxes.lib
         self._ports = inboxes.counts
         self._sockets = plain.sockets
         self._rds, self._flow = rds, flow
@@ -150,29 +169,95 @@ class PlainReceiver:
         """Where the session polls its completions (``cq.poll_rows``: rows of ``WC_ROW``)."""
         self._rows_c = ffi.from_buffer("rp_row[]", self.rows)
         self._recv = ffi.from_buffer(recv)
-        self._recv_len = len(self._recv)
-        rx = self._rx = ffi.new("rp_rx *")
+        rx = self.state = ffi.new("rp_rx *")
+        """The scan's state (``rp_rx``): ``has_ack`` set while C took rows not yet folded."""
         rx.slot = slot
         rx.rcvbuf = plain.settings.rcvbuf
         rx.rcvbuf_limit = plain.settings.rcvbuf_limit
         rx.family, packed = rds.peer.version, rds.peer.packed
         ffi.memmove(rx.peer, packed, len(packed))
-        rows_held = len(self._rows_c)
-        self._reposts = ffi.new("uint32_t[]", rows_held)
-        self._woken = ffi.new("uint16_t[]", rows_held)
-        self._chased = ffi.new("int64_t[]", rows_held)
+        self._reposts = ffi.new("uint32_t[]", ROWS)
+        self._woken = ffi.new("uint16_t[]", ROWS)
+        self._chased = ffi.new("int64_t[]", ROWS)
         self._unpack = ffi.unpack
+        hook = self.hook = ffi.new("rp_hook *")
+        """The native handler's context (``rp_hook``): its ``quiet_port`` is the port whose
+        reader drives the session (0: none), for whose plain messages it wakes no one
+        (the reader looks after the read)."""
+        hook.rx, hook.ports, hook.rows, hook.room = rx, self._ports, self._rows_c, ROWS
+        hook.recv, hook.recv_len = self._recv, len(self._recv)
+        hook.reposts, hook.woken, hook.chased = self._reposts, self._woken, self._chased
+        hook.recv_addr, hook.recv_lkey, hook.repost_batch = sge.addr, sge.lkey, batch
+        self.release()
+
+    @property
+    def handler(self) -> tuple[int, int]:
+        """The CQ's native handler and its context (``cq.set_native_handler``)."""
+        return int(self._lib.rp_handle_address()), int(self._ffi.cast("uintptr_t", self.hook))
+
+    def hold(self) -> None:
+        """Python's handler runs: the native handler takes nothing meanwhile."""
+        self.hook.held = 1
+
+    def release(self, grant: int = 0) -> None:
+        """Python took what waited (its handler emptied the CQ): the native handler may
+        take again, from the session's state as it is now (not while a message in
+        fragments is assembled: every row is the assembly's), and asks once it posted
+        ``grant`` receives again (0: never)."""
+        rx, hook = self.state, self.hook
+        hook.grant_at = grant
+        rx.next_recv = self._rds.next_recv
+        rx.talk = self._flow.talk
+        hook.held = self._flow.assembly is not None
+
+    def sending(self, waiting: bool) -> None:
+        """Whether the session's sends wait for credits or a sender for room (the native
+        handler asks at every row it takes then: its credits and acknowledgement)."""
+        self.hook.sends_waiting = waiting
+
+    def watch(self, seq: int) -> None:
+        """The oldest message not yet acknowledged whose RDMA operation ends with its
+        acknowledgement, unless one is watched already (the native handler asks then)."""
+        if not self.hook.ack_watch:
+            self.hook.ack_watch = seq
+
+    def watch_oldest(self) -> None:
+        """Watch the oldest message not yet acknowledged that carries an RDMA operation
+        (none: nothing)."""
+        unacked = self._rds.unacked
+        self.hook.ack_watch = next((m.seq for m in unacked if m.rdma is not None), 0)
+
+    def pending(self) -> bool:
+        """Whether C took rows that :meth:`fold` has not given the session yet."""
+        return bool(self.state.has_ack)
+
+    def take_left(
+        self, completion: Callable[[int, WCStatus, int, int], None], reposts: list[int]
+    ) -> int:
+        """Take the rows the native handler polled and left to Python (as :meth:`take`);
+        how many there were (0: none)."""
+        hook = self.hook
+        start, n = int(hook.left), int(hook.polled)
+        if start >= n:
+            return 0
+        hook.left = hook.polled = 0
+        self.take(n, completion, reposts, start)
+        return n - start
 
     def take(
-        self, n: int, completion: Callable[[int, WCStatus, int, int], None], reposts: list[int]
+        self,
+        n: int,
+        completion: Callable[[int, WCStatus, int, int], None],
+        reposts: list[int],
+        start: int = 0,
     ) -> None:
-        """Take rows ``0..n-1`` of :attr:`rows` in order: each run of plain messages in C
-        (their credits, acks and numbers into the session's state, their payloads onto
-        their sockets, whose readers are woken, their receive buffers onto ``reposts``),
-        and any other row by ``completion(wr_id, status, opcode, byte_len)`` (the Python
-        path's), as is every row while a message in fragments is being assembled."""
+        """Take rows ``start..n-1`` of :attr:`rows` in order: each run of plain messages in
+        C (their credits, acks and numbers into the session's state, their payloads onto
+        their sockets, whose readers are woken, their receive buffers onto ``reposts``, and
+        so are those the native handler had not posted yet), and any other row by
+        ``completion(wr_id, status, opcode, byte_len)`` (the Python path's), as is every
+        row while a message in fragments is being assembled."""
         flow, rows = self._flow, self.rows
-        start = 0
         while start < n:
             if flow.assembly is None:  # (else every row is the assembly's: Python's)
                 start = self._scan(start, n, reposts)
@@ -185,35 +270,60 @@ class PlainReceiver:
     def _scan(self, start: int, n: int, reposts: list[int]) -> int:
         """Take the run of plain messages from row ``start`` on in C, and write what they
         changed back into the session's state; the first row not taken."""
-        rx, rds, flow, unpack = self._rx, self._rds, self._flow, self._unpack
-        rx.next_recv = rds.next_recv
-        rx.talk = flow.talk
-        rx.messages = rx.nreposts = rx.nwoken = rx.chasers = 0
-        rx.credits = rx.bytes = 0
+        rx = self.state
+        if rx.has_ack:  # (what C took before goes first: next_recv is C's until then)
+            self.fold(reposts)
+        rx.next_recv = self._rds.next_recv
+        rx.talk = self._flow.talk
         took: int = self._lib.rp_scan(
-            rx, self._ports, self._rows_c + start, n - start, self._recv, self._recv_len,
-            self._reposts, len(self._reposts), self._woken, self._chased, len(self._woken),
+            rx, self._ports, self._rows_c + start, n - start, self._recv, len(self._recv),
+            self._reposts, ROWS, self._woken, self._chased, ROWS,
         )  # fmt: skip
-        if not took:
-            return start
-        reposts += unpack(self._reposts, rx.nreposts)
+        if took:
+            self.fold(reposts)
+        return start + took
+
+    def fold(self, reposts: list[int] | None) -> int:
+        """Write what C took since the last fold into the session's state (credits, acks,
+        numbers, counters; readers woken, use-once registrations ended), its receive
+        buffers onto ``reposts`` (None: they stay the native handler's to post); the
+        messages it took."""
+        rx, rds, flow, unpack, hook = self.state, self._rds, self._flow, self._unpack, self.hook
+        if hook.posted:
+            flow.reposted(hook.posted)
+            hook.posted = 0
+        if not rx.has_ack:
+            return 0
+        rx.has_ack = 0
+        if reposts is not None:
+            reposts += unpack(self._reposts, rx.nreposts)
+            rx.nreposts = 0
         flow.send_credits += rx.credits
         unacked = rds.unacked
-        if unacked and unacked[0].seq <= rx.ack:  # (every row taken is a header: ack is set)
+        if unacked and unacked[0].seq <= rx.ack:
             rds.acked(rx.ack)
-        if rx.messages:
+            if hook.ack_watch and hook.ack_watch <= rx.ack:  # (watch the next one, if any)
+                self.watch_oldest()
+        messages: int = rx.messages
+        rx.credits = 0
+        if messages:
+            rx.messages = 0
             rds.next_recv = rx.next_recv
             rds.heard = rds.busy = True
             counters = rds.counters
-            counters.recv_messages += rx.messages
+            counters.recv_messages += messages
             counters.recv_bytes += rx.bytes
+            rx.bytes = 0
             flow.talk = rx.talk
-            sockets, ports = self._sockets, unpack(self._woken, rx.nwoken)
-            for port in ports:  # (one entry a message: readers woken as _deliver wakes them)
-                if (sock := sockets.get(port)) is not None:
-                    sock._wake()
-            if rx.chasers:  # (their sockets' use-once registrations end)
-                for port, rkey in zip(ports, unpack(self._chased, rx.nwoken), strict=True):
-                    if rkey >= 0 and (sock := sockets.get(port)) is not None:
-                        sock._registrations.used(rkey)
-        return start + took
+            if rx.nwoken:
+                sockets, ports = self._sockets, unpack(self._woken, rx.nwoken)
+                for port in ports:  # (one entry a message: readers woken as _deliver wakes them)
+                    if (sock := sockets.get(port)) is not None:
+                        sock._wake()
+                if rx.chasers:  # (their sockets' use-once registrations end)
+                    for port, rkey in zip(ports, unpack(self._chased, rx.nwoken), strict=True):
+                        if rkey >= 0 and (sock := sockets.get(port)) is not None:
+                            sock._registrations.used(rkey)
+                    rx.chasers = 0
+                rx.nwoken = 0
+        return messages

@@ -21,8 +21,15 @@ import trio
 
 from rdmashim.ulps.rds.connection import RdsConnection
 from rdmashim.ulps.rds.plain import ROWS
-from rdmashim.ulps.rds.rdma import RdmaOp, RdmaStatus, status_of
 from rdmashim.ulps.rds.rdma_flow import ACK_DELAY, ACK_HELD, ACK_NOW, RECV_SLOTS, RdmaFlow
+from rdmashim.ulps.rds.rdma_ops import RDMA_DEPTH, RDMA_WR, RdmaPosts
+from rdmashim.ulps.rds.rdma_pacing import (
+    ACK_BACKSTOP,
+    BURST_MAX,
+    OPENING_MAX,
+    REPOST_BATCH,
+    SIGNAL_EVERY,
+)
 from rdmashim.ulps.rds.transport import SessionLost
 from rdmashim.ulps.rds.wire import RDS_FRAG_SIZE, RDS_HEADER_LEN, RdsProtocolError
 from rdmashim.verbs import (
@@ -51,51 +58,9 @@ log = logging.getLogger(__name__)
 
 SLOT = RDS_HEADER_LEN + RDS_FRAG_SIZE
 SEND_SLOTS = 64
-REPOST_BATCH = 16
-"""Receive buffers go back to the QP (and their credits to the peer) in lists of at
-least this many: a post per message, where one message comes at a time, costs more
-than the few receives it keeps posted (at least 112 of 128 stay posted). A post of
-8 cost the native engine 14-18 us (rds stress d=1, a loaded machine): 2 us a message;
-of 16, half that."""
-SIGNAL_EVERY = 16
-"""A session asks for a completion every this many Sends (or each one when slots run
-low): one completion frees the slots of every Send posted before it. Each costs a
-completion handler run of its own where no receive comes with it (at one request in
-flight, on the built-in engine, in its dispatcher task: a task switch too): 8 made
-that 0.13 handler runs a message more, 16 makes it 0.06."""
-BURST_MAX = 16
-"""Messages queued during a burst (see :meth:`Session.pump_sends`) after which they are
-posted at once rather than all together later: the peer starts on these while the
-rest are made, so the two ends work at the same time instead of taking turns."""
-OPENING_MAX = 8
-"""A burst of up to this many messages, or a larger one that all came from one socket
-to one socket, has its first answer posted at once (see :meth:`Session.pump_sends`).
-One conversation's two ends take turns unless the peer gets something to start on,
-and so do both ends when a few messages are in flight; a larger burst from several
-conversations comes while others are in flight, which keep both ends busy, and its
-first answer alone only costs a write, a read and a handler run more at each end.
-Measured (``rds stress``, 3 s runs, 2 each, against every first answer at once):
-``-q 64 -a 16`` t=4 d=8 50.9-52.3k -> 55.5-58.5k tx/s, t=8 d=4 48.0-49.0k -> 51.2-53.2k,
-t=2 d=16 54.1-54.5k -> 58.5-59.4k, ``-q 1024 -a 256`` t=4 d=8 47.8-48.7k -> 50.8-52.8k;
-the same for t=1 d=4, t=1 d=16, t=2 d=4, t=4 d=2, t=1 d=4 -D 64K and t=1 d=1.
-Holding every first answer instead made t=1 d=16 35-37k, against 44-48k."""
-ACK_BACKSTOP = 10 * ACK_DELAY
-"""Seconds after :data:`~rdmashim.ulps.rds.rdma_flow.ACK_DELAY` by which the session's
-task sends an acknowledgement held back for a message of ours to carry when no reader
-went back to waiting meanwhile. A reader that does (:meth:`Session.ack_needed`) brings
-the timer back to ``ACK_DELAY``; a reader comes back after each message it answers, and
-by then its answer carried the acknowledgement. So the task's timer is set once per
-this many seconds, not once per ``ACK_DELAY``, and rarely fires for nothing: at one
-request in flight it woke the task 0.17-0.44 times a message (2,000-450 a second), each
-wake-up a pass of trio's run loop and about 30 Python calls."""
-RDMA_DEPTH = 16
-"""RDMA operations a session keeps in flight (beside its send slots on the send queue)."""
-_RDMA_WR = 1 << 32
-"""Work request ids at and above this are RDMA operations; below, send slots."""
 _SUCCESS = WCStatus.SUCCESS
 _RECV = WCOpcode.RECV
 _SEND = WROpcode.SEND
-_UNSIGNALED = SendFlags(0)
 _FLAGS = [
     (SendFlags.FENCE if variant & 8 else SendFlags.NONE)
     | (SendFlags.SOLICITED if variant & 4 else SendFlags.NONE)
@@ -175,7 +140,7 @@ class Session:
         self._send_addr, self._send_lkey = first.addr, first.lkey
         self._sends = SendBatch(
             [SendWR(slot, _SEND) for slot in range(SEND_SLOTS)]
-            + [SendWR(_RDMA_WR, WROpcode.RDMA_WRITE) for _ in range(RDMA_DEPTH)]
+            + [SendWR(RDMA_WR, WROpcode.RDMA_WRITE) for _ in range(RDMA_DEPTH)]
         )
         """Each send slot's Send (entry ``slot``), then :data:`RDMA_DEPTH` entries for the
         RDMA operations of one post: an entry posted again with the fields it had is one
@@ -189,29 +154,25 @@ class Session:
         self.free_slots = list(range(SEND_SLOTS))
         self.posted: deque[int] = deque()
         """Send slots in flight, in posting order (the send queue completes in order)."""
-        self.rdma: dict[int, RdmaOp] = {}
-        """RDMA operations in flight, by work request id: the id of operation number
-        ``n`` (:attr:`_next_rdma`) is its batch entry's, ``_RDMA_WR + n % RDMA_DEPTH``,
-        so an entry posted again with the fields it had is one the engine packed
-        already (rds stress ``-D`` writes into the same few buffers again and again)."""
-        self._next_rdma = _RDMA_WR
-        """The number of the next RDMA operation (they are numbered in posting order)."""
-        self._rdma_shapes: list[tuple[object, ...] | None] = [None] * RDMA_DEPTH
-        """What each RDMA entry holds (region, cookie, offset, write): set again only
-        when that changes."""
-        self._writes: deque[tuple[int, RdmaOp]] = deque()
-        """The RDMA Writes in :attr:`rdma` and their numbers, in posting order. A Write is
-        posted unsignaled (as Linux posts one without ``RDS_RDMA_NOTIFY_ME``): it is done
-        when a Send posted after it completes, and its operation when the peer
-        acknowledges the message (a failed one still completes, with its error)."""
-        self._rdma_marks = [_RDMA_WR] * SEND_SLOTS
-        """For each send slot, :attr:`_next_rdma` when it was last posted: the RDMA
-        operations numbered below it went before the slot's Send."""
+        self.rdma = RdmaPosts(self._sends, _RDMA_ENTRY, SEND_SLOTS, rds.counters)
+        """The RDMA operations this session posts ahead of their messages."""
         self.lost = False
         self._wcs = WCArray(ROWS)
         self._room = ROWS
-        self._plain = None if plain is None else plain.receiver(rds, self.flow, received, SLOT)
+        first = self.recv_mr.sge(0, SLOT)
+        self._plain = (
+            None if plain is None
+            else plain.receiver(rds, self.flow, received, SLOT, first, REPOST_BATCH)
+        )  # fmt: skip
         """The C scan of plain messages (:mod:`.plain`), or None: the Python path."""
+        self._unfolded = None if self._plain is None else self._plain.state
+        """The C scan's state, whose ``has_ack`` says the CQ's native handler took rows
+        that :meth:`_fold` has not given the session yet (None: no C path)."""
+        self._hooked = False
+        """The CQ calls the C scan's native handler (``cq.set_native_handler``)."""
+        self._unjudged = False
+        """Messages the native handler took were folded in without a look at whether
+        their acknowledgement must be held back (:meth:`ack_needed` looks)."""
         self._take = self._take_columns if self._plain is None else self._take_rows
         self._recvs = RecvBatch(
             RecvWR(i, [self.recv_mr.sge(i * SLOT, SLOT)]) for i in range(RECV_SLOTS)
@@ -253,56 +214,6 @@ class Session:
         self.send_mr.close()
 
     # ------------------------------------------------------------------ transmit
-    def _post_rdma(self, op: RdmaOp) -> None:
-        """Post the RDMA Write or Read a message carries, ahead of the message (the flow
-        gives one only while there is room: see :meth:`pump_sends`)."""
-        n = self._next_rdma
-        self._next_rdma = n + 1
-        k = n % RDMA_DEPTH
-        wr_id = _RDMA_WR + k
-        self.rdma[wr_id] = op
-        mr = op._mr
-        assert mr is not None  # registered when the message was queued (_begin)
-        write = op.write
-        if write:
-            self._writes.append((n, op))
-        shape = (mr, op.cookie, op.remote_offset, write)
-        if self._rdma_shapes[k] != shape:  # else the entry stays as packed
-            self._rdma_shapes[k] = shape
-            if write:
-                opcode, flags = WROpcode.RDMA_WRITE, _UNSIGNALED
-            else:  # the data is here when the Read completes
-                opcode, flags = WROpcode.RDMA_READ, SendFlags.SIGNALED
-            self._sends.set(
-                _RDMA_ENTRY + k, wr_id=wr_id, opcode=opcode, sg_list=[mr.sge()],
-                send_flags=flags, remote_addr=op.remote_addr, rkey=op.rkey,
-            )  # fmt: skip
-        self._entries.append(_RDMA_ENTRY + k)
-        counters = self.rds.counters
-        counters.rdma_bytes += op.length
-        if write:
-            counters.rdma_writes += 1
-        else:
-            counters.rdma_reads += 1
-
-    def _writes_done(self, slot: int) -> None:
-        """The Send of ``slot`` completed: so did the RDMA Writes posted before it."""
-        writes, mark, rdma = self._writes, self._rdma_marks[slot], self.rdma
-        while writes and writes[0][0] < mark:
-            n, op = writes.popleft()
-            wr_id = _RDMA_WR + n % RDMA_DEPTH
-            if rdma.get(wr_id) is op:  # (else a failed one was taken already)
-                del rdma[wr_id]
-
-    def _rdma_done(self, wr_id: int, status: WCStatus) -> None:
-        op = self.rdma.pop(wr_id)
-        if status == WCStatus.SUCCESS:
-            if not op.write:  # the data is here; a Write is done when the peer acks
-                op._finish(RdmaStatus.SUCCESS)
-        elif status != WCStatus.WR_FLUSH_ERR:
-            self.rds.counters.rdma_failures += 1
-            op._finish(status_of(status), status.name)
-
     def _post_slot(self, slot: int, length: int) -> None:
         """Add the Send of ``slot``, which holds a fragment of ``length`` bytes that the flow
         wrote, to the ones :meth:`_submit` posts.
@@ -314,7 +225,7 @@ class Session:
         look at what came before until a solicited Send arrives."""
         posted = self.posted
         posted.append(slot)
-        self._rdma_marks[slot] = self._next_rdma
+        self.rdma.marks[slot] = self.rdma.next
         flow = self.flow
         variant = (
             flow.fence << 3
@@ -354,6 +265,8 @@ class Session:
         the slots and credits it freed.
         """
         rds = self.rds
+        if (unfolded := self._unfolded) is not None and unfolded.has_ack:
+            self._fold()  # (the credits and acknowledgement C took go out with these)
         if not now and self._burst and len(rds.unsent) < BURST_MAX:
             if self._opening:  # the first answer goes at once: the peer starts on it
                 self._opening = False
@@ -380,9 +293,10 @@ class Session:
                     # RDMA room: fewer than RDMA_DEPTH in flight, and the next one's
                     # entry among them free (they end in order, but for a Read whose
                     # response has not come while later Writes are done).
+                    inflight = rdma.inflight
                     room = (
-                        len(rdma) < RDMA_DEPTH
-                        and _RDMA_WR + self._next_rdma % RDMA_DEPTH not in rdma
+                        len(inflight) < RDMA_DEPTH
+                        and RDMA_WR + rdma.next % RDMA_DEPTH not in inflight
                     )
                     length = flow.fill(buf, slot * SLOT, room)
                     if not length:
@@ -390,14 +304,22 @@ class Session:
                     op = flow.rdma_op
                     if op is not None:
                         flow.rdma_op = None
-                        self._post_rdma(op)
+                        rdma.post(op, self._entries)
+                        if self._hooked:  # (it ends with the acknowledgement: C asks then)
+                            self._plain.watch(rds.unacked[-1].seq)  # type: ignore[union-attr]
                     self._post_slot(free.pop(), length)
                 if rds.unsent or flow.current is not None:  # no credit, slot or RDMA room
                     rds.counters.credit_waits += 1
+                    if self._hooked:  # (the native handler asks when credits come)
+                        self._plain.sending(True)  # type: ignore[union-attr]
                 entries = self._entries  # (_submit, inline: a call per message less)
                 if entries:
                     self._entries = []
                     self.qp.post_send_batch(self._sends, indices=entries)
+            if self._hooked and self._timer_at == math.inf and (timer := self._timer) is not None:
+                # The native handler takes the peer's acknowledgements of these without
+                # Python: the session's task folds them in by this time at the latest.
+                timer.deadline = self._timer_at = self._clock() + ACK_BACKSTOP
         finally:
             self._pumping = False
 
@@ -415,9 +337,69 @@ class Session:
         own :data:`~rdmashim.ulps.rds.rdma_flow.ACK_DELAY` after the hold began, not at
         the backstop (:data:`ACK_BACKSTOP`)."""
         self._ack_listed = False
+        if self._unjudged:
+            self._judge()
         at = self.flow.ack_at
         if at < self._timer_at and (timer := self._timer) is not None:
             timer.deadline = self._timer_at = at
+
+    def want_acks(self) -> None:
+        """A sender waits for room: what the native handler took is folded in now (its
+        acknowledgements may make the room), and it asks for Python at the next ones."""
+        if self._hooked:
+            self._plain.sending(True)  # type: ignore[union-attr]
+            if self._unfolded.has_ack:  # type: ignore[union-attr]
+                self._fold()
+
+    def _judge(self) -> None:
+        """Look at the acknowledgement of messages the native handler took: it goes now if
+        many receives wait to be granted, else it is held (unless a message of ours
+        carried it meanwhile)."""
+        self._unjudged = False
+        flow = self.flow
+        due = flow.acknowledge(self._clock)
+        if due == ACK_NOW:
+            self._send_ack()
+            flow.ack_at = math.inf
+        elif (
+            due == ACK_HELD and flow.ack_at < self._timer_at and (timer := self._timer) is not None
+        ):
+            timer.deadline = self._timer_at = flow.ack_at
+
+    def _fold(self) -> None:
+        """Give the session what the CQ's native handler took (:meth:`.PlainReceiver.fold`):
+        its credits, acknowledgements and numbers. Whether to hold an acknowledgement back
+        is looked at when the reader goes back to waiting (by then its answer may have
+        carried it), or at the backstop (:data:`ACK_BACKSTOP`) if no reader comes back."""
+        plain = self._plain
+        assert plain is not None  # (has_ack is C's)
+        if plain.fold(None):
+            self._unjudged = True
+            if not self._ack_listed:
+                self._ack_listed = True
+                self._on_ack(self)
+            if self._timer_at == math.inf and (timer := self._timer) is not None:
+                timer.deadline = self._timer_at = self._clock() + ACK_DELAY + ACK_BACKSTOP
+
+    async def drive_until(self, ready: Callable[[], bool], quiet: int = 0) -> bool:
+        """A reader's wait (:class:`~.transport.Drivable`): it drives the session's CQ
+        (``cq.drive_until``); ``quiet`` is its socket's port, for which the native handler
+        wakes no one (the reader looks after each read). What C took is folded in before
+        it returns."""
+        if not self._hooked:
+            return await self.cq.drive_until(ready)
+        hook = self._plain.hook  # type: ignore[union-attr]
+        hook.quiet_port = quiet
+        try:
+            return await self.cq.drive_until(ready)
+        finally:
+            hook.quiet_port = 0
+            if self._unfolded.has_ack:  # type: ignore[union-attr]
+                self._fold()
+
+    def interrupt_wait(self) -> None:
+        """Make a :meth:`drive_until` in progress look at its ``ready`` again now."""
+        self.cq.interrupt_wait()
 
     def _send_ack(self) -> None:
         if self.free_slots and self.flow.ack_allowed():
@@ -436,6 +418,17 @@ class Session:
             return
         room = self._room
         rds, flow = self.rds, self.flow
+        plain = self._plain
+        if self._hooked:
+            plain.hold()  # type: ignore[union-attr]
+            if self._unfolded.has_ack:  # type: ignore[union-attr]
+                # What C took before this run (not in its count): its credits let sends
+                # go, and its receives posted again may be due to the peer as credits.
+                self._fold()
+                if flow.current is not None or rds.unsent or rds.map_out is not None:
+                    self.pump_sends(True)
+                if self._unjudged:
+                    self._judge()
         counters = rds.counters
         received = counters.recv_messages
         take = self._take
@@ -487,6 +480,12 @@ class Session:
             self._end(SessionLost(str(exc)))
         except SessionLost as exc:
             self._end(exc)
+        finally:
+            if self._hooked:
+                waiting = rds.room_wanted or bool(rds.unsent) or flow.current is not None
+                plain.sending(waiting)  # type: ignore[union-attr]
+                grant = max(1, RECV_SLOTS // 2 - flow.advertise) if flow.flow_control else 0
+                plain.release(grant)  # type: ignore[union-attr]
 
     def _take_columns(self, cq: CQ) -> int:
         """Poll into the session's :class:`WCArray` and take each completion (the Python
@@ -503,6 +502,9 @@ class Session:
         (:mod:`.plain`), any other row as the Python path takes it; how many there were."""
         plain = self._plain
         assert plain is not None  # (chosen with it)
+        n = plain.take_left(self._completion, self._reposts)  # (the native handler's left first)
+        if n:
+            return n
         n = cq.poll_rows(plain.rows)
         plain.take(n, self._completion, self._reposts)
         return n
@@ -511,20 +513,20 @@ class Session:
         """Take one completion: a received message (its buffer to be posted again), a
         Send (its slot and every earlier one free), an RDMA operation (done), or a
         failure (:class:`SessionLost`)."""
-        rdma = self.rdma
-        if rdma and wr_id in rdma:  # receives use slot numbers: no clash
-            self._rdma_done(wr_id, status)
+        inflight = self.rdma.inflight
+        if inflight and wr_id in inflight:  # receives use slot numbers: no clash
+            self.rdma.done(wr_id, status)
         if status != _SUCCESS:
             raise SessionLost(f"{status.name} (work request {wr_id:#x}) with {self.rds.peer}")
         if opcode == _RECV:
             self._reposts.append(wr_id)
             self.flow.receive_at(self._recv_buf, wr_id * SLOT, length)
-        elif wr_id < _RDMA_WR:  # this Send and every one before it are done
+        elif wr_id < RDMA_WR:  # this Send and every one before it are done
             while (slot := self.posted.popleft()) != wr_id:
                 self.free_slots.append(slot)
             self.free_slots.append(slot)
-            if self._writes:
-                self._writes_done(slot)
+            if self.rdma.writes:
+                self.rdma.writes_done(slot)
 
     def _end(self, failure: SessionLost) -> None:
         if self._failure is None:
@@ -547,10 +549,15 @@ class Session:
         self.pump_sends(True)
         try:
             self.cq.set_handler(self._on_cq)
+            if self._plain is not None:  # (C takes plain messages in the engine's calls)
+                self._hooked = self.cq.set_native_handler(*self._plain.handler, self._plain)
+                self._plain.watch_oldest()  # (what the first pump sent)
             self._on_cq(self.cq)  # what came before, and arm
             while self._failure is None:
                 # (the backstop while no reader came back since the hold: ack_needed)
                 self._timer_at = self.flow.ack_at + (ACK_BACKSTOP if self._ack_listed else 0.0)
+                if self._hooked and self._timer_at == math.inf and self.rds.unacked:
+                    self._timer_at = self._clock() + ACK_BACKSTOP  # (see pump_sends)
                 with trio.CancelScope(deadline=self._timer_at) as self._timer:
                     await self._wake.wait()
                 self._timer = None
@@ -561,10 +568,17 @@ class Session:
                     # The receivers woken with this one may not have run yet: let them.
                     await trio.lowlevel.cancel_shielded_checkpoint()
                     self.answer_burst()  # (unless a receiver did meanwhile)
+                if self._unfolded is not None and self._unfolded.has_ack:
+                    self._fold()  # (no reader came back: the backstop)
+                if self._unjudged:
+                    self.ack_needed()  # (as a reader coming back would: no reader did)
                 if self._failure is None and self.flow.ack_expired(self._clock()):
                     self._send_ack()
             raise self._failure
         finally:
             self.lost = True
             with contextlib.suppress(OSError):  # the CQ may be closed already
+                if self._hooked:
+                    self._hooked = False
+                    self.cq.set_native_handler(0, 0)
                 self.cq.set_handler(None)

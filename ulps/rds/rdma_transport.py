@@ -37,7 +37,7 @@ from rdmashim.verbs.attrs import QPCap
 
 if TYPE_CHECKING:
     from rdmashim.ulps.rds.peer import Peer
-    from rdmashim.verbs.abc import CQ, PD
+    from rdmashim.verbs.abc import PD
 
 log = logging.getLogger(__name__)
 
@@ -99,9 +99,9 @@ class RdmaTransport:
         port: int = local[1]
         return port
 
-    def drivable(self, session: Carrier) -> CQ | None:
-        """The session's CQ: a reader drives its completion handler."""
-        return session.cq if isinstance(session, Session) else None
+    def drivable(self, session: Carrier) -> Session | None:
+        """The session: a reader drives its CQ's completion handler."""
+        return session if isinstance(session, Session) else None
 
     @staticmethod
     def _private(rds: RdsConnection) -> bytes:

@@ -218,7 +218,7 @@ class RdsSocket:
             if drivable is not None:
                 self._driving = drivable
                 try:
-                    driven = await drivable.drive_until(self._readable)
+                    driven = await drivable.drive_until(self._readable, self.port)
                 finally:
                     self._driving = None
                 if driven:

@@ -178,6 +178,9 @@ class TcpSession:
             self._wake.set()
         self._written.set()
 
+    def want_acks(self) -> None:
+        """Nothing to do: this session hands each acknowledgement on as it reads it."""
+
     def cut(self) -> None:
         """Break the connection underneath (for tests and the demo): we stop writing,
         the peer's session ends at our end of stream, and so does ours at its. Both
@@ -297,9 +300,11 @@ class TcpSession:
             if self.sender.inflight:
                 self.check_acks()
 
-    async def drive_until(self, ready: Callable[[], object]) -> bool:
+    async def drive_until(self, ready: Callable[[], object], quiet: int = 0) -> bool:
         """Read and take messages in place of the reader task until ``ready()`` is true,
-        the session ends or :meth:`interrupt_wait` is called; False at once when another
+        the session ends or :meth:`interrupt_wait` is called (``quiet``, the reader's
+        port, changes nothing here: the session wakes readers in Python, which costs a
+        reader driving it nothing); False at once when another
         task reads already or the session is lost (wait some other way). With the
         node's ``busy_poll`` it reads the empty socket again, between trio checkpoints,
         for that long after the last bytes came before it waits

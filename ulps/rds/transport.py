@@ -76,8 +76,10 @@ class Drivable(Protocol):
     """What a waiting reader may drive in place of the session's own task (a CQ, a TCP
     session): it reads and hands messages on until ``ready()`` is true."""
 
-    async def drive_until(self, ready: Callable[[], bool]) -> bool:
-        """Drive until ``ready()``; False at once when it cannot (wait some other way)."""
+    async def drive_until(self, ready: Callable[[], bool], quiet: int = 0) -> bool:
+        """Drive until ``ready()``; False at once when it cannot (wait some other way).
+        ``quiet`` is the port of the reader's socket: a message for it needs no wake-up
+        (the reader looks after each read)."""
         ...
 
     def interrupt_wait(self) -> None:
