@@ -15,7 +15,10 @@ The points: trio's I/O wait (an instrument's ``before_io_wait`` and
 and return; on the native engine the read is in the same call, so its phases
 "trio resumes the reader" and "readv" are empty and the wait holds the read),
 ``os.readv`` and ``os.write``/``os.writev`` (the engine's socket calls), the
-engine's ``received``, the RDS session's completion handler (``Session._on_cq``),
+engine's ``received``, the RDS session's completion handler (``Session._on_cq``; with
+RDS's C path on the native engine, the CQ's native handler takes a plain message inside
+the read, and the session's fold of what it took, ``Session._fold``, takes the
+handler's place),
 the socket handing a message to its reader (``RdsSocket._take``),
 ``RdsSocket.sendto`` and the QP's ``post_send`` or ``post_send_batch``. Each
 hook costs about 0.3 us; a phase is counted only in cycles whose points came in
@@ -205,24 +208,25 @@ class Tracer(trio.abc.Instrument):
             setattr(NativeLink, name, hooked)
             self._undo.append(partial(setattr, NativeLink, name, original))
 
-    def _hook_handler(self) -> None:
-        """Log ``handler`` and ``handler_end`` around the session's completion handler,
-        and how long the engine's calls inside it took (:attr:`inside`)."""
-        original = Session._on_cq
+    def _hook_handler(self, name: str) -> None:
+        """Log ``handler`` and ``handler_end`` around the session's completion handler
+        (``_on_cq``), or its fold of what the CQ's native handler took (``_fold``), and
+        how long the engine's calls inside it took (:attr:`inside`)."""
+        original = getattr(Session, name)
         log, now, inside = self.log, time.perf_counter_ns, self.inside
 
-        def hooked(session: Session, cq: Any) -> None:
+        def hooked(session: Session, *args: Any) -> None:
             self._engine_ns = 0
             log.append(("handler", now()))
             try:
-                original(session, cq)
+                original(session, *args)
             finally:
                 t = now()
                 inside[t] = self._engine_ns
                 log.append(("handler_end", t))
 
-        Session._on_cq = hooked  # type: ignore[method-assign]
-        self._undo.append(partial(setattr, Session, "_on_cq", original))
+        setattr(Session, name, hooked)
+        self._undo.append(partial(setattr, Session, name, original))
 
     def _hook_engine(self, owner: Any, name: str) -> None:
         """Add the time of each call of ``owner.name`` to the handler run under way."""
@@ -265,7 +269,8 @@ class Tracer(trio.abc.Instrument):
             self._hook(Engine, "received", "engine", "engine_end")
             self._hook(QP, "post_send", "post", "post_end")
             self._hook(QP, "post_send_batch", "post", "post_end")
-        self._hook_handler()
+        self._hook_handler("_on_cq")
+        self._hook_handler("_fold")
         self._hook(RdsSocket, "_take", "take", None)
         self._hook(RdsSocket, "sendto", "sendto", None)
         trio.lowlevel.add_instrument(self)

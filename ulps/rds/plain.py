@@ -207,7 +207,7 @@ class PlainReceiver:
         rx, hook = self.state, self.hook
         hook.grant_at = grant
         rx.next_recv = self._rds.next_recv
-        rx.talk = self._flow.talk
+        rx.talk = -1  # (the next run's messages: RdmaFlow.talk)
         hook.held = self._flow.assembly is not None
 
     def sending(self, waiting: bool) -> None:
@@ -315,6 +315,7 @@ class PlainReceiver:
             counters.recv_bytes += rx.bytes
             rx.bytes = 0
             flow.talk = rx.talk
+            rx.talk = -1
             if rx.nwoken:
                 sockets, ports = self._sockets, unpack(self._woken, rx.nwoken)
                 for port in ports:  # (one entry a message: readers woken as _deliver wakes them)

@@ -418,21 +418,22 @@ class Session:
             return
         room = self._room
         rds, flow = self.rds, self.flow
+        counters = rds.counters
+        received = counters.recv_messages
+        take = self._take
+        flow.talk = -1
         plain = self._plain
         if self._hooked:
             plain.hold()  # type: ignore[union-attr]
             if self._unfolded.has_ack:  # type: ignore[union-attr]
-                # What C took before this run (not in its count): its credits let sends
-                # go, and its receives posted again may be due to the peer as credits.
+                # What C took first (the messages of a burst it asked for count in this
+                # run's): its credits let sends go, its receives posted again may be due
+                # to the peer as credits.
                 self._fold()
                 if flow.current is not None or rds.unsent or rds.map_out is not None:
                     self.pump_sends(True)
                 if self._unjudged:
                     self._judge()
-        counters = rds.counters
-        received = counters.recv_messages
-        take = self._take
-        flow.talk = -1
         try:
             while True:
                 try:
