@@ -140,7 +140,7 @@ def path(
 
 class PlainReceiver:
     """One session's plain messages, taken from a poll's rows in C: by the CQ's native
-    handler (``rp_handle``, :meth:`hook`) where the backend calls one, else by the
+    handler (``rp_handle``, :attr:`handler`) where the backend calls one, else by the
     session's handler through :meth:`take` (``rp_scan``). What C took goes into the
     session's state when Python next looks (:meth:`fold`)."""
 
@@ -226,10 +226,6 @@ class PlainReceiver:
         (none: nothing)."""
         unacked = self._rds.unacked
         self.hook.ack_watch = next((m.seq for m in unacked if m.rdma is not None), 0)
-
-    def pending(self) -> bool:
-        """Whether C took rows that :meth:`fold` has not given the session yet."""
-        return bool(self.state.has_ack)
 
     def take_left(
         self, completion: Callable[[int, WCStatus, int, int], None], reposts: list[int]
