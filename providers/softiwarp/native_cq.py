@@ -93,11 +93,11 @@ class NativeCQ(CQ):
         self._count = view.count
         if view.overrun and not self._overrun:
             self._overflow(None)
-        if self._hooked:
-            if not view.wanted and not self._count:
-                return
-            view.wanted = 0
-            notable = was + 1  # (as a solicited completion: an armed handler runs)
+        if self._hooked:  # (only what the native handler asked for, or left)
+            if view.wanted or self._count:
+                view.wanted = 0
+                self._arrived(True)  # (as a solicited completion: an armed handler runs)
+            return
         self._arrived(notable != was)
 
     def set_native_handler(self, function: int, context: int, owner: object = None) -> bool:
