@@ -19,13 +19,15 @@ from typing import Any
 
 import pytest
 import trio
-from test_resources import BOUND, SIG, Pair, connected
+from test_resources import BOUND, SIG, Pair, connected, drain
 
 from rdmashim import (
+    SGE,
     Access,
     QPCap,
     QPState,
     RecvWR,
+    SendFlags,
     SendWR,
     VerbsError,
     WCOpcode,
@@ -43,6 +45,7 @@ DECLARATIONS = """
 typedef struct { uint64_t wr_id; uint32_t status, opcode, byte_len, qp_num, wc_flags,
                  invalidated_rkey, solicited; } row;
 typedef struct { uint64_t wr_id; uint64_t addr; uint32_t length; uint32_t lkey; } recv;
+typedef struct { uint64_t wr_id; uint64_t addr; uint32_t length, lkey, flags; } send;
 typedef struct {
     row log[1024];
     uint32_t logged;
@@ -52,6 +55,9 @@ typedef struct {
     uint32_t calls;
     uint32_t reposted;
     uint32_t qp_num;
+    send staged[4];         /* Sends to post when it runs next */
+    uint32_t nstaged;
+    uint32_t sent;          /* of those, how many post_send took */
 } ctx;
 uintptr_t handler_address(void);
 """
@@ -60,9 +66,11 @@ SOURCE = """
 typedef struct { uint64_t wr_id; uint32_t status, opcode, byte_len, qp_num, wc_flags,
                  invalidated_rkey, solicited; } row;
 typedef struct { uint64_t wr_id; uint64_t addr; uint32_t length; uint32_t lkey; } recv;
+typedef struct { uint64_t wr_id; uint64_t addr; uint32_t length, lkey, flags; } send;
 typedef struct {
     uint32_t (*poll)(void *cq, row *rows, uint32_t n);
     uint32_t (*post_recv)(void *qp, const recv *wrs, uint32_t n);
+    uint32_t (*post_send)(void *qp, const send *wrs, uint32_t n);
 } verbs;
 typedef struct {
     row log[1024];
@@ -73,6 +81,9 @@ typedef struct {
     uint32_t calls;
     uint32_t reposted;
     uint32_t qp_num;
+    send staged[4];
+    uint32_t nstaged;
+    uint32_t sent;
 } ctx;
 
 static uint32_t handler(void *context, const verbs *v, void *cq, void *qp, uint32_t qp_num)
@@ -82,6 +93,10 @@ static uint32_t handler(void *context, const verbs *v, void *cq, void *qp, uint3
     uint32_t n, want = c->want_always;
     c->calls++;
     c->qp_num = qp_num;
+    if (c->nstaged) {
+        c->sent += v->post_send(qp, c->staged, c->nstaged);
+        c->nstaged = 0;
+    }
     while ((n = v->poll(cq, rows, 8)) != 0) {
         for (uint32_t i = 0; i < n; i++) {
             if (c->logged < 1024)
@@ -252,6 +267,52 @@ async def test_removed_or_closed_it_is_not_called_again(handler_module: Any) -> 
         assert hooked.ctx.calls == calls
 
 
+def stage(hooked: Hooked, wr_id: int, sge: Any, flags: SendFlags) -> None:
+    """Have the handler post this Send when it runs next."""
+    hooked.ctx.staged[hooked.ctx.nstaged] = (wr_id, sge.addr, sge.length, sge.lkey, int(flags))
+    hooked.ctx.nstaged += 1
+
+
+async def test_a_run_posts_what_the_handler_staged_and_writes_it(handler_module: Any) -> None:
+    """``qp.run_native_handler()`` runs the handler now, with nothing to poll: the Sends it
+    posts through its table go out in the same call (one inline: its bytes were copied
+    when posted), and the signaled one's completion is the handler's own, in a later run."""
+    async with hooked_pair(handler_module) as (pair, hooked):
+        client = pair.client
+        landing = client.pd.reg_mr(bytearray(2 * SLOT), Access.LOCAL_WRITE)
+        client.qp.post_recv([RecvWR(i, [landing.sge(i * SLOT, SLOT)]) for i in range(2)])
+        source = pair.server.pd.reg_mr(bytearray(b"first" + b"." * 59 + b"second"), Access(0))
+        stage(hooked, 7, source.sge(0, 5), SendFlags.INLINE)
+        stage(hooked, 8, source.sge(64, 6), SendFlags.SIGNALED | SendFlags.SOLICITED)
+        calls = hooked.ctx.calls
+        assert pair.server.qp.run_native_handler() is True
+        assert hooked.ctx.calls > calls and hooked.ctx.sent == 2
+        source.buf[0:5] = b"XXXXX"  # (the inline one's bytes are the engine's already)
+        wcs = await drain(client.cq, 2)
+        assert [(wc.status, wc.byte_len) for wc in wcs] == [(WCStatus.SUCCESS, n) for n in (5, 6)]
+        assert bytes(landing.buf[0:5]) == b"first"
+        assert bytes(landing.buf[SLOT : SLOT + 6]) == b"second"
+        await until(lambda: (8, 0, int(WCOpcode.SEND)) in [row[:3] for row in hooked.log()])
+        assert hooked.handled == []
+
+
+async def test_a_send_naming_memory_it_may_not_use_fails_as_any_post(handler_module: Any) -> None:
+    """An inline Send naming no region is refused when posted (none taken); one whose
+    bytes are read when framed fails then: the QP leaves RTS, the handler finds the failed
+    completion and asks, and Python's handler runs."""
+    async with hooked_pair(handler_module, repost=False) as (pair, hooked):
+        source = pair.server.pd.reg_mr(bytearray(64), Access(0))
+        bad = SGE(source.sge().addr, 8, source.lkey ^ 0x5A5A00)
+        stage(hooked, 1, bad, SendFlags.INLINE | SendFlags.SIGNALED)
+        assert pair.server.qp.run_native_handler() is True
+        assert hooked.ctx.sent == 0 and pair.server.qp.query().qp_state is QPState.RTS
+        stage(hooked, 2, bad, SendFlags.SIGNALED)
+        assert pair.server.qp.run_native_handler() is True
+        assert hooked.ctx.sent == 1
+        await until(lambda: hooked.handled)
+        assert (2, int(WCStatus.LOC_PROT_ERR), int(WCOpcode.SEND)) in [r[:3] for r in hooked.log()]
+
+
 async def test_misuse_is_einval_and_other_engines_have_none(
     handler_module: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -259,9 +320,15 @@ async def test_misuse_is_einval_and_other_engines_have_none(
         with pytest.raises(VerbsError) as info:
             hooked.cq.set_native_handler(-1, 0)
         assert info.value.errno == errno.EINVAL
+        assert pair_qp_runs_none(_pair.client.qp)  # (no handler on the client's CQ)
     monkeypatch.setenv("RDMASHIM_ENGINE", "python")
     async with connected() as pair:
         assert pair.client.cq.set_native_handler(1, 1) is False
+        assert pair_qp_runs_none(pair.client.qp)
+
+
+def pair_qp_runs_none(qp: Any) -> bool:
+    return qp.run_native_handler() is False
 
 
 def test_the_engine_header_keeps_the_documented_abi() -> None:
@@ -272,3 +339,6 @@ def test_the_engine_header_keeps_the_documented_abi() -> None:
     assert ffi.offsetof("rs_hook_recv", "addr") == 8
     assert ffi.offsetof("rs_hook_recv", "lkey") == 20
     assert ffi.offsetof("rs_hook_verbs", "post_recv") == ffi.sizeof("void *")
+    assert ffi.offsetof("rs_hook_verbs", "post_send") == 2 * ffi.sizeof("void *")
+    assert ffi.sizeof("rs_hook_send") == 32
+    assert ffi.offsetof("rs_hook_send", "flags") == 24

@@ -331,6 +331,13 @@ class SRQ(Resource, Protocol):
 class QP(Resource, Protocol):
     """A queue pair (``ibv_qp``)."""
 
+    def run_native_handler(self) -> bool:
+        """Run the native handler set on this QP's send CQ (``cq.set_native_handler``)
+        now, inside the backend, whether completions wait or not, and send what it posted
+        on this QP through its table of verbs (``post_send``): how a ULP's C that staged
+        Sends in its handler's context has them posted, in one call. True when it ran;
+        False where the backend calls no native handler, or none is set."""
+
     @property
     def pd(self) -> PD:
         """The PD the QP was created on."""

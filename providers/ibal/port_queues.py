@@ -646,6 +646,10 @@ class QP:
             raise VerbsError(errno.EINVAL, "post_recv", "QP uses an SRQ; post to the SRQ")
         _post_batch("post_recv", batch, _RECV_FORM, count, indices, ib_post_recv, self.h_qp)
 
+    def run_native_handler(self) -> bool:
+        """Not here (False): IBAL calls no native handler (``cq.set_native_handler``)."""
+        return False
+
     def query(self) -> QPAttr:
         """``ib_query_qp``."""
         with verbs_errors("query_qp"):

@@ -461,6 +461,11 @@ class QP(Resource):
         chains = batch.prepared(WRChain, _recv_chain)
         _post_batch(chains, self._post_recv, self._ptr, self._bad_recv, "post_recv", entries)
 
+    def run_native_handler(self) -> bool:
+        """Not here (False): no native handler is called (``cq.set_native_handler``)."""
+        self._check_open("run_native_handler")
+        return False
+
     def post_recv(self, wr: RecvWR | Iterable[RecvWR]) -> None:
         """Post one receive work request or a list of them (never blocks)."""
         self._check_open("post_recv")

@@ -715,12 +715,35 @@ static uint32_t hook_post_recv(rs_qp *qp, const rs_hook_recv *wrs, uint32_t n)
     return k;
 }
 
-static const rs_hook_verbs hook_verbs = {rs_cq_poll_in_lock, hook_post_recv};
+static uint32_t post_send(rs_qp *qp, const rs_send_wr *wrs, uint32_t n, int *why);
 
-/* Run cq's native handler, if it has one and completions wait (not from inside it). */
-static void run_hook(rs_qp *qp, rs_cq *cq)
+static uint32_t hook_post_send(rs_qp *qp, const rs_hook_send *wrs, uint32_t n)
 {
-    if (!cq->hook || cq->hooking || !cq->v.count)
+    uint32_t k;
+    for (k = 0; k < n; k++) {
+        rs_send_wr w;
+        int why;
+        memset(&w, 0, sizeof w);
+        w.wr_id = wrs[k].wr_id;
+        w.opcode = RS_WR_SEND;
+        w.flags = wrs[k].flags & (RS_FENCE | RS_SIGNALED | RS_SOLICITED | RS_INLINE);
+        w.num_sge = 1;
+        w.sg_list[0].addr = wrs[k].addr;
+        w.sg_list[0].length = wrs[k].length;
+        w.sg_list[0].lkey = wrs[k].lkey;
+        if (post_send(qp, &w, 1, &why) != 1)
+            break;
+    }
+    return k;
+}
+
+static const rs_hook_verbs hook_verbs = {rs_cq_poll_in_lock, hook_post_recv, hook_post_send};
+
+/* Run cq's native handler, if it has one and completions wait or (force) always; not
+ * from inside it. */
+static void run_hook(rs_qp *qp, rs_cq *cq, int force)
+{
+    if (!cq->hook || cq->hooking || (!cq->v.count && !force))
         return;
     cq->hooking = 1;
     uint32_t want = cq->hook(cq->hook_context, &hook_verbs, cq, qp, qp->qp_num);
@@ -740,13 +763,13 @@ static void settle(rs_qp *qp)
     qp->overrun = 0;
     rs_cq *cq = qp->rcq;
     if (cq->hook) {
-        run_hook(qp, cq);
+        run_hook(qp, cq, 0);
         if (qp->scq != cq)
-            run_hook(qp, qp->scq);
+            run_hook(qp, qp->scq, 0);
         else if (!cq->v.count && !cq->v.wanted && !cq->v.overrun)
             qp->v.news &= ~(uint32_t)RS_NEWS_CQ;
     } else if (qp->scq->hook) {
-        run_hook(qp, qp->scq);
+        run_hook(qp, qp->scq, 0);
     }
     publish(qp);
 }
@@ -2013,6 +2036,18 @@ static uint32_t rs_qp_post_send_fd_in_lock(rs_qp *qp, const rs_send_wr *wrs, uin
     return taken;
 }
 
+static void rs_qp_run_hook_in_lock(rs_qp *qp)
+{
+    run_hook(qp, qp->scq, 1);
+    settle(qp);
+}
+
+static void rs_qp_run_hook_fd_in_lock(rs_qp *qp, int fd, int64_t *wrote)
+{
+    rs_qp_run_hook_in_lock(qp);
+    *wrote = rs_qp_flush_fd(qp, fd);
+}
+
 static int64_t rs_qp_flush_fd_in_lock(rs_qp *qp, int fd)
 {
     int64_t w;
@@ -2081,4 +2116,6 @@ LOCKED_VOID(rs_qp_rx, &qp->mem->lock, (rs_qp *qp, const uint8_t *data, size_t le
 LOCKED(int64_t, rs_qp_read_fd, &qp->mem->lock, (rs_qp *qp, int fd), (qp, fd))
 LOCKED(uint32_t, rs_qp_post_send_fd, &qp->mem->lock, (rs_qp *qp, const rs_send_wr *wrs, uint32_t n, int *why, int fd, int64_t *wrote), (qp, wrs, n, why, fd, wrote))
 LOCKED(int64_t, rs_qp_flush_fd, &qp->mem->lock, (rs_qp *qp, int fd), (qp, fd))
+LOCKED_VOID(rs_qp_run_hook, &qp->mem->lock, (rs_qp *qp), (qp))
+LOCKED_VOID(rs_qp_run_hook_fd, &qp->mem->lock, (rs_qp *qp, int fd, int64_t *wrote), (qp, fd, wrote))
 LOCKED(int64_t, rs_qp_write_fd, &qp->mem->lock, (rs_qp *qp, int fd), (qp, fd))

@@ -179,15 +179,16 @@ uint32_t rs_cq_poll(rs_cq *cq, rs_wc *out, uint32_t n);
 rs_cq_view *rs_cq_view_of(rs_cq *cq);
 /* rs_cq_poll, and what the completions taken have in common (*sum). */
 uint32_t rs_cq_poll_sum(rs_cq *cq, rs_wc *out, uint32_t n, rs_wc_sum *sum);
-/* A native completion handler (cq.set_native_handler, verbs/native_handler.h: the
- * portable declaration of the same ABI). At the end of every call on a QP that leaves
+/* A native completion handler (cq.set_native_handler; docs/verbs.md, "Native completion
+ * handlers", declares the same ABI portably). At the end of every call on a QP that leaves
  * completions in a CQ with a handler, the engine calls
  *     want = fn(context, verbs, cq, qp, qp_num)
  * inside that call (the QP's lock held, without the GIL where the call is made
  * without it), never from inside the handler itself. The handler polls and posts only
- * through verbs: poll takes up to n completions into rows (rs_wc is a WC_ROW row), and
- * post_recv posts n single-buffer receives on the QP whose call ran (qp_num); their
- * memory is checked, as any receive's, when data is placed in it. A non-zero want sets
+ * through verbs: poll takes up to n completions into rows (rs_wc is a WC_ROW row),
+ * post_recv posts n single-buffer receives and post_send n single-buffer Sends on the QP
+ * whose call ran (qp_num), checked as any post's (a Send's memory when it is framed, a
+ * receive's when data is placed in it); how many were taken. A non-zero want sets
  * the CQ view's wanted: the provider then hands the CQ on as for a completion that was
  * reported. fn NULL removes the handler. */
 typedef struct {
@@ -197,10 +198,24 @@ typedef struct {
     uint32_t lkey;
 } rs_hook_recv;
 typedef struct {
+    uint64_t wr_id;
+    uint64_t addr;
+    uint32_t length;
+    uint32_t lkey;
+    uint32_t flags;         /* RS_FENCE, RS_SIGNALED, RS_SOLICITED, RS_INLINE */
+} rs_hook_send;
+typedef struct {
     uint32_t (*poll)(rs_cq *cq, rs_wc *rows, uint32_t n);
     uint32_t (*post_recv)(rs_qp *qp, const rs_hook_recv *wrs, uint32_t n);
+    uint32_t (*post_send)(rs_qp *qp, const rs_hook_send *wrs, uint32_t n);
 } rs_hook_verbs;
 void rs_cq_set_hook(rs_cq *cq, void *fn, void *context);
+/* Run the native handler of qp's send CQ now, whether completions wait or not (the
+ * provider's qp.run_native_handler: a ULP's C staged Sends for it to post), then as
+ * every call ends; the _fd form writes what waits to be sent into fd, as
+ * rs_qp_post_send_fd does (*wrote: 0, or how a write ended, -errno). */
+void rs_qp_run_hook(rs_qp *qp);
+void rs_qp_run_hook_fd(rs_qp *qp, int fd, int64_t *wrote);
 
 rs_srq *rs_srq_new(uint32_t max_wr);
 void rs_srq_free(rs_srq *srq);

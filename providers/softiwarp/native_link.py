@@ -136,6 +136,18 @@ class NativeEngine:
             link.stopped_by(wrote[0])
         return int(taken)
 
+    def run_hook(self) -> None:
+        """Run the native handler of the QP's send CQ now (``rs_qp_run_hook``); when the
+        socket has room, C writes what it posted in the same call."""
+        link = self.link
+        if link is None or link._pending:  # not connected, or the transmit task waits
+            lib.rs_qp_run_hook(self.ptr)  # (that task writes what it posted)
+            return
+        wrote = self._wrote
+        lib.rs_qp_run_hook_fd(self.ptr, link._fd, wrote)
+        if wrote[0]:
+            link.stopped_by(wrote[0])
+
     @property
     def kind(self) -> int:
         """Why C moved the QP to ERROR (``RS_ERR_*``; 0 while it has not)."""

@@ -243,6 +243,18 @@ class NativeQP(QPBase):
             return
         self._post_sends((wr,), plan, _ONE)
 
+    def run_native_handler(self) -> bool:
+        """Run the native handler of the send CQ (``cq.set_native_handler``) now, inside
+        one call into C, and write what it posted on this QP; False when none is set."""
+        if self._closed:
+            self._check_open("run_native_handler")
+        if not self._cqs[0]._hooked:  # (the send CQ)
+            return False
+        self.engine.run_hook()
+        if self._view.news:
+            self._sync()
+        return True
+
     def post_send_batch(
         self, batch: SendBatch, count: int | None = None, *, indices: Sequence[int] | None = None
     ) -> None:

@@ -181,6 +181,12 @@ class QPBase(Resource):
     def when_ready(self, callback: Callable[[], None]) -> None:
         """P2P responder: ``callback`` runs when the initiator's RTR arrives."""
 
+    def run_native_handler(self) -> bool:
+        """Not with the Python engine (False): it calls no native handler. The native
+        engine's QP runs it (:class:`~.native_provider.NativeQP`)."""
+        self._check_open("run_native_handler")
+        return False
+
     def _leave_cqs(self) -> None:
         self.send_cq._qps.pop(id(self), None)
         self.recv_cq._qps.pop(id(self), None)
