@@ -20,7 +20,8 @@ RDS's C path on the native engine, the CQ's native handler takes a plain message
 the read, and the session's fold of what it took, ``Session._fold``, takes the
 handler's place),
 the socket handing a message to its reader (``RdsSocket._take``),
-``RdsSocket.sendto`` and the QP's ``post_send`` or ``post_send_batch``. Each
+``RdsSocket.sendto`` and the QP's ``post_send`` or ``post_send_batch`` (or, for a plain
+message sent in C, ``run_native_handler``). Each
 hook costs about 0.3 us; a phase is counted only in cycles whose points came in
 the usual order (a timer's wake-up or an acknowledgement in the middle leaves
 the cycle out: the counts say how many were kept). Each end's CPU time per message
@@ -247,20 +248,23 @@ class Tracer(trio.abc.Instrument):
         """Hook the points (in a trio run: the instrument is the run's). On the native
         engine one C call reads the socket and processes what came (``NativeLink._read``:
         the readv phase holds both, the engine's is empty), and one frames a post's
-        Sends and writes them (``NativeEngine.submit_send``: the write phase holds both;
-        framing is the Python around it)."""
+        Sends and writes them (``NativeEngine.submit_send``, or ``run_hook`` for what RDS's
+        C staged: the write phase holds both; framing is the Python around it)."""
         native_engine = engines.chosen()[0] == "native"
         cq_class, qp_class = (NativeCQ, NativeQP) if native_engine else (CQ, QP)
         for owner, name in (
             (cq_class, "poll_into"), (CQ, "req_notify"), (CQ, "__len__"),
             (qp_class, "post_recv_batch"), (qp_class, "post_send_batch"), (qp_class, "post_send"),
+            (qp_class, "run_native_handler"),
         ):  # fmt: skip
             self._hook_engine(owner, name)  # (before the post's points: those go outside)
         if native_engine:
             self._hook_native_reads()
             self._hook(NativeEngine, "submit_send", "write", "write_end")
+            self._hook(NativeEngine, "run_hook", "write", "write_end")
             self._hook(NativeQP, "post_send", "post", "post_end")
             self._hook(NativeQP, "post_send_batch", "post", "post_end")
+            self._hook(NativeQP, "run_native_handler", "post", "post_end")
         else:
             self._hook_idle_wait(WaitPoint, "block", ("wake",))
             self._hook(os, "readv", "read", "read_end")

@@ -99,14 +99,14 @@ def test_credits_data_never_takes_the_last_and_a_bare_ack_only_when_it_grants() 
     for _ in range(3):
         w.rds.queue(1, 2, b"")
     assert w.sends() == [hdr(100, 0, 0, 1, 2, ACK_REQ), hdr(101, 0, 0, 1, 2)]
-    assert w.flow.send_credits == 1 and len(w.rds.unsent) == 1
+    assert w.flow.state.send_credits == 1 and len(w.rds.unsent) == 1
     assert not w.flow.ack_allowed()  # the last credit, and nothing to grant
     w.flow.reposted(5)
     assert w.flow.ack_allowed()
     buf = bytearray(48)
     assert w.flow.fill_ack(buf, 0) == 48
     assert bytes(buf) == hdr(0, 0, 0, 0, 0, 0, credit=5)
-    assert w.flow.send_credits == 0 and w.flow.advertise == 0
+    assert w.flow.state.send_credits == 0 and w.flow.state.advertise == 0
     # The peer's header grants 2: the message that waited goes, with the last flag.
     w.flow.receive(memoryview(hdr(0, 0, 0, 0, 0, 0, credit=2)))
     assert w.sends() == [hdr(102, 0, 0, 1, 2, ACK_REQ)]
@@ -115,9 +115,9 @@ def test_credits_data_never_takes_the_last_and_a_bare_ack_only_when_it_grants() 
 def test_a_peer_granting_no_credits_turns_flow_control_off() -> None:
     w = Wire()
     w.flow.peer_credits(0)
-    assert not w.flow.flow_control and w.flow.ack_allowed()
+    assert not w.flow.state.flow_control and w.flow.ack_allowed()
     w.flow.reposted(RECV_SLOTS)  # nothing to grant without flow control
-    assert w.flow.advertise == 0
+    assert w.flow.state.advertise == 0
 
 
 def test_credits_granted_are_capped_at_255_a_header() -> None:
@@ -191,13 +191,13 @@ def test_received_messages_are_delivered_once_in_order_and_acked() -> None:
     # The peer's answer acknowledges ours and grants a credit.
     w.flow.receive(memoryview(hdr(7, 100, 3, 2, 1, 0, credit=1) + b"ans"))
     assert w.delivered == [(PEER, 7, 2, 1, b"ans")]
-    assert not w.rds.unacked and w.rds.queued_bytes == 0 and w.flow.send_credits == 4
+    assert not w.rds.unacked and w.rds.queued_bytes == 0 and w.flow.state.send_credits == 4
     # A duplicate (resent after a reconnect) is dropped.
     w.flow.receive(memoryview(hdr(7, 100, 3, 2, 1, RETRANS) + b"ans"))
     assert len(w.delivered) == 1 and w.rds.counters.recv_drop_old_seq == 1
     # The ack is held back for a message of ours to carry...
     assert w.flow.acknowledge(lambda: 5.0) == ACK_HELD
-    assert w.flow.ack_at == 5.0 + ACK_DELAY
+    assert w.flow.state.ack_at == 5.0 + ACK_DELAY
     assert w.flow.acknowledge(lambda: 6.0) == ACK_NONE  # held already
     assert not w.flow.ack_expired(5.0 + ACK_DELAY / 2)
     # ... which does: h_ack 7, and no bare ack is due any more.

@@ -27,11 +27,12 @@ from hypothesis import strategies as st
 from rdmashim.ulps.rds import plain
 from rdmashim.ulps.rds.connection import RdsConnection
 from rdmashim.ulps.rds.node import RdsNode
+from rdmashim.ulps.rds.plain import SendRing
 from rdmashim.ulps.rds.rdma import Registrations
-from rdmashim.ulps.rds.rdma_flow import RECV_SLOTS, RdmaFlow
-from rdmashim.ulps.rds.rdma_session import SLOT
+from rdmashim.ulps.rds.rdma_flow import ACK_REQUIRED_EVERY, RECV_SLOTS, RdmaFlow
+from rdmashim.ulps.rds.rdma_session import C_SEND_WR, SLOT
 from rdmashim.ulps.rds.settings import RdsSettings
-from rdmashim.ulps.rds.wire import HEADER_STRUCT, RDS_HEADER_LEN, RdsProtocolError
+from rdmashim.ulps.rds.wire import HEADER_STRUCT, RDS_FRAG_SIZE, RDS_HEADER_LEN, RdsProtocolError
 from rdmashim.verbs import SGE, WC_ROW, WCOpcode, WCStatus
 
 needs_c = pytest.mark.skipif(
@@ -95,19 +96,22 @@ class World:
         for n in range(4):  # our messages the peer has not acknowledged yet
             self.rds.queue(BOUND[0], 7, b"ours %d" % n)
             self.rds.unacked.append(self.rds.unsent.popleft())
-        self.flow = RdmaFlow(self.rds)
+        path = self.node._table.plain if compiled else None
+        self.flow = RdmaFlow(self.rds, None if path is None else path.flow_state())
         self.recv = bytearray(SLOT * RECV_SLOTS)
         self.reposts: list[int] = []
         self.others: list[int] = []
         """The work request ids of the rows that were not receives."""
         self.error = ""
         self.receiver = None
+        self.sends = bytearray(SLOT * 4)
+        """The send buffers of plain messages sent in C."""
         if compiled:
-            path = self.node._table.plain
             assert path is not None
-            # (no native handler here: the rows come to take(); the SGE goes unused)
+            # (no native handler here: the rows come to take(); the SGEs go unused)
             sge = SGE(0, SLOT, 0)
-            self.receiver = path.receiver(self.rds, self.flow, self.recv, SLOT, sge, 16)
+            ring = SendRing(self.sends, sge, 4, C_SEND_WR, 128, 16, ACK_REQUIRED_EVERY)
+            self.receiver = path.receiver(self.rds, self.flow, self.recv, SLOT, sge, 16, ring)
 
     def completion(self, wr_id: int, status: WCStatus, opcode: int, length: int) -> None:
         """What a session does with a row that is not plain (its receive part)."""
@@ -152,7 +156,7 @@ class World:
             "heard": self.rds.heard,
             "unacked": [m.seq for m in self.rds.unacked],
             "counters": dataclasses.asdict(self.rds.counters),
-            "credits": self.flow.send_credits,
+            "credits": self.flow.state.send_credits,
             "talk": self.flow.talk,
             "assembly": self.flow.assembly is not None,
             "reposts": self.reposts,
@@ -296,6 +300,53 @@ def _polls(draw: st.DrawFn) -> list[Row]:
 def test_any_rows_leave_both_paths_in_the_same_state(rows: list[Row]) -> None:
     python, c = both(rows)
     assert python == c
+
+
+def sent_in(compiled: bool, counts: tuple[int, int, bool, int], behind: int, data: bytes) -> Any:
+    """One message queued alone on a flow with these counters (credits, receives to grant,
+    flow control, messages before the next asks for an ack), the peer's ``behind`` more
+    messages unacknowledged: what Python's ``fill`` writes, or ``rp_send`` (None: it
+    would not), and the counters after."""
+    world = World(compiled)
+    state = world.flow.state
+    state.send_credits, state.advertise, state.flow_control, state.ack_countdown = counts
+    state.acked_to_peer = FIRST - 1 - behind
+    world.rds.next_recv = FIRST
+    world.rds.queue(BOUND[0], 7, data)
+    msg = world.rds.unsent[0]
+    if world.receiver is None:
+        buf = bytearray(SLOT)
+        n = world.flow.fill(buf, 0)
+        out = bytes(buf[:n]) if n and len(data) <= RDS_FRAG_SIZE else None
+        assert out is None or (world.flow.last and not world.flow.fence)  # (C's Send: SE)
+    else:
+        world.receiver.release()  # (what a session's handler leaves: C's next_recv is ours)
+        took = world.receiver.send(msg.seq, msg.sport, msg.dport, data, len(data))
+        out = bytes(world.sends[: RDS_HEADER_LEN + len(data)]) if took else None
+        assert world.receiver.hook.staged == took
+    after = (
+        state.send_credits, state.advertise, state.acked_to_peer, state.ack_at,
+        state.ack_countdown,
+    )  # fmt: skip
+    return out, (after if out is not None else None)
+
+
+@needs_c
+@settings(max_examples=200, deadline=None)
+@given(
+    st.tuples(st.integers(0, 4), st.integers(0, 600), st.booleans(), st.integers(0, 7)),
+    st.integers(0, 3),
+    st.sampled_from([0, 1, 100, RDS_FRAG_SIZE, RDS_FRAG_SIZE + 1]),
+)
+def test_a_plain_message_sent_in_c_is_the_one_python_sends(
+    counts: tuple[int, int, bool, int], behind: int, length: int
+) -> None:
+    """``rp_send`` writes the bytes ``RdmaFlow.fill`` writes for a message queued alone
+    (header, our ack and credits, payload) and leaves the flow's counters as it does; it
+    takes exactly the messages Python would send whole now (not one in fragments, nor
+    one for which no credit is left)."""
+    data = bytes(range(256)) * (length // 256) + bytes(length % 256)
+    assert sent_in(True, counts, behind, data) == sent_in(False, counts, behind, data)
 
 
 def test_ci_builds_the_plain_path() -> None:

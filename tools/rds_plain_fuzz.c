@@ -19,7 +19,11 @@
  * table that hands them over in chunks the input chooses, as a session's CQ does, with
  * the harness doing what Python does when it asks (the row it left is Python's; it
  * folds and releases): every receive it posts must name a buffer of the session, and
- * it must poll nothing while held.
+ * it must poll nothing while held. Between its runs the harness sends plain messages in
+ * C (rp_send, lengths the input chooses, some too long), which the next run posts: every
+ * Send it posts must be one it staged, in order, naming its own send buffer with the
+ * length of the header written there; and the input's Send completions (their work
+ * requests moved near the send buffers' ids, some past them) free the buffers.
  * A broken check aborts (a crash for libFuzzer). -DRP_FUZZ_SELFTEST builds _plain.c
  * without its receive-buffer bounds check, which tests/test_rds_plain_fuzz.py
  * requires the harness to catch.
@@ -80,7 +84,44 @@ static uint32_t fake_post(void *qp, const rp_recv *wrs, uint32_t n)
     return n;
 }
 
-static const rp_verbs fake_verbs = {fake_poll, fake_post};
+#define SEND_SLOTS 4
+#define SEND_BASE 0x20000000u
+#define SEND_LKEY 78
+#define SEND_WR (1ull << 33)
+
+static const char *send_ring;
+static uint64_t send_next; /* the buffer the next Send posted must name (counted up) */
+
+static uint32_t fake_post_send(void *qp, const rp_send_wr *wrs, uint32_t n)
+{
+    (void)qp;
+    for (uint32_t k = 0; k < n; k++) {
+        uint64_t slot = send_next++ % SEND_SLOTS;
+        const unsigned char *b = (const unsigned char *)send_ring + slot * SLOT;
+        uint32_t len = (uint32_t)b[16] << 24 | (uint32_t)b[17] << 16 | (uint32_t)b[18] << 8 | b[19];
+        CHECK(wrs[k].wr_id == SEND_WR + slot && wrs[k].lkey == SEND_LKEY);
+        CHECK(wrs[k].addr == SEND_BASE + slot * SLOT && wrs[k].length == RP_HEADER_LEN + len);
+        CHECK(wrs[k].length <= SLOT && (wrs[k].flags & RP_SEND_SOLICITED));
+    }
+    return n;
+}
+
+static const rp_verbs fake_verbs = {fake_poll, fake_post, fake_post_send};
+
+/* Send a few plain messages in C, as the input says (its bytes for their payloads). */
+static void send_some(rp_hook *h, const char *bytes, size_t len, uint32_t *dice)
+{
+    uint32_t k = *dice % 3;
+    while (k--) {
+        *dice = *dice * 1103515245u + 12345u;
+        uint32_t size = (*dice >> 16) % (SLOT - RP_HEADER_LEN + 8); /* some too long */
+        uint32_t busy = h->send_busy, staged = h->staged;
+        uint32_t took = rp_send(h, 1000 + h->sent, 4000, 7, bytes, size <= len ? size : 0);
+        CHECK(took ? h->send_busy == busy + 1 && h->staged == staged + 1
+                   : h->send_busy == busy && h->staged == staged);
+        CHECK(h->send_busy <= SEND_SLOTS && (!took || size <= SLOT - RP_HEADER_LEN));
+    }
+}
 
 /* The rows again, through the native handler; what Python does when it asks. */
 static void handle(rp_ports *ports, rp_rx *rx, const rp_row *rows, uint32_t n, const char *recv,
@@ -90,26 +131,35 @@ static void handle(rp_ports *ports, rp_rx *rx, const rp_row *rows, uint32_t n, c
     uint32_t reposts[ROWS_MAX];
     uint16_t woken[ROWS_MAX];
     int64_t chased[ROWS_MAX];
-    rp_hook h;
-    memset(&h, 0, sizeof h);
-    h.rx = rx;
-    h.ports = ports;
-    h.rows = polled;
-    h.room = ROWS_MAX;
-    h.recv = recv;
-    h.recv_len = recv_len;
-    h.reposts = reposts;
-    h.woken = woken;
-    h.chased = chased;
-    h.recv_addr = BASE;
-    h.recv_lkey = LKEY;
-    h.repost_batch = 4;
-    h.quiet_port = quiet;
+    rp_flow flow = {.flow_control = chunk & 1, .send_credits = chunk * 2, .advertise = chunk * 40};
+    char *ring = malloc(SEND_SLOTS * SLOT); /* exact: a write past it is ASan's */
+    send_ring = ring;
+    send_next = 0;
+    rp_hook h = {
+        .rx = rx, .ports = ports, .rows = polled, .room = ROWS_MAX, .recv = recv,
+        .recv_len = recv_len, .reposts = reposts, .woken = woken, .chased = chased,
+        .recv_addr = BASE, .recv_lkey = LKEY, .repost_batch = 4, .quiet_port = quiet,
+        .flow = &flow, .send = ring, .send_addr = SEND_BASE, .send_lkey = SEND_LKEY,
+        .send_slots = SEND_SLOTS, .send_wr = SEND_WR, .signal_every = 2, .ack_every = 8,
+        .max_inline = 64,
+    };
+    uint32_t dice = chunk * 2654435761u + n;
+    /* The input's Send completions as ours (some past our buffers) */
+    rp_row *ours = malloc(n * sizeof *ours);
+    memcpy(ours, rows, n * sizeof *ours);
+    for (uint32_t k = 0; k < n; k++)
+        if (ours[k].opcode == 0)
+            ours[k].wr_id = SEND_WR + ours[k].wr_id % (SEND_SLOTS + 2);
+    rows = ours;
     fake_cq cq = {rows, n, 0, chunk, 0};
     posted_total = 0;
     uint32_t turns = 0;
     while (cq.at < n && turns++ <= n) {
+        send_some(&h, recv, recv_len, &dice);
+        uint64_t sent = h.sent;
         uint32_t ask = rp_handle(&h, &fake_verbs, &cq, NULL, 0);
+        CHECK(h.staged == 0 && send_next == sent && !h.refused);
+        CHECK(h.send_busy <= SEND_SLOTS);
         CHECK(h.posted == posted_total && h.left <= h.polled && h.polled <= ROWS_MAX);
         CHECK(rx->nreposts < ROWS_MAX && rx->nwoken <= ROWS_MAX);
         for (uint32_t k = 0; k < rx->nwoken; k++)
@@ -131,6 +181,8 @@ static void handle(rp_ports *ports, rp_rx *rx, const rp_row *rows, uint32_t n, c
         h.posted = posted_total = 0;
         h.held = 0;
     }
+    free(ours);
+    free(ring);
 }
 
 /* A session's scan state at its start: the message in the first buffer is due. */

@@ -13,10 +13,12 @@
  */
 #include "_plain.h"
 
+#include <math.h>
 #include <stdlib.h>
 #include <string.h>
 
 #define RP_RECV 128 /* WCOpcode.RECV */
+#define RP_SEND 0   /* WCOpcode.SEND */
 
 static uint64_t be64(const unsigned char *p)
 {
@@ -32,6 +34,26 @@ static uint32_t be32(const unsigned char *p)
 }
 
 static uint16_t be16(const unsigned char *p) { return (uint16_t)(p[0] << 8 | p[1]); }
+
+static void put64(unsigned char *p, uint64_t v)
+{
+    for (int i = 7; i >= 0; i--, v >>= 8)
+        p[i] = (unsigned char)v;
+}
+
+static void put32(unsigned char *p, uint32_t v)
+{
+    p[0] = (unsigned char)(v >> 24);
+    p[1] = (unsigned char)(v >> 16);
+    p[2] = (unsigned char)(v >> 8);
+    p[3] = (unsigned char)v;
+}
+
+static void put16(unsigned char *p, uint16_t v)
+{
+    p[0] = (unsigned char)(v >> 8);
+    p[1] = (unsigned char)v;
+}
 
 rp_ports *rp_ports_new(void) { return calloc(1, sizeof(rp_ports)); }
 
@@ -272,11 +294,101 @@ static void repost(rp_hook *h, const rp_verbs *verbs, void *qp)
     }
 }
 
+uint32_t rp_send(rp_hook *h, uint64_t seq, uint16_t sport, uint16_t dport, const char *data,
+                 uint32_t len)
+{
+    rp_flow *f = h->flow;
+    rp_rx *rx = h->rx;
+    uint32_t size = RP_HEADER_LEN + len;
+    if (h->held || h->refused || len > RP_FRAG_SIZE || size > rx->slot
+        || h->send_busy >= h->send_slots || h->staged >= 8
+        || (f->flow_control && f->send_credits <= 1))
+        return 0;
+    uint32_t slot = h->send_head;
+    unsigned char *b = (unsigned char *)h->send + (uint64_t)slot * rx->slot;
+    int64_t credit = f->advertise > RP_MAX_CREDIT ? RP_MAX_CREDIT : f->advertise;
+    if (credit < 0)
+        credit = 0;
+    f->advertise -= credit;
+    uint64_t ack = rx->next_recv - 1; /* (C's: Python's catches up when it folds) */
+    f->acked_to_peer = ack;
+    f->ack_at = INFINITY; /* this one carries it */
+    f->ack_countdown = h->ack_every ? h->ack_every - 1 : 0; /* (the last one queued asks) */
+    put64(b, seq);
+    put64(b + 8, ack);
+    put32(b + 16, len);
+    put16(b + 20, sport);
+    put16(b + 22, dport);
+    b[24] = RP_ACK_REQUIRED;
+    b[25] = (unsigned char)credit;
+    memset(b + 26, 0, RP_HEADER_LEN - 26);
+    if (len)
+        memcpy(b + RP_HEADER_LEN, data, len);
+    if (f->flow_control)
+        f->send_credits -= 1;
+    h->send_head = (slot + 1) % h->send_slots;
+    h->send_busy++;
+    h->staged++;
+    h->sent++;
+    return 1;
+}
+
+uint32_t rp_sent(rp_hook *h, uint64_t wr_id)
+{
+    if (wr_id < h->send_wr || wr_id - h->send_wr >= h->send_slots)
+        return 0;
+    uint32_t slot = (uint32_t)(wr_id - h->send_wr);
+    uint32_t in_flight = h->send_busy - h->staged;
+    uint32_t oldest = (h->send_head + h->send_slots - h->send_busy) % h->send_slots;
+    uint32_t done = (slot + h->send_slots - oldest) % h->send_slots + 1;
+    if (done <= in_flight) /* (else not one in flight: nothing to free) */
+        h->send_busy -= done;
+    return 1;
+}
+
+/* Post the Sends rp_send staged, oldest first: signaled one in signal_every, and while
+ * few buffers are left; inline when short (none taken: the QP is leaving RTS, and the
+ * session ends; their messages are Python's to send again). */
+static void post_staged(rp_hook *h, const rp_verbs *verbs, void *qp)
+{
+    rp_send_wr wrs[8];
+    uint32_t n = h->staged, slot = (h->send_head + h->send_slots - n) % h->send_slots;
+    for (uint32_t k = 0; k < n; k++, slot = (slot + 1) % h->send_slots) {
+        const unsigned char *b = (const unsigned char *)h->send + (uint64_t)slot * h->rx->slot;
+        uint32_t length = RP_HEADER_LEN + be32(b + 16);
+        uint32_t flags = RP_SEND_SOLICITED;
+        if (++h->unsignaled >= h->signal_every || h->send_slots - h->send_busy < h->signal_every) {
+            flags |= RP_SEND_SIGNALED;
+            h->unsignaled = 0;
+        }
+        if (length <= h->max_inline)
+            flags |= RP_SEND_INLINE;
+        wrs[k].wr_id = h->send_wr + slot;
+        wrs[k].addr = h->send_addr + (uint64_t)slot * h->rx->slot;
+        wrs[k].length = length;
+        wrs[k].lkey = h->send_lkey;
+        wrs[k].flags = flags;
+    }
+    h->staged = 0;
+    if (verbs->post_send(qp, wrs, n) != n)
+        h->refused = 1;
+}
+
+/* Take row i when it is the successful completion of one of rp_send's Sends. */
+static int took_sent(rp_hook *h, const rp_row *row)
+{
+    return row->status == 0 && row->opcode == RP_SEND && rp_sent(h, row->wr_id);
+}
+
 uint32_t rp_handle(void *hook, const rp_verbs *verbs, void *cq, void *qp, uint32_t qp_num)
 {
     rp_hook *h = hook;
     rp_rx *rx = h->rx;
     (void)qp_num; /* (a session's CQ serves its one QP) */
+    if (h->staged)
+        post_staged(h, verbs, qp);
+    if (h->refused)
+        h->held = 1;
     if (h->held)
         return 1;
     uint64_t messages = rx->messages;
@@ -286,8 +398,14 @@ uint32_t rp_handle(void *hook, const rp_verbs *verbs, void *cq, void *qp, uint32
         if (n == 0)
             break;
         uint32_t woken_before = rx->nwoken;
-        uint32_t took = rp_scan(rx, h->ports, h->rows, n, h->recv, h->recv_len, h->reposts,
-                                h->room, h->woken, h->chased, h->room);
+        uint32_t took = 0;
+        for (;;) { /* runs of plain messages, and our Sends' completions between them */
+            took += rp_scan(rx, h->ports, h->rows + took, n - took, h->recv, h->recv_len,
+                            h->reposts, h->room, h->woken, h->chased, h->room);
+            if (took == n || rx->stop != RP_NOT_PLAIN || !took_sent(h, &h->rows[took]))
+                break;
+            took++;
+        }
         /* A message for the port whose reader drives the session wakes no one: it
          * looks once the read that brought it returns. */
         uint32_t kept = woken_before;

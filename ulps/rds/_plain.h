@@ -18,6 +18,12 @@
 #define RP_CONG_BITMAP 1
 #define RP_EXT_RDMA 2      /* the extension header of a message chasing an RDMA operation */
 
+#define RP_ACK_REQUIRED 2  /* RdsFlag.ACK_REQUIRED */
+#define RP_MAX_CREDIT 255  /* RDS_MAX_ADV_CREDIT: credits one header grants at most */
+#define RP_SEND_SOLICITED 4  /* SendFlags (the verbs table's send.flags) */
+#define RP_SEND_SIGNALED 2
+#define RP_SEND_INLINE 8
+
 /* Why rp_scan stopped (rp_rx.stop) */
 #define RP_DONE 0          /* every row taken */
 #define RP_NOT_PLAIN 1     /* the row is not a plain message: RdmaFlow takes it */
@@ -84,6 +90,17 @@ typedef struct {
     uint32_t has_ack;       /* out: a header was taken (ack is set) */
 } rp_rx;
 
+/* One session's flow counters (RdmaFlow.state; rdma_flow.FlowState on the Python path):
+ * Python's RdmaFlow, rp_send and rp_handle all change them */
+typedef struct {
+    int64_t send_credits;   /* the peer's receives we may still send into */
+    int64_t advertise;      /* our receives posted again, not yet granted to the peer */
+    uint64_t acked_to_peer; /* the last sequence number a header of ours acknowledged */
+    double ack_at;          /* when an acknowledgement held back goes alone (inf: none) */
+    uint32_t ack_countdown; /* messages before the next one asks for an acknowledgement */
+    uint32_t flow_control;  /* Sends wait for the peer's credits */
+} rp_flow;
+
 /* verbs' native completion handler ABI (docs/verbs.md, "Native completion handlers"):
  * declared here as RDS knows no backend */
 typedef struct {
@@ -93,8 +110,16 @@ typedef struct {
     uint32_t lkey;
 } rp_recv;
 typedef struct {
+    uint64_t wr_id;
+    uint64_t addr;
+    uint32_t length;
+    uint32_t lkey;
+    uint32_t flags;
+} rp_send_wr;
+typedef struct {
     uint32_t (*poll)(void *cq, rp_row *rows, uint32_t n);
     uint32_t (*post_recv)(void *qp, const rp_recv *wrs, uint32_t n);
+    uint32_t (*post_send)(void *qp, const rp_send_wr *wrs, uint32_t n);
 } rp_verbs;
 
 /* One session's completions taken by its CQ's native handler (rp_handle): the scan's
@@ -126,6 +151,23 @@ typedef struct {
                              * never): their credits are due to the peer */
     uint64_t ack_watch;     /* in: it asks once an acknowledgement reaches this sequence
                              * number (0: none): a message whose RDMA operation ends then */
+    /* Plain messages sent in C (rp_send), from a ring of send buffers of their own */
+    rp_flow *flow;
+    char *send;             /* send_slots buffers of rx->slot bytes, registered: */
+    uint64_t send_addr;     /* buffer i at send_addr + i * rx->slot, lkey send_lkey */
+    uint32_t send_lkey;
+    uint32_t send_slots;    /* 0: no Sends in C */
+    uint64_t send_wr;       /* buffer i's Send is work request send_wr + i */
+    uint32_t send_head;     /* the buffer the next one takes */
+    uint32_t send_busy;     /* buffers posted (or staged) and not known complete */
+    uint32_t unsignaled;    /* Sends posted unsignaled since the last signaled one */
+    uint32_t signal_every;  /* at least one Send in this many is signaled */
+    uint32_t ack_every;     /* at least one message in this many asks for an ack */
+    uint32_t max_inline;    /* Sends up to this long go inline */
+    uint32_t staged;        /* out: Sends written and not yet posted (the next run posts
+                             * them): buffers send_head - staged .. send_head - 1 */
+    uint32_t refused;       /* out: the QP refused a staged Send (it is leaving RTS) */
+    uint64_t sent;          /* out: messages rp_send took */
 } rp_hook;
 
 
@@ -148,6 +190,17 @@ uint32_t rp_scan(rp_rx *rx, rp_ports *ports, const rp_row *rows, uint32_t n,
  * RDMA operation's end */
 uint32_t rp_handle(void *hook, const rp_verbs *verbs, void *cq, void *qp, uint32_t qp_num);
 uintptr_t rp_handle_address(void);
+/* Write a plain message (one fragment, no extension, numbered seq) and our ack and
+ * credits into the next free send buffer, as RdmaFlow.fill writes the only message
+ * queued, and stage its Send for the next run of rp_handle (qp.run_native_handler):
+ * 1; 0 when it may not go in C now (the handler is held, no credit or buffer is free,
+ * it is too long): Python sends it. The caller sends in C only what Python would send
+ * next with nothing else queued. */
+uint32_t rp_send(rp_hook *hook, uint64_t seq, uint16_t sport, uint16_t dport,
+                 const char *data, uint32_t len);
+/* A successful Send completion that Python polled: 1 when it was one of rp_send's (its
+ * buffer and every earlier one are free again), else 0. */
+uint32_t rp_sent(rp_hook *hook, uint64_t wr_id);
 /* cdef-end */
 
 #endif

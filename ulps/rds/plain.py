@@ -20,10 +20,11 @@ suites on both).
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 from rdmashim.ulps.rds.inbox import CInboxes, Inboxes, PyInboxes
 from rdmashim.verbs import WC_ROW, WCStatus
@@ -110,6 +111,11 @@ class PlainPath:
         self.settings = settings
         self.sockets = sockets
 
+    def flow_state(self) -> Any:
+        """A session's flow counters in C memory (``rp_flow``), for its :class:`RdmaFlow`:
+        the native handler and :meth:`PlainReceiver.send` change them too."""
+        return self.inboxes.ffi.new("rp_flow *")
+
     def receiver(
         self,
         rds: RdsConnection,
@@ -118,14 +124,32 @@ class PlainPath:
         slot: int,
         sge: SGE,
         batch: int,
+        sends: SendRing,
     ) -> PlainReceiver:
         """The scan of one session, which receives into ``recv`` in buffers of ``slot``
         bytes (it polls its completions into the receiver's :attr:`PlainReceiver.rows`);
         ``sge`` is the first buffer's, as registered; receives go back in lists of at
         least ``batch``. ``recv`` is the registered bytearray
         itself, not a view of it: C keeps a pointer to it (a view's export, released by
-        the garbage collector in a cycle's arbitrary order, can be gone first)."""
-        return PlainReceiver(self, rds, flow, recv, slot, sge, batch)
+        the garbage collector in a cycle's arbitrary order, can be gone first). ``flow``'s
+        state is :meth:`flow_state`'s; ``sends`` are the buffers of Sends made in C."""
+        return PlainReceiver(self, rds, flow, recv, slot, sge, batch, sends)
+
+
+class SendRing(NamedTuple):
+    """The send buffers of a session's plain messages sent in C (:meth:`PlainReceiver.send`)."""
+
+    buffer: bytearray
+    """Registered, ``slots`` buffers of the session's slot size (the bytearray itself, as
+    ``recv`` above)."""
+    sge: SGE
+    """The first buffer's, as registered."""
+    slots: int
+    wr_base: int
+    """Buffer ``i``'s Send is work request ``wr_base + i``."""
+    max_inline: int
+    signal_every: int
+    ack_every: int
 
 
 def path(
@@ -146,7 +170,8 @@ class PlainReceiver:
 
     __slots__ = (
         "_chased", "_ffi", "_flow", "_lib", "_ports", "_rds", "_recv", "_reposts",
-        "_rows_c", "_sockets", "_unpack", "_woken", "hook", "rows", "state",
+        "_rows_c", "_send", "_sockets", "_unpack", "_woken", "hook", "rows", "send", "sent",
+        "state",
     )  # fmt: skip
 
     def __init__(
@@ -158,6 +183,7 @@ class PlainReceiver:
         slot: int,
         sge: SGE,
         batch: int,
+        sends: SendRing,
     ) -> None:
         inboxes = plain.inboxes
         ffi = self._ffi = inboxes.ffi
@@ -188,6 +214,19 @@ class PlainReceiver:
         hook.recv, hook.recv_len = self._recv, len(self._recv)
         hook.reposts, hook.woken, hook.chased = self._reposts, self._woken, self._chased
         hook.recv_addr, hook.recv_lkey, hook.repost_batch = sge.addr, sge.lkey, batch
+        hook.flow = flow.state
+        self._send = ffi.from_buffer(sends.buffer)
+        hook.send, hook.send_addr, hook.send_lkey = self._send, sends.sge.addr, sends.sge.lkey
+        hook.send_slots, hook.send_wr = sends.slots, sends.wr_base
+        hook.max_inline = sends.max_inline
+        hook.signal_every, hook.ack_every = sends.signal_every, sends.ack_every
+        self.send = functools.partial(self._lib.rp_send, hook)
+        """``send(seq, sport, dport, data, len(data))``: :c:func:`rp_send`, a plain message
+        Python would send next with nothing else queued, written and staged in C (1), or
+        not (0: Python sends it); ``qp.run_native_handler()`` then posts what was staged."""
+        self.sent = functools.partial(self._lib.rp_sent, hook)
+        """``sent(wr_id)``: a successful Send completion Python polled; 1 when it was one
+        of :attr:`send`'s (its buffer and the ones before it are free again)."""
         self.release()
 
     @property
@@ -294,7 +333,7 @@ class PlainReceiver:
         if reposts is not None:
             reposts += unpack(self._reposts, rx.nreposts)
             rx.nreposts = 0
-        flow.send_credits += rx.credits
+        flow.state.send_credits += rx.credits
         unacked = rds.unacked
         if unacked and unacked[0].seq <= rx.ack:
             rds.acked(rx.ack)

@@ -65,7 +65,7 @@ ACK_NONE = 0
 ACK_NOW = 1
 """:meth:`RdmaFlow.acknowledge`: send a bare ack now (many receives wait to be granted)."""
 ACK_HELD = 2
-""":meth:`RdmaFlow.acknowledge`: the ack is held back now, until :attr:`RdmaFlow.ack_at`."""
+""":meth:`RdmaFlow.acknowledge`: the ack is held back now, until :attr:`FlowState.ack_at`."""
 _ACK_REQUIRED = int(RdsFlag.ACK_REQUIRED)
 _pack_header = HEADER_STRUCT.pack_into
 _CONG_BITMAP = RdsFlag.CONG_BITMAP
@@ -94,52 +94,69 @@ def _chasing(rkey: int) -> tuple[RdmaExt]:
     return (RdmaExt(rkey),)
 
 
+class FlowState:
+    """A flow's counters that the C path shares (``rp_flow`` in ``_plain.h``: there they
+    live in C memory, and the CQ's native handler and a plain message's Send in C change
+    them too); this class holds them on the Python path."""
+
+    __slots__ = (
+        "ack_at", "ack_countdown", "acked_to_peer", "advertise", "flow_control", "send_credits",
+    )  # fmt: skip
+
+    def __init__(self) -> None:
+        self.send_credits = 0
+        """Receives the peer has posted for us that we have not used yet."""
+        self.flow_control = True
+        """Whether Sends wait for the peer's credits (see :meth:`RdmaFlow.peer_credits`)."""
+        self.advertise = 0
+        """Receives we posted again that the peer has not been granted yet."""
+        self.ack_countdown = 0
+        """Messages left before the next one asks for an acknowledgement."""
+        self.acked_to_peer = 0
+        """The last sequence number a header of ours acknowledged."""
+        self.ack_at = math.inf
+        """When an acknowledgement held back must go on its own."""
+
+
 class RdmaFlow:
     """Credits, acknowledgements and fragments of one RDMA session (sans-IO; see the
     module docstring). ``rds`` is the connection the session carries."""
 
     __slots__ = (
-        "ack_at",
-        "ack_countdown",
-        "acked_to_peer",
-        "advertise",
         "assembly",
         "current",
         "extra_flags",
         "fence",
-        "flow_control",
         "last",
         "next_fragment",
         "rdma_op",
         "rds",
-        "send_credits",
+        "state",
         "talk",
     )  # fmt: skip
 
-    def __init__(self, rds: RdsConnection) -> None:
+    def __init__(self, rds: RdsConnection, state: FlowState | None = None) -> None:
         self.rds = rds
-        self.send_credits = 0
-        """Receives the peer has posted for us that we have not used yet."""
-        self.flow_control = True
-        """Whether Sends wait for the peer's credits (see :meth:`peer_credits`)."""
-        self.advertise = 0
-        """Receives we posted again that the peer has not been granted yet."""
-        self.ack_countdown = 0
-        """Messages left before the next one asks for an acknowledgement."""
+        self.state: FlowState = FlowState() if state is None else state
+        """The counters the C path shares (:class:`FlowState`; ``state`` is its C struct
+        there)."""
+        st = self.state
+        st.send_credits = 0
+        st.flow_control = True
+        st.advertise = 0
+        st.ack_countdown = 0
+        st.acked_to_peer = rds.next_recv - 1
+        st.ack_at = math.inf
         self.current: OutMessage | None = None
         """The message whose fragments go next (None: take the next from the queue)."""
         self.next_fragment = 0
         self.extra_flags = 0
         """Flags the current message's headers carry beside its own (ACK_REQUIRED)."""
-        self.acked_to_peer = rds.next_recv - 1
-        """The last sequence number a header of ours acknowledged."""
         self.assembly: tuple[RdsHeader, bytearray] | None = None
         """The first header and the bytes so far of a message arriving in fragments."""
         self.talk = -1
         """The ports (``sport << 16 | dport``) of the sockets' messages received since
         the session last reset it to -1 (-2: more than one pair)."""
-        self.ack_at = math.inf
-        """When an acknowledgement held back must go on its own."""
         self.last = True
         """The last fragment :meth:`fill` wrote ends its message (its Send is solicited)."""
         self.fence = False
@@ -151,8 +168,8 @@ class RdmaFlow:
     def peer_credits(self, credits: int) -> None:
         """The credits the peer's private data announced (``dp_credit``); 0: no flow
         control on this session, either way (``ib_cm.c`` ``rds_ib_set_flow_control``)."""
-        self.flow_control = credits != 0
-        self.send_credits = credits
+        self.state.flow_control = credits != 0
+        self.state.send_credits = credits
 
     # ------------------------------------------------------------------ sending
     def fill(self, buf: bytearray | memoryview, base: int, rdma_room: bool = True) -> int:
@@ -161,7 +178,8 @@ class RdmaFlow:
         to the last one, or the next message carries an RDMA operation and there is no
         ``rdma_room``. :attr:`last`, :attr:`fence` and :attr:`rdma_op` then describe
         the fragment. Between messages our newest congestion map goes first."""
-        if self.flow_control and self.send_credits <= 1:
+        st = self.state
+        if st.flow_control and st.send_credits <= 1:
             return 0
         msg = self.current
         fence = False
@@ -179,12 +197,12 @@ class RdmaFlow:
                 self.next_fragment = 0
                 # It asks for an acknowledgement now and then (ACK_REQUIRED_EVERY), and
                 # when it is the last one queued.
-                if self.ack_countdown == 0 or not rds.unsent:
+                if st.ack_countdown == 0 or not rds.unsent:
                     self.extra_flags = _ACK_REQUIRED
-                    self.ack_countdown = ACK_REQUIRED_EVERY - 1
+                    st.ack_countdown = ACK_REQUIRED_EVERY - 1
                 else:
                     self.extra_flags = 0
-                    self.ack_countdown -= 1
+                    st.ack_countdown -= 1
                 op = msg.rdma
                 if op is not None:
                     self.rdma_op = op
@@ -208,11 +226,8 @@ class RdmaFlow:
         """Whether a bare ack may go: the last credit only goes to one that grants the
         peer some (spent on a bare ack, both sides could end up with none and wait for
         each other for ever)."""
-        return (
-            not self.flow_control
-            or self.send_credits > 1
-            or bool(self.send_credits and self.advertise)
-        )
+        st = self.state
+        return not st.flow_control or st.send_credits > 1 or bool(st.send_credits and st.advertise)
 
     def fill_ack(self, buf: bytearray | memoryview, base: int) -> int:
         """Write a bare ack (ports 0, no payload: our ack and credits) at ``buf[base:]``;
@@ -231,12 +246,13 @@ class RdmaFlow:
     ) -> int:
         """Pack a header (and the payload after it) at ``buf[base:]``: ``msg``'s, or a bare
         ack's for None. Every header carries our ack and what credits it can grant."""
-        credit = self.advertise
+        st = self.state
+        credit = st.advertise
         if credit > RDS_MAX_ADV_CREDIT:
             credit = RDS_MAX_ADV_CREDIT
-        self.advertise -= credit
-        self.acked_to_peer = ack = self.rds.next_recv - 1
-        self.ack_at = math.inf  # this one carries it
+        st.advertise -= credit
+        st.acked_to_peer = ack = self.rds.next_recv - 1
+        st.ack_at = math.inf  # this one carries it
         size = len(payload)
         if msg is None:
             _pack_header(buf, base, 0, ack, 0, 0, 0, 0, credit, 0, b"")
@@ -256,8 +272,8 @@ class RdmaFlow:
             )  # fmt: skip
             if size:
                 buf[base + RDS_HEADER_LEN : base + RDS_HEADER_LEN + size] = payload
-        if self.flow_control:
-            self.send_credits -= 1
+        if st.flow_control:
+            st.send_credits -= 1
         return RDS_HEADER_LEN + size
 
     # ------------------------------------------------------------------ acknowledging
@@ -265,31 +281,33 @@ class RdmaFlow:
         """What to do about our acknowledgement after receiving: :data:`ACK_NOW` when many
         receives wait to be granted; :data:`ACK_HELD` when a new message waits for one
         and none was held: it is held for :data:`ACK_DELAY` from ``clock()`` (read only
-        then) for a message of ours to carry, until :attr:`ack_at`; else
+        then) for a message of ours to carry, until :attr:`FlowState.ack_at`; else
         :data:`ACK_NONE`."""
-        if self.advertise >= RECV_SLOTS // 2:
+        st = self.state
+        if st.advertise >= RECV_SLOTS // 2:
             return ACK_NOW
-        if self.rds.next_recv - 1 <= self.acked_to_peer:
-            self.ack_at = math.inf  # a message of ours carried it
+        if self.rds.next_recv - 1 <= st.acked_to_peer:
+            st.ack_at = math.inf  # a message of ours carried it
             return ACK_NONE
-        if self.ack_at != math.inf:
+        if st.ack_at != math.inf:
             return ACK_NONE
-        self.ack_at = clock() + ACK_DELAY
+        st.ack_at = clock() + ACK_DELAY
         return ACK_HELD
 
     def ack_expired(self, now: float) -> bool:
         """Whether, at ``now``, a held-back ack must go on its own (no message of ours
         carried it in time); the hold ends either way once it is due."""
-        if now < self.ack_at:
+        st = self.state
+        if now < st.ack_at:
             return False
-        self.ack_at = math.inf
-        return self.rds.next_recv - 1 > self.acked_to_peer
+        st.ack_at = math.inf
+        return self.rds.next_recv - 1 > st.acked_to_peer
 
     # ------------------------------------------------------------------ receiving
     def reposted(self, receives: int) -> None:
         """The session posted ``receives`` receive buffers again: credits to grant."""
-        if self.flow_control:
-            self.advertise += receives
+        if self.state.flow_control:
+            self.state.advertise += receives
 
     def receive(self, view: memoryview) -> None:
         """Take the bytes of one received Send (a fragment or a bare ack): its credits and
@@ -317,7 +335,7 @@ class RdmaFlow:
             extensions, ext = _chasing(_RKEY.unpack_from(buf, base + _RKEY_AT)[0]), 0
         if csum or ext or length > RDS_FRAG_SIZE or flags & _CONG_BITS:
             header = RdsHeader.decode(buf[base : base + nbytes])
-        self.send_credits += credit
+        self.state.send_credits += credit
         rds = self.rds
         unacked = rds.unacked
         if unacked and unacked[0].seq <= ack:  # (acked's own test: a call less when not)

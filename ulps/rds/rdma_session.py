@@ -20,8 +20,16 @@ from typing import TYPE_CHECKING
 import trio
 
 from rdmashim.ulps.rds.connection import RdsConnection
-from rdmashim.ulps.rds.plain import ROWS
-from rdmashim.ulps.rds.rdma_flow import ACK_DELAY, ACK_HELD, ACK_NOW, RECV_SLOTS, RdmaFlow
+from rdmashim.ulps.rds.plain import ROWS, SendRing
+from rdmashim.ulps.rds.rdma_flow import (
+    ACK_DELAY,
+    ACK_HELD,
+    ACK_NOW,
+    ACK_REQUIRED_EVERY,
+    RECV_SLOTS,
+    RdmaFlow,
+)
+from rdmashim.ulps.rds.rdma_layout import C_SEND_SLOTS, C_SEND_WR, SEND_FLAGS, SEND_SLOTS, SLOT
 from rdmashim.ulps.rds.rdma_ops import RDMA_DEPTH, RDMA_WR, RdmaPosts
 from rdmashim.ulps.rds.rdma_pacing import (
     ACK_BACKSTOP,
@@ -31,7 +39,7 @@ from rdmashim.ulps.rds.rdma_pacing import (
     SIGNAL_EVERY,
 )
 from rdmashim.ulps.rds.transport import SessionLost
-from rdmashim.ulps.rds.wire import RDS_FRAG_SIZE, RDS_HEADER_LEN, RdsProtocolError
+from rdmashim.ulps.rds.wire import RdsProtocolError
 from rdmashim.verbs import (
     SGE,
     Access,
@@ -39,7 +47,6 @@ from rdmashim.verbs import (
     RecvBatch,
     RecvWR,
     SendBatch,
-    SendFlags,
     SendWR,
     WCArray,
     WCOpcode,
@@ -56,20 +63,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-SLOT = RDS_HEADER_LEN + RDS_FRAG_SIZE
-SEND_SLOTS = 64
 _SUCCESS = WCStatus.SUCCESS
 _RECV = WCOpcode.RECV
 _SEND = WROpcode.SEND
-_FLAGS = [
-    (SendFlags.FENCE if variant & 8 else SendFlags.NONE)
-    | (SendFlags.SOLICITED if variant & 4 else SendFlags.NONE)
-    | (SendFlags.SIGNALED if variant & 2 else SendFlags.NONE)
-    | (SendFlags.INLINE if variant & 1 else SendFlags.NONE)
-    for variant in range(16)
-]
-"""A Send's flags by variant, ``fence << 3 | last fragment << 2 | signaled << 1 | inline``:
-made once, as Flag arithmetic costs a Python call each time."""
 _RDMA_ENTRY = SEND_SLOTS
 """The first of a session's :data:`RDMA_DEPTH` batch entries for RDMA operations (the
 entries below it are the send slots' Sends)."""
@@ -95,17 +91,13 @@ class Session:
     handler finds the connection broken.
 
     Sends are posted from one prepared :class:`~rdmashim.verbs.SendBatch`, by its
-    entries: what one pump makes goes in one ``post_send_batch`` (the engine frames it
-    into one write), and an entry is packed again only when its fields change. When a
-    handler run delivers several messages (a burst), the first answer their receivers
-    send goes at once, so that the peer works on it meanwhile (unless the burst is
-    larger than :data:`OPENING_MAX` and came from several sockets: others in flight keep
-    the peer busy then); the next ones wait in the queue and go together, posted by the
-    receiver that goes back to waiting when no socket holds a message any more
-    (:meth:`answer_burst`), or else by :meth:`run`'s task a turn of the scheduler later
-    (a burst of requests costs two posts and two writes, and at the peer two reads and
-    two handler runs), up to :data:`BURST_MAX` of them: more are posted as they come.
-    The wire is the same either way: the same headers, flags and order.
+    entries (an entry is packed again only when its fields change): what one pump makes
+    goes in one ``post_send_batch``, which the engine frames into one write. On the C
+    path, a message Python would send next and alone goes from C's own send buffers in
+    one call (:meth:`.PlainReceiver.send`, posted by ``qp.run_native_handler``). The
+    answers to a burst of delivered messages are held back to go together
+    (:meth:`pump_sends`, :meth:`answer_burst`). The wire is the same either way: the
+    same headers, flags and order.
     """
 
     def __init__(
@@ -117,8 +109,9 @@ class Session:
         plain: PlainPath | None = None,
     ) -> None:
         self.rds = rds
-        self.flow = RdmaFlow(rds)
-        """Credits, acknowledgements and fragments (sans-IO)."""
+        self.flow = RdmaFlow(rds, None if plain is None else plain.flow_state())
+        """Credits, acknowledgements and fragments (sans-IO; its counters in C memory on
+        the C path)."""
         self._on_burst = on_burst
         """Called when the session first holds back the answers to a burst (see
         :meth:`answer_burst`)."""
@@ -147,7 +140,7 @@ class Session:
         the engine packed already."""
         self._slot_shapes = [-1] * SEND_SLOTS
         """Each slot Send's length and flags variant (``length << 4 | variant``, see
-        :data:`_FLAGS`) as its entry holds them: set again only when they change."""
+        :data:`.SEND_FLAGS`) as its entry holds them: set again only when they change."""
         self._max_inline = conn.qp.cap.max_inline_data
         """Sends up to this long go INLINE (copied when posted; the slot is free again at
         once, though it is reused only after a later signaled Send completes)."""
@@ -160,11 +153,16 @@ class Session:
         self._wcs = WCArray(ROWS)
         self._room = ROWS
         first = self.recv_mr.sge(0, SLOT)
-        self._plain = (
-            None if plain is None
-            else plain.receiver(rds, self.flow, received, SLOT, first, REPOST_BATCH)
-        )  # fmt: skip
-        """The C scan of plain messages (:mod:`.plain`), or None: the Python path."""
+        self._plain = self._c_send_mr = None
+        if plain is not None:
+            c_sends = bytearray(SLOT * C_SEND_SLOTS)
+            self._c_send_mr = conn.pd.reg_mr(c_sends, Access.LOCAL_WRITE)
+            ring = SendRing(
+                c_sends, self._c_send_mr.sge(0, SLOT), C_SEND_SLOTS, C_SEND_WR,
+                self._max_inline, SIGNAL_EVERY, ACK_REQUIRED_EVERY,
+            )  # fmt: skip
+            self._plain = plain.receiver(rds, self.flow, received, SLOT, first, REPOST_BATCH, ring)
+        """The C path of plain messages (:mod:`.plain`), or None: the Python path."""
         self._unfolded = None if self._plain is None else self._plain.state
         """The C scan's state, whose ``has_ack`` says the CQ's native handler took rows
         that :meth:`_fold` has not given the session yet (None: no C path)."""
@@ -212,17 +210,13 @@ class Session:
         """Deregister the session's buffers (once its QP is destroyed)."""
         self.recv_mr.close()
         self.send_mr.close()
+        if self._c_send_mr is not None:
+            self._c_send_mr.close()
 
     # ------------------------------------------------------------------ transmit
     def _post_slot(self, slot: int, length: int) -> None:
         """Add the Send of ``slot``, which holds a fragment of ``length`` bytes that the flow
-        wrote, to the ones :meth:`_submit` posts.
-
-        The last fragment of a message (and an ack) is solicited: a Linux peer arms
-        its receive CQ for solicited completions only (``ib_cm.c``
-        ``rds_ib_setup_qp``; ``ib_send.c`` ``rds_ib_xmit`` solicits a message's last
-        fragment, ``ib_recv.c`` ``rds_ib_recv_init_ack`` every ack), so it would not
-        look at what came before until a solicited Send arrives."""
+        wrote, to the ones :meth:`_submit` posts (its flags: :data:`.SEND_FLAGS`)."""
         posted = self.posted
         posted.append(slot)
         self.rdma.marks[slot] = self.rdma.next
@@ -237,14 +231,13 @@ class Session:
         if self._slot_shapes[slot] != shape:  # else the entry stays as packed
             self._slot_shapes[slot] = shape
             self._sends.set(
-                slot, send_flags=_FLAGS[variant],
+                slot, send_flags=SEND_FLAGS[variant],
                 sg_list=[SGE(self._send_addr + slot * SLOT, length, self._send_lkey)],
             )  # fmt: skip
         self._entries.append(slot)
 
     def _submit(self) -> None:
-        """Post the Sends (and RDMA operations) filled since the last call, as one list:
-        the engine frames them together and hands them to TCP in one write."""
+        """Post the Sends (and RDMA operations) filled since the last call, as one list."""
         entries = self._entries
         if entries:
             self._entries = []
@@ -279,6 +272,21 @@ class Session:
         flow = self.flow
         if self.lost or (flow.current is None and not rds.unsent and rds.map_out is None):
             return
+        if (
+            self._hooked and len(unsent := rds.unsent) == 1 and flow.current is None
+            and rds.map_out is None and not self._pumping and not self.rdma.inflight
+        ):  # fmt: skip
+            msg = unsent[0]  # (RDMA operations in flight: a Send of Python's ends them)
+            data = msg.data
+            if (
+                msg.rdma is None and not msg.flags and not msg.extensions
+                and self._plain.send(msg.seq, msg.sport, msg.dport, data, len(data))  # type: ignore[union-attr]
+            ):  # fmt: skip
+                rds.unacked.append(unsent.popleft())
+                self.qp.run_native_handler()
+                if self._timer_at == math.inf and (timer := self._timer) is not None:
+                    timer.deadline = self._timer_at = self._clock() + ACK_BACKSTOP  # (below)
+                return
         if self._pumping:
             self._repump = True
             return
@@ -339,7 +347,7 @@ class Session:
         self._ack_listed = False
         if self._unjudged:
             self._judge()
-        at = self.flow.ack_at
+        at = self.flow.state.ack_at
         if at < self._timer_at and (timer := self._timer) is not None:
             timer.deadline = self._timer_at = at
 
@@ -360,11 +368,12 @@ class Session:
         due = flow.acknowledge(self._clock)
         if due == ACK_NOW:
             self._send_ack()
-            flow.ack_at = math.inf
+            flow.state.ack_at = math.inf
         elif (
-            due == ACK_HELD and flow.ack_at < self._timer_at and (timer := self._timer) is not None
-        ):
-            timer.deadline = self._timer_at = flow.ack_at
+            due == ACK_HELD and (at := flow.state.ack_at) < self._timer_at
+            and (timer := self._timer) is not None
+        ):  # fmt: skip
+            timer.deadline = self._timer_at = at
 
     def _fold(self) -> None:
         """Give the session what the CQ's native handler took (:meth:`.PlainReceiver.fold`):
@@ -435,6 +444,8 @@ class Session:
                 if self._unjudged:
                     self._judge()
         try:
+            if plain is not None and plain.hook.refused:
+                raise SessionLost(f"the QP refused a Send to {rds.peer}: it is leaving RTS")
             while True:
                 try:
                     n = take(cq)
@@ -460,13 +471,13 @@ class Session:
                     # task sooner; it sets the next one then (moving a deadline costs
                     # more than that wake-up).
                     if self._timer_at == math.inf and (timer := self._timer) is not None:
-                        timer.deadline = self._timer_at = flow.ack_at + ACK_BACKSTOP
+                        timer.deadline = self._timer_at = flow.state.ack_at + ACK_BACKSTOP
                     if not self._ack_listed:
                         self._ack_listed = True
                         self._on_ack(self)
                 elif due == ACK_NOW:
                     self._send_ack()
-                    flow.ack_at = math.inf
+                    flow.state.ack_at = math.inf
                 # A short poll emptied the CQ: arm now, and poll again only if something
                 # came meanwhile (the CQ's length says; a poll finding none costs more).
                 if n < room:
@@ -485,7 +496,8 @@ class Session:
             if self._hooked:
                 waiting = rds.room_wanted or bool(rds.unsent) or flow.current is not None
                 plain.sending(waiting)  # type: ignore[union-attr]
-                grant = max(1, RECV_SLOTS // 2 - flow.advertise) if flow.flow_control else 0
+                counts = flow.state
+                grant = max(1, RECV_SLOTS // 2 - counts.advertise) if counts.flow_control else 0
                 plain.release(grant)  # type: ignore[union-attr]
 
     def _take_columns(self, cq: CQ) -> int:
@@ -528,6 +540,8 @@ class Session:
             self.free_slots.append(slot)
             if self.rdma.writes:
                 self.rdma.writes_done(slot)
+        elif wr_id >= C_SEND_WR and self._plain is not None:
+            self._plain.sent(wr_id)  # (a Send of a plain message made in C)
 
     def _end(self, failure: SessionLost) -> None:
         if self._failure is None:
@@ -556,7 +570,8 @@ class Session:
             self._on_cq(self.cq)  # what came before, and arm
             while self._failure is None:
                 # (the backstop while no reader came back since the hold: ack_needed)
-                self._timer_at = self.flow.ack_at + (ACK_BACKSTOP if self._ack_listed else 0.0)
+                held_until = self.flow.state.ack_at
+                self._timer_at = held_until + (ACK_BACKSTOP if self._ack_listed else 0.0)
                 if self._hooked and self._timer_at == math.inf and self.rds.unacked:
                     self._timer_at = self._clock() + ACK_BACKSTOP  # (see pump_sends)
                 with trio.CancelScope(deadline=self._timer_at) as self._timer:
