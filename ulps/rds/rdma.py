@@ -87,7 +87,9 @@ class RdmaOp:
     status: RdmaStatus | None = None
     detail: str = ""
     """Why it failed, when it did."""
-    _done: trio.Event = field(default_factory=trio.Event, repr=False)
+    _done: trio.Event | None = field(default=None, repr=False)
+    """Set when the operation settles; made by the first :meth:`wait` (most operations
+    are never waited for: their status is read)."""
     _mr: MR | None = field(default=None, repr=False)
     _sources: Sources | None = field(default=None, repr=False)
     """Where :attr:`_mr` came from and goes back to, when it is a kept one."""
@@ -150,11 +152,17 @@ class RdmaOp:
             else:
                 self._mr.close()
             self._mr = None
-        self._done.set()
+        if self._done is not None:
+            self._done.set()
 
     async def wait(self) -> RdmaStatus:
         """Wait for the outcome."""
-        await self._done.wait()
+        if self.status is None:
+            if self._done is None:
+                self._done = trio.Event()
+            await self._done.wait()
+        else:
+            await trio.lowlevel.checkpoint()
         assert self.status is not None
         return self.status
 
