@@ -304,7 +304,7 @@ class SendPlan(_Plan):
         self._arrays.clear()
         singles = self.singles
         singles.pop(i, None)
-        if len(singles) > 1:  # (lists noted with this entry in them)
+        if singles:  # (lists noted with this entry in them)
             for listed in [k for k in singles if type(k) is tuple and i in k]:
                 del singles[listed]
         if i == 0:

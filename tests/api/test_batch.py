@@ -298,6 +298,27 @@ async def test_an_entry_changed_after_a_post_at_indices_is_posted_as_changed(pai
     assert bytes(rbuf.buf) == b"b\0ad\0\0c\0"
 
 
+async def test_a_send_batch_posted_at_the_same_indices_sends_what_its_entries_say_now(
+    pair: Pair,
+) -> None:
+    """A send batch posted twice at the same two indices, one of them changed between
+    (its length, as a session's slot takes a message of another size): the second post
+    sends the changed entry. (The native engine kept the pair's packed form when it was
+    the only list noted: RDS over veth saw a Send shorter than its header.)"""
+    client, server = pair.client, pair.server
+    src = client.reg(b"abcdefgh")
+    rbuf = server.reg(4 * 8)
+    server.post_recvs(rbuf, 4, 8)
+    batch = SendBatch(SendWR(i, WROpcode.SEND, [src.sge(2 * i, 2)], SIG) for i in range(2))
+    client.qp.post_send_batch(batch, indices=[0, 1])
+    batch.set(1, sg_list=[src.sge(2, 5)])
+    client.qp.post_send_batch(batch, indices=[0, 1])
+    ok(await drain(client.send_cq, 4))
+    got = ok(await drain(server.recv_cq, 4))
+    sent = [bytes(rbuf.buf[i * 8 : i * 8 + w.byte_len]) for i, w in enumerate(got)]
+    assert sent == [b"ab", b"cd", b"ab", b"cdefg"]
+
+
 async def test_a_receive_batch_posted_one_index_at_a_time(pair: Pair) -> None:
     """Entries posted one at a time by index, as a server reposts each receive as it
     completes: each message lands in the entry posted, and completes with its wr_id."""
