@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import ipaddress
+import itertools
 import os
 from collections.abc import Iterator
 from typing import Any
@@ -32,6 +33,7 @@ from rdmashim.ulps.rds.rdma import Registrations
 from rdmashim.ulps.rds.rdma_flow import ACK_REQUIRED_EVERY, RECV_SLOTS, RdmaFlow
 from rdmashim.ulps.rds.rdma_session import C_SEND_WR, SLOT
 from rdmashim.ulps.rds.settings import RdsSettings
+from rdmashim.ulps.rds.tcp_stream import StreamDecoder
 from rdmashim.ulps.rds.wire import HEADER_STRUCT, RDS_FRAG_SIZE, RDS_HEADER_LEN, RdsProtocolError
 from rdmashim.verbs import SGE, WC_ROW, WCOpcode, WCStatus
 
@@ -300,6 +302,52 @@ def _polls(draw: st.DrawFn) -> list[Row]:
 def test_any_rows_leave_both_paths_in_the_same_state(rows: list[Row]) -> None:
     python, c = both(rows)
     assert python == c
+
+
+def streamed(compiled: bool, rows: list[Row], cuts: list[int]) -> dict[str, object]:
+    """What a node's RDS/TCP session leaves after the messages of ``rows`` (their headers
+    and payloads back to back: a length that lies takes the bytes after it) come in
+    pieces cut at ``cuts``: taken by the stream decoder, the plain ones in C when
+    ``compiled``."""
+    world = World(compiled)
+    path = world.node._table.plain
+    decoder = StreamDecoder(path.stream(world.rds) if path is not None else None)
+    stream = b"".join(HEADER_STRUCT.pack(*row.header) + row.payload for row in rows if row.header)
+    edges = [0, *sorted(cut % (len(stream) + 1) for cut in cuts), len(stream)]
+    try:
+        for start, end in itertools.pairwise(edges):
+            decoder.take(stream[start:end], world.rds.received)
+    except RdsProtocolError as exc:
+        world.error = str(exc)
+    return world.state() | {"buffered": decoder.buffered}
+
+
+@needs_c
+@settings(max_examples=300, deadline=None)
+@given(_polls(), st.lists(st.integers(0, 1 << 16), max_size=6))
+def test_any_stream_leaves_both_paths_in_the_same_state(rows: list[Row], cuts: list[int]) -> None:
+    """RDS/TCP: the same bytes, cut anywhere, leave a node the same on both paths
+    (``rp_stream`` takes the whole plain messages at the front, Python the rest)."""
+    assert streamed(True, rows, cuts) == streamed(False, rows, cuts)
+
+
+@needs_c
+def test_a_steady_stream_is_taken_in_c() -> None:
+    """A run of plain messages over TCP goes to the sockets in C, none through Python's
+    delivery, however the bytes are cut."""
+    rows = [plain_row(FIRST + i, BOUND[i % 2], b"m%d" % i) for i in range(30)]
+    world = World(True)
+    delivered: list[int] = []
+    world.node._deliver = lambda *args: delivered.append(args[1])  # type: ignore[method-assign]
+    assert world.node._table.plain is not None
+    decoder = StreamDecoder(world.node._table.plain.stream(world.rds))
+    stream = b"".join(HEADER_STRUCT.pack(*row.header) + row.payload for row in rows)
+    count = sum(
+        decoder.take(stream[i : i + 77], world.rds.received) for i in range(0, len(stream), 77)
+    )
+    assert count == 30 and delivered == [] and world.rds.next_recv == FIRST + 30
+    assert [len(sock.received) for sock in world.socks] == [15, 15]
+    assert world.rds.counters.recv_messages == 30 and decoder.buffered == 0
 
 
 def sent_in(compiled: bool, counts: tuple[int, int, bool, int], behind: int, data: bytes) -> Any:

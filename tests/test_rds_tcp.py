@@ -42,6 +42,8 @@ from rdmashim.ulps.rds.wire import (
 
 from rdsnodes import close, nodes, wait_until
 
+pytestmark = pytest.mark.usefixtures("rds_paths")  # C and Python plain paths
+
 LOW, HIGH = "127.0.0.1", "127.0.0.2"
 
 

@@ -23,7 +23,9 @@
  * C (rp_send, lengths the input chooses, some too long), which the next run posts: every
  * Send it posts must be one it staged, in order, naming its own send buffer with the
  * length of the header written there; and the input's Send completions (their work
- * requests moved near the send buffers' ids, some past them) free the buffers.
+ * requests moved near the send buffers' ids, some past them) free the buffers. Last, the
+ * receive buffers' bytes are an RDS/TCP stream (rp_stream, the message it leaves
+ * skipped as Python's): what it takes must be whole messages, counted as delivered.
  * A broken check aborts (a crash for libFuzzer). -DRP_FUZZ_SELFTEST builds _plain.c
  * without its receive-buffer bounds check, which tests/test_rds_plain_fuzz.py
  * requires the harness to catch.
@@ -185,6 +187,28 @@ static void handle(rp_ports *ports, rp_rx *rx, const rp_row *rows, uint32_t n, c
     free(ring);
 }
 
+/* The bytes as an RDS/TCP stream: runs of plain messages in C, each message it leaves
+ * skipped (Python's), until an incomplete one. */
+static void stream(rp_ports *ports, rp_rx *rx, const char *bytes, size_t len)
+{
+    uint16_t woken[ROWS_MAX];
+    size_t pos = 0;
+    while (pos < len) {
+        rx->messages = rx->bytes = rx->nwoken = 0;
+        uint64_t took = rp_stream(rx, ports, bytes + pos, len - pos, woken, ROWS_MAX);
+        CHECK(took <= len - pos && rx->nwoken == rx->messages && rx->nwoken <= ROWS_MAX);
+        CHECK(took == rx->bytes + rx->messages * RP_HEADER_LEN);
+        pos += took;
+        if (rx->stop == RP_DONE || len - pos < RP_HEADER_LEN)
+            break;
+        const unsigned char *h = (const unsigned char *)bytes + pos;
+        uint32_t size = (uint32_t)h[16] << 24 | (uint32_t)h[17] << 16 | (uint32_t)h[18] << 8 | h[19];
+        if (size > len - pos - RP_HEADER_LEN)
+            break;
+        pos += RP_HEADER_LEN + size;
+    }
+}
+
 /* A session's scan state at its start: the message in the first buffer is due. */
 static void init_rx(rp_rx *rx, const char *recv)
 {
@@ -199,18 +223,24 @@ static void init_rx(rp_rx *rx, const char *recv)
         rx->next_recv = rx->next_recv << 8 | (unsigned char)recv[k];
 }
 
-static void check_inbox(const rp_inbox *box, uint64_t *nonempty)
+/* Every inbox's count and bytes against its list (no message longer than limit), and
+ * the node's count of inboxes holding messages. */
+static void check_inboxes(rp_inbox *const *boxes, const rp_ports *ports, uint64_t limit)
 {
-    uint64_t count = 0, bytes = 0;
-    const rp_msg *last = NULL;
-    for (const rp_msg *msg = box->head; msg != NULL; msg = msg->next) {
-        CHECK(msg->len <= SLOT - RP_HEADER_LEN && msg->len <= RP_FRAG_SIZE);
-        count++;
-        bytes += msg->len;
-        last = msg;
+    uint64_t nonempty = 0;
+    for (size_t b = 0; b < sizeof(bound) / sizeof(bound[0]); b++) {
+        uint64_t count = 0, bytes = 0;
+        const rp_msg *last = NULL;
+        for (const rp_msg *msg = boxes[b]->head; msg != NULL; msg = msg->next) {
+            CHECK(msg->len <= limit);
+            count++;
+            bytes += msg->len;
+            last = msg;
+        }
+        CHECK(count == boxes[b]->count && bytes == boxes[b]->nbytes && last == boxes[b]->tail);
+        nonempty += count != 0;
     }
-    CHECK(count == box->count && bytes == box->nbytes && last == box->tail);
-    *nonempty += count != 0;
+    CHECK(nonempty == ports->holding);
 }
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
@@ -268,18 +298,15 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
         CHECK(took == n - i ? rx.stop == RP_DONE : rx.stop != RP_DONE);
         i += took + (took < n - i); /* the row it left is Python's */
     }
-    uint64_t nonempty = 0;
-    for (size_t b = 0; b < sizeof(bound) / sizeof(bound[0]); b++)
-        check_inbox(boxes[b], &nonempty);
-    CHECK(nonempty == ports->holding);
+    check_inboxes(boxes, ports, SLOT - RP_HEADER_LEN);
 
     init_rx(&rx, recv);
     handle(ports, &rx, rows, n, recv, recv_len, data[0] / ROWS_MAX % 8 + 1,
            data[0] & 1 ? bound[1] : 0);
-    nonempty = 0;
-    for (size_t b = 0; b < sizeof(bound) / sizeof(bound[0]); b++)
-        check_inbox(boxes[b], &nonempty);
-    CHECK(nonempty == ports->holding);
+    check_inboxes(boxes, ports, SLOT - RP_HEADER_LEN);
+    init_rx(&rx, recv);
+    stream(ports, &rx, recv, rest < recv_len ? rest : recv_len);
+    check_inboxes(boxes, ports, recv_len);
     rp_msg *msg = rp_take(boxes[1]);
     if (msg != NULL)
         rp_free(msg);

@@ -185,8 +185,47 @@ void rp_clear(rp_inbox *box)
 
 void rp_free(rp_msg *msg) { free(msg); }
 
-/* chased[k] is the R_Key the k-th message queued chases (-1: none), for Python to mark
- * its socket's registration used (Linux's use-once cookies end there). */
+/* The numbered message at h, of len payload bytes after its header, made for its inbox
+ * (*box) when C delivers it: due next, for a bound port (not a ping or probe) whose
+ * socket holds it under its bounds. NULL (rx->stop RP_FOR_PYTHON): Python's. */
+static rp_msg *due(rp_rx *rx, rp_ports *ports, const unsigned char *h, uint32_t len,
+                   rp_inbox **box)
+{
+    uint64_t seq = be64(h);
+    uint16_t sport = be16(h + 20), dport = be16(h + 22);
+    rx->stop = RP_FOR_PYTHON;
+    if (dport == 0 || (dport == RP_PROBE_PORT && sport == 0) || seq != rx->next_recv)
+        return NULL;
+    *box = lookup(ports, dport);
+    if (*box == NULL || (*box)->nbytes + len > rx->rcvbuf_limit
+        || (*box)->nbytes + len > rx->rcvbuf)
+        return NULL;
+    rp_msg *msg = make(seq, sport, rx->family, rx->peer, (const char *)h + RP_HEADER_LEN, len);
+    if (msg != NULL) /* (else Python's copy fails as it fails) */
+        rx->stop = RP_DONE;
+    return msg;
+}
+
+/* Queue a message due() made on its inbox and count it; chased[k] (when chased is not
+ * NULL) is the R_Key the k-th message queued chases (-1: none), for Python to mark its
+ * socket's registration used (Linux's use-once cookies end there). */
+static void deliver(rp_rx *rx, rp_inbox *box, rp_msg *msg, int64_t rkey, uint16_t *woken,
+                    int64_t *chased)
+{
+    int64_t talk = (int64_t)msg->sport << 16 | box->port;
+    if (talk != rx->talk && msg->sport)
+        rx->talk = rx->talk == -1 ? talk : -2;
+    rx->next_recv = msg->seq + 1;
+    append(box, msg);
+    rx->messages++;
+    rx->bytes += msg->len;
+    if (chased != NULL) {
+        chased[rx->nwoken] = rkey;
+        rx->chasers += rkey >= 0;
+    }
+    woken[rx->nwoken++] = box->port;
+}
+
 uint32_t rp_scan(rp_rx *rx, rp_ports *ports, const rp_row *rows, uint32_t n,
                  const char *recv, uint64_t recv_len, uint32_t *reposts, uint32_t room,
                  uint16_t *woken, int64_t *chased, uint32_t woken_room)
@@ -209,7 +248,6 @@ uint32_t rp_scan(rp_rx *rx, rp_ports *ports, const rp_row *rows, uint32_t n,
             return i;
         }
         const unsigned char *h = (const unsigned char *)recv + row->wr_id * rx->slot;
-        uint64_t seq = be64(h);
         uint64_t ack = be64(h + 8);
         uint32_t len = be32(h + 16);
         uint16_t sport = be16(h + 20), dport = be16(h + 22);
@@ -224,25 +262,11 @@ uint32_t rp_scan(rp_rx *rx, rp_ports *ports, const rp_row *rows, uint32_t n,
             return i;
         }
         rp_inbox *box = NULL;
-        if (sport || dport || len) { /* else a bare ack */
-            if (dport == 0 || (dport == RP_PROBE_PORT && sport == 0) || seq != rx->next_recv) {
-                rx->stop = RP_FOR_PYTHON;
-                return i;
-            }
-            box = lookup(ports, dport);
-            if (box == NULL || box->nbytes + len > rx->rcvbuf_limit
-                || box->nbytes + len > rx->rcvbuf) {
-                rx->stop = RP_FOR_PYTHON;
-                return i;
-            }
-        }
         rp_msg *msg = NULL;
-        if (box != NULL) {
-            msg = make(seq, sport, rx->family, rx->peer, (const char *)h + RP_HEADER_LEN, len);
-            if (msg == NULL) {
-                rx->stop = RP_FOR_PYTHON; /* Python's copy fails as it fails */
+        if (sport || dport || len) { /* else a bare ack */
+            msg = due(rx, ports, h, len, &box);
+            if (msg == NULL)
                 return i;
-            }
         }
         rx->credits += credit;
         if (!rx->has_ack || ack > rx->ack) {
@@ -250,20 +274,38 @@ uint32_t rp_scan(rp_rx *rx, rp_ports *ports, const rp_row *rows, uint32_t n,
             rx->has_ack = 1;
         }
         reposts[rx->nreposts++] = (uint32_t)row->wr_id;
-        if (box != NULL) {
-            int64_t talk = (int64_t)sport << 16 | dport;
-            if (talk != rx->talk && sport && dport)
-                rx->talk = rx->talk == -1 ? talk : -2;
-            rx->next_recv = seq + 1;
-            append(box, msg);
-            rx->messages++;
-            rx->bytes += len;
-            chased[rx->nwoken] = rkey;
-            rx->chasers += rkey >= 0;
-            woken[rx->nwoken++] = dport;
-        }
+        if (msg != NULL)
+            deliver(rx, box, msg, rkey, woken, chased);
     }
     return i;
+}
+
+uint64_t rp_stream(rp_rx *rx, rp_ports *ports, const char *buf, uint64_t len, uint16_t *woken,
+                   uint32_t woken_room)
+{
+    uint64_t pos = 0;
+    rx->stop = RP_DONE;
+    while (len - pos >= RP_HEADER_LEN) {
+        if (rx->nwoken >= woken_room) {
+            rx->stop = RP_FOR_PYTHON; /* (no room for what it would list) */
+            break;
+        }
+        const unsigned char *h = (const unsigned char *)buf + pos;
+        uint32_t size = be32(h + 16);
+        if (be16(h + 30) != 0 || h[32] != 0 || (h[24] & RP_CONG_BITMAP) || size > RP_MAX_MSG_SIZE) {
+            rx->stop = RP_NOT_PLAIN;
+            break;
+        }
+        if (len - pos - RP_HEADER_LEN < size)
+            break; /* the rest of it is still to come */
+        rp_inbox *box = NULL;
+        rp_msg *msg = due(rx, ports, h, size, &box);
+        if (msg == NULL)
+            break;
+        deliver(rx, box, msg, -1, woken, NULL);
+        pos += RP_HEADER_LEN + size;
+    }
+    return pos;
 }
 
 /* Post the receives listed (all, or none when the QP refuses the first: it is leaving

@@ -14,6 +14,7 @@
 /* cdef-begin */
 #define RP_HEADER_LEN 48
 #define RP_FRAG_SIZE 4096
+#define RP_MAX_MSG_SIZE 1048576 /* RDS_MAX_MSG_SIZE */
 #define RP_PROBE_PORT 1
 #define RP_CONG_BITMAP 1
 #define RP_EXT_RDMA 2      /* the extension header of a message chasing an RDMA operation */
@@ -183,6 +184,14 @@ void rp_free(rp_msg *msg);
 uint32_t rp_scan(rp_rx *rx, rp_ports *ports, const rp_row *rows, uint32_t n,
                  const char *recv, uint64_t recv_len, uint32_t *reposts, uint32_t room,
                  uint16_t *woken, int64_t *chased, uint32_t woken_room);
+/* RDS/TCP's stream (no fragments, and TCP's acks and flow control: the headers' are
+ * zero): take the whole plain messages at the front of buf's len bytes into their
+ * inboxes, as rp_scan takes a row's (no checksum, extension header or congestion map,
+ * numbered next, for a bound port under its bounds); the bytes taken, whole messages
+ * only. rx->stop: RP_DONE (the rest is an incomplete message, or none), RP_NOT_PLAIN or
+ * RP_FOR_PYTHON (the message at the end of what it took is Python's). */
+uint64_t rp_stream(rp_rx *rx, rp_ports *ports, const char *buf, uint64_t len, uint16_t *woken,
+                   uint32_t woken_room);
 /* The native handler (set on the session's CQ with hook as its context): polls, takes
  * runs of plain messages as rp_scan, posts their receives again in lists of
  * repost_batch; non-zero (and held) when Python must look: a row it did not take, a

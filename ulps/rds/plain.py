@@ -111,6 +111,11 @@ class PlainPath:
         self.settings = settings
         self.sockets = sockets
 
+    def stream(self, rds: RdsConnection) -> PlainStream:
+        """The plain messages of an RDS/TCP session carrying ``rds``, taken from its stream
+        in C."""
+        return PlainStream(self, rds)
+
     def flow_state(self) -> Any:
         """A session's flow counters in C memory (``rp_flow``), for its :class:`RdmaFlow`:
         the native handler and :meth:`PlainReceiver.send` change them too."""
@@ -342,24 +347,69 @@ class PlainReceiver:
         messages: int = rx.messages
         rx.credits = 0
         if messages:
-            rx.messages = 0
-            rds.next_recv = rx.next_recv
-            rds.heard = rds.busy = True
-            counters = rds.counters
-            counters.recv_messages += messages
-            counters.recv_bytes += rx.bytes
-            rx.bytes = 0
             flow.talk = rx.talk
             rx.talk = -1
-            if rx.nwoken:
-                sockets, ports = self._sockets, unpack(self._woken, rx.nwoken)
-                for port in ports:  # (one entry a message: readers woken as _deliver wakes them)
-                    if (sock := sockets.get(port)) is not None:
-                        sock._wake()
-                if rx.chasers:  # (their sockets' use-once registrations end)
-                    for port, rkey in zip(ports, unpack(self._chased, rx.nwoken), strict=True):
-                        if rkey >= 0 and (sock := sockets.get(port)) is not None:
-                            sock._registrations.used(rkey)
-                    rx.chasers = 0
-                rx.nwoken = 0
+            sockets, nwoken = self._sockets, rx.nwoken
+            ports = unpack(self._woken, nwoken) if nwoken else []
+            if rx.chasers:  # (their sockets' use-once registrations end)
+                for port, rkey in zip(ports, unpack(self._chased, nwoken), strict=True):
+                    if rkey >= 0 and (sock := sockets.get(port)) is not None:
+                        sock._registrations.used(rkey)
+                rx.chasers = 0
+            _delivered(rx, rds, sockets, ports)
         return messages
+
+
+def _delivered(
+    rx: Any, rds: RdsConnection, sockets: Mapping[int, Wakeable], ports: list[int]
+) -> None:
+    """Give ``rds`` the ``rx.messages`` messages C delivered (their numbers and counters)
+    and wake the readers of ``ports`` (one entry a message, as ``RdsNode._deliver`` wakes
+    them); ``rx`` counts afresh."""
+    messages: int = rx.messages
+    rx.messages = 0
+    rds.next_recv = rx.next_recv
+    rds.heard = rds.busy = True
+    counters = rds.counters
+    counters.recv_messages += messages
+    counters.recv_bytes += rx.bytes
+    rx.bytes = rx.nwoken = 0
+    for port in ports:
+        if (sock := sockets.get(port)) is not None:
+            sock._wake()
+
+
+class PlainStream:
+    """One RDS/TCP session's plain messages, taken from its byte stream in C
+    (``rp_stream``): :meth:`scan` hands the whole plain messages at the front of what
+    the session's :class:`~.tcp_stream.StreamDecoder` buffered to their sockets."""
+
+    __slots__ = ("_from_buffer", "_lib", "_ports", "_rds", "_sockets", "_unpack", "_woken", "state")
+
+    def __init__(self, plain: PlainPath, rds: RdsConnection) -> None:
+        inboxes = plain.inboxes
+        ffi = inboxes.ffi
+        self._lib, self._from_buffer, self._unpack = inboxes.lib, ffi.from_buffer, ffi.unpack
+        self._ports, self._sockets, self._rds = inboxes.counts, plain.sockets, rds
+        rx = self.state = ffi.new("rp_rx *")
+        """The scan's state (``rp_rx``; only its numbering and delivery counts are used)."""
+        rx.rcvbuf = plain.settings.rcvbuf
+        rx.rcvbuf_limit = plain.settings.rcvbuf_limit
+        rx.family, packed = rds.peer.version, rds.peer.packed
+        ffi.memmove(rx.peer, packed, len(packed))
+        rx.talk = -1
+        self._woken = ffi.new("uint16_t[]", ROWS)
+
+    def scan(self, buf: bytearray, pos: int) -> tuple[int, int]:
+        """Take the whole plain messages in ``buf`` from ``pos`` on (at most :data:`ROWS`);
+        (bytes taken, messages)."""
+        rx = self.state
+        rx.next_recv = self._rds.next_recv
+        took: int = self._lib.rp_stream(
+            rx, self._ports, self._from_buffer(buf) + pos, len(buf) - pos, self._woken, ROWS
+        )
+        if not took:
+            return 0, 0
+        messages: int = rx.messages
+        _delivered(rx, self._rds, self._sockets, self._unpack(self._woken, rx.nwoken))
+        return took, messages

@@ -32,6 +32,7 @@ import struct
 import termios
 import time
 from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING
 
 import trio
 
@@ -42,6 +43,9 @@ from rdmashim.ulps.rds.wire import (
     RdsProtocolError,
 )
 from rdmashim.verbs import busypoll, lending
+
+if TYPE_CHECKING:
+    from rdmashim.ulps.rds.plain import PlainPath
 
 log = logging.getLogger(__name__)
 
@@ -115,11 +119,14 @@ class TcpSession:
     parked unless the run loop comes to wait for I/O before the task waits again.
     """
 
-    def __init__(self, rds: RdsConnection, stream: trio.SocketStream) -> None:
+    def __init__(
+        self, rds: RdsConnection, stream: trio.SocketStream, plain: PlainPath | None = None
+    ) -> None:
         self.rds = rds
         self.stream = stream
         self.lost = False
-        self.decoder = StreamDecoder()
+        self.decoder = StreamDecoder(None if plain is None else plain.stream(rds))
+        """The stream cut into messages (the whole plain ones taken in C, on the C path)."""
         self.sender = StreamSender(rds)
         """What goes on the stream, and what TCP's acks cover."""
         self._wake = trio.Event()
@@ -378,11 +385,7 @@ class TcpSession:
 
     def _take(self, data: bytes) -> None:
         self.bytes_read += len(data)
-        received = self.rds.received
-        messages = self.decoder.feed(data)
-        self._burst = len(messages) > 1
-        for header, payload in messages:
-            received(header, payload)
+        self._burst = self.decoder.take(data, self.rds.received) > 1
 
     async def _acks(self) -> None:
         while True:

@@ -11,7 +11,8 @@ acknowledged once TCP has the peer's ack for its last byte (Linux's
   write (the newest congestion map first) and, told how far TCP has acknowledged
   the stream, which messages the peer has.
 * :class:`StreamDecoder` cuts the byte stream into (header, payload) and refuses an
-  ``h_len`` over ``RDS_MAX_MSG_SIZE`` before buffering any of it.
+  ``h_len`` over ``RDS_MAX_MSG_SIZE`` before buffering any of it; on the C path its
+  plain messages go to their sockets in C (:class:`~rdmashim.ulps.rds.plain.PlainStream`).
 
 No trio and no sockets: :class:`~rdmashim.ulps.rds.tcp.TcpSession` does the I/O.
 """
@@ -19,9 +20,14 @@ No trio and no sockets: :class:`~rdmashim.ulps.rds.tcp.TcpSession` does the I/O.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from rdmashim.ulps.rds.connection import OutMessage, RdsConnection
 from rdmashim.ulps.rds.wire import HEADER_STRUCT, RDS_HEADER_LEN, RdsFlag, RdsHeader
+
+if TYPE_CHECKING:
+    from rdmashim.ulps.rds.plain import PlainStream
 
 SEND_BATCH = 64 * 1024
 """Bytes of messages gathered into one write (Linux corks the socket around a batch)."""
@@ -79,17 +85,19 @@ class StreamSender:
 class StreamDecoder:
     """Cuts an RDS/TCP byte stream into messages (sans-IO).
 
-    :meth:`feed` takes bytes as they come, in pieces of any size, and returns
-    the messages they complete. A header is checked as soon as its 48 bytes are
-    in (:meth:`RdsHeader.decode`): a checksum that does not match, or an
-    ``h_len`` over ``RDS_MAX_MSG_SIZE``, raises :class:`RdsProtocolError`
-    before any of the payload is kept, so a peer cannot make us buffer more
-    than one message of at most 1 MiB.
+    :meth:`take` (and :meth:`feed`) take bytes as they come, in pieces of any size,
+    and hand on the messages they complete. A header is checked as soon as its 48 bytes
+    are in (:meth:`RdsHeader.decode`): a checksum that does not match, or an ``h_len``
+    over ``RDS_MAX_MSG_SIZE``, raises :class:`RdsProtocolError` before any of the
+    payload is kept, so a peer cannot make us buffer more than one message of at most
+    1 MiB. With a ``plain`` path (:class:`~.plain.PlainStream`), the whole plain
+    messages at the front of what is buffered go to their sockets in C between them.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, plain: PlainStream | None = None) -> None:
         self._buf = bytearray()
         self._header: RdsHeader | None = None
+        self._plain = plain
 
     @property
     def buffered(self) -> int:
@@ -105,14 +113,29 @@ class StreamDecoder:
         return 0, self._header.length - len(self._buf)
 
     def feed(self, data: bytes | bytearray | memoryview) -> list[tuple[RdsHeader, bytes]]:
-        """The messages ``data`` completes, in order, as (header, payload)."""
+        """The messages ``data`` completes that the plain path did not take (all, without
+        one), in order, as (header, payload)."""
+        out: list[tuple[RdsHeader, bytes]] = []
+        self.take(data, lambda header, payload: out.append((header, payload)))
+        return out
+
+    def take(
+        self, data: bytes | bytearray | memoryview, received: Callable[[RdsHeader, bytes], None]
+    ) -> int:
+        """Hand each message ``data`` completes to ``received(header, payload)``, in order and
+        at once (the plain path, if any, takes the whole plain messages between them, as
+        they come due); how many messages it completed."""
         buf = self._buf
         buf += data
-        out: list[tuple[RdsHeader, bytes]] = []
-        pos = 0
+        plain = self._plain
+        pos = count = 0
         with memoryview(buf) as view:  # released before the consumed bytes are dropped
             while True:
                 if self._header is None:
+                    if plain is not None and len(buf) - pos >= RDS_HEADER_LEN:
+                        took, messages = plain.scan(buf, pos)
+                        pos += took
+                        count += messages
                     if len(buf) - pos < RDS_HEADER_LEN:  # (decode's own test: a call less)
                         break
                     header = RdsHeader.decode(view[pos:])
@@ -122,11 +145,13 @@ class StreamDecoder:
                 end = pos + self._header.length
                 if end > len(buf):
                     break
-                out.append((self._header, bytes(view[pos:end])))  # the one copy
-                self._header = None
+                header, self._header = self._header, None
+                payload = bytes(view[pos:end])  # the one copy
                 pos = end
+                count += 1
+                received(header, payload)
         del buf[:pos]
-        return out
+        return count
 
 
 def message_header(msg: OutMessage) -> bytes:

@@ -86,7 +86,7 @@ class TcpTransport:
             tune(stream.socket)
             if rds.canonical:
                 entry.poked = False
-                await host.carry(entry, TcpSession(rds, stream), 0)
+                await host.carry(entry, TcpSession(rds, stream, host.plain), 0)
                 return
         settings = host.settings
         with trio.move_on_after(settings.reconnect_max):
@@ -129,4 +129,4 @@ class TcpTransport:
             tune(stream.socket)
             if entry.connector is not None:
                 entry.connector.cancel()  # a knock of ours, now answered
-            await host.carry(entry, TcpSession(rds, stream), 0)
+            await host.carry(entry, TcpSession(rds, stream, host.plain), 0)
