@@ -350,7 +350,8 @@ async def ours_main(round_: str, me: str, peer: str) -> None:
         }  # fmt: skip
         session = conn.session
         # The session's credits are its flow's (rdma_flow.RdmaFlow).
-        result["flow_control"] = getattr(getattr(session, "flow", None), "flow_control", None)
+        flow = getattr(session, "flow", None)  # (RdmaFlow: its counters are its state's)
+        result["flow_control"] = None if flow is None else bool(flow.state.flow_control)
         await trio.sleep(0.5)  # our last acks go before the node closes its connection
         emit(side="ours", round=round_, **result)
 
