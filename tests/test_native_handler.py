@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import errno
 import importlib
+import subprocess
 import sys
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -36,6 +38,7 @@ from rdmashim import (
 )
 from rdmashim.cm import ConnectionRequest
 from rdmashim.providers.softiwarp import native
+from rdmashim.verbs import native as verbs_native
 
 pytestmark = pytest.mark.skipif(
     not native.AVAILABLE, reason=f"native engine unavailable: {native.WHY_NOT}"
@@ -60,18 +63,15 @@ typedef struct {
     uint32_t sent;          /* of those, how many post_send took */
 } ctx;
 uintptr_t handler_address(void);
+void abi(uint64_t *out);
 """
 SOURCE = """
-#include <stdint.h>
-typedef struct { uint64_t wr_id; uint32_t status, opcode, byte_len, qp_num, wc_flags,
-                 invalidated_rkey, solicited; } row;
-typedef struct { uint64_t wr_id; uint64_t addr; uint32_t length; uint32_t lkey; } recv;
-typedef struct { uint64_t wr_id; uint64_t addr; uint32_t length, lkey, flags; } send;
-typedef struct {
-    uint32_t (*poll)(void *cq, row *rows, uint32_t n);
-    uint32_t (*post_recv)(void *qp, const recv *wrs, uint32_t n);
-    uint32_t (*post_send)(void *qp, const send *wrs, uint32_t n);
-} verbs;
+#include "native_handler.h"
+#include <stddef.h>
+typedef rdmashim_row row;
+typedef rdmashim_recv recv;
+typedef rdmashim_send send;
+typedef rdmashim_verbs verbs;
 typedef struct {
     row log[1024];
     uint32_t logged;
@@ -85,6 +85,15 @@ typedef struct {
     uint32_t nstaged;
     uint32_t sent;
 } ctx;
+
+void abi(uint64_t *out)
+{
+    out[0] = sizeof(rdmashim_row);
+    out[1] = sizeof(rdmashim_recv);
+    out[2] = sizeof(rdmashim_send);
+    out[3] = offsetof(rdmashim_send, flags);
+    out[4] = offsetof(rdmashim_verbs, post_send);
+}
 
 static uint32_t handler(void *context, const verbs *v, void *cq, void *qp, uint32_t qp_num)
 {
@@ -126,7 +135,7 @@ def handler_module(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     directory = tmp_path_factory.mktemp("native_handler")
     ffi = FFI()
     ffi.cdef(DECLARATIONS)
-    ffi.set_source("_test_native_handler", SOURCE)
+    ffi.set_source("_test_native_handler", SOURCE, include_dirs=[verbs_native.INCLUDE_DIR])
     ffi.compile(tmpdir=str(directory), verbose=False)
     sys.path.insert(0, str(directory))
     try:
@@ -331,10 +340,17 @@ def pair_qp_runs_none(qp: Any) -> bool:
     return qp.run_native_handler() is False
 
 
-def test_the_engine_header_keeps_the_documented_abi() -> None:
-    """The engine's rs_hook_recv and rs_hook_verbs are the layouts the docs give a C
-    user (the handler above declares its own)."""
+def test_the_engine_header_keeps_the_documented_abi(handler_module: Any) -> None:
+    """The engine's rs_wc, rs_hook_recv, rs_hook_send and rs_hook_verbs are the layouts
+    the docs give a C user and ``native_handler.h`` (which the handler above includes)
+    declares."""
     ffi = native.ffi
+    out = handler_module.ffi.new("uint64_t[5]")
+    handler_module.lib.abi(out)
+    assert list(out) == [
+        ffi.sizeof("rs_wc"), ffi.sizeof("rs_hook_recv"), ffi.sizeof("rs_hook_send"),
+        ffi.offsetof("rs_hook_send", "flags"), ffi.offsetof("rs_hook_verbs", "post_send"),
+    ]  # fmt: skip
     assert ffi.sizeof("rs_hook_recv") == 24
     assert ffi.offsetof("rs_hook_recv", "addr") == 8
     assert ffi.offsetof("rs_hook_recv", "lkey") == 20
@@ -342,3 +358,15 @@ def test_the_engine_header_keeps_the_documented_abi() -> None:
     assert ffi.offsetof("rs_hook_verbs", "post_send") == 2 * ffi.sizeof("void *")
     assert ffi.sizeof("rs_hook_send") == 32
     assert ffi.offsetof("rs_hook_send", "flags") == 24
+
+
+def test_the_example_echo_server_works_in_c() -> None:
+    """``examples/native_handler.py`` as a user runs it: its C handler echoes every
+    message, and Python's handler runs only when the connection ends."""
+    example = Path(__file__).resolve().parent.parent / "examples" / "native_handler.py"
+    done = subprocess.run(
+        [sys.executable, str(example)], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert done.returncode == 0, done.stderr
+    assert "the client got 200 echoes, each its message" in done.stdout, done.stdout
+    assert "echoed 200 messages; its Python handler ran 0 times meanwhile" in done.stdout

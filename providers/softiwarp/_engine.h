@@ -179,8 +179,8 @@ uint32_t rs_cq_poll(rs_cq *cq, rs_wc *out, uint32_t n);
 rs_cq_view *rs_cq_view_of(rs_cq *cq);
 /* rs_cq_poll, and what the completions taken have in common (*sum). */
 uint32_t rs_cq_poll_sum(rs_cq *cq, rs_wc *out, uint32_t n, rs_wc_sum *sum);
-/* A native completion handler (cq.set_native_handler; docs/verbs.md, "Native completion
- * handlers", declares the same ABI portably). At the end of every call on a QP that leaves
+/* A native completion handler (cq.set_native_handler; verbs/native_handler.h declares the
+ * same ABI for a ULP's C, docs/verbs.md "Native completion handlers" explains it). At the end of every call on a QP that leaves
  * completions in a CQ with a handler, the engine calls
  *     want = fn(context, verbs, cq, qp, qp_num)
  * inside that call (the QP's lock held, without the GIL where the call is made
