@@ -42,6 +42,36 @@ async def test_messages_both_ways_in_order(transport: str) -> None:
         await close([a, b])
 
 
+@transports
+async def test_two_readers_of_one_socket_each_get_a_message(transport: str) -> None:
+    """Two tasks wait in ``recvfrom`` on one socket, one driving the session, the other
+    parked; two messages come: each reader gets one. (The driving reader's messages
+    taken in C wake no one, as it looks after each read: the reader that finds another
+    waiting wakes the parked one. Without that, the parked one waited for ever over
+    TCP.)"""
+    a, b = await nodes(["127.0.0.1", "127.0.0.2"], transport)
+    try:
+        sa, sb = a.bind(4000), b.bind(5000)
+        await sa.sendto(b"warm up", ("127.0.0.2", 5000))
+        await sb.recvfrom()
+        for round_ in range(20):
+            got: list[bytes] = []
+
+            async def reader() -> None:
+                got.append((await sb.recvfrom())[0])  # noqa: B023 - awaited in this round
+
+            with trio.fail_after(10):
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(reader)
+                    nursery.start_soon(reader)
+                    await trio.sleep(0.001)  # (both wait: one drives, one is parked)
+                    await sa.sendto(b"x%d" % round_, ("127.0.0.2", 5000))
+                    await sa.sendto(b"y%d" % round_, ("127.0.0.2", 5000))
+            assert sorted(got) == [b"x%d" % round_, b"y%d" % round_]
+    finally:
+        await close([a, b])
+
+
 async def test_rdma_sessions_run_between_the_nodes_own_addresses() -> None:
     """Whichever node connects, it connects from its own address, as Linux RDS does
     (``rdma_resolve_addr`` from the connection's local address), not from the one

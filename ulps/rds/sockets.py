@@ -232,6 +232,10 @@ class RdsSocket:
             await self._arrived.park()
             parked = True
         message = self._take()
+        if self.received.counts.count and self._arrived:
+            # Messages the reader driving the session took for its own socket woke no one:
+            # another reader parked here takes the next one.
+            self._arrived.unpark()
         if not parked:
             await trio.lowlevel.cancel_shielded_checkpoint()
         return message
