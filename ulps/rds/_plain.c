@@ -1,5 +1,7 @@
-/* RDS's plain-message receive path in C: the sockets' receive queues, and one call that
- * takes a poll's plain messages into them.
+/* RDS's plain-message path in C: the sockets' receive queues; one call that takes a
+ * poll's plain messages into them (rp_scan, and rp_handle, the CQ's native handler, around
+ * it), one that takes them from an RDS/TCP stream (rp_stream), and one that sends a plain
+ * message over RDMA (rp_send, posted by rp_handle's next run).
  *
  * Python's RdmaFlow.receive_at and RdsNode._deliver are the reference: a message is
  * plain when it is a received Send of one fragment with no checksum, no extension
@@ -10,6 +12,7 @@
  * buffers for reposting; at the first row that is anything else it
  * stops and says why, and Python takes that row as it takes every row without this
  * module. Every read of the receive buffer is checked against its length first.
+ * RdmaFlow.fill is rp_send's reference, StreamDecoder's Python path rp_stream's.
  */
 #include "_plain.h"
 

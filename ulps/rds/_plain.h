@@ -1,4 +1,5 @@
-/* RDS's plain-message receive path in C (see _plain.c and docs/rds.md).
+/* RDS's plain-message path in C: receive over RDMA and TCP, send over RDMA (see _plain.c
+ * and docs/rds.md).
  *
  * Everything between the cdef markers is also read by plain_build.py as cffi
  * declarations, so it holds only integer #defines, plain structs and prototypes.
