@@ -352,8 +352,6 @@ uint32_t rp_send(rp_hook *h, uint64_t seq, uint16_t sport, uint16_t dport, const
     uint32_t slot = h->send_head;
     unsigned char *b = (unsigned char *)h->send + (uint64_t)slot * rx->slot;
     int64_t credit = f->advertise > RP_MAX_CREDIT ? RP_MAX_CREDIT : f->advertise;
-    if (credit < 0)
-        credit = 0;
     f->advertise -= credit;
     uint64_t ack = rx->next_recv - 1; /* (C's: Python's catches up when it folds) */
     f->acked_to_peer = ack;

@@ -97,25 +97,25 @@ def _chasing(rkey: int) -> tuple[RdmaExt]:
 class FlowState:
     """A flow's counters that the C path shares (``rp_flow`` in ``_plain.h``: there they
     live in C memory, and the CQ's native handler and a plain message's Send in C change
-    them too); this class holds them on the Python path."""
+    them too); this class holds them on the Python path. :class:`RdmaFlow` sets their
+    starting values, on either."""
 
     __slots__ = (
         "ack_at", "ack_countdown", "acked_to_peer", "advertise", "flow_control", "send_credits",
     )  # fmt: skip
 
-    def __init__(self) -> None:
-        self.send_credits = 0
-        """Receives the peer has posted for us that we have not used yet."""
-        self.flow_control = True
-        """Whether Sends wait for the peer's credits (see :meth:`RdmaFlow.peer_credits`)."""
-        self.advertise = 0
-        """Receives we posted again that the peer has not been granted yet."""
-        self.ack_countdown = 0
-        """Messages left before the next one asks for an acknowledgement."""
-        self.acked_to_peer = 0
-        """The last sequence number a header of ours acknowledged."""
-        self.ack_at = math.inf
-        """When an acknowledgement held back must go on its own."""
+    send_credits: int
+    """Receives the peer has posted for us that we have not used yet."""
+    flow_control: bool
+    """Whether Sends wait for the peer's credits (see :meth:`RdmaFlow.peer_credits`)."""
+    advertise: int
+    """Receives we posted again that the peer has not been granted yet."""
+    ack_countdown: int
+    """Messages left before the next one asks for an acknowledgement."""
+    acked_to_peer: int
+    """The last sequence number a header of ours acknowledged."""
+    ack_at: float
+    """When an acknowledgement held back must go on its own."""
 
 
 class RdmaFlow:
