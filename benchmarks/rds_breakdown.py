@@ -17,8 +17,8 @@ and return; on the native engine the read is in the same call, so its phases
 ``os.readv`` and ``os.write``/``os.writev`` (the engine's socket calls), the
 engine's ``received``, the RDS session's completion handler (``Session._on_cq``; with
 RDS's C path on the native engine, the CQ's native handler takes a plain message inside
-the read, and the session's fold of what it took, ``Session._fold``, takes the
-handler's place),
+the read, and the session's note of what it took, ``Session._taken_in_c``, takes the
+handler's place: what C took is folded into the session later, at most once a backstop),
 the socket handing a message to its reader (``RdsSocket._take``),
 ``RdsSocket.sendto`` and the QP's ``post_send`` or ``post_send_batch`` (or, for a plain
 message sent in C, ``run_native_handler``). Each
@@ -211,7 +211,7 @@ class Tracer(trio.abc.Instrument):
 
     def _hook_handler(self, name: str) -> None:
         """Log ``handler`` and ``handler_end`` around the session's completion handler
-        (``_on_cq``), or its fold of what the CQ's native handler took (``_fold``), and
+        (``_on_cq``), or its note of what the CQ's native handler took (``_taken_in_c``), and
         how long the engine's calls inside it took (:attr:`inside`)."""
         original = getattr(Session, name)
         log, now, inside = self.log, time.perf_counter_ns, self.inside
@@ -274,7 +274,7 @@ class Tracer(trio.abc.Instrument):
             self._hook(QP, "post_send", "post", "post_end")
             self._hook(QP, "post_send_batch", "post", "post_end")
         self._hook_handler("_on_cq")
-        self._hook_handler("_fold")
+        self._hook_handler("_taken_in_c")
         self._hook(RdsSocket, "_take", "take", None)
         self._hook(RdsSocket, "sendto", "sendto", None)
         trio.lowlevel.add_instrument(self)

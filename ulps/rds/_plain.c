@@ -336,6 +336,8 @@ static void repost(rp_hook *h, const rp_verbs *verbs, void *qp)
         memmove(h->reposts, h->reposts + done, (rx->nreposts - done) * sizeof *h->reposts);
         rx->nreposts -= done;
         h->posted += done;
+        if (h->flow->flow_control) /* (RdmaFlow.reposted: credits to grant) */
+            h->flow->advertise += done;
     }
 }
 
@@ -460,6 +462,8 @@ uint32_t rp_handle(void *hook, const rp_verbs *verbs, void *cq, void *qp, uint32
         }
         rx->nwoken = kept;
         taken += took;
+        h->flow->send_credits += (int64_t)rx->credits; /* (sends in C spend them at once) */
+        rx->credits = 0;
         if (rx->nreposts >= h->repost_batch)
             repost(h, verbs, qp);
         if (took < n) {
@@ -470,7 +474,7 @@ uint32_t rp_handle(void *hook, const rp_verbs *verbs, void *cq, void *qp, uint32
         }
     }
     if (rx->nwoken || rx->messages > messages + 1 || (h->sends_waiting && taken)
-        || (h->grant_at && h->posted >= h->grant_at)
+        || (h->grant_at && h->flow->advertise >= (int64_t)h->grant_at)
         || (h->ack_watch && rx->has_ack && rx->ack >= h->ack_watch))
         ask = 1;
     if (ask)

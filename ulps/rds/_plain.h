@@ -140,7 +140,8 @@ typedef struct {
     uint64_t recv_addr;     /* receive buffer i is recv_addr + i * rx->slot (lkey recv_lkey) */
     uint32_t recv_lkey;
     uint32_t repost_batch;  /* receives go back in lists of at least this many */
-    uint32_t posted;        /* out: receives it posted again (credits for the peer) */
+    uint32_t posted;        /* out: receives it posted again (counted in flow->advertise
+                             * as it posts them, when flow_control) */
     uint32_t left;          /* out: rows[left..polled) are Python's, in order */
     uint32_t polled;
     uint32_t held;          /* it asked (or Python holds it): it takes nothing until
@@ -149,8 +150,8 @@ typedef struct {
                              * every row it takes (their credits and acks) */
     uint32_t quiet_port;    /* in: the port whose reader drives the session (0: none):
                              * a plain message for it wakes no one */
-    uint32_t grant_at;      /* in: it asks once it posted this many receives again (0:
-                             * never): their credits are due to the peer */
+    uint32_t grant_at;      /* in: it asks once flow->advertise reaches this (0: never):
+                             * the credits of that many receives are due to the peer */
     uint64_t ack_watch;     /* in: it asks once an acknowledgement reaches this sequence
                              * number (0: none): a message whose RDMA operation ends then */
     /* Plain messages sent in C (rp_send), from a ring of send buffers of their own */

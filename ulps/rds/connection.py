@@ -67,6 +67,10 @@ class Carrier(Protocol):
     def cut(self) -> None:
         """Break the connection underneath, as a failure would (tests, the demo)."""
 
+    def settle(self) -> None:
+        """What the session took without Python (messages, acknowledgements) reaches the
+        connection's numbers and counters now, not at the session's next look."""
+
 
 @dataclass(eq=False, slots=True)
 class OutMessage:

@@ -159,7 +159,11 @@ class PeerTable:
         return entry
 
     def connections(self) -> list[RdsConnection]:
-        """Every peer connection."""
+        """Every peer connection, with what its session took without Python settled in
+        (:meth:`~.connection.Carrier.settle`: counters and numbers are current)."""
+        for entry in self.entries.values():
+            if (session := entry.rds.session) is not None:
+                session.settle()
         return [p.rds for p in self.entries.values()]
 
     def drivable(self) -> Drivable | None:

@@ -246,8 +246,8 @@ class PlainReceiver:
     def release(self, grant: int = 0) -> None:
         """Python took what waited (its handler emptied the CQ): the native handler may
         take again, from the session's state as it is now (not while a message in
-        fragments is assembled: every row is the assembly's), and asks once it posted
-        ``grant`` receives again (0: never)."""
+        fragments is assembled: every row is the assembly's), and asks once the flow's
+        credits to grant (``advertise``) reach ``grant`` (0: never)."""
         rx, hook = self.state, self.hook
         hook.grant_at = grant
         rx.next_recv = self._rds.next_recv
@@ -324,14 +324,12 @@ class PlainReceiver:
         return start + took
 
     def fold(self, reposts: list[int] | None) -> int:
-        """Write what C took since the last fold into the session's state (credits, acks,
-        numbers, counters; readers woken, use-once registrations ended), its receive
-        buffers onto ``reposts`` (None: they stay the native handler's to post); the
-        messages it took."""
+        """Write what C took since the last fold into the session's state (acks, numbers,
+        counters, credits a scan took; readers woken, use-once registrations ended), its
+        receive buffers onto ``reposts`` (None: they stay the native handler's to post);
+        the messages it took. (The native handler adds the credits it takes and the
+        receives it posts again to the flow's counters itself: they need no fold.)"""
         rx, rds, flow, unpack, hook = self.state, self._rds, self._flow, self._unpack, self.hook
-        if hook.posted:
-            flow.reposted(hook.posted)
-            hook.posted = 0
         if not rx.has_ack:
             return 0
         rx.has_ack = 0

@@ -21,14 +21,8 @@ import trio
 
 from rdmashim.ulps.rds.connection import RdsConnection
 from rdmashim.ulps.rds.plain import ROWS, SendRing
-from rdmashim.ulps.rds.rdma_flow import (
-    ACK_DELAY,
-    ACK_HELD,
-    ACK_NOW,
-    ACK_REQUIRED_EVERY,
-    RECV_SLOTS,
-    RdmaFlow,
-)
+from rdmashim.ulps.rds.rdma_flow import ACK_HELD, ACK_NOW, ACK_REQUIRED_EVERY, RECV_SLOTS, RdmaFlow
+from rdmashim.ulps.rds.rdma_hooked import HookedSession
 from rdmashim.ulps.rds.rdma_layout import C_SEND_SLOTS, C_SEND_WR, SEND_FLAGS, SEND_SLOTS, SLOT
 from rdmashim.ulps.rds.rdma_ops import RDMA_DEPTH, RDMA_WR, RdmaPosts
 from rdmashim.ulps.rds.rdma_pacing import (
@@ -71,7 +65,7 @@ _RDMA_ENTRY = SEND_SLOTS
 entries below it are the send slots' Sends)."""
 
 
-class Session:
+class Session(HookedSession):
     """One RC connection carrying an :class:`RdsConnection`'s messages.
 
     ``conn`` is a :class:`rdmashim.cm.Connection` (PD, CQ, QP), not yet
@@ -97,7 +91,8 @@ class Session:
     one call (:meth:`.PlainReceiver.send`, posted by ``qp.run_native_handler``). The
     answers to a burst of delivered messages are held back to go together
     (:meth:`pump_sends`, :meth:`answer_burst`). The wire is the same either way: the
-    same headers, flags and order.
+    same headers, flags and order. What the session does around the CQ's native
+    handler (a reader's drive, folding in what C took) is :class:`.HookedSession`'s.
     """
 
     def __init__(
@@ -258,8 +253,6 @@ class Session:
         the slots and credits it freed.
         """
         rds = self.rds
-        if (unfolded := self._unfolded) is not None and unfolded.has_ack:
-            self._fold()  # (the credits and acknowledgement C took go out with these)
         if not now and self._burst and len(rds.unsent) < BURST_MAX:
             if self._opening:  # the first answer goes at once: the peer starts on it
                 self._opening = False
@@ -287,6 +280,8 @@ class Session:
                 if self._timer_at == math.inf and (timer := self._timer) is not None:
                     timer.deadline = self._timer_at = self._clock() + ACK_BACKSTOP  # (below)
                 return
+        if (unfolded := self._unfolded) is not None and unfolded.has_ack:
+            self._fold()  # (the acknowledgement C took goes out with these: fill reads it)
         if self._pumping:
             self._repump = True
             return
@@ -339,77 +334,6 @@ class Session:
             self._flush_due = self._burst = False
             self.pump_sends(True)
 
-    def ack_needed(self) -> None:
-        """A reader goes back to waiting (the node calls this once after the handler held
-        an acknowledgement back): if no message of ours carried it yet, it goes on its
-        own :data:`~rdmashim.ulps.rds.rdma_flow.ACK_DELAY` after the hold began, not at
-        the backstop (:data:`ACK_BACKSTOP`)."""
-        self._ack_listed = False
-        if self._unjudged:
-            self._judge()
-        at = self.flow.state.ack_at
-        if at < self._timer_at and (timer := self._timer) is not None:
-            timer.deadline = self._timer_at = at
-
-    def want_acks(self) -> None:
-        """A sender waits for room: what the native handler took is folded in now (its
-        acknowledgements may make the room), and it asks for Python at the next ones."""
-        if self._hooked:
-            self._plain.sending(True)  # type: ignore[union-attr]
-            if self._unfolded.has_ack:  # type: ignore[union-attr]
-                self._fold()
-
-    def _judge(self) -> None:
-        """Look at the acknowledgement of messages the native handler took: it goes now if
-        many receives wait to be granted, else it is held (unless a message of ours
-        carried it meanwhile)."""
-        self._unjudged = False
-        flow = self.flow
-        due = flow.acknowledge(self._clock)
-        if due == ACK_NOW:
-            self._send_ack()
-            flow.state.ack_at = math.inf
-        elif (
-            due == ACK_HELD and (at := flow.state.ack_at) < self._timer_at
-            and (timer := self._timer) is not None
-        ):  # fmt: skip
-            timer.deadline = self._timer_at = at
-
-    def _fold(self) -> None:
-        """Give the session what the CQ's native handler took (:meth:`.PlainReceiver.fold`):
-        its credits, acknowledgements and numbers. Whether to hold an acknowledgement back
-        is looked at when the reader goes back to waiting (by then its answer may have
-        carried it), or at the backstop (:data:`ACK_BACKSTOP`) if no reader comes back."""
-        plain = self._plain
-        assert plain is not None  # (has_ack is C's)
-        if plain.fold(None):
-            self._unjudged = True
-            if not self._ack_listed:
-                self._ack_listed = True
-                self._on_ack(self)
-            if self._timer_at == math.inf and (timer := self._timer) is not None:
-                timer.deadline = self._timer_at = self._clock() + ACK_DELAY + ACK_BACKSTOP
-
-    async def drive_until(self, ready: Callable[[], bool], quiet: int = 0) -> bool:
-        """A reader's wait (:class:`~.transport.Drivable`): it drives the session's CQ
-        (``cq.drive_until``); ``quiet`` is its socket's port, for which the native handler
-        wakes no one (the reader looks after each read). What C took is folded in before
-        it returns."""
-        if not self._hooked:
-            return await self.cq.drive_until(ready)
-        hook = self._plain.hook  # type: ignore[union-attr]
-        hook.quiet_port = quiet
-        try:
-            return await self.cq.drive_until(ready)
-        finally:
-            hook.quiet_port = 0
-            if self._unfolded.has_ack:  # type: ignore[union-attr]
-                self._fold()
-
-    def interrupt_wait(self) -> None:
-        """Make a :meth:`drive_until` in progress look at its ``ready`` again now."""
-        self.cq.interrupt_wait()
-
     def _send_ack(self) -> None:
         if self.free_slots and self.flow.ack_allowed():
             slot = self.free_slots.pop()
@@ -434,7 +358,7 @@ class Session:
         plain = self._plain
         if self._hooked:
             plain.hold()  # type: ignore[union-attr]
-            if self._unfolded.has_ack:  # type: ignore[union-attr]
+            if self._unfolded.has_ack:
                 # What C took first (the messages of a burst it asked for count in this
                 # run's): its credits let sends go, its receives posted again may be due
                 # to the peer as credits.
@@ -496,9 +420,7 @@ class Session:
             if self._hooked:
                 waiting = rds.room_wanted or bool(rds.unsent) or flow.current is not None
                 plain.sending(waiting)  # type: ignore[union-attr]
-                counts = flow.state
-                grant = max(1, RECV_SLOTS // 2 - counts.advertise) if counts.flow_control else 0
-                plain.release(grant)  # type: ignore[union-attr]
+                plain.release(RECV_SLOTS // 2 if flow.state.flow_control else 0)  # type: ignore[union-attr]
 
     def _take_columns(self, cq: CQ) -> int:
         """Poll into the session's :class:`WCArray` and take each completion (the Python
@@ -597,4 +519,6 @@ class Session:
                 if self._hooked:
                     self._hooked = False
                     self.cq.set_native_handler(0, 0)
+                    if self._unfolded.has_ack:  # (the next session numbers on from here)
+                        self._plain.fold(None)  # type: ignore[union-attr]
                 self.cq.set_handler(None)

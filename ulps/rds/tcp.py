@@ -188,6 +188,9 @@ class TcpSession:
     def want_acks(self) -> None:
         """Nothing to do: this session hands each acknowledgement on as it reads it."""
 
+    def settle(self) -> None:
+        """Nothing to do: this session hands each message on as it reads it."""
+
     def cut(self) -> None:
         """Break the connection underneath (for tests and the demo): we stop writing,
         the peer's session ends at our end of stream, and so does ours at its. Both
