@@ -281,6 +281,7 @@ class PeerTable:
         if entry.session_scope is not None:
             entry.session_scope.cancel()  # a stale session the peer has given up on
         if rds.session is not None:
+            rds.session.settle()  # (what it took without Python: resume reads the numbers)
             rds.session.lost = True
         entry.unreachable = None
         entry.failures = 0

@@ -105,6 +105,8 @@ class RdmaTransport:
 
     @staticmethod
     def _private(rds: RdsConnection) -> bytes:
+        if rds.session is not None:  # (a session the peer gave up on: its numbers first)
+            rds.session.settle()
         return ConnectPrivate(
             rds.local, rds.peer, ack_seq=rds.next_recv - 1, credit=RECV_SLOTS
         ).encode()
