@@ -109,7 +109,7 @@ from rdmashim.providers.softiwarp.connection import MpaOptions, accept_qp, conne
 
 import floor
 import vethpath
-from report import Status, engine_line, run_meta, top_functions
+from report import Status, cpu_line, engine_line, run_meta, top_functions
 from streams import count_to_eof, read_exact, stop_process
 
 HOST = "127.0.0.1"
@@ -1116,6 +1116,7 @@ def print_header(
     dur = f"{cfg.duration:g} s/sample"
     print(f" Duration        : {dur:<16}Lat. iterations: {cfg.lat_iters}")
     print(f" Python          : {meta['python']:<16}CPUs           : {meta['nproc']}")
+    print(cpu_line())
     busy = f"{cfg.busy_poll * 1e6:g} us"
     print(f" Date            : {meta['date']:<32}Busy poll (-poll): {busy}")
     if cfg.floor_binary is not None:

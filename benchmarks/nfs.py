@@ -74,7 +74,7 @@ from rdmashim.ulps.nfsrdma.client import COMMIT_EVERY, IN_FLIGHT, NfsClient, Pro
 from rdmashim.ulps.nfsrdma.server import ServerConfig, serve_nfs
 
 import floor
-from report import Status, engine_line, process_cpu, run_meta, top_functions
+from report import Status, cpu_line, engine_line, process_cpu, run_meta, top_functions
 from streams import stop_process
 
 HOST = "127.0.0.1"
@@ -424,6 +424,7 @@ def print_header(args: argparse.Namespace, cfg: Config, meta: dict[str, Any]) ->
     flight = f"{IN_FLIGHT} READs/WRITEs"
     print(f" In flight  : {flight:<18} Python   : {meta['python']}")
     print(f" CPUs       : {meta['nproc']:<18} Date     : {meta['date']}")
+    print(cpu_line(width=11))
 
 
 async def client_main(

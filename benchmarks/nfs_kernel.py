@@ -47,7 +47,7 @@ from typing import Any
 
 import trio
 
-from report import Status, engine_line, process_cpu, run_meta, top_functions
+from report import Status, cpu_line, engine_line, process_cpu, run_meta, top_functions
 from streams import stop_process
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
@@ -251,6 +251,7 @@ def main(argv: list[str] | None = None) -> int:
             {"name": name, "rdma_median": rdma, "tcp_median": tcp, "ratio": rdma / tcp, **mibs}
         )
     print(engine_line(SERVER_BACKEND, width=0) + " (our server's)")
+    print(cpu_line(width=0))
     print(f" guest booted in {meta['boot_seconds']:.1f} s; {args.repeat} samples per transport")
     for proto, line in MOUNTS.items():
         print(f" {proto} mount: {line}")

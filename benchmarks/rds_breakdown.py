@@ -66,7 +66,7 @@ from rdmashim.ulps.rds.node import RdsSocket
 from rdmashim.ulps.rds.rdma_session import Session
 from rdmashim.verbs.lending import WaitPoint
 
-from report import engine_line, rds_path_line, run_meta
+from report import cpu_line, engine_line, rds_path_line, run_meta
 from streams import stop_process
 
 CYCLE = (
@@ -403,6 +403,7 @@ def print_table(doc: dict[str, Any]) -> None:
     print(f" rds stress {doc['case']}: one round trip, phase by phase (medians, us)")
     print(engine_line(width=0))
     print(rds_path_line(width=0))
+    print(cpu_line(width=0))
     print(RESULT_LINE)
     print(f" {'phase':<40}{'active':>10}{'passive':>10}")
     busy = [sum(side["median_us"][:BUSY]) for side in (act, pas)]

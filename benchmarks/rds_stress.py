@@ -76,7 +76,7 @@ from rdmashim.rdstools.stress import (
 from rdmashim.ulps.rds.node import RdsNode
 from rdmashim.ulps.rds.settings import RdsSettings, Transport
 
-from report import engine_line, rds_path_line, run_meta
+from report import cpu_line, engine_line, rds_path_line, run_meta
 from streams import read_exact, stop_process
 
 CLIENT_IP = "127.0.0.1"
@@ -312,6 +312,7 @@ def print_table(results: list[dict], args: argparse.Namespace) -> None:
     print(" loopback)")
     print(engine_line(width=0) if args.transport == "rdma" else " Engine: none (RDS/TCP)")
     print(rds_path_line(width=0))
+    print(cpu_line(width=0))
     print(
         f" {args.repeat} samples of {args.duration:g} s per side, alternating; medians; "
         "ratio = ours/raw"

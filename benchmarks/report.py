@@ -46,9 +46,28 @@ def rds_path_line(width: int = 16) -> str:
     return f" {'RDS plain path':<{width}}: {plain.describe()}"
 
 
+def cpu_model() -> str:
+    """The CPU's model name (``/proc/cpuinfo``; the platform's word elsewhere): ratios to
+    raw TCP move with it, so every run records it."""
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as info:
+            for line in info:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def cpu_line(width: int = 16) -> str:
+    """A benchmark header's CPU line, its label padded to ``width`` (:func:`cpu_model`)."""
+    return f" {'CPU':<{width}}: {os.cpu_count()} x {cpu_model()}"
+
+
 def run_meta(backend: str | None = None) -> dict[str, Any]:
-    """Where and when a run happened: date, commit, Python, CPUs, load average at the start,
-    the backend and the engine (:func:`engine`; ``backend`` as there)."""
+    """Where and when a run happened: date, commit, Python, the CPU and how many, load
+    average at the start, the backend and the engine (:func:`engine`; ``backend`` as
+    there)."""
     try:
         commit = subprocess.run(
             ["git", "rev-parse", "HEAD"],
@@ -65,6 +84,7 @@ def run_meta(backend: str | None = None) -> dict[str, Any]:
         "implementation": platform.python_implementation(),
         "platform": platform.platform(),
         "nproc": os.cpu_count(),
+        "cpu": cpu_model(),
         "loadavg_start": os.getloadavg(),
         "commit": commit,
         "rdmashim": rdmashim.__version__,
