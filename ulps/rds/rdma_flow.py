@@ -277,16 +277,17 @@ class RdmaFlow:
         return RDS_HEADER_LEN + size
 
     # ------------------------------------------------------------------ acknowledging
-    def acknowledge(self, clock: Callable[[], float]) -> int:
+    def acknowledge(self, clock: Callable[[], float], next_recv: int | None = None) -> int:
         """What to do about our acknowledgement after receiving: :data:`ACK_NOW` when many
         receives wait to be granted; :data:`ACK_HELD` when a new message waits for one
         and none was held: it is held for :data:`ACK_DELAY` from ``clock()`` (read only
         then) for a message of ours to carry, until :attr:`FlowState.ack_at`; else
-        :data:`ACK_NONE`."""
+        :data:`ACK_NONE`. ``next_recv``: the number due next where it is newer than the
+        connection's (the native handler's, not yet folded in)."""
         st = self.state
         if st.advertise >= RECV_SLOTS // 2:
             return ACK_NOW
-        if self.rds.next_recv - 1 <= st.acked_to_peer:
+        if (self.rds.next_recv if next_recv is None else next_recv) - 1 <= st.acked_to_peer:
             st.ack_at = math.inf  # a message of ours carried it
             return ACK_NONE
         if st.ack_at != math.inf:

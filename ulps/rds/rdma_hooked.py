@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING, Any
 
-from rdmashim.ulps.rds.rdma_flow import ACK_DELAY, ACK_HELD, ACK_NOW, RECV_SLOTS, RdmaFlow
+from rdmashim.ulps.rds.rdma_flow import ACK_DELAY, ACK_HELD, ACK_NOW, RdmaFlow
 from rdmashim.ulps.rds.rdma_pacing import ACK_BACKSTOP
 
 if TYPE_CHECKING:
@@ -72,14 +72,12 @@ class HookedSession:
         carried it meanwhile)."""
         self._unjudged = False
         flow = self.flow
-        if (rx := self._unfolded) is not None and rx.has_ack:
-            st = flow.state  # (C's numbers are the newest: nothing owed, no fold)
-            if rx.next_recv - 1 <= st.acked_to_peer and st.advertise < RECV_SLOTS // 2:
-                st.ack_at = math.inf  # a message of ours carried it
-                return
-            self._fold()
-        due = flow.acknowledge(self._clock)
+        rx = self._unfolded
+        newer = rx is not None and rx.has_ack  # (C's numbers: judged without a fold)
+        due = flow.acknowledge(self._clock, rx.next_recv if newer else None)
         if due == ACK_NOW:
+            if newer:
+                self._fold()  # (the acknowledgement's number is the connection's)
             self._send_ack()
             flow.state.ack_at = math.inf
         elif (
