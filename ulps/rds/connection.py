@@ -71,6 +71,11 @@ class Carrier(Protocol):
         """What the session took without Python (messages, acknowledgements) reaches the
         connection's numbers and counters now, not at the session's next look."""
 
+    def send_plain(self, sport: int, dport: int, data: bytes) -> bool:
+        """Send a plain message (no RDMA operation, flags or extension) at once, numbered
+        as the connection's next (:meth:`RdsConnection.sent`), when nothing else of the
+        connection waits to go; False: queue it (:meth:`RdsConnection.queue`) instead."""
+
 
 @dataclass(eq=False, slots=True)
 class OutMessage:
@@ -219,13 +224,27 @@ class RdsConnection:
         just before the message on the same session. ``own`` marks the node's
         own messages (see :attr:`OutMessage.own`).
         """
-        msg = OutMessage(self.next_seq, sport, dport, bytes(data), flags, rdma, extensions, own)
-        self.next_seq += 1
+        data = bytes(data)
+        self.unsent.append(
+            OutMessage(self._number(data), sport, dport, data, flags, rdma, extensions, own)
+        )
+
+    def sent(self, sport: int, dport: int, data: bytes) -> None:
+        """Number and keep a plain message that its session sent at once, as the
+        connection's next (:meth:`Carrier.send_plain`): it waits for the peer's
+        acknowledgement as a queued one does once sent."""
+        self.unacked.append(OutMessage(self._number(data), sport, dport, data))
+
+    def _number(self, data: bytes) -> int:
+        """The next message's number, and its count in the queue and the counters."""
+        seq = self.next_seq
+        self.next_seq = seq + 1
         self.busy = True
-        self.unsent.append(msg)
-        self.queued_bytes += len(msg.data)
-        self.counters.send_messages += 1
-        self.counters.send_bytes += len(msg.data)
+        self.queued_bytes += len(data)
+        counters = self.counters
+        counters.send_messages += 1
+        counters.send_bytes += len(data)
+        return seq
 
     def queue_map(self, data: bytes) -> None:
         """Queue our congestion map; it replaces one still waiting to go out.

@@ -238,6 +238,39 @@ class Session(HookedSession):
             self._entries = []
             self.qp.post_send_batch(self._sends, indices=entries)
 
+    def send_plain(self, sport: int, dport: int, data: bytes) -> bool:
+        """:meth:`.Carrier.send_plain`: from C's send buffers (:meth:`.PlainReceiver.send`),
+        when the session is on the C path and would send nothing before it (nor hold it
+        back for a burst's other answers)."""
+        rds = self.rds
+        if (
+            self._burst or not self._alone(0)
+            or not self._plain.send(rds.next_seq, sport, dport, data, len(data))  # type: ignore[union-attr]
+        ):  # fmt: skip
+            return False
+        rds.sent(sport, dport, data)
+        self._staged()
+        return True
+
+    def _alone(self, queued: int) -> bool:
+        """Whether a plain message may go in C: the session is on the C path and live,
+        ``queued`` messages are queued (the one to send among them), and nothing else
+        waits (no fragment, congestion map or RDMA operation in flight: a Send of
+        Python's ends those) or is being posted."""
+        rds = self.rds
+        return (
+            self._hooked and not self.lost and len(rds.unsent) == queued
+            and self.flow.current is None and rds.map_out is None and not self._pumping
+            and not self.rdma.inflight
+        )  # fmt: skip
+
+    def _staged(self) -> None:
+        """The Send :meth:`.PlainReceiver.send` staged goes out (the native handler's run
+        posts it); the backstop folds the peer's acknowledgement in at the latest."""
+        self.qp.run_native_handler()
+        if self._timer_at == math.inf and (timer := self._timer) is not None:
+            timer.deadline = self._timer_at = self._clock() + ACK_BACKSTOP  # (pump_sends)
+
     def pump_sends(self, now: bool = False) -> None:
         """Post what waits to go out (never blocks): ``now``, or, while the receivers of
         a burst of delivered messages answer them (:attr:`_burst`), the first answer now
@@ -265,20 +298,15 @@ class Session(HookedSession):
         flow = self.flow
         if self.lost or (flow.current is None and not rds.unsent and rds.map_out is None):
             return
-        if (
-            self._hooked and len(unsent := rds.unsent) == 1 and flow.current is None
-            and rds.map_out is None and not self._pumping and not self.rdma.inflight
-        ):  # fmt: skip
-            msg = unsent[0]  # (RDMA operations in flight: a Send of Python's ends them)
+        if self._alone(1):
+            msg = rds.unsent[0]
             data = msg.data
             if (
                 msg.rdma is None and not msg.flags and not msg.extensions
                 and self._plain.send(msg.seq, msg.sport, msg.dport, data, len(data))  # type: ignore[union-attr]
             ):  # fmt: skip
-                rds.unacked.append(unsent.popleft())
-                self.qp.run_native_handler()
-                if self._timer_at == math.inf and (timer := self._timer) is not None:
-                    timer.deadline = self._timer_at = self._clock() + ACK_BACKSTOP  # (below)
+                rds.unacked.append(rds.unsent.popleft())
+                self._staged()
                 return
         if (unfolded := self._unfolded) is not None and unfolded.has_ack:
             self._fold()  # (the acknowledgement C took goes out with these: fill reads it)

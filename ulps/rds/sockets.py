@@ -269,16 +269,20 @@ class RdsSocket:
             self._driving.interrupt_wait()
 
     def _queue(self, entry: Peer, dport: int, data: bytes, rdma: RdmaOp | None) -> None:
-        """Queue a message on the connection of ``entry`` (from :meth:`PeerTable.lookup`)."""
-        if rdma is not None:
+        """Send a message on the connection of ``entry`` (from :meth:`PeerTable.lookup`):
+        at once when its session can (:meth:`.Carrier.send_plain`), else queued."""
+        rds = entry.rds
+        session = rds.session
+        if rdma is None:
+            if session is not None and session.send_plain(self.port, dport, bytes(data)):
+                return
+        else:
             try:
                 rdma._begin(self.node._rdma_sources())
             except ValueError as exc:
                 raise RdsError(errno.EINVAL, str(exc)) from exc
-        rds = entry.rds
         rds.queue(self.port, dport, data, rdma=rdma)
-        session = rds.session  # (PeerTable.pump, inline: a call per message less)
-        if session is None:
+        if session is None:  # (PeerTable.pump, inline: a call per message less)
             self.node._table.start_connector(entry)
         else:
             session.pump_sends()

@@ -191,6 +191,10 @@ class TcpSession:
     def settle(self) -> None:
         """Nothing to do: this session hands each message on as it reads it."""
 
+    def send_plain(self, sport: int, dport: int, data: bytes) -> bool:
+        """Not at once: :meth:`pump_sends` writes what is queued (False)."""
+        return False
+
     def cut(self) -> None:
         """Break the connection underneath (for tests and the demo): we stop writing,
         the peer's session ends at our end of stream, and so does ours at its. Both
