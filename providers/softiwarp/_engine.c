@@ -26,6 +26,7 @@
 #include <pthread.h>
 #include <sched.h>
 #include <sys/socket.h>
+#include <sys/uio.h>
 #include <time.h>
 
 /* A native completion handler (rs_cq_set_hook in _engine.h) */
@@ -44,6 +45,8 @@ typedef uint32_t (*rs_hook_fn)(void *context, const rs_hook_verbs *verbs, rs_cq 
 #define RDMAP_VERSION 0x40
 #define MAX_ORD_IRD 128
 #define TX_BUDGET (256 * 1024) /* bytes framed ahead of what TCP has taken */
+#define DIRECT_MIN (16 * 1024) /* a Write's FPDU payload sent from its region from this size */
+#define DIRECT_MAX 16          /* such payloads framed per write at most */
 
 enum { OP_WRITE, OP_READ_REQUEST, OP_READ_RESPONSE, OP_SEND, OP_SEND_INV, OP_SEND_SE,
        OP_SEND_SE_INV, OP_TERMINATE };
@@ -503,6 +506,15 @@ struct rs_qp {
     uint8_t *tx;
     size_t tx_off, tx_len, tx_cap;
     uint64_t tx_total, tx_taken;  /* bytes framed ever; bytes TCP has taken */
+    int direct_fd;                /* while rs_qp_write_fd frames: its socket (else -1): the
+                                   * payload of a large Write's FPDU stays in its region */
+    struct {
+        size_t at;                /* the transmit buffer's bytes (from tx_off) before it */
+        const uint8_t *from;
+        uint32_t len;
+    } direct[DIRECT_MAX];         /* those payloads, in order (direct_flush sends them) */
+    uint32_t direct_n;
+    uint64_t direct_bytes;
     int terminate_queued;
     /* receive side */
     uint32_t rx_msn[3];
@@ -559,6 +571,7 @@ rs_qp *rs_qp_new(rs_mem *mem, uint64_t pd, uint32_t qp_num, rs_cq *send_cq, rs_c
     qp->sq_cap = max_send_wr + 1;
     qp->sq = calloc(qp->sq_cap, sizeof *qp->sq);
     qp->tx_cap = 16 * 1024; /* grows as needed */
+    qp->direct_fd = -1;
     qp->tx = malloc(qp->tx_cap);
     if (!qp->sq || !qp->tx || rq_init(&qp->rq, srq ? 0 : max_recv_wr)) {
         free(qp->sq);
@@ -1185,6 +1198,56 @@ static int head_may_start(rs_qp *qp)
     return !(e->wr.opcode == RS_WR_RDMA_READ && qp->orq_count >= qp->ord);
 }
 
+/* Where the len bytes of e's payload from off lie, when they lie in one piece: 1 and
+ * *out; 0 when they span SGEs; -1 when the region does not allow it. */
+static int payload_span(rs_qp *qp, sq_entry *e, uint64_t off, uint64_t len, const uint8_t **out)
+{
+    if (e->data) {
+        *out = e->data + off;
+        return 1;
+    }
+    for (uint32_t i = 0; i < e->wr.num_sge; i++) {
+        const rs_sge *s = &e->wr.sg_list[i];
+        if (off >= s->length) {
+            off -= s->length;
+            continue;
+        }
+        if (s->length - off < len)
+            return 0;
+        uint8_t *src;
+        if (mem_locate_started(qp->mem, s->lkey, qp->pd, s->addr, s->length, 0, &src) != V_OK)
+            return -1;
+        *out = src + off;
+        return 1;
+    }
+    return 0;
+}
+
+/* Frame the FPDU whose header is at p (the transmit buffer's room) with its n payload
+ * bytes left where they lie (src): the header, then the PAD and CRC, go into the buffer,
+ * and the payload is noted to go between them (direct_flush). */
+static void frame_direct(rs_qp *qp, uint8_t *p, const uint8_t *src, uint32_t n, uint32_t ulpdu)
+{
+    uint32_t pad = pad_of(ulpdu);
+    uint8_t *t = p + HDR_TAGGED;
+    memset(t, 0, pad + CRC_LEN);
+    if (qp->crc) {
+        uint32_t c = rs_crc32c(rs_crc32c(rs_crc32c(0, p, HDR_TAGGED), src, n), t, pad);
+        t[pad] = (uint8_t)c;
+        t[pad + 1] = (uint8_t)(c >> 8);
+        t[pad + 2] = (uint8_t)(c >> 16);
+        t[pad + 3] = (uint8_t)(c >> 24);
+    }
+    qp->tx_len += HDR_TAGGED;
+    qp->direct[qp->direct_n].at = qp->tx_len - qp->tx_off;
+    qp->direct[qp->direct_n].from = src;
+    qp->direct[qp->direct_n].len = n;
+    qp->direct_n++;
+    qp->direct_bytes += n;
+    qp->tx_len += pad + CRC_LEN;
+    qp->tx_total += HDR_TAGGED + n + pad + CRC_LEN;
+}
+
 /* Frame the next FPDU of the current tagged message (a Write or a Read Response). */
 static int frame_tagged(rs_qp *qp, uint32_t op, uint32_t stag, uint64_t to, uint64_t total,
                         sq_entry *e, const uint8_t *src)
@@ -1193,6 +1256,7 @@ static int frame_tagged(rs_qp *qp, uint32_t op, uint32_t stag, uint64_t to, uint
     uint64_t n = total - qp->cur_off < chunk ? total - qp->cur_off : chunk;
     int final = qp->cur_off + n == total;
     uint32_t ulpdu = HDR_TAGGED - 2 + (uint32_t)n;
+    int direct = qp->direct_fd >= 0 && e && n >= DIRECT_MIN && qp->direct_n < DIRECT_MAX;
     uint8_t *p = tx_room(qp, ulpdu + 2 + 3 + CRC_LEN);
     if (!p)
         return -1;
@@ -1201,6 +1265,17 @@ static int frame_tagged(rs_qp *qp, uint32_t op, uint32_t stag, uint64_t to, uint
     p[3] = (uint8_t)(RDMAP_VERSION | op);
     put32(p + 4, stag);
     put64(p + 8, to + qp->cur_off);
+    /* A large Write of ours goes from its region (not a Read Response: the region's
+     * owner may change it while the peer reads, and the CRC must cover what goes). */
+    const uint8_t *from = NULL;
+    int span = direct ? payload_span(qp, e, qp->cur_off, n, &from) : 0;
+    if (span < 0)
+        return -2;
+    if (span) {
+        frame_direct(qp, p, from, (uint32_t)n, ulpdu);
+        qp->cur_off += n;
+        return final;
+    }
     if (src)
         memcpy(p + HDR_TAGGED, src + qp->cur_off, n);
     else if (copy_payload(qp, e, qp->cur_off, p + HDR_TAGGED, n))
@@ -1255,7 +1330,8 @@ static int frame_read_request(rs_qp *qp, sq_entry *e, uint64_t seq)
 /* Frame FPDUs until TX_BUDGET bytes wait for TCP or nothing can be sent. */
 static void produce(rs_qp *qp)
 {
-    while (qp->state == RS_QP_RTS && !qp->rtr_pending && qp->tx_len - qp->tx_off < TX_BUDGET) {
+    while (qp->state == RS_QP_RTS && !qp->rtr_pending &&
+           qp->tx_len - qp->tx_off + qp->direct_bytes < TX_BUDGET) {
         if (qp->cur == CUR_NONE) {
             if (qp->irq_count) {
                 qp->cur_irq = qp->irq[qp->irq_head];
@@ -2056,10 +2132,72 @@ static int64_t rs_qp_flush_fd_in_lock(rs_qp *qp, int fd)
     return w;
 }
 
+/* Send what waits in the transmit buffer with the payloads frame_direct left in their
+ * regions between its bytes, in one sendmsg; what TCP does not take now is copied into
+ * the buffer, so nothing refers to a region once the call returns (a deregistration
+ * waits for the device's lock). The wire is the same bytes as from the buffer alone. */
+static int64_t direct_flush(rs_qp *qp, int fd)
+{
+    size_t waiting = qp->tx_len - qp->tx_off;
+    uint32_t n = qp->direct_n;
+    qp->direct_n = 0;
+    uint64_t payloads = qp->direct_bytes;
+    qp->direct_bytes = 0;
+    /* Room for all of it first (it may move the buffer's bytes): nothing can fail once
+     * part of it went. */
+    if (qp->direct[n - 1].at > waiting || !tx_room(qp, waiting + payloads)) {
+        /* (never: the buffer holds every header noted; or no memory) the headers framed
+         * cannot go without their payloads */
+        socket_failed(qp, ENOMEM);
+        return -ENOMEM;
+    }
+    const uint8_t *tx = qp->tx + qp->tx_off;
+    struct iovec iov[2 * DIRECT_MAX + 1];
+    int k = 0;
+    size_t at = 0;
+    for (uint32_t i = 0; i < n; i++) {
+        iov[k++] = (struct iovec){(void *)(tx + at), qp->direct[i].at - at};
+        iov[k++] = (struct iovec){(void *)qp->direct[i].from, qp->direct[i].len};
+        at = qp->direct[i].at;
+    }
+    iov[k++] = (struct iovec){(void *)(tx + at), waiting - at};
+    struct msghdr m = {.msg_iov = iov, .msg_iovlen = (size_t)k};
+    ssize_t w = sendmsg(fd, &m, MSG_DONTWAIT | MSG_NOSIGNAL);
+    int err = w < 0 ? errno : 0;
+    if (w < 0 && err != EAGAIN && err != EWOULDBLOCK && err != EINTR) {
+        socket_failed(qp, err); /* (what waited is dropped: this too) */
+        return -err;
+    }
+    size_t skip = w < 0 ? 0 : (size_t)w, rest = 0;
+    uint8_t *dst = qp->tx + qp->tx_len;
+    for (int i = 0; i < k; i++) {
+        if (skip >= iov[i].iov_len) {
+            skip -= iov[i].iov_len;
+            continue;
+        }
+        memcpy(dst + rest, (const uint8_t *)iov[i].iov_base + skip, iov[i].iov_len - skip);
+        rest += iov[i].iov_len - skip;
+        skip = 0;
+    }
+    qp->tx_off = qp->tx_len;
+    qp->tx_len += rest;
+    if (w < 0)
+        return -err;
+    qp->tx_taken += (uint64_t)w;
+    return w;
+}
+
 static int64_t rs_qp_write_fd_in_lock(rs_qp *qp, int fd)
 {
     size_t len;
+    qp->direct_fd = fd; /* (large Writes framed now stay in their regions) */
     const uint8_t *p = rs_qp_tx(qp, &len);
+    qp->direct_fd = -1;
+    if (qp->direct_n) {
+        int64_t w = direct_flush(qp, fd);
+        rs_qp_tx_done(qp, 0); /* (their work requests may complete) */
+        return w;
+    }
     if (!p)
         return 0;
     ssize_t n = send(fd, p, len, MSG_DONTWAIT | MSG_NOSIGNAL);
