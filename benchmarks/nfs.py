@@ -226,8 +226,11 @@ async def bench_read(nfs: NfsClient, cfg: Config, window: Window) -> dict[str, f
     window.start()
     got = await nfs.read_file("/" + READ_FILE, sink)
     await window.stop()
-    if got != cfg.size or sink.buf != cfg.data:
+    if got != cfg.size:
         raise BenchError(f"READ: {got} bytes, not the {cfg.size} bytes of the file")
+    if sink.buf != cfg.data:
+        at = next(i for i, (a, b) in enumerate(zip(sink.buf, cfg.data, strict=True)) if a != b)
+        raise BenchError(f"READ: the bytes read differ from the file's, first at byte {at}")
     return window.figures(got / window.seconds / MiB, bytes=got)
 
 
