@@ -192,7 +192,9 @@ class TcpSession:
         """Nothing to do: this session hands each message on as it reads it."""
 
     def send_plain(self, sport: int, dport: int, data: bytes) -> bool:
-        """Not at once: :meth:`pump_sends` writes what is queued (False)."""
+        """False: the message is queued, and :meth:`pump_sends` writes it at once in the
+        sender's task. (Written from here instead, rds stress ``-d 1`` over RDS/TCP moved
+        nothing: 0.765 -> 0.760 of raw TCP, medians of seven alternated rounds.)"""
         return False
 
     def cut(self) -> None:
