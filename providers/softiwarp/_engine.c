@@ -666,19 +666,26 @@ static uint8_t *tx_room(rs_qp *qp, size_t n)
     return qp->tx + qp->tx_len;
 }
 
+/* Write an FPDU's trailer at t: pad zero bytes, then the CRC (little-endian), which goes
+ * on from crc, summed over the bytes before the trailer (when the QP checks CRCs). */
+static void put_trailer(const rs_qp *qp, uint8_t *t, uint32_t pad, uint32_t crc)
+{
+    memset(t, 0, pad + CRC_LEN);
+    if (qp->crc) {
+        uint32_t c = rs_crc32c(crc, t, pad);
+        t[pad] = (uint8_t)c;
+        t[pad + 1] = (uint8_t)(c >> 8);
+        t[pad + 2] = (uint8_t)(c >> 16);
+        t[pad + 3] = (uint8_t)(c >> 24);
+    }
+}
+
 /* Close the FPDU whose header and payload (ulpdu_len + 2 bytes) are at p: PAD, CRC. */
 static void tx_seal(rs_qp *qp, uint8_t *p, uint32_t ulpdu_len)
 {
     uint32_t pad = pad_of(ulpdu_len);
     uint32_t n = ulpdu_len + 2;
-    memset(p + n, 0, pad + CRC_LEN);
-    if (qp->crc) {
-        uint32_t c = rs_crc32c(0, p, n + pad);
-        p[n + pad] = (uint8_t)c;
-        p[n + pad + 1] = (uint8_t)(c >> 8);
-        p[n + pad + 2] = (uint8_t)(c >> 16);
-        p[n + pad + 3] = (uint8_t)(c >> 24);
-    }
+    put_trailer(qp, p + n, pad, qp->crc ? rs_crc32c(0, p, n) : 0);
     qp->tx_len += n + pad + CRC_LEN;
     qp->tx_total += n + pad + CRC_LEN;
 }
@@ -1229,15 +1236,8 @@ static int payload_span(rs_qp *qp, sq_entry *e, uint64_t off, uint64_t len, cons
 static void frame_direct(rs_qp *qp, uint8_t *p, const uint8_t *src, uint32_t n, uint32_t ulpdu)
 {
     uint32_t pad = pad_of(ulpdu);
-    uint8_t *t = p + HDR_TAGGED;
-    memset(t, 0, pad + CRC_LEN);
-    if (qp->crc) {
-        uint32_t c = rs_crc32c(rs_crc32c(rs_crc32c(0, p, HDR_TAGGED), src, n), t, pad);
-        t[pad] = (uint8_t)c;
-        t[pad + 1] = (uint8_t)(c >> 8);
-        t[pad + 2] = (uint8_t)(c >> 16);
-        t[pad + 3] = (uint8_t)(c >> 24);
-    }
+    put_trailer(qp, p + HDR_TAGGED, pad,
+                qp->crc ? rs_crc32c(rs_crc32c(0, p, HDR_TAGGED), src, n) : 0);
     qp->tx_len += HDR_TAGGED;
     qp->direct[qp->direct_n].at = qp->tx_len - qp->tx_off;
     qp->direct[qp->direct_n].from = src;
