@@ -198,9 +198,11 @@ def read(call: Call, args: Unpacker) -> Body:
     if not caller.may(node.st, MAY_READ, owner_override=True) and not caller.may(node.st, MAY_EXEC):
         raise NfsError(NFS3ERR_ACCES)
     fd = call.fd(node.reopen(os.O_RDONLY))
-    data = bytearray(min(count, RTMAX) if offset <= MAXFILESIZE else 0)
-    if data:  # read into a writable buffer: RPC-over-RDMA registers it as it is
-        del data[os.preadv(fd, [data], offset) :]
+    data = memoryview(call.state.read_buffers.take(RTMAX, zero=False))
+    if offset <= MAXFILESIZE and count:  # (the buffer's bytes past what is read are not sent)
+        data = data[: os.preadv(fd, [data[: min(count, RTMAX)]], offset)]
+    else:
+        data = data[:0]
     eof = offset + len(data) >= os.fstat(fd).st_size
 
     def body(reply: Reply) -> None:

@@ -30,6 +30,7 @@ from rdmashim.ulps.nfsrdma.nfs3_types import (
     pack_post_op_attr,
     pack_wcc_data,
 )
+from rdmashim.ulps.nfsrdma.pool import BufferPool
 from rdmashim.ulps.nfsrdma.service import CallContext, Reply
 from rdmashim.ulps.nfsrdma.xdr import Packer, Unpacker
 
@@ -42,6 +43,9 @@ WTMAX: Final = 1 << 20
 DTPREF: Final = 64 << 10
 """The preferred and largest READDIR size (FSINFO dtpref); larger counts are cut to it."""
 MAXFILESIZE: Final = (1 << 63) - 1
+READ_BUFFERS: Final = 16
+"""READ buffers (of RTMAX bytes) a server keeps for reuse: its worker threads' READs and
+the replies being sent (more may be out at once, made afresh)."""
 
 
 @dataclass(slots=True)
@@ -87,6 +91,8 @@ class ServerState:
     exports: Sequence[Export]
     write_verifier: bytes = field(default_factory=lambda: os.urandom(8))
     """Changes with every start, so clients resend what an earlier instance did not commit."""
+    read_buffers: BufferPool = field(default_factory=lambda: BufferPool(READ_BUFFERS))
+    """READ's data, read into a buffer of these (not a new megabyte per call)."""
 
     def export_of(self, fh: bytes) -> Export:
         """The export a handle belongs to (BADHANDLE if none)."""

@@ -13,11 +13,21 @@ positions in the call's XDR stream; a DDP-eligible result (an NFS READ's
 data) lands in a Write chunk of ``ddp_reply_size`` bytes, and the Unpacker
 returned presents the whole reply with it in place (as over TCP), without
 copying it: the Write chunk is the tail of a buffer whose head takes the
-reply's inline part (see :class:`ReceivePool`). A
+reply's inline part, and three bytes for its XDR padding. A
 call whose inline part does not fit the server's receive size goes as
 RDMA_NOMSG with the whole call in a position-zero Read chunk (a Long Call);
 a Reply chunk of ``reply_size_hint`` bytes is offered when that much may not
 fit the inline reply size (a Long Reply).
+
+The buffers come from a :class:`~.pool.BufferPool`, under two rules that keep reuse
+safe. One is the pool's: a buffer goes to another call only when nothing refers to it
+(the READ data a caller still holds pins its buffer). The other is the requester's:
+the memory is never registered across calls. Each call registers its chunk afresh (a
+new R_Key) and deregisters it before it looks at the reply, or when it fails, so a
+server writing late (after its reply, or into a connection that failed mid-Write)
+names a key that no longer exists and cannot reach a later call's data. A reused
+buffer is zeroed first, so a server that claims to have written more than it did
+shows zeros there, as with fresh memory, never the bytes of an earlier reply.
 
 Credits: at most as many calls are outstanding as the server granted in its
 last reply (1 before the first), and never more than the Receives we posted.
@@ -28,6 +38,7 @@ from __future__ import annotations
 
 import logging
 import secrets
+import warnings
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING
@@ -35,13 +46,12 @@ from typing import TYPE_CHECKING
 import trio
 
 from rdmashim.cm import open_connection
+from rdmashim.ulps.nfsrdma.pool import POOL_BUFFERS, BufferPool
 from rdmashim.ulps.nfsrdma.rdma_endpoint import (
     COMPLETIONS,
-    POOL_BUFFERS,
     REMOTE,
     ConnectionLost,
     Endpoint,
-    ReceivePool,
     receives_for,
 )
 from rdmashim.ulps.nfsrdma.rpc import OpaqueAuth, decode_reply, encode_call
@@ -145,7 +155,7 @@ class RpcRdmaClient:
         self.invalidated = 0
         """Replies that came as Send With Invalidate."""
         self._credit_freed = trio.Event()
-        self.pool = ReceivePool()
+        self.pool = BufferPool()
         """The memory READ data lands in."""
         self._waiting: dict[int, _Waiter] = {}
         self._leader: _Waiter | None = None
@@ -303,7 +313,8 @@ class RpcRdmaClient:
             write_list: tuple[Chunk, ...] = ()
             if ddp_reply_size:
                 head = max(self.ep.recv_size, len(reply_buf))  # any inline part fits
-                placed = _Placement(self.pool.take(head, ddp_reply_size), head, ddp_reply_size)
+                buffer = self.pool.take(head + ddp_reply_size + 3)  # (+ the XDR padding)
+                placed = _Placement(buffer, head, ddp_reply_size)
                 write_list = (self._offer(placed.chunk(), regions),)
             reply_chunk = self._offer(memoryview(reply_buf), regions) if reply_buf else None
             header, inline = self._call_layout(xid, message, write_list, reply_chunk, regions)
@@ -408,4 +419,17 @@ def _reply_message(
     return placed.splice(body, written)
 
 
-__all__ = ["DEFAULT_CREDITS", "POOL_BUFFERS", "ReceivePool", "RpcRdmaClient", "TransportError"]
+__all__ = ["DEFAULT_CREDITS", "POOL_BUFFERS", "BufferPool", "RpcRdmaClient", "TransportError"]
+
+
+def __getattr__(name: str) -> object:
+    """``ReceivePool``, the pool's old name, kept working with a warning."""
+    if name == "ReceivePool":
+        warnings.warn(
+            "rdmashim.ulps.nfsrdma.rdma_client.ReceivePool is now "
+            "rdmashim.ulps.nfsrdma.pool.BufferPool (its take() counts all the bytes)",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return BufferPool
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

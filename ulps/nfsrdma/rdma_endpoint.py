@@ -32,9 +32,7 @@ connection (:class:`ConnectionLost`) and wakes every waiter with it.
 
 from __future__ import annotations
 
-import functools
 import logging
-import sys
 from collections import deque
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Protocol
@@ -108,72 +106,6 @@ def receives_for(credits: int) -> int:
     room for the calls (or replies) its peer may have outstanding while up to
     ``REPOST_EVERY - 1`` Receives wait to be posted again."""
     return credits + REPOST_EVERY - 1
-
-
-POOL_BUFFERS = 8
-"""Write-chunk buffers a connection keeps for reuse (more may be out at once, unkept)."""
-
-
-class ReceivePool:
-    """Memory for chunks, reused only when nothing else refers to it.
-
-    A requester's buffer holds ``head`` bytes of room for the reply's inline
-    part, the Write chunk, and three bytes for its XDR padding, so the reply
-    is one contiguous stream with the data where the server placed it. A
-    responder's holds a call's stream with its Read chunks pulled in place.
-
-    Two rules keep reuse safe. The memory is handed to another call only when
-    the pool holds the only reference to it: the READ data a caller is still
-    holding (a view, an Unpacker, a sink that kept it) pins its buffer, and
-    the pool makes a new one instead. And the memory is never registered
-    across calls: each call registers its chunk afresh (a new R_Key) and
-    deregisters it before it looks at the reply, or when it fails, so a server
-    writing late (after its reply, or into a connection that failed
-    mid-Write) names a key that no longer exists and cannot reach a later
-    call's data. A reused buffer is zeroed first, so a server that claims to
-    have written more than it did shows zeros there, as with fresh memory,
-    never the bytes of an earlier reply; a responder, which writes every byte
-    of a call's stream before it reads it (the inline runs, the chunks, their
-    roundups), takes it as it is (``zero`` False).
-    """
-
-    def __init__(self, keep: int = POOL_BUFFERS) -> None:
-        self.keep = keep
-        self._buffers: list[bytearray] = []
-        self.made = 0
-        """Buffers allocated (kept or not): a measure of reuse."""
-
-    def take(self, head: int, size: int, *, zero: bool = True) -> bytearray:
-        """A buffer of at least ``head + size + 3`` bytes no one else refers to (zeroed
-        when reused, unless ``zero`` is False)."""
-        need = head + size + 3
-        buffers, smaller = self._buffers, -1
-        for i in range(len(buffers)):
-            if sys.getrefcount(buffers[i]) == _ONLY_THE_POOL:
-                if len(buffers[i]) >= need:
-                    reused = buffers[i]
-                    if zero:
-                        with memoryview(reused) as view:
-                            view[:] = _zeros(len(reused))
-                    return reused
-                smaller = i
-        self.made += 1
-        fresh = bytearray(need)
-        if len(self._buffers) < self.keep:
-            self._buffers.append(fresh)
-        elif smaller >= 0:
-            self._buffers[smaller] = fresh
-        return fresh
-
-
-_ONLY_THE_POOL = 2
-"""``sys.getrefcount`` of a pooled buffer no one holds: the pool's list and the argument."""
-
-
-@functools.lru_cache(maxsize=4)
-def _zeros(n: int) -> bytes:
-    """``n`` zero bytes, kept for the few buffer sizes a pool has."""
-    return bytes(n)
 
 
 class ConnectionLost(ConnectionError):

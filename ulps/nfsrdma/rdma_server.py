@@ -43,11 +43,11 @@ from typing import TYPE_CHECKING, Any
 import trio
 
 from rdmashim.cm import CMError, serve
+from rdmashim.ulps.nfsrdma.pool import BufferPool
 from rdmashim.ulps.nfsrdma.rdma_endpoint import (
     BATCH,
     ConnectionLost,
     Endpoint,
-    ReceivePool,
     rdma_wr,
     receives_for,
 )
@@ -132,7 +132,7 @@ async def serve_rdma(
     if credits < 1:
         raise ValueError(f"credits {credits} < 1")
     settings = Settings(inline_size, credits, max_call_size)
-    pool = ReceivePool(CALL_BUFFERS)
+    pool = BufferPool(CALL_BUFFERS)
 
     async def handler(request: ConnectionRequest) -> None:
         try:
@@ -158,7 +158,7 @@ class _Responder:
     """
 
     def __init__(
-        self, server: CallHandler, request: ConnectionRequest, s: Settings, pool: ReceivePool
+        self, server: CallHandler, request: ConnectionRequest, s: Settings, pool: BufferPool
     ) -> None:
         self.server = server
         self.request = request
@@ -400,7 +400,7 @@ class _Responder:
             size += n + pad(n)
         runs.append((size, used, len(inline) - used))
         total = size + len(inline) - used
-        out = memoryview(self.pool.take(0, total, zero=False))[:total]
+        out = memoryview(self.pool.take(total, zero=False))[:total]
         for at, start, n in runs:
             out[at : at + n] = inline[start : start + n]
         for at, chunk in places:  # a reused buffer has old bytes where the roundups go
