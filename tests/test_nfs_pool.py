@@ -4,6 +4,7 @@ earlier READ's bytes."""
 
 from __future__ import annotations
 
+import io
 import os
 import sys
 import threading
@@ -11,8 +12,11 @@ import warnings
 from pathlib import Path
 
 import pytest
+import trio
+from test_nfs_server import CRED, nfs_server
 
-from rdmashim.ulps.nfsrdma import nfs3, rdma_client
+from rdmashim.ulps.nfsrdma import nfs3, nfs3_call, rdma_client
+from rdmashim.ulps.nfsrdma.client import NfsClient
 from rdmashim.ulps.nfsrdma.export import Export
 from rdmashim.ulps.nfsrdma.nfs3_call import PROCEDURES, RTMAX
 from rdmashim.ulps.nfsrdma.nfs3_types import NFS3_OK, READ, pack_fh
@@ -124,3 +128,44 @@ def test_the_old_name_still_works_with_a_warning() -> None:
     assert any(issubclass(w.category, DeprecationWarning) for w in caught)
     with pytest.raises(AttributeError):
         rdma_client.NoSuchThing  # noqa: B018
+
+
+@pytest.mark.parametrize("proto", ["rdma", "tcp"])
+async def test_many_clients_reading_at_once_each_get_the_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, proto: str
+) -> None:
+    """Five clients read a file at once, four READs in flight each: more READs at work
+    than the pool keeps buffers, so some are made afresh and the others reused while
+    their earlier READs' replies may still be going out. Every client gets the file's
+    bytes, and the pool did reuse."""
+    pools: list[BufferPool] = []
+
+    class Counted(BufferPool):
+        def __init__(self, keep: int) -> None:
+            super().__init__(keep)
+            pools.append(self)
+
+    monkeypatch.setattr(nfs3_call, "BufferPool", Counted)
+    whole = os.urandom(6 * RTMAX + 1234)
+    got: dict[int, bytes] = {}
+    with trio.fail_after(120):
+        async with nfs_server(tmp_path) as (serving, export):
+            (export / "big").write_bytes(whole)
+
+            async def read(i: int) -> None:
+                async with NfsClient.connect(
+                    "127.0.0.1", serving.export, proto=proto,  # type: ignore[arg-type]
+                    rpcbind_port=serving.rpcbind_port or 0, cred=CRED,
+                ) as nfs:  # fmt: skip
+                    sink = io.BytesIO()
+                    await nfs.read_file("big", sink)
+                    got[i] = sink.getvalue()
+
+            async with trio.open_nursery() as nursery:
+                for i in range(5):
+                    nursery.start_soon(read, i)
+    assert sorted(got) == list(range(5))
+    assert all(data == whole for data in got.values())
+    made = sum(pool.made for pool in pools)  # (NFS's; NLM's server state reads nothing)
+    reads = 5 * 7
+    assert 0 < made < reads  # buffers were reused
