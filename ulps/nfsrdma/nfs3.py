@@ -198,11 +198,10 @@ def read(call: Call, args: Unpacker) -> Body:
     if not caller.may(node.st, MAY_READ, owner_override=True) and not caller.may(node.st, MAY_EXEC):
         raise NfsError(NFS3ERR_ACCES)
     fd = call.fd(node.reopen(os.O_RDONLY))
-    data = memoryview(call.state.read_buffers.take(RTMAX, zero=False))
-    if offset <= MAXFILESIZE and count:  # (the buffer's bytes past what is read are not sent)
-        data = data[: os.preadv(fd, [data[: min(count, RTMAX)]], offset)]
-    else:
-        data = data[:0]
+    buffer = memoryview(call.state.read_buffers.take(RTMAX, zero=False))
+    data = buffer[: min(count, RTMAX) if offset <= MAXFILESIZE else 0]
+    if data:  # (the buffer's bytes past what is read, an earlier READ's, are not sent)
+        data = data[: os.preadv(fd, [data], offset)]
     eof = offset + len(data) >= os.fstat(fd).st_size
 
     def body(reply: Reply) -> None:

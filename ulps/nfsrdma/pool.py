@@ -3,7 +3,7 @@ to it.
 
 A megabyte made afresh for every call costs more than the call's own copy of it: the
 allocator gives freed memory of that size back to the system, so each new buffer's
-pages are faulted in and zeroed again (an NFS READ of 1 MiB spent about half its
+pages are faulted in and zeroed again (an NFS READ of 1 MiB spent about 40% of its
 server's CPU there). A pool keeps a few buffers and hands one out again once the
 pool holds the only reference to it: a view, an unpacker, a registration or a reply
 still being sent pins its buffer, and the pool makes a new one meanwhile.
@@ -37,7 +37,7 @@ class BufferPool:
 
     def take(self, size: int, *, zero: bool = True) -> bytearray:
         """A buffer of at least ``size`` bytes no one else refers to: a kept one (zeroed,
-        unless ``zero`` is False: the caller writes every byte it reads) or a new one."""
+        unless ``zero`` is False: the caller uses only bytes it wrote) or a new one."""
         with self._lock:  # (two threads must not both find the same buffer free)
             buffers, smaller = self._buffers, -1
             for i in range(len(buffers)):
