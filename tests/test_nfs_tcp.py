@@ -7,6 +7,7 @@ import os
 import resource
 import socket
 import struct
+import threading
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -25,7 +26,14 @@ from rdmashim.ulps.nfsrdma.rpc import (
     pack_call_header,
 )
 from rdmashim.ulps.nfsrdma.service import AuthSys, Reply
-from rdmashim.ulps.nfsrdma.tcp import RpcConnectionError, RpcTcpClient, connect_tcp, serve_tcp
+from rdmashim.ulps.nfsrdma.tcp import (
+    IOV_MAX,
+    RpcConnectionError,
+    RpcTcpClient,
+    connect_tcp,
+    serve_tcp,
+    write_all,
+)
 from rdmashim.ulps.nfsrdma.xdr import Packer
 
 
@@ -343,3 +351,28 @@ async def test_a_connection_past_the_limit_is_closed_when_none_is_idle() -> None
             async with stream:
                 with trio.fail_after(5):
                     assert await stream.receive_some()
+
+
+def test_write_all_sends_every_buffer_in_order_through_partial_writes() -> None:
+    """The server's replies go out with writev from where their data lies: more buffers
+    than one writev takes, and more bytes than the socket holds at once (writev returns
+    part, ending inside a buffer), arrive whole and in order."""
+    small = [bytes([i % 251]) * (i % 7 + 1) for i in range(IOV_MAX + 500)]
+    big = bytearray(os.urandom(3 << 20))
+    buffers: list[bytes | bytearray | memoryview] = [*small, memoryview(big)[5:], b"end"]
+    expected = b"".join(buffers)
+    ours, theirs = socket.socketpair()
+    ours.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 64 * 1024)
+    got = bytearray()
+
+    def drain() -> None:
+        while chunk := theirs.recv(1 << 16):
+            got.extend(chunk)
+
+    with ours, theirs:
+        reader = threading.Thread(target=drain)
+        reader.start()
+        write_all(ours.fileno(), buffers)
+        ours.shutdown(socket.SHUT_WR)
+        reader.join(timeout=30)
+    assert bytes(got) == expected

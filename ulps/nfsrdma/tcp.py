@@ -84,6 +84,27 @@ def _framed(reply: Reply) -> bytes:
     return b"".join(record_marks(reply.inline()))
 
 
+Buffers = list[bytes | bytearray | memoryview]
+"""A reply's record as buffers to send in order (its data where the program left it)."""
+IOV_MAX = os.sysconf("SC_IOV_MAX")
+"""The most buffers one ``writev`` takes."""
+
+
+def write_all(fd: int, buffers: Buffers) -> None:
+    """Send ``buffers`` in order, whole, into the blocking socket ``fd`` with ``writev``:
+    a READ's data goes from the buffer it was read into, not copied into one message
+    first."""
+    views = [memoryview(b).cast("B") for b in buffers]
+    first = 0
+    while first < len(views):
+        n = os.writev(fd, views[first : first + IOV_MAX])
+        while n and n >= len(views[first]):
+            n -= len(views[first])
+            first += 1
+        if n:
+            views[first] = views[first][n:]
+
+
 class _Connection:
     """One accepted connection, read and written by a thread of its own (see the module doc)."""
 
@@ -105,7 +126,7 @@ class _Connection:
         self.fd = stream.socket.fileno()
         self._wake = os.eventfd(0, os.EFD_CLOEXEC | os.EFD_NONBLOCK)
         """Written when a reply made in a task is due (or the connection is to stop)."""
-        self._done: deque[bytes | None] = deque()  # replies made in tasks (None: none made)
+        self._done: deque[Buffers | None] = deque()  # replies made in tasks (None: none made)
         self._outstanding = 0  # calls handed to tasks whose replies the thread has not taken
         self._stopping = False
         self._token = trio.lowlevel.current_trio_token()
@@ -205,7 +226,7 @@ class _Connection:
             records = self.decoder.feed(data)
             if self.decoder.pending and (records or not was_pending):
                 started = time.monotonic()
-            ready: list[bytes | bytearray | memoryview] = []
+            ready: Buffers = []
             for record in records:
                 answer = self.server.call_now(memoryview(record), self.peer, "tcp", self.local)
                 if isinstance(answer, PendingCall):
@@ -214,24 +235,22 @@ class _Connection:
                 elif answer is not None:
                     ready += record_marks(answer.inline())
             if ready:
-                self._write(b"".join(ready))
+                self._write(ready)
 
     def _send_done(self) -> None:
         """Send the replies the tasks made since the last look."""
         os.eventfd_read(self._wake)
-        replies: list[bytes] = []
+        replies: Buffers = []
         while self._done:
             reply = self._done.popleft()
             self._outstanding -= 1
             if reply is not None:
-                replies.append(reply)
+                replies += reply
         if replies:
-            self._write(b"".join(replies))
+            self._write(replies)
 
-    def _write(self, data: bytes) -> None:
-        view = memoryview(data)
-        while view:
-            view = view[os.write(self.fd, view) :]
+    def _write(self, buffers: Buffers) -> None:
+        write_all(self.fd, buffers)
 
     # ------------------------------------------------------------------ the tasks
     def _start(self, call: PendingCall) -> None:
@@ -243,7 +262,7 @@ class _Connection:
     async def _answer(self, call: PendingCall) -> None:
         reply = None
         try:
-            reply = _framed(await call.finish())
+            reply = record_marks((await call.finish()).inline())
         finally:
             self._done.append(reply)
             os.eventfd_write(self._wake, 1)
