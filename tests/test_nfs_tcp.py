@@ -28,8 +28,10 @@ from rdmashim.ulps.nfsrdma.rpc import (
 from rdmashim.ulps.nfsrdma.service import AuthSys, Reply
 from rdmashim.ulps.nfsrdma.tcp import (
     IOV_MAX,
+    LARGE,
     RpcConnectionError,
     RpcTcpClient,
+    _coalesced,
     connect_tcp,
     serve_tcp,
     write_all,
@@ -376,3 +378,14 @@ def test_write_all_sends_every_buffer_in_order_through_partial_writes() -> None:
         ours.shutdown(socket.SHUT_WR)
         reader.join(timeout=30)
     assert bytes(got) == expected
+
+
+def test_a_call_sends_large_data_from_where_it_lies() -> None:
+    """A call's small buffers go out joined (one send for a GETATTR's record), a WRITE's
+    data as it is: the client does not copy it into one message first."""
+    data = memoryview(bytearray(LARGE))
+    parts = _coalesced([b"mark", b"header", data, b"pad", b"more"])
+    assert parts[0] == b"markheader"
+    assert parts[1] is data
+    assert parts[2] == b"padmore"
+    assert _coalesced([b"mark", b"call"]) == [b"markcall"]

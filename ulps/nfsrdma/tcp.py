@@ -80,12 +80,30 @@ def _peer(stream: trio.SocketStream) -> tuple[str, int]:
     return str(address[0]), int(address[1])
 
 
-def _framed(reply: Reply) -> bytes:
-    return b"".join(record_marks(reply.inline()))
-
-
 Buffers = list[bytes | bytearray | memoryview]
-"""A reply's record as buffers to send in order (its data where the program left it)."""
+"""A message's record as buffers to send in order (its data where the program left it)."""
+LARGE = 64 * 1024
+"""A buffer of a call this large (a WRITE's data) is sent from where it lies."""
+
+
+def _coalesced(buffers: Buffers) -> Buffers:
+    """``buffers`` with each run of small ones joined, the large ones as they are: a
+    call goes out in as few sends as its data allows, with no copy of a WRITE's data."""
+    out: Buffers = []
+    run: Buffers = []
+    for buffer in buffers:
+        if len(buffer) < LARGE:
+            run.append(buffer)
+            continue
+        if run:
+            out.append(b"".join(run))
+            run = []
+        out.append(buffer)
+    if run:
+        out.append(b"".join(run))
+    return out
+
+
 IOV_MAX = os.sysconf("SC_IOV_MAX")
 """The most buffers one ``writev`` takes."""
 
@@ -395,7 +413,8 @@ class RpcTcpClient:
                 if self._broken is not None:
                     raise RpcConnectionError(self._broken)
                 try:
-                    await self.stream.send_all(_framed(message))
+                    for part in _coalesced(record_marks(message.inline())):
+                        await self.stream.send_all(part)
                 except trio.Cancelled:
                     self._fail("a call was cancelled while it was being sent")
                     raise
