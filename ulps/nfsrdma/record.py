@@ -34,7 +34,7 @@ class RecordDecoder:
 
     def __init__(self, max_record: int = DEFAULT_MAX_RECORD) -> None:
         self.max_record = max_record
-        self._buffer = bytearray()  # bytes received and not yet taken into a fragment
+        self._head = bytearray()  # a fragment header's bytes so far (fewer than 4)
         self._record = bytearray()  # the fragments of the current record so far
         self._fragment_left: int | None = None  # bytes of the current fragment still due
         self._last = False
@@ -43,18 +43,24 @@ class RecordDecoder:
     @property
     def pending(self) -> bool:
         """Whether part of a record has arrived (its header at least) and not all of it."""
-        return self._started or bool(self._buffer)
+        return self._started or bool(self._head)
 
     def feed(self, data: bytes | bytearray | memoryview) -> list[bytearray]:
-        """Take in ``data``; returns the records it completed, in order."""
-        self._buffer += data
+        """Take in ``data``; returns the records it completed, in order. Each byte of a
+        record is copied once, from ``data`` into the record."""
+        view = memoryview(data).cast("B")
+        at, end = 0, len(view)
         records: list[bytearray] = []
         while True:
             if self._fragment_left is None:
-                if len(self._buffer) < 4:
+                head = self._head
+                taken = min(4 - len(head), end - at)
+                head += view[at : at + taken]
+                at += taken
+                if len(head) < 4:
                     return records
-                (word,) = _HEADER.unpack_from(self._buffer)
-                del self._buffer[:4]
+                (word,) = _HEADER.unpack(head)
+                head.clear()
                 length = word & MAX_FRAGMENT
                 if len(self._record) + length > self.max_record:
                     raise RecordTooLarge(
@@ -64,9 +70,9 @@ class RecordDecoder:
                 self._fragment_left = length
                 self._started = True
                 self._last = bool(word & LAST_FRAGMENT)
-            take = min(self._fragment_left, len(self._buffer))
-            self._record += self._buffer[:take]
-            del self._buffer[:take]
+            take = min(self._fragment_left, end - at)
+            self._record += view[at : at + take]
+            at += take
             self._fragment_left -= take
             if self._fragment_left:
                 return records
