@@ -357,11 +357,11 @@ async def test_a_connection_past_the_limit_is_closed_when_none_is_idle() -> None
 
 def test_write_all_sends_every_buffer_in_order_through_partial_writes() -> None:
     """The server's replies go out with writev from where their data lies: more buffers
-    than one writev takes, and more bytes than the socket holds at once (writev returns
-    part, ending inside a buffer), arrive whole and in order."""
+    than one writev takes, an empty one, and more bytes than the socket holds at once
+    (writev returns part, ending inside a buffer), arrive whole and in order."""
     small = [bytes([i % 251]) * (i % 7 + 1) for i in range(IOV_MAX + 500)]
     big = bytearray(os.urandom(3 << 20))
-    buffers: list[bytes | bytearray | memoryview] = [*small, memoryview(big)[5:], b"end"]
+    buffers: list[bytes | bytearray | memoryview] = [*small, b"", memoryview(big)[5:], b"end", b""]
     expected = b"".join(buffers)
     ours, theirs = socket.socketpair()
     ours.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 64 * 1024)

@@ -112,7 +112,7 @@ def write_all(fd: int, buffers: Buffers) -> None:
     """Send ``buffers`` in order, whole, into the blocking socket ``fd`` with ``writev``:
     a READ's data goes from the buffer it was read into, not copied into one message
     first."""
-    views = [memoryview(b).cast("B") for b in buffers]
+    views = [memoryview(b).cast("B") for b in buffers if len(b)]
     first = 0
     while first < len(views):
         n = os.writev(fd, views[first : first + IOV_MAX])
@@ -253,7 +253,7 @@ class _Connection:
                 elif answer is not None:
                     ready += record_marks(answer.inline())
             if ready:
-                self._write(ready)
+                write_all(self.fd, ready)
 
     def _send_done(self) -> None:
         """Send the replies the tasks made since the last look."""
@@ -265,10 +265,7 @@ class _Connection:
             if reply is not None:
                 replies += reply
         if replies:
-            self._write(replies)
-
-    def _write(self, buffers: Buffers) -> None:
-        write_all(self.fd, buffers)
+            write_all(self.fd, replies)
 
     # ------------------------------------------------------------------ the tasks
     def _start(self, call: PendingCall) -> None:
