@@ -27,7 +27,6 @@ from rdmashim.ulps.nfsrdma.rpc import (
 )
 from rdmashim.ulps.nfsrdma.service import AuthSys, Reply
 from rdmashim.ulps.nfsrdma.tcp import (
-    IOV_MAX,
     LARGE,
     RpcConnectionError,
     RpcTcpClient,
@@ -37,6 +36,7 @@ from rdmashim.ulps.nfsrdma.tcp import (
     write_all,
 )
 from rdmashim.ulps.nfsrdma.xdr import Packer
+from rdmashim.verbs.buffers import IOV_MAX
 
 
 def args(*, blob: bytes | None = None, uint: int | None = None) -> Reply:

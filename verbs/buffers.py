@@ -13,6 +13,7 @@ from __future__ import annotations
 import ctypes
 import errno
 import logging
+import os
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -25,6 +26,31 @@ if TYPE_CHECKING:
     from typing_extensions import Buffer
 
 log = logging.getLogger(__name__)
+
+IOV_MAX = os.sysconf("SC_IOV_MAX")
+"""The most buffers one ``writev`` or ``sendmsg`` takes."""
+
+
+def advance(
+    bufs: list[bytes | bytearray | memoryview], n: int
+) -> list[bytes | bytearray | memoryview]:
+    """Drop the first ``n`` bytes of a list of byte buffers (bytes, or byte-format views:
+    what a ``writev`` of them took): ``bufs`` itself when nothing goes, else a new list
+    whose first buffer, if it went in part, is a view of its rest."""
+    i = 0
+    count = len(bufs)
+    while i < count:
+        size = len(bufs[i])
+        if n < size:
+            break
+        n -= size
+        i += 1
+    rest = bufs[i:] if i else bufs
+    if n:
+        rest = rest.copy() if rest is bufs else rest
+        rest[0] = memoryview(rest[0])[n:]
+    return rest
+
 
 PYBUF_SIMPLE = 0
 PYBUF_WRITABLE = 0x0001

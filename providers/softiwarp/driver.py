@@ -51,11 +51,11 @@ from rdmashim.providers.softiwarp.engine import Engine
 from rdmashim.providers.softiwarp.jobs import Chunk, EngineState
 from rdmashim.providers.softiwarp.memory import Region
 from rdmashim.verbs import busypoll, lending
+from rdmashim.verbs.buffers import IOV_MAX, advance
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
-_IOV_MAX = 1024
 _NOTSENT_LOWAT: int | None = getattr(_stdlib_socket, "TCP_NOTSENT_LOWAT", None)
 LINGER = 2.0
 """Seconds a failed connection has, from the failure, to send what is still to go (a
@@ -159,7 +159,7 @@ class Link:
                         self._tx_wakeup.set()  # let the transmit task end the connection
                     return
             try:
-                n = os.writev(fd, pending[:_IOV_MAX])
+                n = os.writev(fd, pending[:IOV_MAX])
             except BlockingIOError:
                 self._pending = pending
                 self._tx_wakeup.set()
@@ -170,7 +170,7 @@ class Link:
                 self._tx_wakeup.set()
                 return
             self._pending_total += n
-            pending = _advance(pending, n)
+            pending = advance(pending, n)
             if not pending:
                 total, self._pending_total = self._pending_total, 0
                 engine.sent(total)
@@ -524,20 +524,3 @@ async def in_thread(body: Callable[[], T], interrupt: Callable[[], None]) -> T:
     result: T = await trio.lowlevel.wait_task_rescheduled(abort)
     await trio.lowlevel.checkpoint_if_cancelled()  # (a cancelled caller: Cancelled now)
     return result
-
-
-def _advance(bufs: list[Chunk], n: int) -> list[Chunk]:
-    """Drop the first ``n`` bytes of a buffer list."""
-    i = 0
-    count = len(bufs)
-    while i < count:
-        size = len(bufs[i])  # bytes, or byte-format memoryviews
-        if n < size:
-            break
-        n -= size
-        i += 1
-    rest = bufs[i:] if i else bufs
-    if n:
-        rest = rest.copy() if rest is bufs else rest
-        rest[0] = memoryview(rest[0])[n:]
-    return rest

@@ -57,6 +57,7 @@ from rdmashim.ulps.nfsrdma.rpc import (
 )
 from rdmashim.ulps.nfsrdma.service import AuthSys, Reply
 from rdmashim.ulps.nfsrdma.xdr import Unpacker
+from rdmashim.verbs.buffers import IOV_MAX, advance
 from rdmashim.verbs.tasks import service_nursery
 
 logger = logging.getLogger(__name__)
@@ -104,23 +105,12 @@ def _coalesced(buffers: Buffers) -> Buffers:
     return out
 
 
-IOV_MAX = os.sysconf("SC_IOV_MAX")
-"""The most buffers one ``writev`` takes."""
-
-
 def write_all(fd: int, buffers: Buffers) -> None:
     """Send ``buffers`` in order, whole, into the blocking socket ``fd`` with ``writev``:
     a READ's data goes from the buffer it was read into, not copied into one message
     first."""
-    views = [memoryview(b).cast("B") for b in buffers if len(b)]
-    first = 0
-    while first < len(views):
-        n = os.writev(fd, views[first : first + IOV_MAX])
-        while n and n >= len(views[first]):
-            n -= len(views[first])
-            first += 1
-        if n:
-            views[first] = views[first][n:]
+    while buffers:
+        buffers = advance(buffers, os.writev(fd, buffers[:IOV_MAX]))
 
 
 class _Connection:
