@@ -17,6 +17,7 @@ import pytest
 import trio
 
 from rdmashim.cm import Connection, ConnectionRequest, open_connection, serve
+from rdmashim.providers.softiwarp import engines
 from rdmashim.ulps.nfsrdma import rdma_server
 from rdmashim.ulps.nfsrdma.rdma_client import (
     POOL_BUFFERS,
@@ -52,6 +53,7 @@ from rdmashim.ulps.nfsrdma.rpcrdma import (
 from rdmashim.ulps.nfsrdma.service import CallContext, ProcUnavailable, Reply
 from rdmashim.ulps.nfsrdma.xdr import Unpacker
 from rdmashim.verbs import Access, QPCap, RecvWR, SendWR, WCStatus, WROpcode
+from rdmashim.verbs.slots import Slots
 
 HOST = "127.0.0.1"
 PROG = 0x20000123
@@ -77,6 +79,18 @@ class Bench:
 
     async def dispatch(self, ctx: CallContext, args: Unpacker, reply: Reply) -> None:
         """Carry out ``ctx.proc``."""
+        if ctx.proc == SLEEP:
+            self.running += 1
+            self.peak = max(self.peak, self.running)
+            await trio.sleep(args.uint() / 1000)
+            self.running -= 1
+            reply.packer.uint(ctx.xid)
+            args.done()
+        else:
+            self.now(ctx, args, reply)
+
+    def now(self, ctx: CallContext, args: Unpacker, reply: Reply) -> None:
+        """Carry out any procedure but ``SLEEP``."""
         p = reply.packer
         if ctx.proc == NULL:
             pass
@@ -97,15 +111,20 @@ class Bench:
         elif ctx.proc == BIG:
             n, seed = args.uint(), args.uint()
             p.opaque(pattern(n, seed))
-        elif ctx.proc == SLEEP:
-            self.running += 1
-            self.peak = max(self.peak, self.running)
-            await trio.sleep(args.uint() / 1000)
-            self.running -= 1
-            p.uint(ctx.xid)
         else:
             raise ProcUnavailable(ctx.proc)
         args.done()
+
+
+class InlineBench(Bench):
+    """:class:`Bench` answering at once every procedure but ``SLEEP`` (an
+    ``InlineProgram``, as NFS is)."""
+
+    def dispatch_now(self, ctx: CallContext, args: Unpacker, reply: Reply) -> bool:
+        if ctx.proc == SLEEP:
+            return False
+        self.now(ctx, args, reply)
+        return True
 
 
 def args_of(*words: int) -> Reply:
@@ -116,8 +135,8 @@ def args_of(*words: int) -> Reply:
 
 
 @asynccontextmanager
-async def server(**kw: int) -> AsyncIterator[tuple[int, Bench]]:
-    bench = Bench()
+async def server(bench: Bench | None = None, **kw: int) -> AsyncIterator[tuple[int, Bench]]:
+    bench = Bench() if bench is None else bench
     async with trio.open_nursery() as nursery:
         addr = await nursery.start(lambda task_status: serve_rdma(
             RpcServer([bench]), 0, HOST, task_status=task_status, **kw
@@ -670,3 +689,58 @@ async def test_a_write_chunk_of_more_segments_than_the_send_queue_holds(port: in
             assert isinstance(returned, Header) and returned.write_list == (chunk,)
             assert bytes(target) == pattern(segments * each, 8)
             mr.close()
+
+
+async def _raw_replies(calls: list[bytes]) -> list[bytes | None]:
+    """The server's replies to ``calls`` (transport headers and all), one at a time."""
+    replies: list[bytes | None] = []
+    with trio.fail_after(TIMEOUT):
+        async with server(InlineBench()) as (port, _), raw(port) as r:
+            for call in calls:
+                r.send(call)
+                replies.append(await r.receive())
+    return replies
+
+
+async def test_answers_from_slots_are_the_bytes_the_python_path_sends(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Where the backend answers from the endpoint's slots in C (the native engine), a
+    plain call's reply is the same message, byte for byte, as when Python posts it; and
+    the calls it does not answer there (a reply too long to go inline, a call that waits,
+    a header with chunks or of another version, a procedure the program lacks) get the
+    same answers too."""
+    calls = [Header(xid, 32).encode() + call_message(xid, NULL) for xid in range(1, 20)]
+    for xid, size in enumerate((0, 1, 3, 100, 1000, 3000, 4000), start=100):
+        calls.append(
+            Header(xid, 32).encode()
+            + call_message(xid, ECHO, words(size) + bytes(-(-size // 4) * 4))
+        )
+    calls += [
+        Header(200, 32).encode() + call_message(200, SUM, words(3, 1, 2, 3)),
+        Header(201, 32).encode() + call_message(201, BIG, words(8000, 1)),  # (not inline)
+        Header(202, 32).encode() + call_message(202, SLEEP, words(5)),  # (in a task)
+        words(203, 2, 32, 0, 0, 0, 0) + call_message(203, NULL),  # (another version)
+        Header(204, 32).encode() + call_message(204, 99),
+        *(
+            Header(xid, 32).encode() + call_message(xid, SUM, words(1, xid))
+            for xid in range(300, 340)
+        ),
+    ]
+    answered = 0
+    real = rdma_server._Responder.answer
+
+    def answer(responder: rdma_server._Responder, slot: int, length: int, send: int) -> int:
+        nonlocal answered
+        answered += 1
+        return real(responder, slot, length, send)
+
+    monkeypatch.setattr(rdma_server._Responder, "answer", answer)
+    from_slots = await _raw_replies(calls)
+    from_c, answered = answered, 0
+    monkeypatch.setattr(Slots, "usable", lambda _: False)
+    from_python = await _raw_replies(calls)
+    assert answered == 0
+    assert from_slots == from_python and None not in from_slots
+    if engines.chosen()[0] == "native":
+        assert from_c >= 60  # (the slots answered there)

@@ -12,7 +12,18 @@ from pathlib import Path
 
 import pytest
 import trio
-from test_nfs_rpcrdma_transport import BIG, ECHO, HOST, PROG, READ, SUM, WRITE, args_of, server
+from test_nfs_rpcrdma_transport import (
+    BIG,
+    ECHO,
+    HOST,
+    PROG,
+    READ,
+    SUM,
+    WRITE,
+    InlineBench,
+    args_of,
+    server,
+)
 
 from rdmashim.ulps.nfsrdma.rdma_client import RpcRdmaClient, TransportError
 from rdmashim.ulps.nfsrdma.service import Reply
@@ -52,7 +63,7 @@ async def test_rpcrdma_traffic_passes_wiresharks_dissectors(
     pcap = tmp_path / "rpcrdma.pcap"
     with trio.fail_after(60):
         async with (
-            server() as (port, _),
+            server(InlineBench()) as (port, _),  # (answered at once: from slots in C)
             wirecap.tcpdump(pcap, port) as cap,
             RpcRdmaClient.connect(HOST, port) as client,
         ):

@@ -28,6 +28,7 @@ if TYPE_CHECKING:
 
     from rdmashim.verbs.attrs import AHAttr, DeviceAttr, PortAttr, QPAttr, QPCap
     from rdmashim.verbs.events import AsyncEvent
+    from rdmashim.verbs.slots import Slots
     from rdmashim.verbs.wr import SGE, WC, RecvBatch, RecvWR, SendBatch, SendWR, WCArray
 
 
@@ -253,8 +254,9 @@ class CQ(Resource, Protocol):
         """Make a :meth:`drive_until` in progress look at its ``ready`` again now."""
 
     async def serve_in_thread(
-        self, wcs: WCArray, on_completions: Callable[[WCArray, int], bool]
-    ) -> bool:
+        self, wcs: WCArray, on_completions: Callable[[WCArray, int], bool],
+        slots: Slots | None = None,
+    ) -> bool:  # fmt: skip
         """Take completions into ``wcs`` in a thread of the backend's own and call
         ``on_completions(wcs, n)`` there for each batch, until it returns False, the QP
         leaves RTS or this task is cancelled: True then (completions may be left to
@@ -263,7 +265,15 @@ class CQ(Resource, Protocol):
         cannot (then wait with :meth:`poll_wait_into`). The built-in engine's native
         engine can when one connected QP without an SRQ completes here and the CQ has
         no channel or handler: a server answering each message at once costs no task
-        switch and no event loop pass a message (``docs/verbs.md``)."""
+        switch and no event loop pass a message (``docs/verbs.md``).
+
+        ``slots``: the connection answers from slots (:class:`~rdmashim.verbs.slots.
+        Slots`). Where the backend can, and while ``slots.usable()``, it takes their
+        state over: it posts each answer and gives its Receive back itself, frees Send
+        slots from their completions (which ``on_completions`` does not see), and hands
+        a lone received message to ``slots.answer``; the rest, and whatever ``answer``
+        does not take, goes to ``on_completions`` with the state handed back first. The
+        native engine can; elsewhere ``slots`` is left alone."""
 
     def set_native_handler(self, function: int, context: int, owner: object = None) -> bool:
         """Have the backend call a C function with this CQ's completions, without Python:

@@ -97,6 +97,7 @@ if TYPE_CHECKING:
     from typing_extensions import Buffer
 
     from rdmashim.verbs import abc
+    from rdmashim.verbs.slots import Slots
 
 _QP_NUMBERS = itertools.count(1)
 """QP numbers of this backend: IBAL's QP exists before the HCA's, so it numbers its own."""
@@ -284,8 +285,9 @@ class CQ:
         """Nothing waits in :meth:`drive_until` here."""
 
     async def serve_in_thread(
-        self, wcs: WCArray, on_completions: Callable[[WCArray, int], bool]
-    ) -> bool:
+        self, wcs: WCArray, on_completions: Callable[[WCArray, int], bool],
+        slots: Slots | None = None,
+    ) -> bool:  # fmt: skip
         """Not here (False): IBAL's callbacks deliver the completions."""
         return False
 

@@ -53,6 +53,7 @@ if TYPE_CHECKING:
 
     from rdmashim.providers.rdmacore.device import Context
     from rdmashim.verbs import abc
+    from rdmashim.verbs.slots import Slots
 
 log = logging.getLogger(__name__)
 
@@ -487,8 +488,9 @@ class CQ(Resource):
         """Nothing waits in :meth:`drive_until` here."""
 
     async def serve_in_thread(
-        self, wcs: WCArray, on_completions: Callable[[WCArray, int], bool]
-    ) -> bool:
+        self, wcs: WCArray, on_completions: Callable[[WCArray, int], bool],
+        slots: Slots | None = None,
+    ) -> bool:  # fmt: skip
         """Not here (False): a thread of ours would wait in ``ibv_get_cq_event``; not built."""
         return False
 

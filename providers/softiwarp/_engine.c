@@ -342,9 +342,9 @@ static uint32_t rs_cq_poll_in_lock(rs_cq *cq, rs_wc *out, uint32_t n)
     return k;
 }
 
-static uint32_t rs_cq_poll_sum_in_lock(rs_cq *cq, rs_wc *out, uint32_t n, rs_wc_sum *sum)
+/* What rows out[0..k) have in common (rs_wc_sum). */
+static void sum_rows(const rs_wc *out, uint32_t k, rs_wc_sum *sum)
 {
-    uint32_t k = rs_cq_poll(cq, out, n);
     uint32_t odd = 0, opcode = k ? out[0].opcode : 0, qp_num = k ? out[0].qp_num : 0;
     for (uint32_t i = 0; i < k; i++) {
         const rs_wc *w = &out[i];
@@ -356,6 +356,12 @@ static uint32_t rs_cq_poll_sum_in_lock(rs_cq *cq, rs_wc *out, uint32_t n, rs_wc_
     sum->odd = odd;
     sum->opcode = opcode;
     sum->qp_num = qp_num;
+}
+
+static uint32_t rs_cq_poll_sum_in_lock(rs_cq *cq, rs_wc *out, uint32_t n, rs_wc_sum *sum)
+{
+    uint32_t k = rs_cq_poll(cq, out, n);
+    sum_rows(out, k, sum);
     return k;
 }
 
@@ -2043,11 +2049,109 @@ int64_t rs_qp_serve_wait(rs_qp *qp, int fd, int wake)
     }
 }
 
-int64_t rs_qp_serve_poll(rs_qp *qp, int fd, int wake, rs_wc *out, uint32_t n, rs_wc_sum *sum)
+/* The last turn's answer (rs_qp_serve_slot): its Receive given back, its Send posted.
+ * 0 when there was none or it went; 1 when the QP refused it (not in RTS); -EINVAL
+ * when it or the slots are not as the turn left them, or the receive queue is full. */
+static int slots_answer(rs_qp *qp, rs_slots *s)
+{
+    uint32_t len = s->reply_len, slot = s->send_slot, recv = s->recv_slot;
+    int lone = s->lone;
+    s->lone = 0;
+    s->reply_len = RS_NO_REPLY;
+    if (!lone || len == RS_NO_REPLY)
+        return 0;
+    if (len > s->send_size || !s->nfree || s->free[s->nfree - 1] != slot || slot >= s->nsend ||
+        recv >= s->nrecv || s->nunacked >= s->nsend || s->room < 1 ||
+        s->nreposts >= s->repost_every)
+        return -EINVAL;
+    s->reposts[s->nreposts++] = recv;
+    if (s->nreposts == s->repost_every) {
+        for (uint32_t k = 0; k < s->nreposts; k++) {
+            rs_recv_wr w;
+            memset(&w, 0, sizeof w);
+            w.wr_id = s->reposts[k];
+            w.num_sge = 1;
+            w.sg_list[0].addr = s->recv_addr + (uint64_t)s->reposts[k] * s->recv_size;
+            w.sg_list[0].length = s->recv_size;
+            w.sg_list[0].lkey = s->recv_lkey;
+            if (post_recv(qp, &w, 1) != 1) { /* (a full queue: the owner's count is wrong) */
+                memmove(s->reposts, s->reposts + k, (s->nreposts - k) * sizeof *s->reposts);
+                s->nreposts -= k;
+                return -EINVAL;
+            }
+        }
+        s->nreposts = 0;
+    }
+    int signaled = s->unsignaled + 1 >= s->signal_every;
+    rs_send_wr w;
+    int why;
+    memset(&w, 0, sizeof w);
+    w.wr_id = s->send_base + slot;
+    w.opcode = RS_WR_SEND;
+    w.flags = signaled ? RS_SIGNALED : 0;
+    w.num_sge = 1;
+    w.sg_list[0].addr = s->send_addr + (uint64_t)slot * s->send_size;
+    w.sg_list[0].length = len;
+    w.sg_list[0].lkey = s->send_lkey;
+    if (qp->state != RS_QP_RTS || post_send(qp, &w, 1, &why) != 1)
+        return 1;
+    s->nfree--;
+    s->unacked[(s->head + s->nunacked) % s->nsend] = slot;
+    s->nunacked++;
+    s->room--;
+    s->unsignaled = signaled ? 0 : s->unsignaled + 1;
+    return 0;
+}
+
+/* The successful completion of the Send from slot: it and every Send from a slot
+ * before it are free. 0 when no Send from that slot is known to be out (the row is
+ * left to the owner). */
+static int slots_release(rs_slots *s, uint32_t slot)
+{
+    uint32_t i;
+    for (i = 0; i < s->nunacked && s->unacked[(s->head + i) % s->nsend] != slot; i++)
+        ;
+    if (i == s->nunacked)
+        return 0;
+    for (uint32_t k = 0; k <= i; k++) {
+        s->free[s->nfree++] = s->unacked[s->head];
+        s->head = (s->head + 1) % s->nsend;
+        s->room++;
+    }
+    s->nunacked -= i + 1;
+    return 1;
+}
+
+/* The next completion of cq that is not a Send's from a slot into out[0] (those before
+ * it free their slots): 1, and whether it is a Receive with a Send slot free for its
+ * answer (s->lone); 0 when there is none. One at a time, so that each Receive of a
+ * burst is answered in a turn of its own, in order. */
+static uint32_t slots_poll(rs_slots *s, rs_cq *cq, rs_wc *out, rs_wc_sum *sum)
+{
+    const rs_wc *w = &out[0];
+    do {
+        if (!rs_cq_poll(cq, out, 1))
+            return 0;
+    } while (w->status == RS_WC_SUCCESS && w->opcode == RS_WC_SEND && w->wr_id >= s->send_base &&
+             w->wr_id - s->send_base < s->nsend &&
+             slots_release(s, (uint32_t)(w->wr_id - s->send_base)));
+    sum_rows(out, 1, sum);
+    s->lone = w->status == RS_WC_SUCCESS && w->opcode == RS_WC_RECV && w->wr_id < s->nrecv &&
+              s->nfree && s->room >= 1 && s->nunacked < s->nsend && s->nreposts < s->repost_every;
+    if (s->lone) {
+        s->recv_slot = (uint32_t)w->wr_id;
+        s->recv_len = w->byte_len;
+        s->send_slot = s->free[s->nfree - 1];
+    }
+    return 1;
+}
+
+/* rs_qp_serve_wait and a poll, until the poll takes a row (their count) or the QP has
+ * news for its owner's event loop (0): rs_qp_serve_poll's poll of up to n rows, or with
+ * slots (rs_qp_serve_slot) slots_poll's of one. */
+static int64_t serve_rows(rs_qp *qp, int fd, int wake, rs_slots *s, rs_wc *out, uint32_t n, rs_wc_sum *sum)
 {
     pthread_mutex_t *lock = &qp->mem->lock;
-    if (qp->scq != qp->rcq)
-        return -EINVAL; /* (a served QP has one CQ: its caller checked) */
     for (;;) {
         int64_t waited = rs_qp_serve_wait(qp, fd, wake);
         if (waited < 0)
@@ -2056,8 +2160,8 @@ int64_t rs_qp_serve_poll(rs_qp *qp, int fd, int wake, rs_wc *out, uint32_t n, rs
         rs_cq *cq = qp->rcq;
         uint32_t k = 0;
         if (qp->state == RS_QP_RTS && !(qp->v.news & ~RS_NEWS_CQ) && !cq->v.overrun) {
-            qp->v.news = 0; /* (the completions it speaks of are in the rows) */
-            k = rs_cq_poll_sum(cq, out, n, sum);
+            qp->v.news = 0; /* (the completions it speaks of are in the rows, or freed slots) */
+            k = s ? slots_poll(s, cq, out, sum) : rs_cq_poll_sum(cq, out, n, sum);
         }
         int others = qp->state != RS_QP_RTS || (qp->v.news & ~RS_NEWS_CQ) || cq->v.overrun;
         pthread_mutex_unlock(lock);
@@ -2066,6 +2170,30 @@ int64_t rs_qp_serve_poll(rs_qp *qp, int fd, int wake, rs_wc *out, uint32_t n, rs
         if (others)
             return 0;
     }
+}
+
+int64_t rs_qp_serve_poll(rs_qp *qp, int fd, int wake, rs_wc *out, uint32_t n, rs_wc_sum *sum)
+{
+    if (qp->scq != qp->rcq)
+        return -EINVAL; /* (a served QP has one CQ: its caller checked) */
+    return serve_rows(qp, fd, wake, NULL, out, n, sum);
+}
+
+int64_t rs_qp_serve_slot(rs_qp *qp, int fd, int wake, rs_slots *s, rs_wc *out, rs_wc_sum *sum)
+{
+    pthread_mutex_t *lock = &qp->mem->lock;
+    if (qp->scq != qp->rcq)
+        return -EINVAL;
+    pthread_mutex_lock(lock);
+    int answered = slots_answer(qp, s);
+    if (answered == 0) {
+        settle(qp);
+        rs_qp_flush_fd(qp, fd);
+    }
+    pthread_mutex_unlock(lock);
+    if (answered)
+        return answered < 0 ? answered : 0;
+    return serve_rows(qp, fd, wake, s, out, 1, sum);
 }
 
 int64_t rs_qp_spin_fd(rs_qp *qp, int fd, uint64_t ns)

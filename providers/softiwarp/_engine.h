@@ -302,6 +302,47 @@ int64_t rs_qp_serve_wait(rs_qp *qp, int fd, int wake);
  * overrun), which are left for it; -errno as rs_qp_serve_wait (-EINTR: woken). The
  * completion news it hands on in its rows are cleared. */
 int64_t rs_qp_serve_poll(rs_qp *qp, int fd, int wake, rs_wc *out, uint32_t n, rs_wc_sum *sum);
+/* Messages answered from slots (rs_qp_serve_slot; verbs/slots.py is the Python side):
+ * Receive slot i is recv_size bytes at recv_addr + i * recv_size, posted as wr_id i;
+ * Send slot j is send_size bytes at send_addr + j * send_size, sent as wr_id
+ * send_base + j. The free Send slots are a stack (free[nfree - 1] is taken next), the
+ * ones posted and not known complete a ring in the order posted (unacked, from head),
+ * and every signal_every-th Send is signaled: its completion frees it and every Send
+ * before it. Receives given back wait in reposts until repost_every are there, then
+ * are posted in one go. room is what the send queue has room for. Its owner hands the
+ * whole state to C before a turn and reads it back after; C changes it only in turns. */
+typedef struct {
+    uint64_t recv_addr;
+    uint32_t recv_lkey, recv_size, nrecv;
+    uint64_t send_addr;
+    uint32_t send_lkey, send_size, nsend;
+    uint64_t send_base;
+    uint32_t signal_every, repost_every;
+    uint32_t *free;         /* nsend entries */
+    uint32_t nfree;
+    uint32_t *unacked;      /* a ring of nsend entries */
+    uint32_t head, nunacked;
+    uint32_t *reposts;      /* repost_every entries */
+    uint32_t nreposts;
+    uint32_t unsignaled;    /* Sends since the last signaled one */
+    int64_t room;
+    /* A turn's news: lone is 1 when its one row is a successful Receive of recv_len
+     * bytes in Receive slot recv_slot, and Send slot send_slot (free[nfree - 1]) is free
+     * for its answer; reply_len, set by the owner before the next turn, is the answer's
+     * length in send_slot (RS_NO_REPLY: none; the Receive stays the owner's). */
+    uint32_t lone, recv_slot, recv_len, send_slot, reply_len;
+} rs_slots;
+#define RS_NO_REPLY 4294967295
+/* A turn of a thread serving the QP from slots: the answer of the last turn's lone
+ * Receive (s->reply_len) is posted from its Send slot and the Receive given back, what
+ * waits is written, then rs_qp_serve_poll of one completion at a time, except that
+ * the completions of Sends from slots free their slots here and are not rows. 1 when
+ * out[0] holds a completion (s->lone says whether it is a lone Receive: each Receive
+ * of a burst gets a turn of its own); 0 when the QP has news for its owner's event
+ * loop (or the answer could not be posted: the QP left RTS); -EINVAL when
+ * s->reply_len does not fit its slot or the slots are not as the last turn left them;
+ * -errno as rs_qp_serve_wait. */
+int64_t rs_qp_serve_slot(rs_qp *qp, int fd, int wake, rs_slots *s, rs_wc *out, rs_wc_sum *sum);
 /* Move to ERROR (the user, a destroy, or the connection lost): flush everything. */
 void rs_qp_set_error(rs_qp *qp, uint32_t kind, const char *message);
 int rs_qp_state(rs_qp *qp);

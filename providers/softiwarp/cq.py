@@ -49,6 +49,7 @@ if TYPE_CHECKING:
     from rdmashim.providers.softiwarp.driver import Link
     from rdmashim.providers.softiwarp.qp_needs import EngineView
     from rdmashim.verbs.enums import QPState
+    from rdmashim.verbs.slots import Slots
 
 log = logging.getLogger(__name__)
 
@@ -415,8 +416,9 @@ class CQ(Resource):
             self._reader.interrupt()
 
     async def serve_in_thread(
-        self, wcs: WCArray, on_completions: Callable[[WCArray, int], bool]
-    ) -> bool:
+        self, wcs: WCArray, on_completions: Callable[[WCArray, int], bool],
+        slots: Slots | None = None,
+    ) -> bool:  # fmt: skip
         """Not with the Python engine (False): its engine runs in the event loop's
         thread. The native engine's CQ can (:class:`~.native_cq.NativeCQ`)."""
         return False

@@ -24,6 +24,8 @@ from rdmashim.verbs.wr import WC, WC_ROW, WCArray, row_view
 if TYPE_CHECKING:
     from typing_extensions import Buffer
 
+    from rdmashim.verbs.slots import Slots
+
 _SUCCESS = WCStatus.SUCCESS
 _OPCODES = {int(o): o for o in WCOpcode}
 _STATUSES = {int(s): s for s in WCStatus}
@@ -37,7 +39,9 @@ _SUM = ("STATUS", "FLAGS", "SOLICITED", "INV", "OPCODES", "QPS", "LENGTHS")
 _SUM_STATUS, _SUM_FLAGS, _SUM_SOLICITED, _SUM_INV, _SUM_OPCODES, _SUM_QPS, _SUM_LENGTHS = (
     [getattr(lib, "RS_SUM_" + name) for name in _SUM] if lib is not None else [0] * len(_SUM)
 )  # (C's own bits, _engine.h)
-Serve = Callable[["NativeCQ", WCArray, Callable[[WCArray, int], bool]], Awaitable[bool]]
+Serve = Callable[
+    ["NativeCQ", WCArray, Callable[[WCArray, int], bool], "Slots | None"], Awaitable[bool]
+]
 """``NativeQP.serve_in_thread``."""
 _FEW = 4
 """Polls of at most this many completions are decoded row by row (cheaper than columns)."""
@@ -256,15 +260,22 @@ class NativeCQ(CQ):
             rows.decode_into(wcs, got)
         return got
 
+    def rows_for(self, wcs: WCArray) -> _Rows:
+        """The C rows ``wcs`` is filled from (a thread answering from slots calls
+        ``rs_qp_serve_slot`` with them, :mod:`.native_serve`)."""
+        return _rows_of(wcs)
+
     async def serve_in_thread(
-        self, wcs: WCArray, on_completions: Callable[[WCArray, int], bool]
-    ) -> bool:
+        self, wcs: WCArray, on_completions: Callable[[WCArray, int], bool],
+        slots: Slots | None = None,
+    ) -> bool:  # fmt: skip
         """Take completions in a thread of its own (:mod:`.native_serve`) when one
-        connected QP completes here; False at once otherwise."""
+        connected QP completes here, answering from ``slots`` while they are usable;
+        False at once otherwise."""
         self._check_open("serve_in_thread")
         # (a NativeQP's, which imports this module: asked for by name)
         serve: Serve | None = getattr(self._only_qp(), "serve_in_thread", None)
-        return False if serve is None else await serve(self, wcs, on_completions)
+        return False if serve is None else await serve(self, wcs, on_completions, slots)
 
     def close(self) -> None:
         """Destroy the CQ (its ring lives while a QP still completes into it; its native

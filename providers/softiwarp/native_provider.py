@@ -46,6 +46,7 @@ from rdmashim.providers.softiwarp.qp import SRQ, QPBase
 from rdmashim.verbs.attrs import QPCap
 from rdmashim.verbs.enums import QPState
 from rdmashim.verbs.errors import VerbsError, refused_wr
+from rdmashim.verbs.slots import Slots
 from rdmashim.verbs.wr import RecvBatch, RecvWR, SendBatch, SendWR, WCArray, requests_of
 
 log = logging.getLogger(__name__)
@@ -172,8 +173,9 @@ class NativeQP(QPBase):
             cq._sync()
 
     async def serve_in_thread(
-        self, cq: NativeCQ, wcs: WCArray, on_completions: Callable[[WCArray, int], bool]
-    ) -> bool:
+        self, cq: NativeCQ, wcs: WCArray, on_completions: Callable[[WCArray, int], bool],
+        slots: Slots | None = None,
+    ) -> bool:  # fmt: skip
         """:meth:`.NativeCQ.serve_in_thread` of this QP's only CQ (see
         :mod:`.native_serve`); False at once unless the QP is connected, no task reads
         it, it has no SRQ, ``cq`` is its send and receive CQ and has no channel or
@@ -187,7 +189,8 @@ class NativeQP(QPBase):
             return False
         link._expect(0)  # (the thread waits for any byte: a mark set for a large one goes)
         wake = os.eventfd(0, os.EFD_CLOEXEC | os.EFD_NONBLOCK)
-        thread = native_serve.Service(self._ptr, link._fd, wake, cq, wcs, on_completions)
+        answering = None if slots is None else native_serve.Answering(slots)
+        thread = native_serve.Service(self._ptr, link._fd, wake, cq, wcs, on_completions, answering)
         self._served_by = -1  # (the thread's own ident once it runs: the event loop's is not)
         try:
             await link.lend_to_thread(functools.partial(thread.run, self), thread.interrupt)

@@ -33,7 +33,6 @@ connection (:class:`ConnectionLost`) and wakes every waiter with it.
 from __future__ import annotations
 
 import logging
-from collections import deque
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Protocol
 
@@ -52,6 +51,7 @@ from rdmashim.verbs import (
     WCStatus,
     WROpcode,
 )
+from rdmashim.verbs.slots import Slots
 
 if TYPE_CHECKING:
     from typing_extensions import Buffer
@@ -86,9 +86,17 @@ class Served(Protocol):
     in the event loop before each turn and in the thread after each message. Once
     the thread gave the QP back, ``resume`` runs in the event loop (what ``receive``
     left for it), then ``on_receive`` takes the rest of the batch.
+
+    Where the backend answers from the endpoint's slots (:class:`~rdmashim.verbs.slots.
+    Slots`), ``answer`` takes a lone received message instead of ``receive``: it writes
+    the answer into the Send slot's view (:meth:`Endpoint.send_slot_view`) and returns
+    its length, or returns ``slots.LEFT`` (taken, left for the event loop) or
+    ``slots.NOT_TAKEN`` (then ``receive`` gets it).
     """
 
     def receive(self, slot: int, length: int, flags: WCFlags) -> bool: ...
+
+    def answer(self, slot: int, length: int, send_slot: int) -> int: ...
 
     def quiet(self) -> bool: ...
 
@@ -154,20 +162,28 @@ class Endpoint:
         self._sends = SendBatch(
             SendWR(self._send_base + i, WROpcode.SEND, [], SendFlags.SIGNALED) for i in range(slots)
         )
-        self._send_free = list(range(slots))  # a stack: the slot released last is taken first
-        self._slot_count = [0] * slots  # work requests the slot's Send completes
+        self.sq_depth = self.qp.cap.max_send_wr
+        """Work requests the send queue holds."""
+        self.slots = Slots(
+            recv=self.recv_mr.sge(0, recv_size), nrecv=recv_count,
+            send=self._send_mr.sge(0, recv_size), nsend=slots, send_base=self._send_base,
+            signal_every=SIGNAL_EVERY, repost_every=REPOST_EVERY, room=self.sq_depth,
+            free=list(range(slots)),
+        )  # fmt: skip
+        """The state of the slots (a thread serving the QP may take it over): the free
+        Send slots (a stack: the slot released last is taken first), the slots of the
+        Sends posted and not known complete, the send queue's room, the slot Sends since
+        the last signaled one, the Receive slots given back and not posted yet."""
+        self._send_free = self.slots.free
+        self._unacked = self.slots.unacked
+        self._reposts = self.slots.reposts
+        self._slot_count = [1] * slots  # work requests the slot's Send completes
         self._slot_shape = [(-1, 0, True)] * slots  # the length, R_Key and signaling it has now
-        self._unacked: deque[int] = deque()  # slots of the Sends posted, not known complete
-        self._unsignaled_run = 0  # slot Sends since the last signaled one
         self._slot_regions: list[Sequence[MR]] = [()] * slots  # closed when it completes
         self._posted: dict[int, _Posted] = {}  # by the wr_id of the signaled last request
         self._next_wr = self._send_base + slots
-        self.sq_depth = self.qp.cap.max_send_wr
-        """Work requests the send queue holds."""
-        self._sq_room = self.sq_depth
         self._room = trio.Event()
         self._bursting = False
-        self._reposts: list[int] = []  # Receive slots given back, not posted yet
         self._deferred: list[int] = []  # Send slots filled during a burst
         self._threaded = False  # a thread serves the QP (run's served)
         self._closing: list[MR] = []  # regions to close once it gave the QP back
@@ -178,6 +194,11 @@ class Endpoint:
         """The first ``length`` received bytes of a Receive slot."""
         base = slot * self.recv_size
         return self._recv_view[base : base + length]
+
+    def send_slot_view(self, slot: int) -> memoryview:
+        """Send slot ``slot``'s bytes (where a thread answering from slots writes)."""
+        base = slot * self.recv_size
+        return self._send_view[base : base + self.recv_size]
 
     def in_receive_buffer(self, view: memoryview) -> bool:
         """Whether ``view`` lies in the Receive slots (reused once given back)."""
@@ -190,7 +211,8 @@ class Endpoint:
             return
         self._reposts.append(slot)
         if len(self._reposts) >= REPOST_EVERY:
-            reposts, self._reposts = self._reposts, []
+            reposts = self._reposts[:]
+            self._reposts.clear()
             try:
                 self.qp.post_recv_batch(self._recvs, indices=reposts)
             except OSError as exc:
@@ -219,7 +241,7 @@ class Endpoint:
         for part in parts:
             size += len(part)
         count = len(before) + 1
-        if count > self._sq_room:
+        if count > self.slots.room:
             return False
         if size <= self.recv_size and self._send_free:
             self._send_slot(parts, size, before, invalidate, regions)
@@ -238,7 +260,7 @@ class Endpoint:
         call it). Raises :class:`ConnectionLost`."""
         if self.lost is not None:
             raise self.lost
-        if not self._send_free or self._sq_room < 1:
+        if not self._send_free or self.slots.room < 1:
             return False
         size = 0
         for part in parts:
@@ -266,8 +288,9 @@ class Endpoint:
             end = at + len(part)
             buf[at:end] = part
             at = end
-        signaled = bool(before or regions) or self._unsignaled_run >= SIGNAL_EVERY - 1
-        self._unsignaled_run = 0 if signaled else self._unsignaled_run + 1
+        slots = self.slots
+        signaled = bool(before or regions) or slots.unsignaled >= SIGNAL_EVERY - 1
+        slots.unsignaled = 0 if signaled else slots.unsignaled + 1
         shape = (size, invalidate, signaled)
         if self._slot_shape[slot] != shape:  # else the entry stays prepared
             self._slot_shape[slot] = shape
@@ -278,9 +301,11 @@ class Endpoint:
                 send_flags=SendFlags.SIGNALED if signaled else SendFlags.NONE,
             )  # fmt: skip
         count = len(before) + 1
-        self._sq_room -= count
-        self._slot_count[slot] = count
-        self._slot_regions[slot] = regions
+        slots.room -= count
+        if before or regions:
+            self._slot_count[slot] = count
+            self._slot_regions[slot] = regions
+            slots.held += 1
         if self._bursting and not before:
             self._deferred.append(slot)
             return
@@ -311,7 +336,7 @@ class Endpoint:
         """
         for start in range(0, len(wrs), BATCH):
             batch = wrs[start : start + BATCH]
-            while len(batch) > self._sq_room:
+            while len(batch) > self.slots.room:
                 await self.wait_room()
             posted = self._post_signaled(batch, (), wait=True)
             assert posted.done is not None
@@ -328,7 +353,7 @@ class Endpoint:
         room (:meth:`post` waits for it). Nothing is called if they fail: the connection
         is lost, and :meth:`close` closes ``regions``. Raises :class:`ConnectionLost`."""
         self._check()
-        if len(wrs) > self._sq_room:
+        if len(wrs) > self.slots.room:
             return False
         self._post_signaled(wrs, regions, wait=False, then=then)
         return True
@@ -353,7 +378,7 @@ class Endpoint:
         self._unsignaled(wrs)
         wrs[-1].send_flags |= SendFlags.SIGNALED
         posted = self._posted[wrs[-1].wr_id] = _Posted(len(wrs), regions, wait, then)
-        self._sq_room -= len(wrs)
+        self.slots.room -= len(wrs)
         try:
             self.qp.post_send(list(wrs))
         except OSError as exc:
@@ -373,7 +398,7 @@ class Endpoint:
 
     def has_room(self, count: int) -> bool:
         """Whether the send queue has room for ``count`` more work requests now."""
-        return count <= self._sq_room
+        return count <= self.slots.room
 
     async def wait_room(self) -> None:
         """Wait until a work request in the send queue completed (:class:`ConnectionLost`
@@ -464,9 +489,10 @@ class Endpoint:
                 self._bursting = False
                 self._flush()
 
+        self.slots.answer = served.answer
         self._threaded = True
         try:
-            ran = await cq.serve_in_thread(wcs, on_completions)
+            ran = await cq.serve_in_thread(wcs, on_completions, self.slots)
         finally:
             self._threaded = False
             closing, self._closing = self._closing, []
@@ -498,7 +524,7 @@ class Endpoint:
         posted = self._posted.pop(wr_id, None)
         if posted is None:
             return
-        self._sq_room += posted.count
+        self.slots.room += posted.count
         self._room.set()  # (no task waits while a thread serves: Served.quiet)
         self._close(posted.regions)
         if posted.done is not None:
@@ -517,11 +543,17 @@ class Endpoint:
             done.append(unacked.popleft())
             if done[-1] == slot:
                 break
+        slots = self.slots
         for each in reversed(done):
-            self._sq_room += self._slot_count[each]
-            regions, self._slot_regions[each] = self._slot_regions[each], ()
+            count = self._slot_count[each]
+            slots.room += count
+            regions = self._slot_regions[each]
+            if count > 1 or regions:
+                self._slot_count[each] = 1
+                self._slot_regions[each] = ()
+                slots.held -= 1
+                self._close(regions)
             self._send_free.append(each)
-            self._close(regions)
         self._room.set()
 
     def _close(self, regions: Sequence[MR]) -> None:

@@ -69,10 +69,12 @@ from rdmashim.ulps.nfsrdma.rpcrdma import (
     peer_sizes,
     plain_header,
     read_chunks,
+    write_plain_header,
 )
 from rdmashim.ulps.nfsrdma.service import CallHandler, Reply
 from rdmashim.ulps.nfsrdma.xdr import XdrError, pad
 from rdmashim.verbs import Access, QPCap, SendWR, WCFlags, WROpcode
+from rdmashim.verbs.slots import LEFT, NOT_TAKEN
 
 if TYPE_CHECKING:
     from rdmashim.cm import ConnectionRequest
@@ -200,15 +202,42 @@ class _Responder:
         plain reply from a Send slot is answered here; another answer waits for
         :meth:`resume` (no registration here); a call with chunks goes to the event
         loop (False)."""
+        called = self._call_plain(slot, length)
+        if called is None:
+            return False
+        xid, answer = called
+        if not self._send_plain(slot, xid, answer):
+            self._later.append((slot, xid, answer))
+        return True
+
+    def answer(self, slot: int, length: int, send_slot: int) -> int:
+        """In the thread answering from the endpoint's slots: a plain call whose reply is
+        plain too is answered into Send slot ``send_slot`` (the reply's length: the
+        backend posts it and gives the Receive back); another answer waits for
+        :meth:`resume` (``LEFT``); a call with chunks goes to :meth:`receive`, which
+        leaves it to the event loop (``NOT_TAKEN``)."""
+        called = self._call_plain(slot, length)
+        if called is None:
+            return NOT_TAKEN
+        xid, answer = called
+        body = self._inline_body(answer)
+        if body is None:
+            self._later.append((slot, xid, answer))
+            return LEFT
+        out = self.ep.send_slot_view(send_slot)
+        write_plain_header(out, xid, self.settings.credits)
+        end = PLAIN_LEN + len(body)
+        out[PLAIN_LEN:end] = body
+        return end
+
+    def _call_plain(self, slot: int, length: int) -> tuple[int, Answer] | None:
+        """The xid of the plain call in Receive slot ``slot`` and what the program
+        answers at once; None when its header is not plain (chunks, another version)."""
         data = self.ep.slot_view(slot, length)
         plain = peek_plain(data)
         if plain is None:
-            return False
-        xid = plain[0]
-        answer = self.server.call_now(data[PLAIN_LEN:], self.peer, TRANSPORT)
-        if type(answer) is not Reply or not self._send_plain(slot, xid, answer):
-            self._later.append((slot, xid, answer))
-        return True
+            return None
+        return plain[0], self.server.call_now(data[PLAIN_LEN:], self.peer, TRANSPORT)
 
     def quiet(self) -> bool:
         """Whether a thread may serve: no task of the connection at work, no answer
@@ -231,7 +260,7 @@ class _Responder:
         if plain is not None:  # the common call: inline, no chunks
             xid = plain[0]
             answer = self.server.call_now(data[PLAIN_LEN:], self.peer, TRANSPORT)
-            if type(answer) is not Reply or not self._send_plain(slot, xid, answer):
+            if not self._send_plain(slot, xid, answer):
                 self._answer(slot, xid, PLAIN_CALL, answer)
             return
         try:
@@ -257,14 +286,22 @@ class _Responder:
             answer = self.server.call_now(data[start:], self.peer, TRANSPORT)
             self._answer(slot, xid, header, answer)
 
-    def _send_plain(self, slot: int, xid: int, reply: Reply) -> bool:
-        """The reply to a plain call, when it is plain too (no DDP-eligible item, inline)
-        and a Send slot and room in the send queue are there now: sent, True; else
-        nothing done."""
-        body = reply.packer.data
-        if reply.ddp or PLAIN_LEN + len(body) > self.reply_inline:
+    def _send_plain(self, slot: int, xid: int, answer: Answer) -> bool:
+        """The answer to a plain call, when it is a reply that is plain too (no
+        DDP-eligible item, inline) and a Send slot and room in the send queue are there
+        now: sent, True; else nothing done."""
+        body = self._inline_body(answer)
+        if body is None:
             return False
         return self.ep.try_answer(slot, (plain_header(xid, self.settings.credits), body))
+
+    def _inline_body(self, answer: Answer) -> bytearray | None:
+        """The RPC reply's bytes when ``answer`` is a reply that goes plain (no DDP-eligible
+        item) and inline; else None."""
+        if type(answer) is not Reply or answer.ddp:
+            return None
+        body = answer.packer.data
+        return body if PLAIN_LEN + len(body) <= self.reply_inline else None
 
     def _chunk_error(self, xid: int, exc: XdrError) -> ErrorHeader:
         log.info("RPC-over-RDMA from %s, xid %#x: %s", self.peer, xid, exc)

@@ -182,6 +182,11 @@ def plain_header(xid: int, credit: int) -> bytes:
     return _PLAIN.pack(xid, RPCRDMA_VERSION, credit, Proc.RDMA_MSG, 0, 0, 0)
 
 
+def write_plain_header(out: memoryview | bytearray, xid: int, credit: int) -> None:
+    """:func:`plain_header` written at the start of ``out``."""
+    _PLAIN.pack_into(out, 0, xid, RPCRDMA_VERSION, credit, Proc.RDMA_MSG, 0, 0, 0)
+
+
 def peek_plain(data: bytes | bytearray | memoryview) -> tuple[int, int] | None:
     """The xid and credit of a plain header at the start of ``data`` (the RPC message
     follows at :data:`PLAIN_LEN`), None for any other start (:func:`decode` it)."""
