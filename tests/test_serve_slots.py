@@ -234,3 +234,15 @@ async def test_the_peer_going_away_gives_the_slots_back_whole(ctx: Any) -> None:
             assert await cq.serve_in_thread(WCArray(16), echo.on_completions, echo.slots)
     assert echo.in_c == 50
     echo.check()
+
+
+async def test_slots_that_do_not_add_up_are_refused_before_c_uses_them(ctx: Any) -> None:
+    """A Send slot both free and out would let C free it twice, past the end of its
+    stack: the turn is refused, nothing posted, nothing written."""
+    _, cq, echo = await _served(ctx)
+    echo.slots.unacked.append(echo.slots.free[0])
+    with trio.fail_after(BOUND), pytest.raises(VerbsError, match="do not add up") as caught:
+        await cq.serve_in_thread(WCArray(16), echo.on_completions, echo.slots)
+    assert caught.value.errno == errno.EINVAL
+    assert echo.in_c == echo.in_python == 0
+    assert len(echo.slots.free) == SEND_SLOTS and len(echo.slots.unacked) == 1

@@ -2182,7 +2182,9 @@ int64_t rs_qp_serve_poll(rs_qp *qp, int fd, int wake, rs_wc *out, uint32_t n, rs
 int64_t rs_qp_serve_slot(rs_qp *qp, int fd, int wake, rs_slots *s, rs_wc *out, rs_wc_sum *sum)
 {
     pthread_mutex_t *lock = &qp->mem->lock;
-    if (qp->scq != qp->rcq)
+    /* (every Send slot free or out at most once: what is freed always fits the stack) */
+    if (qp->scq != qp->rcq || s->nfree + (uint64_t)s->nunacked > s->nsend || s->head >= s->nsend ||
+        s->nreposts >= s->repost_every || !s->signal_every)
         return -EINVAL;
     pthread_mutex_lock(lock);
     int answered = slots_answer(qp, s);

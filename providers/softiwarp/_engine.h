@@ -340,8 +340,9 @@ typedef struct {
  * out[0] holds a completion (s->lone says whether it is a lone Receive: each Receive
  * of a burst gets a turn of its own); 0 when the QP has news for its owner's event
  * loop (or the answer could not be posted: the QP left RTS); -EINVAL when
- * s->reply_len does not fit its slot or the slots are not as the last turn left them;
- * -errno as rs_qp_serve_wait. */
+ * s->reply_len does not fit its slot, the slots are not as the last turn left them or
+ * do not add up (more Send slots free and out than there are); -errno as
+ * rs_qp_serve_wait. */
 int64_t rs_qp_serve_slot(rs_qp *qp, int fd, int wake, rs_slots *s, rs_wc *out, rs_wc_sum *sum);
 /* Move to ERROR (the user, a destroy, or the connection lost): flush everything. */
 void rs_qp_set_error(rs_qp *qp, uint32_t kind, const char *message);

@@ -120,7 +120,8 @@ class Answering:
                     raise VerbsError(
                         errno.EINVAL, "serve_in_thread",
                         f"an answer of {c.reply_len} bytes does not fit a {c.send_size}-byte "
-                        "Send slot, or the slots changed during a turn",
+                        "Send slot, or the slots changed during a turn or do not add up "
+                        "(a Send slot both free and out, or out twice)",
                     )  # fmt: skip
                 if n > 0:
                     rows.decode_into(wcs, n)
