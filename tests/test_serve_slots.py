@@ -82,29 +82,18 @@ class SlotEcho:
 
     def _answer_in_python(self, recv_slot: int, data: bytes) -> None:
         s = self.slots
-        s.reposts.append(recv_slot)
-        if len(s.reposts) == s.repost_every:
-            self.side.qp.post_recv_batch(self.recvs, indices=list(s.reposts))
-            s.reposts.clear()
-        slot = s.free.pop()
+        again = s.give_back(recv_slot)
+        if again:
+            self.side.qp.post_recv_batch(self.recvs, indices=again)
+        slot, signaled = s.take_send()
         self.send_mr.buf[slot * SIZE : slot * SIZE + len(data)] = data[::-1]
-        signaled = s.unsignaled + 1 >= s.signal_every
-        s.unsignaled = 0 if signaled else s.unsignaled + 1
         flags = SendFlags.SIGNALED if signaled else SendFlags.NONE
         sge = self.send_mr.sge(slot * SIZE, len(data))
         self.side.qp.post_send(SendWR(SEND_BASE + slot, WROpcode.SEND, [sge], flags))
-        s.unacked.append(slot)
-        s.room -= 1
         self.in_python += 1
 
     def _release(self, slot: int) -> None:
-        s = self.slots
-        while True:
-            done = s.unacked.popleft()
-            s.free.append(done)
-            s.room += 1
-            if done == slot:
-                return
+        self.slots.completed(slot)
 
     def check(self) -> None:
         """The slots' state is whole: every Send slot free or out, once; room for the

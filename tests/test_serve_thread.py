@@ -242,12 +242,15 @@ async def test_a_reply_larger_than_the_socket_takes_goes_out_whole(ctx: Any) -> 
     assert got == len(big) and bytes(sink.buf) == big and sends == 1
 
 
-def test_the_example_serves_from_a_thread_where_it_can(each_engine: str) -> None:
-    """``examples/thread_server.py``, as a user runs it, on each engine."""
+@pytest.mark.parametrize("args", [[], ["--slots"]], ids=["callback", "slots"])
+def test_the_example_serves_from_a_thread_where_it_can(each_engine: str, args: list[str]) -> None:
+    """``examples/thread_server.py``, as a user runs it, on each engine: answering in
+    its callback, and from slots."""
     example = Path(__file__).resolve().parents[1] / "examples" / "thread_server.py"
     out = subprocess.run(
-        [sys.executable, str(example)], capture_output=True, text=True, timeout=120, check=False
-    )
+        [sys.executable, str(example), *args],
+        capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
     assert out.returncode == 0, out.stderr
     where = "a thread of its own" if each_engine == "native" else "trio"
     assert sorted(out.stdout.splitlines()) == [

@@ -73,3 +73,36 @@ class Slots:
     def usable(self) -> bool:
         """Whether a backend may take the slots over now."""
         return self.held == 0 and self.answer is not None
+
+    # What an owner does itself, as the backend does it (for the completions it is
+    # handed, and on backends that do not answer from slots):
+
+    def take_send(self) -> tuple[int, bool]:
+        """A free Send slot for a Send of one work request posted now, and whether that
+        Send is signaled (every ``signal_every``-th); counted as out."""
+        slot = self.free.pop()
+        signaled = self.unsignaled + 1 >= self.signal_every
+        self.unsignaled = 0 if signaled else self.unsignaled + 1
+        self.unacked.append(slot)
+        self.room -= 1
+        return slot, signaled
+
+    def completed(self, slot: int) -> None:
+        """The signaled Send of ``slot`` completed: it and every Send out before it are
+        free (each of one work request: see :attr:`held`)."""
+        while True:
+            done = self.unacked.popleft()
+            self.free.append(done)
+            self.room += 1
+            if done == slot:
+                return
+
+    def give_back(self, recv_slot: int) -> list[int]:
+        """Receive slot ``recv_slot`` is done with: the Receive slots to post again now
+        (``repost_every`` of them at once), or none yet."""
+        self.reposts.append(recv_slot)
+        if len(self.reposts) < self.repost_every:
+            return []
+        now = self.reposts[:]
+        self.reposts.clear()
+        return now
