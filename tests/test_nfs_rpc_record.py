@@ -19,6 +19,19 @@ def test_one_fragment_record() -> None:
     assert RecordDecoder().feed(fragment(b"\1\2\3\4")) == [b"\1\2\3\4"]
 
 
+def test_a_whole_record_read_in_one_piece_is_a_view_of_it_not_a_copy() -> None:
+    decoder = RecordDecoder(max_record=10)
+    data = fragment(b"0123456789")
+    (record,) = decoder.feed(data)
+    assert isinstance(record, memoryview) and record.obj is data and record == b"0123456789"
+    assert not decoder.pending
+    with pytest.raises(RecordTooLarge):  # (the bound holds for a whole record too)
+        decoder.feed(fragment(b"0123456789x"))
+    decoder = RecordDecoder()
+    assert decoder.feed(fragment(b"ab")[:3]) == [] and decoder.pending  # (a part: copied)
+    assert decoder.feed(fragment(b"ab")[3:]) == [b"ab"] and not decoder.pending
+
+
 def test_a_record_of_several_fragments_and_records_back_to_back() -> None:
     stream = fragment(b"ab", last=False) + fragment(b"", last=False) + fragment(b"cde")
     stream += fragment(b"") + fragment(b"xyz")

@@ -222,7 +222,7 @@ async def test_a_reply_for_no_call_is_ignored(nursery: trio.Nursery) -> None:
         stream = await listeners[0].accept()
         record = RecordDecoder().feed(await stream.receive_some())[0]
         reply = Packer()
-        reply.data += record[:4] + bytes.fromhex("0000000100000000000000000000000000000000")
+        reply.data += bytes(record[:4]) + bytes.fromhex("0000000100000000000000000000000000000000")
         stray = b"\0\0\0\0" + reply.data[4:]
         await stream.send_all(
             b"".join(record_marks([stray])) + b"".join(record_marks([reply.data]))

@@ -39,18 +39,21 @@ class RecordDecoder:
         self._fragment_left: int | None = None  # bytes of the current fragment still due
         self._last = False
         self._started = False  # a fragment header of the current record has been read
-
-    @property
-    def pending(self) -> bool:
+        self.pending = False
         """Whether part of a record has arrived (its header at least) and not all of it."""
-        return self._started or bool(self._head)
 
-    def feed(self, data: bytes | bytearray | memoryview) -> list[bytearray]:
+    def feed(self, data: bytes | bytearray | memoryview) -> list[bytearray | memoryview]:
         """Take in ``data``; returns the records it completed, in order. Each byte of a
-        record is copied once, from ``data`` into the record."""
+        record is copied once, from ``data`` into the record, but for the usual case of
+        ``data`` that is one whole record of one fragment and nothing before it: that
+        record is a view of ``data`` (which the caller then leaves as it is)."""
         view = memoryview(data).cast("B")
         at, end = 0, len(view)
-        records: list[bytearray] = []
+        if self._fragment_left is None and not self._head and not self._started and end >= 4:
+            (word,) = _HEADER.unpack_from(view)
+            if word == LAST_FRAGMENT | (end - 4) and end - 4 <= self.max_record:
+                return [view[4:]]
+        records: list[bytearray | memoryview] = []
         while True:
             if self._fragment_left is None:
                 head = self._head
@@ -58,6 +61,7 @@ class RecordDecoder:
                 head += view[at : at + taken]
                 at += taken
                 if len(head) < 4:
+                    self.pending = self._started or bool(head)
                     return records
                 (word,) = _HEADER.unpack(head)
                 head.clear()
@@ -75,6 +79,7 @@ class RecordDecoder:
             at += take
             self._fragment_left -= take
             if self._fragment_left:
+                self.pending = True
                 return records
             self._fragment_left = None
             if self._last:
@@ -93,7 +98,7 @@ def record_marks(
     """
     if not 0 < max_fragment <= MAX_FRAGMENT:
         raise ValueError(f"fragment size {max_fragment}")
-    total = sum(len(b) for b in buffers)
+    total = sum(map(len, buffers))
     if total <= max_fragment:
         return [_HEADER.pack(LAST_FRAGMENT | total), *buffers]
     data = memoryview(b"".join(buffers))

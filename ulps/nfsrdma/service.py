@@ -84,9 +84,11 @@ class Reply:
         self.packer.uint(len(view))
         self.ddp.append((len(self.packer.data), view))
 
-    def inline(self) -> list[bytes | memoryview]:
+    def inline(self) -> list[bytes | bytearray | memoryview]:
         """The whole stream with every item inline, as buffers to send in order (TCP)."""
-        out: list[bytes | memoryview] = []
+        if not self.ddp:
+            return [self.packer.data] if self.packer.data else []
+        out: list[bytes | bytearray | memoryview] = []
         data = memoryview(self.packer.data)
         start = 0
         for offset, item in self.ddp:

@@ -434,7 +434,7 @@ class RpcTcpClient:
         finally:
             self._fail("the client is closed")
 
-    def _deliver(self, record: bytearray) -> None:
+    def _deliver(self, record: bytearray | memoryview) -> None:
         xid = int.from_bytes(record[:4], "big") if len(record) >= 4 else None
         waiter = self._waiting.get(xid) if xid is not None else None
         if waiter is None or waiter.done.is_set():
@@ -451,7 +451,7 @@ class _Waiter:
 
     def __init__(self) -> None:
         self.done = trio.Event()
-        self.record: bytearray | None = None
+        self.record: bytearray | memoryview | None = None
 
 
 @asynccontextmanager
