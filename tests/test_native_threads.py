@@ -1,5 +1,6 @@
 """The native engine's device lock under ThreadSanitizer: ``tools/native_threads.c`` has
-a thread serve one QP (``rs_qp_serve_poll``, as ``CQ.serve_in_thread`` does), the main
+a thread serve one QP (``rs_qp_serve_poll``, as ``CQ.serve_in_thread`` does, or
+``rs_qp_serve_slot``, as it does answering from slots), the main
 thread drive its peer and a third register and deregister regions in the same memory
 table; built with ``-fsanitize=thread``, it must answer every message right with no
 race reported. The same program with the lock compiled out must be reported (the test
@@ -46,8 +47,10 @@ def build(out: Path, *, locked: bool = True) -> Path:
     return out
 
 
-def run(program: Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([str(program)], capture_output=True, text=True, timeout=300, check=False)
+def run(program: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [str(program), *args], capture_output=True, text=True, timeout=300, check=False
+    )
 
 
 def test_a_served_qp_beside_registrations_has_no_race(tmp_path: Path) -> None:
@@ -55,6 +58,17 @@ def test_a_served_qp_beside_registrations_has_no_race(tmp_path: Path) -> None:
     assert "ThreadSanitizer" not in done.stderr, done.stderr[-4000:]
     assert done.returncode == 0, done.stderr[-4000:]
     assert done.stdout == "native_threads: 5000 messages answered by the serving thread\n"
+
+
+def test_a_qp_answering_from_slots_beside_registrations_has_no_race(tmp_path: Path) -> None:
+    """The same, the thread serving through ``rs_qp_serve_slot`` (C posts each answer
+    from its Send slot, gives the Receive back and frees the slots)."""
+    done = run(build(tmp_path / "native_threads"), "slots")
+    assert "ThreadSanitizer" not in done.stderr, done.stderr[-4000:]
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert done.stdout == (
+        "native_threads: 5000 messages answered by the serving thread from slots\n"
+    )
 
 
 def test_without_the_lock_the_races_are_reported(tmp_path: Path) -> None:

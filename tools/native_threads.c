@@ -3,7 +3,10 @@
  *
  * A thread serves QP A as CQ.serve_in_thread does: it waits and polls A's CQ in
  * rs_qp_serve_poll and answers each message (its bytes reversed) with a Send, reposting
- * the Receive. The main thread drives QP B, the peer, over the other end of a socket
+ * the Receive; or, run as "native_threads slots", as it does answering from slots: each
+ * turn is rs_qp_serve_slot, which posts the last answer from its Send slot, gives the
+ * Receive back and frees the Send slots itself, the thread only writing the answer. The
+ * main thread drives QP B, the peer, over the other end of a socket
  * pair: it sends messages, reads and polls for the answers and checks each one. A
  * third thread registers and deregisters regions in the same memory table all along
  * (another PD), as the event loop does for the device's other connections. Every call
@@ -33,7 +36,7 @@ static rs_mem *mem;
 static rs_cq *cq_a, *cq_b;
 static rs_qp *qp_a, *qp_b;
 static int fds[2], wake;
-static uint8_t a_recv[SLOTS * SIZE], a_send[SLOTS * SIZE], b_recv[SLOTS * SIZE],
+static uint8_t a_recv[SLOTS * SIZE], a_send[2 * SLOTS * SIZE], b_recv[SLOTS * SIZE],
     b_send[SLOTS * SIZE];
 static atomic_int done;
 
@@ -104,6 +107,48 @@ static void *serve(void *unused)
     }
 }
 
+/* The serving thread answering from slots: Receive slot i is A's wr_id i, Send slot j
+ * (twice as many) wr_id SLOTS + j; C posts, reposts and frees, the thread writes. */
+static void *serve_slots(void *unused)
+{
+    (void)unused;
+    uint32_t free_slots[2 * SLOTS], unacked[2 * SLOTS], reposts[2];
+    rs_slots s;
+    memset(&s, 0, sizeof s);
+    s.recv_addr = at(a_recv);
+    s.recv_lkey = STAG_A_RECV;
+    s.recv_size = SIZE;
+    s.nrecv = SLOTS;
+    s.send_addr = at(a_send);
+    s.send_lkey = STAG_A_SEND;
+    s.send_size = SIZE;
+    s.nsend = 2 * SLOTS;
+    s.send_base = SLOTS;
+    s.signal_every = 4;
+    s.repost_every = 2;
+    s.free = free_slots;
+    s.unacked = unacked;
+    s.reposts = reposts;
+    for (uint32_t j = 0; j < 2 * SLOTS; j++)
+        free_slots[s.nfree++] = j;
+    s.room = 32;
+    s.reply_len = RS_NO_REPLY;
+    rs_wc wc;
+    rs_wc_sum sum;
+    for (;;) {
+        int64_t n = rs_qp_serve_slot(qp_a, fds[0], wake, &s, &wc, &sum);
+        if (n == -EINTR)
+            return NULL;
+        if (n <= 0 || rs_qp_state(qp_a) != RS_QP_RTS)
+            fail("the served QP left RTS");
+        if (!s.lone)
+            fail("a completion of A other than a lone Receive");
+        for (uint32_t k = 0; k < s.recv_len; k++)
+            a_send[s.send_slot * SIZE + k] = a_recv[s.recv_slot * SIZE + s.recv_len - 1 - k];
+        s.reply_len = s.recv_len;
+    }
+}
+
 /* The event loop's part: other regions of the device come and go all along. */
 static void *churn(void *unused)
 {
@@ -123,8 +168,9 @@ static void *churn(void *unused)
     return NULL;
 }
 
-int main(void)
+int main(int argc, char **argv)
 {
+    int slots = argc > 1 && !strcmp(argv[1], "slots");
     if (socketpair(AF_UNIX, SOCK_STREAM, 0, fds) || (wake = eventfd(0, EFD_NONBLOCK)) < 0)
         fail("socketpair or eventfd");
     mem = rs_mem_new();
@@ -144,7 +190,8 @@ int main(void)
         post_recv(qp_b, b_recv, STAG_B_RECV, slot);
     }
     pthread_t server, churner;
-    if (pthread_create(&server, NULL, serve, NULL) || pthread_create(&churner, NULL, churn, NULL))
+    if (pthread_create(&server, NULL, slots ? serve_slots : serve, NULL) ||
+        pthread_create(&churner, NULL, churn, NULL))
         fail("pthread_create");
 
     uint32_t sent = 0, answered = 0;
@@ -191,6 +238,7 @@ int main(void)
     rs_cq_free(cq_a);
     rs_cq_free(cq_b);
     rs_mem_free(mem);
-    printf("native_threads: %u messages answered by the serving thread\n", answered);
+    printf("native_threads: %u messages answered by the serving thread%s\n", answered,
+           slots ? " from slots" : "");
     return 0;
 }
