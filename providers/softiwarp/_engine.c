@@ -2060,9 +2060,10 @@ static int slots_answer(rs_qp *qp, rs_slots *s)
     s->reply_len = RS_NO_REPLY;
     if (!lone || len == RS_NO_REPLY)
         return 0;
+    /* (the entry's check keeps nreposts below repost_every, and a free slot means the
+     * ring of those out has room) */
     if (len > s->send_size || !s->nfree || s->free[s->nfree - 1] != slot || slot >= s->nsend ||
-        recv >= s->nrecv || s->nunacked >= s->nsend || s->room < 1 ||
-        s->nreposts >= s->repost_every)
+        recv >= s->nrecv || s->room < 1)
         return -EINVAL;
     s->reposts[s->nreposts++] = recv;
     if (s->nreposts == s->repost_every) {
@@ -2137,7 +2138,7 @@ static uint32_t slots_poll(rs_slots *s, rs_cq *cq, rs_wc *out, rs_wc_sum *sum)
              slots_release(s, (uint32_t)(w->wr_id - s->send_base)));
     sum_rows(out, 1, sum);
     s->lone = w->status == RS_WC_SUCCESS && w->opcode == RS_WC_RECV && w->wr_id < s->nrecv &&
-              s->nfree && s->room >= 1 && s->nunacked < s->nsend && s->nreposts < s->repost_every;
+              s->nfree && s->room >= 1;
     if (s->lone) {
         s->recv_slot = (uint32_t)w->wr_id;
         s->recv_len = w->byte_len;

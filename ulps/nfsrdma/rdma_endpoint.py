@@ -176,7 +176,6 @@ class Endpoint:
         the last signaled one, the Receive slots given back and not posted yet."""
         self._send_free = self.slots.free
         self._unacked = self.slots.unacked
-        self._reposts = self.slots.reposts
         self._slot_count = [1] * slots  # work requests the slot's Send completes
         self._slot_shape = [(-1, 0, True)] * slots  # the length, R_Key and signaling it has now
         self._slot_regions: list[Sequence[MR]] = [()] * slots  # closed when it completes
@@ -209,12 +208,10 @@ class Endpoint:
         ``REPOST_EVERY - 1`` given back."""
         if self.lost is not None:
             return
-        self._reposts.append(slot)
-        if len(self._reposts) >= REPOST_EVERY:
-            reposts = self._reposts[:]
-            self._reposts.clear()
+        again = self.slots.give_back(slot)
+        if again:
             try:
-                self.qp.post_recv_batch(self._recvs, indices=reposts)
+                self.qp.post_recv_batch(self._recvs, indices=again)
             except OSError as exc:
                 raise self._lose(f"posting receives failed: {exc}") from exc
 
