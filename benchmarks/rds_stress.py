@@ -110,6 +110,7 @@ CASES = [
     Case(1024, 256, 4, 8),
     Case(64, 16, 4, 8),
     Case(64, 16, 1, 4, rdma=65536),
+    Case(64, 16, 1, 4),  # (case 4 without its RDMA: how much of it is the RDMA)
 ]
 
 

@@ -29,7 +29,7 @@ def test_rds_stress_benchmark_prints_ours_beside_raw(tmp_path: Path, transport: 
     assert doc["meta"]["transport"] == transport
     labels = [r["label"] for r in doc["results"]]
     assert (RDMA_CASE in labels) == (transport == "rdma"), labels
-    assert len(labels) == (4 if transport == "rdma" else 3)
+    assert len(labels) == (5 if transport == "rdma" else 4)
     for result in doc["results"]:
         ours, raw = result["median"]["ours"]["tx_per_s"], result["median"]["raw"]["tx_per_s"]
         assert ours > 0 and raw > 0

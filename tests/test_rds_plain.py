@@ -403,3 +403,54 @@ def test_ci_builds_the_plain_path() -> None:
     if os.environ.get("RDMASHIM_REQUIRE_EXTENSIONS", "") in ("", "0"):
         pytest.skip("RDMASHIM_REQUIRE_EXTENSIONS is not set")
     assert plain.COMPILED is not None, plain.WHY_NOT
+
+
+def handler_run(world: World, rows: list[Row], quiet: int) -> int:
+    """One run of the native handler (``rp_handle``) over ``rows``, polled in one go from a
+    stand-in verbs table (the receives it posts again are only counted), with ``quiet``
+    the port whose reader drives the session: whether it asked for Python."""
+    receiver = world.receiver
+    assert receiver is not None
+    ffi, lib, hook = receiver._ffi, receiver._lib, receiver.hook
+    packed = bytearray()
+    for slot, row in enumerate(rows):
+        HEADER_STRUCT.pack_into(world.recv, slot * SLOT, *row.header)
+        start = slot * SLOT + RDS_HEADER_LEN
+        world.recv[start : start + len(row.payload)] = row.payload
+        packed += WC_ROW.pack(slot, 0, int(WCOpcode.RECV), RDS_HEADER_LEN + len(row.payload),
+                              1, 0, 0, 0)  # fmt: skip
+    polls = [bytes(packed)]
+
+    def poll(cq: Any, out: Any, room: int) -> int:
+        if not polls:
+            return 0
+        chunk = polls.pop()
+        assert len(chunk) <= room * WC_ROW.size
+        ffi.memmove(out, chunk, len(chunk))
+        return len(chunk) // WC_ROW.size
+
+    verbs = ffi.new("rp_verbs *")
+    callbacks = (
+        ffi.callback("uint32_t(void *, rp_row *, uint32_t)", poll),
+        ffi.callback("uint32_t(void *, const rp_recv *, uint32_t)", lambda qp, wrs, n: n),
+        ffi.callback("uint32_t(void *, const rp_send_wr *, uint32_t)", lambda qp, wrs, n: n),
+    )
+    verbs.poll, verbs.post_recv, verbs.post_send = callbacks
+    hook.quiet_port = quiet
+    return int(lib.rp_handle(hook, verbs, ffi.NULL, ffi.NULL, 0))
+
+
+@needs_c
+def test_a_run_for_the_driving_reader_is_taken_without_python() -> None:
+    """The native handler asks for Python only for what is Python's: a run of plain
+    messages for the port whose reader drives the session is taken whole in C, however
+    many came together (their answers go out one by one from C, as a ping-pong's do);
+    a message for another port has a reader to wake."""
+    world = World(True)
+    run = [plain_row(FIRST + i, BOUND[0], b"m%d" % i) for i in range(6)]
+    assert handler_run(world, run, quiet=BOUND[0]) == 0
+    assert len(world.socks[0].received) == 6
+    assert world.receiver is not None and world.receiver.state.next_recv == FIRST + 6
+    other = [plain_row(FIRST + 6, BOUND[1], b"for the other socket")]
+    assert handler_run(world, other, quiet=BOUND[0]) == 1
+    assert len(world.socks[1].received) == 1

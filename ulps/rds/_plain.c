@@ -436,7 +436,6 @@ uint32_t rp_handle(void *hook, const rp_verbs *verbs, void *cq, void *qp, uint32
         h->held = 1;
     if (h->held)
         return 1;
-    uint64_t messages = rx->messages;
     uint32_t ask = 0, taken = 0;
     for (;;) {
         uint32_t n = verbs->poll(cq, h->rows, h->room);
@@ -473,7 +472,7 @@ uint32_t rp_handle(void *hook, const rp_verbs *verbs, void *cq, void *qp, uint32
             break;
         }
     }
-    if (rx->nwoken || rx->messages > messages + 1 || (h->sends_waiting && taken)
+    if (rx->nwoken || (h->sends_waiting && taken)
         || (h->grant_at && h->flow->advertise >= (int64_t)h->grant_at)
         || (h->ack_watch && rx->has_ack && rx->ack >= h->ack_watch))
         ask = 1;

@@ -197,8 +197,9 @@ uint64_t rp_stream(rp_rx *rx, rp_ports *ports, const char *buf, uint64_t len, ui
 /* The native handler (set on the session's CQ with hook as its context): polls, takes
  * runs of plain messages as rp_scan, posts their receives again in lists of
  * repost_batch; non-zero (and held) when Python must look: a row it did not take, a
- * reader to wake, a burst, credits and acks while sends wait, credits to grant, an
- * RDMA operation's end */
+ * reader to wake, credits and acks while sends wait, credits to grant, an RDMA
+ * operation's end. A run of several messages for the driving reader is not one: its
+ * answers go from C one by one, as a ping-pong's do. */
 uint32_t rp_handle(void *hook, const rp_verbs *verbs, void *cq, void *qp, uint32_t qp_num);
 uintptr_t rp_handle_address(void);
 /* Write a plain message (one fragment, no extension, numbered seq) and our ack and

@@ -88,9 +88,10 @@ class Session(HookedSession):
     entries (an entry is packed again only when its fields change): what one pump makes
     goes in one ``post_send_batch``, which the engine frames into one write. On the C
     path, a message Python would send next and alone goes from C's own send buffers in
-    one call (:meth:`.PlainReceiver.send`, posted by ``qp.run_native_handler``). The
-    answers to a burst of delivered messages are held back to go together
-    (:meth:`pump_sends`, :meth:`answer_burst`). The wire is the same either way: the
+    one call (:meth:`.PlainReceiver.send`, posted by ``qp.run_native_handler``). When
+    this handler takes a burst of delivered messages, their answers are held back to go
+    together (:meth:`pump_sends`, :meth:`answer_burst`); a run the native handler takes
+    whole is not held: its answers go from C one by one. The wire is the same either way: the
     same headers, flags and order. What the session does around the CQ's native
     handler (a reader's drive, folding in what C took) is :class:`.HookedSession`'s.
     """
@@ -387,9 +388,9 @@ class Session(HookedSession):
         if self._hooked:
             plain.hold()  # type: ignore[union-attr]
             if self._unfolded.has_ack:
-                # What C took first (the messages of a burst it asked for count in this
-                # run's): its credits let sends go, its receives posted again may be due
-                # to the peer as credits.
+                # What C took first (its messages count in this run's burst): its
+                # credits let sends go, its receives posted again may be due to the
+                # peer as credits.
                 self._fold()
                 if flow.current is not None or rds.unsent or rds.map_out is not None:
                     self.pump_sends(True)
