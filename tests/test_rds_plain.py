@@ -70,10 +70,13 @@ class Row:
 
 
 class Used(Registrations):
-    """A socket's registrations (none here) that note each R_Key a message chases."""
+    """A socket's registrations (none here) that note each R_Key a message chases; the
+    first socket's count a use-once one (so a chaser there is handed on to end it), the
+    other's none (a chaser there ends nothing: neither path looks)."""
 
-    def __init__(self, port: int, log: list[tuple[int, int]]) -> None:
-        super().__init__()
+    def __init__(self, port: int, log: list[tuple[int, int]], counts: Any) -> None:
+        super().__init__(counts)
+        counts.use_once = int(port == BOUND[0])
         self.port, self.log = port, log
 
     def used(self, rkey: int) -> None:
@@ -91,7 +94,7 @@ class World:
         self.used: list[tuple[int, int]] = []
         """(port, R_Key) of each registration marked used by a message chasing it."""
         for sock in self.socks:
-            sock._registrations = Used(sock.port, self.used)
+            sock._registrations = Used(sock.port, self.used, sock.received.counts)
         self.rds = RdsConnection(
             LOCAL, PEER, self.node._deliver, next_seq=1, next_recv=FIRST, heard=True
         )
@@ -454,3 +457,22 @@ def test_a_run_for_the_driving_reader_is_taken_without_python() -> None:
     other = [plain_row(FIRST + 6, BOUND[1], b"for the other socket")]
     assert handler_run(world, other, quiet=BOUND[0]) == 1
     assert len(world.socks[1].received) == 1
+
+
+@needs_c
+def test_a_chaser_asks_for_python_only_where_a_use_once_registration_may_end() -> None:
+    """A message chasing an RDMA operation (its R_Key in the extension header) for the
+    driving reader's socket needs Python only while that socket has a use-once
+    registration, which the message ends; with none it is a plain message."""
+    world = World(True)
+    counts = world.socks[0].received.counts
+    chaser = {"ext": b"\x02\x00\x00\x12\x34"}
+    assert counts.use_once == 1  # (World's first socket counts one)
+    assert handler_run(world, [plain_row(FIRST, **chaser)], quiet=BOUND[0]) == 1
+    assert world.receiver is not None
+    world.receiver.fold(None)
+    world.receiver.release()
+    assert world.used == [(BOUND[0], 0x1234)]
+    counts.use_once = 0
+    assert handler_run(world, [plain_row(FIRST + 1, **chaser)], quiet=BOUND[0]) == 0
+    assert world.used == [(BOUND[0], 0x1234)] and len(world.socks[0].received) == 2

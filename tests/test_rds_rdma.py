@@ -209,19 +209,28 @@ async def test_writes_go_unsignaled_and_leave_with_the_next_send(
 
 
 async def test_use_once_registration_ends_with_the_chasing_message() -> None:
+    """...on either receive path; the socket's count of use-once registrations (where
+    the path looks before it hands a chaser on) follows them."""
     a, b = await nodes([A, B])
     try:
         sa, sb = a.bind(4000), b.bind(5000)
         target = bytearray(16)
+        kept = sb.get_mr(bytearray(16))
         cookie = sb.get_mr(target, use_once=True)
+        counts = sb.received.counts
+        assert counts.use_once == 1
         with trio.fail_after(20):
             op = RdmaOp.write_to(cookie, b"once")
             await sa.sendto(b"", (B, 5000), rdma=op)
             await sb.recvfrom()
         assert target[:4] == b"once" and not sb.registered(cookie)
+        assert counts.use_once == 0 and sb.registered(kept)
         with pytest.raises(RdsError) as info:
             sb.free_mr(cookie)
         assert info.value.errno == errno.EINVAL
+        again = sb.get_mr(target, use_once=True)
+        sb.free_mr(again)
+        assert counts.use_once == 0
     finally:
         await close([a, b])
 

@@ -260,8 +260,10 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
 
     rp_ports *ports = rp_ports_new();
     rp_inbox *boxes[sizeof(bound) / sizeof(bound[0])];
-    for (size_t i = 0; i < sizeof(bound) / sizeof(bound[0]); i++)
+    for (size_t i = 0; i < sizeof(bound) / sizeof(bound[0]); i++) {
         boxes[i] = rp_open(ports, bound[i]);
+        boxes[i]->use_once = (uint32_t)(i & 1); /* (4000 and 65535 have use-once ones) */
+    }
     CHECK(rp_open(ports, bound[0]) == NULL); /* one inbox a port */
 
     rp_rx rx;
@@ -291,8 +293,11 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
         CHECK(chasers == rx.chasers);
         for (uint32_t k = 0; k < rx.nwoken; k++) {
             int found = 0;
-            for (size_t b = 0; b < sizeof(bound) / sizeof(bound[0]); b++)
+            for (size_t b = 0; b < sizeof(bound) / sizeof(bound[0]); b++) {
                 found |= woken[k] == bound[b];
+                /* a chaser is handed on only where a use-once registration may end */
+                CHECK(woken[k] != bound[b] || chased[k] < 0 || boxes[b]->use_once);
+            }
             CHECK(found);
         }
         CHECK(took == n - i ? rx.stop == RP_DONE : rx.stop != RP_DONE);

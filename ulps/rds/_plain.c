@@ -210,8 +210,9 @@ static rp_msg *due(rp_rx *rx, rp_ports *ports, const unsigned char *h, uint32_t 
 }
 
 /* Queue a message due() made on its inbox and count it; chased[k] (when chased is not
- * NULL) is the R_Key the k-th message queued chases (-1: none), for Python to mark its
- * socket's registration used (Linux's use-once cookies end there). */
+ * NULL) is the R_Key the k-th message queued chases (-1: none, or its socket has no
+ * use-once registration), for Python to mark its socket's registration used (Linux's
+ * use-once cookies end there). */
 static void deliver(rp_rx *rx, rp_inbox *box, rp_msg *msg, int64_t rkey, uint16_t *woken,
                     int64_t *chased)
 {
@@ -223,6 +224,8 @@ static void deliver(rp_rx *rx, rp_inbox *box, rp_msg *msg, int64_t rkey, uint16_
     rx->messages++;
     rx->bytes += msg->len;
     if (chased != NULL) {
+        if (!box->use_once)
+            rkey = -1; /* (nothing of its socket's ends: no Python needed) */
         chased[rx->nwoken] = rkey;
         rx->chasers += rkey >= 0;
     }

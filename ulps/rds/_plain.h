@@ -63,6 +63,9 @@ typedef struct {
     uint64_t count;
     uint64_t nbytes;
     uint64_t *holding;      /* the node's count of inboxes holding messages */
+    uint32_t use_once;      /* the socket's live use-once registrations (Python counts
+                             * them): only while it has one does a message chasing an
+                             * RDMA operation need Python, to end the one it names */
     uint16_t port;          /* the port it is bound to */
 } rp_inbox;
 

@@ -36,7 +36,10 @@ class Inbox(Protocol):
     """One socket's receive queue, oldest message first."""
 
     counts: Any
-    """What has ``count`` (messages queued) and ``nbytes`` (their bytes) as attributes."""
+    """What has ``count`` (messages queued) and ``nbytes`` (their bytes) as attributes,
+    and ``use_once``: the socket's live use-once registrations, which its
+    :class:`~.rdma.Registrations` keep there (a message chasing an RDMA operation matters
+    to the socket only while it has one)."""
 
     def push(self, data: bytes, peer: IPAddress, sport: int, seq: int) -> None:
         """Queue a message from ``peer``'s port ``sport``, numbered ``seq`` by its node."""
@@ -90,13 +93,14 @@ def _forms(ip: IPAddress) -> tuple[str, int, bytes]:
 class PyInbox:
     """An :class:`Inbox` in Python."""
 
-    __slots__ = ("_counts", "_messages", "count", "counts", "nbytes")
+    __slots__ = ("_counts", "_messages", "count", "counts", "nbytes", "use_once")
 
     def __init__(self, counts: PyInboxes) -> None:
         self._messages: deque[ReceivedMessage] = deque()
         self._counts = counts
         self.count = 0
         self.nbytes = 0
+        self.use_once = 0
         self.counts = self
 
     def push(self, data: bytes, peer: IPAddress, sport: int, seq: int) -> None:
@@ -161,6 +165,7 @@ class _Closed:
 
     count = 0
     nbytes = 0
+    use_once = 0
 
 
 class CInbox:

@@ -246,10 +246,11 @@ class RdsNode:
             self.drops_no_socket += 1
             log.info("message from %s:%d for unbound port %d dropped", peer, sport, dport)
             return
-        for ext in extensions:
-            if isinstance(ext, RdmaExt):  # it chases an RDMA operation on one of ours
-                sock._registrations.used(ext.rkey)
         inbox = sock.received
+        if inbox.counts.use_once:  # (else a chaser ends nothing: C does not look either)
+            for ext in extensions:
+                if isinstance(ext, RdmaExt):  # it chases an RDMA operation on one of ours
+                    sock._registrations.used(ext.rkey)
         if inbox.counts.nbytes + len(data) > self.settings.rcvbuf_limit:
             self.drops_rcvbuf_full += 1
             log.info(

@@ -231,11 +231,21 @@ class Registration:
     use_once: bool
 
 
-class Registrations:
-    """A socket's registered buffers, by R_Key (``RDS_GET_MR`` / ``RDS_FREE_MR``)."""
+class _Count:
+    use_once = 0
 
-    def __init__(self) -> None:
+
+class Registrations:
+    """A socket's registered buffers, by R_Key (``RDS_GET_MR`` / ``RDS_FREE_MR``).
+
+    ``counts`` (the socket's :attr:`.Inbox.counts`) is where it keeps ``use_once``, how
+    many use-once registrations are live: only then does a message chasing an RDMA
+    operation on the socket have anything to end (:meth:`used`), and the receive path,
+    in C too, reads it there before it hands such a message on."""
+
+    def __init__(self, counts: Any = None) -> None:
         self._by_rkey: dict[int, Registration] = {}
+        self.counts = counts if counts is not None else _Count()
 
     def add(self, pd: PD, buffer: Buffer, *, use_once: bool) -> int:
         """Register ``buffer`` and return its cookie.
@@ -251,6 +261,7 @@ class Registrations:
             mr = pd.reg_mr(buffer, COOKIE_ACCESS)
         cookie = make_cookie(mr.rkey, mr.iova)
         self._by_rkey[mr.rkey] = Registration(mr, cookie, use_once)
+        self.counts.use_once += use_once
         return cookie
 
     def free(self, cookie: int) -> bool:
@@ -258,7 +269,9 @@ class Registrations:
         fail from now on."""
         if cookie not in self:
             return False
-        self._by_rkey.pop(cookie_rkey(cookie)).mr.close()
+        reg = self._by_rkey.pop(cookie_rkey(cookie))
+        reg.mr.close()
+        self.counts.use_once -= reg.use_once
         return True
 
     def used(self, rkey: int) -> None:
@@ -279,3 +292,4 @@ class Registrations:
         for reg in self._by_rkey.values():
             reg.mr.close()
         self._by_rkey.clear()
+        self.counts.use_once = 0

@@ -108,11 +108,14 @@ class RdsSocket:
     _arrived: trio.lowlevel.ParkingLot = field(default_factory=trio.lowlevel.ParkingLot)
     _driving: Drivable | None = None
     """The CQ a reader drives while it waits (see :meth:`recvfrom`)."""
-    _registrations: Registrations = field(default_factory=Registrations)
+    _registrations: Registrations = field(init=False)
     _routes: dict[tuple[str, int], tuple[IPAddress, int, bool]] = field(default_factory=dict)
     """Destinations this socket sent to, as :meth:`_route` found them: (IP, port, whether
     it is the node's own address). A sender names the same few, and parsing and comparing
     an address cost Python calls per message."""
+
+    def __post_init__(self) -> None:
+        self._registrations = Registrations(self.received.counts)
 
     @property
     def queued_bytes(self) -> int:
