@@ -48,7 +48,8 @@ DECLARATIONS = """
 typedef struct { uint64_t wr_id; uint32_t status, opcode, byte_len, qp_num, wc_flags,
                  invalidated_rkey, solicited; } row;
 typedef struct { uint64_t wr_id; uint64_t addr; uint32_t length; uint32_t lkey; } recv;
-typedef struct { uint64_t wr_id; uint64_t addr; uint32_t length, lkey, flags; } send;
+typedef struct { uint64_t wr_id; uint64_t addr; uint32_t length, lkey, flags, opcode;
+                 uint64_t remote_addr; uint32_t rkey; } send;
 typedef struct {
     row log[1024];
     uint32_t logged;
@@ -93,6 +94,10 @@ void abi(uint64_t *out)
     out[2] = sizeof(rdmashim_send);
     out[3] = offsetof(rdmashim_send, flags);
     out[4] = offsetof(rdmashim_verbs, post_send);
+    out[5] = offsetof(rdmashim_send, opcode);
+    out[6] = offsetof(rdmashim_send, remote_addr);
+    out[7] = offsetof(rdmashim_send, rkey) | (uint64_t)RDMASHIM_RDMA_WRITE << 32
+             | (uint64_t)RDMASHIM_RDMA_READ << 40;
 }
 
 static uint32_t handler(void *context, const verbs *v, void *cq, void *qp, uint32_t qp_num)
@@ -276,9 +281,13 @@ async def test_removed_or_closed_it_is_not_called_again(handler_module: Any) -> 
         assert hooked.ctx.calls == calls
 
 
-def stage(hooked: Hooked, wr_id: int, sge: Any, flags: SendFlags) -> None:
-    """Have the handler post this Send when it runs next."""
-    hooked.ctx.staged[hooked.ctx.nstaged] = (wr_id, sge.addr, sge.length, sge.lkey, int(flags))
+def stage(
+    hooked: Hooked, wr_id: int, sge: Any, flags: SendFlags, rdma: tuple[int, int, int] = (0, 0, 0)
+) -> None:
+    """Have the handler post this Send (or with ``rdma`` = (opcode, remote address, R_Key)
+    an RDMA operation) when it runs next."""
+    entry = (wr_id, sge.addr, sge.length, sge.lkey, int(flags), *rdma)
+    hooked.ctx.staged[hooked.ctx.nstaged] = entry
     hooked.ctx.nstaged += 1
 
 
@@ -303,6 +312,29 @@ async def test_a_run_posts_what_the_handler_staged_and_writes_it(handler_module:
         assert bytes(landing.buf[SLOT : SLOT + 6]) == b"second"
         await until(lambda: (8, 0, int(WCOpcode.SEND)) in [row[:3] for row in hooked.log()])
         assert hooked.handled == []
+
+
+async def test_a_handler_posts_an_rdma_write_before_its_send(handler_module: Any) -> None:
+    """The table's ``post_send`` takes an RDMA Write (``opcode`` 1) of one local buffer
+    into the peer's region: its bytes are in place when the Send after it arrives. An
+    opcode the table does not know is not taken, and nothing after it either."""
+    async with hooked_pair(handler_module) as (pair, hooked):
+        client = pair.client
+        target = client.pd.reg_mr(bytearray(32), Access.LOCAL_WRITE | Access.REMOTE_WRITE)
+        landing = client.pd.reg_mr(bytearray(SLOT), Access.LOCAL_WRITE)
+        client.qp.post_recv([RecvWR(1, [landing.sge()])])
+        source = pair.server.pd.reg_mr(bytearray(b"written by C" + b"done"), Access(0))
+        write = (int(native.lib.RS_HOOK_RDMA_WRITE), target.sge().addr + 4, target.rkey)
+        stage(hooked, 5, source.sge(0, 12), SendFlags(0), write)
+        stage(hooked, 6, source.sge(12, 4), SendFlags.SIGNALED)
+        assert pair.server.qp.run_native_handler() is True and hooked.ctx.sent == 2
+        (wc,) = await drain(client.cq, 1)
+        assert (wc.status, bytes(landing.buf[:4])) == (WCStatus.SUCCESS, b"done")
+        assert bytes(target.buf[4:16]) == b"written by C"
+        stage(hooked, 7, source.sge(0, 4), SendFlags.SIGNALED, (3, 0, 0))
+        stage(hooked, 8, source.sge(0, 4), SendFlags.SIGNALED)
+        assert pair.server.qp.run_native_handler() is True and hooked.ctx.sent == 2
+        assert pair.server.qp.query().qp_state is QPState.RTS
 
 
 async def test_a_send_naming_memory_it_may_not_use_fails_as_any_post(handler_module: Any) -> None:
@@ -345,19 +377,26 @@ def test_the_engine_header_keeps_the_documented_abi(handler_module: Any) -> None
     the docs give a C user and ``native_handler.h`` (which the handler above includes)
     declares."""
     ffi = native.ffi
-    out = handler_module.ffi.new("uint64_t[5]")
+    out = handler_module.ffi.new("uint64_t[8]")
     handler_module.lib.abi(out)
     assert list(out) == [
         ffi.sizeof("rs_wc"), ffi.sizeof("rs_hook_recv"), ffi.sizeof("rs_hook_send"),
         ffi.offsetof("rs_hook_send", "flags"), ffi.offsetof("rs_hook_verbs", "post_send"),
+        ffi.offsetof("rs_hook_send", "opcode"), ffi.offsetof("rs_hook_send", "remote_addr"),
+        ffi.offsetof("rs_hook_send", "rkey")
+        | native.lib.RS_HOOK_RDMA_WRITE << 32 | native.lib.RS_HOOK_RDMA_READ << 40,
     ]  # fmt: skip
     assert ffi.sizeof("rs_hook_recv") == 24
     assert ffi.offsetof("rs_hook_recv", "addr") == 8
     assert ffi.offsetof("rs_hook_recv", "lkey") == 20
     assert ffi.offsetof("rs_hook_verbs", "post_recv") == ffi.sizeof("void *")
     assert ffi.offsetof("rs_hook_verbs", "post_send") == 2 * ffi.sizeof("void *")
-    assert ffi.sizeof("rs_hook_send") == 32
+    assert ffi.sizeof("rs_hook_send") == 48
     assert ffi.offsetof("rs_hook_send", "flags") == 24
+    assert ffi.offsetof("rs_hook_send", "opcode") == 28
+    assert ffi.offsetof("rs_hook_send", "remote_addr") == 32
+    assert ffi.offsetof("rs_hook_send", "rkey") == 40
+    assert native.lib.RS_HOOK_SEND == 0  # (a zero-initialised entry is a Send)
 
 
 def test_the_example_echo_server_works_in_c() -> None:

@@ -35,14 +35,20 @@ typedef struct {
     uint32_t lkey;
 } rdmashim_recv;
 
-/* One Send of one buffer */
+/* One Send of one buffer, or an RDMA Write or Read of one local buffer */
 typedef struct {
     uint64_t wr_id;
     uint64_t addr;
     uint32_t length;
     uint32_t lkey;
     uint32_t flags;         /* SendFlags: FENCE 1, SIGNALED 2, SOLICITED 4, INLINE 8 */
+    uint32_t opcode;        /* RDMASHIM_SEND (0: zero-initialised is a Send), ... */
+    uint64_t remote_addr;   /* an RDMA Write's or Read's peer buffer */
+    uint32_t rkey;
 } rdmashim_send;
+#define RDMASHIM_SEND 0
+#define RDMASHIM_RDMA_WRITE 1
+#define RDMASHIM_RDMA_READ 2
 
 typedef struct {
     /* up to n completions into rows */

@@ -745,13 +745,18 @@ static uint32_t post_send(rs_qp *qp, const rs_send_wr *wrs, uint32_t n, int *why
 
 static uint32_t hook_post_send(rs_qp *qp, const rs_hook_send *wrs, uint32_t n)
 {
+    static const uint32_t opcodes[] = {RS_WR_SEND, RS_WR_RDMA_WRITE, RS_WR_RDMA_READ};
     uint32_t k;
     for (k = 0; k < n; k++) {
         rs_send_wr w;
         int why;
+        if (wrs[k].opcode >= sizeof opcodes / sizeof opcodes[0])
+            break; /* (not one a handler may post: not taken) */
         memset(&w, 0, sizeof w);
         w.wr_id = wrs[k].wr_id;
-        w.opcode = RS_WR_SEND;
+        w.opcode = opcodes[wrs[k].opcode];
+        w.remote_addr = wrs[k].remote_addr;
+        w.rkey = wrs[k].rkey;
         w.flags = wrs[k].flags & (RS_FENCE | RS_SIGNALED | RS_SOLICITED | RS_INLINE);
         w.num_sge = 1;
         w.sg_list[0].addr = wrs[k].addr;

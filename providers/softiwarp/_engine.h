@@ -186,7 +186,8 @@ uint32_t rs_cq_poll_sum(rs_cq *cq, rs_wc *out, uint32_t n, rs_wc_sum *sum);
  * inside that call (the QP's lock held, without the GIL where the call is made
  * without it), never from inside the handler itself. The handler polls and posts only
  * through verbs: poll takes up to n completions into rows (rs_wc is a WC_ROW row),
- * post_recv posts n single-buffer receives and post_send n single-buffer Sends on the QP
+ * post_recv posts n single-buffer receives and post_send n single-buffer Sends (or RDMA
+ * Writes and Reads of one local buffer) on the QP
  * whose call ran (qp_num), checked as any post's (a Send's memory when it is framed, a
  * receive's when data is placed in it); how many were taken. A non-zero want sets
  * the CQ view's wanted: the provider then hands the CQ on as for a completion that was
@@ -203,7 +204,13 @@ typedef struct {
     uint32_t length;
     uint32_t lkey;
     uint32_t flags;         /* RS_FENCE, RS_SIGNALED, RS_SOLICITED, RS_INLINE */
+    uint32_t opcode;        /* RS_HOOK_SEND (0), RS_HOOK_RDMA_WRITE, RS_HOOK_RDMA_READ */
+    uint64_t remote_addr;   /* an RDMA Write's or Read's peer buffer */
+    uint32_t rkey;
 } rs_hook_send;
+#define RS_HOOK_SEND 0
+#define RS_HOOK_RDMA_WRITE 1
+#define RS_HOOK_RDMA_READ 2
 typedef struct {
     uint32_t (*poll)(rs_cq *cq, rs_wc *rows, uint32_t n);
     uint32_t (*post_recv)(rs_qp *qp, const rs_hook_recv *wrs, uint32_t n);
