@@ -1,5 +1,6 @@
 """RDS's batching paths: ``recvfrom_nowait``, answers to a burst of delivered
-messages, which a session holds back to post together (``Session.pump_sends``), and
+messages, which a session on the Python path holds back to post together
+(``Session.pump_sends``; on the C path each goes from C at once), and
 acknowledgements held back for a message to carry them (``ACK_DELAY``)."""
 
 from __future__ import annotations
@@ -97,11 +98,14 @@ async def test_answers_to_a_burst_arrive_when_the_answerer_stops_receiving(
 
 
 async def test_a_burst_is_answered_first_at_once_then_together_when_the_receiver_waits(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, rds_paths: str
 ) -> None:
     """The first answer to a burst is posted at once, so that the peer starts on it;
     the others wait, and the receiver posts them together itself when it goes back
-    to ``recvfrom`` with no message left anywhere (not the session's task, later)."""
+    to ``recvfrom`` with no message left anywhere (not the session's task, later). On
+    the C path every answer goes at once, from C (held back, they cost more than the
+    posts they save: rds stress ``t=4 d=8`` 0.87-1.02 -> 1.03-1.09 of raw TCP)."""
+    held = rds_paths == "python"
     answered_by: list[tuple[Any, int]] = []
     answer_burst = Session.answer_burst
 
@@ -124,10 +128,12 @@ async def test_a_burst_is_answered_first_at_once_then_together_when_the_receiver
             for _ in range(SMALL_BURST - 1):
                 data, sender = sb.recvfrom_nowait()
                 await sb.sendto(b"re:" + data, sender)
-            assert len(rds.unsent) == SMALL_BURST - 1  # held back for the rest of the burst
+            # held back for the rest of the burst (Python's path), or gone (C's)
+            assert len(rds.unsent) == (SMALL_BURST - 1 if held else 0)
             with trio.move_on_after(0.5):
                 await sb.recvfrom()
-            assert answered_by[:1] == [(trio.lowlevel.current_task(), SMALL_BURST - 1)]
+            if held:
+                assert answered_by[:1] == [(trio.lowlevel.current_task(), SMALL_BURST - 1)]
             assert not rds.unsent
             got = [await sa.recvfrom() for _ in range(SMALL_BURST)]
         assert got == [(b"re:q%d" % i, ("127.0.0.2", 5000)) for i in range(SMALL_BURST)]
@@ -137,11 +143,13 @@ async def test_a_burst_is_answered_first_at_once_then_together_when_the_receiver
 
 @pytest.mark.parametrize("senders", [1, 2])
 async def test_a_large_burst_from_several_sockets_is_answered_all_together(
-    senders: int,
+    senders: int, rds_paths: str
 ) -> None:
     """A burst of more than OPENING_MAX messages from several sockets has no answer
     posted at once: all go together when the receiver waits again. From one socket
-    (one conversation, whose two ends would take turns) the first still goes at once."""
+    (one conversation, whose two ends would take turns) the first still goes at once.
+    On the C path each goes at once, from C."""
+    held = rds_paths == "python"
     size = OPENING_MAX + 4
     assert size <= BURST_MAX  # (else the hold posts some itself)
     a, b = await nodes(["127.0.0.1", "127.0.0.2"])
@@ -154,11 +162,11 @@ async def test_a_large_burst_from_several_sockets_is_answered_all_together(
             assert len(sb.received) == size - 1  # the burst: one handler run delivered all
             rds = b.connections()[0]
             await sb.sendto(b"re:" + data, sender)
-            assert len(rds.unsent) == (0 if senders == 1 else 1)
+            assert len(rds.unsent) == (0 if senders == 1 or not held else 1)
             for _ in range(size - 1):
                 data, sender = sb.recvfrom_nowait()
                 await sb.sendto(b"re:" + data, sender)
-            assert len(rds.unsent) == size - (1 if senders == 1 else 0)
+            assert len(rds.unsent) == (size - (1 if senders == 1 else 0) if held else 0)
             with trio.move_on_after(0.5):
                 await sb.recvfrom()
             assert not rds.unsent
@@ -171,10 +179,12 @@ async def test_a_large_burst_from_several_sockets_is_answered_all_together(
         await close([a, b])
 
 
-async def test_answers_held_for_a_burst_survive_the_session_breaking() -> None:
+async def test_answers_held_for_a_burst_survive_the_session_breaking(rds_paths: str) -> None:
     """The session breaks while it holds answers back: the node lets go of it (a peer
     that reconnects over and over cannot pile dead sessions up there), and the answers,
-    still queued, go out over the next session, once each and in order."""
+    still queued, go out over the next session, once each and in order. (On the C path
+    none is held: the ones C sent and the peer has yet to acknowledge are the ones the
+    next session sends again, once each and in order.)"""
     a, b = await nodes(["127.0.0.1", "127.0.0.2"])
     try:
         sa, sb = a.bind(4000), b.bind(5000)
@@ -188,13 +198,15 @@ async def test_answers_held_for_a_burst_survive_the_session_breaking() -> None:
                 await sb.sendto(b"re:" + data, sender)
             rds = b.connections()[0]
             session = rds.session
-            assert isinstance(session, Session) and list(b._bursts) == [session]
+            held = [session] if rds_paths == "python" else []
+            assert isinstance(session, Session) and list(b._bursts) == held
             session.cut()
             got = [await sa.recvfrom() for _ in range(SMALL_BURST)]
             await trio.testing.wait_all_tasks_blocked()
         assert got == [(b"re:q%d" % i, ("127.0.0.2", 5000)) for i in range(SMALL_BURST)]
-        assert rds.session is not session and rds.counters.sessions == 2
-        assert session not in b._bursts
+        assert rds.session is not session and session not in b._bursts
+        if held:  # (they went over the next session; C's may all have gone before the cut)
+            assert rds.counters.sessions == 2
     finally:
         await close([a, b])
 

@@ -29,7 +29,7 @@ from rdmashim.ulps.rds import plain
 from rdmashim.ulps.rds.connection import RdsConnection
 from rdmashim.ulps.rds.node import RdsNode
 from rdmashim.ulps.rds.plain import SendRing
-from rdmashim.ulps.rds.rdma import Registrations
+from rdmashim.ulps.rds.rdma import RdmaOp, Registrations, make_cookie
 from rdmashim.ulps.rds.rdma_flow import ACK_REQUIRED_EVERY, RECV_SLOTS, RdmaFlow
 from rdmashim.ulps.rds.rdma_session import C_SEND_WR, SLOT
 from rdmashim.ulps.rds.settings import RdsSettings
@@ -353,33 +353,51 @@ def test_a_steady_stream_is_taken_in_c() -> None:
     assert world.rds.counters.recv_messages == 30 and decoder.buffered == 0
 
 
-def sent_in(compiled: bool, counts: tuple[int, int, bool, int], behind: int, data: bytes) -> Any:
+def sent_in(
+    compiled: bool, counts: tuple[int, int, bool, int], behind: int, data: bytes,
+    write: RdmaOp | None = None,
+) -> Any:  # fmt: skip
     """One message queued alone on a flow with these counters (credits, receives to grant,
     flow control, messages before the next asks for an ack), the peer's ``behind`` more
-    messages unacknowledged: what Python's ``fill`` writes, or ``rp_send`` (None: it
-    would not), and the counters after."""
+    messages unacknowledged, chasing the RDMA ``write`` if any: what Python's ``fill``
+    writes, or ``rp_send`` (``rp_send_write``; None: it would not), and the counters after
+    (and the Write C keeps for the message's buffer)."""
     world = World(compiled)
     state = world.flow.state
     state.send_credits, state.advertise, state.flow_control, state.ack_countdown = counts
     state.acked_to_peer = FIRST - 1 - behind
     world.rds.next_recv = FIRST
-    world.rds.queue(BOUND[0], 7, data)
+    world.rds.queue(BOUND[0], 7, data, rdma=write)
     msg = world.rds.unsent[0]
+    source = (0x7000, 0x77)  # (the Write's local buffer, as registered)
+    posted: tuple[int, ...] = ()
     if world.receiver is None:
         buf = bytearray(SLOT)
         n = world.flow.fill(buf, 0)
         out = bytes(buf[:n]) if n and len(data) <= RDS_FRAG_SIZE else None
         assert out is None or (world.flow.last and not world.flow.fence)  # (C's Send: SE)
+        if out is not None and write is not None:
+            assert world.flow.rdma_op is write
+            posted = (source[0], write.remote_addr, write.length, source[1], write.rkey)
     else:
         world.receiver.release()  # (what a session's handler leaves: C's next_recv is ours)
-        took = world.receiver.send(msg.seq, msg.sport, msg.dport, data, len(data))
+        if write is None:
+            took = world.receiver.send(msg.seq, msg.sport, msg.dport, data, len(data))
+        else:
+            took = world.receiver.send_write(
+                msg.seq, msg.sport, msg.dport, data, len(data), *source, write.length,
+                write.remote_addr, write.rkey,
+            )  # fmt: skip
+            w = world.receiver.hook.writes[0]
+            if took:
+                posted = (w.addr, w.remote_addr, w.length, w.lkey, w.rkey)
         out = bytes(world.sends[: RDS_HEADER_LEN + len(data)]) if took else None
         assert world.receiver.hook.staged == took
     after = (
         state.send_credits, state.advertise, state.acked_to_peer, state.ack_at,
         state.ack_countdown,
     )  # fmt: skip
-    return out, (after if out is not None else None)
+    return out, (after if out is not None else None), posted
 
 
 @needs_c
@@ -398,6 +416,28 @@ def test_a_plain_message_sent_in_c_is_the_one_python_sends(
     one for which no credit is left)."""
     data = bytes(range(256)) * (length // 256) + bytes(length % 256)
     assert sent_in(True, counts, behind, data) == sent_in(False, counts, behind, data)
+
+
+@needs_c
+@settings(max_examples=100, deadline=None)
+@given(
+    st.tuples(st.integers(0, 4), st.integers(0, 600), st.booleans(), st.integers(0, 7)),
+    st.sampled_from([0, 16, RDS_FRAG_SIZE + 1]),
+    st.integers(1, 1 << 20),
+    st.integers(0, (1 << 32) - 1),
+    st.integers(0, (1 << 32) - 1),
+)
+def test_a_message_chasing_a_write_sent_in_c_is_the_one_python_sends(
+    counts: tuple[int, int, bool, int], length: int, size: int, rkey: int, offset: int
+) -> None:
+    """``rp_send_write`` writes the header ``RdmaFlow.fill`` writes for a message chasing
+    an RDMA Write (the R_Key in its RDMA extension) and keeps the Write Python would post
+    before it: the same local buffer, peer address, length and R_Key."""
+    data = bytes(length)
+    cookie = make_cookie(rkey, 0x10000)
+    write = RdmaOp.write_to(cookie, bytes(size), offset=offset)
+    c, python = (sent_in(flag, counts, 0, data, write) for flag in (True, False))
+    assert c == python
 
 
 def test_ci_builds_the_plain_path() -> None:

@@ -20,9 +20,11 @@
  * the harness doing what Python does when it asks (the row it left is Python's; it
  * folds and releases): every receive it posts must name a buffer of the session, and
  * it must poll nothing while held. Between its runs the harness sends plain messages in
- * C (rp_send, lengths the input chooses, some too long), which the next run posts: every
+ * C (rp_send, lengths the input chooses, some too long; and rp_send_write, chasing RDMA
+ * Writes of lengths it chooses, some empty or too long), which the next run posts: every
  * Send it posts must be one it staged, in order, naming its own send buffer with the
- * length of the header written there; and the input's Send completions (their work
+ * length of the header written there, after the Write its message chases (unsignaled,
+ * as staged, its R_Key in the header's extension); and the input's Send completions (their work
  * requests moved near the send buffers' ids, some past them) free the buffers. Last, the
  * receive buffers' bytes are an RDS/TCP stream (rp_stream, the message it leaves
  * skipped as Python's): what it takes must be whole messages, counted as delivered.
@@ -93,14 +95,37 @@ static uint32_t fake_post(void *qp, const rp_recv *wrs, uint32_t n)
 
 static const char *send_ring;
 static uint64_t send_next; /* the buffer the next Send posted must name (counted up) */
+static uint32_t write_len[SEND_SLOTS]; /* the Write each buffer's message chases (0: none) */
+static uint32_t write_rkey[SEND_SLOTS];
+#define WRITE_BASE 0x30000000u
+#define WRITE_LKEY 79
+
+static uint32_t be32_at(const unsigned char *b)
+{
+    return (uint32_t)b[0] << 24 | (uint32_t)b[1] << 16 | (uint32_t)b[2] << 8 | b[3];
+}
 
 static uint32_t fake_post_send(void *qp, const rp_send_wr *wrs, uint32_t n)
 {
     (void)qp;
     for (uint32_t k = 0; k < n; k++) {
-        uint64_t slot = send_next++ % SEND_SLOTS;
+        uint64_t slot = send_next % SEND_SLOTS;
         const unsigned char *b = (const unsigned char *)send_ring + slot * SLOT;
-        uint32_t len = (uint32_t)b[16] << 24 | (uint32_t)b[17] << 16 | (uint32_t)b[18] << 8 | b[19];
+        if (write_len[slot]) { /* its Write first, unsignaled, as staged */
+            CHECK(wrs[k].opcode == RP_POST_RDMA_WRITE && k + 1 < n);
+            CHECK(wrs[k].wr_id == SEND_WR + SEND_SLOTS + slot && wrs[k].lkey == WRITE_LKEY);
+            CHECK(wrs[k].addr == WRITE_BASE + slot && wrs[k].length == write_len[slot]);
+            CHECK(wrs[k].rkey == write_rkey[slot] && wrs[k].remote_addr == write_rkey[slot] * 3ull);
+            CHECK(!(wrs[k].flags & RP_SEND_SIGNALED));
+            CHECK(b[32] == RP_EXT_RDMA && be32_at(b + 33) == write_rkey[slot] && b[37] == 0);
+            write_len[slot] = 0;
+            k++;
+        } else {
+            CHECK(b[32] == 0);
+        }
+        send_next++;
+        uint32_t len = be32_at(b + 16);
+        CHECK(wrs[k].opcode == RP_POST_SEND);
         CHECK(wrs[k].wr_id == SEND_WR + slot && wrs[k].lkey == SEND_LKEY);
         CHECK(wrs[k].addr == SEND_BASE + slot * SLOT && wrs[k].length == RP_HEADER_LEN + len);
         CHECK(wrs[k].length <= SLOT && (wrs[k].flags & RP_SEND_SOLICITED));
@@ -110,18 +135,34 @@ static uint32_t fake_post_send(void *qp, const rp_send_wr *wrs, uint32_t n)
 
 static const rp_verbs fake_verbs = {fake_poll, fake_post, fake_post_send};
 
-/* Send a few plain messages in C, as the input says (its bytes for their payloads). */
+/* Send a few plain messages in C, as the input says (its bytes for their payloads), some
+ * chasing an RDMA Write (of a length the input says: some empty, some too long). */
 static void send_some(rp_hook *h, const char *bytes, size_t len, uint32_t *dice)
 {
     uint32_t k = *dice % 3;
     while (k--) {
         *dice = *dice * 1103515245u + 12345u;
         uint32_t size = (*dice >> 16) % (SLOT - RP_HEADER_LEN + 8); /* some too long */
-        uint32_t busy = h->send_busy, staged = h->staged;
-        uint32_t took = rp_send(h, 1000 + h->sent, 4000, 7, bytes, size <= len ? size : 0);
+        uint32_t busy = h->send_busy, staged = h->staged, slot = h->send_head;
+        uint64_t seq = 1000 + h->sent;
+        uint32_t took, length = 0, rkey = *dice >> 3;
+        if (*dice & 4) {
+            length = *dice & 8 ? (*dice >> 4) % 3 : RP_MAX_MSG_SIZE + (*dice >> 4) % 3 - 1;
+            took = rp_send_write(h, seq, 4000, 7, bytes, size <= len ? size : 0,
+                                 WRITE_BASE + slot, WRITE_LKEY, length, rkey * 3ull, rkey);
+            CHECK(!took || (length && length <= RP_MAX_MSG_SIZE));
+        } else {
+            took = rp_send(h, seq, 4000, 7, bytes, size <= len ? size : 0);
+        }
         CHECK(took ? h->send_busy == busy + 1 && h->staged == staged + 1
                    : h->send_busy == busy && h->staged == staged);
         CHECK(h->send_busy <= SEND_SLOTS && (!took || size <= SLOT - RP_HEADER_LEN));
+        if (took) {
+            write_len[slot] = length;
+            write_rkey[slot] = rkey;
+            CHECK(rp_write_seq(h, SEND_WR + SEND_SLOTS + slot) == (int64_t)seq);
+        }
+        CHECK(rp_write_seq(h, SEND_WR + slot) == -1 && rp_write_seq(h, SEND_WR + 2 * SEND_SLOTS) == -1);
     }
 }
 
@@ -137,13 +178,16 @@ static void handle(rp_ports *ports, rp_rx *rx, const rp_row *rows, uint32_t n, c
     char *ring = malloc(SEND_SLOTS * SLOT); /* exact: a write past it is ASan's */
     send_ring = ring;
     send_next = 0;
+    rp_write writes[SEND_SLOTS];
+    memset(writes, 0, sizeof writes);
+    memset(write_len, 0, sizeof write_len);
     rp_hook h = {
         .rx = rx, .ports = ports, .rows = polled, .room = ROWS_MAX, .recv = recv,
         .recv_len = recv_len, .reposts = reposts, .woken = woken, .chased = chased,
         .recv_addr = BASE, .recv_lkey = LKEY, .repost_batch = 4, .quiet_port = quiet,
         .flow = &flow, .send = ring, .send_addr = SEND_BASE, .send_lkey = SEND_LKEY,
         .send_slots = SEND_SLOTS, .send_wr = SEND_WR, .signal_every = 2, .ack_every = 8,
-        .max_inline = 64,
+        .max_inline = 64, .writes = writes,
     };
     uint32_t dice = chunk * 2654435761u + n;
     /* The input's Send completions as ours (some past our buffers) */

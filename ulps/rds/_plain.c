@@ -344,6 +344,9 @@ static void repost(rp_hook *h, const rp_verbs *verbs, void *qp)
     }
 }
 
+/* The entries post_staged() fills at most: a Send and the Write it chases a message */
+#define RP_STAGED_MAX 8
+
 uint32_t rp_send(rp_hook *h, uint64_t seq, uint16_t sport, uint16_t dport, const char *data,
                  uint32_t len)
 {
@@ -351,7 +354,7 @@ uint32_t rp_send(rp_hook *h, uint64_t seq, uint16_t sport, uint16_t dport, const
     rp_rx *rx = h->rx;
     uint32_t size = RP_HEADER_LEN + len;
     if (h->held || h->refused || len > RP_FRAG_SIZE || size > rx->slot
-        || h->send_busy >= h->send_slots || h->staged >= 8
+        || h->send_busy >= h->send_slots || h->staged >= RP_STAGED_MAX
         || (f->flow_control && f->send_credits <= 1))
         return 0;
     uint32_t slot = h->send_head;
@@ -374,11 +377,42 @@ uint32_t rp_send(rp_hook *h, uint64_t seq, uint16_t sport, uint16_t dport, const
         memcpy(b + RP_HEADER_LEN, data, len);
     if (f->flow_control)
         f->send_credits -= 1;
+    if (h->writes != NULL)
+        h->writes[slot].length = 0;
     h->send_head = (slot + 1) % h->send_slots;
     h->send_busy++;
     h->staged++;
     h->sent++;
     return 1;
+}
+
+uint32_t rp_send_write(rp_hook *h, uint64_t seq, uint16_t sport, uint16_t dport,
+                       const char *data, uint32_t len, uint64_t laddr, uint32_t lkey,
+                       uint32_t length, uint64_t remote_addr, uint32_t rkey)
+{
+    if (h->writes == NULL || length == 0 || length > RP_MAX_MSG_SIZE)
+        return 0;
+    uint32_t slot = h->send_head;
+    if (!rp_send(h, seq, sport, dport, data, len))
+        return 0;
+    unsigned char *b = (unsigned char *)h->send + (uint64_t)slot * h->rx->slot;
+    b[32] = RP_EXT_RDMA; /* (the rest of the area is zero: the list ends after it) */
+    put32(b + 33, rkey);
+    rp_write *w = &h->writes[slot];
+    w->addr = laddr;
+    w->remote_addr = remote_addr;
+    w->length = length;
+    w->lkey = lkey;
+    w->rkey = rkey;
+    return 1;
+}
+
+int64_t rp_write_seq(rp_hook *h, uint64_t wr_id)
+{
+    uint64_t first = h->send_wr + h->send_slots;
+    if (h->writes == NULL || wr_id < first || wr_id - first >= h->send_slots)
+        return -1;
+    return (int64_t)be64((const unsigned char *)h->send + (wr_id - first) * h->rx->slot);
 }
 
 uint32_t rp_sent(rp_hook *h, uint64_t wr_id)
@@ -394,14 +428,26 @@ uint32_t rp_sent(rp_hook *h, uint64_t wr_id)
     return 1;
 }
 
-/* Post the Sends rp_send staged, oldest first: signaled one in signal_every, and while
- * few buffers are left; inline when short (none taken: the QP is leaving RTS, and the
+/* Post the Sends rp_send staged, oldest first, each after the Write it chases (if any):
+ * signaled one in signal_every, and while few buffers are left; inline when short (none taken: the QP is leaving RTS, and the
  * session ends; their messages are Python's to send again). */
 static void post_staged(rp_hook *h, const rp_verbs *verbs, void *qp)
 {
-    rp_send_wr wrs[8];
-    uint32_t n = h->staged, slot = (h->send_head + h->send_slots - n) % h->send_slots;
+    rp_send_wr wrs[2 * RP_STAGED_MAX];
+    uint32_t n = h->staged, slot = (h->send_head + h->send_slots - n) % h->send_slots, m = 0;
+    memset(wrs, 0, sizeof wrs);
     for (uint32_t k = 0; k < n; k++, slot = (slot + 1) % h->send_slots) {
+        rp_write *w = h->writes != NULL ? &h->writes[slot] : NULL;
+        if (w != NULL && w->length) { /* unsignaled: done when a later Send is */
+            wrs[m].wr_id = h->send_wr + h->send_slots + slot;
+            wrs[m].addr = w->addr;
+            wrs[m].length = w->length;
+            wrs[m].lkey = w->lkey;
+            wrs[m].opcode = RP_POST_RDMA_WRITE;
+            wrs[m].remote_addr = w->remote_addr;
+            wrs[m++].rkey = w->rkey;
+            w->length = 0;
+        }
         const unsigned char *b = (const unsigned char *)h->send + (uint64_t)slot * h->rx->slot;
         uint32_t length = RP_HEADER_LEN + be32(b + 16);
         uint32_t flags = RP_SEND_SOLICITED;
@@ -411,14 +457,14 @@ static void post_staged(rp_hook *h, const rp_verbs *verbs, void *qp)
         }
         if (length <= h->max_inline)
             flags |= RP_SEND_INLINE;
-        wrs[k].wr_id = h->send_wr + slot;
-        wrs[k].addr = h->send_addr + (uint64_t)slot * h->rx->slot;
-        wrs[k].length = length;
-        wrs[k].lkey = h->send_lkey;
-        wrs[k].flags = flags;
+        wrs[m].wr_id = h->send_wr + slot;
+        wrs[m].addr = h->send_addr + (uint64_t)slot * h->rx->slot;
+        wrs[m].length = length;
+        wrs[m].lkey = h->send_lkey;
+        wrs[m++].flags = flags; /* (opcode RP_POST_SEND: 0) */
     }
     h->staged = 0;
-    if (verbs->post_send(qp, wrs, n) != n)
+    if (verbs->post_send(qp, wrs, m) != m)
         h->refused = 1;
 }
 

@@ -25,6 +25,8 @@
 #define RP_SEND_SOLICITED 4  /* SendFlags (the verbs table's send.flags) */
 #define RP_SEND_SIGNALED 2
 #define RP_SEND_INLINE 8
+#define RP_POST_SEND 0       /* the verbs table's send.opcode */
+#define RP_POST_RDMA_WRITE 1
 
 /* Why rp_scan stopped (rp_rx.stop) */
 #define RP_DONE 0          /* every row taken */
@@ -106,6 +108,17 @@ typedef struct {
     uint32_t flow_control;  /* Sends wait for the peer's credits */
 } rp_flow;
 
+/* The RDMA Write a plain message sent in C chases (rp_send_write): posted just before
+ * its Send, from its send buffer's entry (length 0: none) */
+typedef struct {
+    uint64_t addr;          /* the local bytes, registered (lkey) */
+    uint64_t remote_addr;   /* where in the peer's region (rkey) */
+    uint32_t length;
+    uint32_t lkey;
+    uint32_t rkey;
+    uint32_t pad;
+} rp_write;
+
 /* verbs' native completion handler ABI (docs/verbs.md, "Native completion handlers"):
  * declared here as RDS knows no backend */
 typedef struct {
@@ -120,6 +133,9 @@ typedef struct {
     uint32_t length;
     uint32_t lkey;
     uint32_t flags;
+    uint32_t opcode;        /* RP_POST_SEND, RP_POST_RDMA_WRITE */
+    uint64_t remote_addr;
+    uint32_t rkey;
 } rp_send_wr;
 typedef struct {
     uint32_t (*poll)(void *cq, rp_row *rows, uint32_t n);
@@ -174,6 +190,8 @@ typedef struct {
                              * them): buffers send_head - staged .. send_head - 1 */
     uint32_t refused;       /* out: the QP refused a staged Send (it is leaving RTS) */
     uint64_t sent;          /* out: messages rp_send took */
+    rp_write *writes;       /* send_slots entries: the Write each buffer's message chases;
+                             * buffer i's Write is work request send_wr + send_slots + i */
 } rp_hook;
 
 
@@ -213,6 +231,16 @@ uintptr_t rp_handle_address(void);
  * next with nothing else queued. */
 uint32_t rp_send(rp_hook *hook, uint64_t seq, uint16_t sport, uint16_t dport,
                  const char *data, uint32_t len);
+/* rp_send for a message chasing an RDMA Write of length bytes at laddr (lkey) into the
+ * peer's region (rkey, remote_addr): its header carries the R_Key in an RDMA extension,
+ * and the Write is posted, unsignaled, just before its Send. 0 as rp_send's, and also
+ * when the Write is empty or longer than RP_MAX_MSG_SIZE. */
+uint32_t rp_send_write(rp_hook *hook, uint64_t seq, uint16_t sport, uint16_t dport,
+                       const char *data, uint32_t len, uint64_t laddr, uint32_t lkey,
+                       uint32_t length, uint64_t remote_addr, uint32_t rkey);
+/* The sequence number of the message whose chased Write is work request wr_id (a failed
+ * one's completion), read from its send buffer; -1 when wr_id is not one of them. */
+int64_t rp_write_seq(rp_hook *hook, uint64_t wr_id);
 /* A successful Send completion that Python polled: 1 when it was one of rp_send's (its
  * buffer and every earlier one are free again), else 0. */
 uint32_t rp_sent(rp_hook *hook, uint64_t wr_id);

@@ -71,10 +71,11 @@ class Carrier(Protocol):
         """What the session took without Python (messages, acknowledgements) reaches the
         connection's numbers and counters now, not at the session's next look."""
 
-    def send_plain(self, sport: int, dport: int, data: bytes) -> bool:
-        """Send a plain message (no RDMA operation, flags or extension) at once, numbered
-        as the connection's next (:meth:`RdsConnection.sent`), when nothing else of the
-        connection waits to go; False: queue it (:meth:`RdsConnection.queue`) instead."""
+    def send_plain(self, sport: int, dport: int, data: bytes, rdma: RdmaOp | None = None) -> bool:
+        """Send a plain message (no flags or extension; at most an RDMA operation it
+        chases, registered already) at once, numbered as the connection's next
+        (:meth:`RdsConnection.sent`), when nothing else of the connection waits to go;
+        False: queue it (:meth:`RdsConnection.queue`) instead."""
 
 
 @dataclass(eq=False, slots=True)
@@ -229,11 +230,11 @@ class RdsConnection:
             OutMessage(self._number(data), sport, dport, data, flags, rdma, extensions, own)
         )
 
-    def sent(self, sport: int, dport: int, data: bytes) -> None:
+    def sent(self, sport: int, dport: int, data: bytes, rdma: RdmaOp | None = None) -> None:
         """Number and keep a plain message that its session sent at once, as the
         connection's next (:meth:`Carrier.send_plain`): it waits for the peer's
         acknowledgement as a queued one does once sent."""
-        self.unacked.append(OutMessage(self._number(data), sport, dport, data))
+        self.unacked.append(OutMessage(self._number(data), sport, dport, data, rdma=rdma))
 
     def _number(self, data: bytes) -> int:
         """The next message's number, and its count in the queue and the counters."""

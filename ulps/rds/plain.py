@@ -175,8 +175,8 @@ class PlainReceiver:
 
     __slots__ = (
         "_chased", "_ffi", "_flow", "_lib", "_ports", "_rds", "_recv", "_reposts",
-        "_rows_c", "_send", "_sockets", "_unpack", "_woken", "hook", "rows", "send", "sent",
-        "state",
+        "_rows_c", "_send", "_sockets", "_unpack", "_woken", "_writes", "hook", "rows", "send",
+        "send_write", "sent", "state", "write_seq",
     )  # fmt: skip
 
     def __init__(
@@ -225,10 +225,20 @@ class PlainReceiver:
         hook.send_slots, hook.send_wr = sends.slots, sends.wr_base
         hook.max_inline = sends.max_inline
         hook.signal_every, hook.ack_every = sends.signal_every, sends.ack_every
+        self._writes = ffi.new("rp_write[]", sends.slots)
+        hook.writes = self._writes
         self.send = functools.partial(self._lib.rp_send, hook)
         """``send(seq, sport, dport, data, len(data))``: :c:func:`rp_send`, a plain message
         Python would send next with nothing else queued, written and staged in C (1), or
         not (0: Python sends it); ``qp.run_native_handler()`` then posts what was staged."""
+        self.send_write = functools.partial(self._lib.rp_send_write, hook)
+        """``send_write(seq, sport, dport, data, len(data), addr, lkey, length,
+        remote_addr, rkey)``: :c:func:`rp_send_write`, :attr:`send` for a message chasing
+        an RDMA Write of ``length`` bytes at ``addr`` (registered, ``lkey``) into the peer's
+        region (``rkey``, from ``remote_addr``)."""
+        self.write_seq = functools.partial(self._lib.rp_write_seq, hook)
+        """``write_seq(wr_id)``: the sequence number of the message whose Write (sent in
+        C) work request ``wr_id`` is, or -1."""
         self.sent = functools.partial(self._lib.rp_sent, hook)
         """``sent(wr_id)``: a successful Send completion Python polled; 1 when it was one
         of :attr:`send`'s (its buffer and the ones before it are free again)."""

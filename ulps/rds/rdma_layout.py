@@ -2,7 +2,7 @@
 requests: the size of a slot, how many send slots Python and C each have, the ranges of
 work request ids (receives and Python's send slots by slot number, below
 :data:`~.rdma_ops.RDMA_WR`; RDMA operations just above it; the Sends of plain messages
-made in C from :data:`C_SEND_WR`), and a Send's flags by variant."""
+made in C and the Writes they chase from :data:`C_SEND_WR`), and a Send's flags by variant."""
 
 from __future__ import annotations
 
@@ -19,7 +19,8 @@ C_SEND_SLOTS = 32
 Python's: with :data:`SEND_SLOTS` and :data:`~.rdma_ops.RDMA_DEPTH`, fewer Sends are in
 flight than the QP's 128."""
 C_SEND_WR = RDMA_WR << 1
-"""The work request of C's send buffer ``i`` is ``C_SEND_WR + i``."""
+"""The work request of C's send buffer ``i`` is ``C_SEND_WR + i``, and that of the RDMA
+Write its message chases ``C_SEND_WR + C_SEND_SLOTS + i``."""
 SEND_FLAGS = [
     (SendFlags.FENCE if variant & 8 else SendFlags.NONE)
     | (SendFlags.SOLICITED if variant & 4 else SendFlags.NONE)

@@ -45,6 +45,8 @@ class RdmaPosts:
         that changes."""
         self.writes: deque[tuple[int, RdmaOp]] = deque()
         """The Writes in :attr:`inflight` and their numbers, in posting order."""
+        self.reads = 0
+        """The Reads in :attr:`inflight`."""
         self.marks = [RDMA_WR] * slots
         """For each send slot, :attr:`next` when its Send was last posted: the operations
         numbered below it went before that Send."""
@@ -61,6 +63,8 @@ class RdmaPosts:
         write = op.write
         if write:
             self.writes.append((n, op))
+        else:
+            self.reads += 1
         shape = (mr, op.cookie, op.remote_offset, write)
         if self._shapes[k] != shape:  # else the entry stays as packed
             self._shapes[k] = shape
@@ -92,6 +96,8 @@ class RdmaPosts:
     def done(self, wr_id: int, status: WCStatus) -> None:
         """The completion of operation ``wr_id`` (a Read's, or a failure's)."""
         op = self.inflight.pop(wr_id)
+        if not op.write:
+            self.reads -= 1
         if status == WCStatus.SUCCESS:
             if not op.write:  # the data is here; a Write is done when the peer acks
                 op._finish(RdmaStatus.SUCCESS)

@@ -21,6 +21,7 @@ import trio
 
 from rdmashim.ulps.rds.connection import RdsConnection
 from rdmashim.ulps.rds.plain import ROWS, SendRing
+from rdmashim.ulps.rds.rdma import RdmaOp, status_of
 from rdmashim.ulps.rds.rdma_flow import ACK_HELD, ACK_NOW, ACK_REQUIRED_EVERY, RECV_SLOTS, RdmaFlow
 from rdmashim.ulps.rds.rdma_hooked import HookedSession
 from rdmashim.ulps.rds.rdma_layout import C_SEND_SLOTS, C_SEND_WR, SEND_FLAGS, SEND_SLOTS, SLOT
@@ -239,30 +240,55 @@ class Session(HookedSession):
             self._entries = []
             self.qp.post_send_batch(self._sends, indices=entries)
 
-    def send_plain(self, sport: int, dport: int, data: bytes) -> bool:
-        """:meth:`.Carrier.send_plain`: from C's send buffers (:meth:`.PlainReceiver.send`),
-        when the session is on the C path and would send nothing before it (nor hold it
-        back for a burst's other answers)."""
+    def send_plain(self, sport: int, dport: int, data: bytes, rdma: RdmaOp | None = None) -> bool:
+        """:meth:`.Carrier.send_plain`: from C's send buffers (:meth:`.PlainReceiver.send`;
+        a message chasing an RDMA Write, :meth:`.PlainReceiver.send_write`, which posts
+        the Write just before it), when the session is on the C path and would send
+        nothing before it (nor hold it back for a burst's other answers). A Read stays
+        Python's (its Send is fenced behind it)."""
         rds = self.rds
-        if (
-            self._burst or not self._alone(0)
-            or not self._plain.send(rds.next_seq, sport, dport, data, len(data))  # type: ignore[union-attr]
+        if self._burst or not self._alone(0) or not self._staged_in_c(
+            rds.next_seq, sport, dport, data, rdma
         ):  # fmt: skip
             return False
-        rds.sent(sport, dport, data)
+        rds.sent(sport, dport, data, rdma)
         self._staged()
+        return True
+
+    def _staged_in_c(
+        self, seq: int, sport: int, dport: int, data: bytes, rdma: RdmaOp | None
+    ) -> bool:
+        """Whether C's send buffers took the message (and the RDMA Write it chases)."""
+        plain = self._plain
+        assert plain is not None  # (on the C path: _alone)
+        if rdma is None:
+            return bool(plain.send(seq, sport, dport, data, len(data)))
+        mr = rdma._mr
+        if not rdma.write or mr is None:
+            return False
+        sge = mr.sge()
+        if not plain.send_write(
+            seq, sport, dport, data, len(data), sge.addr, sge.lkey, sge.length,
+            rdma.remote_addr, rdma.rkey,
+        ):  # fmt: skip
+            return False
+        plain.watch(seq)  # (its operation ends with the acknowledgement: the handler asks)
+        counters = self.rds.counters
+        counters.rdma_bytes += sge.length
+        counters.rdma_writes += 1
         return True
 
     def _alone(self, queued: int) -> bool:
         """Whether a plain message may go in C: the session is on the C path and live,
         ``queued`` messages are queued (the one to send among them), and nothing else
-        waits (no fragment, congestion map or RDMA operation in flight: a Send of
-        Python's ends those) or is being posted."""
+        waits (no fragment, congestion map or RDMA Read in flight: a Send of Python's
+        ends those) or is being posted. (Python's Writes in flight went with their
+        messages: what C sends after them only follows them on the send queue.)"""
         rds = self.rds
         return (
             self._hooked and not self.lost and len(rds.unsent) == queued
             and self.flow.current is None and rds.map_out is None and not self._pumping
-            and not self.rdma.inflight
+            and not self.rdma.reads
         )  # fmt: skip
 
     def _staged(self) -> None:
@@ -301,10 +327,9 @@ class Session(HookedSession):
             return
         if self._alone(1):
             msg = rds.unsent[0]
-            data = msg.data
             if (
-                msg.rdma is None and not msg.flags and not msg.extensions
-                and self._plain.send(msg.seq, msg.sport, msg.dport, data, len(data))  # type: ignore[union-attr]
+                not msg.flags and not msg.extensions
+                and self._staged_in_c(msg.seq, msg.sport, msg.dport, msg.data, msg.rdma)
             ):  # fmt: skip
                 rds.unacked.append(rds.unsent.popleft())
                 self._staged()
@@ -438,7 +463,7 @@ class Session(HookedSession):
                     if not len(cq):
                         break
             burst = counters.recv_messages - received
-            self._burst = burst > 1
+            self._burst = burst > 1 and not self._hooked
             self._opening = self._burst and (burst <= OPENING_MAX or self.flow.talk != -2)
         except RdsProtocolError as exc:
             log.warning("RDS protocol error from %s: %s", self.rds.peer, exc)
@@ -481,6 +506,8 @@ class Session(HookedSession):
         if inflight and wr_id in inflight:  # receives use slot numbers: no clash
             self.rdma.done(wr_id, status)
         if status != _SUCCESS:
+            if wr_id >= C_SEND_WR and self._plain is not None:
+                self._write_failed(self._plain.write_seq(wr_id), status)
             raise SessionLost(f"{status.name} (work request {wr_id:#x}) with {self.rds.peer}")
         if opcode == _RECV:
             self._reposts.append(wr_id)
@@ -493,6 +520,18 @@ class Session(HookedSession):
                 self.rdma.writes_done(slot)
         elif wr_id >= C_SEND_WR and self._plain is not None:
             self._plain.sent(wr_id)  # (a Send of a plain message made in C)
+
+    def _write_failed(self, seq: int, status: WCStatus) -> None:
+        """The RDMA Write a message sent in C chased (numbered ``seq``; -1: not one) failed
+        with ``status``: its operation says so, as :meth:`.RdmaPosts.done` says it of
+        Python's (a flushed one is dropped with its message when the session ends)."""
+        if seq < 0 or status == WCStatus.WR_FLUSH_ERR:
+            return
+        for msg in self.rds.unacked:
+            if msg.seq == seq and msg.rdma is not None:
+                self.rds.counters.rdma_failures += 1
+                msg.rdma._finish(status_of(status), status.name)
+                return
 
     def _end(self, failure: SessionLost) -> None:
         if self._failure is None:

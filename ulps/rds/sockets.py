@@ -276,14 +276,13 @@ class RdsSocket:
         at once when its session can (:meth:`.Carrier.send_plain`), else queued."""
         rds = entry.rds
         session = rds.session
-        if rdma is None:
-            if session is not None and session.send_plain(self.port, dport, bytes(data)):
-                return
-        else:
+        if rdma is not None:
             try:
                 rdma._begin(self.node._rdma_sources())
             except ValueError as exc:
                 raise RdsError(errno.EINVAL, str(exc)) from exc
+        if session is not None and session.send_plain(self.port, dport, bytes(data), rdma):
+            return
         rds.queue(self.port, dport, data, rdma=rdma)
         if session is None:  # (PeerTable.pump, inline: a call per message less)
             self.node._table.start_connector(entry)

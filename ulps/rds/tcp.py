@@ -46,6 +46,7 @@ from rdmashim.verbs import busypoll, lending
 
 if TYPE_CHECKING:
     from rdmashim.ulps.rds.plain import PlainPath
+    from rdmashim.ulps.rds.rdma import RdmaOp
 
 log = logging.getLogger(__name__)
 
@@ -191,7 +192,7 @@ class TcpSession:
     def settle(self) -> None:
         """Nothing to do: this session hands each message on as it reads it."""
 
-    def send_plain(self, sport: int, dport: int, data: bytes) -> bool:
+    def send_plain(self, sport: int, dport: int, data: bytes, rdma: RdmaOp | None = None) -> bool:
         """False: the message is queued, and :meth:`pump_sends` writes it at once in the
         sender's task. (Written from here instead, rds stress ``-d 1`` over RDS/TCP moved
         nothing: 0.765 -> 0.760 of raw TCP, medians of seven alternated rounds.)"""
