@@ -221,6 +221,30 @@ async def test_writes_go_unsignaled_and_leave_with_the_next_send(
         await close([a, b])
 
 
+async def test_a_write_nobody_waits_for_still_gets_its_status() -> None:
+    """An operation whose status is only read (rds-stress's way), not awaited: it has its
+    status soon after the peer acknowledged its message, with no more traffic (on the C
+    path at the session's next fold: its backstop at the latest); awaited, at once."""
+    a, b = await nodes([A, B])
+    try:
+        sa, sb = a.bind(4000), b.bind(5000)
+        board = bytearray(32)
+        cookie = sb.get_mr(board)
+        with trio.fail_after(20):
+            for i in range(3):
+                op = RdmaOp.write_to(cookie, b"%032d" % i)
+                await sa.sendto(b"read me", (B, 5000), rdma=op)
+                assert await sb.recvfrom() == (b"read me", (A, 4000))
+                if i == 1:
+                    assert await op.wait() == RdmaStatus.SUCCESS
+                else:
+                    await wait_until(lambda: op.done, 5, "the Write's status")  # noqa: B023
+                    assert op.status == RdmaStatus.SUCCESS
+        assert board == b"%032d" % 2
+    finally:
+        await close([a, b])
+
+
 async def test_use_once_registration_ends_with_the_chasing_message() -> None:
     """...on either receive path; the socket's count of use-once registrations (where
     the path looks before it hands a chaser on) follows them."""

@@ -27,6 +27,7 @@ acknowledged it, it is dropped and its status says so.
 from __future__ import annotations
 
 import mmap
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -93,6 +94,10 @@ class RdmaOp:
     _mr: MR | None = field(default=None, repr=False)
     _sources: Sources | None = field(default=None, repr=False)
     """Where :attr:`_mr` came from and goes back to, when it is a kept one."""
+    _watch: Callable[[], None] | None = field(default=None, repr=False)
+    """Set when its session sent it from C: the first :meth:`wait` calls it, and the
+    session settles what C took and asks to be told of the acknowledgement that ends
+    it. (Unwaited, its status comes when the session next folds: within its backstop.)"""
 
     @classmethod
     def write_to(cls, cookie: int, data: Buffer, *, offset: int = 0, token: int = 0) -> RdmaOp:
@@ -145,6 +150,7 @@ class RdmaOp:
         if self.done:
             return
         self.status, self.detail = status, detail
+        self._watch = None
         if self._mr is not None:
             if self._sources is not None:
                 self._sources.give_back(self.buffer)  # type: ignore[arg-type]
@@ -157,6 +163,9 @@ class RdmaOp:
 
     async def wait(self) -> RdmaStatus:
         """Wait for the outcome."""
+        if self.status is None and (watch := self._watch) is not None:
+            self._watch = None
+            watch()
         if self.status is None:
             if self._done is None:
                 self._done = trio.Event()

@@ -9,22 +9,31 @@ folded into the session only when something needs it: a Send of Python's, a look
 the room, counters asked for, or the session's backstop timer. Whether our own
 acknowledgement must go alone is judged when a reader goes back to waiting, from C's
 numbers: by then its answer has usually carried it, and nothing is folded.
+
+A message Python would send next and alone goes from C's own send buffers, with the
+RDMA Write it chases if any; that operation ends when the session next folds, unless
+someone waits for it.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import TYPE_CHECKING, Any
 
+from rdmashim.ulps.rds.rdma import status_of
 from rdmashim.ulps.rds.rdma_flow import ACK_DELAY, ACK_HELD, ACK_NOW, RdmaFlow
 from rdmashim.ulps.rds.rdma_pacing import ACK_BACKSTOP
+from rdmashim.verbs import WCStatus
 
 if TYPE_CHECKING:
     from collections.abc import Callable
 
     import trio
 
+    from rdmashim.ulps.rds.connection import RdsConnection
     from rdmashim.ulps.rds.plain import PlainReceiver
+    from rdmashim.ulps.rds.rdma import RdmaOp
     from rdmashim.verbs.abc import CQ
 
 
@@ -34,6 +43,8 @@ class HookedSession:
 
     flow: RdmaFlow
     cq: CQ
+    rds: RdsConnection
+    lost: bool
     _plain: PlainReceiver | None
     _unfolded: Any
     """The C scan's state (``rp_rx``), or None: no C path."""
@@ -131,3 +142,51 @@ class HookedSession:
     def interrupt_wait(self) -> None:
         """Make a :meth:`drive_until` in progress look at its ``ready`` again now."""
         self.cq.interrupt_wait()
+
+    # ------------------------------------------------------------------ sending in C
+    def _staged_in_c(
+        self, seq: int, sport: int, dport: int, data: bytes, rdma: RdmaOp | None
+    ) -> bool:
+        """Whether C's send buffers took the message (and the RDMA Write it chases)."""
+        plain = self._plain
+        assert plain is not None  # (on the C path: _alone)
+        if rdma is None:
+            return bool(plain.send(seq, sport, dport, data, len(data)))
+        mr = rdma._mr
+        if not rdma.write or mr is None:
+            return False
+        sge = mr.sge()
+        if not plain.send_write(
+            seq, sport, dport, data, len(data), sge.addr, sge.lkey, sge.length,
+            rdma.remote_addr, rdma.rkey,
+        ):  # fmt: skip
+            return False
+        rdma._watch = functools.partial(self._watch_write, seq)  # (no cycle through rdma)
+        counters = self.rds.counters
+        counters.rdma_bytes += sge.length
+        counters.rdma_writes += 1
+        return True
+
+    def _watch_write(self, seq: int) -> None:
+        """Someone waits for the RDMA operation C sent with message ``seq``: it ends with
+        the acknowledgement, which C may have taken already (folded in here), else the
+        native handler asks when it comes. (Nobody waiting, the status comes at the next
+        fold: a handler run per operation costs rds stress ``-D 64K`` a fifth.)"""
+        if self.lost or self._plain is None:
+            return
+        self.settle()
+        unacked = self.rds.unacked
+        if unacked and unacked[0].seq <= seq:  # (else the fold ended it)
+            self._plain.watch(seq)
+
+    def _write_failed(self, seq: int, status: WCStatus) -> None:
+        """The RDMA Write a message sent in C chased (numbered ``seq``; -1: not one) failed
+        with ``status``: its operation says so, as :meth:`.RdmaPosts.done` says it of
+        Python's (a flushed one is dropped with its message when the session ends)."""
+        if seq < 0 or status == WCStatus.WR_FLUSH_ERR:
+            return
+        for msg in self.rds.unacked:
+            if msg.seq == seq and msg.rdma is not None:
+                self.rds.counters.rdma_failures += 1
+                msg.rdma._finish(status_of(status), status.name)
+                return

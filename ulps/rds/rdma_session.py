@@ -21,7 +21,7 @@ import trio
 
 from rdmashim.ulps.rds.connection import RdsConnection
 from rdmashim.ulps.rds.plain import ROWS, SendRing
-from rdmashim.ulps.rds.rdma import RdmaOp, status_of
+from rdmashim.ulps.rds.rdma import RdmaOp
 from rdmashim.ulps.rds.rdma_flow import ACK_HELD, ACK_NOW, ACK_REQUIRED_EVERY, RECV_SLOTS, RdmaFlow
 from rdmashim.ulps.rds.rdma_hooked import HookedSession
 from rdmashim.ulps.rds.rdma_layout import C_SEND_SLOTS, C_SEND_WR, SEND_FLAGS, SEND_SLOTS, SLOT
@@ -253,29 +253,6 @@ class Session(HookedSession):
             return False
         rds.sent(sport, dport, data, rdma)
         self._staged()
-        return True
-
-    def _staged_in_c(
-        self, seq: int, sport: int, dport: int, data: bytes, rdma: RdmaOp | None
-    ) -> bool:
-        """Whether C's send buffers took the message (and the RDMA Write it chases)."""
-        plain = self._plain
-        assert plain is not None  # (on the C path: _alone)
-        if rdma is None:
-            return bool(plain.send(seq, sport, dport, data, len(data)))
-        mr = rdma._mr
-        if not rdma.write or mr is None:
-            return False
-        sge = mr.sge()
-        if not plain.send_write(
-            seq, sport, dport, data, len(data), sge.addr, sge.lkey, sge.length,
-            rdma.remote_addr, rdma.rkey,
-        ):  # fmt: skip
-            return False
-        plain.watch(seq)  # (its operation ends with the acknowledgement: the handler asks)
-        counters = self.rds.counters
-        counters.rdma_bytes += sge.length
-        counters.rdma_writes += 1
         return True
 
     def _alone(self, queued: int) -> bool:
@@ -520,18 +497,6 @@ class Session(HookedSession):
                 self.rdma.writes_done(slot)
         elif wr_id >= C_SEND_WR and self._plain is not None:
             self._plain.sent(wr_id)  # (a Send of a plain message made in C)
-
-    def _write_failed(self, seq: int, status: WCStatus) -> None:
-        """The RDMA Write a message sent in C chased (numbered ``seq``; -1: not one) failed
-        with ``status``: its operation says so, as :meth:`.RdmaPosts.done` says it of
-        Python's (a flushed one is dropped with its message when the session ends)."""
-        if seq < 0 or status == WCStatus.WR_FLUSH_ERR:
-            return
-        for msg in self.rds.unacked:
-            if msg.seq == seq and msg.rdma is not None:
-                self.rds.counters.rdma_failures += 1
-                msg.rdma._finish(status_of(status), status.name)
-                return
 
     def _end(self, failure: SessionLost) -> None:
         if self._failure is None:
