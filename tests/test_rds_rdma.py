@@ -5,11 +5,13 @@ from __future__ import annotations
 import errno
 import mmap
 import os
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 
 import pytest
 import trio
 
-from rdmashim.ulps.rds.node import RdsError
+from rdmashim.ulps.rds.node import RdsError, RdsNode, RdsSocket
 from rdmashim.ulps.rds.rdma import SOURCES_KEPT, RdmaOp, RdmaStatus, cookie_offset, cookie_rkey
 from rdmashim.ulps.rds.rdma_ops import RdmaPosts
 from rdmashim.ulps.rds.rdma_session import RDMA_DEPTH, SEND_SLOTS, SIGNAL_EVERY, Session
@@ -221,15 +223,26 @@ async def test_writes_go_unsignaled_and_leave_with_the_next_send(
         await close([a, b])
 
 
+@asynccontextmanager
+async def registered(
+    size: int,
+) -> AsyncIterator[tuple[RdsNode, RdsSocket, RdsSocket, bytearray, int]]:
+    """Two nodes' sockets, the second's ``size`` bytes registered: the first node, its
+    socket, the second's, the bytes and their cookie."""
+    a, b = await nodes([A, B])
+    try:
+        sa, sb = a.bind(4000), b.bind(5000)
+        board = bytearray(size)
+        yield a, sa, sb, board, sb.get_mr(board)
+    finally:
+        await close([a, b])
+
+
 async def test_a_write_nobody_waits_for_still_gets_its_status() -> None:
     """An operation whose status is only read (rds-stress's way), not awaited: it has its
     status soon after the peer acknowledged its message, with no more traffic (on the C
     path at the session's next fold: its backstop at the latest); awaited, at once."""
-    a, b = await nodes([A, B])
-    try:
-        sa, sb = a.bind(4000), b.bind(5000)
-        board = bytearray(32)
-        cookie = sb.get_mr(board)
+    async with registered(32) as (_, sa, sb, board, cookie):
         with trio.fail_after(20):
             for i in range(3):
                 op = RdmaOp.write_to(cookie, b"%032d" % i)
@@ -241,8 +254,6 @@ async def test_a_write_nobody_waits_for_still_gets_its_status() -> None:
                     await wait_until(lambda: op.done, 5, "the Write's status")  # noqa: B023
                     assert op.status == RdmaStatus.SUCCESS
         assert board == b"%032d" % 2
-    finally:
-        await close([a, b])
 
 
 async def test_use_once_registration_ends_with_the_chasing_message() -> None:
@@ -275,11 +286,7 @@ async def test_use_once_registration_ends_with_the_chasing_message() -> None:
 async def test_bad_cookie_breaks_only_that_message() -> None:
     """An RDMA access the peer refuses fails the operation, drops its message (never
     sent twice, as Linux) and the connection comes back for everything else."""
-    a, b = await nodes([A, B])
-    try:
-        sa, sb = a.bind(4000), b.bind(5000)
-        buf = bytearray(100)
-        cookie = sb.get_mr(buf)
+    async with registered(100) as (a, sa, sb, buf, cookie):
         with trio.fail_after(30):
             await sa.sendto(b"before", (B, 5000))
             assert (await sb.recvfrom())[0] == b"before"
@@ -298,8 +305,6 @@ async def test_bad_cookie_breaks_only_that_message() -> None:
         counters = a.connections()[0].counters
         assert counters.rdma_failures == 1 and counters.rdma_dropped == 1
         assert counters.sessions >= 3
-    finally:
-        await close([a, b])
 
 
 async def test_rdma_errors_name_the_problem() -> None:
