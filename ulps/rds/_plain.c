@@ -378,7 +378,7 @@ uint32_t rp_send(rp_hook *h, uint64_t seq, uint16_t sport, uint16_t dport, const
     if (f->flow_control)
         f->send_credits -= 1;
     if (h->writes != NULL)
-        h->writes[slot].length = 0;
+        h->writes[slot].length = 0; /* (the buffer's new message chases nothing yet) */
     h->send_head = (slot + 1) % h->send_slots;
     h->send_busy++;
     h->staged++;
@@ -429,25 +429,20 @@ uint32_t rp_sent(rp_hook *h, uint64_t wr_id)
 }
 
 /* Post the Sends rp_send staged, oldest first, each after the Write it chases (if any):
- * signaled one in signal_every, and while few buffers are left; inline when short (none taken: the QP is leaving RTS, and the
- * session ends; their messages are Python's to send again). */
+ * signaled one in signal_every, and while few buffers are left; inline when short (none
+ * taken: the QP is leaving RTS, and the session ends; their messages are Python's to
+ * send again). */
 static void post_staged(rp_hook *h, const rp_verbs *verbs, void *qp)
 {
     rp_send_wr wrs[2 * RP_STAGED_MAX];
     uint32_t n = h->staged, slot = (h->send_head + h->send_slots - n) % h->send_slots, m = 0;
-    memset(wrs, 0, sizeof wrs);
     for (uint32_t k = 0; k < n; k++, slot = (slot + 1) % h->send_slots) {
-        rp_write *w = h->writes != NULL ? &h->writes[slot] : NULL;
-        if (w != NULL && w->length) { /* unsignaled: done when a later Send is */
-            wrs[m].wr_id = h->send_wr + h->send_slots + slot;
-            wrs[m].addr = w->addr;
-            wrs[m].length = w->length;
-            wrs[m].lkey = w->lkey;
-            wrs[m].opcode = RP_POST_RDMA_WRITE;
-            wrs[m].remote_addr = w->remote_addr;
-            wrs[m++].rkey = w->rkey;
-            w->length = 0;
-        }
+        const rp_write *w = h->writes != NULL ? &h->writes[slot] : NULL;
+        if (w != NULL && w->length) /* unsignaled: done when a later Send is */
+            wrs[m++] = (rp_send_wr){.wr_id = h->send_wr + h->send_slots + slot,
+                                    .addr = w->addr, .length = w->length, .lkey = w->lkey,
+                                    .opcode = RP_POST_RDMA_WRITE,
+                                    .remote_addr = w->remote_addr, .rkey = w->rkey};
         const unsigned char *b = (const unsigned char *)h->send + (uint64_t)slot * h->rx->slot;
         uint32_t length = RP_HEADER_LEN + be32(b + 16);
         uint32_t flags = RP_SEND_SOLICITED;
@@ -457,11 +452,10 @@ static void post_staged(rp_hook *h, const rp_verbs *verbs, void *qp)
         }
         if (length <= h->max_inline)
             flags |= RP_SEND_INLINE;
-        wrs[m].wr_id = h->send_wr + slot;
-        wrs[m].addr = h->send_addr + (uint64_t)slot * h->rx->slot;
-        wrs[m].length = length;
-        wrs[m].lkey = h->send_lkey;
-        wrs[m++].flags = flags; /* (opcode RP_POST_SEND: 0) */
+        wrs[m++] = (rp_send_wr){.wr_id = h->send_wr + slot,
+                                .addr = h->send_addr + (uint64_t)slot * h->rx->slot,
+                                .length = length, .lkey = h->send_lkey, .flags = flags,
+                                .opcode = RP_POST_SEND};
     }
     h->staged = 0;
     if (verbs->post_send(qp, wrs, m) != m)

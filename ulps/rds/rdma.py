@@ -240,10 +240,6 @@ class Registration:
     use_once: bool
 
 
-class _Count:
-    use_once = 0
-
-
 class Registrations:
     """A socket's registered buffers, by R_Key (``RDS_GET_MR`` / ``RDS_FREE_MR``).
 
@@ -252,9 +248,9 @@ class Registrations:
     operation on the socket have anything to end (:meth:`used`), and the receive path,
     in C too, reads it there before it hands such a message on."""
 
-    def __init__(self, counts: Any = None) -> None:
+    def __init__(self, counts: Any) -> None:
         self._by_rkey: dict[int, Registration] = {}
-        self.counts = counts if counts is not None else _Count()
+        self.counts = counts
 
     def add(self, pd: PD, buffer: Buffer, *, use_once: bool) -> int:
         """Register ``buffer`` and return its cookie.

@@ -91,8 +91,8 @@ class Session(HookedSession):
     path, a message Python would send next and alone goes from C's own send buffers in
     one call (:meth:`.PlainReceiver.send`, posted by ``qp.run_native_handler``). When
     this handler takes a burst of delivered messages, their answers are held back to go
-    together (:meth:`pump_sends`, :meth:`answer_burst`); a run the native handler takes
-    whole is not held: its answers go from C one by one. The wire is the same either way: the
+    together (:meth:`pump_sends`, :meth:`answer_burst`) on the Python path; on the C path
+    none is held: the answers go from C one by one. The wire is the same either way: the
     same headers, flags and order. What the session does around the CQ's native
     handler (a reader's drive, folding in what C took) is :class:`.HookedSession`'s.
     """
@@ -244,12 +244,10 @@ class Session(HookedSession):
         """:meth:`.Carrier.send_plain`: from C's send buffers (:meth:`.PlainReceiver.send`;
         a message chasing an RDMA Write, :meth:`.PlainReceiver.send_write`, which posts
         the Write just before it), when the session is on the C path and would send
-        nothing before it (nor hold it back for a burst's other answers). A Read stays
-        Python's (its Send is fenced behind it)."""
+        nothing before it (a session on the C path holds no burst's answers back). A Read
+        stays Python's (its Send is fenced behind it)."""
         rds = self.rds
-        if self._burst or not self._alone(0) or not self._staged_in_c(
-            rds.next_seq, sport, dport, data, rdma
-        ):  # fmt: skip
+        if not self._alone(0) or not self._staged_in_c(rds.next_seq, sport, dport, data, rdma):
             return False
         rds.sent(sport, dport, data, rdma)
         self._staged()
