@@ -90,13 +90,61 @@ async def test_a_session_that_ends_leaves_its_numbers_current() -> None:
         a, b = a_node.bind(4000), b_node.bind(5000)
         await ping_pong(a, b, ROUNDS)
         session = unfolded_session(b_node)
-        taken = session._unfolded.next_recv
+        taken, numbered = session._unfolded.next_recv, session._plain.hook.next_seq
+        assert session.rds.next_seq < numbered, "no answer went through the gate"
         session.qp.modify(qp_state=QPState.ERR)
         await wait_until(lambda: session.lost, 10, "the session ended")
         await wait_until(lambda: session.rds.session not in (None, session), 10, "reconnected")
         assert session.rds.next_recv == taken
+        assert session.rds.next_seq == numbered  # (else the peer drops what comes as old)
         # The new session goes on, and nothing the peer sends again is delivered twice.
         await ping_pong(a, b, 5)
         await trio.sleep(0.1)
         with pytest.raises(trio.WouldBlock):
             b.recvfrom_nowait()
+
+
+async def test_a_ping_pongs_answers_go_in_one_call_into_c() -> None:
+    """Once a plain answer went from C with nothing before it, the next ones go through the
+    gate of ``sendto`` in one call into C: the connection hears of them when it is read
+    (here through the node), numbered in order and counted."""
+    async with RdsNode(LOW, 0) as a_node, RdsNode(HIGH, a_node.port) as b_node:
+        a, b = a_node.bind(4000), b_node.bind(5000)
+        await ping_pong(a, b, ROUNDS)
+        session = unfolded_session(b_node)
+        hook = session._plain.hook
+        assert hook.open and hook.unsynced >= ROUNDS - 2 and session.rds.next_seq < hook.next_seq
+        (rds,) = b_node.connections()
+        assert not hook.open and not hook.unsynced and rds.next_seq == hook.next_seq
+        assert rds.counters.send_messages == ROUNDS
+        seqs = [m.seq for m in rds.unacked]
+        assert seqs == list(range(rds.next_seq - len(seqs), rds.next_seq))
+
+
+async def test_messages_through_the_gate_and_through_python_keep_their_order() -> None:
+    """A socket's messages of any size in a pipeline, some through the gate in C, some
+    (too long for one fragment, or while Python's wait) through the connection's queue:
+    the peer gets them all, in order."""
+    went: list[int] = []
+    async with RdsNode(LOW, 0) as a_node, RdsNode(HIGH, a_node.port) as b_node:
+        a, b = a_node.bind(4000), b_node.bind(5000)
+        await ping_pong(a, b, 2)  # (the sessions' handlers are in C now)
+        (entry,) = a_node._table.entries.values()
+        direct = entry.rds.direct
+        assert direct is not None
+        sizes = [(i * 7919) % 9000 if i % 5 == 0 else i % 300 for i in range(400)]
+
+        async def receive() -> None:
+            for i, size in enumerate(sizes):
+                data, _ = await b.recvfrom()
+                assert data == bytes([i % 256]) * size, f"message {i}"
+
+        with trio.fail_after(30):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(receive)
+                for i, size in enumerate(sizes):
+                    before = direct.hook.unsynced
+                    await a.sendto(bytes([i % 256]) * size, b.address)
+                    if direct.hook.unsynced > before:
+                        went.append(i)
+        assert 0 < len(went) < len(sizes), "the gate took none of them, or all"

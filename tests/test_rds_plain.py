@@ -440,6 +440,90 @@ def test_a_message_chasing_a_write_sent_in_c_is_the_one_python_sends(
     assert c == python
 
 
+def sendtos(
+    direct: bool, messages: list[tuple[int, int]], bounds: tuple[int, int], congested: int,
+    flow_control: bool,
+) -> Any:  # fmt: skip
+    """Plain messages (port, length) a socket sends to the peer with nothing else queued:
+    each through the gate of sendto in one call into C (``rp_sendto``), or as Python's
+    sendto decides (room, congestion, size; then ``rp_send`` at the connection's next
+    number); whether each went, the send buffers and the connection's state after (the
+    gate's messages brought in)."""
+    world = World(True)
+    assert world.receiver is not None
+    world.rds.settings = RdsSettings(sndbuf=bounds[0], max_queued_messages=bounds[1])
+    world.rds.peer_congestion.set(congested)
+    state = world.flow.state
+    state.send_credits, state.flow_control = 3, flow_control
+    world.receiver.release()
+    if direct:
+        world.receiver.open()
+    rds, went = world.rds, []
+    for n, (port, length) in enumerate(messages):
+        data = bytes([n]) * length
+        if direct:
+            took = world.receiver.sendto(BOUND[0], port, data, length)
+            if took:
+                world.receiver.log.append((BOUND[0], port, data))
+        else:
+            took = (
+                rds.has_room and not rds.peer_congestion.test(port)
+                and length <= min(bounds[0], 1 << 20)
+                and world.receiver.send(rds.next_seq, BOUND[0], port, data, length)
+            )  # fmt: skip
+            if took:
+                rds.sent(BOUND[0], port, data)
+        went.append(bool(took))
+        world.receiver.hook.staged = 0  # (as a run of the native handler leaves it)
+    world.receiver.sync()
+    return (
+        went, bytes(world.sends), rds.next_seq, rds.queued_bytes, rds.queued_messages,
+        [(m.seq, m.sport, m.dport, m.data) for m in rds.unacked],
+        dataclasses.asdict(rds.counters), state.send_credits, world.receiver.hook.open,
+    )  # fmt: skip
+
+
+@needs_c
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(st.tuples(st.integers(7, 9), st.integers(0, 5000)), min_size=1, max_size=8),
+    st.tuples(st.integers(1, 12000), st.integers(1, 10)),
+    st.integers(7, 9),
+    st.booleans(),
+)
+def test_a_sendto_in_one_call_is_the_one_python_makes(
+    messages: list[tuple[int, int]], bounds: tuple[int, int], congested: int, flow_control: bool
+) -> None:
+    """``rp_sendto`` takes exactly the messages Python's sendto would send now (the
+    connection's room, the peer's congested port, the size bound, the credits and free
+    buffers ``rp_send`` looks at), writes the same bytes at the same numbers, and, once
+    brought in, leaves the connection as Python's sends do: numbers, queued bytes and
+    messages, what waits for the peer's acknowledgement, counters. Bringing them in
+    closes the gate."""
+    c = sendtos(True, messages, bounds, congested, flow_control)
+    assert c == sendtos(False, messages, bounds, congested, flow_control)
+    assert c[-1] == 0
+
+
+@needs_c
+def test_a_closed_gate_sends_nothing() -> None:
+    """Until the session opens it (and after each time Python brings its messages in),
+    ``rp_sendto`` takes nothing."""
+    world = World(True)
+    assert world.receiver is not None
+    world.flow.state.send_credits = 8
+    world.rds.direct = world.receiver  # (as its session sets it)
+    world.receiver.release()
+    assert not world.receiver.sendto(BOUND[0], 7, b"x", 1)
+    world.receiver.open()
+    assert world.receiver.sendto(BOUND[0], 7, b"x", 1)
+    world.receiver.log.append((BOUND[0], 7, b"x"))
+    world.rds.queue(BOUND[0], 7, b"python's")  # (brings it in first: numbered before)
+    assert not world.receiver.sendto(BOUND[0], 7, b"y", 1)
+    assert [m.data for m in world.rds.unacked][-1:] == [b"x"]
+    assert world.rds.unsent[0].seq == world.rds.unacked[-1].seq + 1
+
+
 def test_ci_builds_the_plain_path() -> None:
     """CI sets RDMASHIM_REQUIRE_EXTENSIONS=1 where gcc and the headers are installed: the
     C path must have been built there, so its tests above do not skip."""

@@ -17,17 +17,19 @@
  * end every inbox's count and bytes against its list and the node's holding count.
  * Then the same rows go to the CQ's native handler (rp_handle) through a stand-in verbs
  * table that hands them over in chunks the input chooses, as a session's CQ does, with
- * the harness doing what Python does when it asks (the row it left is Python's; it
- * folds and releases): every receive it posts must name a buffer of the session, and
- * it must poll nothing while held. Between its runs the harness sends plain messages in
- * C (rp_send, lengths the input chooses, some too long; and rp_send_write, chasing RDMA
- * Writes of lengths it chooses, some empty or too long), which the next run posts: every
- * Send it posts must be one it staged, in order, naming its own send buffer with the
- * length of the header written there, after the Write its message chases (unsignaled,
- * as staged, its R_Key in the header's extension); and the input's Send completions (their work
- * requests moved near the send buffers' ids, some past them) free the buffers. Last, the
- * receive buffers' bytes are an RDS/TCP stream (rp_stream, the message it leaves
- * skipped as Python's): what it takes must be whole messages, counted as delivered.
+ * the harness doing what Python does when it asks (the row it left is Python's; it folds
+ * and releases): every receive it posts must name a buffer of the session, and it must
+ * poll nothing while held. Between its runs the harness sends plain messages in C
+ * (rp_send, lengths the input chooses, some too long; rp_send_write, chasing RDMA Writes
+ * of lengths it chooses, some empty or too long; and rp_sendto, a socket's sendto
+ * through the gate, to a congested port or not, under bounds the input chooses), which
+ * the next run posts: every Send it posts must be one it staged, in order, naming its
+ * own send buffer with the length of the header written there, after the Write its
+ * message chases (unsignaled, as staged, its R_Key in the header's extension); and the
+ * input's Send completions (their work requests moved near the send buffers' ids, some
+ * past them) free the buffers. Last, the receive buffers' bytes are an RDS/TCP stream
+ * (rp_stream, the message it leaves skipped as Python's): what it takes must be whole
+ * messages, counted as delivered.
  * A broken check aborts (a crash for libFuzzer). -DRP_FUZZ_SELFTEST builds _plain.c
  * without its receive-buffer bounds check, which tests/test_rds_plain_fuzz.py
  * requires the harness to catch.
@@ -151,6 +153,14 @@ static void send_some(rp_hook *h, const char *bytes, size_t len, uint32_t *dice)
             took = rp_send_write(h, seq, 4000, 7, bytes, size <= len ? size : 0,
                                  WRITE_BASE + slot, WRITE_LKEY, length, rkey * 3ull, rkey);
             CHECK(!took || (length && length <= RP_MAX_MSG_SIZE));
+        } else if (*dice & 16) { /* a socket's sendto through the gate (port 9 congested) */
+            uint16_t dport = *dice & 32 ? 9 : 7;
+            uint64_t unsynced = h->unsynced, queued = h->queued;
+            h->next_seq = seq;
+            took = rp_sendto(h, 4000, dport, bytes, size <= len ? size : 0);
+            CHECK(!took || (dport == 7 && size <= h->sndbuf));
+            CHECK(h->next_seq == seq + took && h->unsynced == unsynced + took);
+            CHECK(h->queued == queued + took && h->unsynced <= RP_UNSYNCED_MAX);
         } else {
             took = rp_send(h, seq, 4000, 7, bytes, size <= len ? size : 0);
         }
@@ -180,6 +190,8 @@ static void handle(rp_ports *ports, rp_rx *rx, const rp_row *rows, uint32_t n, c
     send_next = 0;
     rp_write writes[SEND_SLOTS];
     memset(writes, 0, sizeof writes);
+    static unsigned char cong[RP_CONG_MAP_BYTES];
+    cong[9 >> 3] = 1u << (9 & 7);
     memset(write_len, 0, sizeof write_len);
     rp_hook h = {
         .rx = rx, .ports = ports, .rows = polled, .room = ROWS_MAX, .recv = recv,
@@ -187,7 +199,8 @@ static void handle(rp_ports *ports, rp_rx *rx, const rp_row *rows, uint32_t n, c
         .recv_addr = BASE, .recv_lkey = LKEY, .repost_batch = 4, .quiet_port = quiet,
         .flow = &flow, .send = ring, .send_addr = SEND_BASE, .send_lkey = SEND_LKEY,
         .send_slots = SEND_SLOTS, .send_wr = SEND_WR, .signal_every = 2, .ack_every = 8,
-        .max_inline = 64, .writes = writes,
+        .max_inline = 64, .writes = writes, .open = 1, .sndbuf = 64 + chunk * 40,
+        .max_queued = 1 + chunk, .peer_cong = cong,
     };
     uint32_t dice = chunk * 2654435761u + n;
     /* The input's Send completions as ours (some past our buffers) */

@@ -1,7 +1,8 @@
 /* RDS's plain-message path in C: the sockets' receive queues; one call that takes a
  * poll's plain messages into them (rp_scan, and rp_handle, the CQ's native handler, around
  * it), one that takes them from an RDS/TCP stream (rp_stream), and one that sends a plain
- * message over RDMA (rp_send, posted by rp_handle's next run).
+ * message over RDMA (rp_send, posted by rp_handle's next run; rp_sendto, a socket's sendto
+ * with the connection's numbering, in one call).
  *
  * Python's RdmaFlow.receive_at and RdsNode._deliver are the reference: a message is
  * plain when it is a received Send of one fragment with no checksum, no extension
@@ -404,6 +405,20 @@ uint32_t rp_send_write(rp_hook *h, uint64_t seq, uint16_t sport, uint16_t dport,
     w->length = length;
     w->lkey = lkey;
     w->rkey = rkey;
+    return 1;
+}
+
+uint32_t rp_sendto(rp_hook *h, uint16_t sport, uint16_t dport, const char *data, uint32_t len)
+{
+    if (!h->open || h->peer_cong == NULL || h->unsynced >= RP_UNSYNCED_MAX
+        || h->queued_bytes >= h->sndbuf || h->queued >= h->max_queued || len > h->sndbuf
+        || h->peer_cong[dport >> 3] & 1u << (dport & 7)
+        || !rp_send(h, h->next_seq, sport, dport, data, len))
+        return 0;
+    h->next_seq++;
+    h->queued_bytes += len;
+    h->queued++;
+    h->unsynced++;
     return 1;
 }
 

@@ -19,6 +19,8 @@
 #define RP_PROBE_PORT 1
 #define RP_CONG_BITMAP 1
 #define RP_EXT_RDMA 2      /* the extension header of a message chasing an RDMA operation */
+#define RP_CONG_MAP_BYTES 8192 /* RDS_CONG_MAP_BYTES: a bit a port */
+#define RP_UNSYNCED_MAX 1024   /* rp_sendto's messages Python has not brought in, at most */
 
 #define RP_ACK_REQUIRED 2  /* RdsFlag.ACK_REQUIRED */
 #define RP_MAX_CREDIT 255  /* RDS_MAX_ADV_CREDIT: credits one header grants at most */
@@ -192,6 +194,19 @@ typedef struct {
     uint64_t sent;          /* out: messages rp_send took */
     rp_write *writes;       /* send_slots entries: the Write each buffer's message chases;
                              * buffer i's Write is work request send_wr + send_slots + i */
+    /* A socket's sendto in one call (rp_sendto): the connection's outgoing numbers, kept
+     * in C while Python keeps the gate open (rdma_hooked.HookedSession) */
+    uint32_t open;          /* in: rp_sendto may send (Python closes it before it sends,
+                             * queues or folds anything, and brings in what went) */
+    uint32_t unsynced;      /* in/out: messages rp_sendto sent that Python has not yet
+                             * numbered and kept for the peer's acknowledgement */
+    uint64_t next_seq;      /* in/out: the connection's next sequence number */
+    uint64_t queued_bytes;  /* in/out: its bytes queued or not yet acknowledged, and */
+    uint64_t queued;        /* messages, as RdsConnection.has_room counts them (acks
+                             * lower them when Python folds: until then C sees less room) */
+    uint64_t sndbuf;        /* in: has_room's bounds (sndbuf also bounds a message) */
+    uint64_t max_queued;
+    const unsigned char *peer_cong; /* in: the peer's congestion map (RP_CONG_MAP_BYTES) */
 } rp_hook;
 
 
@@ -238,6 +253,14 @@ uint32_t rp_send(rp_hook *hook, uint64_t seq, uint16_t sport, uint16_t dport,
 uint32_t rp_send_write(rp_hook *hook, uint64_t seq, uint16_t sport, uint16_t dport,
                        const char *data, uint32_t len, uint64_t laddr, uint32_t lkey,
                        uint32_t length, uint64_t remote_addr, uint32_t rkey);
+/* A socket's sendto of a plain message (from sport to dport, len bytes) in one call:
+ * numbered next (hook->next_seq) and staged as rp_send stages it, when Python keeps the
+ * gate open (hook->open), the connection has room (has_room's bounds, from C's counts),
+ * the peer's port is not congested and fewer than RP_UNSYNCED_MAX wait for Python to
+ * bring them in: 1 (the caller keeps the message for Python, in order, and runs the
+ * native handler to post it); else 0, nothing changed: Python's sendto takes it. */
+uint32_t rp_sendto(rp_hook *hook, uint16_t sport, uint16_t dport, const char *data,
+                   uint32_t len);
 /* The sequence number of the message whose chased Write is work request wr_id (a failed
  * one's completion), read from its send buffer; -1 when wr_id is not one of them. */
 int64_t rp_write_seq(rp_hook *hook, uint64_t wr_id);

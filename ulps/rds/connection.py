@@ -78,6 +78,31 @@ class Carrier(Protocol):
         False: queue it (:meth:`RdsConnection.queue`) instead."""
 
 
+class DirectSends(Protocol):
+    """A session's way to send a socket's plain message without the connection: the
+    message is numbered and sent in one call into C (``rp_sendto``, RDS's C path), and
+    the connection hears of it when :meth:`sync` brings it in. A socket's ``sendto``
+    calls :attr:`sendto`, keeps what went in :attr:`log` and posts it with :attr:`run`."""
+
+    @property
+    def sendto(self) -> Callable[[int, int, bytes, int], int]:
+        """``sendto(sport, dport, data, len(data))``: 1 when it went (numbered next), 0 when
+        the connection must take it (its gate is closed, no room, a congested port, ...)."""
+
+    @property
+    def log(self) -> list[tuple[int, int, bytes]]:
+        """What went, (sport, dport, data) in order, until :meth:`sync` brings it in."""
+
+    @property
+    def run(self) -> Callable[[], object]:
+        """Post what :attr:`sendto` staged."""
+
+    def sync(self) -> None:
+        """Close the gate (every later message goes through the connection until the
+        session opens it again) and bring in what went: numbered, kept for the peer's
+        acknowledgement and counted (:meth:`RdsConnection.sent_directly`)."""
+
+
 @dataclass(eq=False, slots=True)
 class OutMessage:
     """A message on its way: numbered, kept until the peer acknowledges it."""
@@ -187,6 +212,10 @@ class RdsConnection:
     room_wanted: bool = False
     """A sender waits for room (acknowledgements look at the room only then); the
     waiter sets it, :meth:`acked` clears it when it calls :attr:`on_room`."""
+    direct: DirectSends | None = None
+    """The session's way of sending without the connection, while it has one (set by
+    the session): what went that way is brought in before the connection's outgoing
+    state is read or changed."""
 
     def active_at(self, now: float) -> float:
         """When the connection was last active, as seen at ``now`` (the caller's clock): a
@@ -225,6 +254,7 @@ class RdsConnection:
         just before the message on the same session. ``own`` marks the node's
         own messages (see :attr:`OutMessage.own`).
         """
+        self._bring_in()
         data = bytes(data)
         self.unsent.append(
             OutMessage(self._number(data), sport, dport, data, flags, rdma, extensions, own)
@@ -234,7 +264,21 @@ class RdsConnection:
         """Number and keep a plain message that its session sent at once, as the
         connection's next (:meth:`Carrier.send_plain`): it waits for the peer's
         acknowledgement as a queued one does once sent."""
+        self._bring_in()
         self.unacked.append(OutMessage(self._number(data), sport, dport, data, rdma=rdma))
+
+    def _bring_in(self) -> None:
+        """What the session sent without the connection reaches it first (:attr:`direct`)."""
+        if self.direct is not None:
+            self.direct.sync()
+
+    def sent_directly(self, log: list[tuple[int, int, bytes]]) -> None:
+        """The plain messages (sport, dport, data) a session sent without the connection
+        (:class:`DirectSends`), in order: numbered next and kept as :meth:`sent` keeps
+        one (the session numbered them so in C)."""
+        unacked = self.unacked
+        for sport, dport, data in log:
+            unacked.append(OutMessage(self._number(data), sport, dport, data))
 
     def _number(self, data: bytes) -> int:
         """The next message's number, and its count in the queue and the counters."""
@@ -256,6 +300,7 @@ class RdsConnection:
         message (a session breaking under it loses it: every session starts
         with a fresh one).
         """
+        self._bring_in()  # (the map goes before any later message)
         self.map_out = bytes(data)
         self.counters.cong_updates_sent += 1
 
@@ -264,16 +309,19 @@ class RdsConnection:
         """Whether messages of sockets wait to be sent or acknowledged. The node's own
         (congestion maps, pongs, probes) do not count: every session starts with a
         fresh map, and a pong is worth no reconnect, nor keeps a peer entry."""
+        self._bring_in()
         return any(not m.own for queue in (self.unsent, self.unacked) for m in queue)
 
     @property
     def queued_messages(self) -> int:
         """Messages queued or sent and not yet acknowledged."""
+        self._bring_in()
         return len(self.unsent) + len(self.unacked)
 
     @property
     def has_room(self) -> bool:
         """Whether another message may be queued without waiting."""
+        self._bring_in()
         settings = self.settings  # (inline: a test per message)
         return (
             self.queued_bytes < settings.sndbuf
@@ -282,6 +330,7 @@ class RdsConnection:
 
     def acked(self, ack: int) -> None:
         """The peer has every message up to ``ack``."""
+        self._bring_in()
         unacked = self.unacked
         if not unacked or unacked[0].seq > ack:
             return  # nothing new: the room did not change
@@ -324,6 +373,7 @@ class RdsConnection:
     def drop_port(self, sport: int) -> int:
         """Drop the messages a closed socket had queued or unacknowledged (Linux's
         ``rds_send_drop_to``); how many. A message half posted finishes its fragments."""
+        self._bring_in()
         dropped = 0
         for queue in (self.unsent, self.unacked):
             keep = deque(m for m in queue if m.sport != sport)
@@ -339,6 +389,7 @@ class RdsConnection:
 
     def drop_all(self, status: RdmaStatus, why: str) -> int:
         """Drop every queued and unacknowledged message (the peer is gone); how many."""
+        self._bring_in()
         dropped = 0
         for queue in (self.unacked, self.unsent):
             while queue:
@@ -421,6 +472,7 @@ class RdsConnection:
             raise RdsProtocolError(f"congestion map of {len(data)} bytes from {self.peer}")
         self.busy = True
         self.counters.cong_updates_received += 1
+        self._bring_in()  # (its gate saw the old map)
         changed = self.peer_congestion.diff(new)
         self.peer_congestion = new
         if changed:

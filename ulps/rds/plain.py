@@ -174,9 +174,9 @@ class PlainReceiver:
     session's state when Python next looks (:meth:`fold`)."""
 
     __slots__ = (
-        "_chased", "_ffi", "_flow", "_lib", "_ports", "_rds", "_recv", "_reposts",
-        "_rows_c", "_send", "_sockets", "_unpack", "_woken", "_writes", "hook", "rows", "send",
-        "send_write", "sent", "state", "write_seq",
+        "_chased", "_cong", "_cong_c", "_ffi", "_flow", "_lib", "_ports", "_rds", "_recv",
+        "_reposts", "_rows_c", "_send", "_sockets", "_unpack", "_woken", "_writes", "hook",
+        "log", "rows", "run", "send", "send_write", "sendto", "sent", "state", "write_seq",
     )  # fmt: skip
 
     def __init__(
@@ -242,7 +242,47 @@ class PlainReceiver:
         self.sent = functools.partial(self._lib.rp_sent, hook)
         """``sent(wr_id)``: a successful Send completion Python polled; 1 when it was one
         of :attr:`send`'s (its buffer and the ones before it are free again)."""
+        self.sendto = functools.partial(self._lib.rp_sendto, hook)
+        """``sendto(sport, dport, data, len(data))``: :c:func:`rp_sendto`, a socket's plain
+        message numbered and staged in one call while the gate is open (:meth:`open`): 1,
+        and the caller appends it to :attr:`log` and calls :attr:`run`; else 0."""
+        self.log: list[tuple[int, int, bytes]] = []
+        """The messages :attr:`sendto` sent, (sport, dport, data), until :meth:`sync`."""
+        self.run: Callable[[], object] = _nothing
+        """Post what was staged (the session sets its QP's ``run_native_handler``)."""
+        self._cong: object = None
+        self._cong_c: Any = None
+        """The peer's congestion map the gate last saw, and its bits as C reads them."""
         self.release()
+
+    def open(self) -> None:
+        """Open the gate of :attr:`sendto`, from the connection's numbers and bounds as
+        they are now: the session would send a plain message in C next, with nothing of
+        Python's queued or in flight (:meth:`.HookedSession._open`)."""
+        rds, hook = self._rds, self.hook
+        cong = rds.peer_congestion
+        if cong is not self._cong:
+            self._cong, self._cong_c = cong, self._ffi.from_buffer(cong.bits)
+        hook.peer_cong = self._cong_c
+        hook.next_seq = rds.next_seq
+        hook.queued_bytes = rds.queued_bytes
+        hook.queued = len(rds.unsent) + len(rds.unacked)
+        settings = rds.settings
+        hook.sndbuf, hook.max_queued = settings.sndbuf, settings.max_queued_messages
+        hook.open = 1
+
+    def sync(self) -> None:
+        """Close the gate of :attr:`sendto` and bring in what went through it: the
+        connection numbers and keeps it as C numbered it (:meth:`.RdsConnection.sent_directly`)."""
+        hook = self.hook
+        hook.open = 0
+        if hook.unsynced:
+            log, self.log = self.log, []
+            assert len(log) == hook.unsynced  # (each went with its entry)
+            hook.unsynced = 0
+            rds = self._rds
+            rds.sent_directly(log)
+            assert rds.next_seq == hook.next_seq
 
     @property
     def handler(self) -> tuple[int, int]:
@@ -340,6 +380,7 @@ class PlainReceiver:
         the messages it took. (The native handler adds the credits it takes and the
         receives it posts again to the flow's counters itself: they need no fold.)"""
         rx, rds, flow, unpack, hook = self.state, self._rds, self._flow, self._unpack, self.hook
+        self.sync()  # (the acknowledgements may be of messages sent through the gate)
         if not rx.has_ack:
             return 0
         rx.has_ack = 0
@@ -366,6 +407,10 @@ class PlainReceiver:
                 rx.chasers = 0
             _delivered(rx, rds, sockets, ports)
         return messages
+
+
+def _nothing() -> None:
+    """:attr:`PlainReceiver.run` until the session sets it."""
 
 
 def _delivered(

@@ -119,9 +119,20 @@ class HookedSession:
             timer.deadline = self._timer_at = self._clock() + ACK_DELAY + ACK_BACKSTOP
 
     def settle(self) -> None:
-        """Fold in what the native handler took (:meth:`.Carrier.settle`)."""
-        if self._unfolded is not None and self._unfolded.has_ack:
-            self._fold()
+        """Fold in what the native handler took, and bring in what went through the gate
+        of a socket's sendto in C (:meth:`.Carrier.settle`)."""
+        if self._plain is not None:
+            self._plain.sync()
+            if self._unfolded.has_ack:
+                self._fold()
+
+    def _open(self) -> None:
+        """A plain message went from C with nothing of Python's before it: a socket's next
+        ones may go in one call into C (:meth:`.PlainReceiver.open`) until Python sends,
+        queues or folds anything, or the backstop, armed now, comes (each of those brings
+        them in first)."""
+        if self._hooked and self._timer_at != math.inf:
+            self._plain.open()  # type: ignore[union-attr]
 
     async def drive_until(self, ready: Callable[[], bool], quiet: int = 0) -> bool:
         """A reader's wait (:class:`~.transport.Drivable`): it drives the session's CQ

@@ -246,11 +246,16 @@ class Session(HookedSession):
         the Write just before it), when the session is on the C path and would send
         nothing before it (a session on the C path holds no burst's answers back). A Read
         stays Python's (its Send is fenced behind it)."""
+        plain = self._plain
+        if plain is None:
+            return False
+        plain.sync()  # (the connection's number is C's until then)
         rds = self.rds
         if not self._alone(0) or not self._staged_in_c(rds.next_seq, sport, dport, data, rdma):
             return False
         rds.sent(sport, dport, data, rdma)
         self._staged()
+        self._open()
         return True
 
     def _alone(self, queued: int) -> bool:
@@ -287,6 +292,8 @@ class Session(HookedSession):
         (a completion handler run by a post) returns: the running one pumps again for
         the slots and credits it freed.
         """
+        if (plain := self._plain) is not None:
+            plain.sync()
         rds = self.rds
         if not now and self._burst and len(rds.unsent) < BURST_MAX:
             if self._opening:  # the first answer goes at once: the peer starts on it
@@ -387,6 +394,7 @@ class Session(HookedSession):
         plain = self._plain
         if self._hooked:
             plain.hold()  # type: ignore[union-attr]
+            plain.sync()  # type: ignore[union-attr]
             if self._unfolded.has_ack:
                 # What C took first (its messages count in this run's burst): its
                 # credits let sends go, its receives posted again may be due to the
@@ -520,6 +528,9 @@ class Session(HookedSession):
             if self._plain is not None:  # (C takes plain messages in the engine's calls)
                 self._hooked = self.cq.set_native_handler(*self._plain.handler, self._plain)
                 self._plain.watch_oldest()  # (what the first pump sent)
+                if self._hooked:  # (a socket's sendto may go in one call into C)
+                    self._plain.run = self.qp.run_native_handler
+                    self.rds.direct = self._plain
             self._on_cq(self.cq)  # what came before, and arm
             while self._failure is None:
                 # (the backstop while no reader came back since the hold: ack_needed)
@@ -537,8 +548,7 @@ class Session(HookedSession):
                     # The receivers woken with this one may not have run yet: let them.
                     await trio.lowlevel.cancel_shielded_checkpoint()
                     self.answer_burst()  # (unless a receiver did meanwhile)
-                if self._unfolded is not None and self._unfolded.has_ack:
-                    self._fold()  # (no reader came back: the backstop)
+                self.settle()  # (no reader came back: the backstop)
                 if self._unjudged:
                     self.ack_needed()  # (as a reader coming back would: no reader did)
                 if self._failure is None and self.flow.ack_expired(self._clock()):
@@ -549,7 +559,9 @@ class Session(HookedSession):
             with contextlib.suppress(OSError):  # the CQ may be closed already
                 if self._hooked:
                     self._hooked = False
-                    self.cq.set_native_handler(0, 0)
+                    self.rds.direct = None
+                    self._plain.sync()  # type: ignore[union-attr]  # (the next session sends
+                    self.cq.set_native_handler(0, 0)  # again what the peer did not have)
                     if self._unfolded.has_ack:  # (the next session numbers on from here)
                         self._plain.fold(None)  # type: ignore[union-attr]
                 self.cq.set_handler(None)

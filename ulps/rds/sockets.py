@@ -171,6 +171,8 @@ class RdsSocket:
         congested (its receiver is full). ``await rdma.wait()`` tells how the
         operation ended (see :mod:`rdmashim.ulps.rds.rdma`).
         """
+        if rdma is None and self._sent_directly(data, dest):
+            return
         ip, port, own = self._check(data, dest)
         node = self.node
         if own:
@@ -191,6 +193,8 @@ class RdsSocket:
         self, data: bytes, dest: tuple[str, int], *, rdma: RdmaOp | None = None
     ) -> None:
         """Send without waiting; raises ``trio.WouldBlock`` while the queue is full."""
+        if rdma is None and self._sent_directly(data, dest):
+            return
         ip, port, own = self._check(data, dest)
         node = self.node
         if own:
@@ -270,6 +274,24 @@ class RdsSocket:
             self._arrived.unpark()
         elif self._driving is not None:
             self._driving.interrupt_wait()
+
+    def _sent_directly(self, data: bytes, dest: tuple[str, int]) -> bool:
+        """Whether a plain message went in one call into C (``rp_sendto``): its session
+        sends in C and keeps the gate open (:class:`~.connection.DirectSends`: nothing of
+        the connection's waits, it has room, the port is not congested), and ``dest`` is a
+        peer's (IP, port) this socket sent to before, ``data`` bytes."""
+        if (
+            dest.__class__ is tuple and data.__class__ is bytes and not self.closed
+            and (route := self._routes.get(dest)) is not None
+            and dest[1].__class__ is int and not route[2]  # (see _check)
+            and (entry := self.node._table.entries.get(route[0])) is not None
+            and (direct := entry.rds.direct) is not None
+            and direct.sendto(self.port, route[1], data, len(data))
+        ):  # fmt: skip
+            direct.log.append((self.port, route[1], data))
+            direct.run()
+            return True
+        return False
 
     def _queue(self, entry: Peer, dport: int, data: bytes, rdma: RdmaOp | None) -> None:
         """Send a message on the connection of ``entry`` (from :meth:`PeerTable.lookup`):

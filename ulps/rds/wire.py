@@ -637,6 +637,11 @@ class CongestionMap:
         _check_port(port)
         self._bits[port >> 3] &= ~(1 << (port & 7)) & 0xFF
 
+    @property
+    def bits(self) -> bytearray:
+        """The map's bytes themselves (its wire image), for C to read in place."""
+        return self._bits
+
     def test(self, port: int) -> bool:
         if not 0 <= port < RDS_CONG_MAP_BITS:  # (_check_port inline: a test per message)
             _check_port(port)
