@@ -314,6 +314,42 @@ async def test_a_run_posts_what_the_handler_staged_and_writes_it(handler_module:
         assert hooked.handled == []
 
 
+def run_from_c(qp: Any) -> int:
+    """Call the QP's native runner as a ULP's C does (its function on its context)."""
+    runner = qp.native_runner()
+    assert runner is not None
+    function = native.ffi.cast("uint32_t (*)(void *)", runner[0])
+    return int(function(native.ffi.cast("void *", runner[1])))
+
+
+async def test_a_runner_called_from_c_posts_and_writes_what_the_handler_staged(
+    handler_module: Any,
+) -> None:
+    """``qp.native_runner()``'s function does what ``run_native_handler()`` does, with no
+    Python: the Sends the handler staged go out in the call, and a signaled one's
+    completion is the handler's own, with nothing for Python (0). Once the QP is closed it
+    says Python must look (1) and touches nothing."""
+    async with hooked_pair(handler_module) as (pair, hooked):
+        client = pair.client
+        landing = client.pd.reg_mr(bytearray(2 * SLOT), Access.LOCAL_WRITE)
+        client.qp.post_recv([RecvWR(i, [landing.sge(i * SLOT, SLOT)]) for i in range(2)])
+        source = pair.server.pd.reg_mr(bytearray(b"from C"), Access(0))
+        stage(hooked, 7, source.sge(0, 4), SendFlags.INLINE)
+        assert run_from_c(pair.server.qp) == 0 and hooked.ctx.sent == 1
+        (wc,) = await drain(client.cq, 1)
+        assert (wc.status, bytes(landing.buf[:4])) == (WCStatus.SUCCESS, b"from")
+        stage(hooked, 8, source.sge(0, 6), SendFlags.SIGNALED)
+        assert run_from_c(pair.server.qp) == 0 and hooked.ctx.sent == 2
+        (wc,) = await drain(client.cq, 1)
+        assert (wc.status, bytes(landing.buf[SLOT : SLOT + 6])) == (WCStatus.SUCCESS, b"from C")
+        await until(lambda: (8, 0, int(WCOpcode.SEND)) in [row[:3] for row in hooked.log()])
+        qp = pair.server.qp
+        runner = qp.native_runner()
+        qp.close()
+        assert runner == qp.native_runner() and run_from_c(qp) == 1
+        assert hooked.ctx.sent == 2
+
+
 async def test_a_handler_posts_an_rdma_write_before_its_send(handler_module: Any) -> None:
     """The table's ``post_send`` takes an RDMA Write (``opcode`` 1) of one local buffer
     into the peer's region: its bytes are in place when the Send after it arrives. An
@@ -365,7 +401,7 @@ async def test_misuse_is_einval_and_other_engines_have_none(
     monkeypatch.setenv("RDMASHIM_ENGINE", "python")
     async with connected() as pair:
         assert pair.client.cq.set_native_handler(1, 1) is False
-        assert pair_qp_runs_none(pair.client.qp)
+        assert pair_qp_runs_none(pair.client.qp) and pair.client.qp.native_runner() is None
 
 
 def pair_qp_runs_none(qp: Any) -> bool:

@@ -348,6 +348,15 @@ class QP(Resource, Protocol):
         Sends in its handler's context has them posted, in one call. True when it ran;
         False where the backend calls no native handler, or none is set."""
 
+    def native_runner(self) -> tuple[int, int] | None:
+        """(function, context): a C function ``uint32_t run(void *context)`` that does
+        what :meth:`run_native_handler` does, for a ULP's C to call with no Python on the
+        way (from the caller's thread, never from inside the handler). It returns 0 when
+        that is all, non-zero when :meth:`run_native_handler` must still be called from
+        Python (the socket was full, the QP has news, no connection): then it may have
+        done nothing. Valid while this QP object lives (after ``close()`` it returns
+        non-zero and touches nothing). None where the backend has none."""
+
     @property
     def pd(self) -> PD:
         """The PD the QP was created on."""

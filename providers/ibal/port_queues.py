@@ -652,6 +652,10 @@ class QP:
         """Not here (False): IBAL calls no native handler (``cq.set_native_handler``)."""
         return False
 
+    def native_runner(self) -> tuple[int, int] | None:
+        """None: no native handler to run (see :meth:`run_native_handler`)."""
+        return None
+
     def query(self) -> QPAttr:
         """``ib_query_qp``."""
         with verbs_errors("query_qp"):

@@ -466,6 +466,10 @@ class QP(Resource):
         self._check_open("run_native_handler")
         return False
 
+    def native_runner(self) -> tuple[int, int] | None:
+        """None: no native handler to run (see :meth:`run_native_handler`)."""
+        return None
+
     def post_recv(self, wr: RecvWR | Iterable[RecvWR]) -> None:
         """Post one receive work request or a list of them (never blocks)."""
         self._check_open("post_recv")

@@ -2260,6 +2260,12 @@ static void rs_qp_run_hook_fd_in_lock(rs_qp *qp, int fd, int64_t *wrote)
     *wrote = rs_qp_flush_fd(qp, fd);
 }
 
+static uint32_t rs_qp_run_direct_in_lock(rs_qp *qp, int fd, int64_t *wrote)
+{
+    rs_qp_run_hook_fd_in_lock(qp, fd, wrote);
+    return *wrote != 0 || qp->v.news != 0;
+}
+
 static int64_t rs_qp_flush_fd_in_lock(rs_qp *qp, int fd)
 {
     int64_t w;
@@ -2392,4 +2398,15 @@ LOCKED(uint32_t, rs_qp_post_send_fd, &qp->mem->lock, (rs_qp *qp, const rs_send_w
 LOCKED(int64_t, rs_qp_flush_fd, &qp->mem->lock, (rs_qp *qp, int fd), (qp, fd))
 LOCKED_VOID(rs_qp_run_hook, &qp->mem->lock, (rs_qp *qp), (qp))
 LOCKED_VOID(rs_qp_run_hook_fd, &qp->mem->lock, (rs_qp *qp, int fd, int64_t *wrote), (qp, fd, wrote))
+static LOCKED(uint32_t, rs_qp_run_direct, &qp->mem->lock, (rs_qp *qp, int fd, int64_t *wrote), (qp, fd, wrote))
 LOCKED(int64_t, rs_qp_write_fd, &qp->mem->lock, (rs_qp *qp, int fd), (qp, fd))
+
+uint32_t rs_run(void *runner)
+{
+    rs_runner *r = runner;
+    if (r->qp == NULL || r->fd < 0)
+        return 1;
+    return rs_qp_run_direct(r->qp, r->fd, &r->wrote);
+}
+
+uintptr_t rs_run_address(void) { return (uintptr_t)rs_run; }

@@ -223,6 +223,20 @@ void rs_cq_set_hook(rs_cq *cq, void *fn, void *context);
  * rs_qp_post_send_fd does (*wrote: 0, or how a write ended, -errno). */
 void rs_qp_run_hook(rs_qp *qp);
 void rs_qp_run_hook_fd(rs_qp *qp, int fd, int64_t *wrote);
+/* What a ULP's C calls to run the handler of a QP's send CQ and write what it posted
+ * (the provider's qp.native_runner: rs_run with a runner as its context), with no
+ * Python: the QP (NULL once it is freed) and its connection's socket (-1 while there is
+ * none, and once it closes), kept current by the provider. */
+typedef struct {
+    rs_qp *qp;
+    int fd;
+    int64_t wrote;          /* how its last write ended: 0, or -errno */
+} rs_runner;
+/* rs_qp_run_hook_fd on the runner's QP and socket: 0 when that is all, 1 when the
+ * provider's Python must still run it (qp.run_native_handler): the socket was full or
+ * failed, the QP has news for its owner, or there is no QP or socket (then nothing ran). */
+uint32_t rs_run(void *runner);
+uintptr_t rs_run_address(void);
 
 rs_srq *rs_srq_new(uint32_t max_wr);
 void rs_srq_free(rs_srq *srq);

@@ -125,6 +125,9 @@ class Link:
         that filled it: the QP's :meth:`~.qp.QP._deliver`."""
         engine.memory.watch(self)
 
+    def _closing(self) -> None:
+        """The socket closes now (the native link's C forgets its descriptor here)."""
+
     def revoke(self, region: Region) -> None:
         """``region`` is being deregistered (the link is a :class:`~.memory.Holder`): the
         FPDUs waiting for room in the socket may hold views of it; they are copied, so
@@ -499,6 +502,7 @@ class Link:
             self.engine.memory.unwatch(self)
             self._loan.end()
             self.wait_point.close()  # a waiter in read_until returns
+            self._closing()
             self.sock.close()
             self.closed.set()
 

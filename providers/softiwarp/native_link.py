@@ -77,6 +77,10 @@ class NativeEngine:
         """The QP's socket's driver, once MPA is done (:meth:`submit_send` writes into it)."""
         self._wrote = ffi.new("int64_t *")
         """Where ``rs_qp_post_send_fd`` says how its writes ended."""
+        self.runner = ffi.new("rs_runner *")
+        """``qp.native_runner``'s context (``rs_runner``): the QP, and its socket while a
+        link has it open (-1: none)."""
+        self.runner.qp, self.runner.fd = self.ptr, -1
 
     @property
     def state(self) -> EngineState:
@@ -178,6 +182,8 @@ class NativeLink(Link):
 
     def __init__(self, engine: NativeEngine, sock: trio.socket.SocketType, leftover: bytes) -> None:
         super().__init__(engine, sock, leftover)  # type: ignore[arg-type]
+        engine.runner.fd = self._fd  # (a ULP's C may write into it now: rs_run)
+        self._runner = engine.runner
         self._ptr = engine.ptr
         self._view = engine.view
         self._sync = engine._owner._sync
@@ -196,6 +202,10 @@ class NativeLink(Link):
 
     def revoke(self, region: Region) -> None:
         """C holds what waits to be written: nothing here views a region."""
+
+    def _closing(self) -> None:
+        """The socket closes now: ``rs_run`` writes into it no more."""
+        self._runner.fd = -1
 
     def _write(self) -> None:
         """Write what C framed until it has nothing more or the socket is full."""

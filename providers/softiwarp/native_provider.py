@@ -258,6 +258,11 @@ class NativeQP(QPBase):
             self._sync()
         return True
 
+    def native_runner(self) -> tuple[int, int] | None:
+        """``rs_run`` and this QP's runner (``rs_runner``): a C call that does what
+        :meth:`run_native_handler` does, for a ULP's C (see ``docs/verbs.md``)."""
+        return int(lib.rs_run_address()), int(ffi.cast("uintptr_t", self.engine.runner))
+
     def post_send_batch(
         self, batch: SendBatch, count: int | None = None, *, indices: Sequence[int] | None = None
     ) -> None:
@@ -358,6 +363,7 @@ class NativeQP(QPBase):
         """Destroy the QP: outstanding work is flushed and the connection dropped."""
         if self._closed:
             return
+        self.engine.runner.qp = ffi.NULL  # (rs_run touches it no more)
         if lib.rs_qp_state(self._ptr) != 3:
             self.engine.set_error(ConnectionAbortedError("QP destroyed"))
         self._leave_cqs()

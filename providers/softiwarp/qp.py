@@ -187,6 +187,10 @@ class QPBase(Resource):
         self._check_open("run_native_handler")
         return False
 
+    def native_runner(self) -> tuple[int, int] | None:
+        """None: no native handler to run (see :meth:`run_native_handler`)."""
+        return None
+
     def _leave_cqs(self) -> None:
         self.send_cq._qps.pop(id(self), None)
         self.recv_cq._qps.pop(id(self), None)

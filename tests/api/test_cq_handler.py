@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 import trio
-from api.support import QUIET, SIG, TIMEOUT, Cm, drain, is_linux_siw, ok
+from api.support import QUIET, SIG, TIMEOUT, Cm, Pair, drain, is_linux_siw, ok
 
 from rdmashim import QPState, RecvWR, SendFlags, SendWR, VerbsError, WCArray, WCStatus, WROpcode
 
@@ -218,3 +218,17 @@ async def test_a_cq_takes_a_channel_or_a_handler(device: Any) -> None:
     assert plain.handler is None
     plain.close()
     channel.close()
+
+
+async def test_a_qp_has_a_native_runner_where_cqs_take_native_handlers(pair: Pair) -> None:
+    """``qp.native_runner()`` (the C call a ULP's C makes to have what it staged posted)
+    is there exactly where the backend calls native handlers (``set_native_handler``
+    True): two addresses; elsewhere None, and ``run_native_handler()`` is False."""
+    qp, cq = pair.client.qp, pair.client.send_cq
+    calls = cq.set_native_handler(0, 0)  # (0: none set, as before)
+    runner = qp.native_runner()
+    assert (runner is not None) == calls
+    if runner is None:
+        assert qp.run_native_handler() is False
+    else:
+        assert all(isinstance(n, int) and n > 0 for n in runner)
