@@ -21,7 +21,8 @@ the read, and the session's note of what it took, ``Session._taken_in_c``, takes
 handler's place: what C took is folded into the session later, at most once a backstop),
 the socket handing a message to its reader (``RdsSocket._take``),
 ``RdsSocket.sendto`` and the QP's ``post_send`` or ``post_send_batch`` (or, for a plain
-message sent in C, ``run_native_handler``). Each
+message sent in C, ``run_native_handler``; for one sent through RDS's gate, the one call
+into C that numbers, posts and writes it: the write phase holds it all). Each
 hook costs about 0.3 us; a phase is counted only in cycles whose points came in
 the usual order (a timer's wake-up or an acknowledgement in the middle leaves
 the cycle out: the counts say how many were kept). Each end's CPU time per message
@@ -63,6 +64,7 @@ from rdmashim.rdstools.common import open_node
 from rdmashim.rdstools.defaults import STRESS_PORT
 from rdmashim.rdstools.stress import PassiveResult, stress_passive
 from rdmashim.ulps.rds.node import RdsSocket
+from rdmashim.ulps.rds.plain import PlainReceiver
 from rdmashim.ulps.rds.rdma_session import Session
 from rdmashim.verbs.lending import WaitPoint
 
@@ -209,6 +211,33 @@ class Tracer(trio.abc.Instrument):
             setattr(NativeLink, name, hooked)
             self._undo.append(partial(setattr, NativeLink, name, original))
 
+    def _hook_direct_sends(self) -> None:
+        """A plain message sent through the gate of RDS's ``sendto`` in C (``rp_sendto``)
+        is numbered, staged, posted and written in one call into C: that call is logged as
+        the post and as the write (the framing and "after the write" phases are empty, the
+        write phase holds them). Its wrapper is put on each session's receiver when the
+        session sets how it posts (``PlainReceiver.posting``)."""
+        log, now = self.log, time.perf_counter_ns
+        posting = PlainReceiver.posting
+
+        def hooked_posting(receiver: PlainReceiver, *args: Any) -> None:
+            posting(receiver, *args)
+            sendto = receiver.sendto
+
+            def timed(*call: Any) -> Any:
+                t = now()
+                log.extend((("post", t), ("write", t)))
+                try:
+                    return sendto(*call)
+                finally:
+                    t = now()
+                    log.extend((("write_end", t), ("post_end", t)))
+
+            receiver.sendto = timed  # type: ignore[assignment]
+
+        PlainReceiver.posting = hooked_posting  # type: ignore[method-assign]
+        self._undo.append(partial(setattr, PlainReceiver, "posting", posting))
+
     def _hook_handler(self, name: str) -> None:
         """Log ``handler`` and ``handler_end`` around the session's completion handler
         (``_on_cq``), or its note of what the CQ's native handler took (``_taken_in_c``), and
@@ -249,7 +278,8 @@ class Tracer(trio.abc.Instrument):
         engine one C call reads the socket and processes what came (``NativeLink._read``:
         the readv phase holds both, the engine's is empty), and one frames a post's
         Sends and writes them (``NativeEngine.submit_send``, or ``run_hook`` for what RDS's
-        C staged: the write phase holds both; framing is the Python around it)."""
+        C staged: the write phase holds both; framing is the Python around it), and one
+        sends a plain message through RDS's gate (:meth:`_hook_direct_sends`)."""
         native_engine = engines.chosen()[0] == "native"
         cq_class, qp_class = (NativeCQ, NativeQP) if native_engine else (CQ, QP)
         for owner, name in (
@@ -265,6 +295,7 @@ class Tracer(trio.abc.Instrument):
             self._hook(NativeQP, "post_send", "post", "post_end")
             self._hook(NativeQP, "post_send_batch", "post", "post_end")
             self._hook(NativeQP, "run_native_handler", "post", "post_end")
+            self._hook_direct_sends()
         else:
             self._hook_idle_wait(WaitPoint, "block", ("wake",))
             self._hook(os, "readv", "read", "read_end")

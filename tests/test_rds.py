@@ -176,7 +176,10 @@ async def test_ports_and_destinations_of_the_wrong_shape_are_einval() -> None:
                 a.bind(port)  # type: ignore[arg-type]
             assert info.value.errno == errno.EINVAL
         s = a.bind(4000)
-        for dest in [("127.0.0.2", 5.5), ("127.0.0.2", "80"), ("127.0.0.2",), None, "127.0.0.2"]:
+        for dest in [
+            ("127.0.0.2", 5.5), ("127.0.0.2", "80"), ("127.0.0.2",), None, "127.0.0.2",
+            ("127.0.0.2", [80]), ("127.0.0.2", 70000),
+        ]:  # fmt: skip
             with pytest.raises(RdsError) as info:
                 s.sendto_nowait(b"x", dest)  # type: ignore[arg-type]
             assert info.value.errno == errno.EINVAL, dest

@@ -137,6 +137,15 @@ static uint32_t fake_post_send(void *qp, const rp_send_wr *wrs, uint32_t n)
 
 static const rp_verbs fake_verbs = {fake_poll, fake_post, fake_post_send};
 
+/* The QP's native runner, standing in: the handler's next run posts what was staged. */
+static uint32_t fake_runs, fake_says;
+static uint32_t fake_run(void *ctx)
+{
+    (void)ctx;
+    fake_runs++;
+    return fake_says;
+}
+
 /* Send a few plain messages in C, as the input says (its bytes for their payloads), some
  * chasing an RDMA Write (of a length the input says: some empty, some too long). */
 static void send_some(rp_hook *h, const char *bytes, size_t len, uint32_t *dice)
@@ -156,8 +165,14 @@ static void send_some(rp_hook *h, const char *bytes, size_t len, uint32_t *dice)
         } else if (*dice & 16) { /* a socket's sendto through the gate (port 9 congested) */
             uint16_t dport = *dice & 32 ? 9 : 7;
             uint64_t unsynced = h->unsynced, queued = h->queued;
+            uint32_t runs = fake_runs, went;
+            fake_says = *dice >> 7 & 1;
             h->next_seq = seq;
-            took = rp_sendto(h, 4000, dport, bytes, size <= len ? size : 0);
+            h->run = *dice & 64 ? fake_run : NULL; /* (NULL: Python must post it) */
+            went = rp_sendto(h, 4000, dport, bytes, size <= len ? size : 0);
+            took = went != 0;
+            CHECK(fake_runs == runs + (took && h->run != NULL));
+            CHECK(!took || went == (h->run != NULL && !fake_says ? 1u : 2u));
             CHECK(!took || (dport == 7 && size <= h->sndbuf));
             CHECK(h->next_seq == seq + took && h->unsynced == unsynced + took);
             CHECK(h->queued == queued + took && h->unsynced <= RP_UNSYNCED_MAX);

@@ -419,7 +419,7 @@ uint32_t rp_sendto(rp_hook *h, uint16_t sport, uint16_t dport, const char *data,
     h->queued_bytes += len;
     h->queued++;
     h->unsynced++;
-    return 1;
+    return h->run == NULL || h->run(h->run_ctx) ? 2 : 1;
 }
 
 int64_t rp_write_seq(rp_hook *h, uint64_t wr_id)

@@ -207,6 +207,9 @@ typedef struct {
     uint64_t sndbuf;        /* in: has_room's bounds (sndbuf also bounds a message) */
     uint64_t max_queued;
     const unsigned char *peer_cong; /* in: the peer's congestion map (RP_CONG_MAP_BYTES) */
+    uint32_t (*run)(void *ctx);     /* in: posts what was staged and writes it, 0 when that
+                                     * is all (the QP's native runner; NULL: none) */
+    void *run_ctx;
 } rp_hook;
 
 
@@ -254,11 +257,12 @@ uint32_t rp_send_write(rp_hook *hook, uint64_t seq, uint16_t sport, uint16_t dpo
                        const char *data, uint32_t len, uint64_t laddr, uint32_t lkey,
                        uint32_t length, uint64_t remote_addr, uint32_t rkey);
 /* A socket's sendto of a plain message (from sport to dport, len bytes) in one call:
- * numbered next (hook->next_seq) and staged as rp_send stages it, when Python keeps the
- * gate open (hook->open), the connection has room (has_room's bounds, from C's counts),
- * the peer's port is not congested and fewer than RP_UNSYNCED_MAX wait for Python to
- * bring them in: 1 (the caller keeps the message for Python, in order, and runs the
- * native handler to post it); else 0, nothing changed: Python's sendto takes it. */
+ * numbered next (hook->next_seq), staged as rp_send stages it and posted by hook->run,
+ * when Python keeps the gate open (hook->open), the connection has room (has_room's
+ * bounds, from C's counts), the peer's port is not congested and fewer than
+ * RP_UNSYNCED_MAX wait for Python to bring them in: 1, or 2 when the QP's Python must
+ * still run the native handler (no runner, or it said so); the caller keeps the message
+ * for Python, in order. Else 0, nothing changed: Python's sendto takes it. */
 uint32_t rp_sendto(rp_hook *hook, uint16_t sport, uint16_t dport, const char *data,
                    uint32_t len);
 /* The sequence number of the message whose chased Write is work request wr_id (a failed

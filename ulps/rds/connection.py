@@ -82,12 +82,14 @@ class DirectSends(Protocol):
     """A session's way to send a socket's plain message without the connection: the
     message is numbered and sent in one call into C (``rp_sendto``, RDS's C path), and
     the connection hears of it when :meth:`sync` brings it in. A socket's ``sendto``
-    calls :attr:`sendto`, keeps what went in :attr:`log` and posts it with :attr:`run`."""
+    calls :attr:`sendto`, keeps what went in :attr:`log` and, when told, posts it with
+    :attr:`run`."""
 
     @property
     def sendto(self) -> Callable[[int, int, bytes, int], int]:
-        """``sendto(sport, dport, data, len(data))``: 1 when it went (numbered next), 0 when
-        the connection must take it (its gate is closed, no room, a congested port, ...)."""
+        """``sendto(sport, dport, data, len(data))``: 1 when it went (numbered next and
+        posted), 2 when :attr:`run` must still post it, 0 when the connection must take
+        it (its gate is closed, no room, a congested port, ...)."""
 
     @property
     def log(self) -> list[tuple[int, int, bytes]]:
@@ -213,9 +215,9 @@ class RdsConnection:
     """A sender waits for room (acknowledgements look at the room only then); the
     waiter sets it, :meth:`acked` clears it when it calls :attr:`on_room`."""
     direct: DirectSends | None = None
-    """The session's way of sending without the connection, while it has one (set by
-    the session): what went that way is brought in before the connection's outgoing
-    state is read or changed."""
+    """The session's way of sending without the connection, while it is open (the session
+    sets it, and :meth:`DirectSends.sync` clears it): what went that way is brought in
+    before the connection's outgoing state is read or changed."""
 
     def active_at(self, now: float) -> float:
         """When the connection was last active, as seen at ``now`` (the caller's clock): a

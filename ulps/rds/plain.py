@@ -244,16 +244,29 @@ class PlainReceiver:
         of :attr:`send`'s (its buffer and the ones before it are free again)."""
         self.sendto = functools.partial(self._lib.rp_sendto, hook)
         """``sendto(sport, dport, data, len(data))``: :c:func:`rp_sendto`, a socket's plain
-        message numbered and staged in one call while the gate is open (:meth:`open`): 1,
-        and the caller appends it to :attr:`log` and calls :attr:`run`; else 0."""
+        message numbered, staged and posted in one call while the gate is open
+        (:meth:`open`): 1, or 2 when :attr:`run` must still post it (the caller appends
+        it to :attr:`log` either way); else 0."""
         self.log: list[tuple[int, int, bytes]] = []
         """The messages :attr:`sendto` sent, (sport, dport, data), until :meth:`sync`."""
         self.run: Callable[[], object] = _nothing
-        """Post what was staged (the session sets its QP's ``run_native_handler``)."""
+        """Post what was staged (:meth:`posting`: the QP's ``run_native_handler``)."""
         self._cong: object = None
         self._cong_c: Any = None
         """The peer's congestion map the gate last saw, and its bits as C reads them."""
         self.release()
+
+    def posting(self, run: Callable[[], object], runner: tuple[int, int] | None) -> None:
+        """How what :attr:`sendto` staged is posted: ``run`` from Python (the QP's
+        ``run_native_handler``), and in the same call into C by ``runner`` (the QP's
+        ``native_runner()``: function and context; None: Python always runs it)."""
+        self.run = run
+        hook = self.hook
+        if runner is None:
+            hook.run = self._ffi.NULL
+        else:
+            hook.run = self._ffi.cast("uint32_t (*)(void *)", runner[0])
+            hook.run_ctx = self._ffi.cast("void *", runner[1])
 
     def open(self) -> None:
         """Open the gate of :attr:`sendto`, from the connection's numbers and bounds as
@@ -270,17 +283,22 @@ class PlainReceiver:
         settings = rds.settings
         hook.sndbuf, hook.max_queued = settings.sndbuf, settings.max_queued_messages
         hook.open = 1
+        rds.direct = self  # (while it is set, the gate is open)
 
     def sync(self) -> None:
         """Close the gate of :attr:`sendto` and bring in what went through it: the
-        connection numbers and keeps it as C numbered it (:meth:`.RdsConnection.sent_directly`)."""
+        connection numbers and keeps it as C numbered it (:meth:`.RdsConnection.sent_directly`).
+        Nothing to do while it is closed (nothing goes through a closed gate)."""
+        rds = self._rds
+        if rds.direct is None:
+            return
+        rds.direct = None
         hook = self.hook
         hook.open = 0
         if hook.unsynced:
             log, self.log = self.log, []
             assert len(log) == hook.unsynced  # (each went with its entry)
             hook.unsynced = 0
-            rds = self._rds
             rds.sent_directly(log)
             assert rds.next_seq == hook.next_seq
 

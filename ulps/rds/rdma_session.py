@@ -255,7 +255,8 @@ class Session(HookedSession):
             return False
         rds.sent(sport, dport, data, rdma)
         self._staged()
-        self._open()
+        if rdma is None:  # (a socket sending plain messages: its next ones may go in C)
+            self._open()
         return True
 
     def _alone(self, queued: int) -> bool:
@@ -528,9 +529,8 @@ class Session(HookedSession):
             if self._plain is not None:  # (C takes plain messages in the engine's calls)
                 self._hooked = self.cq.set_native_handler(*self._plain.handler, self._plain)
                 self._plain.watch_oldest()  # (what the first pump sent)
-                if self._hooked:  # (a socket's sendto may go in one call into C)
-                    self._plain.run = self.qp.run_native_handler
-                    self.rds.direct = self._plain
+                if self._hooked:  # (a socket's sendto may go in one call into C: _open)
+                    self._plain.posting(self.qp.run_native_handler, self.qp.native_runner())
             self._on_cq(self.cq)  # what came before, and arm
             while self._failure is None:
                 # (the backstop while no reader came back since the hold: ack_needed)
@@ -559,7 +559,6 @@ class Session(HookedSession):
             with contextlib.suppress(OSError):  # the CQ may be closed already
                 if self._hooked:
                     self._hooked = False
-                    self.rds.direct = None
                     self._plain.sync()  # type: ignore[union-attr]  # (the next session sends
                     self.cq.set_native_handler(0, 0)  # again what the peer did not have)
                     if self._unfolded.has_ack:  # (the next session numbers on from here)

@@ -135,7 +135,10 @@ class RdsSocket:
         limit = min(RDS_MAX_MSG_SIZE, self.node.settings.sndbuf)  # Linux: both bound it
         if len(data) > limit:
             raise RdsError(errno.EMSGSIZE, f"{len(data)}-byte message exceeds RDS's {limit}")
-        route = self._routes.get(dest) if dest.__class__ is tuple else None
+        try:
+            route = self._routes.get(dest) if dest.__class__ is tuple else None
+        except TypeError:  # (an unhashable part: _route says which)
+            route = None
         if route is None or dest[1].__class__ is not int:  # (True == 1: not the same port)
             route = self._route(dest)
         return route
@@ -154,7 +157,7 @@ class RdsSocket:
         if port.__class__ is not int:
             port = port_number(port)
         if not 0 <= port < 65536:  # port 0: an RDS ping, answered by the node
-            raise RdsError(errno.EINVAL, f"port {port} outside 1..65535")
+            raise RdsError(errno.EINVAL, f"port {port} outside 0..65535 (0: an RDS ping)")
         route = (ip, port, ip == self.node.address)
         if dest.__class__ is tuple and host.__class__ is str and dest[1].__class__ is int:
             if len(self._routes) >= _ROUTES_KEPT:
@@ -280,16 +283,21 @@ class RdsSocket:
         sends in C and keeps the gate open (:class:`~.connection.DirectSends`: nothing of
         the connection's waits, it has room, the port is not congested), and ``dest`` is a
         peer's (IP, port) this socket sent to before, ``data`` bytes."""
+        if dest.__class__ is not tuple or data.__class__ is not bytes or self.closed:
+            return False
+        try:
+            route = self._routes.get(dest)
+        except TypeError:  # (an unhashable part: _check says which)
+            return False
         if (
-            dest.__class__ is tuple and data.__class__ is bytes and not self.closed
-            and (route := self._routes.get(dest)) is not None
-            and dest[1].__class__ is int and not route[2]  # (see _check)
+            route is not None and dest[1].__class__ is int and not route[2]  # (see _check)
             and (entry := self.node._table.entries.get(route[0])) is not None
             and (direct := entry.rds.direct) is not None
-            and direct.sendto(self.port, route[1], data, len(data))
+            and (went := direct.sendto(self.port, route[1], data, len(data)))
         ):  # fmt: skip
             direct.log.append((self.port, route[1], data))
-            direct.run()
+            if went > 1:  # (C's runner did not post it, or Python must look)
+                direct.run()
             return True
         return False
 
