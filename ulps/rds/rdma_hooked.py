@@ -120,11 +120,10 @@ class HookedSession:
 
     def settle(self) -> None:
         """Fold in what the native handler took, and bring in what went through the gate
-        of a socket's sendto in C (:meth:`.Carrier.settle`)."""
+        of a socket's sendto in C (:meth:`.Carrier.settle`; the fold brings that in first,
+        whether or not the handler took anything)."""
         if self._plain is not None:
-            self._plain.sync()
-            if self._unfolded.has_ack:
-                self._fold()
+            self._fold()
 
     def _open(self) -> None:
         """A plain message went from C with nothing of Python's before it: a socket's next

@@ -293,8 +293,6 @@ class Session(HookedSession):
         (a completion handler run by a post) returns: the running one pumps again for
         the slots and credits it freed.
         """
-        if (plain := self._plain) is not None:
-            plain.sync()
         rds = self.rds
         if not now and self._burst and len(rds.unsent) < BURST_MAX:
             if self._opening:  # the first answer goes at once: the peer starts on it
