@@ -11,6 +11,7 @@ where C got to (else the peer's resends would be delivered twice).
 
 from __future__ import annotations
 
+import errno
 from collections.abc import Iterator
 
 import pytest
@@ -18,7 +19,8 @@ import trio
 
 from rdmashim.providers.softiwarp import native
 from rdmashim.ulps.rds import plain, rdma_hooked, rdma_session
-from rdmashim.ulps.rds.node import RdsNode
+from rdmashim.ulps.rds.node import RdsError, RdsNode
+from rdmashim.ulps.rds.rdma import RdmaOp, RdmaStatus
 from rdmashim.ulps.rds.rdma_session import Session
 from rdmashim.ulps.rds.sockets import RdsSocket
 from rdmashim.verbs import QPState
@@ -148,3 +150,98 @@ async def test_messages_through_the_gate_and_through_python_keep_their_order() -
                     if direct.hook.unsynced > before:
                         went.append(i)
         assert 0 < len(went) < len(sizes), "the gate took none of them, or all"
+
+
+async def test_answers_chasing_rdma_writes_go_in_one_call_into_c() -> None:
+    """rds-stress ``-D``'s shape: each request offers a registered buffer by cookie, and
+    its answer chases an RDMA Write into it. Once one went from C, the next go through
+    the gate in one call into C; their data is in place when each answer arrives, and
+    their operations end when the connection hears of them: SUCCESS for those the peer
+    acknowledged, by the node's counters or by a wait (which brings in a Write still in
+    the gate's log first)."""
+    pattern = bytes(range(256)) * 16
+    async with RdsNode(LOW, 0) as a_node, RdsNode(HIGH, a_node.port) as b_node:
+        a, b = a_node.bind(4000), b_node.bind(5000)
+        buffers = [bytearray(len(pattern)) for _ in range(ROUNDS)]
+        cookies = [a.get_mr(buf) for buf in buffers]
+        ops: list[RdmaOp] = []
+        through_gate = 0
+
+        async def answer() -> None:
+            nonlocal through_gate
+            for _ in range(ROUNDS):
+                data, sender = await b.recvfrom()
+                (entry,) = b_node._table.entries.values()
+                op = RdmaOp.write_to(int(data), pattern)
+                before = entry.rds.direct.hook.unsynced if entry.rds.direct else 0
+                await b.sendto(b"done", sender, rdma=op)
+                direct = entry.rds.direct
+                through_gate += direct is not None and direct.hook.unsynced > before
+                ops.append(op)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(answer)
+            await trio.sleep(0.05)
+            for i in range(ROUNDS):
+                await a.sendto(b"%d" % cookies[i], b.address)
+                assert await a.recvfrom() == (b"done", b.address)
+                assert buffers[i] == pattern, f"answer {i} came before its Write's data"
+        assert through_gate >= ROUNDS - 2, "the Writes did not go through the gate"
+        assert ops[-1]._watch is not None and not ops[-1].done  # (in the gate's log)
+        await a.sendto(b"bye", b.address)  # (it carries a's acknowledgement of them all)
+        with trio.fail_after(10):
+            assert await ops[-1].wait() == RdmaStatus.SUCCESS  # (brought in, then watched)
+        (rds,) = b_node.connections()
+        assert rds.counters.rdma_writes == ROUNDS
+        assert rds.counters.rdma_bytes == ROUNDS * len(pattern)
+        await wait_until(lambda: all(op.done for op in ops), 10, "every Write ended")
+        assert {op.status for op in ops} == {RdmaStatus.SUCCESS}
+
+
+async def test_writes_in_the_gates_log_when_the_session_ends_are_kept() -> None:
+    """Messages chasing RDMA Writes that went through the gate, in its log when their
+    session breaks, are brought in as it ends: the next session settles them from the
+    peer's acknowledgement (never sending one again: the kernel's rule), and goes on."""
+    pattern = b"w" * 4096
+    async with RdsNode(LOW, 0) as a_node, RdsNode(HIGH, a_node.port) as b_node:
+        a, b = a_node.bind(4000), b_node.bind(5000)
+        await ping_pong(a, b, 2)  # (b's session sends from C: its gate opens)
+        cookie = a.get_mr(bytearray(len(pattern)))
+        (entry,) = b_node._table.entries.values()
+        session = entry.rds.session
+        assert isinstance(session, Session)
+        ops = []
+        for _ in range(3):
+            op = RdmaOp.write_to(cookie, pattern)
+            await b.sendto(b"chasing", a.address, rdma=op)
+            ops.append(op)
+        assert session._plain is not None and session._plain.hook.unsynced, "none in the log"
+        for _ in ops:  # (a has them, and holds its acknowledgement: no backstop here)
+            assert await a.recvfrom() == (b"chasing", b.address)
+        assert session._plain.hook.unsynced >= len(ops) and not any(op.done for op in ops)
+        a_node._table.entries[next(iter(a_node._table.entries))].rds.session.cut()
+        await wait_until(lambda: session.lost, 10, "the session ended")
+        assert not session._plain.hook.unsynced and not session._plain.log  # (brought in)
+        await wait_until(lambda: entry.rds.session not in (None, session), 10, "reconnected")
+        # The new session began from the peer's acknowledgement (it had them all: done),
+        # and none was sent again.
+        assert [op.status for op in ops] == [RdmaStatus.SUCCESS] * 3
+        await ping_pong(a, b, 3)
+        with pytest.raises(trio.WouldBlock):
+            a.recvfrom_nowait()
+
+
+async def test_a_cookie_naming_no_address_is_refused_by_name() -> None:
+    """A cookie too wide for a 64-bit address (one a peer sent, say) is refused with
+    EINVAL, whether the message would go through the gate or the connection, and the
+    session goes on (it was an OverflowError out of cffi)."""
+    async with RdsNode(LOW, 0) as a_node, RdsNode(HIGH, a_node.port) as b_node:
+        a, b = a_node.bind(4000), b_node.bind(5000)
+        await ping_pong(a, b, 3)
+        (entry,) = b_node._table.entries.values()
+        assert entry.rds.direct is not None  # (the gate is open)
+        for _ in range(2):  # (the first closes the gate on its way through Python)
+            with pytest.raises(RdsError) as info:
+                await b.sendto(b"w", a.address, rdma=RdmaOp.write_to(1 << 100, b"z"))
+            assert info.value.errno == errno.EINVAL and "no 64-bit address" in str(info.value)
+        await ping_pong(a, b, 3)

@@ -441,65 +441,82 @@ def test_a_message_chasing_a_write_sent_in_c_is_the_one_python_sends(
 
 
 def sendtos(
-    direct: bool, messages: list[tuple[int, int]], bounds: tuple[int, int], congested: int,
-    flow_control: bool,
+    direct: bool, messages: list[tuple[int, int, int]], bounds: tuple[int, int],
+    congested: int, flow_control: bool,
 ) -> Any:  # fmt: skip
-    """Plain messages (port, length) a socket sends to the peer with nothing else queued:
-    each through the gate of sendto in one call into C (``rp_sendto``), or as Python's
-    sendto decides (room, congestion, size; then ``rp_send`` at the connection's next
-    number); whether each went, the send buffers and the connection's state after (the
-    gate's messages brought in)."""
+    """Messages (port, length, the RDMA Write it chases: its length, 0 none) a socket
+    sends to the peer with nothing else queued: each through the gate of sendto in one
+    call into C (``rp_sendto``, ``rp_sendto_write``), or as Python's sendto decides (room,
+    congestion, size; then ``rp_send`` or ``rp_send_write`` at the connection's next
+    number); whether each went, the send buffers, the Writes kept for them and the
+    connection's state after (the gate's messages brought in)."""
     world = World(True)
-    assert world.receiver is not None
+    receiver = world.receiver
+    assert receiver is not None
     world.rds.settings = RdsSettings(sndbuf=bounds[0], max_queued_messages=bounds[1])
     world.rds.peer_congestion.set(congested)
     state = world.flow.state
     state.send_credits, state.flow_control = 3, flow_control
-    world.receiver.release()
+    receiver.release()
     if direct:
-        world.receiver.open()
-    rds, went = world.rds, []
-    for n, (port, length) in enumerate(messages):
+        receiver.open()
+    rds, went, writes = world.rds, [], []
+    source = (0x7000, 0x77)  # (the Write's local buffer, as registered)
+    for n, (port, length, size) in enumerate(messages):
         data = bytes([n]) * length
+        op = RdmaOp.write_to(make_cookie(n, 0x10000), bytes(size), offset=n) if size else None
+        args = () if op is None else (*source, size, op.remote_addr, op.rkey)
         if direct:
-            took = world.receiver.sendto(BOUND[0], port, data, length)
+            call = receiver._lib.rp_sendto if op is None else receiver._lib.rp_sendto_write
+            took = call(receiver.hook, BOUND[0], port, data, length, *args)
             if took:
-                world.receiver.log.append((BOUND[0], port, data))
+                receiver.log.append((BOUND[0], port, data, op))
         else:
+            call = receiver.send if op is None else receiver.send_write
             took = (
                 rds.has_room and not rds.peer_congestion.test(port)
                 and length <= min(bounds[0], 1 << 20)
-                and world.receiver.send(rds.next_seq, BOUND[0], port, data, length)
+                and call(rds.next_seq, BOUND[0], port, data, length, *args)
             )  # fmt: skip
             if took:
-                rds.sent(BOUND[0], port, data)
+                rds.sent(BOUND[0], port, data, op)
         went.append(bool(took))
-        world.receiver.hook.staged = 0  # (as a run of the native handler leaves it)
-    world.receiver.sync()
+        w = receiver.hook.writes[(receiver.hook.send_head - 1) % 4]
+        writes.append((w.addr, w.remote_addr, w.length, w.lkey, w.rkey) if took else None)
+        receiver.hook.staged = 0  # (as a run of the native handler leaves it)
+    receiver.sync()
     return (
-        went, bytes(world.sends), rds.next_seq, rds.queued_bytes, rds.queued_messages,
-        [(m.seq, m.sport, m.dport, m.data) for m in rds.unacked],
-        dataclasses.asdict(rds.counters), state.send_credits, world.receiver.hook.open,
+        went, writes, bytes(world.sends), rds.next_seq, rds.queued_bytes, rds.queued_messages,
+        [(m.seq, m.sport, m.dport, m.data, m.rdma is not None) for m in rds.unacked],
+        dataclasses.asdict(rds.counters), state.send_credits, receiver.hook.open,
     )  # fmt: skip
 
 
 @needs_c
 @settings(max_examples=200, deadline=None)
 @given(
-    st.lists(st.tuples(st.integers(7, 9), st.integers(0, 5000)), min_size=1, max_size=8),
+    st.lists(
+        st.tuples(
+            st.integers(7, 9), st.integers(0, 5000),
+            st.sampled_from([0, 0, 1, 70000, (1 << 20) + 1]),
+        ),
+        min_size=1, max_size=8,
+    ),
     st.tuples(st.integers(1, 12000), st.integers(1, 10)),
     st.integers(7, 9),
     st.booleans(),
-)
+)  # fmt: skip
 def test_a_sendto_in_one_call_is_the_one_python_makes(
-    messages: list[tuple[int, int]], bounds: tuple[int, int], congested: int, flow_control: bool
-) -> None:
-    """``rp_sendto`` takes exactly the messages Python's sendto would send now (the
-    connection's room, the peer's congested port, the size bound, the credits and free
-    buffers ``rp_send`` looks at), writes the same bytes at the same numbers, and, once
-    brought in, leaves the connection as Python's sends do: numbers, queued bytes and
-    messages, what waits for the peer's acknowledgement, counters. Bringing them in
-    closes the gate."""
+    messages: list[tuple[int, int, int]], bounds: tuple[int, int], congested: int,
+    flow_control: bool,
+) -> None:  # fmt: skip
+    """``rp_sendto`` (and ``rp_sendto_write``, for a message chasing an RDMA Write) takes
+    exactly the messages Python's sendto would send now (the connection's room, the peer's
+    congested port, the size bound, the credits and free buffers ``rp_send`` looks at),
+    writes the same bytes and keeps the same Writes at the same numbers, and, once brought
+    in, leaves the connection as Python's sends do: numbers, queued bytes and messages,
+    what waits for the peer's acknowledgement (with its operation), counters (the RDMA
+    bytes and Writes among them). Bringing them in closes the gate."""
     c = sendtos(True, messages, bounds, congested, flow_control)
     assert c == sendtos(False, messages, bounds, congested, flow_control)
     assert c[-1] == 0
@@ -517,7 +534,7 @@ def test_a_closed_gate_sends_nothing() -> None:
     assert not world.receiver.sendto(BOUND[0], 7, b"x", 1)
     world.receiver.open()
     assert world.receiver.sendto(BOUND[0], 7, b"x", 1)
-    world.receiver.log.append((BOUND[0], 7, b"x"))
+    world.receiver.log.append((BOUND[0], 7, b"x", None))
     world.rds.queue(BOUND[0], 7, b"python's")  # (brings it in first: numbered before)
     assert not world.receiver.sendto(BOUND[0], 7, b"y", 1)
     assert [m.data for m in world.rds.unacked][-1:] == [b"x"]

@@ -317,6 +317,8 @@ async def test_rdma_errors_name_the_problem() -> None:
         assert info.value.errno == errno.EOPNOTSUPP  # no RDMA over the loopback transport
         with pytest.raises(RdsError, match="remote offset"):
             await sa.sendto(b"", (B, 5000), rdma=RdmaOp.write_to(cookie, b"x", offset=-1))
+        with pytest.raises(RdsError, match="no 64-bit address"):  # (a peer's cookie, say)
+            await sa.sendto(b"", (B, 5000), rdma=RdmaOp.write_to(1 << 100, b"x"))
         op = RdmaOp.write_to(cookie, b"x")
         sa.sendto_nowait(b"", (B, 5000), rdma=op)
         with pytest.raises(RdsError, match="already sent"):

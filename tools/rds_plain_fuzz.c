@@ -21,8 +21,9 @@
  * and releases): every receive it posts must name a buffer of the session, and it must
  * poll nothing while held. Between its runs the harness sends plain messages in C
  * (rp_send, lengths the input chooses, some too long; rp_send_write, chasing RDMA Writes
- * of lengths it chooses, some empty or too long; and rp_sendto, a socket's sendto
- * through the gate, to a congested port or not, under bounds the input chooses), which
+ * of lengths it chooses, some empty or too long; and rp_sendto and rp_sendto_write, a
+ * socket's sendto through the gate, to a congested port or not, under bounds the input
+ * chooses), which
  * the next run posts: every Send it posts must be one it staged, in order, naming its
  * own send buffer with the length of the header written there, after the Write its
  * message chases (unsignaled, as staged, its R_Key in the header's extension); and the
@@ -156,20 +157,28 @@ static void send_some(rp_hook *h, const char *bytes, size_t len, uint32_t *dice)
         uint32_t size = (*dice >> 16) % (SLOT - RP_HEADER_LEN + 8); /* some too long */
         uint32_t busy = h->send_busy, staged = h->staged, slot = h->send_head;
         uint64_t seq = 1000 + h->sent;
-        uint32_t took, length = 0, rkey = *dice >> 3;
+        uint32_t took, length = 0, chases = 0, rkey = *dice >> 3;
+        /* a chased Write's length: some empty, some too long */
+        uint32_t wlen = *dice & 8 ? (*dice >> 4) % 3 : RP_MAX_MSG_SIZE + (*dice >> 4) % 3 - 1;
         if (*dice & 4) {
-            length = *dice & 8 ? (*dice >> 4) % 3 : RP_MAX_MSG_SIZE + (*dice >> 4) % 3 - 1;
+            length = wlen, chases = 1;
             took = rp_send_write(h, seq, 4000, 7, bytes, size <= len ? size : 0,
                                  WRITE_BASE + slot, WRITE_LKEY, length, rkey * 3ull, rkey);
-            CHECK(!took || (length && length <= RP_MAX_MSG_SIZE));
-        } else if (*dice & 16) { /* a socket's sendto through the gate (port 9 congested) */
+        } else if (*dice & 16) { /* a socket's sendto through the gate (port 9 congested),
+                                  * some chasing a Write */
             uint16_t dport = *dice & 32 ? 9 : 7;
             uint64_t unsynced = h->unsynced, queued = h->queued;
             uint32_t runs = fake_runs, went;
             fake_says = *dice >> 7 & 1;
             h->next_seq = seq;
             h->run = *dice & 64 ? fake_run : NULL; /* (NULL: Python must post it) */
-            went = rp_sendto(h, 4000, dport, bytes, size <= len ? size : 0);
+            if (*dice & 256) {
+                length = wlen, chases = 1;
+                went = rp_sendto_write(h, 4000, dport, bytes, size <= len ? size : 0,
+                                       WRITE_BASE + slot, WRITE_LKEY, length, rkey * 3ull, rkey);
+            } else {
+                went = rp_sendto(h, 4000, dport, bytes, size <= len ? size : 0);
+            }
             took = went != 0;
             CHECK(fake_runs == runs + (took && h->run != NULL));
             CHECK(!took || went == (h->run != NULL && !fake_says ? 1u : 2u));
@@ -179,6 +188,7 @@ static void send_some(rp_hook *h, const char *bytes, size_t len, uint32_t *dice)
         } else {
             took = rp_send(h, seq, 4000, 7, bytes, size <= len ? size : 0);
         }
+        CHECK(!took || !chases || (length && length <= RP_MAX_MSG_SIZE));
         CHECK(took ? h->send_busy == busy + 1 && h->staged == staged + 1
                    : h->send_busy == busy && h->staged == staged);
         CHECK(h->send_busy <= SEND_SLOTS && (!took || size <= SLOT - RP_HEADER_LEN));

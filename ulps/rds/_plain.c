@@ -408,18 +408,40 @@ uint32_t rp_send_write(rp_hook *h, uint64_t seq, uint16_t sport, uint16_t dport,
     return 1;
 }
 
-uint32_t rp_sendto(rp_hook *h, uint16_t sport, uint16_t dport, const char *data, uint32_t len)
+/* Whether the gate of rp_sendto refuses a len-byte message to dport now */
+static int gate_refuses(const rp_hook *h, uint16_t dport, uint32_t len)
 {
-    if (!h->open || h->peer_cong == NULL || h->unsynced >= RP_UNSYNCED_MAX
-        || h->queued_bytes >= h->sndbuf || h->queued >= h->max_queued || len > h->sndbuf
-        || h->peer_cong[dport >> 3] & 1u << (dport & 7)
-        || !rp_send(h, h->next_seq, sport, dport, data, len))
-        return 0;
+    return !h->open || h->peer_cong == NULL || h->unsynced >= RP_UNSYNCED_MAX
+           || h->queued_bytes >= h->sndbuf || h->queued >= h->max_queued || len > h->sndbuf
+           || h->peer_cong[dport >> 3] & 1u << (dport & 7);
+}
+
+/* A len-byte message went through the gate, numbered h->next_seq: count it, and post it */
+static uint32_t gate_sent(rp_hook *h, uint32_t len)
+{
     h->next_seq++;
     h->queued_bytes += len;
     h->queued++;
     h->unsynced++;
     return h->run == NULL || h->run(h->run_ctx) ? 2 : 1;
+}
+
+uint32_t rp_sendto(rp_hook *h, uint16_t sport, uint16_t dport, const char *data, uint32_t len)
+{
+    if (gate_refuses(h, dport, len) || !rp_send(h, h->next_seq, sport, dport, data, len))
+        return 0;
+    return gate_sent(h, len);
+}
+
+uint32_t rp_sendto_write(rp_hook *h, uint16_t sport, uint16_t dport, const char *data,
+                         uint32_t len, uint64_t laddr, uint32_t lkey, uint32_t length,
+                         uint64_t remote_addr, uint32_t rkey)
+{
+    if (gate_refuses(h, dport, len)
+        || !rp_send_write(h, h->next_seq, sport, dport, data, len, laddr, lkey, length,
+                          remote_addr, rkey))
+        return 0;
+    return gate_sent(h, len);
 }
 
 int64_t rp_write_seq(rp_hook *h, uint64_t wr_id)

@@ -265,6 +265,11 @@ uint32_t rp_send_write(rp_hook *hook, uint64_t seq, uint16_t sport, uint16_t dpo
  * for Python, in order. Else 0, nothing changed: Python's sendto takes it. */
 uint32_t rp_sendto(rp_hook *hook, uint16_t sport, uint16_t dport, const char *data,
                    uint32_t len);
+/* rp_sendto for a message chasing an RDMA Write (rp_send_write's arguments): the same
+ * gate, bounds and answers. */
+uint32_t rp_sendto_write(rp_hook *hook, uint16_t sport, uint16_t dport, const char *data,
+                         uint32_t len, uint64_t laddr, uint32_t lkey, uint32_t length,
+                         uint64_t remote_addr, uint32_t rkey);
 /* The sequence number of the message whose chased Write is work request wr_id (a failed
  * one's completion), read from its send buffer; -1 when wr_id is not one of them. */
 int64_t rp_write_seq(rp_hook *hook, uint64_t wr_id);

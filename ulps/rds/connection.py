@@ -40,7 +40,7 @@ from rdmashim.ulps.rds.wire import (
 )
 
 if TYPE_CHECKING:
-    from rdmashim.ulps.rds.rdma import RdmaOp
+    from rdmashim.ulps.rds.rdma import RdmaOp, Sources
 
 log = logging.getLogger(__name__)
 
@@ -79,11 +79,11 @@ class Carrier(Protocol):
 
 
 class DirectSends(Protocol):
-    """A session's way to send a socket's plain message without the connection: the
-    message is numbered and sent in one call into C (``rp_sendto``, RDS's C path), and
-    the connection hears of it when :meth:`sync` brings it in. A socket's ``sendto``
-    calls :attr:`sendto`, keeps what went in :attr:`log` and, when told, posts it with
-    :attr:`run`."""
+    """A session's way to send a socket's plain message, or one chasing an RDMA Write,
+    without the connection: the message is numbered and sent in one call into C
+    (``rp_sendto``, RDS's C path), and the connection hears of it when :meth:`sync`
+    brings it in. A socket's ``sendto`` calls :attr:`sendto` (:meth:`sendto_write`),
+    keeps what went in :attr:`log` and, when told, posts it with :attr:`run`."""
 
     @property
     def sendto(self) -> Callable[[int, int, bytes, int], int]:
@@ -91,9 +91,17 @@ class DirectSends(Protocol):
         posted), 2 when :attr:`run` must still post it, 0 when the connection must take
         it (its gate is closed, no room, a congested port, ...)."""
 
+    def sendto_write(
+        self, sport: int, dport: int, data: bytes, op: RdmaOp, sources: Sources
+    ) -> int:
+        """:attr:`sendto` for a message chasing the RDMA Write ``op`` (a new one, from
+        ``bytes`` whose registration the node keeps in ``sources``); 0 leaves ``op`` as it
+        was."""
+
     @property
-    def log(self) -> list[tuple[int, int, bytes]]:
-        """What went, (sport, dport, data) in order, until :meth:`sync` brings it in."""
+    def log(self) -> list[tuple[int, int, bytes, RdmaOp | None]]:
+        """What went, (sport, dport, data, its RDMA Write or None) in order, until
+        :meth:`sync` brings it in."""
 
     @property
     def run(self) -> Callable[[], object]:
@@ -267,20 +275,28 @@ class RdsConnection:
         connection's next (:meth:`Carrier.send_plain`): it waits for the peer's
         acknowledgement as a queued one does once sent."""
         self._bring_in()
-        self.unacked.append(OutMessage(self._number(data), sport, dport, data, rdma=rdma))
+        self._keep(sport, dport, data, rdma)
 
     def _bring_in(self) -> None:
         """What the session sent without the connection reaches it first (:attr:`direct`)."""
         if self.direct is not None:
             self.direct.sync()
 
-    def sent_directly(self, log: list[tuple[int, int, bytes]]) -> None:
-        """The plain messages (sport, dport, data) a session sent without the connection
-        (:class:`DirectSends`), in order: numbered next and kept as :meth:`sent` keeps
-        one (the session numbered them so in C)."""
-        unacked = self.unacked
-        for sport, dport, data in log:
-            unacked.append(OutMessage(self._number(data), sport, dport, data))
+    def sent_directly(self, log: list[tuple[int, int, bytes, RdmaOp | None]]) -> None:
+        """The messages (sport, dport, data, the RDMA Write each chases or None) a session
+        sent without the connection (:class:`DirectSends`), in order: numbered next and
+        kept as :meth:`sent` keeps one (the session numbered them so in C)."""
+        for sport, dport, data, rdma in log:
+            self._keep(sport, dport, data, rdma)
+
+    def _keep(self, sport: int, dport: int, data: bytes, rdma: RdmaOp | None) -> None:
+        """Number a message sent at once and keep it for the peer's acknowledgement (its
+        RDMA Write, if any, counted: it was posted with it)."""
+        self.unacked.append(OutMessage(self._number(data), sport, dport, data, rdma=rdma))
+        if rdma is not None:
+            counters = self.counters
+            counters.rdma_bytes += rdma.length
+            counters.rdma_writes += 1
 
     def _number(self, data: bytes) -> int:
         """The next message's number, and its count in the queue and the counters."""

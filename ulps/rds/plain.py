@@ -31,7 +31,7 @@ from rdmashim.verbs import WC_ROW, WCStatus
 
 if TYPE_CHECKING:
     from rdmashim.ulps.rds.connection import RdsConnection
-    from rdmashim.ulps.rds.rdma import Registrations
+    from rdmashim.ulps.rds.rdma import RdmaOp, Registrations, Sources
     from rdmashim.ulps.rds.rdma_flow import RdmaFlow
     from rdmashim.ulps.rds.settings import RdsSettings
     from rdmashim.verbs import SGE
@@ -176,7 +176,8 @@ class PlainReceiver:
     __slots__ = (
         "_chased", "_cong", "_cong_c", "_ffi", "_flow", "_lib", "_ports", "_rds", "_recv",
         "_reposts", "_rows_c", "_send", "_sockets", "_unpack", "_woken", "_writes", "hook",
-        "log", "rows", "run", "send", "send_write", "sendto", "sent", "state", "write_seq",
+        "log", "rows", "run", "send", "send_write", "sendto", "sent", "state", "watcher",
+        "write_seq",
     )  # fmt: skip
 
     def __init__(
@@ -247,26 +248,58 @@ class PlainReceiver:
         message numbered, staged and posted in one call while the gate is open
         (:meth:`open`): 1, or 2 when :attr:`run` must still post it (the caller appends
         it to :attr:`log` either way); else 0."""
-        self.log: list[tuple[int, int, bytes]] = []
-        """The messages :attr:`sendto` sent, (sport, dport, data), until :meth:`sync`."""
+        self.log: list[tuple[int, int, bytes, RdmaOp | None]] = []
+        """The messages :attr:`sendto` and :meth:`sendto_write` sent, (sport, dport, data,
+        the RDMA Write it chases or None), until :meth:`sync`."""
         self.run: Callable[[], object] = _nothing
         """Post what was staged (:meth:`posting`: the QP's ``run_native_handler``)."""
+        self.watcher: Callable[[int], None] = _nothing
+        """``watcher(seq)``: someone waits for the RDMA Write that message ``seq`` chased
+        (:meth:`posting`: the session's)."""
         self._cong: object = None
         self._cong_c: Any = None
         """The peer's congestion map the gate last saw, and its bits as C reads them."""
         self.release()
 
-    def posting(self, run: Callable[[], object], runner: tuple[int, int] | None) -> None:
+    def posting(
+        self,
+        run: Callable[[], object],
+        runner: tuple[int, int] | None,
+        watcher: Callable[[int], None],
+    ) -> None:
         """How what :attr:`sendto` staged is posted: ``run`` from Python (the QP's
         ``run_native_handler``), and in the same call into C by ``runner`` (the QP's
-        ``native_runner()``: function and context; None: Python always runs it)."""
-        self.run = run
+        ``native_runner()``: function and context; None: Python always runs it); and
+        who hears of a wait for a Write sent so (:attr:`watcher`)."""
+        self.run, self.watcher = run, watcher
         hook = self.hook
         if runner is None:
             hook.run = self._ffi.NULL
         else:
             hook.run = self._ffi.cast("uint32_t (*)(void *)", runner[0])
             hook.run_ctx = self._ffi.cast("void *", runner[1])
+
+    def sendto_write(
+        self, sport: int, dport: int, data: bytes, op: RdmaOp, sources: Sources
+    ) -> int:
+        """:attr:`sendto` for a message chasing an RDMA Write (``rp_sendto_write``), when
+        ``op`` is new and writes ``bytes`` whose registration the node keeps
+        (:meth:`.RdmaOp._begin_kept`): 1 or 2 as :attr:`sendto` says (the caller appends
+        it to :attr:`log` with ``op``), else 0 and ``op`` is as it was. A wait for ``op``
+        brings it in first (:meth:`sync`)."""
+        mr = op._begin_kept(sources)
+        if mr is None:
+            return 0
+        sge = mr.sge()
+        went: int = self._lib.rp_sendto_write(
+            self.hook, sport, dport, data, len(data), sge.addr, sge.lkey, sge.length,
+            op.remote_addr, op.rkey,
+        )  # fmt: skip
+        if went:
+            op._watch = self.sync  # (then the watch sync gives it)
+        else:
+            op._unbegin()
+        return went
 
     def open(self) -> None:
         """Open the gate of :attr:`sendto`, from the connection's numbers and bounds as
@@ -299,8 +332,13 @@ class PlainReceiver:
             log, self.log = self.log, []
             assert len(log) == hook.unsynced  # (each went with its entry)
             hook.unsynced = 0
+            seq = rds.next_seq
             rds.sent_directly(log)
             assert rds.next_seq == hook.next_seq
+            for _, _, _, op in log:
+                if op is not None:  # (as the session's own send of one: _staged_in_c)
+                    op._watch = functools.partial(self.watcher, seq)
+                seq += 1
 
     @property
     def handler(self) -> tuple[int, int]:
@@ -427,8 +465,9 @@ class PlainReceiver:
         return messages
 
 
-def _nothing() -> None:
-    """:attr:`PlainReceiver.run` until the session sets it."""
+def _nothing(*_: object) -> None:
+    """:attr:`PlainReceiver.run` and :attr:`~PlainReceiver.watcher` until the session sets
+    them."""
 
 
 def _delivered(

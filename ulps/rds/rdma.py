@@ -132,18 +132,46 @@ class RdmaOp:
     def _begin(self, sources: Sources) -> None:
         """Register the local buffer for the operation's lifetime (a Write's ``bytes`` on
         the node's kept :class:`Sources`)."""
+        if why := self._unsendable():
+            raise ValueError(why)
+        if not self._kept(sources):
+            access = _SOURCE_ACCESS if self.write else Access.LOCAL_WRITE
+            self._mr = sources.pd.reg_mr(self.buffer, access)
+
+    def _begin_kept(self, sources: Sources) -> MR | None:
+        """:meth:`_begin` for a new Write from ``bytes`` whose registration the node keeps
+        (a socket's ``sendto`` in one call into C takes only those): its registration, or
+        None and nothing changed (it is not one: :meth:`_begin` says what)."""
+        if not self._unsendable() and self._kept(sources):
+            return self._mr
+        return None
+
+    def _unsendable(self) -> str:
+        """Why the operation cannot be sent ("": it can)."""
         if self._mr is not None or self.done:
-            raise ValueError("this RDMA operation was already sent")
+            return "this RDMA operation was already sent"
         if not 0 <= self.remote_offset < 1 << 32:
-            raise ValueError(f"remote offset {self.remote_offset} outside 0..2**32-1")
+            return f"remote offset {self.remote_offset} outside 0..2**32-1"
+        if not 0 <= self.remote_addr < 1 << 64:
+            return f"cookie {self.cookie:#x} (+ offset) names no 64-bit address"
+        return ""
+
+    def _kept(self, sources: Sources) -> bool:
+        """Take the node's kept registration of a Write's ``bytes`` (:class:`Sources`)."""
         buffer = self.buffer
         if self.write and buffer.__class__ is bytes:
             self._mr = sources.take(buffer)
             if self._mr is not None:
                 self._sources = sources
-                return
-        access = _SOURCE_ACCESS if self.write else Access.LOCAL_WRITE
-        self._mr = sources.pd.reg_mr(buffer, access)
+                return True
+        return False
+
+    def _unbegin(self) -> None:
+        """Let go of a kept registration (:meth:`_begin_kept` undone when the operation did
+        not go: it may be sent again)."""
+        if self._sources is not None:
+            self._sources.give_back(self.buffer)  # type: ignore[arg-type]
+        self._mr = self._sources = None
 
     def _finish(self, status: RdmaStatus, detail: str = "") -> None:
         """Settle the operation (once) and let go of its local registration."""
@@ -152,20 +180,18 @@ class RdmaOp:
         self.status, self.detail = status, detail
         self._watch = None
         if self._mr is not None:
-            if self._sources is not None:
-                self._sources.give_back(self.buffer)  # type: ignore[arg-type]
-                self._sources = None
-            else:
+            if self._sources is None:
                 self._mr.close()
-            self._mr = None
+            self._unbegin()
         if self._done is not None:
             self._done.set()
 
     async def wait(self) -> RdmaStatus:
         """Wait for the outcome."""
-        if self.status is None and (watch := self._watch) is not None:
+        while self.status is None and (watch := self._watch) is not None:
             self._watch = None
-            watch()
+            watch()  # (one sent in a socket's call into C is brought in first: it then
+            # has the watch a session's own send gives it, which runs next)
         if self.status is None:
             if self._done is None:
                 self._done = trio.Event()

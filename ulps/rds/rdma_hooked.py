@@ -126,10 +126,10 @@ class HookedSession:
             self._fold()
 
     def _open(self) -> None:
-        """A plain message went from C with nothing of Python's before it: a socket's next
-        ones may go in one call into C (:meth:`.PlainReceiver.open`) until Python sends,
-        queues or folds anything, or the backstop, armed now, comes (each of those brings
-        them in first)."""
+        """A message went from C (plain, or chasing an RDMA Write) with nothing of Python's
+        before it: a socket's next ones may go in one call into C
+        (:meth:`.PlainReceiver.open`) until Python sends, queues or folds anything, or the
+        backstop, armed now, comes (each of those brings them in first)."""
         if self._hooked and self._timer_at != math.inf:
             self._plain.open()  # type: ignore[union-attr]
 
@@ -172,9 +172,6 @@ class HookedSession:
         ):  # fmt: skip
             return False
         rdma._watch = functools.partial(self._watch_write, seq)  # (no cycle through rdma)
-        counters = self.rds.counters
-        counters.rdma_bytes += sge.length
-        counters.rdma_writes += 1
         return True
 
     def _watch_write(self, seq: int) -> None:
@@ -195,6 +192,7 @@ class HookedSession:
         Python's (a flushed one is dropped with its message when the session ends)."""
         if seq < 0 or status == WCStatus.WR_FLUSH_ERR:
             return
+        self._plain.sync()  # type: ignore[union-attr]  # (it may have gone through the gate)
         for msg in self.rds.unacked:
             if msg.seq == seq and msg.rdma is not None:
                 self.rds.counters.rdma_failures += 1

@@ -255,8 +255,7 @@ class Session(HookedSession):
             return False
         rds.sent(sport, dport, data, rdma)
         self._staged()
-        if rdma is None:  # (a socket sending plain messages: its next ones may go in C)
-            self._open()
+        self._open()  # (a socket's next messages may go in one call into C)
         return True
 
     def _alone(self, queued: int) -> bool:
@@ -528,7 +527,9 @@ class Session(HookedSession):
                 self._hooked = self.cq.set_native_handler(*self._plain.handler, self._plain)
                 self._plain.watch_oldest()  # (what the first pump sent)
                 if self._hooked:  # (a socket's sendto may go in one call into C: _open)
-                    self._plain.posting(self.qp.run_native_handler, self.qp.native_runner())
+                    self._plain.posting(
+                        self.qp.run_native_handler, self.qp.native_runner(), self._watch_write
+                    )
             self._on_cq(self.cq)  # what came before, and arm
             while self._failure is None:
                 # (the backstop while no reader came back since the hold: ack_needed)

@@ -174,7 +174,7 @@ class RdsSocket:
         congested (its receiver is full). ``await rdma.wait()`` tells how the
         operation ended (see :mod:`rdmashim.ulps.rds.rdma`).
         """
-        if rdma is None and self._sent_directly(data, dest):
+        if self._sent_directly(data, dest, rdma):
             return
         ip, port, own = self._check(data, dest)
         node = self.node
@@ -196,7 +196,7 @@ class RdsSocket:
         self, data: bytes, dest: tuple[str, int], *, rdma: RdmaOp | None = None
     ) -> None:
         """Send without waiting; raises ``trio.WouldBlock`` while the queue is full."""
-        if rdma is None and self._sent_directly(data, dest):
+        if self._sent_directly(data, dest, rdma):
             return
         ip, port, own = self._check(data, dest)
         node = self.node
@@ -278,11 +278,12 @@ class RdsSocket:
         elif self._driving is not None:
             self._driving.interrupt_wait()
 
-    def _sent_directly(self, data: bytes, dest: tuple[str, int]) -> bool:
-        """Whether a plain message went in one call into C (``rp_sendto``): its session
-        sends in C and keeps the gate open (:class:`~.connection.DirectSends`: nothing of
-        the connection's waits, it has room, the port is not congested), and ``dest`` is a
-        peer's (IP, port) this socket sent to before, ``data`` bytes."""
+    def _sent_directly(self, data: bytes, dest: tuple[str, int], rdma: RdmaOp | None) -> bool:
+        """Whether a plain message, or one chasing an RDMA Write from ``bytes``, went in
+        one call into C (``rp_sendto``): its session sends in C and keeps the gate open
+        (:class:`~.connection.DirectSends`: nothing of the connection's waits, it has
+        room, the port is not congested), and ``dest`` is a peer's (IP, port) this socket
+        sent to before, ``data`` bytes."""
         if dest.__class__ is not tuple or data.__class__ is not bytes or self.closed:
             return False
         try:
@@ -293,9 +294,14 @@ class RdsSocket:
             route is not None and dest[1].__class__ is int and not route[2]  # (see _check)
             and (entry := self.node._table.entries.get(route[0])) is not None
             and (direct := entry.rds.direct) is not None
-            and (went := direct.sendto(self.port, route[1], data, len(data)))
+            and (
+                went := direct.sendto(self.port, route[1], data, len(data)) if rdma is None
+                else direct.sendto_write(
+                    self.port, route[1], data, rdma, self.node._rdma_sources()
+                )
+            )
         ):  # fmt: skip
-            direct.log.append((self.port, route[1], data))
+            direct.log.append((self.port, route[1], data, rdma))
             if went > 1:  # (C's runner did not post it, or Python must look)
                 direct.run()
             return True
