@@ -541,6 +541,21 @@ def test_a_closed_gate_sends_nothing() -> None:
     assert world.rds.unsent[0].seq == world.rds.unacked[-1].seq + 1
 
 
+@pytest.mark.parametrize("compiled", [True, False])
+def test_an_empty_inbox_says_so(compiled: bool) -> None:
+    """A take from an empty inbox raises IndexError on either path (the C queue's empty
+    answer is a NULL pointer, which read would crash the process), and the inbox still
+    works after."""
+    if compiled and plain.COMPILED is None:
+        pytest.skip(f"RDS's plain path in C is not built: {plain.WHY_NOT}")
+    world = World(compiled)
+    box = world.socks[0].received
+    with pytest.raises(IndexError):
+        box.take()
+    box.push(b"after", PEER, 7, 1)
+    assert box.take().data == b"after" and not len(box)
+
+
 def test_ci_builds_the_plain_path() -> None:
     """CI sets RDMASHIM_REQUIRE_EXTENSIONS=1 where gcc and the headers are installed: the
     C path must have been built there, so its tests above do not skip."""

@@ -45,7 +45,7 @@ class Inbox(Protocol):
         """Queue a message from ``peer``'s port ``sport``, numbered ``seq`` by its node."""
 
     def take(self) -> ReceivedMessage:
-        """Take the oldest message (the caller checked there is one)."""
+        """Take the oldest message (the caller checked there is one: IndexError if not)."""
         ...
 
     def clear(self) -> None:
@@ -187,10 +187,12 @@ class CInbox:
 
     def take(self) -> ReceivedMessage:
         """:meth:`Inbox.take` (:func:`_message_of`, inline: two Python calls a message
-        less)."""
+        less); IndexError when it is empty, as a deque's."""
         inboxes = self._inboxes
         lib, unpack = inboxes.lib, inboxes.ffi.unpack
         msg = lib.rp_take(self.counts)
+        if not msg:  # (NULL: reading it would crash the process)
+            raise IndexError("take from an empty RDS inbox")
         try:
             sender = (_c_sender_text(msg.family, unpack(msg.peer, 16)), msg.sport)
             return _message(ReceivedMessage, (unpack(msg.data, msg.len), sender, msg.seq))
