@@ -61,6 +61,13 @@ def test_rds_request_and_reply() -> None:
     ]
 
 
+def test_rdma_by_cookie_over_rds() -> None:
+    assert run_example("rds_rdma_cookie.py", str(free_rds_port())) == [
+        "written: the server's buffer holds b'written by RDMA'",
+        "the client's Write: SUCCESS; its Read: SUCCESS, b'read by RDMA'",
+    ]
+
+
 def test_nfs_client_against_its_own_server() -> None:
     assert run_example("nfs_client.py") == [
         "hello.txt: 20000 bytes",
