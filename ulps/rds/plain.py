@@ -290,11 +290,9 @@ class PlainReceiver:
         mr = op._begin_kept(sources)
         if mr is None:
             return 0
-        sge = mr.sge()
         went: int = self._lib.rp_sendto_write(
-            self.hook, sport, dport, data, len(data), sge.addr, sge.lkey, sge.length,
-            op.remote_addr, op.rkey,
-        )  # fmt: skip
+            self.hook, sport, dport, data, len(data), *op._c_write(mr)
+        )
         if went:
             op._watch = self.sync  # (then the watch sync gives it)
         else:

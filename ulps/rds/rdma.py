@@ -146,6 +146,12 @@ class RdmaOp:
             return self._mr
         return None
 
+    def _c_write(self, mr: MR) -> tuple[int, int, int, int, int]:
+        """What RDS's C takes of a Write from ``mr`` (``rp_send_write``, ``rp_sendto_write``):
+        its local address, key and length, the peer's address and R_Key."""
+        sge = mr.sge()
+        return sge.addr, sge.lkey, sge.length, self.remote_addr, self.rkey
+
     def _unsendable(self) -> str:
         """Why the operation cannot be sent ("": it can)."""
         if self._mr is not None or self.done:

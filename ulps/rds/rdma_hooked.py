@@ -165,11 +165,7 @@ class HookedSession:
         mr = rdma._mr
         if not rdma.write or mr is None:
             return False
-        sge = mr.sge()
-        if not plain.send_write(
-            seq, sport, dport, data, len(data), sge.addr, sge.lkey, sge.length,
-            rdma.remote_addr, rdma.rkey,
-        ):  # fmt: skip
+        if not plain.send_write(seq, sport, dport, data, len(data), *rdma._c_write(mr)):
             return False
         rdma._watch = functools.partial(self._watch_write, seq)  # (no cycle through rdma)
         return True
