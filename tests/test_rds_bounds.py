@@ -236,6 +236,22 @@ async def test_strangers_leave_no_peer_state_behind_after_expiry() -> None:
         assert connections_of(node) == 0
 
 
+async def test_an_expired_entry_is_not_found_again_by_the_address_object_last_used() -> None:
+    """The table remembers the address object it looked up last (a sender's, whose hash
+    costs a Python call) with its entry; once that entry is dropped, the address finds
+    nothing, then the new entry, and an equal address object finds the same one."""
+    async with node_with(RdsSettings(peer_idle_expiry=1.0)) as node:
+        table = node._table
+        peer = ipaddress.ip_address("127.0.0.9")
+        entry = table.lookup(peer)
+        assert table.known(ipaddress.ip_address("127.0.0.9")) is entry is table.known(peer)
+        table.expire(trio.current_time() + 3600)
+        assert peer not in table.entries and node.peers_expired == 1
+        assert table.known(peer) is None
+        again = table.lookup(peer)
+        assert again is not entry and table.known(peer) is again
+
+
 async def test_at_max_peers_with_none_idle_a_new_one_is_rejected() -> None:
     settings = RdsSettings(max_peers=3)
     async with node_with(settings) as node:

@@ -112,14 +112,23 @@ class PeerTable:
         return entry
 
     # ------------------------------------------------------------------ lookups
+    def known(self, peer: IPAddress) -> Peer | None:
+        """The entry of ``peer``, if the table has one (the one looked up last, when
+        ``peer`` is the same address object: no hash, which costs a Python call)."""
+        recent = self._recent
+        if recent is not None and recent[0] is peer:
+            return recent[1]
+        entry = self.entries.get(peer)
+        if entry is not None:
+            self._recent = (peer, entry)
+        return entry
+
     def lookup(self, peer: IPAddress) -> Peer:
         """The entry a sender to ``peer`` uses, made if need be; RdsError saying why
         there is none (a mixed family, no room, a peer found unreachable lately)."""
-        recent = self._recent
-        if recent is not None and recent[0] is peer:
-            entry = recent[1]
-        else:
-            entry = self.entries.get(peer) or self._new_peer(peer)
+        entry = self.known(peer)
+        if entry is None:
+            entry = self._new_peer(peer)
             self._recent = (peer, entry)
         if entry.unreachable is not None and entry.rds.session is None:
             if trio.current_time() >= entry.unreachable_until:

@@ -292,7 +292,7 @@ class RdsSocket:
             return False
         if (
             route is not None and dest[1].__class__ is int and not route[2]  # (see _check)
-            and (entry := self.node._table.entries.get(route[0])) is not None
+            and (entry := self.node._table.known(route[0])) is not None
             and (direct := entry.rds.direct) is not None
             and (
                 went := direct.sendto(self.port, route[1], data, len(data)) if rdma is None
