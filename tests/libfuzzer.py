@@ -37,8 +37,25 @@ def build(out: Path, sources: list[Path], include: Path, *defines: str) -> Path:
         capture_output=True, text=True, timeout=300, check=False,
     )  # fmt: skip
     if done.returncode:
+        if _toolchain_builds(clang, out.parent):  # (then the harness or our C is wrong)
+            pytest.fail(f"the fuzz harness does not build: {done.stderr}")
         unavailable(f"clang cannot build a libFuzzer binary (libclang-rt missing?): {done.stderr}")
     return out
+
+
+def _toolchain_builds(clang: str, directory: Path) -> bool:
+    """Whether clang builds an empty libFuzzer target here: a build of ours that fails
+    where this one does not is a fault of ours, not a missing runtime."""
+    source = directory / "empty_fuzz_target.c"
+    source.write_text(
+        "#include <stddef.h>\n#include <stdint.h>\n"
+        "int LLVMFuzzerTestOneInput(const uint8_t *d, size_t n) { return (int)(d && n) * 0; }\n"
+    )
+    done = subprocess.run(
+        [clang, *FLAGS, str(source), "-o", str(directory / "empty_fuzz_target")],
+        capture_output=True, timeout=300, check=False,
+    )  # fmt: skip
+    return done.returncode == 0
 
 
 def fuzz(binary: Path, corpus: Path, seconds: int) -> subprocess.CompletedProcess[str]:
