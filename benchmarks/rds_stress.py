@@ -31,10 +31,11 @@ Samples alternate ours, raw, ours, raw, ...; the medians of ``--repeat``
 samples and their ratio (ours/raw) are reported. Figures are rds-stress's:
 ``tx/s`` (requests per second), ``tx+rx K/s`` (request and ack bytes, KiB/s),
 ``rtt us`` (mean request-to-ack time), ``cpu %`` (the active process's CPU
-time per wall-clock time). ``cpu us/tx`` is the active process's CPU time per
-request, ours and raw's: unlike the ratio it hardly moves with the machine's
-speed of the moment, and it tells a gap in CPU (ours does more work a request)
-from one in latency (the same work, a longer path from a message to its answer).
+time per wall-clock time). ``cpu us/tx`` is each process's CPU time per request
+(active, then passive: user and system, all threads), ours and raw's: unlike the
+ratio it hardly moves with the machine's speed of the moment, it tells a gap in
+CPU (ours does more work a request) from one in latency (the same work, a longer
+path from a message to its answer), and which end's work it is.
 
 Usage::
 
@@ -57,6 +58,7 @@ import subprocess
 import sys
 import time
 from collections import deque
+from collections.abc import Awaitable
 from dataclasses import asdict, dataclass
 from functools import partial
 from pathlib import Path
@@ -79,7 +81,7 @@ from rdmashim.rdstools.stress import (
 from rdmashim.ulps.rds.node import RdsNode
 from rdmashim.ulps.rds.settings import RdsSettings, Transport
 
-from report import cpu_line, engine_line, rds_path_line, run_meta
+from report import cpu_line, engine_line, process_cpu, rds_path_line, run_meta
 from streams import read_exact, stop_process
 
 CLIENT_IP = "127.0.0.1"
@@ -87,10 +89,10 @@ SERVER_IP = "127.0.0.2"
 RAW_SETUP = struct.Struct("!II")
 """Raw TCP: the client's first 8 bytes: request size, ack size."""
 HEADER = STRESS_HEADER
-RESULT_LINE = "-" * 128
+RESULT_LINE = "-" * 140
 MEDIAN_KEYS = (
     "tx_per_s", "kbytes_per_s", "rdma_kbytes_per_s", "rtt_us", "tx_us_per_call", "cpu_percent",
-    "cpu_us_per_tx",
+    "cpu_us_per_tx", "passive_cpu_us_per_tx",
 )  # fmt: skip
 
 
@@ -179,11 +181,26 @@ class Sample:
     cpu_percent: float
     requests: int
     seconds: float
+    passive_cpu: float = 0.0
+    """The passive process's CPU seconds in the sample (``--serve``'s, from ``/proc``)."""
 
     @property
     def cpu_us_per_tx(self) -> float:
         """The active process's CPU time per request (us)."""
         return self.cpu_percent / 100 * self.seconds / max(1, self.requests) * 1e6
+
+    @property
+    def passive_cpu_us_per_tx(self) -> float:
+        """The passive process's CPU time per request (us)."""
+        return self.passive_cpu / max(1, self.requests) * 1e6
+
+
+async def measured(sample: Awaitable[Sample], passive: int) -> Sample:
+    """``sample`` with the CPU time the passive process (pid ``passive``) used meanwhile."""
+    before = process_cpu(passive)
+    result = await sample
+    result.passive_cpu = process_cpu(passive) - before
+    return result
 
 
 async def ours(node: RdsNode, case: Case, duration: float) -> Sample:
@@ -277,7 +294,9 @@ def _status(text: str) -> None:
         sys.stderr.flush()
 
 
-async def client_main(cm_port: int, raw_port: int, args: argparse.Namespace) -> list[dict]:
+async def client_main(
+    cm_port: int, raw_port: int, passive: int, args: argparse.Namespace
+) -> list[dict]:
     results = []
     settings = RdsSettings(busy_poll=args.busy_poll / 1e6)
     async with open_node(CLIENT_IP, cm_port, args.transport, settings) as node:
@@ -286,11 +305,13 @@ async def client_main(cm_port: int, raw_port: int, args: argparse.Namespace) -> 
             for i in range(args.repeat):
                 _status(f"{case.label}: sample {i + 1}/{args.repeat} (ours)")
                 with trio.fail_after(10 * args.duration + 60):
-                    samples["ours"].append(await ours(node, case, args.duration))
+                    samples["ours"].append(await measured(ours(node, case, args.duration), passive))
                 _status(f"{case.label}: sample {i + 1}/{args.repeat} (raw)")
                 with trio.fail_after(10 * args.duration + 60):
                     samples["raw"].append(
-                        await raw(raw_port, case, args.duration, args.busy_poll / 1e6)
+                        await measured(
+                            raw(raw_port, case, args.duration, args.busy_poll / 1e6), passive
+                        )
                     )
             med = {
                 side: {
@@ -331,7 +352,7 @@ def print_table(results: list[dict], args: argparse.Namespace) -> None:
     print(
         f" {'case':<24}{'ours tx/s':>10}{'raw tx/s':>10}{'ratio':>7}"
         f"{'ours K/s':>11}{'ours rw':>10}{'raw K/s':>11}{'ours rtt':>10}{'raw rtt':>9}"
-        f"{'ours cpu%':>10}{'cpu us/tx: ours':>16}{'raw':>6}"
+        f"{'ours cpu%':>10}{'cpu us/tx: ours':>16}{'raw':>6}{'passive: ours':>14}{'raw':>6}"
     )
     for r in results:
         o, w = r["median"]["ours"], r["median"]["raw"]
@@ -341,6 +362,7 @@ def print_table(results: list[dict], args: argparse.Namespace) -> None:
             f"{o['rdma_kbytes_per_s']:>10.0f}{w['kbytes_per_s']:>11.1f}"
             f"{o['rtt_us']:>10.0f}{w['rtt_us']:>9.0f}{o['cpu_percent']:>10.1f}"
             f"{o['cpu_us_per_tx']:>16.1f}{w['cpu_us_per_tx']:>6.1f}"
+            f"{o['passive_cpu_us_per_tx']:>14.1f}{w['passive_cpu_us_per_tx']:>6.1f}"
         )
     print(RESULT_LINE)
     for r in results:
@@ -416,7 +438,7 @@ def main(argv: list[str] | None = None) -> int:
         line = server.stdout.readline().decode().split()
         if len(line) != 2 or line[0] != "READY":
             raise RuntimeError(f"passive side did not start (said {line!r})")
-        results = trio.run(client_main, cm_port, int(line[1]), args)
+        results = trio.run(client_main, cm_port, int(line[1]), server.pid, args)
     finally:
         stop_process(server)
     meta["loadavg_end"] = os.getloadavg()
