@@ -92,7 +92,7 @@ async def test_a_session_that_ends_leaves_its_numbers_current() -> None:
         a, b = a_node.bind(4000), b_node.bind(5000)
         await ping_pong(a, b, ROUNDS)
         session = unfolded_session(b_node)
-        taken, numbered = session._unfolded.next_recv, session._plain.hook.next_seq
+        taken, numbered = session._unfolded.next_recv, session._plain.hook.gate.next_seq
         assert session.rds.next_seq < numbered, "no answer went through the gate"
         session.qp.modify(qp_state=QPState.ERR)
         await wait_until(lambda: session.lost, 10, "the session ended")
@@ -115,9 +115,13 @@ async def test_a_ping_pongs_answers_go_in_one_call_into_c() -> None:
         await ping_pong(a, b, ROUNDS)
         session = unfolded_session(b_node)
         hook = session._plain.hook
-        assert hook.open and hook.unsynced >= ROUNDS - 2 and session.rds.next_seq < hook.next_seq
+        assert (
+            hook.gate.open
+            and hook.gate.unsynced >= ROUNDS - 2
+            and session.rds.next_seq < hook.gate.next_seq
+        )
         (rds,) = b_node.connections()
-        assert not hook.open and not hook.unsynced and rds.next_seq == hook.next_seq
+        assert not hook.gate.open and not hook.gate.unsynced and rds.next_seq == hook.gate.next_seq
         assert rds.counters.send_messages == ROUNDS
         seqs = [m.seq for m in rds.unacked]
         assert seqs == list(range(rds.next_seq - len(seqs), rds.next_seq))
@@ -145,9 +149,9 @@ async def test_messages_through_the_gate_and_through_python_keep_their_order() -
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(receive)
                 for i, size in enumerate(sizes):
-                    before = direct.hook.unsynced
+                    before = direct.hook.gate.unsynced
                     await a.sendto(bytes([i % 256]) * size, b.address)
-                    if direct.hook.unsynced > before:
+                    if direct.hook.gate.unsynced > before:
                         went.append(i)
         assert 0 < len(went) < len(sizes), "the gate took none of them, or all"
 
@@ -173,10 +177,10 @@ async def test_answers_chasing_rdma_writes_go_in_one_call_into_c() -> None:
                 data, sender = await b.recvfrom()
                 (entry,) = b_node._table.entries.values()
                 op = RdmaOp.write_to(int(data), pattern)
-                before = entry.rds.direct.hook.unsynced if entry.rds.direct else 0
+                before = entry.rds.direct.hook.gate.unsynced if entry.rds.direct else 0
                 await b.sendto(b"done", sender, rdma=op)
                 direct = entry.rds.direct
-                through_gate += direct is not None and direct.hook.unsynced > before
+                through_gate += direct is not None and direct.hook.gate.unsynced > before
                 ops.append(op)
 
         async with trio.open_nursery() as nursery:
@@ -215,13 +219,13 @@ async def test_writes_in_the_gates_log_when_the_session_ends_are_kept() -> None:
             op = RdmaOp.write_to(cookie, pattern)
             await b.sendto(b"chasing", a.address, rdma=op)
             ops.append(op)
-        assert session._plain is not None and session._plain.hook.unsynced, "none in the log"
+        assert session._plain is not None and session._plain.hook.gate.unsynced, "none in the log"
         for _ in ops:  # (a has them, and holds its acknowledgement: no backstop here)
             assert await a.recvfrom() == (b"chasing", b.address)
-        assert session._plain.hook.unsynced >= len(ops) and not any(op.done for op in ops)
+        assert session._plain.hook.gate.unsynced >= len(ops) and not any(op.done for op in ops)
         a_node._table.entries[next(iter(a_node._table.entries))].rds.session.cut()
         await wait_until(lambda: session.lost, 10, "the session ended")
-        assert not session._plain.hook.unsynced and not session._plain.log  # (brought in)
+        assert not session._plain.hook.gate.unsynced and not session._plain.log  # (brought in)
         await wait_until(lambda: entry.rds.session not in (None, session), 10, "reconnected")
         # The new session began from the peer's acknowledgement (it had them all: done),
         # and none was sent again.

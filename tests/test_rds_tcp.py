@@ -187,6 +187,16 @@ async def started_session(node: RdsNode) -> tuple[RawPeer, RdsSocket]:
     return peer, sock
 
 
+async def started_tcp_session(
+    node: RdsNode,
+) -> tuple[RawPeer, RdsSocket, RdsConnection, TcpSession]:
+    """:func:`started_session`, with the node's connection and its session."""
+    peer, sock = await started_session(node)
+    (conn,) = node.connections()
+    assert isinstance(conn.session, TcpSession)
+    return peer, sock, conn, conn.session
+
+
 async def test_a_message_to_an_idle_session_is_written_in_the_senders_task() -> None:
     """No task switch to a writer: the bytes are in the peer's socket when sendto_nowait
     returns (the round trip of rds stress -d 1 over TCP: 140 to 121 us)."""
@@ -242,6 +252,44 @@ async def test_the_answers_to_a_burst_go_at_once_and_big_ones_in_order() -> None
         await peer.stream.aclose()
 
 
+async def test_sends_through_the_gate_are_framed_and_numbered_as_the_queue_would(
+    rds_paths: str,
+) -> None:
+    """On the C path a socket's messages to an idle session go through the gate, each in
+    one call into C (``rp_stream_sendto``), from the second on: the peer gets the bytes
+    the queue's framing gives (:func:`message_header`), numbered on. A message the node
+    queues meanwhile (a congestion map) closes the gate and goes in its turn. Brought in,
+    they are the connection's: counted, and let go once TCP has the peer's ack."""
+    async with RdsNode(HIGH, 0, transport="tcp") as node:
+        with trio.fail_after(10):
+            peer, sock, conn, session = await started_tcp_session(node)
+            sent = [bytes([65 + i]) * (i * 100) for i in range(20)]  # (the first empty)
+            through_gate = []
+            for data in sent[:10]:
+                sock.sendto_nowait(data, (LOW, 7))
+                through_gate.append(conn.direct.unsynced if conn.direct else 0)
+            node._congestion.mark(4000, True)  # our map goes between, in order
+            for data in sent[10:]:
+                sock.sendto_nowait(data, (LOW, 7))
+            got = [await peer.receive() for _ in range(21)]
+            maps = [i for i, (h, _) in enumerate(got) if h.flags == RdsFlag.CONG_BITMAP]
+            assert maps == [10]
+            messages = got[:10] + got[11:]
+            assert [payload for _, payload in messages] == sent
+            first = messages[0][0].sequence
+            for i, (header, payload) in enumerate(messages):
+                assert header == RdsHeader(first + i, 0, len(payload), 4000, 7)
+            if rds_paths == "c":
+                assert through_gate == list(range(10))  # (the first opened it)
+            session.check_acks()
+            assert conn.direct is None and conn.next_seq == first + 20
+            await wait_until(lambda: (session.check_acks(), not conn.unacked)[1], 5, "acks")
+            assert conn.counters.send_messages >= 20 and conn.queued_bytes == 0
+        await peer.stream.aclose()
+        await wait_until(lambda: conn.session is None, 5, "the session's end")
+        assert conn.direct is None  # (the gate closed with the session: no stale socket)
+
+
 async def test_a_waiting_receiver_reads_the_socket_itself_and_lends_it_back() -> None:
     """A task in recvfrom reads the session's socket in place of the reader task (the
     message wakes it directly); once it stops waiting, the reader takes the socket
@@ -249,10 +297,7 @@ async def test_a_waiting_receiver_reads_the_socket_itself_and_lends_it_back() ->
     message that comes another way (here from the node itself) ends the wait."""
     async with RdsNode(HIGH, 0, transport="tcp") as node:
         with trio.fail_after(5):
-            peer, sock = await started_session(node)
-            (conn,) = node.connections()
-            session = conn.session
-            assert isinstance(session, TcpSession)
+            peer, sock, _, session = await started_tcp_session(node)
             got: list[bytes] = []
             lent: list[bool] = []
 
@@ -287,7 +332,9 @@ async def test_a_ping_pong_looks_at_tcps_acks_when_the_reader_waits_again(
     """In a ping-pong each end's reader looks at TCP's acknowledgements (a system call)
     when it goes back to waiting, not between the message it read and the answer: when
     an answer reaches the app, its request is still held as unacknowledged, and it is
-    let go by the app's next wait (the watching task, slowed down here, never looks)."""
+    let go by the app's next wait (the watching task, slowed down here, never looks).
+    (Each round brings in what went through the gate, so every request goes through the
+    connection's queue here.)"""
     monkeypatch.setattr(tcp, "ACK_BACKSTOP", 60.0)
     a, b = await nodes([LOW, HIGH], "tcp")
     try:
@@ -305,7 +352,9 @@ async def test_a_ping_pong_looks_at_tcps_acks_when_the_reader_waits_again(
                 for i in range(50):
                     await sa.sendto(b"%d" % i, (HIGH, 5000))
                     assert await sa.recvfrom() == (b"%d" % i, (HIGH, 5000))
-                    held.append([m.seq for m in a.connections()[0].unacked])
+                    rds = a.connections()[0]
+                    rds._bring_in()  # (what went through the gate in C: it closes)
+                    held.append([m.seq for m in rds.unacked])
                 nursery.cancel_scope.cancel()
         # (the first round brings the connection up: what it held is the start's)
         assert all(len(seqs) == 1 for seqs in held[1:]), held

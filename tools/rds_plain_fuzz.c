@@ -29,17 +29,21 @@
  * message chases (unsignaled, as staged, its R_Key in the header's extension); and the
  * input's Send completions (their work requests moved near the send buffers' ids, some
  * past them) free the buffers. Last, the receive buffers' bytes are an RDS/TCP stream
- * (rp_stream, the message it leaves skipped as Python's): what it takes must be whole
- * messages, counted as delivered.
+ * (rp_stream, the message it leaves skipped as Python's; or, for some inputs, read from a
+ * socket in reads of a size the input chooses, rp_stream_read): what it takes must be
+ * whole messages, counted as delivered.
  * A broken check aborts (a crash for libFuzzer). -DRP_FUZZ_SELFTEST builds _plain.c
  * without its receive-buffer bounds check, which tests/test_rds_plain_fuzz.py
  * requires the harness to catch.
  */
 #include "_plain.h"
 
+#include <errno.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/socket.h>
+#include <unistd.h>
 
 #define SLOTS 8
 #define SLOT (RP_HEADER_LEN + 256)
@@ -167,10 +171,10 @@ static void send_some(rp_hook *h, const char *bytes, size_t len, uint32_t *dice)
         } else if (*dice & 16) { /* a socket's sendto through the gate (port 9 congested),
                                   * some chasing a Write */
             uint16_t dport = *dice & 32 ? 9 : 7;
-            uint64_t unsynced = h->unsynced, queued = h->queued;
+            uint64_t unsynced = h->gate.unsynced, queued = h->gate.queued;
             uint32_t runs = fake_runs, went;
             fake_says = *dice >> 7 & 1;
-            h->next_seq = seq;
+            h->gate.next_seq = seq;
             h->run = *dice & 64 ? fake_run : NULL; /* (NULL: Python must post it) */
             if (*dice & 256) {
                 length = wlen, chases = 1;
@@ -182,9 +186,9 @@ static void send_some(rp_hook *h, const char *bytes, size_t len, uint32_t *dice)
             took = went != 0;
             CHECK(fake_runs == runs + (took && h->run != NULL));
             CHECK(!took || went == (h->run != NULL && !fake_says ? 1u : 2u));
-            CHECK(!took || (dport == 7 && size <= h->sndbuf));
-            CHECK(h->next_seq == seq + took && h->unsynced == unsynced + took);
-            CHECK(h->queued == queued + took && h->unsynced <= RP_UNSYNCED_MAX);
+            CHECK(!took || (dport == 7 && size <= h->gate.sndbuf));
+            CHECK(h->gate.next_seq == seq + took && h->gate.unsynced == unsynced + took);
+            CHECK(h->gate.queued == queued + took && h->gate.unsynced <= RP_UNSYNCED_MAX);
         } else {
             took = rp_send(h, seq, 4000, 7, bytes, size <= len ? size : 0);
         }
@@ -224,8 +228,8 @@ static void handle(rp_ports *ports, rp_rx *rx, const rp_row *rows, uint32_t n, c
         .recv_addr = BASE, .recv_lkey = LKEY, .repost_batch = 4, .quiet_port = quiet,
         .flow = &flow, .send = ring, .send_addr = SEND_BASE, .send_lkey = SEND_LKEY,
         .send_slots = SEND_SLOTS, .send_wr = SEND_WR, .signal_every = 2, .ack_every = 8,
-        .max_inline = 64, .writes = writes, .open = 1, .sndbuf = 64 + chunk * 40,
-        .max_queued = 1 + chunk, .peer_cong = cong,
+        .max_inline = 64, .writes = writes, .gate = {.open = 1, .sndbuf = 64 + chunk * 40,
+        .max_queued = 1 + chunk, .peer_cong = cong},
     };
     uint32_t dice = chunk * 2654435761u + n;
     /* The input's Send completions as ours (some past our buffers) */
@@ -289,6 +293,33 @@ static void stream(rp_ports *ports, rp_rx *rx, const char *bytes, size_t len)
             break;
         pos += RP_HEADER_LEN + size;
     }
+}
+
+/* The bytes as an RDS/TCP stream read from a socket in C (rp_stream_read), cap bytes a
+ * read: each read takes whole plain messages only, counted as delivered, and the first
+ * one that leaves bytes (a message in part, or Python's) ends it, as the decoder then
+ * takes over. A socket gone reads nothing. */
+static void stream_read(rp_ports *ports, rp_rx *rx, const char *bytes, size_t len, uint64_t cap)
+{
+    int fds[2];
+    CHECK(socketpair(AF_UNIX, SOCK_STREAM, 0, fds) == 0);
+    CHECK(write(fds[1], bytes, len) == (ssize_t)len);
+    uint16_t woken[ROWS_MAX];
+    char *buf = malloc(cap);
+    rp_stream_rx st = {rx, ports, woken, ROWS_MAX, fds[0], buf, cap, 0, 0};
+    for (;;) {
+        rx->messages = rx->bytes = rx->nwoken = 0;
+        uint64_t took = rp_stream_read(&st);
+        CHECK(st.got <= cap && took <= st.got && rx->nwoken == rx->messages);
+        CHECK(took == rx->bytes + rx->messages * RP_HEADER_LEN);
+        if (st.got == 0 || took < st.got)
+            break;
+    }
+    st.fd = -1;
+    CHECK(rp_stream_read(&st) == 0 && st.got == 0 && st.error == EBADF);
+    free(buf);
+    close(fds[0]);
+    close(fds[1]);
 }
 
 /* A session's scan state at its start: the message in the first buffer is due. */
@@ -392,7 +423,11 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
            data[0] & 1 ? bound[1] : 0);
     check_inboxes(boxes, ports, SLOT - RP_HEADER_LEN);
     init_rx(&rx, recv);
-    stream(ports, &rx, recv, rest < recv_len ? rest : recv_len);
+    if (data[0] & 2)
+        stream_read(ports, &rx, recv, rest < recv_len ? rest : recv_len,
+                    RP_HEADER_LEN + data[0] * 7u);
+    else
+        stream(ports, &rx, recv, rest < recv_len ? rest : recv_len);
     check_inboxes(boxes, ports, recv_len);
     rp_msg *msg = rp_take(boxes[1]);
     if (msg != NULL)

@@ -2,7 +2,8 @@
  * poll's plain messages into them (rp_scan, and rp_handle, the CQ's native handler, around
  * it), one that takes them from an RDS/TCP stream (rp_stream), and one that sends a plain
  * message over RDMA (rp_send, posted by rp_handle's next run; rp_sendto, a socket's sendto
- * with the connection's numbering, in one call).
+ * with the connection's numbering, in one call) and over TCP (rp_stream_sendto; and
+ * rp_stream_read, a read of the socket and rp_stream in one call).
  *
  * Python's RdmaFlow.receive_at and RdsNode._deliver are the reference: a message is
  * plain when it is a received Send of one fragment with no checksum, no extension
@@ -17,9 +18,12 @@
  */
 #include "_plain.h"
 
+#include <errno.h>
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/socket.h>
+#include <sys/uio.h>
 
 #define RP_RECV 128 /* WCOpcode.RECV */
 #define RP_SEND 0   /* WCOpcode.SEND */
@@ -315,6 +319,23 @@ uint64_t rp_stream(rp_rx *rx, rp_ports *ports, const char *buf, uint64_t len, ui
     return pos;
 }
 
+uint64_t rp_stream_read(rp_stream_rx *st)
+{
+    st->got = 0;
+    st->error = 0;
+    if (st->fd < 0) {
+        st->error = EBADF;
+        return 0;
+    }
+    ssize_t n = recv(st->fd, st->buf, st->cap, MSG_DONTWAIT);
+    if (n < 0) {
+        st->error = errno;
+        return 0;
+    }
+    st->got = (uint64_t)n;
+    return rp_stream(st->rx, st->ports, st->buf, (uint64_t)n, st->woken, st->woken_room);
+}
+
 /* Post the receives listed (all, or none when the QP refuses the first: it is leaving
  * RTS, and Python's fold posts them again, which the QP then flushes) */
 static void repost(rp_hook *h, const rp_verbs *verbs, void *qp)
@@ -408,27 +429,34 @@ uint32_t rp_send_write(rp_hook *h, uint64_t seq, uint16_t sport, uint16_t dport,
     return 1;
 }
 
-/* Whether the gate of rp_sendto refuses a len-byte message to dport now */
-static int gate_refuses(const rp_hook *h, uint16_t dport, uint32_t len)
+/* Whether the gate refuses a len-byte message to dport now */
+static int gate_refuses(const rp_gate *g, uint16_t dport, uint32_t len)
 {
-    return !h->open || h->peer_cong == NULL || h->unsynced >= RP_UNSYNCED_MAX
-           || h->queued_bytes >= h->sndbuf || h->queued >= h->max_queued || len > h->sndbuf
-           || h->peer_cong[dport >> 3] & 1u << (dport & 7);
+    return !g->open || g->peer_cong == NULL || g->unsynced >= RP_UNSYNCED_MAX
+           || g->queued_bytes >= g->sndbuf || g->queued >= g->max_queued || len > g->sndbuf
+           || g->peer_cong[dport >> 3] & 1u << (dport & 7);
 }
 
-/* A len-byte message went through the gate, numbered h->next_seq: count it, and post it */
+/* A len-byte message went through the gate, numbered g->next_seq: count it */
+static void gate_count(rp_gate *g, uint32_t len)
+{
+    g->next_seq++;
+    g->queued_bytes += len;
+    g->queued++;
+    g->unsynced++;
+}
+
+/* A len-byte message went through the gate of an RDMA session: count it, and post it */
 static uint32_t gate_sent(rp_hook *h, uint32_t len)
 {
-    h->next_seq++;
-    h->queued_bytes += len;
-    h->queued++;
-    h->unsynced++;
+    gate_count(&h->gate, len);
     return h->run == NULL || h->run(h->run_ctx) ? 2 : 1;
 }
 
 uint32_t rp_sendto(rp_hook *h, uint16_t sport, uint16_t dport, const char *data, uint32_t len)
 {
-    if (gate_refuses(h, dport, len) || !rp_send(h, h->next_seq, sport, dport, data, len))
+    if (gate_refuses(&h->gate, dport, len)
+        || !rp_send(h, h->gate.next_seq, sport, dport, data, len))
         return 0;
     return gate_sent(h, len);
 }
@@ -437,11 +465,36 @@ uint32_t rp_sendto_write(rp_hook *h, uint16_t sport, uint16_t dport, const char 
                          uint32_t len, uint64_t laddr, uint32_t lkey, uint32_t length,
                          uint64_t remote_addr, uint32_t rkey)
 {
-    if (gate_refuses(h, dport, len)
-        || !rp_send_write(h, h->next_seq, sport, dport, data, len, laddr, lkey, length,
+    if (gate_refuses(&h->gate, dport, len)
+        || !rp_send_write(h, h->gate.next_seq, sport, dport, data, len, laddr, lkey, length,
                           remote_addr, rkey))
         return 0;
     return gate_sent(h, len);
+}
+
+uint32_t rp_stream_sendto(rp_stream_tx *tx, uint16_t sport, uint16_t dport, const char *data,
+                          uint32_t len)
+{
+    rp_gate *g = &tx->gate;
+    if (gate_refuses(g, dport, len))
+        return 0;
+    unsigned char b[RP_HEADER_LEN] = {0};
+    put64(b, g->next_seq);
+    put32(b + 16, len);
+    put16(b + 20, sport);
+    put16(b + 22, dport);
+    struct iovec iov[2] = {{b, RP_HEADER_LEN}, {(void *)data, len}};
+    struct msghdr m = {.msg_iov = iov, .msg_iovlen = len ? 2 : 1};
+    ssize_t n = sendmsg(tx->fd, &m, MSG_DONTWAIT | MSG_NOSIGNAL);
+    if (n <= 0)
+        return 0;
+    gate_count(g, len);
+    tx->written += (uint64_t)n;
+    if ((uint64_t)n == RP_HEADER_LEN + (uint64_t)len)
+        return 1;
+    tx->partial = (uint32_t)n;
+    g->open = 0; /* (nothing may go before the rest) */
+    return 2;
 }
 
 int64_t rp_write_seq(rp_hook *h, uint64_t wr_id)

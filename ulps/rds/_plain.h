@@ -1,4 +1,4 @@
-/* RDS's plain-message path in C: receive over RDMA and TCP, send over RDMA (see _plain.c
+/* RDS's plain-message path in C: receive and send over RDMA and TCP (see _plain.c
  * and docs/rds.md).
  *
  * Everything between the cdef markers is also read by plain_build.py as cffi
@@ -20,7 +20,7 @@
 #define RP_CONG_BITMAP 1
 #define RP_EXT_RDMA 2      /* the extension header of a message chasing an RDMA operation */
 #define RP_CONG_MAP_BYTES 8192 /* RDS_CONG_MAP_BYTES: a bit a port */
-#define RP_UNSYNCED_MAX 1024   /* rp_sendto's messages Python has not brought in, at most */
+#define RP_UNSYNCED_MAX 1024   /* messages through the gate Python has not brought in, at most */
 
 #define RP_ACK_REQUIRED 2  /* RdsFlag.ACK_REQUIRED */
 #define RP_MAX_CREDIT 255  /* RDS_MAX_ADV_CREDIT: credits one header grants at most */
@@ -145,6 +145,24 @@ typedef struct {
     uint32_t (*post_send)(void *qp, const rp_send_wr *wrs, uint32_t n);
 } rp_verbs;
 
+/* The gate of a socket's sendto in one call into C (rp_sendto over RDMA, rp_stream_sendto
+ * over TCP): the connection's outgoing numbers and bounds, kept in C while Python keeps
+ * the gate open (plain.SendGate) */
+typedef struct {
+    uint32_t open;          /* in: a sendto may send (Python closes it before it sends,
+                             * queues or folds anything, and brings in what went) */
+    uint32_t unsynced;      /* in/out: messages sent through the gate that Python has not
+                             * yet numbered and kept for the peer's acknowledgement */
+    uint64_t next_seq;      /* in/out: the connection's next sequence number */
+    uint64_t queued_bytes;  /* in/out: its bytes queued or not yet acknowledged, and */
+    uint64_t queued;        /* messages, as RdsConnection.has_room counts them (acks
+                             * lower them only when Python brings them in: until then C
+                             * sees less room) */
+    uint64_t sndbuf;        /* in: has_room's bounds (sndbuf also bounds a message) */
+    uint64_t max_queued;
+    const unsigned char *peer_cong; /* in: the peer's congestion map (RP_CONG_MAP_BYTES) */
+} rp_gate;
+
 /* One session's completions taken by its CQ's native handler (rp_handle): the scan's
  * state and outs (which add up until Python folds them into the session), and what the
  * handler left to Python */
@@ -194,23 +212,39 @@ typedef struct {
     uint64_t sent;          /* out: messages rp_send took */
     rp_write *writes;       /* send_slots entries: the Write each buffer's message chases;
                              * buffer i's Write is work request send_wr + send_slots + i */
-    /* A socket's sendto in one call (rp_sendto): the connection's outgoing numbers, kept
-     * in C while Python keeps the gate open (rdma_hooked.HookedSession) */
-    uint32_t open;          /* in: rp_sendto may send (Python closes it before it sends,
-                             * queues or folds anything, and brings in what went) */
-    uint32_t unsynced;      /* in/out: messages rp_sendto sent that Python has not yet
-                             * numbered and kept for the peer's acknowledgement */
-    uint64_t next_seq;      /* in/out: the connection's next sequence number */
-    uint64_t queued_bytes;  /* in/out: its bytes queued or not yet acknowledged, and */
-    uint64_t queued;        /* messages, as RdsConnection.has_room counts them (acks
-                             * lower them when Python folds: until then C sees less room) */
-    uint64_t sndbuf;        /* in: has_room's bounds (sndbuf also bounds a message) */
-    uint64_t max_queued;
-    const unsigned char *peer_cong; /* in: the peer's congestion map (RP_CONG_MAP_BYTES) */
+    rp_gate gate;           /* a socket's sendto in one call (rp_sendto) */
     uint32_t (*run)(void *ctx);     /* in: posts what was staged and writes it, 0 when that
                                      * is all (the QP's native runner; NULL: none) */
     void *run_ctx;
 } rp_hook;
+
+
+/* RDS/TCP's sends through the gate (rp_stream_sendto): written to the connection's socket */
+typedef struct {
+    rp_gate gate;
+    int32_t fd;             /* in: the connection's socket */
+    uint32_t partial;       /* out: the socket took only this many bytes of the last
+                             * message (header included): the gate closed, and Python
+                             * writes the rest before anything else */
+    uint64_t written;       /* in/out: bytes written through the gate since Python last
+                             * brought them in */
+} rp_stream_tx;
+
+
+/* RDS/TCP's reads in C (rp_stream_read): the socket read into a buffer of the session's,
+ * and the whole plain messages at its front taken as rp_stream takes them */
+typedef struct {
+    rp_rx *rx;
+    rp_ports *ports;
+    uint16_t *woken;        /* room for woken_room ports */
+    uint32_t woken_room;
+    int32_t fd;             /* in: the connection's socket (-1: gone, nothing is read) */
+    char *buf;              /* in: cap bytes, the session's */
+    uint64_t cap;
+    uint64_t got;           /* out: bytes the read brought (0: see error, or the end of
+                             * the stream) */
+    int32_t error;          /* out: the read's errno (0: none) */
+} rp_stream_rx;
 
 
 rp_ports *rp_ports_new(void);
@@ -233,6 +267,12 @@ uint32_t rp_scan(rp_rx *rx, rp_ports *ports, const rp_row *rows, uint32_t n,
  * RP_FOR_PYTHON (the message at the end of what it took is Python's). */
 uint64_t rp_stream(rp_rx *rx, rp_ports *ports, const char *buf, uint64_t len, uint16_t *woken,
                    uint32_t woken_room);
+/* Read the connection's socket once (no wait) into st->buf and take the whole plain
+ * messages at its front as rp_stream does: the bytes taken (buf[taken..got) are the
+ * rest, for Python's decoder: a message in part, or one that is not plain and what
+ * follows it). Only when nothing of the stream is buffered elsewhere: the read must
+ * begin at a message. */
+uint64_t rp_stream_read(rp_stream_rx *st);
 /* The native handler (set on the session's CQ with hook as its context): polls, takes
  * runs of plain messages as rp_scan, posts their receives again in lists of
  * repost_batch; non-zero (and held) when Python must look: a row it did not take, a
@@ -257,8 +297,8 @@ uint32_t rp_send_write(rp_hook *hook, uint64_t seq, uint16_t sport, uint16_t dpo
                        const char *data, uint32_t len, uint64_t laddr, uint32_t lkey,
                        uint32_t length, uint64_t remote_addr, uint32_t rkey);
 /* A socket's sendto of a plain message (from sport to dport, len bytes) in one call:
- * numbered next (hook->next_seq), staged as rp_send stages it and posted by hook->run,
- * when Python keeps the gate open (hook->open), the connection has room (has_room's
+ * numbered next (hook->gate.next_seq), staged as rp_send stages it and posted by hook->run,
+ * when Python keeps the gate open (hook->gate.open), the connection has room (has_room's
  * bounds, from C's counts), the peer's port is not congested and fewer than
  * RP_UNSYNCED_MAX wait for Python to bring them in: 1, or 2 when the QP's Python must
  * still run the native handler (no runner, or it said so); the caller keeps the message
@@ -270,6 +310,15 @@ uint32_t rp_sendto(rp_hook *hook, uint16_t sport, uint16_t dport, const char *da
 uint32_t rp_sendto_write(rp_hook *hook, uint16_t sport, uint16_t dport, const char *data,
                          uint32_t len, uint64_t laddr, uint32_t lkey, uint32_t length,
                          uint64_t remote_addr, uint32_t rkey);
+/* RDS/TCP's sendto of a plain message (from sport to dport, len bytes) in one call:
+ * numbered next (gate.next_seq) and written to the socket with its header (h_ack and
+ * h_credit zero, as StreamSender frames it) when the gate lets it through, as rp_sendto's
+ * does: 1; 2 when the socket took only part of it (tx->partial bytes: the gate is closed
+ * now, and Python must write the rest first); the caller keeps the message for Python,
+ * in order. Else 0, nothing written or changed (the gate refuses, the socket is full or
+ * broken): Python's sendto takes it, and its write says which. */
+uint32_t rp_stream_sendto(rp_stream_tx *tx, uint16_t sport, uint16_t dport, const char *data,
+                          uint32_t len);
 /* The sequence number of the message whose chased Write is work request wr_id (a failed
  * one's completion), read from its send buffer; -1 when wr_id is not one of them. */
 int64_t rp_write_seq(rp_hook *hook, uint64_t wr_id);

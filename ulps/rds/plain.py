@@ -26,6 +26,7 @@ import os
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
+from rdmashim.ulps.rds.gate import SendGate, StreamSends
 from rdmashim.ulps.rds.inbox import CInboxes, Inboxes, PyInboxes
 from rdmashim.verbs import WC_ROW, WCStatus
 
@@ -34,6 +35,7 @@ if TYPE_CHECKING:
     from rdmashim.ulps.rds.rdma import RdmaOp, Registrations, Sources
     from rdmashim.ulps.rds.rdma_flow import RdmaFlow
     from rdmashim.ulps.rds.settings import RdsSettings
+    from rdmashim.ulps.rds.tcp_stream import StreamSender
     from rdmashim.verbs import SGE
 
 log = logging.getLogger(__name__)
@@ -41,6 +43,8 @@ log = logging.getLogger(__name__)
 ENV_NO_EXTENSIONS = "RDMASHIM_NO_EXTENSIONS"
 ROWS = 64
 """Rows a session polls at a time (and room for their reposts and wake-ups)."""
+READ_BYTES = 64 * 1024
+"""What an RDS/TCP session's read in C takes at most (:meth:`PlainStream.read`)."""
 _STATUS = {int(status): status for status in WCStatus}
 """A row's status as its enum member, found without ``WCStatus()``'s two Python calls."""
 
@@ -111,10 +115,18 @@ class PlainPath:
         self.settings = settings
         self.sockets = sockets
 
-    def stream(self, rds: RdsConnection) -> PlainStream:
-        """The plain messages of an RDS/TCP session carrying ``rds``, taken from its stream
-        in C."""
-        return PlainStream(self, rds)
+    def stream(self, rds: RdsConnection, fd: int) -> PlainStream:
+        """The plain messages of an RDS/TCP session carrying ``rds`` on socket ``fd``, taken
+        from its stream in C."""
+        return PlainStream(self, rds, fd)
+
+    def stream_sends(
+        self, rds: RdsConnection, sender: StreamSender, fd: int, rest: Callable[[bytes], None]
+    ) -> StreamSends:
+        """The gate of an RDS/TCP session carrying ``rds`` on socket ``fd``, whose stream
+        ``sender`` frames (:class:`StreamSends`); ``rest`` takes what the socket left of a
+        message sent through it."""
+        return StreamSends(self.inboxes, rds, sender, fd, rest)
 
     def flow_state(self) -> Any:
         """A session's flow counters in C memory (``rp_flow``), for its :class:`RdmaFlow`:
@@ -167,17 +179,16 @@ def path(
     return None
 
 
-class PlainReceiver:
+class PlainReceiver(SendGate):
     """One session's plain messages, taken from a poll's rows in C: by the CQ's native
     handler (``rp_handle``, :attr:`handler`) where the backend calls one, else by the
     session's handler through :meth:`take` (``rp_scan``). What C took goes into the
     session's state when Python next looks (:meth:`fold`)."""
 
     __slots__ = (
-        "_chased", "_cong", "_cong_c", "_ffi", "_flow", "_lib", "_ports", "_rds", "_recv",
-        "_reposts", "_rows_c", "_send", "_sockets", "_unpack", "_woken", "_writes", "hook",
-        "log", "rows", "run", "send", "send_write", "sendto", "sent", "state", "watcher",
-        "write_seq",
+        "_chased", "_flow", "_lib", "_ports", "_recv", "_reposts", "_rows_c", "_send",
+        "_sockets", "_unpack", "_woken", "_writes", "hook", "rows", "run", "send",
+        "send_write", "sendto", "sent", "state", "watcher", "write_seq",
     )  # fmt: skip
 
     def __init__(
@@ -192,11 +203,11 @@ class PlainReceiver:
         sends: SendRing,
     ) -> None:
         inboxes = plain.inboxes
-        ffi = self._ffi = inboxes.ffi
+        ffi = inboxes.ffi
         self._lib = inboxes.lib
         self._ports = inboxes.counts
         self._sockets = plain.sockets
-        self._rds, self._flow = rds, flow
+        self._flow = flow
         self.rows = bytearray(ROWS * WC_ROW.size)
         """Where the session polls its completions (``cq.poll_rows``: rows of ``WC_ROW``)."""
         self._rows_c = ffi.from_buffer("rp_row[]", self.rows)
@@ -213,6 +224,7 @@ class PlainReceiver:
         self._chased = ffi.new("int64_t[]", ROWS)
         self._unpack = ffi.unpack
         hook = self.hook = ffi.new("rp_hook *")
+        super().__init__(ffi, rds, hook.gate)
         """The native handler's context (``rp_hook``): its ``quiet_port`` is the port whose
         reader drives the session (0: none), for whose plain messages it wakes no one
         (the reader looks after the read)."""
@@ -248,17 +260,11 @@ class PlainReceiver:
         message numbered, staged and posted in one call while the gate is open
         (:meth:`open`): 1, or 2 when :attr:`run` must still post it (the caller appends
         it to :attr:`log` either way); else 0."""
-        self.log: list[tuple[int, int, bytes, RdmaOp | None]] = []
-        """The messages :attr:`sendto` and :meth:`sendto_write` sent, (sport, dport, data,
-        the RDMA Write it chases or None), until :meth:`sync`."""
         self.run: Callable[[], object] = _nothing
         """Post what was staged (:meth:`posting`: the QP's ``run_native_handler``)."""
         self.watcher: Callable[[int], None] = _nothing
         """``watcher(seq)``: someone waits for the RDMA Write that message ``seq`` chased
         (:meth:`posting`: the session's)."""
-        self._cong: object = None
-        self._cong_c: Any = None
-        """The peer's congestion map the gate last saw, and its bits as C reads them."""
         self.release()
 
     def posting(
@@ -299,44 +305,13 @@ class PlainReceiver:
             op._unbegin()
         return went
 
-    def open(self) -> None:
-        """Open the gate of :attr:`sendto`, from the connection's numbers and bounds as
-        they are now: the session would send a plain message in C next, with nothing of
-        Python's queued or in flight (:meth:`.HookedSession._open`)."""
-        rds, hook = self._rds, self.hook
-        cong = rds.peer_congestion
-        if cong is not self._cong:
-            self._cong, self._cong_c = cong, self._ffi.from_buffer(cong.bits)
-        hook.peer_cong = self._cong_c
-        hook.next_seq = rds.next_seq
-        hook.queued_bytes = rds.queued_bytes
-        hook.queued = len(rds.unsent) + len(rds.unacked)
-        settings = rds.settings
-        hook.sndbuf, hook.max_queued = settings.sndbuf, settings.max_queued_messages
-        hook.open = 1
-        rds.direct = self  # (while it is set, the gate is open)
-
-    def sync(self) -> None:
-        """Close the gate of :attr:`sendto` and bring in what went through it: the
-        connection numbers and keeps it as C numbered it (:meth:`.RdsConnection.sent_directly`).
-        Nothing to do while it is closed (nothing goes through a closed gate)."""
-        rds = self._rds
-        if rds.direct is None:
-            return
-        rds.direct = None
-        hook = self.hook
-        hook.open = 0
-        if hook.unsynced:
-            log, self.log = self.log, []
-            assert len(log) == hook.unsynced  # (each went with its entry)
-            hook.unsynced = 0
-            seq = rds.next_seq
-            rds.sent_directly(log)
-            assert rds.next_seq == hook.next_seq
-            for _, _, _, op in log:
-                if op is not None:  # (as the session's own send of one: _staged_in_c)
-                    op._watch = functools.partial(self.watcher, seq)
-                seq += 1
+    def _brought_in(self, log: list[tuple[int, int, bytes, RdmaOp | None]], seq: int) -> None:
+        """A wait for an RDMA Write that went through the gate asks the session's
+        :attr:`watcher`, as for its own send of one (``_staged_in_c``)."""
+        for _, _, _, op in log:
+            if op is not None:
+                op._watch = functools.partial(self.watcher, seq)
+            seq += 1
 
     @property
     def handler(self) -> tuple[int, int]:
@@ -488,16 +463,21 @@ def _delivered(
 
 
 class PlainStream:
-    """One RDS/TCP session's plain messages, taken from its byte stream in C
-    (``rp_stream``): :meth:`scan` hands the whole plain messages at the front of what
-    the session's :class:`~.tcp_stream.StreamDecoder` buffered to their sockets."""
+    """One RDS/TCP session's plain messages, taken from its byte stream in C: :meth:`read`
+    reads the socket and hands the whole plain messages at the front of what came to
+    their sockets in one call (``rp_stream_read``), and :meth:`scan` those at the front
+    of what the session's :class:`~.tcp_stream.StreamDecoder` buffered (``rp_stream``)."""
 
-    __slots__ = ("_from_buffer", "_lib", "_ports", "_rds", "_sockets", "_unpack", "_woken", "state")
+    __slots__ = (
+        "_buf", "_buffer", "_from_buffer", "_lib", "_ports", "_rds", "_read", "_sockets",
+        "_unpack", "_woken", "state",
+    )  # fmt: skip
 
-    def __init__(self, plain: PlainPath, rds: RdsConnection) -> None:
+    def __init__(self, plain: PlainPath, rds: RdsConnection, fd: int) -> None:
         inboxes = plain.inboxes
         ffi = inboxes.ffi
         self._lib, self._from_buffer, self._unpack = inboxes.lib, ffi.from_buffer, ffi.unpack
+        self._buffer = ffi.buffer
         self._ports, self._sockets, self._rds = inboxes.counts, plain.sockets, rds
         rx = self.state = ffi.new("rp_rx *")
         """The scan's state (``rp_rx``; only its numbering and delivery counts are used)."""
@@ -507,6 +487,37 @@ class PlainStream:
         ffi.memmove(rx.peer, packed, len(packed))
         rx.talk = -1
         self._woken = ffi.new("uint16_t[]", ROWS)
+        self._buf = ffi.new("char[]", READ_BYTES)
+        read = self._read = ffi.new("rp_stream_rx *")
+        """The reads' state (``rp_stream_rx``)."""
+        read.rx, read.ports, read.woken, read.woken_room = rx, self._ports, self._woken, ROWS
+        read.fd, read.buf, read.cap = fd, self._buf, READ_BYTES
+
+    def read(self, rest: Callable[[Any], object]) -> int:
+        """Read the socket once, without waiting, and take the whole plain messages at the
+        front of what came, in one call into C; what follows them (a message in part, or
+        one that is not plain and the rest) goes to ``rest`` (the decoder), as a buffer
+        valid during the call. Only when the decoder holds nothing: the read must begin
+        at a message. The bytes read (0: the end of the stream); OSError when the read
+        failed (BlockingIOError: nothing to read)."""
+        read, rx = self._read, self.state
+        rx.next_recv = self._rds.next_recv
+        took: int = self._lib.rp_stream_read(read)
+        got: int = read.got
+        if not got:
+            if read.error:
+                raise OSError(read.error, os.strerror(read.error))  # (errno's subclass)
+            return 0
+        if rx.messages:
+            _delivered(rx, self._rds, self._sockets, self._unpack(self._woken, rx.nwoken))
+        if took < got:
+            rest(self._buffer(self._buf + took, got - took))
+        return got
+
+    def close(self) -> None:
+        """The socket is about to close: :meth:`read` reads nothing from now on (its number
+        may soon name another socket)."""
+        self._read.fd = -1
 
     def scan(self, buf: bytearray, pos: int) -> tuple[int, int]:
         """Take the whole plain messages in ``buf`` from ``pos`` on (at most :data:`ROWS`);

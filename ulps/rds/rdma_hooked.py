@@ -128,7 +128,7 @@ class HookedSession:
     def _open(self) -> None:
         """A message went from C (plain, or chasing an RDMA Write) with nothing of Python's
         before it: a socket's next ones may go in one call into C
-        (:meth:`.PlainReceiver.open`) until Python sends, queues or folds anything, or the
+        (:meth:`.SendGate.open`) until Python sends, queues or folds anything, or the
         backstop, armed now, comes (each of those brings them in first)."""
         if self._hooked and self._timer_at != math.inf:
             self._plain.open()  # type: ignore[union-attr]

@@ -127,10 +127,19 @@ class TcpSession:
         self.rds = rds
         self.stream = stream
         self.lost = False
-        self.decoder = StreamDecoder(None if plain is None else plain.stream(rds))
+        fd = stream.socket.fileno()
+        self._plain = None if plain is None else plain.stream(rds, fd)
+        """The stream's plain messages, read and taken in C (None: no C path)."""
+        self.decoder = StreamDecoder(self._plain)
         """The stream cut into messages (the whole plain ones taken in C, on the C path)."""
         self.sender = StreamSender(rds)
         """What goes on the stream, and what TCP's acks cover."""
+        self._gate = (
+            None if plain is None
+            else plain.stream_sends(rds, self.sender, fd, self._left)
+        )  # fmt: skip
+        """A socket's sendto in one call into C while the stream is ours alone (None: no C
+        path): opened by :meth:`pump_sends`, closed by anything that queues."""
         self._wake = trio.Event()
         self._written = trio.Event()
         self._writing = False
@@ -181,9 +190,15 @@ class TcpSession:
             n = 0
         self.sender.wrote(n)
         if n < len(batch):
-            self._rest = memoryview(batch)[n:]
-            self._wake.set()
+            self._left(memoryview(batch)[n:])
+        elif self._gate is not None and not self.rds.unsent and self.rds.map_out is None:
+            self._gate.open()  # (the socket took it all, and nothing else waits)
         self._written.set()
+
+    def _left(self, rest: bytes | memoryview) -> None:
+        """The socket took only part of what went: the writer writes ``rest`` first."""
+        self._rest = memoryview(rest)
+        self._wake.set()
 
     def want_acks(self) -> None:
         """Nothing to do: this session hands each acknowledgement on as it reads it."""
@@ -194,7 +209,8 @@ class TcpSession:
     def send_plain(self, sport: int, dport: int, data: bytes, rdma: RdmaOp | None = None) -> bool:
         """False: the message is queued, and :meth:`pump_sends` writes it at once in the
         sender's task. (Written from here instead, rds stress ``-d 1`` over RDS/TCP moved
-        nothing: 0.765 -> 0.760 of raw TCP, medians of seven alternated rounds.)"""
+        nothing: 0.765 -> 0.760 of raw TCP, medians of seven alternated rounds. A socket's
+        sendto skips the queue through the gate in C instead: :class:`~.gate.StreamSends`.)"""
         return False
 
     def cut(self) -> None:
@@ -223,6 +239,8 @@ class TcpSession:
                 self.check_acks()
             if not isinstance(self._failure, RdsProtocolError):
                 self._drain()
+            if self._plain is not None:
+                self._plain.close()
             if not self.heard:
                 self.rds.counters.sessions_refused += 1
         raise SessionLost(str(self._failure or "the session ended"))
@@ -293,28 +311,38 @@ class TcpSession:
 
     def _read(self) -> bool:
         """Read once and take what came; whether the socket was empty. Raises
-        :class:`SessionLost` at the peer's end of stream, OSError on a socket error."""
+        :class:`SessionLost` at the peer's end of stream, OSError on a socket error. On the
+        C path a read that begins at a message is taken in one call into C."""
         try:
-            data = os.read(self.stream.socket.fileno(), SEND_BATCH)
+            if self._plain is not None and not self.decoder.buffered:
+                got = self._plain.read(self._take_rest)
+            else:
+                data = os.read(self.stream.socket.fileno(), SEND_BATCH)
+                got = len(data)
+                self.decoder.take(data, self.rds.received)
         except BlockingIOError:
             self._empty = True
             self._before_waiting()
             return True
-        if not data:
+        if not got:
             raise SessionLost(f"{self.rds.peer} closed the connection")
-        self._take(data)
-        if self.sender.inflight:  # (see ACK_BACKSTOP)
+        self.bytes_read += got
+        if self.sender.inflight:  # (see ACK_BACKSTOP; the gate's messages wait for it)
             self._acks_due = True
-        self._empty = empty = len(data) < SEND_BATCH
+        self._empty = empty = got < SEND_BATCH
         return empty
+
+    def _take_rest(self, rest: bytes | memoryview) -> None:
+        """What a read in C left after the plain messages it took: the decoder's."""
+        self.decoder.take(rest, self.rds.received)
 
     def _before_waiting(self) -> None:
         """The reader is about to wait: the look at TCP's acknowledgements that a read
         made due (the answers to what it brought went meanwhile, in a ping-pong)."""
         if self._acks_due:
             self._acks_due = False
-            if self.sender.inflight:
-                self.check_acks()
+            if self.sender.inflight and self.heard:
+                self._look_at_acks()
 
     async def drive_until(self, ready: Callable[[], object], quiet: int = 0) -> bool:
         """Read and take messages in place of the reader task until ``ready()`` is true,
@@ -398,7 +426,7 @@ class TcpSession:
 
     async def _acks(self) -> None:
         while True:
-            if not self.sender.inflight:
+            if not self.sender.inflight and self.rds.direct is None:  # (the gate: closed)
                 self._written = trio.Event()
                 await self._written.wait()
             if self._filled() or self.rds.room_wanted:
@@ -419,6 +447,8 @@ class TcpSession:
         payload bytes still to come, bytes written, the offset just past the last
         message written, and the offset TCP has had acknowledged (``SIOCOUTQ``)."""
         sock = self.stream.socket
+        if self._gate is not None:
+            self._gate.sync()
         try:
             local, peer = sock.getsockname()[:2], sock.getpeername()[:2]
             acked = self.sender.written - unacknowledged_bytes(sock)
@@ -432,7 +462,17 @@ class TcpSession:
         has spoken on this connection: till then TCP's ack says only that its kernel
         took the bytes, and a peer whose RDS refuses the connection resets it with
         them unread (``tcp_listen.c`` ``rds_tcp_accept_one``). They go again, flagged,
-        on the next connection; a peer that had them drops them by number."""
-        if not self.heard:
-            return
-        self.sender.acked_to(self.sender.written - unacknowledged_bytes(self.stream.socket))
+        on the next connection; a peer that had them drops them by number. What went
+        through the gate is brought in first (its messages are acknowledged too)."""
+        if self._gate is not None:
+            self._gate.sync()
+        if self.heard:
+            self._look_at_acks()
+
+    def _look_at_acks(self) -> None:
+        """Tell the connection which of the messages that Python knows of TCP has delivered
+        in full (the gate's come later on the stream: they count towards where it is, but
+        stay open to the gate till brought in)."""
+        sender = self.sender
+        written = sender.written if self._gate is None else sender.written + self._gate.written
+        sender.acked_to(written - unacknowledged_bytes(self.stream.socket))

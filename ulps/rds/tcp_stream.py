@@ -8,8 +8,9 @@ acknowledged once TCP has the peer's ack for its last byte (Linux's
 
 * :class:`StreamSender` takes an
   :class:`~rdmashim.ulps.rds.connection.RdsConnection`'s queue as the bytes to
-  write (the newest congestion map first) and, told how far TCP has acknowledged
-  the stream, which messages the peer has.
+  write (the newest congestion map first), learns where the messages a socket's
+  sendto wrote in C end (:class:`~rdmashim.ulps.rds.gate.StreamSends`) and, told
+  how far TCP has acknowledged the stream, which messages the peer has.
 * :class:`StreamDecoder` cuts the byte stream into (header, payload) and refuses an
   ``h_len`` over ``RDS_MAX_MSG_SIZE`` before buffering any of it; on the C path its
   plain messages go to their sockets in C (:class:`~rdmashim.ulps.rds.plain.PlainStream`).
@@ -21,16 +22,24 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from rdmashim.ulps.rds.connection import OutMessage, RdsConnection
 from rdmashim.ulps.rds.wire import HEADER_STRUCT, RDS_HEADER_LEN, RdsFlag, RdsHeader
 
 if TYPE_CHECKING:
-    from rdmashim.ulps.rds.plain import PlainStream
+    from rdmashim.ulps.rds.rdma import RdmaOp
 
 SEND_BATCH = 64 * 1024
 """Bytes of messages gathered into one write (Linux corks the socket around a batch)."""
+
+
+class PlainScan(Protocol):
+    """Where the whole plain messages of a stream go to their sockets in C
+    (:class:`~rdmashim.ulps.rds.plain.PlainStream`)."""
+
+    def scan(self, buf: bytearray, pos: int) -> tuple[int, int]:
+        """Take the whole plain messages in ``buf`` from ``pos`` on; (bytes, messages)."""
 
 
 class StreamSender:
@@ -66,6 +75,26 @@ class StreamSender:
         """``count`` more bytes of the batches went on the stream."""
         self.written += count
 
+    def sent_directly(
+        self, log: list[tuple[int, int, bytes, RdmaOp | None]], seq: int, partial: int
+    ) -> bytes:
+        """The plain messages of ``log`` (sport, dport, data, None), numbered from ``seq``
+        on, went on the stream through the gate, framed as :meth:`batch` frames them
+        (:class:`~.gate.StreamSends`); the socket took only ``partial`` bytes of the last
+        (0: all of it). What is left of it, to write before anything else (empty: none)."""
+        written, inflight = self.written, self.inflight
+        for _, _, data, _ in log:
+            written += RDS_HEADER_LEN + len(data)
+            inflight.append((written, seq))
+            seq += 1
+        self.written = written
+        if not partial:
+            return b""
+        sport, dport, data, _ = log[-1]
+        whole = _pack(seq - 1, 0, len(data), sport, dport, 0, 0, 0, b"") + data
+        self.written -= len(whole) - partial
+        return whole[partial:]
+
     @property
     def last_offset(self) -> int:
         """The stream offset just past the last message written (or all written)."""
@@ -94,7 +123,7 @@ class StreamDecoder:
     messages at the front of what is buffered go to their sockets in C between them.
     """
 
-    def __init__(self, plain: PlainStream | None = None) -> None:
+    def __init__(self, plain: PlainScan | None = None) -> None:
         self._buf = bytearray()
         self._header: RdsHeader | None = None
         self._plain = plain
