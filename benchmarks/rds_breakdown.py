@@ -66,6 +66,7 @@ from rdmashim.rdstools.stress import PassiveResult, stress_passive
 from rdmashim.ulps.rds.node import RdsSocket
 from rdmashim.ulps.rds.plain import PlainReceiver
 from rdmashim.ulps.rds.rdma_session import Session
+from rdmashim.ulps.rds.settings import RdsSettings
 from rdmashim.verbs.lending import WaitPoint
 
 from report import cpu_line, engine_line, rds_path_line, run_meta
@@ -102,6 +103,8 @@ BUSY = len(PHASES) - 1
 """The phases before this one are the end's own work (awake)."""
 
 RESULT_LINE = "-" * 72
+BLOCKING = RdsSettings(busy_poll=0.0)
+"""The nodes' settings: waits that block at once (see the module docstring)."""
 GOAL = 0.7
 """The ratio issue 13 asks of rds stress (ours/raw TCP, tx/s)."""
 
@@ -361,7 +364,10 @@ class Tracer(trio.abc.Instrument):
 async def serve_rds(cm_port: int) -> dict[str, Any]:
     """The traced passive end, until stdin closes; its summary."""
     tracer = Tracer()
-    async with trio.open_nursery() as nursery, open_node(SERVER_IP, cm_port) as node:
+    async with (
+        trio.open_nursery() as nursery,
+        open_node(SERVER_IP, cm_port, settings=BLOCKING) as node,
+    ):
         result = PassiveResult()
         await nursery.start(lambda task_status: stress_passive(
             node, STRESS_PORT, once=False, result=result, task_status=task_status
@@ -397,7 +403,7 @@ async def client_main(cm_port: int, raw_port: int, args: argparse.Namespace) -> 
     tracer = Tracer()
     samples: dict[str, list[Any]] = {"ours": [], "raw": []}
     cpu = 0.0
-    async with open_node(CLIENT_IP, cm_port) as node:
+    async with open_node(CLIENT_IP, cm_port, settings=BLOCKING) as node:
         for i in range(args.repeat):
             if sys.stderr.isatty():
                 sys.stderr.write(f"\r{case.label}: sample {i + 1}/{args.repeat}".ljust(60))

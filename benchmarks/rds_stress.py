@@ -27,6 +27,10 @@ With ``D`` (rds-stress's ``-D``) each of our acks also RDMA-writes ``D``
 bytes into a buffer its request offered by RDS cookie; raw TCP moves the same
 bytes as ``D`` more bytes in each ack.
 
+Each side waits as it does by default: ours polls ``RdsSettings.busy_poll`` (10 µs,
+as librdmacm's rsockets) before it blocks, raw TCP's trio blocks at once;
+``--busy-poll US`` makes both poll that long (0: both block at once).
+
 Samples alternate ours, raw, ours, raw, ...; the medians of ``--repeat``
 samples and their ratio (ours/raw) are reported. Figures are rds-stress's:
 ``tx/s`` (requests per second), ``tx+rx K/s`` (request and ack bytes, KiB/s),
@@ -147,12 +151,22 @@ async def raw_passive(busy_poll: float, stream: trio.SocketStream) -> None:
             await stream.send_all(answer)
 
 
-async def serve_main(cm_port: int, transport: Transport, busy_poll: float) -> None:
+def polls(busy_poll_us: float | None) -> tuple[float, float]:
+    """Seconds each wait polls before it blocks, (ours, raw TCP's): ``--busy-poll`` for
+    both, or each one's default (ours ``RdsSettings``', rsockets' 10 µs; raw TCP's trio
+    blocks at once)."""
+    if busy_poll_us is None:
+        return RdsSettings().busy_poll, 0.0
+    return busy_poll_us / 1e6, busy_poll_us / 1e6
+
+
+async def serve_main(cm_port: int, transport: Transport, busy_poll_us: float | None) -> None:
+    ours_poll, raw_poll = polls(busy_poll_us)
     async with trio.open_nursery() as nursery:
         listeners = await trio.open_tcp_listeners(0, host=SERVER_IP)
         raw_port = listeners[0].socket.getsockname()[1]
-        nursery.start_soon(trio.serve_listeners, partial(raw_passive, busy_poll), listeners)
-        settings = RdsSettings(busy_poll=busy_poll)
+        nursery.start_soon(trio.serve_listeners, partial(raw_passive, raw_poll), listeners)
+        settings = RdsSettings(busy_poll=ours_poll)
         async with open_node(SERVER_IP, cm_port, transport, settings) as node:
             await nursery.start(serve_info, node)
             result = PassiveResult()
@@ -298,7 +312,8 @@ async def client_main(
     cm_port: int, raw_port: int, passive: int, args: argparse.Namespace
 ) -> list[dict]:
     results = []
-    settings = RdsSettings(busy_poll=args.busy_poll / 1e6)
+    ours_poll, raw_poll = polls(args.busy_poll)
+    settings = RdsSettings(busy_poll=ours_poll)
     async with open_node(CLIENT_IP, cm_port, args.transport, settings) as node:
         for case in cases(args.transport, args.cases):
             samples: dict[str, list[Sample]] = {"ours": [], "raw": []}
@@ -309,9 +324,7 @@ async def client_main(
                 _status(f"{case.label}: sample {i + 1}/{args.repeat} (raw)")
                 with trio.fail_after(10 * args.duration + 60):
                     samples["raw"].append(
-                        await measured(
-                            raw(raw_port, case, args.duration, args.busy_poll / 1e6), passive
-                        )
+                        await measured(raw(raw_port, case, args.duration, raw_poll), passive)
                     )
             med = {
                 side: {
@@ -344,9 +357,11 @@ def print_table(results: list[dict], args: argparse.Namespace) -> None:
     print(engine_line(width=0) if args.transport == "rdma" else " Engine: none (RDS/TCP)")
     print(rds_path_line(width=0))
     print(cpu_line(width=0))
+    ours_poll, raw_poll = polls(args.busy_poll)
     print(
         f" {args.repeat} samples of {args.duration:g} s per side, alternating; medians; "
-        "ratio = ours/raw"
+        f"ratio = ours/raw; waits poll {ours_poll * 1e6:g} us (ours), {raw_poll * 1e6:g} us "
+        "(raw) before they block"
     )
     print(RESULT_LINE)
     print(
@@ -408,30 +423,34 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--busy-poll",
         type=float,
-        default=0.0,
+        default=None,
         metavar="US",
         help="microseconds each wait for a message polls before it blocks, ours "
-        "(RdsSettings.busy_poll) and raw TCP's (the socket) alike (default 0: block at once)",
+        "(RdsSettings.busy_poll) and raw TCP's (the socket) alike (default: each its own, "
+        "ours 10 as rsockets, raw TCP's trio none)",
     )
     p.add_argument("--serve", type=int, metavar="CM_PORT", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    if not 0 <= args.busy_poll <= 1e6:
+    if args.busy_poll is not None and not 0 <= args.busy_poll <= 1e6:
         p.error(f"--busy-poll {args.busy_poll:g} outside 0..1000000")
     if args.serve is not None:
-        trio.run(serve_main, args.serve, args.transport, args.busy_poll / 1e6)
+        trio.run(serve_main, args.serve, args.transport, args.busy_poll)
         return 0
     args.repeat = args.repeat or (3 if args.quick else 5)
     args.duration = args.duration or (1.0 if args.quick else 3.0)
+    ours_poll, raw_poll = polls(args.busy_poll)
     cm_port = _free_port()
     cmd = [sys.executable, str(Path(__file__).resolve()), "--serve", str(cm_port)]
-    cmd += ["--transport", args.transport, "--busy-poll", str(args.busy_poll)]
+    cmd += ["--transport", args.transport]
+    if args.busy_poll is not None:
+        cmd += ["--busy-poll", str(args.busy_poll)]
     server = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
     meta = {
         **run_meta(),
         "repeat": args.repeat,
         "duration_s": args.duration,
         "transport": args.transport,
-        "busy_poll_us": args.busy_poll,
+        "busy_poll_us": {"ours": ours_poll * 1e6, "raw": raw_poll * 1e6},
     }
     try:
         assert server.stdout is not None

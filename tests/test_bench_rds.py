@@ -27,6 +27,7 @@ def test_rds_stress_benchmark_prints_ours_beside_raw(tmp_path: Path, transport: 
     assert done.returncode == 0, done.stderr
     doc = json.loads(out.read_text())
     assert doc["meta"]["transport"] == transport
+    assert doc["meta"]["busy_poll_us"] == {"ours": 10.0, "raw": 0.0}  # (each one's default)
     labels = [r["label"] for r in doc["results"]]
     assert (RDMA_CASE in labels) == (transport == "rdma"), labels
     assert len(labels) == (5 if transport == "rdma" else 4)

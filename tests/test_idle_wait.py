@@ -47,6 +47,7 @@ from rdmashim import (
 from rdmashim.providers.softiwarp import driver, engines, native, native_link
 from rdmashim.providers.softiwarp.connection import accept_qp, connect_qp, read_request
 from rdmashim.ulps.rds.node import RdsNode
+from rdmashim.ulps.rds.settings import RdsSettings
 from rdmashim.verbs import idle, lending
 from rdmashim.verbs.wr import RecvWR
 
@@ -790,13 +791,17 @@ async def test_an_rds_ping_pong_reads_in_idle_waits(
 ) -> None:
     """RDS over either transport, the peer node in its own run: the answers come while
     this run waits idle (RDS/TCP's session waits in a poll of its own, RDMA's CQ waiter
-    through the engine's link)."""
+    through the engine's link). This node's waits block at once (a polling wait often
+    sees the answer before it would wait)."""
     if idle.current() is None:
         pytest.skip("no idle waits on this platform")
     rounds = 50
     port = free_port("127.0.0.1", "127.0.0.2")
     async with _peer_in_its_own_run(_rds_echo(transport, rounds, port)) as port:
-        node = RdsNode("127.0.0.1", port, transport=transport)  # type: ignore[arg-type]
+        node = RdsNode(
+            "127.0.0.1", port, transport=transport,  # type: ignore[arg-type]
+            settings=RdsSettings(busy_poll=0.0),
+        )  # fmt: skip
         async with node:
             sock = node.bind(4000)
             with trio.fail_after(BOUND * 3):

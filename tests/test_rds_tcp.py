@@ -334,9 +334,10 @@ async def test_a_ping_pong_looks_at_tcps_acks_when_the_reader_waits_again(
     an answer reaches the app, its request is still held as unacknowledged, and it is
     let go by the app's next wait (the watching task, slowed down here, never looks).
     (Each round brings in what went through the gate, so every request goes through the
-    connection's queue here.)"""
+    connection's queue here. The readers block at once: a polling one looks at each
+    empty read, before the answer comes.)"""
     monkeypatch.setattr(tcp, "ACK_BACKSTOP", 60.0)
-    a, b = await nodes([LOW, HIGH], "tcp")
+    a, b = await nodes([LOW, HIGH], "tcp", RdsSettings(busy_poll=0.0))
     try:
         sa, sb = a.bind(4000), b.bind(5000)
         held: list[list[int]] = []

@@ -22,6 +22,7 @@ from rdmashim.rdstools.defaults import (
     STRESS_PORT,
     TRANSPORTS,
 )
+from rdmashim.ulps.rds.settings import BUSY_POLL
 
 MAX_TASKS = 256
 MAX_DEPTH = 4096
@@ -135,9 +136,10 @@ def add_rds(sub: argparse._SubParsersAction[Parser]) -> None:
         "--rdma-read", action="store_true", help="with -D, the ack RDMA Reads the buffer instead"
     )
     p.add_argument(
-        "--busy-poll", type=duration(zero=True), default=0.0, metavar="TIME",
+        "--busy-poll", type=duration(zero=True), default=None, metavar="TIME",
         help="how long a wait for a message polls before it blocks (RdsSettings.busy_poll; "
-        "suffixes ms, msec, us, usec; default 0: block at once)",
+        f"suffixes ms, msec, us, usec; 0: block at once; default {BUSY_POLL * 1e6:g}us, as "
+        "librdmacm's rsockets poll)",
     )  # fmt: skip
     p.add_argument("-z", dest="summary_only", action="store_true", help="only the summary")
     p.set_defaults(func=_run("rds_stress"))

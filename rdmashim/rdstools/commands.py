@@ -107,10 +107,9 @@ async def rds_stress(args: argparse.Namespace) -> int:
                 f"-t {cfg.tasks} x -d {cfg.depth} x -D {cfg.rdma_bytes} = {buffers} bytes of "
                 f"RDMA buffers, more than {MAX_RDMA_BUFFERS >> 20} MiB"
             )
+    settings = RdsSettings() if args.busy_poll is None else RdsSettings(busy_poll=args.busy_poll)
     async with (
-        open_node(
-            args.local, args.cm_port, args.transport, RdsSettings(busy_poll=args.busy_poll)
-        ) as node,
+        open_node(args.local, args.cm_port, args.transport, settings) as node,
         trio.open_nursery() as nursery,
     ):
         await nursery.start(serve_info, node)
