@@ -29,7 +29,9 @@ bytes as ``D`` more bytes in each ack.
 
 Each side waits as it does by default: ours polls ``RdsSettings.busy_poll`` (10 µs,
 as librdmacm's rsockets) before it blocks, raw TCP's trio blocks at once;
-``--busy-poll US`` makes both poll that long (0: both block at once).
+``--busy-poll US`` makes both poll that long (0: both block at once). ``--cpu N`` runs
+both processes on one CPU: then no message's wake-up crosses CPUs, which on a VM whose
+idle vCPUs halt is most of a ping-pong's round trip.
 
 Samples alternate ours, raw, ours, raw, ...; the medians of ``--repeat``
 samples and their ratio (ours/raw) are reported. Figures are rds-stress's:
@@ -362,6 +364,7 @@ def print_table(results: list[dict], args: argparse.Namespace) -> None:
         f" {args.repeat} samples of {args.duration:g} s per side, alternating; medians; "
         f"ratio = ours/raw; waits poll {ours_poll * 1e6:g} us (ours), {raw_poll * 1e6:g} us "
         "(raw) before they block"
+        + ("" if args.cpu is None else f"; both processes on CPU {args.cpu}")
     )
     print(RESULT_LINE)
     print(
@@ -429,6 +432,12 @@ def main(argv: list[str] | None = None) -> int:
         "(RdsSettings.busy_poll) and raw TCP's (the socket) alike (default: each its own, "
         "ours 10 as rsockets, raw TCP's trio none)",
     )
+    p.add_argument(
+        "--cpu",
+        type=int,
+        metavar="N",
+        help="run both processes on CPU N only (Linux): no wake-up crosses CPUs",
+    )
     p.add_argument("--serve", type=int, metavar="CM_PORT", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.busy_poll is not None and not 0 <= args.busy_poll <= 1e6:
@@ -436,6 +445,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.serve is not None:
         trio.run(serve_main, args.serve, args.transport, args.busy_poll)
         return 0
+    if args.cpu is not None:
+        try:
+            os.sched_setaffinity(0, {args.cpu})  # (the passive process inherits it)
+        except (OSError, ValueError, AttributeError) as exc:
+            p.error(f"--cpu {args.cpu}: {exc}")
     args.repeat = args.repeat or (3 if args.quick else 5)
     args.duration = args.duration or (1.0 if args.quick else 3.0)
     ours_poll, raw_poll = polls(args.busy_poll)
@@ -451,6 +465,7 @@ def main(argv: list[str] | None = None) -> int:
         "duration_s": args.duration,
         "transport": args.transport,
         "busy_poll_us": {"ours": ours_poll * 1e6, "raw": raw_poll * 1e6},
+        "cpu": args.cpu,
     }
     try:
         assert server.stdout is not None

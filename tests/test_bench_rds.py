@@ -23,11 +23,15 @@ RDMA_CASE = "q=64 a=16 t=1 d=4 D=64K"
 def test_rds_stress_benchmark_prints_ours_beside_raw(tmp_path: Path, transport: str) -> None:
     out = tmp_path / "rds.json"
     args = ["--repeat", "1", "--duration", "0.3", "--transport", transport, "--json", str(out)]
+    if transport == "tcp":  # (and the processes on one CPU)
+        args += ["--cpu", str(min(os.sched_getaffinity(0)))]
     done = run_benchmark("rds_stress.py", *args)
     assert done.returncode == 0, done.stderr
     doc = json.loads(out.read_text())
     assert doc["meta"]["transport"] == transport
     assert doc["meta"]["busy_poll_us"] == {"ours": 10.0, "raw": 0.0}  # (each one's default)
+    assert (doc["meta"]["cpu"] is None) == (transport == "rdma")
+    assert ("both processes on CPU" in done.stdout) == (transport == "tcp")
     labels = [r["label"] for r in doc["results"]]
     assert (RDMA_CASE in labels) == (transport == "rdma"), labels
     assert len(labels) == (5 if transport == "rdma" else 4)
