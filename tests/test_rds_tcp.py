@@ -216,10 +216,11 @@ def data_msg_bytes(node: RdsNode, got: bytes, payload: bytes) -> bytes:
     return frame(RdsHeader(header.sequence, 0, len(payload), 4000, 7, header.flags), payload)
 
 
-async def test_the_answers_to_a_burst_go_at_once_and_big_ones_in_order() -> None:
+async def test_the_answers_to_a_burst_go_at_once_and_big_ones_in_order(rds_paths: str) -> None:
     """Three requests in one read: each answer is written at once, in the sender's task
     (none waits for the writer task). Then messages larger than the socket takes at
-    once: what a write in the sender's task leaves goes first, whole and in order."""
+    once: what a write in the sender's task leaves goes first, whole and in order (on
+    the C path the first big one goes through the gate, whose partial write closes it)."""
     async with RdsNode(HIGH, 0, transport="tcp") as node:
         with trio.fail_after(10):
             peer, sock = await started_session(node)
@@ -234,10 +235,12 @@ async def test_the_answers_to_a_burst_go_at_once_and_big_ones_in_order() -> None
             await peer.send(data_msg(5, b"one"))  # a single message: direct writes again
             assert (await sock.recvfrom())[0] == b"one"
             big = [bytes([i]) * RDS_MAX_MSG_SIZE for i in range(6)]
-            sock.sendto_nowait(big[0], (LOW, 7))
             (conn,) = node.connections()
+            assert (conn.direct is not None) == (rds_paths == "c")  # (the gate is open)
+            sock.sendto_nowait(big[0], (LOW, 7))
             assert isinstance(conn.session, TcpSession)
             assert conn.session._rest is not None  # the socket took part of it
+            assert conn.direct is None
             got: list[bytes] = []
 
             async def read_all() -> None:
