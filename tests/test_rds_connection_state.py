@@ -343,6 +343,51 @@ def test_rds_tcp_writes_whole_messages_with_no_ack_and_no_credit() -> None:
     ]  # fmt: skip
 
 
+class GateLog:
+    """A session's gate as the connection sees it (:class:`~.connection.DirectSends`):
+    what went through it waits in its log, numbered on from the connection's next, until
+    :meth:`sync` brings it in (the C half does the sending; here nothing is sent)."""
+
+    def __init__(self, rds: RdsConnection) -> None:
+        self.rds = rds
+        self.log: list[tuple[int, int, bytes, RdmaOp | None]] = []
+        rds.direct = self  # type: ignore[assignment]  # (open)
+
+    def went(self, sport: int, dport: int, data: bytes) -> None:
+        self.log.append((sport, dport, data, None))
+
+    def sync(self) -> None:
+        if self.rds.direct is self:
+            self.rds.direct = None
+            log, self.log = self.log, []
+            self.rds.sent_directly(log)
+
+
+def test_what_went_through_the_gate_is_brought_in_by_acks_that_reach_it_and_by_resume() -> None:
+    """An acknowledgement of messages before the gate's leaves it open; one that reaches
+    its messages brings them in first; a new session brings them in before it sends
+    again what the peer lacks, so they go again in their turn, flagged."""
+    w = Wire()
+    stream = StreamSender(w.rds)
+    w.rds.queue(1, 2, b"a")
+    stream.wrote(len(stream.batch()))
+    gate = GateLog(w.rds)
+    gate.went(1, 2, b"b")  # numbered 101 and 102 by the gate
+    gate.went(1, 2, b"c")
+    w.rds.acked(100)
+    assert w.rds.direct is gate and not w.rds.unacked  # ("a" let go; the gate stays open)
+    w.rds.acked(101)
+    assert w.rds.direct is None and [m.seq for m in w.rds.unacked] == [102]
+    gate = GateLog(w.rds)
+    gate.went(1, 2, b"d")  # 103
+    w.rds.resume(peer_ack=101)
+    again = StreamSender(w.rds)
+    assert (
+        bytes(again.batch())
+        == hdr(102, 0, 1, 1, 2, RETRANS) + b"c" + hdr(103, 0, 1, 1, 2, RETRANS) + b"d"
+    )
+
+
 PURE = ["connection.py", "rdma_flow.py", "tcp_stream.py", "cookie.py", "wire.py"]
 
 

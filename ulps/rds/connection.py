@@ -367,6 +367,7 @@ class RdsConnection:
 
         Messages with an RDMA operation are not sent again but dropped.
         """
+        self._bring_in()  # (what went through the last session's gate goes again too)
         self.acked(peer_ack)
         again = []
         for m in self.unacked:
