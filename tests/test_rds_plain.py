@@ -335,10 +335,7 @@ def streamed(how: str, rows: list[Row], cuts: list[int]) -> dict[str, object]:
                 theirs.sendall(stream[start:end])
                 with contextlib.suppress(BlockingIOError):
                     while True:  # (as TcpSession._read, till the socket is empty)
-                        if decoder.buffered:
-                            decoder.take(ours.recv(1 << 16), world.rds.received)
-                        else:
-                            plain.read(lambda rest: decoder.take(rest, world.rds.received))
+                        plain.read(decoder, world.rds.received)
         except RdsProtocolError as exc:
             world.error = str(exc)
     # (a refused message ends the session: what the decoder still holds then is moot)
@@ -355,6 +352,19 @@ def test_any_stream_leaves_both_paths_in_the_same_state(rows: list[Row], cuts: l
     python = streamed("python", rows, cuts)
     assert streamed("scan", rows, cuts) == python
     assert streamed("read", rows, cuts) == python
+
+
+@needs_c
+def test_a_read_in_c_never_begins_inside_a_message() -> None:
+    """A message cut just after its header, whose payload looks like that same message's
+    header (plain, numbered next, for a bound port): the decoder holds the header and no
+    bytes, and the next read must go to it, not to C, which would take the payload for a
+    message. Read from a socket, the node ends as Python's path leaves it."""
+    lookalike = HEADER_STRUCT.pack(FIRST, 0, 0, 9, BOUND[1], 0, 0, 0, b"")
+    rows = [plain_row(FIRST, BOUND[0], lookalike), plain_row(FIRST + 1, BOUND[1], b"abc")]
+    python = streamed("python", rows, [RDS_HEADER_LEN])
+    assert [len(box) for box in python["messages"]] == [1, 1]  # type: ignore[arg-type]
+    assert streamed("read", rows, [RDS_HEADER_LEN]) == python
 
 
 @needs_c

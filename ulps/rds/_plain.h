@@ -270,8 +270,8 @@ uint64_t rp_stream(rp_rx *rx, rp_ports *ports, const char *buf, uint64_t len, ui
 /* Read the connection's socket once (no wait) into st->buf and take the whole plain
  * messages at its front as rp_stream does: the bytes taken (buf[taken..got) are the
  * rest, for Python's decoder: a message in part, or one that is not plain and what
- * follows it). Only when nothing of the stream is buffered elsewhere: the read must
- * begin at a message. */
+ * follows it). Only when the stream's next byte begins a message: nothing of it is
+ * buffered elsewhere, and no header was taken whose payload is still to come. */
 uint64_t rp_stream_read(rp_stream_rx *st);
 /* The native handler (set on the session's CQ with hook as its context): polls, takes
  * runs of plain messages as rp_scan, posts their receives again in lists of

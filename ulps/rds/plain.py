@@ -35,7 +35,7 @@ if TYPE_CHECKING:
     from rdmashim.ulps.rds.rdma import RdmaOp, Registrations, Sources
     from rdmashim.ulps.rds.rdma_flow import RdmaFlow
     from rdmashim.ulps.rds.settings import RdsSettings
-    from rdmashim.ulps.rds.tcp_stream import StreamSender
+    from rdmashim.ulps.rds.tcp_stream import Received, StreamDecoder, StreamSender
     from rdmashim.verbs import SGE
 
 log = logging.getLogger(__name__)
@@ -493,14 +493,19 @@ class PlainStream:
         read.rx, read.ports, read.woken, read.woken_room = rx, self._ports, self._woken, ROWS
         read.fd, read.buf, read.cap = fd, self._buf, READ_BYTES
 
-    def read(self, rest: Callable[[Any], object]) -> int:
-        """Read the socket once, without waiting, and take the whole plain messages at the
-        front of what came, in one call into C; what follows them (a message in part, or
-        one that is not plain and the rest) goes to ``rest`` (the decoder), as a buffer
-        valid during the call. Only when the decoder holds nothing: the read must begin
-        at a message. The bytes read (0: the end of the stream); OSError when the read
-        failed (BlockingIOError: nothing to read)."""
+    def read(self, decoder: StreamDecoder, received: Received) -> int:
+        """Read the socket once, without waiting, and take what came. When the stream's
+        next byte begins a message (:attr:`~.tcp_stream.StreamDecoder.at_message`), in one
+        call into C: the whole plain messages at the front of what came go to their
+        sockets, and what follows them (a message in part, or one that is not plain and
+        the rest) to ``decoder``; else all of it to ``decoder`` (``received`` takes the
+        messages it completes). The bytes read (0: the end of the stream); OSError when
+        the read failed (BlockingIOError: nothing to read)."""
         read, rx = self._read, self.state
+        if not decoder.at_message:  # (a read in C must begin at a message)
+            data = os.read(read.fd, READ_BYTES)
+            decoder.take(data, received)
+            return len(data)
         rx.next_recv = self._rds.next_recv
         took: int = self._lib.rp_stream_read(read)
         got: int = read.got
@@ -511,7 +516,7 @@ class PlainStream:
         if rx.messages:
             _delivered(rx, self._rds, self._sockets, self._unpack(self._woken, rx.nwoken))
         if took < got:
-            rest(self._buffer(self._buf + took, got - took))
+            decoder.take(self._buffer(self._buf + took, got - took), received)
         return got
 
     def close(self) -> None:

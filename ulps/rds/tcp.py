@@ -312,10 +312,11 @@ class TcpSession:
     def _read(self) -> bool:
         """Read once and take what came; whether the socket was empty. Raises
         :class:`SessionLost` at the peer's end of stream, OSError on a socket error. On the
-        C path a read that begins at a message is taken in one call into C."""
+        C path a read that begins at a message is taken in one call into C
+        (:meth:`~.plain.PlainStream.read`)."""
         try:
-            if self._plain is not None and not self.decoder.buffered:
-                got = self._plain.read(self._take_rest)
+            if self._plain is not None:
+                got = self._plain.read(self.decoder, self.rds.received)
             else:
                 data = os.read(self.stream.socket.fileno(), SEND_BATCH)
                 got = len(data)
@@ -331,10 +332,6 @@ class TcpSession:
             self._acks_due = True
         self._empty = empty = got < SEND_BATCH
         return empty
-
-    def _take_rest(self, rest: bytes | memoryview) -> None:
-        """What a read in C left after the plain messages it took: the decoder's."""
-        self.decoder.take(rest, self.rds.received)
 
     def _before_waiting(self) -> None:
         """The reader is about to wait: the look at TCP's acknowledgements that a read

@@ -34,6 +34,10 @@ SEND_BATCH = 64 * 1024
 """Bytes of messages gathered into one write (Linux corks the socket around a batch)."""
 
 
+Received = Callable[[RdsHeader, bytes], None]
+"""What takes each message a decoder completes: ``received(header, payload)``."""
+
+
 class PlainScan(Protocol):
     """Where the whole plain messages of a stream go to their sockets in C
     (:class:`~rdmashim.ulps.rds.plain.PlainStream`)."""
@@ -134,6 +138,12 @@ class StreamDecoder:
         return len(self._buf)
 
     @property
+    def at_message(self) -> bool:
+        """Whether the next byte of the stream begins a message: nothing buffered, and no
+        header taken whose payload is still to come."""
+        return self._header is None and not self._buf
+
+    @property
     def remaining(self) -> tuple[int, int]:
         """(header bytes, payload bytes) still to come for the current message
         (rds-info's ``hdr_rem`` and ``data_rem``)."""
@@ -148,9 +158,7 @@ class StreamDecoder:
         self.take(data, lambda header, payload: out.append((header, payload)))
         return out
 
-    def take(
-        self, data: bytes | bytearray | memoryview, received: Callable[[RdsHeader, bytes], None]
-    ) -> int:
+    def take(self, data: bytes | bytearray | memoryview, received: Received) -> int:
         """Hand each message ``data`` completes to ``received(header, payload)``, in order and
         at once (the plain path, if any, takes the whole plain messages between them, as
         they come due); how many messages it completed."""
