@@ -73,8 +73,8 @@ class RdsSettings:
     CQs). ``math.inf`` never blocks. The default's 10 µs is rsockets' (librdmacm's
     ``polling_time``): in a request-and-answer exchange on two CPUs the answer often
     comes within it, and each wait it catches saves a sleep and a wake-up (tens of
-    µs where idle vCPUs halt: rds stress ``-d 1`` 0.71 of raw TCP's rate blocking at
-    once, 1.11 polling 10 µs over RDS/TCP; 0.74 and 1.89 over RDMA). Linux:
+    µs where idle vCPUs halt: rds stress ``-d 1`` over RDS/TCP 0.71 of raw TCP's rate
+    blocking at once, 1.11 polling 10 µs; over RDMA 1.89 polling). Linux:
     ``SO_BUSY_POLL`` on a socket, ``net.core.busy_read`` (0 by default)."""
 
     def __post_init__(self) -> None:

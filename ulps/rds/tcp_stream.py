@@ -95,7 +95,7 @@ class StreamSender:
         if not partial:
             return b""
         sport, dport, data, _ = log[-1]
-        whole = _pack(seq - 1, 0, len(data), sport, dport, 0, 0, 0, b"") + data
+        whole = message_header(OutMessage(seq - 1, sport, dport, data)) + data
         self.written -= len(whole) - partial
         return whole[partial:]
 
