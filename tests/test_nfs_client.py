@@ -14,11 +14,13 @@ import os
 import re
 from contextlib import AbstractAsyncContextManager
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 import trio
 from test_nfs_server import CRED, nfs_server
 
+from rdmashim.ulps.nfsrdma import client as client_module
 from rdmashim.ulps.nfsrdma import nfs3_types as t
 from rdmashim.ulps.nfsrdma.client import (
     NfsClient,
@@ -33,6 +35,9 @@ from rdmashim.ulps.nfsrdma.nfs3 import Nfs3Program
 from rdmashim.ulps.nfsrdma.rpc import RpcServer
 from rdmashim.ulps.nfsrdma.server import Serving
 from rdmashim.ulps.nfsrdma.tcp import serve_tcp
+
+if TYPE_CHECKING:
+    from _typeshed import WriteableBuffer
 
 SIZE = 8 << 20
 TRANSPORTS = ["tcp", "rdma"]
@@ -65,6 +70,39 @@ async def test_put_then_get_a_file_byte_exact(tmp_path: Path, proto: Proto) -> N
             )
             assert sink.getvalue() == data
             assert got[-1] == (SIZE, SIZE) and all(n == SIZE for _, n in got)
+
+
+class CountingSource(io.BytesIO):
+    """A source that notes the buffers write_file reads into."""
+
+    def __init__(self, data: bytes) -> None:
+        super().__init__(data)
+        self.buffers: list[object] = []
+
+    def read(self, size: int | None = -1) -> bytes:
+        raise AssertionError("write_file read a source that has readinto with read")
+
+    def readinto(self, buffer: WriteableBuffer) -> int:
+        self.buffers.append(memoryview(buffer).obj)
+        return super().readinto(buffer)
+
+
+@pytest.mark.parametrize("proto", TRANSPORTS)
+async def test_a_source_is_read_into_buffers_reused_from_one_commit_to_the_next(
+    tmp_path: Path, proto: Proto, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each COMMIT's batch reads into the buffers of the batch before (none is reused
+    while a call or a COMMIT may still send it again: the file is byte exact)."""
+    data = os.urandom(SIZE)
+    with trio.fail_after(120):
+        async with nfs_server(tmp_path) as (serving, export), client(serving, proto) as nfs:
+            monkeypatch.setattr(client_module, "COMMIT_EVERY", 2 * nfs.wtmax)
+            source = CountingSource(data)
+            assert await nfs.write_file("/reused", source, SIZE) == SIZE
+            assert (export / "reused").read_bytes() == data
+            pieces = -(-SIZE // nfs.wtmax)
+            assert len(source.buffers) == pieces
+            assert len({id(b) for b in source.buffers}) == 2  # one a piece of a batch
 
 
 @pytest.mark.parametrize("proto", TRANSPORTS)
@@ -234,11 +272,11 @@ async def test_an_nfs_error_leaves_the_client_block_as_itself(tmp_path: Path, pr
                 def write(self, data: memoryview) -> None:
                     victim.unlink(missing_ok=True)
 
-            class DeletingSource(io.BytesIO):
-                def read(self, size: int | None = -1) -> bytes:
+            class DeletingSource(io.BytesIO):  # (write_file reads it with readinto)
+                def readinto(self, buffer: WriteableBuffer) -> int:
                     if self.tell():
                         victim.unlink(missing_ok=True)
-                    return super().read(size)
+                    return super().readinto(buffer)
 
             failing = [
                 (lambda nfs: nfs.lookup("/no/such"), t.NFS3ERR_NOENT),

@@ -91,7 +91,11 @@ class Sink(Protocol):
 
 
 class Source(Protocol):
-    """Where :meth:`NfsClient.write_file` takes the bytes from (a binary file will do)."""
+    """Where :meth:`NfsClient.write_file` takes the bytes from (a binary file will do).
+
+    A source that also has ``readinto`` (a binary file, ``io.BytesIO``) is read with it,
+    into buffers the client reuses from one COMMIT to the next, rather than with ``read``,
+    which makes a new object of a MiB for every piece."""
 
     def read(self, size: int, /) -> bytes | bytearray | memoryview: ...
 
@@ -118,6 +122,24 @@ class _Pieces:
 
 
 Call = Callable[..., Awaitable[Unpacker]]
+
+
+def _next_piece(source: Source, asked: int, spare: memoryview | None) -> Data:
+    """The next ``asked`` bytes of ``source`` at most: read into ``spare`` (a buffer of
+    the caller's) with ``source.readinto`` when there is one, else ``source.read``'s."""
+    if spare is not None:
+        got = source.readinto(spare[:asked])  # type: ignore[attr-defined]
+        if got.__class__ is not int:  # (None: a non-blocking source had nothing)
+            raise TypeError(f"source.readinto gave {type(got).__name__}, not a count")
+        if not 0 <= got <= asked:
+            raise ValueError(f"source.readinto of {asked} bytes said it read {got}")
+        return spare[:got]
+    data = source.read(asked)
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise TypeError(f"source.read gave {type(data).__name__}, not bytes")
+    if len(data) > asked:
+        raise ValueError(f"source.read({asked}) gave {len(data)} bytes")
+    return data
 
 
 def _checked(value: object, what: str, low: int, high: int, show: str = "d") -> int:
@@ -411,6 +433,10 @@ class NfsClient:
             progress(0, size)
         uncommitted: list[tuple[int, Data, bytes]] = []  # (offset, data, write verifier)
         window = trio.Semaphore(IN_FLIGHT)
+        readinto = getattr(source, "readinto", None)
+        spares: list[memoryview] = []
+        """With ``readinto``: a buffer for each piece of a COMMIT's batch, the next batch's
+        once that COMMIT is done (no call holds a piece of it then)."""
 
         async def put(offset: int, data: Data) -> None:
             nonlocal done
@@ -427,13 +453,13 @@ class NfsClient:
         while offset < size:
             async with unwrapping_nursery() as nursery:
                 batch_end = min(size, offset + COMMIT_EVERY)
+                piece = 0
                 while offset < batch_end:
                     asked = min(self.wtmax, batch_end - offset)
-                    data = source.read(asked)
-                    if not isinstance(data, (bytes, bytearray, memoryview)):
-                        raise TypeError(f"source.read gave {type(data).__name__}, not bytes")
-                    if len(data) > asked:
-                        raise ValueError(f"source.read({asked}) gave {len(data)} bytes")
+                    if readinto is not None and piece == len(spares):
+                        spares.append(memoryview(bytearray(self.wtmax)))
+                    data = _next_piece(source, asked, spares[piece] if spares else None)
+                    piece += 1
                     if not data:
                         raise EOFError(f"the source ended at {offset} of {size} bytes")
                     await window.acquire()
