@@ -87,6 +87,17 @@ class CountingSource(io.BytesIO):
         return super().readinto(buffer)
 
 
+async def test_a_source_whose_readinto_is_no_method_is_read_with_read(tmp_path: Path) -> None:
+    class Odd(io.BytesIO):
+        readinto = 5  # type: ignore[assignment]
+
+    data = os.urandom(SIZE // 4)
+    with trio.fail_after(60):
+        async with nfs_server(tmp_path) as (serving, export), client(serving, "tcp") as nfs:
+            assert await nfs.write_file("/odd", Odd(data), len(data)) == len(data)
+            assert (export / "odd").read_bytes() == data
+
+
 @pytest.mark.parametrize("proto", TRANSPORTS)
 async def test_a_source_is_read_into_buffers_reused_from_one_commit_to_the_next(
     tmp_path: Path, proto: Proto, monkeypatch: pytest.MonkeyPatch

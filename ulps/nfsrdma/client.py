@@ -456,7 +456,7 @@ class NfsClient:
                 piece = 0
                 while offset < batch_end:
                     asked = min(self.wtmax, batch_end - offset)
-                    if readinto is not None and piece == len(spares):
+                    if callable(readinto) and piece == len(spares):
                         spares.append(memoryview(bytearray(self.wtmax)))
                     data = _next_piece(source, asked, spares[piece] if spares else None)
                     piece += 1
