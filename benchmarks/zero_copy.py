@@ -50,7 +50,6 @@ TRAILER = 4
 PAYLOAD = (65536 - HEADER - TRAILER) & ~3
 """An FPDU's payload at most, as the engine sends them (``ddp.max_payload``)."""
 METHODS = ("copy", "sendfile", "splice")
-F_SETPIPE_SZ = 1031
 
 Sender = Callable[[socket.socket, int, int], None]
 
@@ -105,7 +104,7 @@ def sendfile_sender(fd: int) -> Sender:
 
 def splice_sender(fd: int) -> Sender:
     read_end, write_end = os.pipe()
-    fcntl.fcntl(write_end, F_SETPIPE_SZ, MIB)
+    fcntl.fcntl(write_end, fcntl.F_SETPIPE_SZ, MIB)
     trailer = bytes(TRAILER)
 
     def drain(out: int, held: int) -> None:
@@ -213,7 +212,6 @@ def main() -> None:
         cpu = statistics.median(c for c, _ in samples[method])
         rate = statistics.median(r for _, r in samples[method])
         print(f"{method:<10} {cpu * 1e6:>18.0f} {rate:>8.0f} {cpu / base:>12.3f}")
-    sys.stdout.flush()
 
 
 if __name__ == "__main__":

@@ -194,6 +194,14 @@ async def test_bad_arguments_are_refused_by_name_before_the_server_sees_them(
                 await nfs.write_file("/s", io.StringIO("abc"), 3)  # type: ignore[arg-type]
             with pytest.raises(EOFError, match="the source ended at 3 of 10 bytes"):
                 await nfs.write_file("/s", io.BytesIO(b"abc"), 10)
+            for said, error, text in [
+                (None, TypeError, "source.readinto gave NoneType, not a count"),
+                (4, ValueError, "source.readinto of 3 bytes said it read 4"),
+            ]:
+                lying = io.BytesIO(b"abc")
+                lying.readinto = lambda _, said=said: said  # type: ignore[method-assign]
+                with pytest.raises(error, match=re.escape(text)):
+                    await nfs.write_file("/s", lying, 3)
             with pytest.raises(NfsError, match="NFS3ERR_ISDIR"):  # a piece's error, unwrapped
                 await nfs.read_file("/", io.BytesIO())
             assert sorted(n for n, _ in await nfs.listdir("/")) == ["keep", "s"]

@@ -124,12 +124,17 @@ class _Pieces:
 Call = Callable[..., Awaitable[Unpacker]]
 
 
-def _next_piece(source: Source, asked: int, spare: memoryview | None) -> Data:
-    """The next ``asked`` bytes of ``source`` at most: read into ``spare`` (a buffer of
-    the caller's) with ``source.readinto`` when there is one, else ``source.read``'s."""
-    if spare is not None:
-        got = source.readinto(spare[:asked])  # type: ignore[attr-defined]
-        if got.__class__ is not int:  # (None: a non-blocking source had nothing)
+def _next_piece(
+    source: Source,
+    asked: int,
+    readinto: Callable[[memoryview], object] | None,
+    spare: memoryview | None,
+) -> Data:
+    """The next ``asked`` bytes of ``source`` at most: with the source's ``readinto``,
+    read into ``spare`` (a buffer of the caller's); else ``source.read``'s."""
+    if readinto is not None and spare is not None:
+        got = readinto(spare[:asked])
+        if type(got) is not int:  # (None: a non-blocking source had nothing)
             raise TypeError(f"source.readinto gave {type(got).__name__}, not a count")
         if not 0 <= got <= asked:
             raise ValueError(f"source.readinto of {asked} bytes said it read {got}")
@@ -434,9 +439,10 @@ class NfsClient:
         uncommitted: list[tuple[int, Data, bytes]] = []  # (offset, data, write verifier)
         window = trio.Semaphore(IN_FLIGHT)
         readinto = getattr(source, "readinto", None)
+        readinto = readinto if callable(readinto) else None
+        # With readinto: a buffer for each piece of a COMMIT's batch, the next batch's once
+        # that COMMIT is done (no call holds a piece of it then).
         spares: list[memoryview] = []
-        """With ``readinto``: a buffer for each piece of a COMMIT's batch, the next batch's
-        once that COMMIT is done (no call holds a piece of it then)."""
 
         async def put(offset: int, data: Data) -> None:
             nonlocal done
@@ -456,9 +462,10 @@ class NfsClient:
                 piece = 0
                 while offset < batch_end:
                     asked = min(self.wtmax, batch_end - offset)
-                    if callable(readinto) and piece == len(spares):
+                    if readinto is not None and piece == len(spares):
                         spares.append(memoryview(bytearray(self.wtmax)))
-                    data = _next_piece(source, asked, spares[piece] if spares else None)
+                    spare = spares[piece] if readinto is not None else None
+                    data = _next_piece(source, asked, readinto, spare)
                     piece += 1
                     if not data:
                         raise EOFError(f"the source ended at {offset} of {size} bytes")
